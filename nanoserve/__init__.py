@@ -1,0 +1,13 @@
+"""nanoserve: an educational LLM inference engine, written to be read.
+
+    from nanoserve import LLM, SamplingParams
+    llm = LLM("demo")
+    print(llm.generate("ROMEO:", SamplingParams(max_tokens=100))[0].text)
+"""
+
+from .engine import LLM, RequestOutput
+from .errors import CheckpointError, ConfigError, NanoserveError
+from .sampling import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "NanoserveError", "CheckpointError", "ConfigError"]

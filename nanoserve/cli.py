@@ -1,0 +1,94 @@
+"""The `nanoserve` command line.
+
+    nanoserve generate --model demo --prompt "ROMEO:" --max-tokens 100
+    nanoserve eval --model demo --text FILE [--context N --stride S]
+
+Generated text streams to stdout (text only, so it can be piped); statistics go to stderr.
+Bad input prints one line `nanoserve: error: ...` and exits with status 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from .errors import NanoserveError
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="demo", help="shipped name (demo), checkpoint dir, llama2.c .bin or hub id")
+    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
+    p.add_argument("--dtype", help="float32, float16 or bfloat16 (default: float32 on CPU, bfloat16 on CUDA)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="nanoserve", description="An educational LLM inference engine.")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a prompt (streams to stdout)")
+    _add_model_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+
+    e = sub.add_parser("eval", help="perplexity of a model on a text file (sliding window)")
+    _add_model_args(e)
+    e.add_argument("--text", required=True, help="a UTF-8 text file")
+    e.add_argument("--context", type=int, help="window length in tokens (default: the model's context)")
+    e.add_argument("--stride", type=int, help="tokens scored per window (default: context // 2)")
+    e.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens of the file")
+    return ap
+
+
+def cmd_generate(args) -> None:
+    from .engine import LLM
+    from .sampling import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            repetition_penalty=args.repetition_penalty, max_tokens=args.max_tokens,
+                            seed=args.seed, stop=args.stop)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    n_prompt = len(llm.encode_prompt(args.prompt))
+    start = time.perf_counter()
+    n_out = 0
+    for out in llm.stream_outputs(args.prompt, params):
+        sys.stdout.write(out[0])
+        sys.stdout.flush()
+        n_out = len(out[1].token_ids)
+    elapsed = time.perf_counter() - start
+    sys.stdout.write("\n")
+    print(f"[nanoserve] model={args.model} device={llm.device} dtype={str(llm.dtype).removeprefix('torch.')} "
+          f"prompt_tokens={n_prompt} generated_tokens={n_out} time={elapsed:.2f}s "
+          f"tokens/s={n_out / elapsed:.1f}", file=sys.stderr)
+
+
+def cmd_eval(args) -> None:
+    from .evaluate import perplexity, read_text
+    from .loader import load_model
+
+    text = read_text(args.text)  # check the file before loading the model
+    model, cfg, tok = load_model(args.model, dtype=args.dtype, device=args.device)
+    res = perplexity(model, tok, text, context=args.context, stride=args.stride, max_tokens=args.max_tokens)
+    print(res.table())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        {"generate": cmd_generate, "eval": cmd_eval}[args.command](args)
+    except NanoserveError as e:
+        print(f"nanoserve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,278 @@
+"""Checkpoint loading and saving: HF safetensors directories, hub ids, llama2.c `.bin` files.
+
+`load_model(path)` returns (model, config, tokenizer). It accepts
+- a name of a model shipped inside the package (`demo`, `demo-draft`, see nanoserve/assets),
+- an HF directory: `config.json` + `model.safetensors` or a sharded `model.safetensors.index.json`,
+- an HF hub id (`org/name`) when `huggingface_hub` is installed and the network is there,
+- a llama2.c `.bin` file (legacy v0 format, e.g. stories260K) with its tokenizer beside it.
+Every way this can go wrong raises a `CheckpointError`/`ConfigError` naming the file, the
+tensor or the field. Taught in notebooks/01_*.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import ModelConfig, to_hf_config
+from .errors import CheckpointError, ConfigError, NanoserveError
+from .models import CausalLM, build_model
+from .tokenizer import load_tokenizer
+
+ASSETS = Path(__file__).parent / "assets"
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+          "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+# GPT-2 projections that OpenAI stored as Conv1D, i.e. weight [in, out].
+_CONV1D = re.compile(r"\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")
+# Buffers some checkpoints carry that are not weights.
+_IGNORED = re.compile(r"(\.attn\.(masked_)?bias$|rotary_emb\.inv_freq$)")
+
+
+# ----------------------------------------------------------------------------- dtype / device
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """None -> CUDA when available, else CPU. Anything else must be a device torch knows."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise NanoserveError(f"unknown device {device!r}; use 'cpu', 'cuda' or 'cuda:N'") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise NanoserveError(f"device {device!r} requested but CUDA is not available; use 'cpu'")
+    if dev.type not in ("cpu", "cuda"):
+        raise NanoserveError(f"unsupported device {device!r}; use 'cpu', 'cuda' or 'cuda:N'")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """None -> float32 on CPU, bfloat16 on CUDA."""
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        if dtype in DTYPES.values():
+            return dtype
+        raise NanoserveError(f"unsupported dtype {dtype}; supported: float32, float16, bfloat16")
+    if dtype not in DTYPES:
+        raise NanoserveError(f"unknown dtype {dtype!r}; supported: {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+# ----------------------------------------------------------------------------- paths
+def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
+    """A shipped model name, a local path, or a hub id (downloaded) -> a local path."""
+    name = str(name_or_path)
+    if (ASSETS / name / "config.json").is_file():
+        return ASSETS / name
+    path = Path(name).expanduser()
+    if path.exists():
+        return path
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", name) and not name.startswith((".", "/")):
+        return _download_from_hub(name)
+    shipped = sorted(p.name for p in ASSETS.glob("*") if (p / "config.json").is_file())
+    raise CheckpointError(
+        f"model {name!r} not found: not a local path, a shipped model ({', '.join(shipped) or 'none'}) "
+        "or a hub id of the form 'org/name'")
+
+
+def _download_from_hub(repo_id: str) -> Path:
+    try:
+        import huggingface_hub
+    except ImportError as e:
+        raise CheckpointError(
+            f"{repo_id!r} is not a local path; downloading it from the hub needs "
+            "`pip install nanoserve[hub]` (huggingface_hub)") from e
+    os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "10")
+    os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "10")
+    try:
+        local = huggingface_hub.snapshot_download(
+            repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "vocab.bpe"])
+    except Exception as e:  # offline, unknown repo, gated model: all end the same way for the user
+        raise CheckpointError(
+            f"could not download {repo_id!r} from the Hugging Face hub ({type(e).__name__}); "
+            "are you offline? Pass a local checkpoint directory instead") from e
+    return Path(local)
+
+
+# ----------------------------------------------------------------------------- loading
+def load_model(name_or_path, dtype=None, device=None):
+    """Load (model, config, tokenizer) from anything `resolve_model_path` accepts."""
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    path = resolve_model_path(name_or_path)
+    if path.is_file() and path.suffix == ".bin":
+        cfg, tensors = read_llama2c(path)
+        tok_dir = path.parent
+    elif path.is_dir() and (path / "config.json").is_file():
+        cfg = read_hf_config(path / "config.json")
+        tensors = read_safetensors_dir(path)
+        tok_dir = path
+    else:
+        raise CheckpointError(
+            f"{path} is not a checkpoint: expected a directory with config.json + model.safetensors, "
+            "or a llama2.c .bin file")
+    model = build_from_tensors(cfg, tensors, torch_dtype, dev)
+    tokenizer = load_tokenizer(tok_dir)
+    return model, cfg, tokenizer
+
+
+def read_hf_config(path: Path) -> ModelConfig:
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from e
+    return ModelConfig.from_hf(raw)
+
+
+def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a (possibly sharded) safetensors checkpoint, by name."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index: {e}") from e
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"{path} has config.json but no model.safetensors or model.safetensors.index.json")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"shard {file} named in the index is missing")
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    tensors[key] = f.get_tensor(key)
+        except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
+            raise CheckpointError(f"{file} is truncated or corrupt: {e}") from e
+    return tensors
+
+
+def normalize_hf_names(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Map checkpoint names/layouts onto our module names ([out, in] Linear weights)."""
+    out = {}
+    for key, t in tensors.items():
+        if _IGNORED.search(key):
+            continue
+        if cfg.arch == "gpt2":
+            if not key.startswith(("transformer.", "lm_head.")):
+                key = "transformer." + key  # saved from GPT2Model rather than GPT2LMHeadModel
+            if _CONV1D.search(key) and t.ndim == 2:
+                t = t.t()
+        out[key] = t
+    return out
+
+
+def build_from_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor],
+                       dtype: torch.dtype, device: torch.device) -> CausalLM:
+    """Create the model without random init (on "meta") and copy every weight in, checking shapes."""
+    tensors = normalize_hf_names(cfg, tensors)
+    with torch.device("meta"):
+        model = build_model(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()  # to_empty() allocates each parameter anew, which unties them
+    expected = model.state_dict()
+    tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    missing = [k for k in expected if k not in tensors and k not in tied]
+    if missing:
+        raise CheckpointError(f"checkpoint is missing tensor {missing[0]!r} ({len(missing)} missing in all)")
+    with torch.no_grad():
+        for key, param in expected.items():
+            if key in tied and key not in tensors:
+                continue
+            src = tensors[key]
+            if tuple(src.shape) != tuple(param.shape):
+                raise CheckpointError(
+                    f"tensor {key!r} has shape {tuple(src.shape)}, expected {tuple(param.shape)} from config.json")
+            param.copy_(src.to(device=device, dtype=dtype))
+    return model.eval()
+
+
+# ----------------------------------------------------------------------------- llama2.c
+_LLAMA2C_HEADER = struct.Struct("<7i")
+
+
+def read_llama2c(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read a legacy (v0, fp32) llama2.c checkpoint into HF names and layout."""
+    data = path.read_bytes()
+    if len(data) < _LLAMA2C_HEADER.size:
+        raise CheckpointError(f"{path} is too short to be a llama2.c checkpoint ({len(data)} bytes)")
+    if data[:4] == b"ak42":
+        raise CheckpointError(f"{path} is a llama2.c v1/v2 export; only the legacy v0 format is supported")
+    dim, hidden, n_layers, n_heads, n_kv_heads, vocab, seq_len = _LLAMA2C_HEADER.unpack_from(data)
+    shared = vocab > 0  # llama2.c's convention: a negative vocab size means an untied classifier
+    try:
+        cfg = ModelConfig(arch="llama", vocab_size=abs(vocab), hidden_size=dim, n_layers=n_layers,
+                          n_heads=n_heads, n_kv_heads=n_kv_heads, intermediate_size=hidden,
+                          max_position_embeddings=seq_len, norm_eps=1e-5, tie_word_embeddings=shared,
+                          bos_token_id=1, eos_token_ids=[2])
+    except ConfigError as e:
+        raise CheckpointError(f"{path} does not look like a llama2.c checkpoint: {e}") from e
+    hd = dim // n_heads
+    kv = n_kv_heads * hd
+    V, L = abs(vocab), n_layers
+    shapes = [("tok_emb", (V, dim)), ("rms_att", (L, dim)), ("wq", (L, dim, dim)), ("wk", (L, kv, dim)),
+              ("wv", (L, kv, dim)), ("wo", (L, dim, dim)), ("rms_ffn", (L, dim)), ("w1", (L, hidden, dim)),
+              ("w2", (L, dim, hidden)), ("w3", (L, hidden, dim)), ("rms_final", (dim,)),
+              ("freq_cis", (seq_len, hd))]  # real and imaginary halves, unused: we compute RoPE
+    if not shared:
+        shapes.append(("wcls", (V, dim)))
+    need = sum(torch.Size(s).numel() for _, s in shapes)
+    have = (len(data) - _LLAMA2C_HEADER.size) // 4
+    if have != need:
+        raise CheckpointError(
+            f"{path}: header promises {need} float32 values, file holds {have}; truncated or not llama2.c v0")
+    flat = torch.frombuffer(bytearray(data[_LLAMA2C_HEADER.size:]), dtype=torch.float32)
+    raw, offset = {}, 0
+    for name, shape in shapes:
+        n = torch.Size(shape).numel()
+        raw[name] = flat[offset:offset + n].view(shape)
+        offset += n
+
+    def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+        # llama2.c rotates neighbouring pairs (2i, 2i+1); HF rotates (i, i + D/2). Reordering the
+        # output rows of wq/wk within each head turns one layout into the other.
+        out_dim, in_dim = w.shape
+        return w.view(heads, out_dim // heads // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+
+    t = {"model.embed_tokens.weight": raw["tok_emb"], "model.norm.weight": raw["rms_final"]}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = raw["rms_att"][i]
+        t[p + "self_attn.q_proj.weight"] = unpermute(raw["wq"][i], n_heads)
+        t[p + "self_attn.k_proj.weight"] = unpermute(raw["wk"][i], n_kv_heads)
+        t[p + "self_attn.v_proj.weight"] = raw["wv"][i]
+        t[p + "self_attn.o_proj.weight"] = raw["wo"][i]
+        t[p + "post_attention_layernorm.weight"] = raw["rms_ffn"][i]
+        t[p + "mlp.gate_proj.weight"] = raw["w1"][i]
+        t[p + "mlp.down_proj.weight"] = raw["w2"][i]
+        t[p + "mlp.up_proj.weight"] = raw["w3"][i]
+    if not shared:
+        t["lm_head.weight"] = raw["wcls"]
+    return cfg, t
+
+
+# ----------------------------------------------------------------------------- saving
+def save_checkpoint(model: CausalLM, directory: str | os.PathLike) -> Path:
+    """Write config.json + model.safetensors in the HF layout (transformers can load it)."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg: ModelConfig = model.config
+    state = {}
+    for key, t in model.state_dict().items():
+        if key == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if cfg.arch == "gpt2" and _CONV1D.search(key):
+            t = t.t()
+        state[key] = t.detach().to("cpu").contiguous()
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(to_hf_config(cfg), indent=2) + "\n")
+    return out

@@ -1,0 +1,16 @@
+"""Model families: GPT-2 and Llama-class. `build_model(cfg)` picks the class for a config."""
+
+from ..config import ModelConfig
+from .base import CausalLM
+from .gpt2 import GPT2LMHeadModel
+from .llama import LlamaForCausalLM
+
+MODEL_CLASSES = {"gpt2": GPT2LMHeadModel, "llama": LlamaForCausalLM}
+
+
+def build_model(cfg: ModelConfig) -> CausalLM:
+    """An uninitialised model of the config's family (the loader fills in the weights)."""
+    return MODEL_CLASSES[cfg.arch](cfg)
+
+
+__all__ = ["CausalLM", "GPT2LMHeadModel", "LlamaForCausalLM", "build_model", "MODEL_CLASSES"]

@@ -1,0 +1,36 @@
+"""What every nanoserve model shares: one forward for prefill and decode.
+
+A model is embeddings + blocks (`embed_and_blocks`, per family) + an LM head. This class adds
+the parts that are the same for all families: default positions, the optional KV cache,
+and computing logits only where they are needed (the last position, while generating).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class CausalLM(nn.Module):
+    config: object
+
+    def embed_and_blocks(self, input_ids, positions, cache):  # pragma: no cover - per family
+        raise NotImplementedError
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                cache=None, last_only: bool = False) -> torch.Tensor:
+        """input_ids [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only).
+
+        Without a cache the T tokens attend causally among themselves (positions 0..T-1).
+        With one, they are appended after the cache's `length` tokens and attend to all of them.
+        """
+        B, T = input_ids.shape
+        if positions is None:
+            start = cache.length if cache is not None else 0
+            positions = torch.arange(start, start + T, device=input_ids.device).expand(B, T)  # B, T
+        h = self.embed_and_blocks(input_ids, positions, cache)  # B, T, C
+        if cache is not None:
+            cache.advance(T)
+        if last_only:
+            h = h[:, -1:]
+        return self.lm_head(h)  # B, T, V

@@ -1,0 +1,87 @@
+"""GPT-2 (Radford et al. 2019): learned positions, pre-LayerNorm blocks, GELU MLP, tied head.
+
+Module names follow the HF checkpoints (`transformer.h.0.attn.c_attn`, ...) so weights load
+by name. OpenAI's checkpoints store these projections as Conv1D with weight [in, out]; we use
+plain nn.Linear ([out, in]) and the loader transposes them. Taught in notebooks/01_*.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from .base import CausalLM
+from .layers import attention
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
+        self.c_attn = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)  # fused q, k, v
+        self.c_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+
+    def forward(self, x, positions, cache):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).view(B, T, 3, self.n_heads, self.head_dim).unbind(2)  # each B, T, H, D
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)  # B, S, H, D
+        y = attention(q, k, v, positions)  # B, T, H, D
+        return self.c_proj(y.reshape(B, T, C))
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.c_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))  # GPT-2's "gelu_new"
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.attn = GPT2Attention(cfg, layer_idx)
+        self.ln_2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.mlp = GPT2MLP(cfg)
+
+    def forward(self, x, positions, cache):
+        x = x + self.attn(self.ln_1(x), positions, cache)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.h = nn.ModuleList(GPT2Block(cfg, i) for i in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+
+    def forward(self, input_ids, positions, cache):
+        x = self.wte(input_ids) + self.wpe(positions)  # B, T, C
+        for block in self.h:
+            x = block(x, positions, cache)
+        return self.ln_f(x)
+
+
+class GPT2LMHeadModel(CausalLM):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.transformer = GPT2Transformer(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self):
+        """Share the token embedding with the LM head when the config says so (again after .to_empty())."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight
+
+    def embed_and_blocks(self, input_ids, positions, cache):
+        return self.transformer(input_ids, positions, cache)

@@ -1,0 +1,103 @@
+"""Building blocks shared by the GPT-2 and Llama models: norms, RoPE and attention.
+
+Attention comes twice: `naive_attention` spells out softmax(QKᵀ/√d + mask)·V for reading,
+`attention` calls torch's fused `scaled_dot_product_attention` for speed; a test checks they
+agree. Both take queries at explicit absolute positions, so one function serves the prompt
+(prefill, many queries) and each generated token (decode, one query over the cache).
+Taught in notebooks/01_*.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig, llama3_rope_inv_freq
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x²) + eps) * w   (Zhang & Sennrich 2019), computed in float32."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+# ----------------------------------------------------------------------------- RoPE
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """θ_i = base^(-2i/d) for i < d/2 (Su et al. 2021), with the config's scaling applied."""
+    d = cfg.head_dim
+    # Built on the CPU explicitly, so a model constructed on the "meta" device still gets real values.
+    exps = torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d
+    inv_freq = 1.0 / (cfg.rope_theta ** exps)  # D/2
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        inv_freq = llama3_rope_inv_freq(inv_freq, scaling)
+    return inv_freq
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    """cos and sin of position·θ for each position; [B, T] positions -> two [B, T, 1, D] tensors."""
+    freqs = positions[..., None].float() * inv_freq  # B, T, D/2
+    emb = torch.cat((freqs, freqs), dim=-1)  # B, T, D  (HF's half-split layout)
+    return emb.cos().to(dtype)[:, :, None, :], emb.sin().to(dtype)[:, :, None, :]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each (x_i, x_{i+D/2}) pair by position·θ_i.  x: [B, T, H, D].
+
+    Pairs are (i, i + D/2), the layout of HF checkpoints. llama2.c pairs neighbours
+    (2i, 2i+1) instead; its loader permutes the q/k weight rows so this one function serves both.
+    """
+    return x * cos + rotate_half(x) * sin
+
+
+# ----------------------------------------------------------------------------- attention
+def causal_mask(q_positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """Boolean mask [B, 1, T, S]: query at absolute position p sees keys at positions 0..p."""
+    k_positions = torch.arange(kv_len, device=q_positions.device)  # S
+    return (k_positions[None, None, :] <= q_positions[:, :, None])[:, None]  # B, 1, T, S
+
+
+def naive_attention(q, k, v, q_positions):
+    """softmax(q·kᵀ/√d + causal mask)·v, written out.  q [B,T,H,D]; k, v [B,S,Hkv,D] -> [B,T,H,D]."""
+    B, T, H, D = q.shape
+    group = H // k.shape[2]  # query heads per kv head (GQA; 1 = multi-head attention)
+    k = k.repeat_interleave(group, dim=2)  # B, S, H, D
+    v = v.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) / math.sqrt(D)  # B, H, T, S
+    scores = scores.masked_fill(~causal_mask(q_positions, k.shape[1]), float("-inf"))
+    probs = scores.softmax(dim=-1)
+    return torch.einsum("bhts,bshd->bthd", probs, v.float()).to(q.dtype)  # B, T, H, D
+
+
+def attention(q, k, v, q_positions):
+    """The same as `naive_attention`, through torch's fused SDPA kernel."""
+    T, S = q.shape[1], k.shape[1]
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # B, H, T, D
+    gqa = q.shape[1] != k.shape[1]
+    if T == S:  # prefill from an empty cache: plain causal attention
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    elif T == 1:  # decode: the one new token sees the whole cache, no mask needed
+        out = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(q_positions, S), enable_gqa=gqa)
+    return out.transpose(1, 2)  # B, T, H, D
