@@ -4,13 +4,13 @@ Convention (stated once, used everywhere): losses are natural-log **nats**; we r
 mean NLL per token, per byte of UTF-8 text (comparable across tokenizers), the same in bits,
 and perplexity = exp(NLL per token).
 
-Windows: the text is tokenized once (no BOS). A window holds up to `context` tokens (one of
-them a BOS when the model family uses one); consecutive windows start `stride` tokens apart,
-and each scores only the tokens no earlier window scored, so every token is scored exactly
-once, with at least context − stride tokens of history once past the first window.
-stride = context (− 1 with BOS) gives non-overlapping windows; a smaller stride gives more
-history per token and costs more forwards. Without a BOS the very first token has no
-prediction and is not scored.
+Windows: the text is tokenized once (no BOS). Targets are scored in consecutive chunks of
+`stride` tokens; each chunk is scored in one window of up to `context` tokens that ends with
+the chunk (plus a BOS in front when the model family uses one), so every token is scored
+exactly once, with at least context − stride tokens of history once past the first window.
+The largest stride (context − 1 without BOS, context − 1 text tokens + BOS with it) gives
+non-overlapping windows; a smaller stride gives more history per token and costs more
+forwards. Without a BOS the very first token has no prediction and is not scored.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def read_text(path: str | Path) -> str:
 @torch.inference_mode()
 def perplexity(model, tokenizer, text: str, context: int | None = None, stride: int | None = None,
                max_tokens: int | None = None, add_bos: bool | None = None,
-               progress: bool = True) -> PerplexityResult:
+               batch_size: int = 8, progress: bool = True) -> PerplexityResult:
     """Sliding-window NLL of `text` under `model` (read a file with `read_text`)."""
     cfg = model.config
     if not text:
@@ -91,31 +91,72 @@ def perplexity(model, tokenizer, text: str, context: int | None = None, stride: 
         raise NanoserveError(
             f"context={context} is outside 2..{cfg.max_position_embeddings} (the model's context length)")
     budget = context - add_bos  # text tokens per window
+    max_stride = budget if add_bos else budget - 1  # without BOS a target needs one token before it
     stride = stride or max(1, budget // 2)
-    if not 1 <= stride <= budget:
-        raise NanoserveError(f"stride={stride} must be in 1..{budget} (the text tokens per window)")
+    if not 1 <= stride <= max_stride:
+        raise NanoserveError(f"stride={stride} must be in 1..{max_stride} for context={context} "
+                             f"({'a BOS plus' if add_bos else 'one token of history before'} the scored tokens)")
     ids = tokenizer.encode(text)
     if max_tokens:
         ids = ids[:max_tokens]
     if len(ids) < 2 - add_bos:
         raise NanoserveError("text is too short to score: it has fewer than 2 tokens")
+    windows = plan_windows(len(ids), budget, stride, add_bos)
+    bos = [tokenizer.bos_id] if add_bos else []
     device = next(model.parameters()).device
-    nll, scored_from, prev_end, windows = 0.0, None, 0, 0
-    starts = range(0, max(1, len(ids) - budget + stride), stride)
-    for begin in tqdm(starts, desc="eval", unit="win", disable=not progress):
-        end = min(begin + budget, len(ids))
-        if end <= prev_end:
-            break
-        window = ([tokenizer.bos_id] if add_bos else []) + ids[begin:end]
-        x = torch.tensor([window], device=device)
-        logp = F.log_softmax(model(x)[0].float(), dim=-1)  # T, V
-        # position j predicts window[j + 1]; score the targets not scored by an earlier window
-        first = max(prev_end, begin if add_bos else begin + 1)  # index into ids of first scored target
-        targets = torch.tensor(ids[first:end], device=device)
-        pred_rows = torch.arange(first - begin + add_bos - 1, end - begin + add_bos - 1, device=device)
-        nll -= logp[pred_rows, targets].sum().item()
-        scored_from = first if scored_from is None else scored_from
-        prev_end, windows = end, windows + 1
-    n_tokens = prev_end - scored_from
-    n_bytes = len(tokenizer.decode_bytes(ids[scored_from:prev_end]))
-    return PerplexityResult(nll, n_tokens, n_bytes, windows, context, stride)
+    nll = 0.0
+    batches = [windows[i:i + batch_size] for i in range(0, len(windows), batch_size)]
+    for batch in tqdm(batches, desc="eval", unit="batch", disable=not progress):
+        # windows in a batch share a length except possibly the last one of the text
+        for group in _same_length(batch):
+            x = torch.tensor([bos + ids[b:e] for b, e, _ in group], device=device)  # W, T
+            logp = F.log_softmax(model(x).float(), dim=-1)  # W, T, V
+            for row, (b, e, first) in enumerate(group):
+                # position j of the window predicts its token j + 1; score targets first..e-1
+                targets = torch.tensor(ids[first:e], device=device)
+                rows = torch.arange(first - b + add_bos - 1, e - b + add_bos - 1, device=device)
+                nll -= logp[row, rows, targets].sum().item()
+    scored_from, end = windows[0][2], windows[-1][1]
+    n_bytes = len(tokenizer.decode_bytes(ids[scored_from:end]))
+    return PerplexityResult(nll, end - scored_from, n_bytes, len(windows), context, stride)
+
+
+def plan_windows(n: int, budget: int, stride: int, add_bos: bool) -> list[tuple[int, int, int]]:
+    """(begin, end, first scored index) per window; every index 1..n-1 (0..n-1 with BOS) scored once.
+
+    Targets are scored in consecutive chunks of `stride`; each chunk's window reaches back as
+    far as the budget allows, so a chunk's first target always has its prediction inside it.
+    """
+    windows, first = [], 0 if add_bos else 1
+    while first < n:
+        end = min(first + stride, n)
+        windows.append((max(0, end - budget), end, first))
+        first = end
+    return windows
+
+
+def _same_length(batch):
+    lengths = sorted({e - b for b, e, _ in batch})
+    return [[w for w in batch if w[1] - w[0] == n] for n in lengths]
+
+
+@torch.inference_mode()
+def acceptance_stats(target, draft, ids: list[int], context: int = 256, max_windows: int = 32) -> dict:
+    """How often a draft's proposals would be accepted by the target (speculative decoding).
+
+    Over held-out positions (non-overlapping windows of `ids`): at temperature 1,
+    α = E[Σ_x min(p(x), q(x))], the acceptance probability of the rejection sampler
+    (Leviathan et al. 2023); at temperature 0, the rate at which both argmaxes agree.
+    Also the implied expected tokens per target call, (1 − α^(γ+1)) / (1 − α), for γ = 1..8.
+    """
+    device = next(target.parameters()).device
+    n = (len(ids) // context) * context
+    x = torch.tensor(ids[:n], device=device).view(-1, context)[:max_windows]  # W, T
+    p = target(x).float().softmax(-1)  # W, T, V
+    q = draft(x).float().softmax(-1)
+    alpha = {"1.0": torch.minimum(p, q).sum(-1).mean().item(),
+             "0": (p.argmax(-1) == q.argmax(-1)).float().mean().item()}
+    out = {"positions": int(x.numel()), "alpha": alpha, "expected_tokens_per_step": {}}
+    for temp, a in alpha.items():
+        out["expected_tokens_per_step"][temp] = {g: (1 - a ** (g + 1)) / (1 - a) for g in range(1, 9)}
+    return out

@@ -37,8 +37,9 @@ class SamplingParams:
             self.stop = [self.stop]
         _check(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool) and self.max_tokens > 0,
                f"max_tokens={self.max_tokens!r} must be an integer ≥ 1")
-        _check(_is_number(self.temperature) and self.temperature >= 0,
-               f"temperature={self.temperature!r} must be ≥ 0 (0 = greedy)")
+        _check(_is_number(self.temperature) and 0 <= self.temperature < float("inf")
+               and (self.temperature == 0 or self.temperature >= 1e-6),
+               f"temperature={self.temperature!r} must be 0 (greedy) or a finite number ≥ 1e-6")
         _check(isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 0,
                f"top_k={self.top_k!r} must be an integer ≥ 0 (0 = off)")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1,
@@ -49,7 +50,8 @@ class SamplingParams:
                f"stop_token_ids={self.stop_token_ids!r} must be non-negative integers")
         _check(all(isinstance(s, str) and s for s in self.stop),
                f"stop={self.stop!r} must be non-empty strings")
-        _check(self.seed is None or isinstance(self.seed, int), f"seed={self.seed!r} must be an integer or None")
+        _check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
+               f"seed={self.seed!r} must be an integer or None")
 
     @property
     def greedy(self) -> bool:

@@ -157,7 +157,8 @@ def test_bad_prompt_fails_before_any_generation(llm):
 @pytest.mark.parametrize("kwargs,match", [
     ({"max_tokens": 0}, r"max_tokens=0 must be an integer ≥ 1"),
     ({"max_tokens": -5}, r"max_tokens=-5"),
-    ({"temperature": -0.1}, r"temperature=-0.1 must be ≥ 0"),
+    ({"temperature": -0.1}, r"temperature=-0.1 must be 0 \(greedy\) or a finite number"),
+    ({"temperature": float("inf")}, r"temperature=inf must be 0"),
     ({"top_p": 0.0}, r"top_p=0.0 must be in \(0, 1\]"),
     ({"top_p": 1.5}, r"top_p=1.5 must be in \(0, 1\]"),
     ({"top_k": -1}, r"top_k=-1 must be an integer ≥ 0"),
