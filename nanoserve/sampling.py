@@ -31,12 +31,15 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings (not included in the output)
     seed: int | None = None
     ignore_eos: bool = False
+    n: int = 1  # parallel samples of one prompt (they share the prompt's KV blocks)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         _check(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool) and self.max_tokens > 0,
                f"max_tokens={self.max_tokens!r} must be an integer ≥ 1")
+        _check(isinstance(self.n, int) and not isinstance(self.n, bool) and self.n >= 1,
+               f"n={self.n!r} must be an integer ≥ 1")
         _check(_is_number(self.temperature) and 0 <= self.temperature < float("inf")
                and (self.temperature == 0 or self.temperature >= 1e-6),
                f"temperature={self.temperature!r} must be 0 (greedy) or a finite number ≥ 1e-6")

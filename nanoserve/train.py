@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import platform
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -177,6 +178,7 @@ def train(model_cfg: ModelConfig, tc: TrainConfig, data_path: str | Path, out_di
             tqdm.write(json.dumps(ev)) if progress else None
     log["train_time_s"] = round(time.perf_counter() - t0, 1)
     log["threads"] = torch.get_num_threads()
+    log["device"] = f"CPU ({platform.machine()}), {torch.get_num_threads()} threads"
     model.eval()
     if out_dir is not None:
         save_checkpoint(model, out_dir)

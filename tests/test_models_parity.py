@@ -88,6 +88,8 @@ def test_sdpa_attention_equals_naive(T, S, H, Hkv):
     k, v = torch.randn(2, S, Hkv, 16, generator=g), torch.randn(2, S, Hkv, 16, generator=g)
     positions = torch.arange(S - T, S).expand(2, T)
     assert torch.allclose(attention(q, k, v, positions), naive_attention(q, k, v, positions), atol=1e-5)
+    if T == S:
+        assert torch.allclose(attention(q, k, v), naive_attention(q, k, v), atol=1e-5)
     # the causal mask matters: without it the last-but-one query would see the last key
     if T > 1:
         unmasked = naive_attention(q, k, v, torch.full_like(positions, S - 1))

@@ -18,8 +18,9 @@ class CausalLM(nn.Module):
         raise NotImplementedError
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                cache=None, last_only: bool = False) -> torch.Tensor:
-        """input_ids [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only).
+                cache=None, last_only: bool = False, logit_index: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, T] -> logits [B, T, V]; or [B, 1, V] at the last position (last_only) or
+        at position logit_index[b] of each row (ragged batches: only the logits that are sampled).
 
         Without a cache the T tokens attend causally among themselves (positions 0..T-1).
         With one, they are appended after the cache's `length` tokens and attend to all of them.
@@ -31,6 +32,8 @@ class CausalLM(nn.Module):
         h = self.embed_and_blocks(input_ids, positions, cache)  # B, T, C
         if cache is not None:
             cache.advance(T)
-        if last_only:
+        if logit_index is not None:
+            h = h[torch.arange(B, device=h.device), logit_index][:, None]  # B, 1, C
+        elif last_only:
             h = h[:, -1:]
         return self.lm_head(h)  # B, T, V

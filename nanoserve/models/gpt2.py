@@ -28,7 +28,7 @@ class GPT2Attention(nn.Module):
         q, k, v = self.c_attn(x).view(B, T, 3, self.n_heads, self.head_dim).unbind(2)  # each B, T, H, D
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # B, S, H, D
-        y = attention(q, k, v, positions)  # B, T, H, D
+        y = attention(q, k, v, positions if cache is not None else None)  # B, T, H, D
         return self.c_proj(y.reshape(B, T, C))
 
 

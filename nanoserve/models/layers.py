@@ -77,9 +77,15 @@ def causal_mask(q_positions: torch.Tensor, kv_len: int) -> torch.Tensor:
     return (k_positions[None, None, :] <= q_positions[:, :, None])[:, None]  # B, 1, T, S
 
 
-def naive_attention(q, k, v, q_positions):
-    """softmax(q·kᵀ/√d + causal mask)·v, written out.  q [B,T,H,D]; k, v [B,S,Hkv,D] -> [B,T,H,D]."""
+def naive_attention(q, k, v, q_positions=None):
+    """softmax(q·kᵀ/√d + causal mask)·v, written out.  q [B,T,H,D]; k, v [B,S,Hkv,D] -> [B,T,H,D].
+
+    Key j sits at position j. `q_positions` [B, T] are the queries' absolute positions; None
+    means the queries are the keys themselves (positions 0..T-1, no cache).
+    """
     B, T, H, D = q.shape
+    if q_positions is None:
+        q_positions = torch.arange(T, device=q.device).expand(B, T)
     group = H // k.shape[2]  # query heads per kv head (GQA; 1 = multi-head attention)
     k = k.repeat_interleave(group, dim=2)  # B, S, H, D
     v = v.repeat_interleave(group, dim=2)
@@ -89,15 +95,13 @@ def naive_attention(q, k, v, q_positions):
     return torch.einsum("bhts,bshd->bthd", probs, v.float()).to(q.dtype)  # B, T, H, D
 
 
-def attention(q, k, v, q_positions):
+def attention(q, k, v, q_positions=None):
     """The same as `naive_attention`, through torch's fused SDPA kernel."""
-    T, S = q.shape[1], k.shape[1]
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # B, H, T, D
     gqa = q.shape[1] != k.shape[1]
-    if T == S:  # prefill from an empty cache: plain causal attention
+    if q_positions is None:  # no cache: plain causal attention among the T tokens
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    elif T == 1:  # decode: the one new token sees the whole cache, no mask needed
-        out = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
     else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(q_positions, S), enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(q_positions, k.shape[2]),
+                                             enable_gqa=gqa)
     return out.transpose(1, 2)  # B, T, H, D

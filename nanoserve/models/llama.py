@@ -35,7 +35,7 @@ class LlamaAttention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # B, S, Hkv, D
-        y = attention(q, k, v, positions)  # B, T, H, D
+        y = attention(q, k, v, positions if cache is not None else None)  # B, T, H, D
         return self.o_proj(y.reshape(B, T, -1))
 
 

@@ -1,0 +1,63 @@
+"""The model runner: one batched forward over several sequences, on the paged KV cache.
+
+The scheduler decides *which* sequences run and *how many* new tokens each computes (a whole
+prompt, a prefill chunk, or one decode token); the block manager has already given them
+slots. This file turns that decision into tensors — the only place where Sequences meet the
+model:
+
+    input_ids, positions  [B, T]   new tokens per row, right-padded to the longest
+    slot_mapping          [B, T]   where each new token's K/V goes (−1: padding, not written)
+    block_tables          [B, M]   each row's blocks, padded with block 0 (never read: masked)
+    context_lens          [B]      tokens in the cache once this step's are written
+
+and returns each row's next-token logits (the logits of its last new token).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kv_cache import PagedKVCache
+from .sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model, num_blocks: int, block_size: int):
+        self.model, self.config = model, model.config
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.kv = PagedKVCache(self.config, num_blocks, block_size, self.dtype, self.device)
+        self.block_size = block_size
+
+    def prepare(self, seqs: list[Sequence], num_new: list[int]):
+        """Build the step's tensors; row i computes tokens num_computed .. num_computed + num_new[i] − 1."""
+        B, T, bs = len(seqs), max(num_new), self.block_size
+        M = max(len(s.block_table) for s in seqs)
+        input_ids = torch.zeros(B, T, dtype=torch.long)
+        positions = torch.zeros(B, T, dtype=torch.long)
+        slot_mapping = torch.full((B, T), -1, dtype=torch.long)
+        block_tables = torch.zeros(B, M, dtype=torch.long)
+        context_lens = torch.zeros(B, dtype=torch.long)
+        for i, (seq, n) in enumerate(zip(seqs, num_new)):
+            start = seq.num_computed_tokens
+            pos = torch.arange(start, start + n)
+            table = torch.tensor(seq.block_table, dtype=torch.long)
+            input_ids[i, :n] = torch.tensor(seq.token_ids[start:start + n])
+            positions[i, :n] = pos
+            positions[i, n:] = start + n - 1  # padding queries look at real keys (no empty softmax)
+            slot_mapping[i, :n] = table[pos // bs] * bs + pos % bs
+            block_tables[i, : len(table)] = table
+            context_lens[i] = start + n
+        to = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
+        return to(input_ids), to(positions), to(slot_mapping), to(block_tables), to(context_lens)
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], num_new: list[int]) -> torch.Tensor:
+        """Forward the new tokens of each sequence; return next-token logits [B, V] (float32)."""
+        input_ids, positions, slots, tables, lens = self.prepare(seqs, num_new)
+        view = self.kv.view(slots, tables, lens)
+        last = torch.tensor(num_new, device=self.device) - 1  # B: each row's last new token
+        logits = self.model(input_ids, positions, cache=view, logit_index=last)[:, 0]  # B, V
+        for seq, n in zip(seqs, num_new):
+            seq.num_computed_tokens += n
+        return logits.float()

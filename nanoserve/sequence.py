@@ -1,0 +1,47 @@
+"""A `Sequence`: one stream of tokens being generated, as the block manager and schedulers see it.
+
+It holds token ids (prompt + generated so far), its block table (which physical KV blocks hold
+its keys and values, in order), and how many of its tokens already have KV in the cache.
+The scheduler decides how many of the remaining tokens to compute next; the model never
+sees a Sequence, only the tensors built from it. Names follow vLLM / nano-vllm.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import Enum
+
+_ids = itertools.count()
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    token_ids: list[int]
+    num_prompt_tokens: int = -1
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    block_table: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache (cached or computed)
+    status: SequenceStatus = SequenceStatus.WAITING
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.token_ids)
+        if self.num_prompt_tokens < 0:
+            self.num_prompt_tokens = len(self.token_ids)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
