@@ -55,7 +55,7 @@ CARD = """# {name}
 | parameters | {params:,} |
 | vocabulary | bytes (256) + `<|endoftext|>`, a tiktoken encoding (`tokenizer.tiktoken`) |
 | data | tinyshakespeare `input.txt` (public domain), first 90 % of bytes train, last 10 % validation |
-| validation loss | **{val:.4f} nats/byte** ({bits:.3f} bits/byte), context 256, stride 255, all {ntok:,} validation bytes |
+| validation loss | **{val:.4f} nats/byte** ({bits:.3f} bits/byte), context 256, stride 255, {ntok:,} bytes |
 | training | {steps} steps × {batch} × {block} bytes, AdamW, lr {lr} cosine → {min_lr}, seed {seed} |
 | training time | {time_min:.1f} min on {device} |
 | reproduce | `{command}` |
@@ -89,7 +89,8 @@ def write_cards(results: dict) -> None:
                    if name == "demo" else
                    "python -m nanoserve.train --preset demo-draft --teacher demo "
                    "--data ../shared/corpora/tinyshakespeare/input.txt")
-        summary = ("The shipped default model of nanoserve: a small GPT-2 trained on Shakespeare, bytes in, bytes out."
+        summary = ("The shipped default model of nanoserve: a small GPT-2 trained on Shakespeare, "
+                   "bytes in, bytes out."
                    if name == "demo" else
                    "A Llama-architecture draft for speculative decoding, distilled from `demo`.")
         (d / "card.json").write_text(json.dumps(card, indent=2) + "\n")

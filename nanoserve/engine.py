@@ -27,8 +27,8 @@ from .errors import NanoserveError
 from .loader import load_model
 from .model_runner import ModelRunner
 from .paged import BlockAllocator, num_blocks_for_budget
-from .sequence import Sequence as SequenceState
 from .sampling import SamplingParams, make_generator, sample_next
+from .sequence import Sequence as SequenceState
 
 
 def kv_bytes_per_token(cfg, dtype: torch.dtype) -> int:
