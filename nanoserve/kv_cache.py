@@ -65,7 +65,11 @@ class CacheView:
         self.context_lens = context_lens  # B
         S = block_tables.shape[1] * cache.block_size
         self.valid = torch.arange(S, device=context_lens.device)[None, :] < context_lens[:, None]  # B, S
-        self.write = slot_mapping >= 0  # B, T
+        # Which of the B·T new tokens are real (padding has slot −1), resolved once for all layers.
+        flat_slots = slot_mapping.flatten()  # B·T
+        self.src = (flat_slots >= 0).nonzero().squeeze(1)  # indices of real tokens in the B·T rows
+        self.dst = flat_slots[self.src]  # their slots
+        self.gather_ids = block_tables.flatten()  # B·max_blocks
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Write this step's k, v [B, T, Hkv, D] into their slots; return every sequence's [B, S, Hkv, D]."""
@@ -74,9 +78,9 @@ class CacheView:
     def _write_and_gather(self, pool: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         nb, bs, H, D = pool.shape
         flat = pool.view(nb * bs, H, D)  # slots, Hkv, D
-        flat[self.slot_mapping[self.write]] = new[self.write]
+        flat.index_copy_(0, self.dst, new.reshape(-1, H, D).index_select(0, self.src))
         B = self.block_tables.shape[0]
-        out = pool[self.block_tables].view(B, -1, H, D)  # B, S, Hkv, D  (logical order)
+        out = pool.index_select(0, self.gather_ids).view(B, -1, H, D)  # B, S, Hkv, D  (logical order)
         return out.where(self.valid[:, :, None, None], 0.0)
 
     def advance(self, n: int) -> None:  # the engine tracks lengths; nothing to do here

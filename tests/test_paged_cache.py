@@ -149,3 +149,11 @@ def test_request_that_can_never_fit_is_refused_with_numbers(hf_checkpoints):
     with pytest.raises(NanoserveError, match=r"needs up to \d+ KV blocks .* the whole pool has 8"):
         llm.generate([list(range(20))], SamplingParams(max_tokens=30))
     assert llm.block_manager.num_free_blocks() == 8
+
+
+def test_bad_pool_configuration_fails_at_construction(hf_checkpoints):
+    path = str(hf_checkpoints["gpt2"][0])
+    with pytest.raises(NanoserveError, match="block_size"):
+        LLM(path, block_size=12)
+    with pytest.raises(NanoserveError, match=r"needs? .*bytes"):
+        LLM(path, kv_cache_memory=10_000)
