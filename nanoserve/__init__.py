@@ -5,9 +5,9 @@
     print(llm.generate("ROMEO:", SamplingParams(max_tokens=100))[0].text)
 """
 
-from .engine import LLM, RequestOutput
+from .engine import LLM, LLMEngine, RequestOutput
 from .errors import CheckpointError, ConfigError, NanoserveError
 from .sampling import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "NanoserveError", "CheckpointError", "ConfigError"]
+__all__ = ["LLM", "LLMEngine", "RequestOutput", "SamplingParams", "NanoserveError", "CheckpointError", "ConfigError"]

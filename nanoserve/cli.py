@@ -57,7 +57,7 @@ def cmd_generate(args) -> None:
     n_prompt = len(llm.encode_prompt(args.prompt))
     start = time.perf_counter()
     n_out = 0
-    for out in llm.stream_outputs(args.prompt, params):
+    for out in llm.stream_request(args.prompt, params):
         sys.stdout.write(out[0])
         sys.stdout.flush()
         n_out = len(out[1].token_ids)

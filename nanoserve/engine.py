@@ -1,12 +1,16 @@
-"""The user-facing API: `LLM(model).generate(prompts, SamplingParams(...))`.
+"""The engine: `LLMEngine` (add_request / step / abort_request) and the user-facing `LLM`.
 
-This engine runs requests one after another on the paged KV cache: the block manager gives
-the prompt its blocks (reusing cached ones for a shared prefix), the model runner prefills
-what is not cached, then decodes one token per forward until a stop condition. With
-`SamplingParams(n > 1)` the n samples share the prompt's blocks (fork) and decode as one
-batch, copying a shared block only when one writes into it (copy-on-write). Scheduling
-several requests at once arrives with the batchers; the API stays the same.
-Taught in notebooks/00_*, 01_* and 02_*.
+Data flows one way, as in vLLM and nano-vllm:
+
+    request → Scheduler (which sequences, how many tokens) → BlockAllocator (slots)
+            → ModelRunner (one batched forward) → sampler → outputs / stream
+
+Every `step()` runs one forward over everything the continuous scheduler picked — prefill
+chunks and decode tokens side by side — samples a token for each sequence that reached the end
+of its tokens, applies stop conditions, and frees the blocks of what finished. `LLM.generate`
+drives it to completion with a progress bar; `LLM.stream` yields text as it appears.
+`SamplingParams(n > 1)` samples share the prompt's blocks (fork after prefill, copy-on-write).
+Taught in notebooks/00_* to 03_*.
 
     from nanoserve import LLM, SamplingParams
     llm = LLM("demo")
@@ -16,6 +20,7 @@ Taught in notebooks/00_*, 01_* and 02_*.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -26,107 +31,20 @@ from tqdm.auto import tqdm
 from .errors import NanoserveError
 from .loader import load_model
 from .model_runner import ModelRunner
+from .outputs import CompletionOutput, IncrementalText, RequestOutput
 from .paged import BlockAllocator, num_blocks_for_budget
 from .sampling import SamplingParams, make_generator, sample_next
+from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Sequence as SequenceState
+from .sequence import SequenceStatus
+
+Prompt = str | Sequence[int]
+__all__ = ["LLM", "LLMEngine", "RequestOutput", "CompletionOutput", "IncrementalText", "kv_bytes_per_token"]
 
 
 def kv_bytes_per_token(cfg, dtype: torch.dtype) -> int:
     """K and V, every layer, one token."""
     return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
-
-Prompt = str | Sequence[int]
-
-
-@dataclass
-class CompletionOutput:
-    """One sample of a request (vLLM's name); a request with SamplingParams(n=k) has k of them."""
-
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)  # generated ids, a final stop/EOS id included
-    finish_reason: str | None = None  # "stop" | "length"
-
-
-@dataclass
-class RequestOutput:
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput] = field(default_factory=list)
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    arrival_time: float = 0.0
-    first_token_time: float | None = None
-    finish_time: float | None = None
-
-    # the first sample, for the common n = 1 case
-    @property
-    def text(self) -> str:
-        return self.outputs[0].text
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.outputs[0].token_ids
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.outputs[0].finish_reason
-
-    @property
-    def finished(self) -> bool:
-        return all(o.finish_reason for o in self.outputs)
-
-    @property
-    def ttft(self) -> float | None:
-        """Time to first token, seconds."""
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def e2e_latency(self) -> float | None:
-        return None if self.finish_time is None else self.finish_time - self.arrival_time
-
-
-class IncrementalText:
-    """Turns a growing list of token ids into text deltas, honouring stop strings.
-
-    Decoding the whole list each time is simple and always consistent with `decode`
-    (O(n²) in characters, fine for the lengths here). Text that could still become part of a
-    stop string, and a trailing incomplete UTF-8 character, are held back until they settle.
-    """
-
-    def __init__(self, tokenizer, stop: list[str], prompt_ids: Sequence[int] = ()):
-        self.tokenizer, self.stop = tokenizer, stop
-        self.hold = max((len(s) for s in stop), default=1) - 1
-        # A few prompt tokens decoded in front of the output, then cut off again: whether a
-        # continuation starts with a space can depend on what precedes it (SentencePiece drops
-        # the space of a text's first word, but not of a continuation).
-        self.context = list(prompt_ids[-4:])
-        self.context_text = tokenizer.decode(self.context)
-        self.ids: list[int] = []
-        self.text = ""  # final text so far (stop string excluded)
-        self.emitted = 0
-
-    def add(self, token_id: int | None) -> tuple[str, bool]:
-        """Append a token (None: no text, e.g. EOS); return (new text, whether a stop string hit)."""
-        if token_id is not None:
-            self.ids.append(token_id)
-        full = self.tokenizer.decode(self.context + self.ids)[len(self.context_text):]
-        for s in self.stop:
-            at = full.find(s)
-            if at >= 0:
-                self.text = full[:at]
-                return self.flush(), True
-        self.text = full
-        safe = len(full.rstrip("\ufffd")) - self.hold
-        if safe <= self.emitted:
-            return "", False
-        delta = full[self.emitted:safe]
-        self.emitted = safe
-        return delta, False
-
-    def flush(self) -> str:
-        delta = self.text[self.emitted:]
-        self.emitted = len(self.text)
-        return delta
 
 
 @dataclass(eq=False)
@@ -137,19 +55,31 @@ class _Sample:
     generator: torch.Generator | None
     text: IncrementalText
     out: CompletionOutput
-    seen: torch.Tensor | None  # token ids for the repetition penalty
+    seen: torch.Tensor | None  # prompt + generated ids, for the repetition penalty
 
 
-class LLM:
-    """Load a model once, then generate from prompts (text or token-id lists).
+@dataclass(eq=False)
+class _Request:
+    params: SamplingParams
+    output: RequestOutput
+    max_new: int  # max_tokens, capped by the context
+    stop_ids: set[int]
+    samples: list[_Sample] = field(default_factory=list)
+
+
+class LLMEngine:
+    """Continuous batching over a paged KV cache.
 
     KV cache: a pool of `num_blocks` blocks of `block_size` tokens, sized from `kv_cache_memory`
     bytes when given, else to hold 8 full-context sequences. Prefix caching is on by default.
+    Scheduling: at most `max_num_seqs` sequences and `max_num_batched_tokens` new tokens per
+    step; chunked prefill on by default; `max_waiting` bounds the queue (None: unbounded).
     """
 
     def __init__(self, model: str = "demo", dtype: str | torch.dtype | None = None, device: str | None = None,
                  block_size: int = 16, enable_prefix_caching: bool = True, kv_cache_memory: int | None = None,
-                 num_blocks: int | None = None):
+                 num_blocks: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
+                 enable_chunked_prefill: bool = True, max_waiting: int | None = None):
         self.model, self.config, self.tokenizer = load_model(model, dtype=dtype, device=device)
         self.model_name = str(model)
         self.device = next(self.model.parameters()).device
@@ -163,8 +93,20 @@ class LLM:
         if num_blocks is None:
             budget = kv_cache_memory or 8 * kv_bytes_per_token(self.config, self.dtype) * self.max_model_len
             num_blocks = num_blocks_for_budget(self.config, budget, block_size, self.dtype)
-        self.block_manager = BlockAllocator(num_blocks, block_size, enable_prefix_caching)
+        sched_cfg = SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, max_waiting)
+        self.scheduler = Scheduler(sched_cfg, BlockAllocator(num_blocks, block_size, enable_prefix_caching),
+                                   self.max_model_len)
         self.runner = ModelRunner(self.model, num_blocks, block_size)
+        self.requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+
+    @property
+    def block_manager(self) -> BlockAllocator:
+        return self.scheduler.bm
+
+    @block_manager.setter
+    def block_manager(self, bm: BlockAllocator) -> None:
+        self.scheduler.bm = bm
 
     # ------------------------------------------------------------------ input checks
     def encode_prompt(self, prompt: Prompt) -> list[int]:
@@ -191,8 +133,7 @@ class LLM:
                 f"token id {bad[0]} is outside the vocabulary; allowed ids are 0..{self.config.vocab_size - 1}")
         return ids
 
-    # ------------------------------------------------------------------ generation
-    def _check_fits(self, prompt_ids: list[int], params: SamplingParams) -> int:
+    def check_fits(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """Tokens that will be generated at most; a request the whole pool cannot hold is refused."""
         n_new = min(params.max_tokens, self.max_model_len - len(prompt_ids))
         bm = self.block_manager
@@ -204,112 +145,201 @@ class LLM:
                 "lower max_tokens or n, or give the cache more memory")
         return n_new
 
-    @torch.inference_mode()
-    def stream_outputs(self, prompt: Prompt, params: SamplingParams) -> Iterator[tuple[int, str, RequestOutput]]:
-        """Generate for one prompt, yielding (sample index, text delta, output so far) per new token;
-        the output is finished when the generator is exhausted. Blocks are always returned."""
-        arrival = time.perf_counter()
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    priority: int = 0, arrival_time: float | None = None) -> str:
+        """Queue a request; returns its id. Raises NanoserveError for bad input, QueueFullError when full."""
+        params = params or SamplingParams()
         prompt_ids = self.encode_prompt(prompt)
-        n_new = self._check_fits(prompt_ids, params)
-        bm, runner = self.block_manager, self.runner
+        max_new = self.check_fits(prompt_ids, params)
+        rid = request_id if request_id is not None else str(next(self._ids))
+        if rid in self.requests:
+            raise NanoserveError(f"request id {rid!r} is already in use")
+        arrival = time.perf_counter() if arrival_time is None else arrival_time
+        seq = SequenceState(prompt_ids, request_id=rid, priority=priority, arrival_time=arrival)
+        self.scheduler.add(seq)  # may raise QueueFullError: then nothing is registered
+        out = RequestOutput(rid, prompt if isinstance(prompt, str) else None, prompt_ids, arrival_time=arrival)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
-        req = RequestOutput(prompt if isinstance(prompt, str) else None, prompt_ids, arrival_time=arrival)
-        first = SequenceState(prompt_ids)
-        samples: list[_Sample] = []
-        try:
-            bm.allocate(first)
-            req.num_cached_tokens = first.num_cached_tokens
-            logits = runner.run([first], [len(first) - first.num_computed_tokens])  # 1, V  (prefill)
-            for i in range(params.n):
-                seq = first
-                if i:  # the other samples share the prompt's blocks
-                    seq = SequenceState(prompt_ids, num_computed_tokens=first.num_computed_tokens)
-                    bm.fork(first, seq)
-                seed = None if params.seed is None else params.seed + i  # sample i == a run with seed + i
-                seen = torch.tensor(prompt_ids, device=self.device) if params.repetition_penalty != 1.0 else None
-                samples.append(_Sample(seq, make_generator(seed, self.device),
-                                       IncrementalText(self.tokenizer, params.stop, prompt_ids),
-                                       CompletionOutput(i), seen))
-            req.outputs = [s.out for s in samples]
-            logits = logits.expand(params.n, -1)  # n, V
-            for step in range(n_new):
-                running = [s for s in samples if s.out.finish_reason is None]
-                for s, row in zip(running, logits):
-                    token = sample_next(row, params, s.seen, s.generator)
-                    if s.seen is not None:
-                        s.seen = torch.cat([s.seen, torch.tensor([token], device=self.device)])
-                    delta = self._append(s, token, stop_ids)
-                    if step == n_new - 1 and s.out.finish_reason is None:
-                        s.out.finish_reason = "length"
-                    if req.first_token_time is None:
-                        req.first_token_time = time.perf_counter()
-                    if s.out.finish_reason:
-                        delta += s.text.flush()
-                        s.out.text = s.text.text
-                        bm.free(s.seq)
-                    if s.out.finish_reason and all(o.finish_reason for o in req.outputs):
-                        req.finish_time = time.perf_counter()
-                    yield s.out.index, delta, req
-                running = [s for s in samples if s.out.finish_reason is None]
-                if not running:
-                    break
-                for s in running:  # room for the sampled token's K/V (copy a shared block first)
-                    if not bm.can_append(s.seq):
-                        raise NanoserveError(f"KV cache pool exhausted ({bm.num_blocks} blocks); "
-                                             "give the cache more memory or lower n / max_tokens")
-                    cow = bm.append_slot(s.seq)
-                    if cow is not None:
-                        runner.kv.copy_block(*cow)
-                logits = runner.run([s.seq for s in running], [1] * len(running))  # B, V  (decode)
-        finally:  # finished, failed or abandoned by the caller: every block goes back to the pool
-            for s in samples:
-                if s.seq.block_table:
-                    bm.free(s.seq)
-            if first.block_table:
-                bm.free(first)
+        req = _Request(params, out, max_new, stop_ids)
+        req.samples.append(self._new_sample(req, seq, 0))
+        out.outputs = [req.samples[0].out]
+        self.requests[rid] = req
+        return rid
 
-    def _append(self, s: _Sample, token: int, stop_ids: set[int]) -> str:
-        """Record a sampled token: stop ids end the sample; otherwise its text, checked for stop strings."""
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now: its sequences leave the scheduler and their blocks return to the pool."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        for s in req.samples:
+            if s.out.finish_reason is None:
+                self.scheduler.finish(s.seq, SequenceStatus.ABORTED)
+                s.out.finish_reason = "abort"
+                s.out.text = s.text.text
+        req.output.finish_time = time.perf_counter()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def _new_sample(self, req: _Request, seq: SequenceState, i: int) -> _Sample:
+        p = req.params
+        seed = None if p.seed is None else p.seed + i  # sample i of n == a single run with seed + i
+        seen = torch.tensor(seq.token_ids, device=self.device) if p.repetition_penalty != 1.0 else None
+        return _Sample(seq, make_generator(seed, self.device),
+                       IncrementalText(self.tokenizer, p.stop, req.output.prompt_token_ids), CompletionOutput(i), seen)
+
+    # ------------------------------------------------------------------ one iteration
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward, sample; return the outputs of requests that advanced."""
+        sched = self.scheduler.schedule()
+        if not sched.seqs:
+            return []
+        for src, dst in sched.copies:  # copy-on-write before anyone writes into the copies
+            self.runner.kv.copy_block(src, dst)
+        now = time.perf_counter()
+        for seq in sched.seqs:
+            out = self.requests[seq.request_id].output
+            if out.first_scheduled_time is None:
+                out.first_scheduled_time = now
+                out.num_cached_tokens = seq.num_cached_tokens
+        logits = self.runner.run(sched.seqs, sched.num_new)  # B, V
+        advanced: dict[str, RequestOutput] = {}
+        for row, seq in enumerate(sched.seqs):
+            self.block_manager.mark_computed(seq)  # full blocks with KV become prefix-cache hits
+            if seq.num_computed_tokens < len(seq):
+                continue  # a prefill chunk: no token to sample yet
+            req = self.requests[seq.request_id]
+            samples = [req.samples[seq.sample_index]]
+            if len(req.samples) < req.params.n:  # prefill done: the other samples fork from here
+                samples += self._fork(req, seq)
+            for s in samples:
+                self._sample(req, s, logits[row])
+            advanced[seq.request_id] = req.output
+        for rid, out in advanced.items():
+            if out.finished:
+                out.finish_time = time.perf_counter()
+                del self.requests[rid]
+        return list(advanced.values())
+
+    def _fork(self, req: _Request, parent: SequenceState) -> list[_Sample]:
+        children = []
+        for i in range(1, req.params.n):
+            child = SequenceState(list(parent.token_ids), request_id=parent.request_id, sample_index=i,
+                                  priority=parent.priority, arrival_time=parent.arrival_time)
+            self.block_manager.fork(parent, child)
+            self.scheduler.add_running(child)
+            children.append(self._new_sample(req, child, i))
+        req.samples += children
+        req.output.outputs = [s.out for s in req.samples]
+        return children
+
+    def _sample(self, req: _Request, s: _Sample, logits: torch.Tensor) -> None:
+        token = sample_next(logits, req.params, s.seen, s.generator)
+        now = time.perf_counter()
+        if s.seen is not None:
+            s.seen = torch.cat([s.seen, torch.tensor([token], device=self.device)])
         s.seq.append_token(token)
         s.out.token_ids.append(token)
-        if token in stop_ids:
+        s.out.token_times.append(now)
+        if req.output.first_token_time is None:
+            req.output.first_token_time = now
+        if token in req.stop_ids:
             s.out.finish_reason = "stop"
-            return ""
-        delta, hit = s.text.add(token)
+        else:
+            _, hit = s.text.add(token)
+            if hit:
+                s.out.finish_reason = "stop"
+            elif len(s.out.token_ids) >= req.max_new:
+                s.out.finish_reason = "length"
+        if s.out.finish_reason:
+            s.text.flush()
+            self.scheduler.finish(s.seq)
+        else:
+            s.seq.needs_slot = True
         s.out.text = s.text.text
-        if hit:
-            s.out.finish_reason = "stop"
-        return delta
+
+
+class LLM:
+    """Load a model once, then generate from prompts (text or token-id lists) with continuous
+    batching. Keyword arguments go to `LLMEngine` (cache size, prefix caching, scheduling)."""
+
+    def __init__(self, model: str = "demo", dtype: str | torch.dtype | None = None, device: str | None = None,
+                 **engine_kwargs):
+        self.engine = LLMEngine(model, dtype=dtype, device=device, **engine_kwargs)
+        e = self.engine
+        self.model, self.config, self.tokenizer = e.model, e.config, e.tokenizer
+        self.model_name, self.device, self.dtype, self.max_model_len = e.model_name, e.device, e.dtype, e.max_model_len
+        self.runner = e.runner
+
+    @property
+    def block_manager(self) -> BlockAllocator:
+        return self.engine.block_manager
+
+    @block_manager.setter
+    def block_manager(self, bm: BlockAllocator) -> None:
+        self.engine.block_manager = bm
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        return self.engine.encode_prompt(prompt)
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None,
                  use_tqdm: bool | None = None) -> list[RequestOutput]:
-        """Generate for each prompt (a string, a list of token ids, or a list of either)."""
+        """Generate for each prompt (a string, a list of token ids, or a list of either), all
+        scheduled together; outputs come back in the prompts' order."""
         params = params or SamplingParams()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         for p in prompts:  # validate everything before spending compute on anything
-            self.encode_prompt(p)
-        outputs = []
-        bar = tqdm(prompts, desc="generate", unit="req",
-                   disable=not (len(prompts) > 1 if use_tqdm is None else use_tqdm))
-        for prompt in bar:
-            *_, (_, _, out) = self.stream_outputs(prompt, params)
-            outputs.append(out)
-        return outputs
+            self.engine.check_fits(self.engine.encode_prompt(p), params)
+        ids = [self.engine.add_request(p, params) for p in prompts]
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generate", unit="req",
+                   disable=not (len(ids) > 1 if use_tqdm is None else use_tqdm))
+        start, n_out = time.perf_counter(), 0
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        n_out += sum(len(o.token_ids) for o in out.outputs)
+                        bar.update(1)
+                        bar.set_postfix(out_tok_s=f"{n_out / (time.perf_counter() - start):.1f}")
+        finally:
+            for rid in ids:  # interrupted: nothing stays queued or holds blocks
+                self.engine.abort_request(rid)
+            bar.close()
+        return [done[rid] for rid in ids]
+
+    def stream_request(self, prompt: Prompt, params: SamplingParams | None = None
+                       ) -> Iterator[tuple[str, RequestOutput]]:
+        """Yield (text delta, output so far) as the first sample grows; aborted if abandoned."""
+        params = params or SamplingParams()
+        rid = self.engine.add_request(prompt, params)
+        req = self.engine.requests[rid]
+        s, sent = req.samples[0], 0
+        try:
+            while not s.out.finish_reason:
+                self.engine.step()
+                visible = s.text.text[: s.text.emitted]
+                if len(visible) > sent or s.out.finish_reason:
+                    yield visible[sent:], req.output
+                    sent = len(visible)
+        finally:
+            self.engine.abort_request(rid)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the generated text piece by piece as tokens are produced."""
         params = params or SamplingParams()
         if params.n != 1:
             raise NanoserveError(f"stream() yields one text; got n={params.n}, use generate() for n > 1")
-        for _, delta, _ in self.stream_outputs(prompt, params):
+        for delta, _ in self.stream_request(prompt, params):
             if delta:
                 yield delta
 
     @torch.inference_mode()
     def logits(self, token_ids: Sequence[int]) -> torch.Tensor:
         """Logits [T, vocab] (float32) of one full forward without a cache: for teaching and checks."""
-        ids = self.check_token_ids(token_ids)
+        ids = self.engine.check_token_ids(token_ids)
         if len(ids) > self.max_model_len:
             raise NanoserveError(f"{len(ids)} tokens exceed the model's context of {self.max_model_len}")
         return self.model(torch.tensor([ids], device=self.device))[0].float()

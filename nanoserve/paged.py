@@ -23,6 +23,7 @@ the shared-prefix blocks at its head.
 
 **Protocol.** `can_allocate` → `allocate` (a prompt); per generated token `seq.append_token` →
 `can_append` → `append_slot` (may return a copy-on-write pair for the KV cache to copy);
+`mark_computed` after each forward (full blocks whose KV now exists become cache hits);
 `fork` for parallel samples; `free` when a sequence finishes or is preempted.
 """
 
@@ -123,10 +124,9 @@ class BlockAllocator:
 
         At most (len - 1) // block_size blocks are hits, so the block holding the last token is
         always computed (a zero-length query is not allowed downstream). Sets num_cached_tokens =
-        num_computed_tokens = hits * block_size. Full new blocks are registered at once, so an
-        identical prompt arriving while this one still runs already hits them — the scheduler must
-        therefore not run a sequence past blocks whose KV another sequence has yet to write (only
-        possible with chunked prefill: one batched forward writes each layer's KV before reading it)."""
+        num_computed_tokens = hits * block_size. New blocks enter the prefix cache only once their
+        KV exists (`mark_computed`), so a hit can never read a block another sequence has yet to
+        write — not with chunked prefill, and not after an abort or preemption mid-prefill."""
         if seq.block_table:
             raise RuntimeError(f"sequence {seq.seq_id} already has blocks {seq.block_table}; free it first")
         hits, needed, available = self._plan(seq)
@@ -138,8 +138,6 @@ class BlockAllocator:
         for bid in hits:
             self._share(bid)
         seq.block_table = hits + [self._take_free_block() for _ in range(needed)]
-        for i in range(len(hits), len(seq) // self.block_size):
-            self._seal(seq, i)
         seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
         self.stats.hits += len(hits)
         self.stats.misses += needed
@@ -160,8 +158,7 @@ class BlockAllocator:
         A token that starts a new block gets a fresh block. A token landing in a last block that
         other tables share triggers copy-on-write: this sequence moves to a fresh block and
         `(src, dst)` is returned so the KV cache copies the slots already written; otherwise None.
-        A token that fills its block registers it in the prefix cache (keeping an existing
-        registration of the same hash). Calling it again for the same length changes nothing."""
+        Calling it again for the same length changes nothing."""
         table = self._require_allocated(seq)
         n, bs = len(seq), self.block_size
         cow = None
@@ -172,9 +169,14 @@ class BlockAllocator:
         else:
             raise RuntimeError(f"append_slot makes room for one new token at a time: sequence {seq.seq_id} has "
                                f"{n} tokens but its block table covers {len(table) * bs}")
-        if n % bs == 0:
-            self._seal(seq, len(table) - 1)
         return cow
+
+    def mark_computed(self, seq: Sequence) -> None:
+        """Register `seq`'s full blocks whose KV is now written (the first num_computed_tokens
+        tokens) in the prefix cache, keeping an existing registration of the same hash. The engine
+        calls it after every forward."""
+        for i in range(min(seq.num_computed_tokens, len(seq)) // self.block_size):
+            self._seal(seq, i)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` (same tokens as `parent`) shares every parent block; copy-on-write splits them later."""

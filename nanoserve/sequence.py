@@ -19,6 +19,7 @@ class SequenceStatus(Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+    ABORTED = "aborted"
 
 
 @dataclass(eq=False)
@@ -30,6 +31,13 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     num_computed_tokens: int = 0  # tokens whose KV is in the cache (cached or computed)
     status: SequenceStatus = SequenceStatus.WAITING
+    # scheduling
+    request_id: str = ""
+    sample_index: int = 0  # which of a request's n samples this is
+    priority: int = 0  # lower runs first (vLLM's convention)
+    arrival_time: float = 0.0
+    needs_slot: bool = False  # a token was appended whose KV has no slot yet (append_slot pending)
+    num_preemptions: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)
@@ -45,3 +53,8 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    @property
+    def sort_key(self) -> tuple:
+        """Waiting order: priority, then arrival (FCFS), then creation."""
+        return (self.priority, self.arrival_time, self.seq_id)

@@ -1,0 +1,110 @@
+"""What a request gives back: `RequestOutput` (one per prompt) with one `CompletionOutput` per
+sample, and `IncrementalText`, which turns tokens into text deltas as they are generated.
+
+Shared by every batcher (static, dynamic, continuous), so a learner can compare them on the same
+outputs and timestamps; names follow vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request (vLLM's name); a request with SamplingParams(n=k) has k of them."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)  # generated ids, a final stop/EOS id included
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    token_times: list[float] = field(default_factory=list)  # when each token was sampled (perf_counter)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None  # queue time = first_scheduled_time - arrival_time
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    error: str | None = None  # set when this request failed on its own (the others go on)
+
+    # the first sample, for the common n = 1 case
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def token_times(self) -> list[float]:
+        return self.outputs[0].token_times
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finish_reason for o in self.outputs)
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token, seconds."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+
+class IncrementalText:
+    """Turns a growing list of token ids into text deltas, honouring stop strings.
+
+    Decoding the whole list each time is simple and always consistent with `decode`
+    (O(n²) in characters, fine for the lengths here). Text that could still become part of a
+    stop string, and a trailing incomplete UTF-8 character, are held back until they settle.
+    """
+
+    def __init__(self, tokenizer, stop: list[str], prompt_ids: Sequence[int] = ()):
+        self.tokenizer, self.stop = tokenizer, stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        # A few prompt tokens decoded in front of the output, then cut off again: whether a
+        # continuation starts with a space can depend on what precedes it (SentencePiece drops
+        # the space of a text's first word, but not of a continuation).
+        self.context = list(prompt_ids[-4:])
+        self.context_text = tokenizer.decode(self.context)
+        self.ids: list[int] = []
+        self.text = ""  # final text so far (stop string excluded)
+        self.emitted = 0
+
+    def add(self, token_id: int | None) -> tuple[str, bool]:
+        """Append a token (None: no text, e.g. EOS); return (new text, whether a stop string hit)."""
+        if token_id is not None:
+            self.ids.append(token_id)
+        full = self.tokenizer.decode(self.context + self.ids)[len(self.context_text):]
+        for s in self.stop:
+            at = full.find(s)
+            if at >= 0:
+                self.text = full[:at]
+                return self.flush(), True
+        self.text = full
+        safe = len(full.rstrip("\ufffd")) - self.hold
+        if safe <= self.emitted:
+            return "", False
+        delta = full[self.emitted:safe]
+        self.emitted = safe
+        return delta, False
+
+    def flush(self) -> str:
+        delta = self.text[self.emitted:]
+        self.emitted = len(self.text)
+        return delta
