@@ -5,9 +5,10 @@
     print(llm.generate("ROMEO:", SamplingParams(max_tokens=100))[0].text)
 """
 
-from .engine import LLM, LLMEngine, RequestOutput
+from .engine import LLM, AsyncLLMEngine, LLMEngine, RequestOutput
 from .errors import CheckpointError, ConfigError, NanoserveError
 from .sampling import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "LLMEngine", "RequestOutput", "SamplingParams", "NanoserveError", "CheckpointError", "ConfigError"]
+__all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "RequestOutput", "SamplingParams",
+           "NanoserveError", "CheckpointError", "ConfigError"]

@@ -20,6 +20,7 @@ Taught in notebooks/00_* to 03_*.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from collections.abc import Iterator, Sequence
@@ -39,7 +40,8 @@ from .sequence import Sequence as SequenceState
 from .sequence import SequenceStatus
 
 Prompt = str | Sequence[int]
-__all__ = ["LLM", "LLMEngine", "RequestOutput", "CompletionOutput", "IncrementalText", "kv_bytes_per_token"]
+__all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "RequestOutput", "CompletionOutput", "IncrementalText",
+           "kv_bytes_per_token"]
 
 
 def kv_bytes_per_token(cfg, dtype: torch.dtype) -> int:
@@ -99,6 +101,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, num_blocks, block_size)
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
+        self.last_num_seqs = 0  # sequences in the latest forward (for occupancy plots)
 
     @property
     def block_manager(self) -> BlockAllocator:
@@ -149,6 +152,14 @@ class LLMEngine:
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     priority: int = 0, arrival_time: float | None = None) -> str:
         """Queue a request; returns its id. Raises NanoserveError for bad input, QueueFullError when full."""
+        req = self.new_request(prompt, params, request_id, priority, arrival_time)
+        self.scheduler.add(req.samples[0].seq)  # may raise QueueFullError: then nothing is registered
+        self.requests[req.output.request_id] = req
+        return req.output.request_id
+
+    def new_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    priority: int = 0, arrival_time: float | None = None) -> _Request:
+        """A validated request with its first sequence, not queued anywhere (the batchers use it too)."""
         params = params or SamplingParams()
         prompt_ids = self.encode_prompt(prompt)
         max_new = self.check_fits(prompt_ids, params)
@@ -157,14 +168,12 @@ class LLMEngine:
             raise NanoserveError(f"request id {rid!r} is already in use")
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         seq = SequenceState(prompt_ids, request_id=rid, priority=priority, arrival_time=arrival)
-        self.scheduler.add(seq)  # may raise QueueFullError: then nothing is registered
         out = RequestOutput(rid, prompt if isinstance(prompt, str) else None, prompt_ids, arrival_time=arrival)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
         req = _Request(params, out, max_new, stop_ids)
         req.samples.append(self._new_sample(req, seq, 0))
         out.outputs = [req.samples[0].out]
-        self.requests[rid] = req
-        return rid
+        return req
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now: its sequences leave the scheduler and their blocks return to the pool."""
@@ -192,6 +201,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample; return the outputs of requests that advanced."""
         sched = self.scheduler.schedule()
+        self.last_num_seqs = len(sched.seqs)
         if not sched.seqs:
             return []
         for src, dst in sched.copies:  # copy-on-write before anyone writes into the copies
@@ -213,7 +223,10 @@ class LLMEngine:
             if len(req.samples) < req.params.n:  # prefill done: the other samples fork from here
                 samples += self._fork(req, seq)
             for s in samples:
-                self._sample(req, s, logits[row])
+                if self._sample(req, s, logits[row]):
+                    self.scheduler.finish(s.seq)
+                else:
+                    s.seq.needs_slot = True
             advanced[seq.request_id] = req.output
         for rid, out in advanced.items():
             if out.finished:
@@ -233,7 +246,8 @@ class LLMEngine:
         req.output.outputs = [s.out for s in req.samples]
         return children
 
-    def _sample(self, req: _Request, s: _Sample, logits: torch.Tensor) -> None:
+    def _sample(self, req: _Request, s: _Sample, logits: torch.Tensor) -> bool:
+        """Draw the sample's next token and apply the stop conditions; True when it finished."""
         token = sample_next(logits, req.params, s.seen, s.generator)
         now = time.perf_counter()
         if s.seen is not None:
@@ -253,10 +267,8 @@ class LLMEngine:
                 s.out.finish_reason = "length"
         if s.out.finish_reason:
             s.text.flush()
-            self.scheduler.finish(s.seq)
-        else:
-            s.seq.needs_slot = True
         s.out.text = s.text.text
+        return s.out.finish_reason is not None
 
 
 class LLM:
@@ -343,3 +355,57 @@ class LLM:
         if len(ids) > self.max_model_len:
             raise NanoserveError(f"{len(ids)} tokens exceed the model's context of {self.max_model_len}")
         return self.model(torch.tensor([ids], device=self.device))[0].float()
+
+
+class AsyncLLMEngine:
+    """An asyncio front for `LLMEngine`, for servers: many coroutines await their own outputs
+    while one background task steps the engine.
+
+        engine = AsyncLLMEngine(LLMEngine("demo"))
+        async for out in engine.generate("ROMEO:", SamplingParams(max_tokens=50)):
+            print(out.text)
+
+    Steps run in the event loop's thread between awaits (a step is milliseconds here; vLLM moves
+    the engine to its own process). A consumer that stops iterating — a client that disconnected —
+    aborts its request, which returns its blocks at once.
+    """
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._loop_task: asyncio.Task | None = None
+
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                       priority: int = 0):
+        """Yield the request's RequestOutput each step it advances; the last one is finished."""
+        rid = self.engine.add_request(prompt, params, request_id=request_id, priority=priority)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = queue
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            self._queues.pop(rid, None)
+            if not finished:
+                self.engine.abort_request(rid)
+
+    async def _run(self) -> None:
+        while self.engine.has_unfinished_requests():
+            try:
+                outs = self.engine.step()
+            except Exception as e:  # the engine broke: every waiting consumer gets the error
+                for q in self._queues.values():
+                    q.put_nowait(e)
+                raise
+            for out in outs:
+                q = self._queues.get(out.request_id)
+                if q is not None:
+                    q.put_nowait(out)
+            await asyncio.sleep(0)  # let consumers (and new requests) run between steps

@@ -175,7 +175,13 @@ class BlockAllocator:
         """Register `seq`'s full blocks whose KV is now written (the first num_computed_tokens
         tokens) in the prefix cache, keeping an existing registration of the same hash. The engine
         calls it after every forward."""
-        for i in range(min(seq.num_computed_tokens, len(seq)) // self.block_size):
+        if not self.enable_prefix_caching:
+            return
+        n = min(seq.num_computed_tokens, len(seq)) // self.block_size
+        first = n  # sealed blocks form a leading run: walk back to its end, not from block 0
+        while first > 0 and self.blocks[seq.block_table[first - 1]].hash is None:
+            first -= 1
+        for i in range(first, n):
             self._seal(seq, i)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

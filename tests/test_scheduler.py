@@ -173,3 +173,51 @@ def test_preemption_without_recompute_is_caught(path, reference):
     got, _ = _run_batched(engine, prompts, params)
     assert engine.scheduler.num_preemptions > 0
     assert got != reference(prompts, params)
+
+
+@pytest.mark.parametrize("kind", ["static", "dynamic", "continuous"])
+def test_every_batcher_equals_alone(path, reference, kind):
+    from nanoserve.batching import ContinuousBatcher, DynamicBatcher, StaticBatcher
+
+    prompts, params = _workload(n=24, seed=4)
+    engine = LLMEngine(path, block_size=BS, num_blocks=512, max_num_seqs=8)
+    batcher = {"static": lambda: StaticBatcher(engine, batch_size=8),
+               "dynamic": lambda: DynamicBatcher(engine, max_batch_size=8, max_wait_ms=5),
+               "continuous": lambda: ContinuousBatcher(engine)}[kind]()
+    arrivals = [i * 0.002 for i in range(len(prompts))]
+    outs = batcher.generate(prompts, params, arrivals=arrivals)
+    assert [o.token_ids for o in outs] == reference(prompts, params)
+    assert all(o.finished and o.ttft is not None for o in outs)
+    assert max(batcher.batch_sizes) > 1
+    assert engine.block_manager.num_free_blocks() == engine.block_manager.num_blocks
+
+
+def test_async_engine_serves_concurrent_consumers_and_aborts_the_abandoned(path):
+    import asyncio
+
+    from nanoserve import AsyncLLMEngine
+
+    engine = LLMEngine(path, block_size=BS, num_blocks=128)
+    aengine = AsyncLLMEngine(engine)
+    p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    async def full(prompt):
+        last = None
+        async for out in aengine.generate(prompt, p):
+            last = out
+        return last.token_ids
+
+    async def abandon(prompt):
+        async for out in aengine.generate(prompt, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)):
+            if len(out.token_ids) >= 2:
+                break  # the client goes away
+
+    async def main():
+        return await asyncio.gather(full([1, 2, 3]), full([4, 5]), abandon([6, 7, 8]), full([9]))
+
+    results = asyncio.run(main())
+    solo = LLM(path, block_size=BS, num_blocks=128)
+    expected = [solo.generate([pr], p)[0].token_ids for pr in ([1, 2, 3], [4, 5], [9])]
+    assert [results[0], results[1], results[3]] == expected
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks() == engine.block_manager.num_blocks
