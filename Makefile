@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/nanoserve generate --model demo --prompt "ROMEO:" --max-tokens 200 --temperature 0.8 --top-k 40 --seed 0
+	$(BIN)/nanoserve generate --model demo --prompt "ROMEO:" --max-tokens 120 --temperature 0.8 --top-k 40 --seed 0
 
 # The test command the README documents and .ci/run calls.
 test: $(STAMP)

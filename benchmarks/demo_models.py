@@ -3,7 +3,7 @@
     python benchmarks/demo_models.py [--data ../shared/corpora/tinyshakespeare/input.txt]
 
 For `demo` and `demo-draft` (nanoserve/assets/): validation loss on the held-out last 10 % of
-tinyshakespeare (non-overlapping windows: context 256, stride 255, every byte after the first
+tinyshakespeare (non-overlapping windows: context 128, stride 127, every byte after the first
 scored once; nats/byte = nats/token for a byte-level vocabulary), the draft's acceptance
 statistics against the target, then `card.json` (the numbers tests check) and `README.md`
 (the card) in each model's directory, and `benchmarks/demo_models.json`.
@@ -25,7 +25,7 @@ from nanoserve.train import load_bytes
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_DATA = HERE.parent.parent / "shared" / "corpora" / "tinyshakespeare" / "input.txt"
-VAL_CONTEXT, VAL_STRIDE = 256, 255
+VAL_CONTEXT, VAL_STRIDE = 128, 127
 
 
 def val_text(data: Path) -> str:
@@ -55,7 +55,7 @@ CARD = """# {name}
 | parameters | {params:,} |
 | vocabulary | bytes (256) + `<|endoftext|>`, a tiktoken encoding (`tokenizer.tiktoken`) |
 | data | tinyshakespeare `input.txt` (public domain), first 90 % of bytes train, last 10 % validation |
-| validation loss | **{val:.4f} nats/byte** ({bits:.3f} bits/byte), context 256, stride 255, {ntok:,} bytes |
+| validation loss | **{val:.4f} nats/byte** ({bits:.3f} bits/byte), context 128, stride 127, {ntok:,} bytes |
 | training | {steps} steps × {batch} × {block} bytes, AdamW, lr {lr} cosine → {min_lr}, seed {seed} |
 | training time | {time_min:.1f} min on {device} |
 | reproduce | `{command}` |

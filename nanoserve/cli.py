@@ -2,6 +2,7 @@
 
     nanoserve generate --model demo --prompt "ROMEO:" --max-tokens 100
     nanoserve eval --model demo --text FILE [--context N --stride S]
+    nanoserve bench throughput|latency [--model demo --num-requests N --out FILE.json]
 
 Generated text streams to stdout (text only, so it can be piped); statistics go to stderr.
 Bad input prints one line `nanoserve: error: ...` and exits with status 2, no traceback.
@@ -43,6 +44,16 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--context", type=int, help="window length in tokens (default: the model's context)")
     e.add_argument("--stride", type=int, help="tokens scored per window (default: context // 2)")
     e.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens of the file")
+
+    b = sub.add_parser("bench", help="benchmark static / dynamic / continuous batching (and HF generate)")
+    b.add_argument("workload", choices=["throughput", "latency"])
+    b.add_argument("--model", default="demo")
+    b.add_argument("--num-requests", type=int)
+    b.add_argument("--batch-size", type=int, default=16, help="static/dynamic batch size")
+    b.add_argument("--max-wait-ms", type=float, default=20.0, help="dynamic batching's wait")
+    b.add_argument("--rates", type=float, nargs="+", default=[2.0, 8.0, 32.0], help="latency: requests/s")
+    b.add_argument("--no-hf", action="store_true", help="throughput: skip the HF transformers baseline")
+    b.add_argument("--out", help="save the results as JSON here")
     return ap
 
 
@@ -78,10 +89,22 @@ def cmd_eval(args) -> None:
     print(res.table())
 
 
+def cmd_bench(args) -> None:
+    from . import bench
+
+    common = dict(model=args.model, batch_size=args.batch_size, max_wait_ms=args.max_wait_ms, out=args.out)
+    if args.num_requests:
+        common["n"] = args.num_requests
+    if args.workload == "throughput":
+        print(bench.format_throughput(bench.throughput(hf=not args.no_hf, **common)))
+    else:
+        print(bench.format_latency(bench.latency(rates=tuple(args.rates), **common)))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        {"generate": cmd_generate, "eval": cmd_eval}[args.command](args)
+        {"generate": cmd_generate, "eval": cmd_eval, "bench": cmd_bench}[args.command](args)
     except NanoserveError as e:
         print(f"nanoserve: error: {e}", file=sys.stderr)
         return 2

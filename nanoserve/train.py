@@ -62,8 +62,8 @@ PRESETS: dict[str, tuple[ModelConfig, TrainConfig]] = {
         TrainConfig(steps=3000, batch_size=32, block_size=128, lr=2e-3),
     ),
     "demo-draft": (
-        ModelConfig(arch="llama", vocab_size=BYTE_VOCAB, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                    intermediate_size=192, max_position_embeddings=256, norm_eps=1e-5,
+        ModelConfig(arch="llama", vocab_size=BYTE_VOCAB, hidden_size=128, n_layers=2, n_heads=4, n_kv_heads=2,
+                    intermediate_size=384, max_position_embeddings=256, norm_eps=1e-5,
                     tie_word_embeddings=True, eos_token_ids=[256]),
         TrainConfig(steps=1500, batch_size=32, block_size=128, lr=3e-3),
     ),
@@ -111,6 +111,20 @@ def init_weights(model: torch.nn.Module, n_layers: int) -> None:
             torch.nn.init.normal_(p, 0.0, std)
         elif name.endswith("bias"):
             torch.nn.init.zeros_(p)
+
+
+def trim_context(model, n: int):
+    """Positions past the training block length were never trained (GPT-2's learned position rows
+    stay at their random init; RoPE models never saw those distances), so the saved model's
+    context is the block length: generating further would produce noise."""
+    cfg = model.config
+    if cfg.max_position_embeddings <= n:
+        return model
+    cfg.max_position_embeddings = n
+    if cfg.arch == "gpt2":
+        wpe = model.transformer.wpe
+        model.transformer.wpe = torch.nn.Embedding(n, wpe.embedding_dim, _weight=wpe.weight.data[:n].clone())
+    return model
 
 
 def loss_fn(model, x, y, teacher=None, alpha: float = 1.0) -> torch.Tensor:
@@ -177,6 +191,7 @@ def train(model_cfg: ModelConfig, tc: TrainConfig, data_path: str | Path, out_di
             log["evals"].append(ev)
             tqdm.write(json.dumps(ev)) if progress else None
     log["train_time_s"] = round(time.perf_counter() - t0, 1)
+    model = trim_context(model, tc.block_size)
     log["threads"] = torch.get_num_threads()
     log["device"] = f"CPU ({platform.machine()}), {torch.get_num_threads()} threads"
     model.eval()
