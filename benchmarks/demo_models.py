@@ -69,7 +69,8 @@ def write_cards(results: dict) -> None:
     for name in ("demo", "demo-draft"):
         d = ASSETS / name
         log = json.loads((d / "train_log.json").read_text())
-        tc, mc = log["train_config"], log["model_config"]
+        tc = log["train_config"]
+        mc = load_model(name)[1].to_dict()  # the shipped config (context trimmed to the trained length)
         r = results[name]
         card = {**r, "train_time_s": log["train_time_s"], "train_device": log.get("device", "CPU"),
                 "evaluated": date.today().isoformat()}

@@ -53,7 +53,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], num_new: list[int]) -> torch.Tensor:
-        """Forward the new tokens of each sequence; return next-token logits [B, V] (float32)."""
+        """Forward the new tokens of each sequence; return next-token logits [B, V] (float32).
+
+        Decode rows (1 new token) and prefill rows run as two forwards: in one [B, T] rectangle,
+        every decode would be padded to the longest prefill chunk (a step admitting a 60-token
+        prompt beside 7 decodes would compute 8 × 60 token slots instead of 67). A packed
+        variable-length attention kernel (notebook 04) removes the padding altogether.
+        """
+        groups = [[i for i, n in enumerate(num_new) if n == 1], [i for i, n in enumerate(num_new) if n > 1]]
+        logits = [None] * len(seqs)
+        for rows in groups:
+            if rows:
+                out = self._forward([seqs[i] for i in rows], [num_new[i] for i in rows])
+                for i, row in zip(rows, out):
+                    logits[i] = row
+        return torch.stack(logits)
+
+    def _forward(self, seqs: list[Sequence], num_new: list[int]) -> torch.Tensor:
         input_ids, positions, slots, tables, lens = self.prepare(seqs, num_new)
         view = self.kv.view(slots, tables, lens)
         last = torch.tensor(num_new, device=self.device) - 1  # B: each row's last new token

@@ -1,0 +1,33 @@
+"""The benchmark harness itself: reproducible workloads, Poisson arrivals, a tiny end-to-end run."""
+
+from __future__ import annotations
+
+import statistics
+
+from nanoserve import bench
+
+
+def test_workload_is_reproducible_and_in_range():
+    a = bench.make_workload(20, (3, 9), (2, 5), vocab=50, seed=1)
+    b = bench.make_workload(20, (3, 9), (2, 5), vocab=50, seed=1)
+    assert a[0] == b[0] and [p.max_tokens for p in a[1]] == [p.max_tokens for p in b[1]]
+    assert all(3 <= len(p) <= 9 and all(0 <= t < 50 for t in p) for p in a[0])
+    assert all(2 <= p.max_tokens <= 5 and p.ignore_eos and p.temperature == 0 for p in a[1])
+
+
+def test_poisson_arrivals_have_the_requested_rate():
+    arr = bench.poisson_arrivals(4000, rate=8.0, seed=0)
+    gaps = [b - a for a, b in zip(arr, arr[1:])]
+    assert arr[0] == 0 and all(g >= 0 for g in gaps)
+    assert abs(statistics.mean(gaps) - 1 / 8) < 0.01  # mean gap 1/rate (±3 standard errors)
+    assert abs(statistics.stdev(gaps) - 1 / 8) < 0.015  # exponential: sd = mean
+
+
+def test_throughput_end_to_end_on_a_tiny_model(hf_checkpoints, tmp_path):
+    res = bench.throughput(model=str(hf_checkpoints["gpt2"][0]), n=6, in_range=(2, 6), out_range=(2, 5),
+                           batch_size=3, hf=True, out=str(tmp_path / "t.json"))
+    s = res["strategies"]
+    assert set(s) == {"static", "dynamic", "continuous", "hf_generate"}
+    for name in ("static", "dynamic", "continuous"):
+        assert s[name]["output_tokens"] == sum(p.max_tokens for p in bench.make_workload(6, (2, 6), (2, 5), 257)[1])
+    assert (tmp_path / "t.json").exists() and "continuous / HF" in bench.format_throughput(res)
