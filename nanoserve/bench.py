@@ -1,8 +1,9 @@
 """Benchmarks of the batching strategies: `nanoserve bench throughput` and `nanoserve bench latency`.
 
 throughput — offline: every request arrives at t = 0. The nano-vllm workload is 256 requests
-    with input and output lengths U[100, 1024]; on a CPU we scale it down (defaults: 64 requests,
-    U[10, 100] in and out, i.e. ~1/4 of the requests and ~1/10 of the lengths). Static, dynamic
+    with input and output lengths U[100, 1024]; on a CPU with the 128-byte-context demo model we
+    scale it down (defaults: 64 requests, U[8, 64] in and out: 1/4 of the requests, 1/16 of the
+    lengths, so prompt + output always fits the context). Static, dynamic
     and continuous batching run on the same model, and HF `transformers` `generate` on the same
     weights in padded static batches (left padding; each batch generates its longest request's
     length; the best of a few batch sizes is kept).
@@ -48,6 +49,22 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
     return out
 
 
+def _engine(model: str, batch_size: int) -> LLMEngine:
+    """fp32 on CPU, no prefix caching (random prompts share nothing), a pool that holds twice the
+    static batch at full context (so batching, not memory, is what the strategies differ in)."""
+    from .loader import load_model
+
+    ctx = load_model(model)[1].max_position_embeddings
+    return LLMEngine(model, dtype="float32", device="cpu", max_num_seqs=batch_size * 2, max_num_batched_tokens=512,
+                     enable_prefix_caching=False, num_blocks=2 * batch_size * -(-ctx // 16))
+
+
+def _check_lengths(engine: LLMEngine, in_range, out_range) -> None:
+    if in_range[1] + out_range[1] > engine.max_model_len:
+        raise NanoserveError(f"input up to {in_range[1]} + output up to {out_range[1]} tokens exceeds the model's "
+                             f"context of {engine.max_model_len}; choose shorter lengths")
+
+
 def _batchers(engine: LLMEngine, batch_size: int, max_wait_ms: float):
     return {"static": StaticBatcher(engine, batch_size), "dynamic": DynamicBatcher(engine, batch_size, max_wait_ms),
             "continuous": ContinuousBatcher(engine)}
@@ -90,12 +107,11 @@ def hf_generate_throughput(model_path: Path, prompts, params, batch_sizes=(8, 16
     return best
 
 
-def throughput(model: str = "demo", n: int = 64, in_range=(10, 100), out_range=(10, 100), batch_size: int = 16,
+def throughput(model: str = "demo", n: int = 64, in_range=(8, 64), out_range=(8, 64), batch_size: int = 16,
                max_wait_ms: float = 20.0, hf: bool = True, seed: int = 0, out: str | None = None) -> dict:
-    engine = LLMEngine(model, dtype="float32", device="cpu", max_num_seqs=batch_size * 2,
-                       max_num_batched_tokens=512, enable_prefix_caching=False)
+    engine = _engine(model, batch_size)
+    _check_lengths(engine, in_range, out_range)
     prompts, params = make_workload(n, in_range, out_range, engine.config.vocab_size, seed)
-    engine.check_fits(prompts[0], params[0])
     res = {"benchmark": "throughput", "model": model, "requests": n, "input_len": list(in_range),
            "output_len": list(out_range), "batch_size": batch_size, "strategies": {}}
     for name, batcher in _batchers(engine, batch_size, max_wait_ms).items():
@@ -109,10 +125,10 @@ def throughput(model: str = "demo", n: int = 64, in_range=(10, 100), out_range=(
     return _finish(res, out)
 
 
-def latency(model: str = "demo", n: int = 48, rates=(2.0, 8.0, 32.0), in_range=(10, 100), out_range=(10, 100),
+def latency(model: str = "demo", n: int = 48, rates=(2.0, 8.0, 32.0), in_range=(8, 64), out_range=(8, 64),
             batch_size: int = 16, max_wait_ms: float = 20.0, seed: int = 0, out: str | None = None) -> dict:
-    engine = LLMEngine(model, dtype="float32", device="cpu", max_num_seqs=batch_size * 2,
-                       max_num_batched_tokens=512, enable_prefix_caching=False)
+    engine = _engine(model, batch_size)
+    _check_lengths(engine, in_range, out_range)
     prompts, params = make_workload(n, in_range, out_range, engine.config.vocab_size, seed)
     res = {"benchmark": "latency", "model": model, "requests": n, "rates": list(rates), "batch_size": batch_size,
            "max_wait_ms": max_wait_ms, "results": {}}

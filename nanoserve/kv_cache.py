@@ -16,8 +16,9 @@ Per forward step the engine binds a `CacheView` with three tensors:
 - `block_tables` [B, max_blocks]: each sequence's blocks in logical order,
 - `context_lens` [B]: tokens of each sequence in the cache once this step's are written.
 `CacheView.update` writes the new K/V, then gathers each sequence's K/V back into logical
-order ([B, S, Hkv, D], S = max_blocks · block_size) for plain-torch attention; slots past a
-sequence's context are zeroed so stale or poisoned memory can never leak in.
+order ([B, S, Hkv, D], S = max_blocks · block_size) for plain-torch attention. Every block is
+zeroed when it receives its first token, so slots past a sequence's context hold zeros and stale
+or poisoned memory can never leak in.
 
 **The contiguous cache** (`KVCache`) is the special case `block_table = arange`: each row owns
 consecutive blocks. It runs through exactly the same code, which is why the paged and
@@ -63,13 +64,20 @@ class CacheView:
         self.slot_mapping = slot_mapping  # B, T
         self.block_tables = block_tables  # B, max_blocks
         self.context_lens = context_lens  # B
-        S = block_tables.shape[1] * cache.block_size
-        self.valid = torch.arange(S, device=context_lens.device)[None, :] < context_lens[:, None]  # B, S
         # Which of the B·T new tokens are real (padding has slot −1), resolved once for all layers.
         flat_slots = slot_mapping.flatten()  # B·T
         self.src = (flat_slots >= 0).nonzero().squeeze(1)  # indices of real tokens in the B·T rows
         self.dst = flat_slots[self.src]  # their slots
         self.gather_ids = block_tables.flatten()  # B·max_blocks
+        # A block receives its first token at offset 0 (tokens are written in order; copy-on-write
+        # and prefix-cache blocks arrive with their contents). Zero it then, in every layer: a
+        # block's slots past the context then hold zeros, never stale or poisoned memory, so the
+        # gathered K/V need no masking of their own (the attention mask hides those slots, and
+        # 0 · weight stays 0 where NaN · 0 would not).
+        fresh = self.dst[self.dst % cache.block_size == 0] // cache.block_size
+        if fresh.numel():
+            cache.k[:, fresh] = 0
+            cache.v[:, fresh] = 0
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Write this step's k, v [B, T, Hkv, D] into their slots; return every sequence's [B, S, Hkv, D]."""
@@ -80,8 +88,7 @@ class CacheView:
         flat = pool.view(nb * bs, H, D)  # slots, Hkv, D
         flat.index_copy_(0, self.dst, new.reshape(-1, H, D).index_select(0, self.src))
         B = self.block_tables.shape[0]
-        out = pool.index_select(0, self.gather_ids).view(B, -1, H, D)  # B, S, Hkv, D  (logical order)
-        return out.where(self.valid[:, :, None, None], 0.0)
+        return pool.index_select(0, self.gather_ids).view(B, -1, H, D)  # B, S, Hkv, D  (logical order)
 
     def advance(self, n: int) -> None:  # the engine tracks lengths; nothing to do here
         pass

@@ -7,7 +7,7 @@ model:
 
     input_ids, positions  [B, T]   new tokens per row, right-padded to the longest
     slot_mapping          [B, T]   where each new token's K/V goes (−1: padding, not written)
-    block_tables          [B, M]   each row's blocks, padded with block 0 (never read: masked)
+    block_tables          [B, M]   each row's blocks, padded with its own first block (masked)
     context_lens          [B]      tokens in the cache once this step's are written
 
 and returns each row's next-token logits (the logits of its last new token).
@@ -46,6 +46,7 @@ class ModelRunner:
             positions[i, :n] = pos
             positions[i, n:] = start + n - 1  # padding queries look at real keys (no empty softmax)
             slot_mapping[i, :n] = table[pos // bs] * bs + pos % bs
+            block_tables[i] = table[0]  # padding entries repeat a block of this row: read, then masked
             block_tables[i, : len(table)] = table
             context_lens[i] = start + n
         to = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
