@@ -1,0 +1,351 @@
+"""Paged decode attention: one new query token per sequence attends to its K/V in a block pool.
+
+**The layout** (PagedAttention, Kwon et al. 2023; see nanoserve/kv_cache.py). Per layer, keys
+and values live in pools `[num_blocks, block_size, Hkv, D]`. Token t of sequence b lives in
+block `block_tables[b, t // block_size]` at offset `t % block_size`, i.e. in *slot*
+`block_tables[b, t // block_size] · block_size + t % block_size`. Two kernels work on it:
+
+- `store_kv` scatters a step's new k, v [N, Hkv, D] into their slots (`slot_mapping` [N],
+  −1 = padding, not written). One program per token.
+- `paged_attention` is decode attention: q [B, H, D] holds each sequence's newest token, whose
+  own K/V is already stored, so it sees keys 0 .. context_lens[b] − 1. A program walks its
+  sequence's keys in tiles of BLOCK_N *token positions*; each position finds its slot through
+  the block table, so a tile may straddle pages and the tile size is free of the page size.
+  The tiles fold into an *online softmax*, as in kernels/flash_attention.py: per tile of scores
+  x, m' = max(m, max x), l = l·exp(m − m') + Σ exp(x − m'), acc = acc·exp(m − m') + exp(x − m')·v,
+  and out = acc / l at the end (m, l, acc in fp32).
+
+**GQA, one program per group.** H query heads share Hkv kv heads (head h reads kv head
+h // G, G = H // Hkv). A program owns one (sequence, kv head) and all G query heads of its
+group as the rows of a [G_PAD, D] tile, so every K/V tile is loaded once per group, not G
+times, and q·kᵀ, p·v are real matrix products (tl.dot; G_PAD = G rounded up to ≥ 16, the
+smallest tl.dot a GPU accepts; padding rows have q = 0 and are never stored).
+
+**Split-KV** (Flash-Decoding, Dao et al. 2023). Decode has only B·Hkv programs: with a small
+batch most of a GPU's SMs would sit idle while a few programs walk long contexts. So the
+context is cut into `num_splits` contiguous ranges, each of ⌈⌈len / num_splits⌉ / BLOCK_N⌉
+tiles; grid (B, Hkv, num_splits). Split s returns its *partial* result, normalised over its own
+keys, and the log-sum-exp of its scores:
+
+    out_s = Σ_{j∈s} exp(x_j − lse_s) v_j,    lse_s = log Σ_{j∈s} exp(x_j)       (x = q·k·scale)
+
+A second small kernel merges them exactly: with lse = logsumexp_s(lse_s),
+out = Σ_s exp(lse_s − lse) · out_s. A split whose range is empty (short sequences, or more
+splits than tiles) is *neutral*: l = 0, out_s = 0, lse_s = −inf, weight exp(−inf) = 0. Split 0
+is never empty (context_lens ≥ 1), so lse is finite. With num_splits = 1 the kernel's single
+partial already is the answer and is written straight to `out`. `choose_num_splits` says how
+many splits fill a GPU.
+
+**Precision.** Tiles are converted to fp32 right after their load (Triton's interpreter cannot
+do bf16 arithmetic, DESIGN.md §5). tl.dot then uses IEEE fp32 for fp32 inputs, and TF32 for
+fp16/bf16 inputs: TF32 keeps 10 mantissa bits, so fp16 and bf16 values convert to it exactly
+and only p (the probabilities) is rounded, as much as the usual cast of p to fp16 would. The
+scale is folded into exp2: exp(x) = 2^(x·log2 e). Taught in notebooks/ (kernels).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INT_DTYPES = (torch.int32, torch.int64)
+BLOCK_N = 32  # key positions per tile (a multiple of 16 for tl.dot on a GPU)
+MIN_TILES_PER_SPLIT = 4  # choose_num_splits: a split must have work enough to pay for the merge
+MAX_SPLITS = 32
+
+
+# ----------------------------------------------------------------------------- store_kv
+def store_kv_ref(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Plain torch: write k, v [N, Hkv, D] into slots `slot_mapping` [N] of the pools (−1: skip)."""
+    nb, bs, Hkv, D = k_cache.shape
+    keep = slot_mapping >= 0  # N
+    slots = slot_mapping[keep]  # n real tokens
+    k_cache.view(nb * bs, Hkv, D)[slots] = k[keep]  # slots, Hkv, D
+    v_cache.view(nb * bs, Hkv, D)[slots] = v[keep]
+
+
+@triton.jit
+def _store_kv_kernel(
+    K, V, K_cache, V_cache, slot_mapping,
+    stride_kn, stride_kh, stride_vn, stride_vh,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    n_kv_heads, head_dim,
+    BLOCK_SIZE: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
+):
+    i = tl.program_id(0)  # one program per new token
+    slot = tl.load(slot_mapping + i).to(tl.int64)
+    blk, off = tl.maximum(slot, 0) // BLOCK_SIZE, tl.maximum(slot, 0) % BLOCK_SIZE
+    offs_h = tl.arange(0, H_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    mask = (offs_h[:, None] < n_kv_heads) & (offs_d[None, :] < head_dim) & (slot >= 0)  # H_PAD, D_PAD
+    k = tl.load(K + i * stride_kn + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    v = tl.load(V + i * stride_vn + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    kc = K_cache + blk * stride_kcb + off * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :]
+    vc = V_cache + blk * stride_vcb + off * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :]
+    tl.store(kc, k, mask=mask)  # bit copy: no arithmetic, so bf16 is fine in the interpreter
+    tl.store(vc, v, mask=mask)
+
+
+def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Write k, v [N, Hkv, D] into the pools [num_blocks, block_size, Hkv, D] at `slot_mapping` [N]."""
+    _check_pools(k_cache, v_cache)
+    nb, bs, Hkv, D = k_cache.shape
+    if k.shape != v.shape or k.dim() != 3 or k.shape[1:] != (Hkv, D):
+        raise ValueError(f"k, v must be [N, {Hkv}, {D}] like the pools, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.dtype != k_cache.dtype or v.dtype != k_cache.dtype:
+        raise ValueError(f"k, v dtypes {k.dtype}, {v.dtype} differ from the pools' {k_cache.dtype}")
+    if slot_mapping.shape != (k.shape[0],) or slot_mapping.dtype not in _INT_DTYPES:
+        raise ValueError(f"slot_mapping must be int32/int64 [{k.shape[0]}], got {slot_mapping.dtype} "
+                         f"{tuple(slot_mapping.shape)}")
+    if _can_read_values() and slot_mapping.numel() and (
+            slot_mapping.min() < -1 or slot_mapping.max() >= nb * bs):
+        raise ValueError(f"slot_mapping holds slots outside −1 .. {nb * bs - 1}")
+    if k.shape[0] == 0:
+        return
+    k, v, slot_mapping = k.contiguous(), v.contiguous(), slot_mapping.contiguous()
+    _store_kv_kernel[(k.shape[0],)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        *k_cache.stride()[:3], *v_cache.stride()[:3],
+        Hkv, D,
+        BLOCK_SIZE=bs, H_PAD=triton.next_power_of_2(Hkv), D_PAD=triton.next_power_of_2(D),
+    )
+
+
+# ----------------------------------------------------------------------------- the reference
+def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, sm_scale=None) -> torch.Tensor:
+    """Plain torch, one sequence at a time: gather its keys through the block table, softmax, sum values."""
+    B, H, D = q.shape
+    bs, Hkv = k_cache.shape[1], k_cache.shape[2]
+    scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
+    out = torch.empty_like(q)  # B, H, D
+    for b in range(B):
+        pos = torch.arange(int(context_lens[b]), device=q.device)  # L
+        slots = block_tables[b, pos // bs].long() * bs + pos % bs  # L
+        k = k_cache.flatten(0, 1)[slots].float().repeat_interleave(H // Hkv, dim=1)  # L, H, D
+        v = v_cache.flatten(0, 1)[slots].float().repeat_interleave(H // Hkv, dim=1)  # L, H, D
+        scores = torch.einsum("hd,lhd->hl", q[b].float(), k) * scale  # H, L
+        out[b] = torch.einsum("hl,lhd->hd", scores.softmax(dim=-1), v).to(q.dtype)  # H, D
+    return out
+
+
+def merge_splits_ref(partial_out, partial_lse, out_dtype=torch.float32) -> torch.Tensor:
+    """Plain torch: out = Σ_s exp(lse_s − lse) · out_s over partials [B, H, S, D], lse [B, H, S]."""
+    weights = partial_lse.softmax(dim=-1)  # B, H, S   (= exp(lse_s − logsumexp_s lse_s))
+    return (weights[..., None] * partial_out).sum(dim=2).to(out_dtype)  # B, H, D
+
+
+# ----------------------------------------------------------------------------- the kernels
+@triton.jit
+def _paged_decode_kernel(
+    Q, K_cache, V_cache, block_tables, context_lens, Out, Lse,
+    stride_qb, stride_qh,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    stride_bt,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    qk_scale, head_dim,
+    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
+    D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    ctx = tl.load(context_lens + b).to(tl.int32)
+    split_len = tl.cdiv(tl.cdiv(ctx, tl.num_programs(2)), BLOCK_N) * BLOCK_N  # whole tiles per split
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, ctx)  # lo ≥ hi: an empty split, the loop below never runs
+
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kvh * GROUP + offs_g  # G_PAD   the query heads of this kv head's group
+    row_mask = offs_g < GROUP
+    d_mask = offs_d < head_dim
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)  # G_PAD, D_PAD
+    q = q * qk_scale  # scale · log2 e, so exp2 below is exp
+
+    m = tl.full([G_PAD], float("-inf"), tl.float32)  # running max (log2 units)
+    l = tl.zeros([G_PAD], tl.float32)  # running denominator
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)  # running numerator
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + offs_n  # BLOCK_N   token positions in the sequence
+        n_mask = pos < hi
+        blk = tl.load(block_tables + b * stride_bt + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        off = pos % BLOCK_SIZE
+        kv_mask = n_mask[:, None] & d_mask[None, :]  # masked slots are never read: NaN there cannot leak
+        k = tl.load(K_cache + blk[:, None] * stride_kcb + off[:, None] * stride_kcs + kvh * stride_kch
+                    + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)  # BLOCK_N, D_PAD
+        v = tl.load(V_cache + blk[:, None] * stride_vcb + off[:, None] * stride_vcs + kvh * stride_vch
+                    + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)  # BLOCK_N, D_PAD
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # G_PAD, BLOCK_N
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every tile holds ≥ 1 real key
+        alpha = tl.exp2(m - m_new)  # G_PAD   rescales what came before
+        p = tl.exp2(s - m_new[:, None])  # G_PAD, BLOCK_N
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)  # G_PAD, D_PAD
+        m = m_new
+
+    nonempty = l > 0
+    l_safe = tl.where(nonempty, l, 1.0)
+    out = acc / l_safe[:, None]  # G_PAD, D_PAD   an empty split leaves 0 here
+    lse = tl.where(nonempty, m * 0.6931471805599453 + tl.log(l_safe), float("-inf"))  # G_PAD, natural log
+    o_ptrs = Out + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+    tl.store(Lse + b * stride_lb + heads * stride_lh + split, lse, mask=row_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    Part, Lse, Out,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+    num_splits, head_dim,
+    S_PAD: tl.constexpr, D_PAD: tl.constexpr,
+):
+    b, h = tl.program_id(0), tl.program_id(1)  # one program per (sequence, query head)
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    s_mask = offs_s < num_splits
+    lse = tl.load(Lse + b * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"))  # S_PAD
+    w = tl.exp(lse - tl.max(lse, axis=0))  # S_PAD   the max is finite (split 0 is never empty)
+    w = w / tl.sum(w, axis=0)  # = exp(lse_s − logsumexp lse); empty splits get exactly 0
+    mask = s_mask[:, None] & (offs_d[None, :] < head_dim)
+    part = tl.load(Part + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
+                   mask=mask, other=0.0)  # S_PAD, D_PAD
+    out = tl.sum(w[:, None] * part, axis=0)  # D_PAD
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=offs_d < head_dim)
+
+
+# ----------------------------------------------------------------------------- the wrappers
+def paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, sm_scale=None, num_splits=1,
+                          *, out=None):
+    """The first phase alone: partial outputs [B, H, num_splits, D] and their log-sum-exps [B, H, num_splits] (fp32).
+
+    With `out` ([B, H, D]) and num_splits = 1, the single partial is written straight to it instead.
+    """
+    _check_attention(q, k_cache, v_cache, block_tables, context_lens, num_splits)
+    if out is not None and (num_splits != 1 or out.shape != q.shape or out.stride(-1) != 1):
+        raise ValueError("out= is for num_splits = 1 only, and must be shaped like q, contiguous in head_dim")
+    B, H, D = q.shape
+    bs, Hkv = k_cache.shape[1], k_cache.shape[2]
+    q, block_tables, context_lens = q.contiguous(), block_tables.contiguous(), context_lens.contiguous()
+    scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
+    lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)  # B, H, S
+    if out is None:
+        part = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)  # B, H, S, D
+        part_strides = part.stride()[:3]
+    else:  # num_splits == 1: the "partial" is the final output, in q's dtype
+        part, part_strides = out, (out.stride(0), out.stride(1), 0)
+    _paged_decode_kernel[(B, Hkv, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, part, lse,
+        q.stride(0), q.stride(1),
+        *k_cache.stride()[:3], *v_cache.stride()[:3],
+        block_tables.stride(0),
+        *part_strides, lse.stride(0), lse.stride(1),
+        scale * 1.4426950408889634, D,  # · log2 e
+        BLOCK_SIZE=bs, GROUP=H // Hkv, G_PAD=max(16, triton.next_power_of_2(H // Hkv)),
+        D_PAD=max(16, triton.next_power_of_2(D)), BLOCK_N=BLOCK_N,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    return part, lse
+
+
+def merge_splits(partial_out, partial_lse, out_dtype=torch.float32) -> torch.Tensor:
+    """The second phase: merge partials [B, H, S, D] with their lse [B, H, S] into out [B, H, D]."""
+    B, H, S, D = partial_out.shape
+    if partial_lse.shape != (B, H, S):
+        raise ValueError(f"partial_lse must be [{B}, {H}, {S}], got {tuple(partial_lse.shape)}")
+    partial_out, partial_lse = partial_out.contiguous(), partial_lse.contiguous()
+    out = torch.empty(B, H, D, dtype=out_dtype, device=partial_out.device)  # B, H, D
+    _merge_splits_kernel[(B, H)](
+        partial_out, partial_lse, out,
+        *partial_out.stride()[:3], *partial_lse.stride()[:2], out.stride(0), out.stride(1),
+        S, D,
+        S_PAD=max(2, triton.next_power_of_2(S)), D_PAD=triton.next_power_of_2(D),
+    )
+    return out
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, context_lens, sm_scale=None, num_splits=1) -> torch.Tensor:
+    """Decode attention over paged K/V.
+
+    q [B, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks]
+    and context_lens [B] (int32 or int64); returns out [B, H, D] in q's dtype. Query head h reads
+    kv head h // (H // Hkv); sequence b sees keys 0 .. context_lens[b] − 1. sm_scale defaults to
+    1/√D. num_splits > 1 runs Flash-Decoding's split-KV pass, then the LSE-weighted merge.
+    """
+    if num_splits == 1:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)  # B, H, D
+        paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, sm_scale, 1, out=out)
+        return out
+    part, lse = paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, sm_scale, num_splits)
+    return merge_splits(part, lse, q.dtype)
+
+
+def choose_num_splits(batch: int, num_heads: int, max_context: int, num_sms: int | None = None) -> int:
+    """How many KV splits fill the GPU: S = ⌈num_sms / (batch · num_heads)⌉, capped.
+
+    batch · num_heads is the number of programs without splitting; pass the number of *kv* heads,
+    since one program serves a whole GQA group. One wave of num_sms programs keeps every SM busy,
+    so more programs than that buy nothing. Caps: each split keeps ≥ MIN_TILES_PER_SPLIT tiles of
+    BLOCK_N keys (a split shorter than that costs more in launch and merge than it saves), and
+    at most MAX_SPLITS. num_sms = None reads it from the current CUDA device; on CPU the answer is 1.
+    """
+    if num_sms is None:
+        if not torch.cuda.is_available():
+            return 1
+        num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    programs = max(1, batch * num_heads)
+    fill = -(-num_sms // programs)  # ⌈num_sms / programs⌉
+    by_length = max(1, -(-max_context // BLOCK_N) // MIN_TILES_PER_SPLIT)
+    return max(1, min(fill, by_length, MAX_SPLITS))
+
+
+# ----------------------------------------------------------------------------- validation
+def _can_read_values() -> bool:
+    """Value checks (slot and length ranges) read tensors on the host: never inside CUDA graph capture."""
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def _check_pools(k_cache, v_cache) -> None:
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache, v_cache must both be [num_blocks, block_size, Hkv, D], got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if k_cache.dtype not in _DTYPES or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"pools must share one of {_DTYPES}, got {k_cache.dtype} and {v_cache.dtype}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("pools must be contiguous in head_dim (stride 1)")
+
+
+def _check_attention(q, k_cache, v_cache, block_tables, context_lens, num_splits) -> None:
+    _check_pools(k_cache, v_cache)
+    nb, bs, Hkv, D = k_cache.shape
+    if q.dim() != 3 or q.shape[2] != D:
+        raise ValueError(f"q must be [B, H, {D}] (head_dim of the pools), got {tuple(q.shape)}")
+    B, H, _ = q.shape
+    if q.dtype != k_cache.dtype:
+        raise ValueError(f"q dtype {q.dtype} differs from the pools' {k_cache.dtype}")
+    if H % Hkv:
+        raise ValueError(f"query heads H={H} must be a multiple of kv heads Hkv={Hkv} (GQA)")
+    if block_tables.dim() != 2 or block_tables.shape[0] != B or block_tables.dtype not in _INT_DTYPES:
+        raise ValueError(f"block_tables must be int32/int64 [{B}, max_blocks], got {block_tables.dtype} "
+                         f"{tuple(block_tables.shape)}")
+    if context_lens.shape != (B,) or context_lens.dtype not in _INT_DTYPES:
+        raise ValueError(f"context_lens must be int32/int64 [{B}], got {context_lens.dtype} "
+                         f"{tuple(context_lens.shape)}")
+    if len({t.device for t in (q, k_cache, v_cache, block_tables, context_lens)}) != 1:
+        raise ValueError("q, pools, block_tables and context_lens must be on one device")
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be an int ≥ 1, got {num_splits!r}")
+    if B == 0 or not _can_read_values():
+        return
+    capacity = block_tables.shape[1] * bs
+    if context_lens.min() < 1 or context_lens.max() > capacity:
+        raise ValueError(f"context_lens must lie in 1 .. {capacity} (max_blocks · block_size), "
+                         f"got {context_lens.tolist()}")
+    used = torch.arange(block_tables.shape[1], device=q.device) < (context_lens[:, None] + bs - 1) // bs  # B, M
+    if ((block_tables < 0) | (block_tables >= nb))[used].any():
+        raise ValueError(f"block_tables hold block ids outside 0 .. {nb - 1} within context_lens")
