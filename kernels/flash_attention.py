@@ -1,0 +1,317 @@
+"""Flash attention for prefill: packed variable-length sequences, GQA, and a paged KV prefix.
+
+Attention is softmax(q·kᵀ·scale + mask)·v. Written out (`flash_attention_ref` below), it
+materialises a [Lq, Lk] score matrix per head: O(L²) memory, and on a GPU O(L²) traffic to
+and from slow HBM. FlashAttention (Dao et al. 2022) never builds that matrix. One program
+owns a tile of BLOCK_M queries, keeps it on chip, and streams the keys and values past it in
+tiles of BLOCK_N, folding each tile into a running result with the *online softmax*:
+
+    for each key tile j:   s = q·k_jᵀ·scale                    # BLOCK_M, BLOCK_N
+                           m' = max(m, rowmax(s))              # new running max
+                           p = exp(s − m')                     # unnormalised tile probabilities
+                           l = l·exp(m − m') + rowsum(p)       # running denominator
+                           acc = acc·exp(m − m') + p·v_j       # running numerator
+    out = acc / l
+
+Rescaling by exp(m − m') whenever the max grows keeps every exponent ≤ 0 (no overflow) and
+makes the result exactly softmax·v once all tiles are in. We follow FlashAttention-2 (Dao
+2023): the loop over keys is the inner loop, queries are split across programs, the division
+by l happens once at the end, and the scale is folded into exp2 (exp(x) = 2^(x·log2 e)).
+Accumulation is fp32 whatever the input dtype; the output has q's dtype.
+
+**Packed variable lengths** (FlashAttention's "varlen" convention). B sequences of different
+lengths are concatenated without padding: q [total_q, H, D], k/v [total_k, Hkv, D], and
+`cu_seqlens_q` [B+1] holds the cumulative lengths, so sequence b's queries are rows
+cu_seqlens_q[b] : cu_seqlens_q[b+1]. Grid: (cdiv(max Lq, BLOCK_M), B·H); a program whose
+query tile starts past its sequence's end returns at once.
+
+**Bottom-right causal alignment.** A sequence with Lq queries and Lk keys is the *last* Lq
+tokens of Lk: query i sits at position Lk − Lq + i and sees keys 0..Lk − Lq + i. With Lq = Lk
+that is ordinary causal attention; with Lq < Lk the new tokens see everything before them.
+A query that sees no key at all (only possible when Lq > Lk) gets output 0.
+
+**Paged prefix** (chunked prefill, prefix-cache hits). With `block_tables`, `k_cache`,
+`v_cache` and `context_lens`, sequence b first has `context_lens[b]` = P tokens already in the
+paged cache ([num_blocks, block_size, Hkv, D]; token t lives in block
+block_table[t // block_size] at offset t % block_size, see nanoserve/kv_cache.py), then its Lk
+new keys at positions P..P + Lk − 1. The kernel runs two loops over key tiles with one online
+softmax across both: first the prefix, gathering each key row through the block table, then the
+new keys. Masked loads never touch a slot past P, so whatever sits in unused blocks (the tests
+fill them with NaN) cannot leak in.
+
+**GQA.** H query heads share Hkv kv heads: query head h reads kv head h // (H // Hkv).
+
+Triton notes (DESIGN.md §5): on CPU this runs in Triton's interpreter, which cannot do bf16
+arithmetic, so there every tile is converted to fp32 straight after its load (`UPCAST`); on a
+GPU, q·kᵀ and p·v stay in the input dtype for tensor cores (fp32 inputs use TF32 there, so GPU
+tests compare with a tolerance). Tiles are 16×16 in the interpreter (each program step costs
+milliseconds) and 64×64 on a GPU; BLOCK_D is head_dim rounded up to a power of two (≥ 16, as
+tl.dot needs), with masked loads for head dims like 80. Taught in notebooks/ (kernels).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+# ----------------------------------------------------------------------------- the kernel
+@triton.jit
+def _flash_attention_kernel(
+    Q, K, V, O, cu_seqlens_q, cu_seqlens_k,
+    block_tables, K_cache, V_cache, context_lens,
+    stride_qt, stride_qh, stride_qd,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_ot, stride_oh, stride_od,
+    stride_bt_b, stride_bt_i,
+    stride_kcb, stride_kcs, stride_kch, stride_kcd,
+    stride_vcb, stride_vcs, stride_vch, stride_vcd,
+    qk_scale, H, group, head_dim, page_size,
+    CAUSAL: tl.constexpr, HAS_PREFIX: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    b = tl.program_id(1) // H
+    h = tl.program_id(1) % H
+    kvh = h // group  # GQA: `group` query heads share this kv head
+
+    q_start = tl.load(cu_seqlens_q + b)
+    Lq = tl.load(cu_seqlens_q + b + 1) - q_start
+    if start_m >= Lq:  # this sequence has fewer than start_m queries: nothing to do
+        return
+    k_start = tl.load(cu_seqlens_k + b)
+    Lk = tl.load(cu_seqlens_k + b + 1) - k_start
+    P = 0
+    if HAS_PREFIX:
+        P = tl.load(context_lens + b)
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)  # BLOCK_M     query index within the sequence
+    offs_n = tl.arange(0, BLOCK_N)  # BLOCK_N
+    offs_d = tl.arange(0, BLOCK_D)  # BLOCK_D
+    m_ok = offs_m < Lq  # BLOCK_M
+    d_ok = offs_d < head_dim  # BLOCK_D
+    q_pos = P + Lk - Lq + offs_m  # BLOCK_M     absolute positions (bottom-right alignment)
+
+    q_ptrs = (Q + (q_start + offs_m).to(tl.int64)[:, None] * stride_qt + h * stride_qh
+              + offs_d[None, :] * stride_qd)  # BLOCK_M, BLOCK_D
+    q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # BLOCK_M, BLOCK_D
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # BLOCK_M     running max (log2 units)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # BLOCK_M     running denominator
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # BLOCK_M, BLOCK_D running numerator
+
+    # ---- loop 1: the cached prefix, keys at positions 0..P-1, gathered through the block table
+    if HAS_PREFIX:
+        for start_n in range(0, P, BLOCK_N):
+            t = start_n + offs_n  # BLOCK_N     token index = position within the prefix
+            n_ok = t < P  # BLOCK_N
+            blk = tl.load(block_tables + b * stride_bt_b + (t // page_size) * stride_bt_i,
+                          mask=n_ok, other=0).to(tl.int64)  # BLOCK_N     physical block of each token
+            off = t % page_size  # BLOCK_N     offset inside the block
+            kT = tl.load(K_cache + blk[None, :] * stride_kcb + off[None, :] * stride_kcs + kvh * stride_kch
+                         + offs_d[:, None] * stride_kcd,
+                         mask=d_ok[:, None] & n_ok[None, :], other=0.0)  # BLOCK_D, BLOCK_N
+            v = tl.load(V_cache + blk[:, None] * stride_vcb + off[:, None] * stride_vcs + kvh * stride_vch
+                        + offs_d[None, :] * stride_vcd,
+                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # BLOCK_N, BLOCK_D
+            valid = n_ok[None, :] & m_ok[:, None]  # BLOCK_M, BLOCK_N
+            if CAUSAL:  # only bites when Lq > Lk (queries before the prefix's end)
+                valid = valid & (t[None, :] <= q_pos[:, None])
+            m_i, l_i, acc = _online_softmax_step(q, kT, v, valid, m_i, l_i, acc, qk_scale, UPCAST)
+
+    # ---- loop 2: this step's new keys, at positions P..P+Lk-1
+    hi = Lk
+    if CAUSAL:  # the tile's last query sees new keys up to Lk - Lq + (start_m + BLOCK_M - 1)
+        hi = tl.minimum(Lk, Lk - Lq + start_m + BLOCK_M)
+    for start_n in range(0, hi, BLOCK_N):
+        j = start_n + offs_n  # BLOCK_N     key index within the sequence's new keys
+        n_ok = j < Lk  # BLOCK_N
+        rows = (k_start + j).to(tl.int64)  # BLOCK_N
+        kT = tl.load(K + rows[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None] * stride_kd,
+                     mask=d_ok[:, None] & n_ok[None, :], other=0.0)  # BLOCK_D, BLOCK_N
+        v = tl.load(V + rows[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :] * stride_vd,
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # BLOCK_N, BLOCK_D
+        valid = n_ok[None, :] & m_ok[:, None]  # BLOCK_M, BLOCK_N
+        if CAUSAL:
+            valid = valid & ((P + j)[None, :] <= q_pos[:, None])
+        m_i, l_i, acc = _online_softmax_step(q, kT, v, valid, m_i, l_i, acc, qk_scale, UPCAST)
+
+    # A row that saw no key has l = 0 and acc = 0: output 0, not 0/0.
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # BLOCK_M, BLOCK_D
+    o_ptrs = (O + (q_start + offs_m).to(tl.int64)[:, None] * stride_ot + h * stride_oh
+              + offs_d[None, :] * stride_od)  # BLOCK_M, BLOCK_D
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _online_softmax_step(q, kT, v, valid, m_i, l_i, acc, qk_scale, UPCAST: tl.constexpr):
+    """Fold one key tile into (m, l, acc). Scores are in log2 units: qk_scale = sm_scale·log2(e)."""
+    if UPCAST:
+        kT = kT.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, kT) * qk_scale  # BLOCK_M, BLOCK_N
+    s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # BLOCK_M
+    # A row with every key masked so far has m_new = -inf; subtract 0 instead so that
+    # exp2(-inf - m) is 0, not exp2(-inf + inf) = NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # BLOCK_M
+    alpha = tl.math.exp2(m_i - m_safe)  # BLOCK_M     rescales what was accumulated under the old max
+    p = tl.math.exp2(s - m_safe[:, None])  # BLOCK_M, BLOCK_N
+    l_i = l_i * alpha + tl.sum(p, 1)  # BLOCK_M
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)  # BLOCK_M, BLOCK_D
+    return m_new, l_i, acc
+
+
+# ----------------------------------------------------------------------------- the wrapper
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                    causal: bool = True, sm_scale: float | None = None,
+                    block_tables: torch.Tensor | None = None, k_cache: torch.Tensor | None = None,
+                    v_cache: torch.Tensor | None = None, context_lens: torch.Tensor | None = None,
+                    *, block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
+    """Attention over packed sequences.  q [total_q, H, D]; k, v [total_k, Hkv, D] -> [total_q, H, D].
+
+    cu_seqlens_q/k [B+1]: cumulative lengths (sequence b is rows cu[b]:cu[b+1]). causal: bottom-right
+    aligned (query i of Lq sits at position P + Lk − Lq + i). sm_scale defaults to 1/√D. Optional paged
+    prefix: block_tables [B, max_blocks], k_cache/v_cache [num_blocks, block_size, Hkv, D],
+    context_lens [B] (P, cached tokens per sequence, read before the new keys). block_m/block_n
+    override the tile sizes (16 in the interpreter, 64 on a GPU).
+    """
+    has_prefix = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, block_tables, k_cache, v_cache, context_lens)
+    total_q, H, D = q.shape
+    Hkv = k.shape[1]
+    B = cu_seqlens_q.numel() - 1
+    out = torch.empty_like(q)  # total_q, H, D
+    max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if B > 0 else 0
+    if total_q == 0 or max_seqlen_q == 0:
+        return out
+    sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
+
+    on_gpu = q.device.type == "cuda"
+    block_m = block_m or (64 if on_gpu else 16)
+    block_n = block_n or (64 if on_gpu else 16)
+    block_d = max(16, triton.next_power_of_2(D))
+    cu_q = cu_seqlens_q.to(torch.int32)  # B+1
+    cu_k = cu_seqlens_k.to(torch.int32)  # B+1
+    if has_prefix:
+        bt = block_tables.to(torch.int32)  # B, max_blocks
+        ctx = context_lens.to(torch.int32)  # B
+        kc, vc, page_size = k_cache, v_cache, k_cache.shape[1]
+    else:  # dummies: the HAS_PREFIX=False kernel never reads them
+        bt = ctx = cu_q
+        kc, vc, page_size = k, v, 1
+    bt_strides = bt.stride() if has_prefix else (0, 0)
+    kc_strides = kc.stride() if has_prefix else (0, 0, 0, 0)
+    vc_strides = vc.stride() if has_prefix else (0, 0, 0, 0)
+
+    grid = (triton.cdiv(max_seqlen_q, block_m), B * H)
+    _flash_attention_kernel[grid](
+        q, k, v, out, cu_q, cu_k, bt, kc, vc, ctx,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        *bt_strides, *kc_strides, *vc_strides,
+        sm_scale * math.log2(math.e), H, H // Hkv, D, page_size,
+        CAUSAL=bool(causal), HAS_PREFIX=has_prefix, UPCAST=not on_gpu,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        **({"num_warps": 4, "num_stages": 2} if on_gpu else {}),
+    )
+    return out
+
+
+def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, block_tables, k_cache, v_cache, context_lens) -> bool:
+    """Raise ValueError on inconsistent inputs; return whether a paged prefix is given."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"q, k, v must be [tokens, heads, head_dim]; got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    _, H, D = q.shape
+    Hkv = k.shape[1]
+    if k.shape[2] != D:
+        raise ValueError(f"head_dim differs: q has {D}, k/v have {k.shape[2]}")
+    if Hkv == 0 or H % Hkv != 0:
+        raise ValueError(f"query heads ({H}) must be a multiple of kv heads ({Hkv}) for GQA")
+    if not 1 <= D <= 256:
+        raise ValueError(f"head_dim must be in 1..256, got {D}")
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one dtype among {_DTYPES}; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
+        if cu.dim() != 1 or cu.numel() < 1 or cu.dtype not in _INT_DTYPES or cu.device != q.device:
+            raise ValueError(f"{name} must be a 1-D int32 tensor [B+1] on {q.device}; got {tuple(cu.shape)} "
+                             f"{cu.dtype} on {cu.device}")
+        host = cu.cpu()
+        if host[0] != 0 or host[-1] != total or bool((host[1:] < host[:-1]).any()):
+            raise ValueError(f"{name} must rise from 0 to {total} (the packed length); got {host.tolist()}")
+    B = cu_seqlens_q.numel() - 1
+    if cu_seqlens_k.numel() != B + 1:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k give different batch sizes: {B} vs {cu_seqlens_k.numel() - 1}")
+
+    paged = (block_tables, k_cache, v_cache, context_lens)
+    if all(t is None for t in paged):
+        return False
+    if any(t is None for t in paged):
+        raise ValueError("a paged prefix needs all of block_tables, k_cache, v_cache and context_lens")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[2:] != (Hkv, D):
+        raise ValueError(f"k_cache/v_cache must both be [num_blocks, block_size, {Hkv}, {D}]; got "
+                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"k_cache/v_cache dtype must be {q.dtype}; got {k_cache.dtype}, {v_cache.dtype}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != B or block_tables.dtype not in _INT_DTYPES:
+        raise ValueError(f"block_tables must be an int32 [B={B}, max_blocks] tensor; got "
+                         f"{tuple(block_tables.shape)} {block_tables.dtype}")
+    if context_lens.shape != (B,) or context_lens.dtype not in _INT_DTYPES:
+        raise ValueError(f"context_lens must be an int32 [B={B}] tensor; got {tuple(context_lens.shape)} "
+                         f"{context_lens.dtype}")
+    if any(t.device != q.device for t in paged):
+        raise ValueError(f"block_tables, k_cache, v_cache, context_lens must be on {q.device}")
+    capacity = block_tables.shape[1] * k_cache.shape[1]
+    lens = context_lens.cpu()
+    if bool((lens < 0).any()) or bool((lens > capacity).any()):
+        raise ValueError(f"context_lens must be in 0..{capacity} (max_blocks · block_size); got {lens.tolist()}")
+    return True
+
+
+# ----------------------------------------------------------------------------- the reference
+def flash_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                        causal: bool = True, sm_scale: float | None = None,
+                        block_tables: torch.Tensor | None = None, k_cache: torch.Tensor | None = None,
+                        v_cache: torch.Tensor | None = None, context_lens: torch.Tensor | None = None,
+                        ) -> torch.Tensor:
+    """`flash_attention` in plain torch: one sequence at a time, the full score matrix, fp32 math."""
+    has_prefix = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, block_tables, k_cache, v_cache, context_lens)
+    H, D = q.shape[1:]
+    group = H // k.shape[1]
+    scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
+    out = torch.zeros_like(q)  # total_q, H, D
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(cu_q) - 1):
+        qb = q[cu_q[b]:cu_q[b + 1]].float()  # Lq, H, D
+        kb = k[cu_k[b]:cu_k[b + 1]].float()  # Lk, Hkv, D
+        vb = v[cu_k[b]:cu_k[b + 1]].float()  # Lk, Hkv, D
+        if has_prefix:  # gather the P cached tokens through the block table, then put the new ones after
+            bs = k_cache.shape[1]
+            t = torch.arange(int(context_lens[b]), device=q.device)  # P
+            slots = block_tables[b, t // bs].long() * bs + t % bs  # P
+            kb = torch.cat([k_cache.flatten(0, 1)[slots].float(), kb])  # P + Lk, Hkv, D
+            vb = torch.cat([v_cache.flatten(0, 1)[slots].float(), vb])  # P + Lk, Hkv, D
+        Lq, S = qb.shape[0], kb.shape[0]
+        kb = kb.repeat_interleave(group, dim=1)  # S, H, D
+        vb = vb.repeat_interleave(group, dim=1)  # S, H, D
+        scores = torch.einsum("thd,shd->hts", qb, kb) * scale  # H, Lq, S
+        if causal:  # bottom-right: query i sits at position S - Lq + i
+            q_pos = torch.arange(S - Lq, S, device=q.device)  # Lq
+            scores = scores.masked_fill(torch.arange(S, device=q.device)[None, :] > q_pos[:, None], float("-inf"))
+        probs = scores.softmax(dim=-1).nan_to_num(0.0)  # H, Lq, S   (a row with no visible key -> 0)
+        out[cu_q[b]:cu_q[b + 1]] = torch.einsum("hts,shd->thd", probs, vb).to(q.dtype)  # Lq, H, D
+    return out
