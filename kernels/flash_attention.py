@@ -221,7 +221,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         sm_scale * math.log2(math.e), H, H // Hkv, D, page_size,
         CAUSAL=bool(causal), HAS_PREFIX=has_prefix, UPCAST=not on_gpu,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        **({"num_warps": 4, "num_stages": 2} if on_gpu else {}),
+        **({"num_warps": 8 if block_m >= 128 else 4, "num_stages": 2} if on_gpu else {}),
     )
     return out
 
