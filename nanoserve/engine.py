@@ -287,10 +287,6 @@ class LLM:
     def block_manager(self) -> BlockAllocator:
         return self.engine.block_manager
 
-    @block_manager.setter
-    def block_manager(self, bm: BlockAllocator) -> None:
-        self.engine.block_manager = bm
-
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         return self.engine.encode_prompt(prompt)
 

@@ -111,13 +111,13 @@ def test_forced_hash_collision_never_corrupts_output(engines):
     warm, cold = engines
     bm = warm.block_manager
     colliding = BlockAllocator(bm.num_blocks, bm.block_size, True, hash_fn=lambda parent, tokens: 42)
-    warm.block_manager = colliding
+    warm.engine.block_manager = colliding
     a, b = list(range(60, 72)), list(range(80, 92))  # different tokens, same (forced) hashes
     warm.generate([a], GREEDY)
     out_b = warm.generate([b], GREEDY)[0]
     assert out_b.num_cached_tokens == 0
     assert out_b.token_ids == cold.generate([b], GREEDY)[0].token_ids
-    warm.block_manager = bm
+    warm.engine.block_manager = bm
     colliding.check_invariants()
     assert colliding.num_free_blocks() == colliding.num_blocks
 

@@ -22,7 +22,6 @@ def corpus(tmp_path):
 
 def test_training_lowers_the_loss_and_saves_a_loadable_checkpoint(corpus, tmp_path):
     cfg, tc = PRESETS["tiny"]
-    before = None
     model, log = train(cfg, tc, corpus, tmp_path / "tiny", progress=False)
     first, last = log["evals"][0]["val_loss"], log["evals"][-1]["val_loss"]
     before = torch.log(torch.tensor(257.0)).item()  # an untrained model predicts ~uniformly
