@@ -5,9 +5,19 @@
     print(llm.generate("ROMEO:", SamplingParams(max_tokens=100))[0].text)
 """
 
-from .engine import LLM, AsyncLLMEngine, LLMEngine, RequestOutput
-from .errors import CheckpointError, ConfigError, NanoserveError
-from .sampling import SamplingParams
+import os
+
+import torch
+
+# Without CUDA, nanoserve's Triton kernels (nanoserve.kernels) run in Triton's interpreter. It has
+# to be switched on before Triton is first imported — and torch may import Triton on its own
+# (torch._dynamo) — so as early as possible: here (DESIGN.md §5).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from .engine import LLM, AsyncLLMEngine, LLMEngine, RequestOutput  # noqa: E402
+from .errors import CheckpointError, ConfigError, NanoserveError  # noqa: E402
+from .sampling import SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "RequestOutput", "SamplingParams",

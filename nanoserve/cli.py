@@ -2,7 +2,8 @@
 
     nanoserve generate --model demo --prompt "ROMEO:" --max-tokens 100
     nanoserve eval --model demo --text FILE [--context N --stride S]
-    nanoserve bench throughput|latency [--model demo --num-requests N --out FILE.json]
+    nanoserve bench throughput|latency|speculative [--model demo --num-requests N --out FILE.json]
+    nanoserve quantize --model demo --method gptq --bits 4 --group-size 128 --calib FILE --out DIR
 
 Generated text streams to stdout (text only, so it can be piped); statistics go to stderr.
 Bad input prints one line `nanoserve: error: ...` and exits with status 2, no traceback.
@@ -23,12 +24,20 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", help="float32, float16 or bfloat16 (default: float32 on CPU, bfloat16 on CUDA)")
 
 
+def _add_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative-model", help="a draft model (e.g. demo-draft) for speculative decoding")
+    p.add_argument("--speculative", choices=["draft", "ngram"], help="the proposer (ngram: prompt lookup, no draft)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="γ, draft tokens per step (1..16)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="nanoserve", description="An educational LLM inference engine.")
     sub = ap.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text from a prompt (streams to stdout)")
     _add_model_args(g)
+    g.add_argument("--attention-backend", choices=["torch", "triton"],
+                   help="attention over the KV cache (default: triton on CUDA, torch on CPU)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
@@ -37,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--seed", type=int)
     g.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    _add_spec_args(g)
 
     e = sub.add_parser("eval", help="perplexity of a model on a text file (sliding window)")
     _add_model_args(e)
@@ -46,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens of the file")
 
     b = sub.add_parser("bench", help="benchmark static / dynamic / continuous batching (and HF generate)")
-    b.add_argument("workload", choices=["throughput", "latency"])
+    b.add_argument("workload", choices=["throughput", "latency", "speculative"],
+                   help="speculative: the target alone vs speculative decoding, γ = 1..8, T = 0 and 1")
     b.add_argument("--model", default="demo")
     b.add_argument("--num-requests", type=int)
     b.add_argument("--batch-size", type=int, default=16, help="static/dynamic batch size")
@@ -54,6 +65,20 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--rates", type=float, nargs="+", default=[2.0, 8.0, 32.0], help="latency: requests/s")
     b.add_argument("--no-hf", action="store_true", help="throughput: skip the HF transformers baseline")
     b.add_argument("--out", help="save the results as JSON here")
+    _add_spec_args(b)
+
+    q = sub.add_parser("quantize", help="quantize a model's linears (RTN, GPTQ or AWQ), save in GPTQ format")
+    _add_model_args(q)
+    q.add_argument("--method", choices=["rtn", "gptq", "awq"], default="gptq")
+    q.add_argument("--bits", type=int, default=4, help="2..8 (the GPTQ format stores 2, 3, 4 or 8)")
+    q.add_argument("--group-size", type=int, default=128, help="weights per (scale, zero); -1 = one group per row")
+    q.add_argument("--asym", action="store_true", help="asymmetric grid (zero points per group; default symmetric)")
+    q.add_argument("--act-order", action="store_true", help="GPTQ: quantize columns by decreasing activation energy")
+    q.add_argument("--calib", help="calibration text file (GPTQ and AWQ need one)")
+    q.add_argument("--nsamples", type=int, default=32, help="calibration windows")
+    q.add_argument("--seqlen", type=int, help="tokens per window (default: min(context, 512))")
+    q.add_argument("--seed", type=int, default=0, help="which windows of the calibration text")
+    q.add_argument("--out", required=True, help="output directory (config.json + model.safetensors)")
     return ap
 
 
@@ -64,7 +89,8 @@ def cmd_generate(args) -> None:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             repetition_penalty=args.repetition_penalty, max_tokens=args.max_tokens,
                             seed=args.seed, stop=args.stop)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
+              **_spec_kwargs(args))
     n_prompt = len(llm.encode_prompt(args.prompt))
     start = time.perf_counter()
     n_out = 0
@@ -74,9 +100,19 @@ def cmd_generate(args) -> None:
         n_out = len(out[1].token_ids)
     elapsed = time.perf_counter() - start
     sys.stdout.write("\n")
+    spec = out[1].outputs[0].spec_stats if n_out else None
+    spec_note = (f" speculative: acceptance={spec.acceptance_rate:.2f} tokens/step={spec.tokens_per_step:.2f}"
+                 if spec is not None and spec.num_steps else "")
     print(f"[nanoserve] model={args.model} device={llm.device} dtype={str(llm.dtype).removeprefix('torch.')} "
           f"prompt_tokens={n_prompt} generated_tokens={n_out} time={elapsed:.2f}s "
-          f"tokens/s={n_out / elapsed:.1f}", file=sys.stderr)
+          f"tokens/s={n_out / elapsed:.1f}{spec_note}", file=sys.stderr)
+
+
+def _spec_kwargs(args) -> dict:
+    if args.speculative_model is None and args.speculative is None:
+        return {}
+    return dict(speculative_model=args.speculative_model, speculative=args.speculative,
+                num_speculative_tokens=args.num_speculative_tokens)
 
 
 def cmd_eval(args) -> None:
@@ -92,6 +128,11 @@ def cmd_eval(args) -> None:
 def cmd_bench(args) -> None:
     from . import bench
 
+    if args.workload == "speculative":
+        print(bench.format_speculative(bench.speculative(
+            model=args.model, draft=args.speculative_model or "demo-draft", out=args.out,
+            **({"n": args.num_requests} if args.num_requests else {}))))
+        return
     common = dict(model=args.model, batch_size=args.batch_size, max_wait_ms=args.max_wait_ms, out=args.out)
     if args.num_requests:
         common["n"] = args.num_requests
@@ -101,10 +142,33 @@ def cmd_bench(args) -> None:
         print(bench.format_latency(bench.latency(rates=tuple(args.rates), **common)))
 
 
+def cmd_quantize(args) -> None:
+    from .evaluate import read_text
+    from .loader import load_model
+    from .quant.checkpoint import save_quantized
+    from .quant.model import QuantizeConfig, calibration_ids, quantize_model
+
+    config = QuantizeConfig(method=args.method, bits=args.bits, group_size=args.group_size, sym=not args.asym,
+                            act_order=args.act_order)
+    if args.method != "rtn" and not args.calib:
+        raise NanoserveError(f"--method {args.method} needs --calib FILE (text to calibrate on)")
+    text = read_text(args.calib) if args.calib else None
+    model, cfg, tok = load_model(args.model, dtype=args.dtype, device=args.device)
+    seqlen = args.seqlen or min(cfg.max_position_embeddings, 512)
+    calib = calibration_ids(tok, text, args.nsamples, seqlen, args.seed) if text is not None else None
+    start = time.perf_counter()
+    result = quantize_model(model, calib, config)
+    out = save_quantized(model, result, args.out, tokenizer_from=args.model)
+    print(f"[nanoserve] {args.method} {args.bits}-bit g{args.group_size}: {len(result.qweights)} linears in "
+          f"{time.perf_counter() - start:.1f}s; block output errors "
+          f"{', '.join(f'{e:.2e}' for e in result.block_errors) or '(no calibration)'}; saved to {out}",
+          file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        {"generate": cmd_generate, "eval": cmd_eval, "bench": cmd_bench}[args.command](args)
+        {"generate": cmd_generate, "eval": cmd_eval, "bench": cmd_bench, "quantize": cmd_quantize}[args.command](args)
     except NanoserveError as e:
         print(f"nanoserve: error: {e}", file=sys.stderr)
         return 2

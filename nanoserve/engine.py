@@ -38,6 +38,7 @@ from .sampling import SamplingParams, make_generator, sample_next
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Sequence as SequenceState
 from .sequence import SequenceStatus
+from .spec_decode import DraftModelProposer, NgramDraft, SpecDecodeConfig, SpecDecoder
 
 Prompt = str | Sequence[int]
 __all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "RequestOutput", "CompletionOutput", "IncrementalText",
@@ -76,12 +77,21 @@ class LLMEngine:
     bytes when given, else to hold 8 full-context sequences. Prefix caching is on by default.
     Scheduling: at most `max_num_seqs` sequences and `max_num_batched_tokens` new tokens per
     step; chunked prefill on by default; `max_waiting` bounds the queue (None: unbounded).
+    Attention: `attention_backend` "torch" (gather + SDPA) or "triton" (the paged kernels of
+    nanoserve.kernels); None picks triton on CUDA and torch on CPU (see kv_cache.py).
     """
 
     def __init__(self, model: str = "demo", dtype: str | torch.dtype | None = None, device: str | None = None,
                  block_size: int = 16, enable_prefix_caching: bool = True, kv_cache_memory: int | None = None,
                  num_blocks: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                 enable_chunked_prefill: bool = True, max_waiting: int | None = None):
+                 enable_chunked_prefill: bool = True, max_waiting: int | None = None,
+                 attention_backend: str | None = None, speculative_model: str | None = None,
+                 speculative: str | None = None, num_speculative_tokens: int = 4, speculative_adaptive: bool = True):
+        spec_cfg = None
+        if speculative_model is not None or speculative is not None:  # checked before any model loads
+            spec_cfg = SpecDecodeConfig(speculative or "draft", num_speculative_tokens, speculative_model,
+                                        speculative_adaptive)
+            spec_cfg.validate()
         self.model, self.config, self.tokenizer = load_model(model, dtype=dtype, device=device)
         self.model_name = str(model)
         self.device = next(self.model.parameters()).device
@@ -98,10 +108,34 @@ class LLMEngine:
         sched_cfg = SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, max_waiting)
         self.scheduler = Scheduler(sched_cfg, BlockAllocator(num_blocks, block_size, enable_prefix_caching),
                                    self.max_model_len)
-        self.runner = ModelRunner(self.model, num_blocks, block_size)
+        self.runner = ModelRunner(self.model, num_blocks, block_size, attention_backend)
+        self.attention_backend = self.runner.attention_backend
+        self.spec = None if spec_cfg is None else self._build_spec(spec_cfg, num_blocks, block_size)
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self.last_num_seqs = 0  # sequences in the latest forward (for occupancy plots)
+
+    def _build_spec(self, cfg: SpecDecodeConfig, num_blocks: int, block_size: int) -> SpecDecoder:
+        max_len = self.max_model_len
+        if cfg.method == "ngram":
+            proposer = NgramDraft(cfg.ngram_max, cfg.ngram_min)
+        else:
+            try:
+                draft, dcfg, dtok = load_model(cfg.draft_model, dtype=self.dtype, device=self.device)
+            except NanoserveError as e:
+                raise NanoserveError(f"speculative model {cfg.draft_model!r} could not be loaded: {e}") from e
+            if dcfg.vocab_size != self.config.vocab_size:
+                raise NanoserveError(f"the draft model's vocabulary ({dcfg.vocab_size} tokens) differs from the "
+                                     f"target's ({self.config.vocab_size}); speculative decoding needs one shared "
+                                     "tokenizer")
+            probe = "Speculative decoding needs one shared tokenizer: ÀÉ 123 !?"
+            if dtok is not None and dtok.encode(probe) != self.tokenizer.encode(probe):
+                raise NanoserveError("the draft model's tokenizer encodes text differently from the target's; "
+                                     "speculative decoding needs one shared tokenizer")
+            max_len = min(max_len, dcfg.max_position_embeddings)
+            proposer = DraftModelProposer(draft, num_blocks, block_size, self.attention_backend)
+            cost = sum(p.numel() for p in draft.parameters()) / sum(p.numel() for p in self.model.parameters())
+        return SpecDecoder(cfg, proposer, self.block_manager, max_len, cost if cfg.method == "draft" else 0.0)
 
     @property
     def block_manager(self) -> BlockAllocator:
@@ -182,7 +216,7 @@ class LLMEngine:
             return
         for s in req.samples:
             if s.out.finish_reason is None:
-                self.scheduler.finish(s.seq, SequenceStatus.ABORTED)
+                self._finish(s.seq, SequenceStatus.ABORTED)
                 s.out.finish_reason = "abort"
                 s.out.text = s.text.text
         req.output.finish_time = time.perf_counter()
@@ -202,6 +236,9 @@ class LLMEngine:
         """Schedule, run one forward, sample; return the outputs of requests that advanced."""
         sched = self.scheduler.schedule()
         self.last_num_seqs = len(sched.seqs)
+        if self.spec is not None:
+            for seq in sched.preempted:  # recomputed later: the draft's cache is rebuilt then too
+                self.spec.proposer.free(seq)
         if not sched.seqs:
             return []
         for src, dst in sched.copies:  # copy-on-write before anyone writes into the copies
@@ -212,19 +249,39 @@ class LLMEngine:
             if out.first_scheduled_time is None:
                 out.first_scheduled_time = now
                 out.num_cached_tokens = seq.num_cached_tokens
-        logits = self.runner.run(sched.seqs, sched.num_new)  # B, V
+        proposals = self._speculate(sched) if self.spec is not None else {}
+        if proposals:  # verification rows score all their drafts: logits [1 + γ, V] per row
+            num_logits = [1 + len(proposals[i].draft_ids) if i in proposals else 1 for i in range(len(sched.seqs))]
+            logits = self.runner.run(sched.seqs, sched.num_new, num_logits)
+        else:
+            logits = self.runner.run(sched.seqs, sched.num_new)  # B, V
         advanced: dict[str, RequestOutput] = {}
         for row, seq in enumerate(sched.seqs):
+            req = self.requests[seq.request_id]
+            if row in proposals:  # accept / reject the drafts, roll back, then emit like any step
+                s = req.samples[seq.sample_index]
+                finished = False
+                for token in self.spec.accept(proposals[row], logits[row]):
+                    finished = self._append_token(req, s, token)
+                    if finished:
+                        break
+                self.block_manager.mark_computed(seq)
+                if finished:
+                    self._finish(seq)
+                else:
+                    seq.needs_slot = True
+                advanced[seq.request_id] = req.output
+                continue
+            row_logits = logits[row] if not proposals else logits[row][-1]  # V
             self.block_manager.mark_computed(seq)  # full blocks with KV become prefix-cache hits
             if seq.num_computed_tokens < len(seq):
                 continue  # a prefill chunk: no token to sample yet
-            req = self.requests[seq.request_id]
             samples = [req.samples[seq.sample_index]]
             if len(req.samples) < req.params.n:  # prefill done: the other samples fork from here
                 samples += self._fork(req, seq)
             for s in samples:
-                if self._sample(req, s, logits[row]):
-                    self.scheduler.finish(s.seq)
+                if self._sample(req, s, row_logits):
+                    self._finish(s.seq)
                 else:
                     s.seq.needs_slot = True
             advanced[seq.request_id] = req.output
@@ -233,6 +290,40 @@ class LLMEngine:
                 out.finish_time = time.perf_counter()
                 del self.requests[rid]
         return list(advanced.values())
+
+    def _speculate(self, sched) -> dict:
+        """Draft tokens for the decoding rows that speculate this step and append them (with KV
+        slots) to their sequences; returns {row: Proposal}. See nanoserve/spec_decode.py."""
+        budget = self.scheduler.config.max_num_batched_tokens - sched.num_tokens  # leftover: no saturation
+        rows, where = [], []
+        for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_new)):
+            if n != 1 or seq.num_computed_tokens + 1 != len(seq) or budget <= 0:
+                continue  # a prefill chunk, or no budget left
+            req = self.requests[seq.request_id]
+            if len(req.samples) < req.params.n:
+                continue  # about to fork its samples: the first token is drawn plainly
+            s = req.samples[seq.sample_index]
+            gamma = min(self.spec.choose_gamma(seq, req.params, req.max_new - len(s.out.token_ids)), budget)
+            if gamma > 0:
+                rows.append((seq, gamma, req.params, s.generator))
+                where.append(i)
+                budget -= gamma
+                s.out.spec_stats = self.spec.state(seq).stats
+        if not rows:
+            return {}
+        proposals = {}
+        for i, prop in zip(where, self.spec.propose_and_extend(rows)):
+            if prop.draft_ids:
+                sched.num_new[i] += len(prop.draft_ids)
+                proposals[i] = prop
+        for src, dst in self.spec.copies:  # drafts that landed in a shared block
+            self.runner.kv.copy_block(src, dst)
+        return proposals
+
+    def _finish(self, seq: SequenceState, status: SequenceStatus = SequenceStatus.FINISHED) -> None:
+        self.scheduler.finish(seq, status)
+        if self.spec is not None:
+            self.spec.free(seq)
 
     def _fork(self, req: _Request, parent: SequenceState) -> list[_Sample]:
         children = []
@@ -248,7 +339,10 @@ class LLMEngine:
 
     def _sample(self, req: _Request, s: _Sample, logits: torch.Tensor) -> bool:
         """Draw the sample's next token and apply the stop conditions; True when it finished."""
-        token = sample_next(logits, req.params, s.seen, s.generator)
+        return self._append_token(req, s, sample_next(logits, req.params, s.seen, s.generator))
+
+    def _append_token(self, req: _Request, s: _Sample, token: int) -> bool:
+        """Add a generated token to the sample and its output; True when a stop condition hit."""
         now = time.perf_counter()
         if s.seen is not None:
             s.seen = torch.cat([s.seen, torch.tensor([token], device=self.device)])

@@ -108,16 +108,17 @@ def load_model(name_or_path, dtype=None, device=None):
     path = resolve_model_path(name_or_path)
     if path.is_file() and path.suffix == ".bin":
         cfg, tensors = read_llama2c(path)
-        tok_dir = path.parent
+        tok_dir, quantization = path.parent, None
     elif path.is_dir() and (path / "config.json").is_file():
         cfg = read_hf_config(path / "config.json")
+        quantization = json.loads((path / "config.json").read_text()).get("quantization_config")
         tensors = read_safetensors_dir(path)
         tok_dir = path
     else:
         raise CheckpointError(
             f"{path} is not a checkpoint: expected a directory with config.json + model.safetensors, "
             "or a llama2.c .bin file")
-    model = build_from_tensors(cfg, tensors, torch_dtype, dev)
+    model = build_from_tensors(cfg, tensors, torch_dtype, dev, quantization)
     tokenizer = load_tokenizer(tok_dir)
     return model, cfg, tokenizer
 
@@ -171,15 +172,25 @@ def normalize_hf_names(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> di
     return out
 
 
-def build_from_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor],
-                       dtype: torch.dtype, device: torch.device) -> CausalLM:
-    """Create the model without random init (on "meta") and copy every weight in, checking shapes."""
+def build_from_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                       device: torch.device, quantization: dict | None = None) -> CausalLM:
+    """Create the model without random init (on "meta") and copy every weight in, checking shapes.
+
+    With a quantization_config (GPTQ or AWQ checkpoints), the quantized linears become
+    QuantLinears holding the packed tensors (nanoserve/quant/checkpoint.py)."""
     tensors = normalize_hf_names(cfg, tensors)
     with torch.device("meta"):
         model = build_model(cfg)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()  # to_empty() allocates each parameter anew, which unties them
-    expected = model.state_dict()
+    quantized = set()
+    if quantization is not None:
+        from .quant.checkpoint import install_quant_linears, quantized_layers
+
+        layers = quantized_layers(tensors, quantization)
+        install_quant_linears(model, layers, dtype, device)
+        quantized = set(layers)
+    expected = {k: v for k, v in model.state_dict().items() if k.rpartition(".")[0] not in quantized}
     tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     missing = [k for k in expected if k not in tensors and k not in tied]
     if missing:

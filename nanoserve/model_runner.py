@@ -22,11 +22,12 @@ from .sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int):
+    def __init__(self, model, num_blocks: int, block_size: int, attention_backend: str | None = None):
         self.model, self.config = model, model.config
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.kv = PagedKVCache(self.config, num_blocks, block_size, self.dtype, self.device)
+        self.kv = PagedKVCache(self.config, num_blocks, block_size, self.dtype, self.device, attention_backend)
+        self.attention_backend = self.kv.attention_backend  # "torch" or "triton" (see kv_cache.py)
         self.block_size = block_size
 
     def prepare(self, seqs: list[Sequence], num_new: list[int]):
@@ -53,28 +54,39 @@ class ModelRunner:
         return to(input_ids), to(positions), to(slot_mapping), to(block_tables), to(context_lens)
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], num_new: list[int]) -> torch.Tensor:
+    def run(self, seqs: list[Sequence], num_new: list[int], num_logits: list[int] | None = None):
         """Forward the new tokens of each sequence; return next-token logits [B, V] (float32).
 
-        Decode rows (1 new token) and prefill rows run as two forwards: in one [B, T] rectangle,
-        every decode would be padded to the longest prefill chunk (a step admitting a 60-token
-        prompt beside 7 decodes would compute 8 × 60 token slots instead of 67). A packed
-        variable-length attention kernel (notebook 04) removes the padding altogether.
-        """
-        groups = [[i for i, n in enumerate(num_new) if n == 1], [i for i, n in enumerate(num_new) if n > 1]]
-        logits = [None] * len(seqs)
-        for rows in groups:
-            if rows:
-                out = self._forward([seqs[i] for i in rows], [num_new[i] for i in rows])
-                for i, row in zip(rows, out):
-                    logits[i] = row
-        return torch.stack(logits)
+        With `num_logits`, row i returns the logits of its last num_logits[i] new tokens instead, as
+        a list of [num_logits[i], V] tensors (speculative verification scores every draft position).
 
-    def _forward(self, seqs: list[Sequence], num_new: list[int]) -> torch.Tensor:
+        Decode rows (1 new token), verification rows (several logits) and prefill rows run as
+        separate forwards: in one [B, T] rectangle, every decode would be padded to the longest
+        prefill chunk (a step admitting a 60-token prompt beside 7 decodes would compute 8 × 60
+        token slots instead of 67). A packed variable-length attention kernel removes the padding
+        inside each forward: the triton backend packs the real tokens before attention
+        (kv_cache.TritonCacheView, notebook 04).
+        """
+        k = num_logits or [1] * len(seqs)
+        kind = [0 if n == 1 else 1 if m > 1 else 2 for n, m in zip(num_new, k)]  # decode, verify, prefill
+        out: list[torch.Tensor | None] = [None] * len(seqs)
+        for group in (0, 1, 2):
+            rows = [i for i in range(len(seqs)) if kind[i] == group]
+            if rows:
+                logits = self._forward([seqs[i] for i in rows], [num_new[i] for i in rows], [k[i] for i in rows])
+                for i, row in zip(rows, logits):
+                    out[i] = row[: k[i]]
+        return out if num_logits is not None else torch.cat(out)
+
+    def _forward(self, seqs: list[Sequence], num_new: list[int], num_logits: list[int]) -> torch.Tensor:
+        """logits [B, K, V] of each row's last num_logits new tokens (K = max; shorter rows repeat their last)."""
         input_ids, positions, slots, tables, lens = self.prepare(seqs, num_new)
         view = self.kv.view(slots, tables, lens)
-        last = torch.tensor(num_new, device=self.device) - 1  # B: each row's last new token
-        logits = self.model(input_ids, positions, cache=view, logit_index=last)[:, 0]  # B, V
-        for seq, n in zip(seqs, num_new):
-            seq.num_computed_tokens += n
+        n = torch.tensor(num_new, device=self.device)[:, None]  # B, 1
+        K = max(num_logits)
+        back = torch.tensor(num_logits, device=self.device)[:, None] - torch.arange(K, device=self.device)  # B, K
+        index = (n - back.clamp(min=1)).clamp(min=0)  # B, K: positions n-m .. n-1, then the last repeated
+        logits = self.model(input_ids, positions, cache=view, logit_index=index)  # B, K, V
+        for seq, m in zip(seqs, num_new):
+            seq.num_computed_tokens += m
         return logits.float()

@@ -12,6 +12,35 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class SpecStats:
+    """Speculative decoding of one sample: verification steps and tokens drafted / accepted / emitted."""
+
+    num_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0
+    num_rejections: int = 0  # steps that ended on a rejected draft (the others accepted all of theirs)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """accepted / drafted (drafts after a rejection are never checked and count as not accepted)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def alpha(self) -> float | None:
+        """α, the per-token acceptance probability: accepted / (accepted + rejections). Each checked
+        draft is a coin with P(accept) = α, and the coins checked are the accepted drafts and, on a
+        step that rejects, the one rejected (the estimate of α in a geometric model)."""
+        checked = self.num_accepted_tokens + self.num_rejections
+        return self.num_accepted_tokens / checked if checked else None
+
+    @property
+    def tokens_per_step(self) -> float | None:
+        """Tokens per target forward over the speculative steps (plain decoding: 1)."""
+        return self.num_emitted_tokens / self.num_steps if self.num_steps else None
+
+
+@dataclass
 class CompletionOutput:
     """One sample of a request (vLLM's name); a request with SamplingParams(n=k) has k of them."""
 
@@ -20,6 +49,7 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)  # generated ids, a final stop/EOS id included
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     token_times: list[float] = field(default_factory=list)  # when each token was sampled (perf_counter)
+    spec_stats: SpecStats | None = None  # with speculative decoding: α, tokens per step
 
 
 @dataclass

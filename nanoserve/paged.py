@@ -195,6 +195,25 @@ class BlockAllocator:
         child.block_table = list(parent.block_table)
         child.num_cached_tokens, child.num_computed_tokens = parent.num_cached_tokens, parent.num_computed_tokens
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep only the blocks that the first `num_tokens` tokens need; free the rest, last first.
+
+        Speculative decoding's rollback: the target wrote K/V for γ draft tokens, some rejected.
+        The caller shortens `seq` and its num_computed_tokens first; the slots of rejected tokens in
+        a kept block are simply overwritten later. A dropped block is never a registered prefix
+        block: `mark_computed` seals only blocks full of computed tokens, and those are kept."""
+        table = self._require_allocated(seq)
+        keep = self.blocks_needed(num_tokens)
+        if keep < 1 or num_tokens < seq.num_computed_tokens:
+            raise RuntimeError(f"truncate({num_tokens}) would drop computed tokens or every block of sequence "
+                               f"{seq.seq_id} ({seq.num_computed_tokens} computed); free() it instead")
+        for bid in reversed(table[keep:]):
+            block = self.blocks[bid]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._release(block)
+        del table[keep:]
+
     def free(self, seq: Sequence) -> None:
         """Release `seq`'s blocks, last block first (so LRU evicts tails before shared heads). A
         block whose count drops to 0 stays cached (evictable) if registered. Freeing twice is a no-op."""

@@ -31,3 +31,33 @@ def test_throughput_end_to_end_on_a_tiny_model(hf_checkpoints, tmp_path):
     for name in ("static", "dynamic", "continuous"):
         assert s[name]["output_tokens"] == sum(p.max_tokens for p in bench.make_workload(6, (2, 6), (2, 5), 257)[1])
     assert (tmp_path / "t.json").exists() and "continuous / HF" in bench.format_throughput(res)
+
+
+def test_attention_benchmark_script_runs_in_smoke_mode(tmp_path):
+    """benchmarks/bench_attention.py is for GPUs; its --smoke mode (tiny shapes, interpreter) keeps it from rotting."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_attention.py"
+    out = tmp_path / "att.json"
+    proc = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(out)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert {"prefill", "paged_decode", "split_kv"} <= res.keys() and res["smoke"] is True
+    assert all(r["ours_ms"] > 0 and r["sdpa_ms"] > 0 for r in res["prefill"])
+
+
+def test_speculative_benchmark_end_to_end(tmp_path):
+    """The real demo pair, tiny settings: every row is consistent, and the n-gram section runs."""
+    out = tmp_path / "spec.json"
+    res = bench.speculative(n=1, max_tokens=12, gammas=(1, 3), temperatures=(0.0,), out=str(out))
+    rows = res["results"]["0.0"]["draft_model"]
+    assert [r["gamma"] for r in rows] == [1, 3] and out.is_file()
+    for r in rows + res["ngram"]["rows"]:
+        assert r["output_tokens"] == 12 and r["num_emitted_tokens"] <= 12
+        if r["num_steps"]:
+            assert 1 <= r["tokens_per_step"] <= r["gamma"] + 1 and 0 <= r["alpha"] <= 1
+    assert "predicted" in bench.format_speculative(res)

@@ -20,7 +20,8 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 cache=None, last_only: bool = False, logit_index: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, V]; or [B, 1, V] at the last position (last_only) or
-        at position logit_index[b] of each row (ragged batches: only the logits that are sampled).
+        at position logit_index[b] of each row (ragged batches: only the logits that are sampled);
+        a logit_index [B, K] gives [B, K, V] (speculative verification needs several per row).
 
         Without a cache the T tokens attend causally among themselves (positions 0..T-1).
         With one, they are appended after the cache's `length` tokens and attend to all of them.
@@ -33,7 +34,8 @@ class CausalLM(nn.Module):
         if cache is not None:
             cache.advance(T)
         if logit_index is not None:
-            h = h[torch.arange(B, device=h.device), logit_index][:, None]  # B, 1, C
+            rows = torch.arange(B, device=h.device)
+            h = h[rows, logit_index][:, None] if logit_index.dim() == 1 else h[rows[:, None], logit_index]  # B, K, C
         elif last_only:
             h = h[:, -1:]
         return self.lm_head(h)  # B, T, V

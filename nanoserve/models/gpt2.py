@@ -26,9 +26,10 @@ class GPT2Attention(nn.Module):
     def forward(self, x, positions, cache):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).view(B, T, 3, self.n_heads, self.head_dim).unbind(2)  # each B, T, H, D
-        if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)  # B, S, H, D
-        y = attention(q, k, v, positions if cache is not None else None)  # B, T, H, D
+        if cache is None:  # the T tokens attend causally among themselves
+            y = attention(q, k, v)  # B, T, H, D
+        else:  # the cache stores k, v and attends over everything cached (its backend: torch or Triton)
+            y = cache.attention(self.layer_idx, q, k, v, positions)  # B, T, H, D
         return self.c_proj(y.reshape(B, T, C))
 
 

@@ -33,9 +33,10 @@ class LlamaAttention(nn.Module):
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # B, T, Hkv, D
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)  # B, S, Hkv, D
-        y = attention(q, k, v, positions if cache is not None else None)  # B, T, H, D
+        if cache is None:  # the T tokens attend causally among themselves
+            y = attention(q, k, v)  # B, T, H, D
+        else:  # the cache stores k, v and attends over everything cached (its backend: torch or Triton)
+            y = cache.attention(self.layer_idx, q, k, v, positions)  # B, T, H, D
         return self.o_proj(y.reshape(B, T, -1))
 
 

@@ -1,0 +1,274 @@
+"""W4A16 dequant-matmul: C = A · W for a GPTQ v1 4-bit weight, dequantized inside the kernel.
+
+**The layout** (nanoserve/quant/packing.py). A linear with in-features K and out-features N
+stores W [K, N] (here as the matmul's right operand, K rows) in four tensors:
+
+    qweight int32 [K/8, N]   8 codes per word, packed along K: code of row k in word k // 8, bits 4·(k % 8) ..
+    qzeros  int32 [G, N/8]   8 zero points per word, packed along N, each stored as zero − 1 (v1)
+    scales  fp16  [G, N]
+    g_idx   int   [K]        group of each row: k // group_size, or a permutation of that (act-order)
+
+    W[k, n] = (code[k, n] − zero[g_idx[k], n]) · scale[g_idx[k], n]
+
+A program loads a [BLOCK_K, BLOCK_N] tile of codes as the words that hold them (row k reads word
+k // 8, so each word is loaded for 8 rows and the cache serves the repeats), shifts each by
+4·(k % 8) and masks 0xF. Zero points and scales are gathered row by row through g_idx: with
+act-order, neighbouring rows of a tile belong to different groups, so one scale row per tile
+would be wrong (the test's negative control shows how wrong).
+
+**Why fuse, and why batch 1 gains most.** At batch 1 a linear does 2 flops per weight it reads:
+far below what a GPU can compute per byte, so its time is the time to read the weights. fp16
+weights are 2 bytes each; 4-bit codes plus an fp16 scale and a zero per group of 128 are
+0.5 + 2.5/128 ≈ 0.52 bytes, so reading them is ~3.8× faster. That holds only if W is never
+written out in fp16: dequantize-then-matmul reads 0.52 bytes, writes 2 and reads those 2 back,
+slower than plain fp16. The fused kernel turns codes into fp16/fp32 values in registers, right
+before they meet A, and W exists nowhere in memory.
+
+**Large M: the torch fallback.** As M grows each weight serves more rows of A, the matmul
+becomes compute-bound and the saving fades, while this kernel's tl.dot competes with cuBLAS. On
+CUDA, `dequant_matmul` hands M ≥ TORCH_MIN_M (64) to packing.dequantize_gptq + torch.matmul, so
+the matmul itself runs at fp16 speed. The intent is "never slower than fp16 at batch ≥ 64", but
+note what it costs: every call first writes an fp16 W (≥ 0.52 + 2 bytes per weight, more as
+dequantize_gptq is several torch passes). By a roofline estimate for an H100 (~990 Tflop/s fp16,
+3.35 TB/s) that is ~2× an fp16 layer at M = 64, falling to ~1.1× at M = 4096 (prefill); only a
+cached fp16 W, which gives back the memory int4 saved, would be as fast as fp16. The threshold
+and that estimate are unmeasured: benchmark before trusting either.
+
+**Two kernels.**
+- `_dequant_gemm_kernel`, for M > 16: the textbook tiled GEMM. One program per
+  [BLOCK_M, BLOCK_N] tile of C; it walks K in BLOCK_K steps, dequantizes the weight tile and
+  accumulates tl.dot(a, w) in fp32. Each weight tile is dequantized once per BLOCK_M rows.
+- `_dequant_gemv_kernel`, for M ≤ 16 (decode): all M rows in one tile (M padded to 16, the
+  smallest tl.dot a GPU accepts), so the grid has only N / BLOCK_N programs: 64 for N = 4096,
+  too few to keep 132 SMs reading memory. **Split-K** cuts K into `split_k` ranges of whole
+  BLOCK_K tiles, grid (N / BLOCK_N, split_k); split s writes its partial sum to row s of an
+  fp32 buffer [split_k, M, N], and a second pass sums the rows (torch .sum, then the cast to
+  A's dtype). We chose that pass over tl.atomic_add into one fp32 buffer: atomics add the
+  partials in whatever order programs finish, so results would change in the last bits from
+  run to run; the buffer's extra traffic (split_k · M · N · 4 bytes: 128 KiB for M = 1,
+  N = 4096, split_k = 8, beside 8 MiB of weights) is small. With split_k = 1 the kernel
+  writes C directly. A split whose range is empty (more splits than tiles) writes zeros.
+  `choose_split_k` says how many splits fill a GPU.
+
+**Precision.** Accumulation is fp32. In Triton's interpreter (no GPU), which cannot do bf16
+arithmetic, tiles become fp32 right after their load (`UPCAST`, DESIGN.md §5). On a GPU, w is
+cast to A's dtype for the tensor cores (as the torch fallback does: a product of a code
+difference and an fp16 scale rounds once), and fp32 inputs use IEEE fp32 (not TF32). Tiles are
+small in the interpreter (each program step costs milliseconds) and larger on a GPU.
+`dequant_matmul_ref` is the plain-torch reference: packing.dequantize_gptq, then a matmul in fp32.
+Taught in notebooks/ (quantization, kernels).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanoserve.quant.packing import check_gptq, dequantize_gptq
+
+from .paged_attention import _can_read_values
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+GEMV_MAX_M = 16  # M ≤ this: split-K GEMV (all rows in one tile of 16)
+TORCH_MIN_M = 64  # on CUDA, M ≥ this: dequantize + torch.matmul
+MIN_TILES_PER_SPLIT = 4  # choose_split_k: a split must have work enough to pay for the second pass
+MAX_SPLIT_K = 16
+# (BLOCK_M, BLOCK_N, BLOCK_K) in the interpreter and on a GPU (untuned on GPU)
+_GEMM_TILES = {False: (16, 32, 32), True: (64, 64, 32)}
+_GEMV_TILES = {False: (16, 32, 32), True: (16, 64, 64)}
+
+
+# ----------------------------------------------------------------------------- the reference
+def dequant_matmul_ref(a: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                       g_idx: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """Plain torch: W = dequantize_gptq(...) [N, K] in fp32, C = A · Wᵀ in fp32, cast to A's dtype."""
+    w = dequantize_gptq(qweight, qzeros, scales, g_idx, bits)  # N, K
+    return (a.float() @ w.t()).to(a.dtype)  # M, N
+
+
+# ----------------------------------------------------------------------------- the kernels
+@triton.jit
+def _dequant_tile(QW, QZ, S, G_IDX, offs_k, offs_n, k_mask, n_mask,
+                  stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn):
+    """W[offs_k, offs_n] in fp32 from the GPTQ v1 tensors; 0 outside the masks."""
+    mask = k_mask[:, None] & n_mask[None, :]  # BLOCK_K, BLOCK_N
+    g = tl.load(G_IDX + offs_k, mask=k_mask, other=0)  # BLOCK_K   group of each row
+    words = tl.load(QW + (offs_k // 8)[:, None] * stride_qk + offs_n[None, :] * stride_qn,
+                    mask=mask, other=0)  # BLOCK_K, BLOCK_N   the word holding each code
+    codes = (words >> ((offs_k % 8) * 4)[:, None]) & 0xF  # >> sign-extends; the mask drops it
+    zwords = tl.load(QZ + g[:, None] * stride_zg + (offs_n // 8)[None, :] * stride_zn,
+                     mask=mask, other=0)  # BLOCK_K, BLOCK_N
+    zeros = ((zwords >> ((offs_n % 8) * 4)[None, :]) & 0xF) + 1  # v1 stores zero − 1
+    scales = tl.load(S + g[:, None] * stride_sg + offs_n[None, :] * stride_sn,
+                     mask=mask, other=0.0).to(tl.float32)  # BLOCK_K, BLOCK_N   0 outside: w = 0 there
+    return (codes - zeros).to(tl.float32) * scales
+
+
+@triton.jit
+def _dequant_gemm_kernel(
+    A, QW, QZ, S, G_IDX, C,
+    M, N, K,
+    stride_am, stride_ak, stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn,
+    stride_cm, stride_cn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # BLOCK_M
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # BLOCK_N
+    m_mask, n_mask = offs_m < M, offs_n < N
+    rows = offs_m.to(tl.int64)  # M · K may pass 2^31
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):
+        offs_k = start + tl.arange(0, BLOCK_K)  # BLOCK_K
+        k_mask = offs_k < K
+        a = tl.load(A + rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # BLOCK_M, BLOCK_K
+        if UPCAST:
+            a = a.to(tl.float32)
+        w = _dequant_tile(QW, QZ, S, G_IDX, offs_k, offs_n, k_mask, n_mask,
+                          stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn)  # BLOCK_K, BLOCK_N
+        acc += tl.dot(a, w.to(a.dtype), input_precision=PRECISION)  # BLOCK_M, BLOCK_N
+    c_ptrs = C + rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _dequant_gemv_kernel(
+    A, QW, QZ, S, G_IDX, P,
+    M, N, K, k_per_split,
+    stride_am, stride_ak, stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn,
+    stride_ps, stride_pm, stride_pn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    split = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)  # BLOCK_M   every row of A (M ≤ BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # BLOCK_N
+    m_mask, n_mask = offs_m < M, offs_n < N
+    lo = split * k_per_split  # k_per_split: whole BLOCK_K tiles
+    hi = tl.minimum(lo + k_per_split, K)  # lo ≥ hi: an empty split, which writes zeros
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_K):
+        offs_k = start + tl.arange(0, BLOCK_K)  # BLOCK_K
+        k_mask = offs_k < hi
+        a = tl.load(A + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak,
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # BLOCK_M, BLOCK_K
+        if UPCAST:
+            a = a.to(tl.float32)
+        w = _dequant_tile(QW, QZ, S, G_IDX, offs_k, offs_n, k_mask, n_mask,
+                          stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn)  # BLOCK_K, BLOCK_N
+        acc += tl.dot(a, w.to(a.dtype), input_precision=PRECISION)  # BLOCK_M, BLOCK_N
+    p_ptrs = P + split * stride_ps + offs_m[:, None] * stride_pm + offs_n[None, :] * stride_pn
+    tl.store(p_ptrs, acc.to(P.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+# ----------------------------------------------------------------------------- the wrappers
+def dequant_matmul(a: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                   g_idx: torch.Tensor, bits: int = 4, *, split_k: int | None = None) -> torch.Tensor:
+    """C [M, N] = A [M, K] · W, W [K, N] dequantized on the fly from GPTQ v1 4-bit tensors.
+
+    qweight int32 [K/8, N], qzeros int32 [G, N/8] (zero − 1), scales [G, N], g_idx [K] (int32/int64,
+    any assignment of rows to groups: act-order works). A is fp16, bf16 or fp32; C has its dtype.
+    M ≤ 16: split-K GEMV (split_k: None = `choose_split_k`); larger M: the tiled GEMM, or on CUDA
+    with M ≥ 64 dequantize + torch.matmul.
+    """
+    K, N = _check_inputs(a, qweight, qzeros, scales, g_idx, bits, split_k)
+    M = a.shape[0]
+    if M <= GEMV_MAX_M:
+        return _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k)
+    if a.is_cuda and M >= TORCH_MIN_M:  # cuBLAS does the matmul; the cost is in the module docstring
+        return a @ dequantize_gptq(qweight, qzeros, scales, g_idx, 4, dtype=a.dtype).t()  # M, N
+    return _launch_gemm(a, qweight, qzeros, scales, g_idx, K, N)
+
+
+def dequant_gemm(a, qweight, qzeros, scales, g_idx, bits: int = 4) -> torch.Tensor:
+    """The tiled GEMM kernel alone, for any M (no torch fallback); arguments as `dequant_matmul`."""
+    K, N = _check_inputs(a, qweight, qzeros, scales, g_idx, bits, None)
+    return _launch_gemm(a, qweight, qzeros, scales, g_idx, K, N)
+
+
+def dequant_gemv(a, qweight, qzeros, scales, g_idx, bits: int = 4, *, split_k: int | None = None) -> torch.Tensor:
+    """The split-K GEMV kernel alone, for M ≤ 16; arguments as `dequant_matmul`."""
+    K, N = _check_inputs(a, qweight, qzeros, scales, g_idx, bits, split_k)
+    if a.shape[0] > GEMV_MAX_M:
+        raise ValueError(f"the GEMV kernel takes M ≤ {GEMV_MAX_M} rows, got M={a.shape[0]}")
+    return _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k)
+
+
+def choose_split_k(n: int, k: int, num_sms: int | None = None) -> int:
+    """How many K splits fill the GPU at M ≤ 16: ⌈4 · num_sms / N-tiles⌉, capped.
+
+    Four programs per SM keep enough loads in flight for a memory-bound GEMV (a guess, untuned).
+    Caps: each split keeps ≥ MIN_TILES_PER_SPLIT tiles of BLOCK_K, and at most MAX_SPLIT_K.
+    num_sms = None reads it from the current CUDA device; on CPU the answer is 1.
+    """
+    if num_sms is None:
+        if not torch.cuda.is_available():
+            return 1
+        num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    _, block_n, block_k = _GEMV_TILES[True]
+    fill = -(-4 * num_sms // max(1, -(-n // block_n)))
+    by_length = max(1, -(-k // block_k) // MIN_TILES_PER_SPLIT)
+    return max(1, min(fill, by_length, MAX_SPLIT_K))
+
+
+def _launch_gemm(a, qweight, qzeros, scales, g_idx, K, N) -> torch.Tensor:
+    M = a.shape[0]
+    on_gpu = a.is_cuda
+    block_m, block_n, block_k = _GEMM_TILES[on_gpu]
+    c = torch.zeros(M, N, dtype=a.dtype, device=a.device)  # M, N
+    if M == 0 or N == 0:
+        return c
+    _dequant_gemm_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](
+        a, qweight, qzeros, scales, g_idx.contiguous(), c,
+        M, N, K,
+        *a.stride(), *qweight.stride(), *qzeros.stride(), *scales.stride(), *c.stride(),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        UPCAST=not on_gpu, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        **({"num_warps": 4, "num_stages": 3} if on_gpu else {}),
+    )
+    return c
+
+
+def _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k) -> torch.Tensor:
+    M = a.shape[0]
+    on_gpu = a.is_cuda
+    block_m, block_n, block_k = _GEMV_TILES[on_gpu]
+    if M == 0 or N == 0:
+        return torch.zeros(M, N, dtype=a.dtype, device=a.device)  # M, N
+    split_k = choose_split_k(N, K) if split_k is None else split_k
+    k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k  # whole tiles per split
+    if split_k == 1:  # the single partial is the answer: write C directly, in A's dtype
+        out = torch.empty(M, N, dtype=a.dtype, device=a.device)  # M, N
+        p, p_strides = out, (0, *out.stride())
+    else:
+        p = torch.empty(split_k, M, N, dtype=torch.float32, device=a.device)  # S, M, N
+        p_strides = p.stride()
+    _dequant_gemv_kernel[(triton.cdiv(N, block_n), split_k)](
+        a, qweight, qzeros, scales, g_idx.contiguous(), p,
+        M, N, K, k_per_split,
+        *a.stride(), *qweight.stride(), *qzeros.stride(), *scales.stride(), *p_strides,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        UPCAST=not on_gpu, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        **({"num_warps": 4, "num_stages": 2} if on_gpu else {}),
+    )
+    return p if split_k == 1 else p.sum(dim=0).to(a.dtype)  # M, N   the second pass: a fixed order
+
+
+# ----------------------------------------------------------------------------- validation
+def _check_inputs(a, qweight, qzeros, scales, g_idx, bits, split_k) -> tuple[int, int]:
+    """Raise ValueError on inconsistent inputs; return (K, N)."""
+    if bits != 4:
+        raise ValueError(f"dequant_matmul is a 4-bit kernel (W4A16), got bits={bits!r}; "
+                         "use dequant_matmul_ref for 2 and 8 bits")
+    K, N, _ = check_gptq(qweight, qzeros, scales, g_idx, bits, check_values=_can_read_values())
+    if a.dim() != 2 or a.shape[1] != K:
+        raise ValueError(f"a must be [M, K] = [M, {K}] (K = 8 · qweight rows), got {tuple(a.shape)}")
+    if a.dtype not in _DTYPES:
+        raise ValueError(f"a must be one of {_DTYPES}, got {a.dtype}")
+    if a.device != qweight.device:
+        raise ValueError(f"a is on {a.device}, the weights on {qweight.device}")
+    if split_k is not None and (not isinstance(split_k, int) or split_k < 1):
+        raise ValueError(f"split_k must be an int ≥ 1 or None, got {split_k!r}")
+    return K, N

@@ -1,0 +1,177 @@
+"""Fused W4A16 dequant-matmul against dequantize-then-matmul and an independent oracle (TESTING.md §C).
+
+The weights are packed here, with plain integer arithmetic (not through nanoserve/quant/packing.py),
+and the oracle is A · Wᵀ in fp64 with W built from the same integer codes; the module's reference
+(`dequant_matmul_ref`) goes through packing.dequantize_gptq. Error: mean |C − C_ref| / mean |C_ref|
+< 1e-3 (TESTING.md), for M ∈ {1, 2, 3, 8, 16, 33, 64, 128} (GEMV up to 16, the tiled GEMM above),
+K and N on and off the interpreter's 32-wide tiles, groups 32 / 64 / 128, act-order g_idx. Negative
+controls: a wrong g_idx and zeros stored without v1's − 1 must miss by far. Runs in Triton's
+interpreter without CUDA (conftest sets TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from nanoserve.kernels.dequant_matmul import (
+    choose_split_k,
+    dequant_gemm,
+    dequant_gemv,
+    dequant_matmul,
+    dequant_matmul_ref,
+)
+
+TOL = 1e-3  # TESTING.md §C; fp32 in the interpreter lands near 1e-7 (only the summation order differs)
+# (K, N, group, act-order): on the 32-wide tiles; both off them, last group partial; group wider than a tile
+SHAPES = [(128, 64, 32, False), (200, 72, 64, True), (320, 40, 128, True)]
+
+
+def _pack_words(x: torch.Tensor) -> torch.Tensor:
+    """int [R, L] → int32 [R, L/8]: x[:, 8j + i] goes to bits 4i .. 4i+3 of word j."""
+    words = torch.zeros(x.shape[0], x.shape[1] // 8, dtype=torch.int64)
+    for i in range(8):
+        words |= x[:, i::8].long() << (4 * i)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _gptq_case(K, N, group, act_order, seed=0, v1_offset=True):
+    """GPTQ v1 tensors for random 4-bit codes, and W [N, K] in fp64 built from those codes."""
+    g = torch.Generator().manual_seed(seed)
+    G = -(-K // group)
+    codes = torch.randint(0, 16, (N, K), generator=g)  # N, K
+    zeros = torch.randint(1, 16, (N, G), generator=g)  # N, G
+    scales = (torch.rand(N, G, generator=g) * 0.05 + 0.01).half()  # N, G
+    g_idx = torch.arange(K) // group  # K
+    if act_order:  # GPTQ's desc_act: groups follow a permutation of the rows
+        g_idx = g_idx[torch.randperm(K, generator=g)]
+    w = (codes - zeros[:, g_idx]).double() * scales[:, g_idx].double()  # N, K
+    tensors = {
+        "qweight": _pack_words(codes).t().contiguous(),  # K/8, N   packed along K
+        "qzeros": _pack_words((zeros - 1 if v1_offset else zeros).t()),  # G, N/8   v1 stores zero − 1
+        "scales": scales.t().contiguous(),  # G, N
+        "g_idx": g_idx.to(torch.int32),  # K
+    }
+    return tensors, w
+
+
+def _rel(c, ref) -> float:
+    c, ref = c.double(), ref.double()
+    return ((c - ref).abs().mean() / ref.abs().mean()).item()
+
+
+def _activations(M, K, dtype=torch.float32, seed=1):
+    return torch.randn(M, K, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+# ----------------------------------------------------------------------------- agreement
+@pytest.mark.parametrize("M", [1, 2, 3, 8, 16, 33, 64, 128])
+def test_matches_reference_and_oracle(M):
+    for i, (K, N, group, act_order) in enumerate(SHAPES):
+        tensors, w = _gptq_case(K, N, group, act_order, seed=i)
+        a = _activations(M, K, seed=M)
+        c = dequant_matmul(a, **tensors)
+        assert c.shape == (M, N) and c.dtype == torch.float32
+        assert _rel(c, dequant_matmul_ref(a, **tensors)) < TOL
+        assert _rel(c, a.double() @ w.t()) < TOL
+
+
+@pytest.mark.parametrize("M", [1, 16, 33, 128])
+def test_fp16_activations(M):
+    tensors, w = _gptq_case(200, 72, 64, True, seed=4)
+    a = _activations(M, 200, torch.float16)
+    c = dequant_matmul(a, **tensors)
+    assert c.dtype == torch.float16
+    assert _rel(c, dequant_matmul_ref(a, **tensors)) < TOL
+    assert _rel(c, a.double() @ w.t()) < TOL
+
+
+@pytest.mark.parametrize("split_k", [2, 3, 16])  # 3 divides no tile count; 16 > the 10 tiles of K = 320
+def test_split_k_matches_one_split(split_k):
+    tensors, w = _gptq_case(320, 40, 128, True, seed=5)
+    a = _activations(3, 320)
+    one = dequant_matmul(a, **tensors, split_k=1)
+    c = dequant_matmul(a, **tensors, split_k=split_k)
+    assert (c - one).abs().max() <= 1e-5 * one.abs().max()
+    assert _rel(c, a.double() @ w.t()) < TOL
+
+
+def test_gemv_and_gemm_agree():
+    tensors, _ = _gptq_case(200, 72, 32, True, seed=6)
+    for M in (1, 16):
+        a = _activations(M, 200, seed=M)
+        gemv, gemm = dequant_gemv(a, **tensors, split_k=2), dequant_gemm(a, **tensors)
+        assert (gemv - gemm).abs().max() <= 1e-5 * gemm.abs().max()
+
+
+def test_strided_activations():
+    tensors, w = _gptq_case(128, 64, 32, False)
+    a = _activations(40, 256)[:, ::2]  # M, K with stride 2 along K
+    assert _rel(dequant_matmul(a, **tensors), a.double() @ w.t()) < TOL
+    assert _rel(dequant_matmul(a[:5], **tensors), a[:5].double() @ w.t()) < TOL
+
+
+# ----------------------------------------------------------------------------- negative controls
+def test_wrong_g_idx_is_caught():
+    """Act-order weights read with the plain k // group assignment: most rows get another group's scale."""
+    tensors, w = _gptq_case(200, 72, 32, True, seed=7)
+    a = _activations(8, 200)
+    want = a.double() @ w.t()
+    plain = dict(tensors, g_idx=torch.arange(200, dtype=torch.int32) // 32)
+    assert _rel(dequant_matmul(a, **plain), want) > 0.1
+    assert _rel(dequant_matmul(a, **tensors), want) < TOL
+
+
+def test_zeros_without_v1_offset_are_caught():
+    """Zeros stored as the real zero (AWQ's convention): the kernel adds 1 and shifts every weight by a scale."""
+    tensors, w = _gptq_case(128, 64, 32, False, v1_offset=False)
+    a = _activations(3, 128)
+    assert _rel(dequant_matmul(a, **tensors), a.double() @ w.t()) > 0.1
+
+
+# ----------------------------------------------------------------------------- validation, heuristic
+def test_validation_errors():
+    tensors, _ = _gptq_case(128, 64, 32, False)
+    a = _activations(2, 128)
+    bad = {
+        "4-bit kernel": (dict(tensors, bits=8), a),
+        r"a must be \[M, K\] = \[M, 128\]": (tensors, a[:, :64]),
+        r"a must be one of": (tensors, a.to(torch.int32)),
+        "qweight must be a 2-D int32": (dict(tensors, qweight=tensors["qweight"].long()), a),
+        "qzeros must be": (dict(tensors, qzeros=tensors["qzeros"][:, :4]), a),
+        "scales must be a float": (dict(tensors, scales=tensors["scales"][:, :32]), a),
+        r"g_idx must hold groups 0 \.\. 3": (dict(tensors, g_idx=tensors["g_idx"] * 2), a),
+        r"g_idx must be an int32/int64 \[K\]": (dict(tensors, g_idx=tensors["g_idx"][:64]), a),
+    }
+    for message, (kwargs, act) in bad.items():
+        with pytest.raises(ValueError, match=message):
+            dequant_matmul(act, **kwargs)
+    with pytest.raises(ValueError, match="split_k must be"):
+        dequant_matmul(a, **tensors, split_k=0)
+    with pytest.raises(ValueError, match="M ≤ 16"):
+        dequant_gemv(_activations(17, 128), **tensors)
+
+
+def test_choose_split_k():
+    if not torch.cuda.is_available():
+        assert choose_split_k(4096, 4096) == 1
+    assert choose_split_k(4096, 4096, num_sms=132) == 9  # ⌈4 · 132 / 64 N-tiles⌉; 64 K-tiles allow 16
+    assert choose_split_k(4096, 256, num_sms=132) == 1  # 4 K-tiles: one split
+    assert choose_split_k(64, 1 << 16, num_sms=132) == 16  # capped at MAX_SPLIT_K
+
+
+# ----------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 1e-3), (torch.bfloat16, 4e-3), (torch.float32, 1e-4)])
+def test_compiled_kernels_on_cuda(dtype, tol):
+    """bf16 rounds each dequantized weight to 8 mantissa bits (~1e-3 relative on C): a wider bound."""
+    tensors, w = _gptq_case(4096, 1000, 128, True, seed=8)
+    tensors = {k: v.cuda() for k, v in tensors.items()}
+    for M in (1, 7, 16, 33, 64, 256):
+        a = _activations(M, 4096, dtype).cuda()
+        want = (a.double() @ w.cuda().t()).float()  # M, N
+        for c in (dequant_matmul(a, **tensors), dequant_gemm(a, **tensors)):
+            assert c.dtype == dtype and _rel(c, want) < tol
+        if M <= 16:
+            for split_k in (1, 5):
+                assert _rel(dequant_gemv(a, **tensors, split_k=split_k), want) < tol
