@@ -102,13 +102,20 @@ def test_awq_checkpoint_loads_to_the_same_weights(calib, tmp_path):
     for f in _demo_draft_dir().iterdir():
         if f.name not in ("config.json", "model.safetensors"):
             (awq_dir / f.name).write_bytes(f.read_bytes())
-    if any((qw.zeros == 0).any() for qw in res.qweights.values()):
-        with pytest.raises(CheckpointError, match="zero point 0"):
-            load_model(awq_dir)
-        return
+    assert not any((qw.zeros == 0).any() for qw in res.qweights.values())  # with this seed
     loaded, _, _ = load_model(awq_dir)
     x = torch.randint(0, 257, (2, 40))
     assert torch.equal(loaded(x), replace_linears(model, res.qweights)(x))
+    # an AWQ zero point of 0 (legal there) cannot be held by the GPTQ v1 layout: refused, by name
+    name = "model.layers.0.mlp.down_proj"
+    qw = res.qweights[name]
+    zeros = qw.zeros.clone()
+    zeros[0, 0] = 0
+    tensors = load_file(str(awq_dir / "model.safetensors"))
+    tensors[f"{name}.qzeros"] = pack_awq(qw.codes, zeros, qw.scales)["qzeros"]
+    save_file(tensors, str(awq_dir / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="down_proj: 1 groups have AWQ zero point 0"):
+        load_model(awq_dir)
 
 
 def _demo_draft_dir() -> Path:
@@ -127,9 +134,9 @@ def test_bad_quantization_input(calib, tmp_path):
         quantize_model(model, None, QuantizeConfig(method="gptq"), progress=False)
     # an asymmetric grid with a zero point of 0 cannot be written in GPTQ v1
     model, res = _quantized("rtn", calib, group_size=32, sym=False)
-    if any((qw.zeros == 0).any() for qw in res.qweights.values()):
-        with pytest.raises(NanoserveError, match="sym=True"):
-            save_quantized(model, res, tmp_path / "x")
+    next(iter(res.qweights.values())).zeros[0, 0] = 0  # a group with no negative weight gets zero 0
+    with pytest.raises(NanoserveError, match="sym=True"):
+        save_quantized(model, res, tmp_path / "x")
     # an unknown quant_method in a checkpoint
     bad = tmp_path / "bad"
     bad.mkdir()
