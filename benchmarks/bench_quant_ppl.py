@@ -54,7 +54,7 @@ def run(name: str, nsamples: int, seqlen: int) -> dict:
             r = perplexity(model, tok, eval_text, max_tokens=max_tokens, progress=False)
             key = label if label == "int8" else f"{label}-g{g}"
             rows[key] = {"nll": r.nll_sum / r.n_tokens, "seconds": time.perf_counter() - t0,
-                         "per_row_layers": [x.name for x in res.layers if x.group_size == -1 and g != -1]}
+                         "per_row_layers": [x.name for x in res.layers if x.group_size != res.config.group_size]}
     base = rows["fp32"]["nll"]
     for key, r in rows.items():
         r["ppl"] = float(torch.tensor(r["nll"]).exp())

@@ -272,18 +272,30 @@ def read_llama2c(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
 
 # ----------------------------------------------------------------------------- saving
-def save_checkpoint(model: CausalLM, directory: str | os.PathLike) -> Path:
-    """Write config.json + model.safetensors in the HF layout (transformers can load it)."""
+def save_checkpoint(model: CausalLM, directory: str | os.PathLike,
+                    replaced: dict[str, dict[str, torch.Tensor]] | None = None,
+                    quantization_config: dict | None = None) -> Path:
+    """Write config.json + model.safetensors in the HF layout (transformers can load it).
+
+    `replaced` maps a module name to the tensors stored for it instead of its own (a quantized
+    linear's qweight / qzeros / scales / g_idx / bias: quant/checkpoint.py), and
+    `quantization_config` goes into config.json with them."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     cfg: ModelConfig = model.config
+    replaced = replaced or {}
     state = {}
     for key, t in model.state_dict().items():
-        if key == "lm_head.weight" and cfg.tie_word_embeddings:
+        if (key == "lm_head.weight" and cfg.tie_word_embeddings) or key.rpartition(".")[0] in replaced:
             continue
         if cfg.arch == "gpt2" and _CONV1D.search(key):
             t = t.t()
         state[key] = t.detach().to("cpu").contiguous()
+    for name, tensors in replaced.items():
+        state.update({f"{name}.{k}": v.detach().to("cpu").contiguous() for k, v in tensors.items()})
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(to_hf_config(cfg), indent=2) + "\n")
+    hf = to_hf_config(cfg)
+    if quantization_config is not None:
+        hf["quantization_config"] = quantization_config
+    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     return out

@@ -81,3 +81,28 @@ def hf_checkpoints(tmp_path_factory):
         save_tiktoken(byte_level_tokenizer(), path)
         out[name] = (path, model)
     return out
+
+
+# ----------------------------------------------------------------------------- quantization test data
+def outlier_layer(seed=0, n=256, k=512, frac=0.01, mult=20.0):
+    """W [n, k] and a sampler of inputs x = z·A (correlated), with frac of the channels × mult.
+
+    Used by test_quant_gptq.py and test_quant_awq.py; calibration and held-out sets share A and
+    the outliers.
+    """
+    g = torch.Generator().manual_seed(seed)
+    outliers = torch.randperm(k, generator=g)[: max(1, int(k * frac))]
+    W = torch.randn(n, k, generator=g, dtype=torch.float64)                 # N, K
+    A = torch.randn(k, k, generator=g, dtype=torch.float64) / k**0.5        # K, K   mixing: correlated channels
+
+    def sample(tokens, sample_seed):
+        z = torch.randn(tokens, k, generator=torch.Generator().manual_seed(sample_seed), dtype=torch.float64)
+        x = z @ A                                                            # T, K
+        x[:, outliers] *= mult
+        return x
+
+    return W, sample
+
+
+def rel_error(W, W_hat, X):
+    return ((X @ (W - W_hat).T).norm() / (X @ W.T).norm()).item()

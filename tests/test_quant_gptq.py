@@ -16,34 +16,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import outlier_layer, rel_error
 from torch import nn
 
 from nanoserve.errors import NanoserveError
 from nanoserve.quant import GPTQ, capture_inputs, gptq_naive, gptq_quantize, quant_params, quantize_rtn
 
 F64 = torch.float64
-
-
-def outlier_layer(seed=0, n=256, k=512, frac=0.01, mult=20.0):
-    """W [n, k] and a sampler of inputs x = z·A (correlated), with frac of the channels × mult.
-
-    The same generator is in test_quant_awq.py; calibration and held-out sets share A and the outliers.
-    """
-    g = torch.Generator().manual_seed(seed)
-    outliers = torch.randperm(k, generator=g)[: max(1, int(k * frac))]
-    W = torch.randn(n, k, generator=g, dtype=F64)                           # N, K
-    A = torch.randn(k, k, generator=g, dtype=F64) / k**0.5                  # K, K   mixing: correlated channels
-
-    def sample(tokens, sample_seed):
-        x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(sample_seed), dtype=F64) @ A  # T, K
-        x[:, outliers] *= mult
-        return x
-
-    return W, sample
-
-
-def rel_error(W, W_hat, X):
-    return ((X @ (W - W_hat).T).norm() / (X @ W.T).norm()).item()
 
 
 def hessian(X):

@@ -17,17 +17,15 @@ any linear (AutoGPTQ replaces them by its QuantLinear), so no transposition appl
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
-from ..config import ModelConfig, to_hf_config
 from ..errors import CheckpointError, NanoserveError
+from ..loader import resolve_model_path, save_checkpoint
 from .model import QuantizeResult
 from .packing import pack_gptq, unpack_awq
 from .qlinear import QuantLinear
@@ -58,48 +56,29 @@ def save_quantized(model: nn.Module, result: QuantizeResult, directory: str | os
 
     Scales are stored in fp16, as GPTQ checkpoints do. Other tools (transformers + a GPTQ
     backend, vLLM) load the result."""
-    cfg: ModelConfig = model.config
-    qnames = set(result.qweights)
-    groups = {r.group_size for r in result.layers}
-    if len(groups) > 1:
-        odd = [r.name for r in result.layers if r.group_size != result.config.group_size]
+    odd = [r.name for r in result.layers if r.group_size != result.config.group_size]
+    if odd:
         raise NanoserveError(f"the GPTQ format has one group size per model; {odd[0]} (and {len(odd) - 1} more) "
                              f"fell back to one group per row because its width is not a multiple of "
                              f"group_size={result.config.group_size}; pick a group size that divides every "
                              f"layer's input width, or -1")
-    state: dict[str, torch.Tensor] = {}
-    for key, t in model.state_dict().items():
-        owner = key.rpartition(".")[0]
-        if owner in qnames or (key == "lm_head.weight" and cfg.tie_word_embeddings):
-            continue
-        if cfg.arch == "gpt2" and key.endswith((".c_attn.weight", ".c_proj.weight", ".c_fc.weight")):
-            t = t.t()  # float Conv1D layers keep HF's [in, out] layout
-        state[key] = t.detach().cpu().contiguous()
+    replaced = {}
     for name, qw in result.qweights.items():
         try:
-            packed = pack_gptq(qw.codes, qw.zeros, qw.scales, qw.g_idx, qw.bits)
+            replaced[name] = pack_gptq(qw.codes, qw.zeros, qw.scales, qw.g_idx, qw.bits)
         except ValueError as e:
             raise NanoserveError(f"{name} cannot be written in the GPTQ v1 format: {e}. Quantize with sym=True "
                                  f"(zero points are then 2^(bits-1))") from e
-        for k, v in packed.items():
-            state[f"{name}.{k}"] = v.cpu()
         bias = model.get_submodule(name).bias
         if bias is not None:
-            state[f"{name}.bias"] = bias.detach().to(torch.float16).cpu()
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    hf = to_hf_config(cfg)
-    hf["quantization_config"] = result.config.hf_config()
-    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+            replaced[name]["bias"] = bias.to(torch.float16)
+    out = save_checkpoint(model, directory, replaced, result.config.hf_config())
     if tokenizer_from is not None:
         _copy_tokenizer(tokenizer_from, out)
     return out
 
 
 def _copy_tokenizer(model: str | os.PathLike, out: Path) -> None:
-    from ..loader import resolve_model_path
-
     src = resolve_model_path(model)
     src = src if src.is_dir() else src.parent
     for f in src.iterdir():
