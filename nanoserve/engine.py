@@ -118,7 +118,7 @@ class LLMEngine:
     def _build_spec(self, cfg: SpecDecodeConfig, num_blocks: int, block_size: int) -> SpecDecoder:
         max_len = self.max_model_len
         if cfg.method == "ngram":
-            proposer = NgramDraft(cfg.ngram_max, cfg.ngram_min)
+            proposer, cost = NgramDraft(cfg.ngram_max, cfg.ngram_min), 0.0  # no model: drafting is ~free
         else:
             try:
                 draft, dcfg, dtok = load_model(cfg.draft_model, dtype=self.dtype, device=self.device)
@@ -135,7 +135,7 @@ class LLMEngine:
             max_len = min(max_len, dcfg.max_position_embeddings)
             proposer = DraftModelProposer(draft, num_blocks, block_size, self.attention_backend)
             cost = sum(p.numel() for p in draft.parameters()) / sum(p.numel() for p in self.model.parameters())
-        return SpecDecoder(cfg, proposer, self.block_manager, max_len, cost if cfg.method == "draft" else 0.0)
+        return SpecDecoder(cfg, proposer, self.block_manager, max_len, cost)
 
     @property
     def block_manager(self) -> BlockAllocator:
