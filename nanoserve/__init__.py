@@ -15,7 +15,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from .engine import LLM, AsyncLLMEngine, LLMEngine, RequestOutput  # noqa: E402
+from .async_engine import AsyncLLMEngine  # noqa: E402
+from .engine import LLM, LLMEngine, RequestOutput  # noqa: E402
 from .errors import CheckpointError, ConfigError, NanoserveError  # noqa: E402
 from .sampling import SamplingParams  # noqa: E402
 

@@ -4,6 +4,8 @@
     nanoserve eval --model demo --text FILE [--context N --stride S]
     nanoserve bench throughput|latency|speculative [--model demo --num-requests N --out FILE.json]
     nanoserve quantize --model demo --method gptq --bits 4 --group-size 128 --calib FILE --out DIR
+    nanoserve serve --model demo [--host 127.0.0.1 --port 8000 --api-key KEY --max-waiting N]
+    nanoserve bench serve --url http://127.0.0.1:8000/v1 --rates 1 4 16 [--out FILE.json]
 
 Generated text streams to stdout (text only, so it can be piped); statistics go to stderr.
 Bad input prints one line `nanoserve: error: ...` and exits with status 2, no traceback.
@@ -12,6 +14,7 @@ Bad input prints one line `nanoserve: error: ...` and exits with status 2, no tr
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -56,8 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens of the file")
 
     b = sub.add_parser("bench", help="benchmark static / dynamic / continuous batching (and HF generate)")
-    b.add_argument("workload", choices=["throughput", "latency", "speculative"],
-                   help="speculative: the target alone vs speculative decoding, γ = 1..8, T = 0 and 1")
+    b.add_argument("workload", choices=["throughput", "latency", "speculative", "serve"],
+                   help="speculative: the target alone vs speculative decoding, γ = 1..8, T = 0 and 1; "
+                        "serve: Poisson load on a running server (--url)")
     b.add_argument("--model", default="demo")
     b.add_argument("--num-requests", type=int)
     b.add_argument("--batch-size", type=int, default=16, help="static/dynamic batch size")
@@ -65,6 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--rates", type=float, nargs="+", default=[2.0, 8.0, 32.0], help="latency: requests/s")
     b.add_argument("--no-hf", action="store_true", help="throughput: skip the HF transformers baseline")
     b.add_argument("--out", help="save the results as JSON here")
+    b.add_argument("--url", default="http://127.0.0.1:8000/v1", help="serve: the server's /v1 root")
+    b.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY") or None, help="serve: the server's key")
+    b.add_argument("--input-len", type=int, nargs=2, default=[8, 64], metavar=("MIN", "MAX"),
+                   help="serve: prompt tokens, uniform in [MIN, MAX]")
+    b.add_argument("--output-len", type=int, nargs=2, default=[8, 64], metavar=("MIN", "MAX"),
+                   help="serve: tokens to generate, uniform in [MIN, MAX]")
+    b.add_argument("--slo-ttft-ms", type=float, help="serve: goodput's time-to-first-token SLO")
+    b.add_argument("--slo-tpot-ms", type=float, help="serve: goodput's time-per-output-token SLO")
     _add_spec_args(b)
 
     q = sub.add_parser("quantize", help="quantize a model's linears (RTN, GPTQ or AWQ), save in GPTQ format")
@@ -79,6 +91,22 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--seqlen", type=int, help="tokens per window (default: min(context, 512))")
     q.add_argument("--seed", type=int, default=0, help="which windows of the calibration text")
     q.add_argument("--out", required=True, help="output directory (config.json + model.safetensors)")
+
+    v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)")
+    _add_model_args(v)
+    v.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY") or None,
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $NANOSERVE_API_KEY, else none)")
+    v.add_argument("--served-model-name", help="the model name clients send (default: --model)")
+    v.add_argument("--chat-template", help="a Jinja chat template file (default: the model's own, if any)")
+    v.add_argument("--max-waiting", type=int, help="waiting-queue bound: beyond it requests get 429")
+    v.add_argument("--max-num-seqs", type=int, default=64, help="sequences in one forward")
+    v.add_argument("--max-num-batched-tokens", type=int, default=512, help="new tokens in one forward")
+    v.add_argument("--num-blocks", type=int, help="KV cache blocks (default: 8 full-context sequences)")
+    v.add_argument("--attention-backend", choices=["torch", "triton"])
+    v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    _add_spec_args(v)
     return ap
 
 
@@ -128,6 +156,14 @@ def cmd_eval(args) -> None:
 def cmd_bench(args) -> None:
     from . import bench
 
+    if args.workload == "serve":
+        from .bench_serve import bench_serve, format_bench_serve
+
+        print(format_bench_serve(bench_serve(
+            url=args.url, rates=tuple(args.rates), n=args.num_requests or 32, in_range=tuple(args.input_len),
+            out_range=tuple(args.output_len), slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
+            api_key=args.api_key, out=args.out)))
+        return
     if args.workload == "speculative":
         print(bench.format_speculative(bench.speculative(
             model=args.model, draft=args.speculative_model or "demo-draft", out=args.out,
@@ -165,10 +201,31 @@ def cmd_quantize(args) -> None:
           file=sys.stderr)
 
 
+def cmd_serve(args) -> None:
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise NanoserveError(f"nanoserve serve needs the serve extra ({e.name} is missing): "
+                             "pip install 'nanoserve[serve]'") from e
+    from .server import serve
+
+    if not 0 < args.port < 65536:
+        raise NanoserveError(f"--port {args.port} is not a TCP port (1..65535)")
+    serve(args.model, host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
+          chat_template=args.chat_template, log_level=args.log_level, dtype=args.dtype, device=args.device,
+          max_waiting=args.max_waiting, max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
+          max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
+          **_spec_kwargs(args))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        {"generate": cmd_generate, "eval": cmd_eval, "bench": cmd_bench, "quantize": cmd_quantize}[args.command](args)
+        commands = {"generate": cmd_generate, "eval": cmd_eval, "bench": cmd_bench, "quantize": cmd_quantize,
+                    "serve": cmd_serve}
+        commands[args.command](args)
     except NanoserveError as e:
         print(f"nanoserve: error: {e}", file=sys.stderr)
         return 2

@@ -20,7 +20,6 @@ Taught in notebooks/00_* to 03_*.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
 from collections.abc import Iterator, Sequence
@@ -41,13 +40,26 @@ from .sequence import SequenceStatus
 from .spec_decode import DraftModelProposer, NgramDraft, SpecDecodeConfig, SpecDecoder
 
 Prompt = str | Sequence[int]
-__all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "RequestOutput", "CompletionOutput", "IncrementalText",
+__all__ = ["LLM", "LLMEngine", "EngineStats", "RequestOutput", "CompletionOutput", "IncrementalText",
            "kv_bytes_per_token"]
 
 
 def kv_bytes_per_token(cfg, dtype: torch.dtype) -> int:
     """K and V, every layer, one token."""
     return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine for monitoring; requests count once whatever their n."""
+
+    num_running: int  # requests admitted to the batch (a preempted one waits again)
+    num_waiting: int  # requests in the waiting queue
+    num_blocks: int  # KV blocks in the pool ...
+    num_free_blocks: int  # ... and how many no sequence holds (cached prefix blocks count as free)
+    prefix_cache_hits: int  # prompt blocks found in the prefix cache ...
+    prefix_cache_queries: int  # ... out of all full prompt blocks looked up
+    num_preemptions: int
 
 
 @dataclass(eq=False)
@@ -187,13 +199,20 @@ class LLMEngine:
                     priority: int = 0, arrival_time: float | None = None) -> str:
         """Queue a request; returns its id. Raises NanoserveError for bad input, QueueFullError when full."""
         req = self.new_request(prompt, params, request_id, priority, arrival_time)
-        self.scheduler.add(req.samples[0].seq)  # may raise QueueFullError: then nothing is registered
-        self.requests[req.output.request_id] = req
+        self.enqueue(req)
         return req.output.request_id
+
+    def enqueue(self, req: _Request) -> None:
+        """Queue a request made by `new_request`; QueueFullError (and nothing registered) when full."""
+        self.scheduler.add(req.samples[0].seq)
+        self.requests[req.output.request_id] = req
 
     def new_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     priority: int = 0, arrival_time: float | None = None) -> _Request:
-        """A validated request with its first sequence, not queued anywhere (the batchers use it too)."""
+        """A validated request with its first sequence, not queued anywhere (the batchers use it too).
+
+        It reads only the model's configuration and the pool's size, never the scheduler's state, so
+        it may run while a step is in flight on another thread (AsyncLLMEngine relies on that)."""
         params = params or SamplingParams()
         prompt_ids = self.encode_prompt(prompt)
         max_new = self.check_fits(prompt_ids, params)
@@ -223,6 +242,15 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def stats(self) -> EngineStats:
+        """The engine's state now, for monitoring (a server's /metrics)."""
+        waiting = {seq.request_id for seq in self.scheduler.waiting}
+        bm = self.block_manager
+        return EngineStats(num_running=len(self.requests) - len(waiting), num_waiting=len(waiting),
+                           num_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks(),
+                           prefix_cache_hits=bm.stats.hits, prefix_cache_queries=bm.stats.hits + bm.stats.misses,
+                           num_preemptions=self.scheduler.num_preemptions)
 
     def _new_sample(self, req: _Request, seq: SequenceState, i: int) -> _Sample:
         p = req.params
@@ -361,7 +389,9 @@ class LLMEngine:
                 s.out.finish_reason = "length"
         if s.out.finish_reason:
             s.text.flush()
-        s.out.text = s.text.text
+        # while running, only settled text (no possible stop-string prefix, no cut UTF-8 character),
+        # so that out.text only ever grows and a stream can send its new part
+        s.out.text = s.text.text[: s.text.emitted]
         return s.out.finish_reason is not None
 
 
@@ -445,57 +475,3 @@ class LLM:
         if len(ids) > self.max_model_len:
             raise NanoserveError(f"{len(ids)} tokens exceed the model's context of {self.max_model_len}")
         return self.model(torch.tensor([ids], device=self.device))[0].float()
-
-
-class AsyncLLMEngine:
-    """An asyncio front for `LLMEngine`, for servers: many coroutines await their own outputs
-    while one background task steps the engine.
-
-        engine = AsyncLLMEngine(LLMEngine("demo"))
-        async for out in engine.generate("ROMEO:", SamplingParams(max_tokens=50)):
-            print(out.text)
-
-    Steps run in the event loop's thread between awaits (a step is milliseconds here; vLLM moves
-    the engine to its own process). A consumer that stops iterating — a client that disconnected —
-    aborts its request, which returns its blocks at once.
-    """
-
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._loop_task: asyncio.Task | None = None
-
-    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                       priority: int = 0):
-        """Yield the request's RequestOutput each step it advances; the last one is finished."""
-        rid = self.engine.add_request(prompt, params, request_id=request_id, priority=priority)
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[rid] = queue
-        if self._loop_task is None or self._loop_task.done():
-            self._loop_task = asyncio.get_running_loop().create_task(self._run())
-        finished = False
-        try:
-            while not finished:
-                out = await queue.get()
-                if isinstance(out, BaseException):
-                    raise out
-                finished = out.finished
-                yield out
-        finally:
-            self._queues.pop(rid, None)
-            if not finished:
-                self.engine.abort_request(rid)
-
-    async def _run(self) -> None:
-        while self.engine.has_unfinished_requests():
-            try:
-                outs = self.engine.step()
-            except Exception as e:  # the engine broke: every waiting consumer gets the error
-                for q in self._queues.values():
-                    q.put_nowait(e)
-                raise
-            for out in outs:
-                q = self._queues.get(out.request_id)
-                if q is not None:
-                    q.put_nowait(out)
-            await asyncio.sleep(0)  # let consumers (and new requests) run between steps

@@ -8,7 +8,7 @@ outputs and timestamps; names follow vLLM.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass
@@ -94,6 +94,12 @@ class RequestOutput:
     @property
     def e2e_latency(self) -> float | None:
         return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+    def snapshot(self) -> RequestOutput:
+        """A copy that later steps do not change (the engine keeps growing this object in place)."""
+        outs = [replace(o, token_ids=list(o.token_ids), token_times=list(o.token_times),
+                        spec_stats=None if o.spec_stats is None else replace(o.spec_stats)) for o in self.outputs]
+        return replace(self, outputs=outs)
 
 
 class IncrementalText:

@@ -72,6 +72,8 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, bos: bool = False) -> list[int]: ...
     def decode(self, ids: Sequence[int]) -> str: ...
+    @property
+    def special_tokens(self) -> dict[str, int]: ...
     def decode_bytes(self, ids: Sequence[int]) -> bytes: ...
 
 
@@ -159,6 +161,11 @@ class TiktokenTokenizer:
         if self.add_prefix_space:
             pieces = [p if p.startswith(" ") else " " + p for p in pieces if p]
         return pieces
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """Text → id of the special tokens (encode() never produces them from text; chat templates do)."""
+        return {t: self.encoding.encode_single_token(t) for t in self.encoding.special_tokens_set}
 
     def decode_bytes(self, ids: Sequence[int]) -> bytes:
         """The bytes of the tokens, concatenated: decode_bytes(a + b) == decode_bytes(a) + decode_bytes(b)."""
@@ -604,6 +611,11 @@ class SentencePieceTokenizer:
             elif not (ids and ids[-1] == self.unk_id):  # SentencePiece merges a run of unknowns into one
                 ids.append(self.unk_id)
         return _prepend_bos(ids, bos, self.bos_id)
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """Text → id of the control tokens (<s>, </s>, ...), which encode() never produces from text."""
+        return {p: i for i, (p, t) in enumerate(zip(self.pieces, self.types)) if t == CONTROL and p}
 
     def _normalize(self, text: str) -> str:
         if self.remove_extra_whitespaces:

@@ -1,0 +1,510 @@
+"""The OpenAI-compatible server, tested as its users meet it: a real uvicorn server on loopback,
+the official `openai` client, raw sockets for what clients do badly (malformed JSON, hanging up).
+
+Oracles: `LLM.generate` on the same model (greedy outputs, seeded samples, token counts) and the
+engine's own state (no request left, every KV block back in the pool). Every request loop is
+bounded in count and time, and every connection targets 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+
+import uvicorn  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from nanoserve import LLM, SamplingParams  # noqa: E402
+from nanoserve.async_engine import AsyncLLMEngine  # noqa: E402
+from nanoserve.chat import load_chat_template  # noqa: E402
+from nanoserve.engine import LLMEngine  # noqa: E402
+from nanoserve.loader import resolve_model_path  # noqa: E402
+from nanoserve.server import create_app  # noqa: E402
+
+KEY = "sk-test-key"
+# turns separated by the special token <|endoftext|> (id 256 in the demo's byte-level vocabulary)
+TEMPLATE = ("{% for m in messages %}<|endoftext|>{{ m['role'] }}:\n{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|endoftext|>assistant:\n{% endif %}")
+DEADLINE = 120  # seconds: no test waits longer for a server
+
+
+class LiveServer:
+    """uvicorn serving `app` on 127.0.0.1 in a thread of this process, on a port the OS picked."""
+
+    def __init__(self, app):
+        self.app = app
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        _wait_for(lambda: self.server.started, "the server to start")
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def engine(self) -> AsyncLLMEngine:
+        return self.app.state.engine
+
+    def client(self, **kw):
+        return openai.OpenAI(base_url=self.url, api_key=kw.pop("api_key", KEY), max_retries=0, timeout=DEADLINE, **kw)
+
+    def aclient(self):
+        return openai.AsyncOpenAI(base_url=self.url, api_key=KEY, max_retries=0, timeout=DEADLINE)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def _wait_for(cond, what: str, timeout: float = DEADLINE, interval: float = 0.002):
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+def _pool_whole(engine: AsyncLLMEngine) -> bool:
+    core = engine.engine
+    return (not core.has_unfinished_requests() and engine.num_pending == 0
+            and core.block_manager.num_free_blocks() == core.block_manager.num_blocks)
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory) -> Path:
+    """The demo model with a chat template added (the shipped one has none)."""
+    path = tmp_path_factory.mktemp("chat") / "demo-chat"
+    shutil.copytree(resolve_model_path("demo"), path)
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(chat_model):
+    core = LLMEngine(str(chat_model), num_blocks=256, max_num_seqs=64)
+    srv = LiveServer(create_app(AsyncLLMEngine(core), "demo-chat", api_key=KEY,
+                                chat_template=load_chat_template(chat_model, core.tokenizer)))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(chat_model):
+    return LLM(str(chat_model))
+
+
+# ----------------------------------------------------------------------------- raw HTTP
+def _http(port: int, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+    """One request over a plain socket: (status, headers, body bytes)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=DEADLINE) as s:
+        s.sendall(_request_bytes(method, path, body, headers))
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    hdrs = {k.lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines[1:])}
+    if hdrs.get("transfer-encoding") == "chunked":
+        rest = _dechunk(rest)
+    return int(lines[0].split()[1]), hdrs, rest
+
+
+def _request_bytes(method, path, body=None, headers=None) -> bytes:
+    hdrs = {"Host": "127.0.0.1", "Connection": "close", "Authorization": f"Bearer {KEY}",
+            "Content-Type": "application/json", **(headers or {})}
+    if body is not None:
+        hdrs["Content-Length"] = str(len(body))
+    head = f"{method} {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in hdrs.items() if v is not None)
+    return head.encode() + b"\r\n" + (body or b"")
+
+
+def _dechunk(data: bytes) -> bytes:
+    out = b""
+    while data:
+        size, _, data = data.partition(b"\r\n")
+        n = int(size, 16)
+        if n == 0:
+            break
+        out, data = out + data[:n], data[n + 2:]
+    return out
+
+
+def _post(port, path, obj, headers=None):
+    body = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
+    status, hdrs, data = _http(port, "POST", path, body, headers)
+    return status, hdrs, json.loads(data) if data.startswith(b"{") else data
+
+
+# ----------------------------------------------------------------------------- correctness
+PROMPTS = ["ROMEO:", "First Citizen:\nWe are accounted poor citizens", [72, 101, 108, 108, 111]]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["short", "long", "token-ids"])
+def test_greedy_completion_equals_llm_generate_with_usage(server, reference, prompt):
+    params = SamplingParams(temperature=0, max_tokens=24)
+    want = reference.generate([prompt], params)[0]
+    got = server.client().completions.create(model="demo-chat", prompt=prompt, max_tokens=24, temperature=0)
+    assert got.choices[0].text == want.text
+    assert got.choices[0].finish_reason == want.finish_reason
+    assert got.usage.prompt_tokens == len(reference.encode_prompt(prompt))
+    assert got.usage.completion_tokens == len(want.token_ids)
+    assert got.usage.total_tokens == got.usage.prompt_tokens + got.usage.completion_tokens
+
+
+def test_streamed_completion_equals_llm_generate(server, reference):
+    want = reference.generate(["JULIET:"], SamplingParams(temperature=0, max_tokens=30))[0]
+    stream = server.client().completions.create(model="demo-chat", prompt="JULIET:", max_tokens=30, temperature=0,
+                                                stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == want.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == want.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
+    # one chunk per generated token (no speculative decoding here)
+    assert sum(1 for c in chunks if c.choices) == len(want.token_ids)
+
+
+def test_stream_is_server_sent_events_ending_with_done(server):
+    status, hdrs, body = _http(server.port, "POST", "/v1/completions", json.dumps(
+        {"model": "demo-chat", "prompt": "ROMEO:", "max_tokens": 5, "temperature": 0, "stream": True}).encode())
+    assert status == 200 and hdrs["content-type"].startswith("text/event-stream")
+    events = [e for e in body.decode().split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert chunks[-1]["usage"]["completion_tokens"] == 5  # usage rides on the chunk that ends the stream
+
+
+def test_seeded_samples_and_n_equal_llm_generate(server, reference):
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=20, seed=7, n=3)
+    want = reference.generate(["KING:"], params)[0]
+    got = server.client().completions.create(model="demo-chat", prompt="KING:", max_tokens=20, temperature=0.9,
+                                             top_p=0.95, seed=7, n=3)
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    assert [c.text for c in got.choices] == [o.text for o in want.outputs]
+    assert len({c.text for c in got.choices}) > 1  # the samples differ: n really sampled n times
+    assert got.usage.completion_tokens == sum(len(o.token_ids) for o in want.outputs)
+
+
+def test_stop_strings_and_batched_prompts(server, reference):
+    params = SamplingParams(temperature=0, max_tokens=40, stop=[" matter", "xyz"])
+    want = reference.generate(["ROMEO:\n", "JULIET:\n"], params)
+    got = server.client().completions.create(model="demo-chat", prompt=["ROMEO:\n", "JULIET:\n"], max_tokens=40,
+                                             temperature=0, stop=[" matter", "xyz"])
+    assert [c.index for c in got.choices] == [0, 1]
+    assert [c.text for c in got.choices] == [w.text for w in want]
+    assert all(c.finish_reason == "stop" and "matter" not in c.text for c in got.choices)
+
+
+def test_chat_completion_equals_llm_generate_on_the_template(server, reference, chat_model):
+    messages = [{"role": "system", "content": "Speak as Romeo."}, {"role": "user", "content": "Who goes there?"}]
+    ids = load_chat_template(chat_model, reference.tokenizer).encode(messages, reference.tokenizer)
+    assert ids.count(256) == 3  # the special token became its id, not the bytes of "<|endoftext|>"
+    want = reference.generate([ids], SamplingParams(temperature=0, max_tokens=25))[0]
+    client = server.client()
+    got = client.chat.completions.create(model="demo-chat", messages=messages, max_tokens=25, temperature=0)
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == want.text
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(ids), len(want.token_ids))
+    chunks = list(client.chat.completions.create(model="demo-chat", messages=messages, max_tokens=25, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+    assert chunks[-1].usage.completion_tokens == len(want.token_ids)
+
+
+def test_models_and_health(server):
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == ["demo-chat"]
+    status, _, body = _http(server.port, "GET", "/health", headers={"Authorization": None})
+    assert status == 200 and json.loads(body) == {"status": "ok"}
+
+
+# ----------------------------------------------------------------------------- load and cancellation
+def test_64_concurrent_streams_finish_and_the_pool_is_whole(server):
+    lengths = [8 + (i * 7) % 40 for i in range(64)]  # 8..47 tokens each
+
+    async def one(client, i):
+        stream = await client.completions.create(
+            model="demo-chat", prompt=f"Citizen {i}:", max_tokens=lengths[i], temperature=0.8, seed=i, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        pieces, usage = 0, None
+        async for chunk in stream:
+            pieces += bool(chunk.choices)
+            usage = chunk.usage or usage
+        return pieces, usage.completion_tokens
+
+    async def main():
+        client = server.aclient()
+        try:
+            return await asyncio.wait_for(asyncio.gather(*[one(client, i) for i in range(64)]), DEADLINE)
+        finally:
+            await client.close()
+
+    before = server.engine.num_steps
+    results = asyncio.run(main())
+    assert [tokens for _, tokens in results] == lengths
+    assert [pieces for pieces, _ in results] == lengths  # every token streamed as its own chunk
+    assert server.engine.num_steps - before < sum(lengths) / 4  # they were batched, not served one by one
+    _wait_for(lambda: _pool_whole(server.engine), "the pool to be whole", timeout=10)
+    server.engine.engine.block_manager.check_invariants()
+
+
+def _hang_up_mid_stream(server, max_tokens=120) -> tuple[int, str]:
+    """Open a stream over a raw socket, read two events, close it. Returns (steps then, request id)."""
+    body = json.dumps({"model": "demo-chat", "prompt": "ROMEO:", "max_tokens": max_tokens, "stream": True,
+                       "ignore_eos": True}).encode()
+    core = server.engine.engine
+    with socket.create_connection(("127.0.0.1", server.port), timeout=DEADLINE) as s:
+        s.sendall(_request_bytes("POST", "/v1/completions", body))
+        seen = b""
+        while seen.count(b"data: ") < 2:
+            chunk = s.recv(4096)
+            assert chunk, "the server closed the stream early"
+            seen += chunk
+        rid = next(iter(core.requests))
+        steps = server.engine.num_steps
+    return steps, rid
+
+
+def test_client_disconnect_mid_stream_aborts_within_a_step(server):
+    _wait_for(lambda: _pool_whole(server.engine), "an idle server", timeout=30)
+    steps_at_close, rid = _hang_up_mid_stream(server)
+    _wait_for(lambda: rid not in server.engine.engine.requests, "the abort", timeout=10, interval=0.0005)
+    assert server.engine.num_steps - steps_at_close <= 2  # the step in flight, and at most one more
+    _wait_for(lambda: _pool_whole(server.engine), "the blocks to return", timeout=10)
+
+
+def test_disconnect_negative_control_without_abort_the_request_runs_on(server, monkeypatch):
+    """The test above must fail on an engine that ignores aborts."""
+    _wait_for(lambda: _pool_whole(server.engine), "an idle server", timeout=30)
+    monkeypatch.setattr(server.engine, "abort", lambda rid: None)
+    steps_at_close, rid = _hang_up_mid_stream(server)
+    time.sleep(0.3)
+    assert rid in server.engine.engine.requests and server.engine.num_steps - steps_at_close > 2
+    monkeypatch.undo()
+    server.engine.abort(rid)
+    _wait_for(lambda: _pool_whole(server.engine), "the pool after the manual abort", timeout=10)
+
+
+def test_client_disconnect_while_waiting_for_a_plain_response_aborts(server):
+    _wait_for(lambda: _pool_whole(server.engine), "an idle server", timeout=30)
+    aborted = ("nanoserve_request_finished_total", (("finish_reason", "abort"),))
+    before = _scrape(server.port).get(aborted, 0)
+    core = server.engine.engine
+    body = json.dumps({"model": "demo-chat", "prompt": "ROMEO:", "max_tokens": 120, "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=DEADLINE) as s:
+        s.sendall(_request_bytes("POST", "/v1/completions", body))
+        _wait_for(lambda: core.requests, "the request to start", timeout=30)
+        rid = next(iter(core.requests))
+        _wait_for(lambda: len(core.requests[rid].samples[0].out.token_ids) >= 2 if rid in core.requests else True,
+                  "two tokens", timeout=30)
+    _wait_for(lambda: _pool_whole(server.engine), "the abort", timeout=10)
+    assert _scrape(server.port)[aborted] == before + 1
+
+
+# ----------------------------------------------------------------------------- bad input
+def test_malformed_json_is_400_with_an_openai_error_body(server):
+    status, _, body = _post(server.port, "/v1/completions", b'{"model": "demo-chat", "prompt": ')
+    assert status == 400
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["type"] == "invalid_request_error" and "not valid JSON" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("extra, says", [
+    ({"foo": 1}, "unknown field 'foo'"),
+    ({"logprobs": 3}, "unsupported field logprobs"),
+    ({"temperature": -1}, "temperature=-1"),
+    ({"top_p": "high"}, "field 'top_p'"),
+    ({"max_tokens": 0}, "max_tokens=0"),
+    ({"n": 0}, "n=0"),
+    ({"stream_options": {"include_usage": True}}, "stream_options is only allowed with stream=true"),
+])
+def test_bad_fields_are_400_naming_them(server, extra, says):
+    status, _, body = _post(server.port, "/v1/completions", {"model": "demo-chat", "prompt": "Hi", **extra})
+    assert status == 400, body
+    assert says in body["error"]["message"]
+
+
+def test_no_op_values_of_unimplemented_fields_are_accepted(server):
+    got = server.client().completions.create(model="demo-chat", prompt="Hi", max_tokens=2, frequency_penalty=0,
+                                             presence_penalty=0.0, logprobs=None, echo=False)
+    assert got.usage.completion_tokens == 2
+
+
+def test_oversized_prompt_is_400_with_both_lengths(server, reference):
+    prompt = "x" * 300
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client().completions.create(model="demo-chat", prompt=prompt, max_tokens=4)
+    message = e.value.body["message"]
+    assert "300 tokens" in message and str(reference.max_model_len) in message
+
+
+def test_missing_required_fields_and_wrong_model(server):
+    status, _, body = _post(server.port, "/v1/completions", {"model": "demo-chat"})
+    assert status == 400 and "'prompt' is required" in body["error"]["message"]
+    with pytest.raises(openai.NotFoundError) as e:
+        server.client().completions.create(model="gpt-4", prompt="Hi")
+    assert "gpt-4" in e.value.body["message"] and "demo-chat" in e.value.body["message"]
+
+
+def test_api_key_is_required_on_v1_only(server):
+    with pytest.raises(openai.AuthenticationError):
+        server.client(api_key="wrong").completions.create(model="demo-chat", prompt="Hi", max_tokens=2)
+    status, _, body = _post(server.port, "/v1/completions", {"model": "demo-chat", "prompt": "Hi"},
+                            headers={"Authorization": None})
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    for path in ("/health", "/metrics"):  # probes and Prometheus stay open
+        assert _http(server.port, "GET", path, headers={"Authorization": None})[0] == 200
+
+
+@pytest.fixture(scope="module")
+def small_server():
+    """The plain demo model (no chat template, no key), one sequence at a time, one waiting slot."""
+    core = LLMEngine("demo", max_num_seqs=1, max_waiting=1, num_blocks=64)
+    srv = LiveServer(create_app(AsyncLLMEngine(core), "demo", retry_after=2))
+    yield srv
+    srv.stop()
+
+
+def test_full_queue_is_429_with_retry_after(small_server):
+    srv = small_server
+    core = srv.engine.engine
+    long = json.dumps({"model": "demo", "prompt": "A", "max_tokens": 120, "ignore_eos": True, "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=DEADLINE) as running:
+        running.sendall(_request_bytes("POST", "/v1/completions", long))
+        assert running.recv(4096).startswith(b"HTTP/1.1 200")
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=DEADLINE) as waiting:
+            waiting.sendall(_request_bytes("POST", "/v1/completions", long))
+            assert waiting.recv(4096).startswith(b"HTTP/1.1 200")
+            assert len(core.scheduler.waiting) + srv.engine.num_pending == 1
+            status, hdrs, body = _post(srv.port, "/v1/completions", {"model": "demo", "prompt": "B"})
+    assert status == 429 and hdrs["retry-after"] == "2"
+    assert body["error"]["type"] == "rate_limit_error" and "max_waiting=1" in body["error"]["message"]
+    _wait_for(lambda: _pool_whole(srv.engine), "both hung-up requests to be aborted", timeout=30)
+
+
+def test_chat_on_a_model_without_template_is_400(small_server):
+    status, _, body = _post(small_server.port, "/v1/chat/completions",
+                            {"model": "demo", "messages": [{"role": "user", "content": "Hi"}]})
+    assert status == 400 and "no chat template" in body["error"]["message"]
+
+
+# ----------------------------------------------------------------------------- metrics
+def _scrape(port) -> dict[tuple[str, tuple], float]:
+    status, hdrs, body = _http(port, "GET", "/metrics")
+    assert status == 200 and hdrs["content-type"].startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(body.decode()) for s in fam.samples}
+
+
+def test_metrics_parse_and_count_what_was_sent(small_server):
+    srv = small_server
+    _wait_for(lambda: _pool_whole(srv.engine), "an idle server", timeout=30)
+    before = _scrape(srv.port)
+    client = openai.OpenAI(base_url=srv.url, api_key="none", max_retries=0, timeout=DEADLINE)
+    lengths = [3, 5, 9]
+    outs = [client.completions.create(model="demo", prompt="To be", max_tokens=k, extra_body={"ignore_eos": True})
+            for k in lengths]
+    for bad in ({"temperature": -1}, {"foo": 1}):
+        assert _post(srv.port, "/v1/completions", {"model": "demo", "prompt": "x", **bad})[0] == 400
+    after = _scrape(srv.port)
+    d = lambda name, **labels: after.get((name, tuple(sorted(labels.items()))), 0) - before.get(  # noqa: E731
+        (name, tuple(sorted(labels.items()))), 0)
+    assert d("nanoserve_http_requests_total", endpoint="/v1/completions", status="200") == 3
+    assert d("nanoserve_http_requests_total", endpoint="/v1/completions", status="400") == 2
+    assert d("nanoserve_request_finished_total", finish_reason="length") == 3
+    assert d("nanoserve_generation_tokens_total") == sum(lengths)
+    assert d("nanoserve_prompt_tokens_total") == sum(o.usage.prompt_tokens for o in outs)
+    assert d("nanoserve_time_to_first_token_seconds_count") == 3
+    assert d("nanoserve_e2e_request_latency_seconds_count") == 3
+    assert d("nanoserve_inter_token_latency_seconds_count") == sum(k - 1 for k in lengths)
+    assert after[("nanoserve_num_requests_running", ())] == 0 and after[("nanoserve_num_requests_waiting", ())] == 0
+    assert after[("nanoserve_kv_cache_blocks_free", ())] == after[("nanoserve_kv_cache_blocks_total", ())] == 64
+    assert d("nanoserve_prefix_cache_queries_total") >= 0 and 0 <= after[("nanoserve_prefix_cache_hit_rate", ())] <= 1
+
+
+def test_metrics_show_speculative_acceptance_when_enabled():
+    core = LLMEngine("demo", speculative_model="demo-draft", num_speculative_tokens=3)
+    srv = LiveServer(create_app(AsyncLLMEngine(core), "demo"))
+    try:
+        client = openai.OpenAI(base_url=srv.url, api_key="none", max_retries=0, timeout=DEADLINE)
+        client.completions.create(model="demo", prompt="ROMEO:", max_tokens=30, temperature=0)
+        m = _scrape(srv.port)
+        drafted, accepted = m[("nanoserve_spec_decode_draft_tokens_total", ())], m[
+            ("nanoserve_spec_decode_accepted_tokens_total", ())]
+        assert drafted > 0 and m[("nanoserve_spec_decode_acceptance_rate", ())] == pytest.approx(accepted / drafted)
+    finally:
+        srv.stop()
+
+
+# ----------------------------------------------------------------------------- the CLI, a real process
+def test_nanoserve_serve_cli_answers_the_openai_client_and_stops_on_sigint(reference):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    exe = Path(sys.executable).with_name("nanoserve")
+    proc = subprocess.Popen([str(exe), "serve", "--model", "demo", "--port", str(port), "--log-level", "warning"],
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "NANOSERVE_API_KEY": ""})
+    try:
+        def up():
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                return _http(port, "GET", "/health")[0] == 200
+            except OSError:
+                return False
+        _wait_for(up, "nanoserve serve to answer /health", timeout=DEADLINE, interval=0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        got = client.completions.create(model="demo", prompt="ROMEO:", max_tokens=12, temperature=0)
+        want = LLM("demo").generate(["ROMEO:"], SamplingParams(temperature=0, max_tokens=12))[0]
+        assert got.choices[0].text == want.text
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert proc.returncode == 0
+    assert "serving demo on http://127.0.0.1:" in proc.stderr.read()
+
+
+def test_nanoserve_serve_cli_bad_input_is_one_line():
+    exe = Path(sys.executable).with_name("nanoserve")
+    r = subprocess.run([str(exe), "serve", "--port", "70000"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip() == "nanoserve: error: --port 70000 is not a TCP port (1..65535)"
+
+
+# ----------------------------------------------------------------------------- bench serve
+def test_bench_serve_counts_every_token_it_asked_for(server, tmp_path):
+    from nanoserve.bench import make_workload
+    from nanoserve.bench_serve import SAFE_VOCAB, bench_serve, format_bench_serve
+
+    out = tmp_path / "serve.json"
+    res = bench_serve(server.url, rates=(50.0,), n=8, in_range=(4, 12), out_range=(4, 12), slo_ttft_ms=60_000,
+                      slo_tpot_ms=60_000, api_key=KEY, out=str(out))
+    row = res["results"]["50.0"]
+    assert row["failed"] == 0 and row["num_requests"] == 8
+    _, params = make_workload(8, (4, 12), (4, 12), SAFE_VOCAB, 0)
+    assert row["output_throughput"] * row["duration"] == pytest.approx(sum(p.max_tokens for p in params))
+    assert row["goodput"] == pytest.approx(row["request_throughput"])  # SLOs of a minute: every request is good
+    assert 0 < row["ttft"]["p50"] <= row["ttft"]["p99"] and row["itl"]["p50"] > 0
+    assert json.loads(out.read_text())["results"]["50.0"]["num_requests"] == 8
+    assert "50.0" in format_bench_serve(res)
