@@ -84,6 +84,23 @@ def test_gptq_checkpoint_round_trip_gives_identical_logits(calib, tmp_path):
     assert (reloaded(x) - fake(x)).abs().max() < 2e-2
 
 
+def test_gpt2_checkpoint_with_biases_round_trips_to_identical_logits(tmp_path):
+    """GPT-2 (biases on every linear, Conv1D layout in HF files) saved and reloaded: the same logits
+    as the packed in-memory model. Biases stored in fp16 (a GPTQ habit) would break this."""
+    model, cfg, tok = load_model("demo")
+    calib = calibration_ids(tok, SHAKESPEARE.read_text()[:50_000], nsamples=4, seqlen=64, seed=0)
+    res = quantize_model(model, calib, QuantizeConfig(method="gptq", group_size=64), progress=False)
+    out = save_quantized(model, res, tmp_path / "q", tokenizer_from="demo")
+    reloaded, _, _ = load_model(out)
+    packed = replace_linears(model, res.qweights)
+    x = torch.randint(0, 257, (2, 40))
+    assert torch.equal(reloaded(x), packed(x))
+    fp16_bias = replace_linears(load_model("demo")[0], res.qweights)  # the negative control: rounded biases
+    for name in res.qweights:
+        fp16_bias.get_submodule(name).bias.copy_(model.get_submodule(name).bias.half())
+    assert not torch.equal(reloaded(x), fp16_bias(x))
+
+
 def test_awq_checkpoint_loads_to_the_same_weights(calib, tmp_path):
     """An AutoAWQ GEMM checkpoint (written here with packing.pack_awq) loads to the same layers as
     packing our codes directly; a zero point of 0 (AWQ can store it, GPTQ v1 cannot) is refused."""

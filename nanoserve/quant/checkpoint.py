@@ -54,8 +54,8 @@ def save_quantized(model: nn.Module, result: QuantizeResult, directory: str | os
     """Write the model of `quantize_model` in the GPTQ (v1) format: config.json + model.safetensors
     (+ the tokenizer files of `tokenizer_from`, a model name or path, so the directory loads alone).
 
-    Scales are stored in fp16, as GPTQ checkpoints do. Other tools (transformers + a GPTQ
-    backend, vLLM) load the result."""
+    Scales are stored in fp16, as GPTQ checkpoints do; biases in the model's dtype. Other tools
+    (transformers + a GPTQ backend, vLLM) load the result."""
     odd = [r.name for r in result.layers if r.group_size != result.config.group_size]
     if odd:
         raise NanoserveError(f"the GPTQ format has one group size per model; {odd[0]} (and {len(odd) - 1} more) "
@@ -71,7 +71,9 @@ def save_quantized(model: nn.Module, result: QuantizeResult, directory: str | os
                                  f"(zero points are then 2^(bits-1))") from e
         bias = model.get_submodule(name).bias
         if bias is not None:
-            replaced[name]["bias"] = bias.to(torch.float16)
+            # the model's own dtype: GPTQ readers cast it anyway, and fp16 here would make the reloaded
+            # model differ from the one in memory (scales are fp16 in both: the format's dtype)
+            replaced[name]["bias"] = bias.detach()
     out = save_checkpoint(model, directory, replaced, result.config.hf_config())
     if tokenizer_from is not None:
         _copy_tokenizer(tokenizer_from, out)
