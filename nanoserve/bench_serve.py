@@ -65,7 +65,16 @@ def bench_serve(url: str = "http://127.0.0.1:8000/v1", rates=(1.0, 4.0, 16.0), n
                 in_range=(8, 64), out_range=(8, 64), slo_ttft_ms: float | None = None,
                 slo_tpot_ms: float | None = None, api_key: str | None = None, model: str | None = None,
                 seed: int = 0, timeout: float = 300.0, out: str | None = None) -> dict:
-    """Run every rate against the server at `url` (its /v1 root); returns (and saves) the results."""
+    """Run every rate against the server at `url` (its /v1 root); returns (and saves) the results.
+    Inside a running event loop (a notebook), `await bench_serve_async(...)` instead."""
+    return asyncio.run(bench_serve_async(url, rates, n, in_range, out_range, slo_ttft_ms, slo_tpot_ms, api_key,
+                                         model, seed, timeout, out))
+
+
+async def bench_serve_async(url: str = "http://127.0.0.1:8000/v1", rates=(1.0, 4.0, 16.0), n: int = 32,
+                            in_range=(8, 64), out_range=(8, 64), slo_ttft_ms: float | None = None,
+                            slo_tpot_ms: float | None = None, api_key: str | None = None, model: str | None = None,
+                            seed: int = 0, timeout: float = 300.0, out: str | None = None) -> dict:
     try:
         from openai import AsyncOpenAI
     except ImportError as e:
@@ -73,9 +82,8 @@ def bench_serve(url: str = "http://127.0.0.1:8000/v1", rates=(1.0, 4.0, 16.0), n
     if not rates or any(r <= 0 for r in rates):
         raise NanoserveError(f"rates must be positive requests/s, got {list(rates)}")
     prompts, params = make_workload(n, in_range, out_range, SAFE_VOCAB, seed)
-
-    async def main():
-        client = AsyncOpenAI(base_url=url, api_key=api_key or "none", max_retries=0)
+    client = AsyncOpenAI(base_url=url, api_key=api_key or "none", max_retries=0)
+    try:
         try:
             name = model or (await client.models.list()).data[0].id
         except Exception as e:
@@ -92,10 +100,8 @@ def bench_serve(url: str = "http://127.0.0.1:8000/v1", rates=(1.0, 4.0, 16.0), n
                               slo_tpot=None if slo_tpot_ms is None else slo_tpot_ms / 1e3)
                 row.update(s.as_dict())
             res["results"][str(rate)] = row
+    finally:
         await client.close()
-        return res
-
-    res = asyncio.run(main())
     res.update(date=date.today().isoformat(), client=f"{platform.machine()}, Python {platform.python_version()}")
     if out:
         Path(out).write_text(json.dumps(res, indent=2) + "\n")

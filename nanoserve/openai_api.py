@@ -85,8 +85,10 @@ class _Request(BaseModel):
         bad = [k for k, allowed in NO_OP_VALUES.items()
                if k in set_fields and getattr(self, k, None) not in allowed]
         if bad:
-            raise NanoserveError(f"unsupported field{'s' * (len(bad) > 1)} {', '.join(bad)}: nanoserve does not "
-                                 "implement them (send them unset, or at their default)")
+            one = len(bad) == 1
+            raise NanoserveError(f"unsupported field{'' if one else 's'} {', '.join(bad)}: nanoserve does not "
+                                 f"implement {'it' if one else 'them'} (leave {'it' if one else 'them'} unset, "
+                                 "or at the default)")
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """The request's SamplingParams (SamplingParams raises NanoserveError on bad values)."""
