@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.nanoserve-installed
 TORCH_PIN ?= torch==2.13.0 triton==3.8.0
 NBVAL  := --nbval --nbval-sanitize-with notebooks/sanitize.cfg --nbval-current-env
 
-.PHONY: install demo test test-fast lint notebooks bench clean
+.PHONY: install demo test test-fast lint notebooks bench exercises clean
 
 install: $(STAMP)
 
@@ -26,6 +26,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check nanoserve kernels tests benchmarks
 	$(BIN)/pytest -q tests
+	$(BIN)/pytest -q tests/exercises --impl exercises --expect-stubs
 	$(BIN)/pytest -q $(NBVAL) notebooks
 
 test-fast: $(STAMP)
@@ -38,6 +39,11 @@ lint: $(STAMP)
 notebooks: $(STAMP)
 	for nb in notebooks/*.ipynb; do \
 	  $(BIN)/jupyter nbconvert --to notebook --execute --inplace "$$nb" || exit 1; done
+
+# Your solutions in exercises/ against the exercise tests: `make exercises`, or one: `make exercises EX=ex04`.
+EX ?=
+exercises: $(STAMP)
+	$(BIN)/pytest tests/exercises --impl exercises -q --no-header --tb=short -p no:cacheprovider $(if $(EX),-m $(EX))
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_decode.py

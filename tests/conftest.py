@@ -20,6 +20,20 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 
 
+# --------------------------------------------------------------------------- exercises (tests/exercises)
+IMPLS = ("reference", "exercises")
+
+
+def pytest_addoption(parser):
+    # here, not in tests/exercises/conftest.py: pytest reads options only from the root conftest
+    parser.addoption("--impl", choices=IMPLS, default=os.environ.get("NANOSERVE_IMPL", "reference"),
+                     help="what tests/exercises check: the reference (nanoserve) or your code in exercises/ "
+                          "(default: $NANOSERVE_IMPL, else reference)")
+    parser.addoption("--expect-stubs", action="store_true",
+                     help="CI: exercises/ holds the untouched stubs, so every exercise test must fail with "
+                          "NotImplementedError (strict xfail: a test that passes on a stub proves nothing)")
+
+
 def shared_path(*parts: str) -> Path:
     """A path under ../shared: skips the test when it is missing, fails loudly in CI (CI=true)."""
     path = SHARED.joinpath(*parts)

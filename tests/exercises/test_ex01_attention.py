@@ -1,0 +1,159 @@
+"""Exercise 1: causal attention with a KV cache (nanoserve/models/layers.py: causal_mask, naive_attention).
+
+Oracles: a truth table written by hand, and torch's scaled_dot_product_attention (not our code).
+The decode tests are the KV-cache contract: queries at positions p..p+T-1 over keys 0..p+T-1 must
+give the rows of full causal attention.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+REFERENCE = "nanoserve.models.layers"
+EXERCISE = "layers"
+pytestmark = pytest.mark.ex01
+
+
+def _qkv(B=2, T=7, H=4, Hkv=4, D=8, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, D, generator=g).to(dtype)
+    k, v = (torch.randn(B, T, Hkv, D, generator=g).to(dtype) for _ in range(2))
+    return q, k, v
+
+
+def _sdpa(q, k, v, mask=None):
+    """torch's attention: [B, T, H, D] layout in and out, GQA by repeating kv heads."""
+    group = q.shape[2] // k.shape[2]
+    k, v = (t.repeat_interleave(group, dim=2) for t in (k, v))
+    q, k, v = (t.transpose(1, 2).float() for t in (q, k, v))
+    if mask is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return out.transpose(1, 2)
+
+
+# ----------------------------------------------------------------------------- checks (shared with the mutants)
+def check_mask_truth_table(impl):
+    m = impl.causal_mask(torch.tensor([[0, 2], [3, 4]]), 5)
+    assert m.shape == (2, 1, 2, 5) and m.dtype == torch.bool
+    want = torch.tensor([[[1, 0, 0, 0, 0], [1, 1, 1, 0, 0]],
+                         [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]], dtype=torch.bool)
+    assert torch.equal(m[:, 0], want)
+
+
+def check_prefill_equals_sdpa(impl, H=4, Hkv=4):
+    q, k, v = _qkv(H=H, Hkv=Hkv)
+    out = impl.naive_attention(q, k, v)
+    assert out.shape == q.shape
+    assert (out - _sdpa(q, k, v)).abs().max() < 1e-5
+
+
+def check_decode_with_cache_equals_full(impl, H=6, Hkv=2):
+    """Prefill 4 tokens, then 3 decode steps of one query each over the growing cache."""
+    q, k, v = _qkv(B=2, T=7, H=H, Hkv=Hkv)
+    full = _sdpa(q, k, v)
+    rows = [impl.naive_attention(q[:, :4], k[:, :4], v[:, :4], torch.arange(4).expand(2, 4))]
+    for t in range(4, 7):
+        rows.append(impl.naive_attention(q[:, t:t + 1], k[:, :t + 1], v[:, :t + 1], torch.full((2, 1), t)))
+    assert (torch.cat(rows, dim=1) - full).abs().max() < 1e-5
+
+
+def check_ragged_positions(impl):
+    """Rows of one batch at different positions over one key tensor (padding after each row's keys)."""
+    q, k, v = _qkv(B=2, T=2, H=2, Hkv=2)
+    k, v = (torch.cat([t, t, t, t], dim=1) for t in (k, v))  # S = 8
+    pos = torch.tensor([[3, 4], [6, 7]])
+    out = impl.naive_attention(q, k, v, pos)
+    mask = torch.arange(8)[None, None, :] <= pos[:, :, None]  # B, T, S   built here, independently
+    assert (out - _sdpa(q, k, v, mask[:, None])).abs().max() < 1e-5
+
+
+def check_dtype_kept(impl):
+    q, k, v = _qkv(dtype=torch.float16)
+    out = impl.naive_attention(q, k, v)
+    assert out.dtype == torch.float16
+    assert (out.float() - _sdpa(q, k, v)).abs().max() < 2e-3
+
+
+# ----------------------------------------------------------------------------- the tests
+def test_ex01_1_causal_mask_truth_table(impl):
+    check_mask_truth_table(impl)
+
+
+def test_ex01_2_attention_without_cache_equals_sdpa(impl):
+    check_prefill_equals_sdpa(impl)
+
+
+def test_ex01_2_grouped_query_attention_equals_sdpa(impl):
+    check_prefill_equals_sdpa(impl, H=6, Hkv=2)
+
+
+def test_ex01_2_decode_over_a_kv_cache_equals_full_attention(impl):
+    check_decode_with_cache_equals_full(impl)
+
+
+def test_ex01_2_ragged_positions_in_one_batch(impl):
+    check_ragged_positions(impl)
+
+
+def test_ex01_2_half_precision_in_half_precision_out(impl):
+    check_dtype_kept(impl)
+
+
+# ----------------------------------------------------------------------------- known-wrong variants
+def _attention(mask_fn, kv_heads="interleave"):
+    def naive_attention(q, k, v, q_positions=None):
+        B, T, H, D = q.shape
+        if q_positions is None:
+            q_positions = torch.arange(T).expand(B, T)
+        group = H // k.shape[2]
+        if kv_heads == "interleave":
+            k, v = (t.repeat_interleave(group, dim=2) for t in (k, v))
+        else:  # wrong: head h reads kv head h % Hkv
+            k, v = (t.repeat(1, 1, group, 1) for t in (k, v))
+        s = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) / math.sqrt(D)
+        s = s.masked_fill(~mask_fn(q_positions, k.shape[1]), float("-inf"))
+        return torch.einsum("bhts,bshd->bthd", s.softmax(-1), v.float()).to(q.dtype)
+    return naive_attention
+
+
+def _mask(compare):
+    return lambda qp, S: compare(torch.arange(S)[None, None, :], qp[:, :, None])[:, None]
+
+
+NO_MASK = _mask(lambda kpos, qpos: torch.ones_like(kpos <= qpos))
+STRICT = _mask(lambda kpos, qpos: kpos < qpos)  # off by one: a query does not see itself
+RIGHT = _mask(lambda kpos, qpos: kpos <= qpos)
+FROM_ZERO = _mask(lambda kpos, qpos: kpos <= qpos - qpos[:, :1])  # forgets the cache: positions restart at 0
+WRONG = {
+    "no causal mask": (SimpleNamespace(causal_mask=NO_MASK, naive_attention=_attention(NO_MASK)),
+                       [check_mask_truth_table, check_prefill_equals_sdpa]),
+    "mask off by one (no self)": (SimpleNamespace(causal_mask=STRICT, naive_attention=_attention(STRICT)),
+                                  [check_mask_truth_table, check_prefill_equals_sdpa]),
+    "positions relative to the chunk": (SimpleNamespace(causal_mask=FROM_ZERO, naive_attention=_attention(FROM_ZERO)),
+                                        [check_decode_with_cache_equals_full, check_ragged_positions]),
+    "GQA heads tiled, not grouped": (SimpleNamespace(causal_mask=RIGHT, naive_attention=_attention(RIGHT, "tile")),
+                                     [check_decode_with_cache_equals_full]),
+}
+
+
+@pytest.mark.parametrize("name", list(WRONG))
+def test_ex01_known_wrong_variants_fail(name):
+    wrong, checks = WRONG[name]
+    for check in checks:
+        with pytest.raises(AssertionError):
+            check(wrong)
+
+
+def test_ex01_the_checks_pass_on_a_right_variant_built_the_same_way():
+    """The mutants differ from this one in exactly one place, so their failures are that place's."""
+    right = SimpleNamespace(causal_mask=RIGHT, naive_attention=_attention(RIGHT))
+    for check in (check_mask_truth_table, check_prefill_equals_sdpa, check_decode_with_cache_equals_full,
+                  check_ragged_positions, check_dtype_kept):
+        check(right)
