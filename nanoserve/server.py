@@ -90,6 +90,10 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
             return error(429, str(e), "rate_limit_error", "queue_full", {"Retry-After": str(retry_after)})
         return error(400, str(e))
 
+    @app.exception_handler(Exception)
+    async def _bug(request, e: Exception):  # logged by uvicorn with its traceback; the client gets JSON
+        return error(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+
     async def check_key(request: Request) -> None:
         if api_key is None:
             return

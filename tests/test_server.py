@@ -213,6 +213,15 @@ def test_stop_strings_and_batched_prompts(server, reference):
     assert all(c.finish_reason == "stop" and "matter" not in c.text for c in got.choices)
 
 
+def test_streamed_text_with_stop_strings_equals_the_plain_response(server, reference):
+    """Text that could still turn into a stop string is held back, never sent and then taken back."""
+    kw = dict(model="demo-chat", prompt="ROMEO:\n", max_tokens=40, temperature=0, stop=[" the state", " matter"])
+    plain = server.client().completions.create(**kw)
+    streamed = "".join(c.choices[0].text for c in server.client().completions.create(**kw, stream=True))
+    want = reference.generate([kw["prompt"]], SamplingParams(temperature=0, max_tokens=40, stop=kw["stop"]))[0]
+    assert streamed == plain.choices[0].text == want.text and want.finish_reason == "stop"
+
+
 def test_chat_completion_equals_llm_generate_on_the_template(server, reference, chat_model):
     messages = [{"role": "system", "content": "Speak as Romeo."}, {"role": "user", "content": "Who goes there?"}]
     ids = load_chat_template(chat_model, reference.tokenizer).encode(messages, reference.tokenizer)

@@ -31,8 +31,10 @@ O(K³), as the reference the fast version is tested against.
 
 **Groups.** With group-wise quantization, a group's scale and zero are chosen when the loop
 enters the group, from the weights *as updated so far* (the columns of the group past the current
-block are brought up to date first, so the result does not depend on `blocksize`; the reference
-code uses their stale values there, which matters when a block edge falls inside a group).
+block are brought up to date first, so the result does not depend on `blocksize` — up to float
+rounding, which can only decide exact ties: a symmetric grid puts −amax exactly halfway between
+codes 0 and 1, so there either code may come out, at equal error; the reference code uses the
+stale values there, which matters when a block edge falls inside a group).
 `static_groups=True` instead fixes every group's grid up front from the original weights.
 
 **act-order** (`desc_act` in checkpoint configs): process columns by decreasing H_jj, the
