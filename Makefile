@@ -24,7 +24,7 @@ demo: $(STAMP)
 
 # The test command the README documents and .ci/run calls.
 test: $(STAMP)
-	$(BIN)/ruff check nanoserve kernels tests benchmarks
+	$(BIN)/ruff check nanoserve kernels tests benchmarks exercises
 	$(BIN)/pytest -q tests
 	$(BIN)/pytest -q tests/exercises --impl exercises --expect-stubs
 	$(BIN)/pytest -q $(NBVAL) notebooks
@@ -33,7 +33,7 @@ test-fast: $(STAMP)
 	$(BIN)/pytest -q -x -m "not slow" tests
 
 lint: $(STAMP)
-	$(BIN)/ruff check nanoserve kernels tests benchmarks
+	$(BIN)/ruff check nanoserve kernels tests benchmarks exercises
 
 # Re-execute every notebook in place (what is committed must be executed top to bottom).
 notebooks: $(STAMP)

@@ -15,6 +15,8 @@ import math  # noqa: F401  (you will want it)
 import torch
 import torch.nn.functional as F  # noqa: F401
 
+from nanoserve.config import ModelConfig, llama3_rope_inv_freq  # noqa: F401  (exercise 2.1)
+
 
 # ----------------------------------------------------------------------------- exercise 1
 def causal_mask(q_positions: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -37,3 +39,50 @@ def naive_attention(q, k, v, q_positions=None):
         "Exercise 1.2: scores = q·kᵀ/√D, mask with causal_mask, softmax over keys, weight v; "
         "repeat each kv head for its group of query heads first "
         "(roughly 10 lines; see notebooks/01_engine_core, sections 1 and 3, 'Grouped-query attention')")
+
+
+# ----------------------------------------------------------------------------- exercise 2
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """θ_i = base^(-2i/d) for i < d/2 (Su et al. 2021), with the config's scaling applied.
+
+    d = cfg.head_dim, base = cfg.rope_theta; returns float32 [D/2], fastest first (θ_0 = 1).
+    cfg.rope_scaling is None (no scaling) or a dict whose "rope_type" says what to do:
+    "default" nothing, "linear" divide every θ_i by scaling["factor"], "llama3" return
+    llama3_rope_inv_freq(inv_freq, scaling) (imported above: Llama 3.1's frequency bands)."""
+    raise NotImplementedError(
+        "Exercise 2.1: the D/2 frequencies base^(-2i/D) for i = 0, 1, ..., D/2 - 1 (torch.arange(0, D, 2)), "
+        "then the scaling cfg.rope_scaling asks for "
+        "(roughly 10 lines; see notebooks/01_engine_core, section 3, 'RoPE: rotary position embeddings')")
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    """cos and sin of position·θ for each position; [B, T] positions -> two [B, T, 1, D] tensors.
+
+    A token at position m turns pair i by the angle m·θ_i. Pair i is (i, i + D/2) (HF's half-split
+    layout), so the D/2 angles appear twice, side by side: [a_0 .. a_{D/2-1}, a_0 .. a_{D/2-1}].
+    Compute the angles in float32 and return cos and sin in `dtype`; the axis of size 1 broadcasts
+    over heads. Rows of a batch may sit at different positions (a cache holds different lengths)."""
+    raise NotImplementedError(
+        "Exercise 2.2: angles = positions (as float) times inv_freq, one row per token, concatenated "
+        "with themselves to D; then cos and sin, a heads axis, and the dtype "
+        "(roughly 3 lines; see notebooks/01_engine_core, section 3, 'RoPE: rotary position embeddings')")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[x1, x2] -> [-x2, x1], where x1 and x2 are the first and second halves of the last dim."""
+    raise NotImplementedError(
+        "Exercise 2.3: split the last dim into halves x1, x2 and concatenate -x2 then x1 "
+        "(roughly 2 lines; see notebooks/01_engine_core, section 3, 'RoPE: rotary position embeddings')")
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each (x_i, x_{i+D/2}) pair by position·θ_i.  x: [B, T, H, D].
+
+    Pairs are (i, i + D/2), the layout of HF checkpoints. llama2.c pairs neighbours
+    (2i, 2i+1) instead; its loader permutes the q/k weight rows so this one function serves both.
+    cos, sin [B, T, 1, D] come from rope_cos_sin. A 2-D rotation by a:
+    (x1, x2) -> (x1·cos a − x2·sin a, x2·cos a + x1·sin a). Returns x's shape and dtype.
+    """
+    raise NotImplementedError(
+        "Exercise 2.4: the 2-D rotation of every pair at once, with rotate_half "
+        "(roughly 1 line; see notebooks/01_engine_core, section 3, 'RoPE: rotary position embeddings')")

@@ -50,6 +50,10 @@ and that estimate are unmeasured: benchmark before trusting either.
   writes C directly. A split whose range is empty (more splits than tiles) writes zeros.
   `choose_split_k` says how many splits fill a GPU.
 
+And a third, with no matmul: `dequantize_int4` writes W [N, K] out (the layout and values of
+packing.dequantize_gptq) in one pass, one program per [BLOCK_K, BLOCK_N] tile, with the same
+`_dequant_tile` the two kernels above use: the dequantize step of "dequantize + cuBLAS" for large M.
+
 **Precision.** Accumulation is fp32. In Triton's interpreter (no GPU), which cannot do bf16
 arithmetic, tiles become fp32 right after their load (`UPCAST`, DESIGN.md §5). On a GPU, w is
 cast to A's dtype for the tensor cores (as the torch fallback does: a product of a code
@@ -77,6 +81,7 @@ MAX_SPLIT_K = 16
 # (BLOCK_M, BLOCK_N, BLOCK_K) in the interpreter and on a GPU (untuned on GPU)
 _GEMM_TILES = {False: (16, 32, 32), True: (64, 64, 32)}
 _GEMV_TILES = {False: (16, 32, 32), True: (16, 64, 64)}
+_DEQUANT_TILES = {False: (32, 32), True: (64, 64)}  # (BLOCK_K, BLOCK_N) of dequantize_int4 (untuned on GPU)
 
 
 # ----------------------------------------------------------------------------- the reference
@@ -163,6 +168,23 @@ def _dequant_gemv_kernel(
     tl.store(p_ptrs, acc.to(P.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _dequantize_kernel(
+    QW, QZ, S, G_IDX, W,
+    N, K,
+    stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn, stride_wn, stride_wk,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)  # BLOCK_K   input rows of W's tile
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # BLOCK_N   output columns
+    k_mask, n_mask = offs_k < K, offs_n < N
+    w = _dequant_tile(QW, QZ, S, G_IDX, offs_k, offs_n, k_mask, n_mask,
+                      stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn)  # BLOCK_K, BLOCK_N
+    # W is [N, K] (nn.Linear's layout): the [K, N] tile is stored transposed, through the strides
+    w_ptrs = W + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk  # BLOCK_K, BLOCK_N
+    tl.store(w_ptrs, w.to(W.dtype.element_ty), mask=k_mask[:, None] & n_mask[None, :])
+
+
 # ----------------------------------------------------------------------------- the wrappers
 def dequant_matmul(a: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                    g_idx: torch.Tensor, bits: int = 4, *, split_k: int | None = None) -> torch.Tensor:
@@ -178,6 +200,7 @@ def dequant_matmul(a: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
     if M <= GEMV_MAX_M:
         return _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k)
     if a.is_cuda and M >= TORCH_MIN_M:  # cuBLAS does the matmul; the cost is in the module docstring
+        # dequantize_int4 (one pass, W written once in a's dtype) could replace dequantize_gptq here, once measured
         return a @ dequantize_gptq(qweight, qzeros, scales, g_idx, 4, dtype=a.dtype).t()  # M, N
     return _launch_gemm(a, qweight, qzeros, scales, g_idx, K, N)
 
@@ -194,6 +217,37 @@ def dequant_gemv(a, qweight, qzeros, scales, g_idx, bits: int = 4, *, split_k: i
     if a.shape[0] > GEMV_MAX_M:
         raise ValueError(f"the GEMV kernel takes M ≤ {GEMV_MAX_M} rows, got M={a.shape[0]}")
     return _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k)
+
+
+def dequantize_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
+                    *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """W [N, K] from GPTQ v1 4-bit tensors, in one Triton kernel: packing.dequantize_gptq(..., bits=4, dtype=dtype).
+
+    W[n, k] = (code[n, k] − zero[n, g_idx[k]]) · scale[n, g_idx[k]], one fp32 product (exact for fp16
+    scales) rounded once to `dtype`, so the result equals dequantize_gptq's bit for bit. Arguments as
+    `dequant_matmul` (any g_idx: act-order works). Why a kernel: dequantize_gptq is several torch
+    passes over [N, K] tensors (unpack, subtract, gather, multiply, cast); this reads the packed
+    tensors once and writes W once, the dequantize step of "dequantize + cuBLAS" for large M. It is
+    also the reference of exercise 11 (exercises/dequant_matmul.py, notebooks/07_int4_kernel section 3).
+    """
+    K, N, _ = check_gptq(qweight, qzeros, scales, g_idx, 4, check_values=_can_read_values())
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+    on_gpu = qweight.is_cuda
+    # Triton's interpreter converts fp32 to bf16 by truncation, where a GPU (and torch) rounds to
+    # nearest even: there the kernel writes fp32 and torch rounds.
+    out_dtype = torch.float32 if dtype == torch.bfloat16 and not on_gpu else dtype
+    w = torch.empty(N, K, dtype=out_dtype, device=qweight.device)  # N, K
+    if N == 0 or K == 0:
+        return w.to(dtype)
+    block_k, block_n = _DEQUANT_TILES[on_gpu]
+    _dequantize_kernel[(triton.cdiv(K, block_k), triton.cdiv(N, block_n))](
+        qweight, qzeros, scales, g_idx.contiguous(), w,
+        N, K,
+        *qweight.stride(), *qzeros.stride(), *scales.stride(), *w.stride(),
+        BLOCK_K=block_k, BLOCK_N=block_n,
+    )
+    return w.to(dtype)  # N, K   a no-op unless the interpreter wrote fp32 for bf16
 
 
 def choose_split_k(n: int, k: int, num_sms: int | None = None) -> int:

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import shared_path
+from testdata import shared_path
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.loader import ASSETS

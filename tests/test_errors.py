@@ -98,7 +98,7 @@ def test_missing_tensor_is_named(ckpt):
 
 
 def test_truncated_llama2c_file(tmp_path, hf_checkpoints):
-    from conftest import shared_path
+    from testdata import shared_path
 
     src = shared_path("models", "stories260K", "stories260K.bin").read_bytes()
     (tmp_path / "m.bin").write_bytes(src[:-100])

@@ -5,8 +5,10 @@ and the oracle is A · Wᵀ in fp64 with W built from the same integer codes; th
 (`dequant_matmul_ref`) goes through packing.dequantize_gptq. Error: mean |C − C_ref| / mean |C_ref|
 < 1e-3 (TESTING.md), for M ∈ {1, 2, 3, 8, 16, 33, 64, 128} (GEMV up to 16, the tiled GEMM above),
 K and N on and off the interpreter's 32-wide tiles, groups 32 / 64 / 128, act-order g_idx. Negative
-controls: a wrong g_idx and zeros stored without v1's − 1 must miss by far. Runs in Triton's
-interpreter without CUDA (conftest sets TRITON_INTERPRET=1).
+controls: a wrong g_idx and zeros stored without v1's − 1 must miss by far. `dequantize_int4`, the
+kernel that writes W out, must equal packing.dequantize_gptq and the fp64 W bit for bit (exact: a
+code difference times an fp16 scale fits fp32). Runs in Triton's interpreter without CUDA (conftest
+sets TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ from nanoserve.kernels.dequant_matmul import (
     dequant_gemv,
     dequant_matmul,
     dequant_matmul_ref,
+    dequantize_int4,
 )
+
+from nanoserve.quant.packing import dequantize_gptq
 
 TOL = 1e-3  # TESTING.md §C; fp32 in the interpreter lands near 1e-7 (only the summation order differs)
 # (K, N, group, act-order): on the 32-wide tiles; both off them, last group partial; group wider than a tile
@@ -128,6 +133,61 @@ def test_zeros_without_v1_offset_are_caught():
     assert _rel(dequant_matmul(a, **tensors), a.double() @ w.t()) > 0.1
 
 
+# ----------------------------------------------------------------------------- dequantize_int4: W written out
+@pytest.mark.parametrize("K, N, group, act_order", [*SHAPES, (64, 8, 64, False), (96, 48, 32, True)])
+def test_dequantize_int4_equals_dequantize_gptq_bitwise(K, N, group, act_order):
+    """fp32 W [N, K], bit for bit: (code − zero) · fp16 scale is exact in fp32, on both sides and in the fp64 oracle.
+
+    Shapes: on the interpreter's 32 × 32 tiles, off them (K = 200, N = 72 or 40: masked edges), one program
+    (N = 8), groups 32 / 64 / 128, plain and act-order g_idx; random codes put bit 31 in many qweight words.
+    """
+    tensors, w = _gptq_case(K, N, group, act_order, seed=K + N)
+    assert (tensors["qweight"] < 0).any()  # sign-bit words: >> sign-extends them, the mask must drop it
+    out = dequantize_int4(**tensors)  # N, K
+    assert out.shape == (N, K) and out.dtype == torch.float32
+    assert torch.equal(out, dequantize_gptq(**tensors, bits=4))
+    assert torch.equal(out.double(), w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_dequantize_int4_half_dtypes(dtype):
+    """One fp32 product rounded once to dtype, as dequantize_gptq(..., dtype=dtype) does (bf16: see the wrapper)."""
+    tensors, _ = _gptq_case(200, 72, 64, True, seed=9)
+    out = dequantize_int4(**tensors, dtype=dtype)  # N, K
+    assert out.dtype == dtype and torch.equal(out, dequantize_gptq(**tensors, bits=4, dtype=dtype))
+
+
+def test_dequantize_int4_strided_views():
+    """Column slices of wider tensors (non-contiguous qweight, qzeros, scales): the kernel reads through strides."""
+    tensors, _ = _gptq_case(128, 80, 32, True, seed=10)
+    views = dict(tensors, qweight=tensors["qweight"][:, :40], qzeros=tensors["qzeros"][:, :5],
+                 scales=tensors["scales"].float()[:, :40])  # K/8, 40 | G, 5 | G, 40   (fp32 scales too)
+    assert not views["qweight"].is_contiguous()
+    want = dequantize_gptq(**{k: v.contiguous() for k, v in views.items()}, bits=4)  # 40, K
+    assert torch.equal(dequantize_int4(**views), want)
+
+
+def test_dequantize_int4_wrong_g_idx_is_caught():
+    """Negative control: act-order weights read with groups k // group_size come out wrong almost everywhere."""
+    tensors, w = _gptq_case(200, 72, 32, True, seed=7)
+    plain = dict(tensors, g_idx=torch.arange(200, dtype=torch.int32) // 32)
+    assert (dequantize_int4(**plain).double() != w).float().mean() > 0.5
+    assert torch.equal(dequantize_int4(**tensors).double(), w)
+
+
+def test_dequantize_int4_validation():
+    tensors, _ = _gptq_case(128, 64, 32, False)
+    bad = {
+        "dtype must be one of": dict(tensors, dtype=torch.int32),
+        "qweight must be a 2-D int32": dict(tensors, qweight=tensors["qweight"].long()),
+        "qzeros must be": dict(tensors, qzeros=tensors["qzeros"][:, :4]),
+        r"g_idx must hold groups 0 \.\. 3": dict(tensors, g_idx=tensors["g_idx"] * 2),
+    }
+    for message, kwargs in bad.items():
+        with pytest.raises(ValueError, match=message):
+            dequantize_int4(**kwargs)
+
+
 # ----------------------------------------------------------------------------- validation, heuristic
 def test_validation_errors():
     tensors, _ = _gptq_case(128, 64, 32, False)
@@ -175,3 +235,15 @@ def test_compiled_kernels_on_cuda(dtype, tol):
         if M <= 16:
             for split_k in (1, 5):
                 assert _rel(dequant_gemv(a, **tensors, split_k=split_k), want) < tol
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_compiled_dequantize_int4_on_cuda(dtype):
+    """The compiled kernel rounds fp32 to dtype on the GPU (round to nearest even, as torch): bitwise again."""
+    tensors, _ = _gptq_case(4096, 1000, 128, True, seed=8)
+    tensors = {k: v.cuda() for k, v in tensors.items()}
+    out = dequantize_int4(**tensors, dtype=dtype)  # N, K
+    torch.cuda.synchronize()
+    assert torch.equal(out, dequantize_gptq(**tensors, bits=4, dtype=dtype))

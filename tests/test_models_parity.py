@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import HF_CASES
+from testdata import HF_CASES
 
 from nanoserve.kv_cache import KVCache
 from nanoserve.loader import load_model

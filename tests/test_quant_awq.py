@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import outlier_layer, rel_error
+from testdata import outlier_layer, rel_error
 from torch import nn
 
 from nanoserve.errors import NanoserveError

@@ -16,6 +16,7 @@ import math
 
 import pytest
 import torch
+from chi2 import goodness_of_fit
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.generation.logits_process import (
@@ -77,54 +78,6 @@ def intended_probs(logits, temperature: float, top_k: int = 0, top_p: float = 1.
 
 
 # --------------------------------------------------------------------------- Pearson χ²
-def chi2_pvalue(chi2: float, df: int) -> float:
-    """Survival function of χ²(df): the regularised upper incomplete gamma Q(df/2, chi2/2)."""
-    if math.isinf(chi2):
-        return 0.0
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                         torch.tensor(chi2 / 2, dtype=torch.float64)))
-
-
-def goodness_of_fit(counts: torch.Tensor, probs: torch.Tensor,
-                    min_expected: float = 5.0) -> tuple[float, int, float]:
-    """(χ², degrees of freedom, p-value) of observed counts against probs, over the support of probs.
-
-    A draw outside the support is impossible under probs: χ² = inf, p = 0. Cells expected fewer than
-    `min_expected` times are pooled so the χ² approximation holds.
-    """
-    counts = counts.to(torch.float64)
-    probs = probs.to(torch.float64)
-    if counts[probs == 0].sum() > 0:
-        return math.inf, 0, 0.0
-    n = float(counts.sum())
-    support = torch.nonzero(probs > 0).flatten().tolist()
-    expected = {i: n * float(probs[i]) for i in support}
-    big = [i for i in support if expected[i] >= min_expected]
-    small = [i for i in support if expected[i] < min_expected]
-    cells = [(float(counts[i]), expected[i]) for i in big]
-    if small:
-        pooled = (sum(float(counts[i]) for i in small), sum(expected[i] for i in small))
-        if pooled[1] < min_expected and cells:  # still too small: merge into the smallest big cell
-            j = min(range(len(cells)), key=lambda c: cells[c][1])
-            pooled = (pooled[0] + cells[j][0], pooled[1] + cells[j][1])
-            del cells[j]
-        cells.append(pooled)
-    df = len(cells) - 1
-    if df == 0:
-        return 0.0, 0, 1.0
-    chi2 = sum((o - e) ** 2 / e for o, e in cells)
-    return chi2, df, chi2_pvalue(chi2, df)
-
-
-def test_chi2_pvalue_helper_matches_closed_forms():
-    # df = 2: survival exp(-x/2); df = 1 at the 95 % quantile 3.841459; df = 4: exp(-x/2)(1 + x/2)
-    assert chi2_pvalue(10.0, 2) == pytest.approx(math.exp(-5.0), rel=1e-12)
-    assert chi2_pvalue(3.841459, 1) == pytest.approx(0.05, rel=1e-6)
-    assert chi2_pvalue(7.0, 4) == pytest.approx(math.exp(-3.5) * 4.5, rel=1e-12)
-    # a perfect fit and an impossible draw
-    probs = torch.tensor([0.5, 0.25, 0.25, 0.0], dtype=torch.float64)
-    assert goodness_of_fit(torch.tensor([200, 100, 100, 0]), probs)[2] == 1.0
-    assert goodness_of_fit(torch.tensor([200, 100, 99, 1]), probs) == (math.inf, 0, 0.0)
 
 
 # --------------------------------------------------------------------------- 1. χ² goodness of fit

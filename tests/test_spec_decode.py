@@ -176,7 +176,7 @@ def test_draft_with_another_vocabulary_is_refused(hf_checkpoints):
 
 
 def _stories260k():
-    from conftest import shared_path
+    from testdata import shared_path
 
     return shared_path("models", "stories260K", "stories260K.bin")
 

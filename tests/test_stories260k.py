@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import shared_path
+from testdata import shared_path
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.evaluate import perplexity, read_text

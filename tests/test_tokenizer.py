@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import tiktoken
 import tiktoken.load
-from conftest import shared_path
+from testdata import shared_path
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 

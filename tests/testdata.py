@@ -1,0 +1,80 @@
+"""Test data shared by many test files: ../shared lookup, the tiny HF configs, synthetic quantization layers.
+
+Imported by name (`from testdata import shared_path`): pytest puts tests/ on sys.path when it loads
+tests/conftest.py, for tests/exercises too.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+
+
+def shared_path(*parts: str) -> Path:
+    """A path under ../shared: skips the test when it is missing, fails loudly in CI (CI=true)."""
+    path = SHARED.joinpath(*parts)
+    if not path.exists():
+        message = f"../shared not found: {path} (tests that use the shared models and corpora need it)"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+# --------------------------------------------------------------------------- tiny HF checkpoints
+def hf_configs():
+    import transformers
+
+    small = dict(vocab_size=257, max_position_embeddings=256)  # 257 = the byte-level tokenizer
+    return {
+        "gpt2": transformers.GPT2Config(n_layer=2, n_embd=48, n_head=4, n_positions=256, vocab_size=257,
+                                        bos_token_id=0, eos_token_id=0),
+        "llama-mha": transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                              num_attention_heads=4, num_key_value_heads=4,
+                                              tie_word_embeddings=True, **small),
+        # GQA (6 query heads share 2 kv heads), untied head, hidden not a power of two
+        "llama-gqa": transformers.LlamaConfig(hidden_size=72, intermediate_size=100, num_hidden_layers=2,
+                                              num_attention_heads=6, num_key_value_heads=2,
+                                              tie_word_embeddings=False, **small),
+        "llama3-rope": transformers.LlamaConfig(
+            hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, rope_theta=500000.0,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}, **small),
+        "qwen2-bias": transformers.Qwen2Config(hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                                               num_attention_heads=6, num_key_value_heads=2,
+                                               tie_word_embeddings=False, **small),
+    }
+
+
+HF_CASES = ["gpt2", "llama-mha", "llama-gqa", "llama3-rope", "qwen2-bias"]
+
+
+# ----------------------------------------------------------------------------- quantization (TESTING.md §C)
+def outlier_layer(seed=0, n=256, k=512, frac=0.01, mult=20.0):
+    """W [n, k] and a sampler of inputs x = z·A (correlated), with frac of the channels × mult.
+
+    Calibration and held-out sets share A and the outliers.
+    """
+    g = torch.Generator().manual_seed(seed)
+    outliers = torch.randperm(k, generator=g)[: max(1, int(k * frac))]
+    W = torch.randn(n, k, generator=g, dtype=torch.float64)                 # N, K
+    A = torch.randn(k, k, generator=g, dtype=torch.float64) / k**0.5        # K, K   mixing: correlated channels
+
+    def sample(tokens, sample_seed):
+        z = torch.randn(tokens, k, generator=torch.Generator().manual_seed(sample_seed), dtype=torch.float64)
+        x = z @ A                                                            # T, K
+        x[:, outliers] *= mult
+        return x
+
+    return W, sample
+
+
+def rel_error(W, W_hat, X):
+    return ((X @ (W - W_hat).T).norm() / (X @ W.T).norm()).item()
