@@ -43,6 +43,10 @@ from .sampling import SamplingParams
 from .scheduler import QueueFullError
 
 
+class EngineDeadError(RuntimeError):
+    """The engine cannot take or finish requests (it failed, or it is shutting down): HTTP 503."""
+
+
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, step_in_thread: bool = True):
         self.engine = engine
@@ -54,6 +58,7 @@ class AsyncLLMEngine:
                           if step_in_thread else None)
         self._loop_task: asyncio.Task | None = None
         self._stepping = False  # a step is running on the worker thread: leave the engine alone
+        self.error: BaseException | None = None  # a step failed: the engine may be inconsistent, serve no more
         self.num_steps = 0  # steps run so far (tests count how many steps an abort takes)
 
     # ------------------------------------------------------------------ requests
@@ -63,6 +68,9 @@ class AsyncLLMEngine:
 
         Raises NanoserveError for bad input and QueueFullError when the waiting queue, counting
         the requests not yet applied, is at `max_waiting`. Must be called from the event loop."""
+        if self.error is not None:
+            raise EngineDeadError(f"the engine failed earlier ({type(self.error).__name__}: {self.error}) and "
+                                  "takes no more requests; restart the server")
         rid = request_id if request_id is not None else f"async-{next(self._ids)}"
         if rid in self._queues:
             raise NanoserveError(f"request id {rid!r} is already in use")
@@ -104,7 +112,8 @@ class AsyncLLMEngine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request: it leaves the engine and frees its blocks now, or, while a step is in
-        flight, right after that step."""
+        flight, right after that step. Its consumer's queue goes too (it may never have started)."""
+        self._queues.pop(request_id, None)
         self._new = [r for r in self._new if r.output.request_id != request_id]
         if self._stepping:
             self._aborts.add(request_id)
@@ -118,9 +127,8 @@ class AsyncLLMEngine:
 
     @property
     def errored(self) -> bool:
-        """The loop stopped on an engine error (every consumer got it); a server should report unhealthy."""
-        task = self._loop_task
-        return task is not None and task.done() and not task.cancelled() and task.exception() is not None
+        """A step failed (every consumer got the error) and no request is taken since: report unhealthy."""
+        return self.error is not None
 
     # ------------------------------------------------------------------ the loop
     def _apply_pending(self) -> None:
@@ -145,10 +153,11 @@ class AsyncLLMEngine:
                 continue
             try:
                 outs = await self._step_async()
-            except Exception as e:  # the engine broke: every waiting consumer gets the error
+            except Exception as e:  # the engine broke: every waiting consumer gets the error, and no one
+                self.error = e      # new is let in (its state may be half-updated); a server reports 503
                 for rid in list(self._queues):
                     self._deliver(rid, e)
-                raise
+                return
             self.num_steps += 1
             for out in outs:
                 self._deliver(out.request_id, out)
@@ -189,6 +198,6 @@ class AsyncLLMEngine:
         for rid in list(self.engine.requests):
             self.engine.abort_request(rid)
         for rid in list(self._queues):
-            self._deliver(rid, NanoserveError("the engine is shutting down"))
+            self._deliver(rid, EngineDeadError("the engine is shutting down"))
         if self._executor is not None:
             self._executor.shutdown(wait=True)

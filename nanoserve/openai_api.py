@@ -37,7 +37,7 @@ NO_OP_VALUES: dict[str, tuple] = {
     "frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0, None), "logprobs": (None, False, 0),
     "top_logprobs": (None, 0), "echo": (False, None), "best_of": (None, 1), "logit_bias": (None, {}),
     "suffix": (None, ""), "parallel_tool_calls": (None,), "tools": (None, []), "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}), "service_level": (None,), "store": (None, False),
+    "response_format": (None, {"type": "text"}), "service_tier": (None, "auto", "default"), "store": (None, False),
     "metadata": (None, {}),
 }
 
@@ -76,7 +76,7 @@ class _Request(BaseModel):
     tools: list | None = None
     tool_choice: Any = None
     response_format: dict | None = None
-    service_level: str | None = None
+    service_tier: str | None = None
     store: bool | None = None
     metadata: dict | None = None
 
@@ -98,7 +98,7 @@ class _Request(BaseModel):
         max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
         kw = dict(temperature=1.0 if self.temperature is None else self.temperature,
                   top_p=1.0 if self.top_p is None else self.top_p,
-                  top_k=self.top_k or 0,
+                  top_k=0 if self.top_k in (None, -1) else self.top_k,  # vLLM's -1 = off, like our 0
                   repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                   max_tokens=max_tokens, n=self.n, seed=self.seed, ignore_eos=self.ignore_eos,
                   stop=[] if self.stop is None else ([self.stop] if isinstance(self.stop, str) else list(self.stop)))

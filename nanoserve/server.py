@@ -35,12 +35,13 @@ import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from . import openai_api as api
-from .async_engine import AsyncLLMEngine
+from .async_engine import AsyncLLMEngine, EngineDeadError
 from .chat import ChatTemplate
 from .errors import NanoserveError
 from .outputs import RequestOutput
@@ -58,7 +59,7 @@ class APIError(Exception):
 
 
 def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
-               chat_template: ChatTemplate | None = None, retry_after: int = 1) -> FastAPI:
+               chat_template: ChatTemplate | None = None, retry_after: int = 1) -> CountStatus:
     """The ASGI app serving `engine` under `model_name`; run it with uvicorn (see `serve`)."""
     core = engine.engine
     metrics = ServerMetrics(core, pending=lambda: engine.num_pending)
@@ -70,7 +71,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
 
     app = FastAPI(title="nanoserve", lifespan=lifespan)
     app.state.engine, app.state.metrics = engine, metrics
-    app.add_middleware(CountStatus, metrics=metrics)
+    app.add_middleware(RequireKey, api_key=api_key)  # before the body is read: no key, no parsing
 
     # ------------------------------------------------------------------ errors
     def error(status: int, message: str, type_="invalid_request_error", code=None, headers=None) -> JSONResponse:
@@ -90,17 +91,17 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
             return error(429, str(e), "rate_limit_error", "queue_full", {"Retry-After": str(retry_after)})
         return error(400, str(e))
 
+    @app.exception_handler(EngineDeadError)
+    async def _dead(request, e: EngineDeadError):
+        return error(503, str(e), "server_error", "engine_unavailable")
+
+    @app.exception_handler(HTTPException)
+    async def _http(request, e: HTTPException):  # unknown routes and methods, in OpenAI's shape too
+        return error(e.status_code, f"{request.method} {request.url.path}: {e.detail}", code=e.status_code)
+
     @app.exception_handler(Exception)
     async def _bug(request, e: Exception):  # logged by uvicorn with its traceback; the client gets JSON
         return error(500, f"internal error: {type(e).__name__}: {e}", "server_error")
-
-    async def check_key(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise APIError(401, "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
-                           "authentication_error", "invalid_api_key")
 
     def check_model(name: str) -> None:
         if name != model_name:
@@ -118,7 +119,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models", dependencies=[Depends(check_key)])
+    @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": api.now(),
                                             "owned_by": "nanoserve", "max_model_len": core.max_model_len}]}
@@ -126,20 +127,21 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
     # ------------------------------------------------------------------ generation
     def add_all(prompts: list, params, rid: str) -> list[AsyncIterator[RequestOutput]]:
         """Queue every prompt or none: validate all first, undo the queued ones if one is refused."""
-        for p in prompts:
-            core.check_fits(core.encode_prompt(p), params)
+        ids = [core.encode_prompt(p) for p in prompts]  # tokenized once; the engine checks ids as they are
+        for p in ids:
+            core.check_fits(p, params)
         streams = []
         try:
-            for i, p in enumerate(prompts):
+            for i, p in enumerate(ids):
                 sub, queue = engine.add_request(p, params, f"{rid}-{i}")
                 streams.append(engine.outputs(sub, queue))
-        except NanoserveError:
+        except (NanoserveError, EngineDeadError):
             for i in range(len(streams)):
                 engine.abort(f"{rid}-{i}")
             raise
         return streams
 
-    @app.post("/v1/completions", dependencies=[Depends(check_key)])
+    @app.post("/v1/completions")
     async def completions(body: api.CompletionRequest, request: Request):
         check_model(body.model)
         params = body.sampling_params(COMPLETION_DEFAULT_MAX_TOKENS)
@@ -153,7 +155,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
         outs = await _collect(streams, request, metrics)
         return api.completion_response(rid, model_name, created, outs)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: api.ChatCompletionRequest, request: Request):
         check_model(body.model)
         if chat_template is None:
@@ -173,7 +175,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
         outs = await _collect(streams, request, metrics)
         return api.chat_response(rid, model_name, created, outs[0])
 
-    return app
+    # outermost, around FastAPI's own error middleware, so that its 500s are counted too
+    return CountStatus(app, metrics)
 
 
 # ----------------------------------------------------------------------------- reading outputs
@@ -257,7 +260,7 @@ def _sse(streams, n: int, chunk, options: api.StreamOptions | None, rid: str, mo
                 if continuous:
                     for ch in chunks:
                         ch["usage"] = api.usage(list(last.values()))
-                if done and chunks:
+                if done and chunks and not include_usage:  # with include_usage, only OpenAI's final chunk has it
                     chunks[-1]["usage"] = api.usage([last[j] for j in range(len(streams))])
                 for ch in chunks:
                     yield f"data: {json.dumps(ch, ensure_ascii=False)}\n\n"
@@ -291,22 +294,54 @@ def validation_message(errors: list[dict]) -> str:
     return "; ".join(parts) + (f"; and {len(errors) - 5} more" if len(errors) > 5 else "")
 
 
-class CountStatus:
-    """ASGI middleware: count every HTTP response by endpoint and status code (streaming ones too)."""
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
-    def __init__(self, app, metrics: ServerMetrics):
+
+class CountStatus:
+    """ASGI middleware around the whole app: count every HTTP response by endpoint and status code
+    (streams too; a crash as 500). Paths we do not serve count as "other", so scanners cannot grow
+    the metric without bound."""
+
+    def __init__(self, app: FastAPI, metrics: ServerMetrics):
         self.app, self.metrics = app, metrics
+        self.state = app.state  # engine and metrics, for whoever holds the app (tests, notebooks)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
+        started = False
 
         async def counting_send(message):
+            nonlocal started
             if message["type"] == "http.response.start":
-                self.metrics.http_requests.labels(scope["path"], str(message["status"])).inc()
+                started = True
+                self.metrics.http_requests.labels(endpoint, str(message["status"])).inc()
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception:
+            if not started:  # FastAPI's outermost error middleware answered 500 and re-raised
+                self.metrics.http_requests.labels(endpoint, "500").inc()
+            raise
+
+
+class RequireKey:
+    """ASGI middleware: with an API key set, every /v1 request needs `Authorization: Bearer <key>`
+    (401 otherwise, before the body is read). /health and /metrics stay open for probes."""
+
+    def __init__(self, app, api_key: str | None):
+        self.app, self.expected = app, None if api_key is None else f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if self.expected is not None and scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                body = api.error_body("missing or invalid API key: send the header 'Authorization: Bearer <key>'",
+                                      "authentication_error", "invalid_api_key")
+                return await JSONResponse(body, status_code=401)(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 # ----------------------------------------------------------------------------- running it

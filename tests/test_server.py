@@ -180,6 +180,27 @@ def test_streamed_completion_equals_llm_generate(server, reference):
     assert sum(1 for c in chunks if c.choices) == len(want.token_ids)
 
 
+def test_include_usage_puts_usage_on_exactly_one_chunk(server):
+    chunks = list(server.client().completions.create(model="demo-chat", prompt="KING:", max_tokens=6, stream=True,
+                                                     stream_options={"include_usage": True}))
+    with_usage = [c for c in chunks if c.usage is not None]
+    assert len(with_usage) == 1 and with_usage[0] is chunks[-1] and chunks[-1].choices == []
+
+
+def test_streamed_n_and_batched_prompts_equal_the_plain_response(server):
+    kw = dict(model="demo-chat", prompt=["ROMEO:", "JULIET:"], max_tokens=12, temperature=0.9, seed=5, n=2)
+    plain = server.client().completions.create(**kw)
+    texts: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    for chunk in server.client().completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            reasons[c.index] = c.finish_reason or reasons.get(c.index)
+    assert sorted(texts) == [0, 1, 2, 3]
+    assert [texts[c.index] for c in plain.choices] == [c.text for c in plain.choices]
+    assert [reasons[c.index] for c in plain.choices] == [c.finish_reason for c in plain.choices]
+
+
 def test_stream_is_server_sent_events_ending_with_done(server):
     status, hdrs, body = _http(server.port, "POST", "/v1/completions", json.dumps(
         {"model": "demo-chat", "prompt": "ROMEO:", "max_tokens": 5, "temperature": 0, "stream": True}).encode())
@@ -384,6 +405,21 @@ def test_api_key_is_required_on_v1_only(server):
         assert _http(server.port, "GET", path, headers={"Authorization": None})[0] == 200
 
 
+def test_the_key_is_checked_before_the_body_is_read(server):
+    status, _, body = _post(server.port, "/v1/completions", b'{"not json', headers={"Authorization": None})
+    assert status == 401 and body["error"]["type"] == "authentication_error"
+
+
+def test_unknown_routes_are_404_with_an_openai_body_and_one_metric_label(server):
+    before = _scrape(server.port).get(("nanoserve_http_requests_total", (("endpoint", "other"), ("status", "404"))), 0)
+    for path in ("/v1/embeddings", "/nope-1", "/nope-2"):
+        status, _, data = _http(server.port, "GET", path)
+        assert status == 404 and json.loads(data)["error"]["message"].startswith(f"GET {path}")
+    after = _scrape(server.port)
+    assert after[("nanoserve_http_requests_total", (("endpoint", "other"), ("status", "404")))] == before + 3
+    assert not any("nope" in str(labels) for _, labels in after)
+
+
 @pytest.fixture(scope="module")
 def small_server():
     """The plain demo model (no chat template, no key), one sequence at a time, one waiting slot."""
@@ -393,21 +429,45 @@ def small_server():
     srv.stop()
 
 
-def test_full_queue_is_429_with_retry_after(small_server):
+def _paused(srv: LiveServer, monkeypatch) -> threading.Event:
+    """Hold every engine step until the returned event is set: requests queue up deterministically."""
+    go = threading.Event()
+    step = srv.engine._step
+
+    def held():
+        assert go.wait(DEADLINE), "the test never released the engine"
+        return step()
+
+    monkeypatch.setattr(srv.engine, "_step", held)
+    return go
+
+
+def test_full_queue_is_429_with_retry_after(small_server, monkeypatch):
     srv = small_server
-    core = srv.engine.engine
+    _wait_for(lambda: _pool_whole(srv.engine), "an idle server", timeout=30)
+    go = _paused(srv, monkeypatch)
     long = json.dumps({"model": "demo", "prompt": "A", "max_tokens": 120, "ignore_eos": True, "stream": True}).encode()
-    with socket.create_connection(("127.0.0.1", srv.port), timeout=DEADLINE) as running:
-        running.sendall(_request_bytes("POST", "/v1/completions", long))
-        assert running.recv(4096).startswith(b"HTTP/1.1 200")
+    try:
         with socket.create_connection(("127.0.0.1", srv.port), timeout=DEADLINE) as waiting:
             waiting.sendall(_request_bytes("POST", "/v1/completions", long))
-            assert waiting.recv(4096).startswith(b"HTTP/1.1 200")
-            assert len(core.scheduler.waiting) + srv.engine.num_pending == 1
+            _wait_for(lambda: len(srv.engine.engine.scheduler.waiting) + srv.engine.num_pending == 1,
+                      "the first request to take the one waiting slot", timeout=30)
             status, hdrs, body = _post(srv.port, "/v1/completions", {"model": "demo", "prompt": "B"})
+            go.set()
+    finally:
+        go.set()
     assert status == 429 and hdrs["retry-after"] == "2"
     assert body["error"]["type"] == "rate_limit_error" and "max_waiting=1" in body["error"]["message"]
-    _wait_for(lambda: _pool_whole(srv.engine), "both hung-up requests to be aborted", timeout=30)
+    _wait_for(lambda: _pool_whole(srv.engine), "the hung-up request to be aborted", timeout=30)
+
+
+def test_a_refused_batch_leaves_nothing_behind(small_server):
+    """Two prompts, one waiting slot: the first is queued, the second refused, and the first undone."""
+    srv = small_server
+    _wait_for(lambda: _pool_whole(srv.engine), "an idle server", timeout=30)
+    status, _, body = _post(srv.port, "/v1/completions", {"model": "demo", "prompt": ["a", "b"], "max_tokens": 4})
+    assert status == 429
+    assert srv.engine._queues == {} and srv.engine.num_pending == 0 and _pool_whole(srv.engine)
 
 
 def test_chat_on_a_model_without_template_is_400(small_server):
@@ -430,7 +490,8 @@ def test_metrics_parse_and_count_what_was_sent(small_server):
     before = _scrape(srv.port)
     client = openai.OpenAI(base_url=srv.url, api_key="none", max_retries=0, timeout=DEADLINE)
     lengths = [3, 5, 9]
-    outs = [client.completions.create(model="demo", prompt="To be", max_tokens=k, extra_body={"ignore_eos": True})
+    prompt = list(range(65, 105))  # 40 token ids: 3 blocks of 16, of which 2 full blocks can be prefix hits
+    outs = [client.completions.create(model="demo", prompt=prompt, max_tokens=k, extra_body={"ignore_eos": True})
             for k in lengths]
     for bad in ({"temperature": -1}, {"foo": 1}):
         assert _post(srv.port, "/v1/completions", {"model": "demo", "prompt": "x", **bad})[0] == 400
@@ -447,7 +508,10 @@ def test_metrics_parse_and_count_what_was_sent(small_server):
     assert d("nanoserve_inter_token_latency_seconds_count") == sum(k - 1 for k in lengths)
     assert after[("nanoserve_num_requests_running", ())] == 0 and after[("nanoserve_num_requests_waiting", ())] == 0
     assert after[("nanoserve_kv_cache_blocks_free", ())] == after[("nanoserve_kv_cache_blocks_total", ())] == 64
-    assert d("nanoserve_prefix_cache_queries_total") >= 0 and 0 <= after[("nanoserve_prefix_cache_hit_rate", ())] <= 1
+    # each request looks up its 3 blocks; the 2nd and 3rd find the first 2 cached (the last one is always computed)
+    assert d("nanoserve_prefix_cache_queries_total") == 9 and d("nanoserve_prefix_cache_hits_total") == 4
+    hits, queries = (after[(f"nanoserve_prefix_cache_{k}_total", ())] for k in ("hits", "queries"))
+    assert after[("nanoserve_prefix_cache_hit_rate", ())] == pytest.approx(hits / queries)
 
 
 def test_metrics_show_speculative_acceptance_when_enabled():
@@ -460,6 +524,26 @@ def test_metrics_show_speculative_acceptance_when_enabled():
         drafted, accepted = m[("nanoserve_spec_decode_draft_tokens_total", ())], m[
             ("nanoserve_spec_decode_accepted_tokens_total", ())]
         assert drafted > 0 and m[("nanoserve_spec_decode_acceptance_rate", ())] == pytest.approx(accepted / drafted)
+    finally:
+        srv.stop()
+
+
+def test_a_failed_engine_answers_500_then_503_and_health_stays_503(monkeypatch):
+    core = LLMEngine("demo", num_blocks=32)
+    srv = LiveServer(create_app(AsyncLLMEngine(core), "demo"))
+    try:
+        def broken():
+            raise RuntimeError("boom")
+        monkeypatch.setattr(core, "step", broken)
+        status, _, body = _post(srv.port, "/v1/completions", {"model": "demo", "prompt": "Hi", "max_tokens": 3})
+        assert status == 500 and body["error"]["type"] == "server_error" and "boom" in body["error"]["message"]
+        assert _http(srv.port, "GET", "/health")[0] == 503
+        status, _, body = _post(srv.port, "/v1/completions", {"model": "demo", "prompt": "Hi", "max_tokens": 3})
+        assert status == 503 and body["error"]["code"] == "engine_unavailable"
+        assert _http(srv.port, "GET", "/health")[0] == 503  # a new request does not revive a broken engine
+        m = _scrape(srv.port)
+        for code in ("500", "503"):
+            assert m[("nanoserve_http_requests_total", (("endpoint", "/v1/completions"), ("status", code)))] == 1
     finally:
         srv.stop()
 
