@@ -20,6 +20,16 @@ import torch  # noqa: E402
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+
+@pytest.fixture
+def one_thread():
+    """For tests of thousands of tiny tensor ops (samplers, column loops): a second thread only adds
+    wake-up latency, 10× and more on a busy machine. Use with `pytest.mark.usefixtures("one_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 from testdata import hf_configs  # noqa: E402
 
 # --------------------------------------------------------------------------- exercises (tests/exercises)

@@ -43,16 +43,10 @@ from nanoserve.speculative import (
 
 P_FAIL = 1e-4  # TESTING.md: fail a goodness-of-fit test at p < 1e-4
 F64 = torch.float64
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --------------------------------------------------------------------------- helpers
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The loops run thousands of tiny tensor ops; a second thread only adds wake-up latency (10× on a busy box)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def gen(seed: int) -> torch.Generator:

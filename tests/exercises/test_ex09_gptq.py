@@ -29,18 +29,11 @@ from nanoserve.quant.rtn import QuantizedWeight, quant_params, quantize_rtn, rou
 
 REFERENCE = "nanoserve.quant.gptq"
 EXERCISE = "gptq"
-pytestmark = pytest.mark.ex09
+pytestmark = [pytest.mark.ex09, pytest.mark.usefixtures("one_thread")]
 
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Column loops over small matrices: a second thread costs more than it saves, and far more on a busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def hessian(X):

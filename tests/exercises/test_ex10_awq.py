@@ -25,18 +25,11 @@ from nanoserve.quant.rtn import fake_quantize
 
 REFERENCE = "nanoserve.quant.awq"
 EXERCISE = "awq"
-pytestmark = pytest.mark.ex10
+pytestmark = [pytest.mark.ex10, pytest.mark.usefixtures("one_thread")]
 
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small matrices: a second thread costs more than it saves, and far more on a busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def linear(W, bias=False):

@@ -28,7 +28,7 @@ from chi2 import goodness_of_fit
 
 REFERENCE = "nanoserve.speculative"
 EXERCISE = "speculative"
-pytestmark = pytest.mark.ex12
+pytestmark = [pytest.mark.ex12, pytest.mark.usefixtures("one_thread")]
 
 P_FAIL = 1e-4  # TESTING.md: fail a goodness-of-fit test at p < 1e-4
 N_DRAWS = 200_000
@@ -37,13 +37,6 @@ GAMMA_MC = 16  # drafts per call in the Monte Carlo tests (nanoserve allows at m
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The Monte Carlo runs make ~25,000 calls on tiny tensors: a second thread only adds wake-up latency."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def gen(seed: int) -> torch.Generator:
