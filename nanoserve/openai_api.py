@@ -15,8 +15,8 @@ completions until the context is full.
 Streaming (server-sent events): one chunk per engine step in which a choice produced tokens (its
 text delta may be empty while a stop string or a cut UTF-8 character is held back), a last chunk
 per choice carrying `finish_reason`, then `data: [DONE]`. `usage` comes in every non-streamed
-response; in a stream, on the chunk that ends the last choice, and, with
-`stream_options.include_usage`, in OpenAI's extra final chunk with empty `choices`
+response; in a stream, on the chunk that ends the last choice or, with
+`stream_options.include_usage`, only on OpenAI's extra final chunk with empty `choices`
 (`continuous_usage_stats`, from vLLM, puts the running count on every chunk).
 """
 

@@ -16,9 +16,11 @@ all of them for a plain response, a chunk per step for a stream.
 Failure is part of the interface:
 - bad JSON, unknown or unsupported fields, bad values, a prompt longer than the context → 400
   with OpenAI's error body, the message naming the value (and, for a long prompt, both lengths);
-- a wrong or missing API key when the server has one → 401 (only /v1/*: probes and Prometheus
-  stay open); an unknown model name → 404;
+- a wrong or missing API key when the server has one → 401, before the body is read (only /v1/*:
+  probes and Prometheus stay open); an unknown model name or path → 404;
 - a full waiting queue (`--max-waiting`) → 429 with Retry-After; nothing is queued;
+- a bug → 500; an engine whose step failed → /health and every later request 503 (its state may
+  be half-updated, so it takes no more work until restarted);
 - a client that disconnects — mid-stream, or while waiting for a plain response — aborts its
   request, which leaves the engine and frees its KV blocks before the next step.
 
