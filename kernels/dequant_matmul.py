@@ -60,7 +60,7 @@ cast to A's dtype for the tensor cores (as the torch fallback does: a product of
 difference and an fp16 scale rounds once), and fp32 inputs use IEEE fp32 (not TF32). Tiles are
 small in the interpreter (each program step costs milliseconds) and larger on a GPU.
 `dequant_matmul_ref` is the plain-torch reference: packing.dequantize_gptq, then a matmul in fp32.
-Taught in notebooks/ (quantization, kernels).
+Taught in notebooks/07_int4_kernel.ipynb (exercise 11: `dequantize_int4`).
 """
 
 from __future__ import annotations

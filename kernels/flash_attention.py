@@ -46,7 +46,7 @@ arithmetic, so there every tile is converted to fp32 straight after its load (`U
 GPU, q·kᵀ and p·v stay in the input dtype for tensor cores (fp32 inputs use TF32 there, so GPU
 tests compare with a tolerance). Tiles are 16×16 in the interpreter (each program step costs
 milliseconds) and 64×64 on a GPU; BLOCK_D is head_dim rounded up to a power of two (≥ 16, as
-tl.dot needs), with masked loads for head dims like 80. Taught in notebooks/ (kernels).
+tl.dot needs), with masked loads for head dims like 80. Taught in notebooks/04_attention_kernels.ipynb (exercise 7).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ many splits fill a GPU.
 do bf16 arithmetic, DESIGN.md §5). tl.dot then uses IEEE fp32 for fp32 inputs, and TF32 for
 fp16/bf16 inputs: TF32 keeps 10 mantissa bits, so fp16 and bf16 values convert to it exactly
 and only p (the probabilities) is rounded, as much as the usual cast of p to fp16 would. The
-scale is folded into exp2: exp(x) = 2^(x·log2 e). Taught in notebooks/ (kernels).
+scale is folded into exp2: exp(x) = 2^(x·log2 e). Taught in notebooks/04_attention_kernels.ipynb.
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ only in how they choose Ŵ:
   (a fused Triton W4A16 kernel on CUDA).
 
 All three quantizers work one layer (or one group of layers sharing an input) at a time; a
-model-level driver runs them block by block over calibration text. Taught in the quantization
-notebook.
+model-level driver runs them block by block over calibration text. Taught in notebooks
+05_rtn_gptq, 06_awq and 07_int4_kernel.
 """
 
 from .awq import (

@@ -30,7 +30,7 @@ weights can buy a finer grid for all the others. The reference code skips clippi
 Flow for one group: `result = awq_search(linears, x, ...)` (reads only), then
 `apply_awq(prev, linears, result)` (folds the scales, clamps the weights: the fp model changes
 only by the clipping), then `quantize_rtn(linear.weight, ...)` for each linear. The loss uses
-the quantizer of rtn.py, so the grid searched is the grid stored. Taught in the quantization notebook.
+the quantizer of rtn.py, so the grid searched is the grid stored. Taught in notebooks/06_awq.ipynb (exercise 10).
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ the codes) is no longer k // group_size. With `static_groups` the groups stay k 
 Per-layer API: `GPTQ(weight)`, `add_batch(x)` for each calibration batch (use `capture_inputs`
 to collect a module's inputs with forward hooks), `quantize(...)` → `QuantizedWeight`. The model-
 level loop (layer by layer, each calibrated on the outputs of the already-quantized ones) is
-the caller's. Taught in the quantization notebook.
+the caller's. Taught in notebooks/05_rtn_gptq.ipynb (exercise 9).
 """
 
 from __future__ import annotations

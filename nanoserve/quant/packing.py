@@ -41,7 +41,7 @@ act-order, so groups are k // group_size.
 
 Everything here is plain torch on whatever device the tensors live on. `dequantize_*` give
 W [N, K] in fp32 (exact: a code difference below 2^9 times an fp16 scale fits fp32's 24 bits),
-the reference for the fused kernel in kernels/dequant_matmul.py. Taught in notebooks/ (quantization).
+the reference for the fused kernel in kernels/dequant_matmul.py. Taught in notebooks/07_int4_kernel.ipynb.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ checkpoints, so a layer loads from and saves to one without renaming.
   torch on every device (the kernel is 4-bit only).
 
 Dequantizing per call costs time, not memory: W lives only for the duration of the matmul.
-`to_linear()` gives the equivalent float `nn.Linear` (for comparisons). Taught in notebooks/05_*.
+`to_linear()` gives the equivalent float `nn.Linear` (for comparisons). Taught in notebooks/07_int4_kernel.ipynb.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ the range; we use amax for every group.)
 
 Codes are stored unpacked here, one uint8 per weight in nn.Linear layout [N, K] (out × in);
 packing.py packs them 8 to an int32. `g_idx[k]` names the group of input column k: k // group_size
-for RTN, a permuted grouping for GPTQ with act-order. Taught in the quantization notebook.
+for RTN, a permuted grouping for GPTQ with act-order. Taught in notebooks/05_rtn_gptq.ipynb (exercise 8).
 """
 
 from __future__ import annotations
