@@ -21,6 +21,7 @@ not.) Used by the OpenAI-compatible server, nanoserve/server.py.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -74,7 +75,7 @@ def encode_with_special_tokens(text: str, tokenizer: Tokenizer) -> list[int]:
     specials = tokenizer.special_tokens
     if not specials:
         return tokenizer.encode(text)
-    pattern = regex.compile("|".join(regex.escape(s) for s in sorted(specials, key=len, reverse=True)))
+    pattern = _special_pattern(tuple(sorted(specials, key=len, reverse=True)))  # longest first
     ids, start = [], 0
     for m in pattern.finditer(text):
         if m.start() > start:
@@ -84,6 +85,12 @@ def encode_with_special_tokens(text: str, tokenizer: Tokenizer) -> list[int]:
     if start < len(text):
         ids += tokenizer.encode(text[start:])
     return ids
+
+
+@functools.lru_cache(maxsize=8)
+def _special_pattern(tokens: tuple[str, ...]) -> regex.Pattern:
+    """One alternation of the special tokens, compiled once per vocabulary (not per request)."""
+    return regex.compile("|".join(regex.escape(t) for t in tokens))
 
 
 def check_messages(messages: object) -> None:

@@ -448,14 +448,13 @@ class LLM:
         params = params or SamplingParams()
         rid = self.engine.add_request(prompt, params)
         req = self.engine.requests[rid]
-        s, sent = req.samples[0], 0
+        out, sent = req.samples[0].out, 0
         try:
-            while not s.out.finish_reason:
+            while not out.finish_reason:
                 self.engine.step()
-                visible = s.text.text[: s.text.emitted]
-                if len(visible) > sent or s.out.finish_reason:
-                    yield visible[sent:], req.output
-                    sent = len(visible)
+                if len(out.text) > sent or out.finish_reason:  # out.text holds only settled text
+                    yield out.text[sent:], req.output
+                    sent = len(out.text)
         finally:
             self.engine.abort_request(rid)
 

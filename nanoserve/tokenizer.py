@@ -21,6 +21,7 @@ GPT-2 and Llama-2, and the HF ``tokenizers`` library on tokenizer.json files bui
 from __future__ import annotations
 
 import base64
+import functools
 import heapq
 import json
 import operator
@@ -162,7 +163,7 @@ class TiktokenTokenizer:
             pieces = [p if p.startswith(" ") else " " + p for p in pieces if p]
         return pieces
 
-    @property
+    @functools.cached_property
     def special_tokens(self) -> dict[str, int]:
         """Text → id of the special tokens (encode() never produces them from text; chat templates do)."""
         return {t: self.encoding.encode_single_token(t) for t in self.encoding.special_tokens_set}
@@ -612,7 +613,7 @@ class SentencePieceTokenizer:
                 ids.append(self.unk_id)
         return _prepend_bos(ids, bos, self.bos_id)
 
-    @property
+    @functools.cached_property
     def special_tokens(self) -> dict[str, int]:
         """Text → id of the control tokens (<s>, </s>, ...), which encode() never produces from text."""
         return {p: i for i, (p, t) in enumerate(zip(self.pieces, self.types)) if t == CONTROL and p}
