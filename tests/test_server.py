@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -26,73 +25,29 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
-import uvicorn  # noqa: E402
+from live_server import (  # noqa: E402
+    DEADLINE,
+    KEY,
+    LiveServer,
+    _http,
+    _pool_whole,
+    _post,
+    _request_bytes,
+    _wait_for,
+    demo_chat_model,
+)
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from nanoserve import LLM, SamplingParams  # noqa: E402
 from nanoserve.async_engine import AsyncLLMEngine  # noqa: E402
 from nanoserve.chat import load_chat_template  # noqa: E402
 from nanoserve.engine import LLMEngine  # noqa: E402
-from nanoserve.loader import resolve_model_path  # noqa: E402
 from nanoserve.server import create_app  # noqa: E402
-
-KEY = "sk-test-key"
-# turns separated by the special token <|endoftext|> (id 256 in the demo's byte-level vocabulary)
-TEMPLATE = ("{% for m in messages %}<|endoftext|>{{ m['role'] }}:\n{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|endoftext|>assistant:\n{% endif %}")
-DEADLINE = 120  # seconds: no test waits longer for a server
-
-
-class LiveServer:
-    """uvicorn serving `app` on 127.0.0.1 in a thread of this process, on a port the OS picked."""
-
-    def __init__(self, app):
-        self.app = app
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        _wait_for(lambda: self.server.started, "the server to start")
-        self.url = f"http://127.0.0.1:{self.port}/v1"
-
-    @property
-    def engine(self) -> AsyncLLMEngine:
-        return self.app.state.engine
-
-    def client(self, **kw):
-        return openai.OpenAI(base_url=self.url, api_key=kw.pop("api_key", KEY), max_retries=0, timeout=DEADLINE, **kw)
-
-    def aclient(self):
-        return openai.AsyncOpenAI(base_url=self.url, api_key=KEY, max_retries=0, timeout=DEADLINE)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-
-
-def _wait_for(cond, what: str, timeout: float = DEADLINE, interval: float = 0.002):
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
-
-
-def _pool_whole(engine: AsyncLLMEngine) -> bool:
-    core = engine.engine
-    return (not core.has_unfinished_requests() and engine.num_pending == 0
-            and core.block_manager.num_free_blocks() == core.block_manager.num_blocks)
 
 
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory) -> Path:
-    """The demo model with a chat template added (the shipped one has none)."""
-    path = tmp_path_factory.mktemp("chat") / "demo-chat"
-    shutil.copytree(resolve_model_path("demo"), path)
-    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
-    return path
+    return demo_chat_model(tmp_path_factory.mktemp("chat") / "demo-chat")
 
 
 @pytest.fixture(scope="module")
@@ -107,48 +62,6 @@ def server(chat_model):
 @pytest.fixture(scope="module")
 def reference(chat_model):
     return LLM(str(chat_model))
-
-
-# ----------------------------------------------------------------------------- raw HTTP
-def _http(port: int, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
-    """One request over a plain socket: (status, headers, body bytes)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=DEADLINE) as s:
-        s.sendall(_request_bytes(method, path, body, headers))
-        data = b""
-        while chunk := s.recv(65536):
-            data += chunk
-    head, _, rest = data.partition(b"\r\n\r\n")
-    lines = head.decode().split("\r\n")
-    hdrs = {k.lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines[1:])}
-    if hdrs.get("transfer-encoding") == "chunked":
-        rest = _dechunk(rest)
-    return int(lines[0].split()[1]), hdrs, rest
-
-
-def _request_bytes(method, path, body=None, headers=None) -> bytes:
-    hdrs = {"Host": "127.0.0.1", "Connection": "close", "Authorization": f"Bearer {KEY}",
-            "Content-Type": "application/json", **(headers or {})}
-    if body is not None:
-        hdrs["Content-Length"] = str(len(body))
-    head = f"{method} {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in hdrs.items() if v is not None)
-    return head.encode() + b"\r\n" + (body or b"")
-
-
-def _dechunk(data: bytes) -> bytes:
-    out = b""
-    while data:
-        size, _, data = data.partition(b"\r\n")
-        n = int(size, 16)
-        if n == 0:
-            break
-        out, data = out + data[:n], data[n + 2:]
-    return out
-
-
-def _post(port, path, obj, headers=None):
-    body = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
-    status, hdrs, data = _http(port, "POST", path, body, headers)
-    return status, hdrs, json.loads(data) if data.startswith(b"{") else data
 
 
 # ----------------------------------------------------------------------------- correctness
