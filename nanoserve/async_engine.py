@@ -24,7 +24,10 @@ starts. Outputs are handed over as snapshots (`RequestOutput.snapshot()`), becau
 keeps growing its own objects during the next step while consumers read theirs.
 
 A consumer that stops iterating (a client that disconnected) aborts its request; the abort is
-applied before the next step, which frees its blocks. vLLM's AsyncLLMEngine has this shape
+applied before the next step, which frees its blocks. A request that fails inside a step (the
+engine already freed its blocks) raises `RequestFailedError` in its own consumer only; an error
+that escapes `step()` is fatal by construction (errors.is_fatal), so every consumer gets it and
+the engine takes no more requests. vLLM's AsyncLLMEngine has this shape
 (requests and aborts queued, applied between steps); it later moved the engine to its own
 process. Taught in notebooks/09_*.
 """
@@ -37,7 +40,7 @@ import itertools
 from collections.abc import AsyncIterator
 
 from .engine import LLMEngine, Prompt, _Request
-from .errors import NanoserveError
+from .errors import NanoserveError, RequestFailedError
 from .outputs import RequestOutput
 from .sampling import SamplingParams
 from .scheduler import QueueFullError
@@ -67,14 +70,19 @@ class AsyncLLMEngine:
         """Validate and queue a request (entering the engine at the next gap between steps).
 
         Raises NanoserveError for bad input and QueueFullError when the waiting queue, counting
-        the requests not yet applied, is at `max_waiting`. Must be called from the event loop."""
-        if self.error is not None:
-            raise EngineDeadError(f"the engine failed earlier ({type(self.error).__name__}: {self.error}) and "
-                                  "takes no more requests; restart the server")
+        the requests not yet applied, is at `max_waiting`. Must be called from the event loop; a
+        server validates in a worker thread with `engine.new_request` and then calls `submit`."""
+        self._check_alive()
         rid = request_id if request_id is not None else f"async-{next(self._ids)}"
+        return self.submit(self.engine.new_request(prompt, params, rid, priority))
+
+    def submit(self, req: _Request) -> tuple[str, asyncio.Queue]:
+        """Queue a request made by `LLMEngine.new_request` (which may run on any thread); returns its
+        id and the queue its outputs arrive on. Must be called from the event loop."""
+        self._check_alive()
+        rid = req.output.request_id
         if rid in self._queues:
             raise NanoserveError(f"request id {rid!r} is already in use")
-        req = self.engine.new_request(prompt, params, rid, priority)
         limit = self.engine.scheduler.config.max_waiting
         waiting = len(self.engine.scheduler.waiting) + len(self._new)
         if limit is not None and waiting >= limit:
@@ -85,6 +93,11 @@ class AsyncLLMEngine:
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
         return rid, queue
+
+    def _check_alive(self) -> None:
+        if self.error is not None:
+            raise EngineDeadError(f"the engine failed earlier ({type(self.error).__name__}: {self.error}) and "
+                                  "takes no more requests; restart the server")
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
@@ -103,6 +116,9 @@ class AsyncLLMEngine:
                 out = await queue.get()
                 if isinstance(out, BaseException):
                     raise out
+                if out.error is not None:  # this request alone failed inside a step; the engine goes on
+                    finished = True
+                    raise RequestFailedError(f"request {rid} failed inside the engine: {out.error}")
                 finished = out.finished
                 yield out
         finally:
@@ -153,8 +169,8 @@ class AsyncLLMEngine:
                 continue
             try:
                 outs = await self._step_async()
-            except Exception as e:  # the engine broke: every waiting consumer gets the error, and no one
-                self.error = e      # new is let in (its state may be half-updated); a server reports 503
+            except Exception as e:  # shared state broke (step() keeps per-request faults to their request):
+                self.error = e      # every consumer gets the error, no one new is let in; a server reports 503
                 for rid in list(self._queues):
                     self._deliver(rid, e)
                 return

@@ -105,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-num-batched-tokens", type=int, default=512, help="new tokens in one forward")
     v.add_argument("--num-blocks", type=int, help="KV cache blocks (default: 8 full-context sequences)")
     v.add_argument("--attention-backend", choices=["torch", "triton"])
+    v.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
+                   help="largest request body accepted (default 4 MiB); larger ones get 413")
     v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     _add_spec_args(v)
     return ap
@@ -213,8 +215,11 @@ def cmd_serve(args) -> None:
 
     if not 0 < args.port < 65536:
         raise NanoserveError(f"--port {args.port} is not a TCP port (1..65535)")
+    if args.max_body_bytes < 1:
+        raise NanoserveError(f"--max-body-bytes {args.max_body_bytes} must be ≥ 1")
     serve(args.model, host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
-          chat_template=args.chat_template, log_level=args.log_level, dtype=args.dtype, device=args.device,
+          chat_template=args.chat_template, log_level=args.log_level, max_body_bytes=args.max_body_bytes,
+          dtype=args.dtype, device=args.device,
           max_waiting=args.max_waiting, max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
           max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
           **_spec_kwargs(args))

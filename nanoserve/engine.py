@@ -21,6 +21,7 @@ Taught in notebooks/00_* to 03_*.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from .errors import NanoserveError
+from .errors import NanoserveError, RequestFailedError, is_fatal
 from .loader import load_model
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, IncrementalText, RequestOutput
@@ -40,8 +41,15 @@ from .sequence import SequenceStatus
 from .spec_decode import DraftModelProposer, NgramDraft, SpecDecodeConfig, SpecDecoder
 
 Prompt = str | Sequence[int]
+logger = logging.getLogger("nanoserve")
 __all__ = ["LLM", "LLMEngine", "EngineStats", "RequestOutput", "CompletionOutput", "IncrementalText",
            "kv_bytes_per_token"]
+
+
+def _nan_rows(logits: torch.Tensor | list[torch.Tensor]) -> set[int]:
+    """Rows whose logits hold a NaN: [B, V], or a list of [k, V] (speculative verification)."""
+    flags = torch.stack([x.isnan().any() for x in logits]) if isinstance(logits, list) else logits.isnan().any(-1)
+    return {i for i, bad in enumerate(flags.tolist()) if bad}
 
 
 def kv_bytes_per_token(cfg, dtype: torch.dtype) -> int:
@@ -261,7 +269,12 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ one iteration
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward, sample; return the outputs of requests that advanced."""
+        """Schedule, run one forward, sample; return the outputs of requests that advanced.
+
+        A fault while handling one request fails that request alone (`_fail_request`): its output
+        ends with `error` set and its blocks return to the pool, the other rows go on. A forward that
+        raises fails every request in it (the fault cannot be pinned to a row). Only a fatal error
+        (`errors.is_fatal`: broken bookkeeping, a device fault) propagates and stops the engine."""
         sched = self.scheduler.schedule()
         self.last_num_seqs = len(sched.seqs)
         if self.spec is not None:
@@ -277,51 +290,94 @@ class LLMEngine:
             if out.first_scheduled_time is None:
                 out.first_scheduled_time = now
                 out.num_cached_tokens = seq.num_cached_tokens
-        proposals = self._speculate(sched) if self.spec is not None else {}
-        if proposals:  # verification rows score all their drafts: logits [1 + γ, V] per row
-            num_logits = [1 + len(proposals[i].draft_ids) if i in proposals else 1 for i in range(len(sched.seqs))]
-            logits = self.runner.run(sched.seqs, sched.num_new, num_logits)
-        else:
-            logits = self.runner.run(sched.seqs, sched.num_new)  # B, V
         advanced: dict[str, RequestOutput] = {}
+        proposals = self._speculate(sched, advanced) if self.spec is not None else {}
+        if not sched.seqs:
+            return list(advanced.values())
+        logits = self._guarded(sched.seqs, advanced, self._forward, sched, proposals)
+        if logits is None:
+            return list(advanced.values())
+        nan_rows = _nan_rows(logits)  # one host sync for the whole batch
         for row, seq in enumerate(sched.seqs):
-            req = self.requests[seq.request_id]
-            if row in proposals:  # accept / reject the drafts, roll back, then emit like any step
-                s = req.samples[seq.sample_index]
-                finished = False
-                for token in self.spec.accept(proposals[row], logits[row]):
-                    finished = self._append_token(req, s, token)
-                    if finished:
-                        break
-                self.block_manager.mark_computed(seq)
-                if finished:
-                    self._finish(seq)
-                else:
-                    seq.needs_slot = True
-                advanced[seq.request_id] = req.output
-                continue
-            row_logits = logits[row] if not proposals else logits[row][-1]  # V
-            self.block_manager.mark_computed(seq)  # full blocks with KV become prefix-cache hits
-            if seq.num_computed_tokens < len(seq):
-                continue  # a prefill chunk: no token to sample yet
-            samples = [req.samples[seq.sample_index]]
-            if len(req.samples) < req.params.n:  # prefill done: the other samples fork from here
-                samples += self._fork(req, seq)
-            for s in samples:
-                if self._sample(req, s, row_logits):
-                    self._finish(s.seq)
-                else:
-                    s.seq.needs_slot = True
-            advanced[seq.request_id] = req.output
+            req = self.requests.get(seq.request_id)
+            if req is None:
+                continue  # its request failed earlier in this step
+            self._guarded([seq], advanced, self._process_row, req, seq, logits[row], proposals.get(row),
+                          row in nan_rows, advanced)
         for rid, out in advanced.items():
             if out.finished:
                 out.finish_time = time.perf_counter()
-                del self.requests[rid]
+                self.requests.pop(rid, None)
         return list(advanced.values())
 
-    def _speculate(self, sched) -> dict:
+    def _forward(self, sched, proposals: dict) -> torch.Tensor | list[torch.Tensor]:
+        """logits [B, V]; with drafts, [1 + γ, V] per verification row and [1, V] per other row."""
+        if not proposals:
+            return self.runner.run(sched.seqs, sched.num_new)
+        num_logits = [1 + len(proposals[i].draft_ids) if i in proposals else 1 for i in range(len(sched.seqs))]
+        return self.runner.run(sched.seqs, sched.num_new, num_logits)
+
+    def _guarded(self, seqs: list[SequenceState], advanced: dict[str, RequestOutput], fn, *args):
+        """fn(*args); if it raises a non-fatal error, the requests of `seqs` fail (returns None)."""
+        try:
+            return fn(*args)
+        except Exception as e:
+            if is_fatal(e):
+                raise
+            for rid in dict.fromkeys(seq.request_id for seq in seqs):
+                if rid in self.requests:
+                    advanced[rid] = self._fail_request(self.requests[rid], e)
+            return None
+
+    def _process_row(self, req: _Request, seq: SequenceState, logits: torch.Tensor, proposal, has_nan: bool,
+                     advanced: dict[str, RequestOutput]) -> None:
+        """After the forward: accept drafts or sample the row's next token, apply stop conditions."""
+        if has_nan:
+            raise RequestFailedError(f"the model produced NaN logits for request {seq.request_id!r} at position "
+                                     f"{len(seq)} (an overflow in {self.dtype}?)")
+        if proposal is not None:  # accept / reject the drafts, roll back, then emit like any step
+            s, finished = req.samples[seq.sample_index], False
+            for token in self.spec.accept(proposal, logits):
+                finished = self._append_token(req, s, token)
+                if finished:
+                    break
+            self.block_manager.mark_computed(seq)
+            if finished:
+                self._finish(seq)
+            else:
+                seq.needs_slot = True
+            advanced[seq.request_id] = req.output
+            return
+        row_logits = logits if logits.dim() == 1 else logits[-1]  # V
+        self.block_manager.mark_computed(seq)  # full blocks with KV become prefix-cache hits
+        if seq.num_computed_tokens < len(seq):
+            return  # a prefill chunk: no token to sample yet
+        samples = [req.samples[seq.sample_index]]
+        if len(req.samples) < req.params.n:  # prefill done: the other samples fork from here
+            samples += self._fork(req, seq)
+        for s in samples:
+            if self._sample(req, s, row_logits):
+                self._finish(s.seq)
+            else:
+                s.seq.needs_slot = True
+        advanced[seq.request_id] = req.output
+
+    def _fail_request(self, req: _Request, error: Exception) -> RequestOutput:
+        """End one request with `error`: every sample stops, every block returns to the pool."""
+        rid = req.output.request_id
+        logger.error("request %s failed: %s: %s", rid, type(error).__name__, error, exc_info=error)
+        self.abort_request(rid)
+        for s in req.samples:
+            if s.out.finish_reason == "abort":
+                s.out.finish_reason = "error"
+        req.output.error = f"{type(error).__name__}: {error}"
+        return req.output
+
+    def _speculate(self, sched, advanced: dict[str, RequestOutput]) -> dict:
         """Draft tokens for the decoding rows that speculate this step and append them (with KV
-        slots) to their sequences; returns {row: Proposal}. See nanoserve/spec_decode.py."""
+        slots) to their sequences; returns {row: Proposal}. See nanoserve/spec_decode.py.
+        If drafting fails, the speculating requests fail and leave `sched` (one batched draft
+        forward: the fault cannot be pinned to a row)."""
         budget = self.scheduler.config.max_num_batched_tokens - sched.num_tokens  # leftover: no saturation
         rows, where = [], []
         for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_new)):
@@ -339,8 +395,13 @@ class LLMEngine:
                 s.out.spec_stats = self.spec.state(seq).stats
         if not rows:
             return {}
+        drafted = self._guarded([r[0] for r in rows], advanced, self.spec.propose_and_extend, rows)
+        if drafted is None:
+            keep = [i for i, seq in enumerate(sched.seqs) if seq.request_id in self.requests]
+            sched.seqs, sched.num_new = [sched.seqs[i] for i in keep], [sched.num_new[i] for i in keep]
+            return {}
         proposals = {}
-        for i, prop in zip(where, self.spec.propose_and_extend(rows)):
+        for i, prop in zip(where, drafted):
             if prop.draft_ids:
                 sched.num_new[i] += len(prop.draft_ids)
                 proposals[i] = prop
@@ -358,11 +419,12 @@ class LLMEngine:
         for i in range(1, req.params.n):
             child = SequenceState(list(parent.token_ids), request_id=parent.request_id, sample_index=i,
                                   priority=parent.priority, arrival_time=parent.arrival_time)
+            sample = self._new_sample(req, child, i)
             self.block_manager.fork(parent, child)
             self.scheduler.add_running(child)
-            children.append(self._new_sample(req, child, i))
-        req.samples += children
-        req.output.outputs = [s.out for s in req.samples]
+            req.samples.append(sample)  # at once: if a later step of the fork fails, aborting frees it
+            req.output.outputs.append(sample.out)
+            children.append(sample)
         return children
 
     def _sample(self, req: _Request, s: _Sample, logits: torch.Tensor) -> bool:
@@ -414,16 +476,19 @@ class LLM:
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         return self.engine.encode_prompt(prompt)
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None,
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | None = None) -> list[RequestOutput]:
         """Generate for each prompt (a string, a list of token ids, or a list of either), all
-        scheduled together; outputs come back in the prompts' order."""
-        params = params or SamplingParams()
+        scheduled together; outputs come back in the prompts' order. `params`: one SamplingParams
+        for every prompt, or a list with one per prompt (as vLLM's). A request that fails inside
+        the engine raises RequestFailedError (the others are aborted: generate returns all or none)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        for p in prompts:  # validate everything before spending compute on anything
-            self.engine.check_fits(self.engine.encode_prompt(p), params)
-        ids = [self.engine.add_request(p, params) for p in prompts]
+        per_prompt = self._params_per_prompt(params, len(prompts))
+        for p, sp in zip(prompts, per_prompt):  # validate everything before spending compute on anything
+            self.engine.check_fits(self.engine.encode_prompt(p), sp)
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, per_prompt)]
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", unit="req",
                    disable=not (len(ids) > 1 if use_tqdm is None else use_tqdm))
@@ -431,6 +496,8 @@ class LLM:
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
+                    if out.error is not None:
+                        raise RequestFailedError(f"request {out.request_id} failed: {out.error}")
                     if out.finished:
                         done[out.request_id] = out
                         n_out += sum(len(o.token_ids) for o in out.outputs)
@@ -442,6 +509,20 @@ class LLM:
             bar.close()
         return [done[rid] for rid in ids]
 
+    @staticmethod
+    def _params_per_prompt(params, n: int) -> list[SamplingParams]:
+        if params is None or isinstance(params, SamplingParams):
+            return [params or SamplingParams()] * n
+        if isinstance(params, (str, bytes)) or not isinstance(params, Sequence):
+            raise NanoserveError(f"params must be a SamplingParams or a list of them, one per prompt; "
+                                 f"got {type(params).__name__}")
+        if len(params) != n:
+            raise NanoserveError(f"got {len(params)} SamplingParams for {n} prompts; give one, or one per prompt")
+        bad = [i for i, p in enumerate(params) if not isinstance(p, SamplingParams)]
+        if bad:
+            raise NanoserveError(f"params[{bad[0]}] is a {type(params[bad[0]]).__name__}, not a SamplingParams")
+        return list(params)
+
     def stream_request(self, prompt: Prompt, params: SamplingParams | None = None
                        ) -> Iterator[tuple[str, RequestOutput]]:
         """Yield (text delta, output so far) as the first sample grows; aborted if abandoned."""
@@ -452,6 +533,8 @@ class LLM:
         try:
             while not out.finish_reason:
                 self.engine.step()
+                if req.output.error is not None:
+                    raise RequestFailedError(f"request {rid} failed: {req.output.error}")
                 if len(out.text) > sent or out.finish_reason:  # out.text holds only settled text
                     yield out.text[sent:], req.output
                     sent = len(out.text)

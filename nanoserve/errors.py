@@ -1,9 +1,19 @@
-"""nanoserve's error types.
+"""nanoserve's error types, and the line between a request's failure and the engine's.
 
 Every error a user can cause with bad input is a `NanoserveError` whose message names the
-bad value and what is allowed. The CLI prints such errors as one line and exits 2; anything
-else is a bug and keeps its traceback.
+bad value and what is allowed. The CLI prints such errors as one line and exits 2; a server
+answers 400. Anything else is a bug and keeps its traceback.
+
+While serving, a bug can hit one request or everyone (docs/ARCHITECTURE.md, "Failure"):
+- `RequestFailedError`: one request failed inside the engine (a fault while sampling or
+  detokenizing its row, non-finite logits). That request ends with the error, its blocks go
+  back to the pool, and every other request goes on. A server answers 500 for it alone.
+- `EngineStateError`: state that every request shares (the block pool, the scheduler's queues,
+  the device) is broken. Nothing computed afterwards could be trusted, so the engine stops.
+`is_fatal` tells which of the two an unexpected exception is.
 """
+
+import torch
 
 
 class NanoserveError(ValueError):
@@ -16,3 +26,27 @@ class CheckpointError(NanoserveError):
 
 class ConfigError(NanoserveError):
     """A model config that is missing a field or names something unsupported."""
+
+
+class RequestFailedError(RuntimeError):
+    """One request failed inside the engine; it alone ends (HTTP 500), the others go on."""
+
+
+class EngineStateError(RuntimeError):
+    """Shared engine state is inconsistent (a block freed twice, a sequence that can never be
+    scheduled): the engine must stop rather than compute on top of it."""
+
+
+def is_fatal(error: BaseException) -> bool:
+    """True when `error` may have broken state every request shares, so the engine must stop.
+
+    Bookkeeping invariants (EngineStateError, a failed assert) and device faults are fatal: after
+    a CUDA error the context is unusable for everyone. Everything else raised while serving one
+    request's row (a bug in sampling, detokenizing, a stop check) is that request's alone.
+    """
+    if isinstance(error, (EngineStateError, AssertionError, MemoryError)):
+        return True
+    accelerator_error = getattr(torch, "AcceleratorError", None)  # torch >= 2.8 raises it for CUDA faults
+    if accelerator_error is not None and isinstance(error, accelerator_error):
+        return True
+    return isinstance(error, RuntimeError) and "CUDA error" in str(error)

@@ -9,8 +9,10 @@ clients send on every call. Beyond OpenAI's fields, `top_k`, `repetition_penalty
 `ignore_eos` are accepted as vLLM does.
 
 Values are checked by `SamplingParams` (one source of truth for what is allowed); pydantic only
-checks types. Defaults follow OpenAI: completions generate 16 tokens unless told otherwise, chat
-completions until the context is full.
+checks types, strictly, as the OpenAI API documents them: `"max_tokens": "5"` or `"stream": "yes"`
+is a 400, not silently converted (an integer is accepted where a number is expected).
+Defaults follow OpenAI: completions generate 16 tokens unless told otherwise, chat completions
+until the context is full.
 
 Streaming (server-sent events): one chunk per engine step in which a choice produced tokens (its
 text delta may be empty while a stop string or a cut UTF-8 character is held back), a last chunk
@@ -43,7 +45,7 @@ NO_OP_VALUES: dict[str, tuple] = {
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's extension: usage so far on every chunk
 
@@ -51,7 +53,7 @@ class StreamOptions(BaseModel):
 class _Request(BaseModel):
     """Fields shared by both endpoints."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str
     max_tokens: int | None = None
     temperature: float | None = None
@@ -122,7 +124,7 @@ class CompletionRequest(_Request):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[dict]
     name: str | None = None

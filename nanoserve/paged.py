@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import ModelConfig
-from .errors import NanoserveError
+from .errors import EngineStateError, NanoserveError
 from .sequence import Sequence
 
 HashFn = Callable[[int | None, tuple[int, ...]], int]
@@ -128,7 +128,7 @@ class BlockAllocator:
         KV exists (`mark_computed`), so a hit can never read a block another sequence has yet to
         write — not with chunked prefill, and not after an abort or preemption mid-prefill."""
         if seq.block_table:
-            raise RuntimeError(f"sequence {seq.seq_id} already has blocks {seq.block_table}; free it first")
+            raise EngineStateError(f"sequence {seq.seq_id} already has blocks {seq.block_table}; free it first")
         hits, needed, available = self._plan(seq)
         if needed > available:
             raise NanoserveError(
@@ -167,7 +167,7 @@ class BlockAllocator:
         elif len(table) == self.blocks_needed(n):
             cow = self._copy_on_write(table)
         else:
-            raise RuntimeError(f"append_slot makes room for one new token at a time: sequence {seq.seq_id} has "
+            raise EngineStateError(f"append_slot makes room for one new token at a time: sequence {seq.seq_id} has "
                                f"{n} tokens but its block table covers {len(table) * bs}")
         return cow
 
@@ -188,7 +188,7 @@ class BlockAllocator:
         """`child` (same tokens as `parent`) shares every parent block; copy-on-write splits them later."""
         self._require_allocated(parent)
         if child.block_table or child.token_ids != parent.token_ids:
-            raise RuntimeError(f"fork needs a child with no blocks and the parent's tokens; sequence "
+            raise EngineStateError(f"fork needs a child with no blocks and the parent's tokens; sequence "
                                f"{child.seq_id} has {len(child.block_table)} blocks and {len(child)} tokens")
         for bid in parent.block_table:
             self.blocks[bid].ref_count += 1
@@ -205,7 +205,7 @@ class BlockAllocator:
         table = self._require_allocated(seq)
         keep = self.blocks_needed(num_tokens)
         if keep < 1 or num_tokens < seq.num_computed_tokens:
-            raise RuntimeError(f"truncate({num_tokens}) would drop computed tokens or every block of sequence "
+            raise EngineStateError(f"truncate({num_tokens}) would drop computed tokens or every block of sequence "
                                f"{seq.seq_id} ({seq.num_computed_tokens} computed); free() it instead")
         for bid in reversed(table[keep:]):
             block = self.blocks[bid]
@@ -220,7 +220,7 @@ class BlockAllocator:
         for bid in reversed(seq.block_table):
             block = self.blocks[bid]
             if block.ref_count <= 0:
-                raise RuntimeError(f"block {bid} of sequence {seq.seq_id} is already free (double free?)")
+                raise EngineStateError(f"block {bid} of sequence {seq.seq_id} is already free (double free?)")
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._release(block)
@@ -330,7 +330,7 @@ class BlockAllocator:
             del self.hash_to_block[self.blocks[bid].hash]
             self.blocks[bid].clear()
         else:
-            raise RuntimeError(f"all {self.num_blocks} KV blocks are in use; check can_allocate/can_append first")
+            raise EngineStateError(f"all {self.num_blocks} KV blocks are in use; check can_allocate/can_append first")
         self.blocks[bid].ref_count = 1
         return bid
 
@@ -358,7 +358,7 @@ class BlockAllocator:
 
     def _require_allocated(self, seq: Sequence) -> list[int]:
         if not seq.block_table:
-            raise RuntimeError(f"sequence {seq.seq_id} has no blocks; allocate (or fork) it first")
+            raise EngineStateError(f"sequence {seq.seq_id} has no blocks; allocate (or fork) it first")
         return seq.block_table
 
 

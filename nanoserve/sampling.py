@@ -7,7 +7,13 @@ pipeline, in the order vLLM and HF apply it:
 
 Temperature 0 means greedy (argmax after the penalty). Each request with a `seed` draws from
 its own `torch.Generator`, so the same seed gives the same tokens whatever else runs beside
-it. `probs_from_logits` is the distribution that is actually sampled, exposed so tests (and
+it; sample i of n uses seed + i, so seeds live in the signed 64-bit range with room for n.
+
+Values are checked in the dtype they are used in (float32): a top_p of 1e-300 is a positive
+Python float but 0 in float32. And the sampler cannot turn finite logits into NaN: scaled
+logits are clamped to float32's finite range and top-p always keeps the most likely token.
+
+`probs_from_logits` is the distribution that is actually sampled, exposed so tests (and
 speculative decoding) can use the exact same law. Taught in notebooks/01_* and notebooks/00_*.
 """
 
@@ -18,6 +24,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import NanoserveError
+
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as OpenAI's and vLLM's seed fields
+_F32 = torch.finfo(torch.float32)
 
 
 @dataclass
@@ -45,16 +54,19 @@ class SamplingParams:
                f"temperature={self.temperature!r} must be 0 (greedy) or a finite number ≥ 1e-6")
         _check(isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 0,
                f"top_k={self.top_k!r} must be an integer ≥ 0 (0 = off)")
-        _check(_is_number(self.top_p) and 0 < self.top_p <= 1,
-               f"top_p={self.top_p!r} must be in (0, 1] (1 = off)")
-        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
-               f"repetition_penalty={self.repetition_penalty!r} must be > 0 (1 = off)")
+        _check(_is_number(self.top_p) and _F32.tiny <= self.top_p <= 1,
+               f"top_p={self.top_p!r} must be in (0, 1] and a normal float32 (≥ {_F32.tiny:.3g}); 1 = off")
+        _check(_is_number(self.repetition_penalty) and _F32.tiny <= self.repetition_penalty <= _F32.max,
+               f"repetition_penalty={self.repetition_penalty!r} must be > 0 and a normal float32 "
+               f"({_F32.tiny:.3g} to {_F32.max:.3g}); 1 = off")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                f"stop_token_ids={self.stop_token_ids!r} must be non-negative integers")
         _check(all(isinstance(s, str) and s for s in self.stop),
                f"stop={self.stop!r} must be non-empty strings")
-        _check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
-               f"seed={self.seed!r} must be an integer or None")
+        _check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                                     and SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1)),
+               f"seed={self.seed!r} must be None or an integer in [{SEED_MIN}, {SEED_MAX} - (n - 1)] "
+               f"(sample i of n={self.n} is seeded seed + i, a signed 64-bit value)")
 
     @property
     def greedy(self) -> bool:
@@ -85,8 +97,11 @@ def probs_from_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, 
     """The distribution sampled from: softmax(logits / T) restricted to the top-k / top-p set.
 
     logits [..., V] -> probs [..., V] in float32. Tokens outside the kept set get exactly 0.
+    Finite logits give finite probabilities whatever the settings: the scaled logits are clamped
+    to float32's finite range (a penalty or a tiny temperature can overflow them to ±inf, and
+    softmax of +inf is NaN), and top-p keeps at least the most likely token.
     """
-    logits = logits.float() / temperature
+    logits = (logits.float() / temperature).clamp(-_F32.max, _F32.max)
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # ..., 1
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -95,6 +110,7 @@ def probs_from_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, 
         sorted_p, order = probs.sort(dim=-1, descending=True)
         # drop a token when the tokens strictly more likely than it already reach top_p
         drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= top_p
+        drop_sorted[..., 0] = False  # the most likely token always stays (top_p rounds to 0 otherwise)
         drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)

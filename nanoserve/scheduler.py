@@ -24,7 +24,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from .errors import NanoserveError
+from .errors import EngineStateError, NanoserveError
 from .paged import BlockAllocator
 from .sequence import Sequence, SequenceStatus
 
@@ -115,6 +115,7 @@ class Scheduler:
             seq = self.running[i]
             if seq.needs_slot and not self._make_room(seq, i, out):
                 continue  # seq itself was preempted; running[i] is now the next one
+            _check_has_work(seq)
             n = self._tokens_to_compute(seq, budget)
             if n:
                 out.add(seq, n)
@@ -171,3 +172,14 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue(seq)
+
+
+def _check_has_work(seq: Sequence) -> None:
+    """A running sequence always has a token to compute: its prompt's rest, or the token sampled
+    last step (its needs_slot was set). One with none would never be scheduled again and the
+    engine would spin forever; that is broken bookkeeping, so stop loudly instead."""
+    if seq.num_computed_tokens >= len(seq):
+        raise EngineStateError(
+            f"sequence {seq.seq_id} of request {seq.request_id!r} is running with all {len(seq)} of its tokens "
+            f"computed (num_computed_tokens={seq.num_computed_tokens}) and no new token: no step would ever "
+            "schedule it again (a token was sampled without setting needs_slot?)")

@@ -8,19 +8,24 @@ Endpoints (what vLLM and TGI give their users, so existing clients work unchange
     GET  /health               200 while the engine loop is alive, 503 after it failed
     GET  /metrics              Prometheus text format (nanoserve/server_metrics.py)
 
-The request path: FastAPI parses the body into a pydantic model (openai_api.py), the fields become
-SamplingParams, `AsyncLLMEngine.add_request` validates and queues the request (errors raise
-before any response starts), and the handler reads the request's outputs as the engine steps:
-all of them for a plain response, a chunk per step for a stream.
+The request path: the middleware (http_middleware.py) checks the key and the body's size,
+FastAPI parses the body into a pydantic model (openai_api.py, strict types), the fields become
+SamplingParams, a worker thread tokenizes and validates (`LLMEngine.new_request`; the event loop
+never tokenizes), `AsyncLLMEngine.submit` queues the request (errors raise before any response
+starts), and the handler reads the request's outputs as the engine steps: all of them for a
+plain response, a chunk per step for a stream.
 
-Failure is part of the interface:
-- bad JSON, unknown or unsupported fields, bad values, a prompt longer than the context → 400
-  with OpenAI's error body, the message naming the value (and, for a long prompt, both lengths);
+Failure is part of the interface, and /openapi.json documents it (openai_schema.py):
+- bad JSON, wrong types, unknown or unsupported fields, bad values, a prompt longer than the
+  context → 400 with OpenAI's error body, the message naming the value (and, for a long prompt,
+  both lengths);
 - a wrong or missing API key when the server has one → 401, before the body is read (only /v1/*:
   probes and Prometheus stay open); an unknown model name or path → 404;
+- a body over `--max-body-bytes` (4 MiB) → 413, before it is parsed;
 - a full waiting queue (`--max-waiting`) → 429 with Retry-After; nothing is queued;
-- a bug → 500; an engine whose step failed → /health and every later request 503 (its state may
-  be half-updated, so it takes no more work until restarted);
+- a request that fails inside the engine → 500 (or an error event in its stream) for it alone:
+  its blocks go back, other requests and /health go on (errors.py draws the line);
+- an error that breaks shared state (errors.is_fatal) → /health and every later request 503;
 - a client that disconnects — mid-stream, or while waiting for a plain response — aborts its
   request, which leaves the engine and frees its KV blocks before the next step.
 
@@ -31,7 +36,6 @@ prometheus-client). Taught in notebooks/09_*.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import sys
 from collections.abc import AsyncIterator
@@ -45,7 +49,9 @@ from starlette.exceptions import HTTPException
 from . import openai_api as api
 from .async_engine import AsyncLLMEngine, EngineDeadError
 from .chat import ChatTemplate
-from .errors import NanoserveError
+from .errors import NanoserveError, RequestFailedError
+from .http_middleware import DEFAULT_MAX_BODY_BYTES, CountStatus, LimitBody, RequireKey
+from .openai_schema import document_responses
 from .outputs import RequestOutput
 from .scheduler import QueueFullError
 from .server_metrics import ServerMetrics
@@ -61,7 +67,8 @@ class APIError(Exception):
 
 
 def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
-               chat_template: ChatTemplate | None = None, retry_after: int = 1) -> CountStatus:
+               chat_template: ChatTemplate | None = None, retry_after: int = 1,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> CountStatus:
     """The ASGI app serving `engine` under `model_name`; run it with uvicorn (see `serve`)."""
     core = engine.engine
     metrics = ServerMetrics(core, pending=lambda: engine.num_pending)
@@ -73,7 +80,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
 
     app = FastAPI(title="nanoserve", lifespan=lifespan)
     app.state.engine, app.state.metrics = engine, metrics
-    app.add_middleware(RequireKey, api_key=api_key)  # before the body is read: no key, no parsing
+    app.add_middleware(LimitBody, max_bytes=max_body_bytes)
+    app.add_middleware(RequireKey, api_key=api_key)  # outside LimitBody: no key, no body read at all
 
     # ------------------------------------------------------------------ errors
     def error(status: int, message: str, type_="invalid_request_error", code=None, headers=None) -> JSONResponse:
@@ -92,6 +100,10 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
         if isinstance(e, QueueFullError):
             return error(429, str(e), "rate_limit_error", "queue_full", {"Retry-After": str(retry_after)})
         return error(400, str(e))
+
+    @app.exception_handler(RequestFailedError)
+    async def _failed(request, e: RequestFailedError):  # this request alone; the engine serves on
+        return error(500, str(e), "server_error", "request_failed")
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request, e: EngineDeadError):
@@ -127,19 +139,23 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
                                             "owned_by": "nanoserve", "max_model_len": core.max_model_len}]}
 
     # ------------------------------------------------------------------ generation
-    def add_all(prompts: list, params, rid: str) -> list[AsyncIterator[RequestOutput]]:
-        """Queue every prompt or none: validate all first, undo the queued ones if one is refused."""
-        ids = [core.encode_prompt(p) for p in prompts]  # tokenized once; the engine checks ids as they are
-        for p in ids:
-            core.check_fits(p, params)
+    async def add_all(prompts: list, params, rid: str, chat_messages: list[dict] | None = None
+                      ) -> list[AsyncIterator[RequestOutput]]:
+        """Queue every prompt or none. Tokenizing and validating run in a worker thread (a 4 MB prompt
+        takes a second to tokenize, and the event loop must keep serving /health and the streams);
+        queueing runs here on the loop, and undoes the queued ones if one is refused."""
+        def prepare():
+            ps = [chat_template.encode(chat_messages, core.tokenizer)] if chat_messages is not None else prompts
+            return [core.new_request(p, params, f"{rid}-{i}") for i, p in enumerate(ps)]
+
+        reqs = await asyncio.to_thread(prepare)
         streams = []
         try:
-            for i, p in enumerate(ids):
-                sub, queue = engine.add_request(p, params, f"{rid}-{i}")
-                streams.append(engine.outputs(sub, queue))
+            for req in reqs:
+                streams.append(engine.outputs(*engine.submit(req)))
         except (NanoserveError, EngineDeadError):
-            for i in range(len(streams)):
-                engine.abort(f"{rid}-{i}")
+            for req in reqs[:len(streams)]:
+                engine.abort(req.output.request_id)
             raise
         return streams
 
@@ -148,7 +164,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
         check_model(body.model)
         params = body.sampling_params(COMPLETION_DEFAULT_MAX_TOKENS)
         rid, created = api.new_id("cmpl"), api.now()
-        streams = add_all(body.prompts(), params, rid)
+        streams = await add_all(body.prompts(), params, rid)
         if body.stream:
             chunk = lambda index, delta, reason, first: api.completion_chunk(  # noqa: E731
                 rid, model_name, created, index, delta, reason)
@@ -165,9 +181,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
                                 "completions; use /v1/completions, or start the server with --chat-template FILE",
                            code="no_chat_template")
         params = body.sampling_params(core.max_model_len)  # the engine stops at the context's end
-        prompt_ids = chat_template.encode(body.message_dicts(), core.tokenizer)
         rid, created = api.new_id("chatcmpl"), api.now()
-        streams = add_all([prompt_ids], params, rid)
+        streams = await add_all([], params, rid, body.message_dicts())
         if body.stream:
             def chunk(index, delta, reason, first):
                 d = {"role": "assistant", "content": delta} if first else ({"content": delta} if delta else {})
@@ -177,6 +192,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
         outs = await _collect(streams, request, metrics)
         return api.chat_response(rid, model_name, created, outs[0])
 
+    document_responses(app)  # /openapi.json: 400 (not 422), 401/404/413/429/500/503, SSE and text/plain
     # outermost, around FastAPI's own error middleware, so that its 500s are counted too
     return CountStatus(app, metrics)
 
@@ -296,60 +312,10 @@ def validation_message(errors: list[dict]) -> str:
     return "; ".join(parts) + (f"; and {len(errors) - 5} more" if len(errors) > 5 else "")
 
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
-
-
-class CountStatus:
-    """ASGI middleware around the whole app: count every HTTP response by endpoint and status code
-    (streams too; a crash as 500). Paths we do not serve count as "other", so scanners cannot grow
-    the metric without bound."""
-
-    def __init__(self, app: FastAPI, metrics: ServerMetrics):
-        self.app, self.metrics = app, metrics
-        self.state = app.state  # engine and metrics, for whoever holds the app (tests, notebooks)
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
-        started = False
-
-        async def counting_send(message):
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-                self.metrics.http_requests.labels(endpoint, str(message["status"])).inc()
-            await send(message)
-
-        try:
-            await self.app(scope, receive, counting_send)
-        except Exception:
-            if not started:  # FastAPI's outermost error middleware answered 500 and re-raised
-                self.metrics.http_requests.labels(endpoint, "500").inc()
-            raise
-
-
-class RequireKey:
-    """ASGI middleware: with an API key set, every /v1 request needs `Authorization: Bearer <key>`
-    (401 otherwise, before the body is read). /health and /metrics stay open for probes."""
-
-    def __init__(self, app, api_key: str | None):
-        self.app, self.expected = app, None if api_key is None else f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if self.expected is not None and scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                body = api.error_body("missing or invalid API key: send the header 'Authorization: Bearer <key>'",
-                                      "authentication_error", "invalid_api_key")
-                return await JSONResponse(body, status_code=401)(scope, receive, send)
-        await self.app(scope, receive, send)
-
-
 # ----------------------------------------------------------------------------- running it
 def serve(model: str = "demo", host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           served_model_name: str | None = None, chat_template: str | None = None, log_level: str = "info",
-          **engine_kwargs) -> None:
+          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, **engine_kwargs) -> None:
     """Load the model and serve it until interrupted (what `nanoserve serve` runs)."""
     import uvicorn
 
@@ -359,7 +325,8 @@ def serve(model: str = "demo", host: str = "127.0.0.1", port: int = 8000, api_ke
     core = LLMEngine(model, **engine_kwargs)
     template = (read_chat_template_file(chat_template, core.tokenizer) if chat_template
                 else load_chat_template(model, core.tokenizer))
-    app = create_app(AsyncLLMEngine(core), served_model_name or str(model), api_key, template)
+    app = create_app(AsyncLLMEngine(core), served_model_name or str(model), api_key, template,
+                     max_body_bytes=max_body_bytes)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"[nanoserve] warning: serving on {host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)

@@ -116,3 +116,37 @@ def _post(port, path, obj, headers=None):
     body = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
     status, hdrs, data = _http(port, "POST", path, body, headers)
     return status, hdrs, json.loads(data) if data.startswith(b"{") else data
+
+
+class StepGate:
+    """Hold the engine's steps at will: once `hold()` is called, each step waits for a permit
+    (`release(k)` lets k more steps run). Tests then count steps instead of assuming how fast one is."""
+
+    def __init__(self, srv: LiveServer, monkeypatch):
+        self.engine = srv.engine
+        self.holding = threading.Event()
+        self.permits = threading.Semaphore(0)
+        step = srv.engine._step
+
+        def gated():
+            if self.holding.is_set():
+                assert self.permits.acquire(timeout=DEADLINE), "the test never released the engine"
+            return step()
+
+        monkeypatch.setattr(srv.engine, "_step", gated)
+
+    def hold(self) -> None:
+        self.holding.set()
+
+    def release(self, k: int = 1) -> None:
+        """Let k more steps run, and wait until they have."""
+        target = self.engine.num_steps + k
+        for _ in range(k):
+            self.permits.release()
+        _wait_for(lambda: self.engine.num_steps >= target or not self.engine.engine.has_unfinished_requests(),
+                  f"{k} released steps")
+
+    def open(self) -> None:
+        self.holding.clear()
+        for _ in range(64):
+            self.permits.release()

@@ -460,14 +460,22 @@ def test_global_rng_interleaving_negative_control():
         ({"repetition_penalty": -1.2}, "repetition_penalty", "> 0"),
         ({"stop_token_ids": [3, -1]}, "stop_token_ids", "non-negative integers"),
         ({"stop": ["ok", ""]}, "stop", "non-empty strings"),
-        ({"seed": 1.5}, "seed", "integer or None"),
+        ({"seed": 1.5}, "seed", "None or an integer in"),
+        # values that pass a naive range check but break the float32 math or the int64 seed
+        ({"top_p": 1e-300}, "top_p", "normal float32"),
+        ({"repetition_penalty": 1e-300}, "repetition_penalty", "normal float32"),
+        ({"repetition_penalty": 1e39}, "repetition_penalty", "normal float32"),
+        ({"seed": 2**64}, "seed", "[-9223372036854775808, 9223372036854775807 - (n - 1)]"),
+        ({"seed": -(2**63) - 1}, "seed", "signed 64-bit"),
+        ({"seed": 2**64 - 1, "n": 2}, "seed", "n=2"),
+        ({"seed": 2**63 - 1, "n": 2}, "seed", "n=2"),
     ],
 )
 def test_sampling_params_rejects(kwargs, field, allowed):
     with pytest.raises(NanoserveError) as info:
         SamplingParams(**kwargs)
     message = str(info.value)
-    (value,) = kwargs.values()
+    value = kwargs[field]
     assert message.startswith(f"{field}={value!r} "), message
     assert allowed in message, message
 
@@ -478,8 +486,72 @@ def test_sampling_params_accepts_edges():
     assert SamplingParams(temperature=0.0).greedy and not SamplingParams(temperature=1e-6).greedy
     SamplingParams(top_p=1.0, top_k=10**6, temperature=100, seed=0, stop_token_ids=[0])
     SamplingParams(top_p=1e-9, repetition_penalty=5.0)
+    SamplingParams(seed=-(2**63)), SamplingParams(seed=2**63 - 1), SamplingParams(seed=2**63 - 3, n=3)
+    SamplingParams(top_p=torch.finfo(torch.float32).tiny, repetition_penalty=torch.finfo(torch.float32).tiny)
     assert SamplingParams(stop="x").stop == ["x"]
     assert SamplingParams(stop="</s>").stop == ["</s>"]  # one string, not its characters
     assert SamplingParams(stop=["a", "b"]).stop == ["a", "b"]
     assert SamplingParams().stop == [] and SamplingParams().stop_token_ids == []
     assert SamplingParams().stop is not SamplingParams().stop  # no shared mutable default
+
+
+# --------------------------------------------------------------------------- 7. no NaN from finite logits
+F32 = torch.finfo(torch.float32)
+
+
+def _sampled_law(logits, params: SamplingParams, seen, probs_fn=probs_from_logits):
+    """What sample_next draws from, for any settings SamplingParams accepts."""
+    x = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    return probs_fn(x, params.temperature, params.top_k, params.top_p)
+
+
+def _old_probs_from_logits(logits, temperature, top_k=0, top_p=1.0):
+    """The sampler before issue 16: no clamp after /T, and top-p may drop every token."""
+    logits = logits.float() / temperature
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= top_p
+        probs = probs.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+_EXTREME = st.one_of(st.floats(-F32.max, F32.max, allow_nan=False, allow_infinity=False, width=32),
+                     st.sampled_from([F32.max, -F32.max, 0.0, 1e30, -1e30]))
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    logits=st.lists(_EXTREME, min_size=2, max_size=24),
+    temperature=st.one_of(st.just(1e-6), st.floats(1e-6, 1e3)),
+    top_k=st.integers(0, 30),
+    top_p=st.one_of(st.just(F32.tiny), st.just(1.0), st.floats(F32.tiny, 1.0)),
+    penalty=st.one_of(st.just(F32.tiny), st.just(F32.max), st.floats(F32.tiny, F32.max)),
+    n_seen=st.integers(0, 24),
+)
+def test_finite_logits_never_give_nan_whatever_the_valid_settings(logits, temperature, top_k, top_p, penalty,
+                                                                  n_seen):
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=penalty)
+    t = torch.tensor(logits)
+    probs = _sampled_law(t, params, torch.arange(min(n_seen, len(logits))))
+    assert torch.isfinite(probs).all() and (probs >= 0).all(), probs
+    assert abs(probs.sum().item() - 1) < 1e-4
+    sample_next(t, params, torch.arange(min(n_seen, len(logits))), make_generator(0))  # draws without error
+
+
+@pytest.mark.parametrize("logits, temperature, top_p, penalty", [
+    ([1.0, 2.0, 3.0], 1.0, 1e-300, 1.0),  # 1e-300 is 0 in float32: top-p dropped every token
+    ([3e38, -3e38, 1.0], 1e-6, 1.0, 1.0),  # /T overflows to ±inf: softmax(+inf) is NaN
+    ([1.0, 2.0, 0.5], 1.0, 1.0, 1e-300),  # the penalty is 0 in float32: x / 0 = +inf twice
+])
+def test_no_nan_negative_control_the_old_sampler_gives_nan(logits, temperature, top_p, penalty):
+    """Values the old checks let through (issue 16): the old law has NaN, the new one none."""
+    t, seen = torch.tensor(logits), torch.arange(len(logits))
+    x = apply_repetition_penalty(t, seen, penalty)
+    assert torch.isnan(_old_probs_from_logits(x, temperature, 0, top_p)).any()  # the bug, shown
+    probs = probs_from_logits(x, temperature, 0, top_p)
+    assert torch.isfinite(probs).all() and abs(probs.sum().item() - 1) < 1e-6  # the sampler alone copes

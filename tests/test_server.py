@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -29,6 +28,7 @@ from live_server import (  # noqa: E402
     DEADLINE,
     KEY,
     LiveServer,
+    StepGate,
     _http,
     _pool_whole,
     _post,
@@ -210,11 +210,13 @@ def test_64_concurrent_streams_finish_and_the_pool_is_whole(server):
     server.engine.engine.block_manager.check_invariants()
 
 
-def _hang_up_mid_stream(server, max_tokens=120) -> tuple[int, str]:
-    """Open a stream over a raw socket, read two events, close it. Returns (steps then, request id)."""
-    body = json.dumps({"model": "demo-chat", "prompt": "ROMEO:", "max_tokens": max_tokens, "stream": True,
+def _hang_up_held(server, monkeypatch) -> tuple[StepGate, str]:
+    """Stream, read two events, hold the engine, hang up, and wait until the server has seen it
+    (the request's consumer is gone). Steps are then released one by one: nothing depends on speed."""
+    _wait_for(lambda: _pool_whole(server.engine), "an idle server", timeout=30)
+    gate = StepGate(server, monkeypatch)
+    body = json.dumps({"model": "demo-chat", "prompt": "ROMEO:", "max_tokens": 120, "stream": True,
                        "ignore_eos": True}).encode()
-    core = server.engine.engine
     with socket.create_connection(("127.0.0.1", server.port), timeout=DEADLINE) as s:
         s.sendall(_request_bytes("POST", "/v1/completions", body))
         seen = b""
@@ -222,28 +224,36 @@ def _hang_up_mid_stream(server, max_tokens=120) -> tuple[int, str]:
             chunk = s.recv(4096)
             assert chunk, "the server closed the stream early"
             seen += chunk
-        rid = next(iter(core.requests))
-        steps = server.engine.num_steps
-    return steps, rid
+        rid = next(iter(server.engine.engine.requests))
+        gate.hold()  # from here each step waits for a permit (a step already running finishes)
+    _wait_for(lambda: rid not in server.engine._queues, "the server to notice the hang-up", timeout=30)
+    return gate, rid
 
 
-def test_client_disconnect_mid_stream_aborts_within_a_step(server):
-    _wait_for(lambda: _pool_whole(server.engine), "an idle server", timeout=30)
-    steps_at_close, rid = _hang_up_mid_stream(server)
-    _wait_for(lambda: rid not in server.engine.engine.requests, "the abort", timeout=10, interval=0.0005)
-    assert server.engine.num_steps - steps_at_close <= 2  # the step in flight, and at most one more
+def test_client_disconnect_mid_stream_aborts_within_a_step(server, monkeypatch):
+    gate, rid = _hang_up_held(server, monkeypatch)
+    try:
+        # the abort is applied now (between steps) or right after the step in flight
+        assert rid not in server.engine.engine.requests or rid in server.engine._aborts
+        gate.release(1)
+        assert rid not in server.engine.engine.requests
+    finally:
+        gate.open()
     _wait_for(lambda: _pool_whole(server.engine), "the blocks to return", timeout=10)
 
 
 def test_disconnect_negative_control_without_abort_the_request_runs_on(server, monkeypatch):
     """The test above must fail on an engine that ignores aborts."""
-    _wait_for(lambda: _pool_whole(server.engine), "an idle server", timeout=30)
     monkeypatch.setattr(server.engine, "abort", lambda rid: None)
-    steps_at_close, rid = _hang_up_mid_stream(server)
-    time.sleep(0.3)
-    assert rid in server.engine.engine.requests and server.engine.num_steps - steps_at_close > 2
-    monkeypatch.undo()
-    server.engine.abort(rid)
+    gate, rid = _hang_up_held(server, monkeypatch)
+    try:
+        for _ in range(3):
+            gate.release(1)
+            assert rid in server.engine.engine.requests  # the check above would fail here
+    finally:
+        monkeypatch.undo()
+        server.engine.abort(rid)
+        gate.open()
     _wait_for(lambda: _pool_whole(server.engine), "the pool after the manual abort", timeout=10)
 
 

@@ -1,0 +1,188 @@
+"""What the server answers, as schemas: the response bodies of openai_api.py as pydantic models,
+and `document_responses`, which makes /openapi.json tell the truth about them.
+
+FastAPI documents every route as "200: application/json, any object" plus a 422 for bad bodies.
+Ours differ: bad bodies are 400 with OpenAI's error object, the two generation endpoints stream
+server-sent events when asked, /metrics is Prometheus text, and 401/404/413/429/500/503 can all
+happen. A client generator or a schema fuzzer reading the document must see exactly that (a test
+checks real responses against it). The models are documentation: the handlers build plain dicts
+(openai_api.py); `extra="forbid"` makes the schemas say no other field is ever sent.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+
+class _Doc(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ErrorDetail(_Doc):
+    message: str
+    type: str
+    param: str | None
+    code: str | int | None
+
+
+class ErrorResponse(_Doc):
+    error: ErrorDetail
+
+
+class Usage(_Doc):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(_Doc):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class CompletionResponse(_Doc):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunk(_Doc):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]  # empty on the include_usage chunk
+    usage: Usage | None = None
+
+
+class AssistantMessage(_Doc):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(_Doc):
+    index: int
+    message: AssistantMessage
+    logprobs: None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class ChatCompletionResponse(_Doc):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(_Doc):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Doc):
+    index: int
+    delta: ChatDelta
+    logprobs: None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class ChatCompletionChunk(_Doc):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(_Doc):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(_Doc):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(_Doc):
+    status: Literal["ok"]
+
+
+ERRORS = {
+    400: "a bad body: invalid JSON, a wrong type, an unknown or unsupported field, a value out of range, "
+         "a prompt longer than the context",
+    401: "a missing or wrong API key (only when the server has one)",
+    404: "an unknown model name",
+    413: "a body larger than the server's --max-body-bytes",
+    429: "the waiting queue is full (with a Retry-After header)",
+    500: "this request failed inside the engine (the others go on), or a bug",
+    503: "the engine stopped after a fatal error; restart the server",
+}
+_GENERATION = (400, 401, 404, 413, 429, 500, 503)
+SSE_NOTE = ("with stream=true: server-sent events, one `data: <JSON>` per step in which a choice advanced, then "
+            "`data: [DONE]`; x-sse-data is the schema of each JSON (an error after the stream began is an "
+            "ErrorResponse event)")
+# (path, method) -> (the 200 body's model or media type, the stream chunk's model, error statuses)
+ROUTES: dict[tuple[str, str], tuple[type[BaseModel] | str, type[BaseModel] | None, tuple[int, ...]]] = {
+    ("/v1/completions", "post"): (CompletionResponse, CompletionChunk, _GENERATION),
+    ("/v1/chat/completions", "post"): (ChatCompletionResponse, ChatCompletionChunk, _GENERATION),
+    ("/v1/models", "get"): (ModelList, None, (401,)),
+    ("/health", "get"): (Health, None, (503,)),
+    ("/metrics", "get"): ("text/plain", None, ()),
+}
+
+
+def _ref(model: type[BaseModel]) -> dict:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def _json(model: type[BaseModel]) -> dict:
+    return {"application/json": {"schema": _ref(model)}}
+
+
+def document_responses(app) -> None:
+    """Replace FastAPI's generated responses in app.openapi() with the ones the server really gives."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema:
+            return app.openapi_schema
+        spec = generate()
+        schemas = spec.setdefault("components", {}).setdefault("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):  # the 422 nobody sends
+            schemas.pop(name, None)
+        models = [ErrorResponse, CompletionResponse, CompletionChunk, ChatCompletionResponse, ChatCompletionChunk,
+                  ModelList, Health]
+        for model in models:
+            schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(schema.pop("$defs", {}))
+            schemas[model.__name__] = schema
+        for (path, method), (ok, chunk, errors) in ROUTES.items():
+            if isinstance(ok, str):
+                content = {ok: {"schema": {"type": "string"}}}
+            else:
+                content = _json(ok)
+            if chunk is not None:
+                content["text/event-stream"] = {"schema": {"type": "string", "description": SSE_NOTE},
+                                                "x-sse-data": {"oneOf": [_ref(chunk), _ref(ErrorResponse)]}}
+            responses = {"200": {"description": "OK", "content": content}}
+            for status in errors:
+                responses[str(status)] = {"description": ERRORS[status], "content": _json(ErrorResponse)}
+            spec["paths"][path][method]["responses"] = responses
+        app.openapi_schema = spec
+        return spec
+
+    app.openapi = openapi
