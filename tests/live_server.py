@@ -17,6 +17,7 @@ import openai
 import uvicorn
 
 from nanoserve.async_engine import AsyncLLMEngine
+from nanoserve.engine import LLMEngine
 from nanoserve.loader import resolve_model_path
 
 KEY = "sk-test-key"
@@ -150,3 +151,25 @@ class StepGate:
         self.holding.clear()
         for _ in range(64):
             self.permits.release()
+
+
+POISON = "POISON"  # the prompt whose row `poisoned_engine`'s injected fault hits
+
+
+def poisoned_engine(model: str = "demo", isolated: bool = True, **kw) -> LLMEngine:
+    """An engine whose sampling raises for the request with prompt POISON (a bug in one row).
+    isolated=False: the fault escapes step(), as before issue 16 (the negative control)."""
+    core = LLMEngine(model, **{"num_blocks": 64, **kw})
+    sample = core._sample
+
+    def _sample(req, s, logits):
+        if req.output.prompt == POISON:
+            raise RuntimeError("injected fault in the POISON row")
+        return sample(req, s, logits)
+
+    core._sample = _sample
+    if not isolated:
+        def _fail_request(req, error):
+            raise error
+        core._fail_request = _fail_request
+    return core

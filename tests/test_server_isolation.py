@@ -21,6 +21,7 @@ pytest.importorskip("uvicorn")
 
 from live_server import (  # noqa: E402
     DEADLINE,
+    POISON,
     LiveServer,
     StepGate,
     _dechunk,
@@ -29,36 +30,17 @@ from live_server import (  # noqa: E402
     _post,
     _request_bytes,
     _wait_for,
+    poisoned_engine,
 )
 
 from nanoserve import LLM, SamplingParams  # noqa: E402
 from nanoserve.async_engine import AsyncLLMEngine  # noqa: E402
-from nanoserve.engine import LLMEngine  # noqa: E402
 from nanoserve.server import create_app  # noqa: E402
-
-POISON = "POISON"  # the prompt whose row the injected fault hits
-
-
-def _poisoned_engine(isolated: bool = True) -> LLMEngine:
-    core = LLMEngine("demo", num_blocks=64)
-    sample = core._sample
-
-    def _sample(req, s, logits):
-        if req.output.prompt == POISON:
-            raise RuntimeError("injected fault in the POISON row")
-        return sample(req, s, logits)
-
-    core._sample = _sample
-    if not isolated:  # the behaviour before issue 16: the fault escapes step()
-        def _fail_request(req, error):
-            raise error
-        core._fail_request = _fail_request
-    return core
 
 
 @pytest.fixture(scope="module")
 def srv():
-    server = LiveServer(create_app(AsyncLLMEngine(_poisoned_engine()), "demo", max_body_bytes=64 * 1024))
+    server = LiveServer(create_app(AsyncLLMEngine(poisoned_engine()), "demo", max_body_bytes=64 * 1024))
     yield server
     server.stop()
 
@@ -163,7 +145,7 @@ def test_a_fault_in_a_streamed_row_ends_that_stream_with_an_error_event(srv, mon
 
 
 def test_isolation_negative_control_an_escaping_fault_fails_the_check(monkeypatch, expected_a):
-    server = LiveServer(create_app(AsyncLLMEngine(_poisoned_engine(isolated=False)), "demo"))
+    server = LiveServer(create_app(AsyncLLMEngine(poisoned_engine(isolated=False)), "demo"))
     try:
         outcome = _poison_beside_a_stream(server, monkeypatch)
         assert not _isolated(outcome, expected_a)

@@ -1,0 +1,171 @@
+"""/openapi.json tells the truth (issue 16): every real response the server gives — its status,
+its content type and, for JSON, its body (and each server-sent event's data) — is one the
+document lists, validated with jsonschema against the document's own schemas. Then a bounded
+hypothesis fuzz of the request bodies: no client mistake is ever a 5xx, and every answer
+matches the document. Negative controls show the validator rejects what the document forbids.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")
+jsonschema = pytest.importorskip("jsonschema")
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from live_server import (  # noqa: E402
+    KEY,
+    POISON,
+    LiveServer,
+    _http,
+    _pool_whole,
+    _post,
+    _wait_for,
+    demo_chat_model,
+    poisoned_engine,
+)
+
+from nanoserve.async_engine import AsyncLLMEngine  # noqa: E402
+from nanoserve.chat import load_chat_template  # noqa: E402
+from nanoserve.server import create_app  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    path = demo_chat_model(tmp_path_factory.mktemp("openapi") / "demo-chat")
+    core = poisoned_engine(str(path))
+    server = LiveServer(create_app(AsyncLLMEngine(core), "demo", api_key=KEY, max_body_bytes=32 * 1024,
+                                   chat_template=load_chat_template(path, core.tokenizer)))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def spec(srv) -> dict:
+    status, hdrs, body = _http(srv.port, "GET", "/openapi.json")
+    assert status == 200 and hdrs["content-type"] == "application/json"
+    return json.loads(body)
+
+
+def _validate(spec: dict, schema: dict, value) -> None:
+    jsonschema.Draft202012Validator({**schema, "components": spec["components"]}).validate(value)
+
+
+def check(spec: dict, path: str, method: str, reply: tuple) -> None:
+    """The reply (status, headers, body bytes) is documented for (path, method), body included."""
+    status, hdrs, body = reply
+    responses = spec["paths"][path][method]["responses"]
+    assert str(status) in responses, f"{method.upper()} {path} answered {status}, not in {sorted(responses)}"
+    media = hdrs["content-type"].split(";")[0]
+    content = responses[str(status)]["content"]
+    assert media in content, f"{method.upper()} {path} {status} sent {media}, documented {sorted(content)}"
+    if media == "application/json":
+        _validate(spec, content[media]["schema"], json.loads(body))
+    elif media == "text/event-stream":
+        events = [e[len(b"data: "):] for e in body.split(b"\n\n") if e.startswith(b"data: ")]
+        assert events[-1] == b"[DONE]"
+        for e in events[:-1]:
+            _validate(spec, content[media]["x-sse-data"], json.loads(e))
+
+
+def _completion(srv, spec, body: dict, path="/v1/completions", headers=None) -> tuple:
+    reply = _http(srv.port, "POST", path, json.dumps(body).encode() if isinstance(body, dict) else body, headers)
+    check(spec, path, "post", reply)
+    return reply
+
+
+def test_the_document_lists_what_the_server_really_does(spec):
+    text = json.dumps(spec)
+    assert '"422"' not in text and "HTTPValidationError" not in text
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        responses = spec["paths"][path]["post"]["responses"]
+        assert sorted(responses) == ["200", "400", "401", "404", "413", "429", "500", "503"]
+        assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert set(spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+
+
+def test_real_responses_match_the_document(srv, spec):
+    chat = {"model": "demo", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    plain = {"model": "demo", "prompt": "ROMEO:", "max_tokens": 4}
+    assert _completion(srv, spec, plain)[0] == 200
+    usage = {"include_usage": True}
+    assert _completion(srv, spec, {**plain, "n": 2, "stream": True, "stream_options": usage})[0] == 200
+    assert _completion(srv, spec, {**plain, "prompt": ["a", "b"], "stream": True})[0] == 200
+    assert _completion(srv, spec, chat, "/v1/chat/completions")[0] == 200
+    assert _completion(srv, spec, {**chat, "stream": True}, "/v1/chat/completions")[0] == 200
+    assert _completion(srv, spec, b'{"model": ')[0] == 400
+    assert _completion(srv, spec, {**plain, "temperature": -1})[0] == 400
+    assert _completion(srv, spec, {**plain, "model": "gpt-4"})[0] == 404
+    assert _completion(srv, spec, plain, headers={"Authorization": None})[0] == 401
+    assert _completion(srv, spec, {**plain, "prompt": "x" * 40_000})[0] == 413
+    assert _completion(srv, spec, {**plain, "prompt": POISON})[0] == 500
+    assert _completion(srv, spec, {**plain, "prompt": POISON, "stream": True})[0] == 200  # an error event
+    for path in ("/v1/models", "/health", "/metrics"):
+        reply = _http(srv.port, "GET", path)
+        assert reply[0] == 200
+        check(spec, path, "get", reply)
+
+
+def test_a_dead_engine_is_documented_503(spec, monkeypatch):
+    core = poisoned_engine()
+    server = LiveServer(create_app(AsyncLLMEngine(core), "demo"))
+    try:
+        monkeypatch.setattr(core, "step", lambda: (_ for _ in ()).throw(AssertionError("broken bookkeeping")))
+        _post(server.port, "/v1/completions", {"model": "demo", "prompt": "a", "max_tokens": 2})
+        reply = _http(server.port, "POST", "/v1/completions", json.dumps({"model": "demo", "prompt": "a"}).encode())
+        assert reply[0] == 503
+        check(spec, "/v1/completions", "post", reply)
+        check(spec, "/health", "get", _http(server.port, "GET", "/health"))
+    finally:
+        server.stop()
+
+
+def test_validator_negative_controls(spec):
+    """The checks above can fail: undocumented fields, statuses and media types are caught."""
+    ok = {"id": "x", "object": "text_completion", "created": 1, "model": "demo", "usage": {
+        "prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        "choices": [{"index": 0, "text": "a", "logprobs": None, "finish_reason": "stop"}]}
+    body = json.dumps(ok).encode()
+    check(spec, "/v1/completions", "post", (200, {"content-type": "application/json"}, body))
+    json_reply = lambda obj: (200, {"content-type": "application/json"}, json.dumps(obj).encode())  # noqa: E731
+    for bad in ({**ok, "extra": 1}, {**ok, "choices": [{**ok["choices"][0], "finish_reason": "abort"}]}):
+        with pytest.raises(jsonschema.ValidationError):
+            check(spec, "/v1/completions", "post", json_reply(bad))
+    with pytest.raises(AssertionError, match="not in"):
+        check(spec, "/v1/completions", "post", (422, {"content-type": "application/json"}, body))
+    with pytest.raises(AssertionError, match="documented"):
+        check(spec, "/metrics", "get", (200, {"content-type": "application/json"}, b"{}"))
+
+
+# ----------------------------------------------------------------------------- fuzzing the bodies
+_ANY = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=False),
+                 st.text(max_size=8), st.lists(st.integers(-3, 600), max_size=4))
+FIELDS = {
+    "prompt": st.one_of(st.text(max_size=30), st.just("\ud800 lone surrogate"),
+                        st.lists(st.integers(-2, 300), max_size=6), st.lists(st.text(max_size=5), max_size=3),
+                        st.lists(st.lists(st.integers(0, 256), max_size=3), max_size=2), _ANY),
+    "max_tokens": st.one_of(st.integers(-2, 4), _ANY), "n": st.one_of(st.integers(0, 3), st.just(10**9), _ANY),
+    "temperature": st.one_of(st.floats(0, 3), st.just(1e-300), _ANY), "top_p": st.one_of(st.floats(0, 1.5), _ANY),
+    "top_k": st.one_of(st.integers(-2, 300), _ANY), "seed": st.one_of(st.integers(-2**64, 2**65), _ANY),
+    "repetition_penalty": st.one_of(st.floats(0, 1e40), st.just(1e-300), _ANY),
+    "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=3), _ANY),
+    "stream": st.one_of(st.booleans(), _ANY), "ignore_eos": st.one_of(st.booleans(), _ANY),
+    "logprobs": _ANY, "stream_options": st.one_of(st.none(), st.fixed_dictionaries({"include_usage": _ANY}), _ANY),
+    "unknown_field": _ANY,
+}
+
+
+@settings(max_examples=120, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(body=st.fixed_dictionaries({"model": st.sampled_from(["demo", "other"])},
+                                  optional={k: v for k, v in FIELDS.items()}))
+def test_fuzzed_bodies_never_get_a_5xx_and_always_match_the_document(srv, spec, body):
+    if body.get("stream") is True and body.get("max_tokens") not in range(1, 5):
+        body["max_tokens"] = 4  # keep each example short: a stream runs to its end
+    if body.get("prompt") == POISON:
+        body["prompt"] = "poison"
+    status, hdrs, data = _completion(srv, spec, body)
+    assert status < 500, (body, data[:300])
+    _wait_for(lambda: _pool_whole(srv.engine), "the pool to be whole", timeout=60)
