@@ -68,6 +68,9 @@ class ChatTemplate:
 
     def encode(self, messages: list[dict], tokenizer: Tokenizer) -> list[int]:
         """Render, then encode with special tokens as their own ids."""
+        if tokenizer is None:
+            raise NanoserveError("chat needs a tokenizer and this model was loaded without one; "
+                                 "use /v1/completions with token-id prompts")
         return encode_with_special_tokens(self.render(messages), tokenizer)
 
 

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .errors import ConfigError
+from .hf_fields import ACTIVATIONS, check_hf_fields
 
 # HF `architectures[0]` -> our model family.
 SUPPORTED_ARCHITECTURES = {
@@ -45,10 +46,22 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     dtype: str | None = None  # the dtype the checkpoint was saved in, if it says
+    mlp_bias: bool = False  # Llama only
+    hidden_act: str | None = None  # the MLP's activation by transformers' name; None: gelu_new / silu
+    # GPT-2 only: scores × 1/√head_dim (False: unscaled), and in layer i also × 1/(i+1)
+    scale_attn_weights: bool = True
+    scale_attn_by_inverse_layer_idx: bool = False
 
     def __post_init__(self) -> None:
         if self.arch not in ("gpt2", "llama"):
             raise ConfigError(f"unsupported model family {self.arch!r}; supported: 'gpt2', 'llama'")
+        if self.hidden_act is None:
+            self.hidden_act = "gelu_new" if self.arch == "gpt2" else "silu"
+        if self.hidden_act not in ACTIVATIONS:
+            raise ConfigError(f"unsupported activation {self.hidden_act!r}; supported: {', '.join(ACTIVATIONS)}")
+        if self.arch == "llama" and (not self.scale_attn_weights or self.scale_attn_by_inverse_layer_idx):
+            raise ConfigError("scale_attn_weights=False and scale_attn_by_inverse_layer_idx=True are GPT-2 options; "
+                              "supported for Llama: the defaults (scores × 1/√head_dim)")
         for name in ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads",
                      "intermediate_size", "max_position_embeddings"):
             value = getattr(self, name)
@@ -62,7 +75,8 @@ class ModelConfig:
                 f"num_attention_heads={self.n_heads} is not a multiple of num_key_value_heads={self.n_kv_heads}")
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ConfigError(f"unsupported rope scaling {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+            raise ConfigError(f"unsupported rope scaling {rope_type!r} (config field rope_parameters, or rope_scaling "
+                              f"in transformers 4); supported: {SUPPORTED_ROPE_TYPES}")
 
     @property
     def head_dim(self) -> int:
@@ -81,7 +95,7 @@ class ModelConfig:
         else:
             attn = d * q + 2 * d * kv + q * d
             attn += (q + 2 * kv) * self.qkv_bias + d * self.o_bias
-            per_layer = 2 * d + attn + 3 * d * f
+            per_layer = 2 * d + attn + 3 * d * f + (2 * f + d) * self.mlp_bias
             total = V * d + L * per_layer + d
         return total + (0 if self.tie_word_embeddings else V * d)
 
@@ -102,7 +116,13 @@ class ModelConfig:
                 raise ConfigError(
                     f"config.json has no 'architectures' and model_type={cfg.get('model_type')!r} is not "
                     f"supported; supported model types: {sorted(SUPPORTED_MODEL_TYPES)}")
+        # every field that changes the math is computed or refused by name: the table in hf_fields.py
+        check_hf_fields("gpt2" if family == "gpt2" else "qwen2" if _is_qwen2(cfg) else "llama", cfg)
         return _gpt2_from_hf(cfg) if family == "gpt2" else _llama_from_hf(cfg)
+
+
+def _is_qwen2(cfg: dict[str, Any]) -> bool:
+    return cfg.get("model_type") == "qwen2" or "Qwen2ForCausalLM" in (cfg.get("architectures") or [])
 
 
 def _need(cfg: dict[str, Any], *names: str) -> Any:
@@ -126,9 +146,6 @@ def _dtype_name(cfg: dict[str, Any]) -> str | None:
 
 def _gpt2_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     d = int(_need(cfg, "n_embd", "hidden_size"))
-    act = cfg.get("activation_function", "gelu_new")
-    if act not in ("gelu_new", "gelu", "gelu_pytorch_tanh"):
-        raise ConfigError(f"unsupported GPT-2 activation_function {act!r}; supported: 'gelu_new', 'gelu'")
     n_head = int(_need(cfg, "n_head", "num_attention_heads"))
     return ModelConfig(
         arch="gpt2",
@@ -144,6 +161,9 @@ def _gpt2_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_eos_list(cfg.get("eos_token_id")),
         dtype=_dtype_name(cfg),
+        hidden_act=cfg.get("activation_function", "gelu_new"),
+        scale_attn_weights=bool(cfg.get("scale_attn_weights", True)),
+        scale_attn_by_inverse_layer_idx=bool(cfg.get("scale_attn_by_inverse_layer_idx", False)),
     )
 
 
@@ -158,12 +178,8 @@ def _llama_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         scaling["rope_type"] = scaling.pop("type")
     if scaling.get("rope_type", "default") == "default":
         scaling = {}
-    is_qwen2 = cfg.get("model_type") == "qwen2" or "Qwen2ForCausalLM" in (cfg.get("architectures") or [])
-    attention_bias = bool(cfg.get("attention_bias", False))
-    if cfg.get("mlp_bias"):
-        raise ConfigError("mlp_bias=True is not supported; supported: Llama MLPs without bias")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"unsupported hidden_act {cfg.get('hidden_act')!r}; supported: 'silu'")
+    is_qwen2 = _is_qwen2(cfg)  # Qwen2's code ignores attention_bias and mlp_bias (hf_fields.py)
+    attention_bias = bool(cfg.get("attention_bias", False)) and not is_qwen2
     return ModelConfig(
         arch="llama",
         vocab_size=int(_need(cfg, "vocab_size")),
@@ -178,11 +194,13 @@ def _llama_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         rope_theta=rope_theta,
         rope_scaling=scaling or None,
         qkv_bias=attention_bias or is_qwen2,
-        o_bias=attention_bias and not is_qwen2,
+        o_bias=attention_bias,
+        mlp_bias=bool(cfg.get("mlp_bias", False)) and not is_qwen2,
         head_dim_override=cfg.get("head_dim"),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_eos_list(cfg.get("eos_token_id")),
         dtype=_dtype_name(cfg),
+        hidden_act=cfg.get("hidden_act", "silu"),
     )
 
 
@@ -236,16 +254,21 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
         return dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", n_embd=cfg.hidden_size,
                     n_layer=cfg.n_layers, n_head=cfg.n_heads, n_inner=cfg.intermediate_size,
                     n_positions=cfg.max_position_embeddings, layer_norm_epsilon=cfg.norm_eps,
-                    activation_function="gelu_new", **common)
+                    activation_function=cfg.hidden_act, scale_attn_weights=cfg.scale_attn_weights,
+                    scale_attn_by_inverse_layer_idx=cfg.scale_attn_by_inverse_layer_idx, **common)
     out = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=cfg.hidden_size,
                num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
                num_key_value_heads=cfg.n_kv_heads, intermediate_size=cfg.intermediate_size,
                max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.norm_eps,
-               rope_theta=cfg.rope_theta, hidden_act="silu", head_dim=cfg.head_dim,
-               attention_bias=cfg.qkv_bias, **common)
+               rope_theta=cfg.rope_theta, hidden_act=cfg.hidden_act, head_dim=cfg.head_dim,
+               attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias, **common)
     if cfg.rope_scaling:
         out["rope_scaling"] = dict(cfg.rope_scaling)
-    if cfg.qkv_bias and not cfg.o_bias:
+    if cfg.qkv_bias and not cfg.o_bias:  # Qwen2's layout: q/k/v biases and no other
+        if cfg.mlp_bias:
+            raise ConfigError("no HF config has q/k/v biases, no o_proj bias and MLP biases; "
+                              "transformers could not load this model")
         out.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2")
         out.pop("attention_bias")
+        out.pop("mlp_bias")
     return out

@@ -52,6 +52,13 @@ def _nan_rows(logits: torch.Tensor | list[torch.Tensor]) -> set[int]:
     return {i for i, bad in enumerate(flags.tolist()) if bad}
 
 
+def _mask_from(logits: torch.Tensor | list[torch.Tensor], first: int):
+    """Logits with ids ≥ `first` at -inf (never sampled): [B, V] or a list of [k, V]."""
+    if isinstance(logits, list):
+        return [_mask_from(x, first) for x in logits]
+    return torch.cat([logits[..., :first], torch.full_like(logits[..., first:], float("-inf"))], dim=-1)
+
+
 def kv_bytes_per_token(cfg, dtype: torch.dtype) -> int:
     """K and V, every layer, one token."""
     return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
@@ -117,11 +124,15 @@ class LLMEngine:
         self.device = next(self.model.parameters()).device
         self.dtype = next(self.model.parameters()).dtype
         self.max_model_len = self.config.max_position_embeddings
+        tok = self.tokenizer  # None for a checkpoint without one: prompts are token ids, outputs have no text
         # Llama-family prompts start with BOS (as their tokenizers do); GPT-2's do not.
-        self.add_bos = self.config.arch == "llama" and self.tokenizer.bos_id is not None
+        self.add_bos = self.config.arch == "llama" and tok is not None and tok.bos_id is not None
         self.eos_ids = set(self.config.eos_token_ids)
-        if self.tokenizer.eos_id is not None:
-            self.eos_ids.add(self.tokenizer.eos_id)
+        if tok is not None and tok.eos_id is not None:
+            self.eos_ids.add(tok.eos_id)
+        # ids a prompt may hold and sampling may give: the model's, but only those the tokenizer can
+        # decode when the embedding is padded past it (loader.check_vocabulary)
+        self.usable_vocab_size = self.config.vocab_size if tok is None else min(tok.vocab_size, self.config.vocab_size)
         if num_blocks is None:
             budget = kv_cache_memory or 8 * kv_bytes_per_token(self.config, self.dtype) * self.max_model_len
             num_blocks = num_blocks_for_budget(self.config, budget, block_size, self.dtype)
@@ -149,7 +160,7 @@ class LLMEngine:
                                      f"target's ({self.config.vocab_size}); speculative decoding needs one shared "
                                      "tokenizer")
             probe = "Speculative decoding needs one shared tokenizer: ÀÉ 123 !?"
-            if dtok is not None and dtok.encode(probe) != self.tokenizer.encode(probe):
+            if dtok is not None and self.tokenizer is not None and dtok.encode(probe) != self.tokenizer.encode(probe):
                 raise NanoserveError("the draft model's tokenizer encodes text differently from the target's; "
                                      "speculative decoding needs one shared tokenizer")
             max_len = min(max_len, dcfg.max_position_embeddings)
@@ -169,6 +180,9 @@ class LLMEngine:
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """Text -> token ids (BOS added for Llama-family models); id lists are checked as they are."""
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise NanoserveError(f"the model {self.model_name!r} was loaded without a tokenizer (its checkpoint "
+                                     "has none), so prompts must be lists of token ids, not text")
             if not prompt:
                 raise NanoserveError("prompt is empty; give at least one character or token id")
             ids = self.tokenizer.encode(prompt, bos=self.add_bos)
@@ -184,10 +198,10 @@ class LLMEngine:
         ids = [int(t) for t in token_ids]
         if not ids:
             raise NanoserveError("prompt token id list is empty; give at least one token id")
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        bad = [t for t in ids if not 0 <= t < self.usable_vocab_size]
         if bad:
             raise NanoserveError(
-                f"token id {bad[0]} is outside the vocabulary; allowed ids are 0..{self.config.vocab_size - 1}")
+                f"token id {bad[0]} is outside the vocabulary; allowed ids are 0..{self.usable_vocab_size - 1}")
         return ids
 
     def check_fits(self, prompt_ids: list[int], params: SamplingParams) -> int:
@@ -222,6 +236,9 @@ class LLMEngine:
         It reads only the model's configuration and the pool's size, never the scheduler's state, so
         it may run while a step is in flight on another thread (AsyncLLMEngine relies on that)."""
         params = params or SamplingParams()
+        if params.stop and self.tokenizer is None:
+            raise NanoserveError(f"stop={params.stop!r}: stop strings need a tokenizer and this model has none; "
+                                 "use stop_token_ids")
         prompt_ids = self.encode_prompt(prompt)
         max_new = self.check_fits(prompt_ids, params)
         rid = request_id if request_id is not None else str(next(self._ids))
@@ -297,6 +314,8 @@ class LLMEngine:
         logits = self._guarded(sched.seqs, advanced, self._forward, sched, proposals)
         if logits is None:
             return list(advanced.values())
+        if self.usable_vocab_size < self.config.vocab_size:  # padded embedding rows the tokenizer cannot decode
+            logits = _mask_from(logits, self.usable_vocab_size)
         nan_rows = _nan_rows(logits)  # one host sync for the whole batch
         for row, seq in enumerate(sched.seqs):
             req = self.requests.get(seq.request_id)

@@ -4,7 +4,7 @@ Every error a user can cause with bad input is a `NanoserveError` whose message 
 bad value and what is allowed. The CLI prints such errors as one line and exits 2; a server
 answers 400. Anything else is a bug and keeps its traceback.
 
-While serving, a bug can hit one request or everyone (docs/ARCHITECTURE.md, "Failure"):
+While serving, a fault can hit one request or everyone (LLMEngine.step draws the line):
 - `RequestFailedError`: one request failed inside the engine (a fault while sampling or
   detokenizing its row, non-finite logits). That request ends with the error, its blocks go
   back to the pool, and every other request goes on. A server answers 500 for it alone.

@@ -84,6 +84,9 @@ def perplexity(model, tokenizer, text: str, context: int | None = None, stride: 
     cfg = model.config
     if not text:
         raise NanoserveError("text to evaluate is empty")
+    if tokenizer is None:
+        raise NanoserveError("this model was loaded without a tokenizer, so it cannot read text; "
+                             "put the model's tokenizer files beside its weights")
     if add_bos is None:
         add_bos = cfg.arch == "llama" and tokenizer.bos_id is not None
     context = context or cfg.max_position_embeddings

@@ -1,8 +1,10 @@
 """Checkpoint loading and saving: HF safetensors directories, hub ids, llama2.c `.bin` files.
 
-`load_model(path)` returns (model, config, tokenizer). It accepts
+`load_model(path)` returns (model, config, tokenizer); the tokenizer is None when the checkpoint
+has none (token-id prompts still work). It accepts
 - a name of a model shipped inside the package (`demo`, `demo-draft`, see nanoserve/assets),
-- an HF directory: `config.json` + `model.safetensors` or a sharded `model.safetensors.index.json`,
+- an HF directory: `config.json` + `model.safetensors` or a sharded `model.safetensors.index.json`
+  (else `pytorch_model.bin` or a sharded `pytorch_model.bin.index.json`),
 - an HF hub id (`org/name`) when `huggingface_hub` is installed and the network is there,
 - a llama2.c `.bin` file (legacy v0 format, e.g. stories260K) with its tokenizer beside it.
 Every way this can go wrong raises a `CheckpointError`/`ConfigError` naming the file, the
@@ -14,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import struct
 from pathlib import Path
 
 import torch
@@ -23,8 +24,9 @@ from safetensors.torch import save_file
 
 from .config import ModelConfig, to_hf_config
 from .errors import CheckpointError, ConfigError, NanoserveError
+from .llama2c import read_llama2c
 from .models import CausalLM, build_model
-from .tokenizer import load_tokenizer
+from .tokenizer import has_tokenizer, load_tokenizer
 
 ASSETS = Path(__file__).parent / "assets"
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
@@ -106,21 +108,42 @@ def load_model(name_or_path, dtype=None, device=None):
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     path = resolve_model_path(name_or_path)
+    if path.is_file() and path.name.startswith("pytorch_model") and (path.parent / "config.json").is_file():
+        raise CheckpointError(f"{path} is one file of an HF checkpoint; pass its directory {path.parent}")
     if path.is_file() and path.suffix == ".bin":
         cfg, tensors = read_llama2c(path)
         tok_dir, quantization = path.parent, None
     elif path.is_dir() and (path / "config.json").is_file():
         cfg = read_hf_config(path / "config.json")
         quantization = json.loads((path / "config.json").read_text()).get("quantization_config")
-        tensors = read_safetensors_dir(path)
+        tensors = read_weights_dir(path)
         tok_dir = path
     else:
         raise CheckpointError(
-            f"{path} is not a checkpoint: expected a directory with config.json + model.safetensors, "
-            "or a llama2.c .bin file")
+            f"{path} is not a checkpoint: expected a directory with config.json + model.safetensors "
+            "(or pytorch_model.bin), or a llama2.c .bin file")
     model = build_from_tensors(cfg, tensors, torch_dtype, dev, quantization)
-    tokenizer = load_tokenizer(tok_dir)
+    # No tokenizer beside the weights is allowed (vLLM's skip_tokenizer_init): prompts are then token ids.
+    tokenizer = load_tokenizer(tok_dir) if has_tokenizer(tok_dir) else None
+    check_vocabulary(cfg, tokenizer, tok_dir)
     return model, cfg, tokenizer
+
+
+def check_vocabulary(cfg: ModelConfig, tokenizer, where: Path) -> None:
+    """The tokenizer's ids must all be rows of the model's embedding. A model may have more rows
+    than the tokenizer has ids (vocabularies padded to a multiple of 64 or 128, as Qwen2's); the
+    engine then never samples an id the tokenizer cannot decode (LLMEngine.usable_vocab_size)."""
+    if tokenizer is None:
+        return
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise ConfigError(
+            f"the tokenizer in {where} has {tokenizer.vocab_size} token ids but the model's vocab_size is "
+            f"{cfg.vocab_size}: ids {cfg.vocab_size}..{tokenizer.vocab_size - 1} have no embedding; "
+            "is this the model's own tokenizer?")
+    for name in ("bos_id", "eos_id"):
+        value = getattr(tokenizer, name)
+        if value is not None and value >= cfg.vocab_size:
+            raise ConfigError(f"the tokenizer's {name}={value} is outside the model's vocab_size={cfg.vocab_size}")
 
 
 def read_hf_config(path: Path) -> ModelConfig:
@@ -131,30 +154,48 @@ def read_hf_config(path: Path) -> ModelConfig:
     return ModelConfig.from_hf(raw)
 
 
-def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a (possibly sharded) safetensors checkpoint, by name."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index} is not a valid safetensors index: {e}") from e
-    elif (path / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise CheckpointError(f"{path} has config.json but no model.safetensors or model.safetensors.index.json")
-    tensors: dict[str, torch.Tensor] = {}
-    for name in files:
-        file = path / name
-        if not file.is_file():
-            raise CheckpointError(f"shard {file} named in the index is missing")
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():
-                    tensors[key] = f.get_tensor(key)
-        except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
-            raise CheckpointError(f"{file} is truncated or corrupt: {e}") from e
-    return tensors
+def read_weights_dir(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a (possibly sharded) checkpoint, by name: safetensors when there, else pytorch_model.bin."""
+    for stem, read in (("model.safetensors", _read_safetensors), ("pytorch_model.bin", _read_torch_bin)):
+        index = path / f"{stem}.index.json"
+        if index.is_file():
+            try:
+                files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (json.JSONDecodeError, KeyError) as e:
+                raise CheckpointError(f"{index} is not a valid checkpoint index: {e}") from e
+        elif (path / stem).is_file():
+            files = [stem]
+        else:
+            continue
+        tensors: dict[str, torch.Tensor] = {}
+        for name in files:
+            if not (path / name).is_file():
+                raise CheckpointError(f"shard {path / name} named in the index is missing")
+            tensors.update(read(path / name))
+        return tensors
+    raise CheckpointError(f"{path} has config.json but no model.safetensors, pytorch_model.bin "
+                          "or a .index.json of their shards")
+
+
+def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return {key: f.get_tensor(key) for key in f.keys()}
+    except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
+        raise CheckpointError(f"{file} is truncated or corrupt: {e}") from e
+
+
+def _read_torch_bin(file: Path) -> dict[str, torch.Tensor]:
+    # A .bin is a pickle, and unpickling can run any code: weights_only=True lets through tensors
+    # and plain containers only, which is all a state dict holds.
+    try:
+        state = torch.load(file, weights_only=True, map_location="cpu")
+    except Exception as e:  # truncated zip, not a torch file, or a pickle that holds more than weights
+        raise CheckpointError(f"{file} cannot be read as a state dict with torch.load(weights_only=True): "
+                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(f"{file} holds a {type(state).__name__}, not a state dict of tensors")
+    return state
 
 
 def normalize_hf_names(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -205,70 +246,6 @@ def build_from_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype
                     f"tensor {key!r} has shape {tuple(src.shape)}, expected {tuple(param.shape)} from config.json")
             param.copy_(src.to(device=device, dtype=dtype))
     return model.eval()
-
-
-# ----------------------------------------------------------------------------- llama2.c
-_LLAMA2C_HEADER = struct.Struct("<7i")
-
-
-def read_llama2c(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read a legacy (v0, fp32) llama2.c checkpoint into HF names and layout."""
-    data = path.read_bytes()
-    if len(data) < _LLAMA2C_HEADER.size:
-        raise CheckpointError(f"{path} is too short to be a llama2.c checkpoint ({len(data)} bytes)")
-    if data[:4] == b"ak42":
-        raise CheckpointError(f"{path} is a llama2.c v1/v2 export; only the legacy v0 format is supported")
-    dim, hidden, n_layers, n_heads, n_kv_heads, vocab, seq_len = _LLAMA2C_HEADER.unpack_from(data)
-    shared = vocab > 0  # llama2.c's convention: a negative vocab size means an untied classifier
-    try:
-        cfg = ModelConfig(arch="llama", vocab_size=abs(vocab), hidden_size=dim, n_layers=n_layers,
-                          n_heads=n_heads, n_kv_heads=n_kv_heads, intermediate_size=hidden,
-                          max_position_embeddings=seq_len, norm_eps=1e-5, tie_word_embeddings=shared,
-                          bos_token_id=1, eos_token_ids=[2])
-    except ConfigError as e:
-        raise CheckpointError(f"{path} does not look like a llama2.c checkpoint: {e}") from e
-    hd = dim // n_heads
-    kv = n_kv_heads * hd
-    V, L = abs(vocab), n_layers
-    shapes = [("tok_emb", (V, dim)), ("rms_att", (L, dim)), ("wq", (L, dim, dim)), ("wk", (L, kv, dim)),
-              ("wv", (L, kv, dim)), ("wo", (L, dim, dim)), ("rms_ffn", (L, dim)), ("w1", (L, hidden, dim)),
-              ("w2", (L, dim, hidden)), ("w3", (L, hidden, dim)), ("rms_final", (dim,)),
-              ("freq_cis", (seq_len, hd))]  # real and imaginary halves, unused: we compute RoPE
-    if not shared:
-        shapes.append(("wcls", (V, dim)))
-    need = sum(torch.Size(s).numel() for _, s in shapes)
-    have = (len(data) - _LLAMA2C_HEADER.size) // 4
-    if have != need:
-        raise CheckpointError(
-            f"{path}: header promises {need} float32 values, file holds {have}; truncated or not llama2.c v0")
-    flat = torch.frombuffer(bytearray(data[_LLAMA2C_HEADER.size:]), dtype=torch.float32)
-    raw, offset = {}, 0
-    for name, shape in shapes:
-        n = torch.Size(shape).numel()
-        raw[name] = flat[offset:offset + n].view(shape)
-        offset += n
-
-    def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
-        # llama2.c rotates neighbouring pairs (2i, 2i+1); HF rotates (i, i + D/2). Reordering the
-        # output rows of wq/wk within each head turns one layout into the other.
-        out_dim, in_dim = w.shape
-        return w.view(heads, out_dim // heads // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
-
-    t = {"model.embed_tokens.weight": raw["tok_emb"], "model.norm.weight": raw["rms_final"]}
-    for i in range(L):
-        p = f"model.layers.{i}."
-        t[p + "input_layernorm.weight"] = raw["rms_att"][i]
-        t[p + "self_attn.q_proj.weight"] = unpermute(raw["wq"][i], n_heads)
-        t[p + "self_attn.k_proj.weight"] = unpermute(raw["wk"][i], n_kv_heads)
-        t[p + "self_attn.v_proj.weight"] = raw["wv"][i]
-        t[p + "self_attn.o_proj.weight"] = raw["wo"][i]
-        t[p + "post_attention_layernorm.weight"] = raw["rms_ffn"][i]
-        t[p + "mlp.gate_proj.weight"] = raw["w1"][i]
-        t[p + "mlp.down_proj.weight"] = raw["w2"][i]
-        t[p + "mlp.up_proj.weight"] = raw["w3"][i]
-    if not shared:
-        t["lm_head.weight"] = raw["wcls"]
-    return cfg, t
 
 
 # ----------------------------------------------------------------------------- saving

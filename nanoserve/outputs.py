@@ -108,6 +108,7 @@ class IncrementalText:
     Decoding the whole list each time is simple and always consistent with `decode`
     (O(n²) in characters, fine for the lengths here). Text that could still become part of a
     stop string, and a trailing incomplete UTF-8 character, are held back until they settle.
+    With no tokenizer (a checkpoint without one) there is no text: only token ids.
     """
 
     def __init__(self, tokenizer, stop: list[str], prompt_ids: Sequence[int] = ()):
@@ -117,7 +118,7 @@ class IncrementalText:
         # continuation starts with a space can depend on what precedes it (SentencePiece drops
         # the space of a text's first word, but not of a continuation).
         self.context = list(prompt_ids[-4:])
-        self.context_text = tokenizer.decode(self.context)
+        self.context_text = tokenizer.decode(self.context) if tokenizer is not None else ""
         self.ids: list[int] = []
         self.text = ""  # final text so far (stop string excluded)
         self.emitted = 0
@@ -126,6 +127,8 @@ class IncrementalText:
         """Append a token (None: no text, e.g. EOS); return (new text, whether a stop string hit)."""
         if token_id is not None:
             self.ids.append(token_id)
+        if self.tokenizer is None:
+            return "", False
         full = self.tokenizer.decode(self.context + self.ids)[len(self.context_text):]
         for s in self.stop:
             at = full.find(s)

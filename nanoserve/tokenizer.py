@@ -844,6 +844,13 @@ def llama2c_tokenizer(path: str | os.PathLike) -> SentencePieceTokenizer:
 # ---------------------------------------------------------------------------------------------------------
 
 
+def has_tokenizer(directory: str | os.PathLike) -> bool:
+    """Whether `directory` holds any of RECOGNISED_FILES (a checkpoint may come without a tokenizer)."""
+    p = Path(directory)
+    names = ("tokenizer.json", "encoder.json", "tokenizer.model", "tokenizer.bin", "tokenizer.tiktoken")
+    return p.is_dir() and (any((p / n).is_file() for n in names) or any(p.glob("tok*.bin")))
+
+
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """The tokenizer in `path`: a directory (first found of RECOGNISED_FILES, in that order) or one file.
 

@@ -188,3 +188,11 @@ def test_cli_prints_one_line_and_exits_2(hf_checkpoints, args, match):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("nanoserve: error:") and match in lines[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_pytorch_model_bin_file_path_names_its_directory(tmp_path, hf_checkpoints):
+    src = hf_checkpoints["gpt2"][0]
+    shutil.copytree(src, tmp_path / "m")
+    (tmp_path / "m" / "pytorch_model.bin").write_bytes(b"")  # not a llama2.c file, whatever its suffix
+    with pytest.raises(CheckpointError, match="is one file of an HF checkpoint; pass its directory"):
+        LLM(str(tmp_path / "m" / "pytorch_model.bin"))

@@ -56,6 +56,28 @@ def hf_configs():
 HF_CASES = ["gpt2", "llama-mha", "llama-gqa", "llama3-rope", "qwen2-bias"]
 
 
+def tiny_hf_checkpoint(cfg, path: Path, seed: int = 0, **from_config_kwargs):
+    """A random HF model for `cfg` (eval mode), saved to `path` with a byte-level tokenizer; returns it.
+
+    Norm weights 1 + N(0, 0.1) and biases N(0, 0.1) (TESTING.md §A): HF's init leaves them at exactly
+    1 and 0, where a wrong norm epsilon or a dropped bias changes nothing."""
+    import transformers
+
+    from nanoserve.tokenizer import byte_level_tokenizer, save_tiktoken
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, **from_config_kwargs).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.1)
+            elif p.ndim == 1:  # the only 1-D weights are norm scales
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    save_tiktoken(byte_level_tokenizer(), path)
+    return model
+
+
 # ----------------------------------------------------------------------------- quantization (TESTING.md §C)
 def outlier_layer(seed=0, n=256, k=512, frac=0.01, mult=20.0):
     """W [n, k] and a sampler of inputs x = z·A (correlated), with frac of the channels × mult.

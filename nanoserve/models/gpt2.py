@@ -7,12 +7,13 @@ plain nn.Linear ([out, in]) and the loader transposes them. Taught in notebooks/
 
 from __future__ import annotations
 
-import torch.nn.functional as F
+import math
+
 from torch import nn
 
 from ..config import ModelConfig
 from .base import CausalLM
-from .layers import attention
+from .layers import ACTIVATION_FNS, attention
 
 
 class GPT2Attention(nn.Module):
@@ -22,10 +23,18 @@ class GPT2Attention(nn.Module):
         self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
         self.c_attn = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)  # fused q, k, v
         self.c_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        # Every attention backend (SDPA, the cache's torch and Triton paths) multiplies scores by
+        # 1/√D. GPT-2 configs may want no scaling or an extra 1/(layer + 1); (s·q)·k/√D = (q·k)·s/√D,
+        # so scaling q by s gives any such factor without touching the backends.
+        self.q_scale = 1.0 if cfg.scale_attn_weights else math.sqrt(self.head_dim)
+        if cfg.scale_attn_by_inverse_layer_idx:
+            self.q_scale /= layer_idx + 1
 
     def forward(self, x, positions, cache):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).view(B, T, 3, self.n_heads, self.head_dim).unbind(2)  # each B, T, H, D
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         if cache is None:  # the T tokens attend causally among themselves
             y = attention(q, k, v)  # B, T, H, D
         else:  # the cache stores k, v and attends over everything cached (its backend: torch or Triton)
@@ -38,9 +47,10 @@ class GPT2MLP(nn.Module):
         super().__init__()
         self.c_fc = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
         self.c_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.act = ACTIVATION_FNS[cfg.hidden_act]  # GPT-2's own: "gelu_new", GELU's tanh approximation
 
     def forward(self, x):
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))  # GPT-2's "gelu_new"
+        return self.c_proj(self.act(self.c_fc(x)))
 
 
 class GPT2Block(nn.Module):

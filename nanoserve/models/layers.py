@@ -1,4 +1,4 @@
-"""Building blocks shared by the GPT-2 and Llama models: norms, RoPE and attention.
+"""Building blocks shared by the GPT-2 and Llama models: activations, norms, RoPE and attention.
 
 Attention comes twice: `naive_attention` spells out softmax(QKᵀ/√d + mask)·V for reading,
 `attention` calls torch's fused `scaled_dot_product_attention` for speed; a test checks they
@@ -16,6 +16,28 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig, llama3_rope_inv_freq
+
+
+# ----------------------------------------------------------------------------- activations
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU's tanh approximation 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))), GPT-2's "gelu_new"."""
+    return F.gelu(x, approximate="tanh")
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """x·σ(1.702·x), a cheaper GELU approximation (CLIP's)."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+# transformers' ACT2FN names (hf_fields.ACTIVATIONS) -> the function. Several names are one function:
+# HF keeps separate spellings for separate implementations of the same math.
+ACTIVATION_FNS = {
+    "gelu": F.gelu, "gelu_python": F.gelu,  # exact: x·Φ(x), Φ the normal CDF (by erf)
+    "gelu_new": gelu_tanh, "gelu_pytorch_tanh": gelu_tanh, "gelu_python_tanh": gelu_tanh, "gelu_fast": gelu_tanh,
+    "quick_gelu": quick_gelu,
+    "relu": F.relu,
+    "silu": F.silu, "swish": F.silu,  # x·σ(x)
+}
 
 
 class RMSNorm(nn.Module):

@@ -8,12 +8,11 @@ follow the HF checkpoints so weights load by name. Taught in notebooks/01_*.
 
 from __future__ import annotations
 
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
 from .base import CausalLM
-from .layers import RMSNorm, apply_rope, attention, rope_cos_sin, rope_inv_freq
+from .layers import ACTIVATION_FNS, RMSNorm, apply_rope, attention, rope_cos_sin, rope_inv_freq
 
 
 class LlamaAttention(nn.Module):
@@ -41,16 +40,17 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU (Shazeer 2020): down(silu(gate(x)) * up(x))."""
+    """SwiGLU (Shazeer 2020): down(silu(gate(x)) * up(x)); the config may name another activation."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act = ACTIVATION_FNS[cfg.hidden_act]  # "silu" in every Llama and Qwen2 release
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):

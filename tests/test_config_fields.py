@@ -1,0 +1,299 @@
+"""No checkpoint loads and then computes something else: each HF config field that changes the math.
+
+nanoserve/hf_fields.py classifies every field of GPT2Config, LlamaConfig and Qwen2Config. Here:
+(a) MATCHED: a tiny random checkpoint (TESTING.md §A randomisation) with one field changed gives
+    nanoserve logits within TOL of transformers' (eager attention, fp32), for the prompt and for
+    each cached decode step; REFUSED: a config nanoserve cannot compute fails with a ConfigError
+    naming the field. Sliding-window cases run ≥ 3× the window, so a window would show.
+(b) every key of the installed transformers' config classes is classified (a field a new release
+    adds fails here until someone decides), and every non-inert field is exercised by a case;
+(c) negative controls: a model that ignores a field fails the same check;
+(d) checkpoints stored as pytorch_model.bin (one file or sharded) load and match transformers.
+
+Weights are drawn with std 0.1 (initializer_range), not HF's 0.02: with tiny weights attention
+scores and MLP inputs stay near 0, where a missing 1/(i+1) or tanh- instead of erf-GELU moves the
+logits by < 1e-5 and no tolerance could tell. Measured here: correct models |Δ| ~1e-6.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from testdata import tiny_hf_checkpoint
+
+from nanoserve import CheckpointError, ConfigError
+from nanoserve.hf_fields import ACTIVATIONS, HF_FIELDS, INERT
+from nanoserve.kv_cache import KVCache
+from nanoserve.loader import build_from_tensors, load_model, read_hf_config, read_weights_dir
+from nanoserve.models.layers import ACTIVATION_FNS, RMSNorm, gelu_tanh
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: a second thread only adds latency
+
+TOL = 1e-4  # TESTING.md §A: fp32 logits differ only by summation order, ~1e-6 at these sizes
+WINDOW = 4
+T, PREFILL = 6 * WINDOW, 8  # 8 prompt tokens, then 16 single-token decode steps
+DROP = object()  # in a case's json edits: remove the key from config.json
+
+CLASSES = {"gpt2": transformers.GPT2Config, "llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}
+_SMALL = dict(vocab_size=257, initializer_range=0.1, bos_token_id=0, eos_token_id=1)
+_DECODER = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64, **_SMALL)
+BASE = {"gpt2": dict(n_layer=2, n_embd=32, n_head=4, n_positions=64, **_SMALL), "llama": _DECODER, "qwen2": _DECODER}
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16, "rope_theta": 500000.0}  # short original: every band used
+SLIDING = dict(use_sliding_window=True, sliding_window=WINDOW)
+
+# (id, family, HF config kwargs, edits to the saved config.json): nanoserve must match transformers
+MATCHED = [
+    *[(f"gpt2-{act}", "gpt2", dict(activation_function=act), {}) for act in ACTIVATIONS],
+    ("gpt2-unscaled", "gpt2", dict(scale_attn_weights=False), {}),
+    ("gpt2-inverse-layer-idx", "gpt2", dict(scale_attn_by_inverse_layer_idx=True), {}),
+    ("gpt2-both-scalings-reordered", "gpt2", dict(scale_attn_weights=False, scale_attn_by_inverse_layer_idx=True,
+                                                   reorder_and_upcast_attn=True), {}),
+    ("gpt2-untied-n-inner-eps", "gpt2", dict(tie_word_embeddings=False, n_inner=40, layer_norm_epsilon=0.1), {}),
+    ("gpt2-inert", "gpt2", dict(resid_pdrop=0.5, embd_pdrop=0.5, attn_pdrop=0.5, summary_first_dropout=0.5,
+                                use_cache=False, pad_token_id=3), {}),
+    ("gpt2-old-names", "gpt2", {}, {"n_embd": DROP, "hidden_size": 32, "n_layer": DROP, "num_hidden_layers": 2,
+                                    "n_head": DROP, "num_attention_heads": 4, "n_positions": DROP,
+                                    "max_position_embeddings": 64, "n_ctx": 64, "dtype": DROP,
+                                    "torch_dtype": "float32"}),
+    ("llama-biases", "llama", dict(attention_bias=True, mlp_bias=True), {}),
+    ("llama-head-dim-tied-eps", "llama", dict(head_dim=12, tie_word_embeddings=True, rms_norm_eps=0.1), {}),
+    ("llama-mha-gelu", "llama", dict(num_key_value_heads=4, hidden_act="gelu"), {}),
+    ("llama-rope-linear", "llama", dict(rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4}), {}),
+    ("llama-rope-llama3", "llama", dict(rope_parameters=dict(LLAMA3)), {}),
+    ("llama-rope-transformers4", "llama", dict(rope_parameters=dict(LLAMA3)),
+     {"rope_parameters": DROP, "rope_theta": 500000.0,
+      "rope_scaling": {k: v for k, v in LLAMA3.items() if k != "rope_theta"}}),
+    ("llama-inert", "llama", dict(pretraining_tp=2, attention_dropout=0.5, partial_rotary_factor=1.0), {}),
+    ("qwen2-head-dim-eps", "qwen2", dict(head_dim=12, rms_norm_eps=0.1, hidden_act="gelu_pytorch_tanh"), {}),
+    ("qwen2-ignores-llama-biases", "qwen2", dict(attention_bias=True, mlp_bias=True), {}),
+    # the window is switched on, but max_window_layers = the layer count leaves no layer sliding
+    ("qwen2-window-in-no-layer", "qwen2", dict(max_window_layers=2, **SLIDING), {}),
+    ("qwen2-window-in-no-layer-transformers4", "qwen2", dict(max_window_layers=2, **SLIDING), {"layer_types": DROP}),
+    # a Qwen2.5 config.json as transformers 4 wrote it: a window length, switched off
+    ("qwen2-window-off-transformers4", "qwen2", {}, {"layer_types": DROP, "sliding_window": 32768,
+                                                     "max_window_layers": 0, "use_sliding_window": False}),
+    ("qwen2-tied", "qwen2", dict(tie_word_embeddings=True, attention_dropout=0.5), {}),
+    ("qwen2-rope-oldest-spelling", "qwen2",
+     dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}),
+     {"rope_parameters": DROP, "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}}),
+]
+
+# (id, family, HF config kwargs, edits to the saved config.json, what the error must name)
+REFUSED = [
+    ("gpt2-cross-attention", "gpt2", dict(add_cross_attention=True), {}, "add_cross_attention"),
+    ("gpt2-activation", "gpt2", dict(activation_function="gelu_accurate"), {}, "activation_function='gelu_accurate'"),
+    ("llama-activation", "llama", dict(hidden_act="relu2"), {}, "hidden_act='relu2'"),
+    ("llama-rope-yarn", "llama", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), {},
+     "rope_parameters"),
+    ("llama-partial-rotary", "llama", {}, {"rope_parameters": {"rope_type": "linear", "factor": 2.0,
+                                                               "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor"),
+    ("llama-sliding-window", "llama", dict(sliding_window=WINDOW), {}, "sliding_window"),
+    ("llama-layer-types", "llama", dict(layer_types=["full_attention", "sliding_attention"]), {}, "layer_types"),
+    ("qwen2-sliding", "qwen2", dict(max_window_layers=1, **SLIDING), {}, "sliding-window attention in layers \\[1\\]"),
+    ("qwen2-sliding-transformers4", "qwen2", dict(max_window_layers=0, **SLIDING), {"layer_types": DROP},
+     "use_sliding_window"),
+    ("qwen2-sliding-layer-types", "qwen2", dict(layer_types=["sliding_attention", "full_attention"], **SLIDING), {},
+     "layer_types"),
+    ("qwen2-activation", "qwen2", dict(hidden_act="gelu_10"), {}, "hidden_act"),
+    ("qwen2-partial-rotary", "qwen2", {}, {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+]
+
+
+def _hf_config(family, kwargs):
+    return CLASSES[family](**{**BASE[family], **kwargs})
+
+
+def _edit_json(path, edits):
+    raw = json.loads((path / "config.json").read_text())
+    raw.update(edits)
+    raw = {k: v for k, v in raw.items() if v is not DROP}
+    (path / "config.json").write_text(json.dumps(raw))
+
+
+def _checkpoint(tmp_path, family, kwargs, edits, seed=0):
+    """(HF model, directory): a tiny random checkpoint with `kwargs`, its config.json edited."""
+    transformers.logging.set_verbosity_error()
+    hf = tiny_hf_checkpoint(_hf_config(family, kwargs), tmp_path, seed, attn_implementation="eager")
+    _edit_json(tmp_path, edits)
+    return hf, tmp_path
+
+
+def max_delta(model, cfg, hf, length=T, prefill=PREFILL) -> float:
+    """Max |Δ| between nanoserve's logits (prompt, then cached single-token steps) and HF's full forward."""
+    ids = torch.randint(0, cfg.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(ids).logits  # 1, T, V
+        cache = KVCache(cfg, 1, length)
+        steps = [model(ids[:, :prefill], cache=cache)] + [model(ids[:, t:t + 1], cache=cache)
+                                                           for t in range(prefill, length)]
+    return (torch.cat(steps, dim=1) - ref).abs().max().item()
+
+
+@pytest.mark.parametrize("family, kwargs, edits", [c[1:] for c in MATCHED], ids=[c[0] for c in MATCHED])
+def test_field_matches_transformers(tmp_path, family, kwargs, edits):
+    hf, path = _checkpoint(tmp_path, family, kwargs, edits)
+    model, cfg, _ = load_model(path, dtype="float32", device="cpu")
+    assert max_delta(model, cfg, hf) <= TOL
+
+
+@pytest.mark.parametrize("family, kwargs, edits, names", [c[1:] for c in REFUSED], ids=[c[0] for c in REFUSED])
+def test_field_is_refused_by_name(tmp_path, family, kwargs, edits, names):
+    _hf_config(family, kwargs).save_pretrained(tmp_path)  # config.json as transformers writes it
+    _edit_json(tmp_path, edits)
+    with pytest.raises(ConfigError, match=names):
+        read_hf_config(tmp_path / "config.json")
+
+
+def test_round_trip_through_to_hf_config_keeps_every_field(tmp_path):
+    """save_checkpoint writes the activation and the GPT-2 scalings back: transformers reloads the same model."""
+    from nanoserve.loader import save_checkpoint
+
+    hf, path = _checkpoint(tmp_path / "in", "gpt2", dict(activation_function="quick_gelu", scale_attn_weights=False,
+                                                         scale_attn_by_inverse_layer_idx=True), {})
+    model, cfg, _ = load_model(path, dtype="float32", device="cpu")
+    save_checkpoint(model, tmp_path / "out")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    assert (again.config.activation_function, again.config.scale_attn_weights) == ("quick_gelu", False)
+    assert max_delta(model, cfg, again) <= TOL
+
+
+# ----------------------------------------------------------------------------- (b) the table is complete
+@pytest.mark.parametrize("hf_type", sorted(CLASSES))
+def test_every_transformers_field_is_classified(hf_type):
+    fields = CLASSES[hf_type]().to_dict()
+    unclassified = sorted(set(fields) - set(HF_FIELDS[hf_type]))
+    assert not unclassified, (f"transformers {transformers.__version__} {CLASSES[hf_type].__name__} has fields "
+                              f"{unclassified}: classify each in nanoserve/hf_fields.py (implemented/refused/inert)")
+
+
+@pytest.mark.parametrize("hf_type", sorted(CLASSES))
+def test_every_field_that_matters_has_a_case(hf_type):
+    """A field classified as implemented or refused is set by some case above (or by every case)."""
+    exercised = set(BASE[hf_type]) | {"architectures", "model_type"}
+    for case in MATCHED + REFUSED:
+        if case[1] == hf_type:
+            exercised |= set(case[2]) | set(case[3])
+    missing = sorted(name for name, f in HF_FIELDS[hf_type].items() if f.kind != INERT and name not in exercised)
+    assert not missing, f"{hf_type} fields with no test case: {missing}"
+
+
+def test_activation_functions_are_transformers_own():
+    """Each name means what transformers' ACT2FN means (pointwise, 1e-6 in fp32); erf and tanh GELU differ."""
+    from transformers.activations import ACT2FN
+
+    assert set(ACTIVATION_FNS) == set(ACTIVATIONS)
+    x = torch.linspace(-8, 8, 4001)
+    for name in ACTIVATIONS:
+        assert torch.allclose(ACTIVATION_FNS[name](x), ACT2FN[name](x), atol=1e-6, rtol=0), name
+    assert (ACTIVATION_FNS["gelu"](x) - gelu_tanh(x)).abs().max() > 1e-4  # the one the old code confused
+
+
+# ----------------------------------------------------------------------------- (c) negative controls
+def _set_all(modules, attr, value):
+    for m in modules:
+        setattr(m, attr, value)
+
+
+MUTANTS = {  # case id -> a wrong implementation, made by editing nanoserve's loaded model
+    "gpt2-gelu": lambda m: _set_all([b.mlp for b in m.transformer.h], "act", gelu_tanh),
+    "gpt2-inverse-layer-idx": lambda m: _set_all([b.attn for b in m.transformer.h], "q_scale", 1.0),
+    "gpt2-unscaled": lambda m: _set_all([b.attn for b in m.transformer.h], "q_scale", 1.0),
+    "gpt2-untied-n-inner-eps": lambda m: _set_all([x for x in m.modules() if isinstance(x, torch.nn.LayerNorm)],
+                                                  "eps", 1e-5),
+    "llama-biases": lambda m: [layer.mlp.down_proj.bias.data.zero_() for layer in m.model.layers],
+    "llama-head-dim-tied-eps": lambda m: _set_all([x for x in m.modules() if isinstance(x, RMSNorm)], "eps", 1e-6),
+}
+
+
+@pytest.mark.parametrize("case_id", sorted(MUTANTS))
+def test_parity_check_catches_a_model_that_ignores_the_field(tmp_path, case_id):
+    _, family, kwargs, edits = next(c for c in MATCHED if c[0] == case_id)
+    hf, path = _checkpoint(tmp_path, family, kwargs, edits)
+    model, cfg, _ = load_model(path, dtype="float32", device="cpu")
+    MUTANTS[case_id](model)
+    assert max_delta(model, cfg, hf) > TOL
+
+
+def test_sliding_window_shows_only_past_the_window(tmp_path):
+    """Why the window is refused and why the lengths are ≥ 3× it: full attention on Qwen2's weights matches
+    its sliding-window model for the first WINDOW positions and then does not."""
+    hf, path = _checkpoint(tmp_path, "qwen2", dict(max_window_layers=0, **SLIDING), {})
+    _edit_json(path, {"use_sliding_window": False, "layer_types": DROP})  # the loader's refusal, bypassed
+    cfg = read_hf_config(path / "config.json")
+    model = build_from_tensors(cfg, read_weights_dir(path), torch.float32, torch.device("cpu"))
+    assert max_delta(model, cfg, hf, length=WINDOW, prefill=2) <= TOL
+    assert max_delta(model, cfg, hf, length=3 * WINDOW, prefill=2) > TOL
+
+
+# ----------------------------------------------------------------------------- (d) pytorch_model.bin
+def _as_torch_bin(path, hf, shards):
+    """Store the checkpoint as transformers 4 did with safe_serialization=False (transformers 5 always writes
+    safetensors): pytorch_model.bin, or shards named in pytorch_model.bin.index.json."""
+    (path / "model.safetensors").unlink()
+    state = hf.state_dict()
+    if shards == 1:
+        torch.save(state, path / "pytorch_model.bin")
+        return
+    weight_map = {}
+    for i in range(shards):
+        file = f"pytorch_model-{i + 1:05d}-of-{shards:05d}.bin"
+        part = {k: v.clone() for k, v in list(state.items())[i::shards]}
+        torch.save(part, path / file)
+        weight_map.update(dict.fromkeys(part, file))
+    (path / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+@pytest.mark.parametrize("family, kwargs", [("gpt2", {}), ("llama", dict(attention_bias=True))])
+def test_pytorch_model_bin_loads_and_matches_transformers(tmp_path, family, kwargs, shards):
+    hf, path = _checkpoint(tmp_path, family, kwargs, {})
+    _as_torch_bin(path, hf, shards)
+    model, cfg, _ = load_model(path, dtype="float32", device="cpu")
+    assert max_delta(model, cfg, hf) <= TOL
+
+
+def test_safetensors_preferred_when_both_exist(tmp_path):
+    hf, path = _checkpoint(tmp_path, "gpt2", {}, {})
+    (path / "pytorch_model.bin").write_bytes(b"not read: model.safetensors comes first")
+    model, cfg, _ = load_model(path, dtype="float32", device="cpu")
+    assert max_delta(model, cfg, hf) <= TOL
+
+
+class _RunsCode:
+    def __reduce__(self):  # unpickling calls print(...): what weights_only=True must not allow
+        return (print, ("unpickling ran code",))
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"garbage", "pytorch_model.bin cannot be read as a state dict with torch.load\\(weights_only=True\\)"),
+    ("truncated", "cannot be read"),
+    ({"w": _RunsCode()}, "cannot be read.*weights_only"),
+    ([torch.zeros(2)], "holds a list, not a state dict of tensors"),
+])
+def test_unreadable_pytorch_model_bin_is_named(tmp_path, content, message):
+    _, path = _checkpoint(tmp_path, "gpt2", {}, {})
+    (path / "model.safetensors").unlink()
+    file = path / "pytorch_model.bin"
+    if isinstance(content, bytes):
+        file.write_bytes(content)
+    elif content == "truncated":
+        torch.save({"w": torch.zeros(1000)}, file)
+        file.write_bytes(file.read_bytes()[:2000])
+    else:
+        torch.save(content, file)
+    with pytest.raises(CheckpointError, match=message):
+        load_model(path, dtype="float32", device="cpu")
+
+
+def test_missing_bin_shard_is_named(tmp_path):
+    hf, path = _checkpoint(tmp_path, "llama", {}, {})
+    _as_torch_bin(path, hf, 3)
+    (path / "pytorch_model-00002-of-00003.bin").unlink()
+    with pytest.raises(CheckpointError, match="shard .*pytorch_model-00002-of-00003.bin named in the index is missing"):
+        load_model(path, dtype="float32", device="cpu")
