@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.nanoserve-installed
 TORCH_PIN ?= torch==2.13.0 triton==3.8.0
 NBVAL  := --nbval --nbval-sanitize-with notebooks/sanitize.cfg --nbval-current-env
 
-.PHONY: install demo test test-fast lint notebooks bench exercises clean
+.PHONY: install demo test test-triton-latest test-fast lint notebooks bench exercises clean
 
 install: $(STAMP)
 
@@ -25,9 +25,36 @@ demo: $(STAMP)
 # The test command the README documents and .ci/run calls.
 test: $(STAMP)
 	$(BIN)/ruff check nanoserve kernels tests benchmarks exercises
+	@echo "tests on triton $$($(TRITON_VERSION)) (the pinned one)"
 	$(BIN)/pytest -q tests
+	@$(MAKE) --no-print-directory test-triton-latest
 	$(BIN)/pytest -q tests/exercises --impl exercises --expect-stubs
 	$(BIN)/pytest -q $(NBVAL) notebooks
+
+# The kernel tests once more on the newest triton the package index offers (pyproject allows triton ≥ 3.4),
+# installed beside the pinned one into .triton-latest. When that is the pinned version, or no index
+# answers (CI may be offline), one line says so and nothing fails.
+KERNEL_TESTS := tests/test_kernels_paged.py tests/test_kernels_flash.py tests/test_kernels_dequant.py \
+	tests/test_attention_backend.py tests/exercises/test_ex07_flash_attention.py tests/exercises/test_ex11_int4_unpack.py
+TRITON_LATEST  := .triton-latest
+TRITON_VERSION := $(BIN)/python -c "import triton; print(triton.__version__)"
+PIP_NO_WAIT    := --no-deps --timeout 20 --retries 1
+
+test-triton-latest: $(STAMP)
+	@pinned=$$($(TRITON_VERSION)); \
+	out=$$($(BIN)/pip install --dry-run --ignore-installed $(PIP_NO_WAIT) triton 2>&1); \
+	newest=$$(echo "$$out" | sed -n 's/^Would install triton-//p'); \
+	if [ -z "$$newest" ]; then \
+	  echo "newest-triton kernel tests skipped: pip found no triton ($$(echo "$$out" | grep -m1 ERROR))"; \
+	elif [ "$$newest" = "$$pinned" ]; then \
+	  echo "newest-triton kernel tests skipped: the newest triton the index offers is the pinned $$pinned"; \
+	else \
+	  [ -d $(TRITON_LATEST)/triton-$$newest.dist-info ] || \
+	    $(BIN)/pip install -q --upgrade --target $(TRITON_LATEST) $(PIP_NO_WAIT) triton==$$newest || \
+	    { echo "newest-triton kernel tests skipped: pip could not install triton $$newest"; exit 0; }; \
+	  echo "kernel tests on triton $$newest (the newest; pinned: $$pinned)"; \
+	  PYTHONPATH=$(CURDIR)/$(TRITON_LATEST) $(BIN)/pytest -q $(KERNEL_TESTS); \
+	fi
 
 test-fast: $(STAMP)
 	$(BIN)/pytest -q -x -m "not slow" tests
@@ -49,4 +76,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_decode.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis $(TRITON_LATEST)

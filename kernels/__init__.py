@@ -20,6 +20,8 @@ def check_interpreter(device: torch.device | str) -> None:
     """
     if torch.device(device).type == "cuda":
         return
+    import numpy
+    import triton
     import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -28,3 +30,20 @@ def check_interpreter(device: torch.device | str) -> None:
             "nanoserve's Triton kernels need Triton's interpreter to run on CPU, but Triton was imported before "
             "it was switched on: set TRITON_INTERPRET=1 in the environment, or import nanoserve before anything "
             "that imports triton (torch.compile, torch._dynamo)")
+    problem = interpreter_version_problem(triton.__version__, numpy.__version__)
+    if problem:
+        raise RuntimeError(problem)
+
+
+def interpreter_version_problem(triton_version: str, numpy_version: str) -> str | None:
+    """Why this Triton cannot interpret our kernels beside this NumPy, or None.
+
+    Triton before 3.8 turns a runtime loop bound into a Python int in a way NumPy 2.4 refuses, so
+    every kernel with a `range(runtime_value)` loop fails inside the interpreter (compiled GPU kernels
+    are not affected). Both pins of the project allow the pair, so say it plainly instead."""
+    version = lambda v: tuple(int(x) for x in v.split("+")[0].split(".")[:2])  # noqa: E731
+    if version(triton_version) < (3, 8) and version(numpy_version) >= (2, 4):
+        return (f"Triton {triton_version}'s CPU interpreter cannot run nanoserve's kernels with NumPy {numpy_version} "
+                "(it converts loop bounds in a way NumPy >= 2.4 refuses; Triton 3.8 fixed it): install triton>=3.8, "
+                "or numpy<2.4, or use attention_backend='torch' on CPU")
+    return None

@@ -78,10 +78,15 @@ def _store_kv_kernel(
 ):
     i = tl.program_id(0)  # one program per new token
     slot = tl.load(slot_mapping + i).to(tl.int64)
-    blk, off = tl.maximum(slot, 0) // BLOCK_SIZE, tl.maximum(slot, 0) % BLOCK_SIZE
+    # Padding exits here rather than joining the mask as `& (slot >= 0)`: Triton's interpreter
+    # broadcasts a scalar comparison with its operands' integer dtype, so that mask would reach
+    # tl.load as int32, not bool, which Triton ≥ 3.9 refuses ("mask has unsupported dtype").
+    if slot < 0:
+        return
+    blk, off = slot // BLOCK_SIZE, slot % BLOCK_SIZE
     offs_h = tl.arange(0, H_PAD)
     offs_d = tl.arange(0, D_PAD)
-    mask = (offs_h[:, None] < n_kv_heads) & (offs_d[None, :] < head_dim) & (slot >= 0)  # H_PAD, D_PAD
+    mask = (offs_h[:, None] < n_kv_heads) & (offs_d[None, :] < head_dim)  # H_PAD, D_PAD
     k = tl.load(K + i * stride_kn + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(V + i * stride_vn + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
     kc = K_cache + blk * stride_kcb + off * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :]

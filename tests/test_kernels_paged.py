@@ -228,3 +228,16 @@ def test_bf16_on_cuda():
     k = torch.randn(3, 2, 128, device="cuda", dtype=torch.bfloat16)
     store_kv(k, k, kc, vc, slots)
     assert torch.equal(kc.flatten(0, 1)[70], k[2])
+
+
+@pytest.mark.parametrize("triton_version, numpy_version, bad", [
+    ("3.6.0", "2.4.6", True), ("3.4.0", "2.4.0", True),  # their interpreter breaks on NumPy >= 2.4
+    ("3.6.0", "2.3.5", False), ("3.8.0", "2.4.6", False), ("3.9.0", "2.4.6", False), ("3.10.0+git1", "3.0.0", False),
+])
+def test_an_interpreter_that_cannot_run_the_kernels_is_named(triton_version, numpy_version, bad):
+    from nanoserve.kernels import interpreter_version_problem
+
+    problem = interpreter_version_problem(triton_version, numpy_version)
+    assert (problem is not None) == bad
+    if bad:
+        assert f"Triton {triton_version}" in problem and f"NumPy {numpy_version}" in problem
