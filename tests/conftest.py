@@ -49,22 +49,14 @@ def pytest_addoption(parser):
 # --------------------------------------------------------------------------- tiny HF checkpoints
 @pytest.fixture(scope="session")
 def hf_checkpoints(tmp_path_factory):
-    """{name: (directory, HF model)} for tiny random checkpoints saved offline with save_pretrained."""
-    import transformers
+    """{name: (directory, HF model)} for tiny random checkpoints saved offline with save_pretrained.
 
-    from nanoserve.tokenizer import byte_level_tokenizer, save_tiktoken
+    Norm weights and biases are randomised too (testdata.tiny_hf_checkpoint): HF's init leaves
+    them at 1 and 0, where a wrong norm epsilon or a dropped bias changes nothing."""
+    import transformers
+    from testdata import tiny_hf_checkpoint
 
     transformers.logging.set_verbosity_error()
     root = tmp_path_factory.mktemp("hf")
-    out = {}
-    for i, (name, cfg) in enumerate(hf_configs().items()):
-        torch.manual_seed(i)
-        model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-        with torch.no_grad():  # HF initialises some weights to exact 0/1; randomise so every weight matters
-            for p in model.parameters():
-                p.add_(torch.randn_like(p) * 0.02)
-        path = root / name
-        model.save_pretrained(path)
-        save_tiktoken(byte_level_tokenizer(), path)
-        out[name] = (path, model)
-    return out
+    return {name: (root / name, tiny_hf_checkpoint(cfg, root / name, seed=i))
+            for i, (name, cfg) in enumerate(hf_configs().items())}
