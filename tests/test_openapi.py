@@ -158,14 +158,61 @@ FIELDS = {
 }
 
 
+STATUSES: list[int] = []  # what the fuzzers got, to check they reach the engine and not only the validator
+
+
+def _mutated(valid: dict, fields: dict):
+    """A valid body with 0-3 of `fields` set to fuzzed values (most bodies reach the engine, some do not)."""
+    changes = st.lists(st.sampled_from(sorted(fields)), max_size=3, unique=True).flatmap(
+        lambda keys: st.fixed_dictionaries({k: fields[k] for k in keys}))
+    return st.tuples(st.fixed_dictionaries(valid), changes).map(lambda t: {**t[0], **t[1]})
+
+
+VALID_COMPLETION = {"model": st.sampled_from(["demo"] * 9 + ["other"]), "max_tokens": st.integers(1, 4),
+                    "prompt": st.one_of(st.text(min_size=1, max_size=20), st.lists(st.integers(0, 256), min_size=1,
+                                                                                    max_size=6))}
+
+
 @settings(max_examples=120, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-@given(body=st.fixed_dictionaries({"model": st.sampled_from(["demo", "other"])},
-                                  optional={k: v for k, v in FIELDS.items()}))
+@given(body=_mutated(VALID_COMPLETION, FIELDS))
 def test_fuzzed_bodies_never_get_a_5xx_and_always_match_the_document(srv, spec, body):
     if body.get("stream") is True and body.get("max_tokens") not in range(1, 5):
         body["max_tokens"] = 4  # keep each example short: a stream runs to its end
     if body.get("prompt") == POISON:
         body["prompt"] = "poison"
     status, hdrs, data = _completion(srv, spec, body)
+    STATUSES.append(status)
     assert status < 500, (body, data[:300])
     _wait_for(lambda: _pool_whole(srv.engine), "the pool to be whole", timeout=60)
+
+
+_MESSAGE = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "developer"]),
+                           "content": st.one_of(st.text(max_size=20), st.lists(st.fixed_dictionaries(
+                               {"type": st.sampled_from(["text", "image_url"]), "text": st.text(max_size=5)}),
+                               max_size=2))}),
+    st.fixed_dictionaries({"role": _ANY, "content": _ANY}), _ANY)
+
+
+VALID_CHAT = {"model": st.just("demo"), "max_tokens": st.integers(1, 3),
+              "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]),
+                                                          "content": st.text(max_size=20)}), min_size=1, max_size=3)}
+CHAT_FIELDS = {"messages": st.one_of(st.lists(_MESSAGE, max_size=3), _ANY), "max_tokens": FIELDS["max_tokens"],
+               "max_completion_tokens": _ANY, "stream": FIELDS["stream"], "n": FIELDS["n"], "seed": FIELDS["seed"],
+               "temperature": FIELDS["temperature"], "tools": _ANY, "prompt": _ANY}
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(body=_mutated(VALID_CHAT, CHAT_FIELDS))
+def test_fuzzed_chat_bodies_never_get_a_5xx_and_always_match_the_document(srv, spec, body):
+    status, hdrs, data = _completion(srv, spec, body, "/v1/chat/completions")
+    STATUSES.append(status)
+    assert status < 500, (body, data[:300])
+    _wait_for(lambda: _pool_whole(srv.engine), "the pool to be whole", timeout=60)
+
+
+def test_the_fuzzers_reached_the_engine():
+    """A fuzz that only ever got 400s would test the validator alone."""
+    if not STATUSES:
+        pytest.skip("run with the fuzz tests")
+    assert STATUSES.count(200) >= 10 and STATUSES.count(400) >= 10, sorted(set(STATUSES))
