@@ -75,7 +75,14 @@ class LimitBody:
     """ASGI middleware: a request body over `max_bytes` gets 413 with an OpenAI error body, before
     FastAPI parses it. The declared Content-Length is checked first; a chunked body is counted as
     it arrives, so a client cannot stream past the limit either. The body read here is handed to
-    the app unchanged, and later `receive()` calls go to the client (disconnects still arrive)."""
+    the app unchanged, and later `receive()` calls go to the client (disconnects still arrive).
+
+    Refusing politely takes care: a client that is still sending when the server closes gets a TCP
+    reset instead of the 413 (most HTTP clients send the whole body before reading). So the rest of
+    the body is read and dropped first, up to `DRAIN_FACTOR` × the limit; a client that sent
+    `Expect: 100-continue` (curl does, for big bodies) has sent nothing yet and is answered at once."""
+
+    DRAIN_FACTOR = 16
 
     def __init__(self, app, max_bytes: int = DEFAULT_MAX_BODY_BYTES):
         self.app, self.max_bytes = app, max_bytes
@@ -83,9 +90,15 @@ class LimitBody:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
-            return await self._refuse(scope, receive, send, declared.decode("latin-1"))
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length")
+        if declared is not None and not declared.isdigit():
+            return await self._refuse(scope, receive, send, 400,
+                                      f"Content-Length {declared.decode('latin-1')!r} is not a number of bytes")
+        if declared is not None and int(declared) > self.max_bytes:
+            if headers.get(b"expect", b"").lower() != b"100-continue":
+                await self._drain(receive, int(declared))
+            return await self._refuse(scope, receive, send, 413, self._too_large(f"{int(declared)} bytes"))
         pieces, size = [], 0
         while True:
             message = await receive()
@@ -94,7 +107,9 @@ class LimitBody:
             pieces.append(message.get("body", b""))
             size += len(pieces[-1])
             if size > self.max_bytes:
-                return await self._refuse(scope, receive, send, f"more than {size}")
+                more = message.get("more_body", False) and await self._drain(receive, size)
+                return await self._refuse(scope, receive, send, 413,
+                                          self._too_large(f"{'more than ' if more else ''}{size} bytes"))
             if not message.get("more_body"):
                 break
         body, replayed = b"".join(pieces), False
@@ -108,11 +123,24 @@ class LimitBody:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, scope, receive, send, size: str) -> None:
-        if size.isdigit() or size.startswith("more than"):
-            status, message = 413, (f"the request body is {size} bytes; this server accepts at most {self.max_bytes} "
-                                    "(start it with a larger --max-body-bytes to allow more)")
-        else:
-            status, message = 400, f"Content-Length {size!r} is not a number of bytes"
+    def _too_large(self, size: str) -> str:
+        return (f"the request body is {size}; this server accepts at most {self.max_bytes} bytes "
+                "(start it with a larger --max-body-bytes to allow more)")
+
+    async def _drain(self, receive, seen: int) -> bool:
+        """Read and drop the rest of the body, up to the cap; True if any of it was read."""
+        read = False
+        while seen <= self.DRAIN_FACTOR * self.max_bytes:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            seen += len(message.get("body", b""))
+            read = True
+            if not message.get("more_body"):
+                break
+        return read
+
+    @staticmethod
+    async def _refuse(scope, receive, send, status: int, message: str) -> None:
         body = api.error_body(message, "invalid_request_error", "request_too_large" if status == 413 else None)
         await JSONResponse(body, status_code=status, headers={"Connection": "close"})(scope, receive, send)

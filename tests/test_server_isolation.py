@@ -163,20 +163,30 @@ def test_a_body_over_the_limit_is_413_with_an_openai_error(srv):
     _ok_afterwards(srv)
 
 
+def _raw(port: int, head: bytes, body_pieces=()) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=DEADLINE) as s:
+        s.sendall(head)
+        for piece in body_pieces:
+            s.sendall(piece)
+        data = b""
+        while chunk := s.recv(65536):  # a reset here means the server closed before reading our body
+            data += chunk
+    return data
+
+
 def test_a_chunked_body_is_counted_as_it_arrives(srv):
     piece = b" " * 8192
     head = _request_bytes("POST", "/v1/completions", None, {"Transfer-Encoding": "chunked"})
-    with socket.create_connection(("127.0.0.1", srv.port), timeout=DEADLINE) as s:
-        s.sendall(head)
-        for _ in range(9):  # 72 KB of whitespace, never a Content-Length, and no end: the server must not wait
-            s.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
-        data = b""
-        try:
-            while chunk := s.recv(65536):
-                data += chunk
-        except ConnectionResetError:  # closed with our bytes unread: the answer came first
-            pass
-    assert data.startswith(b"HTTP/1.1 413"), data[:200]
+    chunks = [b"%x\r\n%s\r\n" % (len(piece), piece)] * 10 + [b"0\r\n\r\n"]  # 80 KB, no Content-Length
+    data = _raw(srv.port, head, chunks)
+    assert data.startswith(b"HTTP/1.1 413") and b"more than" in data, data[:300]
+    _ok_afterwards(srv)
+
+
+def test_a_client_expecting_100_continue_is_refused_before_it_sends(srv):
+    head = _request_bytes("POST", "/v1/completions", None, {"Content-Length": str(10 << 20), "Expect": "100-continue"})
+    data = _raw(srv.port, head)  # the 10 MB body is never sent: the answer comes first
+    assert data.startswith(b"HTTP/1.1 413") and b"10485760 bytes" in data, data[:300]
 
 
 def test_prompts_are_tokenized_off_the_event_loop_and_health_answers_meanwhile(srv, monkeypatch):
