@@ -28,12 +28,12 @@ from pathlib import Path
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.config import ModelConfig
-from nanoserve.loader import save_checkpoint
+from nanoserve.engine.block_allocator import BlockAllocator
+from nanoserve.engine.sequence import Sequence
 from nanoserve.models import build_model
-from nanoserve.paged import BlockAllocator
-from nanoserve.sequence import Sequence
-from nanoserve.tokenizer import byte_level_tokenizer, save_tiktoken
+from nanoserve.models.config import ModelConfig
+from nanoserve.models.loader import save_checkpoint
+from nanoserve.tokenizers import byte_level_tokenizer, save_tiktoken
 
 HERE = Path(__file__).resolve().parent
 BS, MAX_CONTEXT, BUDGET_SLOTS = 16, 2048, 16384

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from nanoserve.evaluate import perplexity
-from nanoserve.loader import load_model
+from nanoserve.models.loader import load_model
 from nanoserve.quant.model import QuantizeConfig, calibration_ids, quantize_model
+from nanoserve.tools.evaluate import perplexity
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 # name: (model, corpus, calibration split, eval tokens, [(bits, group size), ...])

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from nanoserve.evaluate import acceptance_stats, perplexity
-from nanoserve.loader import ASSETS, load_model
-from nanoserve.train import load_bytes
+from nanoserve.models.loader import ASSETS, load_model
+from nanoserve.tools.evaluate import acceptance_stats, perplexity
+from nanoserve.tools.train import load_bytes
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_DATA = HERE.parent.parent / "shared" / "corpora" / "tinyshakespeare" / "input.txt"
@@ -86,9 +86,9 @@ def write_cards(results: dict) -> None:
                      "(argmax agreement). Expected tokens per target call, (1 − α^(γ+1)) / (1 − α):\n\n"
                      "| γ | 1 | 2 | 3 | 4 | 5 | 6 | 7 | 8 |\n|---|---|---|---|---|---|---|---|---|\n"
                      f"| T = 1 | {rows} |\n| T = 0 | {rows0} |\n")
-        command = ("python -m nanoserve.train --preset demo --data ../shared/corpora/tinyshakespeare/input.txt"
+        command = ("python -m nanoserve.tools.train --preset demo --data ../shared/corpora/tinyshakespeare/input.txt"
                    if name == "demo" else
-                   "python -m nanoserve.train --preset demo-draft --teacher demo "
+                   "python -m nanoserve.tools.train --preset demo-draft --teacher demo "
                    "--data ../shared/corpora/tinyshakespeare/input.txt")
         summary = ("The shipped default model of nanoserve: a small GPT-2 trained on Shakespeare, "
                    "bytes in, bytes out."

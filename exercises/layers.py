@@ -15,7 +15,7 @@ import math  # noqa: F401  (you will want it)
 import torch
 import torch.nn.functional as F  # noqa: F401
 
-from nanoserve.config import ModelConfig, llama3_rope_inv_freq  # noqa: F401  (exercise 2.1)
+from nanoserve.models.config import ModelConfig, llama3_rope_inv_freq  # noqa: F401  (exercise 2.1)
 
 
 # ----------------------------------------------------------------------------- exercise 1

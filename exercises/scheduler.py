@@ -1,6 +1,6 @@
-"""Exercise 6: one step of the continuous scheduler (nanoserve/scheduler.py: Scheduler.schedule and helpers).
+"""Exercise 6: one step of the continuous scheduler (nanoserve/engine/scheduler.py: Scheduler.schedule and helpers).
 
-Your versions of parts of nanoserve/scheduler.py, with the same names and signatures. `Scheduler`
+Your versions of parts of nanoserve/engine/scheduler.py, with the same names and signatures. `Scheduler`
 below inherits nanoserve's and overrides only the methods you write; the rest is given and yours
 to call: the queues (`self.waiting`, sorted by `Sequence.sort_key`; `self.running`, in admission
 order), `_enqueue(seq)` (into the waiting queue at its sorted place), `_make_room(seq, index, out)`
@@ -15,12 +15,12 @@ Do 6.1-6.3 first: each has its own tests; `schedule` (6.4) uses all three.
 
 from __future__ import annotations
 
-import nanoserve.scheduler
-from nanoserve.scheduler import SchedulerOutput  # noqa: F401  (schedule returns one)
-from nanoserve.sequence import Sequence, SequenceStatus  # noqa: F401
+import nanoserve.engine.scheduler
+from nanoserve.engine.scheduler import SchedulerOutput  # noqa: F401  (schedule returns one)
+from nanoserve.engine.sequence import Sequence, SequenceStatus  # noqa: F401
 
 
-class Scheduler(nanoserve.scheduler.Scheduler):
+class Scheduler(nanoserve.engine.scheduler.Scheduler):
     """nanoserve's scheduler with the policy left for you to write."""
 
     def schedule(self) -> SchedulerOutput:

@@ -33,7 +33,7 @@ A query that sees no key at all (only possible when Lq > Lk) gets output 0.
 **Paged prefix** (chunked prefill, prefix-cache hits). With `block_tables`, `k_cache`,
 `v_cache` and `context_lens`, sequence b first has `context_lens[b]` = P tokens already in the
 paged cache ([num_blocks, block_size, Hkv, D]; token t lives in block
-block_table[t // block_size] at offset t % block_size, see nanoserve/kv_cache.py), then its Lk
+block_table[t // block_size] at offset t % block_size, see nanoserve/kv/cache.py), then its Lk
 new keys at positions P..P + Lk − 1. The kernel runs two loops over key tiles with one online
 softmax across both: first the prefix, gathering each key row through the block table, then the
 new keys. Masked loads never touch a slot past P, so whatever sits in unused blocks (the tests

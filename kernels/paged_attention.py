@@ -1,6 +1,6 @@
 """Paged decode attention: one new query token per sequence attends to its K/V in a block pool.
 
-**The layout** (PagedAttention, Kwon et al. 2023; see nanoserve/kv_cache.py). Per layer, keys
+**The layout** (PagedAttention, Kwon et al. 2023; see nanoserve/kv/cache.py). Per layer, keys
 and values live in pools `[num_blocks, block_size, Hkv, D]`. Token t of sequence b lives in
 block `block_tables[b, t // block_size]` at offset `t % block_size`, i.e. in *slot*
 `block_tables[b, t // block_size] · block_size + t % block_size`. Two kernels work on it:

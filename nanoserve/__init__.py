@@ -3,6 +3,21 @@
     from nanoserve import LLM, SamplingParams
     llm = LLM("demo")
     print(llm.generate("ROMEO:", SamplingParams(max_tokens=100))[0].text)
+
+The folders are the course map (docs/ARCHITECTURE.md tells the whole story):
+
+    engine/      the loop: LLM, LLMEngine, Scheduler, Sequence, BlockAllocator, ModelRunner, sampler, outputs
+    kv/          KV storage and the two attention backends (torch, Triton)
+    models/      GPT-2 and Llama, their configs, checkpoint loading
+    spec/        speculative decoding: the rejection sampler, proposers, the engine's path
+    quant/       RTN, GPTQ, AWQ, packing, QuantLinear, quantized checkpoints
+    serving/     the async engine and the OpenAI-compatible server
+    tokenizers/  one module per tokenizer file format
+    tools/       benchmarks, evaluation, training, the batching comparison
+    errors.py    the error types, and which faults stop the engine
+    cli.py       the `nanoserve` command
+
+The Triton kernels live in the top-level kernels/ folder, installed as nanoserve.kernels.
 """
 
 import os
@@ -11,14 +26,13 @@ import torch
 
 # Without CUDA, nanoserve's Triton kernels (nanoserve.kernels) run in Triton's interpreter. It has
 # to be switched on before Triton is first imported — and torch may import Triton on its own
-# (torch._dynamo) — so as early as possible: here (DESIGN.md §5).
+# (torch._dynamo) — so as early as possible: here.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from .async_engine import AsyncLLMEngine  # noqa: E402
-from .engine import LLM, LLMEngine, RequestOutput  # noqa: E402
+from .engine import LLM, LLMEngine, RequestOutput, SamplingParams  # noqa: E402
 from .errors import CheckpointError, ConfigError, NanoserveError  # noqa: E402
-from .sampling import SamplingParams  # noqa: E402
+from .serving.async_engine import AsyncLLMEngine  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "RequestOutput", "SamplingParams",

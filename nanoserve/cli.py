@@ -113,8 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_generate(args) -> None:
-    from .engine import LLM
-    from .sampling import SamplingParams
+    from .engine.llm import LLM
+    from .engine.sampler import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             repetition_penalty=args.repetition_penalty, max_tokens=args.max_tokens,
@@ -146,8 +146,8 @@ def _spec_kwargs(args) -> dict:
 
 
 def cmd_eval(args) -> None:
-    from .evaluate import perplexity, read_text
-    from .loader import load_model
+    from .models.loader import load_model
+    from .tools.evaluate import perplexity, read_text
 
     text = read_text(args.text)  # check the file before loading the model
     model, cfg, tok = load_model(args.model, dtype=args.dtype, device=args.device)
@@ -156,10 +156,10 @@ def cmd_eval(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from . import bench
+    from .tools import bench
 
     if args.workload == "serve":
-        from .bench_serve import bench_serve, format_bench_serve
+        from .tools.bench_serve import bench_serve, format_bench_serve
 
         print(format_bench_serve(bench_serve(
             url=args.url, rates=tuple(args.rates), n=args.num_requests or 32, in_range=tuple(args.input_len),
@@ -181,10 +181,10 @@ def cmd_bench(args) -> None:
 
 
 def cmd_quantize(args) -> None:
-    from .evaluate import read_text
-    from .loader import load_model
-    from .quant.checkpoint import save_quantized
+    from .models.loader import load_model
     from .quant.model import QuantizeConfig, calibration_ids, quantize_model
+    from .quant.save import save_quantized
+    from .tools.evaluate import read_text
 
     config = QuantizeConfig(method=args.method, bits=args.bits, group_size=args.group_size, sym=not args.asym,
                             act_order=args.act_order)
@@ -211,7 +211,7 @@ def cmd_serve(args) -> None:
     except ImportError as e:
         raise NanoserveError(f"nanoserve serve needs the serve extra ({e.name} is missing): "
                              "pip install 'nanoserve[serve]'") from e
-    from .server import serve
+    from .serving.server import serve
 
     if not 0 < args.port < 65536:
         raise NanoserveError(f"--port {args.port} is not a TCP port (1..65535)")

@@ -50,3 +50,14 @@ def is_fatal(error: BaseException) -> bool:
     if accelerator_error is not None and isinstance(error, accelerator_error):
         return True
     return isinstance(error, RuntimeError) and "CUDA error" in str(error)
+
+
+def check(ok: bool, message: str) -> None:
+    """Raise NanoserveError(message) unless ok: argument checks that read as one line each."""
+    if not ok:
+        raise NanoserveError(message)
+
+
+def is_int(x) -> bool:
+    """An int and not a bool (True is an int in Python, never a valid count here)."""
+    return isinstance(x, int) and not isinstance(x, bool)

@@ -16,9 +16,9 @@ from pathlib import Path
 import openai
 import uvicorn
 
-from nanoserve.async_engine import AsyncLLMEngine
 from nanoserve.engine import LLMEngine
-from nanoserve.loader import resolve_model_path
+from nanoserve.models.loader import resolve_model_path
+from nanoserve.serving.async_engine import AsyncLLMEngine
 
 KEY = "sk-test-key"
 # turns separated by the special token <|endoftext|> (id 256 in the demo's byte-level vocabulary)

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from nanoserve import LLM, NanoserveError, SamplingParams
-from nanoserve.kv_cache import KVCache, PagedKVCache, TritonCacheView
-from nanoserve.loader import load_model
+from nanoserve.kv import KVCache, PagedKVCache, TritonCacheView
+from nanoserve.models.loader import load_model
 
 CASES = ["gpt2", "llama-gqa"]  # MHA with a learned position table; GQA 6:2 with RoPE and an untied head
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from nanoserve import bench
+from nanoserve.tools import bench
 
 
 def test_workload_is_reproducible_and_in_range():

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from nanoserve.chat import ChatTemplate, encode_with_special_tokens, load_chat_template
 from nanoserve.errors import NanoserveError
-from nanoserve.tokenizer import byte_level_tokenizer
+from nanoserve.serving.chat import ChatTemplate, encode_with_special_tokens, load_chat_template
+from nanoserve.tokenizers import byte_level_tokenizer
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
           "'<|im_end|>' + '\\n' }}{% endfor %}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from nanoserve import ConfigError
-from nanoserve.config import GPT2_PRESETS, ModelConfig, gpt2_config
+from nanoserve.models.config import GPT2_PRESETS, ModelConfig, gpt2_config
 
 LLAMA_BASE = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=2048,
                   num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, intermediate_size=8192,

@@ -1,6 +1,6 @@
 """No checkpoint loads and then computes something else: each HF config field that changes the math.
 
-nanoserve/hf_fields.py classifies every field of GPT2Config, LlamaConfig and Qwen2Config. Here:
+nanoserve/models/hf_fields.py classifies every field of GPT2Config, LlamaConfig and Qwen2Config. Here:
 (a) MATCHED: a tiny random checkpoint (TESTING.md §A randomisation) with one field changed gives
     nanoserve logits within TOL of transformers' (eager attention, fp32), for the prompt and for
     each cached decode step; REFUSED: a config nanoserve cannot compute fails with a ConfigError
@@ -25,10 +25,10 @@ import transformers
 from testdata import tiny_hf_checkpoint
 
 from nanoserve import CheckpointError, ConfigError
-from nanoserve.hf_fields import ACTIVATIONS, HF_FIELDS, INERT
-from nanoserve.kv_cache import KVCache
-from nanoserve.loader import build_from_tensors, load_model, read_hf_config, read_weights_dir
+from nanoserve.kv import KVCache
+from nanoserve.models.hf_fields import ACTIVATIONS, HF_FIELDS, INERT
 from nanoserve.models.layers import ACTIVATION_FNS, RMSNorm, gelu_tanh
+from nanoserve.models.loader import build_from_tensors, load_model, read_hf_config, read_weights_dir
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: a second thread only adds latency
 
@@ -152,7 +152,7 @@ def test_field_is_refused_by_name(tmp_path, family, kwargs, edits, names):
 
 def test_round_trip_through_to_hf_config_keeps_every_field(tmp_path):
     """save_checkpoint writes the activation and the GPT-2 scalings back: transformers reloads the same model."""
-    from nanoserve.loader import save_checkpoint
+    from nanoserve.models.loader import save_checkpoint
 
     hf, path = _checkpoint(tmp_path / "in", "gpt2", dict(activation_function="quick_gelu", scale_attn_weights=False,
                                                          scale_attn_by_inverse_layer_idx=True), {})
@@ -169,7 +169,8 @@ def test_every_transformers_field_is_classified(hf_type):
     fields = CLASSES[hf_type]().to_dict()
     unclassified = sorted(set(fields) - set(HF_FIELDS[hf_type]))
     assert not unclassified, (f"transformers {transformers.__version__} {CLASSES[hf_type].__name__} has fields "
-                              f"{unclassified}: classify each in nanoserve/hf_fields.py (implemented/refused/inert)")
+                              f"{unclassified}: classify each in nanoserve/models/hf_fields.py "
+                              "(implemented/refused/inert)")
 
 
 @pytest.mark.parametrize("hf_type", sorted(CLASSES))

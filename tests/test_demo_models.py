@@ -12,7 +12,7 @@ import pytest
 from testdata import shared_path
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.loader import ASSETS
+from nanoserve.models.loader import ASSETS
 
 MAX_BYTES = 25 * 1024 * 1024
 
@@ -58,8 +58,8 @@ def test_validation_loss_matches_the_card():
     _sys.path.insert(0, str(ASSETS.parents[1] / "benchmarks"))
     from demo_models import VAL_CONTEXT, VAL_STRIDE, val_text
 
-    from nanoserve.evaluate import perplexity
-    from nanoserve.loader import load_model
+    from nanoserve.models.loader import load_model
+    from nanoserve.tools.evaluate import perplexity
 
     text = val_text(shared_path("corpora", "tinyshakespeare", "input.txt"))
     model, _, tok = load_model("demo")
@@ -75,8 +75,8 @@ def test_draft_acceptance_matches_the_card():
     _sys.path.insert(0, str(ASSETS.parents[1] / "benchmarks"))
     from demo_models import VAL_CONTEXT, val_text
 
-    from nanoserve.evaluate import acceptance_stats
-    from nanoserve.loader import load_model
+    from nanoserve.models.loader import load_model
+    from nanoserve.tools.evaluate import acceptance_stats
 
     text = val_text(shared_path("corpora", "tinyshakespeare", "input.txt"))
     target, _, tok = load_model("demo")

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.engine import IncrementalText
-from nanoserve.tokenizer import byte_level_tokenizer
+from nanoserve.engine.outputs import IncrementalText
+from nanoserve.tokenizers import byte_level_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nanoserve import NanoserveError
-from nanoserve.evaluate import PerplexityResult, perplexity, plan_windows, read_text
-from nanoserve.loader import load_model
+from nanoserve.models.loader import load_model
+from nanoserve.tools.evaluate import PerplexityResult, perplexity, plan_windows, read_text
 
 
 @given(st.integers(2, 400), st.integers(2, 64), st.data(), st.booleans())

@@ -188,7 +188,7 @@ def test_a_running_sequence_with_nothing_to_compute_is_an_error_not_a_hang():
 
 
 def test_hang_negative_control_without_the_guard_steps_make_no_progress(monkeypatch):
-    import nanoserve.scheduler as scheduler
+    import nanoserve.engine.scheduler as scheduler
 
     monkeypatch.setattr(scheduler, "_check_has_work", lambda seq: None)
     engine = LLMEngine("demo")

@@ -1,4 +1,4 @@
-"""nanoserve.metrics: per-request latencies and run summaries on a trace worked out by hand.
+"""nanoserve.tools.metrics: per-request latencies and run summaries on a trace worked out by hand.
 
 The trace uses times that are sums of powers of two, so most expected values are exact floats.
 
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from nanoserve.errors import NanoserveError
-from nanoserve.metrics import MetricsSummary, RequestMetrics, percentile, summarize
+from nanoserve.tools.metrics import MetricsSummary, RequestMetrics, percentile, summarize
 
 
 def trace() -> list[RequestMetrics]:

@@ -10,9 +10,9 @@ import pytest
 import torch
 from testdata import HF_CASES
 
-from nanoserve.kv_cache import KVCache
-from nanoserve.loader import load_model
+from nanoserve.kv import KVCache
 from nanoserve.models.layers import attention, naive_attention
+from nanoserve.models.loader import load_model
 
 TOL = 1e-4
 
@@ -114,7 +114,7 @@ def test_half_precision_close_to_fp32(hf_checkpoints, name, dtype):
 
 def test_llama3_rope_scaling_changes_frequencies(hf_checkpoints):
     """The scaled model is not the unscaled one: HF parity above is on a config where it matters."""
-    from nanoserve.config import ModelConfig, llama3_rope_inv_freq
+    from nanoserve.models.config import ModelConfig, llama3_rope_inv_freq
     from nanoserve.models.layers import rope_inv_freq
 
     _, cfg, _ = _load(hf_checkpoints, "llama3-rope")

@@ -28,9 +28,9 @@ from live_server import (  # noqa: E402
     poisoned_engine,
 )
 
-from nanoserve.async_engine import AsyncLLMEngine  # noqa: E402
-from nanoserve.chat import load_chat_template  # noqa: E402
-from nanoserve.server import create_app  # noqa: E402
+from nanoserve.serving.async_engine import AsyncLLMEngine  # noqa: E402
+from nanoserve.serving.chat import load_chat_template  # noqa: E402
+from nanoserve.serving.server import create_app  # noqa: E402
 
 
 @pytest.fixture(scope="module")

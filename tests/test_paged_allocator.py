@@ -1,4 +1,4 @@
-"""The paged-KV block allocator (nanoserve/paged.py): unit tests, a hypothesis property test over
+"""The paged-KV block allocator (nanoserve/engine/block_allocator.py): unit tests, a hypothesis property test over
 random operation sequences, and negative controls — mutant allocators the same checks must reject.
 
 The property test simulates the KV cache alongside the allocator: every slot remembers the token
@@ -7,7 +7,7 @@ a simulated forward writes it. A prefix hit that hands out another prefix's KV (
 yet), a write into a shared block without copy-on-write, or a lost copy all leave a slot whose
 prefix is wrong.
 
-Simulating the engine means following the protocol of nanoserve/paged.py: after `allocate` and
+Simulating the engine means following the protocol of nanoserve/engine/block_allocator.py: after `allocate` and
 after every `append_token` + `append_slot`, the forward writes the new tokens' KV, and only then
 does `mark_computed` register the full blocks among the first `num_computed_tokens` tokens in the
 prefix cache (`compute` below).
@@ -24,10 +24,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nanoserve.config import ModelConfig
+from nanoserve.engine.block_allocator import BlockAllocator, default_block_hash
+from nanoserve.engine.sequence import Sequence
 from nanoserve.errors import NanoserveError
-from nanoserve.paged import BlockAllocator, BlockManager, default_block_hash, num_blocks_for_budget
-from nanoserve.sequence import Sequence
+from nanoserve.kv import num_blocks_for_budget
+from nanoserve.models.config import ModelConfig
 
 BS = 4
 X, Y, Z = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]  # one block each
@@ -150,8 +151,7 @@ def test_bad_construction_args(num_blocks, block_size, match):
 
 
 def test_names_and_sizes():
-    alloc = BlockManager(10, 8)
-    assert BlockManager is BlockAllocator
+    alloc = BlockAllocator(10, 8)
     assert (alloc.num_blocks, alloc.block_size, alloc.num_free_blocks(), alloc.usage()) == (10, 8, 10, 0.0)
     assert [alloc.blocks_needed(n) for n in (0, 1, 7, 8, 9, 16, 17)] == [0, 1, 1, 1, 2, 2, 3]
     with pytest.raises(NanoserveError, match="num_tokens=-1"):

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from nanoserve import LLM, NanoserveError, SamplingParams
-from nanoserve.kv_cache import KVCache, PagedKVCache
-from nanoserve.loader import load_model
-from nanoserve.paged import BlockAllocator
+from nanoserve.engine.block_allocator import BlockAllocator
+from nanoserve.kv import KVCache, PagedKVCache
+from nanoserve.models.loader import load_model
 
 BS = 4  # small blocks: many block boundaries in short sequences
 

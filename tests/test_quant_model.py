@@ -19,12 +19,12 @@ from safetensors.torch import load_file, save_file
 
 from nanoserve import NanoserveError
 from nanoserve.errors import CheckpointError
-from nanoserve.loader import load_model
-from nanoserve.quant.checkpoint import replace_linears, save_quantized
+from nanoserve.models.loader import load_model
 from nanoserve.quant.model import QuantizeConfig, calibration_ids, quantize_model
 from nanoserve.quant.packing import pack_awq
 from nanoserve.quant.qlinear import QuantLinear
 from nanoserve.quant.rtn import quantize_rtn
+from nanoserve.quant.save import replace_linears, save_quantized
 
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "corpora" / "tinyshakespeare" / "input.txt"
 
@@ -136,7 +136,7 @@ def test_awq_checkpoint_loads_to_the_same_weights(calib, tmp_path):
 
 
 def _demo_draft_dir() -> Path:
-    from nanoserve.loader import resolve_model_path
+    from nanoserve.models.loader import resolve_model_path
 
     return resolve_model_path("demo-draft")
 

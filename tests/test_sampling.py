@@ -1,4 +1,4 @@
-"""Tests for nanoserve.sampling, checked against laws and references the module did not write.
+"""Tests for nanoserve.engine.sampler, checked against laws and references the module did not write.
 
 * Goodness of fit: `sample_next` draws, counted over a fixed 16-token logits vector, against the
   intended law computed here in float64 from the definitions (softmax(logits / T), top-k, the smallest
@@ -26,14 +26,14 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from nanoserve.errors import NanoserveError
-from nanoserve.sampling import (
+from nanoserve.engine.sampler import (
     SamplingParams,
     apply_repetition_penalty,
     make_generator,
     probs_from_logits,
     sample_next,
 )
+from nanoserve.errors import NanoserveError
 
 P_FAIL = 1e-4  # TESTING.md: fail a goodness-of-fit test at p < 1e-4
 N_DRAWS = 20_000

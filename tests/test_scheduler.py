@@ -11,7 +11,7 @@ import pytest
 
 from nanoserve import LLM, NanoserveError, SamplingParams
 from nanoserve.engine import LLMEngine
-from nanoserve.scheduler import QueueFullError
+from nanoserve.engine.scheduler import QueueFullError
 
 BS = 4
 
@@ -145,7 +145,7 @@ def test_bad_scheduler_settings_fail_at_construction(path, kwargs, match):
 
 
 def test_timestamps_feed_the_metrics(path):
-    from nanoserve.metrics import RequestMetrics, summarize
+    from nanoserve.tools.metrics import RequestMetrics, summarize
 
     llm = LLM(path, block_size=BS, num_blocks=128)
     outs = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
@@ -177,7 +177,7 @@ def test_preemption_without_recompute_is_caught(path, reference):
 
 @pytest.mark.parametrize("kind", ["static", "dynamic", "continuous"])
 def test_every_batcher_equals_alone(path, reference, kind):
-    from nanoserve.batching import ContinuousBatcher, DynamicBatcher, StaticBatcher
+    from nanoserve.tools.batching import ContinuousBatcher, DynamicBatcher, StaticBatcher
 
     prompts, params = _workload(n=24, seed=4)
     engine = LLMEngine(path, block_size=BS, num_blocks=512, max_num_seqs=8)

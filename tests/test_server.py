@@ -39,10 +39,10 @@ from live_server import (  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from nanoserve import LLM, SamplingParams  # noqa: E402
-from nanoserve.async_engine import AsyncLLMEngine  # noqa: E402
-from nanoserve.chat import load_chat_template  # noqa: E402
 from nanoserve.engine import LLMEngine  # noqa: E402
-from nanoserve.server import create_app  # noqa: E402
+from nanoserve.serving.async_engine import AsyncLLMEngine  # noqa: E402
+from nanoserve.serving.chat import load_chat_template  # noqa: E402
+from nanoserve.serving.server import create_app  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -510,8 +510,8 @@ def test_nanoserve_serve_cli_bad_input_is_one_line():
 
 # ----------------------------------------------------------------------------- bench serve
 def test_bench_serve_counts_every_token_it_asked_for(server, tmp_path):
-    from nanoserve.bench import make_workload
-    from nanoserve.bench_serve import SAFE_VOCAB, bench_serve, format_bench_serve
+    from nanoserve.tools.bench import make_workload
+    from nanoserve.tools.bench_serve import SAFE_VOCAB, bench_serve, format_bench_serve
 
     out = tmp_path / "serve.json"
     res = bench_serve(server.url, rates=(50.0,), n=8, in_range=(4, 12), out_range=(4, 12), slo_ttft_ms=60_000,

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from nanoserve import LLM, NanoserveError, SamplingParams
-from nanoserve.spec_decode import SpecDecoder
+from nanoserve.spec.spec_decode import SpecDecoder
 
 PROMPTS = ["ROMEO:\nWhat light through yonder", "To be, or not to be", "First Citizen:\nBefore we proceed any further,",
            "KING"]
@@ -168,7 +168,7 @@ def test_bad_speculative_settings(kwargs, match):
 
 
 def test_draft_with_another_vocabulary_is_refused(hf_checkpoints):
-    from nanoserve.loader import resolve_model_path
+    from nanoserve.models.loader import resolve_model_path
 
     stories = resolve_model_path("demo")  # 257-token byte vocabulary
     with pytest.raises(NanoserveError, match=r"vocabulary \(\d+ tokens\) differs"):

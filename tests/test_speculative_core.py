@@ -1,4 +1,5 @@
-"""Tests for nanoserve.speculative: the output law of speculative decoding is the target's (TESTING.md §B 1–5).
+"""Tests for nanoserve.spec.rejection_sampler: the output law of speculative decoding is the target's
+(TESTING.md §B 1–5).
 
 Every expected value is computed here from definitions the module did not write:
 * Exact law, float64: `speculative_law` (built from the sampler's acceptance rule and residual) equals p to 1e-12
@@ -24,20 +25,20 @@ import pytest
 import torch
 from chi2 import goodness_of_fit
 
-from nanoserve import speculative
+from nanoserve.engine.sampler import probs_from_logits
 from nanoserve.errors import NanoserveError
-from nanoserve.sampling import probs_from_logits
-from nanoserve.speculative import (
+from nanoserve.spec import reference, rejection_sampler
+from nanoserve.spec.proposers import NgramProposer
+from nanoserve.spec.reference import speculative_generate
+from nanoserve.spec.rejection_sampler import (
     MAX_SPECULATIVE_TOKENS,
     PAD_TOKEN_ID,
-    NgramProposer,
     acceptance_rate,
     expected_tokens_per_step,
     greedy_verify,
     rejection_sample,
     rejection_sample_batch,
     residual_distribution,
-    speculative_generate,
     speculative_law,
 )
 
@@ -126,7 +127,7 @@ def test_speculative_law_is_exactly_p(case):
 @pytest.mark.parametrize("mutant", list(MUTANTS))
 def test_speculative_law_catches_wrong_residuals(case, mutant, monkeypatch):
     p, q = _law_cases()[case]
-    monkeypatch.setattr(speculative, "residual_distribution", MUTANTS[mutant])
+    monkeypatch.setattr(rejection_sampler, "residual_distribution", MUTANTS[mutant])
     wrong = speculative_law(p, q)
     # Resampling from p is harmless exactly when min(p, q) = β·p: disjoint supports (β = 0) and one-hot p.
     harmless = {"disjoint support", "one-hot q where p = 0", "one-hot p (temperature 0)"}
@@ -193,7 +194,7 @@ def test_one_step_monte_carlo_matches_p(case, monkeypatch):
     print(f"\n[one step] {case}: χ² = {chi2:.1f}, dof {df}, p = {pv:.3f}")
     assert pv >= P_FAIL, f"{case}: χ² = {chi2:.1f} with {df} dof, p = {pv:.2e}"
     for name, mutant in MUTANTS.items():
-        monkeypatch.setattr(speculative, "residual_distribution", mutant)
+        monkeypatch.setattr(rejection_sampler, "residual_distribution", mutant)
         chi2_w, df_w, pv_w = goodness_of_fit(one_step_counts(p, q, fixed, seed=21)[0], p)
         print(f"[one step] {case}, mutant {name!r}: χ² = {chi2_w:.1f}, p = {pv_w:.1e}")
         assert pv_w < P_FAIL, f"{case}: mutant {name!r} passed: χ² = {chi2_w:.1f}, p = {pv_w:.2e}"
@@ -323,8 +324,8 @@ def _shifted_rows(target_step):  # bug: the target's row i is taken one position
 
 
 def _bonus_from_wrong_row(monkeypatch):  # bug: the bonus token is drawn from the last draft's row
-    right = speculative.rejection_sample
-    monkeypatch.setattr(speculative, "rejection_sample", lambda draft_ids, q, p, generator=None: right(
+    right = rejection_sampler.rejection_sample
+    monkeypatch.setattr(reference, "rejection_sample", lambda draft_ids, q, p, generator=None: right(
         draft_ids, q, torch.cat([p[:-1], p[-2:-1]]), generator))
 
 
@@ -332,7 +333,7 @@ LOOP_MUTANTS = {
     "target rows off by one": lambda monkeypatch, step: _shifted_rows(step),
     "bonus from the wrong row": lambda monkeypatch, step: _bonus_from_wrong_row(monkeypatch) or step,
     "on reject resample from p": lambda monkeypatch, step: monkeypatch.setattr(
-        speculative, "residual_distribution", mutant_resample_from_p) or step,
+        rejection_sampler, "residual_distribution", mutant_resample_from_p) or step,
 }
 
 

@@ -10,8 +10,8 @@ import torch
 from testdata import shared_path
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.evaluate import perplexity, read_text
-from nanoserve.loader import read_llama2c
+from nanoserve.models.loader import read_llama2c
+from nanoserve.tools.evaluate import perplexity, read_text
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def test_mean_nll_matches_documented_value(llm):
 def test_interleaved_rope_permutation_is_needed():
     """Negative control: loading llama2.c weights without the q/k row permutation breaks the golden run."""
     cfg, tensors = read_llama2c(shared_path("models", "stories260K", "stories260K.bin"))
-    from nanoserve.loader import build_from_tensors
+    from nanoserve.models.loader import build_from_tensors
 
     model = build_from_tensors(cfg, tensors, torch.float32, torch.device("cpu"))
     golden = json.loads(shared_path("models", "stories260K", "greedy_golden.json").read_text())["tokens"]

@@ -1,4 +1,4 @@
-"""Tests for nanoserve.tokenizer, held to references nanoserve did not write.
+"""Tests for nanoserve.tokenizers, held to references nanoserve did not write.
 
 * llama.cpp's tokenizer vectors (46 inputs each) for GPT-2 and Llama-2 (both tokenizer.model and
   llama2.c's tokenizer.bin), and stories260K's greedy golden tokens/text for tok512.bin.
@@ -27,16 +27,17 @@ from testdata import shared_path
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
-from nanoserve import tokenizer as tk
-from nanoserve.tokenizer import (
+from nanoserve.tokenizers import (
     SentencePieceTokenizer,
     TiktokenTokenizer,
+    Tokenizer,
     TokenizerError,
     byte_level_tokenizer,
     gpt2_tokenizer,
     load_tokenizer,
     save_tiktoken,
 )
+from nanoserve.tokenizers import bpe as tk
 
 LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
@@ -65,7 +66,7 @@ def llama_cpp_vectors(name: str) -> list[tuple[str, list[int]]]:
     return [(text, [int(x) for x in line.split()]) for text, line in zip(inputs, lines)]
 
 
-def mismatches(tokenizer: tk.Tokenizer, vectors: list[tuple[str, list[int]]]) -> list[tuple[str, list[int]]]:
+def mismatches(tokenizer: Tokenizer, vectors: list[tuple[str, list[int]]]) -> list[tuple[str, list[int]]]:
     return [(text, tokenizer.encode(text)) for text, ids in vectors if tokenizer.encode(text) != ids]
 
 
@@ -346,7 +347,7 @@ def _competing_merges(merges: list[list[str]]) -> tuple[int, str]:
         if a + b in (c, d):
             continue
         joined = a + b + d if b == c else c + a + b if d == a else None
-        text = tk._token_bytes(joined, "test").decode("utf-8", errors="replace") if joined else ""
+        text = tk.token_bytes(joined, "test").decode("utf-8", errors="replace") if joined else ""
         if text.isalpha():  # one piece for the pre-tokenizer, so only the merge order decides
             return k, text
     raise AssertionError("no competing merges in the trained vocabulary")
@@ -364,7 +365,7 @@ def test_ids_out_of_merge_order_are_rejected(trained_hf, tmp_path: Path) -> None
         load_tokenizer(tmp_path)
     # The check matters: tiktoken run on those ranks anyway merges in the other order than HF does.
     swapped = HFTokenizer.from_file(str(tmp_path / "tokenizer.json"))
-    ranks = {tk._token_bytes(token, "test"): i for token, i in vocab.items() if i > 1}
+    ranks = {tk.token_bytes(token, "test"): i for token, i in vocab.items() if i > 1}
     encoding = tiktoken.Encoding("swapped", pat_str=tk.GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={})
     assert encoding.encode_ordinary(text) != _hf_ids(swapped, text)
 
@@ -419,7 +420,7 @@ def test_non_byte_level_tokenizer_json_is_rejected(tmp_path: Path) -> None:
 
 
 @pytest.fixture(params=["gpt2", "llama2-model", "llama2-bin", "tok512", "bytes", "hf-trained"])
-def any_tokenizer(request: pytest.FixtureRequest, trained_hf) -> tk.Tokenizer:
+def any_tokenizer(request: pytest.FixtureRequest, trained_hf) -> Tokenizer:
     name = request.param
     if name == "gpt2":
         return request.getfixturevalue("gpt2")
@@ -431,7 +432,7 @@ def any_tokenizer(request: pytest.FixtureRequest, trained_hf) -> tk.Tokenizer:
     return byte_level_tokenizer() if name == "bytes" else trained_hf[1]
 
 
-def test_unicode_round_trip_and_streamed_bytes(any_tokenizer: tk.Tokenizer) -> None:
+def test_unicode_round_trip_and_streamed_bytes(any_tokenizer: Tokenizer) -> None:
     for text in UNICODE_TEXTS + SAMPLES[:40]:
         ids = any_tokenizer.encode(text)
         assert all(0 <= i < any_tokenizer.vocab_size for i in ids)
@@ -568,7 +569,7 @@ def test_missing_and_empty_paths(tmp_path: Path) -> None:
         load_tokenizer(tmp_path / "notes.txt")
 
 
-def test_out_of_range_ids_are_rejected(any_tokenizer: tk.Tokenizer) -> None:
+def test_out_of_range_ids_are_rejected(any_tokenizer: Tokenizer) -> None:
     size = any_tokenizer.vocab_size
     for bad in (size, -1, 10**12):
         with pytest.raises(TokenizerError, match=f"token id {bad} .*vocab_size={size}"):
@@ -607,7 +608,7 @@ def test_gpt2_by_name_fails_clearly_offline(monkeypatch: pytest.MonkeyPatch, tmp
         load_tokenizer("gpt2")
     release = threading.Event()
     monkeypatch.setattr(tk.tiktoken, "get_encoding", lambda name: release.wait(10))
-    monkeypatch.setattr(tk, "_NETWORK_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(tk, "NETWORK_TIMEOUT_S", 0.2)
     try:
         with pytest.raises(TokenizerError, match="offline"):
             load_tokenizer("gpt2")

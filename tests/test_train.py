@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoserve.loader import load_model
-from nanoserve.train import PRESETS, estimate, lr_at, train
+from nanoserve.models.loader import load_model
+from nanoserve.tools.train import PRESETS, estimate, lr_at, train
 
 
 @pytest.fixture()
@@ -42,7 +42,7 @@ def test_distillation_lowers_kl_to_the_teacher(corpus):
     student_tc = replace(student_tc, steps=30, seed=5)
     untrained, _ = train(student_cfg, replace(student_tc, steps=1, lr=1e-9, warmup=1), corpus, progress=False)
     student, log = train(student_cfg, student_tc, corpus, teacher=teacher, progress=False)
-    from nanoserve.train import load_bytes
+    from nanoserve.tools.train import load_bytes
 
     _, val = load_bytes(corpus)
     kl_before = estimate(untrained, val, student_tc, teacher)["kl"]

@@ -12,7 +12,7 @@ from testdata import tiny_hf_checkpoint
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.errors import ConfigError, NanoserveError, RequestFailedError
-from nanoserve.loader import resolve_model_path
+from nanoserve.models.loader import resolve_model_path
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 IDS = [82, 79, 77, 69, 79, 58]  # "ROMEO:" in the demo's byte-level vocabulary
@@ -46,9 +46,9 @@ def test_the_server_answers_token_ids_and_refuses_text_without_a_tokenizer(no_to
     pytest.importorskip("fastapi")
     from live_server import LiveServer, _post
 
-    from nanoserve.async_engine import AsyncLLMEngine
     from nanoserve.engine import LLMEngine
-    from nanoserve.server import create_app
+    from nanoserve.serving.async_engine import AsyncLLMEngine
+    from nanoserve.serving.server import create_app
 
     srv = LiveServer(create_app(AsyncLLMEngine(LLMEngine(str(no_tokenizer))), "w"))
     try:

@@ -63,7 +63,7 @@ def tiny_hf_checkpoint(cfg, path: Path, seed: int = 0, **from_config_kwargs):
     1 and 0, where a wrong norm epsilon or a dropped bias changes nothing."""
     import transformers
 
-    from nanoserve.tokenizer import byte_level_tokenizer, save_tiktoken
+    from nanoserve.tokenizers import byte_level_tokenizer, save_tiktoken
 
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, **from_config_kwargs).eval()

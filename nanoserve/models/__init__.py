@@ -1,7 +1,7 @@
 """Model families: GPT-2 and Llama-class. `build_model(cfg)` picks the class for a config."""
 
-from ..config import ModelConfig
 from .base import CausalLM
+from .config import ModelConfig
 from .gpt2 import GPT2LMHeadModel
 from .llama import LlamaForCausalLM
 

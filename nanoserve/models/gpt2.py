@@ -11,8 +11,8 @@ import math
 
 from torch import nn
 
-from ..config import ModelConfig
 from .base import CausalLM
+from .config import ModelConfig
 from .layers import ACTIVATION_FNS, attention
 
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig, llama3_rope_inv_freq
+from .config import ModelConfig, llama3_rope_inv_freq
 
 
 # ----------------------------------------------------------------------------- activations

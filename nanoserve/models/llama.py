@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..config import ModelConfig
 from .base import CausalLM
+from .config import ModelConfig
 from .layers import ACTIVATION_FNS, RMSNorm, apply_rope, attention, rope_cos_sin, rope_inv_freq
 
 

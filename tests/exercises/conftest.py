@@ -6,8 +6,8 @@
     NANOSERVE_IMPL=exercises pytest ...       # --impl by environment
     NANOSERVE_EXERCISES=/tmp/solved pytest tests/exercises --impl exercises   # stubs from another folder
 
-Each test file names the two modules it compares, `REFERENCE = "nanoserve.paged"` and
-`EXERCISE = "paged"` (exercises/paged.py), and its tests take the `impl` fixture: the module under
+Each test file names the two modules it compares, `REFERENCE = "nanoserve.engine.block_allocator"` and
+`EXERCISE = "block_allocator"` (exercises/block_allocator.py), and its tests take the `impl` fixture: the module under
 test. Tests that take no `impl` check the tests themselves (known-wrong variants must fail them,
 stubs must mirror the reference's signatures); they run with the reference only.
 

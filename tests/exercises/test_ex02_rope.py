@@ -21,7 +21,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 from transformers.models.llama.modeling_llama import rotate_half as hf_rotate_half
 
-from nanoserve.config import ModelConfig, llama3_rope_inv_freq
+from nanoserve.models.config import ModelConfig, llama3_rope_inv_freq
 
 REFERENCE = "nanoserve.models.layers"
 EXERCISE = "layers"

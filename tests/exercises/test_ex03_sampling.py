@@ -1,4 +1,4 @@
-"""Exercise 3: from logits to a token (nanoserve/sampling.py: probs_from_logits, apply_repetition_penalty,
+"""Exercise 3: from logits to a token (nanoserve/engine/sampler.py: probs_from_logits, apply_repetition_penalty,
 sample_next).
 
 Oracles: Hugging Face transformers' logits processors (TemperatureLogitsWarper, TopKLogitsWarper,
@@ -22,10 +22,10 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from nanoserve.sampling import SamplingParams
+from nanoserve.engine.sampler import SamplingParams
 
-REFERENCE = "nanoserve.sampling"
-EXERCISE = "sampling"
+REFERENCE = "nanoserve.engine.sampler"
+EXERCISE = "sampler"
 pytestmark = pytest.mark.ex03
 
 P_FAIL = 1e-4  # TESTING.md: fail a goodness-of-fit test at p < 1e-4

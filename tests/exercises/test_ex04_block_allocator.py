@@ -1,4 +1,5 @@
-"""Exercise 4: the block allocator (nanoserve/paged.py: BlockAllocator.allocate, append_slot, free, fork).
+"""Exercise 4: the block allocator (nanoserve/engine/block_allocator.py: BlockAllocator.allocate,
+append_slot, free, fork).
 
 Oracles: block tables worked out by hand on a fresh pool (its free queue hands out 0, 1, 2, ...),
 and a model of what the tables mean, checked after every operation of random runs: a block's
@@ -16,12 +17,12 @@ from types import SimpleNamespace
 
 import pytest
 
-import nanoserve.paged
+import nanoserve.engine.block_allocator
+from nanoserve.engine.sequence import Sequence
 from nanoserve.errors import NanoserveError
-from nanoserve.sequence import Sequence
 
-REFERENCE = "nanoserve.paged"
-EXERCISE = "paged"
+REFERENCE = "nanoserve.engine.block_allocator"
+EXERCISE = "block_allocator"
 pytestmark = pytest.mark.ex04
 
 BS = 4
@@ -31,7 +32,8 @@ X, Y = [1, 2, 3, 4], [5, 6, 7, 8]  # one block each
 def allocator(impl, num_blocks=8, **kwargs):
     """impl's BlockAllocator, with exercise 5's lookup (`_prefix_hits`) taken from nanoserve so that
     exercise 4 can be done first."""
-    cls = type("Allocator", (impl.BlockAllocator,), {"_prefix_hits": nanoserve.paged.BlockAllocator._prefix_hits})
+    lookup = nanoserve.engine.block_allocator.BlockAllocator._prefix_hits
+    cls = type("Allocator", (impl.BlockAllocator,), {"_prefix_hits": lookup})
     return cls(num_blocks, BS, **kwargs)
 
 
@@ -337,14 +339,15 @@ def _fork(references):
     return fork
 
 
-RIGHT = {"allocate": _allocate(nanoserve.paged.BlockAllocator._share),
+RIGHT = {"allocate": _allocate(nanoserve.engine.block_allocator.BlockAllocator._share),
          "append_slot": _append_slot(lambda covered, n: covered == n - 1),
          "free": _free(shared_too=True), "fork": _fork(references=1)}
 
 
 def _variant(**wrong):
     """nanoserve's allocator with the four methods above, right unless overridden."""
-    return SimpleNamespace(BlockAllocator=type("Variant", (nanoserve.paged.BlockAllocator,), {**RIGHT, **wrong}))
+    base = nanoserve.engine.block_allocator.BlockAllocator
+    return SimpleNamespace(BlockAllocator=type("Variant", (base,), {**RIGHT, **wrong}))
 
 
 def _share_by_hand(self, bid):  # wrong: a hit sitting in the evictable queue stays there

@@ -1,4 +1,5 @@
-"""Exercise 5: prefix-cache hashing and lookup (nanoserve/paged.py: default_block_hash, BlockAllocator._prefix_hits).
+"""Exercise 5: prefix-cache hashing and lookup (nanoserve/engine/block_allocator.py: default_block_hash,
+BlockAllocator._prefix_hits).
 
 Oracles: hand-worked prompts made of whole blocks (X, Y, Z, W), whose hits are known without the
 code; a hash function that collides on every block (a constant), under which only the exact check
@@ -16,11 +17,11 @@ from types import SimpleNamespace
 
 import pytest
 
-import nanoserve.paged
-from nanoserve.sequence import Sequence
+import nanoserve.engine.block_allocator
+from nanoserve.engine.sequence import Sequence
 
-REFERENCE = "nanoserve.paged"
-EXERCISE = "paged"
+REFERENCE = "nanoserve.engine.block_allocator"
+EXERCISE = "block_allocator"
 pytestmark = pytest.mark.ex05
 
 BS = 4
@@ -28,7 +29,8 @@ X, Y, Z, W = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]  # on
 EX04 = ("allocate", "append_slot", "free", "fork")
 HASH_FNS = {
     "nanoserve's": None,
-    "mod 3": lambda parent, tokens: nanoserve.paged.default_block_hash(parent, tokens) % 3,  # frequent collisions
+    # frequent collisions
+    "mod 3": lambda parent, tokens: nanoserve.engine.block_allocator.default_block_hash(parent, tokens) % 3,
     "constant": lambda parent, tokens: 7,  # every block collides with every other
 }
 
@@ -36,7 +38,7 @@ HASH_FNS = {
 def allocator(impl, num_blocks=16, given=EX04, **kwargs):
     """impl's BlockAllocator with the methods in `given` (exercise 4's by default) taken from nanoserve,
     so that exercise 5 can be done first. The inherited constructor's default hash_fn is nanoserve's."""
-    ref = nanoserve.paged.BlockAllocator
+    ref = nanoserve.engine.block_allocator.BlockAllocator
     cls = type("Allocator", (impl.BlockAllocator,), {name: getattr(ref, name) for name in given})
     return cls(num_blocks, BS, **kwargs)
 
@@ -285,7 +287,7 @@ RIGHT_LOOKUP = _lookup()
 
 
 def _variant(key=RIGHT_KEY, lookup=RIGHT_LOOKUP):
-    cls = type("Variant", (nanoserve.paged.BlockAllocator,), {"_prefix_hits": lookup})
+    cls = type("Variant", (nanoserve.engine.block_allocator.BlockAllocator,), {"_prefix_hits": lookup})
     return SimpleNamespace(default_block_hash=_hash(key), BlockAllocator=cls)
 
 

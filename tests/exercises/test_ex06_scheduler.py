@@ -1,4 +1,4 @@
-"""Exercise 6: one continuous-scheduler step (nanoserve/scheduler.py: Scheduler.schedule, _tokens_to_compute,
+"""Exercise 6: one continuous-scheduler step (nanoserve/engine/scheduler.py: Scheduler.schedule, _tokens_to_compute,
 _pick_victim, _preempt).
 
 No model is needed: the scheduler never touches tensors. `Engine` below plays LLMEngine.step's
@@ -18,12 +18,12 @@ from types import SimpleNamespace
 
 import pytest
 
-import nanoserve.scheduler
-from nanoserve.paged import BlockAllocator
-from nanoserve.scheduler import SchedulerConfig
-from nanoserve.sequence import Sequence, SequenceStatus
+import nanoserve.engine.scheduler
+from nanoserve.engine.block_allocator import BlockAllocator
+from nanoserve.engine.scheduler import SchedulerConfig
+from nanoserve.engine.sequence import Sequence, SequenceStatus
 
-REFERENCE = "nanoserve.scheduler"
+REFERENCE = "nanoserve.engine.scheduler"
 EXERCISE = "scheduler"
 pytestmark = pytest.mark.ex06
 
@@ -297,7 +297,7 @@ def test_ex06_4_random_workloads_all_finish(impl):
 # ----------------------------------------------------------------------------- known-wrong variants
 def _schedule(after_self_preemption="stay", admit_after_preemption=False):
     def schedule(self):
-        out = nanoserve.scheduler.SchedulerOutput()
+        out = nanoserve.engine.scheduler.SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
@@ -361,7 +361,7 @@ RIGHT = {"schedule": _schedule(), "_tokens_to_compute": _tokens_to_compute(slack
 
 def _variant(**wrong):
     """nanoserve's scheduler with the four methods above, right unless overridden."""
-    return SimpleNamespace(Scheduler=type("Variant", (nanoserve.scheduler.Scheduler,), {**RIGHT, **wrong}))
+    return SimpleNamespace(Scheduler=type("Variant", (nanoserve.engine.scheduler.Scheduler,), {**RIGHT, **wrong}))
 
 
 WRONG = {

@@ -1,4 +1,5 @@
-"""Exercise 12: the speculative rejection sampler (nanoserve/speculative.py: residual_distribution, rejection_sample).
+"""Exercise 12: the speculative rejection sampler (nanoserve/spec/rejection_sampler.py: residual_distribution,
+rejection_sample).
 
 Oracles, all computed here from the definitions (TESTING.md §B):
 * Exact law in float64: min(p, q) + (1 − β)·residual == p, β = Σ min(p, q), on the edge cases of §B.1.
@@ -26,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from chi2 import goodness_of_fit
 
-REFERENCE = "nanoserve.speculative"
-EXERCISE = "speculative"
+REFERENCE = "nanoserve.spec.rejection_sampler"
+EXERCISE = "rejection_sampler"
 pytestmark = [pytest.mark.ex12, pytest.mark.usefixtures("one_thread")]
 
 P_FAIL = 1e-4  # TESTING.md: fail a goodness-of-fit test at p < 1e-4

@@ -1,0 +1,371 @@
+"""The paged-KV block allocator: which physical block holds which tokens, who shares it, what stays cached.
+
+The KV pool (nanoserve/kv/cache.py) is `num_blocks` blocks of `block_size` token slots. This file
+decides which blocks each `Sequence` gets; it never touches a tensor. Ideas from PagedAttention
+(Kwon et al. 2023) and vLLM's block manager, named as in vLLM / nano-vllm. Taught in notebooks/02_*.
+
+**Ref counts.** A block is *owned* (ref_count > 0: that many block tables list it) or *free*
+(ref_count 0). Prefix hits and `fork` (SamplingParams(n>1)) make tables share blocks.
+
+**Prefix caching.** A full block is identified by a chained hash: block i's hash is
+`hash_fn(hash of block i-1, tokens of block i)`, so equal hashes mean equal tokens *and* equal
+prefix — unless the hash collides. Collisions are made harmless by two exact checks before a hit
+is used: the block's stored tokens must equal the prompt's, and its parent's `prefix_id` must
+equal the prefix_id of the block just matched. A `prefix_id` names an exact token prefix: two
+blocks share one only when their tokens and their parents' prefix_ids are equal, so a hit's KV is
+always the KV of exactly this prefix, whatever `hash_fn` returns (the tests use a constant one).
+
+**Free queue and LRU.** Free blocks live in one of two queues: `free_block_ids` (nothing cached,
+FIFO) and `evictable` (still in the hash table, ordered by the time they were freed). New blocks
+come from the first queue; only when it is empty is the least recently freed cached block
+evicted (its hash dropped). `free` walks a table backwards so a sequence's tail is evicted before
+the shared-prefix blocks at its head.
+
+**Protocol.** `can_allocate` → `allocate` (a prompt); per generated token `seq.append_token` →
+`can_append` → `append_slot` (may return a copy-on-write pair for the KV cache to copy);
+`mark_computed` after each forward (full blocks whose KV now exists become cache hits);
+`fork` for parallel samples; `free` when a sequence finishes or is preempted.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..errors import EngineStateError, NanoserveError
+from .sequence import Sequence
+
+HashFn = Callable[[int | None, tuple[int, ...]], int]
+
+
+def default_block_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Python's tuple hash: fast, and for ints deterministic across processes (PYTHONHASHSEED only
+    salts str/bytes). The first block hashes a 1-tuple rather than `(None, ...)` because `hash(None)`
+    varies between processes before Python 3.12. Collisions cost hits, never correctness."""
+    return hash((token_ids,) if parent_hash is None else (parent_hash, token_ids))
+
+
+@dataclass(slots=True)
+class Block:
+    """One physical KV block. `hash`, `token_ids` and the prefix ids are set when the block fills
+    (prefix caching on) and cleared when it is reused for other tokens. A full block may carry a
+    hash without owning that hash-table entry: a duplicate of, or a collision with, a block that
+    was registered first; `hash_to_block[block.hash] == block.block_id` says it is registered."""
+
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+    prefix_id: int | None = None  # names the exact prefix tokens[0 : end of this block]
+    parent_prefix_id: int | None = None  # prefix_id of the block before it (None for the first)
+
+    def clear(self) -> None:
+        self.hash, self.token_ids, self.prefix_id, self.parent_prefix_id = None, (), None, None
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Counted in blocks by `allocate`: every prompt block is either a hit or a miss."""
+
+    hits: int = 0
+    misses: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+
+class BlockAllocator:
+    """Ref-counted blocks, a two-queue free list, and a hash table of cached full blocks."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
+                 hash_fn: HashFn | None = None):
+        check_block_size(block_size)
+        if type(num_blocks) is not int or num_blocks < 1:
+            raise NanoserveError(f"num_blocks={num_blocks!r} is not allowed; it must be an integer >= 1")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.hash_fn: HashFn = hash_fn or default_block_hash
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_block_ids: deque[int] = deque(range(num_blocks))  # ref 0, nothing cached; FIFO
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, registered; least recently freed first
+        self.hash_to_block: dict[int, int] = {}
+        self.stats = PrefixCacheStats()
+        self._prefix_ids = itertools.count()
+
+    # ------------------------------------------------------------------ capacity
+    def num_free_blocks(self) -> int:
+        """Blocks with ref_count 0: never used, freed, or cached but evictable."""
+        return len(self.free_block_ids) + len(self.evictable)
+
+    def usage(self) -> float:
+        """Fraction of blocks some sequence holds (ref_count > 0)."""
+        return 1.0 - self.num_free_blocks() / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        if num_tokens < 0:
+            raise NanoserveError(f"num_tokens={num_tokens} is not allowed; it must be >= 0")
+        return -(-num_tokens // self.block_size)
+
+    # ------------------------------------------------------------------ prompts
+    def can_allocate(self, seq: Sequence) -> bool:
+        """Exactly whether `allocate(seq)` would succeed now, prefix hits included. Raises like
+        `allocate` for a sequence that could never fit, so a scheduler cannot wait on it forever."""
+        _, needed, available = self._plan(seq)
+        return needed <= available
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give `seq` a block table for all its tokens, reusing cached prefix blocks.
+
+        At most (len - 1) // block_size blocks are hits, so the block holding the last token is
+        always computed (a zero-length query is not allowed downstream). Sets num_cached_tokens =
+        num_computed_tokens = hits * block_size. New blocks enter the prefix cache only once their
+        KV exists (`mark_computed`), so a hit can never read a block another sequence has yet to
+        write — not with chunked prefill, and not after an abort or preemption mid-prefill."""
+        if seq.block_table:
+            raise EngineStateError(f"sequence {seq.seq_id} already has blocks {seq.block_table}; free it first")
+        hits, needed, available = self._plan(seq)
+        if needed > available:
+            raise NanoserveError(
+                f"cannot allocate sequence {seq.seq_id}: its {len(seq)} tokens need {needed} new blocks "
+                f"({len(hits)} more are prefix-cache hits) but only {available} of {self.num_blocks} are free "
+                f"or evictable; call can_allocate() first and wait for blocks to be freed")
+        for bid in hits:
+            self._share(bid)
+        seq.block_table = hits + [self._take_free_block() for _ in range(needed)]
+        seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
+        self.stats.hits += len(hits)
+        self.stats.misses += needed
+
+    # ------------------------------------------------------------------ decoding
+    def can_append(self, seq: Sequence) -> bool:
+        """Whether `append_slot(seq)` will find the block it may need. Call it *after*
+        `seq.append_token` (as vLLM, nano-vllm and engine.py do): a block is needed exactly when the
+        new token starts a block (len(seq) % block_size == 1: the table does not reach it yet) or
+        lands in a last block that other tables share (copy-on-write)."""
+        table = self._require_allocated(seq)
+        needs_block = len(table) * self.block_size < len(seq) or self.blocks[table[-1]].ref_count > 1
+        return self.num_free_blocks() >= int(needs_block)
+
+    def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
+        """Make room for the token just appended (position len(seq) - 1), before its KV is written.
+
+        A token that starts a new block gets a fresh block. A token landing in a last block that
+        other tables share triggers copy-on-write: this sequence moves to a fresh block and
+        `(src, dst)` is returned so the KV cache copies the slots already written; otherwise None.
+        Calling it again for the same length changes nothing."""
+        table = self._require_allocated(seq)
+        n, bs = len(seq), self.block_size
+        cow = None
+        if len(table) * bs == n - 1:
+            table.append(self._take_free_block())
+        elif len(table) == self.blocks_needed(n):
+            cow = self._copy_on_write(table)
+        else:
+            raise EngineStateError(f"append_slot makes room for one new token at a time: sequence {seq.seq_id} has "
+                               f"{n} tokens but its block table covers {len(table) * bs}")
+        return cow
+
+    def mark_computed(self, seq: Sequence) -> None:
+        """Register `seq`'s full blocks whose KV is now written (the first num_computed_tokens
+        tokens) in the prefix cache, keeping an existing registration of the same hash. The engine
+        calls it after every forward."""
+        if not self.enable_prefix_caching:
+            return
+        n = min(seq.num_computed_tokens, len(seq)) // self.block_size
+        first = n  # sealed blocks form a leading run: walk back to its end, not from block 0
+        while first > 0 and self.blocks[seq.block_table[first - 1]].hash is None:
+            first -= 1
+        for i in range(first, n):
+            self._seal(seq, i)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` (same tokens as `parent`) shares every parent block; copy-on-write splits them later."""
+        self._require_allocated(parent)
+        if child.block_table or child.token_ids != parent.token_ids:
+            raise EngineStateError(f"fork needs a child with no blocks and the parent's tokens; sequence "
+                               f"{child.seq_id} has {len(child.block_table)} blocks and {len(child)} tokens")
+        for bid in parent.block_table:
+            self.blocks[bid].ref_count += 1
+        child.block_table = list(parent.block_table)
+        child.num_cached_tokens, child.num_computed_tokens = parent.num_cached_tokens, parent.num_computed_tokens
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep only the blocks that the first `num_tokens` tokens need; free the rest, last first.
+
+        Speculative decoding's rollback: the target wrote K/V for γ draft tokens, some rejected.
+        The caller shortens `seq` and its num_computed_tokens first; the slots of rejected tokens in
+        a kept block are simply overwritten later. A dropped block is never a registered prefix
+        block: `mark_computed` seals only blocks full of computed tokens, and those are kept."""
+        table = self._require_allocated(seq)
+        keep = self.blocks_needed(num_tokens)
+        if keep < 1 or num_tokens < seq.num_computed_tokens:
+            raise EngineStateError(f"truncate({num_tokens}) would drop computed tokens or every block of sequence "
+                               f"{seq.seq_id} ({seq.num_computed_tokens} computed); free() it instead")
+        for bid in reversed(table[keep:]):
+            block = self.blocks[bid]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._release(block)
+        del table[keep:]
+
+    def free(self, seq: Sequence) -> None:
+        """Release `seq`'s blocks, last block first (so LRU evicts tails before shared heads). A
+        block whose count drops to 0 stays cached (evictable) if registered. Freeing twice is a no-op."""
+        for bid in reversed(seq.block_table):
+            block = self.blocks[bid]
+            if block.ref_count <= 0:
+                raise EngineStateError(f"block {bid} of sequence {seq.seq_id} is already free (double free?)")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._release(block)
+        seq.block_table = []
+        seq.num_cached_tokens = seq.num_computed_tokens = 0
+
+    def slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """Physical slot `block_id * block_size + offset` of tokens start .. end-1."""
+        covered = min(len(seq), len(seq.block_table) * self.block_size)
+        if not 0 <= start <= end <= covered:
+            raise IndexError(f"token range [{start}, {end}) is outside sequence {seq.seq_id}'s {covered} "
+                             f"tokens with blocks; allowed: 0 <= start <= end <= {covered}")
+        bs, table = self.block_size, seq.block_table
+        return [table[i // bs] * bs + i % bs for i in range(start, end)]
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block. Only when no block is in use (as vLLM); returns whether it did."""
+        if self.num_free_blocks() != self.num_blocks:
+            return False
+        for bid in self.evictable:
+            self.blocks[bid].clear()
+        self.free_block_ids.extend(self.evictable)
+        self.evictable.clear()
+        self.hash_to_block.clear()
+        return True
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent. Which tables hold which blocks
+        is the caller's knowledge; tests check ref counts against live tables themselves."""
+        free = [*self.free_block_ids, *self.evictable]
+        _expect(len(set(free)) == len(free), f"a block is queued as free twice: {sorted(free)}")
+        free_set = set(free)
+        for b in self.blocks:
+            _expect(b.ref_count >= 0, f"block {b.block_id} has ref_count {b.ref_count}")
+            _expect((b.ref_count == 0) == (b.block_id in free_set),
+                    f"block {b.block_id} has ref_count {b.ref_count} but in-free-queue={b.block_id in free_set}")
+            cached = b.hash is not None
+            _expect(cached == (b.prefix_id is not None) == (len(b.token_ids) == self.block_size),
+                    f"block {b.block_id}: hash, prefix_id and token_ids disagree on whether it is full and hashed")
+        for bid in self.free_block_ids:
+            _expect(self.blocks[bid].hash is None, f"uncached free block {bid} still has a hash")
+        for bid in self.evictable:
+            _expect(self.hash_to_block.get(self.blocks[bid].hash) == bid, f"evictable block {bid} is not registered")
+        for h, bid in self.hash_to_block.items():
+            _expect(self.blocks[bid].hash == h, f"hash table entry {h} points to block {bid} whose hash differs")
+        _expect(self.enable_prefix_caching or not self.hash_to_block, "prefix caching is off but blocks are cached")
+
+    # ------------------------------------------------------------------ internals
+    def _check_fits(self, seq: Sequence) -> None:
+        n, capacity = len(seq), self.num_blocks * self.block_size
+        if not 1 <= n <= capacity:
+            raise NanoserveError(
+                f"sequence {seq.seq_id} has {n} tokens, needing {self.blocks_needed(n)} blocks of {self.block_size}, "
+                f"but the KV pool has {self.num_blocks} blocks in total; allowed: 1 to {capacity} tokens")
+
+    def _block_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
+        return tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+
+    def _matches(self, block: Block, tokens: tuple[int, ...], parent: Block | None) -> bool:
+        """The exact check behind every hit: same tokens, same prefix before them."""
+        return block.token_ids == tokens and block.parent_prefix_id == (parent.prefix_id if parent else None)
+
+    def _max_prefix_hits(self, num_tokens: int) -> int:
+        """Full blocks before the one holding the last token: that token must be computed."""
+        return (num_tokens - 1) // self.block_size
+
+    def _prefix_hits(self, seq: Sequence) -> list[int]:
+        """Cached blocks for the prompt's leading full blocks, stopping at the first miss."""
+        hits: list[int] = []
+        parent = None
+        for i in range(self._max_prefix_hits(len(seq)) if self.enable_prefix_caching else 0):
+            tokens = self._block_tokens(seq, i)
+            bid = self.hash_to_block.get(self.hash_fn(parent.hash if parent else None, tokens))
+            if bid is None or not self._matches(self.blocks[bid], tokens, parent):
+                break
+            hits.append(bid)
+            parent = self.blocks[bid]
+        return hits
+
+    def _plan(self, seq: Sequence) -> tuple[list[int], int, int]:
+        """(prefix hits, fresh blocks needed, blocks available for them): an evictable hit is not available."""
+        self._check_fits(seq)
+        hits = self._prefix_hits(seq)
+        idle_hits = sum(self.blocks[bid].ref_count == 0 for bid in hits)
+        return hits, self.blocks_needed(len(seq)) - len(hits), self.num_free_blocks() - idle_hits
+
+    def _seal(self, seq: Sequence, i: int) -> None:
+        """Hash full block i of `seq` and register it, unless that hash is registered already."""
+        block = self.blocks[seq.block_table[i]]
+        if not self.enable_prefix_caching or block.hash is not None:
+            return
+        parent = self.blocks[seq.block_table[i - 1]] if i else None
+        tokens = self._block_tokens(seq, i)
+        h = self.hash_fn(parent.hash if parent else None, tokens)
+        owner = self.blocks[self.hash_to_block.setdefault(h, block.block_id)]
+        twin = owner is not block and self._matches(owner, tokens, parent)
+        block.hash, block.token_ids = h, tokens
+        block.parent_prefix_id = parent.prefix_id if parent else None
+        block.prefix_id = owner.prefix_id if twin else next(self._prefix_ids)
+
+    def _take_free_block(self) -> int:
+        """An uncached free block if any, else evict the least recently freed cached one."""
+        if self.free_block_ids:
+            bid = self.free_block_ids.popleft()
+        elif self.evictable:
+            bid, _ = self.evictable.popitem(last=False)
+            del self.hash_to_block[self.blocks[bid].hash]
+            self.blocks[bid].clear()
+        else:
+            raise EngineStateError(f"all {self.num_blocks} KV blocks are in use; check can_allocate/can_append first")
+        self.blocks[bid].ref_count = 1
+        return bid
+
+    def _share(self, bid: int) -> None:
+        if self.blocks[bid].ref_count == 0:
+            del self.evictable[bid]
+        self.blocks[bid].ref_count += 1
+
+    def _release(self, block: Block) -> None:
+        """ref_count just reached 0: keep it cached if it is (or can become) the registered block."""
+        if block.hash is not None and self.hash_to_block.setdefault(block.hash, block.block_id) == block.block_id:
+            self.evictable[block.block_id] = None  # most recently freed at the end
+        else:
+            block.clear()
+            self.free_block_ids.append(block.block_id)
+
+    def _copy_on_write(self, table: list[int]) -> tuple[int, int] | None:
+        src = table[-1]
+        if self.blocks[src].ref_count <= 1:
+            return None
+        dst = self._take_free_block()
+        self.blocks[src].ref_count -= 1  # still >= 1: the other tables keep it
+        table[-1] = dst
+        return src, dst
+
+    def _require_allocated(self, seq: Sequence) -> list[int]:
+        if not seq.block_table:
+            raise EngineStateError(f"sequence {seq.seq_id} has no blocks; allocate (or fork) it first")
+        return seq.block_table
+
+
+def check_block_size(block_size: int) -> None:
+    if type(block_size) is not int or block_size <= 0 or block_size & (block_size - 1):
+        raise NanoserveError(f"block_size={block_size!r} is not allowed; it must be a power of two: 1, 2, 4, ... 16")
+
+
+def _expect(condition: bool, message: str) -> None:
+    """An assert that `python -O` cannot strip."""
+    if not condition:
+        raise AssertionError(message)

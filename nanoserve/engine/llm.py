@@ -1,0 +1,126 @@
+"""`LLM`: the offline, user-facing façade over `LLMEngine` (vLLM's name): load once, then generate.
+
+    from nanoserve import LLM, SamplingParams
+    llm = LLM("demo")
+    out = llm.generate(["ROMEO:"], SamplingParams(temperature=0.8, max_tokens=100, seed=0))
+    print(out[0].text)
+
+Taught in notebooks/00_* to 03_*.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from ..errors import NanoserveError, RequestFailedError
+from .block_allocator import BlockAllocator
+from .llm_engine import LLMEngine
+from .outputs import RequestOutput
+from .request import Prompt
+from .sampler import SamplingParams
+
+
+class LLM:
+    """Load a model once, then generate from prompts (text or token-id lists) with continuous
+    batching. Keyword arguments go to `LLMEngine` (cache size, prefix caching, scheduling)."""
+
+    def __init__(self, model: str = "demo", dtype: str | torch.dtype | None = None, device: str | None = None,
+                 **engine_kwargs):
+        self.engine = LLMEngine(model, dtype=dtype, device=device, **engine_kwargs)
+        e = self.engine
+        self.model, self.config, self.tokenizer = e.model, e.config, e.tokenizer
+        self.model_name, self.device, self.dtype, self.max_model_len = e.model_name, e.device, e.dtype, e.max_model_len
+        self.runner = e.runner
+
+    @property
+    def block_manager(self) -> BlockAllocator:
+        return self.engine.block_manager
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        return self.engine.encode_prompt(prompt)
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """Generate for each prompt (a string, a list of token ids, or a list of either), all
+        scheduled together; outputs come back in the prompts' order. `params`: one SamplingParams
+        for every prompt, or a list with one per prompt (as vLLM's). A request that fails inside
+        the engine raises RequestFailedError (the others are aborted: generate returns all or none)."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        per_prompt = self._params_per_prompt(params, len(prompts))
+        for p, sp in zip(prompts, per_prompt):  # validate everything before spending compute on anything
+            self.engine.check_fits(self.engine.encode_prompt(p), sp)
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, per_prompt)]
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generate", unit="req",
+                   disable=not (len(ids) > 1 if use_tqdm is None else use_tqdm))
+        start, n_out = time.perf_counter(), 0
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.error is not None:
+                        raise RequestFailedError(f"request {out.request_id} failed: {out.error}")
+                    if out.finished:
+                        done[out.request_id] = out
+                        n_out += sum(len(o.token_ids) for o in out.outputs)
+                        bar.update(1)
+                        bar.set_postfix(out_tok_s=f"{n_out / (time.perf_counter() - start):.1f}")
+        finally:
+            for rid in ids:  # interrupted: nothing stays queued or holds blocks
+                self.engine.abort_request(rid)
+            bar.close()
+        return [done[rid] for rid in ids]
+
+    @staticmethod
+    def _params_per_prompt(params, n: int) -> list[SamplingParams]:
+        if params is None or isinstance(params, SamplingParams):
+            return [params or SamplingParams()] * n
+        if isinstance(params, (str, bytes)) or not isinstance(params, Sequence):
+            raise NanoserveError(f"params must be a SamplingParams or a list of them, one per prompt; "
+                                 f"got {type(params).__name__}")
+        if len(params) != n:
+            raise NanoserveError(f"got {len(params)} SamplingParams for {n} prompts; give one, or one per prompt")
+        bad = [i for i, p in enumerate(params) if not isinstance(p, SamplingParams)]
+        if bad:
+            raise NanoserveError(f"params[{bad[0]}] is a {type(params[bad[0]]).__name__}, not a SamplingParams")
+        return list(params)
+
+    def stream_request(self, prompt: Prompt, params: SamplingParams | None = None
+                       ) -> Iterator[tuple[str, RequestOutput]]:
+        """Yield (text delta, output so far) as the first sample grows; aborted if abandoned."""
+        params = params or SamplingParams()
+        rid = self.engine.add_request(prompt, params)
+        req = self.engine.requests[rid]
+        out, sent = req.samples[0].out, 0
+        try:
+            while not out.finish_reason:
+                self.engine.step()
+                if req.output.error is not None:
+                    raise RequestFailedError(f"request {rid} failed: {req.output.error}")
+                if len(out.text) > sent or out.finish_reason:  # out.text holds only settled text
+                    yield out.text[sent:], req.output
+                    sent = len(out.text)
+        finally:
+            self.engine.abort_request(rid)
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield the generated text piece by piece as tokens are produced."""
+        params = params or SamplingParams()
+        if params.n != 1:
+            raise NanoserveError(f"stream() yields one text; got n={params.n}, use generate() for n > 1")
+        for delta, _ in self.stream_request(prompt, params):
+            if delta:
+                yield delta
+
+    @torch.inference_mode()
+    def logits(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Logits [T, vocab] (float32) of one full forward without a cache: for teaching and checks."""
+        ids = self.engine.check_token_ids(token_ids)
+        if len(ids) > self.max_model_len:
+            raise NanoserveError(f"{len(ids)} tokens exceed the model's context of {self.max_model_len}")
+        return self.model(torch.tensor([ids], device=self.device))[0].float()

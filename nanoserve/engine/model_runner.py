@@ -1,0 +1,92 @@
+"""The model runner: one batched forward over several sequences, on the paged KV cache.
+
+The scheduler decides *which* sequences run and *how many* new tokens each computes (a whole
+prompt, a prefill chunk, or one decode token); the block manager has already given them
+slots. This file turns that decision into tensors — the only place where Sequences meet the
+model:
+
+    input_ids, positions  [B, T]   new tokens per row, right-padded to the longest
+    slot_mapping          [B, T]   where each new token's K/V goes (−1: padding, not written)
+    block_tables          [B, M]   each row's blocks, padded with its own first block (masked)
+    context_lens          [B]      tokens in the cache once this step's are written
+
+and returns each row's next-token logits (the logits of its last new token).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kv.cache import PagedKVCache
+from .sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model, num_blocks: int, block_size: int, attention_backend: str | None = None):
+        self.model, self.config = model, model.config
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.kv = PagedKVCache(self.config, num_blocks, block_size, self.dtype, self.device, attention_backend)
+        self.attention_backend = self.kv.attention_backend  # "torch" or "triton" (see kv_cache.py)
+        self.block_size = block_size
+
+    def prepare(self, seqs: list[Sequence], num_new: list[int]):
+        """Build the step's tensors; row i computes tokens num_computed .. num_computed + num_new[i] − 1."""
+        B, T, bs = len(seqs), max(num_new), self.block_size
+        M = max(len(s.block_table) for s in seqs)
+        input_ids = torch.zeros(B, T, dtype=torch.long)
+        positions = torch.zeros(B, T, dtype=torch.long)
+        slot_mapping = torch.full((B, T), -1, dtype=torch.long)
+        block_tables = torch.zeros(B, M, dtype=torch.long)
+        context_lens = torch.zeros(B, dtype=torch.long)
+        for i, (seq, n) in enumerate(zip(seqs, num_new)):
+            start = seq.num_computed_tokens
+            pos = torch.arange(start, start + n)
+            table = torch.tensor(seq.block_table, dtype=torch.long)
+            input_ids[i, :n] = torch.tensor(seq.token_ids[start:start + n])
+            positions[i, :n] = pos
+            positions[i, n:] = start + n - 1  # padding queries look at real keys (no empty softmax)
+            slot_mapping[i, :n] = table[pos // bs] * bs + pos % bs
+            block_tables[i] = table[0]  # padding entries repeat a block of this row: read, then masked
+            block_tables[i, : len(table)] = table
+            context_lens[i] = start + n
+        to = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
+        return to(input_ids), to(positions), to(slot_mapping), to(block_tables), to(context_lens)
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], num_new: list[int], num_logits: list[int] | None = None):
+        """Forward the new tokens of each sequence; return next-token logits [B, V] (float32).
+
+        With `num_logits`, row i returns the logits of its last num_logits[i] new tokens instead, as
+        a list of [num_logits[i], V] tensors (speculative verification scores every draft position).
+
+        Decode rows (1 new token), verification rows (several logits) and prefill rows run as
+        separate forwards: in one [B, T] rectangle, every decode would be padded to the longest
+        prefill chunk (a step admitting a 60-token prompt beside 7 decodes would compute 8 × 60
+        token slots instead of 67). A packed variable-length attention kernel removes the padding
+        inside each forward: the triton backend packs the real tokens before attention
+        (kv_cache.TritonCacheView, notebook 04).
+        """
+        k = num_logits or [1] * len(seqs)
+        kind = [0 if n == 1 else 1 if m > 1 else 2 for n, m in zip(num_new, k)]  # decode, verify, prefill
+        out: list[torch.Tensor | None] = [None] * len(seqs)
+        for group in (0, 1, 2):
+            rows = [i for i in range(len(seqs)) if kind[i] == group]
+            if rows:
+                logits = self._forward([seqs[i] for i in rows], [num_new[i] for i in rows], [k[i] for i in rows])
+                for i, row in zip(rows, logits):
+                    out[i] = row[: k[i]]
+        return out if num_logits is not None else torch.cat(out)
+
+    def _forward(self, seqs: list[Sequence], num_new: list[int], num_logits: list[int]) -> torch.Tensor:
+        """logits [B, K, V] of each row's last num_logits new tokens (K = max; shorter rows repeat their last)."""
+        input_ids, positions, slots, tables, lens = self.prepare(seqs, num_new)
+        view = self.kv.view(slots, tables, lens)
+        n = torch.tensor(num_new, device=self.device)[:, None]  # B, 1
+        K = max(num_logits)
+        back = torch.tensor(num_logits, device=self.device)[:, None] - torch.arange(K, device=self.device)  # B, K
+        index = (n - back.clamp(min=1)).clamp(min=0)  # B, K: positions n-m .. n-1, then the last repeated
+        logits = self.model(input_ids, positions, cache=view, logit_index=index)  # B, K, V
+        for seq, m in zip(seqs, num_new):
+            seq.num_computed_tokens += m
+        return logits.float()

@@ -1,0 +1,19 @@
+"""KV storage and the attention backends that read it.
+
+    cache.py           PagedKVCache: per-layer pools of blocks [num_blocks, block_size, Hkv, D]; sizing
+    torch_backend.py   CacheView: write, gather into logical order, SDPA (the reference)
+    triton_backend.py  TritonCacheView: the kernels of nanoserve.kernels read the pool in place
+    contiguous.py      KVCache: the special case block_table = arange (notebook 01)
+
+Which blocks a sequence owns is the block allocator's business (nanoserve/engine/block_allocator.py);
+this package only stores and reads. The Triton kernels themselves live in the top-level kernels/
+folder, installed as nanoserve.kernels.
+"""
+
+from .cache import PagedKVCache, kv_bytes_per_token, num_blocks_for_budget, resolve_attention_backend, slot_mapping
+from .contiguous import KVCache
+from .torch_backend import CacheView
+from .triton_backend import TritonCacheView
+
+__all__ = ["PagedKVCache", "KVCache", "CacheView", "TritonCacheView", "kv_bytes_per_token", "num_blocks_for_budget",
+           "resolve_attention_backend", "slot_mapping"]

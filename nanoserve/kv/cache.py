@@ -1,0 +1,119 @@
+"""KV caches: keys and values of past tokens, so each decode step runs the model on new tokens only.
+
+Without a cache, generating token t recomputes keys and values for all t previous tokens, so
+n tokens cost O(n²) token-forwards; with it, O(n). Notebook 01 builds the simplest cache, one
+preallocated [max_len] tensor per layer. This file holds the cache the engine uses:
+
+**Paged storage** (Kwon et al. 2023, vLLM). Per layer, K and V live in a pool of fixed-size
+blocks, `[num_blocks, block_size, n_kv_heads, head_dim]`. A sequence's tokens are spread over
+blocks listed in its *block table*; token i of a sequence lives in block
+`block_table[i // block_size]` at offset `i % block_size`, i.e. in *slot*
+`block_table[i // block_size] * block_size + i % block_size`. Which blocks a sequence gets is
+the block allocator's business (nanoserve/engine/block_allocator.py); this package only stores and reads.
+
+Per forward step the engine binds a `CacheView` with three tensors:
+- `slot_mapping` [B, T]: where each new token's K/V is written (−1 for padding: not written),
+- `block_tables` [B, max_blocks]: each sequence's blocks in logical order,
+- `context_lens` [B]: tokens of each sequence in the cache once this step's are written.
+The model's attention layers call `view.attention(layer, q, k, v, positions)`: the view owns
+both halves of attention over the cache, writing this step's K/V and attending over everything
+cached, so *how* that happens is the view's choice — the **attention backend**:
+
+- `"torch"` (`CacheView`): `update` writes the new K/V with `index_copy_`, gathers each
+  sequence's K/V back into logical order ([B, S, Hkv, D], S = max_blocks · block_size) and runs
+  torch's SDPA with a causal mask. Every block is zeroed when it receives its first token, so
+  slots past a sequence's context hold zeros and stale or poisoned memory can never leak in.
+- `"triton"` (`TritonCacheView`): the kernels of `nanoserve.kernels` read the pool in place.
+  `store_kv` scatters the new K/V into their slots; a decode step (one new token per row) runs
+  `paged_attention` over the block tables (split-KV when the batch is too small to fill a GPU);
+  a prefill step packs the rows' real tokens without padding (`cu_seqlens`) and runs
+  `flash_attention` with the cached prefix read through the block tables. No gather, no padding
+  computed, no mask tensor. Default on CUDA; on CPU the kernels run in Triton's interpreter,
+  which is correct but slow, so CPU defaults to torch.
+
+**The contiguous cache** (`KVCache`) is the special case `block_table = arange`: each row owns
+consecutive blocks. It runs through exactly the same code, which is why the paged and
+contiguous caches give bitwise-equal logits. Taught in notebooks/01_* and notebooks/02_*.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..engine.block_allocator import check_block_size
+from ..errors import NanoserveError
+from ..models.config import ModelConfig
+from .torch_backend import CacheView
+from .triton_backend import TritonCacheView
+
+ATTENTION_BACKENDS = ("torch", "triton")
+
+
+def resolve_attention_backend(backend: str | None, device: torch.device | str) -> str:
+    """None -> the default for the device (Triton's kernels on CUDA, torch on CPU); else check the name."""
+    if backend is None:
+        return "triton" if torch.device(device).type == "cuda" else "torch"
+    if backend not in ATTENTION_BACKENDS:
+        raise NanoserveError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)} (or None for the "
+                             f"device's default), got {backend!r}")
+    return backend
+
+
+class PagedKVCache:
+    """k, v: [n_layers, num_blocks, block_size, n_kv_heads, head_dim]."""
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int = 16,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 attention_backend: str | None = "torch", num_kv_splits: int | None = None):
+        shape = (cfg.n_layers, num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.attention_backend = resolve_attention_backend(attention_backend, device)
+        self.num_kv_splits = num_kv_splits  # triton decode: None = choose_num_splits (1 on CPU)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy-on-write: a sequence about to write into a shared block gets its own copy first."""
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+
+    def view(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor) -> CacheView:
+        view_cls = TritonCacheView if self.attention_backend == "triton" else CacheView
+        return view_cls(self, slot_mapping, block_tables, context_lens)
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: Any) -> int:
+    """Bytes of K and V for one token in every layer: 2 · n_layers · n_kv_heads · head_dim · itemsize."""
+    itemsize = getattr(dtype, "itemsize", None)
+    if not isinstance(itemsize, int) or itemsize <= 0:
+        raise NanoserveError(f"dtype={dtype!r} has no .itemsize; pass a torch.dtype such as torch.float16")
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * itemsize
+
+
+def slot_mapping(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The slot of each position: block_table[pos // block_size] · block_size + pos % block_size.
+
+    block_table [..., M] and positions [..., T] (same leading dims, or a 1-D table for all rows)."""
+    return block_table.gather(-1, positions // block_size) * block_size + positions % block_size
+
+
+def num_blocks_for_budget(cfg: ModelConfig, budget_bytes: int, block_size: int, dtype: Any) -> int:
+    """How many KV blocks fit in `budget_bytes`: one block holds `block_size` tokens' K and V in every
+    layer. `dtype` is anything with `.itemsize` (torch.dtype, numpy dtype). The budget must hold at
+    least one sequence of cfg.max_position_embeddings tokens, else nothing long could ever run."""
+    check_block_size(block_size)
+    bytes_per_block = block_size * kv_bytes_per_token(cfg, dtype)
+    num_blocks = max(budget_bytes, 0) // bytes_per_block
+    min_blocks = -(-cfg.max_position_embeddings // block_size)
+    if num_blocks < min_blocks:
+        raise NanoserveError(
+            f"KV cache budget of {budget_bytes} bytes is too small: one sequence of max_position_embeddings="
+            f"{cfg.max_position_embeddings} tokens needs {min_blocks} blocks of {bytes_per_block} bytes = "
+            f"{min_blocks * bytes_per_block} bytes; allowed: a budget >= {min_blocks * bytes_per_block} bytes")
+    return num_blocks

@@ -1,0 +1,67 @@
+"""The contiguous KV cache: the paged cache's special case `block_table = arange`.
+
+Each row owns consecutive blocks, so it is the layout of a plain [batch, max_seq_len] tensor; it
+runs through exactly the same code as the paged cache, which is why both give bitwise-equal
+logits. Notebook 01 uses it before paging exists. Taught in notebooks/01_* and notebooks/02_*.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import NanoserveError
+from ..models.config import ModelConfig
+from .cache import PagedKVCache, slot_mapping
+from .torch_backend import CacheView
+
+
+class KVCache:
+    """The contiguous cache: `batch` rows of up to `max_seq_len` tokens, all rows the same length.
+
+    Row b owns blocks b·n .. b·n + n − 1 (block_table = arange), so writing token i of row b is
+    writing slot (b·n + i // block_size) · block_size + i % block_size — one contiguous range
+    of memory per row, exactly the layout of a plain [batch, max_seq_len] tensor.
+    """
+
+    def __init__(self, cfg: ModelConfig, batch_size: int, max_seq_len: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", block_size: int = 16,
+                 attention_backend: str | None = "torch"):
+        n = -(-max_seq_len // block_size)  # blocks per row
+        self.pool = PagedKVCache(cfg, batch_size * n, block_size, dtype, device, attention_backend)
+        self.block_tables = torch.arange(batch_size * n, device=device).view(batch_size, n)  # B, n
+        self.batch_size, self.max_seq_len, self.block_size = batch_size, max_seq_len, block_size
+        self.length = 0  # tokens cached so far, in every row
+        self._view: CacheView | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.pool.nbytes
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        return self._view_for(layer, k.shape[1]).update(layer, k, v)
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+        return self._view_for(layer, k.shape[1]).attention(layer, q, k, v, positions)
+
+    def _view_for(self, layer: int, T: int) -> CacheView:
+        if layer == 0 or self._view is None:
+            self._view = self._bind(T)
+        return self._view
+
+    def _bind(self, T: int) -> CacheView:
+        start, end = self.length, self.length + T
+        if end > self.max_seq_len:
+            raise NanoserveError(f"KV cache overflow: {start} cached + {T} new tokens > max_seq_len={self.max_seq_len}")
+        pos = torch.arange(start, end, device=self.block_tables.device).expand(self.batch_size, -1)  # B, T
+        slots = slot_mapping(self.block_tables, pos, self.block_size)  # B, T
+        used = self.block_tables[:, : -(-end // self.block_size)]  # only the blocks that hold tokens so far
+        lens = torch.full((self.batch_size,), end, device=self.block_tables.device)
+        return self.pool.view(slots, used, lens)
+
+    def advance(self, n: int) -> None:
+        """Called by the model once all layers have written the step's n tokens."""
+        self.length += n
+        self._view = None
+
+    def reset(self) -> None:
+        self.length = 0

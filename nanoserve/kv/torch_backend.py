@@ -1,0 +1,65 @@
+"""The torch attention backend over the paged KV cache: write this step's K/V into their slots,
+gather each sequence's blocks back into logical order, and run SDPA with a causal mask.
+
+Simple and exact, and the reference the Triton backend (triton_backend.py) is tested against.
+Its cost grows with batch × context every step (the gather); the kernels read the pool in place.
+Taught in notebooks/02_*.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..models.layers import attention as sdpa_attention
+
+
+class CacheView:
+    """One forward step's window onto a PagedKVCache: what `model(..., cache=view)` writes and reads.
+
+    The torch backend: write, gather into logical order, then SDPA with a causal mask.
+    """
+
+    zero_fresh_blocks = True  # the gather reads whole blocks, so their unused slots must hold zeros
+
+    def __init__(self, cache, slot_mapping, block_tables, context_lens):
+        self.cache = cache
+        self.slot_mapping = slot_mapping  # B, T
+        self.block_tables = block_tables  # B, max_blocks
+        self.context_lens = context_lens  # B
+        # Which of the B·T new tokens are real (padding has slot −1), resolved once for all layers.
+        flat_slots = slot_mapping.flatten()  # B·T
+        self.src = (flat_slots >= 0).nonzero().squeeze(1)  # indices of real tokens in the B·T rows
+        self.dst = flat_slots[self.src]  # their slots
+        self.gather_ids = block_tables.flatten()  # B·max_blocks
+        # A block receives its first token at offset 0 (tokens are written in order; copy-on-write
+        # and prefix-cache blocks arrive with their contents). Zero it then, in every layer: a
+        # block's slots past the context then hold zeros, never stale or poisoned memory, so the
+        # gathered K/V need no masking of their own (the attention mask hides those slots, and
+        # 0 · weight stays 0 where NaN · 0 would not).
+        if self.zero_fresh_blocks:
+            fresh = self.dst[self.dst % cache.block_size == 0] // cache.block_size
+            if fresh.numel():
+                cache.k[:, fresh] = 0
+                cache.v[:, fresh] = 0
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  positions: torch.Tensor) -> torch.Tensor:
+        """Store this step's k, v [B, T, Hkv, D]; attend q [B, T, H, D] at `positions` over the cache.
+
+        Returns [B, T, H, D]. The model's attention layers call this; the backend decides how."""
+        k_all, v_all = self.update(layer, k, v)  # B, S, Hkv, D
+        return sdpa_attention(q, k_all, v_all, positions)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Write this step's k, v [B, T, Hkv, D] into their slots; return every sequence's [B, S, Hkv, D]."""
+        return self._write_and_gather(self.cache.k[layer], k), self._write_and_gather(self.cache.v[layer], v)
+
+    def _write_and_gather(self, pool: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        nb, bs, H, D = pool.shape
+        flat = pool.view(nb * bs, H, D)  # slots, Hkv, D
+        flat.index_copy_(0, self.dst, new.reshape(-1, H, D).index_select(0, self.src))
+        B = self.block_tables.shape[0]
+        return pool.index_select(0, self.gather_ids).view(B, -1, H, D)  # B, S, Hkv, D  (logical order)
+
+    def advance(self, n: int) -> None:  # the engine tracks lengths; nothing to do here
+        pass

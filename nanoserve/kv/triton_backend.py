@@ -1,0 +1,68 @@
+"""The Triton attention backend: the kernels of nanoserve.kernels read the paged pool in place.
+
+`store_kv` scatters the new K/V into their slots; a decode step runs `paged_attention` over the
+block tables (split-KV when the batch is too small to fill a GPU); a prefill step packs the rows'
+real tokens (`cu_seqlens`) and runs `flash_attention` with the cached prefix read through the
+block tables. Taught in notebooks/04_*.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .torch_backend import CacheView
+
+
+class TritonCacheView(CacheView):
+    """The triton backend: `store_kv`, then `paged_attention` (decode) or `flash_attention` (prefill).
+
+    Rows are right-padded to T new tokens (slot −1 = padding). A prefill packs the real tokens of
+    all rows back to back — row b's n_b tokens are rows cu_seqlens[b] : cu_seqlens[b+1] — so the
+    kernel computes no padding; row b's first context_lens[b] − n_b tokens are its cached prefix
+    (an earlier chunk or a prefix-cache hit), which the kernel reads through the block table.
+    The kernels never read a slot past a row's context, so fresh blocks need no zeroing.
+    """
+
+    zero_fresh_blocks = False
+
+    def __init__(self, cache, slot_mapping, block_tables, context_lens):
+        super().__init__(cache, slot_mapping, block_tables, context_lens)
+        from ..kernels import check_interpreter
+        from ..kernels.paged_attention import choose_num_splits  # imports Triton: only for this backend
+
+        check_interpreter(slot_mapping.device)
+
+        B, T = slot_mapping.shape
+        self.decode = T == 1 and self.src.numel() == B  # one new token in every row
+        num_new = (slot_mapping >= 0).sum(1)  # B
+        self.cu_seqlens = torch.zeros(B + 1, dtype=torch.int32, device=slot_mapping.device)  # B+1
+        self.cu_seqlens[1:] = num_new.cumsum(0)
+        self.prefix_lens = (context_lens - num_new).to(torch.int32)  # B: tokens cached before this step
+        self.block_tables_i32 = block_tables.to(torch.int32)  # B, max_blocks
+        self.context_lens_i32 = context_lens.to(torch.int32)  # B
+        self.num_splits = cache.num_kv_splits
+        if self.num_splits is None:
+            max_context = int(context_lens.max()) if B else 1
+            self.num_splits = choose_num_splits(B, cache.k.shape[3], max_context) if self.decode else 1
+
+    def attention(self, layer, q, k, v, positions):
+        from ..kernels.flash_attention import flash_attention
+        from ..kernels.paged_attention import paged_attention, store_kv
+
+        B, T, H, D = q.shape
+        Hkv = k.shape[2]
+        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]  # num_blocks, block_size, Hkv, D
+        k_new = k.reshape(B * T, Hkv, D).index_select(0, self.src)  # N, Hkv, D  (real tokens only)
+        v_new = v.reshape(B * T, Hkv, D).index_select(0, self.src)  # N, Hkv, D
+        store_kv(k_new, v_new, k_cache, v_cache, self.dst)
+        if self.decode:  # each row's query sees its context_lens[b] keys, its own just stored
+            out = paged_attention(q[:, 0], k_cache, v_cache, self.block_tables_i32, self.context_lens_i32,
+                                  num_splits=self.num_splits)  # B, H, D
+            return out[:, None]  # B, 1, H, D
+        q_new = q.reshape(B * T, H, D).index_select(0, self.src)  # N, H, D
+        out_new = flash_attention(q_new, k_new, v_new, self.cu_seqlens, self.cu_seqlens, causal=True,
+                                  block_tables=self.block_tables_i32, k_cache=k_cache, v_cache=v_cache,
+                                  context_lens=self.prefix_lens)  # N, H, D
+        out = q.new_zeros(B * T, H, D)  # padding rows get zeros (their logits are never read)
+        out.index_copy_(0, self.src, out_new)
+        return out.view(B, T, H, D)

@@ -1,0 +1,202 @@
+"""Which Hugging Face config.json fields change what a model computes, and what nanoserve does with each.
+
+No checkpoint may load and then compute something else. So every field of the HF config classes
+of the families nanoserve runs (GPT2Config, LlamaConfig, Qwen2Config) is listed here as one of
+- implemented: config.py reads it and the model computes what transformers computes (for the
+  values in `allowed`, when the field lists them; any other value is refused by name),
+- refused: nanoserve computes only the values in `allowed` (HF's default first; for the fields
+  that only mean something together, the sliding-window ones, `sliding_layers` decides); any other
+  value makes loading fail with a ConfigError that names the field,
+- inert: it does not change the logits at inference, with the reason (dropout, random init, what
+  HF's forward returns besides logits, ...).
+tests/test_config_fields.py checks that every key of the installed transformers' config classes
+is listed (a field added by a new release fails the tests until someone decides), and matches each
+implemented field against transformers. Keys that are in no table are ones transformers' model
+code for the family does not read either, so they are ignored. config.py calls `check_hf_fields`
+before it reads a config.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from ..errors import ConfigError
+
+IMPLEMENTED, REFUSED, INERT = "implemented", "refused", "inert"
+
+# transformers' ACT2FN names whose math models/layers.py implements (its `ACTIVATION_FNS`).
+# "gelu_fast" computes tanh(0.7978845608·x·(1 + 0.044715·x²)): the tanh form of "gelu_new" with
+# √(2/π) rounded to 10 digits, so one function serves all four tanh spellings.
+ACTIVATIONS = ("gelu", "gelu_python", "gelu_new", "gelu_pytorch_tanh", "gelu_python_tanh", "gelu_fast",
+               "quick_gelu", "relu", "silu", "swish")
+
+
+class Field(NamedTuple):
+    kind: str  # IMPLEMENTED | REFUSED | INERT
+    why: str
+    allowed: tuple = ()  # the values nanoserve computes correctly; () = no list to check against
+
+
+def implemented(why: str, allowed: tuple = ()) -> Field:
+    return Field(IMPLEMENTED, why, allowed)
+
+
+def refused(why: str, *allowed: Any) -> Field:
+    return Field(REFUSED, why, allowed)
+
+
+def inert(why: str) -> Field:
+    return Field(INERT, why)
+
+
+_RETURNS = "what HF's forward returns besides the logits"
+_DROPOUT = "dropout is off at inference"
+
+# Fields every transformers config carries (PreTrainedConfig).
+COMMON = {
+    "architectures": implemented("picks the model family (config.SUPPORTED_ARCHITECTURES)"),
+    "model_type": implemented("picks the family when `architectures` is absent, and this table"),
+    "bos_token_id": implemented("where generation starts (not the logits)"),
+    "eos_token_id": implemented("where generation stops (not the logits)"),
+    "tie_word_embeddings": implemented("the LM head is the token embedding matrix"),
+    "dtype": inert("the dtype the weights were saved in; nanoserve computes in the dtype it is asked for"),
+    "torch_dtype": inert("transformers 4's name for `dtype`"),
+    "transformers_version": inert("which transformers wrote the file"),
+    "_name_or_path": inert("where transformers loaded the config from"),
+    "output_hidden_states": inert(_RETURNS),
+    "output_attentions": inert(_RETURNS),
+    "return_dict": inert(_RETURNS),
+    "use_cache": inert("switches HF's own KV cache; logits with and without a cache are the same"),
+    "initializer_range": inert("the random init, which the checkpoint's weights replace"),
+    "pad_token_id": inert("the embedding row training keeps fixed; looking tokens up is unchanged"),
+    "chunk_size_feed_forward": inert("chunks the MLP over positions (same result); these models never do"),
+    "is_encoder_decoder": inert("read by generate() only; these model classes are decoder-only"),
+    "id2label": inert("labels of classification heads"),
+    "label2id": inert("labels of classification heads"),
+    "problem_type": inert("the loss of classification heads"),
+}
+
+GPT2_FIELDS = {
+    **COMMON,
+    "vocab_size": implemented("rows of the token embedding and of the LM head"),
+    "n_positions": implemented("rows of the learned position embedding"),
+    "n_embd": implemented("hidden size"),
+    "n_layer": implemented("number of blocks"),
+    "n_head": implemented("attention heads (head_dim = n_embd / n_head)"),
+    "n_inner": implemented("MLP width; None means 4·n_embd"),
+    "layer_norm_epsilon": implemented("LayerNorm epsilon"),
+    "activation_function": implemented("the MLP's activation", ACTIVATIONS),
+    "scale_attn_weights": implemented("scores × 1/√head_dim; False leaves them unscaled"),
+    "scale_attn_by_inverse_layer_idx": implemented("scores of layer i also × 1/(i+1)"),
+    "reorder_and_upcast_attn": inert("the same scores computed in fp32 with the scale applied first: "
+                                     "it changes rounding in fp16 training, not the math"),
+    "add_cross_attention": refused("cross-attention to an encoder's states: the decoder half of an "
+                                   "encoder-decoder model, which nanoserve does not run", False),
+    "resid_pdrop": inert(_DROPOUT),
+    "embd_pdrop": inert(_DROPOUT),
+    "attn_pdrop": inert(_DROPOUT),
+    "summary_first_dropout": inert(_DROPOUT),
+    "summary_type": inert("GPT2DoubleHeadsModel's multiple-choice head"),
+    "summary_use_proj": inert("GPT2DoubleHeadsModel's multiple-choice head"),
+    "summary_activation": inert("GPT2DoubleHeadsModel's multiple-choice head"),
+    "summary_proj_to_labels": inert("GPT2DoubleHeadsModel's multiple-choice head"),
+    # not in GPT2Config().to_dict(), but in older config.json files
+    "hidden_size": implemented("transformers' alias of n_embd"),
+    "num_hidden_layers": implemented("transformers' alias of n_layer"),
+    "num_attention_heads": implemented("transformers' alias of n_head"),
+    "max_position_embeddings": implemented("transformers' alias of n_positions"),
+    "n_ctx": inert("old name of the context size; transformers reads n_positions"),
+    "summary_last_dropout": inert(_DROPOUT),
+    "task_specific_params": inert("generate() defaults for pipelines"),
+}
+
+# Llama and Qwen2 share these.
+_DECODER = {
+    **COMMON,
+    "vocab_size": implemented("rows of the token embedding and of the LM head"),
+    "hidden_size": implemented("hidden size"),
+    "intermediate_size": implemented("MLP width"),
+    "num_hidden_layers": implemented("number of blocks"),
+    "num_attention_heads": implemented("query heads"),
+    "num_key_value_heads": implemented("key/value heads (grouped-query attention); None means all"),
+    "hidden_act": implemented("the gate's activation in the gated MLP: act(gate(x)) · up(x)", ACTIVATIONS),
+    "max_position_embeddings": implemented("the longest context (RoPE itself has no table)"),
+    "rms_norm_eps": implemented("RMSNorm epsilon"),
+    "rope_parameters": implemented("RoPE base (rope_theta) and scaling; rope types other than "
+                                   "default, linear and llama3 are refused (config.SUPPORTED_ROPE_TYPES)"),
+    "rope_theta": implemented("transformers 4's place for the RoPE base"),
+    "rope_scaling": implemented("transformers 4's place for the RoPE scaling"),
+    "partial_rotary_factor": refused("rotating only part of each head", None, 1.0),
+    # not a Qwen2Config field, but Qwen2's code reads it with getattr as Llama's does
+    "head_dim": implemented("per-head width; None means hidden_size / num_attention_heads"),
+    "attention_dropout": inert(_DROPOUT),
+}
+
+LLAMA_FIELDS = {
+    **_DECODER,
+    "attention_bias": implemented("biases on q, k, v and o projections"),
+    "mlp_bias": implemented("biases on the gate, up and down projections"),
+    "pretraining_tp": inert("transformers 4 split each projection into this many slices and summed "
+                            "them: the same product in another order; transformers 5 ignores it"),
+    # not LlamaConfig fields, but transformers' cache reads them from any config and then keeps only
+    # the last `sliding_window` keys while the Llama mask attends to all: no one result to match.
+    "sliding_window": refused("a sliding attention window", None),
+    "layer_types": refused("per-layer attention kinds; only 'full_attention' is supported"),
+}
+
+QWEN2_FIELDS = {
+    **_DECODER,
+    # Qwen2's sliding window applies in the layers `sliding_layers` returns (configuration_qwen2.py).
+    "use_sliding_window": refused("turns the sliding window on (see `sliding_layers`)"),
+    "sliding_window": refused("the window's length (see `sliding_layers`)"),
+    "max_window_layers": refused("layers from this index on use the window (see `sliding_layers`)"),
+    "layer_types": refused("per-layer attention kinds (see `sliding_layers`)"),
+    # not Qwen2Config fields: Qwen2's code gives q, k, v a bias and o and the MLP none, whatever they say
+    "attention_bias": inert("Qwen2 always has q/k/v biases and no o bias"),
+    "mlp_bias": inert("Qwen2's MLP never has biases"),
+}
+
+HF_FIELDS = {"gpt2": GPT2_FIELDS, "llama": LLAMA_FIELDS, "qwen2": QWEN2_FIELDS}
+
+
+def sliding_layers(hf_type: str, cfg: dict[str, Any]) -> list[int]:
+    """The layers in which transformers attends to a sliding window of keys instead of all of them.
+
+    Qwen2 (configuration_qwen2.py): the window is `sliding_window` only when `use_sliding_window`,
+    and a config without `layer_types` puts it in layers max_window_layers .. n_layers−1. An explicit
+    `layer_types` (transformers 5) wins; a layer it marks as anything but "full_attention" counts too.
+    """
+    if hf_type == "qwen2":
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+        first = cfg.get("max_window_layers", 28)
+    else:  # no use_sliding_window switch: transformers' cache honours any sliding_window
+        window, first = cfg.get("sliding_window"), 0
+    types = cfg.get("layer_types")
+    if types is None:
+        n = int(cfg.get("num_hidden_layers") or 0)
+        types = ["sliding_attention" if window is not None and i >= first else "full_attention" for i in range(n)]
+    return [i for i, kind in enumerate(types) if kind != "full_attention"]
+
+
+def check_hf_fields(hf_type: str, cfg: dict[str, Any]) -> None:
+    """Raise a ConfigError naming the first field of `cfg` whose value nanoserve would compute wrongly."""
+    table = HF_FIELDS[hf_type]
+    for name, f in table.items():
+        if f.allowed and name in cfg and cfg[name] not in f.allowed:
+            raise ConfigError(f"{hf_type} config field {name}={cfg[name]!r} is not supported ({f.why}); "
+                              f"supported: {', '.join(repr(v) for v in f.allowed)}")
+    if hf_type == "gpt2":
+        return
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(f"{hf_type} config field rope_parameters.partial_rotary_factor="
+                          f"{rope['partial_rotary_factor']!r} is not supported (rotating only part of each "
+                          "head); supported: 1.0")
+    layers = sliding_layers(hf_type, cfg)
+    if layers:
+        names = "use_sliding_window / sliding_window / max_window_layers / layer_types" if hf_type == "qwen2" \
+            else "sliding_window / layer_types"
+        raise ConfigError(
+            f"{hf_type} config asks for sliding-window attention in layers {layers} ({names}: "
+            f"sliding_window={cfg.get('sliding_window')!r}, layer_types={cfg.get('layer_types')!r}); "
+            "nanoserve attends to the whole context in every layer; supported: configs without sliding layers")

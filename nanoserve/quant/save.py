@@ -1,0 +1,79 @@
+"""Saving a quantized model in the GPTQ (v1) format, so that other tools load it too.
+
+A GPTQ checkpoint is an ordinary HF directory (config.json + model.safetensors) where each
+quantized linear `<name>.weight` is replaced by `<name>.qweight / .qzeros / .scales / .g_idx`
+(packing.py has the layout) and config.json carries a `quantization_config`. Loading is load.py
+(which models/loader.py calls, so this module may use the loader without an import cycle).
+Taught in notebooks/05_*.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import NanoserveError
+from ..models.loader import resolve_model_path, save_checkpoint
+from .model import QuantizeResult
+from .packing import pack_gptq
+from .qlinear import QuantLinear
+
+
+def replace_linears(model: nn.Module, qweights: dict, dtype: torch.dtype | None = None) -> nn.Module:
+    """Swap each nn.Linear named in `qweights` (name → QuantizedWeight) for a packed QuantLinear."""
+    for name, qw in qweights.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        lin = getattr(parent, child)
+        if not isinstance(lin, nn.Linear):
+            raise NanoserveError(f"{name} is a {type(lin).__name__}, not an nn.Linear; it cannot be quantized")
+        try:
+            q = QuantLinear.from_quantized(qw, lin.bias, dtype or lin.weight.dtype)
+        except ValueError as e:
+            raise NanoserveError(f"{name} [{lin.out_features}, {lin.in_features}] cannot be packed: {e}") from e
+        setattr(parent, child, q)
+    return model
+
+
+def save_quantized(model: nn.Module, result: QuantizeResult, directory: str | os.PathLike,
+                   tokenizer_from: str | os.PathLike | None = None) -> Path:
+    """Write the model of `quantize_model` in the GPTQ (v1) format: config.json + model.safetensors
+    (+ the tokenizer files of `tokenizer_from`, a model name or path, so the directory loads alone).
+
+    Scales are stored in fp16, as GPTQ checkpoints do; biases in the model's dtype. Other tools
+    (transformers + a GPTQ backend, vLLM) load the result."""
+    odd = [r.name for r in result.layers if r.group_size != result.config.group_size]
+    if odd:
+        raise NanoserveError(f"the GPTQ format has one group size per model; {odd[0]} (and {len(odd) - 1} more) "
+                             f"fell back to one group per row because its width is not a multiple of "
+                             f"group_size={result.config.group_size}; pick a group size that divides every "
+                             f"layer's input width, or -1")
+    replaced = {}
+    for name, qw in result.qweights.items():
+        try:
+            replaced[name] = pack_gptq(qw.codes, qw.zeros, qw.scales, qw.g_idx, qw.bits)
+        except ValueError as e:
+            raise NanoserveError(f"{name} cannot be written in the GPTQ v1 format: {e}. Quantize with sym=True "
+                                 f"(zero points are then 2^(bits-1))") from e
+        bias = model.get_submodule(name).bias
+        if bias is not None:
+            # the model's own dtype: GPTQ readers cast it anyway, and fp16 here would make the reloaded
+            # model differ from the one in memory (scales are fp16 in both: the format's dtype)
+            replaced[name]["bias"] = bias.detach()
+    out = save_checkpoint(model, directory, replaced, result.config.hf_config())
+    if tokenizer_from is not None:
+        _copy_tokenizer(tokenizer_from, out)
+    return out
+
+
+def _copy_tokenizer(model: str | os.PathLike, out: Path) -> None:
+    src = resolve_model_path(model)
+    src = src if src.is_dir() else src.parent
+    for f in src.iterdir():
+        small = f.is_file() and f.stat().st_size < 1 << 20  # tokenizer files, not a llama2.c checkpoint
+        if small and f.suffix in (".json", ".model", ".bin", ".tiktoken", ".bpe") and f.name != "config.json":
+            shutil.copy(f, out / f.name)

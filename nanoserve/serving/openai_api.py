@@ -1,0 +1,211 @@
+"""The OpenAI API as nanoserve speaks it: request bodies, their mapping onto SamplingParams, and
+the JSON of responses, stream chunks and errors. No HTTP here (that is server.py).
+
+Bodies are pydantic models with `extra="forbid"`, so a field nanoserve does not implement is an
+error naming it, never silently ignored (a client asking for `logprobs` must not get a response
+that looks as if they were computed). Fields that OpenAI defines but we do not implement are
+accepted only at their no-op values (`frequency_penalty: 0`, `logprobs: null`, ...), which some
+clients send on every call. Beyond OpenAI's fields, `top_k`, `repetition_penalty` and
+`ignore_eos` are accepted as vLLM does.
+
+Values are checked by `SamplingParams` (one source of truth for what is allowed); pydantic only
+checks types, strictly, as the OpenAI API documents them: `"max_tokens": "5"` or `"stream": "yes"`
+is a 400, not silently converted (an integer is accepted where a number is expected).
+Defaults follow OpenAI: completions generate 16 tokens unless told otherwise, chat completions
+until the context is full.
+
+Streaming (server-sent events): one chunk per engine step in which a choice produced tokens (its
+text delta may be empty while a stop string or a cut UTF-8 character is held back), a last chunk
+per choice carrying `finish_reason`, then `data: [DONE]`. `usage` comes in every non-streamed
+response; in a stream, on the chunk that ends the last choice or, with
+`stream_options.include_usage`, only on OpenAI's extra final chunk with empty `choices`
+(`continuous_usage_stats`, from vLLM, puts the running count on every chunk).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from ..engine.outputs import RequestOutput
+from ..engine.sampler import SamplingParams
+from ..errors import NanoserveError
+
+# OpenAI fields we accept only at the value that means "off"
+NO_OP_VALUES: dict[str, tuple] = {
+    "frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0, None), "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0), "echo": (False, None), "best_of": (None, 1), "logit_bias": (None, {}),
+    "suffix": (None, ""), "parallel_tool_calls": (None,), "tools": (None, []), "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}), "service_tier": (None, "auto", "default"), "store": (None, False),
+    "metadata": (None, {}),
+}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's extension: usage so far on every chunk
+
+
+class _Request(BaseModel):
+    """Fields shared by both endpoints."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    user: str | None = None  # accepted, unused
+    # extensions (vLLM's names)
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    # OpenAI fields accepted at their no-op values only
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logprobs: Any = None
+    top_logprobs: int | None = None
+    logit_bias: dict | None = None
+    parallel_tool_calls: bool | None = None
+    tools: list | None = None
+    tool_choice: Any = None
+    response_format: dict | None = None
+    service_tier: str | None = None
+    store: bool | None = None
+    metadata: dict | None = None
+
+    def check_no_ops(self) -> None:
+        set_fields = self.model_fields_set
+        bad = [k for k, allowed in NO_OP_VALUES.items()
+               if k in set_fields and getattr(self, k, None) not in allowed]
+        if bad:
+            one = len(bad) == 1
+            raise NanoserveError(f"unsupported field{'' if one else 's'} {', '.join(bad)}: nanoserve does not "
+                                 f"implement {'it' if one else 'them'} (leave {'it' if one else 'them'} unset, "
+                                 "or at the default)")
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """The request's SamplingParams (SamplingParams raises NanoserveError on bad values)."""
+        self.check_no_ops()
+        if self.stream_options is not None and not self.stream:
+            raise NanoserveError("stream_options is only allowed with stream=true")
+        max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
+        kw = dict(temperature=1.0 if self.temperature is None else self.temperature,
+                  top_p=1.0 if self.top_p is None else self.top_p,
+                  top_k=0 if self.top_k in (None, -1) else self.top_k,  # vLLM's -1 = off, like our 0
+                  repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                  max_tokens=max_tokens, n=self.n, seed=self.seed, ignore_eos=self.ignore_eos,
+                  stop=[] if self.stop is None else ([self.stop] if isinstance(self.stop, str) else list(self.stop)))
+        return SamplingParams(**kw)
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """One prompt, or a batch (a list of strings or of token-id lists)."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        if not p:
+            raise NanoserveError("prompt is empty; give a string, a list of token ids, or a list of either")
+        return list(p)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict]
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, v):
+        """OpenAI's content parts: only {"type": "text", "text": ...} (no images, audio, files)."""
+        if isinstance(v, str):
+            return v
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in v):
+            raise ValueError('content parts must all be {"type": "text", "text": ...}; nanoserve serves text only')
+        return "".join(p["text"] for p in v)
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        if self.max_completion_tokens is not None:
+            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
+                raise NanoserveError("give max_tokens or max_completion_tokens, not two different values")
+            self.max_tokens = self.max_completion_tokens
+        return super().sampling_params(default_max_tokens)
+
+    def message_dicts(self) -> list[dict]:
+        return [{"role": m.role, "content": m.content} for m in self.messages]
+
+
+# ----------------------------------------------------------------------------- responses
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(outs: list[RequestOutput]) -> dict:
+    """Prompt tokens once per prompt, completion tokens of every sample (a final EOS included)."""
+    prompt = sum(len(o.prompt_token_ids) for o in outs)
+    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def finish_reason(reason: str | None) -> str | None:
+    return None if reason is None else ("length" if reason == "length" else "stop")
+
+
+def completion_response(rid: str, model: str, created: int, outs: list[RequestOutput]) -> dict:
+    """`outs`: one finished RequestOutput per prompt, in prompt order; choice index = prompt · n + sample."""
+    n = len(outs[0].outputs)
+    choices = [{"index": i * n + c.index, "text": c.text, "logprobs": None, "finish_reason": finish_reason(
+        c.finish_reason)} for i, o in enumerate(outs) for c in o.outputs]
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
+            "usage": usage(outs)}
+
+
+def chat_response(rid: str, model: str, created: int, out: RequestOutput) -> dict:
+    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
+                "finish_reason": finish_reason(c.finish_reason)} for c in out.outputs]
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+            "usage": usage([out])}
+
+
+def completion_chunk(rid: str, model: str, created: int, index: int, text: str, reason: str | None) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason(reason)}]}
+
+
+def chat_chunk(rid: str, model: str, created: int, index: int, delta: dict, reason: str | None) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason(reason)}]}
+
+
+def usage_chunk(rid: str, model: str, created: int, obj: str, outs: list[RequestOutput]) -> dict:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage(outs)}
+
+
+def error_body(message: str, type_: str = "invalid_request_error", code: str | int | None = None,
+               param: str | None = None) -> dict:
+    """OpenAI's error object: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def now() -> int:
+    return int(time.time())

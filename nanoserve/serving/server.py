@@ -1,0 +1,335 @@
+"""An OpenAI-compatible HTTP server on top of the engine: `nanoserve serve --model demo`.
+
+Endpoints (what vLLM and TGI give their users, so existing clients work unchanged):
+
+    POST /v1/completions       text completion, streamed (server-sent events) or not
+    POST /v1/chat/completions  chat, for models that carry a chat template (nanoserve/serving/chat.py)
+    GET  /v1/models            the one model served
+    GET  /health               200 while the engine loop is alive, 503 after it failed
+    GET  /metrics              Prometheus text format (nanoserve/serving/metrics.py)
+
+The request path: the middleware (http_middleware.py) checks the key and the body's size,
+FastAPI parses the body into a pydantic model (openai_api.py, strict types), the fields become
+SamplingParams, a worker thread tokenizes and validates (`LLMEngine.new_request`; the event loop
+never tokenizes), `AsyncLLMEngine.submit` queues the request (errors raise before any response
+starts), and the handler reads the request's outputs as the engine steps: all of them for a
+plain response, a chunk per step for a stream.
+
+Failure is part of the interface, and /openapi.json documents it (openai_schema.py):
+- bad JSON, wrong types, unknown or unsupported fields, bad values, a prompt longer than the
+  context → 400 with OpenAI's error body, the message naming the value (and, for a long prompt,
+  both lengths);
+- a wrong or missing API key when the server has one → 401, before the body is read (only /v1/*:
+  probes and Prometheus stay open); an unknown model name or path → 404;
+- a body over `--max-body-bytes` (4 MiB) → 413, before it is parsed;
+- a full waiting queue (`--max-waiting`) → 429 with Retry-After; nothing is queued;
+- a request that fails inside the engine → 500 (or an error event in its stream) for it alone:
+  its blocks go back, other requests and /health go on (errors.py draws the line);
+- an error that breaks shared state (errors.is_fatal) → /health and every later request 503;
+- a client that disconnects — mid-stream, or while waiting for a plain response — aborts its
+  request, which leaves the engine and frees its KV blocks before the next step.
+
+The server binds to 127.0.0.1 unless told otherwise. Needs the `serve` extra (FastAPI, uvicorn,
+prometheus-client). Taught in notebooks/09_*.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from ..engine.outputs import RequestOutput
+from ..engine.scheduler import QueueFullError
+from ..errors import NanoserveError, RequestFailedError
+from . import openai_api as api
+from .async_engine import AsyncLLMEngine, EngineDeadError
+from .chat import ChatTemplate
+from .http_middleware import DEFAULT_MAX_BODY_BYTES, CountStatus, LimitBody, RequireKey
+from .metrics import ServerMetrics
+from .openai_schema import document_responses
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code=None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.headers = status, message, type_, code, headers
+
+
+def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
+               chat_template: ChatTemplate | None = None, retry_after: int = 1,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> CountStatus:
+    """The ASGI app serving `engine` under `model_name`; run it with uvicorn (see `serve`)."""
+    core = engine.engine
+    metrics = ServerMetrics(core, pending=lambda: engine.num_pending)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        await engine.shutdown()
+
+    app = FastAPI(title="nanoserve", lifespan=lifespan)
+    app.state.engine, app.state.metrics = engine, metrics
+    app.add_middleware(LimitBody, max_bytes=max_body_bytes)
+    app.add_middleware(RequireKey, api_key=api_key)  # outside LimitBody: no key, no body read at all
+
+    # ------------------------------------------------------------------ errors
+    def error(status: int, message: str, type_="invalid_request_error", code=None, headers=None) -> JSONResponse:
+        return JSONResponse(api.error_body(message, type_, code), status_code=status, headers=headers)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, e: APIError):
+        return error(e.status, e.message, e.type, e.code, e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, e: RequestValidationError):
+        return error(400, validation_message(e.errors()))
+
+    @app.exception_handler(NanoserveError)
+    async def _bad_value(request, e: NanoserveError):
+        if isinstance(e, QueueFullError):
+            return error(429, str(e), "rate_limit_error", "queue_full", {"Retry-After": str(retry_after)})
+        return error(400, str(e))
+
+    @app.exception_handler(RequestFailedError)
+    async def _failed(request, e: RequestFailedError):  # this request alone; the engine serves on
+        return error(500, str(e), "server_error", "request_failed")
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(request, e: EngineDeadError):
+        return error(503, str(e), "server_error", "engine_unavailable")
+
+    @app.exception_handler(HTTPException)
+    async def _http(request, e: HTTPException):  # unknown routes and methods, in OpenAI's shape too
+        return error(e.status_code, f"{request.method} {request.url.path}: {e.detail}", code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _bug(request, e: Exception):  # logged by uvicorn with its traceback; the client gets JSON
+        return error(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
+                           code="model_not_found")
+
+    # ------------------------------------------------------------------ plain endpoints
+    @app.get("/health")
+    async def health():
+        if engine.errored:
+            return error(503, "the engine loop failed; see the server's log", "server_error")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": api.now(),
+                                            "owned_by": "nanoserve", "max_model_len": core.max_model_len}]}
+
+    # ------------------------------------------------------------------ generation
+    async def add_all(prompts: list, params, rid: str, chat_messages: list[dict] | None = None
+                      ) -> list[AsyncIterator[RequestOutput]]:
+        """Queue every prompt or none. Tokenizing and validating run in a worker thread (a 4 MB prompt
+        takes a second to tokenize, and the event loop must keep serving /health and the streams);
+        queueing runs here on the loop, and undoes the queued ones if one is refused."""
+        def prepare():
+            ps = [chat_template.encode(chat_messages, core.tokenizer)] if chat_messages is not None else prompts
+            return [core.new_request(p, params, f"{rid}-{i}") for i, p in enumerate(ps)]
+
+        reqs = await asyncio.to_thread(prepare)
+        streams = []
+        try:
+            for req in reqs:
+                streams.append(engine.outputs(*engine.submit(req)))
+        except (NanoserveError, EngineDeadError):
+            for req in reqs[:len(streams)]:
+                engine.abort(req.output.request_id)
+            raise
+        return streams
+
+    @app.post("/v1/completions")
+    async def completions(body: api.CompletionRequest, request: Request):
+        check_model(body.model)
+        params = body.sampling_params(COMPLETION_DEFAULT_MAX_TOKENS)
+        rid, created = api.new_id("cmpl"), api.now()
+        streams = await add_all(body.prompts(), params, rid)
+        if body.stream:
+            chunk = lambda index, delta, reason, first: api.completion_chunk(  # noqa: E731
+                rid, model_name, created, index, delta, reason)
+            return _sse(streams, params.n, chunk, body.stream_options, rid, model_name, created, "text_completion",
+                        metrics)
+        outs = await _collect(streams, request, metrics)
+        return api.completion_response(rid, model_name, created, outs)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: api.ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        if chat_template is None:
+            raise APIError(400, f"the model {model_name!r} has no chat template, so it cannot serve chat "
+                                "completions; use /v1/completions, or start the server with --chat-template FILE",
+                           code="no_chat_template")
+        params = body.sampling_params(core.max_model_len)  # the engine stops at the context's end
+        rid, created = api.new_id("chatcmpl"), api.now()
+        streams = await add_all([], params, rid, body.message_dicts())
+        if body.stream:
+            def chunk(index, delta, reason, first):
+                d = {"role": "assistant", "content": delta} if first else ({"content": delta} if delta else {})
+                return api.chat_chunk(rid, model_name, created, index, d, reason)
+            return _sse(streams, params.n, chunk, body.stream_options, rid, model_name, created,
+                        "chat.completion.chunk", metrics)
+        outs = await _collect(streams, request, metrics)
+        return api.chat_response(rid, model_name, created, outs[0])
+
+    document_responses(app)  # /openapi.json: 400 (not 422), 401/404/413/429/500/503, SSE and text/plain
+    # outermost, around FastAPI's own error middleware, so that its 500s are counted too
+    return CountStatus(app, metrics)
+
+
+# ----------------------------------------------------------------------------- reading outputs
+async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several requests as they come; leaving early cancels (aborts) all."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, stream):
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+        except Exception as e:
+            queue.put_nowait((i, e))
+        queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        for _ in range(len(tasks)):
+            while True:
+                i, item = await queue.get()
+                if item is None:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()  # a pump still running is a request still in the engine: cancelling aborts it
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect(streams, request: Request, metrics: ServerMetrics) -> list[RequestOutput]:
+    """The finished output of each request; if the client leaves first, abort them all."""
+    last: dict[int, RequestOutput] = {}
+
+    async def drain():
+        async for i, out in _merge(streams):
+            last[i] = out
+
+    work, gone = asyncio.create_task(drain()), asyncio.create_task(_until_disconnected(request))
+    try:
+        await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (work, gone):
+            t.cancel()
+        await asyncio.gather(work, gone, return_exceptions=True)
+        for out in last.values():
+            metrics.observe(out)
+    if not work.done() or work.cancelled():
+        raise APIError(499, "client closed the request")  # nobody reads this; the request is aborted
+    work.result()  # re-raise an engine error
+    return [last[i] for i in range(len(streams))]
+
+
+def _sse(streams, n: int, chunk, options: api.StreamOptions | None, rid: str, model: str, created: int,
+         obj: str, metrics: ServerMetrics) -> StreamingResponse:
+    """Server-sent events: `data: {chunk}` per step with new tokens per choice, then `data: [DONE]`."""
+    include_usage = options is not None and options.include_usage
+    continuous = options is not None and options.continuous_usage_stats
+
+    async def events():
+        last: dict[int, RequestOutput] = {}
+        sent: dict[tuple[int, int], tuple[int, int]] = {}  # (prompt, sample) → (chars, tokens) sent
+        try:
+            async for i, out in _merge(streams):
+                last[i] = out
+                done = len(last) == len(streams) and all(o.finished for o in last.values())
+                chunks = []
+                for c in out.outputs:
+                    chars, tokens = sent.get((i, c.index), (0, 0))
+                    ended = tokens < 0  # the choice's final chunk was sent
+                    if ended or (len(c.token_ids) == tokens and not c.finish_reason):
+                        continue
+                    chunks.append(chunk(i * n + c.index, c.text[chars:], c.finish_reason, (i, c.index) not in sent))
+                    sent[(i, c.index)] = (len(c.text), -1 if c.finish_reason else len(c.token_ids))
+                if continuous:
+                    for ch in chunks:
+                        ch["usage"] = api.usage(list(last.values()))
+                if done and chunks and not include_usage:  # with include_usage, only OpenAI's final chunk has it
+                    chunks[-1]["usage"] = api.usage([last[j] for j in range(len(streams))])
+                for ch in chunks:
+                    yield f"data: {json.dumps(ch, ensure_ascii=False)}\n\n"
+            if include_usage:
+                usage = api.usage_chunk(rid, model, created, obj, [last[j] for j in range(len(streams))])
+                yield f"data: {json.dumps(usage)}\n\n"
+        except Exception as e:  # after the stream began: the queue filled meanwhile (rare), or the engine broke
+            kind = "invalid_request_error" if isinstance(e, NanoserveError) else "server_error"
+            yield f"data: {json.dumps(api.error_body(str(e), kind))}\n\n"
+        finally:
+            for out in last.values():
+                metrics.observe(out)
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def validation_message(errors: list[dict]) -> str:
+    """One readable line from pydantic's errors: which field, what was wrong."""
+    parts = []
+    for e in errors[:5]:
+        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        if e.get("type") == "json_invalid":
+            parts.append(f"the request body is not valid JSON ({e.get('ctx', {}).get('error', e.get('msg'))})")
+        elif e.get("type") == "extra_forbidden":
+            parts.append(f"unknown field {loc!r}: nanoserve does not implement it")
+        elif e.get("type") == "missing":
+            parts.append(f"field {loc!r} is required")
+        else:
+            parts.append(f"field {loc!r}: {e.get('msg')} (got {e.get('input')!r:.80})")
+    return "; ".join(parts) + (f"; and {len(errors) - 5} more" if len(errors) > 5 else "")
+
+
+# ----------------------------------------------------------------------------- running it
+def serve(model: str = "demo", host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          served_model_name: str | None = None, chat_template: str | None = None, log_level: str = "info",
+          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, **engine_kwargs) -> None:
+    """Load the model and serve it until interrupted (what `nanoserve serve` runs)."""
+    import uvicorn
+
+    from ..engine.llm_engine import LLMEngine
+    from .chat import load_chat_template, read_chat_template_file
+
+    core = LLMEngine(model, **engine_kwargs)
+    template = (read_chat_template_file(chat_template, core.tokenizer) if chat_template
+                else load_chat_template(model, core.tokenizer))
+    app = create_app(AsyncLLMEngine(core), served_model_name or str(model), api_key, template,
+                     max_body_bytes=max_body_bytes)
+    if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        print(f"[nanoserve] warning: serving on {host} without --api-key: anyone who can reach it can use it",
+              file=sys.stderr)
+    print(f"[nanoserve] serving {served_model_name or model} on http://{host}:{port}/v1 "
+          f"(chat: {'yes' if template else 'no template'}; device {core.device})", file=sys.stderr)
+    uvicorn.run(app, host=host, port=port, log_level=log_level)

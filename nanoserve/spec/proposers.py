@@ -1,0 +1,160 @@
+"""Proposers: where draft tokens come from.
+
+- `NgramProposer` (prompt lookup decoding): guess that the text repeats itself; no model.
+- `DraftModelProposer`: a small model with its own paged KV cache, batched over the engine's rows.
+- `NgramDraft`: NgramProposer behind the engine's batched proposer interface.
+
+The engine's speculative path (spec_decode.py) asks one of the last two for each step's drafts.
+Taught in notebooks/08_*.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..engine.block_allocator import BlockAllocator
+from ..engine.model_runner import ModelRunner
+from ..engine.sampler import SamplingParams, probs_from_logits
+from ..engine.sequence import Sequence as SequenceState
+from ..errors import check, is_int
+from .rejection_sampler import check_gamma
+
+
+class DraftProposer(Protocol):
+    """A draft model, per sequence (the engine's proposers in nanoserve/spec_decode.py do the same for a
+    batch of rows at once)."""
+
+    def propose(self, token_ids: list[int], k: int,
+                generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor | None]:
+        """Up to k tokens continuing token_ids: draft_ids (0 ≤ k' ≤ k of them) and q [k', V], row i the
+        law x_i was drawn from given token_ids + x_1..x_{i-1}; None when deterministic (greedy). An
+        n-gram proposal is the q = None case: (NgramProposer.propose(token_ids, k), None)."""
+        ...
+
+
+@dataclass
+class NgramProposer:
+    """Prompt lookup decoding: guess that the text repeats itself. Take the sequence's last n tokens,
+    find their most recent earlier occurrence, and propose the tokens that followed it. Longer
+    matches are tried first (n = max_n down to min_n): they predict better. No model, so q is
+    one-hot (`rejection_sample(..., q=None, ...)`). A linear scan, O(len · n) per call."""
+
+    max_n: int = 3
+    min_n: int = 1
+    num_speculative_tokens: int = 4  # γ: the default k of propose
+
+    def __post_init__(self) -> None:
+        check(is_int(self.min_n) and is_int(self.max_n) and 1 <= self.min_n <= self.max_n,
+               f"need integers 1 ≤ min_n ≤ max_n, got min_n={self.min_n!r}, max_n={self.max_n!r}")
+        check_gamma(self.num_speculative_tokens, "num_speculative_tokens")
+
+    def propose(self, token_ids: Sequence[int], k: int | None = None) -> list[int]:
+        """Up to k (default γ) tokens; fewer when the match sits near the end, none without a match."""
+        k = self.num_speculative_tokens if k is None else k
+        check(is_int(k) and k >= 0, f"k={k!r} must be an integer ≥ 0")
+        tokens = list(token_ids)
+        length = len(tokens)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            suffix = tokens[length - n:]
+            for start in range(length - n - 1, -1, -1):  # most recent first; the suffix itself excluded
+                if tokens[start:start + n] == suffix:
+                    return tokens[start + n:start + n + k]
+        return []
+
+
+class DraftModelProposer:
+    """A small model with its own paged KV cache; one draft `Sequence` per target sequence."""
+
+    def __init__(self, model, num_blocks: int, block_size: int, attention_backend: str | None):
+        self.runner = ModelRunner(model, num_blocks, block_size, attention_backend)
+        self.bm = BlockAllocator(num_blocks, block_size, enable_prefix_caching=False)
+        self.seqs: dict[int, SequenceState] = {}  # target seq_id -> draft sequence
+
+    def propose(self, rows: list[tuple[Sequence, int, SamplingParams, torch.Generator | None]]):
+        """rows: (target sequence, γ, params, generator) -> per row (draft ids, q [γ, V] or None)."""
+        active = []  # (row index, draft seq)
+        for i, (seq, _, _, _) in enumerate(rows):
+            d = self._sync(seq)
+            if d is not None:
+                active.append((i, d))
+        drafts: list[list[int]] = [[] for _ in rows]
+        qs: list[list[torch.Tensor]] = [[] for _ in rows]
+        while active:
+            num_new = [len(d) - d.num_computed_tokens for _, d in active]
+            logits = self.runner.run([d for _, d in active], num_new)  # A, V
+            still = []
+            for (i, d), row_logits in zip(active, logits):
+                _, gamma, params, gen = rows[i]
+                if params.greedy:
+                    token = int(row_logits.argmax())
+                else:
+                    q = probs_from_logits(row_logits, params.temperature, params.top_k, params.top_p)  # V
+                    token = int(torch.multinomial(q, 1, generator=gen))
+                    qs[i].append(q)
+                drafts[i].append(token)
+                if len(drafts[i]) < gamma and self._append(d, token):
+                    still.append((i, d))
+            active = still
+        return [(drafts[i], torch.stack(qs[i]) if qs[i] else None) for i in range(len(rows))]
+
+    def _sync(self, seq: SequenceState) -> SequenceState | None:
+        """Bring the draft sequence to the target's tokens (K/V of all but the last to compute)."""
+        d = self.seqs.get(seq.seq_id)
+        if d is None:
+            d = SequenceState(list(seq.token_ids))
+            if not self.bm.can_allocate(d):
+                return None
+            self.bm.allocate(d)
+            self.seqs[seq.seq_id] = d
+            return d
+        for token in seq.token_ids[len(d):]:  # the tokens accepted since (rollback left a prefix)
+            if not self._append(d, token):
+                self.free(seq)
+                return None
+        return d
+
+    def _append(self, d: SequenceState, token: int) -> bool:
+        d.append_token(token)
+        if not self.bm.can_append(d):
+            d.token_ids.pop()
+            return False
+        self.bm.append_slot(d)
+        return True
+
+    def rollback(self, seq: SequenceState, num_valid: int) -> None:
+        """Keep the draft's first num_valid tokens (those the target accepted)."""
+        d = self.seqs.get(seq.seq_id)
+        if d is None:
+            return
+        keep = min(d.num_computed_tokens, num_valid)
+        if keep < 1:
+            self.free(seq)
+            return
+        del d.token_ids[keep:]
+        d.num_computed_tokens = keep
+        self.bm.truncate(d, keep)
+
+    def free(self, seq: SequenceState) -> None:
+        d = self.seqs.pop(seq.seq_id, None)
+        if d is not None:
+            self.bm.free(d)
+
+
+class NgramDraft:
+    """Prompt lookup decoding: no second model, q is one-hot."""
+
+    def __init__(self, max_n: int, min_n: int):
+        self.proposer = NgramProposer(max_n=max_n, min_n=min_n)
+
+    def propose(self, rows):
+        return [(self.proposer.propose(seq.token_ids, gamma), None) for seq, gamma, _, _ in rows]
+
+    def rollback(self, seq: SequenceState, num_valid: int) -> None:
+        pass
+
+    def free(self, seq: SequenceState) -> None:
+        pass

@@ -1,0 +1,208 @@
+"""Speculative decoding inside the continuous engine: propose, verify in one forward, roll back.
+
+nanoserve/spec/rejection_sampler.py holds the algorithm (the rejection sampler, the n-gram proposer, a
+reference loop over toy models). This file runs it on the engine's real pieces, batched across
+requests, in each `LLMEngine.step()`:
+
+1. **Which rows.** A row that is decoding (its only new token is its last one) may speculate;
+   prefill chunks run as usual beside it. Its γ is the request's own: adaptive (below), capped
+   by the tokens it may still generate, the context, and the step's leftover token budget — a
+   saturated engine has none left and decodes plainly (speculation buys latency with compute,
+   which a full batch no longer has to spare).
+2. **Propose.** A *draft model* runs γ small forwards on its own paged KV cache (its own block
+   pool, a draft `Sequence` shadowing each target sequence), drafting x₁..x_γ from q at the
+   request's temperature / top-k / top-p (greedy: argmax). Or *n-gram lookup* (prompt lookup
+   decoding): copy what followed the latest earlier occurrence of the last few tokens — no model.
+3. **Verify.** The drafts are appended to the target sequence (each gets a KV slot through the
+   block allocator, copy-on-write included) and the target computes all γ + 1 positions in one
+   forward: logits for p₁..p_{γ+1}. Decoding is memory-bound on a GPU, so scoring γ + 1 tokens
+   costs about as much as scoring 1.
+4. **Accept.** `rejection_sample` keeps x_i with probability min(1, p/q), replaces the first
+   rejected one by a draw from normalize(max(p − q, 0)), and adds a bonus token from p_{γ+1} when
+   all were kept: between 1 and γ + 1 tokens, distributed exactly as the target alone would
+   sample them. Greedy requests use `greedy_verify` (the target's argmax, token for token).
+5. **Roll back.** Rejected drafts leave the sequence; `num_computed_tokens` drops to the kept
+   prefix (their K/V slots are overwritten later) and blocks past it return to the pool
+   (`BlockAllocator.truncate`) — before `mark_computed`, so no block holding a rejected token's
+   K/V ever becomes a prefix-cache entry. The draft cache rolls back the same way.
+
+**Adaptive γ and the switch-off** (per sample). With acceptance rate α the expected tokens per
+verification are E(γ) = (1 − α^(γ+1)) / (1 − α) (Leviathan et al. 2023), at a cost of about
+1 + c·γ target-forward units, c = draft parameters / target parameters (what a forward reads
+on a GPU and computes on a CPU both scale with them; 0 for n-gram lookup). A measured time
+ratio would adapt to the machine but make seeded outputs depend on timing; this keeps them
+reproducible.
+After each verification α is re-estimated (an exponential moving average) and the next γ is the
+one maximising E(γ) / (1 + c·γ). When no γ is expected to pay (α below `min_acceptance`, or the
+best ratio ≤ 1), the sample decodes plainly and probes again with γ = 1 every `probe_interval`
+steps — so a useless draft costs a probe now and then, not every step.
+
+Requests with a repetition penalty decode plainly (their p depends on every earlier token,
+drafts included, which the one-forward verification does not model). Taught in notebooks/08_*.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..engine.block_allocator import BlockAllocator
+from ..engine.outputs import SpecStats
+from ..engine.sampler import SamplingParams, probs_from_logits
+from ..engine.sequence import Sequence
+from ..errors import NanoserveError
+from .rejection_sampler import MAX_SPECULATIVE_TOKENS, expected_tokens_per_step, greedy_verify, rejection_sample
+
+SPECULATIVE_METHODS = ("draft", "ngram")
+
+
+@dataclass
+class SpecDecodeConfig:
+    method: str  # "draft" (a small model) or "ngram" (prompt lookup)
+    num_speculative_tokens: int = 4  # γ: the most tokens drafted per step
+    draft_model: str | None = None  # for method="draft": a shipped name, checkpoint dir or .bin
+    adaptive: bool = True  # pick each sample's γ from its observed acceptance (else always γ)
+    min_acceptance: float = 0.3  # below this estimated α a sample stops speculating (then probes)
+    probe_interval: int = 16  # plain steps between probes of a switched-off sample
+    ngram_max: int = 3  # n-gram lookup: longest and shortest suffix to match
+    ngram_min: int = 1
+
+    def validate(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise NanoserveError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                                 f"got {self.method!r}")
+        g = self.num_speculative_tokens
+        if not isinstance(g, int) or isinstance(g, bool) or not 1 <= g <= MAX_SPECULATIVE_TOKENS:
+            raise NanoserveError(f"num_speculative_tokens={g!r} must be an integer in 1..{MAX_SPECULATIVE_TOKENS}")
+        if self.method == "draft" and not self.draft_model:
+            raise NanoserveError("speculative decoding with a draft model needs speculative_model=<name or path>")
+        if not 0 <= self.min_acceptance < 1:
+            raise NanoserveError(f"min_acceptance={self.min_acceptance!r} must be in [0, 1)")
+
+
+@dataclass
+class _SampleState:
+    gamma: int
+    alpha: float = 0.8  # prior estimate of α, replaced by observation within a few steps
+    plain_steps: int = 0  # consecutive steps without speculation (switched off)
+    stats: SpecStats = field(default_factory=SpecStats)
+
+
+@dataclass
+class Proposal:
+    seq: Sequence
+    params: SamplingParams
+    generator: torch.Generator | None
+    draft_ids: list[int]
+    q: torch.Tensor | None  # [γ, V] draft distributions; None: deterministic (greedy / n-gram)
+    start_len: int  # the sequence's length before the drafts were appended
+
+
+class SpecDecoder:
+    """The engine's speculative path: choose γ per row, propose, extend, and after the target's
+    forward accept and roll back. Owned by LLMEngine; `proposer` is a DraftModelProposer or NgramDraft."""
+
+    def __init__(self, config: SpecDecodeConfig, proposer, block_manager: BlockAllocator, max_model_len: int,
+                 cost: float = 0.0):
+        self.config, self.proposer, self.bm, self.max_model_len = config, proposer, block_manager, max_model_len
+        self.cost = cost  # c: a drafted token's cost in target forwards
+        self.states: dict[int, _SampleState] = {}
+        self.copies: list[tuple[int, int]] = []  # copy-on-write block copies from the last extension
+
+    # ------------------------------------------------------------------ γ
+    def state(self, seq: Sequence) -> _SampleState:
+        if seq.seq_id not in self.states:
+            self.states[seq.seq_id] = _SampleState(gamma=self.config.num_speculative_tokens)
+        return self.states[seq.seq_id]
+
+    def choose_gamma(self, seq: Sequence, params: SamplingParams, tokens_left: int) -> int:
+        """This step's γ for a decoding sample (0 = decode plainly)."""
+        if params.repetition_penalty != 1.0:
+            return 0
+        st = self.state(seq)
+        gamma = st.gamma
+        if gamma == 0:  # switched off: probe with γ = 1 now and then
+            st.plain_steps += 1
+            if st.plain_steps < self.config.probe_interval:
+                return 0
+            st.plain_steps, gamma = 0, 1
+        room = min(tokens_left - 1, self.max_model_len - len(seq) - 1)  # the bonus token needs room too
+        return max(0, min(gamma, room))
+
+    def _update_gamma(self, st: _SampleState, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        # Each draft token is a coin with P(accept) = α, tossed until the first rejection: the coins
+        # tossed are the accepted ones plus the rejection, if any (accepted / drafted would count
+        # the never-tossed drafts after a rejection as failures and underestimate α).
+        tossed = accepted + (accepted < drafted)
+        w = min(1.0, tossed / 8)  # about 8 tosses of memory
+        st.alpha = (1 - w) * st.alpha + w * (accepted / tossed)
+        if not self.config.adaptive:
+            return
+        if st.alpha < self.config.min_acceptance:
+            st.gamma = 0
+            return
+        best, best_gain = 0, 1.0
+        for g in range(1, self.config.num_speculative_tokens + 1):
+            gain = expected_tokens_per_step(st.alpha, g) / (1 + self.cost * g)
+            if gain > best_gain * (1 + 1e-9):
+                best, best_gain = g, gain
+        st.gamma = best
+
+    # ------------------------------------------------------------------ one step
+    def propose_and_extend(self, rows) -> list[Proposal]:
+        """rows: (seq, γ, params, generator) with γ ≥ 1. Drafts, then appends them to each target
+        sequence with KV slots (copy-on-write copies go to `copies`); returns what to verify. A
+        proposal may hold fewer drafts than asked (n-gram without a match, a full pool), even none."""
+        proposals, self.copies = [], []
+        drafted = self.proposer.propose(rows)
+        for (seq, gamma, params, gen), (draft_ids, q) in zip(rows, drafted):
+            start = len(seq)
+            kept = 0
+            for token in draft_ids[:gamma]:
+                seq.append_token(token)
+                if not self.bm.can_append(seq):  # the pool is full: verify what has a slot
+                    seq.token_ids.pop()
+                    break
+                copy = self.bm.append_slot(seq)
+                if copy is not None:
+                    self.copies.append(copy)
+                kept += 1
+            proposals.append(Proposal(seq, params, gen, draft_ids[:kept], None if q is None else q[:kept], start))
+        return proposals
+
+    def accept(self, prop: Proposal, logits: torch.Tensor) -> list[int]:
+        """logits [γ+1, V] of the verification -> the 1..γ+1 tokens to emit. Rolls the sequence back
+        to its tokens before the drafts, with K/V computed through the last accepted draft; the
+        caller appends the returned tokens through the normal output path (stop checks included),
+        the last of which, as after any decode step, still needs its K/V slot."""
+        seq, params, gamma = prop.seq, prop.params, len(prop.draft_ids)
+        draft = torch.tensor(prop.draft_ids, dtype=torch.long)  # γ
+        if params.greedy:
+            tokens, accepted = greedy_verify(draft, logits)
+        else:
+            p = probs_from_logits(logits, params.temperature, params.top_k, params.top_p)  # γ+1, V
+            tokens, accepted = rejection_sample(draft, prop.q, p, prop.generator)
+        # Positions start_len − 1 (the old last token) .. start_len − 1 + accepted hold valid K/V.
+        del seq.token_ids[prop.start_len:]
+        seq.num_computed_tokens = prop.start_len + accepted
+        self.bm.truncate(seq, seq.num_computed_tokens)
+        self.proposer.rollback(seq, seq.num_computed_tokens)
+        st = self.state(seq)
+        st.stats.num_steps += 1
+        st.stats.num_draft_tokens += gamma
+        st.stats.num_accepted_tokens += accepted
+        st.stats.num_emitted_tokens += len(tokens)
+        st.stats.num_rejections += accepted < gamma
+        self._update_gamma(st, gamma, accepted)
+        return tokens
+
+    def free(self, seq: Sequence) -> None:
+        self.proposer.free(seq)
+        self.states.pop(seq.seq_id, None)
+
+    def stats(self, seq: Sequence) -> SpecStats | None:
+        st = self.states.get(seq.seq_id)
+        return None if st is None else st.stats

@@ -1,0 +1,133 @@
+"""HF ``tokenizer.json`` (byte-level BPE) converted to tiktoken's mergeable ranks, with the
+pre-tokenizer's split regex and normalizer reproduced.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import regex
+
+from .base import BOS_NAMES, ENDOFTEXT, EOS_NAMES, GPT2_PATTERN, TokenizerError, read_json
+from .bpe import TiktokenTokenizer, bpe_ranks, make_encoding
+
+
+def hf_tokenizer(path: str | os.PathLike) -> TiktokenTokenizer:
+    """A HF ``tokenizer.json`` byte-level BPE, converted to tiktoken ranks.
+
+    Supported pre-tokenizers: ``ByteLevel`` (GPT-2 regex); ``Sequence[Split(regex), ByteLevel(use_regex=
+    False)]`` (Llama-3, Qwen2); either one after a ``Digits`` or ``Split`` step (SmolLM); normalizers: none
+    or one unicode form (NFC ...). All added tokens become special tokens; like every nanoserve tokenizer,
+    encode() treats their text as ordinary text (HF would match non-special added tokens in the text).
+    BOS / EOS come from ``tokenizer_config.json`` beside the file, else from common token names.
+
+    Known gap: HF merges only listed pairs, tiktoken any pair that forms a token; `bpe_ranks` rejects the
+    vocabularies where that can matter in ways we can check, and the tests compare with HF directly.
+    """
+    path = Path(path)
+    spec = read_json(path)
+    model = spec.get("model") if isinstance(spec, dict) else None
+    if not isinstance(model, dict) or model.get("type") != "BPE":
+        kind = model.get("type") if isinstance(model, dict) else None
+        raise TokenizerError(
+            f"{path}: model type {kind!r}; only byte-level 'BPE' tokenizer.json is supported"
+        )
+    for key in ("continuing_subword_prefix", "end_of_word_suffix", "dropout"):
+        if model.get(key):
+            raise TokenizerError(f"{path}: BPE option {key}={model[key]!r} is not supported (must be null)")
+    pat_str, presplit, add_prefix_space = _hf_pre_tokenizer(spec.get("pre_tokenizer"), path)
+    normalization = _hf_normalizer(spec.get("normalizer"), path)
+    added = {t["content"]: t["id"] for t in spec.get("added_tokens") or []}
+    vocab = model.get("vocab") or {}
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model.get("merges") or []]
+    ranks = bpe_ranks(vocab, merges, set(added.values()), path)
+    encoding = make_encoding(path.parent.name or "tokenizer.json", ranks, pat_str, added)
+
+    config_path = path.with_name("tokenizer_config.json")
+    config = read_json(config_path) if config_path.is_file() else {}
+    names = {**vocab, **added}  # vocab keys are byte-level strings: equal to the text for printable ASCII
+    bos_id = _special_id(config, "bos_token", BOS_NAMES, names, config_path)
+    eos_id = _special_id(config, "eos_token", EOS_NAMES, names, config_path)
+    if bos_id is None and "bos_token" not in config and eos_id is not None and eos_id == names.get(ENDOFTEXT):
+        bos_id = eos_id  # GPT-2's convention: <|endoftext|> starts and ends documents
+    return TiktokenTokenizer(
+        encoding,
+        bos_id=bos_id,
+        eos_id=eos_id,
+        normalization=normalization,
+        presplit=presplit,
+        add_prefix_space=add_prefix_space,
+    )
+
+
+def _hf_pre_tokenizer(spec: dict | None, where: Path) -> tuple[str, str | None, bool]:
+    """(tiktoken regex, presplit regex or None, add_prefix_space) for a tokenizer.json pre_tokenizer."""
+    if spec and spec.get("type") == "Sequence":
+        steps = list(spec.get("pretokenizers") or [])
+    else:
+        steps = [spec] if spec else []
+    if not steps or steps[-1].get("type") != "ByteLevel":
+        raise TokenizerError(
+            f"{where}: pre_tokenizer {spec!r} is not byte-level; supported: ByteLevel, or a Sequence ending "
+            "in ByteLevel (after at most a Split and a Split/Digits step)"
+        )
+    byte_level = steps.pop()
+    if byte_level.get("use_regex", True):
+        pat_str = GPT2_PATTERN
+    elif steps and steps[-1].get("type") == "Split":
+        pat_str = _split_regex(steps.pop(), where)
+    else:
+        raise TokenizerError(f"{where}: ByteLevel(use_regex=false) must follow a Split pre-tokenizer")
+    if len(steps) > 1:
+        raise TokenizerError(
+            f"{where}: {len(steps) + 1} splitting steps before ByteLevel; at most 2 are supported"
+        )
+    presplit = _split_regex(steps[0], where) if steps else None
+    return pat_str, presplit, bool(byte_level.get("add_prefix_space", False))
+
+
+def _split_regex(step: dict, where: Path) -> str:
+    """The regex of a Split(behavior=Isolated) or Digits pre-tokenizer step."""
+    if step.get("type") == "Digits":
+        return r"\p{N}" if step.get("individual_digits") else r"\p{N}+"
+    if step.get("type") != "Split" or step.get("behavior") != "Isolated" or step.get("invert"):
+        raise TokenizerError(
+            f"{where}: pre-tokenizer step {step!r} is not supported; allowed: Split(behavior=Isolated, "
+            "invert=false), Digits"
+        )
+    pattern = step.get("pattern") or {}
+    if "Regex" in pattern:
+        return pattern["Regex"]
+    if "String" in pattern:
+        return regex.escape(pattern["String"])
+    raise TokenizerError(f"{where}: Split pattern {pattern!r} has neither 'Regex' nor 'String'")
+
+
+def _hf_normalizer(spec: dict | None, where: Path) -> str | None:
+    """The unicode normalization form of a tokenizer.json normalizer (None, NFC/NFD/NFKC/NFKD)."""
+    if spec is None:
+        return None
+    if spec.get("type") == "Sequence" and len(spec.get("normalizers") or []) <= 1:
+        inner = spec.get("normalizers") or []
+        return _hf_normalizer(inner[0], where) if inner else None
+    if spec.get("type") in ("NFC", "NFD", "NFKC", "NFKD"):
+        return spec["type"]
+    raise TokenizerError(
+        f"{where}: normalizer {spec!r} is not supported; allowed: null, NFC, NFD, NFKC, NFKD"
+    )
+
+
+def _special_id(
+    config: dict, key: str, fallbacks: tuple[str, ...], names: dict[str, int], where: Path
+) -> int | None:
+    """The id of config[key] (a token string or {"content": ...}); without the key, the first known name."""
+    if key not in config:
+        return next((names[n] for n in fallbacks if n in names), None)
+    value = config[key]
+    name = value.get("content") if isinstance(value, dict) else value
+    if name is None:
+        return None
+    if name not in names:
+        raise TokenizerError(f"{where}: {key} {name!r} is not a token of the vocabulary")
+    return names[name]
