@@ -19,7 +19,7 @@ Sub-tasks, in the order the tests check them (each step extends the same kernel)
        block_tables before the new keys (which sit at positions P..P + Lk − 1). Unused slots of the pool
        hold NaN in the tests: a load that is not masked to t < P poisons the output.
 The tests never give a query that sees no key (Lq ≤ P + Lk in every sequence, as in the engine).
-Input checks are not part of the exercise: nanoserve.kernels.flash_attention._validate does them if you want.
+Input checks are not part of the exercise: nanoserve.kernels.checks.check_flash_attention does them if you want.
 
 Triton on a machine without CUDA: kernels run in Triton's interpreter, which must be switched on
 (TRITON_INTERPRET=1) before triton is first imported. The tests do that for you (tests/conftest.py);

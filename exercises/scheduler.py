@@ -5,7 +5,7 @@ below inherits nanoserve's and overrides only the methods you write; the rest is
 to call: the queues (`self.waiting`, sorted by `Sequence.sort_key`; `self.running`, in admission
 order), `_enqueue(seq)` (into the waiting queue at its sorted place), `_make_room(seq, index, out)`
 (the preemption loop: give a decoding sequence's new token a slot, calling your `_pick_victim`
-and `_preempt` while the pool is full), `self.config` and the block manager `self.bm`.
+and `_preempt` while the pool is full), `self.config` and the block allocator `self.block_allocator`.
 Taught in notebooks/03_batching.ipynb (sections 2 and 4). Check your work with
 
     make exercises EX=ex06        # or: .venv/bin/pytest tests/exercises -m ex06 --impl exercises
@@ -40,7 +40,8 @@ class Scheduler(nanoserve.engine.scheduler.Scheduler):
             "Exercise 6.4: out = SchedulerOutput() and budget = config.max_num_batched_tokens; loop i over "
             "self.running (if seq.needs_slot and not self._make_room(seq, i, out): continue without i += 1), "
             "out.add(seq, n) for n > 0 and subtract n from the budget; return early if out.preempted; then "
-            "admit from self.waiting[0] with self.bm.allocate while budget, max_num_seqs and can_allocate allow "
+            "admit from self.waiting[0] with self.block_allocator.allocate while budget, max_num_seqs and "
+            "can_allocate allow "
             "(roughly 28 lines; see notebooks/03_batching, sections 2 and 4, 'The scheduler step' and "
             "'Preemption: when the pool runs dry')")
 
@@ -63,7 +64,8 @@ class Scheduler(nanoserve.engine.scheduler.Scheduler):
     def _preempt(self, seq: Sequence) -> None:
         """Recompute-style preemption: free every block; the tokens stay, the KV will be recomputed."""
         raise NotImplementedError(
-            "Exercise 6.3: take seq out of self.running, self.bm.free(seq) (its KV is dropped: num_computed_tokens "
+            "Exercise 6.3: take seq out of self.running, self.block_allocator.free(seq) (its KV is dropped: "
+            "num_computed_tokens "
             "goes to 0), clear seq.needs_slot, count it in seq.num_preemptions and self.num_preemptions, and "
             "self._enqueue(seq) back into the waiting queue, tokens and all "
             "(roughly 6 lines; see notebooks/03_batching, section 4, 'Preemption: when the pool runs dry')")

@@ -24,15 +24,11 @@ written out in fp16: dequantize-then-matmul reads 0.52 bytes, writes 2 and reads
 slower than plain fp16. The fused kernel turns codes into fp16/fp32 values in registers, right
 before they meet A, and W exists nowhere in memory.
 
-**Large M: the torch fallback.** As M grows each weight serves more rows of A, the matmul
-becomes compute-bound and the saving fades, while this kernel's tl.dot competes with cuBLAS. On
-CUDA, `dequant_matmul` hands M ≥ TORCH_MIN_M (64) to packing.dequantize_gptq + torch.matmul, so
-the matmul itself runs at fp16 speed. The intent is "never slower than fp16 at batch ≥ 64", but
-note what it costs: every call first writes an fp16 W (≥ 0.52 + 2 bytes per weight, more as
-dequantize_gptq is several torch passes). By a roofline estimate for an H100 (~990 Tflop/s fp16,
-3.35 TB/s) that is ~2× an fp16 layer at M = 64, falling to ~1.1× at M = 4096 (prefill); only a
-cached fp16 W, which gives back the memory int4 saved, would be as fast as fp16. The threshold
-and that estimate are unmeasured: benchmark before trusting either.
+**Large M: the torch fallback.** As M grows each weight serves more rows of A and the matmul
+becomes compute-bound, so on CUDA `dequant_matmul` hands M ≥ TORCH_MIN_M (64) to
+packing.dequantize_gptq + torch.matmul. Every call then first writes an fp16 W: by a roofline
+estimate for an H100 ~2× an fp16 layer at M = 64, ~1.1× at M = 4096. Both the threshold and the
+estimate are unmeasured: benchmark before trusting either.
 
 **Two kernels.**
 - `_dequant_gemm_kernel`, for M > 16: the textbook tiled GEMM. One program per
@@ -47,20 +43,15 @@ and that estimate are unmeasured: benchmark before trusting either.
   partials in whatever order programs finish, so results would change in the last bits from
   run to run; the buffer's extra traffic (split_k · M · N · 4 bytes: 128 KiB for M = 1,
   N = 4096, split_k = 8, beside 8 MiB of weights) is small. With split_k = 1 the kernel
-  writes C directly. A split whose range is empty (more splits than tiles) writes zeros.
-  `choose_split_k` says how many splits fill a GPU.
+  writes C directly; an empty split writes zeros. `choose_split_k` says how many fill a GPU.
 
-And a third, with no matmul: `dequantize_int4` writes W [N, K] out (the layout and values of
-packing.dequantize_gptq) in one pass, one program per [BLOCK_K, BLOCK_N] tile, with the same
-`_dequant_tile` the two kernels above use: the dequantize step of "dequantize + cuBLAS" for large M.
+A third, `dequantize_int4`, writes W [N, K] out (packing.dequantize_gptq's layout and values) in
+one pass with the same `_dequant_tile`: the dequantize step of "dequantize + cuBLAS" for large M.
 
-**Precision.** Accumulation is fp32. In Triton's interpreter (no GPU), which cannot do bf16
-arithmetic, tiles become fp32 right after their load (`UPCAST`, DESIGN.md §5). On a GPU, w is
-cast to A's dtype for the tensor cores (as the torch fallback does: a product of a code
-difference and an fp16 scale rounds once), and fp32 inputs use IEEE fp32 (not TF32). Tiles are
-small in the interpreter (each program step costs milliseconds) and larger on a GPU.
-`dequant_matmul_ref` is the plain-torch reference: packing.dequantize_gptq, then a matmul in fp32.
-Taught in notebooks/07_int4_kernel.ipynb (exercise 11: `dequantize_int4`).
+**Precision.** Accumulation is fp32. The interpreter cannot do bf16 arithmetic, so there tiles
+become fp32 right after their load (`UPCAST`). On a GPU, w is cast to A's dtype for the tensor
+cores (as the torch fallback does), and fp32 inputs use IEEE fp32 (not TF32). `dequant_matmul_ref`
+is the plain-torch reference. Taught in notebooks/07_int4_kernel.ipynb (exercise 11: `dequantize_int4`).
 """
 
 from __future__ import annotations
@@ -71,9 +62,8 @@ import triton.language as tl
 
 from nanoserve.quant.packing import check_gptq, dequantize_gptq
 
-from .paged_attention import _can_read_values
+from .checks import DTYPES, can_read_values, check_dequant_matmul
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 GEMV_MAX_M = 16  # M ≤ this: split-K GEMV (all rows in one tile of 16)
 TORCH_MIN_M = 64  # on CUDA, M ≥ this: dequantize + torch.matmul
 MIN_TILES_PER_SPLIT = 4  # choose_split_k: a split must have work enough to pay for the second pass
@@ -195,7 +185,7 @@ def dequant_matmul(a: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
     M ≤ 16: split-K GEMV (split_k: None = `choose_split_k`); larger M: the tiled GEMM, or on CUDA
     with M ≥ 64 dequantize + torch.matmul.
     """
-    K, N = _check_inputs(a, qweight, qzeros, scales, g_idx, bits, split_k)
+    K, N = check_dequant_matmul(a, qweight, qzeros, scales, g_idx, bits, split_k)
     M = a.shape[0]
     if M <= GEMV_MAX_M:
         return _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k)
@@ -207,13 +197,13 @@ def dequant_matmul(a: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
 
 def dequant_gemm(a, qweight, qzeros, scales, g_idx, bits: int = 4) -> torch.Tensor:
     """The tiled GEMM kernel alone, for any M (no torch fallback); arguments as `dequant_matmul`."""
-    K, N = _check_inputs(a, qweight, qzeros, scales, g_idx, bits, None)
+    K, N = check_dequant_matmul(a, qweight, qzeros, scales, g_idx, bits, None)
     return _launch_gemm(a, qweight, qzeros, scales, g_idx, K, N)
 
 
 def dequant_gemv(a, qweight, qzeros, scales, g_idx, bits: int = 4, *, split_k: int | None = None) -> torch.Tensor:
     """The split-K GEMV kernel alone, for M ≤ 16; arguments as `dequant_matmul`."""
-    K, N = _check_inputs(a, qweight, qzeros, scales, g_idx, bits, split_k)
+    K, N = check_dequant_matmul(a, qweight, qzeros, scales, g_idx, bits, split_k)
     if a.shape[0] > GEMV_MAX_M:
         raise ValueError(f"the GEMV kernel takes M ≤ {GEMV_MAX_M} rows, got M={a.shape[0]}")
     return _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k)
@@ -230,9 +220,9 @@ def dequantize_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.T
     tensors once and writes W once, the dequantize step of "dequantize + cuBLAS" for large M. It is
     also the reference of exercise 11 (exercises/dequant_matmul.py, notebooks/07_int4_kernel section 3).
     """
-    K, N, _ = check_gptq(qweight, qzeros, scales, g_idx, 4, check_values=_can_read_values())
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+    K, N, _ = check_gptq(qweight, qzeros, scales, g_idx, 4, check_values=can_read_values())
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     on_gpu = qweight.is_cuda
     # Triton's interpreter converts fp32 to bf16 by truncation, where a GPU (and torch) rounds to
     # nearest even: there the kernel writes fp32 and torch rounds.
@@ -308,21 +298,3 @@ def _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k) -> torch.Tens
         **({"num_warps": 4, "num_stages": 2} if on_gpu else {}),
     )
     return p if split_k == 1 else p.sum(dim=0).to(a.dtype)  # M, N   the second pass: a fixed order
-
-
-# ----------------------------------------------------------------------------- validation
-def _check_inputs(a, qweight, qzeros, scales, g_idx, bits, split_k) -> tuple[int, int]:
-    """Raise ValueError on inconsistent inputs; return (K, N)."""
-    if bits != 4:
-        raise ValueError(f"dequant_matmul is a 4-bit kernel (W4A16), got bits={bits!r}; "
-                         "use dequant_matmul_ref for 2 and 8 bits")
-    K, N, _ = check_gptq(qweight, qzeros, scales, g_idx, bits, check_values=_can_read_values())
-    if a.dim() != 2 or a.shape[1] != K:
-        raise ValueError(f"a must be [M, K] = [M, {K}] (K = 8 · qweight rows), got {tuple(a.shape)}")
-    if a.dtype not in _DTYPES:
-        raise ValueError(f"a must be one of {_DTYPES}, got {a.dtype}")
-    if a.device != qweight.device:
-        raise ValueError(f"a is on {a.device}, the weights on {qweight.device}")
-    if split_k is not None and (not isinstance(split_k, int) or split_k < 1):
-        raise ValueError(f"split_k must be an int ≥ 1 or None, got {split_k!r}")
-    return K, N

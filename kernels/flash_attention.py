@@ -41,12 +41,13 @@ fill them with NaN) cannot leak in.
 
 **GQA.** H query heads share Hkv kv heads: query head h reads kv head h // (H // Hkv).
 
-Triton notes (DESIGN.md §5): on CPU this runs in Triton's interpreter, which cannot do bf16
-arithmetic, so there every tile is converted to fp32 straight after its load (`UPCAST`); on a
-GPU, q·kᵀ and p·v stay in the input dtype for tensor cores (fp32 inputs use TF32 there, so GPU
-tests compare with a tolerance). Tiles are 16×16 in the interpreter (each program step costs
-milliseconds) and 64×64 on a GPU; BLOCK_D is head_dim rounded up to a power of two (≥ 16, as
-tl.dot needs), with masked loads for head dims like 80. Taught in notebooks/04_attention_kernels.ipynb (exercise 7).
+Triton notes (docs/ARCHITECTURE.md, section 'Triton on CPU and GPU'): on CPU this runs in
+Triton's interpreter, which cannot do bf16 arithmetic, so there every tile is converted to fp32
+straight after its load (`UPCAST`); on a GPU, q·kᵀ and p·v stay in the input dtype for tensor
+cores (fp32 inputs use TF32 there, so GPU tests compare with a tolerance). Tiles are 16×16 in
+the interpreter (each program step costs milliseconds) and 64×64 on a GPU; BLOCK_D is head_dim
+rounded up to a power of two (≥ 16, as tl.dot needs), with masked loads for head dims like 80.
+Taught in notebooks/04_attention_kernels.ipynb (exercise 7).
 """
 
 from __future__ import annotations
@@ -57,8 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_INT_DTYPES = (torch.int32, torch.int64)
+from .checks import check_flash_attention
 
 
 # ----------------------------------------------------------------------------- the kernel
@@ -186,7 +186,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     context_lens [B] (P, cached tokens per sequence, read before the new keys). block_m/block_n
     override the tile sizes (16 in the interpreter, 64 on a GPU).
     """
-    has_prefix = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, block_tables, k_cache, v_cache, context_lens)
+    has_prefix = check_flash_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, block_tables, k_cache, v_cache,
+                                       context_lens)
     total_q, H, D = q.shape
     Hkv = k.shape[1]
     B = cu_seqlens_q.numel() - 1
@@ -226,61 +227,6 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out
 
 
-def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, block_tables, k_cache, v_cache, context_lens) -> bool:
-    """Raise ValueError on inconsistent inputs; return whether a paged prefix is given."""
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(f"q, k, v must be [tokens, heads, head_dim]; got {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
-    _, H, D = q.shape
-    Hkv = k.shape[1]
-    if k.shape[2] != D:
-        raise ValueError(f"head_dim differs: q has {D}, k/v have {k.shape[2]}")
-    if Hkv == 0 or H % Hkv != 0:
-        raise ValueError(f"query heads ({H}) must be a multiple of kv heads ({Hkv}) for GQA")
-    if not 1 <= D <= 256:
-        raise ValueError(f"head_dim must be in 1..256, got {D}")
-    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v must share one dtype among {_DTYPES}; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.device != q.device or v.device != q.device:
-        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
-    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
-        if cu.dim() != 1 or cu.numel() < 1 or cu.dtype not in _INT_DTYPES or cu.device != q.device:
-            raise ValueError(f"{name} must be a 1-D int32 tensor [B+1] on {q.device}; got {tuple(cu.shape)} "
-                             f"{cu.dtype} on {cu.device}")
-        host = cu.cpu()
-        if host[0] != 0 or host[-1] != total or bool((host[1:] < host[:-1]).any()):
-            raise ValueError(f"{name} must rise from 0 to {total} (the packed length); got {host.tolist()}")
-    B = cu_seqlens_q.numel() - 1
-    if cu_seqlens_k.numel() != B + 1:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k give different batch sizes: {B} vs {cu_seqlens_k.numel() - 1}")
-
-    paged = (block_tables, k_cache, v_cache, context_lens)
-    if all(t is None for t in paged):
-        return False
-    if any(t is None for t in paged):
-        raise ValueError("a paged prefix needs all of block_tables, k_cache, v_cache and context_lens")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[2:] != (Hkv, D):
-        raise ValueError(f"k_cache/v_cache must both be [num_blocks, block_size, {Hkv}, {D}]; got "
-                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"k_cache/v_cache dtype must be {q.dtype}; got {k_cache.dtype}, {v_cache.dtype}")
-    if block_tables.dim() != 2 or block_tables.shape[0] != B or block_tables.dtype not in _INT_DTYPES:
-        raise ValueError(f"block_tables must be an int32 [B={B}, max_blocks] tensor; got "
-                         f"{tuple(block_tables.shape)} {block_tables.dtype}")
-    if context_lens.shape != (B,) or context_lens.dtype not in _INT_DTYPES:
-        raise ValueError(f"context_lens must be an int32 [B={B}] tensor; got {tuple(context_lens.shape)} "
-                         f"{context_lens.dtype}")
-    if any(t.device != q.device for t in paged):
-        raise ValueError(f"block_tables, k_cache, v_cache, context_lens must be on {q.device}")
-    capacity = block_tables.shape[1] * k_cache.shape[1]
-    lens = context_lens.cpu()
-    if bool((lens < 0).any()) or bool((lens > capacity).any()):
-        raise ValueError(f"context_lens must be in 0..{capacity} (max_blocks · block_size); got {lens.tolist()}")
-    return True
-
-
 # ----------------------------------------------------------------------------- the reference
 def flash_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
@@ -289,7 +235,8 @@ def flash_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         v_cache: torch.Tensor | None = None, context_lens: torch.Tensor | None = None,
                         ) -> torch.Tensor:
     """`flash_attention` in plain torch: one sequence at a time, the full score matrix, fp32 math."""
-    has_prefix = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, block_tables, k_cache, v_cache, context_lens)
+    has_prefix = check_flash_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, block_tables, k_cache, v_cache,
+                                       context_lens)
     H, D = q.shape[1:]
     group = H // k.shape[1]
     scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale

@@ -5,8 +5,7 @@ and values live in pools `[num_blocks, block_size, Hkv, D]`. Token t of sequence
 block `block_tables[b, t // block_size]` at offset `t % block_size`, i.e. in *slot*
 `block_tables[b, t // block_size] · block_size + t % block_size`. Two kernels work on it:
 
-- `store_kv` scatters a step's new k, v [N, Hkv, D] into their slots (`slot_mapping` [N],
-  −1 = padding, not written). One program per token.
+- `store_kv` (kernels/store_kv.py) scatters a step's new k, v [N, Hkv, D] into their slots.
 - `paged_attention` is decode attention: q [B, H, D] holds each sequence's newest token, whose
   own K/V is already stored, so it sees keys 0 .. context_lens[b] − 1. A program walks its
   sequence's keys in tiles of BLOCK_N *token positions*; each position finds its slot through
@@ -37,10 +36,11 @@ partial already is the answer and is written straight to `out`. `choose_num_spli
 many splits fill a GPU.
 
 **Precision.** Tiles are converted to fp32 right after their load (Triton's interpreter cannot
-do bf16 arithmetic, DESIGN.md §5). tl.dot then uses IEEE fp32 for fp32 inputs, and TF32 for
-fp16/bf16 inputs: TF32 keeps 10 mantissa bits, so fp16 and bf16 values convert to it exactly
-and only p (the probabilities) is rounded, as much as the usual cast of p to fp16 would. The
-scale is folded into exp2: exp(x) = 2^(x·log2 e). Taught in notebooks/04_attention_kernels.ipynb.
+do bf16 arithmetic, docs/ARCHITECTURE.md, section 'Triton on CPU and GPU'). tl.dot then uses
+IEEE fp32 for fp32 inputs, and TF32 for fp16/bf16 inputs: TF32 keeps 10 mantissa bits, so fp16
+and bf16 values convert to it exactly and only p (the probabilities) is rounded, as much as the
+usual cast of p to fp16 would. The scale is folded into exp2: exp(x) = 2^(x·log2 e). Taught in
+notebooks/04_attention_kernels.ipynb.
 """
 
 from __future__ import annotations
@@ -51,74 +51,11 @@ import torch
 import triton
 import triton.language as tl
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_INT_DTYPES = (torch.int32, torch.int64)
+from .checks import check_paged_attention
+
 BLOCK_N = 32  # key positions per tile (a multiple of 16 for tl.dot on a GPU)
 MIN_TILES_PER_SPLIT = 4  # choose_num_splits: a split must have work enough to pay for the merge
 MAX_SPLITS = 32
-
-
-# ----------------------------------------------------------------------------- store_kv
-def store_kv_ref(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """Plain torch: write k, v [N, Hkv, D] into slots `slot_mapping` [N] of the pools (−1: skip)."""
-    nb, bs, Hkv, D = k_cache.shape
-    keep = slot_mapping >= 0  # N
-    slots = slot_mapping[keep]  # n real tokens
-    k_cache.view(nb * bs, Hkv, D)[slots] = k[keep]  # slots, Hkv, D
-    v_cache.view(nb * bs, Hkv, D)[slots] = v[keep]
-
-
-@triton.jit
-def _store_kv_kernel(
-    K, V, K_cache, V_cache, slot_mapping,
-    stride_kn, stride_kh, stride_vn, stride_vh,
-    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-    n_kv_heads, head_dim,
-    BLOCK_SIZE: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
-):
-    i = tl.program_id(0)  # one program per new token
-    slot = tl.load(slot_mapping + i).to(tl.int64)
-    # Padding exits here rather than joining the mask as `& (slot >= 0)`: Triton's interpreter
-    # broadcasts a scalar comparison with its operands' integer dtype, so that mask would reach
-    # tl.load as int32, not bool, which Triton ≥ 3.9 refuses ("mask has unsupported dtype").
-    if slot < 0:
-        return
-    blk, off = slot // BLOCK_SIZE, slot % BLOCK_SIZE
-    offs_h = tl.arange(0, H_PAD)
-    offs_d = tl.arange(0, D_PAD)
-    mask = (offs_h[:, None] < n_kv_heads) & (offs_d[None, :] < head_dim)  # H_PAD, D_PAD
-    k = tl.load(K + i * stride_kn + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
-    v = tl.load(V + i * stride_vn + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-    kc = K_cache + blk * stride_kcb + off * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :]
-    vc = V_cache + blk * stride_vcb + off * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :]
-    tl.store(kc, k, mask=mask)  # bit copy: no arithmetic, so bf16 is fine in the interpreter
-    tl.store(vc, v, mask=mask)
-
-
-def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """Write k, v [N, Hkv, D] into the pools [num_blocks, block_size, Hkv, D] at `slot_mapping` [N]."""
-    _check_pools(k_cache, v_cache)
-    nb, bs, Hkv, D = k_cache.shape
-    if k.shape != v.shape or k.dim() != 3 or k.shape[1:] != (Hkv, D):
-        raise ValueError(f"k, v must be [N, {Hkv}, {D}] like the pools, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if k.dtype != k_cache.dtype or v.dtype != k_cache.dtype:
-        raise ValueError(f"k, v dtypes {k.dtype}, {v.dtype} differ from the pools' {k_cache.dtype}")
-    if slot_mapping.shape != (k.shape[0],) or slot_mapping.dtype not in _INT_DTYPES:
-        raise ValueError(f"slot_mapping must be int32/int64 [{k.shape[0]}], got {slot_mapping.dtype} "
-                         f"{tuple(slot_mapping.shape)}")
-    if _can_read_values() and slot_mapping.numel() and (
-            slot_mapping.min() < -1 or slot_mapping.max() >= nb * bs):
-        raise ValueError(f"slot_mapping holds slots outside −1 .. {nb * bs - 1}")
-    if k.shape[0] == 0:
-        return
-    k, v, slot_mapping = k.contiguous(), v.contiguous(), slot_mapping.contiguous()
-    _store_kv_kernel[(k.shape[0],)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        *k_cache.stride()[:3], *v_cache.stride()[:3],
-        Hkv, D,
-        BLOCK_SIZE=bs, H_PAD=triton.next_power_of_2(Hkv), D_PAD=triton.next_power_of_2(D),
-    )
 
 
 # ----------------------------------------------------------------------------- the reference
@@ -231,7 +168,7 @@ def paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, sm_sc
 
     With `out` ([B, H, D]) and num_splits = 1, the single partial is written straight to it instead.
     """
-    _check_attention(q, k_cache, v_cache, block_tables, context_lens, num_splits)
+    check_paged_attention(q, k_cache, v_cache, block_tables, context_lens, num_splits)
     if out is not None and (num_splits != 1 or out.shape != q.shape or out.stride(-1) != 1):
         raise ValueError("out= is for num_splits = 1 only, and must be shaped like q, contiguous in head_dim")
     B, H, D = q.shape
@@ -307,50 +244,3 @@ def choose_num_splits(batch: int, num_heads: int, max_context: int, num_sms: int
     fill = -(-num_sms // programs)  # ⌈num_sms / programs⌉
     by_length = max(1, -(-max_context // BLOCK_N) // MIN_TILES_PER_SPLIT)
     return max(1, min(fill, by_length, MAX_SPLITS))
-
-
-# ----------------------------------------------------------------------------- validation
-def _can_read_values() -> bool:
-    """Value checks (slot and length ranges) read tensors on the host: never inside CUDA graph capture."""
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-
-
-def _check_pools(k_cache, v_cache) -> None:
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache, v_cache must both be [num_blocks, block_size, Hkv, D], got "
-                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if k_cache.dtype not in _DTYPES or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"pools must share one of {_DTYPES}, got {k_cache.dtype} and {v_cache.dtype}")
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("pools must be contiguous in head_dim (stride 1)")
-
-
-def _check_attention(q, k_cache, v_cache, block_tables, context_lens, num_splits) -> None:
-    _check_pools(k_cache, v_cache)
-    nb, bs, Hkv, D = k_cache.shape
-    if q.dim() != 3 or q.shape[2] != D:
-        raise ValueError(f"q must be [B, H, {D}] (head_dim of the pools), got {tuple(q.shape)}")
-    B, H, _ = q.shape
-    if q.dtype != k_cache.dtype:
-        raise ValueError(f"q dtype {q.dtype} differs from the pools' {k_cache.dtype}")
-    if H % Hkv:
-        raise ValueError(f"query heads H={H} must be a multiple of kv heads Hkv={Hkv} (GQA)")
-    if block_tables.dim() != 2 or block_tables.shape[0] != B or block_tables.dtype not in _INT_DTYPES:
-        raise ValueError(f"block_tables must be int32/int64 [{B}, max_blocks], got {block_tables.dtype} "
-                         f"{tuple(block_tables.shape)}")
-    if context_lens.shape != (B,) or context_lens.dtype not in _INT_DTYPES:
-        raise ValueError(f"context_lens must be int32/int64 [{B}], got {context_lens.dtype} "
-                         f"{tuple(context_lens.shape)}")
-    if len({t.device for t in (q, k_cache, v_cache, block_tables, context_lens)}) != 1:
-        raise ValueError("q, pools, block_tables and context_lens must be on one device")
-    if not isinstance(num_splits, int) or num_splits < 1:
-        raise ValueError(f"num_splits must be an int ≥ 1, got {num_splits!r}")
-    if B == 0 or not _can_read_values():
-        return
-    capacity = block_tables.shape[1] * bs
-    if context_lens.min() < 1 or context_lens.max() > capacity:
-        raise ValueError(f"context_lens must lie in 1 .. {capacity} (max_blocks · block_size), "
-                         f"got {context_lens.tolist()}")
-    used = torch.arange(block_tables.shape[1], device=q.device) < (context_lens[:, None] + bs - 1) // bs  # B, M
-    if ((block_tables < 0) | (block_tables >= nb))[used].any():
-        raise ValueError(f"block_tables hold block ids outside 0 .. {nb - 1} within context_lens")

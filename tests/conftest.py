@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 # Kernels run in Triton's interpreter on machines without CUDA; it must be set before any
-# @triton.jit function is defined (DESIGN.md §5).
+# @triton.jit function is defined (docs/ARCHITECTURE.md, section 'Triton on CPU and GPU').
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

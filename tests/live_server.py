@@ -67,7 +67,7 @@ def _wait_for(cond, what: str, timeout: float = DEADLINE, interval: float = 0.00
 def _pool_whole(engine: AsyncLLMEngine) -> bool:
     core = engine.engine
     return (not core.has_unfinished_requests() and engine.num_pending == 0
-            and core.block_manager.num_free_blocks() == core.block_manager.num_blocks)
+            and core.block_allocator.num_free_blocks() == core.block_allocator.num_blocks)
 
 
 def demo_chat_model(path: Path) -> Path:
@@ -160,14 +160,14 @@ def poisoned_engine(model: str = "demo", isolated: bool = True, **kw) -> LLMEngi
     """An engine whose sampling raises for the request with prompt POISON (a bug in one row).
     isolated=False: the fault escapes step(), as before issue 16 (the negative control)."""
     core = LLMEngine(model, **{"num_blocks": 64, **kw})
-    sample = core._sample
+    emit = core._emit
 
-    def _sample(req, s, logits):
+    def _emit(req, s, token, has_nan, done):
         if req.output.prompt == POISON:
             raise RuntimeError("injected fault in the POISON row")
-        return sample(req, s, logits)
+        return emit(req, s, token, has_nan, done)
 
-    core._sample = _sample
+    core._emit = _emit
     if not isolated:
         def _fail_request(req, error):
             raise error

@@ -84,10 +84,10 @@ def test_triton_backend_engine_same_tokens(hf_checkpoints, case):
         llm = LLM(str(path), attention_backend=backend, block_size=4, max_num_batched_tokens=8)
         assert llm.engine.attention_backend == backend
         first = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        hits_before = llm.block_manager.stats.hits
+        hits_before = llm.block_allocator.stats.hits
         again = [p[:12] + [99] for p in prompts[:1]] + [[40, 41, 42, 43, 44]]  # share whole blocks with the first
         second = [o.outputs[0].token_ids for o in llm.generate(again, params, use_tqdm=False)]
-        bm = llm.block_manager
+        bm = llm.block_allocator
         assert bm.stats.hits - hits_before >= 3  # the 12 shared tokens (3 full blocks) came from the cache
         assert bm.num_free_blocks() == bm.num_blocks  # every block back in the pool (cached ones evictable)
         bm.check_invariants()

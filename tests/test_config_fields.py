@@ -1,7 +1,7 @@
 """No checkpoint loads and then computes something else: each HF config field that changes the math.
 
 nanoserve/models/hf_fields.py classifies every field of GPT2Config, LlamaConfig and Qwen2Config. Here:
-(a) MATCHED: a tiny random checkpoint (TESTING.md §A randomisation) with one field changed gives
+(a) MATCHED: a tiny random checkpoint (docs/TESTING.md §A randomisation) with one field changed gives
     nanoserve logits within TOL of transformers' (eager attention, fp32), for the prompt and for
     each cached decode step; REFUSED: a config nanoserve cannot compute fails with a ConfigError
     naming the field. Sliding-window cases run ≥ 3× the window, so a window would show.
@@ -32,7 +32,7 @@ from nanoserve.models.loader import build_from_tensors, load_model, read_hf_conf
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: a second thread only adds latency
 
-TOL = 1e-4  # TESTING.md §A: fp32 logits differ only by summation order, ~1e-6 at these sizes
+TOL = 1e-4  # docs/TESTING.md §A: fp32 logits differ only by summation order, ~1e-6 at these sizes
 WINDOW = 4
 T, PREFILL = 6 * WINDOW, 8  # 8 prompt tokens, then 16 single-token decode steps
 DROP = object()  # in a case's json edits: remove the key from config.json

@@ -26,15 +26,15 @@ class Injected(RuntimeError):
 
 
 def faulty_sampling(engine: LLMEngine, rid: str = "bad", after: int = 3) -> LLMEngine:
-    """Sampling request `rid` raises once it has `after` tokens."""
-    sample = engine._sample
+    """Handling request `rid`'s sampled token raises once it has `after` tokens."""
+    emit = engine._emit
 
-    def _sample(req, s, logits):
+    def _emit(req, s, token, has_nan, done):
         if req.output.request_id == rid and len(s.out.token_ids) >= after:
             raise Injected(f"injected fault while sampling request {rid!r}")
-        return sample(req, s, logits)
+        return emit(req, s, token, has_nan, done)
 
-    engine._sample = _sample
+    engine._emit = _emit
     return engine
 
 
@@ -73,7 +73,7 @@ def _assert_isolated(engine: LLMEngine, done: dict, solo: dict, says: str) -> No
     assert {o.finish_reason for o in bad.outputs} == {"error"}
     for rid in ("a", "c"):
         assert done[rid].error is None and done[rid].token_ids == solo[rid], rid
-    bm = engine.block_manager
+    bm = engine.block_allocator
     bm.check_invariants()
     assert bm.num_free_blocks() == bm.num_blocks and not engine.scheduler.has_unfinished()
 
@@ -93,21 +93,21 @@ def test_isolation_negative_control_an_escaping_fault_fails_the_check(solo):
 
 def test_a_fault_while_forking_n_samples_frees_every_child(solo):
     engine = LLMEngine("demo")
-    new_sample = engine._new_sample
+    new_sample = engine.inputs.new_sample
 
     def faulty_fork(req, seq, i):
         if req.output.request_id == "bad" and i == 2:
             raise Injected("fault while forking sample 2")
         return new_sample(req, seq, i)
 
-    engine._new_sample = faulty_fork
+    engine.inputs.new_sample = faulty_fork
     engine.add_request(PROMPTS["bad"], SamplingParams(n=4, max_tokens=5, seed=1), request_id="bad")
     engine.add_request(PROMPTS["a"], GREEDY, request_id="a")
     done = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
     assert "fault while forking" in done["bad"].error and done["a"].token_ids == solo["a"]
-    assert engine.block_manager.num_free_blocks() == engine.block_manager.num_blocks
+    assert engine.block_allocator.num_free_blocks() == engine.block_allocator.num_blocks
 
 
 def test_nan_logits_in_one_row_fail_that_request(solo):
@@ -140,7 +140,7 @@ def test_a_failed_forward_fails_its_batch_and_the_engine_serves_on(solo):
     done = _drive(engine)
     assert "fault in the batched forward" in done["a"].error and "fault in the batched forward" in done["bad"].error
     assert done["c"].error is None and done["c"].token_ids == solo["c"]
-    assert engine.block_manager.num_free_blocks() == engine.block_manager.num_blocks
+    assert engine.block_allocator.num_free_blocks() == engine.block_allocator.num_blocks
 
 
 def test_a_failed_draft_forward_fails_the_speculating_requests_only(solo):
@@ -159,7 +159,7 @@ def test_a_failed_draft_forward_fails_the_speculating_requests_only(solo):
     assert failed == in_failed_batch and "bad" in failed  # the requests drafting in that one forward
     assert all("fault while drafting" in done[rid].error for rid in failed)
     assert all(done[rid].token_ids == solo[rid] for rid in set(done) - failed)
-    assert engine.block_manager.num_free_blocks() == engine.block_manager.num_blocks
+    assert engine.block_allocator.num_free_blocks() == engine.block_allocator.num_blocks
     engine.spec.propose_and_extend = propose
     assert {rid: out.token_ids for rid, out in _drive(engine).items()} == solo  # the engine serves on
 
@@ -169,7 +169,7 @@ def test_broken_shared_state_stops_the_engine():
     engine.add_request("ROMEO:", GREEDY, request_id="a")
     engine.step()
     seq = engine.requests["a"].samples[0].seq
-    engine.block_manager.free(seq)  # the pool now believes these blocks are free while seq uses them
+    engine.block_allocator.free(seq)  # the pool now believes these blocks are free while seq uses them
     seq.block_table = [0]
     with pytest.raises(EngineStateError):
         while engine.has_unfinished_requests():
@@ -225,7 +225,7 @@ def test_generate_raises_the_failed_request_and_leaves_nothing_behind():
     faulty_sampling(llm.engine, rid="1")
     with pytest.raises(RequestFailedError, match="request 1 failed: Injected"):
         llm.generate(["ROMEO:", "JULIET:"], GREEDY)  # request ids "0" and "1"
-    bm = llm.block_manager
+    bm = llm.block_allocator
     assert not llm.engine.has_unfinished_requests() and bm.num_free_blocks() == bm.num_blocks
 
 

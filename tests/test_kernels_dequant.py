@@ -1,9 +1,9 @@
-"""Fused W4A16 dequant-matmul against dequantize-then-matmul and an independent oracle (TESTING.md §C).
+"""Fused W4A16 dequant-matmul against dequantize-then-matmul and an independent oracle (docs/TESTING.md §C).
 
 The weights are packed here, with plain integer arithmetic (not through nanoserve/quant/packing.py),
 and the oracle is A · Wᵀ in fp64 with W built from the same integer codes; the module's reference
 (`dequant_matmul_ref`) goes through packing.dequantize_gptq. Error: mean |C − C_ref| / mean |C_ref|
-< 1e-3 (TESTING.md), for M ∈ {1, 2, 3, 8, 16, 33, 64, 128} (GEMV up to 16, the tiled GEMM above),
+< 1e-3 (docs/TESTING.md), for M ∈ {1, 2, 3, 8, 16, 33, 64, 128} (GEMV up to 16, the tiled GEMM above),
 K and N on and off the interpreter's 32-wide tiles, groups 32 / 64 / 128, act-order g_idx. Negative
 controls: a wrong g_idx and zeros stored without v1's − 1 must miss by far. `dequantize_int4`, the
 kernel that writes W out, must equal packing.dequantize_gptq and the fp64 W bit for bit (exact: a
@@ -26,7 +26,7 @@ from nanoserve.kernels.dequant_matmul import (
 
 from nanoserve.quant.packing import dequantize_gptq
 
-TOL = 1e-3  # TESTING.md §C; fp32 in the interpreter lands near 1e-7 (only the summation order differs)
+TOL = 1e-3  # docs/TESTING.md §C; fp32 in the interpreter lands near 1e-7 (only the summation order differs)
 # (K, N, group, act-order): on the 32-wide tiles; both off them, last group partial; group wider than a tile
 SHAPES = [(128, 64, 32, False), (200, 72, 64, True), (320, 40, 128, True)]
 

@@ -1,6 +1,6 @@
 """Flash attention (prefill) against torch: the plain reference and, as the outside oracle, SDPA.
 
-TESTING.md §D. Every case runs the Triton kernel in the interpreter on CPU. Tolerances: fp32
+docs/TESTING.md §D. Every case runs the Triton kernel in the interpreter on CPU. Tolerances: fp32
 ≤ 1e-4 (the kernel and torch sum the same fp32 products in different orders; measured ~1e-6);
 fp16 inputs atol 1e-2 (both sides compute in fp32; the gap is the final rounding of the output
 to 11 mantissa bits); bf16 (8 bits) 1e-2 on |Δ| / (1 + |expected|), see

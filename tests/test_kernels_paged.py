@@ -1,4 +1,4 @@
-"""Paged decode attention and store_kv against plain torch and SDPA (TESTING.md §D).
+"""Paged decode attention and store_kv against plain torch and SDPA (docs/TESTING.md §D).
 
 Each sequence's blocks are drawn at random from a much larger pool whose every other slot
 (unused blocks, the unused tail of each last block, the table's padding columns) is NaN: a
@@ -25,9 +25,8 @@ from nanoserve.kernels.paged_attention import (
     paged_attention,
     paged_attention_ref,
     paged_attention_split,
-    store_kv,
-    store_kv_ref,
 )
+from nanoserve.kernels.store_kv import store_kv, store_kv_ref
 
 BS = 8  # page size: lengths 1, BS−1, BS, BS+1 and 100 cross many page and tile (BLOCK_N) boundaries
 LENS = [1, BS - 1, BS, BS + 1, 100]

@@ -1,6 +1,6 @@
 """Model parity with HF transformers (an implementation nobody here wrote) on tiny random checkpoints.
 
-Tolerance: 1e-4 max |Δ| on fp32 logits (TESTING.md §A); the two implementations differ only in
+Tolerance: 1e-4 max |Δ| on fp32 logits (docs/TESTING.md §A); the two implementations differ only in
 the order of floating-point operations, which on these sizes moves logits by ~1e-6.
 """
 

@@ -1,4 +1,4 @@
-"""The paged KV cache gives exactly the contiguous cache's results (TESTING.md §A).
+"""The paged KV cache gives exactly the contiguous cache's results (docs/TESTING.md §A).
 
 Bitwise: the contiguous cache is the paged code path with block_table = arange, so shuffled,
 fragmented physical blocks from a NaN-poisoned pool must give identical logits; an off-by-one
@@ -80,7 +80,7 @@ def engines(hf_checkpoints):
     cold = LLM(path, block_size=BS, num_blocks=64, enable_prefix_caching=False)
     yield warm, cold
     for llm in (warm, cold):
-        bm = llm.block_manager
+        bm = llm.block_allocator
         bm.check_invariants()
         assert bm.num_free_blocks() == bm.num_blocks, "a test leaked KV blocks"
 
@@ -95,7 +95,7 @@ def test_prefix_hit_gives_the_cold_result(engines):
     hit = warm.generate([shared + [7, 8, 9]], GREEDY)[0]
     assert hit.num_cached_tokens == 20  # 5 blocks reused
     assert hit.token_ids == cold.generate([shared + [7, 8, 9]], GREEDY)[0].token_ids
-    assert warm.block_manager.stats.hits >= 5
+    assert warm.block_allocator.stats.hits >= 5
 
 
 def test_full_prompt_hit_still_computes_the_last_token(engines):
@@ -109,15 +109,15 @@ def test_full_prompt_hit_still_computes_the_last_token(engines):
 
 def test_forced_hash_collision_never_corrupts_output(engines):
     warm, cold = engines
-    bm = warm.block_manager
+    bm = warm.block_allocator
     colliding = BlockAllocator(bm.num_blocks, bm.block_size, True, hash_fn=lambda parent, tokens: 42)
-    warm.engine.block_manager = colliding
+    warm.engine.scheduler.block_allocator = colliding
     a, b = list(range(60, 72)), list(range(80, 92))  # different tokens, same (forced) hashes
     warm.generate([a], GREEDY)
     out_b = warm.generate([b], GREEDY)[0]
     assert out_b.num_cached_tokens == 0
     assert out_b.token_ids == cold.generate([b], GREEDY)[0].token_ids
-    warm.engine.block_manager = bm
+    warm.engine.scheduler.block_allocator = bm
     colliding.check_invariants()
     assert colliding.num_free_blocks() == colliding.num_blocks
 
@@ -140,7 +140,7 @@ def test_abandoned_stream_returns_its_blocks(engines):
     warm, _ = engines
     it = warm.stream([1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
     next(it), next(it)
-    assert warm.block_manager.num_free_blocks() < warm.block_manager.num_blocks
+    assert warm.block_allocator.num_free_blocks() < warm.block_allocator.num_blocks
     it.close()  # the caller walks away mid-generation
 
 
@@ -148,7 +148,7 @@ def test_request_that_can_never_fit_is_refused_with_numbers(hf_checkpoints):
     llm = LLM(str(hf_checkpoints["gpt2"][0]), block_size=BS, num_blocks=8)  # 32 token slots
     with pytest.raises(NanoserveError, match=r"needs up to \d+ KV blocks .* the whole pool has 8"):
         llm.generate([list(range(20))], SamplingParams(max_tokens=30))
-    assert llm.block_manager.num_free_blocks() == 8
+    assert llm.block_allocator.num_free_blocks() == 8
 
 
 def test_bad_pool_configuration_fails_at_construction(hf_checkpoints):

@@ -1,4 +1,4 @@
-"""AWQ for a group of linears sharing an input (nanoserve/quant/awq.py), TESTING.md §C.
+"""AWQ for a group of linears sharing an input (nanoserve/quant/awq.py), docs/TESTING.md §C.
 
 Quality: on a layer whose inputs are correlated and have 1 % outlier channels (×20), the held-out
 output error ‖WX − ŴX‖ / ‖WX‖ must be ≤ 0.8 × RTN's; on the calibration set AWQ must never lose

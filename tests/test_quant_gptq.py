@@ -1,4 +1,4 @@
-"""GPTQ for one layer (nanoserve/quant/gptq.py), TESTING.md §C.
+"""GPTQ for one layer (nanoserve/quant/gptq.py), docs/TESTING.md §C.
 
 Exactness: with H = c·I there is nothing to feed errors through, so GPTQ must equal RTN bit for
 bit; the lazy block updates must not change the result (any blocksize, 1e-12 in fp64); the fast

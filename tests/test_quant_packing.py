@@ -1,4 +1,4 @@
-"""GPTQ v1 and AutoAWQ GEMM packing (TESTING.md §C): golden words, an independent packer, round trips, errors.
+"""GPTQ v1 and AutoAWQ GEMM packing (docs/TESTING.md §C): golden words, an independent packer, round trips, errors.
 
 The golden words are written out by hand from the format descriptions: GPTQ codes 0..7 along K
 pack to 0x76543210, AutoAWQ codes 0..7 along N to 0x75316420 (order [0,2,4,6,1,3,5,7]), GPTQ v1

@@ -2,7 +2,7 @@
 
 * Goodness of fit: `sample_next` draws, counted over a fixed 16-token logits vector, against the
   intended law computed here in float64 from the definitions (softmax(logits / T), top-k, the smallest
-  top-p set, renormalise). Pearson χ², fail at p < 1e-4 (TESTING.md). Negative controls draw from
+  top-p set, renormalise). Pearson χ², fail at p < 1e-4 (docs/TESTING.md). Negative controls draw from
   deliberately wrong laws (temperature ignored, top-k or top-p off by one token, the top-p mask left in
   sorted order, top-p before top-k) and must fail the same statistic.
 * Truncation properties with hypothesis: nothing outside the top-k / top-p set, kept mass sums to 1.
@@ -31,11 +31,12 @@ from nanoserve.engine.sampler import (
     apply_repetition_penalty,
     make_generator,
     probs_from_logits,
+    sample_batch,
     sample_next,
 )
 from nanoserve.errors import NanoserveError
 
-P_FAIL = 1e-4  # TESTING.md: fail a goodness-of-fit test at p < 1e-4
+P_FAIL = 1e-4  # docs/TESTING.md: fail a goodness-of-fit test at p < 1e-4
 N_DRAWS = 20_000
 
 # Large, small and negative logits, shuffled so that no kept set is a prefix of the vocabulary.
@@ -555,3 +556,51 @@ def test_no_nan_negative_control_the_old_sampler_gives_nan(logits, temperature, 
     assert torch.isnan(_old_probs_from_logits(x, temperature, 0, top_p)).any()  # the bug, shown
     probs = probs_from_logits(x, temperature, 0, top_p)
     assert torch.isfinite(probs).all() and abs(probs.sum().item() - 1) < 1e-6  # the sampler alone copes
+
+
+# --------------------------------------------------------------------------- 8. the batched sampler
+def _mixed_rows(vocab: int, n: int, seed: int):
+    """n rows of logits with every kind of setting, seeded rows and a global-RNG row among them."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, vocab, generator=g) * 4
+    kinds = [dict(temperature=0), dict(temperature=0.8, seed=1), dict(top_k=5, seed=2), dict(top_p=0.7, seed=3),
+             dict(top_k=7, top_p=0.9, temperature=1.3, seed=4), dict(repetition_penalty=1.4, seed=5),
+             dict(temperature=0, repetition_penalty=2.0), dict(temperature=0.5)]
+    params = [SamplingParams(**kinds[i % len(kinds)]) for i in range(n)]
+    seen = [torch.randint(0, vocab, (6,), generator=g) if p.repetition_penalty != 1.0 else None for p in params]
+    return logits, params, seen
+
+
+def _per_row(logits, params, seen, seed):
+    torch.manual_seed(seed)  # the unseeded rows share torch's global stream, in row order
+    return [sample_next(x, p, s, make_generator(p.seed)) for x, p, s in zip(logits, params, seen)]
+
+
+@pytest.mark.parametrize("vocab, n", [(3, 8), (40, 13), (257, 64)])
+def test_batched_sampler_draws_what_sample_next_draws_row_by_row(vocab, n):
+    for seed in range(5):
+        logits, params, seen = _mixed_rows(vocab, n, seed)
+        expected = _per_row(logits, params, seen, seed)
+        torch.manual_seed(seed)
+        tokens, nan = sample_batch(logits, params, seen, [make_generator(p.seed) for p in params])
+        assert tokens == expected and nan == [False] * n
+
+
+def test_batched_sampler_flags_nan_rows_and_still_draws_the_others():
+    logits, params, seen = _mixed_rows(50, 8, 0)
+    logits[3] = float("nan")
+    expected = _per_row(logits, params, seen, 0)
+    torch.manual_seed(0)
+    tokens, nan = sample_batch(logits, params, seen, [make_generator(p.seed) for p in params])
+    assert nan == [i == 3 for i in range(8)]
+    assert [t for i, t in enumerate(tokens) if i != 3] == [t for i, t in enumerate(expected) if i != 3]
+
+
+def test_batched_sampler_negative_control_one_generator_for_all_rows_differs():
+    """Sharing one seeded stream across rows (a tempting batching shortcut) changes the draws."""
+    logits, params, seen = _mixed_rows(257, 16, 1)
+    expected = _per_row(logits, params, seen, 1)
+    shared = make_generator(1)
+    torch.manual_seed(1)
+    tokens, _ = sample_batch(logits, params, seen, [shared if p.seed is not None else None for p in params])
+    assert tokens != expected

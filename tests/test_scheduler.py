@@ -47,7 +47,7 @@ def _run_batched(engine: LLMEngine, prompts, params):
             if out.finished:
                 done[out.request_id] = out
     assert set(done) == set(ids), "a request was lost"
-    bm = engine.block_manager
+    bm = engine.block_allocator
     bm.check_invariants()
     assert bm.num_free_blocks() == bm.num_blocks, "blocks leaked"
     return [done[i].token_ids for i in ids], max_batch
@@ -79,9 +79,9 @@ def test_chunked_prefill_splits_long_prompts(path, reference):
     seen_chunks = []
     orig = engine.runner.run
 
-    def spy(seqs, num_new):
+    def spy(seqs, num_new, num_logits=None):
         seen_chunks.append(max(num_new))
-        return orig(seqs, num_new)
+        return orig(seqs, num_new, num_logits)
     engine.runner.run = spy
     got, _ = _run_batched(engine, prompts, params)
     assert max(seen_chunks) <= 16
@@ -92,7 +92,7 @@ def test_prefix_caching_in_a_batch_equals_alone(path, reference):
     prompts, params = _workload(n=32, seed=3, shared_prefix=list(range(30, 50)))
     engine = LLMEngine(path, block_size=BS, num_blocks=512, max_num_batched_tokens=64)
     got, _ = _run_batched(engine, prompts, params)
-    assert engine.block_manager.stats.hits > 0
+    assert engine.block_allocator.stats.hits > 0
     assert got == reference(prompts, params)
 
 
@@ -108,7 +108,7 @@ def test_abort_mid_generation_frees_every_block(path):
         for o in engine.step():
             outs[o.request_id] = o
     assert keep in outs and gone not in outs and len(outs[keep].token_ids) == 20
-    assert engine.block_manager.num_free_blocks() == engine.block_manager.num_blocks
+    assert engine.block_allocator.num_free_blocks() == engine.block_allocator.num_blocks
 
 
 def test_priority_order_is_respected(path):
@@ -162,7 +162,7 @@ def test_preemption_without_recompute_is_caught(path, reference):
     prompts, params = _workload(seed=1)
     engine = LLMEngine(path, block_size=BS, num_blocks=40, max_num_seqs=32, max_num_batched_tokens=64,
                        enable_prefix_caching=False)
-    bm = engine.block_manager
+    bm = engine.block_allocator
     allocate = bm.allocate
 
     def resume_without_recompute(seq):
@@ -189,7 +189,7 @@ def test_every_batcher_equals_alone(path, reference, kind):
     assert [o.token_ids for o in outs] == reference(prompts, params)
     assert all(o.finished and o.ttft is not None for o in outs)
     assert max(batcher.batch_sizes) > 1
-    assert engine.block_manager.num_free_blocks() == engine.block_manager.num_blocks
+    assert engine.block_allocator.num_free_blocks() == engine.block_allocator.num_blocks
 
 
 def test_async_engine_serves_concurrent_consumers_and_aborts_the_abandoned(path):
@@ -220,4 +220,4 @@ def test_async_engine_serves_concurrent_consumers_and_aborts_the_abandoned(path)
     expected = [solo.generate([pr], p)[0].token_ids for pr in ([1, 2, 3], [4, 5], [9])]
     assert [results[0], results[1], results[3]] == expected
     assert not engine.has_unfinished_requests()
-    assert engine.block_manager.num_free_blocks() == engine.block_manager.num_blocks
+    assert engine.block_allocator.num_free_blocks() == engine.block_allocator.num_blocks

@@ -207,7 +207,7 @@ def test_64_concurrent_streams_finish_and_the_pool_is_whole(server):
     assert [pieces for pieces, _ in results] == lengths  # every token streamed as its own chunk
     assert server.engine.num_steps - before < sum(lengths) / 4  # they were batched, not served one by one
     _wait_for(lambda: _pool_whole(server.engine), "the pool to be whole", timeout=10)
-    server.engine.engine.block_manager.check_invariants()
+    server.engine.engine.block_allocator.check_invariants()
 
 
 def _hang_up_held(server, monkeypatch) -> tuple[StepGate, str]:

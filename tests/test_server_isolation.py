@@ -52,7 +52,7 @@ def _ok_afterwards(srv) -> None:
     assert status == 200 and body["usage"]["completion_tokens"] == 3, body
     assert _http(srv.port, "GET", "/health")[0] == 200
     _wait_for(lambda: _pool_whole(srv.engine), "the pool to be whole", timeout=30)
-    srv.engine.engine.block_manager.check_invariants()
+    srv.engine.engine.block_allocator.check_invariants()
 
 
 # ----------------------------------------------------------------------------- the bodies from the issue

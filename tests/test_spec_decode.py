@@ -1,4 +1,4 @@
-"""Speculative decoding inside the continuous engine (TESTING.md §B, engine level).
+"""Speculative decoding inside the continuous engine (docs/TESTING.md §B, engine level).
 
 The sampler's law is proven in test_speculative_core.py on toy Markov chains; here the same
 algorithm runs on real models, paged caches and the scheduler. Oracles: plain greedy decoding of
@@ -26,11 +26,11 @@ def _whole(llm: LLM) -> None:
     """Every block back in the target's pool and, with a draft model, in the draft's."""
     e = llm.engine
     assert not e.scheduler.running and not e.scheduler.waiting
-    bm = e.block_manager
+    bm = e.block_allocator
     assert bm.num_free_blocks() == bm.num_blocks
     bm.check_invariants()
     if e.spec is not None and hasattr(e.spec.proposer, "bm"):
-        dbm = e.spec.proposer.bm
+        dbm = e.spec.proposer.block_allocator
         assert dbm.num_free_blocks() == dbm.num_blocks and not e.spec.proposer.seqs
         dbm.check_invariants()
 

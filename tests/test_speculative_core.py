@@ -1,5 +1,5 @@
 """Tests for nanoserve.spec.rejection_sampler: the output law of speculative decoding is the target's
-(TESTING.md §B 1–5).
+(docs/TESTING.md §B 1–5).
 
 Every expected value is computed here from definitions the module did not write:
 * Exact law, float64: `speculative_law` (built from the sampler's acceptance rule and residual) equals p to 1e-12
@@ -42,7 +42,7 @@ from nanoserve.spec.rejection_sampler import (
     speculative_law,
 )
 
-P_FAIL = 1e-4  # TESTING.md: fail a goodness-of-fit test at p < 1e-4
+P_FAIL = 1e-4  # docs/TESTING.md: fail a goodness-of-fit test at p < 1e-4
 F64 = torch.float64
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -81,7 +81,7 @@ def padded(tmp_path_factory):
 
 def test_a_padded_embedding_never_samples_ids_the_tokenizer_cannot_decode(padded):
     llm = LLM(str(padded))
-    assert llm.engine.usable_vocab_size == 257
+    assert llm.engine.inputs.usable_vocab_size == 257
     outs = llm.generate(["ab", "cd", "ef"], SamplingParams(max_tokens=48, seed=0, ignore_eos=True))
     assert all(max(o.token_ids) < 257 and len(o.token_ids) == 48 for o in outs)  # 3/4 of the mass was above
     with pytest.raises(NanoserveError, match=r"token id 500 is outside the vocabulary; allowed ids are 0..256"):
@@ -90,6 +90,6 @@ def test_a_padded_embedding_never_samples_ids_the_tokenizer_cannot_decode(padded
 
 def test_padded_negative_control_without_the_mask_sampling_hits_an_undecodable_id(padded):
     llm = LLM(str(padded))
-    llm.engine.usable_vocab_size = llm.config.vocab_size  # as before issue 16
+    llm.engine.inputs.usable_vocab_size = llm.config.vocab_size  # as before issue 16
     with pytest.raises(RequestFailedError, match="out of range"):
         llm.generate(["ab", "cd", "ef"], SamplingParams(max_tokens=48, seed=0, ignore_eos=True))

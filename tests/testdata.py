@@ -59,7 +59,7 @@ HF_CASES = ["gpt2", "llama-mha", "llama-gqa", "llama3-rope", "qwen2-bias"]
 def tiny_hf_checkpoint(cfg, path: Path, seed: int = 0, **from_config_kwargs):
     """A random HF model for `cfg` (eval mode), saved to `path` with a byte-level tokenizer; returns it.
 
-    Norm weights 1 + N(0, 0.1) and biases N(0, 0.1) (TESTING.md §A): HF's init leaves them at exactly
+    Norm weights 1 + N(0, 0.1) and biases N(0, 0.1) (docs/TESTING.md §A): HF's init leaves them at exactly
     1 and 0, where a wrong norm epsilon or a dropped bias changes nothing."""
     import transformers
 
@@ -78,7 +78,7 @@ def tiny_hf_checkpoint(cfg, path: Path, seed: int = 0, **from_config_kwargs):
     return model
 
 
-# ----------------------------------------------------------------------------- quantization (TESTING.md §C)
+# ----------------------------------------------------------------------------- quantization (docs/TESTING.md §C)
 def outlier_layer(seed=0, n=256, k=512, frac=0.01, mult=20.0):
     """W [n, k] and a sampler of inputs x = z·A (correlated), with frac of the channels × mult.
 

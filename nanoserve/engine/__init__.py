@@ -15,8 +15,8 @@ Data flows one way: request → scheduler → block allocator → model runner �
 """
 
 from .llm import LLM
-from .llm_engine import EngineStats, LLMEngine
-from .outputs import CompletionOutput, RequestOutput
+from .llm_engine import LLMEngine
+from .outputs import CompletionOutput, EngineStats, RequestOutput
 from .sampler import SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "EngineStats", "SamplingParams", "RequestOutput", "CompletionOutput"]

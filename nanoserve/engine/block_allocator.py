@@ -5,15 +5,8 @@ decides which blocks each `Sequence` gets; it never touches a tensor. Ideas from
 (Kwon et al. 2023) and vLLM's block manager, named as in vLLM / nano-vllm. Taught in notebooks/02_*.
 
 **Ref counts.** A block is *owned* (ref_count > 0: that many block tables list it) or *free*
-(ref_count 0). Prefix hits and `fork` (SamplingParams(n>1)) make tables share blocks.
-
-**Prefix caching.** A full block is identified by a chained hash: block i's hash is
-`hash_fn(hash of block i-1, tokens of block i)`, so equal hashes mean equal tokens *and* equal
-prefix — unless the hash collides. Collisions are made harmless by two exact checks before a hit
-is used: the block's stored tokens must equal the prompt's, and its parent's `prefix_id` must
-equal the prefix_id of the block just matched. A `prefix_id` names an exact token prefix: two
-blocks share one only when their tokens and their parents' prefix_ids are equal, so a hit's KV is
-always the KV of exactly this prefix, whatever `hash_fn` returns (the tests use a constant one).
+(ref_count 0). Prefix hits and `fork` (SamplingParams(n>1)) make tables share blocks. **Prefix
+caching**: a prompt reuses the cached blocks of its longest cached prefix (block.py: the hash).
 
 **Free queue and LRU.** Free blocks live in one of two queues: `free_block_ids` (nothing cached,
 FIFO) and `evictable` (still in the hash table, ordered by the time they were freed). New blocks
@@ -21,61 +14,22 @@ come from the first queue; only when it is empty is the least recently freed cac
 evicted (its hash dropped). `free` walks a table backwards so a sequence's tail is evicted before
 the shared-prefix blocks at its head.
 
-**Protocol.** `can_allocate` → `allocate` (a prompt); per generated token `seq.append_token` →
-`can_append` → `append_slot` (may return a copy-on-write pair for the KV cache to copy);
-`mark_computed` after each forward (full blocks whose KV now exists become cache hits);
-`fork` for parallel samples; `free` when a sequence finishes or is preempted.
+**Protocol.** `can_allocate` → `allocate` (a prompt); per generated token, once the scheduler has
+appended it (`Scheduler.postprocess`), `can_append` → `append_slot` (may return a copy-on-write
+pair for the KV cache to copy); `mark_computed` after each forward (full blocks whose KV now
+exists become cache hits); `fork` for parallel samples; `free` when a sequence ends or is preempted.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import OrderedDict, deque
-from collections.abc import Callable
-from dataclasses import dataclass
 
 from ..errors import EngineStateError, NanoserveError
+from .block import Block, HashFn, PrefixCacheStats, check_invariants, default_block_hash
 from .sequence import Sequence
 
-HashFn = Callable[[int | None, tuple[int, ...]], int]
-
-
-def default_block_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Python's tuple hash: fast, and for ints deterministic across processes (PYTHONHASHSEED only
-    salts str/bytes). The first block hashes a 1-tuple rather than `(None, ...)` because `hash(None)`
-    varies between processes before Python 3.12. Collisions cost hits, never correctness."""
-    return hash((token_ids,) if parent_hash is None else (parent_hash, token_ids))
-
-
-@dataclass(slots=True)
-class Block:
-    """One physical KV block. `hash`, `token_ids` and the prefix ids are set when the block fills
-    (prefix caching on) and cleared when it is reused for other tokens. A full block may carry a
-    hash without owning that hash-table entry: a duplicate of, or a collision with, a block that
-    was registered first; `hash_to_block[block.hash] == block.block_id` says it is registered."""
-
-    block_id: int
-    ref_count: int = 0
-    hash: int | None = None
-    token_ids: tuple[int, ...] = ()
-    prefix_id: int | None = None  # names the exact prefix tokens[0 : end of this block]
-    parent_prefix_id: int | None = None  # prefix_id of the block before it (None for the first)
-
-    def clear(self) -> None:
-        self.hash, self.token_ids, self.prefix_id, self.parent_prefix_id = None, (), None, None
-
-
-@dataclass(slots=True)
-class PrefixCacheStats:
-    """Counted in blocks by `allocate`: every prompt block is either a hit or a miss."""
-
-    hits: int = 0
-    misses: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        total = self.hits + self.misses
-        return self.hits / total if total else 0.0
+__all__ = ["Block", "BlockAllocator", "PrefixCacheStats", "default_block_hash", "check_block_size"]
 
 
 class BlockAllocator:
@@ -106,6 +60,7 @@ class BlockAllocator:
         return 1.0 - self.num_free_blocks() / self.num_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks that hold `num_tokens` tokens: ⌈num_tokens / block_size⌉."""
         if num_tokens < 0:
             raise NanoserveError(f"num_tokens={num_tokens} is not allowed; it must be >= 0")
         return -(-num_tokens // self.block_size)
@@ -142,10 +97,8 @@ class BlockAllocator:
 
     # ------------------------------------------------------------------ decoding
     def can_append(self, seq: Sequence) -> bool:
-        """Whether `append_slot(seq)` will find the block it may need. Call it *after*
-        `seq.append_token` (as vLLM, nano-vllm and engine.py do): a block is needed exactly when the
-        new token starts a block (len(seq) % block_size == 1: the table does not reach it yet) or
-        lands in a last block that other tables share (copy-on-write)."""
+        """Whether `append_slot(seq)` will find the block it may need, asked once the token is in:
+        a block is needed when the new token starts one or lands in a shared last block (copy-on-write)."""
         table = self._require_allocated(seq)
         needs_block = len(table) * self.block_size < len(seq) or self.blocks[table[-1]].ref_count > 1
         return self.num_free_blocks() >= int(needs_block)
@@ -166,13 +119,12 @@ class BlockAllocator:
             cow = self._copy_on_write(table)
         else:
             raise EngineStateError(f"append_slot makes room for one new token at a time: sequence {seq.seq_id} has "
-                               f"{n} tokens but its block table covers {len(table) * bs}")
+                                   f"{n} tokens but its block table covers {len(table) * bs}")
         return cow
 
     def mark_computed(self, seq: Sequence) -> None:
-        """Register `seq`'s full blocks whose KV is now written (the first num_computed_tokens
-        tokens) in the prefix cache, keeping an existing registration of the same hash. The engine
-        calls it after every forward."""
+        """Register `seq`'s full blocks whose KV is now written (its first num_computed_tokens) in
+        the prefix cache, keeping an existing registration of the same hash. After every forward."""
         if not self.enable_prefix_caching:
             return
         n = min(seq.num_computed_tokens, len(seq)) // self.block_size
@@ -187,24 +139,22 @@ class BlockAllocator:
         self._require_allocated(parent)
         if child.block_table or child.token_ids != parent.token_ids:
             raise EngineStateError(f"fork needs a child with no blocks and the parent's tokens; sequence "
-                               f"{child.seq_id} has {len(child.block_table)} blocks and {len(child)} tokens")
+                                   f"{child.seq_id} has {len(child.block_table)} blocks and {len(child)} tokens")
         for bid in parent.block_table:
-            self.blocks[bid].ref_count += 1
+            self._share(bid)
         child.block_table = list(parent.block_table)
         child.num_cached_tokens, child.num_computed_tokens = parent.num_cached_tokens, parent.num_computed_tokens
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Keep only the blocks that the first `num_tokens` tokens need; free the rest, last first.
-
-        Speculative decoding's rollback: the target wrote K/V for γ draft tokens, some rejected.
-        The caller shortens `seq` and its num_computed_tokens first; the slots of rejected tokens in
-        a kept block are simply overwritten later. A dropped block is never a registered prefix
-        block: `mark_computed` seals only blocks full of computed tokens, and those are kept."""
+        Speculative decoding's rollback (the scheduler's `rollback` shortens `seq` first): rejected
+        tokens' slots in a kept block are overwritten later, and a dropped block is never a
+        registered prefix block (`mark_computed` seals only blocks full of computed tokens)."""
         table = self._require_allocated(seq)
         keep = self.blocks_needed(num_tokens)
         if keep < 1 or num_tokens < seq.num_computed_tokens:
             raise EngineStateError(f"truncate({num_tokens}) would drop computed tokens or every block of sequence "
-                               f"{seq.seq_id} ({seq.num_computed_tokens} computed); free() it instead")
+                                   f"{seq.seq_id} ({seq.num_computed_tokens} computed); free() it instead")
         for bid in reversed(table[keep:]):
             block = self.blocks[bid]
             block.ref_count -= 1
@@ -246,25 +196,8 @@ class BlockAllocator:
         return True
 
     def check_invariants(self) -> None:
-        """Raise AssertionError if the bookkeeping is inconsistent. Which tables hold which blocks
-        is the caller's knowledge; tests check ref counts against live tables themselves."""
-        free = [*self.free_block_ids, *self.evictable]
-        _expect(len(set(free)) == len(free), f"a block is queued as free twice: {sorted(free)}")
-        free_set = set(free)
-        for b in self.blocks:
-            _expect(b.ref_count >= 0, f"block {b.block_id} has ref_count {b.ref_count}")
-            _expect((b.ref_count == 0) == (b.block_id in free_set),
-                    f"block {b.block_id} has ref_count {b.ref_count} but in-free-queue={b.block_id in free_set}")
-            cached = b.hash is not None
-            _expect(cached == (b.prefix_id is not None) == (len(b.token_ids) == self.block_size),
-                    f"block {b.block_id}: hash, prefix_id and token_ids disagree on whether it is full and hashed")
-        for bid in self.free_block_ids:
-            _expect(self.blocks[bid].hash is None, f"uncached free block {bid} still has a hash")
-        for bid in self.evictable:
-            _expect(self.hash_to_block.get(self.blocks[bid].hash) == bid, f"evictable block {bid} is not registered")
-        for h, bid in self.hash_to_block.items():
-            _expect(self.blocks[bid].hash == h, f"hash table entry {h} points to block {bid} whose hash differs")
-        _expect(self.enable_prefix_caching or not self.hash_to_block, "prefix caching is off but blocks are cached")
+        """Raise AssertionError if the bookkeeping is inconsistent (block.check_invariants)."""
+        check_invariants(self)
 
     # ------------------------------------------------------------------ internals
     def _check_fits(self, seq: Sequence) -> None:
@@ -361,11 +294,6 @@ class BlockAllocator:
 
 
 def check_block_size(block_size: int) -> None:
+    """Raise NanoserveError unless `block_size` is a power of two (an int ≥ 1)."""
     if type(block_size) is not int or block_size <= 0 or block_size & (block_size - 1):
         raise NanoserveError(f"block_size={block_size!r} is not allowed; it must be a power of two: 1, 2, 4, ... 16")
-
-
-def _expect(condition: bool, message: str) -> None:
-    """An assert that `python -O` cannot strip."""
-    if not condition:
-        raise AssertionError(message)

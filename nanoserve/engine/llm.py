@@ -37,11 +37,13 @@ class LLM:
         self.runner = e.runner
 
     @property
-    def block_manager(self) -> BlockAllocator:
-        return self.engine.block_manager
+    def block_allocator(self) -> BlockAllocator:
+        """The engine's KV block pool bookkeeping (for inspecting prefix hits and free blocks)."""
+        return self.engine.block_allocator
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
-        return self.engine.encode_prompt(prompt)
+        """The token ids the engine would run for `prompt` (BOS included for Llama-family models)."""
+        return self.engine.inputs.encode_prompt(prompt)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -53,14 +55,17 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         per_prompt = self._params_per_prompt(params, len(prompts))
-        for p, sp in zip(prompts, per_prompt):  # validate everything before spending compute on anything
-            self.engine.check_fits(self.engine.encode_prompt(p), sp)
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, per_prompt)]
+        # every prompt validated (and tokenized, once) before any compute is spent
+        reqs = [self.engine.new_request(p, sp) for p, sp in zip(prompts, per_prompt)]
+        ids: list[str] = []
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="generate", unit="req",
-                   disable=not (len(ids) > 1 if use_tqdm is None else use_tqdm))
+        bar = tqdm(total=len(reqs), desc="generate", unit="req",
+                   disable=not (len(reqs) > 1 if use_tqdm is None else use_tqdm))
         start, n_out = time.perf_counter(), 0
         try:
+            for req in reqs:
+                self.engine.enqueue(req)
+                ids.append(req.output.request_id)
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.error is not None:
@@ -120,7 +125,7 @@ class LLM:
     @torch.inference_mode()
     def logits(self, token_ids: Sequence[int]) -> torch.Tensor:
         """Logits [T, vocab] (float32) of one full forward without a cache: for teaching and checks."""
-        ids = self.engine.check_token_ids(token_ids)
+        ids = self.engine.inputs.check_token_ids(token_ids)
         if len(ids) > self.max_model_len:
             raise NanoserveError(f"{len(ids)} tokens exceed the model's context of {self.max_model_len}")
         return self.model(torch.tensor([ids], device=self.device))[0].float()

@@ -1,7 +1,7 @@
 """The model runner: one batched forward over several sequences, on the paged KV cache.
 
 The scheduler decides *which* sequences run and *how many* new tokens each computes (a whole
-prompt, a prefill chunk, or one decode token); the block manager has already given them
+prompt, a prefill chunk, or one decode token); the block allocator has already given them
 slots. This file turns that decision into tensors — the only place where Sequences meet the
 model:
 
@@ -11,6 +11,10 @@ model:
     context_lens          [B]      tokens in the cache once this step's are written
 
 and returns each row's next-token logits (the logits of its last new token).
+
+It is pure: sequences in, logits out. It reads each sequence's tokens, block table and
+num_computed_tokens and writes nothing of theirs; the forward's K/V goes into the KV pool, and
+the caller tells the scheduler what was computed (`Scheduler.advance`). Taught in notebooks/02_*.
 """
 
 from __future__ import annotations
@@ -18,10 +22,13 @@ from __future__ import annotations
 import torch
 
 from ..kv.cache import PagedKVCache
+from ..kv.cache import slot_mapping as slots_of
 from .sequence import Sequence
 
 
 class ModelRunner:
+    """The model and its paged KV pool; `run` is one batched forward over the scheduled sequences."""
+
     def __init__(self, model, num_blocks: int, block_size: int, attention_backend: str | None = None):
         self.model, self.config = model, model.config
         p = next(model.parameters())
@@ -46,7 +53,7 @@ class ModelRunner:
             input_ids[i, :n] = torch.tensor(seq.token_ids[start:start + n])
             positions[i, :n] = pos
             positions[i, n:] = start + n - 1  # padding queries look at real keys (no empty softmax)
-            slot_mapping[i, :n] = table[pos // bs] * bs + pos % bs
+            slot_mapping[i, :n] = slots_of(table, pos, bs)
             block_tables[i] = table[0]  # padding entries repeat a block of this row: read, then masked
             block_tables[i, : len(table)] = table
             context_lens[i] = start + n
@@ -87,6 +94,4 @@ class ModelRunner:
         back = torch.tensor(num_logits, device=self.device)[:, None] - torch.arange(K, device=self.device)  # B, K
         index = (n - back.clamp(min=1)).clamp(min=0)  # B, K: positions n-m .. n-1, then the last repeated
         logits = self.model(input_ids, positions, cache=view, logit_index=index)  # B, K, V
-        for seq, m in zip(seqs, num_new):
-            seq.num_computed_tokens += m
         return logits.float()

@@ -54,6 +54,8 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
+    """One request's result (vLLM's name): its prompt, one CompletionOutput per sample, timestamps, error."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -68,22 +70,27 @@ class RequestOutput:
     # the first sample, for the common n = 1 case
     @property
     def text(self) -> str:
+        """The first sample's text."""
         return self.outputs[0].text
 
     @property
     def token_ids(self) -> list[int]:
+        """The first sample's generated token ids."""
         return self.outputs[0].token_ids
 
     @property
     def finish_reason(self) -> str | None:
+        """The first sample's finish reason; None while it runs."""
         return self.outputs[0].finish_reason
 
     @property
     def token_times(self) -> list[float]:
+        """When each of the first sample's tokens was sampled (perf_counter)."""
         return self.outputs[0].token_times
 
     @property
     def finished(self) -> bool:
+        """Whether every sample has a finish reason."""
         return all(o.finish_reason for o in self.outputs)
 
     @property
@@ -93,6 +100,7 @@ class RequestOutput:
 
     @property
     def e2e_latency(self) -> float | None:
+        """Arrival to finish, seconds; None until the request finishes."""
         return None if self.finish_time is None else self.finish_time - self.arrival_time
 
     def snapshot(self) -> RequestOutput:
@@ -144,6 +152,20 @@ class IncrementalText:
         return delta, False
 
     def flush(self) -> str:
+        """Release the text held back so far (at a stop string or the end); return it."""
         delta = self.text[self.emitted:]
         self.emitted = len(self.text)
         return delta
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine for monitoring; requests count once whatever their n."""
+
+    num_running: int  # requests admitted to the batch (a preempted one waits again)
+    num_waiting: int  # requests in the waiting queue
+    num_blocks: int  # KV blocks in the pool ...
+    num_free_blocks: int  # ... and how many no sequence holds (cached prefix blocks count as free)
+    prefix_cache_hits: int  # prompt blocks found in the prefix cache ...
+    prefix_cache_queries: int  # ... out of all full prompt blocks looked up
+    num_preemptions: int

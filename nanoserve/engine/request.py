@@ -1,12 +1,15 @@
 """A request as the engine holds it: its parameters, its output, and one `Sample` per parallel
 sample (SamplingParams.n), each with its sequence, random stream and incremental text.
 
-`LLMEngine.new_request` builds them (validating the prompt); the engine, the async engine and
-the batchers pass them around. Taught in notebooks/03_*.
+`InputProcessor.make_request` builds them (validating the prompt); the engine, the async engine
+and the batchers pass them around. `Request.emit` is the output side of a generated token: text,
+stop conditions, timestamps. The token joins the sample's *sequence* through the scheduler
+(`Scheduler.postprocess`), which owns sequences. Taught in notebooks/03_*.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -32,8 +35,43 @@ class Sample:
 
 @dataclass(eq=False)
 class Request:
+    """One request: its settings, its output (all samples), and the state of each sample."""
+
     params: SamplingParams
     output: RequestOutput
     max_new: int  # max_tokens, capped by the context
     stop_ids: set[int]
     samples: list[Sample] = field(default_factory=list)
+
+    def emit(self, s: Sample, token: int) -> bool:
+        """Add a generated token to sample `s`'s output; True when a stop condition hit (a stop
+        token, a stop string, max_tokens)."""
+        now = time.perf_counter()
+        if s.seen is not None:
+            s.seen = torch.cat([s.seen, torch.tensor([token], device=s.seen.device)])
+        out = s.out
+        out.token_ids.append(token)
+        out.token_times.append(now)
+        if self.output.first_token_time is None:
+            self.output.first_token_time = now
+        if token in self.stop_ids:
+            out.finish_reason = "stop"
+        else:
+            _, hit = s.text.add(token)
+            if hit:
+                out.finish_reason = "stop"
+            elif len(out.token_ids) >= self.max_new:
+                out.finish_reason = "length"
+        if out.finish_reason:
+            s.text.flush()
+        # while running, only settled text (no possible stop-string prefix, no cut UTF-8 character),
+        # so that out.text only ever grows and a stream can send its new part
+        out.text = s.text.text[: s.text.emitted]
+        return out.finish_reason is not None
+
+    def emit_all(self, s: Sample, tokens: list[int]) -> tuple[list[int], bool]:
+        """Emit tokens in order until one finishes the sample: (the tokens emitted, finished)."""
+        for i, token in enumerate(tokens):
+            if self.emit(s, token):
+                return tokens[: i + 1], True
+        return tokens, False

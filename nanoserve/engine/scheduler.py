@@ -16,7 +16,14 @@ Each `schedule()` call here, in vLLM's manner:
    the block pool allow — but not in a step that had to preempt (the pool is under pressure).
 
 The scheduler never touches tensors: it returns sequences, token counts and the copy-on-write
-block copies the model runner must apply. Taught in notebooks/03_*.
+block copies the model runner must apply.
+
+**It owns every sequence's state.** Besides `schedule()`, the only writes to a `Sequence` after
+it is built are the methods below the line "after the forward" (`advance`, `postprocess`,
+`fork`, `finish`, and speculation's `extend` / `rollback`), and the block allocator's own
+writes to block tables — which the scheduler drives. The model runner only reads sequences; the
+engine, speculation and the batchers call these methods (tests/test_ownership.py checks it).
+Taught in notebooks/03_*.
 """
 
 from __future__ import annotations
@@ -35,12 +42,15 @@ class QueueFullError(NanoserveError):
 
 @dataclass
 class SchedulerConfig:
+    """The scheduler's limits per step, and the waiting queue's bound."""
+
     max_num_seqs: int = 64  # sequences in one forward
     max_num_batched_tokens: int = 512  # new tokens in one forward (the token budget)
     enable_chunked_prefill: bool = True
     max_waiting: int | None = None  # None = unbounded
 
     def validate(self, max_model_len: int) -> None:
+        """Raise NanoserveError naming the first setting out of range."""
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -55,50 +65,46 @@ class SchedulerConfig:
 
 @dataclass
 class SchedulerOutput:
+    """One step's decision: which sequences run, how many tokens each computes, what to copy."""
+
     seqs: list[Sequence] = field(default_factory=list)
     num_new: list[int] = field(default_factory=list)  # tokens each sequence computes this step
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
     preempted: list[Sequence] = field(default_factory=list)
 
     def add(self, seq: Sequence, n: int) -> None:
+        """Schedule `n` new tokens of `seq`."""
         self.seqs.append(seq)
         self.num_new.append(n)
 
     @property
     def num_tokens(self) -> int:
+        """New tokens in the step (what the token budget counts)."""
         return sum(self.num_new)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockAllocator, max_model_len: int):
+    """Continuous batching's scheduler (Orca, vLLM): `schedule()` picks the next forward's sequences
+    and token counts; the methods after it apply the forward's results to the sequences."""
+
+    def __init__(self, config: SchedulerConfig, block_allocator: BlockAllocator, max_model_len: int):
         config.validate(max_model_len)
-        self.config, self.bm = config, block_manager
+        self.config, self.block_allocator = config, block_allocator
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
 
     # ------------------------------------------------------------------ queue management
     def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (QueueFullError at max_waiting)."""
         if self.config.max_waiting is not None and len(self.waiting) >= self.config.max_waiting:
             raise QueueFullError(f"the waiting queue is full ({len(self.waiting)} requests, "
                                  f"max_waiting={self.config.max_waiting}); retry later")
         self._enqueue(seq)
 
-    def add_running(self, seq: Sequence) -> None:
-        """A forked sample: it already shares its parent's blocks and joins the batch directly."""
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
-
-    def finish(self, seq: Sequence, status: SequenceStatus = SequenceStatus.FINISHED) -> None:
-        """Remove a sequence wherever it is and give its blocks back."""
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-        self.bm.free(seq)
-        seq.status = status
 
     def has_unfinished(self) -> bool:
+        """Whether any sequence waits or runs."""
         return bool(self.waiting or self.running)
 
     def _enqueue(self, seq: Sequence) -> None:
@@ -108,6 +114,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:
+        """The next forward: running sequences first (a new token's slot, preempting if the pool is
+        full), then waiting ones while the token budget, max_num_seqs and the pool allow."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         i = 0
@@ -127,9 +135,9 @@ class Scheduler:
             seq = self.waiting[0]
             if not self.config.enable_chunked_prefill and len(seq) > budget:
                 break  # its whole prompt must fit in one step; wait for a step with more room
-            if not self.bm.can_allocate(seq):
+            if not self.block_allocator.can_allocate(seq):
                 break
-            self.bm.allocate(seq)
+            self.block_allocator.allocate(seq)
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -147,13 +155,13 @@ class Scheduler:
     def _make_room(self, seq: Sequence, index: int, out: SchedulerOutput) -> bool:
         """Give `seq`'s newest token a KV slot, preempting others if the pool is full.
         Returns False when `seq` itself had to be preempted."""
-        while not self.bm.can_append(seq):
+        while not self.block_allocator.can_append(seq):
             victim = self._pick_victim(index)
             self._preempt(victim)
             out.preempted.append(victim)
             if victim is seq:
                 return False
-        copy = self.bm.append_slot(seq)
+        copy = self.block_allocator.append_slot(seq)
         seq.needs_slot = False
         if copy is not None:
             out.copies.append(copy)
@@ -167,12 +175,97 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Recompute-style preemption: free every block; the tokens stay, the KV will be recomputed."""
         self.running.remove(seq)
-        self.bm.free(seq)
+        self.block_allocator.free(seq)
         seq.needs_slot = False
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue(seq)
 
+
+    # ------------------------------------------------------------------ after the forward
+    def advance(self, seq: Sequence, num_tokens: int) -> None:
+        """`num_tokens` more of seq's tokens have K/V now (the forward computed them)."""
+        advance(self.block_allocator, seq, num_tokens)
+
+    def postprocess(self, seq: Sequence, new_tokens: list[int], finished: bool) -> None:
+        """Append the tokens sampled for `seq` (or emitted by a speculative step: its accepted drafts,
+        whose K/V exist, then blocks they fill join the prefix cache); a finished sequence leaves the
+        batch and frees its blocks, else its last token waits for a slot (the next schedule)."""
+        seq.token_ids.extend(new_tokens)
+        self.block_allocator.mark_computed(seq)
+        if finished:
+            self.finish(seq)
+        else:
+            seq.needs_slot = True
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """A parallel sample (SamplingParams.n): `child` shares parent's blocks and joins the batch."""
+        self.block_allocator.fork(parent, child)
+        self.add_running(child)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence that already holds its blocks (a fork) joins the running batch directly."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def finish(self, seq: Sequence, status: SequenceStatus = SequenceStatus.FINISHED) -> None:
+        """Remove a sequence wherever it is and give its blocks back."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_allocator.free(seq)
+        seq.status = status
+
+    # speculation: drafts join a sequence for one verification forward, the rejected ones leave
+    def extend(self, seq: Sequence, tokens: list[int]) -> tuple[int, list[tuple[int, int]]]:
+        """Append draft tokens, each with a KV slot; see `extend`."""
+        return extend(self.block_allocator, seq, tokens)
+
+    def rollback(self, seq: Sequence, num_tokens: int, num_computed: int) -> None:
+        """Keep seq's first `num_tokens` tokens, with K/V valid for the first `num_computed` positions."""
+        rollback(self.block_allocator, seq, num_tokens, num_computed)
+
+
+# The mechanics shared with the draft model's shadow sequences (spec/proposers.py), which live in
+# their own block pool and are never scheduled: the same writes, so in this file too.
+def advance(block_allocator: BlockAllocator, seq: Sequence, num_tokens: int) -> None:
+    """num_computed_tokens += num_tokens, and full blocks whose K/V now exist join the prefix cache."""
+    seq.num_computed_tokens += num_tokens
+    block_allocator.mark_computed(seq)
+
+
+def extend(block_allocator: BlockAllocator, seq: Sequence, tokens: list[int]) -> tuple[int, list[tuple[int, int]]]:
+    """Append `tokens`, each with a KV slot, stopping early when the pool is full. Returns how many
+    were appended and the copy-on-write (src, dst) block copies the KV cache must apply."""
+    copies = []
+    for i, token in enumerate(tokens):
+        seq.token_ids.append(token)
+        if not block_allocator.can_append(seq):
+            seq.token_ids.pop()
+            return i, copies
+        copy = block_allocator.append_slot(seq)
+        if copy is not None:
+            copies.append(copy)
+    return len(tokens), copies
+
+
+def rollback(block_allocator: BlockAllocator, seq: Sequence, num_tokens: int, num_computed: int) -> None:
+    """Speculation's rollback: keep the first `num_tokens` tokens; K/V is valid for the first
+    `num_computed` positions (the verified prefix; it may run past num_tokens when the caller
+    re-appends the accepted tokens right after, through `postprocess`). Blocks past num_computed go
+    back to the pool before the prefix cache sees them, so no block holding a rejected token's K/V
+    is ever cached."""
+    del seq.token_ids[num_tokens:]
+    seq.num_computed_tokens = num_computed
+    block_allocator.truncate(seq, num_computed)
+
+
+def ride_along(seq: Sequence) -> None:
+    """Static batching (tools/batching.py) keeps a finished row in its batch until the batch ends:
+    each step recomputes the row's last computed position — the work HF generate spends on
+    padding rows. Nothing new is computed for it."""
+    seq.num_computed_tokens = len(seq) - 2
 
 def _check_has_work(seq: Sequence) -> None:
     """A running sequence always has a token to compute: its prompt's rest, or the token sampled

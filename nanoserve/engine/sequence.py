@@ -1,4 +1,4 @@
-"""A `Sequence`: one stream of tokens being generated, as the block manager and schedulers see it.
+"""A `Sequence`: one stream of tokens being generated, as the block allocator and the scheduler see it.
 
 It holds token ids (prompt + generated so far), its block table (which physical KV blocks hold
 its keys and values, in order), and how many of its tokens already have KV in the cache.
@@ -16,6 +16,8 @@ _ids = itertools.count()
 
 
 class SequenceStatus(Enum):
+    """Where a sequence is: waiting (queued, or preempted to recompute), running, finished or aborted."""
+
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
@@ -24,6 +26,10 @@ class SequenceStatus(Enum):
 
 @dataclass(eq=False)
 class Sequence:
+    """One stream of tokens: what the scheduler schedules and the block allocator gives blocks to.
+    Built by the input processor (or a fork); from then on only the scheduler (and, for the block
+    table, the allocator it drives) changes it."""
+
     token_ids: list[int]
     num_prompt_tokens: int = -1
     seq_id: int = field(default_factory=lambda: next(_ids))
@@ -49,9 +55,12 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
+        """The generated tokens: token_ids after the prompt."""
         return self.token_ids[self.num_prompt_tokens:]
 
     def append_token(self, token_id: int) -> None:
+        """Add a token (inside nanoserve, only the scheduler calls this; tests and notebooks that
+        drive a block allocator by hand play the scheduler)."""
         self.token_ids.append(token_id)
 
     @property

@@ -47,7 +47,8 @@ class TritonCacheView(CacheView):
 
     def attention(self, layer, q, k, v, positions):
         from ..kernels.flash_attention import flash_attention
-        from ..kernels.paged_attention import paged_attention, store_kv
+        from ..kernels.paged_attention import paged_attention
+        from ..kernels.store_kv import store_kv
 
         B, T, H, D = q.shape
         Hkv = k.shape[2]

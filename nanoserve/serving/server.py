@@ -36,14 +36,13 @@ prometheus-client). Taught in notebooks/09_*.
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from ..engine.outputs import RequestOutput
@@ -55,6 +54,7 @@ from .chat import ChatTemplate
 from .http_middleware import DEFAULT_MAX_BODY_BYTES, CountStatus, LimitBody, RequireKey
 from .metrics import ServerMetrics
 from .openai_schema import document_responses
+from .streams import ClientGone, collect, sse
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -100,6 +100,10 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
         if isinstance(e, QueueFullError):
             return error(429, str(e), "rate_limit_error", "queue_full", {"Retry-After": str(retry_after)})
         return error(400, str(e))
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request, e: ClientGone):  # nobody reads it: the client left, its requests were aborted
+        return error(499, str(e))
 
     @app.exception_handler(RequestFailedError)
     async def _failed(request, e: RequestFailedError):  # this request alone; the engine serves on
@@ -168,9 +172,9 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
         if body.stream:
             chunk = lambda index, delta, reason, first: api.completion_chunk(  # noqa: E731
                 rid, model_name, created, index, delta, reason)
-            return _sse(streams, params.n, chunk, body.stream_options, rid, model_name, created, "text_completion",
+            return sse(streams, params.n, chunk, body.stream_options, rid, model_name, created, "text_completion",
                         metrics)
-        outs = await _collect(streams, request, metrics)
+        outs = await collect(streams, request, metrics)
         return api.completion_response(rid, model_name, created, outs)
 
     @app.post("/v1/chat/completions")
@@ -187,113 +191,14 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
             def chunk(index, delta, reason, first):
                 d = {"role": "assistant", "content": delta} if first else ({"content": delta} if delta else {})
                 return api.chat_chunk(rid, model_name, created, index, d, reason)
-            return _sse(streams, params.n, chunk, body.stream_options, rid, model_name, created,
+            return sse(streams, params.n, chunk, body.stream_options, rid, model_name, created,
                         "chat.completion.chunk", metrics)
-        outs = await _collect(streams, request, metrics)
+        outs = await collect(streams, request, metrics)
         return api.chat_response(rid, model_name, created, outs[0])
 
     document_responses(app)  # /openapi.json: 400 (not 422), 401/404/413/429/500/503, SSE and text/plain
     # outermost, around FastAPI's own error middleware, so that its 500s are counted too
     return CountStatus(app, metrics)
-
-
-# ----------------------------------------------------------------------------- reading outputs
-async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from several requests as they come; leaving early cancels (aborts) all."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i, stream):
-        try:
-            async for out in stream:
-                queue.put_nowait((i, out))
-        except Exception as e:
-            queue.put_nowait((i, e))
-        queue.put_nowait((i, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        for _ in range(len(tasks)):
-            while True:
-                i, item = await queue.get()
-                if item is None:
-                    break
-                if isinstance(item, BaseException):
-                    raise item
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()  # a pump still running is a request still in the engine: cancelling aborts it
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _until_disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _collect(streams, request: Request, metrics: ServerMetrics) -> list[RequestOutput]:
-    """The finished output of each request; if the client leaves first, abort them all."""
-    last: dict[int, RequestOutput] = {}
-
-    async def drain():
-        async for i, out in _merge(streams):
-            last[i] = out
-
-    work, gone = asyncio.create_task(drain()), asyncio.create_task(_until_disconnected(request))
-    try:
-        await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in (work, gone):
-            t.cancel()
-        await asyncio.gather(work, gone, return_exceptions=True)
-        for out in last.values():
-            metrics.observe(out)
-    if not work.done() or work.cancelled():
-        raise APIError(499, "client closed the request")  # nobody reads this; the request is aborted
-    work.result()  # re-raise an engine error
-    return [last[i] for i in range(len(streams))]
-
-
-def _sse(streams, n: int, chunk, options: api.StreamOptions | None, rid: str, model: str, created: int,
-         obj: str, metrics: ServerMetrics) -> StreamingResponse:
-    """Server-sent events: `data: {chunk}` per step with new tokens per choice, then `data: [DONE]`."""
-    include_usage = options is not None and options.include_usage
-    continuous = options is not None and options.continuous_usage_stats
-
-    async def events():
-        last: dict[int, RequestOutput] = {}
-        sent: dict[tuple[int, int], tuple[int, int]] = {}  # (prompt, sample) → (chars, tokens) sent
-        try:
-            async for i, out in _merge(streams):
-                last[i] = out
-                done = len(last) == len(streams) and all(o.finished for o in last.values())
-                chunks = []
-                for c in out.outputs:
-                    chars, tokens = sent.get((i, c.index), (0, 0))
-                    ended = tokens < 0  # the choice's final chunk was sent
-                    if ended or (len(c.token_ids) == tokens and not c.finish_reason):
-                        continue
-                    chunks.append(chunk(i * n + c.index, c.text[chars:], c.finish_reason, (i, c.index) not in sent))
-                    sent[(i, c.index)] = (len(c.text), -1 if c.finish_reason else len(c.token_ids))
-                if continuous:
-                    for ch in chunks:
-                        ch["usage"] = api.usage(list(last.values()))
-                if done and chunks and not include_usage:  # with include_usage, only OpenAI's final chunk has it
-                    chunks[-1]["usage"] = api.usage([last[j] for j in range(len(streams))])
-                for ch in chunks:
-                    yield f"data: {json.dumps(ch, ensure_ascii=False)}\n\n"
-            if include_usage:
-                usage = api.usage_chunk(rid, model, created, obj, [last[j] for j in range(len(streams))])
-                yield f"data: {json.dumps(usage)}\n\n"
-        except Exception as e:  # after the stream began: the queue filled meanwhile (rare), or the engine broke
-            kind = "invalid_request_error" if isinstance(e, NanoserveError) else "server_error"
-            yield f"data: {json.dumps(api.error_body(str(e), kind))}\n\n"
-        finally:
-            for out in last.values():
-                metrics.observe(out)
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 def validation_message(errors: list[dict]) -> str:

@@ -18,7 +18,8 @@ import torch
 
 from ..engine.block_allocator import BlockAllocator
 from ..engine.model_runner import ModelRunner
-from ..engine.sampler import SamplingParams, probs_from_logits
+from ..engine.sampler import SamplingParams, probs_from_logits_batch
+from ..engine.scheduler import advance, extend, rollback
 from ..engine.sequence import Sequence as SequenceState
 from ..errors import check, is_int
 from .rejection_sampler import check_gamma
@@ -67,15 +68,20 @@ class NgramProposer:
 
 
 class DraftModelProposer:
-    """A small model with its own paged KV cache; one draft `Sequence` per target sequence."""
+    """A small model with its own paged KV cache; one draft `Sequence` per target sequence.
+
+    The draft sequences live in the draft's own block pool and are never scheduled: the target's
+    step decides when they run. They change only through the scheduler module's functions
+    (`extend`, `advance`, `rollback`), as every sequence does."""
 
     def __init__(self, model, num_blocks: int, block_size: int, attention_backend: str | None):
         self.runner = ModelRunner(model, num_blocks, block_size, attention_backend)
-        self.bm = BlockAllocator(num_blocks, block_size, enable_prefix_caching=False)
+        self.block_allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching=False)
         self.seqs: dict[int, SequenceState] = {}  # target seq_id -> draft sequence
 
-    def propose(self, rows: list[tuple[Sequence, int, SamplingParams, torch.Generator | None]]):
-        """rows: (target sequence, γ, params, generator) -> per row (draft ids, q [γ, V] or None)."""
+    def propose(self, rows: list[tuple[SequenceState, int, SamplingParams, torch.Generator | None]]):
+        """rows: (target sequence, γ, params, generator) -> per row (draft ids, q [γ, V] or None).
+        Each draft step is one batched forward and one batched draw (one device→host transfer)."""
         active = []  # (row index, draft seq)
         for i, (seq, _, _, _) in enumerate(rows):
             d = self._sync(seq)
@@ -86,44 +92,47 @@ class DraftModelProposer:
         while active:
             num_new = [len(d) - d.num_computed_tokens for _, d in active]
             logits = self.runner.run([d for _, d in active], num_new)  # A, V
+            for (_, d), n in zip(active, num_new):
+                advance(self.block_allocator, d, n)
+            tokens = self._draw(logits, [rows[i] for i, _ in active], [qs[i] for i, _ in active])
             still = []
-            for (i, d), row_logits in zip(active, logits):
-                _, gamma, params, gen = rows[i]
-                if params.greedy:
-                    token = int(row_logits.argmax())
-                else:
-                    q = probs_from_logits(row_logits, params.temperature, params.top_k, params.top_p)  # V
-                    token = int(torch.multinomial(q, 1, generator=gen))
-                    qs[i].append(q)
+            for (i, d), token in zip(active, tokens):
                 drafts[i].append(token)
-                if len(drafts[i]) < gamma and self._append(d, token):
+                if len(drafts[i]) < rows[i][1] and extend(self.block_allocator, d, [token])[0] == 1:
                     still.append((i, d))
             active = still
         return [(drafts[i], torch.stack(qs[i]) if qs[i] else None) for i in range(len(rows))]
+
+    @staticmethod
+    def _draw(logits: torch.Tensor, rows: list[tuple], qs: list[list[torch.Tensor]]) -> list[int]:
+        """One draft token per row of logits [A, V] at its request's settings (greedy: argmax); the
+        law each sampled token was drawn from goes to its row's list in `qs`."""
+        tokens = logits.argmax(-1)  # A
+        sampled = [j for j, (_, _, params, _) in enumerate(rows) if not params.greedy]
+        if sampled:
+            q = probs_from_logits_batch(logits[sampled], *zip(*[(rows[j][2].temperature, rows[j][2].top_k,
+                                                                   rows[j][2].top_p) for j in sampled]))  # S, V
+            drawn = [torch.multinomial(q[m], 1, generator=rows[j][3]) for m, j in enumerate(sampled)]
+            tokens = tokens.index_put((torch.tensor(sampled, device=logits.device),), torch.cat(drawn))
+            for m, j in enumerate(sampled):
+                qs[j].append(q[m])
+        return tokens.tolist()
 
     def _sync(self, seq: SequenceState) -> SequenceState | None:
         """Bring the draft sequence to the target's tokens (K/V of all but the last to compute)."""
         d = self.seqs.get(seq.seq_id)
         if d is None:
             d = SequenceState(list(seq.token_ids))
-            if not self.bm.can_allocate(d):
+            if not self.block_allocator.can_allocate(d):
                 return None
-            self.bm.allocate(d)
+            self.block_allocator.allocate(d)
             self.seqs[seq.seq_id] = d
             return d
-        for token in seq.token_ids[len(d):]:  # the tokens accepted since (rollback left a prefix)
-            if not self._append(d, token):
-                self.free(seq)
-                return None
+        missing = seq.token_ids[len(d):]  # the tokens accepted since (rollback left a prefix)
+        if extend(self.block_allocator, d, missing)[0] < len(missing):
+            self.free(seq)
+            return None
         return d
-
-    def _append(self, d: SequenceState, token: int) -> bool:
-        d.append_token(token)
-        if not self.bm.can_append(d):
-            d.token_ids.pop()
-            return False
-        self.bm.append_slot(d)
-        return True
 
     def rollback(self, seq: SequenceState, num_valid: int) -> None:
         """Keep the draft's first num_valid tokens (those the target accepted)."""
@@ -134,14 +143,12 @@ class DraftModelProposer:
         if keep < 1:
             self.free(seq)
             return
-        del d.token_ids[keep:]
-        d.num_computed_tokens = keep
-        self.bm.truncate(d, keep)
+        rollback(self.block_allocator, d, keep, keep)
 
     def free(self, seq: SequenceState) -> None:
         d = self.seqs.pop(seq.seq_id, None)
         if d is not None:
-            self.bm.free(d)
+            self.block_allocator.free(d)
 
 
 class NgramDraft:

@@ -47,11 +47,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..engine.block_allocator import BlockAllocator
 from ..engine.outputs import SpecStats
 from ..engine.sampler import SamplingParams, probs_from_logits
+from ..engine.scheduler import Scheduler
 from ..engine.sequence import Sequence
 from ..errors import NanoserveError
+from ..models.loader import load_model
+from .proposers import DraftModelProposer, NgramDraft
 from .rejection_sampler import MAX_SPECULATIVE_TOKENS, expected_tokens_per_step, greedy_verify, rejection_sample
 
 SPECULATIVE_METHODS = ("draft", "ngram")
@@ -100,12 +102,13 @@ class Proposal:
 
 
 class SpecDecoder:
-    """The engine's speculative path: choose γ per row, propose, extend, and after the target's
-    forward accept and roll back. Owned by LLMEngine; `proposer` is a DraftModelProposer or NgramDraft."""
+    """The engine's speculative path: choose γ per row (`plan`), propose and extend, and after the
+    target's forward accept and roll back. Owned by LLMEngine; `proposer` is a DraftModelProposer or
+    NgramDraft. The target's sequences change only through the target's `scheduler`."""
 
-    def __init__(self, config: SpecDecodeConfig, proposer, block_manager: BlockAllocator, max_model_len: int,
+    def __init__(self, config: SpecDecodeConfig, proposer, scheduler: Scheduler, max_model_len: int,
                  cost: float = 0.0):
-        self.config, self.proposer, self.bm, self.max_model_len = config, proposer, block_manager, max_model_len
+        self.config, self.proposer, self.scheduler, self.max_model_len = config, proposer, scheduler, max_model_len
         self.cost = cost  # c: a drafted token's cost in target forwards
         self.states: dict[int, _SampleState] = {}
         self.copies: list[tuple[int, int]] = []  # copy-on-write block copies from the last extension
@@ -152,6 +155,36 @@ class SpecDecoder:
         st.gamma = best
 
     # ------------------------------------------------------------------ one step
+    def plan(self, sched, requests: dict, budget: int) -> list[tuple]:
+        """The rows that speculate this step: (row, seq, γ, params, generator) for each decoding row
+        with a γ ≥ 1 that the step's leftover token budget can still pay for."""
+        rows = []
+        for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_new)):
+            if n != 1 or seq.num_computed_tokens + 1 != len(seq) or budget <= 0:
+                continue  # a prefill chunk, or no budget left
+            req = requests[seq.request_id]
+            if len(req.samples) < req.params.n:
+                continue  # about to fork its samples: the first token is drawn plainly
+            s = req.samples[seq.sample_index]
+            gamma = min(self.choose_gamma(seq, req.params, req.max_new - len(s.out.token_ids)), budget)
+            if gamma > 0:
+                rows.append((i, seq, gamma, req.params, s.generator))
+                budget -= gamma
+                s.out.spec_stats = self.state(seq).stats
+        return rows
+
+    def draft(self, sched, rows: list[tuple], kv) -> dict:
+        """Propose for the planned rows, append the drafts to their sequences (copy-on-write copies
+        applied to `kv`), and grow each row's token count in `sched`: {row: Proposal} to verify."""
+        proposals = {}
+        for (i, *_), prop in zip(rows, self.propose_and_extend([r[1:] for r in rows])):
+            if prop.draft_ids:
+                sched.num_new[i] += len(prop.draft_ids)
+                proposals[i] = prop
+        for src, dst in self.copies:  # drafts that landed in a shared block
+            kv.copy_block(src, dst)
+        return proposals
+
     def propose_and_extend(self, rows) -> list[Proposal]:
         """rows: (seq, γ, params, generator) with γ ≥ 1. Drafts, then appends them to each target
         sequence with KV slots (copy-on-write copies go to `copies`); returns what to verify. A
@@ -160,24 +193,16 @@ class SpecDecoder:
         drafted = self.proposer.propose(rows)
         for (seq, gamma, params, gen), (draft_ids, q) in zip(rows, drafted):
             start = len(seq)
-            kept = 0
-            for token in draft_ids[:gamma]:
-                seq.append_token(token)
-                if not self.bm.can_append(seq):  # the pool is full: verify what has a slot
-                    seq.token_ids.pop()
-                    break
-                copy = self.bm.append_slot(seq)
-                if copy is not None:
-                    self.copies.append(copy)
-                kept += 1
+            kept, copies = self.scheduler.extend(seq, draft_ids[:gamma])  # stops early when the pool is full
+            self.copies += copies
             proposals.append(Proposal(seq, params, gen, draft_ids[:kept], None if q is None else q[:kept], start))
         return proposals
 
     def accept(self, prop: Proposal, logits: torch.Tensor) -> list[int]:
         """logits [γ+1, V] of the verification -> the 1..γ+1 tokens to emit. Rolls the sequence back
-        to its tokens before the drafts, with K/V computed through the last accepted draft; the
-        caller appends the returned tokens through the normal output path (stop checks included),
-        the last of which, as after any decode step, still needs its K/V slot."""
+        (through the scheduler) to its tokens before the drafts, with K/V computed through the last
+        accepted draft; the caller emits the returned tokens like sampled ones (stop checks, then
+        Scheduler.postprocess), the last of which, as after any decode step, still needs its slot."""
         seq, params, gamma = prop.seq, prop.params, len(prop.draft_ids)
         draft = torch.tensor(prop.draft_ids, dtype=torch.long)  # γ
         if params.greedy:
@@ -186,10 +211,8 @@ class SpecDecoder:
             p = probs_from_logits(logits, params.temperature, params.top_k, params.top_p)  # γ+1, V
             tokens, accepted = rejection_sample(draft, prop.q, p, prop.generator)
         # Positions start_len − 1 (the old last token) .. start_len − 1 + accepted hold valid K/V.
-        del seq.token_ids[prop.start_len:]
-        seq.num_computed_tokens = prop.start_len + accepted
-        self.bm.truncate(seq, seq.num_computed_tokens)
-        self.proposer.rollback(seq, seq.num_computed_tokens)
+        self.scheduler.rollback(seq, prop.start_len, prop.start_len + accepted)
+        self.proposer.rollback(seq, prop.start_len + accepted)
         st = self.state(seq)
         st.stats.num_steps += 1
         st.stats.num_draft_tokens += gamma
@@ -206,3 +229,29 @@ class SpecDecoder:
     def stats(self, seq: Sequence) -> SpecStats | None:
         st = self.states.get(seq.seq_id)
         return None if st is None else st.stats
+
+
+def build_spec_decoder(cfg: SpecDecodeConfig, engine) -> SpecDecoder:
+    """The engine's SpecDecoder: an n-gram proposer, or the draft model loaded beside the target
+    (one vocabulary, one tokenizer, its own paged KV pool of the target's size)."""
+    max_len, kv = engine.max_model_len, engine.runner.kv
+    if cfg.method == "ngram":
+        proposer, cost = NgramDraft(cfg.ngram_max, cfg.ngram_min), 0.0  # no model: drafting is ~free
+    else:
+        try:
+            draft, dcfg, dtok = load_model(cfg.draft_model, dtype=engine.dtype, device=engine.device)
+        except NanoserveError as e:
+            raise NanoserveError(f"speculative model {cfg.draft_model!r} could not be loaded: {e}") from e
+        if dcfg.vocab_size != engine.config.vocab_size:
+            raise NanoserveError(f"the draft model's vocabulary ({dcfg.vocab_size} tokens) differs from the "
+                                 f"target's ({engine.config.vocab_size}); speculative decoding needs one shared "
+                                 "tokenizer")
+        probe = "Speculative decoding needs one shared tokenizer: ÀÉ 123 !?"
+        tok = engine.tokenizer
+        if dtok is not None and tok is not None and dtok.encode(probe) != tok.encode(probe):
+            raise NanoserveError("the draft model's tokenizer encodes text differently from the target's; "
+                                 "speculative decoding needs one shared tokenizer")
+        max_len = min(max_len, dcfg.max_position_embeddings)
+        proposer = DraftModelProposer(draft, kv.num_blocks, kv.block_size, engine.attention_backend)
+        cost = sum(p.numel() for p in draft.parameters()) / sum(p.numel() for p in engine.model.parameters())
+    return SpecDecoder(cfg, proposer, engine.scheduler, max_len, cost)

@@ -24,8 +24,9 @@ from collections.abc import Sequence
 from ..engine.llm_engine import LLMEngine
 from ..engine.outputs import RequestOutput
 from ..engine.request import Prompt, Request
-from ..engine.sampler import SamplingParams
-from ..errors import NanoserveError
+from ..engine.sampler import SamplingParams, sample_batch
+from ..engine.scheduler import advance, extend, ride_along
+from ..errors import NanoserveError, RequestFailedError
 
 
 def _params_list(params, n: int) -> list[SamplingParams]:
@@ -65,42 +66,41 @@ class _RunToCompletion:
                 for p, q, a in zip(prompts, ps, _arrivals(arrivals, len(prompts)))]
 
     def run_batch(self, reqs: list[Request]) -> None:
+        """Prefill the whole batch padded to its longest prompt, then decode it until every request
+        finished; rows that finished early ride along (scheduler.ride_along). Sequences change only
+        through the scheduler module's functions, as in the engine."""
         e = self.engine
-        bm, runner = e.block_manager, e.runner
+        alloc, runner = e.block_allocator, e.runner
         seqs = [r.samples[0].seq for r in reqs]
         self.batch_sizes.append(len(seqs))
         try:
             for seq in seqs:
-                if not bm.can_allocate(seq):
-                    raise NanoserveError(f"the KV pool ({bm.num_blocks} blocks) cannot hold this batch of "
+                if not alloc.can_allocate(seq):
+                    raise NanoserveError(f"the KV pool ({alloc.num_blocks} blocks) cannot hold this batch of "
                                          f"{len(seqs)} requests; use smaller batches or a larger cache")
-                bm.allocate(seq)
+                alloc.allocate(seq)
             now = time.perf_counter()
             for r in reqs:
                 r.output.first_scheduled_time = now
             num_new = [len(s) - s.num_computed_tokens for s in seqs]  # prefill, padded to the longest
-            while True:
-                logits = runner.run(seqs, num_new)
-                active = False
-                for row, (req, seq) in enumerate(zip(reqs, seqs)):
-                    s = req.samples[0]
-                    if s.out.finish_reason:
-                        seq.num_computed_tokens = len(seq) - 2  # rides along: recompute its last KV'd token
-                        continue
-                    if e._sample(req, s, logits[row]):
-                        req.output.finish_time = time.perf_counter()
-                        seq.num_computed_tokens = len(seq) - 2
-                        continue
-                    if not bm.can_append(seq):
-                        raise NanoserveError(f"the KV pool ({bm.num_blocks} blocks) ran out during a batch")
-                    bm.append_slot(seq)
-                    active = True
-                if not active:
-                    break
+            while any(not r.samples[0].out.finish_reason for r in reqs):
+                logits = runner.run(seqs, num_new)  # B, V
+                rows = [i for i, r in enumerate(reqs) if not r.samples[0].out.finish_reason]
+                for i in rows:
+                    advance(alloc, seqs[i], num_new[i])
+                samples = [reqs[i].samples[0] for i in rows]
+                tokens, _ = sample_batch(logits[rows], [reqs[i].params for i in rows], [s.seen for s in samples],
+                                         [s.generator for s in samples])
+                for i, s, token in zip(rows, samples, tokens):
+                    if reqs[i].emit(s, token):
+                        reqs[i].output.finish_time = time.perf_counter()
+                        ride_along(seqs[i])  # recompute its last computed position each step from now on
+                    elif extend(alloc, seqs[i], [token])[0] != 1:
+                        raise NanoserveError(f"the KV pool ({alloc.num_blocks} blocks) ran out during a batch")
                 num_new = [1] * len(seqs)
         finally:
             for seq in seqs:
-                bm.free(seq)
+                alloc.free(seq)
 
 
 class StaticBatcher(_RunToCompletion):
@@ -173,6 +173,8 @@ class ContinuousBatcher:
                 _sleep_until(t0 + todo[0][2])
                 continue
             for out in e.step():
+                if out.error is not None:
+                    raise RequestFailedError(f"request {out.request_id} failed: {out.error}")
                 if out.finished:
                     done[out.request_id] = out
             self.batch_sizes.append(e.last_num_seqs)

@@ -4,7 +4,7 @@ sample_next).
 Oracles: Hugging Face transformers' logits processors (TemperatureLogitsWarper, TopKLogitsWarper,
 TopPLogitsWarper, RepetitionPenaltyLogitsProcessor; not our code), distributions worked out by hand on
 probabilities we chose (0.1, 0.4, 0.2, 0.3), the law written from the definitions in float64, and for
-sample_next a Pearson χ² test on seeded draws (fail at p < 1e-4, TESTING.md).
+sample_next a Pearson χ² test on seeded draws (fail at p < 1e-4, docs/TESTING.md).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ REFERENCE = "nanoserve.engine.sampler"
 EXERCISE = "sampler"
 pytestmark = pytest.mark.ex03
 
-P_FAIL = 1e-4  # TESTING.md: fail a goodness-of-fit test at p < 1e-4
+P_FAIL = 1e-4  # docs/TESTING.md: fail a goodness-of-fit test at p < 1e-4
 N_DRAWS = 5_000  # sample_next is one call per draw; enough to see a wrong temperature or penalty
 
 

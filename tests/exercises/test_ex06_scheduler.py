@@ -40,7 +40,7 @@ class Engine:
     """LLMEngine.step's bookkeeping around `sched.schedule()`, with the forward played by hand."""
 
     def __init__(self, sched):
-        self.sched, self.bm = sched, sched.bm
+        self.sched, self.block_allocator = sched, sched.block_allocator
         self.left: dict[Sequence, int] = {}  # tokens still to generate
         self.by_name: dict[str, Sequence] = {}
         self.finished: list[Sequence] = []
@@ -69,7 +69,8 @@ class Engine:
                     self.finished.append(seq)
                 else:
                     seq.needs_slot = True
-        assert sum(len(s.block_table) for s in sched.running) == self.bm.num_blocks - self.bm.num_free_blocks(), \
+        alloc = self.block_allocator
+        assert sum(len(s.block_table) for s in sched.running) == alloc.num_blocks - alloc.num_free_blocks(), \
             "the running sequences' blocks and the free count disagree"
         return [(s.request_id, n) for s, n in zip(out.seqs, out.num_new)], [s.request_id for s in out.preempted]
 
@@ -80,12 +81,12 @@ class Engine:
         assert sorted(self.finished, key=lambda s: s.seq_id) == sorted(self.left, key=lambda s: s.seq_id), \
             "a request was lost"
         assert all(n == 0 for n in self.left.values())
-        assert self.bm.num_free_blocks() == self.bm.num_blocks, "blocks leaked"
+        assert self.block_allocator.num_free_blocks() == self.block_allocator.num_blocks, "blocks leaked"
 
 
 def check_step(sched, out, running_before):
     """What every step must satisfy, whatever the workload."""
-    cfg, bm = sched.config, sched.bm
+    cfg, bm = sched.config, sched.block_allocator
     assert out.num_tokens <= cfg.max_num_batched_tokens, f"{out.num_tokens} tokens over the budget"
     assert len(out.seqs) <= cfg.max_num_seqs and len(set(out.seqs)) == len(out.seqs)
     for seq, n in zip(out.seqs, out.num_new):
@@ -140,7 +141,7 @@ def check_preempt(impl):
     sched = make(impl, num_blocks=8)
     a, b, late = (Sequence(list(range(n)), arrival_time=t) for n, t in [(6, 0.0), (5, 1.0), (3, 5.0)])
     for seq in (a, b):
-        sched.bm.allocate(seq)
+        sched.block_allocator.allocate(seq)
         seq.num_computed_tokens = len(seq)
         sched.add_running(seq)
     sched.add(late)
@@ -151,11 +152,11 @@ def check_preempt(impl):
     assert a.status == SequenceStatus.WAITING and len(a) == 7, "the tokens stay (prompt + generated)"
     assert a.block_table == [] and a.num_computed_tokens == 0, "recompute: the blocks and the KV are dropped"
     assert not a.needs_slot and a.num_preemptions == 1 == sched.num_preemptions
-    assert sched.bm.num_free_blocks() == 8 - len(b.block_table)
+    assert sched.block_allocator.num_free_blocks() == 8 - len(b.block_table)
     sched._preempt(b)
     assert sched.running == [] and sched.waiting == [a, b, late] and sched.num_preemptions == 2
-    assert sched.bm.num_free_blocks() == 8
-    sched.bm.check_invariants()
+    assert sched.block_allocator.num_free_blocks() == 8
+    sched.block_allocator.check_invariants()
 
 
 def check_plans(engine, want):
@@ -314,9 +315,10 @@ def _schedule(after_self_preemption="stay", admit_after_preemption=False):
             return out
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if (not self.config.enable_chunked_prefill and len(seq) > budget) or not self.bm.can_allocate(seq):
+            too_long = not self.config.enable_chunked_prefill and len(seq) > budget
+            if too_long or not self.block_allocator.can_allocate(seq):
                 break
-            self.bm.allocate(seq)
+            self.block_allocator.allocate(seq)
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -346,7 +348,7 @@ def _preempt(recompute):
     def _preempt(self, seq):
         self.running.remove(seq)
         if recompute:
-            self.bm.free(seq)
+            self.block_allocator.free(seq)
         seq.needs_slot = False
         seq.num_preemptions += 1
         self.num_preemptions += 1

@@ -3,7 +3,7 @@
 Oracles: torch's scaled_dot_product_attention, one sequence at a time with an explicit bottom-right
 causal mask and kv heads repeated for GQA (not our code), and for the paged prefix also the package's
 flash_attention_ref. The SDPA oracle never sees the paged pool: it gets each prefix in logical order,
-as the test wrote it into scattered blocks of a NaN-filled pool. Tolerances (TESTING.md §D): fp32
+as the test wrote it into scattered blocks of a NaN-filled pool. Tolerances (docs/TESTING.md §D): fp32
 ≤ 1e-4, since the kernel and torch add the same fp32 products in different orders (the reference lands
 near 1e-6); fp16 inputs 1e-2 (both compute in fp32; the gap is the output's rounding to 11 bits).
 Lengths are mostly not multiples of the 16-wide interpreter tile (16 itself fills one tile exactly),

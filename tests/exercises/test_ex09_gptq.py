@@ -8,7 +8,7 @@ Oracles, none of them GPTQ's own loop:
   and column j's code is that W_j rounded on its group's grid, the grid chosen from W_F when the
   group starts. This is what the column loop computes incrementally;
 - the layer's loss does not change when H is scaled, so neither may the result;
-- quality on a layer with correlated inputs and 1 % outlier channels ×20 (TESTING.md §C): held-out
+- quality on a layer with correlated inputs and 1 % outlier channels ×20 (docs/TESTING.md §C): held-out
   output error GPTQ ≤ 0.75 × RTN (measured 0.659×), act-order ≤ 0.5 × RTN (measured 0.472×).
 The fast version must match the naive one (1e-8) and not depend on its block size (1e-12), fp64.
 Exactness checks use the asymmetric grid: on the symmetric grid a weight at −amax sits on an exact
@@ -136,7 +136,7 @@ def check_blocksize_invariance(gptq_quantize):
 
 @functools.cache
 def _outlier_case():
-    """The layer of TESTING.md §C: W [256, 512]; H from 4096 calibration tokens, errors on 4096 others."""
+    """The layer of docs/TESTING.md §C: W [256, 512]; H from 4096 calibration tokens, errors on 4096 others."""
     W, sample = outlier_layer(0)
     X_cal, X_test = sample(4096, 100), sample(4096, 200)
     return W, hessian(X_cal), X_test, rel_error(W, quantize_rtn(W, 4, 128, sym=True).dequantize(), X_test)

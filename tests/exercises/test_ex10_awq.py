@@ -4,7 +4,7 @@ Oracles: the loss evaluated directly in fp64 as the paper writes it, ‖X Wᵀ �
 summed over the linears sharing X, with Q the RTN grid of exercise 8; the α grid and the scales
 s(α) = mean|x|^α / √(max·min) written out here; the α curve's minimum; and the layer's output,
 which folding 1/s into the previous op and s into the linears must leave unchanged (≤ 1e-5, fp32).
-Quality (TESTING.md §C): on a layer with correlated inputs and 1 % outlier channels ×20, the held-out
+Quality (docs/TESTING.md §C): on a layer with correlated inputs and 1 % outlier channels ×20, the held-out
 output error with AWQ's scales is ≤ 0.8 × RTN's (measured 0.679×, α = 0.3; int4 g128 asymmetric),
 and AWQ is never worse than RTN on the calibration set (α = 0 is RTN and is on the grid).
 """
@@ -91,7 +91,7 @@ def check_search_scales(impl):
 
 @functools.cache
 def _outlier_case():
-    """The layer of TESTING.md §C, W [256, 512] (fp32 values), 4096 calibration and 4096 held-out tokens."""
+    """The layer of docs/TESTING.md §C, W [256, 512] (fp32 values), 4096 calibration and 4096 held-out tokens."""
     W, sample = outlier_layer(0)
     W = W.float().double()
     X_cal, X_test = sample(4096, 100), sample(4096, 200)

@@ -1,7 +1,7 @@
 """Exercise 11: unpacking int4 in a Triton kernel (nanoserve/kernels/dequant_matmul.py: dequantize_int4).
 
 Oracles: golden words written by hand (GPTQ codes 0..7 along K pack to 0x76543210; symmetric v1 zeros
-read 0x77777777, TESTING.md §C) with their fields read by Python's unbounded ints (no sign extension
+read 0x77777777, docs/TESTING.md §C) with their fields read by Python's unbounded ints (no sign extension
 there), and for random weights W built here in fp64 from the integer codes, without nanoserve, beside
 packing.dequantize_gptq. Every comparison is bitwise: (code − zero) times an fp16 scale is exact in fp32.
 The known-wrong variants at the end are one small Triton kernel whose flags switch one bug on each.

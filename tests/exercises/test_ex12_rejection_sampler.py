@@ -1,7 +1,7 @@
 """Exercise 12: the speculative rejection sampler (nanoserve/spec/rejection_sampler.py: residual_distribution,
 rejection_sample).
 
-Oracles, all computed here from the definitions (TESTING.md §B):
+Oracles, all computed here from the definitions (docs/TESTING.md §B):
 * Exact law in float64: min(p, q) + (1 − β)·residual == p, β = Σ min(p, q), on the edge cases of §B.1.
 * Monte Carlo, Pearson χ² with (support − 1) dof, fail at p-value < 1e-4: N = 2·10⁵ draws with V = 16 as §B.2
   prescribes; for q = None (a deterministic proposal) V = 24 and N = 5·10⁴, which keeps every cell ≥ 5 expected
@@ -31,7 +31,7 @@ REFERENCE = "nanoserve.spec.rejection_sampler"
 EXERCISE = "rejection_sampler"
 pytestmark = [pytest.mark.ex12, pytest.mark.usefixtures("one_thread")]
 
-P_FAIL = 1e-4  # TESTING.md: fail a goodness-of-fit test at p < 1e-4
+P_FAIL = 1e-4  # docs/TESTING.md: fail a goodness-of-fit test at p < 1e-4
 N_DRAWS = 200_000
 N_DRAWS_DETERMINISTIC = 50_000  # one-hot q: the mutants' errors sit on a token of p ≈ 0.93
 GAMMA_MC = 16  # drafts per call in the Monte Carlo tests (nanoserve allows at most 16)
@@ -71,7 +71,7 @@ def _truncated(seed: int, keep: int) -> torch.Tensor:
 
 
 def law_cases() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """TESTING.md §B.1's edge cases, float64 (p, q) pairs."""
+    """docs/TESTING.md §B.1's edge cases, float64 (p, q) pairs."""
     p, q = dist(V_LAW, 1), dist(V_LAW, 2)
     p5 = _truncated(3, keep=5)
     return {

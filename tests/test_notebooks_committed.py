@@ -1,0 +1,36 @@
+"""The notebooks are committed executed, top to bottom in one run: strict nbval compares each cell's
+stored outputs with a fresh run, so a notebook saved without outputs would pass while testing
+nothing (docs/TESTING.md §E)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+
+
+def _problem(nb: dict) -> str | None:
+    code = [c for c in nb["cells"] if c["cell_type"] == "code" and "".join(c["source"]).strip()]
+    counts = [c.get("execution_count") for c in code]
+    if counts != list(range(1, len(code) + 1)):
+        return f"execution counts {counts[:8]}... are not 1..{len(code)}: re-run it top to bottom (make notebooks)"
+    if sum(bool(c.get("outputs")) for c in code) < len(code) // 2:
+        return "most code cells have no stored output"
+    return None
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_is_committed_executed(path):
+    assert len(NOTEBOOKS) == 10
+    assert _problem(json.loads(path.read_text())) is None, f"{path.name}: {_problem(json.loads(path.read_text()))}"
+
+
+def test_a_stripped_notebook_is_caught():
+    nb = json.loads(NOTEBOOKS[0].read_text())
+    for c in nb["cells"]:
+        if c["cell_type"] == "code":
+            c["execution_count"], c["outputs"] = None, []
+    assert "execution counts" in _problem(nb)
