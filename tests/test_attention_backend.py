@@ -34,7 +34,7 @@ def _step_logits(model, cfg, backend, batch, prefill, *, num_kv_splits=None, poi
         cache.pool.k.fill_(float("nan"))
         cache.pool.v.fill_(float("nan"))
     if view_cls is not None:
-        cache.pool.view = lambda *a: view_cls(cache.pool, *a)
+        cache.pool.bind = lambda meta: view_cls(cache.pool, meta)
     steps = [model(batch[:, :prefill], cache=cache, last_only=True)[:, -1]]
     for t in range(prefill, T):
         steps.append(model(batch[:, t:t + 1], cache=cache, last_only=True)[:, -1])

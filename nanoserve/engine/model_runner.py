@@ -10,7 +10,9 @@ model:
     block_tables          [B, M]   each row's blocks, padded with its own first block (masked)
     context_lens          [B]      tokens in the cache once this step's are written
 
-and returns each row's next-token logits (the logits of its last new token).
+and returns each row's next-token logits (the logits of its last new token). `prepare` builds all
+of it on the host and moves it once (`AttentionMetadata`); `execute` is the forward on device
+tensors only, with no read back to the host — what a CUDA graph captures (engine/cuda_graph.py).
 
 It is pure: sequences in, logits out. It reads each sequence's tokens, block table and
 num_computed_tokens and writes nothing of theirs; the forward's K/V goes into the KV pool, and
@@ -19,11 +21,25 @@ the caller tells the scheduler what was computed (`Scheduler.advance`). Taught i
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..kv.cache import PagedKVCache
 from ..kv.cache import slot_mapping as slots_of
+from ..kv.metadata import AttentionMetadata
 from .sequence import Sequence
+
+
+@dataclass
+class ForwardInputs:
+    """One forward's inputs, on the device: token ids and positions [B, T], which positions' logits
+    to return [B, K], and the attention metadata (nanoserve/kv/metadata.py)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    logit_index: torch.Tensor
+    meta: AttentionMetadata
 
 
 class ModelRunner:
@@ -34,11 +50,12 @@ class ModelRunner:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.kv = PagedKVCache(self.config, num_blocks, block_size, self.dtype, self.device, attention_backend)
-        self.attention_backend = self.kv.attention_backend  # "torch" or "triton" (see kv_cache.py)
+        self.attention_backend = self.kv.attention_backend  # "torch" or "triton" (see nanoserve/kv/)
         self.block_size = block_size
 
-    def prepare(self, seqs: list[Sequence], num_new: list[int]):
-        """Build the step's tensors; row i computes tokens num_computed .. num_computed + num_new[i] − 1."""
+    def prepare(self, seqs: list[Sequence], num_new: list[int], num_logits: list[int]) -> ForwardInputs:
+        """Build the step's tensors on the host, then move them to the device once; row i computes
+        tokens num_computed .. num_computed + num_new[i] − 1 and returns its last num_logits[i] logits."""
         B, T, bs = len(seqs), max(num_new), self.block_size
         M = max(len(s.block_table) for s in seqs)
         input_ids = torch.zeros(B, T, dtype=torch.long)
@@ -57,8 +74,20 @@ class ModelRunner:
             block_tables[i] = table[0]  # padding entries repeat a block of this row: read, then masked
             block_tables[i, : len(table)] = table
             context_lens[i] = start + n
+        K = max(num_logits)
+        back = torch.tensor(num_logits)[:, None] - torch.arange(K)  # B, K
+        logit_index = (torch.tensor(num_new)[:, None] - back.clamp(min=1)).clamp(min=0)  # B, K: n-m .. n-1
+        meta = AttentionMetadata.build(slot_mapping, block_tables, context_lens, bs)
         to = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
-        return to(input_ids), to(positions), to(slot_mapping), to(block_tables), to(context_lens)
+        return ForwardInputs(to(input_ids), to(positions), to(logit_index), meta.to(self.device))
+
+    @torch.inference_mode()
+    def execute(self, inputs: ForwardInputs) -> torch.Tensor:
+        """The forward itself, on device tensors only: logits [B, K, V] (float32). Nothing in it reads
+        a device value back to the host (tests/test_no_host_sync.py), so a CUDA graph can capture it."""
+        view = self.kv.bind(inputs.meta)
+        logits = self.model(inputs.input_ids, inputs.positions, cache=view, logit_index=inputs.logit_index)
+        return logits.float()  # B, K, V
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], num_new: list[int], num_logits: list[int] | None = None):
@@ -72,7 +101,7 @@ class ModelRunner:
         prefill chunk (a step admitting a 60-token prompt beside 7 decodes would compute 8 × 60
         token slots instead of 67). A packed variable-length attention kernel removes the padding
         inside each forward: the triton backend packs the real tokens before attention
-        (kv_cache.TritonCacheView, notebook 04).
+        (kv.triton_backend.TritonCacheView, notebook 04).
         """
         k = num_logits or [1] * len(seqs)
         kind = [0 if n == 1 else 1 if m > 1 else 2 for n, m in zip(num_new, k)]  # decode, verify, prefill
@@ -87,11 +116,4 @@ class ModelRunner:
 
     def _forward(self, seqs: list[Sequence], num_new: list[int], num_logits: list[int]) -> torch.Tensor:
         """logits [B, K, V] of each row's last num_logits new tokens (K = max; shorter rows repeat their last)."""
-        input_ids, positions, slots, tables, lens = self.prepare(seqs, num_new)
-        view = self.kv.view(slots, tables, lens)
-        n = torch.tensor(num_new, device=self.device)[:, None]  # B, 1
-        K = max(num_logits)
-        back = torch.tensor(num_logits, device=self.device)[:, None] - torch.arange(K, device=self.device)  # B, K
-        index = (n - back.clamp(min=1)).clamp(min=0)  # B, K: positions n-m .. n-1, then the last repeated
-        logits = self.model(input_ids, positions, cache=view, logit_index=index)  # B, K, V
-        return logits.float()
+        return self.execute(self.prepare(seqs, num_new, num_logits))

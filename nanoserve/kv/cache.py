@@ -11,10 +11,10 @@ blocks listed in its *block table*; token i of a sequence lives in block
 `block_table[i // block_size] * block_size + i % block_size`. Which blocks a sequence gets is
 the block allocator's business (nanoserve/engine/block_allocator.py); this package only stores and reads.
 
-Per forward step the engine binds a `CacheView` with three tensors:
-- `slot_mapping` [B, T]: where each new token's K/V is written (−1 for padding: not written),
-- `block_tables` [B, max_blocks]: each sequence's blocks in logical order,
-- `context_lens` [B]: tokens of each sequence in the cache once this step's are written.
+Per forward step the engine binds a `CacheView` to an `AttentionMetadata` (metadata.py), built
+on the host: `slot_mapping` [B, T] (where each new token's K/V goes, −1 for padding),
+`block_tables` [B, max_blocks] (each sequence's blocks in logical order), `context_lens` [B]
+(tokens in the cache once this step's are written), and what derives from them.
 The model's attention layers call `view.attention(layer, q, k, v, positions)`: the view owns
 both halves of attention over the cache, writing this step's K/V and attending over everything
 cached, so *how* that happens is the view's choice — the **attention backend**:
@@ -45,6 +45,7 @@ import torch
 from ..engine.block_allocator import check_block_size
 from ..errors import NanoserveError
 from ..models.config import ModelConfig
+from .metadata import AttentionMetadata
 from .torch_backend import CacheView
 from .triton_backend import TritonCacheView
 
@@ -83,9 +84,16 @@ class PagedKVCache:
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]
 
-    def view(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor) -> CacheView:
+    def bind(self, meta: AttentionMetadata) -> CacheView:
+        """The view one forward writes and reads through: this backend's CacheView over `meta`."""
         view_cls = TritonCacheView if self.attention_backend == "triton" else CacheView
-        return view_cls(self, slot_mapping, block_tables, context_lens)
+        return view_cls(self, meta)
+
+    def view(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor) -> CacheView:
+        """A view from a step's three tensors, for tests and notebooks: it reads them on the host to
+        derive the metadata (the model runner builds the metadata from host values and calls `bind`)."""
+        meta = AttentionMetadata.build(slot_mapping.cpu(), block_tables.cpu(), context_lens.cpu(), self.block_size)
+        return self.bind(meta.to(slot_mapping.device))
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: Any) -> int:

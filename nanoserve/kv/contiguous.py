@@ -12,6 +12,7 @@ import torch
 from ..errors import NanoserveError
 from ..models.config import ModelConfig
 from .cache import PagedKVCache, slot_mapping
+from .metadata import AttentionMetadata
 from .torch_backend import CacheView
 
 
@@ -28,7 +29,8 @@ class KVCache:
                  attention_backend: str | None = "torch"):
         n = -(-max_seq_len // block_size)  # blocks per row
         self.pool = PagedKVCache(cfg, batch_size * n, block_size, dtype, device, attention_backend)
-        self.block_tables = torch.arange(batch_size * n, device=device).view(batch_size, n)  # B, n
+        self.block_tables = torch.arange(batch_size * n).view(batch_size, n)  # B, n (on the host: see _bind)
+        self.device = torch.device(device)
         self.batch_size, self.max_seq_len, self.block_size = batch_size, max_seq_len, block_size
         self.length = 0  # tokens cached so far, in every row
         self._view: CacheView | None = None
@@ -52,11 +54,12 @@ class KVCache:
         start, end = self.length, self.length + T
         if end > self.max_seq_len:
             raise NanoserveError(f"KV cache overflow: {start} cached + {T} new tokens > max_seq_len={self.max_seq_len}")
-        pos = torch.arange(start, end, device=self.block_tables.device).expand(self.batch_size, -1)  # B, T
+        # built on the host, like the model runner's metadata: the forward then reads nothing back
+        pos = torch.arange(start, end).expand(self.batch_size, -1)  # B, T
         slots = slot_mapping(self.block_tables, pos, self.block_size)  # B, T
         used = self.block_tables[:, : -(-end // self.block_size)]  # only the blocks that hold tokens so far
-        lens = torch.full((self.batch_size,), end, device=self.block_tables.device)
-        return self.pool.view(slots, used, lens)
+        lens = torch.full((self.batch_size,), end)
+        return self.pool.bind(AttentionMetadata.build(slots, used, lens, self.block_size).to(self.device))
 
     def advance(self, n: int) -> None:
         """Called by the model once all layers have written the step's n tokens."""

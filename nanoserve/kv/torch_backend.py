@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..models.layers import attention as sdpa_attention
+from .metadata import AttentionMetadata
 
 
 class CacheView:
@@ -21,26 +22,19 @@ class CacheView:
 
     zero_fresh_blocks = True  # the gather reads whole blocks, so their unused slots must hold zeros
 
-    def __init__(self, cache, slot_mapping, block_tables, context_lens):
-        self.cache = cache
-        self.slot_mapping = slot_mapping  # B, T
-        self.block_tables = block_tables  # B, max_blocks
-        self.context_lens = context_lens  # B
-        # Which of the B·T new tokens are real (padding has slot −1), resolved once for all layers.
-        flat_slots = slot_mapping.flatten()  # B·T
-        self.src = (flat_slots >= 0).nonzero().squeeze(1)  # indices of real tokens in the B·T rows
-        self.dst = flat_slots[self.src]  # their slots
-        self.gather_ids = block_tables.flatten()  # B·max_blocks
+    def __init__(self, cache, meta: AttentionMetadata):
+        self.cache, self.meta = cache, meta
+        self.src, self.dst = meta.src, meta.dst  # N: the real tokens' rows in B·T, and their slots
+        self.block_tables = meta.block_tables  # B, max_blocks
+        self.gather_ids = meta.block_tables.flatten()  # B·max_blocks
         # A block receives its first token at offset 0 (tokens are written in order; copy-on-write
         # and prefix-cache blocks arrive with their contents). Zero it then, in every layer: a
         # block's slots past the context then hold zeros, never stale or poisoned memory, so the
         # gathered K/V need no masking of their own (the attention mask hides those slots, and
         # 0 · weight stays 0 where NaN · 0 would not).
         if self.zero_fresh_blocks:
-            fresh = self.dst[self.dst % cache.block_size == 0] // cache.block_size
-            if fresh.numel():
-                cache.k[:, fresh] = 0
-                cache.v[:, fresh] = 0
+            cache.k.index_fill_(1, meta.fresh_blocks, 0)  # (an empty index changes nothing)
+            cache.v.index_fill_(1, meta.fresh_blocks, 0)
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   positions: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .metadata import AttentionMetadata
 from .torch_backend import CacheView
 
 
@@ -25,25 +26,20 @@ class TritonCacheView(CacheView):
 
     zero_fresh_blocks = False
 
-    def __init__(self, cache, slot_mapping, block_tables, context_lens):
-        super().__init__(cache, slot_mapping, block_tables, context_lens)
+    def __init__(self, cache, meta: AttentionMetadata):
+        super().__init__(cache, meta)
         from ..kernels import check_interpreter
         from ..kernels.paged_attention import choose_num_splits  # imports Triton: only for this backend
 
-        check_interpreter(slot_mapping.device)
-
-        B, T = slot_mapping.shape
-        self.decode = T == 1 and self.src.numel() == B  # one new token in every row
-        num_new = (slot_mapping >= 0).sum(1)  # B
-        self.cu_seqlens = torch.zeros(B + 1, dtype=torch.int32, device=slot_mapping.device)  # B+1
-        self.cu_seqlens[1:] = num_new.cumsum(0)
-        self.prefix_lens = (context_lens - num_new).to(torch.int32)  # B: tokens cached before this step
-        self.block_tables_i32 = block_tables.to(torch.int32)  # B, max_blocks
-        self.context_lens_i32 = context_lens.to(torch.int32)  # B
+        check_interpreter(meta.slot_mapping.device)
+        self.decode = meta.decode  # one new token in every row
+        self.cu_seqlens, self.prefix_lens = meta.cu_seqlens, meta.prefix_lens  # B+1, B (int32)
+        self.block_tables_i32 = meta.block_tables.to(torch.int32)  # B, max_blocks
+        self.context_lens_i32 = meta.context_lens.to(torch.int32)  # B
         self.num_splits = cache.num_kv_splits
-        if self.num_splits is None:
-            max_context = int(context_lens.max()) if B else 1
-            self.num_splits = choose_num_splits(B, cache.k.shape[3], max_context) if self.decode else 1
+        if self.num_splits is None:  # from host values: choosing must not read the device
+            B = meta.slot_mapping.shape[0]
+            self.num_splits = choose_num_splits(B, cache.k.shape[3], meta.max_context) if self.decode else 1
 
     def attention(self, layer, q, k, v, positions):
         from ..kernels.flash_attention import flash_attention

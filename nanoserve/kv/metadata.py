@@ -1,0 +1,63 @@
+"""`AttentionMetadata`: everything the attention backends need to know about one forward, built
+on the host and moved to the device once (vLLM's name for the same idea).
+
+Which slot each new token goes to, which blocks each row reads, how long each row's context
+is — the model runner knows all of it before the forward starts (it built those tensors from
+the sequences). Deriving the rest on the device inside the forward (which rows are real, which
+blocks are fresh, the longest context) would read device values back to the host: a
+synchronisation per layer, and something a CUDA graph cannot capture. So every derived value is
+computed here, on CPU tensors, and the backends only ever consume device tensors and host ints.
+
+    slot_mapping  [B, T]  where each new token's K/V goes (−1: padding, not written)
+    block_tables  [B, M]  each row's blocks in logical order
+    context_lens  [B]     tokens of each row in the cache once this step's are written
+    src, dst      [N]     the N real tokens: their index in the B·T rows, and their slot
+    fresh_blocks  [F]     blocks receiving their first token (offset 0) this step
+    cu_seqlens    [B+1]   int32, real new tokens per row, packed back to back
+    prefix_lens   [B]     int32, tokens cached before this step
+    max_context, decode   host values: the longest context; one new token in every row
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    src: torch.Tensor
+    dst: torch.Tensor
+    fresh_blocks: torch.Tensor
+    cu_seqlens: torch.Tensor
+    prefix_lens: torch.Tensor
+    max_context: int
+    decode: bool
+
+    @classmethod
+    def build(cls, slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+              block_size: int) -> AttentionMetadata:
+        """From the three CPU tensors of a step (the model runner's), every value the backends use."""
+        flat = slot_mapping.flatten()  # B·T
+        src = (flat >= 0).nonzero().squeeze(1)  # N: host tensors, so no device is asked
+        dst = flat[src]  # N
+        num_new = (slot_mapping >= 0).sum(1)  # B
+        cu_seqlens = torch.zeros(len(num_new) + 1, dtype=torch.int32)  # B+1
+        cu_seqlens[1:] = num_new.cumsum(0)
+        B, T = slot_mapping.shape
+        return cls(slot_mapping, block_tables, context_lens, src, dst,
+                   fresh_blocks=dst[dst % block_size == 0] // block_size, cu_seqlens=cu_seqlens,
+                   prefix_lens=(context_lens - num_new).to(torch.int32),
+                   max_context=int(context_lens.max()) if B else 1, decode=T == 1 and len(src) == B)
+
+    def to(self, device: torch.device | str) -> AttentionMetadata:
+        """The same metadata with its tensors on `device` (host→device copies only)."""
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, value in moved.items():
+            if isinstance(value, torch.Tensor):
+                moved[name] = value.to(device, non_blocking=True)
+        return AttentionMetadata(**moved)
