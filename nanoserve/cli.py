@@ -24,10 +24,12 @@ from .errors import NanoserveError
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="demo", help="shipped name (demo), checkpoint dir, llama2.c .bin or hub id")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
-    p.add_argument("--dtype", help="float32, float16 or bfloat16 (default: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--dtype", help="float32, float16 or bfloat16 (default: float32 on CPU, bfloat16 on CUDA "
+                                   "where the GPU has it, else float16)")
 
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (debugging)")
     p.add_argument("--speculative-model", help="a draft model (e.g. demo-draft) for speculative decoding")
     p.add_argument("--speculative", choices=["draft", "ngram"], help="the proposer (ngram: prompt lookup, no draft)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="γ, draft tokens per step (1..16)")
@@ -139,10 +141,12 @@ def cmd_generate(args) -> None:
 
 
 def _spec_kwargs(args) -> dict:
+    """The engine arguments of _add_spec_args: speculation, and --enforce-eager."""
+    eager = {"enforce_eager": True} if getattr(args, "enforce_eager", False) else {}
     if args.speculative_model is None and args.speculative is None:
-        return {}
+        return eager
     return dict(speculative_model=args.speculative_model, speculative=args.speculative,
-                num_speculative_tokens=args.num_speculative_tokens)
+                num_speculative_tokens=args.num_speculative_tokens, **eager)
 
 
 def cmd_eval(args) -> None:

@@ -60,3 +60,9 @@ def hf_checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     return {name: (root / name, tiny_hf_checkpoint(cfg, root / name, seed=i))
             for i, (name, cfg) in enumerate(hf_configs().items())}
+
+
+def pytest_runtest_setup(item):
+    """Tests marked `gpu` need CUDA: skipped without it (the GPU pass runs them with `-m gpu`)."""
+    if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")

@@ -48,7 +48,8 @@ class LLMEngine:
     Scheduling: at most `max_num_seqs` sequences and `max_num_batched_tokens` new tokens per
     step; chunked prefill on by default; `max_waiting` bounds the queue (None: unbounded).
     Attention: `attention_backend` "torch" (gather + SDPA) or "triton" (the paged kernels of
-    nanoserve.kernels); None picks triton on CUDA and torch on CPU (see nanoserve/kv/).
+    nanoserve.kernels); None picks triton on CUDA and torch on CPU (see nanoserve/kv/). On CUDA
+    with triton, decode steps replay CUDA graphs unless `enforce_eager` (`cuda_graphs_off` says why not).
     """
 
     def __init__(self, model: str = "demo", dtype: str | torch.dtype | None = None, device: str | None = None,
@@ -56,7 +57,8 @@ class LLMEngine:
                  num_blocks: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  enable_chunked_prefill: bool = True, max_waiting: int | None = None,
                  attention_backend: str | None = None, speculative_model: str | None = None,
-                 speculative: str | None = None, num_speculative_tokens: int = 4, speculative_adaptive: bool = True):
+                 speculative: str | None = None, num_speculative_tokens: int = 4, speculative_adaptive: bool = True,
+                 enforce_eager: bool = False):
         spec_cfg = None
         if speculative_model is not None or speculative is not None:  # checked before any model loads
             spec_cfg = SpecDecodeConfig(speculative or "draft", num_speculative_tokens, speculative_model,
@@ -75,6 +77,9 @@ class LLMEngine:
                                    self.max_model_len)
         self.runner = ModelRunner(self.model, num_blocks, block_size, attention_backend)
         self.attention_backend = self.runner.attention_backend
+        # decode steps replay CUDA graphs where they can (engine/cuda_graph.py); why not, otherwise
+        self.cuda_graphs_off = "enforce_eager=True" if enforce_eager else self.runner.use_cuda_graphs(
+            max_num_seqs, self.max_model_len)
         self.inputs = InputProcessor(self.config, self.tokenizer, self.device, num_blocks, block_size, self.model_name)
         self.spec = None if spec_cfg is None else build_spec_decoder(spec_cfg, self)
         self.requests: dict[str, Request] = {}

@@ -52,6 +52,20 @@ class ModelRunner:
         self.kv = PagedKVCache(self.config, num_blocks, block_size, self.dtype, self.device, attention_backend)
         self.attention_backend = self.kv.attention_backend  # "torch" or "triton" (see nanoserve/kv/)
         self.block_size = block_size
+        self.graphs = None  # CudaGraphRunner once use_cuda_graphs() ran: decode steps replay graphs
+
+    def use_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> str | None:
+        """Capture decode CUDA graphs (engine/cuda_graph.py); returns why not when they cannot serve
+        this runner (no CUDA, or the torch attention backend), else None."""
+        if self.device.type != "cuda":
+            return "CUDA graphs need a CUDA device"
+        if self.attention_backend != "triton":
+            return "CUDA graphs need the triton attention backend (the torch one zeroes a varying set of blocks)"
+        from .cuda_graph import CudaGraphRunner
+
+        self.graphs = CudaGraphRunner(self, max_num_seqs, max_model_len)
+        self.graphs.capture()
+        return None
 
     def prepare(self, seqs: list[Sequence], num_new: list[int], num_logits: list[int]) -> ForwardInputs:
         """Build the step's tensors on the host, then move them to the device once; row i computes
@@ -109,7 +123,11 @@ class ModelRunner:
         for group in (0, 1, 2):
             rows = [i for i in range(len(seqs)) if kind[i] == group]
             if rows:
-                logits = self._forward([seqs[i] for i in rows], [num_new[i] for i in rows], [k[i] for i in rows])
+                args = [seqs[i] for i in rows], [num_new[i] for i in rows], [k[i] for i in rows]
+                if group == 0 and self.graphs is not None and self.graphs.fits(len(rows)):
+                    logits = self.graphs.run(self.prepare(*args))  # a pure decode group: replay its graph
+                else:
+                    logits = self._forward(*args)
                 for i, row in zip(rows, logits):
                     out[i] = row[: k[i]]
         return out if num_logits is not None else torch.cat(out)

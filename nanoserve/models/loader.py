@@ -54,16 +54,29 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """None -> float32 on CPU, bfloat16 on CUDA."""
+    """None -> float32 on CPU; on CUDA bfloat16 where the GPU has it (compute capability 8.0+),
+    else float16 (a T4 emulates bf16). An explicit bfloat16 on a GPU without it is refused."""
     if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if _cuda_has_bf16(device) else torch.float16
     if isinstance(dtype, torch.dtype):
-        if dtype in DTYPES.values():
-            return dtype
-        raise NanoserveError(f"unsupported dtype {dtype}; supported: float32, float16, bfloat16")
-    if dtype not in DTYPES:
+        if dtype not in DTYPES.values():
+            raise NanoserveError(f"unsupported dtype {dtype}; supported: float32, float16, bfloat16")
+        resolved = dtype
+    elif dtype not in DTYPES:
         raise NanoserveError(f"unknown dtype {dtype!r}; supported: {sorted(DTYPES)}")
-    return DTYPES[dtype]
+    else:
+        resolved = DTYPES[dtype]
+    if resolved == torch.bfloat16 and device.type == "cuda" and not _cuda_has_bf16(device):
+        name = torch.cuda.get_device_name(device)
+        raise NanoserveError(f"dtype bfloat16 is not supported natively by {name} (compute capability below 8.0); "
+                             "use float16 or float32")
+    return resolved
+
+
+def _cuda_has_bf16(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 # ----------------------------------------------------------------------------- paths
