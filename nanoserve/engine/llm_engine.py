@@ -6,12 +6,10 @@ Data flows one way, as in vLLM and nano-vllm:
     block slots from the BlockAllocator) → ModelRunner (one batched forward) → sampler (one
     batched draw) → Request.emit (text, stop conditions) → Scheduler.postprocess (sequence state)
 
-`step()` reads as exactly that: schedule → forward → update → sample. The scheduler owns every
-sequence's state; this file only calls it. Speculative decoding adds two hooks: drafts join the
-scheduled rows before the forward (`_speculate`) and are verified after it (`SpecDecoder.accept`).
-`SamplingParams(n > 1)` samples share the prompt's blocks (fork after prefill, copy-on-write).
-A fault while serving one request fails that request alone (`_fail_request`). Taught in
-notebooks/00_* to 03_*.
+`step()` reads as that: schedule → forward → update → sample; the scheduler owns every sequence's
+state. Speculation adds two hooks: drafts join the rows before the forward (`_speculate`), and are
+verified after it (`SpecDecoder.accept`). n > 1 samples fork after prefill (copy-on-write). A fault
+in one request fails it alone (`_fail_request`). Taught in notebooks/00_* to 03_*.
 """
 
 from __future__ import annotations
@@ -155,7 +153,7 @@ class LLMEngine:
         logits = self._guarded(sched.seqs, done, self._forward, sched, drafts)  # [B, V], or [1 + γ, V] per row
         if logits is not None:
             to_sample = self._update(sched, logits, drafts, done)  # spec hook 2 inside: accept the drafts
-            self._guarded([s.seq for _, s, _ in to_sample], done, self._sample, to_sample, done)
+            self._guarded([s.seq for _, s, _ in to_sample], done, self._sample, logits, to_sample, done)
         return self._collect(done)
 
     def _prepare(self, sched: SchedulerOutput) -> bool:
@@ -185,17 +183,17 @@ class LLMEngine:
 
     def _update(self, sched: SchedulerOutput, logits, drafts: dict, done: dict) -> list[tuple]:
         """After the forward: a verification row accepts its drafts and emits; every other row's
-        computed tokens advance. Returns (request, sample, logits [V]) for each sample due a token."""
-        to_sample: list[tuple[Request, Sample, torch.Tensor]] = []
+        computed tokens advance. Returns (request, sample, row of logits) for each sample due a token."""
+        to_sample: list[tuple[Request, Sample, int]] = []
         for row, seq in enumerate(sched.seqs):
             req = self.requests.get(seq.request_id)
             if req is None:
                 continue  # its request failed earlier in this step
-            self._guarded([seq], done, self._update_row, req, seq, sched.num_new[row], logits[row], drafts.get(row),
-                          to_sample, done)
+            self._guarded([seq], done, self._update_row, req, seq, row, sched.num_new[row], logits[row],
+                          drafts.get(row), to_sample, done)
         return to_sample
 
-    def _update_row(self, req: Request, seq: SequenceState, num_new: int, logits: torch.Tensor, proposal,
+    def _update_row(self, req: Request, seq: SequenceState, row: int, num_new: int, logits: torch.Tensor, proposal,
                     to_sample: list, done: dict) -> None:
         if proposal is not None:  # accept / reject the drafts, roll back, emit like any step
             if bool(logits.isnan().any()):
@@ -212,15 +210,21 @@ class LLMEngine:
         samples = [req.samples[seq.sample_index]]
         if len(req.samples) < req.params.n:  # prefill done: the other samples fork from here
             samples += self._fork(req, seq)
-        row_logits = logits if logits.dim() == 1 else logits[-1]  # V
-        to_sample += [(req, s, row_logits) for s in samples]
+        to_sample += [(req, s, row) for s in samples]
 
-    def _sample(self, to_sample: list[tuple[Request, Sample, torch.Tensor]], done: dict) -> None:
+    def _sample(self, logits, to_sample: list[tuple[Request, Sample, int]], done: dict) -> None:
         """One batched draw for every sample due a token (one device→host transfer), then emit each."""
         if not to_sample:
             return
-        tokens, nan = sample_batch(torch.stack([x for _, _, x in to_sample]), [r.params for r, _, _ in to_sample],
-                                   [s.seen for _, s, _ in to_sample], [s.generator for _, s, _ in to_sample])
+        rows = [row for _, _, row in to_sample]
+        if not isinstance(logits, torch.Tensor):  # speculation's ragged rows: each [1 + γ, V] or [1, V]
+            x = torch.stack([logits[row][-1] for row in rows])  # R, V
+        elif rows == list(range(logits.shape[0])):
+            x = logits  # every row samples once, in order: no copy (the common decode step)
+        else:
+            x = logits.index_select(0, torch.tensor(rows, device=logits.device))  # R, V
+        tokens, nan = sample_batch(x, [r.params for r, _, _ in to_sample], [s.seen for _, s, _ in to_sample],
+                                   [s.generator for _, s, _ in to_sample])
         for (req, s, _), token, has_nan in zip(to_sample, tokens, nan):
             if req.output.request_id in self.requests:
                 self._guarded([s.seq], done, self._emit, req, s, token, has_nan, done)

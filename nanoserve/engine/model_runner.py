@@ -128,6 +128,8 @@ class ModelRunner:
                     logits = self.graphs.run(self.prepare(*args))  # a pure decode group: replay its graph
                 else:
                     logits = self._forward(*args)
+                if num_logits is None and len(rows) == len(seqs):
+                    return logits[:, 0]  # one group, every row in order: no copy  (B, V)
                 for i, row in zip(rows, logits):
                     out[i] = row[: k[i]]
         return out if num_logits is not None else torch.cat(out)
