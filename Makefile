@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.nanoserve-installed
 TORCH_PIN ?= torch==2.13.0 triton==3.8.0
 NBVAL  := --nbval --nbval-sanitize-with notebooks/sanitize.cfg --nbval-current-env
 
-.PHONY: install demo test test-triton-latest test-fast lint notebooks bench exercises clean
+.PHONY: install demo test test-triton-latest test-fast lint notebooks bench gpu-check exercises clean
 
 install: $(STAMP)
 
@@ -34,7 +34,7 @@ test: $(STAMP)
 # The kernel tests once more on the newest triton the package index offers (pyproject allows triton ≥ 3.4),
 # installed beside the pinned one into .triton-latest. When that is the pinned version, or no index
 # answers (CI may be offline), one line says so and nothing fails.
-KERNEL_TESTS := tests/test_kernels_paged.py tests/test_kernels_flash.py tests/test_kernels_dequant.py \
+KERNEL_TESTS := tests/test_kernels_paged.py tests/test_kernels_flash.py tests/test_kernels_dequant.py tests/test_kernels_configs.py \
 	tests/test_attention_backend.py tests/exercises/test_ex07_flash_attention.py tests/exercises/test_ex11_int4_unpack.py
 TRITON_LATEST  := .triton-latest
 TRITON_VERSION := $(BIN)/python -c "import triton; print(triton.__version__)"
@@ -74,6 +74,15 @@ exercises: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_decode.py
+
+# Every GPU figure in one run (<= 20 min on one H100 / H200, offline): benchmarks/gpu_check.json and a table
+# per figure. Installs nothing: it runs .venv's Python when there is one, else python3; a PYTHON you set wins
+# (a GPU image with the project pip-installed: `PYTHON=python3 make gpu-check`). Options: `make gpu-check
+# ARGS="--only b,e"`, `ARGS=--dry-run` (CPU, tiny shapes: checks the script). = `python benchmarks/gpu_check.py`.
+ARGS ?=
+GPU_PYTHON ?= $(if $(and $(filter file,$(origin PYTHON)),$(wildcard $(BIN)/python)),$(BIN)/python,$(PYTHON))
+gpu-check:
+	$(GPU_PYTHON) benchmarks/gpu_check.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis $(TRITON_LATEST)

@@ -10,6 +10,20 @@ from __future__ import annotations
 
 import torch
 
+from . import configs
+
+
+def triton_attention_supported(head_dim: int, dtype: torch.dtype, device: torch.device | str) -> str | None:
+    """None where the Triton attention kernels run for this model on `device`, else a one-line reason.
+
+    The engine's KV layer calls it to fall back to the torch backend (gather + SDPA). On a GPU they
+    need sm_80 or newer (on sm_75 Triton has no tensor-core tl.dot and no bf16: see kernels/configs.py),
+    head_dim 1 .. 256, fp16, bf16 or fp32, and launch configs within the GPU's shared memory per
+    block. On CPU, Triton's interpreter runs every supported dtype and head dim (slowly). Reads no
+    tensor and imports no Triton.
+    """
+    return configs.attention_problem(configs.gpu_arch(device), dtype, head_dim)
+
 
 def check_interpreter(device: torch.device | str) -> None:
     """Raise a clear error when kernels would run on `device` = CPU without Triton's interpreter.

@@ -1,24 +1,54 @@
 """Input checks of the kernels' launchers: shapes, dtypes, devices, index ranges.
 
 A kernel reading out of bounds does not raise, it returns garbage or crashes the process, so
-every launcher checks its inputs first and raises ValueError naming the argument. Checks that
-read tensor values (slot and length ranges) need a host sync, and none may run while a CUDA
-graph is being captured: `can_read_values` says when they can.
+every launcher checks its inputs first and raises ValueError naming the argument. Shape, dtype
+and device checks cost nothing and always run. Checks that read tensor *values* (slot, length,
+block-id and g_idx ranges, cu_seqlens rising) run only where that is free: tensors on the CPU.
+On a GPU each would be a host sync (the CPU waits for the GPU to drain its queue) on every call,
+so there they run only with debug checks on (NANOSERVE_DEBUG_CHECKS=1 in the environment, read
+once at import), and never while a CUDA graph is being captured: `can_read_values` decides.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..quant.packing import check_gptq
+from .configs import DTYPES, MAX_HEAD_DIM
 
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INT_DTYPES = (torch.int32, torch.int64)
+DEBUG_CHECKS = os.environ.get("NANOSERVE_DEBUG_CHECKS", "0") not in ("", "0")
 
 
-def can_read_values() -> bool:
-    """Value checks (slot and length ranges) read tensors on the host: never inside CUDA graph capture."""
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+def on_host(*tensors: torch.Tensor) -> bool:
+    """Whether reading these tensors' values is free: all of them live in CPU memory."""
+    return all(t.device.type == "cpu" for t in tensors)
+
+
+def can_read_values(*tensors: torch.Tensor) -> bool:
+    """Whether the value checks run: never inside CUDA graph capture; else on the CPU or with debug checks on."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return False
+    return DEBUG_CHECKS or on_host(*tensors)
+
+
+def check_tiles(gpu: bool, **tiles: int) -> None:
+    """Tile overrides: powers of two (tl.arange), and ≥ 16 on a GPU, where tl.dot needs every dimension ≥ 16.
+
+    (Triton's interpreter accepts smaller tiles, which keeps tests of ragged edges cheap.)"""
+    for name, size in tiles.items():
+        if not isinstance(size, int) or size < 1 or size & (size - 1) or (gpu and size < 16):
+            raise ValueError(f"{name} must be a power of two{' ≥ 16 on a GPU (tl.dot)' if gpu else ''}, got {size!r}")
+
+
+def check_block_ids(block_tables, lens, block_size: int, num_blocks: int) -> None:
+    """Value check: every table entry a sequence reads (its first ⌈len / block_size⌉) names a block of the pool."""
+    used = (torch.arange(block_tables.shape[1], device=block_tables.device)
+            < (lens[:, None] + block_size - 1) // block_size)  # B, max_blocks
+    if ((block_tables < 0) | (block_tables >= num_blocks))[used].any():
+        raise ValueError(f"block_tables hold block ids outside 0 .. {num_blocks - 1} within context_lens")
 
 
 def check_pools(k_cache, v_cache) -> None:
@@ -31,7 +61,7 @@ def check_pools(k_cache, v_cache) -> None:
         raise ValueError("pools must be contiguous in head_dim (stride 1)")
 
 
-def check_paged_attention(q, k_cache, v_cache, block_tables, context_lens, num_splits) -> None:
+def check_paged_attention(q, k_cache, v_cache, block_tables, context_lens, num_splits, max_context=None) -> None:
     check_pools(k_cache, v_cache)
     nb, bs, Hkv, D = k_cache.shape
     if q.dim() != 3 or q.shape[2] != D:
@@ -51,18 +81,19 @@ def check_paged_attention(q, k_cache, v_cache, block_tables, context_lens, num_s
         raise ValueError("q, pools, block_tables and context_lens must be on one device")
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be an int ≥ 1, got {num_splits!r}")
-    if B == 0 or not can_read_values():
+    if max_context is not None and (not isinstance(max_context, int) or max_context < 1):
+        raise ValueError(f"max_context must be an int ≥ 1 or None, got {max_context!r}")
+    if B == 0 or not can_read_values(block_tables, context_lens):
         return
-    capacity = block_tables.shape[1] * bs
+    capacity = block_tables.shape[1] * bs if max_context is None else min(max_context, block_tables.shape[1] * bs)
     if context_lens.min() < 1 or context_lens.max() > capacity:
-        raise ValueError(f"context_lens must lie in 1 .. {capacity} (max_blocks · block_size), "
+        raise ValueError(f"context_lens must lie in 1 .. {capacity} (max_blocks · block_size, and max_context), "
                          f"got {context_lens.tolist()}")
-    used = torch.arange(block_tables.shape[1], device=q.device) < (context_lens[:, None] + bs - 1) // bs  # B, M
-    if ((block_tables < 0) | (block_tables >= nb))[used].any():
-        raise ValueError(f"block_tables hold block ids outside 0 .. {nb - 1} within context_lens")
+    check_block_ids(block_tables, context_lens, bs, nb)
 
 
-def check_flash_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, block_tables, k_cache, v_cache, context_lens) -> bool:
+def check_flash_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, block_tables, k_cache, v_cache, context_lens,
+                          max_seqlen_q=None) -> bool:
     """Raise ValueError on inconsistent inputs; return whether a paged prefix is given."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(f"q, k, v must be [tokens, heads, head_dim]; got {tuple(q.shape)}, {tuple(k.shape)}, "
@@ -75,23 +106,42 @@ def check_flash_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, block_tables, k_c
         raise ValueError(f"head_dim differs: q has {D}, k/v have {k.shape[2]}")
     if Hkv == 0 or H % Hkv != 0:
         raise ValueError(f"query heads ({H}) must be a multiple of kv heads ({Hkv}) for GQA")
-    if not 1 <= D <= 256:
-        raise ValueError(f"head_dim must be in 1..256, got {D}")
+    if not 1 <= D <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in 1..{MAX_HEAD_DIM}, got {D}")
     if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share one dtype among {DTYPES}; got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
-    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if cu.dim() != 1 or cu.numel() < 1 or cu.dtype not in INT_DTYPES or cu.device != q.device:
             raise ValueError(f"{name} must be a 1-D int32 tensor [B+1] on {q.device}; got {tuple(cu.shape)} "
                              f"{cu.dtype} on {cu.device}")
-        host = cu.cpu()
-        if host[0] != 0 or host[-1] != total or bool((host[1:] < host[:-1]).any()):
-            raise ValueError(f"{name} must rise from 0 to {total} (the packed length); got {host.tolist()}")
     B = cu_seqlens_q.numel() - 1
     if cu_seqlens_k.numel() != B + 1:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k give different batch sizes: {B} vs {cu_seqlens_k.numel() - 1}")
+    if max_seqlen_q is not None and (not isinstance(max_seqlen_q, int) or max_seqlen_q < 0):
+        raise ValueError(f"max_seqlen_q must be an int ≥ 0 or None, got {max_seqlen_q!r}")
+    has_prefix = _check_flash_prefix(q, k, B, block_tables, k_cache, v_cache, context_lens)
+    if not can_read_values(cu_seqlens_q, cu_seqlens_k, *((block_tables, context_lens) if has_prefix else ())):
+        return has_prefix
+    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
+        if cu[0] != 0 or cu[-1] != total or bool((cu[1:] < cu[:-1]).any()):
+            raise ValueError(f"{name} must rise from 0 to {total} (the packed length); got {cu.tolist()}")
+    if max_seqlen_q is not None and B and max_seqlen_q < int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()):
+        raise ValueError(f"max_seqlen_q={max_seqlen_q} is shorter than the longest query sequence: "
+                         f"{(cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()}")
+    if has_prefix:
+        capacity = block_tables.shape[1] * k_cache.shape[1]
+        if bool((context_lens < 0).any()) or bool((context_lens > capacity).any()):
+            raise ValueError(f"context_lens must be in 0..{capacity} (max_blocks · block_size); got "
+                             f"{context_lens.tolist()}")
+        check_block_ids(block_tables, context_lens, k_cache.shape[1], k_cache.shape[0])
+    return has_prefix
 
+
+def _check_flash_prefix(q, k, B, block_tables, k_cache, v_cache, context_lens) -> bool:
+    """Shapes of the optional paged prefix; whether it is given."""
+    Hkv, D = k.shape[1:]
     paged = (block_tables, k_cache, v_cache, context_lens)
     if all(t is None for t in paged):
         return False
@@ -110,10 +160,6 @@ def check_flash_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, block_tables, k_c
                          f"{context_lens.dtype}")
     if any(t.device != q.device for t in paged):
         raise ValueError(f"block_tables, k_cache, v_cache, context_lens must be on {q.device}")
-    capacity = block_tables.shape[1] * k_cache.shape[1]
-    lens = context_lens.cpu()
-    if bool((lens < 0).any()) or bool((lens > capacity).any()):
-        raise ValueError(f"context_lens must be in 0..{capacity} (max_blocks · block_size); got {lens.tolist()}")
     return True
 
 
@@ -122,7 +168,7 @@ def check_dequant_matmul(a, qweight, qzeros, scales, g_idx, bits, split_k) -> tu
     if bits != 4:
         raise ValueError(f"dequant_matmul is a 4-bit kernel (W4A16), got bits={bits!r}; "
                          "use dequant_matmul_ref for 2 and 8 bits")
-    K, N, _ = check_gptq(qweight, qzeros, scales, g_idx, bits, check_values=can_read_values())
+    K, N, _ = check_gptq(qweight, qzeros, scales, g_idx, bits, check_values=can_read_values(g_idx))
     if a.dim() != 2 or a.shape[1] != K:
         raise ValueError(f"a must be [M, K] = [M, {K}] (K = 8 · qweight rows), got {tuple(a.shape)}")
     if a.dtype not in DTYPES:

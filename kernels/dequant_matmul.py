@@ -26,7 +26,7 @@ before they meet A, and W exists nowhere in memory.
 
 **Large M: the torch fallback.** As M grows each weight serves more rows of A and the matmul
 becomes compute-bound, so on CUDA `dequant_matmul` hands M ≥ TORCH_MIN_M (64) to
-packing.dequantize_gptq + torch.matmul. Every call then first writes an fp16 W: by a roofline
+`dequantize_int4` + torch.matmul. Every call then first writes an fp16 W: by a roofline
 estimate for an H100 ~2× an fp16 layer at M = 64, ~1.1× at M = 4096. Both the threshold and the
 estimate are unmeasured: benchmark before trusting either.
 
@@ -49,9 +49,10 @@ A third, `dequantize_int4`, writes W [N, K] out (packing.dequantize_gptq's layou
 one pass with the same `_dequant_tile`: the dequantize step of "dequantize + cuBLAS" for large M.
 
 **Precision.** Accumulation is fp32. The interpreter cannot do bf16 arithmetic, so there tiles
-become fp32 right after their load (`UPCAST`). On a GPU, w is cast to A's dtype for the tensor
-cores (as the torch fallback does), and fp32 inputs use IEEE fp32 (not TF32). `dequant_matmul_ref`
-is the plain-torch reference. Taught in notebooks/07_int4_kernel.ipynb (exercise 11: `dequantize_int4`).
+become fp32 right after their load (`UPCAST`), and so on sm_75, whose tl.dot is FMA anyway. On
+sm_80+, w is cast to A's dtype for the tensor cores (as the torch fallback does), and fp32 inputs
+use IEEE fp32 (not TF32). Tiles: kernels/configs.py. `dequant_matmul_ref` is the plain-torch
+reference. Taught in notebooks/07_int4_kernel.ipynb (exercise 11: `dequantize_int4`).
 """
 
 from __future__ import annotations
@@ -63,15 +64,15 @@ import triton.language as tl
 from nanoserve.quant.packing import check_gptq, dequantize_gptq
 
 from .checks import DTYPES, can_read_values, check_dequant_matmul
+from .configs import DEQUANT, INTERPRETER, pick
 
 GEMV_MAX_M = 16  # M ≤ this: split-K GEMV (all rows in one tile of 16)
 TORCH_MIN_M = 64  # on CUDA, M ≥ this: dequantize + torch.matmul
 MIN_TILES_PER_SPLIT = 4  # choose_split_k: a split must have work enough to pay for the second pass
 MAX_SPLIT_K = 16
-# (BLOCK_M, BLOCK_N, BLOCK_K) in the interpreter and on a GPU (untuned on GPU)
-_GEMM_TILES = {False: (16, 32, 32), True: (64, 64, 32)}
-_GEMV_TILES = {False: (16, 32, 32), True: (16, 64, 64)}
-_DEQUANT_TILES = {False: (32, 32), True: (64, 64)}  # (BLOCK_K, BLOCK_N) of dequantize_int4 (untuned on GPU)
+# (BLOCK_M, BLOCK_N, BLOCK_K) of the GEMV in the interpreter and on a GPU (every GPU row of configs.DEQUANT):
+# choose_split_k counts tiles of the GPU's
+_GEMV_TILES = {False: INTERPRETER["gemv"].tiles, True: DEQUANT[("gemv", 80, 2)].tiles}
 
 
 # ----------------------------------------------------------------------------- the reference
@@ -107,7 +108,7 @@ def _dequant_gemm_kernel(
     stride_am, stride_ak, stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn,
     stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # BLOCK_M
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # BLOCK_N
@@ -123,7 +124,7 @@ def _dequant_gemm_kernel(
             a = a.to(tl.float32)
         w = _dequant_tile(QW, QZ, S, G_IDX, offs_k, offs_n, k_mask, n_mask,
                           stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn)  # BLOCK_K, BLOCK_N
-        acc += tl.dot(a, w.to(a.dtype), input_precision=PRECISION)  # BLOCK_M, BLOCK_N
+        acc += tl.dot(a, w.to(a.dtype), input_precision="ieee")  # BLOCK_M, BLOCK_N
     c_ptrs = C + rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -135,7 +136,7 @@ def _dequant_gemv_kernel(
     stride_am, stride_ak, stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn,
     stride_ps, stride_pm, stride_pn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     split = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)  # BLOCK_M   every row of A (M ≤ BLOCK_M)
@@ -153,7 +154,7 @@ def _dequant_gemv_kernel(
             a = a.to(tl.float32)
         w = _dequant_tile(QW, QZ, S, G_IDX, offs_k, offs_n, k_mask, n_mask,
                           stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn)  # BLOCK_K, BLOCK_N
-        acc += tl.dot(a, w.to(a.dtype), input_precision=PRECISION)  # BLOCK_M, BLOCK_N
+        acc += tl.dot(a, w.to(a.dtype), input_precision="ieee")  # BLOCK_M, BLOCK_N
     p_ptrs = P + split * stride_ps + offs_m[:, None] * stride_pm + offs_n[None, :] * stride_pn
     tl.store(p_ptrs, acc.to(P.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -190,8 +191,8 @@ def dequant_matmul(a: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
     if M <= GEMV_MAX_M:
         return _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k)
     if a.is_cuda and M >= TORCH_MIN_M:  # cuBLAS does the matmul; the cost is in the module docstring
-        # dequantize_int4 (one pass, W written once in a's dtype) could replace dequantize_gptq here, once measured
-        return a @ dequantize_gptq(qweight, qzeros, scales, g_idx, 4, dtype=a.dtype).t()  # M, N
+        # dequantize_int4: dequantize_gptq's values bit for bit, in one pass and without its host-synced g_idx check
+        return a @ dequantize_int4(qweight, qzeros, scales, g_idx, dtype=a.dtype).t()  # M, N
     return _launch_gemm(a, qweight, qzeros, scales, g_idx, K, N)
 
 
@@ -220,22 +221,22 @@ def dequantize_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.T
     tensors once and writes W once, the dequantize step of "dequantize + cuBLAS" for large M. It is
     also the reference of exercise 11 (exercises/dequant_matmul.py, notebooks/07_int4_kernel section 3).
     """
-    K, N, _ = check_gptq(qweight, qzeros, scales, g_idx, 4, check_values=can_read_values())
+    K, N, _ = check_gptq(qweight, qzeros, scales, g_idx, 4, check_values=can_read_values(g_idx))
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    on_gpu = qweight.is_cuda
-    # Triton's interpreter converts fp32 to bf16 by truncation, where a GPU (and torch) rounds to
-    # nearest even: there the kernel writes fp32 and torch rounds.
-    out_dtype = torch.float32 if dtype == torch.bfloat16 and not on_gpu else dtype
+    launch = pick("dequantize", qweight.device, dtype)
+    # Without bf16 arithmetic (Triton's interpreter truncates fp32 to bf16, where a GPU and torch
+    # round to nearest even; sm_75 has none) the kernel writes fp32 and torch rounds.
+    out_dtype = torch.float32 if dtype == torch.bfloat16 and launch.upcast else dtype
     w = torch.empty(N, K, dtype=out_dtype, device=qweight.device)  # N, K
     if N == 0 or K == 0:
         return w.to(dtype)
-    block_k, block_n = _DEQUANT_TILES[on_gpu]
+    block_k, block_n = launch.tiles
     _dequantize_kernel[(triton.cdiv(K, block_k), triton.cdiv(N, block_n))](
         qweight, qzeros, scales, g_idx.contiguous(), w,
         N, K,
         *qweight.stride(), *qzeros.stride(), *scales.stride(), *w.stride(),
-        BLOCK_K=block_k, BLOCK_N=block_n,
+        BLOCK_K=block_k, BLOCK_N=block_n, **launch.options(),
     )
     return w.to(dtype)  # N, K   a no-op unless the interpreter wrote fp32 for bf16
 
@@ -259,8 +260,8 @@ def choose_split_k(n: int, k: int, num_sms: int | None = None) -> int:
 
 def _launch_gemm(a, qweight, qzeros, scales, g_idx, K, N) -> torch.Tensor:
     M = a.shape[0]
-    on_gpu = a.is_cuda
-    block_m, block_n, block_k = _GEMM_TILES[on_gpu]
+    launch = pick("gemm", a.device, a.dtype)
+    block_m, block_n, block_k = launch.tiles
     c = torch.zeros(M, N, dtype=a.dtype, device=a.device)  # M, N
     if M == 0 or N == 0:
         return c
@@ -269,16 +270,15 @@ def _launch_gemm(a, qweight, qzeros, scales, g_idx, K, N) -> torch.Tensor:
         M, N, K,
         *a.stride(), *qweight.stride(), *qzeros.stride(), *scales.stride(), *c.stride(),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        UPCAST=not on_gpu, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        **({"num_warps": 4, "num_stages": 3} if on_gpu else {}),
+        UPCAST=launch.upcast, **launch.options(),
     )
     return c
 
 
 def _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k) -> torch.Tensor:
     M = a.shape[0]
-    on_gpu = a.is_cuda
-    block_m, block_n, block_k = _GEMV_TILES[on_gpu]
+    launch = pick("gemv", a.device, a.dtype)
+    block_m, block_n, block_k = launch.tiles
     if M == 0 or N == 0:
         return torch.zeros(M, N, dtype=a.dtype, device=a.device)  # M, N
     split_k = choose_split_k(N, K) if split_k is None else split_k
@@ -294,7 +294,6 @@ def _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k) -> torch.Tens
         M, N, K, k_per_split,
         *a.stride(), *qweight.stride(), *qzeros.stride(), *scales.stride(), *p_strides,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        UPCAST=not on_gpu, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        **({"num_warps": 4, "num_stages": 2} if on_gpu else {}),
+        UPCAST=launch.upcast, **launch.options(),
     )
     return p if split_k == 1 else p.sum(dim=0).to(a.dtype)  # M, N   the second pass: a fixed order

@@ -44,10 +44,11 @@ fill them with NaN) cannot leak in.
 Triton notes (docs/ARCHITECTURE.md, section 'Triton on CPU and GPU'): on CPU this runs in
 Triton's interpreter, which cannot do bf16 arithmetic, so there every tile is converted to fp32
 straight after its load (`UPCAST`); on a GPU, q·kᵀ and p·v stay in the input dtype for tensor
-cores (fp32 inputs use TF32 there, so GPU tests compare with a tolerance). Tiles are 16×16 in
-the interpreter (each program step costs milliseconds) and 64×64 on a GPU; BLOCK_D is head_dim
-rounded up to a power of two (≥ 16, as tl.dot needs), with masked loads for head dims like 80.
-Taught in notebooks/04_attention_kernels.ipynb (exercise 7).
+cores, accumulating in fp32, and fp32 inputs use IEEE fp32 (`input_precision="ieee"`: no silent
+TF32). Tiles, warps and stages come from kernels/configs.py by GPU, dtype and head dim (16×16 in
+the interpreter, where each program step costs milliseconds); BLOCK_D is head_dim rounded up to
+a power of two (≥ 16, as tl.dot needs), with masked loads for head dims like 80. Taught in
+notebooks/04_attention_kernels.ipynb (exercise 7).
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_flash_attention
+from .checks import check_flash_attention, check_tiles
+from .configs import pick
 
 
 # ----------------------------------------------------------------------------- the kernel
@@ -158,7 +160,7 @@ def _online_softmax_step(q, kT, v, valid, m_i, l_i, acc, qk_scale, UPCAST: tl.co
     if UPCAST:
         kT = kT.to(tl.float32)
         v = v.to(tl.float32)
-    s = tl.dot(q, kT) * qk_scale  # BLOCK_M, BLOCK_N
+    s = tl.dot(q, kT, input_precision="ieee") * qk_scale  # BLOCK_M, BLOCK_N
     s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))  # BLOCK_M
     # A row with every key masked so far has m_new = -inf; subtract 0 instead so that
@@ -167,7 +169,7 @@ def _online_softmax_step(q, kT, v, valid, m_i, l_i, acc, qk_scale, UPCAST: tl.co
     alpha = tl.math.exp2(m_i - m_safe)  # BLOCK_M     rescales what was accumulated under the old max
     p = tl.math.exp2(s - m_safe[:, None])  # BLOCK_M, BLOCK_N
     l_i = l_i * alpha + tl.sum(p, 1)  # BLOCK_M
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)  # BLOCK_M, BLOCK_D
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")  # BLOCK_M, BLOCK_D
     return m_new, l_i, acc
 
 
@@ -177,30 +179,35 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     causal: bool = True, sm_scale: float | None = None,
                     block_tables: torch.Tensor | None = None, k_cache: torch.Tensor | None = None,
                     v_cache: torch.Tensor | None = None, context_lens: torch.Tensor | None = None,
-                    *, block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
+                    *, block_m: int | None = None, block_n: int | None = None,
+                    max_seqlen_q: int | None = None) -> torch.Tensor:
     """Attention over packed sequences.  q [total_q, H, D]; k, v [total_k, Hkv, D] -> [total_q, H, D].
 
     cu_seqlens_q/k [B+1]: cumulative lengths (sequence b is rows cu[b]:cu[b+1]). causal: bottom-right
     aligned (query i of Lq sits at position P + Lk − Lq + i). sm_scale defaults to 1/√D. Optional paged
     prefix: block_tables [B, max_blocks], k_cache/v_cache [num_blocks, block_size, Hkv, D],
     context_lens [B] (P, cached tokens per sequence, read before the new keys). block_m/block_n
-    override the tile sizes (16 in the interpreter, 64 on a GPU).
+    override the tile sizes of kernels/configs.py (powers of two, ≥ 16 on a GPU). max_seqlen_q: the
+    longest query sequence, or any bound above it, known on the host (sizes the grid; None reads it
+    from cu_seqlens_q, a host sync on a GPU).
     """
     has_prefix = check_flash_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, block_tables, k_cache, v_cache,
-                                       context_lens)
+                                       context_lens, max_seqlen_q)
     total_q, H, D = q.shape
     Hkv = k.shape[1]
     B = cu_seqlens_q.numel() - 1
+    launch = pick("flash", q.device, q.dtype, D)
+    block_m, block_n = block_m or launch.tiles[0], block_n or launch.tiles[1]
+    check_tiles(launch.gpu, block_m=block_m, block_n=block_n)
     out = torch.empty_like(q)  # total_q, H, D
-    max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if B > 0 else 0
-    if total_q == 0 or max_seqlen_q == 0:
+    if total_q == 0 or B == 0:
+        return out
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    if max_seqlen_q == 0:
         return out
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
 
-    on_gpu = q.device.type == "cuda"
-    block_m = block_m or (64 if on_gpu else 16)
-    block_n = block_n or (64 if on_gpu else 16)
-    block_d = max(16, triton.next_power_of_2(D))
     cu_q = cu_seqlens_q.to(torch.int32)  # B+1
     cu_k = cu_seqlens_k.to(torch.int32)  # B+1
     if has_prefix:
@@ -214,15 +221,15 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kc_strides = kc.stride() if has_prefix else (0, 0, 0, 0)
     vc_strides = vc.stride() if has_prefix else (0, 0, 0, 0)
 
-    grid = (triton.cdiv(max_seqlen_q, block_m), B * H)
+    grid = (triton.cdiv(max_seqlen_q, block_m), B * H)  # programs past a sequence's end return at once
     _flash_attention_kernel[grid](
         q, k, v, out, cu_q, cu_k, bt, kc, vc, ctx,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         *bt_strides, *kc_strides, *vc_strides,
         sm_scale * math.log2(math.e), H, H // Hkv, D, page_size,
-        CAUSAL=bool(causal), HAS_PREFIX=has_prefix, UPCAST=not on_gpu,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        **({"num_warps": 8 if block_m >= 128 else 4, "num_stages": 2} if on_gpu else {}),
+        CAUSAL=bool(causal), HAS_PREFIX=has_prefix, UPCAST=launch.upcast,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
+        **launch.options(),
     )
     return out
 

@@ -35,11 +35,12 @@ is never empty (context_lens ≥ 1), so lse is finite. With num_splits = 1 the k
 partial already is the answer and is written straight to `out`. `choose_num_splits` says how
 many splits fill a GPU.
 
-**Precision.** Tiles are converted to fp32 right after their load (Triton's interpreter cannot
-do bf16 arithmetic, docs/ARCHITECTURE.md, section 'Triton on CPU and GPU'). tl.dot then uses
-IEEE fp32 for fp32 inputs, and TF32 for fp16/bf16 inputs: TF32 keeps 10 mantissa bits, so fp16
-and bf16 values convert to it exactly and only p (the probabilities) is rounded, as much as the
-usual cast of p to fp16 would. The scale is folded into exp2: exp(x) = 2^(x·log2 e). Taught in
+**Precision.** On a GPU, q·kᵀ and p·v run in the input dtype on tensor cores with fp32
+accumulation (p is rounded to fp16/bf16 for the second product, as in FlashAttention), and fp32
+inputs use IEEE fp32 (`input_precision="ieee"`, not TF32). Triton's interpreter cannot do bf16
+arithmetic (docs/ARCHITECTURE.md, section 'Triton on CPU and GPU'), so there every tile becomes
+fp32 right after its load (`UPCAST`). The scale · log2 e multiplies the fp32 scores, and exp2
+does the rest: exp(x) = 2^(x·log2 e). Tiles, warps and stages: kernels/configs.py. Taught in
 notebooks/04_attention_kernels.ipynb.
 """
 
@@ -52,9 +53,10 @@ import triton
 import triton.language as tl
 
 from .checks import check_paged_attention
+from .configs import INTERPRETER, pick
 
-BLOCK_N = 32  # key positions per tile (a multiple of 16 for tl.dot on a GPU)
-MIN_TILES_PER_SPLIT = 4  # choose_num_splits: a split must have work enough to pay for the merge
+BLOCK_N = INTERPRETER["decode"].tiles[0]  # key positions per tile in the interpreter (GPU: configs.DECODE)
+MIN_TILES_PER_SPLIT = 4  # choose_num_splits: a split must have work enough (4 · 32 keys) to pay for the merge
 MAX_SPLITS = 32
 
 
@@ -91,7 +93,7 @@ def _paged_decode_kernel(
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     qk_scale, head_dim,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
-    D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
 ):
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(context_lens + b).to(tl.int32)
@@ -106,8 +108,9 @@ def _paged_decode_kernel(
     row_mask = offs_g < GROUP
     d_mask = offs_d < head_dim
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=row_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)  # G_PAD, D_PAD
-    q = q * qk_scale  # scale · log2 e, so exp2 below is exp
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # G_PAD, D_PAD
+    if UPCAST:  # the interpreter cannot do bf16 arithmetic
+        q = q.to(tl.float32)
 
     m = tl.full([G_PAD], float("-inf"), tl.float32)  # running max (log2 units)
     l = tl.zeros([G_PAD], tl.float32)  # running denominator
@@ -119,16 +122,20 @@ def _paged_decode_kernel(
         off = pos % BLOCK_SIZE
         kv_mask = n_mask[:, None] & d_mask[None, :]  # masked slots are never read: NaN there cannot leak
         k = tl.load(K_cache + blk[:, None] * stride_kcb + off[:, None] * stride_kcs + kvh * stride_kch
-                    + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)  # BLOCK_N, D_PAD
+                    + offs_d[None, :], mask=kv_mask, other=0.0)  # BLOCK_N, D_PAD
         v = tl.load(V_cache + blk[:, None] * stride_vcb + off[:, None] * stride_vcs + kvh * stride_vch
-                    + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)  # BLOCK_N, D_PAD
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # G_PAD, BLOCK_N
+                    + offs_d[None, :], mask=kv_mask, other=0.0)  # BLOCK_N, D_PAD
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        # scale · log2 e, so exp2 below is exp; applied to the fp32 scores, not to q (no extra rounding)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # G_PAD, BLOCK_N
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every tile holds ≥ 1 real key
         alpha = tl.exp2(m - m_new)  # G_PAD   rescales what came before
         p = tl.exp2(s - m_new[:, None])  # G_PAD, BLOCK_N
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)  # G_PAD, D_PAD
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")  # G_PAD, D_PAD
         m = m_new
 
     nonempty = l > 0
@@ -163,16 +170,18 @@ def _merge_splits_kernel(
 
 # ----------------------------------------------------------------------------- the wrappers
 def paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, sm_scale=None, num_splits=1,
-                          *, out=None):
+                          *, out=None, max_context=None):
     """The first phase alone: partial outputs [B, H, num_splits, D] and their log-sum-exps [B, H, num_splits] (fp32).
 
     With `out` ([B, H, D]) and num_splits = 1, the single partial is written straight to it instead.
+    max_context: a bound on context_lens known on the host (see `paged_attention`), checked with the values.
     """
-    check_paged_attention(q, k_cache, v_cache, block_tables, context_lens, num_splits)
+    check_paged_attention(q, k_cache, v_cache, block_tables, context_lens, num_splits, max_context)
     if out is not None and (num_splits != 1 or out.shape != q.shape or out.stride(-1) != 1):
         raise ValueError("out= is for num_splits = 1 only, and must be shaped like q, contiguous in head_dim")
     B, H, D = q.shape
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
+    launch = pick("decode", q.device, q.dtype, D)
     q, block_tables, context_lens = q.contiguous(), block_tables.contiguous(), context_lens.contiguous()
     scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
     lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)  # B, H, S
@@ -189,8 +198,8 @@ def paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, sm_sc
         *part_strides, lse.stride(0), lse.stride(1),
         scale * 1.4426950408889634, D,  # · log2 e
         BLOCK_SIZE=bs, GROUP=H // Hkv, G_PAD=max(16, triton.next_power_of_2(H // Hkv)),
-        D_PAD=max(16, triton.next_power_of_2(D)), BLOCK_N=BLOCK_N,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        D_PAD=max(16, triton.next_power_of_2(D)), BLOCK_N=launch.tiles[0], UPCAST=launch.upcast,
+        **launch.options(),
     )
     return part, lse
 
@@ -211,30 +220,40 @@ def merge_splits(partial_out, partial_lse, out_dtype=torch.float32) -> torch.Ten
     return out
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, context_lens, sm_scale=None, num_splits=1) -> torch.Tensor:
+def paged_attention(q, k_cache, v_cache, block_tables, context_lens, sm_scale=None, num_splits: int | None = 1,
+                    *, max_context: int | None = None) -> torch.Tensor:
     """Decode attention over paged K/V.
 
     q [B, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks]
     and context_lens [B] (int32 or int64); returns out [B, H, D] in q's dtype. Query head h reads
     kv head h // (H // Hkv); sequence b sees keys 0 .. context_lens[b] − 1. sm_scale defaults to
-    1/√D. num_splits > 1 runs Flash-Decoding's split-KV pass, then the LSE-weighted merge.
+    1/√D. num_splits > 1 runs Flash-Decoding's split-KV pass, then the LSE-weighted merge; None
+    lets `choose_num_splits` decide from max_context, the longest context (or any bound above it)
+    known on the host; without it that reads context_lens, a host sync on a GPU.
     """
+    if num_splits is None:
+        if max_context is None:
+            max_context = int(context_lens.max()) if context_lens.numel() else 1
+        num_splits = choose_num_splits(q.shape[0], k_cache.shape[2], max_context)
     if num_splits == 1:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)  # B, H, D
-        paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, sm_scale, 1, out=out)
+        paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, sm_scale, 1, out=out,
+                              max_context=max_context)
         return out
-    part, lse = paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, sm_scale, num_splits)
+    part, lse = paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, sm_scale, num_splits,
+                                      max_context=max_context)
     return merge_splits(part, lse, q.dtype)
 
 
-def choose_num_splits(batch: int, num_heads: int, max_context: int, num_sms: int | None = None) -> int:
+def choose_num_splits(batch: int, num_heads: int, max_context: int | None, num_sms: int | None = None) -> int:
     """How many KV splits fill the GPU: S = ⌈num_sms / (batch · num_heads)⌉, capped.
 
     batch · num_heads is the number of programs without splitting; pass the number of *kv* heads,
     since one program serves a whole GQA group. One wave of num_sms programs keeps every SM busy,
     so more programs than that buy nothing. Caps: each split keeps ≥ MIN_TILES_PER_SPLIT tiles of
-    BLOCK_N keys (a split shorter than that costs more in launch and merge than it saves), and
-    at most MAX_SPLITS. num_sms = None reads it from the current CUDA device; on CPU the answer is 1.
+    BLOCK_N keys (a split shorter than that costs more in launch and merge than it saves; None = the
+    longest context is unknown: no such cap), and at most MAX_SPLITS. num_sms = None reads it from
+    the current CUDA device; on CPU the answer is 1. Reads no tensor: no host sync.
     """
     if num_sms is None:
         if not torch.cuda.is_available():
@@ -242,5 +261,5 @@ def choose_num_splits(batch: int, num_heads: int, max_context: int, num_sms: int
         num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     programs = max(1, batch * num_heads)
     fill = -(-num_sms // programs)  # ⌈num_sms / programs⌉
-    by_length = max(1, -(-max_context // BLOCK_N) // MIN_TILES_PER_SPLIT)
+    by_length = MAX_SPLITS if max_context is None else max(1, -(-max_context // BLOCK_N) // MIN_TILES_PER_SPLIT)
     return max(1, min(fill, by_length, MAX_SPLITS))

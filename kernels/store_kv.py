@@ -60,7 +60,7 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
     if slot_mapping.shape != (k.shape[0],) or slot_mapping.dtype not in INT_DTYPES:
         raise ValueError(f"slot_mapping must be int32/int64 [{k.shape[0]}], got {slot_mapping.dtype} "
                          f"{tuple(slot_mapping.shape)}")
-    if can_read_values() and slot_mapping.numel() and (
+    if can_read_values(slot_mapping) and slot_mapping.numel() and (
             slot_mapping.min() < -1 or slot_mapping.max() >= nb * bs):
         raise ValueError(f"slot_mapping holds slots outside −1 .. {nb * bs - 1}")
     if k.shape[0] == 0:

@@ -63,10 +63,8 @@ class LLMEngine:
                                         speculative_adaptive)
             spec_cfg.validate()
         self.model, self.config, self.tokenizer = load_model(model, dtype=dtype, device=device)
-        self.model_name = str(model)
-        self.device = next(self.model.parameters()).device
-        self.dtype = next(self.model.parameters()).dtype
-        self.max_model_len = self.config.max_position_embeddings
+        self.model_name, self.max_model_len = str(model), self.config.max_position_embeddings
+        self.device, self.dtype = next(self.model.parameters()).device, next(self.model.parameters()).dtype
         if num_blocks is None:
             budget = kv_cache_memory or 8 * kv_bytes_per_token(self.config, self.dtype) * self.max_model_len
             num_blocks = num_blocks_for_budget(self.config, budget, block_size, self.dtype)
@@ -75,7 +73,7 @@ class LLMEngine:
                                    self.max_model_len)
         self.runner = ModelRunner(self.model, num_blocks, block_size, attention_backend)
         self.attention_backend = self.runner.attention_backend
-        # decode steps replay CUDA graphs where they can (engine/cuda_graph.py); why not, otherwise
+        # decode steps replay CUDA graphs where they can (engine/cuda_graph.py); else this says why not
         self.cuda_graphs_off = "enforce_eager=True" if enforce_eager else self.runner.use_cuda_graphs(
             max_num_seqs, self.max_model_len)
         self.inputs = InputProcessor(self.config, self.tokenizer, self.device, num_blocks, block_size, self.model_name)

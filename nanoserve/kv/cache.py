@@ -38,6 +38,7 @@ contiguous caches give bitwise-equal logits. Taught in notebooks/01_* and notebo
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -50,15 +51,28 @@ from .torch_backend import CacheView
 from .triton_backend import TritonCacheView
 
 ATTENTION_BACKENDS = ("torch", "triton")
+logger = logging.getLogger("nanoserve")
 
 
-def resolve_attention_backend(backend: str | None, device: torch.device | str) -> str:
-    """None -> the default for the device (Triton's kernels on CUDA, torch on CPU); else check the name."""
-    if backend is None:
-        return "triton" if torch.device(device).type == "cuda" else "torch"
-    if backend not in ATTENTION_BACKENDS:
+def resolve_attention_backend(backend: str | None, device: torch.device | str, head_dim: int | None = None,
+                              dtype: torch.dtype | None = None) -> str:
+    """None -> the default for the device: Triton's kernels on CUDA where they serve this head_dim and
+    dtype (else torch, with the reason logged), torch on CPU. "triton" where they cannot is refused."""
+    if backend is not None and backend not in ATTENTION_BACKENDS:
         raise NanoserveError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)} (or None for the "
                              f"device's default), got {backend!r}")
+    cuda = torch.device(device).type == "cuda"
+    problem = None
+    if cuda and head_dim is not None and dtype is not None and backend in (None, "triton"):
+        from ..kernels import triton_attention_supported  # reads no tensor, imports no Triton
+
+        problem = triton_attention_supported(head_dim, dtype, device)
+    if backend == "triton" and problem:
+        raise NanoserveError(f"attention_backend='triton' cannot serve this model here: {problem}; use 'torch'")
+    if backend is None:
+        if problem:
+            logger.warning("attention backend: torch, not triton: %s", problem)
+        return "triton" if cuda and not problem else "torch"
     return backend
 
 
@@ -72,7 +86,7 @@ class PagedKVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.attention_backend = resolve_attention_backend(attention_backend, device)
+        self.attention_backend = resolve_attention_backend(attention_backend, device, cfg.head_dim, dtype)
         self.num_kv_splits = num_kv_splits  # triton decode: None = choose_num_splits (1 on CPU)
 
     @property

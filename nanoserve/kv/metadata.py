@@ -15,7 +15,8 @@ computed here, on CPU tensors, and the backends only ever consume device tensors
     fresh_blocks  [F]     blocks receiving their first token (offset 0) this step
     cu_seqlens    [B+1]   int32, real new tokens per row, packed back to back
     prefix_lens   [B]     int32, tokens cached before this step
-    max_context, decode   host values: the longest context; one new token in every row
+    max_context, max_query_len, decode   host values: the longest context, the most new tokens
+                          in a row, and whether every row has one
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class AttentionMetadata:
     prefix_lens: torch.Tensor
     max_context: int
     decode: bool
+    max_query_len: int = 1
 
     @classmethod
     def build(cls, slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -52,7 +54,8 @@ class AttentionMetadata:
         return cls(slot_mapping, block_tables, context_lens, src, dst,
                    fresh_blocks=dst[dst % block_size == 0] // block_size, cu_seqlens=cu_seqlens,
                    prefix_lens=(context_lens - num_new).to(torch.int32),
-                   max_context=int(context_lens.max()) if B else 1, decode=T == 1 and len(src) == B)
+                   max_context=int(context_lens.max()) if B else 1, decode=T == 1 and len(src) == B,
+                   max_query_len=int(num_new.max()) if B else 1)
 
     def to(self, device: torch.device | str) -> AttentionMetadata:
         """The same metadata with its tensors on `device` (host→device copies only)."""

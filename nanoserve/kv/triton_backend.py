@@ -59,7 +59,7 @@ class TritonCacheView(CacheView):
         q_new = q.reshape(B * T, H, D).index_select(0, self.src)  # N, H, D
         out_new = flash_attention(q_new, k_new, v_new, self.cu_seqlens, self.cu_seqlens, causal=True,
                                   block_tables=self.block_tables_i32, k_cache=k_cache, v_cache=v_cache,
-                                  context_lens=self.prefix_lens)  # N, H, D
+                                  context_lens=self.prefix_lens, max_seqlen_q=self.meta.max_query_len)  # N, H, D
         out = q.new_zeros(B * T, H, D)  # padding rows get zeros (their logits are never read)
         out.index_copy_(0, self.src, out_new)
         return out.view(B, T, H, D)

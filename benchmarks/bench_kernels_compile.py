@@ -1,0 +1,276 @@
+"""Compile every Triton kernel for real GPUs on a machine without one: shared memory, registers, spills.
+
+    python benchmarks/bench_kernels_compile.py [--out benchmarks/kernels_compile.json] [--jobs 2]
+
+Triton compiles for a GPU it does not have (`triton.compile(..., target=GPUTarget("cuda", arch, 32))`)
+and its ptxas reports registers and spills. Each row calls a *launcher* (flash_attention,
+paged_attention, store_kv, dequant_gemm/gemv, dequantize_int4) with small CPU tensors while
+`kernels.configs.gpu_arch` says sm_<arch>: the launcher picks its launch config as on that GPU, and
+the kernel call, instead of running, is compiled with the arguments, constexprs, num_warps and
+num_stages the launcher passed, specialised as Triton's own launch does (ints equal to 1 become
+constants, 16-divisible ints and pointers get divisibility hints). So the table is what the
+launchers launch. Matrix: sm_75/80/86/89/90 × fp16/bf16/fp32 × head_dim 64/128/256 for flash and
+decode (GQA 4; decode also GQA 1 and 8 at head_dim 128, and split-KV + merge in fp16), store_kv at
+head_dim 128, the W4A16 kernels at K = N = 4096. Attention on sm_75 is refused by the launchers
+(kernels/configs.py): "unsupported" rows say why.
+
+Each row also says what its tl.dot became in the PTX ("mma f16", "wgmma bf16", "mma tf32", or "fma"
+without tensor cores). A row fails if it does not compile, or needs more shared memory than its GPU
+has (configs.SMEM_LIMIT_KB) or than its configs row claims (smem_kb). The control row, the old fp32
+head_dim-128 flash tiles (64×64, 4 warps, 2 stages) on sm_86, must come out over the limit: it
+shows the check can fail. Spills are reported, not failed. Saves the JSON, prints a table, exits
+1 on a failed row. tests/test_kernels_compile.py runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import multiprocessing
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "0"  # compile for real GPUs; before Triton (and nanoserve) is imported
+os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"  # Triton prints ptxas -v (registers, spills) for each kernel
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from nanoserve.kernels import configs  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+ARCHS = (75, 80, 86, 89, 90)
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+HEAD_DIMS = (64, 128, 256)
+HKV, BS = 8, 16  # kv heads, page size
+DOT_KERNELS = ("flash_attention", "paged_decode", "dequant_gemm", "dequant_gemv")  # the kernels with a tl.dot
+
+
+# ----------------------------------------------------------------------------- capture and compile
+@contextlib.contextmanager
+def pretend_gpu(arch: int):
+    """Launchers pick their configs for sm_<arch>; every kernel[grid](...) call is recorded, not run."""
+    calls = []
+    real_arch, real_run = configs.gpu_arch, JITFunction.run
+    configs.gpu_arch = lambda device: arch
+    JITFunction.run = lambda self, *args, grid, warmup, **kwargs: calls.append((self, args, kwargs))
+    try:
+        yield calls
+    finally:
+        configs.gpu_arch, JITFunction.run = real_arch, real_run
+
+
+def compile_call(fn, args, kwargs, arch: int) -> dict:
+    """Compile one recorded launch for sm_<arch> as JITFunction.run would: shared memory, registers, spills."""
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    bound, specialization, options = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    log = io.StringIO()
+    # an empty cache for each kernel: a cache hit would skip ptxas, and with it the registers and spills
+    with tempfile.TemporaryDirectory() as cache, contextlib.redirect_stdout(log):
+        os.environ["TRITON_CACHE_DIR"] = cache
+        kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    regs = re.search(r"Used (\d+) registers", log.getvalue())
+    spills = re.search(r"(\d+) bytes spill stores", log.getvalue())
+    return {"smem_bytes": kernel.metadata.shared, "regs": int(regs.group(1)) if regs else None,
+            "spill_bytes": int(spills.group(1)) if spills else None, "dot": dot_units(kernel.asm["ptx"])}
+
+
+def dot_units(ptx: str) -> str:
+    """What the kernel's tl.dot became: tensor-core instructions and their input type ("mma f16",
+    "wgmma bf16", "mma tf32"), or "fma" (no tensor-core instruction in the PTX)."""
+    found = sorted({f"{op} {a}" for op, a in re.findall(r"\b(wgmma|mma)\.[\w.]*?\.f32\.(f16|bf16|tf32)\.", ptx)})
+    return ", ".join(found) or "fma"
+
+
+def describe(kwargs: dict) -> str:
+    """The launch config of a recorded call: its tile constexprs, warps, stages."""
+    tiles = "×".join(str(v) for k, v in kwargs.items() if k.startswith("BLOCK_") and k not in ("BLOCK_SIZE", "BLOCK_D"))
+    return f"{tiles or '-'} w{kwargs.get('num_warps', 4)} s{kwargs.get('num_stages', 3)}"  # Triton's defaults: 4, 3
+
+
+# ----------------------------------------------------------------------------- the launches
+def _flash(dtype, D, gqa, **tiles):
+    from nanoserve.kernels.flash_attention import flash_attention
+
+    H = HKV * gqa
+    q, k = torch.zeros(4, H, D, dtype=dtype), torch.zeros(4, HKV, D, dtype=dtype)  # tokens, heads, D
+    cu = torch.tensor([0, 2, 4], dtype=torch.int32)
+    kc = torch.zeros(4, BS, HKV, D, dtype=dtype)  # the engine always passes its paged prefix
+    flash_attention(q, k, k, cu, cu, True, None, torch.zeros(2, 2, dtype=torch.int32), kc, kc,
+                    torch.tensor([3, 20], dtype=torch.int32), max_seqlen_q=2, **tiles)
+
+
+def _decode(dtype, D, gqa, splits=1):
+    from nanoserve.kernels.paged_attention import paged_attention
+
+    q, kc = torch.zeros(2, HKV * gqa, D, dtype=dtype), torch.zeros(4, BS, HKV, D, dtype=dtype)
+    paged_attention(q, kc, kc, torch.zeros(2, 2, dtype=torch.int32), torch.tensor([5, 20], dtype=torch.int32),
+                    num_splits=splits, max_context=20)
+
+
+def _store_kv(dtype, D):
+    from nanoserve.kernels.store_kv import store_kv
+
+    k, kc = torch.zeros(3, HKV, D, dtype=dtype), torch.zeros(4, BS, HKV, D, dtype=dtype)
+    store_kv(k, k, kc, kc, torch.tensor([0, -1, 17]))
+
+
+def _dequant(dtype, which, split_k=1):
+    from nanoserve.kernels import dequant_matmul as dm
+
+    K = N = 4096
+    gptq = dict(qweight=torch.zeros(K // 8, N, dtype=torch.int32),
+                qzeros=torch.zeros(K // 128, N // 8, dtype=torch.int32),
+                scales=torch.zeros(K // 128, N, dtype=dtype), g_idx=torch.arange(K, dtype=torch.int32) // 128)
+    if which == "gemm":
+        dm.dequant_gemm(torch.zeros(32, K, dtype=dtype), **gptq)
+    elif which == "gemv":
+        dm.dequant_gemv(torch.zeros(1, K, dtype=dtype), **gptq, split_k=split_k)
+    else:
+        dm.dequantize_int4(**gptq, dtype=dtype)
+
+
+def matrix(archs=ARCHS) -> list[tuple[dict, tuple | None]]:
+    """(row labels, launch: a function and its arguments) for every row; None = refused, nothing to compile."""
+    rows = []
+    for arch in archs:
+        for dt, dtype in DTYPES.items():
+            for D in HEAD_DIMS:
+                row = dict(arch=arch, dtype=dt, head_dim=D, gqa=4)
+                problem = configs.attention_problem(arch, dtype, D)
+                if problem:  # sm_75: the engine uses the torch backend there
+                    rows.append((dict(row, case="attention", variant="", status="unsupported", reason=problem), None))
+                    continue
+                rows.append((dict(row, case="flash", variant="paged prefix"), (_flash, dtype, D, 4)))
+                rows.append((dict(row, case="decode", variant="1 split"), (_decode, dtype, D, 4)))
+                if D == 128:  # GQA changes only the decode kernel (its GROUP constexpr)
+                    rows += [(dict(row, case="decode", gqa=g, variant="1 split"), (_decode, dtype, D, g))
+                             for g in (1, 8)]
+                    rows.append((dict(row, case="store_kv", gqa=None, variant=""), (_store_kv, dtype, D)))
+                if D == 128 and dt == "fp16":
+                    rows.append((dict(row, case="decode", variant="4 splits"), (_decode, dtype, D, 4, 4)))
+            for which, split_k in (("gemm", 1), ("gemv", 1), ("gemv", 4), ("dequantize", 1)):
+                variant = f"split_k {split_k}" if which == "gemv" else ""
+                row = dict(arch=arch, dtype=dt, head_dim=None, gqa=None, case=which, variant=variant)
+                rows.append((row, (_dequant, dtype, which, split_k)))
+    control = dict(arch=86, dtype="fp32", head_dim=128, gqa=4, case="flash", variant="control: old tiles")
+    rows.append((control, (_flash, torch.float32, 128, 4)))
+    return rows
+
+
+# ----------------------------------------------------------------------------- the run
+_JOBS: list = []  # (row, fn, args, kwargs), filled before the worker processes fork
+
+
+def _compile_job(i: int) -> dict:
+    row, fn, args, kwargs = _JOBS[i]
+    try:
+        result = dict(row, **compile_call(fn, args, kwargs, row["arch"]))
+        return result if row["kernel"] in DOT_KERNELS else dict(result, dot="-")
+    except Exception as e:  # noqa: BLE001  a compile error is a result row
+        return dict(row, status="error", reason=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}")
+
+
+def run(jobs: int = 2, archs=ARCHS) -> dict:
+    start = time.perf_counter()
+    entries, _JOBS[:] = [], []  # entries: a finished row, or the index of its compile job
+    for row, launch in matrix(archs):
+        if launch is None:
+            entries.append(row)
+            continue
+        with pretend_gpu(row["arch"]) as calls:
+            launch[0](*launch[1:])
+        for fn, args, kwargs in calls:
+            kernel = fn.fn.__name__.strip("_").removesuffix("_kernel")  # _paged_decode_kernel -> paged_decode
+            if row["variant"].startswith("control"):  # the tiles flash used before kernels/configs.py
+                kwargs = dict(kwargs, BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+            entries.append(len(_JOBS))
+            _JOBS.append((dict(row, kernel=kernel, config=describe(kwargs)), fn, args, kwargs))
+    with multiprocessing.get_context("fork").Pool(jobs) as pool:
+        compiled = pool.map(_compile_job, range(len(_JOBS)), chunksize=1)
+    results = [compiled[e] if isinstance(e, int) else e for e in entries]
+    for r in results:
+        judge(r)
+    return {"triton": triton.__version__, "torch": torch.__version__, "jobs": jobs,
+            "seconds": round(time.perf_counter() - start, 1), "smem_limit_kb": configs.SMEM_LIMIT_KB,
+            "rows": results}
+
+
+def judge(r: dict) -> None:
+    """status: ok, over (shared memory above the GPU's limit or the configs row's smem_kb), error, unsupported."""
+    if r.get("status") in ("error", "unsupported"):
+        return
+    kb = r["smem_bytes"] / 1024
+    r["smem_limit_kb"] = configs.smem_limit_kb(r["arch"])
+    row = None if r["variant"].startswith("control") else _table_row(r)
+    r["table_smem_kb"] = row.smem_kb if row else None
+    over = kb > r["smem_limit_kb"] or (r["table_smem_kb"] is not None and kb > r["table_smem_kb"])
+    r["status"] = "over" if over else "ok"
+
+
+def _table_row(r: dict) -> configs.Launch | None:
+    """The configs row the launcher took; None for store_kv and the merge (no tl.dot, a few KB)."""
+    kind = {"flash_attention": "flash", "paged_decode": "decode", "dequant_gemm": "gemm", "dequant_gemv": "gemv",
+            "dequantize": "dequantize"}.get(r["kernel"])
+    if kind is None:
+        return None
+    with pretend_gpu(r["arch"]):
+        return configs.pick(kind, "cuda", DTYPES[r["dtype"]], r["head_dim"] or 0)
+
+
+def failures(result: dict) -> list[dict]:
+    """Rows that fail: errors, and rows over a limit, except the control, which must be over."""
+    return [r for r in result["rows"] if r["status"] == "error"
+            or (r["status"] == "over") != r["variant"].startswith("control")]
+
+
+def table(result: dict) -> str:
+    lines = [f"{'arch':5} {'dtype':5} {'D':>4} {'kernel':16} {'gqa':>3} {'variant':18} {'config':18} "
+             f"{'smem KB':>8} {'limit':>5} {'regs':>4} {'spill B':>7} {'dot':10} status"]
+    for r in result["rows"]:
+        if r["status"] == "unsupported":
+            lines.append(f"sm_{r['arch']:<2} {r['dtype']:5} {r['head_dim']:>4} {'attention':16} {'':>3} {'':18} "
+                         f"{'':18} unsupported: {r['reason']}")
+            continue
+        smem = f"{r['smem_bytes'] / 1024:.1f}" if "smem_bytes" in r else "-"
+        lines.append(f"sm_{r['arch']:<2} {r['dtype']:5} {r['head_dim'] or '':>4} {r['kernel']:16} "
+                     f"{r['gqa'] or '':>3} {r['variant']:18} {r.get('config', ''):18} {smem:>8} "
+                     f"{r.get('smem_limit_kb', ''):>5} {r.get('regs', ''):>4} {r.get('spill_bytes', ''):>7} "
+                     f"{r.get('dot', ''):10} {r['status']}{': ' + r['reason'] if r.get('reason') else ''}")
+    return "\n".join(lines)
+
+
+def dumps(result: dict) -> str:
+    """JSON with one row per line, so that a rerun's diff shows the rows that changed."""
+    head = json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1, ensure_ascii=False)
+    rows = ",\n  ".join(json.dumps(r, ensure_ascii=False) for r in result["rows"])
+    return f'{head[:-2]},\n "rows": [\n  {rows}\n ]\n}}\n'
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=str(HERE / "kernels_compile.json"))
+    parser.add_argument("--jobs", type=int, default=2, help="compiler processes (default 2)")
+    parser.add_argument("--archs", default=",".join(map(str, ARCHS)), help="e.g. 80,90 (default: all)")
+    args = parser.parse_args(argv)
+    result = run(args.jobs, tuple(int(a) for a in args.archs.split(",")))
+    Path(args.out).write_text(dumps(result))
+    print(table(result))
+    bad = failures(result)
+    print(f"{len(result['rows'])} rows, {len(bad)} failed, {result['seconds']} s with {args.jobs} processes "
+          f"(triton {result['triton']}); saved {args.out}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

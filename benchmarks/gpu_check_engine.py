@@ -1,0 +1,278 @@
+"""Figures e-h of `gpu_check.py`: the engine end to end on random 1B-class Llama weights.
+
+e. batch-1 decode, eager and with CUDA graphs, and the HBM bandwidth it achieves;
+f. continuous batching vs HF `generate`, 256 requests x U[100, 1024] tokens in and out;
+g. int4 (RTN, group 128, the W4A16 kernel) vs bf16 decode;
+h. speculative decoding at T = 0 with a random draft ~37x smaller, and with the trained demo pair.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+
+import torch
+from gpu_check_models import (
+    common_prefix,
+    describe,
+    ensure_checkpoint,
+    free,
+    hf_throughput,
+    llama_config,
+    measure_decode,
+    peak_bandwidth,
+    random_prompt,
+)
+
+TABLES = {
+    "e": [("batch-1 decode, greedy", "rows", ["mode", "tok_s", "tpot_ms", "weight_gb", "achieved_tbps",
+                                                "frac_of_peak", "roofline_tok_s", "graphs_off"])],
+    "f": [("throughput: continuous batching vs HF generate (output tokens/s)", "rows",
+           ["engine", "batch_size", "requests", "output_tokens", "duration_s", "output_tok_s", "total_tok_s",
+            "complete"])],
+    "g": [("batch-1 decode: int4 (RTN g128, W4A16 kernel) vs bf16", "rows",
+           ["weights", "tok_s", "tpot_ms", "weight_gb", "achieved_tbps", "frac_of_peak"])],
+    "h": [("speculative decoding, T = 0, batch 1", "rows",
+           ["pair", "gamma", "adaptive", "alpha", "tokens_per_step", "predicted_tokens_per_step", "speedup",
+            "draft_cost_c"])],
+}
+
+
+# batch-1 figures: a few sequences are enough, and fewer CUDA-graph buckets to capture at each load
+BATCH1_SEQS = 8
+
+
+def _dtype(ctx) -> torch.dtype:
+    return torch.float32 if ctx.dry else torch.bfloat16
+
+
+def _target(ctx):
+    cfg = llama_config("target", ctx.dry)
+    return ensure_checkpoint(ctx.workdir, "target", cfg, ctx.device, _dtype(ctx)), cfg
+
+
+def _llm(path, ctx, **kw):
+    from nanoserve import LLM
+
+    return LLM(str(path), dtype=_dtype(ctx), device=ctx.device, **kw)
+
+
+def engine_modes() -> tuple[dict, str]:
+    """{mode: LLM kwargs}: eager, and CUDA graphs when the engine takes `enforce_eager`."""
+    from nanoserve import LLMEngine
+
+    if "enforce_eager" in inspect.signature(LLMEngine.__init__).parameters:
+        return {"eager": {"enforce_eager": True}, "cuda_graphs": {"enforce_eager": False}}, "available"
+    return {"eager": {}}, "not available (LLMEngine takes no enforce_eager argument)"
+
+
+def _graphs_off(llm) -> str | None:
+    """Why this engine runs decode steps eagerly (None: it replays CUDA graphs)."""
+    return getattr(llm.engine, "cuda_graphs_off", "this engine has no CUDA graphs")
+
+
+def _peak(ctx) -> tuple[float | None, str]:
+    if ctx.device != "cuda":
+        return None, "unknown: no GPU (dry run)"
+    return peak_bandwidth(torch.cuda.get_device_name())
+
+
+def fig_decode(ctx) -> dict:
+    """e. tok/s and achieved bandwidth at batch 1, bf16, 128-token prompt, 256 new tokens, median of 3."""
+    path, cfg = _target(ctx)
+    peak, peak_note = _peak(ctx)
+    modes, graphs = engine_modes()
+    P, N, reps = (4, 4, 1) if ctx.dry else (128, 256, 3)
+    res = {"model": describe(cfg), "dtype": str(_dtype(ctx)).removeprefix("torch."), "prompt_tokens": P,
+           "new_tokens": N, "reps": reps, "peak_tbps": peak, "peak_source": peak_note, "cuda_graphs": graphs,
+           "rows": [], "note": "achieved = (weight bytes + mean KV bytes read per step) / median decode step time"}
+    for mode, kw in modes.items():
+        if ctx.over():
+            res["truncated"] = f"budget spent before mode {mode}"
+            break
+        llm = None
+        try:
+            llm = _llm(path, ctx, max_num_seqs=BATCH1_SEQS, **kw)
+            row = {"mode": mode, "graphs_off": _graphs_off(llm), **measure_decode(llm, P, N, reps, peak)}
+        except Exception as e:  # one mode failing keeps the other
+            row = {"mode": mode, "error": f"{type(e).__name__}: {e}"}
+        llm = None
+        free()
+        res["rows"].append(row)
+        ctx.save(res)
+    ok = [r for r in res["rows"] if "error" not in r]
+    res["ok"] = len(ok) == len(res["rows"]) == len(modes)  # a mode that failed fails the run's exit status
+    if len(ok) == 2:
+        res["graphs_speedup"] = ok[1]["tok_s"] / ok[0]["tok_s"]
+        if ok[1]["graphs_off"] is not None:
+            res["graphs_note"] = f"the cuda_graphs row ran eagerly: {ok[1]['graphs_off']}"
+        res["same_tokens"] = ok[0]["token_ids"] == ok[1]["token_ids"]
+    for r in ok:
+        r.pop("token_ids")
+    return res
+
+
+def fig_throughput(ctx) -> dict:
+    """f. 256 requests, prompt and output lengths U[100, 1024], all at t = 0, greedy, EOS ignored."""
+    from nanoserve import SamplingParams
+    from nanoserve.tools.bench import make_workload
+    from nanoserve.tools.metrics import RequestMetrics, summarize
+
+    path, cfg = _target(ctx)
+    n, lo, hi, seqs, batched = (6, 4, 12, 8, 64) if ctx.dry else (256, 100, 1024, 256, 4096)
+    prompts, params = make_workload(n, (lo, hi), (lo, hi), vocab=256, seed=0)
+    blocks = sum(-(-(len(p) + sp.max_tokens) // 16) for p, sp in zip(prompts, params)) + n
+    res = {"model": describe(cfg), "requests": n, "input_len": [lo, hi], "output_len": [lo, hi],
+           "nanoserve_settings": dict(max_num_seqs=seqs, max_num_batched_tokens=batched, num_blocks=blocks,
+                                      enable_prefix_caching=False),
+           "goal": "continuous / HF output tok/s >= 10x", "rows": []}
+    llm = _llm(path, ctx, max_num_seqs=seqs, max_num_batched_tokens=batched, num_blocks=blocks,
+               enable_prefix_caching=False)
+    res["graphs_off"] = _graphs_off(llm)
+    llm.generate([prompts[0][:16]] * 2, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                 use_tqdm=False)  # warm-up
+    engine, reqs = llm.engine, [llm.engine.new_request(p, sp) for p, sp in zip(prompts, params)]
+    deadline = ctx.start + 0.45 * ctx.budget  # the rest is HF's
+    start = time.perf_counter()
+    for r in reqs:
+        engine.enqueue(r)
+    complete = True
+    while engine.has_unfinished_requests():
+        engine.step()
+        if time.perf_counter() > deadline:
+            complete = False
+            break
+    duration = time.perf_counter() - start
+    outs = [r.output for r in reqs]
+    failed = [o.error for o in outs if o.error is not None]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {n} requests failed in the engine, the first: {failed[0]}")
+    n_out = sum(len(o.token_ids) for o in outs)
+    n_in = sum(len(p) for p, o in zip(prompts, outs) if o.token_ids)
+    done = [o for o in outs if o.finished]
+    for r in reqs:
+        engine.abort_request(r.output.request_id)
+    del llm, engine, reqs
+    free()
+    summary = summarize([RequestMetrics.from_output(o) for o in done]).as_dict() if done else {}
+    res["rows"].append({"engine": "nanoserve (continuous)", "batch_size": seqs, "requests": len(done),
+                        "output_tokens": n_out, "duration_s": duration, "output_tok_s": n_out / duration,
+                        "total_tok_s": (n_out + n_in) / duration, "complete": complete,
+                        "ttft_p50_s": (summary.get("ttft") or {}).get("p50"),
+                        "ttft_p99_s": (summary.get("ttft") or {}).get("p99")})
+    ctx.save(res)
+    hf = hf_throughput(path, prompts, params, (8,) if ctx.dry else (256, 128), ctx.device, _dtype(ctx),
+                       deadline=ctx.start + 0.92 * ctx.budget)
+    res["hf_transformers"] = hf["transformers"]
+    for run in hf["runs"]:
+        res["rows"].append({"engine": "HF generate (static, left-padded)", **run})
+    if hf["best"] is not None:
+        res["hf_best_batch_size"] = hf["best"]["batch_size"]
+        res["ratio_vs_hf"] = res["rows"][0]["output_tok_s"] / hf["best"]["output_tok_s"]
+    return res
+
+
+def fig_int4(ctx) -> dict:
+    """g. The random target quantized with RTN (4-bit, group 128, symmetric), saved as GPTQ v1, reloaded."""
+    from nanoserve.models.loader import load_model
+    from nanoserve.quant.model import QuantizeConfig, quantize_model
+    from nanoserve.quant.save import save_quantized
+
+    path, cfg = _target(ctx)
+    peak, peak_note = _peak(ctx)
+    group = 32 if ctx.dry else 128  # the dry run's layers are 64 and 128 wide
+    P, N, reps = (4, 4, 1) if ctx.dry else (128, 256, 3)
+    qdir = ctx.workdir / f"target-rtn-g{group}"
+    start = time.perf_counter()
+    if not (qdir / "config.json").is_file():
+        model = load_model(str(path), dtype=torch.float32, device=ctx.device)[0]
+        result = quantize_model(model, None, QuantizeConfig(method="rtn", bits=4, group_size=group), progress=False)
+        save_quantized(model, result, qdir, tokenizer_from=str(path))
+        del model, result
+        free()
+    res = {"model": describe(cfg), "group_size": group, "prompt_tokens": P, "new_tokens": N, "reps": reps,
+           "quantize_and_save_s": time.perf_counter() - start, "peak_tbps": peak, "peak_source": peak_note,
+           "rows": []}
+    tokens = {}
+    for label, where in (("bf16" if not ctx.dry else "fp32", path), ("int4 RTN", qdir)):
+        if ctx.over():
+            res["truncated"] = f"budget spent before {label}"
+            break
+        llm = _llm(where, ctx, max_num_seqs=BATCH1_SEQS)
+        row = {"weights": label, "graphs_off": _graphs_off(llm), **measure_decode(llm, P, N, reps, peak)}
+        tokens[label] = row.pop("token_ids")
+        res["rows"].append(row)
+        del llm
+        free()
+        ctx.save(res)
+    if len(res["rows"]) == 2:
+        res["int4_speedup"] = res["rows"][1]["tok_s"] / res["rows"][0]["tok_s"]
+        res["greedy_common_prefix"] = common_prefix(*tokens.values())
+    return res
+
+
+def _spec_row(llm, prompts, max_tokens, base_s, **info) -> dict:
+    from nanoserve import SamplingParams
+    from nanoserve.spec.rejection_sampler import expected_tokens_per_step
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate([prompts[0]], params, use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outs = [llm.generate([p], params, use_tqdm=False)[0].outputs[0] for p in prompts]  # batch 1
+    seconds = time.perf_counter() - start
+    if base_s is None:
+        return {**info, "seconds": seconds}
+    stats = [o.spec_stats for o in outs if o.spec_stats is not None]
+    tot = {k: sum(getattr(s, k) for s in stats) for k in
+           ("num_steps", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens", "num_rejections")}
+    checked = tot["num_accepted_tokens"] + tot["num_rejections"]
+    alpha = tot["num_accepted_tokens"] / checked if checked else None
+    gamma = info["gamma"]
+    n_out = sum(len(o.token_ids) for o in outs)
+    step = base_s / n_out  # one target decode step
+    plain = n_out - tot["num_emitted_tokens"]
+    cost = ((seconds / step - plain) / tot["num_steps"] - 1) / gamma if tot["num_steps"] else None
+    return {**info, **tot, "alpha": alpha,
+            "tokens_per_step": tot["num_emitted_tokens"] / tot["num_steps"] if tot["num_steps"] else None,
+            "predicted_tokens_per_step": expected_tokens_per_step(alpha, gamma) if alpha is not None else None,
+            "seconds": seconds, "speedup": base_s / seconds, "draft_cost_c": cost}
+
+
+def fig_speculative(ctx) -> dict:
+    """h. Greedy speculative decoding, one request at a time: the random 1B target with a random draft
+    (γ = 4 fixed, and adaptive), then the trained demo pair (γ = 4)."""
+    from nanoserve.tools.bench import SPEC_PROMPTS
+
+    path, cfg = _target(ctx)
+    dcfg = llama_config("draft", ctx.dry)
+    draft = ensure_checkpoint(ctx.workdir, "draft", dcfg, ctx.device, _dtype(ctx))
+    n, length, max_tokens = (1, 8, 6) if ctx.dry else (4, 64, 128)
+    prompts = [random_prompt(length, seed=10 + i) for i in range(n)]
+    ratio = cfg.num_parameters() / dcfg.num_parameters()
+    res = {"target": describe(cfg), "draft": describe(dcfg), "size_ratio": ratio, "prompts": n,
+           "prompt_tokens": length, "max_tokens": max_tokens, "rows": [],
+           "note": "random weights: the random pair's alpha is chance agreement (or preferences both random models "
+                   "happen to share), not what a trained draft would reach; its rows measure what speculating costs "
+                   "(c, in target steps) and the adaptive switch-off. The demo rows (a trained pair, 11x smaller, "
+                   "tiny, so overhead-bound on a GPU) show a real alpha",
+           "goals": "trained draft 10-50x smaller: >= 1.8x at T = 0; a useless draft: >= 0.95x (adaptive)"}
+    pairs = [("random 1B / random draft", path, draft, prompts, max_tokens),
+             ("demo / demo-draft (trained)", "demo", "demo-draft", list(SPEC_PROMPTS[:n]), min(max_tokens, 64))]
+    for pair, tgt, drf, ps, mt in pairs:
+        if ctx.over():
+            res["truncated"] = f"budget spent before {pair}"
+            break
+        llm = _llm(tgt, ctx, max_num_seqs=BATCH1_SEQS)
+        base = _spec_row(llm, ps, mt, None)["seconds"]
+        del llm
+        free()
+        settings = [(4, False), (4, True)] if pair.startswith("random") else [(4, False)]
+        for gamma, adaptive in settings:
+            llm = _llm(tgt, ctx, max_num_seqs=BATCH1_SEQS, speculative_model=str(drf),
+                       num_speculative_tokens=gamma, speculative_adaptive=adaptive)
+            res["rows"].append(_spec_row(llm, ps, mt, base, pair=pair, gamma=gamma, adaptive=adaptive,
+                                         target_alone_s=base))
+            del llm
+            free()
+            ctx.save(res)
+    return res

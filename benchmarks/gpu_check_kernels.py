@@ -1,0 +1,167 @@
+"""Figures a-d of `gpu_check.py`: the GPU tests, and the Triton kernels against their torch peers.
+
+b and c are benchmarks/bench_attention.py's measurements, called as they are (its `--smoke` shapes
+in a dry run); d is the W4A16 kernel against fp16 cuBLAS on the same (dequantized) weights.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TABLES = {
+    "a": [("pytest -m gpu", "summary", ["passed", "failed", "errors", "skipped", "collection_errors", "returncode"])],
+    "b": [("prefill: flash_attention vs SDPA (flash backend), causal, TFLOP/s", "rows",
+           ["dtype", "d", "N", "batch", "heads", "ours_tflops", "sdpa_tflops", "ratio"])],
+    "c": [("decode: paged (shuffled blocks) vs contiguous, same kernel", "paged_decode",
+           ["context", "batch", "contiguous_ms", "paged_ms", "ratio"]),
+          ("batch-1 decode, split-KV", "split_kv", ["context", "num_splits", "split_ms", "one_split_ms",
+                                                    "growth_vs_first"])],
+    "d": [("W4A16 (group 128) vs fp16 cuBLAS, microseconds", "rows",
+           ["K", "N", "M", "cublas_fp16_us", "w4a16_us", "kernel", "split_k", "gemm_kernel_us",
+            "speedup_vs_fp16", "w4a16_tbps"])],
+}
+
+
+def fig_pytest_gpu(ctx) -> dict:
+    """a. `pytest -m gpu` in a subprocess; pass / fail counts from its JUnit XML."""
+    paths = ["tests/test_kernels_paged.py"] if ctx.dry else ["tests"]  # dry: CPU, every GPU test skips anyway
+    with tempfile.TemporaryDirectory() as tmp:
+        xml = Path(tmp) / "junit.xml"
+        # a test module that cannot be imported (an optional package missing from the image) must not stop the rest
+        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}",
+               "--continue-on-collection-errors", *paths]
+        env = dict(os.environ)
+        if ctx.device == "cuda":
+            # tests/conftest.py sets TRITON_INTERPRET=1 unless it is set: on a GPU the kernels must compile
+            env["TRITON_INTERPRET"] = "0"
+        res = {"command": ("TRITON_INTERPRET=0 " if ctx.device == "cuda" else "") + f"pytest -m gpu {' '.join(paths)}",
+               "summary": []}
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                                  timeout=max(10.0, ctx.left()))
+        except subprocess.TimeoutExpired as e:
+            raise RuntimeError(f"pytest -m gpu ran past its budget of {ctx.budget:.0f} s") from e
+        res["output_tail"] = (proc.stdout + proc.stderr)[-3000:]
+        if not xml.is_file():
+            hint = " (is pytest installed? pip install pytest)" if "No module named pytest" in proc.stderr else ""
+            raise RuntimeError(f"pytest exited with {proc.returncode} and wrote no report{hint}: "
+                               f"{(proc.stdout + proc.stderr)[-500:]}")
+        root = ET.parse(xml).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    count = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    bad = {"failed": [], "errors": [], "collection_errors": []}
+    for case in root.iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        if case.find("failure") is not None:
+            bad["failed"].append(name)
+        elif (err := case.find("error")) is not None:
+            bad["collection_errors" if "collection failure" in (err.get("message") or "") else "errors"].append(name)
+    res["summary"] = [{"passed": count["tests"] - count["failures"] - count["errors"] - count["skipped"],
+                       "failed": len(bad["failed"]), "errors": len(bad["errors"]), "skipped": count["skipped"],
+                       "collection_errors": len(bad["collection_errors"]), "returncode": proc.returncode}]
+    res.update({f"{k}_tests": v for k, v in bad.items()})
+    # a module that could not be imported (listed) is the image's missing package, not a failed GPU test; on a GPU
+    # the GPU tests must run (skipped ones there would mean they did not see the device)
+    ran = res["summary"][0]["passed"] + (count["skipped"] if ctx.device != "cuda" else 0)
+    res["ok"] = not bad["failed"] and not bad["errors"] and ran > 0
+    return res
+
+
+def _attention_args(ctx):
+    import bench_attention
+
+    gen = torch.Generator(device=ctx.device).manual_seed(0)
+    return bench_attention, SimpleNamespace(smoke=ctx.dry), gen
+
+
+def fig_flash_prefill(ctx) -> dict:
+    """b. bench_attention.prefill: N 1k-8k, d 64 / 128, fp16 / bf16, 16k tokens per launch, 2048 / d heads."""
+    ba, args, gen = _attention_args(ctx)
+    rows = ba.prefill(args, ctx.device, gen)
+    ratios = sorted(r["ratio"] for r in rows)
+    return {"goal": "flash_attention / SDPA-flash TFLOP/s >= 0.9", "rows": rows,
+            "min_ratio": ratios[0], "median_ratio": ratios[len(ratios) // 2],
+            "note": "TFLOP/s counts the causal half: 4 B H N^2 d / 2; median of triton.testing.do_bench"}
+
+
+def fig_paged_decode(ctx) -> dict:
+    """c. bench_attention.paged_vs_contiguous (batch 32, 32/8 heads, d 128, bf16, 1k-8k) and split_kv (1k-32k)."""
+    ba, args, gen = _attention_args(ctx)
+    res = {"goals": "paged / contiguous <= 1.2x; split-KV latency growth 1k -> 32k <= 2x"}
+    ctx.save(res)
+    res["paged_decode"] = ba.paged_vs_contiguous(args, ctx.device, gen)
+    ctx.save(res)
+    if ctx.over():
+        res["truncated"] = "budget spent before the split-KV sweep"
+        return res
+    res["split_kv"] = ba.split_kv(args, ctx.device, gen)
+    res["max_paged_ratio"] = max(r["ratio"] for r in res["paged_decode"])
+    res["growth_to_longest"] = res["split_kv"][-1]["growth_vs_first"]
+    return res
+
+
+def _random_gptq(K: int, N: int, group: int, device: str, seed: int):
+    """Random weights quantized with RTN (symmetric 4-bit) and packed as GPTQ v1; and the same
+    weights dequantized to fp16 for cuBLAS, so both sides multiply the same numbers."""
+    from nanoserve.quant.packing import pack_gptq
+    from nanoserve.quant.rtn import quantize_rtn
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    w = torch.randn(N, K, generator=g, device=device) * 0.02  # N, K
+    qw = quantize_rtn(w, bits=4, group_size=group)
+    packed = pack_gptq(qw.codes, qw.zeros, qw.scales, qw.g_idx, 4)
+    return packed, qw.dequantize().to(torch.float16)  # W [N, K] for F.linear
+
+
+def fig_w4a16(ctx) -> dict:
+    """d. GEMV (M <= 16, split-K) and GEMM kernels vs fp16 cuBLAS; 4096^2 and 8192^2, group 128."""
+    import torch.nn.functional as F
+    from bench_attention import bench
+    from nanoserve.kernels.dequant_matmul import choose_split_k, dequant_gemm, dequant_matmul
+
+    shapes = [(128, 128)] if ctx.dry else [(4096, 4096), (8192, 8192)]
+    small_m = [1] if ctx.dry else [1, 2, 4, 8, 16]
+    large_m = [32] if ctx.dry else [64, 256, 1024]
+    group = 128
+    dtype = torch.float32 if ctx.dry else torch.float16  # the interpreter: fp32 keeps the dry run quick and exact
+    from gpu_check_models import peak_bandwidth
+
+    peak = peak_bandwidth(torch.cuda.get_device_name()) if ctx.device == "cuda" else (None, "dry run")
+    res = {"group_size": group, "activation_dtype": str(dtype).removeprefix("torch."), "rows": [],
+           "peak_tbps": peak[0], "peak_source": peak[1],
+           "note": "w4a16_us: dequant_matmul as the engine calls it (M <= 16: split-K GEMV; 16 < M < 64: the GEMM "
+                   "kernel; M >= 64 on CUDA: dequantize + cuBLAS); gemm_kernel_us: the tiled GEMM kernel alone; "
+                   "w4a16_tbps: bytes of packed weights + scales + zeros + activations / time"}
+    for K, N in shapes:
+        if ctx.over():
+            res["truncated"] = f"budget spent before {K}x{N}"
+            break
+        packed, w16 = _random_gptq(K, N, group, ctx.device, seed=K)
+        wbytes = sum(v.numel() * v.element_size() for v in packed.values())
+        for M in small_m + large_m:
+            a = (torch.randn(M, K, device=ctx.device) * 0.5).to(dtype)
+            w = w16.to(dtype)
+            ref = bench(lambda: F.linear(a, w), ctx.dry)  # noqa: B023
+            ours = bench(lambda: dequant_matmul(a, **packed), ctx.dry)  # noqa: B023
+            gemm = bench(lambda: dequant_gemm(a, **packed), ctx.dry)  # noqa: B023
+            want = F.linear(a, w).float()
+            err = (dequant_matmul(a, **packed).float() - want).norm() / want.norm()
+            kernel = "gemv" if M <= 16 else ("torch" if M >= 64 and ctx.device == "cuda" else "gemm")
+            res["rows"].append(dict(K=K, N=N, M=M, cublas_fp16_us=1e3 * ref, w4a16_us=1e3 * ours, kernel=kernel,
+                                    split_k=choose_split_k(N, K) if M <= 16 else None, gemm_kernel_us=1e3 * gemm,
+                                    speedup_vs_fp16=ref / ours, rel_error=float(err),
+                                    w4a16_tbps=(wbytes + a.numel() * a.element_size()) / (ours * 1e-3) / 1e12))
+            ctx.save(res)
+    gemv = [r["speedup_vs_fp16"] for r in res["rows"] if r["M"] == 1]
+    res["batch1_speedup"] = gemv
+    return res

@@ -1,0 +1,134 @@
+"""benchmarks/gpu_check.py (`make gpu-check`) is for a GPU machine; its --dry-run runs every figure end to
+end on CPU with tiny shapes (Triton interpreter), so the script cannot rot between GPU sessions.
+
+It is run as a script in a subprocess, as the GPU machine runs it (benchmarks/ is not a package)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+FIGURES = "abcdefgh"
+
+
+def _run(*args, timeout=240):
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
+                          env=env)
+
+
+def _positive(*values) -> bool:
+    return all(isinstance(v, (int, float)) and v > 0 for v in values)
+
+
+def test_dry_run_measures_every_figure(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    start = time.perf_counter()
+    proc = _run("--dry-run", "--out", str(out))
+    elapsed = time.perf_counter() - start
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert elapsed < 120, f"the dry run took {elapsed:.0f} s; it must stay well under a minute on a quiet machine"
+    res = json.loads(out.read_text())
+    assert res["dry_run"] is True and "--dry-run" in res["command"] and res["date"]
+    env = res["environment"]
+    assert env["torch"] == torch.__version__ and env["triton"] and "dry run" in env["device"]
+    figs = res["figures"]
+    assert sorted(figs) == list(FIGURES)
+    for letter, fig in figs.items():
+        assert fig["status"] == "ok" and fig.get("ok", True), (letter, fig.get("error"), fig.get("traceback"))
+        assert "error" not in fig and "truncated" not in fig, letter
+        assert fig["seconds"] >= 0 and fig["budget_s"] > 0
+    a = figs["a"]["summary"][0]
+    assert figs["a"]["ok"] and a["failed"] == a["errors"] == 0 and a["passed"] + a["skipped"] >= 1
+    assert figs["b"]["rows"] and all(_positive(r["ours_tflops"], r["sdpa_tflops"], r["ratio"])
+                                     for r in figs["b"]["rows"])
+    c = figs["c"]
+    assert _positive(*(r["ratio"] for r in c["paged_decode"]), *(r["split_ms"] for r in c["split_kv"]))
+    assert c["split_kv"][0]["growth_vs_first"] == 1.0
+    for r in figs["d"]["rows"]:
+        assert _positive(r["cublas_fp16_us"], r["w4a16_us"], r["gemm_kernel_us"]) and r["rel_error"] < 1e-2
+    assert {r["kernel"] for r in figs["d"]["rows"]} == {"gemv", "gemm"}
+    e = figs["e"]
+    eager = e["rows"][0]
+    assert eager["mode"] == "eager" and "error" not in eager and _positive(eager["tok_s"], eager["weight_gb"])
+    assert e["cuda_graphs"] == "available" or e["cuda_graphs"].startswith("not available")
+    assert e["peak_tbps"] is None and e["peak_source"].startswith("unknown")
+    f = figs["f"]
+    ours, hf = f["rows"][0], f["rows"][1]
+    assert ours["complete"] and hf["complete"] and ours["requests"] == hf["requests"] == f["requests"]
+    assert ours["output_tokens"] == hf["output_tokens"] > 0 and _positive(f["ratio_vs_hf"])
+    g = figs["g"]
+    full, int4 = g["rows"]
+    assert int4["weights"].startswith("int4") and int4["weight_gb"] < 0.5 * full["weight_gb"]
+    assert _positive(full["tok_s"], int4["tok_s"], g["int4_speedup"])
+    h = figs["h"]["rows"]
+    assert [r["pair"].split()[0] for r in h] == ["random", "random", "demo"]
+    for r in h:
+        assert 0 <= r["alpha"] <= 1 and 1 <= r["tokens_per_step"] <= r["gamma"] + 1 and _positive(r["speedup"])
+    assert all(col in proc.stdout for col in ("ours_tflops", "w4a16_us", "achieved_tbps", "tokens_per_step"))
+    assert "8 of 8 figures ok" in proc.stdout
+
+
+def test_isolated_figures_and_the_time_limit(tmp_path):
+    """On a GPU each figure runs in its own process; the run stops starting figures at --time-limit."""
+    out = tmp_path / "iso.json"
+    proc = _run("--dry-run", "--isolate", "--only", "d", "--out", str(out))
+    res = json.loads(out.read_text())
+    assert proc.returncode == 0 and res["isolated"] is True, proc.stdout[-2000:] + proc.stderr[-2000:]
+    d = res["figures"]["d"]
+    assert d["status"] == "ok" and d["rows"] and d["seconds"] > 0, d.get("error")
+    proc = _run("--dry-run", "--only", "a", "--time-limit", "1", "--out", str(out), timeout=60)
+    a = json.loads(out.read_text())["figures"]["a"]
+    assert a["status"] == "skipped" and "time limit" in a["error"]
+    assert proc.returncode == 1  # a figure that did not run is not ok
+
+
+def test_unknown_figure_is_refused():
+    proc = _run("--dry-run", "--only", "a,z", timeout=60)
+    assert proc.returncode == 2 and "unknown figure 'z'" in proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_without_cuda_it_says_it_needs_one(tmp_path):
+    proc = _run("--out", str(tmp_path / "x.json"), timeout=60)
+    assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr and "--dry-run" in proc.stderr
+    assert not (tmp_path / "x.json").exists()
+
+
+def _import(module: str):
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        return __import__(module)
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+
+
+def test_a_figure_past_its_hard_limit_is_killed_and_recorded(tmp_path):
+    gpu_check = _import("gpu_check")
+    args = gpu_check.parse_args(["--dry-run"])
+    start = time.perf_counter()
+    rec = gpu_check.run_isolated("h", args, tmp_path, budget=100, hard=1.0)
+    assert time.perf_counter() - start < 30
+    assert rec["status"] == "timeout" and rec["name"] == "speculative" and "killed after 1 s" in rec["error"]
+
+
+def test_peak_bandwidth_table():
+    peak_bandwidth = _import("gpu_check_models").peak_bandwidth
+    assert peak_bandwidth("NVIDIA H100 80GB HBM3")[0] == 3.35
+    assert peak_bandwidth("NVIDIA H100 PCIe")[0] == 2.0
+    assert peak_bandwidth("NVIDIA H200")[0] == 4.8
+    assert peak_bandwidth("NVIDIA A100-SXM4-80GB")[0] == 2.0
+    assert peak_bandwidth("NVIDIA A100-SXM4-40GB")[0] == 1.56
+    assert peak_bandwidth("NVIDIA L4")[0] == 0.3 and peak_bandwidth("NVIDIA A10")[0] == 0.6
+    assert peak_bandwidth("Tesla T4")[0] == 0.32
+    for unknown in ("NVIDIA L40S", "NVIDIA A100X", "NVIDIA GH200 480GB", "NVIDIA H100 NVL", "NVIDIA RTX 4090"):
+        peak, note = peak_bandwidth(unknown)
+        assert peak is None and note.startswith("unknown"), unknown
