@@ -58,6 +58,12 @@ class PrefixCacheStats:
         return self.hits / total if total else 0.0
 
 
+def slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """The physical slot of tokens start .. end−1 of a sequence with this block table: token i lives
+    in block block_table[i // block_size] at offset i % block_size (the one formula everyone uses)."""
+    return [block_table[i // block_size] * block_size + i % block_size for i in range(start, end)]
+
+
 def check_invariants(alloc) -> None:
     """Raise AssertionError if a BlockAllocator's bookkeeping is inconsistent. Which tables hold
     which blocks is the caller's knowledge; tests check ref counts against live tables themselves."""

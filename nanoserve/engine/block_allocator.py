@@ -26,7 +26,7 @@ import itertools
 from collections import OrderedDict, deque
 
 from ..errors import EngineStateError, NanoserveError
-from .block import Block, HashFn, PrefixCacheStats, check_invariants, default_block_hash
+from .block import Block, HashFn, PrefixCacheStats, check_invariants, default_block_hash, slots
 from .sequence import Sequence
 
 __all__ = ["Block", "BlockAllocator", "PrefixCacheStats", "default_block_hash", "check_block_size"]
@@ -181,8 +181,7 @@ class BlockAllocator:
         if not 0 <= start <= end <= covered:
             raise IndexError(f"token range [{start}, {end}) is outside sequence {seq.seq_id}'s {covered} "
                              f"tokens with blocks; allowed: 0 <= start <= end <= {covered}")
-        bs, table = self.block_size, seq.block_table
-        return [table[i // bs] * bs + i % bs for i in range(start, end)]
+        return slots(seq.block_table, start, end, self.block_size)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block. Only when no block is in use (as vLLM); returns whether it did."""

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from ..kv.cache import PagedKVCache
-from ..kv.cache import slot_mapping as slots_of
 from ..kv.metadata import AttentionMetadata
+from .block import slots
 from .sequence import Sequence
 
 
@@ -70,24 +70,20 @@ class ModelRunner:
     def prepare(self, seqs: list[Sequence], num_new: list[int], num_logits: list[int]) -> ForwardInputs:
         """Build the step's tensors on the host, then move them to the device once; row i computes
         tokens num_computed .. num_computed + num_new[i] − 1 and returns its last num_logits[i] logits."""
-        B, T, bs = len(seqs), max(num_new), self.block_size
+        T, bs = max(num_new), self.block_size
         M = max(len(s.block_table) for s in seqs)
-        input_ids = torch.zeros(B, T, dtype=torch.long)
-        positions = torch.zeros(B, T, dtype=torch.long)
-        slot_mapping = torch.full((B, T), -1, dtype=torch.long)
-        block_tables = torch.zeros(B, M, dtype=torch.long)
-        context_lens = torch.zeros(B, dtype=torch.long)
-        for i, (seq, n) in enumerate(zip(seqs, num_new)):
-            start = seq.num_computed_tokens
-            pos = torch.arange(start, start + n)
-            table = torch.tensor(seq.block_table, dtype=torch.long)
-            input_ids[i, :n] = torch.tensor(seq.token_ids[start:start + n])
-            positions[i, :n] = pos
-            positions[i, n:] = start + n - 1  # padding queries look at real keys (no empty softmax)
-            slot_mapping[i, :n] = slots_of(table, pos, bs)
-            block_tables[i] = table[0]  # padding entries repeat a block of this row: read, then masked
-            block_tables[i, : len(table)] = table
-            context_lens[i] = start + n
+        ids, pos, slot_rows, tables, lens = [], [], [], [], []
+        for seq, n in zip(seqs, num_new):  # Python lists, one tensor each at the end: O(tokens), no small tensors
+            start, pad = seq.num_computed_tokens, T - n
+            ids.append(seq.token_ids[start:start + n] + [0] * pad)
+            pos.append(list(range(start, start + n)) + [start + n - 1] * pad)  # padding looks at real keys
+            slot_rows.append(slots(seq.block_table, start, start + n, bs) + [-1] * pad)  # −1: not written
+            tables.append(seq.block_table + [seq.block_table[0]] * (M - len(seq.block_table)))  # read, then masked
+            lens.append(start + n)
+        long = dict(dtype=torch.long)
+        input_ids, positions = torch.tensor(ids, **long), torch.tensor(pos, **long)  # B, T
+        slot_mapping, block_tables = torch.tensor(slot_rows, **long), torch.tensor(tables, **long)  # B, T; B, M
+        context_lens = torch.tensor(lens, **long)  # B
         K = max(num_logits)
         back = torch.tensor(num_logits)[:, None] - torch.arange(K)  # B, K
         logit_index = (torch.tensor(num_new)[:, None] - back.clamp(min=1)).clamp(min=0)  # B, K: n-m .. n-1

@@ -113,23 +113,28 @@ class RequestOutput:
 class IncrementalText:
     """Turns a growing list of token ids into text deltas, honouring stop strings.
 
-    Decoding the whole list each time is simple and always consistent with `decode`
-    (O(n²) in characters, fine for the lengths here). Text that could still become part of a
+    The text is always what decoding every id at once gives (`decode(ids)`), but each token costs
+    O(its own length), not O(everything so far): the ids up to an *anchor* are decoded once, and
+    each new token decodes only the ids after the anchor, behind a window of a few ids before it
+    (so merges and leading spaces come out as they would in context). The anchor moves up whenever
+    the text decoded so far ends on a complete character. Text that could still become part of a
     stop string, and a trailing incomplete UTF-8 character, are held back until they settle.
     With no tokenizer (a checkpoint without one) there is no text: only token ids.
     """
 
+    WINDOW = 4  # ids decoded in front of the new ones, then cut off again
+
     def __init__(self, tokenizer, stop: list[str], prompt_ids: Sequence[int] = ()):
         self.tokenizer, self.stop = tokenizer, stop
         self.hold = max((len(s) for s in stop), default=1) - 1
-        # A few prompt tokens decoded in front of the output, then cut off again: whether a
-        # continuation starts with a space can depend on what precedes it (SentencePiece drops
-        # the space of a text's first word, but not of a continuation).
-        self.context = list(prompt_ids[-4:])
-        self.context_text = tokenizer.decode(self.context) if tokenizer is not None else ""
-        self.ids: list[int] = []
+        # Prompt ids in front of the output: whether a continuation starts with a space can depend on
+        # what precedes it (SentencePiece drops the space of a text's first word, not of a continuation).
+        self.ids: list[int] = list(prompt_ids[-self.WINDOW:])
+        self.start = self.anchor = len(self.ids)  # the output begins at `start`; ids[:anchor] are settled
+        self.anchor_text = ""  # the output's text up to the anchor
         self.text = ""  # final text so far (stop string excluded)
         self.emitted = 0
+        self.checked = 0  # stop strings cannot start before this index of the text any more
 
     def add(self, token_id: int | None) -> tuple[str, bool]:
         """Append a token (None: no text, e.g. EOS); return (new text, whether a stop string hit)."""
@@ -137,12 +142,17 @@ class IncrementalText:
             self.ids.append(token_id)
         if self.tokenizer is None:
             return "", False
-        full = self.tokenizer.decode(self.context + self.ids)[len(self.context_text):]
+        window = self.ids[max(0, self.anchor - self.WINDOW):self.anchor]
+        tail = self.tokenizer.decode(window + self.ids[self.anchor:])[len(self.tokenizer.decode(window)):]
+        full = self.anchor_text + tail
+        if not full.endswith("\ufffd"):  # settled: later tokens cannot change this text
+            self.anchor, self.anchor_text = len(self.ids), full
         for s in self.stop:
-            at = full.find(s)
+            at = full.find(s, self.checked)
             if at >= 0:
                 self.text = full[:at]
                 return self.flush(), True
+        self.checked = max(0, len(full.rstrip("\ufffd")) - self.hold)
         self.text = full
         safe = len(full.rstrip("\ufffd")) - self.hold
         if safe <= self.emitted:

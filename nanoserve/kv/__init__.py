@@ -10,10 +10,10 @@ this package only stores and reads. The Triton kernels themselves live in the to
 folder, installed as nanoserve.kernels.
 """
 
-from .cache import PagedKVCache, kv_bytes_per_token, num_blocks_for_budget, resolve_attention_backend, slot_mapping
+from .cache import PagedKVCache, kv_bytes_per_token, num_blocks_for_budget, resolve_attention_backend
 from .contiguous import KVCache
 from .torch_backend import CacheView
 from .triton_backend import TritonCacheView
 
 __all__ = ["PagedKVCache", "KVCache", "CacheView", "TritonCacheView", "kv_bytes_per_token", "num_blocks_for_budget",
-           "resolve_attention_backend", "slot_mapping"]
+           "resolve_attention_backend"]

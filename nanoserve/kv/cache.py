@@ -118,13 +118,6 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: Any) -> int:
     return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * itemsize
 
 
-def slot_mapping(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """The slot of each position: block_table[pos // block_size] · block_size + pos % block_size.
-
-    block_table [..., M] and positions [..., T] (same leading dims, or a 1-D table for all rows)."""
-    return block_table.gather(-1, positions // block_size) * block_size + positions % block_size
-
-
 def num_blocks_for_budget(cfg: ModelConfig, budget_bytes: int, block_size: int, dtype: Any) -> int:
     """How many KV blocks fit in `budget_bytes`: one block holds `block_size` tokens' K and V in every
     layer. `dtype` is anything with `.itemsize` (torch.dtype, numpy dtype). The budget must hold at

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from ..engine.block import slots
 from ..errors import NanoserveError
 from ..models.config import ModelConfig
-from .cache import PagedKVCache, slot_mapping
+from .cache import PagedKVCache
 from .metadata import AttentionMetadata
 from .torch_backend import CacheView
 
@@ -55,11 +56,11 @@ class KVCache:
         if end > self.max_seq_len:
             raise NanoserveError(f"KV cache overflow: {start} cached + {T} new tokens > max_seq_len={self.max_seq_len}")
         # built on the host, like the model runner's metadata: the forward then reads nothing back
-        pos = torch.arange(start, end).expand(self.batch_size, -1)  # B, T
-        slots = slot_mapping(self.block_tables, pos, self.block_size)  # B, T
+        slot_mapping = torch.tensor([slots(row, start, end, self.block_size)
+                                     for row in self.block_tables.tolist()])  # B, T (host values)
         used = self.block_tables[:, : -(-end // self.block_size)]  # only the blocks that hold tokens so far
         lens = torch.full((self.batch_size,), end)
-        return self.pool.bind(AttentionMetadata.build(slots, used, lens, self.block_size).to(self.device))
+        return self.pool.bind(AttentionMetadata.build(slot_mapping, used, lens, self.block_size).to(self.device))
 
     def advance(self, n: int) -> None:
         """Called by the model once all layers have written the step's n tokens."""

@@ -17,11 +17,14 @@ computed here, on CPU tensors, and the backends only ever consume device tensors
     prefix_lens   [B]     int32, tokens cached before this step
     max_context, max_query_len, decode   host values: the longest context, the most new tokens
                           in a row, and whether every row has one
+    buckets               [(rows, num_blocks)]: rows grouped by the blocks their context needs,
+                          rounded up to a power of two (the torch backend gathers each group
+                          to its own length, not every row to the longest)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -39,6 +42,7 @@ class AttentionMetadata:
     max_context: int
     decode: bool
     max_query_len: int = 1
+    buckets: list[tuple[torch.Tensor, int]] = field(default_factory=list)
 
     @classmethod
     def build(cls, slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -55,7 +59,7 @@ class AttentionMetadata:
                    fresh_blocks=dst[dst % block_size == 0] // block_size, cu_seqlens=cu_seqlens,
                    prefix_lens=(context_lens - num_new).to(torch.int32),
                    max_context=int(context_lens.max()) if B else 1, decode=T == 1 and len(src) == B,
-                   max_query_len=int(num_new.max()) if B else 1)
+                   max_query_len=int(num_new.max()) if B else 1, buckets=length_buckets(context_lens, block_size))
 
     def to(self, device: torch.device | str) -> AttentionMetadata:
         """The same metadata with its tensors on `device` (host→device copies only)."""
@@ -63,4 +67,16 @@ class AttentionMetadata:
         for name, value in moved.items():
             if isinstance(value, torch.Tensor):
                 moved[name] = value.to(device, non_blocking=True)
+        moved["buckets"] = [(rows.to(device, non_blocking=True), n) for rows, n in self.buckets]
         return AttentionMetadata(**moved)
+
+
+def length_buckets(context_lens: torch.Tensor, block_size: int) -> list[tuple[torch.Tensor, int]]:
+    """Rows grouped by the blocks their context needs, rounded up to a power of two: [(rows, blocks)].
+    A group gathered to its own length wastes at most half of it on padding; all rows gathered to
+    the longest waste up to (longest − shortest) / longest (most of it, with a long straggler)."""
+    needed = (context_lens + block_size - 1) // block_size  # B
+    groups: dict[int, list[int]] = {}
+    for row, n in enumerate(needed.tolist()):  # host tensors
+        groups.setdefault(1 << max(int(n) - 1, 0).bit_length(), []).append(row)
+    return [(torch.tensor(rows), n) for n, rows in sorted(groups.items())]

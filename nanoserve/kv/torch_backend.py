@@ -26,7 +26,6 @@ class CacheView:
         self.cache, self.meta = cache, meta
         self.src, self.dst = meta.src, meta.dst  # N: the real tokens' rows in B·T, and their slots
         self.block_tables = meta.block_tables  # B, max_blocks
-        self.gather_ids = meta.block_tables.flatten()  # B·max_blocks
         # A block receives its first token at offset 0 (tokens are written in order; copy-on-write
         # and prefix-cache blocks arrive with their contents). Zero it then, in every layer: a
         # block's slots past the context then hold zeros, never stale or poisoned memory, so the
@@ -40,20 +39,39 @@ class CacheView:
                   positions: torch.Tensor) -> torch.Tensor:
         """Store this step's k, v [B, T, Hkv, D]; attend q [B, T, H, D] at `positions` over the cache.
 
-        Returns [B, T, H, D]. The model's attention layers call this; the backend decides how."""
-        k_all, v_all = self.update(layer, k, v)  # B, S, Hkv, D
-        return sdpa_attention(q, k_all, v_all, positions)
+        Returns [B, T, H, D]. The model's attention layers call this; the backend decides how. Rows
+        are gathered by length bucket (metadata.length_buckets), each bucket to its own length."""
+        pool_k, pool_v = self.cache.k[layer], self.cache.v[layer]  # num_blocks, block_size, Hkv, D
+        self._write(pool_k, k)
+        self._write(pool_v, v)
+        buckets = self.meta.buckets
+        if len(buckets) <= 1:  # one length: every row gathered to the longest, as `update` does
+            return sdpa_attention(q, self._gather(pool_k, self.block_tables), self._gather(pool_v, self.block_tables),
+                                  positions)
+        out = torch.empty_like(q)  # B, T, H, D
+        for rows, num_blocks in buckets:
+            tables = self.block_tables.index_select(0, rows)[:, :num_blocks]  # b, ≤ num_blocks
+            out_b = sdpa_attention(q.index_select(0, rows), self._gather(pool_k, tables), self._gather(pool_v, tables),
+                                   positions.index_select(0, rows))  # b, T, H, D
+            out.index_copy_(0, rows, out_b)
+        return out
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Write this step's k, v [B, T, Hkv, D] into their slots; return every sequence's [B, S, Hkv, D]."""
-        return self._write_and_gather(self.cache.k[layer], k), self._write_and_gather(self.cache.v[layer], v)
+        pool_k, pool_v = self.cache.k[layer], self.cache.v[layer]
+        self._write(pool_k, k)
+        self._write(pool_v, v)
+        return self._gather(pool_k, self.block_tables), self._gather(pool_v, self.block_tables)
 
-    def _write_and_gather(self, pool: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    def _write(self, pool: torch.Tensor, new: torch.Tensor) -> None:
         nb, bs, H, D = pool.shape
-        flat = pool.view(nb * bs, H, D)  # slots, Hkv, D
-        flat.index_copy_(0, self.dst, new.reshape(-1, H, D).index_select(0, self.src))
-        B = self.block_tables.shape[0]
-        return pool.index_select(0, self.gather_ids).view(B, -1, H, D)  # B, S, Hkv, D  (logical order)
+        pool.view(nb * bs, H, D).index_copy_(0, self.dst, new.reshape(-1, H, D).index_select(0, self.src))
+
+    @staticmethod
+    def _gather(pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """Each row's blocks in logical order: tables [b, M] -> [b, M · block_size, Hkv, D]."""
+        nb, bs, H, D = pool.shape
+        return pool.index_select(0, tables.flatten()).view(tables.shape[0], -1, H, D)
 
     def advance(self, n: int) -> None:  # the engine tracks lengths; nothing to do here
         pass
