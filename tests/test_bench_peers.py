@@ -38,3 +38,20 @@ def test_bench_peers_quick_mode_writes_the_results_json(tmp_path):
         steps = engines["nanoserve"]["engine_steps"]
         assert len(steps) == 1 and steps[0]["steps"] >= 1 and steps[0]["step_s"] > 0
     assert "nanoserve" in proc.stdout and "skipped" in proc.stdout  # the printed table
+
+
+def test_bench_step_time_quick_mode_adds_its_series(tmp_path):
+    out = tmp_path / "steps.json"
+    script = SCRIPT.parent / "bench_step_time.py"
+    for label in ("first", "second"):  # a second run adds its series beside the first
+        proc = subprocess.run([sys.executable, str(script), "--quick", "--label", label, "--out", str(out),
+                               "--cache-dir", str(tmp_path / "cache")], capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert set(res["series"]) == {"first", "second"}
+    for s in res["series"].values():
+        assert s["engine"] == "nanoserve" and s["rev"] == "working tree"
+        assert [(p["sweep"], p["batch"], p["context"]) for p in s["points"]] == [
+            ("batch", 1, 8), ("batch", 3, 8), ("context", 2, 8), ("context", 2, 16)]
+        for p in s["points"]:
+            assert p["steps"] == res["k"] and p["step_ms"] > 0  # exactly K decode steps after the prefill

@@ -27,6 +27,7 @@ import torch
 
 from ..kv.cache import PagedKVCache
 from ..kv.metadata import AttentionMetadata
+from ..models.onednn import use_onednn_linears
 from .block import slots
 from .sequence import Sequence
 
@@ -47,6 +48,7 @@ class ModelRunner:
 
     def __init__(self, model, num_blocks: int, block_size: int, attention_backend: str | None = None):
         self.model, self.config = model, model.config
+        self.onednn_off = use_onednn_linears(model)  # CPU GEMMs through oneDNN (models/onednn.py), or why not
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.kv = PagedKVCache(self.config, num_blocks, block_size, self.dtype, self.device, attention_backend)

@@ -88,6 +88,18 @@ class PagedKVCache:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.attention_backend = resolve_attention_backend(attention_backend, device, cfg.head_dim, dtype)
         self.num_kv_splits = num_kv_splits  # triton decode: None = choose_num_splits (1 on CPU)
+        self._gather_k = self._gather_v = self.k.new_empty((0, *shape[2:]))  # the torch backend's workspace
+
+    def gather_buffers(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two buffers of ≥ num_blocks blocks [n, block_size, Hkv, D] the torch backend gathers K and V
+        into, kept and reused across layers and steps (grown to the largest gather asked for: at most
+        about twice the blocks in use, with the power-of-two buckets)."""
+        if self._gather_k.shape[0] < num_blocks:
+            n = max(num_blocks, 2 * self._gather_k.shape[0])  # grow geometrically: few reallocations
+            self._gather_k = self._gather_v = None  # release the old pair before allocating the new
+            self._gather_k = self.k.new_empty((n, *self.k.shape[2:]))
+            self._gather_v = self.v.new_empty((n, *self.v.shape[2:]))
+        return self._gather_k, self._gather_v
 
     @property
     def nbytes(self) -> int:

@@ -3,7 +3,9 @@ gather each sequence's blocks back into logical order, and run SDPA with a causa
 
 Simple and exact, and the reference the Triton backend (triton_backend.py) is tested against.
 Its cost grows with batch × context every step (the gather); the kernels read the pool in place.
-Taught in notebooks/02_*.
+The gather writes into the cache's workspace (PagedKVCache.gather_buffers), not a fresh tensor: on
+CPU a fresh tensor of tens of MB comes from the OS page by page, and zeroing those pages cost ~10×
+the copy itself (benchmarks/RESULTS.md, "Where the time goes"). Taught in notebooks/02_*.
 """
 
 from __future__ import annotations
@@ -46,12 +48,11 @@ class CacheView:
         self._write(pool_v, v)
         buckets = self.meta.buckets
         if len(buckets) <= 1:  # one length: every row gathered to the longest, as `update` does
-            return sdpa_attention(q, self._gather(pool_k, self.block_tables), self._gather(pool_v, self.block_tables),
-                                  positions)
+            return sdpa_attention(q, *self._gather_kv(pool_k, pool_v, self.block_tables), positions)
         out = torch.empty_like(q)  # B, T, H, D
-        for rows, num_blocks in buckets:
+        for rows, num_blocks in buckets:  # one bucket's gather is read before the next overwrites it
             tables = self.block_tables.index_select(0, rows)[:, :num_blocks]  # b, ≤ num_blocks
-            out_b = sdpa_attention(q.index_select(0, rows), self._gather(pool_k, tables), self._gather(pool_v, tables),
+            out_b = sdpa_attention(q.index_select(0, rows), *self._gather_kv(pool_k, pool_v, tables),
                                    positions.index_select(0, rows))  # b, T, H, D
             out.index_copy_(0, rows, out_b)
         return out
@@ -62,6 +63,16 @@ class CacheView:
         self._write(pool_k, k)
         self._write(pool_v, v)
         return self._gather(pool_k, self.block_tables), self._gather(pool_v, self.block_tables)
+
+    def _gather_kv(self, pool_k: torch.Tensor, pool_v: torch.Tensor, tables: torch.Tensor):
+        """`_gather` of K and V into the cache's reused buffers: [b, M · block_size, Hkv, D] views,
+        valid until the next gather (attention reads them at once; `update` hands out fresh ones)."""
+        buf_k, buf_v = self.cache.gather_buffers(tables.numel())  # ≥ M·b blocks each
+        idx = tables.flatten()
+        k = torch.index_select(pool_k, 0, idx, out=buf_k[:len(idx)])
+        v = torch.index_select(pool_v, 0, idx, out=buf_v[:len(idx)])
+        b, (_, _, H, D) = tables.shape[0], pool_k.shape
+        return k.view(b, -1, H, D), v.view(b, -1, H, D)
 
     def _write(self, pool: torch.Tensor, new: torch.Tensor) -> None:
         nb, bs, H, D = pool.shape

@@ -1,0 +1,132 @@
+"""The CPU step's fast paths agree with their plain versions (issue 20): the torch backend's
+length buckets and gather workspace against attention written out per row, and the oneDNN linear
+layers against a float64 reference beside F.linear's own error. Each with a negative control.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from nanoserve.kv import PagedKVCache
+from nanoserve.kv import metadata as md
+from nanoserve.models.config import gpt2_config
+from nanoserve.models.layers import naive_attention
+from nanoserve.models.onednn import OneDNNLinear, onednn_unavailable, use_onednn_linears
+
+BS = 4
+
+
+@pytest.mark.parametrize("per_doubling", [1, 2, 4, 16])
+def test_bucket_ladder(per_doubling):
+    sizes = [md.bucket_size(n, per_doubling) for n in range(1, 300)]
+    assert sizes == sorted(sizes)  # monotone: a longer row never gets a smaller bucket
+    for n, b in zip(range(1, 300), sizes):
+        assert b >= n
+        assert b == n if n <= per_doubling else (b - n) / b < 1 / per_doubling, (n, b)
+    if per_doubling == 1:
+        assert all(b & (b - 1) == 0 for b in sizes)  # powers of two
+
+
+def _decode_case(lens, num_blocks=128, H=2, D=8, seed=0):
+    """A pool holding rows of `lens` tokens (the last one written this step), their keys also kept in
+    logical order by the test itself: (cache, view inputs, q, new k/v, per-row logical K/V)."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = gpt2_config("gpt2", n_layers=1, hidden_size=H * D, n_heads=H, vocab_size=16)
+    cache = PagedKVCache(cfg, num_blocks, BS)
+    cache.k.fill_(float("nan"))  # stale memory: must never reach a result
+    cache.v.fill_(float("nan"))
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables, logical = [], []
+    for n in lens:
+        table = [free.pop() for _ in range(-(-n // BS))]
+        k, v = torch.randn(n, H, D, generator=g), torch.randn(n, H, D, generator=g)
+        for j in range(n - 1):  # the cached tokens; the last one arrives with the step
+            cache.k[0, table[j // BS], j % BS], cache.v[0, table[j // BS], j % BS] = k[j], v[j]
+        if (n - 1) % BS == 0:  # its first slot is this step's token: the view zeroes the fresh block
+            cache.k[0, table[-1]] = cache.v[0, table[-1]] = 0
+        else:  # unused slots of a partly filled block hold zeros (written at its first token)
+            cache.k[0, table[-1], (n - 1) % BS:] = cache.v[0, table[-1], (n - 1) % BS:] = 0
+        tables.append(table)
+        logical.append((k, v))
+    M = max(map(len, tables))
+    block_tables = torch.tensor([t + [t[0]] * (M - len(t)) for t in tables])
+    slot = torch.tensor([[t[(n - 1) // BS] * BS + (n - 1) % BS] for t, n in zip(tables, lens)])  # B, 1
+    q = torch.randn(len(lens), 1, H, D, generator=g)
+    k_new = torch.stack([k[-1:] for k, _ in logical])  # B, 1, H, D
+    v_new = torch.stack([v[-1:] for _, v in logical])
+    return cache, (slot, block_tables, torch.tensor(lens)), q, k_new, v_new, logical
+
+
+@pytest.mark.parametrize("per_doubling", [1, 4, 16])
+def test_bucketed_attention_equals_attention_per_row(monkeypatch, per_doubling):
+    lens = [1, 3, 4, 5, 9, 16, 17, 30, 33, 47, 64, 2, 12]  # many block counts: many buckets
+    monkeypatch.setattr(md.length_buckets, "__defaults__", (per_doubling,))
+    cache, view_args, q, k_new, v_new, logical = _decode_case(lens)
+    view = cache.view(*view_args)
+    assert len(view.meta.buckets) > 1
+    pos = torch.tensor(lens)[:, None] - 1  # B, 1
+    for _ in range(2):  # twice: the second call reuses (and must overwrite) the gather workspace
+        out = view.attention(0, q, k_new, v_new, pos)  # B, 1, H, D
+    for i, (k, v) in enumerate(logical):
+        ref = naive_attention(q[i:i + 1], k[None], v[None], pos[i:i + 1])
+        torch.testing.assert_close(out[i:i + 1], ref, rtol=1e-5, atol=1e-5)
+    # negative control: a bucket one block short drops each of its rows' last block
+    short = [(rows, n - 1) for rows, n in view.meta.buckets if n > 1]
+    view.meta.buckets = short + [(rows, n) for rows, n in view.meta.buckets if n == 1]
+    bad = view.attention(0, q, k_new, v_new, pos)
+    assert not torch.allclose(bad, out, rtol=1e-3, atol=1e-3)
+
+
+def test_gather_workspace_is_reused_and_grown():
+    cache, view_args, q, k_new, v_new, _ = _decode_case([5, 9, 17])
+    a, _ = cache.gather_buffers(3)
+    b, _ = cache.gather_buffers(2)
+    assert a.data_ptr() == b.data_ptr() and a.shape[0] >= 3  # reused
+    c, _ = cache.gather_buffers(a.shape[0] + 1)
+    assert c.shape[0] >= a.shape[0] + 1  # grown
+
+
+needs_onednn = pytest.mark.skipif(onednn_unavailable(torch.device("cpu"), torch.float32) is not None,
+                                  reason="no oneDNN linear op in this torch build")
+
+
+@needs_onednn
+@pytest.mark.parametrize("shape", [(1, 48), (7, 48), (3, 5, 48), (2, 0, 48)])
+def test_onednn_linear_is_fp32_exact(shape):
+    g = torch.Generator().manual_seed(1)
+    lin = nn.Linear(48, 300)
+    x = torch.randn(*shape, generator=g)
+    with torch.inference_mode():
+        ref = x.double() @ lin.weight.double().t() + lin.bias.double()
+        plain, fast = lin(x), OneDNNLinear.from_linear(lin)(x)
+    assert fast.shape == plain.shape and fast.dtype == torch.float32
+    if x.numel():
+        err_plain, err_fast = ((t.double() - ref).abs().max().item() for t in (plain, fast))
+        assert err_fast <= max(4 * err_plain, 1e-5)  # as close to float64 as MKL's fp32 GEMM
+        # negative control: the same check catches an input rounded to bf16
+        assert (lin(x.bfloat16().float()).double() - ref).abs().max().item() > max(4 * err_plain, 1e-5)
+
+
+@needs_onednn
+def test_use_onednn_linears_swaps_plain_linears_and_keeps_ties():
+    cfg = gpt2_config("gpt2", n_layers=1, hidden_size=32, n_heads=2, vocab_size=50)
+    from nanoserve.models import build_model
+
+    model = build_model(cfg)
+    x = torch.randint(0, 50, (2, 5))
+    with torch.inference_mode():
+        before = model(x)
+    assert use_onednn_linears(model) is None
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(type(m) is OneDNNLinear for m in linears)
+    assert model.lm_head.weight is model.transformer.wte.weight  # the tie survives the swap
+    with torch.inference_mode():
+        torch.testing.assert_close(model(x), before, rtol=1e-5, atol=1e-5)
+    y = torch.randn(3, 32, requires_grad=True)  # autograd takes the plain path
+    linears[0](y).sum().backward()
+    assert y.grad is not None
+    assert "device" in use_onednn_linears(nn.Linear(2, 2, device="meta"))
+    assert "dtype" in onednn_unavailable(torch.device("cpu"), torch.float16)
+
