@@ -5,6 +5,8 @@ layers against a float64 reference beside F.linear's own error. Each with a nega
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -74,8 +76,8 @@ def test_bucketed_attention_equals_attention_per_row(monkeypatch, per_doubling):
         torch.testing.assert_close(out[i:i + 1], ref, rtol=1e-5, atol=1e-5)
     # negative control: a bucket one block short drops each of its rows' last block
     short = [(rows, n - 1) for rows, n in view.meta.buckets if n > 1]
-    view.meta.buckets = short + [(rows, n) for rows, n in view.meta.buckets if n == 1]
-    bad = view.attention(0, q, k_new, v_new, pos)
+    meta = dataclasses.replace(view.meta, buckets=short + [(rows, n) for rows, n in view.meta.buckets if n == 1])
+    bad = cache.bind(meta).attention(0, q, k_new, v_new, pos)
     assert not torch.allclose(bad, out, rtol=1e-3, atol=1e-3)
 
 
@@ -130,3 +132,45 @@ def test_use_onednn_linears_swaps_plain_linears_and_keeps_ties():
     assert "device" in use_onednn_linears(nn.Linear(2, 2, device="meta"))
     assert "dtype" in onednn_unavailable(torch.device("cpu"), torch.float16)
 
+
+
+def test_forward_groups_bound_prefill_padding():
+    import random
+
+    from nanoserve.engine.model_runner import forward_groups
+
+    rng = random.Random(0)
+    for _ in range(200):
+        num_new = [rng.choice([1, 1, 1, rng.randint(2, 300)]) for _ in range(rng.randint(1, 40))]
+        num_logits = [n if n > 1 and rng.random() < 0.1 else 1 for n in num_new]  # a few verifications
+        groups = forward_groups(num_new, num_logits)
+        assert sorted(i for g in groups for i in g) == list(range(len(num_new)))  # each row once
+        kinds = [{(num_new[i] == 1, num_logits[i] > 1) for i in g} for g in groups]
+        assert all(len(k) == 1 for k in kinds)  # decodes, verifications, prefills never share a forward
+        assert sum(k == {(True, False)} for k in kinds) <= 1  # all decodes in one forward
+        for g in groups:
+            if len(g) > 1 and num_logits[g[0]] == 1 and num_new[g[0]] > 1:  # a prefill forward
+                assert len(g) * max(num_new[i] for i in g) <= 1.25 * sum(num_new[i] for i in g)
+    # negative control: without the split, this step's prefill forward would be mostly padding
+    assert forward_groups([300, 10, 10, 1], [1] * 4, slack=float("inf")) == [[3], [0, 1, 2]]
+    assert forward_groups([300, 10, 10, 1], [1] * 4) == [[3], [0], [1, 2]]
+
+
+def test_run_returns_each_rows_logits_whatever_the_forward_order():
+    """forward_groups runs prefills longest first; the logits must come back in the caller's order
+    (a regression: one sorted group was once returned as it was, swapping rows' logits)."""
+    from nanoserve import LLMEngine
+    from nanoserve.engine.sequence import Sequence
+
+    engine = LLMEngine("demo", enable_prefix_caching=False)
+    seqs = [Sequence(list(range(1, 1 + n))) for n in (8, 10, 9)]  # one prefill forward, not in length order
+    for s in seqs:
+        engine.block_allocator.allocate(s)
+    num_new = [len(s) for s in seqs]
+    from nanoserve.engine.model_runner import forward_groups
+
+    assert forward_groups(num_new, [1, 1, 1]) == [[1, 2, 0]]  # one forward, longest first
+    forward = engine.runner.run(seqs, num_new)  # B, V
+    backward = engine.runner.run(seqs[::-1], num_new[::-1])
+    assert torch.equal(forward, backward.flip(0))  # the same forwards, rows back in each caller's order
+    assert not torch.equal(forward, backward)  # control: the rows' logits do differ

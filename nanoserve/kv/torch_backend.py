@@ -28,6 +28,7 @@ class CacheView:
         self.cache, self.meta = cache, meta
         self.src, self.dst = meta.src, meta.dst  # N: the real tokens' rows in B·T, and their slots
         self.block_tables = meta.block_tables  # B, max_blocks
+        self._groups = None  # per bucket: (rows, their block tables, their positions), made at layer 0
         # A block receives its first token at offset 0 (tokens are written in order; copy-on-write
         # and prefix-cache blocks arrive with their contents). Zero it then, in every layer: a
         # block's slots past the context then hold zeros, never stale or poisoned memory, so the
@@ -49,11 +50,12 @@ class CacheView:
         buckets = self.meta.buckets
         if len(buckets) <= 1:  # one length: every row gathered to the longest, as `update` does
             return sdpa_attention(q, *self._gather_kv(pool_k, pool_v, self.block_tables), positions)
+        if self._groups is None:  # each bucket's tables and positions: the same in every layer
+            self._groups = [(rows, self.block_tables.index_select(0, rows)[:, :num_blocks],  # b, ≤ num_blocks
+                             positions.index_select(0, rows)) for rows, num_blocks in buckets]  # b, T
         out = torch.empty_like(q)  # B, T, H, D
-        for rows, num_blocks in buckets:  # one bucket's gather is read before the next overwrites it
-            tables = self.block_tables.index_select(0, rows)[:, :num_blocks]  # b, ≤ num_blocks
-            out_b = sdpa_attention(q.index_select(0, rows), *self._gather_kv(pool_k, pool_v, tables),
-                                   positions.index_select(0, rows))  # b, T, H, D
+        for rows, tables, pos in self._groups:  # one bucket's gather is read before the next overwrites it
+            out_b = sdpa_attention(q.index_select(0, rows), *self._gather_kv(pool_k, pool_v, tables), pos)  # b, T, H, D
             out.index_copy_(0, rows, out_b)
         return out
 
