@@ -150,7 +150,9 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seen: list[
             logits[i] = apply_repetition_penalty(logits[i], seen[i], params[i].repetition_penalty)
     tokens = torch.zeros(len(params), dtype=torch.long, device=logits.device)  # R
     greedy = [i for i, p in enumerate(params) if p.greedy]
-    if greedy:
+    if len(greedy) == len(params):  # every row greedy: no copy of the [R, V] logits
+        tokens = logits.argmax(-1)
+    elif greedy:
         g = torch.tensor(greedy, device=logits.device)
         tokens = tokens.index_copy(0, g, logits.index_select(0, g).argmax(-1))
     rows = [i for i, p in enumerate(params) if not p.greedy]
