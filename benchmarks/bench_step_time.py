@@ -10,9 +10,10 @@ plot in notebooks/03_batching.ipynb reads it) and prints a table. Model: bench_p
 
 Two sweeps: batch B ∈ {1, 4, 16, 64, 256} at prompt 256, and prompt C ∈ {64, 128, 256, 512, 960} at
 B = 32. A point is B requests of C prompt tokens and 1 + K generated (K = 32).
-- nanoserve (in this process): the engine is stepped by hand; once every request has its first token
-  (prefill done), each of the next K steps is a decode step over B rows at context C + 1 .. C + K,
-  timed one by one; the point is their median.
+- nanoserve (in this process): the engine is stepped by hand, with a token budget that holds every
+  prompt (all prefills in one step: no request is decoding, or done, before the last one starts);
+  once every request has its first token, each of the next K steps is a decode step over B rows at
+  context C + 1 .. C + K, timed one by one; the point is their median.
 - vLLM (its own venv, bench_peers' runner): its steps are not ours to time, so a point is
   (time to generate 1 + K tokens − time to generate 1) / K, each the median of --reps runs.
 """
@@ -53,8 +54,8 @@ def nanoserve_point(path, batch, context, k, threads) -> dict:
     from nanoserve import LLM, SamplingParams
 
     blocks = batch * (-(-(context + k + 1) // 16)) + 16
-    llm = LLM(str(path), dtype="float32", device="cpu", num_blocks=blocks, block_size=16,
-              max_num_seqs=max(batch, 1), enable_prefix_caching=False)
+    llm = LLM(str(path), dtype="float32", device="cpu", num_blocks=blocks, block_size=16, max_num_seqs=batch,
+              max_num_batched_tokens=max(512, batch * context), enable_prefix_caching=False)  # one prefill step
     eng, vocab = llm.engine, llm.engine.config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=1 + k, ignore_eos=True)
     ids = [eng.add_request(p, params) for p in prompts_for(batch, context, vocab)]
