@@ -1,6 +1,6 @@
 """Evaluate the shipped demo pair and write their model cards.
 
-    python benchmarks/demo_models.py [--data ../shared/corpora/tinyshakespeare/input.txt]
+    python benchmarks/demo_models.py [--data PATH/TO/tinyshakespeare/input.txt]   (default: beside the checkout)
 
 For `demo` and `demo-draft` (nanoserve/assets/): validation loss on the held-out last 10 % of
 tinyshakespeare (non-overlapping windows: context 128, stride 127, every byte after the first
@@ -86,10 +86,10 @@ def write_cards(results: dict) -> None:
                      "(argmax agreement). Expected tokens per target call, (1 − α^(γ+1)) / (1 − α):\n\n"
                      "| γ | 1 | 2 | 3 | 4 | 5 | 6 | 7 | 8 |\n|---|---|---|---|---|---|---|---|---|\n"
                      f"| T = 1 | {rows} |\n| T = 0 | {rows0} |\n")
-        command = ("python -m nanoserve.tools.train --preset demo --data ../shared/corpora/tinyshakespeare/input.txt"
+        command = ("python -m nanoserve.tools.train --preset demo --data PATH/TO/tinyshakespeare/input.txt"
                    if name == "demo" else
                    "python -m nanoserve.tools.train --preset demo-draft --teacher demo "
-                   "--data ../shared/corpora/tinyshakespeare/input.txt")
+                   "--data PATH/TO/tinyshakespeare/input.txt")
         summary = ("The shipped default model of nanoserve: a small GPT-2 trained on Shakespeare, "
                    "bytes in, bytes out."
                    if name == "demo" else

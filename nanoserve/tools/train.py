@@ -1,6 +1,6 @@
 """A compact trainer (nanoGPT-like) and distillation, used to build the shipped demo models.
 
-    python -m nanoserve.tools.train --preset demo --data ../shared/corpora/tinyshakespeare/input.txt
+    python -m nanoserve.tools.train --preset demo --data PATH/TO/tinyshakespeare/input.txt
     python -m nanoserve.tools.train --preset demo-draft --teacher nanoserve/assets/demo --data ...
 
 Byte-level data (token id = byte value, the `byte_level_tokenizer`), first 90 % train, last
