@@ -16,8 +16,7 @@ peer_llamacpp.py; protocol in peer_protocol.py); a peer whose venv or package is
 line saying why. HF runs in left-padded static batches of --hf-batch (a request's tokens past its own length
 are waste, not counted); llama.cpp runs a single request through `Llama.generate`, several through its batch
 API with --llamacpp-slots parallel sequences (peer_llamacpp.py). Throughput = output tokens / wall seconds of
-the engine's generate call (model load and warm-up excluded). Agreement = share of requests whose greedy tokens
-equal HF's (different kernels may break near-ties differently; a wrong model would show ~0).
+the engine's generate call (load and warm-up excluded). Agreement = share of requests with HF's greedy tokens.
 """
 
 from __future__ import annotations
@@ -95,7 +94,8 @@ class Nanoserve:
         t0 = time.perf_counter()
         self.llm = LLM(str(path), dtype="float32", device="cpu", **self.settings)
         eng, step = self.llm.engine, self.llm.engine.step
-        self.settings["max_num_batched_tokens"] = getattr(eng.scheduler.config, "max_num_batched_tokens", None)
+        self.settings.update(max_num_batched_tokens=getattr(eng.scheduler.config, "max_num_batched_tokens", None),
+                             cpu_linear=getattr(eng.runner, "onednn_off", "torch") or "oneDNN")  # or why not
         self.info = {"version": f"{nanoserve.__version__} ({NANOSERVE_REV})", "load_s": time.perf_counter() - t0,
                      "settings": self.settings, "source": str(Path(nanoserve.__file__).parent)}
         self.prompts, self.max_tokens, self.steps = prompts, max_tokens, []

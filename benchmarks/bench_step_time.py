@@ -72,9 +72,7 @@ def nanoserve_point(path, batch, context, k, threads) -> dict:
 
 
 def vllm_point(path, batch, context, k, threads, cache, reps) -> dict:
-    import json as _json
-
-    cfg = _json.loads((Path(path) / "config.json").read_text())
+    cfg = json.loads((Path(path) / "config.json").read_text())
     spec = {"model_dir": str(path), "ctx": cfg["n_positions"], "threads": threads,
             "prompts": prompts_for(batch, context, cfg["vocab_size"]), "max_tokens": [1 + k] * batch}
     peer = Peer("vllm", HERE, spec, cache)

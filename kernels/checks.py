@@ -61,6 +61,16 @@ def check_pools(k_cache, v_cache) -> None:
         raise ValueError("pools must be contiguous in head_dim (stride 1)")
 
 
+def check_tables(block_tables, context_lens, B: int) -> None:
+    """A paged read's block tables [B, max_blocks] and context lengths [B], both int32/int64."""
+    if block_tables.dim() != 2 or block_tables.shape[0] != B or block_tables.dtype not in INT_DTYPES:
+        raise ValueError(f"block_tables must be int32/int64 [{B}, max_blocks], got {block_tables.dtype} "
+                         f"{tuple(block_tables.shape)}")
+    if context_lens.shape != (B,) or context_lens.dtype not in INT_DTYPES:
+        raise ValueError(f"context_lens must be int32/int64 [{B}], got {context_lens.dtype} "
+                         f"{tuple(context_lens.shape)}")
+
+
 def check_paged_attention(q, k_cache, v_cache, block_tables, context_lens, num_splits, max_context=None) -> None:
     check_pools(k_cache, v_cache)
     nb, bs, Hkv, D = k_cache.shape
@@ -71,12 +81,7 @@ def check_paged_attention(q, k_cache, v_cache, block_tables, context_lens, num_s
         raise ValueError(f"q dtype {q.dtype} differs from the pools' {k_cache.dtype}")
     if H % Hkv:
         raise ValueError(f"query heads H={H} must be a multiple of kv heads Hkv={Hkv} (GQA)")
-    if block_tables.dim() != 2 or block_tables.shape[0] != B or block_tables.dtype not in INT_DTYPES:
-        raise ValueError(f"block_tables must be int32/int64 [{B}, max_blocks], got {block_tables.dtype} "
-                         f"{tuple(block_tables.shape)}")
-    if context_lens.shape != (B,) or context_lens.dtype not in INT_DTYPES:
-        raise ValueError(f"context_lens must be int32/int64 [{B}], got {context_lens.dtype} "
-                         f"{tuple(context_lens.shape)}")
+    check_tables(block_tables, context_lens, B)
     if len({t.device for t in (q, k_cache, v_cache, block_tables, context_lens)}) != 1:
         raise ValueError("q, pools, block_tables and context_lens must be on one device")
     if not isinstance(num_splits, int) or num_splits < 1:
@@ -152,12 +157,7 @@ def _check_flash_prefix(q, k, B, block_tables, k_cache, v_cache, context_lens) -
                          f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError(f"k_cache/v_cache dtype must be {q.dtype}; got {k_cache.dtype}, {v_cache.dtype}")
-    if block_tables.dim() != 2 or block_tables.shape[0] != B or block_tables.dtype not in INT_DTYPES:
-        raise ValueError(f"block_tables must be an int32 [B={B}, max_blocks] tensor; got "
-                         f"{tuple(block_tables.shape)} {block_tables.dtype}")
-    if context_lens.shape != (B,) or context_lens.dtype not in INT_DTYPES:
-        raise ValueError(f"context_lens must be an int32 [B={B}] tensor; got {tuple(context_lens.shape)} "
-                         f"{context_lens.dtype}")
+    check_tables(block_tables, context_lens, B)
     if any(t.device != q.device for t in paged):
         raise ValueError(f"block_tables, k_cache, v_cache, context_lens must be on {q.device}")
     return True

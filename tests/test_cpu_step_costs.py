@@ -130,6 +130,16 @@ def test_use_onednn_linears_swaps_plain_linears_and_keeps_ties():
     linears[0](y).sum().backward()
     assert y.grad is not None
     assert "device" in use_onednn_linears(nn.Linear(2, 2, device="meta"))
+
+
+@needs_onednn
+def test_the_engine_runs_its_cpu_linears_through_onednn():
+    from nanoserve import LLMEngine
+
+    engine = LLMEngine("demo")
+    assert engine.runner.onednn_off is None
+    linears = [m for m in engine.model.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(type(m) is OneDNNLinear for m in linears)
     assert "dtype" in onednn_unavailable(torch.device("cpu"), torch.float16)
 
 

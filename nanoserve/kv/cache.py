@@ -92,8 +92,8 @@ class PagedKVCache:
 
     def gather_buffers(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Two buffers of ≥ num_blocks blocks [n, block_size, Hkv, D] the torch backend gathers K and V
-        into, kept and reused across layers and steps (grown to the largest gather asked for: at most
-        about twice the blocks in use, with the power-of-two buckets)."""
+        into, kept and reused across layers and steps (grown geometrically to the largest gather asked
+        for: the blocks in use plus under 1/16 of padding (metadata.length_buckets), at most doubled)."""
         if self._gather_k.shape[0] < num_blocks:
             n = max(num_blocks, 2 * self._gather_k.shape[0])  # grow geometrically: few reallocations
             self._gather_k = self._gather_v = None  # release the old pair before allocating the new

@@ -76,9 +76,8 @@ BUCKETS_PER_DOUBLING = 16  # bucket sizes between n and 2n (1: powers of two)
 
 def bucket_size(num_blocks: int, per_doubling: int = BUCKETS_PER_DOUBLING) -> int:
     """num_blocks rounded up to the bucket ladder: exact up to per_doubling, then per_doubling evenly
-    spaced sizes in each (2^k, 2^(k+1)] (4: 5, 6, 7, 8, 10, 12, 14, 16, 20, ...; 16: every
-    count up to 32 blocks, then 34, 36, ...). A row gathered to
-    its bucket wastes < 1/per_doubling of it on padding."""
+    spaced sizes in each (2^k, 2^(k+1)] (4: 5, 6, 7, 8, 10, 12, 14, 16, 20, ...; 16: every count up
+    to 32 blocks, then 34, 36, ...). A row gathered to its bucket wastes < 1/per_doubling of it."""
     top = 1 << max(num_blocks - 1, 0).bit_length()  # the power of two ≥ num_blocks
     unit = max(top // (2 * per_doubling), 1)
     return -(-max(num_blocks, 1) // unit) * unit
