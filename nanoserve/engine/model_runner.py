@@ -108,7 +108,7 @@ class ModelRunner:
         K = max(num_logits)
         back = torch.tensor(num_logits)[:, None] - torch.arange(K)  # B, K
         logit_index = (torch.tensor(num_new)[:, None] - back.clamp(min=1)).clamp(min=0)  # B, K: n-m .. n-1
-        meta = AttentionMetadata.build(slot_mapping, block_tables, context_lens, bs)
+        meta = AttentionMetadata.build(slot_mapping, block_tables, context_lens, bs, self.attention_backend == "torch")
         to = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
         return ForwardInputs(to(input_ids), to(positions), to(logit_index), meta.to(self.device))
 

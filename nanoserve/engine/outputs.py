@@ -130,7 +130,7 @@ class IncrementalText:
         # Prompt ids in front of the output: whether a continuation starts with a space can depend on
         # what precedes it (SentencePiece drops the space of a text's first word, not of a continuation).
         self.ids: list[int] = list(prompt_ids[-self.WINDOW:])
-        self.start = self.anchor = len(self.ids)  # the output begins at `start`; ids[:anchor] are settled
+        self.anchor = len(self.ids)  # ids[:anchor] are settled
         self.anchor_text = ""  # the output's text up to the anchor
         self.text = ""  # final text so far (stop string excluded)
         self.emitted = 0
@@ -152,9 +152,8 @@ class IncrementalText:
             if at >= 0:
                 self.text = full[:at]
                 return self.flush(), True
-        self.checked = max(0, len(full.rstrip("\ufffd")) - self.hold)
-        self.text = full
-        safe = len(full.rstrip("\ufffd")) - self.hold
+        safe = len(full.rstrip("\ufffd")) - self.hold  # text no later token or stop string can change
+        self.checked, self.text = max(0, safe), full
         if safe <= self.emitted:
             return "", False
         delta = full[self.emitted:safe]

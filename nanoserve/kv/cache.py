@@ -118,7 +118,8 @@ class PagedKVCache:
     def view(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor) -> CacheView:
         """A view from a step's three tensors, for tests and notebooks: it reads them on the host to
         derive the metadata (the model runner builds the metadata from host values and calls `bind`)."""
-        meta = AttentionMetadata.build(slot_mapping.cpu(), block_tables.cpu(), context_lens.cpu(), self.block_size)
+        meta = AttentionMetadata.build(slot_mapping.cpu(), block_tables.cpu(), context_lens.cpu(), self.block_size,
+                                       self.attention_backend == "torch")
         return self.bind(meta.to(slot_mapping.device))
 
 

@@ -46,8 +46,9 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-              block_size: int) -> AttentionMetadata:
-        """From the three CPU tensors of a step (the model runner's), every value the backends use."""
+              block_size: int, buckets: bool = True) -> AttentionMetadata:
+        """From the three CPU tensors of a step (the model runner's), every value the backends use
+        (the length buckets only with `buckets`: the torch backend reads them, the kernels do not)."""
         flat = slot_mapping.flatten()  # B·T
         src = (flat >= 0).nonzero().squeeze(1)  # N: host tensors, so no device is asked
         dst = flat[src]  # N
@@ -59,7 +60,8 @@ class AttentionMetadata:
                    fresh_blocks=dst[dst % block_size == 0] // block_size, cu_seqlens=cu_seqlens,
                    prefix_lens=(context_lens - num_new).to(torch.int32),
                    max_context=int(context_lens.max()) if B else 1, decode=T == 1 and len(src) == B,
-                   max_query_len=int(num_new.max()) if B else 1, buckets=length_buckets(context_lens, block_size))
+                   max_query_len=int(num_new.max()) if B else 1,
+                   buckets=length_buckets(context_lens, block_size) if buckets else [])
 
     def to(self, device: torch.device | str) -> AttentionMetadata:
         """The same metadata with its tensors on `device` (host→device copies only)."""
