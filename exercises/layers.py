@@ -19,22 +19,24 @@ from nanoserve.models.config import ModelConfig, llama3_rope_inv_freq  # noqa: F
 
 
 # ----------------------------------------------------------------------------- exercise 1
-def causal_mask(q_positions: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """Boolean mask [B, 1, T, S]: query at absolute position p sees keys at positions 0..p.
+def causal_mask(q_positions: torch.Tensor, kv_len: int, window: int | None = None) -> torch.Tensor:
+    """Boolean mask [B, 1, T, S]: query at absolute position p sees keys at positions 0..p; with a
+    sliding window w (Exercise 1.3) only the w newest of them, p − w + 1 .. p.
 
     q_positions [B, T] are absolute positions; key j sits at position j (j < kv_len)."""
     raise NotImplementedError(
         "Exercise 1.1: compare the key positions 0..S-1 with each query's position "
-        "(roughly 2 lines; see notebooks/01_engine_core, section 4, 'The KV cache')")
+        "(roughly 2 lines; see notebooks/01_engine_core, section 4, 'The KV cache'); "
+        "1.3: with a window, also hide keys at or before p − window (one more line)")
 
 
-def naive_attention(q, k, v, q_positions=None):
+def naive_attention(q, k, v, q_positions=None, window: int | None = None):
     """softmax(q·kᵀ/√d + causal mask)·v, written out.  q [B,T,H,D]; k, v [B,S,Hkv,D] -> [B,T,H,D].
 
     Key j sits at position j. `q_positions` [B, T] are the queries' absolute positions; None
     means the queries are the keys themselves (positions 0..T-1, no cache). With Hkv < H
     (grouped-query attention) each kv head serves H // Hkv consecutive query heads. Compute in
-    float32 and return q's dtype."""
+    float32 and return q's dtype. `window`: pass it on to causal_mask (Exercise 1.3)."""
     raise NotImplementedError(
         "Exercise 1.2: scores = q·kᵀ/√D, mask with causal_mask, softmax over keys, weight v; "
         "repeat each kv head for its group of query heads first "

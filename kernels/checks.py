@@ -43,6 +43,15 @@ def check_tiles(gpu: bool, **tiles: int) -> None:
             raise ValueError(f"{name} must be a power of two{' ≥ 16 on a GPU (tl.dot)' if gpu else ''}, got {size!r}")
 
 
+def check_window(window) -> int:
+    """A sliding window: None (every key) or an int ≥ 1; returns the kernels' form, 0 for None."""
+    if window is None:
+        return 0
+    if type(window) is not int or window < 1:
+        raise ValueError(f"window must be None or an int ≥ 1 (keys each query sees, itself included), got {window!r}")
+    return window
+
+
 def check_block_ids(block_tables, lens, block_size: int, num_blocks: int) -> None:
     """Value check: every table entry a sequence reads (its first ⌈len / block_size⌉) names a block of the pool."""
     used = (torch.arange(block_tables.shape[1], device=block_tables.device)

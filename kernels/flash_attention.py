@@ -28,7 +28,9 @@ query tile starts past its sequence's end returns at once.
 **Bottom-right causal alignment.** A sequence with Lq queries and Lk keys is the *last* Lq
 tokens of Lk: query i sits at position Lk − Lq + i and sees keys 0..Lk − Lq + i. With Lq = Lk
 that is ordinary causal attention; with Lq < Lk the new tokens see everything before them.
-A query that sees no key at all (only possible when Lq > Lk) gets output 0.
+A query that sees no key at all (only possible when Lq > Lk) gets output 0. A sliding window w
+(Mistral) hides keys more than w − 1 positions back as well; both loops below then start at the
+tile's first visible key, so the blocks before the window are never read.
 
 **Paged prefix** (chunked prefill, prefix-cache hits). With `block_tables`, `k_cache`,
 `v_cache` and `context_lens`, sequence b first has `context_lens[b]` = P tokens already in the
@@ -59,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_flash_attention, check_tiles
+from .checks import check_flash_attention, check_tiles, check_window
 from .configs import pick
 
 
@@ -75,7 +77,7 @@ def _flash_attention_kernel(
     stride_bt_b, stride_bt_i,
     stride_kcb, stride_kcs, stride_kch, stride_kcd,
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
-    qk_scale, H, group, head_dim, page_size,
+    qk_scale, H, group, head_dim, page_size, window,
     CAUSAL: tl.constexpr, HAS_PREFIX: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -100,6 +102,9 @@ def _flash_attention_kernel(
     m_ok = offs_m < Lq  # BLOCK_M
     d_ok = offs_d < head_dim  # BLOCK_D
     q_pos = P + Lk - Lq + offs_m  # BLOCK_M     absolute positions (bottom-right alignment)
+    first = 0  # the first key position any query of this tile sees: 0, or its window's start
+    if window > 0:
+        first = tl.maximum(P + Lk - Lq + start_m - window + 1, 0)
 
     q_ptrs = (Q + (q_start + offs_m).to(tl.int64)[:, None] * stride_qt + h * stride_qh
               + offs_d[None, :] * stride_qd)  # BLOCK_M, BLOCK_D
@@ -113,7 +118,7 @@ def _flash_attention_kernel(
 
     # ---- loop 1: the cached prefix, keys at positions 0..P-1, gathered through the block table
     if HAS_PREFIX:
-        for start_n in range(0, P, BLOCK_N):
+        for start_n in range(first, P, BLOCK_N):
             t = start_n + offs_n  # BLOCK_N     token index = position within the prefix
             n_ok = t < P  # BLOCK_N
             blk = tl.load(block_tables + b * stride_bt_b + (t // page_size) * stride_bt_i,
@@ -128,13 +133,15 @@ def _flash_attention_kernel(
             valid = n_ok[None, :] & m_ok[:, None]  # BLOCK_M, BLOCK_N
             if CAUSAL:  # only bites when Lq > Lk (queries before the prefix's end)
                 valid = valid & (t[None, :] <= q_pos[:, None])
+            if window > 0:
+                valid = valid & (t[None, :] > q_pos[:, None] - window)
             m_i, l_i, acc = _online_softmax_step(q, kT, v, valid, m_i, l_i, acc, qk_scale, UPCAST)
 
     # ---- loop 2: this step's new keys, at positions P..P+Lk-1
     hi = Lk
     if CAUSAL:  # the tile's last query sees new keys up to Lk - Lq + (start_m + BLOCK_M - 1)
         hi = tl.minimum(Lk, Lk - Lq + start_m + BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
+    for start_n in range(tl.maximum(first - P, 0), hi, BLOCK_N):
         j = start_n + offs_n  # BLOCK_N     key index within the sequence's new keys
         n_ok = j < Lk  # BLOCK_N
         rows = (k_start + j).to(tl.int64)  # BLOCK_N
@@ -145,6 +152,8 @@ def _flash_attention_kernel(
         valid = n_ok[None, :] & m_ok[:, None]  # BLOCK_M, BLOCK_N
         if CAUSAL:
             valid = valid & ((P + j)[None, :] <= q_pos[:, None])
+        if window > 0:
+            valid = valid & ((P + j)[None, :] > q_pos[:, None] - window)
         m_i, l_i, acc = _online_softmax_step(q, kT, v, valid, m_i, l_i, acc, qk_scale, UPCAST)
 
     # A row that saw no key has l = 0 and acc = 0: output 0, not 0/0.
@@ -180,7 +189,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     block_tables: torch.Tensor | None = None, k_cache: torch.Tensor | None = None,
                     v_cache: torch.Tensor | None = None, context_lens: torch.Tensor | None = None,
                     *, block_m: int | None = None, block_n: int | None = None,
-                    max_seqlen_q: int | None = None) -> torch.Tensor:
+                    max_seqlen_q: int | None = None, window: int | None = None) -> torch.Tensor:
     """Attention over packed sequences.  q [total_q, H, D]; k, v [total_k, Hkv, D] -> [total_q, H, D].
 
     cu_seqlens_q/k [B+1]: cumulative lengths (sequence b is rows cu[b]:cu[b+1]). causal: bottom-right
@@ -189,8 +198,12 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     context_lens [B] (P, cached tokens per sequence, read before the new keys). block_m/block_n
     override the tile sizes of kernels/configs.py (powers of two, ≥ 16 on a GPU). max_seqlen_q: the
     longest query sequence, or any bound above it, known on the host (sizes the grid; None reads it
-    from cu_seqlens_q, a host sync on a GPU).
+    from cu_seqlens_q, a host sync on a GPU). window: a sliding window (with causal), each query sees
+    its `window` newest keys only (None: all).
     """
+    window = check_window(window)
+    if window and not causal:
+        raise ValueError(f"window={window} needs causal=True (a sliding window looks back from each query)")
     has_prefix = check_flash_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, block_tables, k_cache, v_cache,
                                        context_lens, max_seqlen_q)
     total_q, H, D = q.shape
@@ -226,7 +239,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q, k, v, out, cu_q, cu_k, bt, kc, vc, ctx,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         *bt_strides, *kc_strides, *vc_strides,
-        sm_scale * math.log2(math.e), H, H // Hkv, D, page_size,
+        sm_scale * math.log2(math.e), H, H // Hkv, D, page_size, window,
         CAUSAL=bool(causal), HAS_PREFIX=has_prefix, UPCAST=launch.upcast,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
         **launch.options(),
@@ -240,7 +253,7 @@ def flash_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         causal: bool = True, sm_scale: float | None = None,
                         block_tables: torch.Tensor | None = None, k_cache: torch.Tensor | None = None,
                         v_cache: torch.Tensor | None = None, context_lens: torch.Tensor | None = None,
-                        ) -> torch.Tensor:
+                        window: int | None = None) -> torch.Tensor:
     """`flash_attention` in plain torch: one sequence at a time, the full score matrix, fp32 math."""
     has_prefix = check_flash_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, block_tables, k_cache, v_cache,
                                        context_lens)
@@ -265,7 +278,11 @@ def flash_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         scores = torch.einsum("thd,shd->hts", qb, kb) * scale  # H, Lq, S
         if causal:  # bottom-right: query i sits at position S - Lq + i
             q_pos = torch.arange(S - Lq, S, device=q.device)  # Lq
-            scores = scores.masked_fill(torch.arange(S, device=q.device)[None, :] > q_pos[:, None], float("-inf"))
+            k_pos = torch.arange(S, device=q.device)  # S
+            hidden = k_pos[None, :] > q_pos[:, None]  # Lq, S
+            if window:
+                hidden |= k_pos[None, :] <= q_pos[:, None] - window
+            scores = scores.masked_fill(hidden, float("-inf"))
         probs = scores.softmax(dim=-1).nan_to_num(0.0)  # H, Lq, S   (a row with no visible key -> 0)
         out[cu_q[b]:cu_q[b + 1]] = torch.einsum("hts,shd->thd", probs, vb).to(q.dtype)  # Lq, H, D
     return out

@@ -12,7 +12,9 @@ block `block_tables[b, t // block_size]` at offset `t % block_size`, i.e. in *sl
   the block table, so a tile may straddle pages and the tile size is free of the page size.
   The tiles fold into an *online softmax*, as in kernels/flash_attention.py: per tile of scores
   x, m' = max(m, max x), l = l·exp(m − m') + Σ exp(x − m'), acc = acc·exp(m − m') + exp(x − m')·v,
-  and out = acc / l at the end (m, l, acc in fp32).
+  and out = acc / l at the end (m, l, acc in fp32). With a sliding window w (Mistral), the query
+  at position len − 1 sees only keys len − w .. len − 1, so the walk simply starts at len − w: the
+  blocks before it are never read (the engine may already have given them back to the pool).
 
 **GQA, one program per group.** H query heads share Hkv kv heads (head h reads kv head
 h // G, G = H // Hkv). A program owns one (sequence, kv head) and all G query heads of its
@@ -52,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_paged_attention
+from .checks import check_paged_attention, check_window
 from .configs import INTERPRETER, pick
 
 BLOCK_N = INTERPRETER["decode"].tiles[0]  # key positions per tile in the interpreter (GPU: configs.DECODE)
@@ -61,14 +63,16 @@ MAX_SPLITS = 32
 
 
 # ----------------------------------------------------------------------------- the reference
-def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, sm_scale=None) -> torch.Tensor:
-    """Plain torch, one sequence at a time: gather its keys through the block table, softmax, sum values."""
+def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, sm_scale=None, window=None) -> torch.Tensor:
+    """Plain torch, one sequence at a time: gather its keys through the block table (the `window` newest
+    only, with a sliding window), softmax, sum values."""
     B, H, D = q.shape
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
     scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
     out = torch.empty_like(q)  # B, H, D
     for b in range(B):
-        pos = torch.arange(int(context_lens[b]), device=q.device)  # L
+        ctx = int(context_lens[b])
+        pos = torch.arange(max(ctx - window, 0) if window else 0, ctx, device=q.device)  # L
         slots = block_tables[b, pos // bs].long() * bs + pos % bs  # L
         k = k_cache.flatten(0, 1)[slots].float().repeat_interleave(H // Hkv, dim=1)  # L, H, D
         v = v_cache.flatten(0, 1)[slots].float().repeat_interleave(H // Hkv, dim=1)  # L, H, D
@@ -91,14 +95,17 @@ def _paged_decode_kernel(
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     stride_bt,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-    qk_scale, head_dim,
+    qk_scale, head_dim, window,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
     D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
 ):
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(context_lens + b).to(tl.int32)
-    split_len = tl.cdiv(tl.cdiv(ctx, tl.num_programs(2)), BLOCK_N) * BLOCK_N  # whole tiles per split
-    lo = split * split_len
+    first = 0  # the first key the query sees: 0, or with a sliding window, ctx − window
+    if window > 0:
+        first = tl.maximum(ctx - window, 0)
+    split_len = tl.cdiv(tl.cdiv(ctx - first, tl.num_programs(2)), BLOCK_N) * BLOCK_N  # whole tiles per split
+    lo = first + split * split_len
     hi = tl.minimum(lo + split_len, ctx)  # lo ≥ hi: an empty split, the loop below never runs
 
     offs_g = tl.arange(0, G_PAD)
@@ -170,13 +177,14 @@ def _merge_splits_kernel(
 
 # ----------------------------------------------------------------------------- the wrappers
 def paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, sm_scale=None, num_splits=1,
-                          *, out=None, max_context=None):
+                          *, out=None, max_context=None, window=None):
     """The first phase alone: partial outputs [B, H, num_splits, D] and their log-sum-exps [B, H, num_splits] (fp32).
 
     With `out` ([B, H, D]) and num_splits = 1, the single partial is written straight to it instead.
     max_context: a bound on context_lens known on the host (see `paged_attention`), checked with the values.
     """
     check_paged_attention(q, k_cache, v_cache, block_tables, context_lens, num_splits, max_context)
+    window = check_window(window)
     if out is not None and (num_splits != 1 or out.shape != q.shape or out.stride(-1) != 1):
         raise ValueError("out= is for num_splits = 1 only, and must be shaped like q, contiguous in head_dim")
     B, H, D = q.shape
@@ -196,7 +204,7 @@ def paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, sm_sc
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0),
         *part_strides, lse.stride(0), lse.stride(1),
-        scale * 1.4426950408889634, D,  # · log2 e
+        scale * 1.4426950408889634, D, window,  # · log2 e
         BLOCK_SIZE=bs, GROUP=H // Hkv, G_PAD=max(16, triton.next_power_of_2(H // Hkv)),
         D_PAD=max(16, triton.next_power_of_2(D)), BLOCK_N=launch.tiles[0], UPCAST=launch.upcast,
         **launch.options(),
@@ -221,7 +229,7 @@ def merge_splits(partial_out, partial_lse, out_dtype=torch.float32) -> torch.Ten
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, sm_scale=None, num_splits: int | None = 1,
-                    *, max_context: int | None = None) -> torch.Tensor:
+                    *, max_context: int | None = None, window: int | None = None) -> torch.Tensor:
     """Decode attention over paged K/V.
 
     q [B, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks]
@@ -229,7 +237,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, sm_scale=No
     kv head h // (H // Hkv); sequence b sees keys 0 .. context_lens[b] − 1. sm_scale defaults to
     1/√D. num_splits > 1 runs Flash-Decoding's split-KV pass, then the LSE-weighted merge; None
     lets `choose_num_splits` decide from max_context, the longest context (or any bound above it)
-    known on the host; without it that reads context_lens, a host sync on a GPU.
+    known on the host; without it that reads context_lens, a host sync on a GPU. window: a sliding
+    window, each query sees its `window` newest keys only (None: all).
     """
     if num_splits is None:
         if max_context is None:
@@ -238,10 +247,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, sm_scale=No
     if num_splits == 1:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)  # B, H, D
         paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, sm_scale, 1, out=out,
-                              max_context=max_context)
+                              max_context=max_context, window=window)
         return out
     part, lse = paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, sm_scale, num_splits,
-                                      max_context=max_context)
+                                      max_context=max_context, window=window)
     return merge_splits(part, lse, q.dtype)
 
 

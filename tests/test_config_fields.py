@@ -1,6 +1,7 @@
 """No checkpoint loads and then computes something else: each HF config field that changes the math.
 
-nanoserve/models/hf_fields.py classifies every field of GPT2Config, LlamaConfig and Qwen2Config. Here:
+nanoserve/models/hf_fields.py classifies every field of GPT2Config, LlamaConfig, MistralConfig, Qwen2Config and
+Qwen3Config. Here:
 (a) MATCHED: a tiny random checkpoint (docs/TESTING.md §A randomisation) with one field changed gives
     nanoserve logits within TOL of transformers' (eager attention, fp32), for the prompt and for
     each cached decode step; REFUSED: a config nanoserve cannot compute fails with a ConfigError
@@ -37,11 +38,13 @@ WINDOW = 4
 T, PREFILL = 6 * WINDOW, 8  # 8 prompt tokens, then 16 single-token decode steps
 DROP = object()  # in a case's json edits: remove the key from config.json
 
-CLASSES = {"gpt2": transformers.GPT2Config, "llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}
+CLASSES = {"gpt2": transformers.GPT2Config, "llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}
 _SMALL = dict(vocab_size=257, initializer_range=0.1, bos_token_id=0, eos_token_id=1)
 _DECODER = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=64, **_SMALL)
-BASE = {"gpt2": dict(n_layer=2, n_embd=32, n_head=4, n_positions=64, **_SMALL), "llama": _DECODER, "qwen2": _DECODER}
+BASE = {"gpt2": dict(n_layer=2, n_embd=32, n_head=4, n_positions=64, **_SMALL), "llama": _DECODER,
+        "mistral": dict(_DECODER, sliding_window=None), "qwen2": _DECODER, "qwen3": _DECODER}
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 16, "rope_theta": 500000.0}  # short original: every band used
 SLIDING = dict(use_sliding_window=True, sliding_window=WINDOW)
@@ -78,6 +81,27 @@ MATCHED = [
     ("qwen2-window-off-transformers4", "qwen2", {}, {"layer_types": DROP, "sliding_window": 32768,
                                                      "max_window_layers": 0, "use_sliding_window": False}),
     ("qwen2-tied", "qwen2", dict(tie_word_embeddings=True, attention_dropout=0.5), {}),
+    # sliding windows (Mistral in every layer; Qwen2/3 from max_window_layers on, or where layer_types says)
+    ("qwen2-sliding", "qwen2", dict(max_window_layers=1, **SLIDING), {}),
+    ("qwen2-sliding-transformers4", "qwen2", dict(max_window_layers=0, **SLIDING), {"layer_types": DROP}),
+    ("qwen2-sliding-layer-types", "qwen2", dict(layer_types=["sliding_attention", "full_attention"], **SLIDING), {}),
+    ("mistral-window", "mistral", dict(sliding_window=WINDOW, head_dim=12), {}),
+    ("mistral-no-window", "mistral", dict(attention_bias=True, mlp_bias=True,  # Mistral's code reads neither
+                                          hidden_act="gelu", rms_norm_eps=0.1, tie_word_embeddings=True), {}),
+    ("mistral-rope-transformers4", "mistral", dict(sliding_window=WINDOW, rope_parameters=dict(LLAMA3)),
+     {"rope_parameters": DROP, "rope_theta": 500000.0,
+      "rope_scaling": {k: v for k, v in LLAMA3.items() if k != "rope_theta"}}),
+    ("mistral-default-window", "mistral", dict(max_position_embeddings=8192), {"sliding_window": DROP}),  # 4096
+    ("qwen3-qk-norm", "qwen3", dict(head_dim=12, rms_norm_eps=0.1, mlp_bias=True, hidden_act="gelu",
+                                    tie_word_embeddings=True), {}),
+    ("qwen3-rope-linear", "qwen3", dict(rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4}),
+     {}),
+    ("qwen3-rope-transformers4", "qwen3", dict(rope_parameters=dict(LLAMA3)),
+     {"rope_parameters": DROP, "rope_theta": 500000.0,
+      "rope_scaling": {k: v for k, v in LLAMA3.items() if k != "rope_theta"}}),
+    ("qwen3-biases-sliding", "qwen3", dict(attention_bias=True, max_window_layers=1, **SLIDING), {}),
+    ("qwen3-sliding-layer-types", "qwen3", dict(layer_types=["sliding_attention", "full_attention"], **SLIDING),
+     {"max_window_layers": 0}),
     ("qwen2-rope-oldest-spelling", "qwen2",
      dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}),
      {"rope_parameters": DROP, "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}}),
@@ -95,11 +119,11 @@ REFUSED = [
      "partial_rotary_factor"),
     ("llama-sliding-window", "llama", dict(sliding_window=WINDOW), {}, "sliding_window"),
     ("llama-layer-types", "llama", dict(layer_types=["full_attention", "sliding_attention"]), {}, "layer_types"),
-    ("qwen2-sliding", "qwen2", dict(max_window_layers=1, **SLIDING), {}, "sliding-window attention in layers \\[1\\]"),
-    ("qwen2-sliding-transformers4", "qwen2", dict(max_window_layers=0, **SLIDING), {"layer_types": DROP},
-     "use_sliding_window"),
-    ("qwen2-sliding-layer-types", "qwen2", dict(layer_types=["sliding_attention", "full_attention"], **SLIDING), {},
-     "layer_types"),
+    ("qwen2-unknown-layer-type", "qwen2", dict(layer_types=["chunked_attention", "full_attention"], **SLIDING), {},
+     "layer_types has 'chunked_attention'"),
+    ("mistral-partial-rotary", "mistral", {}, {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ("qwen3-partial-rotary", "qwen3", {}, {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ("mistral-layer-types", "mistral", {}, {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
     ("qwen2-activation", "qwen2", dict(hidden_act="gelu_10"), {}, "hidden_act"),
     ("qwen2-partial-rotary", "qwen2", {}, {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
 ]
@@ -163,6 +187,32 @@ def test_round_trip_through_to_hf_config_keeps_every_field(tmp_path):
     assert max_delta(model, cfg, again) <= TOL
 
 
+@pytest.mark.parametrize("case_id", ["mistral-window", "qwen2-sliding", "qwen3-biases-sliding", "qwen3-qk-norm"])
+def test_round_trip_keeps_the_family_and_its_windows(tmp_path, case_id):
+    """save_checkpoint names the HF class that computes the same thing (Mistral, Qwen2, Qwen3) with its window
+    and layer types: transformers reloads a model nanoserve matches."""
+    from nanoserve.models.loader import save_checkpoint
+
+    _, family, kwargs, edits = next(c for c in MATCHED if c[0] == case_id)
+    hf, path = _checkpoint(tmp_path / "in", family, kwargs, edits)
+    model, cfg, _ = load_model(path, dtype="float32", device="cpu")
+    save_checkpoint(model, tmp_path / "out")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    assert type(again) is type(hf)
+    assert max_delta(model, cfg, again) <= TOL
+    again_cfg = read_hf_config(tmp_path / "out" / "config.json")
+    assert (again_cfg.sliding_window, again_cfg.layer_types, again_cfg.qk_norm) == (cfg.sliding_window, cfg.layer_types,
+                                                                                 cfg.qk_norm)
+
+
+def test_mistral_without_a_window_key_takes_transformers_default(tmp_path):
+    """A Mistral config.json without `sliding_window` gets MistralConfig's default, 4096 (not None)."""
+    _hf_config("mistral", {}).save_pretrained(tmp_path)
+    _edit_json(tmp_path, {"sliding_window": DROP})
+    window = read_hf_config(tmp_path / "config.json").sliding_window
+    assert window == 4096 == transformers.MistralConfig().sliding_window
+
+
 # ----------------------------------------------------------------------------- (b) the table is complete
 @pytest.mark.parametrize("hf_type", sorted(CLASSES))
 def test_every_transformers_field_is_classified(hf_type):
@@ -209,6 +259,11 @@ MUTANTS = {  # case id -> a wrong implementation, made by editing nanoserve's lo
                                                   "eps", 1e-5),
     "llama-biases": lambda m: [layer.mlp.down_proj.bias.data.zero_() for layer in m.model.layers],
     "llama-head-dim-tied-eps": lambda m: _set_all([x for x in m.modules() if isinstance(x, RMSNorm)], "eps", 1e-6),
+    "mistral-window": lambda m: _set_all([b.self_attn for b in m.model.layers], "window", None),  # window off
+    "qwen2-sliding": lambda m: _set_all([b.self_attn for b in m.model.layers], "window", WINDOW),  # in every layer
+    "qwen3-qk-norm": lambda m: [(delattr(b.self_attn, "q_norm"), delattr(b.self_attn, "k_norm"))
+                                for b in m.model.layers],  # qk-norm off
+    "qwen3-biases-sliding": lambda m: _set_all([b.self_attn for b in m.model.layers], "window", WINDOW + 1),
 }
 
 
@@ -222,11 +277,12 @@ def test_parity_check_catches_a_model_that_ignores_the_field(tmp_path, case_id):
 
 
 def test_sliding_window_shows_only_past_the_window(tmp_path):
-    """Why the window is refused and why the lengths are ≥ 3× it: full attention on Qwen2's weights matches
-    its sliding-window model for the first WINDOW positions and then does not."""
+    """Why the lengths are ≥ 3× the window: full attention on Qwen2's weights (the window switched off in
+    config.json) matches its sliding-window model for the first WINDOW positions and then does not."""
     hf, path = _checkpoint(tmp_path, "qwen2", dict(max_window_layers=0, **SLIDING), {})
-    _edit_json(path, {"use_sliding_window": False, "layer_types": DROP})  # the loader's refusal, bypassed
+    _edit_json(path, {"use_sliding_window": False, "layer_types": DROP})
     cfg = read_hf_config(path / "config.json")
+    assert cfg.sliding_window is None
     model = build_from_tensors(cfg, read_weights_dir(path), torch.float32, torch.device("cpu"))
     assert max_delta(model, cfg, hf, length=WINDOW, prefill=2) <= TOL
     assert max_delta(model, cfg, hf, length=3 * WINDOW, prefill=2) > TOL

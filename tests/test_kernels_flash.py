@@ -64,8 +64,9 @@ def _paged_prefix(prefix_lens, Hkv, D, block_size, dtype=torch.float32, seed=1, 
             prefixes)
 
 
-def _sdpa_oracle(q, k, v, cu_q, cu_k, causal, prefixes=None, gqa_repeat=None):
-    """Per sequence F.scaled_dot_product_attention in fp32 with a bottom-right causal mask."""
+def _sdpa_oracle(q, k, v, cu_q, cu_k, causal, prefixes=None, gqa_repeat=None, window=None):
+    """Per sequence F.scaled_dot_product_attention in fp32 with a bottom-right causal mask (and a sliding window:
+    key j hidden from the query at p when j ≤ p − window)."""
     out = torch.zeros(q.shape, dtype=torch.float32)  # total_q, H, D
     cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
     H, Hkv = q.shape[1], k.shape[1]
@@ -84,6 +85,8 @@ def _sdpa_oracle(q, k, v, cu_q, cu_k, causal, prefixes=None, gqa_repeat=None):
         mask = None
         if causal:  # query i at position S - Lq + i sees keys 0..S - Lq + i
             mask = torch.arange(S)[None, :] <= torch.arange(S - Lq, S)[:, None]  # Lq, S
+            if window:
+                mask &= torch.arange(S)[None, :] > torch.arange(S - Lq, S)[:, None] - window
         o = F.scaled_dot_product_attention(qb.transpose(0, 1), kb.transpose(0, 1), vb.transpose(0, 1),
                                            attn_mask=mask, enable_gqa=kb.shape[1] != H)  # H, Lq, D
         out[cu_q[b]:cu_q[b + 1]] = o.transpose(0, 1)  # Lq, H, D
@@ -216,6 +219,25 @@ def test_prefix_equals_packing_it_with_the_new_tokens():
     k_all, v_all = torch.cat([prefixes[0][0], k]), torch.cat([prefixes[0][1], v])  # P+T, Hkv, D
     whole = flash_attention(q, k_all, v_all, cu_q, _cu([P + T]))  # T, H, D (bottom-right: last T of P+T)
     assert _err(chunked, whole) <= FP32_TOL
+
+
+@pytest.mark.parametrize("window", [1, 3, 4, 9, 64])  # one key; under, at and over a block; past every length
+def test_sliding_window_with_paged_prefix(window):
+    """Each query sees its `window` newest keys, across the prefix and the new tokens. Blocks wholly before
+    the first query's window are NaN (the engine frees them): both loops must start past them."""
+    prefix_lens, new_lens, bs = [0, 3, 4, 13, 21], [5, 1, 17, 8, 2], 4
+    q, k, v, cu_q, cu_k = _packed(new_lens, new_lens, 4, 2, 64, seed=5)
+    kc, vc, bt, ctx, prefixes = _paged_prefix(prefix_lens, 2, 64, bs)
+    want = _sdpa_oracle(q, k, v, cu_q, cu_k, True, prefixes, window=window)
+    for b, P in enumerate(prefix_lens):
+        kc[bt[b, :max(P - window + 1, 0) // bs].long()] = float("nan")  # before the first query's window
+    out = flash_attention(q, k, v, cu_q, cu_k, True, None, bt, kc, vc, ctx, window=window)
+    assert _err(out, want) <= FP32_TOL
+    assert _err(flash_attention_ref(q, k, v, cu_q, cu_k, True, None, bt, kc, vc, ctx, window=window), want) <= FP32_TOL
+    if window < 9:  # negative control: without the window the kernel reads the freed blocks (NaN) or too far back
+        assert _wrong(_err(flash_attention(q, k, v, cu_q, cu_k, True, None, bt, kc, vc, ctx), want))
+    with pytest.raises(ValueError, match="window=3 needs causal=True"):
+        flash_attention(q, k, v, cu_q, cu_k, False, window=3)
 
 
 # ----------------------------------------------------------------------------- negative controls

@@ -56,11 +56,11 @@ def _paged_cache(lens, n_kv_heads, head_dim, dtype=torch.float32, index_dtype=to
     return q, k_cache, v_cache, table.to(index_dtype), torch.tensor(lens, dtype=index_dtype)
 
 
-def _sdpa_oracle(q, k_cache, v_cache, table, lens, scale=None):
-    """Gather each sequence's K/V in logical order, then SDPA with enable_gqa (fp32)."""
+def _sdpa_oracle(q, k_cache, v_cache, table, lens, scale=None, window=None):
+    """Gather each sequence's K/V in logical order (its `window` newest only), then SDPA with enable_gqa (fp32)."""
     out = []
     for b, n in enumerate(lens.tolist()):
-        pos = torch.arange(n)
+        pos = torch.arange(max(n - window, 0) if window else 0, n)
         slots = table[b, pos // BS].long() * BS + pos % BS  # n
         k = k_cache.flatten(0, 1)[slots].float().transpose(0, 1)[None]  # 1, Hkv, n, D
         v = v_cache.flatten(0, 1)[slots].float().transpose(0, 1)[None]  # 1, Hkv, n, D
@@ -142,6 +142,22 @@ def test_split_kv_matches_sdpa_and_one_split(num_splits):
         assert torch.isneginf(lse[4, :, 4:]).all()  # 100 keys = 4 tiles: splits 4..15 are empty
     assert _err(merge_splits(part, lse), merge_splits_ref(part, lse)) <= 1e-6
     assert _err(merge_splits(part, lse), out) <= 1e-6
+
+
+@pytest.mark.parametrize("window", [1, 5, BS, 3 * BS + 1, 200])  # one key; inside a page; a page; > every length
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_sliding_window_reads_only_the_window(window, num_splits):
+    """Each query sees its `window` newest keys. The blocks wholly before the window are NaN (the engine
+    gives them back to the pool, another sequence may write them), so reading one would show."""
+    q, kc, vc, table, lens = _paged_cache(LENS, 2, 64, seed=11)
+    want = _sdpa_oracle(q, kc, vc, table, lens, window=window)
+    for b, n in enumerate(LENS):
+        kc[table[b, :max(n - window, 0) // BS].long()] = float("nan")  # freed: before the window's first block
+    out = paged_attention(q, kc, vc, table, lens, num_splits=num_splits, window=window)
+    assert _err(out, want) <= 1e-4
+    assert _err(paged_attention_ref(q, kc, vc, table, lens, window=window), want) <= 1e-5
+    if window < 100:  # negative control: the same pools without the window read the freed blocks
+        assert torch.isnan(paged_attention(q, kc, vc, table, lens, num_splits=num_splits)[-1]).any()
 
 
 # ----------------------------------------------------------------------------- negative controls

@@ -50,10 +50,19 @@ def hf_configs():
         "qwen2-bias": transformers.Qwen2Config(hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                                                num_attention_heads=6, num_key_value_heads=2,
                                                tie_word_embeddings=False, **small),
+        # a window of 8 in every layer: a 64-token generation runs 8× past it
+        "mistral-window": transformers.MistralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                                     num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+                                                     **small),
+        # q/k norms, explicit head_dim, and a window of 6 in layer 1 only (max_window_layers=1)
+        "qwen3-window": transformers.Qwen3Config(hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                                 use_sliding_window=True, sliding_window=6, max_window_layers=1,
+                                                 tie_word_embeddings=True, **small),
     }
 
 
-HF_CASES = ["gpt2", "llama-mha", "llama-gqa", "llama3-rope", "qwen2-bias"]
+HF_CASES = ["gpt2", "llama-mha", "llama-gqa", "llama3-rope", "qwen2-bias", "mistral-window", "qwen3-window"]
 
 
 def tiny_hf_checkpoint(cfg, path: Path, seed: int = 0, **from_config_kwargs):

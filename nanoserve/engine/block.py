@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..errors import NanoserveError
+
 HashFn = Callable[[int | None, tuple[int, ...]], int]
 
 
@@ -90,3 +92,9 @@ def _expect(condition: bool, message: str) -> None:
     """An assert that `python -O` cannot strip."""
     if not condition:
         raise AssertionError(message)
+
+
+def check_block_size(block_size: int) -> None:
+    """Raise NanoserveError unless `block_size` is a power of two (an int ≥ 1)."""
+    if type(block_size) is not int or block_size <= 0 or block_size & (block_size - 1):
+        raise NanoserveError(f"block_size={block_size!r} is not allowed; it must be a power of two: 1, 2, 4, ... 16")

@@ -8,16 +8,16 @@ decides which blocks each `Sequence` gets; it never touches a tensor. Ideas from
 (ref_count 0). Prefix hits and `fork` (SamplingParams(n>1)) make tables share blocks. **Prefix
 caching**: a prompt reuses the cached blocks of its longest cached prefix (block.py: the hash).
 
-**Free queue and LRU.** Free blocks live in one of two queues: `free_block_ids` (nothing cached,
-FIFO) and `evictable` (still in the hash table, ordered by the time they were freed). New blocks
-come from the first queue; only when it is empty is the least recently freed cached block
-evicted (its hash dropped). `free` walks a table backwards so a sequence's tail is evicted before
-the shared-prefix blocks at its head.
+**Free queue and LRU.** Free blocks wait in `free_block_ids` (nothing cached, FIFO) or `evictable`
+(still in the hash table, least recently freed first). New blocks come from the first queue; only
+when it is empty is a cached block evicted (its hash dropped). `free` walks a table backwards so a
+sequence's tail is evicted before the shared-prefix blocks at its head.
 
 **Protocol.** `can_allocate` → `allocate` (a prompt); per generated token, once the scheduler has
 appended it (`Scheduler.postprocess`), `can_append` → `append_slot` (may return a copy-on-write
 pair for the KV cache to copy); `mark_computed` after each forward (full blocks whose KV now
-exists become cache hits); `fork` for parallel samples; `free` when a sequence ends or is preempted.
+exists become cache hits); `fork` for parallel samples; `free` when a sequence ends or is preempted;
+`free_out_of_window` after each step of a sliding-window model (leading entries become NULL_BLOCK).
 """
 
 from __future__ import annotations
@@ -26,22 +26,21 @@ import itertools
 from collections import OrderedDict, deque
 
 from ..errors import EngineStateError, NanoserveError
-from .block import Block, HashFn, PrefixCacheStats, check_invariants, default_block_hash, slots
-from .sequence import Sequence
-
-__all__ = ["Block", "BlockAllocator", "PrefixCacheStats", "default_block_hash", "check_block_size"]
+from .block import Block, HashFn, PrefixCacheStats, check_block_size, check_invariants, default_block_hash, slots
+from .sequence import NULL_BLOCK, Sequence
 
 
 class BlockAllocator:
     """Ref-counted blocks, a two-queue free list, and a hash table of cached full blocks."""
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
-                 hash_fn: HashFn | None = None):
+                 hash_fn: HashFn | None = None, sliding_window: int | None = None):
         check_block_size(block_size)
         if type(num_blocks) is not int or num_blocks < 1:
             raise NanoserveError(f"num_blocks={num_blocks!r} is not allowed; it must be an integer >= 1")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window  # every layer's look-back (ModelConfig.kv_window); None: all
         self.hash_fn: HashFn = hash_fn or default_block_hash
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: deque[int] = deque(range(num_blocks))  # ref 0, nothing cached; FIFO
@@ -50,7 +49,6 @@ class BlockAllocator:
         self.stats = PrefixCacheStats()
         self._prefix_ids = itertools.count()
 
-    # ------------------------------------------------------------------ capacity
     def num_free_blocks(self) -> int:
         """Blocks with ref_count 0: never used, freed, or cached but evictable."""
         return len(self.free_block_ids) + len(self.evictable)
@@ -106,10 +104,9 @@ class BlockAllocator:
     def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
         """Make room for the token just appended (position len(seq) - 1), before its KV is written.
 
-        A token that starts a new block gets a fresh block. A token landing in a last block that
-        other tables share triggers copy-on-write: this sequence moves to a fresh block and
-        `(src, dst)` is returned so the KV cache copies the slots already written; otherwise None.
-        Calling it again for the same length changes nothing."""
+        A token that starts a new block gets a fresh block. A token landing in a last block that other
+        tables share triggers copy-on-write: this sequence moves to a fresh block and `(src, dst)` is
+        returned so the KV cache copies the slots already written; otherwise None. Idempotent."""
         table = self._require_allocated(seq)
         n, bs = len(seq), self.block_size
         cow = None
@@ -127,9 +124,9 @@ class BlockAllocator:
         the prefix cache, keeping an existing registration of the same hash. After every forward."""
         if not self.enable_prefix_caching:
             return
-        n = min(seq.num_computed_tokens, len(seq)) // self.block_size
-        first = n  # sealed blocks form a leading run: walk back to its end, not from block 0
-        while first > 0 and self.blocks[seq.block_table[first - 1]].hash is None:
+        table, n = seq.block_table, min(seq.num_computed_tokens, len(seq)) // self.block_size
+        first = n  # sealed (or given-back) blocks form a leading run: walk back to its end, not from block 0
+        while first > 0 and table[first - 1] != NULL_BLOCK and self.blocks[table[first - 1]].hash is None:
             first -= 1
         for i in range(first, n):
             self._seal(seq, i)
@@ -140,40 +137,46 @@ class BlockAllocator:
         if child.block_table or child.token_ids != parent.token_ids:
             raise EngineStateError(f"fork needs a child with no blocks and the parent's tokens; sequence "
                                    f"{child.seq_id} has {len(child.block_table)} blocks and {len(child)} tokens")
-        for bid in parent.block_table:
+        for bid in (b for b in parent.block_table if b != NULL_BLOCK):
             self._share(bid)
         child.block_table = list(parent.block_table)
         child.num_cached_tokens, child.num_computed_tokens = parent.num_cached_tokens, parent.num_computed_tokens
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
-        """Keep only the blocks that the first `num_tokens` tokens need; free the rest, last first.
-        Speculative decoding's rollback (the scheduler's `rollback` shortens `seq` first): rejected
-        tokens' slots in a kept block are overwritten later, and a dropped block is never a
-        registered prefix block (`mark_computed` seals only blocks full of computed tokens)."""
+        """Keep only the blocks the first `num_tokens` tokens need; free the rest, last first. Speculation's
+        rollback (the scheduler's `rollback` shortens `seq` first): rejected tokens' slots in a kept block are
+        overwritten later; a dropped block is never a registered prefix block (only full computed ones are)."""
         table = self._require_allocated(seq)
         keep = self.blocks_needed(num_tokens)
         if keep < 1 or num_tokens < seq.num_computed_tokens:
             raise EngineStateError(f"truncate({num_tokens}) would drop computed tokens or every block of sequence "
                                    f"{seq.seq_id} ({seq.num_computed_tokens} computed); free() it instead")
         for bid in reversed(table[keep:]):
-            block = self.blocks[bid]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._release(block)
+            self._unref(bid)
         del table[keep:]
 
     def free(self, seq: Sequence) -> None:
-        """Release `seq`'s blocks, last block first (so LRU evicts tails before shared heads). A
-        block whose count drops to 0 stays cached (evictable) if registered. Freeing twice is a no-op."""
+        """Release `seq`'s blocks, last first (LRU evicts tails before shared heads). A block whose count
+        drops to 0 stays cached (evictable) if registered. Freeing twice is a no-op."""
         for bid in reversed(seq.block_table):
-            block = self.blocks[bid]
-            if block.ref_count <= 0:
+            if bid == NULL_BLOCK:
+                break  # the leading entries a sliding window already gave back
+            if self.blocks[bid].ref_count <= 0:
                 raise EngineStateError(f"block {bid} of sequence {seq.seq_id} is already free (double free?)")
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._release(block)
+            self._unref(bid)
         seq.block_table = []
         seq.num_cached_tokens = seq.num_computed_tokens = 0
+
+    def free_out_of_window(self, seq: Sequence) -> int:
+        """Sliding window w in every layer: give back the blocks no query sees again (entry -> NULL_BLOCK);
+        how many. Queries come at positions ≥ num_computed_tokens and see keys > p − w. Call it once the
+        step's tokens are final (Scheduler.postprocess: after speculation's rollback moved them back)."""
+        w, table, freed = self.sliding_window, seq.block_table, 0
+        i = -1 if w is None else (seq.num_computed_tokens - w + 1) // self.block_size - 1
+        while i >= 0 and table[i] != NULL_BLOCK:  # newest dead block first, back to the last one freed
+            self._unref(table[i])
+            table[i], i, freed = NULL_BLOCK, i - 1, freed + 1
+        return freed
 
     def slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:
         """Physical slot `block_id * block_size + offset` of tokens start .. end-1."""
@@ -194,9 +197,7 @@ class BlockAllocator:
         self.hash_to_block.clear()
         return True
 
-    def check_invariants(self) -> None:
-        """Raise AssertionError if the bookkeeping is inconsistent (block.check_invariants)."""
-        check_invariants(self)
+    check_invariants = check_invariants  # raise AssertionError if the bookkeeping is inconsistent (block.py)
 
     # ------------------------------------------------------------------ internals
     def _check_fits(self, seq: Sequence) -> None:
@@ -240,8 +241,8 @@ class BlockAllocator:
     def _seal(self, seq: Sequence, i: int) -> None:
         """Hash full block i of `seq` and register it, unless that hash is registered already."""
         block = self.blocks[seq.block_table[i]]
-        if not self.enable_prefix_caching or block.hash is not None:
-            return
+        if not self.enable_prefix_caching or block.hash is not None or (i and seq.block_table[i - 1] == NULL_BLOCK):
+            return  # off, sealed already, or its parent fell out of a sliding window: no chain to hash
         parent = self.blocks[seq.block_table[i - 1]] if i else None
         tokens = self._block_tokens(seq, i)
         h = self.hash_fn(parent.hash if parent else None, tokens)
@@ -269,6 +270,12 @@ class BlockAllocator:
             del self.evictable[bid]
         self.blocks[bid].ref_count += 1
 
+    def _unref(self, bid: int) -> None:
+        """One table fewer lists block `bid`; at 0 it is free (`_release`)."""
+        self.blocks[bid].ref_count -= 1
+        if self.blocks[bid].ref_count == 0:
+            self._release(self.blocks[bid])
+
     def _release(self, block: Block) -> None:
         """ref_count just reached 0: keep it cached if it is (or can become) the registered block."""
         if block.hash is not None and self.hash_to_block.setdefault(block.hash, block.block_id) == block.block_id:
@@ -291,8 +298,3 @@ class BlockAllocator:
             raise EngineStateError(f"sequence {seq.seq_id} has no blocks; allocate (or fork) it first")
         return seq.block_table
 
-
-def check_block_size(block_size: int) -> None:
-    """Raise NanoserveError unless `block_size` is a power of two (an int ≥ 1)."""
-    if type(block_size) is not int or block_size <= 0 or block_size & (block_size - 1):
-        raise NanoserveError(f"block_size={block_size!r} is not allowed; it must be a power of two: 1, 2, 4, ... 16")

@@ -69,8 +69,8 @@ class LLMEngine:
             budget = kv_cache_memory or 8 * kv_bytes_per_token(self.config, self.dtype) * self.max_model_len
             num_blocks = num_blocks_for_budget(self.config, budget, block_size, self.dtype)
         sched_cfg = SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, max_waiting)
-        self.scheduler = Scheduler(sched_cfg, BlockAllocator(num_blocks, block_size, enable_prefix_caching),
-                                   self.max_model_len)
+        allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching, sliding_window=self.config.kv_window)
+        self.scheduler = Scheduler(sched_cfg, allocator, self.max_model_len)
         self.runner = ModelRunner(self.model, num_blocks, block_size, attention_backend)
         self.attention_backend = self.runner.attention_backend
         # decode steps replay CUDA graphs where they can (engine/cuda_graph.py); else this says why not

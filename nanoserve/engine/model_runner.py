@@ -7,7 +7,8 @@ model:
 
     input_ids, positions  [B, T]   new tokens per row, right-padded to the longest
     slot_mapping          [B, T]   where each new token's K/V goes (−1: padding, not written)
-    block_tables          [B, M]   each row's blocks, padded with its own first block (masked)
+    block_tables          [B, M]   each row's blocks, padded with its own first block (masked); a block
+                                   given back by a sliding window reads as the row's last (masked too)
     context_lens          [B]      tokens in the cache once this step's are written
 
 and returns each row's next-token logits (the logits of its last new token). `prepare` builds all
@@ -29,7 +30,7 @@ from ..kv.cache import PagedKVCache
 from ..kv.metadata import AttentionMetadata
 from ..models.onednn import use_onednn_linears
 from .block import slots
-from .sequence import Sequence
+from .sequence import NULL_BLOCK, Sequence
 
 PREFILL_SLACK = 1.25  # a prefill forward computes at most this × its real tokens (the rest: padding)
 
@@ -99,7 +100,10 @@ class ModelRunner:
             ids.append(seq.token_ids[start:start + n] + [0] * pad)
             pos.append(list(range(start, start + n)) + [start + n - 1] * pad)  # padding looks at real keys
             slot_rows.append(slots(seq.block_table, start, start + n, bs) + [-1] * pad)  # −1: not written
-            tables.append(seq.block_table + [seq.block_table[0]] * (M - len(seq.block_table)))  # read, then masked
+            table = seq.block_table
+            if table[0] == NULL_BLOCK:  # blocks out of every sliding window were given back: read a live one, masked
+                table = [b if b != NULL_BLOCK else table[-1] for b in table]
+            tables.append(table + [table[0]] * (M - len(table)))  # read, then masked
             lens.append(start + n)
         long = dict(dtype=torch.long)
         input_ids, positions = torch.tensor(ids, **long), torch.tensor(pos, **long)  # B, T

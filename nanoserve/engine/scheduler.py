@@ -196,6 +196,7 @@ class Scheduler:
         if finished:
             self.finish(seq)
         else:
+            self.block_allocator.free_out_of_window(seq)  # a sliding-window model: blocks no query sees again
             seq.needs_slot = True
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

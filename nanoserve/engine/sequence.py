@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 _ids = itertools.count()
+NULL_BLOCK = -1  # a block-table entry whose block was given back: it fell out of every layer's sliding window
 
 
 class SequenceStatus(Enum):
@@ -33,7 +34,7 @@ class Sequence:
     token_ids: list[int]
     num_prompt_tokens: int = -1
     seq_id: int = field(default_factory=lambda: next(_ids))
-    block_table: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)  # leading entries may be NULL_BLOCK (sliding window)
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     num_computed_tokens: int = 0  # tokens whose KV is in the cache (cached or computed)
     status: SequenceStatus = SequenceStatus.WAITING

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from ..engine.block_allocator import check_block_size
+from ..engine.block import check_block_size
 from ..errors import NanoserveError
 from ..models.config import ModelConfig
 from .metadata import AttentionMetadata

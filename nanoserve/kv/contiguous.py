@@ -43,8 +43,9 @@ class KVCache:
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         return self._view_for(layer, k.shape[1]).update(layer, k, v)
 
-    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
-        return self._view_for(layer, k.shape[1]).attention(layer, q, k, v, positions)
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                  window: int | None = None):
+        return self._view_for(layer, k.shape[1]).attention(layer, q, k, v, positions, window)
 
     def _view_for(self, layer: int, T: int) -> CacheView:
         if layer == 0 or self._view is None:

@@ -1,12 +1,13 @@
 """Which Hugging Face config.json fields change what a model computes, and what nanoserve does with each.
 
 No checkpoint may load and then compute something else. So every field of the HF config classes
-of the families nanoserve runs (GPT2Config, LlamaConfig, Qwen2Config) is listed here as one of
+of the families nanoserve runs (GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config) is
+listed here as one of
 - implemented: config.py reads it and the model computes what transformers computes (for the
   values in `allowed`, when the field lists them; any other value is refused by name),
 - refused: nanoserve computes only the values in `allowed` (HF's default first; for the fields
-  that only mean something together, the sliding-window ones, `sliding_layers` decides); any other
-  value makes loading fail with a ConfigError that names the field,
+  that only mean something together, Llama's sliding-window ones, `check_hf_fields` decides); any
+  other value makes loading fail with a ConfigError that names the field,
 - inert: it does not change the logits at inference, with the reason (dropout, random init, what
   HF's forward returns besides logits, ...).
 tests/test_config_fields.py checks that every key of the installed transformers' config classes
@@ -144,38 +145,41 @@ LLAMA_FIELDS = {
     "layer_types": refused("per-layer attention kinds; only 'full_attention' is supported"),
 }
 
+# Qwen2 and Qwen3 slide a window over the layers `layer_types` marks (hf_config._windows).
+_QWEN_WINDOWS = {
+    "use_sliding_window": implemented("turns the sliding window on"),
+    "sliding_window": implemented("the window: a query at position p sees keys p − w + 1 .. p"),
+    "max_window_layers": implemented("without layer_types, layers from this index on slide"),
+    "layer_types": implemented("per-layer attention kinds: 'full_attention' or 'sliding_attention'"),
+}
+
 QWEN2_FIELDS = {
     **_DECODER,
-    # Qwen2's sliding window applies in the layers `sliding_layers` returns (configuration_qwen2.py).
-    "use_sliding_window": refused("turns the sliding window on (see `sliding_layers`)"),
-    "sliding_window": refused("the window's length (see `sliding_layers`)"),
-    "max_window_layers": refused("layers from this index on use the window (see `sliding_layers`)"),
-    "layer_types": refused("per-layer attention kinds (see `sliding_layers`)"),
+    **_QWEN_WINDOWS,
     # not Qwen2Config fields: Qwen2's code gives q, k, v a bias and o and the MLP none, whatever they say
     "attention_bias": inert("Qwen2 always has q/k/v biases and no o bias"),
     "mlp_bias": inert("Qwen2's MLP never has biases"),
 }
 
-HF_FIELDS = {"gpt2": GPT2_FIELDS, "llama": LLAMA_FIELDS, "qwen2": QWEN2_FIELDS}
+QWEN3_FIELDS = {
+    **_DECODER,
+    **_QWEN_WINDOWS,
+    "attention_bias": implemented("biases on q, k, v and o projections"),
+    "mlp_bias": inert("Qwen3's MLP never has biases"),
+}
 
+MISTRAL_FIELDS = {
+    **_DECODER,
+    "sliding_window": implemented("the window of every layer (null: none): a query at p sees keys p − w + 1 .. p"),
+    # not MistralConfig fields; Mistral's code reads neither
+    "layer_types": refused("per-layer attention kinds: Mistral's code slides every layer or none "
+                           "(Ministral's alternates; a different model)", None),
+    "attention_bias": inert("Mistral's projections never have biases"),
+    "mlp_bias": inert("Mistral's MLP never has biases"),
+}
 
-def sliding_layers(hf_type: str, cfg: dict[str, Any]) -> list[int]:
-    """The layers in which transformers attends to a sliding window of keys instead of all of them.
-
-    Qwen2 (configuration_qwen2.py): the window is `sliding_window` only when `use_sliding_window`,
-    and a config without `layer_types` puts it in layers max_window_layers .. n_layers−1. An explicit
-    `layer_types` (transformers 5) wins; a layer it marks as anything but "full_attention" counts too.
-    """
-    if hf_type == "qwen2":
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
-        first = cfg.get("max_window_layers", 28)
-    else:  # no use_sliding_window switch: transformers' cache honours any sliding_window
-        window, first = cfg.get("sliding_window"), 0
-    types = cfg.get("layer_types")
-    if types is None:
-        n = int(cfg.get("num_hidden_layers") or 0)
-        types = ["sliding_attention" if window is not None and i >= first else "full_attention" for i in range(n)]
-    return [i for i, kind in enumerate(types) if kind != "full_attention"]
+HF_FIELDS = {"gpt2": GPT2_FIELDS, "llama": LLAMA_FIELDS, "mistral": MISTRAL_FIELDS, "qwen2": QWEN2_FIELDS,
+             "qwen3": QWEN3_FIELDS}
 
 
 def check_hf_fields(hf_type: str, cfg: dict[str, Any]) -> None:
@@ -192,11 +196,10 @@ def check_hf_fields(hf_type: str, cfg: dict[str, Any]) -> None:
         raise ConfigError(f"{hf_type} config field rope_parameters.partial_rotary_factor="
                           f"{rope['partial_rotary_factor']!r} is not supported (rotating only part of each "
                           "head); supported: 1.0")
-    layers = sliding_layers(hf_type, cfg)
-    if layers:
-        names = "use_sliding_window / sliding_window / max_window_layers / layer_types" if hf_type == "qwen2" \
-            else "sliding_window / layer_types"
+    if hf_type == "llama" and (cfg.get("sliding_window") is not None
+                               or any(t != "full_attention" for t in cfg.get("layer_types") or [])):
         raise ConfigError(
-            f"{hf_type} config asks for sliding-window attention in layers {layers} ({names}: "
-            f"sliding_window={cfg.get('sliding_window')!r}, layer_types={cfg.get('layer_types')!r}); "
-            "nanoserve attends to the whole context in every layer; supported: configs without sliding layers")
+            f"llama config asks for sliding-window attention (sliding_window={cfg.get('sliding_window')!r}, "
+            f"layer_types={cfg.get('layer_types')!r}), which Llama's mask ignores while transformers' cache "
+            "keeps only the window's keys: no one result to match; supported: sliding_window None "
+            "(a windowed Llama-style checkpoint is a Mistral: architectures ['MistralForCausalLM'])")

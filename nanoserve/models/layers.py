@@ -93,17 +93,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 # ----------------------------------------------------------------------------- attention
-def causal_mask(q_positions: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """Boolean mask [B, 1, T, S]: query at absolute position p sees keys at positions 0..p."""
-    k_positions = torch.arange(kv_len, device=q_positions.device)  # S
-    return (k_positions[None, None, :] <= q_positions[:, :, None])[:, None]  # B, 1, T, S
+def causal_mask(q_positions: torch.Tensor, kv_len: int, window: int | None = None) -> torch.Tensor:
+    """Boolean mask [B, 1, T, S]: query at absolute position p sees keys at positions 0..p, or with a
+    sliding window w only the w newest of them, p − w + 1 .. p (Mistral; HF's `kv_idx > q_idx − w`)."""
+    k_positions = torch.arange(kv_len, device=q_positions.device)[None, None, :]  # 1, 1, S
+    p = q_positions[:, :, None]  # B, T, 1
+    visible = k_positions <= p
+    if window is not None:
+        visible = visible & (k_positions > p - window)
+    return visible[:, None]  # B, 1, T, S
 
 
-def naive_attention(q, k, v, q_positions=None):
+def naive_attention(q, k, v, q_positions=None, window: int | None = None):
     """softmax(q·kᵀ/√d + causal mask)·v, written out.  q [B,T,H,D]; k, v [B,S,Hkv,D] -> [B,T,H,D].
 
     Key j sits at position j. `q_positions` [B, T] are the queries' absolute positions; None
-    means the queries are the keys themselves (positions 0..T-1, no cache).
+    means the queries are the keys themselves (positions 0..T-1, no cache). `window`: each query
+    sees only its `window` newest keys, itself included (None: all of them).
     """
     B, T, H, D = q.shape
     if q_positions is None:
@@ -112,18 +118,20 @@ def naive_attention(q, k, v, q_positions=None):
     k = k.repeat_interleave(group, dim=2)  # B, S, H, D
     v = v.repeat_interleave(group, dim=2)
     scores = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) / math.sqrt(D)  # B, H, T, S
-    scores = scores.masked_fill(~causal_mask(q_positions, k.shape[1]), float("-inf"))
+    scores = scores.masked_fill(~causal_mask(q_positions, k.shape[1], window), float("-inf"))
     probs = scores.softmax(dim=-1)
     return torch.einsum("bhts,bshd->bthd", probs, v.float()).to(q.dtype)  # B, T, H, D
 
 
-def attention(q, k, v, q_positions=None):
+def attention(q, k, v, q_positions=None, window: int | None = None):
     """The same as `naive_attention`, through torch's fused SDPA kernel."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # B, H, T, D
     gqa = q.shape[1] != k.shape[1]
-    if q_positions is None:  # no cache: plain causal attention among the T tokens
+    if q_positions is None and window is None:  # no cache: plain causal attention among the T tokens
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(q_positions, k.shape[2]),
+        if q_positions is None:
+            q_positions = torch.arange(q.shape[2], device=q.device).expand(q.shape[0], -1)  # B, T
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(q_positions, k.shape[2], window),
                                              enable_gqa=gqa)
     return out.transpose(1, 2)  # B, T, H, D

@@ -1,9 +1,12 @@
-"""Llama-class models: Llama 2, Llama 3/3.1/3.2, TinyLlama, SmolLM, and Qwen2 (q/k/v bias).
+"""Llama-class models: Llama 2, Llama 3/3.1/3.2, TinyLlama, SmolLM, Mistral, Qwen2 and Qwen3.
 
 Pre-RMSNorm blocks, rotary position embeddings (RoPE) applied to q and k, grouped-query
 attention (n_kv_heads ≤ n_heads: each kv head serves n_heads / n_kv_heads query heads, which
 shrinks the KV cache by that factor), a SwiGLU MLP, and a tied or untied LM head. Module names
-follow the HF checkpoints so weights load by name. Taught in notebooks/01_*.
+follow the HF checkpoints so weights load by name. What the other families change is a config
+field each (hf_config.py): Qwen2's q/k/v biases; Mistral's and Qwen2/3's sliding window (a layer
+attends to its `window` newest keys only: `cfg.layer_window`); Qwen3's RMSNorm over each head of
+q and k before RoPE (`qk_norm`), which keeps attention logits from growing. Taught in notebooks/01_*.
 """
 
 from __future__ import annotations
@@ -25,17 +28,23 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(d, kv_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(d, kv_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q_dim, d, bias=cfg.o_bias)
+        self.window = cfg.layer_window(layer_idx)  # None: the whole context
+        if cfg.qk_norm:  # one RMSNorm weight of head_dim, shared by every head
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
 
     def forward(self, x, positions, cos, sin, cache):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # B, T, H, D
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # B, T, Hkv, D
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):  # Qwen3: normalise each head's q and k, then rotate
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:  # the T tokens attend causally among themselves
-            y = attention(q, k, v)  # B, T, H, D
-        else:  # the cache stores k, v and attends over everything cached (its backend: torch or Triton)
-            y = cache.attention(self.layer_idx, q, k, v, positions)  # B, T, H, D
+            y = attention(q, k, v, window=self.window)  # B, T, H, D
+        else:  # the cache stores k, v and attends over what is cached (its backend: torch or Triton)
+            y = cache.attention(self.layer_idx, q, k, v, positions, window=self.window)  # B, T, H, D
         return self.o_proj(y.reshape(B, T, -1))
 
 

@@ -25,7 +25,8 @@ from safetensors.torch import save_file
 from ..errors import CheckpointError, ConfigError, NanoserveError
 from ..models import CausalLM, build_model
 from ..tokenizers import has_tokenizer, load_tokenizer
-from .config import ModelConfig, to_hf_config
+from .config import ModelConfig
+from .hf_config import to_hf_config
 from .llama2c import read_llama2c
 
 ASSETS = Path(__file__).parents[1] / "assets"

@@ -1,4 +1,5 @@
-"""Exercise 1: causal attention with a KV cache (nanoserve/models/layers.py: causal_mask, naive_attention).
+"""Exercise 1: causal attention with a KV cache, and a sliding window (nanoserve/models/layers.py: causal_mask,
+naive_attention).
 
 Oracles: a truth table written by hand, and torch's scaled_dot_product_attention (not our code).
 The decode tests are the KV-cache contract: queries at positions p..p+T-1 over keys 0..p+T-1 must
@@ -74,6 +75,25 @@ def check_ragged_positions(impl):
     assert (out - _sdpa(q, k, v, mask[:, None])).abs().max() < 1e-5
 
 
+def check_window_truth_table(impl):
+    """Sliding window 2: each query sees itself and the one key before it."""
+    m = impl.causal_mask(torch.tensor([[0, 2], [3, 4]]), 5, window=2)
+    want = torch.tensor([[[1, 0, 0, 0, 0], [0, 1, 1, 0, 0]],
+                         [[0, 0, 1, 1, 0], [0, 0, 0, 1, 1]]], dtype=torch.bool)
+    assert m.shape == (2, 1, 2, 5) and torch.equal(m[:, 0], want)
+
+
+def check_window_attention_equals_sdpa(impl):
+    """A window of 3 over a prefill of 7 and over decode queries at positions 5 and 6."""
+    q, k, v = _qkv(B=2, T=7, H=6, Hkv=2)
+    kpos, qpos = torch.arange(7)[None, :], torch.arange(7)[:, None]
+    mask = (kpos <= qpos) & (kpos > qpos - 3)  # T, S   built here, independently
+    full = _sdpa(q, k, v, mask)
+    assert (impl.naive_attention(q, k, v, window=3) - full).abs().max() < 1e-5
+    decode = impl.naive_attention(q[:, 5:], k, v, torch.tensor([[5, 6], [5, 6]]), window=3)
+    assert (decode - full[:, 5:]).abs().max() < 1e-5
+
+
 def check_dtype_kept(impl):
     q, k, v = _qkv(dtype=torch.float16)
     out = impl.naive_attention(q, k, v)
@@ -106,9 +126,17 @@ def test_ex01_2_half_precision_in_half_precision_out(impl):
     check_dtype_kept(impl)
 
 
+def test_ex01_3_sliding_window_truth_table(impl):
+    check_window_truth_table(impl)
+
+
+def test_ex01_3_sliding_window_attention_equals_sdpa(impl):
+    check_window_attention_equals_sdpa(impl)
+
+
 # ----------------------------------------------------------------------------- known-wrong variants
 def _attention(mask_fn, kv_heads="interleave"):
-    def naive_attention(q, k, v, q_positions=None):
+    def naive_attention(q, k, v, q_positions=None, window=None):
         B, T, H, D = q.shape
         if q_positions is None:
             q_positions = torch.arange(T).expand(B, T)
@@ -118,19 +146,25 @@ def _attention(mask_fn, kv_heads="interleave"):
         else:  # wrong: head h reads kv head h % Hkv
             k, v = (t.repeat(1, 1, group, 1) for t in (k, v))
         s = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) / math.sqrt(D)
-        s = s.masked_fill(~mask_fn(q_positions, k.shape[1]), float("-inf"))
+        s = s.masked_fill(~mask_fn(q_positions, k.shape[1], window), float("-inf"))
         return torch.einsum("bhts,bshd->bthd", s.softmax(-1), v.float()).to(q.dtype)
     return naive_attention
 
 
-def _mask(compare):
-    return lambda qp, S: compare(torch.arange(S)[None, None, :], qp[:, :, None])[:, None]
+def _mask(compare, window_edge=lambda kpos, qpos, w: kpos > qpos - w):
+    def causal_mask(qp, S, window=None):
+        kpos, qpos = torch.arange(S)[None, None, :], qp[:, :, None]
+        visible = compare(kpos, qpos)
+        return (visible if window is None else visible & window_edge(kpos, qpos, window))[:, None]
+    return causal_mask
 
 
 NO_MASK = _mask(lambda kpos, qpos: torch.ones_like(kpos <= qpos))
 STRICT = _mask(lambda kpos, qpos: kpos < qpos)  # off by one: a query does not see itself
 RIGHT = _mask(lambda kpos, qpos: kpos <= qpos)
 FROM_ZERO = _mask(lambda kpos, qpos: kpos <= qpos - qpos[:, :1])  # forgets the cache: positions restart at 0
+WIDE = _mask(lambda kpos, qpos: kpos <= qpos, lambda kpos, qpos, w: kpos >= qpos - w)  # window + 1 keys
+NO_WINDOW = _mask(lambda kpos, qpos: kpos <= qpos, lambda kpos, qpos, w: kpos >= 0)  # the window ignored
 WRONG = {
     "no causal mask": (SimpleNamespace(causal_mask=NO_MASK, naive_attention=_attention(NO_MASK)),
                        [check_mask_truth_table, check_prefill_equals_sdpa]),
@@ -140,6 +174,10 @@ WRONG = {
                                         [check_decode_with_cache_equals_full, check_ragged_positions]),
     "GQA heads tiled, not grouped": (SimpleNamespace(causal_mask=RIGHT, naive_attention=_attention(RIGHT, "tile")),
                                      [check_decode_with_cache_equals_full]),
+    "window one key too wide": (SimpleNamespace(causal_mask=WIDE, naive_attention=_attention(WIDE)),
+                                [check_window_truth_table, check_window_attention_equals_sdpa]),
+    "window ignored": (SimpleNamespace(causal_mask=NO_WINDOW, naive_attention=_attention(NO_WINDOW)),
+                       [check_window_truth_table, check_window_attention_equals_sdpa]),
 }
 
 
@@ -155,5 +193,6 @@ def test_ex01_the_checks_pass_on_a_right_variant_built_the_same_way():
     """The mutants differ from this one in exactly one place, so their failures are that place's."""
     right = SimpleNamespace(causal_mask=RIGHT, naive_attention=_attention(RIGHT))
     for check in (check_mask_truth_table, check_prefill_equals_sdpa, check_decode_with_cache_equals_full,
-                  check_ragged_positions, check_dtype_kept):
+                  check_ragged_positions, check_dtype_kept, check_window_truth_table,
+                  check_window_attention_equals_sdpa):
         check(right)

@@ -1,0 +1,99 @@
+"""Sliding-window attention through the whole engine, and the KV blocks it gives back.
+
+A Mistral-style model attends, in every layer, to the `window` newest keys only. So once a block's
+last key is more than window − 1 positions behind every future query, no one reads it again and the
+block allocator gives it back to the pool (`free_out_of_window`): a long generation holds
+O(window) blocks, not O(length). Proof, with transformers' MistralForCausalLM (window 8) as the
+oracle for the tokens:
+- greedy tokens with freeing == without freeing == HF generate, through continuous batching,
+  chunked prefill, prefix caching, parallel samples and both attention backends;
+- the blocks a generating sequence holds stay ≤ ceil(window / block_size) + 1 after every step (its
+  window's keys span at most that many blocks; a prompt is allocated whole, then trimmed);
+- the pool is whole at the end (every block free, invariants hold);
+- negative control: a runner that reads the given-back entries as they are (−1) fails loudly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.engine.sequence import NULL_BLOCK
+
+WINDOW, BS = 8, 4  # the "mistral-window" checkpoint of testdata.hf_configs: a window of 8 in both layers
+PROMPTS = [[3, 17, 42, 5, 99, 7], list(range(20, 43)), [9] * 13]  # 6, 23 and 13 tokens: one prefilled in chunks
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+def _llm(hf_checkpoints, free: bool = True, **kwargs) -> LLM:
+    llm = LLM(str(hf_checkpoints["mistral-window"][0]), dtype="float32", device="cpu", block_size=BS,
+              max_num_batched_tokens=16, **kwargs)
+    assert llm.engine.config.kv_window == WINDOW
+    if not free:
+        llm.block_allocator.sliding_window = None  # keep every block: the plain paged cache
+    return llm
+
+
+def _run(llm: LLM, prompts, params=GREEDY) -> tuple[list[list[int]], int]:
+    """Step the engine to the end; (tokens per prompt, most blocks a sequence held after a step, once past its
+    prompt)."""
+    engine = llm.engine
+    ids = [engine.add_request(p, params) for p in prompts]
+    tokens, most = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = [o.token_ids for o in out.outputs]
+        for seq in engine.scheduler.running:
+            if seq.num_computed_tokens >= seq.num_prompt_tokens:
+                most = max(most, sum(b != NULL_BLOCK for b in seq.block_table))
+    bm = llm.block_allocator
+    assert bm.num_free_blocks() == bm.num_blocks  # the pool is whole again
+    bm.check_invariants()
+    return [tokens[i] for i in ids], most
+
+
+def test_freeing_blocks_changes_no_token_and_matches_hf(hf_checkpoints):
+    hf = hf_checkpoints["mistral-window"][1]
+    freed, held = _run(_llm(hf_checkpoints), PROMPTS)
+    kept, held_all = _run(_llm(hf_checkpoints, free=False), PROMPTS)
+    assert freed == kept
+    with torch.no_grad():
+        for prompt, out in zip(PROMPTS, freed):
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=40, min_new_tokens=40, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+            assert out[0] == ref
+    assert held <= math.ceil(WINDOW / BS) + 1 < held_all  # O(window) blocks, against O(length) without freeing
+    assert held_all == math.ceil((23 + 40 - 1) / BS)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_parallel_samples_prefix_hits_and_backends(hf_checkpoints, backend):
+    """n = 2 forks share blocks (each fork gives back its own references); the second call's prompt hits
+    the prefix cache; the Triton kernels start reading at the window, never at a given-back block."""
+    params = SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=24, ignore_eos=True)
+    runs = []
+    for free in (True, False):
+        llm = _llm(hf_checkpoints, free, attention_backend=backend)
+        first, held = _run(llm, PROMPTS[:2], params)
+        second, _ = _run(llm, [PROMPTS[1][:16] + [5, 6]], params)  # 4 full blocks in common with the first call
+        assert llm.block_allocator.stats.hits >= 4
+        runs.append((first, second))
+        if free:
+            assert held <= math.ceil(WINDOW / BS) + 1
+    assert runs[0] == runs[1]
+
+
+def test_a_runner_that_reads_given_back_entries_fails(hf_checkpoints, monkeypatch):
+    """Negative control: without the model runner's substitution the −1 entries reach the gather (an index
+    out of range there; the request fails alone, with that error)."""
+    from nanoserve.engine import model_runner
+    from nanoserve.errors import RequestFailedError
+
+    llm = _llm(hf_checkpoints)
+    monkeypatch.setattr(model_runner, "NULL_BLOCK", object())  # nothing equals it: −1 goes through as is
+    with pytest.raises(RequestFailedError, match="index out of range"):
+        llm.generate([PROMPTS[1]], GREEDY, use_tqdm=False)
