@@ -46,7 +46,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     block_tables: torch.Tensor | None = None, k_cache: torch.Tensor | None = None,
                     v_cache: torch.Tensor | None = None, context_lens: torch.Tensor | None = None,
                     *, block_m: int | None = None, block_n: int | None = None,
-                    max_seqlen_q: int | None = None, window: int | None = None) -> torch.Tensor:
+                    max_seqlen_q: int | None = None, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Attention over packed sequences.  q [total_q, H, D]; k, v [total_k, Hkv, D] -> [total_q, H, D].
 
     cu_seqlens_q/k [B+1]: cumulative lengths. causal: bottom-right aligned (query i of Lq sits at
@@ -55,8 +56,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     context_lens [B]; token t of sequence b's prefix is k_cache[block_tables[b, t // block_size],
     t % block_size]. block_m/block_n override the tile sizes (16 is right for the interpreter).
     max_seqlen_q: the longest query sequence if the caller knows it (None: read it from cu_seqlens_q).
-    window: a sliding window (Mistral-style models; not part of this exercise, whose tests pass None: the
-    reference shows how both loops start at the window and mask keys at or before position − window).
+    window, softcap: a sliding window and a soft-cap of the scores (Mistral, Gemma; not part of this
+    exercise, whose tests pass None: the reference shows both).
     Output in q's dtype.
     """
     raise NotImplementedError(

@@ -43,13 +43,24 @@ def check_tiles(gpu: bool, **tiles: int) -> None:
             raise ValueError(f"{name} must be a power of two{' ≥ 16 on a GPU (tl.dot)' if gpu else ''}, got {size!r}")
 
 
-def check_window(window) -> int:
-    """A sliding window: None (every key) or an int ≥ 1; returns the kernels' form, 0 for None."""
+def check_window(window, causal: bool = True) -> int:
+    """A sliding window: None (every key) or an int ≥ 1, with causal attention; the kernels' form, 0 for None."""
     if window is None:
         return 0
     if type(window) is not int or window < 1:
         raise ValueError(f"window must be None or an int ≥ 1 (keys each query sees, itself included), got {window!r}")
+    if not causal:
+        raise ValueError(f"window={window} needs causal=True (a sliding window looks back from each query)")
     return window
+
+
+def check_softcap(softcap) -> float:
+    """A soft-cap of the scores (c·tanh(x / c)): None (off) or a positive finite number; the kernels' form (0: off)."""
+    if softcap is None:
+        return 0.0
+    if not isinstance(softcap, (int, float)) or not 0 < softcap < float("inf"):
+        raise ValueError(f"softcap must be None or a positive finite number, got {softcap!r}")
+    return float(softcap)
 
 
 def check_block_ids(block_tables, lens, block_size: int, num_blocks: int) -> None:

@@ -28,9 +28,9 @@ query tile starts past its sequence's end returns at once.
 **Bottom-right causal alignment.** A sequence with Lq queries and Lk keys is the *last* Lq
 tokens of Lk: query i sits at position Lk − Lq + i and sees keys 0..Lk − Lq + i. With Lq = Lk
 that is ordinary causal attention; with Lq < Lk the new tokens see everything before them.
-A query that sees no key at all (only possible when Lq > Lk) gets output 0. A sliding window w
-(Mistral) hides keys more than w − 1 positions back as well; both loops below then start at the
-tile's first visible key, so the blocks before the window are never read.
+A query that sees no key at all (only possible when Lq > Lk) gets output 0. A sliding window w hides
+keys more than w − 1 positions back too; both loops then start at the tile's first visible key (the
+blocks before it are never read). A soft-cap c (Gemma 2) maps each score x to c·tanh(x / c) first.
 
 **Paged prefix** (chunked prefill, prefix-cache hits). With `block_tables`, `k_cache`,
 `v_cache` and `context_lens`, sequence b first has `context_lens[b]` = P tokens already in the
@@ -61,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_flash_attention, check_tiles, check_window
+from .checks import check_flash_attention, check_softcap, check_tiles, check_window
 from .configs import pick
 
 
@@ -77,7 +77,7 @@ def _flash_attention_kernel(
     stride_bt_b, stride_bt_i,
     stride_kcb, stride_kcs, stride_kch, stride_kcd,
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
-    qk_scale, H, group, head_dim, page_size, window,
+    qk_scale, H, group, head_dim, page_size, window, softcap,
     CAUSAL: tl.constexpr, HAS_PREFIX: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -135,7 +135,7 @@ def _flash_attention_kernel(
                 valid = valid & (t[None, :] <= q_pos[:, None])
             if window > 0:
                 valid = valid & (t[None, :] > q_pos[:, None] - window)
-            m_i, l_i, acc = _online_softmax_step(q, kT, v, valid, m_i, l_i, acc, qk_scale, UPCAST)
+            m_i, l_i, acc = _online_softmax_step(q, kT, v, valid, m_i, l_i, acc, qk_scale, softcap, UPCAST)
 
     # ---- loop 2: this step's new keys, at positions P..P+Lk-1
     hi = Lk
@@ -154,7 +154,7 @@ def _flash_attention_kernel(
             valid = valid & ((P + j)[None, :] <= q_pos[:, None])
         if window > 0:
             valid = valid & ((P + j)[None, :] > q_pos[:, None] - window)
-        m_i, l_i, acc = _online_softmax_step(q, kT, v, valid, m_i, l_i, acc, qk_scale, UPCAST)
+        m_i, l_i, acc = _online_softmax_step(q, kT, v, valid, m_i, l_i, acc, qk_scale, softcap, UPCAST)
 
     # A row that saw no key has l = 0 and acc = 0: output 0, not 0/0.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # BLOCK_M, BLOCK_D
@@ -164,12 +164,23 @@ def _flash_attention_kernel(
 
 
 @triton.jit
-def _online_softmax_step(q, kT, v, valid, m_i, l_i, acc, qk_scale, UPCAST: tl.constexpr):
+def _softcap(s, cap):
+    """Scores in log2 units, s = x·log2 e -> c·tanh(x / c)·log2 e (tanh(y) = ±(1 − e)/(1 + e), e = exp(−2|y|) ≤ 1)."""
+    y = s * (0.6931471805599453 / cap)  # x / c
+    e = tl.exp(-2.0 * tl.abs(y))
+    t = (1.0 - e) / (1.0 + e)
+    return (cap * 1.4426950408889634) * tl.where(y >= 0, t, -t)
+
+
+@triton.jit
+def _online_softmax_step(q, kT, v, valid, m_i, l_i, acc, qk_scale, softcap, UPCAST: tl.constexpr):
     """Fold one key tile into (m, l, acc). Scores are in log2 units: qk_scale = sm_scale·log2(e)."""
     if UPCAST:
         kT = kT.to(tl.float32)
         v = v.to(tl.float32)
     s = tl.dot(q, kT, input_precision="ieee") * qk_scale  # BLOCK_M, BLOCK_N
+    if softcap > 0:
+        s = _softcap(s, softcap)
     s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))  # BLOCK_M
     # A row with every key masked so far has m_new = -inf; subtract 0 instead so that
@@ -189,7 +200,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     block_tables: torch.Tensor | None = None, k_cache: torch.Tensor | None = None,
                     v_cache: torch.Tensor | None = None, context_lens: torch.Tensor | None = None,
                     *, block_m: int | None = None, block_n: int | None = None,
-                    max_seqlen_q: int | None = None, window: int | None = None) -> torch.Tensor:
+                    max_seqlen_q: int | None = None, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Attention over packed sequences.  q [total_q, H, D]; k, v [total_k, Hkv, D] -> [total_q, H, D].
 
     cu_seqlens_q/k [B+1]: cumulative lengths (sequence b is rows cu[b]:cu[b+1]). causal: bottom-right
@@ -199,11 +211,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     override the tile sizes of kernels/configs.py (powers of two, ≥ 16 on a GPU). max_seqlen_q: the
     longest query sequence, or any bound above it, known on the host (sizes the grid; None reads it
     from cu_seqlens_q, a host sync on a GPU). window: a sliding window (with causal), each query sees
-    its `window` newest keys only (None: all).
+    its `window` newest keys only (None: all). softcap: scores x -> softcap·tanh(x / softcap) (None: off).
     """
-    window = check_window(window)
-    if window and not causal:
-        raise ValueError(f"window={window} needs causal=True (a sliding window looks back from each query)")
+    window, softcap = check_window(window, causal), check_softcap(softcap)
     has_prefix = check_flash_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, block_tables, k_cache, v_cache,
                                        context_lens, max_seqlen_q)
     total_q, H, D = q.shape
@@ -239,7 +249,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q, k, v, out, cu_q, cu_k, bt, kc, vc, ctx,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         *bt_strides, *kc_strides, *vc_strides,
-        sm_scale * math.log2(math.e), H, H // Hkv, D, page_size, window,
+        sm_scale * math.log2(math.e), H, H // Hkv, D, page_size, window, softcap,
         CAUSAL=bool(causal), HAS_PREFIX=has_prefix, UPCAST=launch.upcast,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
         **launch.options(),
@@ -253,7 +263,7 @@ def flash_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         causal: bool = True, sm_scale: float | None = None,
                         block_tables: torch.Tensor | None = None, k_cache: torch.Tensor | None = None,
                         v_cache: torch.Tensor | None = None, context_lens: torch.Tensor | None = None,
-                        window: int | None = None) -> torch.Tensor:
+                        window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """`flash_attention` in plain torch: one sequence at a time, the full score matrix, fp32 math."""
     has_prefix = check_flash_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, block_tables, k_cache, v_cache,
                                        context_lens)
@@ -276,6 +286,8 @@ def flash_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         kb = kb.repeat_interleave(group, dim=1)  # S, H, D
         vb = vb.repeat_interleave(group, dim=1)  # S, H, D
         scores = torch.einsum("thd,shd->hts", qb, kb) * scale  # H, Lq, S
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         if causal:  # bottom-right: query i sits at position S - Lq + i
             q_pos = torch.arange(S - Lq, S, device=q.device)  # Lq
             k_pos = torch.arange(S, device=q.device)  # S

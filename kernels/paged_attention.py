@@ -14,7 +14,8 @@ block `block_tables[b, t // block_size]` at offset `t % block_size`, i.e. in *sl
   x, m' = max(m, max x), l = l·exp(m − m') + Σ exp(x − m'), acc = acc·exp(m − m') + exp(x − m')·v,
   and out = acc / l at the end (m, l, acc in fp32). With a sliding window w (Mistral), the query
   at position len − 1 sees only keys len − w .. len − 1, so the walk simply starts at len − w: the
-  blocks before it are never read (the engine may already have given them back to the pool).
+  blocks before it are never read (the engine may already have given them back to the pool). A
+  soft-cap c (Gemma 2) maps each score x to c·tanh(x / c) first (flash_attention._softcap).
 
 **GQA, one program per group.** H query heads share Hkv kv heads (head h reads kv head
 h // G, G = H // Hkv). A program owns one (sequence, kv head) and all G query heads of its
@@ -54,8 +55,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_paged_attention, check_window
+from .checks import check_paged_attention, check_softcap, check_window
 from .configs import INTERPRETER, pick
+from .flash_attention import _softcap
 
 BLOCK_N = INTERPRETER["decode"].tiles[0]  # key positions per tile in the interpreter (GPU: configs.DECODE)
 MIN_TILES_PER_SPLIT = 4  # choose_num_splits: a split must have work enough (4 · 32 keys) to pay for the merge
@@ -63,7 +65,8 @@ MAX_SPLITS = 32
 
 
 # ----------------------------------------------------------------------------- the reference
-def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, sm_scale=None, window=None) -> torch.Tensor:
+def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, sm_scale=None, window=None,
+                        softcap=None) -> torch.Tensor:
     """Plain torch, one sequence at a time: gather its keys through the block table (the `window` newest
     only, with a sliding window), softmax, sum values."""
     B, H, D = q.shape
@@ -77,6 +80,8 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, sm_scal
         k = k_cache.flatten(0, 1)[slots].float().repeat_interleave(H // Hkv, dim=1)  # L, H, D
         v = v_cache.flatten(0, 1)[slots].float().repeat_interleave(H // Hkv, dim=1)  # L, H, D
         scores = torch.einsum("hd,lhd->hl", q[b].float(), k) * scale  # H, L
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         out[b] = torch.einsum("hl,lhd->hd", scores.softmax(dim=-1), v).to(q.dtype)  # H, D
     return out
 
@@ -95,7 +100,7 @@ def _paged_decode_kernel(
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     stride_bt,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-    qk_scale, head_dim, window,
+    qk_scale, head_dim, window, softcap,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
     D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -137,6 +142,8 @@ def _paged_decode_kernel(
             v = v.to(tl.float32)
         # scale · log2 e, so exp2 below is exp; applied to the fp32 scores, not to q (no extra rounding)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # G_PAD, BLOCK_N
+        if softcap > 0:
+            s = _softcap(s, softcap)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every tile holds ≥ 1 real key
         alpha = tl.exp2(m - m_new)  # G_PAD   rescales what came before
@@ -177,14 +184,14 @@ def _merge_splits_kernel(
 
 # ----------------------------------------------------------------------------- the wrappers
 def paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, sm_scale=None, num_splits=1,
-                          *, out=None, max_context=None, window=None):
+                          *, out=None, max_context=None, window=None, softcap=None):
     """The first phase alone: partial outputs [B, H, num_splits, D] and their log-sum-exps [B, H, num_splits] (fp32).
 
     With `out` ([B, H, D]) and num_splits = 1, the single partial is written straight to it instead.
     max_context: a bound on context_lens known on the host (see `paged_attention`), checked with the values.
     """
     check_paged_attention(q, k_cache, v_cache, block_tables, context_lens, num_splits, max_context)
-    window = check_window(window)
+    window, softcap = check_window(window), check_softcap(softcap)
     if out is not None and (num_splits != 1 or out.shape != q.shape or out.stride(-1) != 1):
         raise ValueError("out= is for num_splits = 1 only, and must be shaped like q, contiguous in head_dim")
     B, H, D = q.shape
@@ -204,7 +211,7 @@ def paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, sm_sc
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0),
         *part_strides, lse.stride(0), lse.stride(1),
-        scale * 1.4426950408889634, D, window,  # · log2 e
+        scale * 1.4426950408889634, D, window, softcap,  # · log2 e
         BLOCK_SIZE=bs, GROUP=H // Hkv, G_PAD=max(16, triton.next_power_of_2(H // Hkv)),
         D_PAD=max(16, triton.next_power_of_2(D)), BLOCK_N=launch.tiles[0], UPCAST=launch.upcast,
         **launch.options(),
@@ -229,7 +236,8 @@ def merge_splits(partial_out, partial_lse, out_dtype=torch.float32) -> torch.Ten
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, sm_scale=None, num_splits: int | None = 1,
-                    *, max_context: int | None = None, window: int | None = None) -> torch.Tensor:
+                    *, max_context: int | None = None, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Decode attention over paged K/V.
 
     q [B, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks]
@@ -238,7 +246,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, sm_scale=No
     1/√D. num_splits > 1 runs Flash-Decoding's split-KV pass, then the LSE-weighted merge; None
     lets `choose_num_splits` decide from max_context, the longest context (or any bound above it)
     known on the host; without it that reads context_lens, a host sync on a GPU. window: a sliding
-    window, each query sees its `window` newest keys only (None: all).
+    window, each query sees its `window` newest keys only (None: all). softcap: scores x ->
+    softcap·tanh(x / softcap) before the softmax (None: off).
     """
     if num_splits is None:
         if max_context is None:
@@ -247,10 +256,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, sm_scale=No
     if num_splits == 1:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)  # B, H, D
         paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, sm_scale, 1, out=out,
-                              max_context=max_context, window=window)
+                              max_context=max_context, window=window, softcap=softcap)
         return out
     part, lse = paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, sm_scale, num_splits,
-                                      max_context=max_context, window=window)
+                                      max_context=max_context, window=window, softcap=softcap)
     return merge_splits(part, lse, q.dtype)
 
 

@@ -22,8 +22,9 @@ from nanoserve import LLM, NanoserveError, SamplingParams
 from nanoserve.kv import KVCache, PagedKVCache, TritonCacheView
 from nanoserve.models.loader import load_model
 
-CASES = ["gpt2", "llama-gqa", "qwen3-window"]  # MHA with a learned position table; GQA 6:2 with RoPE and an
-# untied head; q/k norms and a window of 6 in one layer (read from its start offset, blocks before it never)
+CASES = ["gpt2", "llama-gqa", "qwen3-window", "gemma2"]  # MHA with a learned position table; GQA 6:2 with RoPE
+# and an untied head; q/k norms and a window of 6 in one layer (read from its start offset, blocks before it
+# never); Gemma 2's soft-capped scores with its own scale, in two windowed layers and one global
 
 
 def _step_logits(model, cfg, backend, batch, prefill, *, num_kv_splits=None, poison=False, view_cls=None):

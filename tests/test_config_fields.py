@@ -39,12 +39,21 @@ T, PREFILL = 6 * WINDOW, 8  # 8 prompt tokens, then 16 single-token decode steps
 DROP = object()  # in a case's json edits: remove the key from config.json
 
 CLASSES = {"gpt2": transformers.GPT2Config, "llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}
+           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config, "gemma2": transformers.Gemma2Config,
+           "gemma3_text": transformers.Gemma3TextConfig, "smollm3": transformers.SmolLM3Config,
+           "olmo2": transformers.Olmo2Config, "phi3": transformers.Phi3Config}
 _SMALL = dict(vocab_size=257, initializer_range=0.1, bos_token_id=0, eos_token_id=1)
 _DECODER = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=64, **_SMALL)
 BASE = {"gpt2": dict(n_layer=2, n_embd=32, n_head=4, n_positions=64, **_SMALL), "llama": _DECODER,
-        "mistral": dict(_DECODER, sliding_window=None), "qwen2": _DECODER, "qwen3": _DECODER}
+        "mistral": dict(_DECODER, sliding_window=None), "qwen2": _DECODER, "qwen3": _DECODER,
+        "gemma2": dict(_DECODER, head_dim=8, sliding_window=WINDOW, query_pre_attn_scalar=8),
+        "gemma3_text": dict(_DECODER, head_dim=8, sliding_window=WINDOW, query_pre_attn_scalar=8),
+        "smollm3": dict(_DECODER, num_hidden_layers=4, pad_token_id=0), "olmo2": dict(_DECODER, pad_token_id=0),
+        "phi3": dict(_DECODER, pad_token_id=0)}
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.2, 1.9], "long_factor": [3.0, 4.0, 5.0]}
+GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e5},
+               "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 16, "rope_theta": 500000.0}  # short original: every band used
 SLIDING = dict(use_sliding_window=True, sliding_window=WINDOW)
@@ -102,6 +111,67 @@ MATCHED = [
     ("qwen3-biases-sliding", "qwen3", dict(attention_bias=True, max_window_layers=1, **SLIDING), {}),
     ("qwen3-sliding-layer-types", "qwen3", dict(layer_types=["sliding_attention", "full_attention"], **SLIDING),
      {"max_window_layers": 0}),
+    # Gemma 2 / 3: sandwich norms, (1 + w) norms, √d embeddings, query_pre_attn_scalar, soft-caps, windows
+    ("gemma2-defaults", "gemma2", {}, {}),  # soft-caps 50 and 30, windows in layer 0
+    ("gemma2-soft-caps", "gemma2", dict(attn_logit_softcapping=0.5, final_logit_softcapping=1.5,
+                                        query_pre_attn_scalar=3), {}),
+    ("gemma2-no-caps-biases", "gemma2", dict(attn_logit_softcapping=None, final_logit_softcapping=None,
+                                             attention_bias=True, hidden_activation="silu", rms_norm_eps=0.1), {}),
+    ("gemma2-layer-types-untied", "gemma2", dict(layer_types=["full_attention", "sliding_attention"],
+                                                 tie_word_embeddings=False, num_key_value_heads=4,
+                                                 rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                                  "rope_theta": 1e4}), {}),
+    ("gemma2-transformers4", "gemma2", dict(head_dim=256, num_attention_heads=1, num_key_value_heads=1,
+                                            rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
+     {"layer_types": DROP, "rope_parameters": DROP, "rope_theta": 500.0, "hidden_act": "gelu",
+      "head_dim": DROP}),  # head_dim 256 when absent; hidden_act is not read
+    ("gemma3-rope-per-layer-type", "gemma3_text", dict(rope_parameters=GEMMA3_ROPE, sliding_window_pattern=2), {}),
+    # attn_logit_softcapping is read by Gemma 3's config, never applied by its attention
+    ("gemma3-soft-caps-window-all", "gemma3_text", dict(attn_logit_softcapping=2.0, final_logit_softcapping=4.0,
+                                                        layer_types=["sliding_attention"] * 2), {}),
+    ("gemma3-biases-eps-untied", "gemma3_text", dict(attention_bias=True, rms_norm_eps=0.1, tie_word_embeddings=False,
+                                                     use_bidirectional_attention=False), {}),
+    ("gemma2-rope-transformers4", "gemma2", dict(rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                                  "rope_theta": 1e4}),
+     {"rope_parameters": DROP, "rope_theta": 1e4, "rope_scaling": {"type": "linear", "factor": 2.0}}),
+    ("gemma3-transformers4", "gemma3_text", dict(sliding_window_pattern=2, rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 2e5},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}}),
+     {"layer_types": DROP, "rope_parameters": DROP, "rope_theta": 2e5, "rope_local_base_freq": 50.0,
+      "rope_scaling": {"rope_type": "linear", "factor": 2.0}, "sliding_window_pattern": 2,
+      "_sliding_window_pattern": DROP}),
+    # SmolLM3: NoPE layers (and its window); OLMo 2: post-norm, whole-projection q/k norms
+    ("smollm3-nope", "smollm3", dict(no_rope_layer_interval=2), {}),  # layers 1 and 3 without RoPE
+    ("smollm3-window-biases", "smollm3", dict(use_sliding_window=True, sliding_window=WINDOW, attention_bias=True,
+                                             mlp_bias=True, hidden_act="gelu", rms_norm_eps=0.1,
+                                             tie_word_embeddings=False, head_dim=12), {}),
+    ("smollm3-explicit-lists", "smollm3", dict(no_rope_layers=[0, 1, 1, 0], use_sliding_window=True,
+                                              sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]
+                                              * 2, rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                                    "rope_theta": 1e4}), {}),
+    ("smollm3-transformers4", "smollm3", dict(rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                               "rope_theta": 1e4}),
+     {"rope_parameters": DROP, "rope_theta": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+      "layer_types": DROP}),
+    ("olmo2-qk-norm", "olmo2", dict(rms_norm_eps=0.1, hidden_act="gelu", tie_word_embeddings=True, head_dim=12), {}),
+    ("olmo2-biases", "olmo2", dict(attention_bias=True, mlp_bias=True,  # (OLMo 2's MLP reads no mlp_bias)
+                                   rope_parameters={"rope_type": "llama3", **{k: v for k, v in LLAMA3.items()
+                                                                              if k != "rope_type"}}), {}),
+    ("olmo2-transformers4", "olmo2", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),
+     {"rope_parameters": DROP, "rope_theta": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    # Phi-3: fused weights, partial RoPE, LongRoPE (short factors, attention factor), a window in every layer
+    ("phi3-partial-window", "phi3", dict(partial_rotary_factor=0.5, sliding_window=WINDOW, hidden_act="gelu",
+                                         rms_norm_eps=0.1, tie_word_embeddings=True,
+                                         attention_bias=True, mlp_bias=True, resid_pdrop=0.5), {}),
+    ("phi3-longrope", "phi3", dict(rope_parameters=dict(LONGROPE, rope_theta=1e4, partial_rotary_factor=0.75),
+                                   max_position_embeddings=256, original_max_position_embeddings=32), {}),
+    ("phi3-su-transformers4", "phi3", dict(rope_parameters=dict(LONGROPE, rope_theta=1e4, partial_rotary_factor=0.75),
+                                           max_position_embeddings=256, original_max_position_embeddings=32),
+     {"rope_parameters": DROP, "rope_theta": 1e4, "rope_scaling": {"type": "su", **{k: v for k, v in LONGROPE.items()
+                                                                                if k != "rope_type"}},
+      "partial_rotary_factor": 0.75}),
+    ("phi3-default-rope", "phi3", dict(head_dim=12, rope_parameters={"rope_type": "default", "rope_theta": 500.0,
+                                                        "partial_rotary_factor": 1.0}), {}),
     ("qwen2-rope-oldest-spelling", "qwen2",
      dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}),
      {"rope_parameters": DROP, "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}}),
@@ -121,6 +191,21 @@ REFUSED = [
     ("llama-layer-types", "llama", dict(layer_types=["full_attention", "sliding_attention"]), {}, "layer_types"),
     ("qwen2-unknown-layer-type", "qwen2", dict(layer_types=["chunked_attention", "full_attention"], **SLIDING), {},
      "layer_types has 'chunked_attention'"),
+    ("phi3-activation", "phi3", dict(hidden_act="relu2"), {}, "hidden_act"),
+    ("phi3-short-factors", "phi3", {}, {"rope_parameters": dict(LONGROPE, short_factor=[1.0], rope_theta=1e4)},
+     "short_factor"),
+    ("smollm3-partial-rotary", "smollm3", {}, {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ("smollm3-no-rope-layers-length", "smollm3", {}, {"no_rope_layers": [1, 0]}, "no_rope_layers has 2 entries"),
+    ("olmo2-partial-rotary", "olmo2", {}, {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ("olmo2-activation", "olmo2", dict(hidden_act="relu2"), {}, "hidden_act"),
+    ("gemma2-bidirectional", "gemma2", dict(use_bidirectional_attention=True), {}, "use_bidirectional_attention"),
+    ("gemma2-partial-rotary", "gemma2", {}, {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ("gemma3-bidirectional", "gemma3_text", {}, {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ("gemma3-partial-rotary", "gemma3_text", {}, {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ("gemma3-local-rope-scaled", "gemma3_text", {}, {"rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 1e4},
+        "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}}, "sliding_attention"),
+    ("gemma3-activation", "gemma3_text", dict(hidden_activation="gelu_10"), {}, "hidden_activation"),
     ("mistral-partial-rotary", "mistral", {}, {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ("qwen3-partial-rotary", "qwen3", {}, {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ("mistral-layer-types", "mistral", {}, {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
@@ -187,7 +272,9 @@ def test_round_trip_through_to_hf_config_keeps_every_field(tmp_path):
     assert max_delta(model, cfg, again) <= TOL
 
 
-@pytest.mark.parametrize("case_id", ["mistral-window", "qwen2-sliding", "qwen3-biases-sliding", "qwen3-qk-norm"])
+@pytest.mark.parametrize("case_id", ["mistral-window", "qwen2-sliding", "qwen3-biases-sliding", "qwen3-qk-norm",
+                                     "gemma2-soft-caps", "gemma3-rope-per-layer-type", "smollm3-explicit-lists",
+                                     "olmo2-biases", "phi3-longrope", "phi3-partial-window"])
 def test_round_trip_keeps_the_family_and_its_windows(tmp_path, case_id):
     """save_checkpoint names the HF class that computes the same thing (Mistral, Qwen2, Qwen3) with its window
     and layer types: transformers reloads a model nanoserve matches."""
@@ -261,9 +348,20 @@ MUTANTS = {  # case id -> a wrong implementation, made by editing nanoserve's lo
     "llama-head-dim-tied-eps": lambda m: _set_all([x for x in m.modules() if isinstance(x, RMSNorm)], "eps", 1e-6),
     "mistral-window": lambda m: _set_all([b.self_attn for b in m.model.layers], "window", None),  # window off
     "qwen2-sliding": lambda m: _set_all([b.self_attn for b in m.model.layers], "window", WINDOW),  # in every layer
-    "qwen3-qk-norm": lambda m: [(delattr(b.self_attn, "q_norm"), delattr(b.self_attn, "k_norm"))
-                                for b in m.model.layers],  # qk-norm off
+    "qwen3-qk-norm": lambda m: _set_all([b.self_attn for b in m.model.layers], "qk_norm", None),  # qk-norm off
     "qwen3-biases-sliding": lambda m: _set_all([b.self_attn for b in m.model.layers], "window", WINDOW + 1),
+    "gemma2-soft-caps": lambda m: _set_all([b.self_attn for b in m.model.layers], "softcap", None),  # cap off
+    "gemma2-defaults": lambda m: setattr(m.config, "final_softcap", None),  # the final cap off
+    "gemma2-no-caps-biases": lambda m: _set_all([x for x in m.modules() if isinstance(x, RMSNorm)],
+                                                "unit_offset", False),  # w, not 1 + w
+    "gemma2-layer-types-untied": lambda m: _set_all(m.model.layers, "block", "pre_norm"),  # Llama's layout
+    "gemma3-rope-per-layer-type": lambda m: _set_all(m.model.layers, "rope", "global"),  # one RoPE for all layers
+    "gemma3-soft-caps-window-all": lambda m: setattr(m.model, "embed_scale", None),  # no √d
+    "smollm3-nope": lambda m: _set_all(m.model.layers, "rope", "global"),  # RoPE in every layer
+    "olmo2-qk-norm": lambda m: _set_all([b.self_attn for b in m.model.layers], "qk_norm", None),  # q/k norms off
+    "phi3-longrope": lambda m: setattr(m.model, "attention_factor", 1.0),  # LongRoPE's attention factor off
+    "phi3-partial-window": lambda m: [f.copy_(torch.cat([f, 1 / 10000 ** (torch.arange(len(f), 2 * len(f)) / (
+        4 * len(f)))])[::2]) for f in m.model.inv_freq.values()],  # frequencies spread over the whole head
 }
 
 

@@ -240,6 +240,30 @@ def test_sliding_window_with_paged_prefix(window):
         flash_attention(q, k, v, cu_q, cu_k, False, window=3)
 
 
+@pytest.mark.parametrize("softcap", [0.5, 50.0])
+def test_soft_capped_scores_with_paged_prefix(softcap):
+    """Gemma 2: scores x -> c·tanh(x / c), with a custom scale and a window; checked against the reference and
+    against SDPA given the capped scores as an additive mask (q·k·0 + capped scores: an oracle with no tanh of ours).
+    Negative control: the uncapped kernel differs."""
+    prefix_lens, new_lens, bs = [0, 5, 13], [6, 1, 9], 4
+    q, k, v, cu_q, cu_k = _packed(new_lens, new_lens, 4, 2, 64, seed=9)
+    q = q * 4
+    kc, vc, bt, ctx, prefixes = _paged_prefix(prefix_lens, 2, 64, bs)
+    out = flash_attention(q, k, v, cu_q, cu_k, True, 0.2, bt, kc, vc, ctx, window=7, softcap=softcap)
+    want = flash_attention_ref(q, k, v, cu_q, cu_k, True, 0.2, bt, kc, vc, ctx, window=7, softcap=softcap)
+    assert _err(out, want) <= FP32_TOL
+    for b, (P, n) in enumerate(zip(prefix_lens, new_lens)):  # the oracle: SDPA over capped scores
+        qb = q[cu_q[b]:cu_q[b + 1]].float().transpose(0, 1)  # H, n, D
+        kb = torch.cat([prefixes[b][0], k[cu_k[b]:cu_k[b + 1]]]).float().repeat_interleave(2, 1).transpose(0, 1)
+        vb = torch.cat([prefixes[b][1], v[cu_k[b]:cu_k[b + 1]]]).float().repeat_interleave(2, 1).transpose(0, 1)
+        x = qb @ kb.transpose(1, 2) * 0.2  # H, n, P + n
+        kpos, qpos = torch.arange(P + n)[None, :], torch.arange(P, P + n)[:, None]
+        bias = (softcap * torch.tanh(x / softcap)).masked_fill(~((kpos <= qpos) & (kpos > qpos - 7)), float("-inf"))
+        o = F.scaled_dot_product_attention(qb * 0, kb, vb, attn_mask=bias)  # H, n, D
+        assert _err(out[cu_q[b]:cu_q[b + 1]], o.transpose(0, 1)) <= FP32_TOL
+    assert _wrong(_err(flash_attention(q, k, v, cu_q, cu_k, True, 0.2, bt, kc, vc, ctx, window=7), want))
+
+
 # ----------------------------------------------------------------------------- negative controls
 def test_negative_control_missing_causal_mask():
     q, k, v, cu_q, cu_k = _packed(LENS, LENS, 4, 2, 64, seed=9)

@@ -160,6 +160,26 @@ def test_sliding_window_reads_only_the_window(window, num_splits):
         assert torch.isnan(paged_attention(q, kc, vc, table, lens, num_splits=num_splits)[-1]).any()
 
 
+@pytest.mark.parametrize("softcap", [0.5, 5.0, 50.0])
+def test_soft_capped_scores(softcap):
+    """Gemma 2: scores x -> c·tanh(x / c) before the softmax, with its own scale and a window; the oracle
+    caps scores it computed itself. Negative control: the uncapped kernel differs."""
+    q, kc, vc, table, lens = _paged_cache(LENS, 2, 64, seed=13)
+    q = q * 4  # scores of several units, where the cap bends them
+    want = []
+    for b, n in enumerate(LENS):
+        pos = torch.arange(max(n - 9, 0), n)
+        slots = table[b, pos // BS].long() * BS + pos % BS
+        k, v = (c.flatten(0, 1)[slots].float().repeat_interleave(2, dim=1) for c in (kc, vc))  # L, H, D
+        x = torch.einsum("hd,lhd->hl", q[b].float(), k) * 0.2
+        want.append(torch.einsum("hl,lhd->hd", (softcap * torch.tanh(x / softcap)).softmax(-1), v))
+    want = torch.stack(want)  # B, H, D
+    for splits in (1, 3):
+        out = paged_attention(q, kc, vc, table, lens, sm_scale=0.2, num_splits=splits, window=9, softcap=softcap)
+        assert _err(out, want) <= 1e-4
+    assert _err(paged_attention(q, kc, vc, table, lens, sm_scale=0.2, window=9), want) > 1e-3
+
+
 # ----------------------------------------------------------------------------- negative controls
 def test_shifted_block_table_is_caught():
     """A table off by one block (logical block i reads the page of block i + 1) must miss by far.

@@ -98,12 +98,14 @@ def _outputs(prev, linears, x):
         return torch.cat([lin(h) for lin in linears], dim=-1)
 
 
-@pytest.mark.parametrize("norm", ["rmsnorm", "layernorm", "linear"])
+@pytest.mark.parametrize("norm", ["rmsnorm", "gemma-rmsnorm", "layernorm", "linear"])
 def test_fold_scales_keeps_fp_output(norm):
     torch.manual_seed(0)
     k = 256
     if norm == "rmsnorm":
         prev = RMSNorm(k)
+    elif norm == "gemma-rmsnorm":
+        prev = RMSNorm(k, unit_offset=True)                                  # scales by 1 + w: w ÷ s would be wrong
     elif norm == "layernorm":
         prev = nn.LayerNorm(k)                                               # weight and bias
     else:
@@ -121,6 +123,15 @@ def test_fold_scales_keeps_fp_output(norm):
     # negative control: s folded into prev instead of 1/s (prev ×s² relative to the correct fold)
     fold_scales(prev, [], 1 / s**2)
     assert (_outputs(prev, linears, x) - before).abs().max() > 1e-2
+    if norm == "gemma-rmsnorm":  # and the Llama rule (w ÷ s) on Gemma's norm misses too
+        fresh = RMSNorm(k, unit_offset=True)
+        fresh.weight.data.copy_(0.1 * torch.randn(k))
+        lins = [nn.Linear(k, 32)]
+        ref = _outputs(fresh, lins, x)
+        fresh.unit_offset = False
+        fold_scales(fresh, lins, s)
+        fresh.unit_offset = True
+        assert (_outputs(fresh, lins, x) - ref).abs().max() > 1e-2
 
 
 def test_apply_awq_clips_and_otherwise_keeps_output():
@@ -193,3 +204,34 @@ def test_bad_inputs_raise():
     with pytest.raises(NanoserveError, match="in_features 64"):
         fold_scales(RMSNorm(64), [lin, nn.Linear(32, 8)], s)
     assert quantize_rtn(lin.weight.detach(), 4, 16).shape == (32, 64)       # the valid call still works
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias", "mistral-window", "qwen3-window", "gemma2", "gemma3",
+                                  "smollm3", "olmo2", "phi3"])
+def test_block_groups_fold_exactly_in_every_family(hf_checkpoints, name):
+    """AWQ folds 1/s into the op that feeds each group of linears (quant/model.block_groups). Folding random
+    scales into every group of every block must leave the model's logits unchanged: the right norm per
+    family (Gemma's MLP input is pre_feedforward_layernorm, a (1 + w) norm). Negative control on Gemma:
+    Llama's post_attention_layernorm (there the attention's output norm) changes them."""
+    from nanoserve.models.loader import load_model
+    from nanoserve.quant.model import block_groups, decoder_blocks
+
+    def fold_all(model, swap=None):
+        torch.manual_seed(1)
+        for block in decoder_blocks(model)[1]:
+            for prev, names in block_groups(model):
+                if prev is not None:
+                    lins = [block.get_submodule(n) for n in names]
+                    s = torch.exp(0.5 * torch.randn(lins[0].in_features))
+                    fold_scales(block.get_submodule(swap.get(prev, prev) if swap else prev), lins, s)
+
+    x = torch.randint(0, 257, (2, 20), generator=torch.Generator().manual_seed(0))
+    model, _, _ = load_model(hf_checkpoints[name][0], dtype="float32", device="cpu")
+    with torch.no_grad():
+        before = model(x)
+        fold_all(model)
+        assert (model(x) - before).abs().max() <= 1e-4
+        if name.startswith("gemma"):
+            wrong, _, _ = load_model(hf_checkpoints[name][0], dtype="float32", device="cpu")
+            fold_all(wrong, swap={"pre_feedforward_layernorm": "post_attention_layernorm"})
+            assert (wrong(x) - before).abs().max() > 1e-2

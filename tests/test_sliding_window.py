@@ -97,3 +97,42 @@ def test_a_runner_that_reads_given_back_entries_fails(hf_checkpoints, monkeypatc
     monkeypatch.setattr(model_runner, "NULL_BLOCK", object())  # nothing equals it: −1 goes through as is
     with pytest.raises(RequestFailedError, match="index out of range"):
         llm.generate([PROMPTS[1]], GREEDY, use_tqdm=False)
+
+
+def test_speculative_decoding_with_a_window_changes_no_token(hf_checkpoints):
+    """n-gram drafts verified over the window; the rollback moves num_computed_tokens back before the
+    allocator gives blocks back (Scheduler.postprocess), so a rejected draft never costs a needed block."""
+    plain, _ = _run(_llm(hf_checkpoints), PROMPTS)
+    llm = _llm(hf_checkpoints, speculative="ngram", num_speculative_tokens=3)
+    spec, held = _run(llm, PROMPTS)
+    assert spec == plain
+    assert held <= math.ceil(WINDOW / BS) + 1 + 3  # + the γ draft tokens' slots during a verification
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq", "awq"])
+@pytest.mark.parametrize("name", ["mistral-window", "qwen3-window", "gemma2", "gemma3", "smollm3", "olmo2", "phi3"])
+def test_quantized_windowed_models_run_through_the_engine(hf_checkpoints, tmp_path, name, method):
+    """int4 on the dense linears (q/k norms and windows untouched; AWQ folds into Gemma's MLP input norm,
+    pre_feedforward_layernorm, as 1 + w): the GPTQ-format checkpoint reloads to the same logits as the
+    packed in-memory model, and the engine's greedy tokens (paged; blocks given back when every layer
+    slides) equal greedy decoding by full forwards of that model (test_quant_awq checks the folding itself)."""
+    from nanoserve.models.loader import load_model
+    from nanoserve.quant.model import QuantizeConfig, quantize_model
+    from nanoserve.quant.save import replace_linears, save_quantized
+
+    path = hf_checkpoints[name][0]
+    model, cfg, _ = load_model(path, dtype="float32", device="cpu")
+    calib = torch.randint(0, cfg.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
+    res = quantize_model(model, calib, QuantizeConfig(method=method, group_size=16), progress=False)
+    out = save_quantized(model, res, tmp_path / "q", tokenizer_from=path)
+    reloaded, _, _ = load_model(out, dtype="float32", device="cpu")
+    packed = replace_linears(model, res.qweights)
+    x = torch.randint(0, cfg.vocab_size, (2, 30), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(reloaded(x), packed(x))
+        ids = list(PROMPTS[0])
+        for _ in range(24):  # greedy by full forwards: no cache, no blocks
+            ids.append(int(reloaded(torch.tensor([ids]))[0, -1].argmax()))
+    llm = LLM(str(out), dtype="float32", device="cpu", block_size=BS)
+    got = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    assert got[0].outputs[0].token_ids == ids[len(PROMPTS[0]):]

@@ -59,10 +59,40 @@ def hf_configs():
                                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                                  use_sliding_window=True, sliding_window=6, max_window_layers=1,
                                                  tie_word_embeddings=True, **small),
+        # sandwich norms, (1 + w) RMSNorm, √d embeddings, GeGLU, scores × 24^−½ soft-capped at 5, logits at 8,
+        # windows of 8 in layers 0 and 2 (every second layer)
+        "gemma2": transformers.Gemma2Config(hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+                                            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                            query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+                                            final_logit_softcapping=8.0, sliding_window=8, **small),
+        # q/k norms; windows of 6 in layers 0 and 2 with RoPE base 100, layer 1 global: base 1e5, linear × 4
+        "gemma3": transformers.Gemma3TextConfig(
+            hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, query_pre_attn_scalar=16, sliding_window=6, sliding_window_pattern=2,
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e5},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}, **small),
+        # NoPE in layer 3 (every 4th), a window of 6 there too, biases everywhere
+        "smollm3": transformers.SmolLM3Config(hidden_size=48, intermediate_size=80, num_hidden_layers=4,
+                                              num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
+                                              sliding_window=6, attention_bias=True, mlp_bias=True, pad_token_id=0,
+                                              **small),
+        # post-norm blocks, q/k norms over the whole projections
+        "olmo2": transformers.Olmo2Config(hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                                          num_attention_heads=6, num_key_value_heads=2, pad_token_id=0, **small),
+        # fused qkv / gate-up weights, RoPE on 3/4 of each head, LongRoPE's short factors (context 128 of 512,
+        # attention factor √(1 + ln 4 / ln 128)), a window of 8 in every layer
+        "phi3": transformers.Phi3Config(hidden_size=64, intermediate_size=80, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.75,
+                                        sliding_window=8, original_max_position_embeddings=128, pad_token_id=0,
+                                        rope_scaling={"type": "longrope",
+                                                      "short_factor": [1 + 0.3 * i for i in range(6)],
+                                                      "long_factor": [2.0 + i for i in range(6)]},
+                                        **dict(small, max_position_embeddings=512)),
     }
 
 
-HF_CASES = ["gpt2", "llama-mha", "llama-gqa", "llama3-rope", "qwen2-bias", "mistral-window", "qwen3-window"]
+HF_CASES = ["gpt2", "llama-mha", "llama-gqa", "llama3-rope", "qwen2-bias", "mistral-window", "qwen3-window", "gemma2",
+            "gemma3", "smollm3", "olmo2", "phi3"]
 
 
 def tiny_hf_checkpoint(cfg, path: Path, seed: int = 0, **from_config_kwargs):

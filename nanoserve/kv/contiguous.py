@@ -44,8 +44,8 @@ class KVCache:
         return self._view_for(layer, k.shape[1]).update(layer, k, v)
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                  window: int | None = None):
-        return self._view_for(layer, k.shape[1]).attention(layer, q, k, v, positions, window)
+                  window: int | None = None, scale: float | None = None, softcap: float | None = None):
+        return self._view_for(layer, k.shape[1]).attention(layer, q, k, v, positions, window, scale, softcap)
 
     def _view_for(self, layer: int, T: int) -> CacheView:
         if layer == 0 or self._view is None:

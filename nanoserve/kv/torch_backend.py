@@ -39,9 +39,11 @@ class CacheView:
             cache.v.index_fill_(1, meta.fresh_blocks, 0)
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  positions: torch.Tensor, window: int | None = None) -> torch.Tensor:
+                  positions: torch.Tensor, window: int | None = None, scale: float | None = None,
+                  softcap: float | None = None) -> torch.Tensor:
         """Store this step's k, v [B, T, Hkv, D]; attend q [B, T, H, D] at `positions` over the cache
-        (each query over its `window` newest keys only, when the layer has a sliding window).
+        (each query over its `window` newest keys only, when the layer has a sliding window; scores ×
+        `scale`, default 1/√D, and soft-capped at `softcap` when given: layers.attention).
 
         Returns [B, T, H, D]. The model's attention layers call this; the backend decides how. Rows
         are gathered by length bucket (metadata.length_buckets), each bucket to its own length."""
@@ -50,14 +52,15 @@ class CacheView:
         self._write(pool_v, v)
         buckets = self.meta.buckets
         if len(buckets) <= 1:  # one length: every row gathered to the longest, as `update` does
-            return sdpa_attention(q, *self._gather_kv(pool_k, pool_v, self.block_tables), positions, window)
+            return sdpa_attention(q, *self._gather_kv(pool_k, pool_v, self.block_tables), positions, window, scale,
+                                  softcap)
         if self._groups is None:  # each bucket's tables and positions: the same in every layer
             self._groups = [(rows, self.block_tables.index_select(0, rows)[:, :num_blocks],  # b, ≤ num_blocks
                              positions.index_select(0, rows)) for rows, num_blocks in buckets]  # b, T
         out = torch.empty_like(q)  # B, T, H, D
         for rows, tables, pos in self._groups:  # one bucket's gather is read before the next overwrites it
             out_b = sdpa_attention(q.index_select(0, rows), *self._gather_kv(pool_k, pool_v, tables), pos,
-                                   window)  # b, T, H, D
+                                   window, scale, softcap)  # b, T, H, D
             out.index_copy_(0, rows, out_b)
         return out
 

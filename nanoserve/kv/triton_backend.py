@@ -41,7 +41,7 @@ class TritonCacheView(CacheView):
             B = meta.slot_mapping.shape[0]
             self.num_splits = choose_num_splits(B, cache.k.shape[3], meta.max_context) if self.decode else 1
 
-    def attention(self, layer, q, k, v, positions, window=None):
+    def attention(self, layer, q, k, v, positions, window=None, scale=None, softcap=None):
         from ..kernels.flash_attention import flash_attention
         from ..kernels.paged_attention import paged_attention
         from ..kernels.store_kv import store_kv
@@ -54,13 +54,13 @@ class TritonCacheView(CacheView):
         store_kv(k_new, v_new, k_cache, v_cache, self.dst)
         if self.decode:  # each row's query sees its context_lens[b] keys, its own just stored
             out = paged_attention(q[:, 0], k_cache, v_cache, self.block_tables_i32, self.context_lens_i32,
-                                  num_splits=self.num_splits, window=window)  # B, H, D
+                                  sm_scale=scale, num_splits=self.num_splits, window=window, softcap=softcap)
             return out[:, None]  # B, 1, H, D
         q_new = q.reshape(B * T, H, D).index_select(0, self.src)  # N, H, D
-        out_new = flash_attention(q_new, k_new, v_new, self.cu_seqlens, self.cu_seqlens, causal=True,
+        out_new = flash_attention(q_new, k_new, v_new, self.cu_seqlens, self.cu_seqlens, causal=True, sm_scale=scale,
                                   block_tables=self.block_tables_i32, k_cache=k_cache, v_cache=v_cache,
                                   context_lens=self.prefix_lens, max_seqlen_q=self.meta.max_query_len,
-                                  window=window)  # N, H, D
+                                  window=window, softcap=softcap)  # N, H, D
         out = q.new_zeros(B * T, H, D)  # padding rows get zeros (their logits are never read)
         out.index_copy_(0, self.src, out_new)
         return out.view(B, T, H, D)

@@ -38,4 +38,6 @@ class CausalLM(nn.Module):
             h = h[rows, logit_index][:, None] if logit_index.dim() == 1 else h[rows[:, None], logit_index]  # B, K, C
         elif last_only:
             h = h[:, -1:]
-        return self.lm_head(h)  # B, T, V
+        logits = self.lm_head(h)  # B, T, V
+        cap = getattr(self.config, "final_softcap", None)
+        return logits if cap is None else cap * torch.tanh(logits / cap)  # Gemma 2: logits in (−cap, cap)

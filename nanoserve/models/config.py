@@ -14,7 +14,7 @@ from typing import Any
 from ..errors import ConfigError
 from .hf_fields import ACTIVATIONS
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -47,7 +47,22 @@ class ModelConfig:
     # Llama family: sliding-window attention (Mistral, Qwen2/3) and Qwen3's q/k norms
     sliding_window: int | None = None  # keys a query sees in a sliding layer, its own included
     layer_types: list[str] | None = None  # per layer, one of LAYER_TYPES; None: every layer slides if windowed
-    qk_norm: bool = False  # RMSNorm over each head of q and of k, before RoPE (Qwen3)
+    # RMSNorm of q and k before RoPE: "per_head" (one head_dim weight for every head: Qwen3, Gemma 3) or
+    # "whole" (over the whole q and k projections, before they split into heads: OLMo 2); None: no norm
+    qk_norm: str | None = None
+    no_rope_layers: list[int] | None = None  # layers that apply no RoPE at all (SmolLM3's "NoPE" layers)
+    partial_rotary_factor: float = 1.0  # RoPE rotates the first head_dim · this dims of each head (Phi-4-mini)
+    # "pre_norm": x + f(norm(x)) (Llama); "sandwich": x + norm(f(norm(x))) (Gemma); "post_norm": x + norm(f(x))
+    # (OLMo 2); f is the attention, then the MLP
+    block: str = "pre_norm"
+    norm_unit_offset: bool = False  # RMSNorm scales by (1 + w), not w (Gemma)
+    embed_scale: bool = False  # token embeddings × √hidden_size (Gemma)
+    attn_scale: float | None = None  # scores × attn_scale (Gemma: query_pre_attn_scalar^−½); None: 1/√head_dim
+    attn_softcap: float | None = None  # scores -> c·tanh(scores / c) before the softmax (Gemma 2)
+    final_softcap: float | None = None  # logits -> c·tanh(logits / c) (Gemma 2)
+    local_rope_theta: float | None = None  # the RoPE base of sliding layers, without scaling (Gemma 3)
+    # the HF model type the config was read from (save_checkpoint writes it back); None: built in code
+    hf_model_type: str | None = None
 
     def __post_init__(self) -> None:
         if self.arch not in ("gpt2", "llama"):
@@ -72,13 +87,34 @@ class ModelConfig:
                 f"num_attention_heads={self.n_heads} is not a multiple of num_key_value_heads={self.n_kv_heads}")
         self._check_windows()
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
+            raise ConfigError(f"partial_rotary_factor={self.partial_rotary_factor!r} must give an even number of "
+                              f"rotated dims in (0, head_dim={self.head_dim}]")
+        if rope_type == "longrope" and len(self.rope_scaling.get("short_factor") or []) != self.rotary_dim // 2:
+            raise ConfigError(f"longrope short_factor must hold rotary_dim / 2 = {self.rotary_dim // 2} numbers, got "
+                              f"{self.rope_scaling.get('short_factor')!r}")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ConfigError(f"unsupported rope scaling {rope_type!r} (config field rope_parameters, or rope_scaling "
                               f"in transformers 4); supported: {SUPPORTED_ROPE_TYPES}")
 
     def _check_windows(self) -> None:
-        if self.arch == "gpt2" and (self.sliding_window is not None or self.layer_types or self.qk_norm):
-            raise ConfigError("sliding_window, layer_types and qk_norm are Llama-family options; GPT-2 has none")
+        llama_only = dict(sliding_window=None, layer_types=None, qk_norm=None, no_rope_layers=None, block="pre_norm",
+                          partial_rotary_factor=1.0,
+                          norm_unit_offset=False, embed_scale=False, attn_scale=None, attn_softcap=None,
+                          final_softcap=None, local_rope_theta=None)
+        if self.arch == "gpt2" and any(getattr(self, k) != v for k, v in llama_only.items()):
+            raise ConfigError(f"{', '.join(llama_only)} are Llama-family options; GPT-2 has none")
+        if self.block not in ("pre_norm", "sandwich", "post_norm"):
+            raise ConfigError(f"block={self.block!r} is not a decoder layout; supported: 'pre_norm', 'sandwich', "
+                              "'post_norm'")
+        if self.qk_norm not in (None, "per_head", "whole"):
+            raise ConfigError(f"qk_norm={self.qk_norm!r}; supported: None, 'per_head', 'whole'")
+        if any(i not in range(self.n_layers) for i in self.no_rope_layers or []):
+            raise ConfigError(f"no_rope_layers={self.no_rope_layers!r} must list layer indices 0..{self.n_layers - 1}")
+        for name in ("attn_scale", "attn_softcap", "final_softcap", "local_rope_theta"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, float)) or not 0 < value < float("inf")):
+                raise ConfigError(f"{name}={value!r} must be a positive finite number or None")
         w = self.sliding_window
         if w is not None and (type(w) is not int or w < 1):
             raise ConfigError(f"sliding_window={w!r} must be a positive integer or None (no window)")
@@ -107,6 +143,11 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.head_dim_override or self.hidden_size // self.n_heads
 
+    @property
+    def rotary_dim(self) -> int:
+        """How many dims of each head RoPE rotates (HF: int(head_dim · partial_rotary_factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -120,8 +161,9 @@ class ModelConfig:
         else:
             attn = d * q + 2 * d * kv + q * d
             attn += (q + 2 * kv) * self.qkv_bias + d * self.o_bias
-            attn += 2 * self.head_dim * self.qk_norm
-            per_layer = 2 * d + attn + 3 * d * f + (2 * f + d) * self.mlp_bias
+            attn += {None: 0, "per_head": 2 * self.head_dim, "whole": q + kv}[self.qk_norm]
+            norms = (4 if self.block == "sandwich" else 2) * d
+            per_layer = norms + attn + 3 * d * f + (2 * f + d) * self.mlp_bias
             total = V * d + L * per_layer + d
         return total + (0 if self.tie_word_embeddings else V * d)
 

@@ -1,4 +1,4 @@
-"""Reading and writing Hugging Face `config.json`: the HF dictionary <-> `ModelConfig`.
+"""Reading Hugging Face `config.json`: the HF dictionary -> `ModelConfig` (hf_export.py writes it back).
 
 Each HF model class reads its config its own way: Qwen2 always has q/k/v biases whatever
 `attention_bias` says, Qwen3 puts `attention_bias` on o_proj too and normalises q and k per head,
@@ -10,6 +10,7 @@ field whose value nanoserve would compute wrongly. Taught in notebooks/01_*.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ..errors import ConfigError
@@ -24,8 +25,17 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",  # Llama block + a sliding window in every layer (when set)
     "Qwen2ForCausalLM": "qwen2",  # Llama block + q/k/v bias (+ a window from max_window_layers on)
     "Qwen3ForCausalLM": "qwen3",  # Llama block + per-head RMSNorm of q and k before RoPE
+    "Gemma2ForCausalLM": "gemma2",  # sandwich norms, (1 + w) RMSNorm, soft-capping, alternate windows
+    "Gemma3ForCausalLM": "gemma3_text",  # Gemma 2 with q/k norms and a local RoPE base, no attention soft-cap
+    "SmolLM3ForCausalLM": "smollm3",  # Llama block; every 4th layer without RoPE ("NoPE")
+    "Olmo2ForCausalLM": "olmo2",  # post-norm blocks; RMSNorm over the whole q and k projections
+    "Phi3ForCausalLM": "phi3",  # fused qkv / gate-up weights (split at load), partial RoPE, LongRoPE, a window
 }
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "smollm3", "olmo2",
+                         "phi3")
+# What a key absent from config.json means, where a family's HF class differs from Llama's defaults.
+TYPE_DEFAULTS = {"smollm3": {"tie_word_embeddings": True, "rope_theta": 2e6}, "olmo2": {"rms_norm_eps": 1e-5}}
+GEMMA = ("gemma2", "gemma3_text")
 
 
 def hf_model_type(cfg: dict[str, Any]) -> str:
@@ -47,6 +57,7 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     hf_type = hf_model_type(cfg)
     # every field that changes the math is computed or refused by name: the table in hf_fields.py
     check_hf_fields(hf_type, cfg)
+    cfg = {**TYPE_DEFAULTS.get(hf_type, {}), **cfg}
     return _gpt2_from_hf(cfg) if hf_type == "gpt2" else _llama_from_hf(cfg, hf_type)
 
 
@@ -89,6 +100,7 @@ def _gpt2_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         hidden_act=cfg.get("activation_function", "gelu_new"),
         scale_attn_weights=bool(cfg.get("scale_attn_weights", True)),
         scale_attn_by_inverse_layer_idx=bool(cfg.get("scale_attn_by_inverse_layer_idx", False)),
+        hf_model_type="gpt2",
     )
 
 
@@ -99,12 +111,21 @@ def _windows(cfg: dict[str, Any], hf_type: str, n_layers: int) -> tuple[int | No
     `use_sliding_window`, in the layers `layer_types` marks "sliding_attention", or, in a config
     without `layer_types` (transformers 4), in layers max_window_layers .. n_layers − 1."""
     # A key absent from config.json takes the HF class's default: sliding_window 4096, max_window_layers 28.
-    if hf_type == "mistral":
-        return cfg.get("sliding_window", 4096), None
+    if hf_type in ("mistral", "phi3"):
+        return cfg.get("sliding_window", 4096 if hf_type == "mistral" else None), None
     if hf_type == "llama":
         return None, None  # a window in a Llama config is refused by check_hf_fields
-    window = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window") else None
     types = cfg.get("layer_types")
+    if hf_type == "smollm3" and types is None:  # without layer_types: the window slides in the NoPE layers
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+        nope = _no_rope_layers(cfg, n_layers)
+        types = ["sliding_attention" if window is not None and i in nope else "full_attention" for i in range(n_layers)]
+    if hf_type in GEMMA:  # a window always; without layer_types, every `pattern`-th layer is global
+        window, pattern = cfg.get("sliding_window", 4096), 2 if hf_type == "gemma2" else cfg.get(
+            "sliding_window_pattern", 6)
+        types = types or ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
+    else:
+        window = cfg.get("sliding_window", 4096 * (hf_type != "smollm3")) if cfg.get("use_sliding_window") else None
     if types is None:
         first = cfg.get("max_window_layers", 28)
         types = ["sliding_attention" if window is not None and i >= first else "full_attention"
@@ -117,20 +138,74 @@ def _windows(cfg: dict[str, Any], hf_type: str, n_layers: int) -> tuple[int | No
     return int(window), list(types)
 
 
-def _llama_from_hf(cfg: dict[str, Any], hf_type: str) -> ModelConfig:
-    n_heads, n_layers = int(_need(cfg, "num_attention_heads")), int(_need(cfg, "num_hidden_layers"))
-    # transformers 5 moved rope_theta / rope_scaling into `rope_parameters`.
-    rope_params = dict(cfg.get("rope_parameters") or {})
-    scaling = dict(cfg.get("rope_scaling") or rope_params or {})
-    rope_theta = float(rope_params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    scaling.pop("rope_theta", None)
+def _no_rope_layers(cfg: dict[str, Any], n_layers: int) -> list[int]:
+    """SmolLM3: `no_rope_layers` holds 1 where a layer applies RoPE, 0 where not (default: 0 every 4th)."""
+    flags = cfg.get("no_rope_layers") or [int((i + 1) % cfg.get("no_rope_layer_interval", 4) != 0)
+                                          for i in range(n_layers)]
+    if len(flags) != n_layers:
+        raise ConfigError(f"smollm3 config field no_rope_layers has {len(flags)} entries for {n_layers} layers")
+    return [i for i, uses_rope in enumerate(flags) if not uses_rope]
+
+
+def _rope(cfg: dict[str, Any], hf_type: str) -> tuple[float, dict[str, Any], float | None]:
+    """(rope_theta, scaling of the full-attention layers, the sliding layers' own base or None).
+
+    transformers 5 keeps them in `rope_parameters` (Gemma 3: one entry per layer type); transformers
+    4 in rope_theta / rope_scaling (and Gemma 3's rope_local_base_freq)."""
+    params = dict(cfg.get("rope_parameters") or {})
+    local = None
+    if hf_type == "gemma3_text":
+        if "full_attention" in params:
+            local, params = params.get("sliding_attention") or {}, dict(params["full_attention"])
+        else:
+            local = {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
+            params = {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta", 1e6)}
+        if local.get("rope_type", "default") != "default":
+            raise ConfigError(f"gemma3_text config field rope_parameters.sliding_attention={local!r} is not supported "
+                              "(scaling of the local layers' RoPE); supported: rope_type 'default'")
+    scaling = dict(cfg.get("rope_scaling") or params)
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    for key in ("rope_theta", "partial_rotary_factor"):
+        scaling.pop(key, None)
     if "type" in scaling and "rope_type" not in scaling:  # the oldest spelling
         scaling["rope_type"] = scaling.pop("type")
+    if hf_type == "phi3" and scaling.get("rope_type") in ("su", "yarn"):  # Phi-3's old names of LongRoPE
+        scaling["rope_type"] = "longrope"
+    if scaling.get("rope_type") == "longrope":
+        scaling = _longrope(cfg, scaling)
     if scaling.get("rope_type", "default") == "default":
         scaling = {}
+    return theta, scaling, None if local is None else float(local.get("rope_theta", 10000.0))
+
+
+def _longrope(cfg: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's LongRoPE: per-frequency factors, `short_factor` while the sequence fits the pretraining
+    context L₀ (original_max_position_embeddings), `long_factor` past it, and cos, sin × attention_factor
+    (default √(1 + ln s / ln L₀), s = max_position_embeddings / L₀). Past L₀, transformers re-rotates
+    every new token with the long factors while the cached keys keep the short ones, so no one result
+    exists to match there: nanoserve keeps the short factors and the context within L₀."""
+    original = int(scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings", 4096))
+    factor = scaling.get("factor") or int(cfg.get("max_position_embeddings", 4096)) / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return dict(rope_type="longrope", short_factor=list(scaling["short_factor"]),
+                long_factor=list(scaling.get("long_factor") or scaling["short_factor"]),
+                original_max_position_embeddings=original, attention_factor=float(attention_factor))
+
+
+def _llama_from_hf(cfg: dict[str, Any], hf_type: str) -> ModelConfig:
+    n_heads, n_layers = int(_need(cfg, "num_attention_heads")), int(_need(cfg, "num_hidden_layers"))
+    rope_theta, scaling, local_theta = _rope(cfg, hf_type)
+    gemma = hf_type in GEMMA
     # Which projections have biases, by the HF code of each type (hf_fields.py lists what each reads).
-    attention_bias = bool(cfg.get("attention_bias", False)) and hf_type in ("llama", "qwen3")
+    attention_bias = bool(cfg.get("attention_bias", False)) and hf_type in ("llama", "qwen3", "smollm3", "olmo2",
+                                                                            *GEMMA)
     window, layer_types = _windows(cfg, hf_type, n_layers)
+    softcaps = [None, None]  # (attention, final); Gemma 3 reads attn_logit_softcapping but never applies it
+    if gemma:
+        softcaps = [cfg.get("attn_logit_softcapping", 50.0), cfg.get("final_logit_softcapping", 30.0)] \
+            if hf_type == "gemma2" else [None, cfg.get("final_logit_softcapping")]
     return ModelConfig(
         arch="llama",
         vocab_size=int(_need(cfg, "vocab_size")),
@@ -139,76 +214,32 @@ def _llama_from_hf(cfg: dict[str, Any], hf_type: str) -> ModelConfig:
         n_heads=n_heads,
         n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
         intermediate_size=int(_need(cfg, "intermediate_size")),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        max_position_embeddings=min(int(cfg.get("max_position_embeddings", 2048)),  # LongRoPE: within L₀
+                                    (scaling or {}).get("original_max_position_embeddings", 1 << 62)),
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
         rope_theta=rope_theta,
         rope_scaling=scaling or None,
         qkv_bias=attention_bias or hf_type == "qwen2",
         o_bias=attention_bias,
-        mlp_bias=bool(cfg.get("mlp_bias", False)) and hf_type == "llama",
-        head_dim_override=cfg.get("head_dim"),
+        mlp_bias=bool(cfg.get("mlp_bias", False)) and hf_type in ("llama", "smollm3"),
+        head_dim_override=cfg.get("head_dim", 256 if gemma else None),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_eos_list(cfg.get("eos_token_id")),
         dtype=_dtype_name(cfg),
-        hidden_act=cfg.get("hidden_act", "silu"),
+        hidden_act=cfg.get("hidden_activation", "gelu_pytorch_tanh") if gemma else cfg.get("hidden_act", "silu"),
         sliding_window=window,
         layer_types=layer_types,
-        qk_norm=hf_type == "qwen3",
+        qk_norm="per_head" if hf_type in ("qwen3", "gemma3_text") else "whole" if hf_type == "olmo2" else None,
+        no_rope_layers=_no_rope_layers(cfg, n_layers) if hf_type == "smollm3" else None,
+        partial_rotary_factor=float((cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}).get(
+            "partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) if hf_type == "phi3" else 1.0,
+        block="sandwich" if gemma else "post_norm" if hf_type == "olmo2" else "pre_norm",
+        norm_unit_offset=gemma,
+        embed_scale=gemma,
+        attn_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
+        attn_softcap=softcaps[0],
+        final_softcap=softcaps[1],
+        local_rope_theta=local_theta,
+        hf_model_type=hf_type,
     )
-
-
-def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
-    """The HF config.json dictionary for `cfg` (so transformers can load what nanoserve saves)."""
-    common = dict(vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_word_embeddings,
-                  bos_token_id=cfg.bos_token_id,
-                  eos_token_id=cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else cfg.eos_token_ids or None)
-    if cfg.arch == "gpt2":
-        return dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", n_embd=cfg.hidden_size,
-                    n_layer=cfg.n_layers, n_head=cfg.n_heads, n_inner=cfg.intermediate_size,
-                    n_positions=cfg.max_position_embeddings, layer_norm_epsilon=cfg.norm_eps,
-                    activation_function=cfg.hidden_act, scale_attn_weights=cfg.scale_attn_weights,
-                    scale_attn_by_inverse_layer_idx=cfg.scale_attn_by_inverse_layer_idx, **common)
-    out = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=cfg.hidden_size,
-               num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-               num_key_value_heads=cfg.n_kv_heads, intermediate_size=cfg.intermediate_size,
-               max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.norm_eps,
-               rope_theta=cfg.rope_theta, hidden_act=cfg.hidden_act, head_dim=cfg.head_dim,
-               attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias, **common)
-    if cfg.rope_scaling:
-        out["rope_scaling"] = dict(cfg.rope_scaling)
-    hf_type = _hf_type_of(cfg)
-    if hf_type != "llama":
-        out.update(architectures=[next(a for a, t in SUPPORTED_ARCHITECTURES.items() if t == hf_type)],
-                   model_type=hf_type)
-        out.pop("mlp_bias")
-    if hf_type == "qwen2":
-        out.pop("attention_bias")
-    if hf_type == "mistral":
-        out.pop("attention_bias")
-        out["sliding_window"] = cfg.sliding_window
-    elif hf_type in ("qwen2", "qwen3"):
-        types = cfg.layer_types or [("sliding_attention" if cfg.sliding_window else "full_attention")] * cfg.n_layers
-        out.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
-                   layer_types=types, max_window_layers=types.index("sliding_attention")
-                   if "sliding_attention" in types else cfg.n_layers)
-    return out
-
-
-def _hf_type_of(cfg: ModelConfig) -> str:
-    """The HF model type that computes what `cfg` describes, or a ConfigError when none does."""
-    if cfg.qk_norm:
-        hf_type = "qwen3"  # q, k, v and o biases all or none; no MLP bias
-        ok = cfg.qkv_bias == cfg.o_bias and not cfg.mlp_bias
-    elif cfg.qkv_bias and not cfg.o_bias:
-        hf_type, ok = "qwen2", not cfg.mlp_bias  # q/k/v biases and no other
-    elif cfg.sliding_window is not None:
-        hf_type = "mistral"  # a window in every layer, no biases
-        ok = cfg.layer_types is None and not (cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias)
-    else:
-        hf_type, ok = "llama", True
-    if not ok:
-        raise ConfigError(f"no HF config describes this model (qk_norm={cfg.qk_norm}, qkv_bias={cfg.qkv_bias}, "
-                          f"o_bias={cfg.o_bias}, mlp_bias={cfg.mlp_bias}, sliding_window={cfg.sliding_window}, "
-                          f"layer_types={cfg.layer_types}); transformers could not load it")
-    return hf_type

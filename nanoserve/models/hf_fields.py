@@ -178,8 +178,66 @@ MISTRAL_FIELDS = {
     "mlp_bias": inert("Mistral's MLP never has biases"),
 }
 
+# Gemma 2 and 3: the Llama fields, their activation under another name, and what the sandwich block adds.
+GEMMA2_FIELDS = {
+    **_DECODER,
+    "hidden_activation": implemented("the gate's activation in the gated MLP (GeGLU by default)", ACTIVATIONS),
+    "hidden_act": inert("Gemma's code reads hidden_activation"),
+    "head_dim": implemented("per-head width; 256 when absent"),
+    "attention_bias": implemented("biases on q, k, v and o projections"),
+    "query_pre_attn_scalar": implemented("scores × query_pre_attn_scalar^−½ (not head_dim^−½)"),
+    "attn_logit_softcapping": implemented("scores -> c·tanh(scores / c) before the softmax (null: none)"),
+    "final_logit_softcapping": implemented("logits -> c·tanh(logits / c) (null: none)"),
+    "sliding_window": implemented("the window of the sliding layers"),
+    "layer_types": implemented("which layers slide; without it every second layer, from layer 0"),
+    "use_bidirectional_attention": refused("queries attending to later keys (EmbeddingGemma, an encoder)", None, False),
+    "mlp_bias": inert("Gemma's MLP never has biases"),
+}
+
+GEMMA3_FIELDS = {
+    **GEMMA2_FIELDS,
+    "rope_parameters": implemented("one RoPE per layer type: full_attention's base and scaling, sliding_attention's "
+                                   "base (its scaling is refused)"),
+    "rope_local_base_freq": implemented("transformers 4's place for the sliding layers' RoPE base"),
+    "sliding_window_pattern": implemented("transformers 4: without layer_types, every n-th layer is global"),
+    "_sliding_window_pattern": inert("transformers 5 keeps the pattern it read; layer_types holds the result"),
+    "layer_types": implemented("which layers slide; without it all but every sliding_window_pattern-th"),
+    "attn_logit_softcapping": inert("Gemma 3's attention keeps it but never applies it (unlike Gemma 2's)"),
+}
+
+SMOLLM3_FIELDS = {
+    **_DECODER,
+    "attention_bias": implemented("biases on q, k, v and o projections"),
+    "mlp_bias": implemented("biases on the gate, up and down projections"),
+    "no_rope_layers": implemented("per layer, 1: rotate q and k, 0: no position encoding at all (NoPE)"),
+    "no_rope_layer_interval": implemented("without no_rope_layers, every n-th layer is a NoPE layer"),
+    "use_sliding_window": implemented("turns the sliding window on"),
+    "sliding_window": implemented("the window: a query at position p sees keys p − w + 1 .. p"),
+    "layer_types": implemented("which layers slide; without it the NoPE layers, when the window is on"),
+}
+
+OLMO2_FIELDS = {
+    **_DECODER,
+    "attention_bias": implemented("biases on q, k, v and o projections"),
+    "mlp_bias": inert("OLMo 2's MLP never has biases"),
+}
+
+PHI3_FIELDS = {
+    **_DECODER,
+    "rope_parameters": implemented("RoPE base, partial_rotary_factor and LongRoPE (its short factors and attention "
+                                   "factor; the context is kept within original_max_position_embeddings)"),
+    "partial_rotary_factor": implemented("RoPE rotates the first head_dim · this dims of each head"),
+    "original_max_position_embeddings": implemented("LongRoPE's pretraining context; nanoserve's context limit"),
+    "sliding_window": implemented("the window of every layer (null: none)"),
+    "resid_pdrop": inert(_DROPOUT),
+    "embd_pdrop": inert(_DROPOUT),
+    "attention_bias": inert("Phi-3's projections never have biases"),
+    "mlp_bias": inert("Phi-3's MLP never has biases"),
+}
+
 HF_FIELDS = {"gpt2": GPT2_FIELDS, "llama": LLAMA_FIELDS, "mistral": MISTRAL_FIELDS, "qwen2": QWEN2_FIELDS,
-             "qwen3": QWEN3_FIELDS}
+             "qwen3": QWEN3_FIELDS, "gemma2": GEMMA2_FIELDS, "gemma3_text": GEMMA3_FIELDS, "smollm3": SMOLLM3_FIELDS,
+             "olmo2": OLMO2_FIELDS, "phi3": PHI3_FIELDS}
 
 
 def check_hf_fields(hf_type: str, cfg: dict[str, Any]) -> None:
@@ -192,7 +250,7 @@ def check_hf_fields(hf_type: str, cfg: dict[str, Any]) -> None:
     if hf_type == "gpt2":
         return
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+    if rope.get("partial_rotary_factor", 1.0) != 1.0 and hf_type != "phi3":
         raise ConfigError(f"{hf_type} config field rope_parameters.partial_rotary_factor="
                           f"{rope['partial_rotary_factor']!r} is not supported (rotating only part of each "
                           "head); supported: 1.0")

@@ -41,24 +41,30 @@ ACTIVATION_FNS = {
 
 
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x²) + eps) * w   (Zhang & Sennrich 2019), computed in float32."""
+    """y = x / sqrt(mean(x²) + eps) * w   (Zhang & Sennrich 2019), computed in float32.
 
-    def __init__(self, dim: int, eps: float = 1e-6):
+    unit_offset (Gemma): y = x / sqrt(mean(x²) + eps) * (1 + w), so w = 0 is the identity scale; and
+    the product is taken in float32 before rounding to x's dtype (Llama rounds first, then scales)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, unit_offset: bool = False):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.unit_offset = eps, unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (x * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)
 
 
 # ----------------------------------------------------------------------------- RoPE
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """θ_i = base^(-2i/d) for i < d/2 (Su et al. 2021), with the config's scaling applied."""
-    d = cfg.head_dim
+    """θ_i = base^(-2i/d) for i < d/2 (Su et al. 2021), with the config's scaling applied. d is the rotated
+    part of a head (cfg.rotary_dim: all of it but in Phi-4-mini's partial RoPE)."""
+    d = cfg.rotary_dim
     # Built on the CPU explicitly, so a model constructed on the "meta" device still gets real values.
     exps = torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d
     inv_freq = 1.0 / (cfg.rope_theta ** exps)  # D/2
@@ -68,7 +74,14 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         inv_freq = inv_freq / scaling["factor"]
     elif kind == "llama3":
         inv_freq = llama3_rope_inv_freq(inv_freq, scaling)
+    elif kind == "longrope":  # Phi-3: a factor per frequency (the short ones: the context stays in the original)
+        inv_freq = inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float32, device="cpu")
     return inv_freq
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """What cos and sin are multiplied by (LongRoPE's attention factor, √(1 + ln s / ln L₀)); else 1."""
+    return (cfg.rope_scaling or {}).get("attention_factor", 1.0)
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
@@ -88,7 +101,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
     Pairs are (i, i + D/2), the layout of HF checkpoints. llama2.c pairs neighbours
     (2i, 2i+1) instead; its loader permutes the q/k weight rows so this one function serves both.
+    With cos, sin narrower than x (partial RoPE) only x's first cos.shape[-1] dims rotate.
     """
+    rd = cos.shape[-1]
+    if rd < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rd], cos, sin), x[..., rd:]), dim=-1)
     return x * cos + rotate_half(x) * sin
 
 
@@ -123,15 +140,34 @@ def naive_attention(q, k, v, q_positions=None, window: int | None = None):
     return torch.einsum("bhts,bshd->bthd", probs, v.float()).to(q.dtype)  # B, T, H, D
 
 
-def attention(q, k, v, q_positions=None, window: int | None = None):
-    """The same as `naive_attention`, through torch's fused SDPA kernel."""
+def attention(q, k, v, q_positions=None, window: int | None = None, scale: float | None = None,
+              softcap: float | None = None):
+    """The same as `naive_attention`, through torch's fused SDPA kernel; `scale` multiplies the scores
+    instead of 1/√D, and `softcap` c maps them to c·tanh(scores / c) before the mask (Gemma 2), which
+    SDPA cannot do: those take `softcapped_attention`."""
+    if softcap is not None:
+        return softcapped_attention(q, k, v, q_positions, window, scale, softcap)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # B, H, T, D
     gqa = q.shape[1] != k.shape[1]
     if q_positions is None and window is None:  # no cache: plain causal attention among the T tokens
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
         if q_positions is None:
             q_positions = torch.arange(q.shape[2], device=q.device).expand(q.shape[0], -1)  # B, T
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(q_positions, k.shape[2], window),
-                                             enable_gqa=gqa)
+                                             scale=scale, enable_gqa=gqa)
     return out.transpose(1, 2)  # B, T, H, D
+
+
+def softcapped_attention(q, k, v, q_positions, window, scale, softcap: float):
+    """Attention with soft-capped scores, written out (in float32): softmax(c·tanh(q·kᵀ·scale / c) + mask)·v.
+    The cap bounds every score to (−c, c) smoothly, so no single key can take all the weight."""
+    B, T, H, D = q.shape
+    if q_positions is None:
+        q_positions = torch.arange(T, device=q.device).expand(B, T)
+    group = H // k.shape[2]
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)  # B, S, H, D
+    scores = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) * (scale or 1 / math.sqrt(D))  # B, H, T, S
+    scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~causal_mask(q_positions, k.shape[1], window), float("-inf"))
+    return torch.einsum("bhts,bshd->bthd", scores.softmax(dim=-1), v.float()).to(q.dtype)  # B, T, H, D

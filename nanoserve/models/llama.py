@@ -11,11 +11,22 @@ q and k before RoPE (`qk_norm`), which keeps attention logits from growing. Taug
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import torch
 from torch import nn
 
 from .base import CausalLM
 from .config import ModelConfig
-from .layers import ACTIVATION_FNS, RMSNorm, apply_rope, attention, rope_cos_sin, rope_inv_freq
+from .layers import (
+    ACTIVATION_FNS,
+    RMSNorm,
+    apply_rope,
+    attention,
+    rope_attention_factor,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 
 
 class LlamaAttention(nn.Module):
@@ -29,22 +40,30 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(d, kv_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q_dim, d, bias=cfg.o_bias)
         self.window = cfg.layer_window(layer_idx)  # None: the whole context
-        if cfg.qk_norm:  # one RMSNorm weight of head_dim, shared by every head
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+        self.scale, self.softcap = cfg.attn_scale, cfg.attn_softcap  # None, None: scores · 1/√D, uncapped
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:  # per head: one head_dim weight shared by every head; whole: one weight per q/k channel
+            q_width, k_width = (cfg.head_dim, cfg.head_dim) if cfg.qk_norm == "per_head" else (q_dim, kv_dim)
+            self.q_norm = RMSNorm(q_width, cfg.norm_eps, cfg.norm_unit_offset)
+            self.k_norm = RMSNorm(k_width, cfg.norm_eps, cfg.norm_unit_offset)
 
     def forward(self, x, positions, cos, sin, cache):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # B, T, H, D
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # B, T, Hkv, D
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):  # Qwen3: normalise each head's q and k, then rotate
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # B, T, H·D; B, T, Hkv·D (twice)
+        if self.qk_norm == "whole":  # OLMo 2: normalise the whole projections
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = q.view(B, T, self.n_heads, self.head_dim)  # B, T, H, D
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)  # B, T, Hkv, D
+        v = v.view(B, T, self.n_kv_heads, self.head_dim)
+        if self.qk_norm == "per_head":  # Qwen3, Gemma 3: normalise each head's q and k
+            q, k = self.q_norm(q), self.k_norm(k)
+        if cos is not None:  # (None: a layer without RoPE, SmolLM3's NoPE layers)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        how = dict(window=self.window, scale=self.scale, softcap=self.softcap)
         if cache is None:  # the T tokens attend causally among themselves
-            y = attention(q, k, v, window=self.window)  # B, T, H, D
+            y = attention(q, k, v, **how)  # B, T, H, D
         else:  # the cache stores k, v and attends over what is cached (its backend: torch or Triton)
-            y = cache.attention(self.layer_idx, q, k, v, positions, window=self.window)  # B, T, H, D
+            y = cache.attention(self.layer_idx, q, k, v, positions, **how)  # B, T, H, D
         return self.o_proj(y.reshape(B, T, -1))
 
 
@@ -63,16 +82,39 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Pre-norm (Llama): x + attn(norm(x)), then x + mlp(norm(x)). Sandwich (Gemma 2/3): the attention's and
+    the MLP's outputs are normalised too, before the residual add; then `post_attention_layernorm` is the
+    attention's output norm, and the MLP's input norm is `pre_feedforward_layernorm` (HF's names).
+    Post-norm (OLMo 2): only the outputs are normalised, x + norm(attn(x)), then x + norm(mlp(x))."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_unit_offset)  # noqa: E731
+        self.block = cfg.block
+        if self.block != "post_norm":
+            self.input_layernorm = norm()
         self.self_attn = LlamaAttention(cfg, layer_idx)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.post_attention_layernorm = norm()
         self.mlp = LlamaMLP(cfg)
+        if self.block == "sandwich":
+            self.pre_feedforward_layernorm = norm()
+        if self.block != "pre_norm":
+            self.post_feedforward_layernorm = norm()
+        # which RoPE: Gemma 3's sliding layers have their own base; SmolLM3's NoPE layers have none
+        self.rope = "local" if cfg.local_rope_theta and self.self_attn.window is not None else "global"
+        if layer_idx in (cfg.no_rope_layers or []):
+            self.rope = "none"
 
     def forward(self, x, positions, cos, sin, cache):
-        x = x + self.self_attn(self.input_layernorm(x), positions, cos, sin, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = lambda h: self.self_attn(h, positions, cos, sin, cache)  # noqa: E731
+        if self.block == "pre_norm":
+            x = x + attn(self.input_layernorm(x))
+            return x + self.mlp(self.post_attention_layernorm(x))
+        if self.block == "sandwich":
+            x = x + self.post_attention_layernorm(attn(self.input_layernorm(x)))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + self.post_attention_layernorm(attn(x))  # post_norm
+        return x + self.post_feedforward_layernorm(self.mlp(x))
 
 
 class LlamaModel(nn.Module):
@@ -80,17 +122,26 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        # Kept in float32 whatever the model dtype (not a buffer, so .to(bf16) cannot round it).
-        self.inv_freq = rope_inv_freq(cfg)  # D/2
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_unit_offset)
+        self.embed_scale = cfg.hidden_size ** 0.5 if cfg.embed_scale else None  # Gemma: embeddings × √d
+        # Kept in float32 whatever the model dtype (not buffers, so .to(bf16) cannot round them).
+        self.inv_freq = {"global": rope_inv_freq(cfg)}  # D/2 each
+        self.attention_factor = rope_attention_factor(cfg)
+        if cfg.local_rope_theta:  # Gemma 3's sliding layers: their own base, no scaling
+            self.inv_freq["local"] = rope_inv_freq(replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=None))
 
     def forward(self, input_ids, positions, cache):
         x = self.embed_tokens(input_ids)  # B, T, C
-        if self.inv_freq.device != x.device:
-            self.inv_freq = self.inv_freq.to(x.device)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)  # once for all layers
+        if self.embed_scale is not None:  # the factor rounded to x's dtype first, as HF does
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        if self.inv_freq["global"].device != x.device:
+            self.inv_freq = {k: f.to(x.device) for k, f in self.inv_freq.items()}
+        rope = {k: rope_cos_sin(f, positions, x.dtype) for k, f in self.inv_freq.items()}  # once for all layers
+        if self.attention_factor != 1.0:  # LongRoPE scales cos and sin (so every q·k by its square)
+            rope = {k: (cos * self.attention_factor, sin * self.attention_factor) for k, (cos, sin) in rope.items()}
+        rope["none"] = (None, None)
         for layer in self.layers:
-            x = layer(x, positions, cos, sin, cache)
+            x = layer(x, positions, *rope[layer.rope], cache)
         return self.norm(x)
 
 

@@ -26,7 +26,8 @@ from ..errors import CheckpointError, ConfigError, NanoserveError
 from ..models import CausalLM, build_model
 from ..tokenizers import has_tokenizer, load_tokenizer
 from .config import ModelConfig
-from .hf_config import to_hf_config
+from .fused import fuse, split_fused
+from .hf_export import to_hf_config
 from .llama2c import read_llama2c
 
 ASSETS = Path(__file__).parents[1] / "assets"
@@ -224,7 +225,7 @@ def normalize_hf_names(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> di
             if _CONV1D.search(key) and t.ndim == 2:
                 t = t.t()
         out[key] = t
-    return out
+    return split_fused(cfg, out) if cfg.hf_model_type == "phi3" else out
 
 
 def build_from_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
@@ -284,6 +285,8 @@ def save_checkpoint(model: CausalLM, directory: str | os.PathLike,
         state[key] = t.detach().to("cpu").contiguous()
     for name, tensors in replaced.items():
         state.update({f"{name}.{k}": v.detach().to("cpu").contiguous() for k, v in tensors.items()})
+    if cfg.hf_model_type == "phi3" and not replaced:  # transformers reads Phi-3's fused layout only
+        state = fuse(cfg, state)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     hf = to_hf_config(cfg)
     if quantization_config is not None:

@@ -159,7 +159,8 @@ def fold_scales(prev: nn.Module, linears: Sequence[nn.Linear], s: torch.Tensor) 
     """Divide prev's outputs by s and multiply the linears' input columns by s, in place.
 
     prev: the op producing the linears' common input — a norm with a per-channel weight (RMSNorm,
-    LayerNorm: weight and bias ÷ s) or an nn.Linear (rows of weight and bias ÷ s). Every consumer
+    LayerNorm: weight and bias ÷ s; Gemma's (1 + w) RMSNorm: 1 + w ÷ s) or an nn.Linear (rows of weight and
+    bias ÷ s). Every consumer
     of prev's output must be in `linears`, or it would see x / s. Exact up to float rounding.
     """
     k = s.numel()
@@ -172,7 +173,10 @@ def fold_scales(prev: nn.Module, linears: Sequence[nn.Linear], s: torch.Tensor) 
             raise NanoserveError(f"the previous linear has {prev.out_features} outputs, the scales {k} channels")
         prev.weight.div_(s.to(prev.weight.dtype)[:, None])                       # K, K_prev   rows ÷ s
     elif isinstance(getattr(prev, "weight", None), torch.Tensor) and prev.weight.shape == (k,):
-        prev.weight.div_(s.to(prev.weight.dtype))                                # K
+        if getattr(prev, "unit_offset", False):  # scales by (1 + w): the new w' has 1 + w' = (1 + w) / s
+            prev.weight.copy_((1 + prev.weight) / s.to(prev.weight.dtype) - 1)  # K
+        else:
+            prev.weight.div_(s.to(prev.weight.dtype))                            # K
     else:
         raise NanoserveError(f"cannot fold scales into {type(prev).__name__}: need an nn.Linear with {k} outputs or "
                              f"a norm with a per-channel weight of shape ({k},)")

@@ -113,9 +113,14 @@ def block_groups(model: nn.Module) -> list[tuple[str | None, list[str]]]:
         return [("ln_1", ["attn.c_attn"]), (None, ["attn.c_proj"]), ("ln_2", ["mlp.c_fc"]), (None, ["mlp.c_proj"])]
     # v → o only when v's outputs line up one-to-one with o's inputs (no GQA sharing)
     v_to_o = "self_attn.v_proj" if cfg.n_kv_heads == cfg.n_heads else None
-    return [("input_layernorm", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
+    # the norms feeding the attention and the MLP: Gemma's sandwich names the MLP's pre_feedforward_layernorm;
+    # OLMo 2's post-norm blocks feed both the raw residual stream (nothing to fold into: AWQ only clips)
+    attn_norm, mlp_norm = {"pre_norm": ("input_layernorm", "post_attention_layernorm"),
+                           "sandwich": ("input_layernorm", "pre_feedforward_layernorm"),
+                           "post_norm": (None, None)}[cfg.block]
+    return [(attn_norm, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
             (v_to_o, ["self_attn.o_proj"]),
-            ("post_attention_layernorm", ["mlp.gate_proj", "mlp.up_proj"]),
+            (mlp_norm, ["mlp.gate_proj", "mlp.up_proj"]),
             ("mlp.up_proj", ["mlp.down_proj"])]
 
 
