@@ -77,8 +77,8 @@ def _flash_attention_kernel(
     stride_bt_b, stride_bt_i,
     stride_kcb, stride_kcs, stride_kch, stride_kcd,
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
-    qk_scale, H, group, head_dim, page_size, window, softcap,
-    CAUSAL: tl.constexpr, HAS_PREFIX: tl.constexpr, UPCAST: tl.constexpr,
+    qk_scale, H, group, head_dim, page_size, window,
+    SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr, HAS_PREFIX: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M
@@ -135,7 +135,7 @@ def _flash_attention_kernel(
                 valid = valid & (t[None, :] <= q_pos[:, None])
             if window > 0:
                 valid = valid & (t[None, :] > q_pos[:, None] - window)
-            m_i, l_i, acc = _online_softmax_step(q, kT, v, valid, m_i, l_i, acc, qk_scale, softcap, UPCAST)
+            m_i, l_i, acc = _online_softmax_step(q, kT, v, valid, m_i, l_i, acc, qk_scale, SOFTCAP, UPCAST)
 
     # ---- loop 2: this step's new keys, at positions P..P+Lk-1
     hi = Lk
@@ -154,7 +154,7 @@ def _flash_attention_kernel(
             valid = valid & ((P + j)[None, :] <= q_pos[:, None])
         if window > 0:
             valid = valid & ((P + j)[None, :] > q_pos[:, None] - window)
-        m_i, l_i, acc = _online_softmax_step(q, kT, v, valid, m_i, l_i, acc, qk_scale, softcap, UPCAST)
+        m_i, l_i, acc = _online_softmax_step(q, kT, v, valid, m_i, l_i, acc, qk_scale, SOFTCAP, UPCAST)
 
     # A row that saw no key has l = 0 and acc = 0: output 0, not 0/0.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # BLOCK_M, BLOCK_D
@@ -164,7 +164,7 @@ def _flash_attention_kernel(
 
 
 @triton.jit
-def _softcap(s, cap):
+def softcap_scores(s, cap):
     """Scores in log2 units, s = x·log2 e -> c·tanh(x / c)·log2 e (tanh(y) = ±(1 − e)/(1 + e), e = exp(−2|y|) ≤ 1)."""
     y = s * (0.6931471805599453 / cap)  # x / c
     e = tl.exp(-2.0 * tl.abs(y))
@@ -173,14 +173,14 @@ def _softcap(s, cap):
 
 
 @triton.jit
-def _online_softmax_step(q, kT, v, valid, m_i, l_i, acc, qk_scale, softcap, UPCAST: tl.constexpr):
+def _online_softmax_step(q, kT, v, valid, m_i, l_i, acc, qk_scale, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr):
     """Fold one key tile into (m, l, acc). Scores are in log2 units: qk_scale = sm_scale·log2(e)."""
     if UPCAST:
         kT = kT.to(tl.float32)
         v = v.to(tl.float32)
     s = tl.dot(q, kT, input_precision="ieee") * qk_scale  # BLOCK_M, BLOCK_N
-    if softcap > 0:
-        s = _softcap(s, softcap)
+    if SOFTCAP > 0:  # a compile-time constant: the kernel without a cap is the kernel it always was
+        s = softcap_scores(s, SOFTCAP)
     s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))  # BLOCK_M
     # A row with every key masked so far has m_new = -inf; subtract 0 instead so that
@@ -249,8 +249,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q, k, v, out, cu_q, cu_k, bt, kc, vc, ctx,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         *bt_strides, *kc_strides, *vc_strides,
-        sm_scale * math.log2(math.e), H, H // Hkv, D, page_size, window, softcap,
-        CAUSAL=bool(causal), HAS_PREFIX=has_prefix, UPCAST=launch.upcast,
+        sm_scale * math.log2(math.e), H, H // Hkv, D, page_size, window,
+        SOFTCAP=softcap, CAUSAL=bool(causal), HAS_PREFIX=has_prefix, UPCAST=launch.upcast,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
         **launch.options(),
     )

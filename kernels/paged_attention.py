@@ -15,7 +15,7 @@ block `block_tables[b, t // block_size]` at offset `t % block_size`, i.e. in *sl
   and out = acc / l at the end (m, l, acc in fp32). With a sliding window w (Mistral), the query
   at position len − 1 sees only keys len − w .. len − 1, so the walk simply starts at len − w: the
   blocks before it are never read (the engine may already have given them back to the pool). A
-  soft-cap c (Gemma 2) maps each score x to c·tanh(x / c) first (flash_attention._softcap).
+  soft-cap c (Gemma 2) maps each score x to c·tanh(x / c) first (flash_attention.softcap_scores).
 
 **GQA, one program per group.** H query heads share Hkv kv heads (head h reads kv head
 h // G, G = H // Hkv). A program owns one (sequence, kv head) and all G query heads of its
@@ -57,7 +57,7 @@ import triton.language as tl
 
 from .checks import check_paged_attention, check_softcap, check_window
 from .configs import INTERPRETER, pick
-from .flash_attention import _softcap
+from .flash_attention import softcap_scores
 
 BLOCK_N = INTERPRETER["decode"].tiles[0]  # key positions per tile in the interpreter (GPU: configs.DECODE)
 MIN_TILES_PER_SPLIT = 4  # choose_num_splits: a split must have work enough (4 · 32 keys) to pay for the merge
@@ -100,8 +100,8 @@ def _paged_decode_kernel(
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     stride_bt,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-    qk_scale, head_dim, window, softcap,
-    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
+    qk_scale, head_dim, window,
+    SOFTCAP: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
     D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
 ):
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -142,8 +142,8 @@ def _paged_decode_kernel(
             v = v.to(tl.float32)
         # scale · log2 e, so exp2 below is exp; applied to the fp32 scores, not to q (no extra rounding)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # G_PAD, BLOCK_N
-        if softcap > 0:
-            s = _softcap(s, softcap)
+        if SOFTCAP > 0:  # compile-time: without a cap, the kernel it always was
+            s = softcap_scores(s, SOFTCAP)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every tile holds ≥ 1 real key
         alpha = tl.exp2(m - m_new)  # G_PAD   rescales what came before
@@ -211,8 +211,8 @@ def paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, sm_sc
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0),
         *part_strides, lse.stride(0), lse.stride(1),
-        scale * 1.4426950408889634, D, window, softcap,  # · log2 e
-        BLOCK_SIZE=bs, GROUP=H // Hkv, G_PAD=max(16, triton.next_power_of_2(H // Hkv)),
+        scale * 1.4426950408889634, D, window,  # · log2 e
+        SOFTCAP=softcap, BLOCK_SIZE=bs, GROUP=H // Hkv, G_PAD=max(16, triton.next_power_of_2(H // Hkv)),
         D_PAD=max(16, triton.next_power_of_2(D)), BLOCK_N=launch.tiles[0], UPCAST=launch.upcast,
         **launch.options(),
     )

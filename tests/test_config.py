@@ -32,8 +32,8 @@ def test_qwen2_gets_qkv_bias_only():
 
 
 def test_unsupported_rope_type_is_named():
-    with pytest.raises(ConfigError, match="unsupported rope scaling 'yarn'"):
-        ModelConfig.from_hf({**LLAMA_BASE, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ConfigError, match="unsupported rope scaling 'mrope'"):
+        ModelConfig.from_hf({**LLAMA_BASE, "rope_scaling": {"rope_type": "mrope", "factor": 4.0}})
 
 
 @pytest.mark.parametrize("name", sorted(GPT2_PRESETS))

@@ -41,7 +41,8 @@ DROP = object()  # in a case's json edits: remove the key from config.json
 CLASSES = {"gpt2": transformers.GPT2Config, "llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
            "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config, "gemma2": transformers.Gemma2Config,
            "gemma3_text": transformers.Gemma3TextConfig, "smollm3": transformers.SmolLM3Config,
-           "olmo2": transformers.Olmo2Config, "phi3": transformers.Phi3Config}
+           "olmo2": transformers.Olmo2Config, "phi3": transformers.Phi3Config, "mixtral": transformers.MixtralConfig,
+           "qwen3_moe": transformers.Qwen3MoeConfig}
 _SMALL = dict(vocab_size=257, initializer_range=0.1, bos_token_id=0, eos_token_id=1)
 _DECODER = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=64, **_SMALL)
@@ -50,7 +51,9 @@ BASE = {"gpt2": dict(n_layer=2, n_embd=32, n_head=4, n_positions=64, **_SMALL), 
         "gemma2": dict(_DECODER, head_dim=8, sliding_window=WINDOW, query_pre_attn_scalar=8),
         "gemma3_text": dict(_DECODER, head_dim=8, sliding_window=WINDOW, query_pre_attn_scalar=8),
         "smollm3": dict(_DECODER, num_hidden_layers=4, pad_token_id=0), "olmo2": dict(_DECODER, pad_token_id=0),
-        "phi3": dict(_DECODER, pad_token_id=0)}
+        "phi3": dict(_DECODER, pad_token_id=0),
+        "mixtral": dict(_DECODER, num_local_experts=4, num_experts_per_tok=2, pad_token_id=0),
+        "qwen3_moe": dict(_DECODER, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, pad_token_id=0)}
 LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.2, 1.9], "long_factor": [3.0, 4.0, 5.0]}
 GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e5},
                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}
@@ -80,6 +83,15 @@ MATCHED = [
     ("llama-rope-transformers4", "llama", dict(rope_parameters=dict(LLAMA3)),
      {"rope_parameters": DROP, "rope_theta": 500000.0,
       "rope_scaling": {k: v for k, v in LLAMA3.items() if k != "rope_theta"}}),
+    # YaRN from a short original context (every band used), with its defaults and with every knob set; dynamic NTK
+    # changes nothing within max_position_embeddings, nanoserve's context limit
+    ("llama-rope-yarn", "llama", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                                       "original_max_position_embeddings": 16}), {}),
+    ("llama-rope-yarn-knobs", "llama", dict(rope_parameters={
+        "rope_type": "yarn", "factor": 8.0, "rope_theta": 1e4, "original_max_position_embeddings": 8, "beta_fast": 16,
+        "beta_slow": 2, "mscale": 2.0, "mscale_all_dim": 1.0, "truncate": False}), {}),
+    ("qwen2-rope-dynamic", "qwen2", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
+     {}),
     ("llama-inert", "llama", dict(pretraining_tp=2, attention_dropout=0.5, partial_rotary_factor=1.0), {}),
     ("qwen2-head-dim-eps", "qwen2", dict(head_dim=12, rms_norm_eps=0.1, hidden_act="gelu_pytorch_tanh"), {}),
     ("qwen2-ignores-llama-biases", "qwen2", dict(attention_bias=True, mlp_bias=True), {}),
@@ -172,6 +184,25 @@ MATCHED = [
       "partial_rotary_factor": 0.75}),
     ("phi3-default-rope", "phi3", dict(head_dim=12, rope_parameters={"rope_type": "default", "rope_theta": 500.0,
                                                         "partial_rotary_factor": 1.0}), {}),
+    # mixtures of experts: Mixtral (always renormalised), Qwen3-MoE (norm_topk_prob; dense layers)
+    ("mixtral-top1-window", "mixtral", dict(num_experts_per_tok=1, sliding_window=WINDOW, router_jitter_noise=0.5,
+                                            hidden_act="gelu", rms_norm_eps=0.1, tie_word_embeddings=True,
+                                            head_dim=12), {}),
+    ("mixtral-top3", "mixtral", dict(num_experts_per_tok=3, rope_parameters=dict(LLAMA3)), {}),
+    ("mixtral-transformers4", "mixtral", dict(rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                               "rope_theta": 500.0}),
+     {"rope_parameters": DROP, "rope_theta": 500.0, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    ("qwen3-moe-renormalised", "qwen3_moe", dict(norm_topk_prob=True, decoder_sparse_step=2, num_experts_per_tok=3,
+                                                 attention_bias=True, head_dim=12, rms_norm_eps=0.1,
+                                                 hidden_act="gelu", tie_word_embeddings=True), {}),
+    ("qwen3-moe-dense-layer-window", "qwen3_moe", dict(mlp_only_layers=[0], **SLIDING,  # a window in every layer
+                                                       rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                                        "rope_theta": 1e4}),
+     {"max_window_layers": 1, "layer_types": ["full_attention", "sliding_attention"]}),  # (read by no code)
+    ("qwen3-moe-transformers4", "qwen3_moe", dict(rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                                   "rope_theta": 500.0}),
+     {"rope_parameters": DROP, "rope_theta": 500.0, "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+      "num_experts": 4, "num_local_experts": DROP}),
     ("qwen2-rope-oldest-spelling", "qwen2",
      dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}),
      {"rope_parameters": DROP, "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}}),
@@ -182,7 +213,7 @@ REFUSED = [
     ("gpt2-cross-attention", "gpt2", dict(add_cross_attention=True), {}, "add_cross_attention"),
     ("gpt2-activation", "gpt2", dict(activation_function="gelu_accurate"), {}, "activation_function='gelu_accurate'"),
     ("llama-activation", "llama", dict(hidden_act="relu2"), {}, "hidden_act='relu2'"),
-    ("llama-rope-yarn", "llama", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), {},
+    ("llama-rope-type", "llama", {}, {"rope_parameters": {"rope_type": "mrope", "factor": 4.0, "rope_theta": 1e4}},
      "rope_parameters"),
     ("llama-partial-rotary", "llama", {}, {"rope_parameters": {"rope_type": "linear", "factor": 2.0,
                                                                "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
@@ -191,6 +222,10 @@ REFUSED = [
     ("llama-layer-types", "llama", dict(layer_types=["full_attention", "sliding_attention"]), {}, "layer_types"),
     ("qwen2-unknown-layer-type", "qwen2", dict(layer_types=["chunked_attention", "full_attention"], **SLIDING), {},
      "layer_types has 'chunked_attention'"),
+    ("mixtral-partial-rotary", "mixtral", {}, {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ("mixtral-layer-types", "mixtral", {}, {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+    ("qwen3-moe-partial-rotary", "qwen3_moe", {}, {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ("qwen3-moe-top-k", "qwen3_moe", {}, {"num_experts_per_tok": 9}, "num_experts_per_tok=9"),
     ("phi3-activation", "phi3", dict(hidden_act="relu2"), {}, "hidden_act"),
     ("phi3-short-factors", "phi3", {}, {"rope_parameters": dict(LONGROPE, short_factor=[1.0], rope_theta=1e4)},
      "short_factor"),
@@ -274,7 +309,8 @@ def test_round_trip_through_to_hf_config_keeps_every_field(tmp_path):
 
 @pytest.mark.parametrize("case_id", ["mistral-window", "qwen2-sliding", "qwen3-biases-sliding", "qwen3-qk-norm",
                                      "gemma2-soft-caps", "gemma3-rope-per-layer-type", "smollm3-explicit-lists",
-                                     "olmo2-biases", "phi3-longrope", "phi3-partial-window"])
+                                     "olmo2-biases", "phi3-longrope", "phi3-partial-window", "mixtral-top3",
+                                     "qwen3-moe-dense-layer-window"])
 def test_round_trip_keeps_the_family_and_its_windows(tmp_path, case_id):
     """save_checkpoint names the HF class that computes the same thing (Mistral, Qwen2, Qwen3) with its window
     and layer types: transformers reloads a model nanoserve matches."""
@@ -360,6 +396,15 @@ MUTANTS = {  # case id -> a wrong implementation, made by editing nanoserve's lo
     "smollm3-nope": lambda m: _set_all(m.model.layers, "rope", "global"),  # RoPE in every layer
     "olmo2-qk-norm": lambda m: _set_all([b.self_attn for b in m.model.layers], "qk_norm", None),  # q/k norms off
     "phi3-longrope": lambda m: setattr(m.model, "attention_factor", 1.0),  # LongRoPE's attention factor off
+    "llama-rope-yarn": lambda m: setattr(m.model, "attention_factor", 1.0),  # YaRN's attention factor off
+    "llama-rope-yarn-knobs": lambda m: m.model.inv_freq["global"].mul_(  # the ramp ignored: all interpolated
+        torch.linspace(1, 1 / 8, len(m.model.inv_freq["global"]))),
+    "mixtral-top3": lambda m: _set_all([b.mlp for b in m.model.layers], "renormalize", False),  # weights not renormed
+    "qwen3-moe-renormalised": lambda m: _set_all([b.mlp for b in m.model.layers if hasattr(b.mlp, "experts")],
+                                                 "renormalize", False),
+    "qwen3-moe-dense-layer-window": lambda m: _set_all([b.mlp for b in m.model.layers if hasattr(b.mlp, "experts")],
+                                                       "top_k", 1),  # one expert per token
+    "mixtral-top1-window": lambda m: _set_all([b.self_attn for b in m.model.layers], "window", None),
     "phi3-partial-window": lambda m: [f.copy_(torch.cat([f, 1 / 10000 ** (torch.arange(len(f), 2 * len(f)) / (
         4 * len(f)))])[::2]) for f in m.model.inv_freq.values()],  # frequencies spread over the whole head
 }

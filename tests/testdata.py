@@ -88,11 +88,20 @@ def hf_configs():
                                                       "short_factor": [1 + 0.3 * i for i in range(6)],
                                                       "long_factor": [2.0 + i for i in range(6)]},
                                         **dict(small, max_position_embeddings=512)),
+        # 4 experts, top 2 (renormalised), a window of 8
+        "mixtral": transformers.MixtralConfig(hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                                              num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                              num_experts_per_tok=2, sliding_window=8, pad_token_id=0, **small),
+        # 6 experts of width 32, top 3 not renormalised; layer 1 keeps a dense MLP
+        "qwen3-moe": transformers.Qwen3MoeConfig(hidden_size=48, intermediate_size=64, num_hidden_layers=3,
+                                                 num_attention_heads=4, num_key_value_heads=2, num_experts=6,
+                                                 num_experts_per_tok=3, moe_intermediate_size=32, mlp_only_layers=[1],
+                                                 norm_topk_prob=False, pad_token_id=0, **small),
     }
 
 
 HF_CASES = ["gpt2", "llama-mha", "llama-gqa", "llama3-rope", "qwen2-bias", "mistral-window", "qwen3-window", "gemma2",
-            "gemma3", "smollm3", "olmo2", "phi3"]
+            "gemma3", "smollm3", "olmo2", "phi3", "mixtral", "qwen3-moe"]
 
 
 def tiny_hf_checkpoint(cfg, path: Path, seed: int = 0, **from_config_kwargs):

@@ -14,7 +14,7 @@ from typing import Any
 from ..errors import ConfigError
 from .hf_fields import ACTIVATIONS
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn", "dynamic")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -52,6 +52,13 @@ class ModelConfig:
     qk_norm: str | None = None
     no_rope_layers: list[int] | None = None  # layers that apply no RoPE at all (SmolLM3's "NoPE" layers)
     partial_rotary_factor: float = 1.0  # RoPE rotates the first head_dim · this dims of each head (Phi-4-mini)
+    # mixture of experts (Mixtral, Qwen3-MoE: moe.py); num_experts 0: a dense MLP in every layer
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # k: experts each token runs
+    moe_intermediate_size: int | None = None  # each expert's width; None: intermediate_size
+    norm_topk_prob: bool = True  # renormalise the k router probabilities to sum to 1
+    moe_every: int = 1  # experts in layers i with (i + 1) % moe_every == 0 (Qwen3-MoE's decoder_sparse_step)
+    mlp_only_layers: list[int] | None = None  # layers that keep a dense MLP (Qwen3-MoE)
     # "pre_norm": x + f(norm(x)) (Llama); "sandwich": x + norm(f(norm(x))) (Gemma); "post_norm": x + norm(f(x))
     # (OLMo 2); f is the attention, then the MLP
     block: str = "pre_norm"
@@ -86,6 +93,9 @@ class ModelConfig:
             raise ConfigError(
                 f"num_attention_heads={self.n_heads} is not a multiple of num_key_value_heads={self.n_kv_heads}")
         self._check_windows()
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts or self.moe_every < 1:
+            raise ConfigError(f"num_experts_per_tok={self.num_experts_per_tok} must lie in 1..num_experts="
+                              f"{self.num_experts}, and decoder_sparse_step={self.moe_every} be ≥ 1")
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
             raise ConfigError(f"partial_rotary_factor={self.partial_rotary_factor!r} must give an even number of "
@@ -99,7 +109,7 @@ class ModelConfig:
 
     def _check_windows(self) -> None:
         llama_only = dict(sliding_window=None, layer_types=None, qk_norm=None, no_rope_layers=None, block="pre_norm",
-                          partial_rotary_factor=1.0,
+                          partial_rotary_factor=1.0, num_experts=0,
                           norm_unit_offset=False, embed_scale=False, attn_scale=None, attn_softcap=None,
                           final_softcap=None, local_rope_theta=None)
         if self.arch == "gpt2" and any(getattr(self, k) != v for k, v in llama_only.items()):
@@ -163,7 +173,10 @@ class ModelConfig:
             attn += (q + 2 * kv) * self.qkv_bias + d * self.o_bias
             attn += {None: 0, "per_head": 2 * self.head_dim, "whole": q + kv}[self.qk_norm]
             norms = (4 if self.block == "sandwich" else 2) * d
-            per_layer = norms + attn + 3 * d * f + (2 * f + d) * self.mlp_bias
+            mlp = 3 * d * f + (2 * f + d) * self.mlp_bias
+            if self.num_experts:  # (every layer counted as sparse: an upper bound with Qwen3-MoE's dense layers)
+                mlp = self.num_experts * 3 * d * (self.moe_intermediate_size or f) + d * self.num_experts
+            per_layer = norms + attn + mlp
             total = V * d + L * per_layer + d
         return total + (0 if self.tie_word_embeddings else V * d)
 
@@ -215,3 +228,26 @@ def llama3_rope_inv_freq(inv_freq, scaling: dict[str, Any]):
     out = out.where(wavelen <= old_len / high, scaled)  # medium band
     out = out.where(wavelen <= old_len / low, inv_freq / factor)  # long wavelengths
     return out
+
+
+def yarn_rope_inv_freq(base: float, dim: int, scaling: dict[str, Any]):
+    """YaRN (Peng et al. 2023): frequencies that turn fewer than beta_slow times over the original
+    context L₀ are divided by `factor` (interpolated), those turning more than beta_fast times keep
+    theirs (extrapolated), with a linear ramp over the dims in between. (attention_factor, applied
+    to cos and sin, is computed when the config is read: hf_config.py.)"""
+    import torch  # (config.py is imported by code that needs no torch)
+
+    factor, L0 = scaling["factor"], scaling["original_max_position_embeddings"]
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations):  # the dim whose frequency turns `rotations` times over L₀
+        return dim * math.log(L0 / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(fast), correction_dim(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)  # D/2
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / ((high - low) or 0.001)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (high frequencies), 0: interpolate
+    return (1 / (factor * pos_freqs)) * (1 - keep) + (1 / pos_freqs) * keep

@@ -30,9 +30,11 @@ SUPPORTED_ARCHITECTURES = {
     "SmolLM3ForCausalLM": "smollm3",  # Llama block; every 4th layer without RoPE ("NoPE")
     "Olmo2ForCausalLM": "olmo2",  # post-norm blocks; RMSNorm over the whole q and k projections
     "Phi3ForCausalLM": "phi3",  # fused qkv / gate-up weights (split at load), partial RoPE, LongRoPE, a window
+    "MixtralForCausalLM": "mixtral",  # Mistral with a mixture of experts in every layer
+    "Qwen3MoeForCausalLM": "qwen3_moe",  # Qwen3 with a mixture of experts (dense in mlp_only_layers)
 }
 SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "smollm3", "olmo2",
-                         "phi3")
+                         "phi3", "mixtral", "qwen3_moe")
 # What a key absent from config.json means, where a family's HF class differs from Llama's defaults.
 TYPE_DEFAULTS = {"smollm3": {"tie_word_embeddings": True, "rope_theta": 2e6}, "olmo2": {"rms_norm_eps": 1e-5}}
 GEMMA = ("gemma2", "gemma3_text")
@@ -111,8 +113,10 @@ def _windows(cfg: dict[str, Any], hf_type: str, n_layers: int) -> tuple[int | No
     `use_sliding_window`, in the layers `layer_types` marks "sliding_attention", or, in a config
     without `layer_types` (transformers 4), in layers max_window_layers .. n_layers − 1."""
     # A key absent from config.json takes the HF class's default: sliding_window 4096, max_window_layers 28.
-    if hf_type in ("mistral", "phi3"):
+    if hf_type in ("mistral", "phi3", "mixtral"):
         return cfg.get("sliding_window", 4096 if hf_type == "mistral" else None), None
+    if hf_type == "qwen3_moe":  # every layer, when switched on
+        return cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window") else None, None
     if hf_type == "llama":
         return None, None  # a window in a Llama config is refused by check_hf_fields
     types = cfg.get("layer_types")
@@ -173,6 +177,8 @@ def _rope(cfg: dict[str, Any], hf_type: str) -> tuple[float, dict[str, Any], flo
         scaling["rope_type"] = "longrope"
     if scaling.get("rope_type") == "longrope":
         scaling = _longrope(cfg, scaling)
+    elif scaling.get("rope_type") == "yarn":
+        scaling = _yarn(cfg, scaling)
     if scaling.get("rope_type", "default") == "default":
         scaling = {}
     return theta, scaling, None if local is None else float(local.get("rope_theta", 10000.0))
@@ -194,13 +200,27 @@ def _longrope(cfg: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:
                 original_max_position_embeddings=original, attention_factor=float(attention_factor))
 
 
+def _yarn(cfg: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:
+    """YaRN's defaults made explicit: L₀ (the context it stretches from), the factor, and the attention
+    factor 0.1·ln(s) + 1 (or DeepSeek's mscale / mscale_all_dim ratio) that multiplies cos and sin."""
+    original = int(scaling.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 2048))
+    factor = scaling.get("factor") or int(cfg.get("max_position_embeddings", 2048)) / original
+    ms = lambda scale, m=1: 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0  # noqa: E731
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = ms(factor, mscale) / ms(factor, mscale_all_dim) if mscale and mscale_all_dim else ms(factor)
+    return {**scaling, "factor": float(factor), "original_max_position_embeddings": original,
+            "attention_factor": float(attention_factor)}
+
+
 def _llama_from_hf(cfg: dict[str, Any], hf_type: str) -> ModelConfig:
     n_heads, n_layers = int(_need(cfg, "num_attention_heads")), int(_need(cfg, "num_hidden_layers"))
     rope_theta, scaling, local_theta = _rope(cfg, hf_type)
     gemma = hf_type in GEMMA
     # Which projections have biases, by the HF code of each type (hf_fields.py lists what each reads).
-    attention_bias = bool(cfg.get("attention_bias", False)) and hf_type in ("llama", "qwen3", "smollm3", "olmo2",
-                                                                            *GEMMA)
+    attention_bias = bool(cfg.get("attention_bias", False)) and hf_type in ("llama", "qwen3", "qwen3_moe", "smollm3",
+                                                                            "olmo2", *GEMMA)
     window, layer_types = _windows(cfg, hf_type, n_layers)
     softcaps = [None, None]  # (attention, final); Gemma 3 reads attn_logit_softcapping but never applies it
     if gemma:
@@ -215,7 +235,8 @@ def _llama_from_hf(cfg: dict[str, Any], hf_type: str) -> ModelConfig:
         n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
         intermediate_size=int(_need(cfg, "intermediate_size")),
         max_position_embeddings=min(int(cfg.get("max_position_embeddings", 2048)),  # LongRoPE: within L₀
-                                    (scaling or {}).get("original_max_position_embeddings", 1 << 62)),
+                                    scaling["original_max_position_embeddings"] if scaling.get("rope_type")
+                                    == "longrope" else 1 << 62),
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
         rope_theta=rope_theta,
@@ -230,7 +251,8 @@ def _llama_from_hf(cfg: dict[str, Any], hf_type: str) -> ModelConfig:
         hidden_act=cfg.get("hidden_activation", "gelu_pytorch_tanh") if gemma else cfg.get("hidden_act", "silu"),
         sliding_window=window,
         layer_types=layer_types,
-        qk_norm="per_head" if hf_type in ("qwen3", "gemma3_text") else "whole" if hf_type == "olmo2" else None,
+        qk_norm="per_head" if hf_type in ("qwen3", "qwen3_moe", "gemma3_text") else "whole" if hf_type == "olmo2"
+        else None,
         no_rope_layers=_no_rope_layers(cfg, n_layers) if hf_type == "smollm3" else None,
         partial_rotary_factor=float((cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}).get(
             "partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) if hf_type == "phi3" else 1.0,
@@ -242,4 +264,20 @@ def _llama_from_hf(cfg: dict[str, Any], hf_type: str) -> ModelConfig:
         final_softcap=softcaps[1],
         local_rope_theta=local_theta,
         hf_model_type=hf_type,
+        **_experts(cfg, hf_type),
     )
+
+
+def _experts(cfg: dict[str, Any], hf_type: str) -> dict[str, Any]:
+    """The mixture-of-experts fields (moe.py): Mixtral's in every layer, always renormalised; Qwen3-MoE's where
+    decoder_sparse_step and mlp_only_layers say, renormalised only with norm_topk_prob."""
+    if hf_type not in ("mixtral", "qwen3_moe"):
+        return {}
+    mixtral = hf_type == "mixtral"
+    return dict(num_experts=int(cfg.get("num_local_experts", 8) if mixtral else cfg.get("num_experts", cfg.get(
+                    "num_local_experts", 128))),
+                num_experts_per_tok=int(cfg.get("num_experts_per_tok", 2 if mixtral else 8)),
+                moe_intermediate_size=None if mixtral else int(cfg.get("moe_intermediate_size", 768)),
+                norm_topk_prob=True if mixtral else bool(cfg.get("norm_topk_prob", False)),
+                moe_every=1 if mixtral else int(cfg.get("decoder_sparse_step", 1)),
+                mlp_only_layers=None if mixtral else list(cfg.get("mlp_only_layers") or []) or None)

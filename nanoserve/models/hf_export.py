@@ -61,11 +61,13 @@ def _llama_family(cfg: ModelConfig, hf_type: str) -> dict[str, Any]:
     types = cfg.layer_types or ["sliding_attention" if cfg.sliding_window else "full_attention"] * cfg.n_layers
     if hf_type == "llama":
         out["attention_bias"] = cfg.qkv_bias  # and o: checked on reading back
-    elif hf_type in ("mistral", "phi3"):
+    elif hf_type in ("mistral", "phi3", "mixtral"):
         out["sliding_window"] = cfg.sliding_window
         if hf_type == "phi3":
             out.update(partial_rotary_factor=cfg.partial_rotary_factor, original_max_position_embeddings=(
                 cfg.rope_scaling or {}).get("original_max_position_embeddings", cfg.max_position_embeddings))
+    elif hf_type == "qwen3_moe":
+        out.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window)
     elif hf_type in ("qwen2", "qwen3", "smollm3"):
         out.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
                    layer_types=types)
@@ -73,6 +75,12 @@ def _llama_family(cfg: ModelConfig, hf_type: str) -> dict[str, Any]:
             out["max_window_layers"] = types.index("sliding_attention") if cfg.sliding_window else cfg.n_layers
         else:
             out["no_rope_layers"] = [int(i not in (cfg.no_rope_layers or [])) for i in range(cfg.n_layers)]
+    if hf_type == "mixtral":
+        out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok)
+    elif hf_type == "qwen3_moe":
+        out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                   moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
+                   decoder_sparse_step=cfg.moe_every, mlp_only_layers=cfg.mlp_only_layers or [])
     elif hf_type in GEMMA:
         out.update(hidden_activation=out.pop("hidden_act"), query_pre_attn_scalar=round((cfg.attn_scale or 1) ** -2),
                    attn_logit_softcapping=cfg.attn_softcap, final_logit_softcapping=cfg.final_softcap,

@@ -123,8 +123,8 @@ _DECODER = {
     "hidden_act": implemented("the gate's activation in the gated MLP: act(gate(x)) · up(x)", ACTIVATIONS),
     "max_position_embeddings": implemented("the longest context (RoPE itself has no table)"),
     "rms_norm_eps": implemented("RMSNorm epsilon"),
-    "rope_parameters": implemented("RoPE base (rope_theta) and scaling; rope types other than "
-                                   "default, linear and llama3 are refused (config.SUPPORTED_ROPE_TYPES)"),
+    "rope_parameters": implemented("RoPE base (rope_theta) and scaling: default, linear, llama3, yarn, dynamic "
+                                   "(and Phi-3's longrope); others are refused (config.SUPPORTED_ROPE_TYPES)"),
     "rope_theta": implemented("transformers 4's place for the RoPE base"),
     "rope_scaling": implemented("transformers 4's place for the RoPE scaling"),
     "partial_rotary_factor": refused("rotating only part of each head", None, 1.0),
@@ -235,9 +235,37 @@ PHI3_FIELDS = {
     "mlp_bias": inert("Phi-3's MLP never has biases"),
 }
 
+_ROUTER_TRAINING = {
+    "output_router_logits": inert(_RETURNS),
+    "router_aux_loss_coef": inert("the load-balancing loss, a training term"),
+}
+
+MIXTRAL_FIELDS = {
+    **MISTRAL_FIELDS,
+    **_ROUTER_TRAINING,
+    "num_local_experts": implemented("experts per layer"),
+    "num_experts_per_tok": implemented("k: the experts each token runs (weights renormalised to sum to 1)"),
+    "router_jitter_noise": inert("multiplies the router's input by noise in training only"),
+}
+
+QWEN3_MOE_FIELDS = {
+    **QWEN3_FIELDS,
+    **_ROUTER_TRAINING,
+    "sliding_window": implemented("with use_sliding_window, the window of every layer"),
+    "max_window_layers": inert("Qwen3-MoE's code slides every layer or none; it reads neither field"),
+    "layer_types": inert("Qwen3-MoE's code slides every layer or none; it reads neither field"),
+    "num_experts": implemented("experts per sparse layer"),
+    "num_local_experts": implemented("transformers' alias of num_experts"),
+    "num_experts_per_tok": implemented("k: the experts each token runs"),
+    "moe_intermediate_size": implemented("each expert's MLP width"),
+    "norm_topk_prob": implemented("renormalise the k router probabilities to sum to 1"),
+    "decoder_sparse_step": implemented("experts in layers i with (i + 1) % step == 0; the others dense"),
+    "mlp_only_layers": implemented("layers that keep a dense MLP of intermediate_size"),
+}
+
 HF_FIELDS = {"gpt2": GPT2_FIELDS, "llama": LLAMA_FIELDS, "mistral": MISTRAL_FIELDS, "qwen2": QWEN2_FIELDS,
              "qwen3": QWEN3_FIELDS, "gemma2": GEMMA2_FIELDS, "gemma3_text": GEMMA3_FIELDS, "smollm3": SMOLLM3_FIELDS,
-             "olmo2": OLMO2_FIELDS, "phi3": PHI3_FIELDS}
+             "olmo2": OLMO2_FIELDS, "phi3": PHI3_FIELDS, "mixtral": MIXTRAL_FIELDS, "qwen3_moe": QWEN3_MOE_FIELDS}
 
 
 def check_hf_fields(hf_type: str, cfg: dict[str, Any]) -> None:

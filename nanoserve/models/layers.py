@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig, llama3_rope_inv_freq
+from .config import ModelConfig, llama3_rope_inv_freq, yarn_rope_inv_freq
 
 
 # ----------------------------------------------------------------------------- activations
@@ -76,11 +76,14 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         inv_freq = llama3_rope_inv_freq(inv_freq, scaling)
     elif kind == "longrope":  # Phi-3: a factor per frequency (the short ones: the context stays in the original)
         inv_freq = inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float32, device="cpu")
+    elif kind == "yarn":
+        inv_freq = yarn_rope_inv_freq(cfg.rope_theta, d, scaling)
+    # "dynamic" (NTK) changes the base only past max_position_embeddings, which nanoserve never reaches
     return inv_freq
 
 
 def rope_attention_factor(cfg: ModelConfig) -> float:
-    """What cos and sin are multiplied by (LongRoPE's attention factor, √(1 + ln s / ln L₀)); else 1."""
+    """What cos and sin are multiplied by: LongRoPE's and YaRN's attention factor (read with the config); else 1."""
     return (cfg.rope_scaling or {}).get("attention_factor", 1.0)
 
 

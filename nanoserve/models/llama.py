@@ -27,6 +27,7 @@ from .layers import (
     rope_cos_sin,
     rope_inv_freq,
 )
+from .moe import SparseMoeBlock, is_moe_layer
 
 
 class LlamaAttention(nn.Module):
@@ -95,7 +96,8 @@ class LlamaDecoderLayer(nn.Module):
             self.input_layernorm = norm()
         self.self_attn = LlamaAttention(cfg, layer_idx)
         self.post_attention_layernorm = norm()
-        self.mlp = LlamaMLP(cfg)
+        moe = is_moe_layer(cfg, layer_idx)  # Mixtral, Qwen3-MoE: experts and a router instead of one MLP
+        self.mlp = SparseMoeBlock(cfg, ACTIVATION_FNS[cfg.hidden_act]) if moe else LlamaMLP(cfg)
         if self.block == "sandwich":
             self.pre_feedforward_layernorm = norm()
         if self.block != "pre_norm":

@@ -29,6 +29,7 @@ from .config import ModelConfig
 from .fused import fuse, split_fused
 from .hf_export import to_hf_config
 from .llama2c import read_llama2c
+from .moe import MIXTRAL_NAMES, rename
 
 ASSETS = Path(__file__).parents[1] / "assets"
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
@@ -224,6 +225,8 @@ def normalize_hf_names(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> di
                 key = "transformer." + key  # saved from GPT2Model rather than GPT2LMHeadModel
             if _CONV1D.search(key) and t.ndim == 2:
                 t = t.t()
+        if cfg.hf_model_type == "mixtral":
+            key = rename(key, MIXTRAL_NAMES)  # block_sparse_moe.experts.i.w1 -> mlp.experts.i.gate_proj, ...
         out[key] = t
     return split_fused(cfg, out) if cfg.hf_model_type == "phi3" else out
 
@@ -287,6 +290,8 @@ def save_checkpoint(model: CausalLM, directory: str | os.PathLike,
         state.update({f"{name}.{k}": v.detach().to("cpu").contiguous() for k, v in tensors.items()})
     if cfg.hf_model_type == "phi3" and not replaced:  # transformers reads Phi-3's fused layout only
         state = fuse(cfg, state)
+    if cfg.hf_model_type == "mixtral":
+        state = {rename(k, MIXTRAL_NAMES, reverse=True): v for k, v in state.items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     hf = to_hf_config(cfg)
     if quantization_config is not None:

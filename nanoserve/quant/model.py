@@ -103,11 +103,12 @@ def decoder_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     raise NanoserveError(f"quantization supports gpt2 and llama models, not {arch!r}")
 
 
-def block_groups(model: nn.Module) -> list[tuple[str | None, list[str]]]:
+def block_groups(model: nn.Module, block: nn.Module | None = None) -> list[tuple[str | None, list[str]]]:
     """Per block, in execution order: (the op producing the input, the linears reading it).
 
     The first element is where AWQ folds 1/s (None: nothing it can fold into, e.g. a GELU or the
-    attention output of a fused c_attn; AWQ then only clips)."""
+    attention output of a fused c_attn; AWQ then only clips). A mixture-of-experts `block` lists each
+    expert's linears (the router stays in float, as vLLM keeps it)."""
     cfg = model.config
     if cfg.arch == "gpt2":
         return [("ln_1", ["attn.c_attn"]), (None, ["attn.c_proj"]), ("ln_2", ["mlp.c_fc"]), (None, ["mlp.c_proj"])]
@@ -118,10 +119,11 @@ def block_groups(model: nn.Module) -> list[tuple[str | None, list[str]]]:
     attn_norm, mlp_norm = {"pre_norm": ("input_layernorm", "post_attention_layernorm"),
                            "sandwich": ("input_layernorm", "pre_feedforward_layernorm"),
                            "post_norm": (None, None)}[cfg.block]
-    return [(attn_norm, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
-            (v_to_o, ["self_attn.o_proj"]),
-            (mlp_norm, ["mlp.gate_proj", "mlp.up_proj"]),
-            ("mlp.up_proj", ["mlp.down_proj"])]
+    attn = [(attn_norm, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]), (v_to_o, ["self_attn.o_proj"])]
+    if block is not None and hasattr(block.mlp, "experts"):
+        return attn + [g for e in range(len(block.mlp.experts)) for g in (
+            (None, [f"mlp.experts.{e}.gate_proj", f"mlp.experts.{e}.up_proj"]), (None, [f"mlp.experts.{e}.down_proj"]))]
+    return attn + [(mlp_norm, ["mlp.gate_proj", "mlp.up_proj"]), ("mlp.up_proj", ["mlp.down_proj"])]
 
 
 def _group_size(group_size: int, k: int) -> int:
@@ -166,14 +168,17 @@ def quantize_model(model: nn.Module, calib: torch.Tensor | None, config: Quantiz
     if calib is not None and (calib.dim() != 2 or calib.shape[0] == 0 or calib.dtype not in (torch.int32, torch.int64)):
         raise NanoserveError(f"calibration ids must be an integer tensor [n_samples, seqlen], got "
                              f"{calib.dtype} {tuple(calib.shape)}")
+    if getattr(model.config, "num_experts", 0) and config.method != "rtn":
+        raise NanoserveError(f"method={config.method!r} on a mixture-of-experts model is not supported: each expert "
+                             "sees only the calibration tokens routed to it, maybe none; supported: method='rtn'")
     prefix, blocks = decoder_blocks(model)
-    groups = block_groups(model)
     device = next(model.parameters()).device
     result = QuantizeResult(config=config, qweights={})
     inputs = _block_inputs(model, blocks[0], calib.to(device), batch_size) if calib is not None else None
-    bar = tqdm(total=len(blocks) * sum(len(n) for _, n in groups), desc=f"{config.method} {config.bits}-bit",
-               unit="layer", disable=not progress)
+    bar = tqdm(total=sum(len(n) for b in blocks for _, n in block_groups(model, b)),
+               desc=f"{config.method} {config.bits}-bit", unit="layer", disable=not progress)
     for i, block in enumerate(blocks):
+        groups = block_groups(model, block)
         ref = _run(block, inputs) if inputs is not None else None
         if config.method == "awq":
             _awq_block(block, groups, inputs, config, result, f"{prefix}.{i}.")
