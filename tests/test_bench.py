@@ -61,3 +61,23 @@ def test_speculative_benchmark_end_to_end(tmp_path):
         if r["num_steps"]:
             assert 1 <= r["tokens_per_step"] <= r["gamma"] + 1 and 0 <= r["alpha"] <= 1
     assert "predicted" in bench.format_speculative(res)
+
+
+def test_sliding_window_benchmark_quick_mode(tmp_path):
+    """bench_sliding_window.py --quick: both engines give the same tokens, the freed one holds fewer blocks and no
+    sequence more than ⌈window / block_size⌉ + 1."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_sliding_window.py"
+    out = tmp_path / "sw.json"
+    proc = subprocess.run([sys.executable, str(script), "--quick", "--out", str(out)], capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    freed, kept = res["engines"]["freed"], res["engines"]["kept"]
+    assert res["same_tokens"] and freed["blocks_held"] < kept["blocks_held"]
+    assert freed["blocks_per_seq"] <= res["bound_per_seq"] < kept["blocks_per_seq"]
+    assert "output tok/s" in proc.stdout
