@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
+from testdata import hf_moe_block_like
 
 from nanoserve import LLM, NanoserveError, SamplingParams
 from nanoserve.models.config import ModelConfig
@@ -62,25 +62,11 @@ def test_experts_nobody_chose_are_skipped_and_counted():
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_router_and_experts_match_transformers_block(family):
     """Our block given the weights of transformers' sparse MoE block computes what it computes."""
-    torch.manual_seed(0)
-    if family == "mixtral":
-        hf_cfg = transformers.MixtralConfig(hidden_size=32, intermediate_size=48, num_local_experts=6,
-                                            num_experts_per_tok=2)
-        hf = transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock(hf_cfg)
-        ours = _block(norm_topk_prob=True)
-    else:
-        hf_cfg = transformers.Qwen3MoeConfig(hidden_size=32, intermediate_size=48, moe_intermediate_size=48,
-                                             num_experts=6, num_experts_per_tok=2, norm_topk_prob=False)
-        hf = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(hf_cfg)
-        ours = _block(norm_topk_prob=False)
+    ours = _block(norm_topk_prob=family == "mixtral")  # Mixtral always renormalises; this Qwen3-MoE does not
+    hf = hf_moe_block_like(ours, family)
     with torch.no_grad():
-        hf.gate.weight.copy_(ours.gate.weight)
-        for e, expert in enumerate(ours.experts):  # transformers 5 stacks experts: [E, 2·F, C] and [E, C, F]
-            hf.experts.gate_up_proj[e].copy_(torch.cat([expert.gate_proj.weight, expert.up_proj.weight]))
-            hf.experts.down_proj[e].copy_(expert.down_proj.weight)
         x = torch.randn(2, 9, 32)
         want = hf(x)
-        want = want[0] if isinstance(want, tuple) else want
         assert torch.allclose(ours(x), want, atol=1e-5, rtol=0)
         ours.renormalize = not ours.renormalize  # negative control: the other family's rule
         assert (ours(x) - want).abs().max() > 1e-3

@@ -148,3 +148,26 @@ def outlier_layer(seed=0, n=256, k=512, frac=0.01, mult=20.0):
 
 def rel_error(W, W_hat, X):
     return ((X @ (W - W_hat).T).norm() / (X @ W.T).norm()).item()
+
+
+# ----------------------------------------------------------------------------- mixture of experts
+def hf_moe_block_like(ours, family: str):
+    """transformers' sparse MoE block (MixtralSparseMoeBlock or Qwen3MoeSparseMoeBlock) holding the weights of
+    nanoserve's SparseMoeBlock `ours` (transformers 5 stacks the experts: gate_up [E, 2F, C], down [E, C, F])."""
+    import transformers
+
+    E, F, C = len(ours.experts), ours.experts[0].gate_proj.out_features, ours.gate.in_features
+    if family == "mixtral":
+        cfg = transformers.MixtralConfig(hidden_size=C, intermediate_size=F, num_local_experts=E,
+                                         num_experts_per_tok=ours.top_k)
+        hf = transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock(cfg)
+    else:
+        cfg = transformers.Qwen3MoeConfig(hidden_size=C, intermediate_size=F, moe_intermediate_size=F, num_experts=E,
+                                          num_experts_per_tok=ours.top_k, norm_topk_prob=ours.renormalize)
+        hf = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(cfg)
+    with torch.no_grad():
+        hf.gate.weight.copy_(ours.gate.weight)
+        for e, expert in enumerate(ours.experts):
+            hf.experts.gate_up_proj[e].copy_(torch.cat([expert.gate_proj.weight, expert.up_proj.weight]))
+            hf.experts.down_proj[e].copy_(expert.down_proj.weight)
+    return lambda x: (lambda out: out[0] if isinstance(out, tuple) else out)(hf(x))

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import transformers
+from testdata import hf_moe_block_like
 
 REFERENCE = "nanoserve.models.moe"
 EXERCISE = "moe"
@@ -72,18 +72,10 @@ def check_forward_equals_the_per_token_loop(impl, top_k=2, renormalize=False):
 
 def check_matches_transformers_mixtral(impl):
     block = _block(impl, top_k=2, renormalize=True)
-    hf_cfg = transformers.MixtralConfig(hidden_size=16, intermediate_size=24, num_local_experts=6,
-                                        num_experts_per_tok=2)
-    hf = transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock(hf_cfg)
+    hf = hf_moe_block_like(block, "mixtral")
     with torch.no_grad():
-        hf.gate.weight.copy_(block.gate.weight)
-        for e, expert in enumerate(block.experts):
-            hf.experts.gate_up_proj[e].copy_(torch.cat([expert.gate_proj.weight, expert.up_proj.weight]))
-            hf.experts.down_proj[e].copy_(expert.down_proj.weight)
         x = torch.randn(3, 5, 16)
-        want = hf(x)
-        want = want[0] if isinstance(want, tuple) else want
-        assert torch.allclose(block(x), want, atol=1e-5, rtol=0)
+        assert torch.allclose(block(x), hf(x), atol=1e-5, rtol=0)
 
 
 def check_each_chosen_expert_runs_once(impl):
