@@ -203,6 +203,24 @@ MATCHED = [
                                                                    "rope_theta": 500.0}),
      {"rope_parameters": DROP, "rope_theta": 500.0, "rope_scaling": {"rope_type": "linear", "factor": 2.0},
       "num_experts": 4, "num_local_experts": DROP}),
+    # keys absent from config.json take each class's own defaults (Mixtral's RoPE base 1e6 and eps 1e-5, Phi-3's
+    # eps 1e-5, Gemma 3's per-type bases); YaRN on Gemma 3's global layers leaves the local ones unscaled
+    ("mixtral-absent-defaults", "mixtral", {}, {"rms_norm_eps": DROP, "rope_parameters": DROP}),
+    ("phi3-absent-eps", "phi3", {}, {"rms_norm_eps": DROP}),
+    ("gemma3-absent-bases", "gemma3_text", dict(rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}}),
+     {"rope_parameters": {"full_attention": {"rope_type": "default"}, "sliding_attention": {"rope_type": "default"}},
+      "rope_local_base_freq": 500.0}),
+    ("gemma3-yarn-global", "gemma3_text", dict(rope_parameters={
+        "full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                           "original_max_position_embeddings": 16},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}), {}),
+    # Phi-3's code takes LongRoPE's original context from the top-level field, whatever rope_parameters says
+    ("phi3-original-top-level", "phi3", dict(rope_parameters=dict(LONGROPE, rope_theta=1e4, partial_rotary_factor=0.75),
+                                             max_position_embeddings=256, original_max_position_embeddings=32),
+     {"rope_parameters": dict(LONGROPE, rope_theta=1e4, partial_rotary_factor=0.75,
+                              original_max_position_embeddings=16)}),
     ("qwen2-rope-oldest-spelling", "qwen2",
      dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}),
      {"rope_parameters": DROP, "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}}),
@@ -229,6 +247,9 @@ REFUSED = [
     ("phi3-activation", "phi3", dict(hidden_act="relu2"), {}, "hidden_act"),
     ("phi3-short-factors", "phi3", {}, {"rope_parameters": dict(LONGROPE, short_factor=[1.0], rope_theta=1e4)},
      "short_factor"),
+    ("smollm3-sliding-types-window-off", "smollm3", dict(layer_types=["sliding_attention", "full_attention"] * 2,
+                                                         use_sliding_window=False, sliding_window=WINDOW), {},
+     "sliding_attention layers in layer_types with the window switched off"),
     ("smollm3-partial-rotary", "smollm3", {}, {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ("smollm3-no-rope-layers-length", "smollm3", {}, {"no_rope_layers": [1, 0]}, "no_rope_layers has 2 entries"),
     ("olmo2-partial-rotary", "olmo2", {}, {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
@@ -397,6 +418,8 @@ MUTANTS = {  # case id -> a wrong implementation, made by editing nanoserve's lo
     "olmo2-qk-norm": lambda m: _set_all([b.self_attn for b in m.model.layers], "qk_norm", None),  # q/k norms off
     "phi3-longrope": lambda m: setattr(m.model, "attention_factor", 1.0),  # LongRoPE's attention factor off
     "llama-rope-yarn": lambda m: setattr(m.model, "attention_factor", 1.0),  # YaRN's attention factor off
+    "gemma3-yarn-global": lambda m: setattr(m.model, "inv_freq", {  # the global RoPE in the local layers too
+        "global": m.model.inv_freq["global"], "local": m.model.inv_freq["global"]}),
     "llama-rope-yarn-knobs": lambda m: m.model.inv_freq["global"].mul_(  # the ramp ignored: all interpolated
         torch.linspace(1, 1 / 8, len(m.model.inv_freq["global"]))),
     "mixtral-top3": lambda m: _set_all([b.mlp for b in m.model.layers], "renormalize", False),  # weights not renormed

@@ -136,3 +136,56 @@ def test_quantized_windowed_models_run_through_the_engine(hf_checkpoints, tmp_pa
     llm = LLM(str(out), dtype="float32", device="cpu", block_size=BS)
     got = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     assert got[0].outputs[0].token_ids == ids[len(PROMPTS[0]):]
+
+
+def test_a_block_whose_parent_left_the_window_unhashed_never_enters_the_prefix_cache():
+    """Window 4 = block size, and a speculative step that accepts 2 drafts: block 1 leaves the window before it
+    was ever hashed, so block 2 has no chain to hash. Hashed as if it began a prompt, it would hand its K/V (of
+    positions 8..11, after other tokens) to any prompt starting with the same 4 tokens: a wrong answer."""
+    from nanoserve.engine.block_allocator import BlockAllocator
+    from nanoserve.engine.scheduler import Scheduler, SchedulerConfig
+    from nanoserve.engine.sequence import Sequence
+
+    alloc = BlockAllocator(16, 4, True, sliding_window=4)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), alloc, 64)
+    seq = Sequence(list(range(100, 106)))
+    sched.add(seq)
+    sched.schedule()
+    sched.advance(seq, 6)
+    sched.postprocess(seq, [106], False)
+    for token in (107, 108, 109):  # decode steps
+        sched.schedule()
+        sched.advance(seq, 1)
+        sched.postprocess(seq, [token], False)
+    sched.schedule()
+    start = len(seq)
+    sched.extend(seq, [110, 111])  # two drafts, both accepted
+    sched.rollback(seq, start, start + 2)
+    sched.postprocess(seq, [110, 111, 112], False)
+    assert seq.block_table[:2] == [NULL_BLOCK, NULL_BLOCK]
+    assert alloc.blocks[seq.block_table[2]].hash is None  # not cached: its parent was given back unhashed
+    assert alloc._prefix_hits(Sequence([108, 109, 110, 111, 1, 2])) == []
+    alloc.check_invariants()
+
+
+def test_no_prefix_hit_on_blocks_computed_after_a_speculative_step(tmp_path):
+    """End to end, window 4 = block size, n-gram drafts: prompts made of any later 4 tokens of the first request
+    must get no prefix-cache hit (their K/V there was computed after other tokens); before the fix some did, and
+    their logits missed transformers' by 4.5e-2. The first block, a true prefix, still hits."""
+    import transformers
+    from testdata import tiny_hf_checkpoint
+
+    cfg = transformers.MistralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, sliding_window=4, vocab_size=257,
+                                     max_position_embeddings=256)
+    tiny_hf_checkpoint(cfg, tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", block_size=4, speculative="ngram", num_speculative_tokens=4)
+    first = [7, 8, 9, 7, 8, 9, 7, 8, 9, 7]
+    out = llm.generate([first], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), use_tqdm=False)
+    tokens = first + out[0].outputs[0].token_ids
+    one = SamplingParams(temperature=0, max_tokens=1)
+    assert llm.generate([tokens[:4] + [1]], one, use_tqdm=False)[0].num_cached_tokens == 4  # the true prefix
+    for i in range(4, len(tokens) - 4, 4):
+        if tokens[i:i + 4] != tokens[:4]:
+            got = llm.generate([tokens[i:i + 4] + [1]], one, use_tqdm=False)[0]
+            assert got.num_cached_tokens == 0, (i, tokens[i:i + 4])

@@ -239,11 +239,11 @@ class BlockAllocator:
         return hits, self.blocks_needed(len(seq)) - len(hits), self.num_free_blocks() - idle_hits
 
     def _seal(self, seq: Sequence, i: int) -> None:
-        """Hash full block i of `seq` and register it, unless that hash is registered already."""
-        block = self.blocks[seq.block_table[i]]
-        if not self.enable_prefix_caching or block.hash is not None or (i and seq.block_table[i - 1] == NULL_BLOCK):
-            return  # off, sealed already, or its parent fell out of a sliding window: no chain to hash
-        parent = self.blocks[seq.block_table[i - 1]] if i else None
+        """Hash full block i and register it, unless registered, or its parent is unhashed (a window's: not cached)."""
+        block, before = self.blocks[seq.block_table[i]], seq.block_table[i - 1] if i else NULL_BLOCK
+        parent = self.blocks[before] if before != NULL_BLOCK else None
+        if not self.enable_prefix_caching or block.hash is not None or (i and (parent is None or parent.hash is None)):
+            return
         tokens = self._block_tokens(seq, i)
         h = self.hash_fn(parent.hash if parent else None, tokens)
         owner = self.blocks[self.hash_to_block.setdefault(h, block.block_id)]

@@ -36,7 +36,18 @@ SUPPORTED_ARCHITECTURES = {
 SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "smollm3", "olmo2",
                          "phi3", "mixtral", "qwen3_moe")
 # What a key absent from config.json means, where a family's HF class differs from Llama's defaults.
-TYPE_DEFAULTS = {"smollm3": {"tie_word_embeddings": True, "rope_theta": 2e6}, "olmo2": {"rms_norm_eps": 1e-5}}
+TYPE_DEFAULTS = {
+    "mistral": dict(num_key_value_heads=8, max_position_embeddings=131072),
+    "mixtral": dict(num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=1e6),
+    "qwen2": dict(num_key_value_heads=32, max_position_embeddings=32768),
+    "qwen3": dict(num_key_value_heads=32, max_position_embeddings=32768, head_dim=128),
+    "qwen3_moe": dict(num_key_value_heads=4, max_position_embeddings=32768),
+    "gemma2": dict(num_key_value_heads=4, max_position_embeddings=8192),
+    "gemma3_text": dict(num_key_value_heads=4, max_position_embeddings=131072, rope_theta=1e6),
+    "smollm3": dict(num_key_value_heads=4, max_position_embeddings=32768, tie_word_embeddings=True, rope_theta=2e6),
+    "olmo2": dict(rms_norm_eps=1e-5),
+    "phi3": dict(rms_norm_eps=1e-5, max_position_embeddings=4096),
+}
 GEMMA = ("gemma2", "gemma3_text")
 
 
@@ -137,7 +148,10 @@ def _windows(cfg: dict[str, Any], hf_type: str, n_layers: int) -> tuple[int | No
     bad = [t for t in types if t not in LAYER_TYPES]
     if bad:
         raise ConfigError(f"{hf_type} config field layer_types has {bad[0]!r}; supported: {', '.join(LAYER_TYPES)}")
-    if window is None or "sliding_attention" not in types:
+    if window is None and "sliding_attention" in types:  # transformers' attention paths disagree on this one
+        raise ConfigError(f"{hf_type} config lists sliding_attention layers in layer_types with the window switched "
+                          "off (use_sliding_window / sliding_window); supported: both on, or no sliding layers")
+    if window is None:
         return None, None
     return int(window), list(types)
 
@@ -159,8 +173,9 @@ def _rope(cfg: dict[str, Any], hf_type: str) -> tuple[float, dict[str, Any], flo
     params = dict(cfg.get("rope_parameters") or {})
     local = None
     if hf_type == "gemma3_text":
-        if "full_attention" in params:
-            local, params = params.get("sliding_attention") or {}, dict(params["full_attention"])
+        if "full_attention" in params:  # (a base absent from either falls back as transformers' own does)
+            local, params = dict(params.get("sliding_attention") or {}), dict(params["full_attention"])
+            local.setdefault("rope_theta", cfg.get("rope_local_base_freq", 10000.0))
         else:
             local = {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
             params = {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta", 1e6)}
@@ -190,7 +205,9 @@ def _longrope(cfg: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:
     (default √(1 + ln s / ln L₀), s = max_position_embeddings / L₀). Past L₀, transformers re-rotates
     every new token with the long factors while the cached keys keep the short ones, so no one result
     exists to match there: nanoserve keeps the short factors and the context within L₀."""
-    original = int(scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings", 4096))
+    # (Phi-3's code reads the top-level field, whatever rope_scaling says)
+    original = int(cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+                   or 4096)
     factor = scaling.get("factor") or int(cfg.get("max_position_embeddings", 4096)) / original
     attention_factor = scaling.get("attention_factor")
     if attention_factor is None:

@@ -139,8 +139,9 @@ class LlamaModel(nn.Module):
         if self.inv_freq["global"].device != x.device:
             self.inv_freq = {k: f.to(x.device) for k, f in self.inv_freq.items()}
         rope = {k: rope_cos_sin(f, positions, x.dtype) for k, f in self.inv_freq.items()}  # once for all layers
-        if self.attention_factor != 1.0:  # LongRoPE scales cos and sin (so every q·k by its square)
-            rope = {k: (cos * self.attention_factor, sin * self.attention_factor) for k, (cos, sin) in rope.items()}
+        if self.attention_factor != 1.0:  # LongRoPE / YaRN scale cos and sin (so every q·k by its square); not
+            cos, sin = rope["global"]  # Gemma 3's local RoPE, which has no scaling of its own
+            rope["global"] = (cos * self.attention_factor, sin * self.attention_factor)
         rope["none"] = (None, None)
         for layer in self.layers:
             x = layer(x, positions, *rope[layer.rope], cache)
