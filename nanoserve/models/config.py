@@ -63,6 +63,7 @@ class ModelConfig:
     # (OLMo 2); f is the attention, then the MLP
     block: str = "pre_norm"
     norm_unit_offset: bool = False  # RMSNorm scales by (1 + w), not w (Gemma)
+    norm_scale_fp32: bool = False  # RMSNorm multiplies by w in float32, then rounds (OLMo 2); Llama rounds first
     embed_scale: bool = False  # token embeddings × √hidden_size (Gemma)
     attn_scale: float | None = None  # scores × attn_scale (Gemma: query_pre_attn_scalar^−½); None: 1/√head_dim
     attn_softcap: float | None = None  # scores -> c·tanh(scores / c) before the softmax (Gemma 2)
@@ -109,9 +110,9 @@ class ModelConfig:
 
     def _check_windows(self) -> None:
         llama_only = dict(sliding_window=None, layer_types=None, qk_norm=None, no_rope_layers=None, block="pre_norm",
-                          partial_rotary_factor=1.0, num_experts=0,
-                          norm_unit_offset=False, embed_scale=False, attn_scale=None, attn_softcap=None,
-                          final_softcap=None, local_rope_theta=None)
+                          partial_rotary_factor=1.0, num_experts=0, norm_unit_offset=False, norm_scale_fp32=False,
+                          embed_scale=False, attn_scale=None, attn_softcap=None, final_softcap=None,
+                          local_rope_theta=None)
         if self.arch == "gpt2" and any(getattr(self, k) != v for k, v in llama_only.items()):
             raise ConfigError(f"{', '.join(llama_only)} are Llama-family options; GPT-2 has none")
         if self.block not in ("pre_norm", "sandwich", "post_norm"):

@@ -33,8 +33,7 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",  # Mistral with a mixture of experts in every layer
     "Qwen3MoeForCausalLM": "qwen3_moe",  # Qwen3 with a mixture of experts (dense in mlp_only_layers)
 }
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "smollm3", "olmo2",
-                         "phi3", "mixtral", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = tuple(dict.fromkeys(SUPPORTED_ARCHITECTURES.values()))  # gpt2, llama, mistral, ...
 # What a key absent from config.json means, where a family's HF class differs from Llama's defaults.
 TYPE_DEFAULTS = {
     "mistral": dict(num_key_value_heads=8, max_position_embeddings=131072),
@@ -275,6 +274,7 @@ def _llama_from_hf(cfg: dict[str, Any], hf_type: str) -> ModelConfig:
             "partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) if hf_type == "phi3" else 1.0,
         block="sandwich" if gemma else "post_norm" if hf_type == "olmo2" else "pre_norm",
         norm_unit_offset=gemma,
+        norm_scale_fp32=hf_type == "olmo2",
         embed_scale=gemma,
         attn_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
         attn_softcap=softcaps[0],

@@ -43,20 +43,21 @@ ACTIVATION_FNS = {
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x²) + eps) * w   (Zhang & Sennrich 2019), computed in float32.
 
-    unit_offset (Gemma): y = x / sqrt(mean(x²) + eps) * (1 + w), so w = 0 is the identity scale; and
-    the product is taken in float32 before rounding to x's dtype (Llama rounds first, then scales)."""
+    unit_offset (Gemma): y = x / sqrt(mean(x²) + eps) * (1 + w), so w = 0 is the identity scale. With it
+    or scale_fp32 (OLMo 2), the product is taken in float32 before rounding to x's dtype; Llama rounds
+    first, then scales (the same in float32; in bf16 about a quarter of the values differ by an ulp)."""
 
-    def __init__(self, dim: int, eps: float = 1e-6, unit_offset: bool = False):
+    def __init__(self, dim: int, eps: float = 1e-6, unit_offset: bool = False, scale_fp32: bool = False):
         super().__init__()
-        self.eps, self.unit_offset = eps, unit_offset
+        self.eps, self.unit_offset, self.scale_fp32 = eps, unit_offset, scale_fp32 or unit_offset
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.unit_offset:
-            return (x * (1.0 + self.weight.float())).to(dtype)
+        if self.scale_fp32:
+            return (x * (float(self.unit_offset) + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)
 
 

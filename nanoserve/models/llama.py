@@ -45,8 +45,8 @@ class LlamaAttention(nn.Module):
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:  # per head: one head_dim weight shared by every head; whole: one weight per q/k channel
             q_width, k_width = (cfg.head_dim, cfg.head_dim) if cfg.qk_norm == "per_head" else (q_dim, kv_dim)
-            self.q_norm = RMSNorm(q_width, cfg.norm_eps, cfg.norm_unit_offset)
-            self.k_norm = RMSNorm(k_width, cfg.norm_eps, cfg.norm_unit_offset)
+            self.q_norm = RMSNorm(q_width, cfg.norm_eps, cfg.norm_unit_offset, cfg.norm_scale_fp32)
+            self.k_norm = RMSNorm(k_width, cfg.norm_eps, cfg.norm_unit_offset, cfg.norm_scale_fp32)
 
     def forward(self, x, positions, cos, sin, cache):
         B, T, _ = x.shape
@@ -90,7 +90,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
-        norm = lambda: RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_unit_offset)  # noqa: E731
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_unit_offset, cfg.norm_scale_fp32)  # noqa: E731
         self.block = cfg.block
         if self.block != "post_norm":
             self.input_layernorm = norm()
@@ -124,7 +124,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_unit_offset)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_unit_offset, cfg.norm_scale_fp32)
         self.embed_scale = cfg.hidden_size ** 0.5 if cfg.embed_scale else None  # Gemma: embeddings × √d
         # Kept in float32 whatever the model dtype (not buffers, so .to(bf16) cannot round them).
         self.inv_freq = {"global": rope_inv_freq(cfg)}  # D/2 each
