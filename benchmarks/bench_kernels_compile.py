@@ -99,7 +99,7 @@ def describe(kwargs: dict) -> str:
 
 
 # ----------------------------------------------------------------------------- the launches
-def _flash(dtype, D, gqa, **tiles):
+def _flash(dtype, D, gqa, extra=None, **tiles):
     from nanoserve.kernels.flash_attention import flash_attention
 
     H = HKV * gqa
@@ -107,15 +107,15 @@ def _flash(dtype, D, gqa, **tiles):
     cu = torch.tensor([0, 2, 4], dtype=torch.int32)
     kc = torch.zeros(4, BS, HKV, D, dtype=dtype)  # the engine always passes its paged prefix
     flash_attention(q, k, k, cu, cu, True, None, torch.zeros(2, 2, dtype=torch.int32), kc, kc,
-                    torch.tensor([3, 20], dtype=torch.int32), max_seqlen_q=2, **tiles)
+                    torch.tensor([3, 20], dtype=torch.int32), max_seqlen_q=2, **(extra or {}), **tiles)
 
 
-def _decode(dtype, D, gqa, splits=1):
+def _decode(dtype, D, gqa, splits=1, extra=None):
     from nanoserve.kernels.paged_attention import paged_attention
 
     q, kc = torch.zeros(2, HKV * gqa, D, dtype=dtype), torch.zeros(4, BS, HKV, D, dtype=dtype)
     paged_attention(q, kc, kc, torch.zeros(2, 2, dtype=torch.int32), torch.tensor([5, 20], dtype=torch.int32),
-                    num_splits=splits, max_context=20)
+                    num_splits=splits, max_context=20, **(extra or {}))
 
 
 def _store_kv(dtype, D):
@@ -159,6 +159,10 @@ def matrix(archs=ARCHS) -> list[tuple[dict, tuple | None]]:
                     rows.append((dict(row, case="store_kv", gqa=None, variant=""), (_store_kv, dtype, D)))
                 if D == 128 and dt == "fp16":
                     rows.append((dict(row, case="decode", variant="4 splits"), (_decode, dtype, D, 4, 4)))
+                if dt == "bf16" and D in (128, 256):  # Gemma 2 (head_dim 256): soft-capped scores, a window
+                    gemma = dict(softcap=50.0, window=4096)
+                    rows.append((dict(row, case="flash", variant="softcap + window"), (_flash, dtype, D, 4, gemma)))
+                    rows.append((dict(row, case="decode", variant="softcap + window"), (_decode, dtype, D, 4, 1, gemma)))
             for which, split_k in (("gemm", 1), ("gemv", 1), ("gemv", 4), ("dequantize", 1)):
                 variant = f"split_k {split_k}" if which == "gemv" else ""
                 row = dict(arch=arch, dtype=dt, head_dim=None, gqa=None, case=which, variant=variant)
