@@ -160,9 +160,9 @@ def matrix(archs=ARCHS) -> list[tuple[dict, tuple | None]]:
                 if D == 128 and dt == "fp16":
                     rows.append((dict(row, case="decode", variant="4 splits"), (_decode, dtype, D, 4, 4)))
                 if dt == "bf16" and D in (128, 256):  # Gemma 2 (head_dim 256): soft-capped scores, a window
-                    gemma = dict(softcap=50.0, window=4096)
-                    rows.append((dict(row, case="flash", variant="softcap + window"), (_flash, dtype, D, 4, gemma)))
-                    rows.append((dict(row, case="decode", variant="softcap + window"), (_decode, dtype, D, 4, 1, gemma)))
+                    gemma, variant = dict(softcap=50.0, window=4096), "softcap + window"
+                    rows.append((dict(row, case="flash", variant=variant), (_flash, dtype, D, 4, gemma)))
+                    rows.append((dict(row, case="decode", variant=variant), (_decode, dtype, D, 4, 1, gemma)))
             for which, split_k in (("gemm", 1), ("gemv", 1), ("gemv", 4), ("dequantize", 1)):
                 variant = f"split_k {split_k}" if which == "gemv" else ""
                 row = dict(arch=arch, dtype=dt, head_dim=None, gqa=None, case=which, variant=variant)
