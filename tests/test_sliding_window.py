@@ -22,6 +22,8 @@ import torch
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine.sequence import NULL_BLOCK
+from nanoserve.kv import KVCache
+from nanoserve.models.loader import load_model
 
 WINDOW, BS = 8, 4  # the "mistral-window" checkpoint of testdata.hf_configs: a window of 8 in both layers
 PROMPTS = [[3, 17, 42, 5, 99, 7], list(range(20, 43)), [9] * 13]  # 6, 23 and 13 tokens: one prefilled in chunks
@@ -56,6 +58,24 @@ def _run(llm: LLM, prompts, params=GREEDY) -> tuple[list[list[int]], int]:
     return [tokens[i] for i in ids], most
 
 
+def test_windowed_gather_equals_the_whole_table(hf_checkpoints, monkeypatch):
+    """The torch backend gathers only the blocks a window reaches (shifting positions by the first one's start);
+    the logits equal those of gathering every row's whole table, up to float rounding."""
+    from nanoserve.kv.torch_backend import CacheView
+
+    def logits():
+        model, cfg, _ = load_model(hf_checkpoints["mistral-window"][0], dtype="float32", device="cpu")
+        ids = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+        cache = KVCache(cfg, 2, 40, block_size=4)
+        with torch.no_grad():
+            return torch.cat([model(ids[:, :13], cache=cache)] + [model(ids[:, t:t + 1], cache=cache)
+                                                                   for t in range(13, 40)], 1)
+
+    windowed = logits()
+    monkeypatch.setattr(CacheView, "_window_tables", lambda self, window, positions: None)
+    assert (windowed - logits()).abs().max() <= 1e-5
+
+
 def test_freeing_blocks_changes_no_token_and_matches_hf(hf_checkpoints):
     hf = hf_checkpoints["mistral-window"][1]
     freed, held = _run(_llm(hf_checkpoints), PROMPTS)
@@ -88,13 +108,16 @@ def test_parallel_samples_prefix_hits_and_backends(hf_checkpoints, backend):
 
 
 def test_a_runner_that_reads_given_back_entries_fails(hf_checkpoints, monkeypatch):
-    """Negative control: without the model runner's substitution the −1 entries reach the gather (an index
-    out of range there; the request fails alone, with that error)."""
+    """Negative control: the torch backend's windowed gather starts past the given-back entries; on its whole-table
+    path (a window no shorter than the table) it reads them, and without the model runner's substitution the −1
+    entries reach the gather (an index out of range there; the request fails alone, with that error)."""
     from nanoserve.engine import model_runner
     from nanoserve.errors import RequestFailedError
+    from nanoserve.kv.torch_backend import CacheView
 
     llm = _llm(hf_checkpoints)
     monkeypatch.setattr(model_runner, "NULL_BLOCK", object())  # nothing equals it: −1 goes through as is
+    monkeypatch.setattr(CacheView, "_window_tables", lambda self, window, positions: None)  # the whole table
     with pytest.raises(RequestFailedError, match="index out of range"):
         llm.generate([PROMPTS[1]], GREEDY, use_tqdm=False)
 

@@ -50,6 +50,12 @@ class CacheView:
         pool_k, pool_v = self.cache.k[layer], self.cache.v[layer]  # num_blocks, block_size, Hkv, D
         self._write(pool_k, k)
         self._write(pool_v, v)
+        if window is not None:
+            windowed = self._window_tables(window, positions)
+            if windowed is not None:  # gather only the blocks the window reaches, not the whole context
+                tables, offsets = windowed  # B, M_w; B
+                return sdpa_attention(q, *self._gather_kv(pool_k, pool_v, tables), positions - offsets[:, None],
+                                      window, scale, softcap)
         buckets = self.meta.buckets
         if len(buckets) <= 1:  # one length: every row gathered to the longest, as `update` does
             return sdpa_attention(q, *self._gather_kv(pool_k, pool_v, self.block_tables), positions, window, scale,
@@ -63,6 +69,20 @@ class CacheView:
                                    window, scale, softcap)  # b, T, H, D
             out.index_copy_(0, rows, out_b)
         return out
+
+    def _window_tables(self, window: int, positions: torch.Tensor):
+        """(tables [B, M_w], offsets [B]) for a sliding window: each row's blocks from the one holding its first
+        visible key (its first query's position − window + 1) on, and that block's first position, by which the
+        keys are shifted (the mask sees relative positions, the same for queries and keys). M_w bounds the
+        blocks any row needs, from host values: no device read. None when that is no fewer than the whole
+        table. Blocks given back by the allocator lie before every row's first block: never gathered."""
+        bs, width = self.cache.block_size, self.block_tables.shape[1]
+        M = min(-(-(window - 1 + self.meta.max_query_len) // bs) + 1, width)
+        if M >= width:
+            return None
+        first = (positions[:, 0] - window + 1).clamp(min=0) // bs  # B   the first block each row reads
+        idx = (first[:, None] + torch.arange(M, device=first.device)).clamp(max=width - 1)  # B, M (past: masked)
+        return self.block_tables.gather(1, idx), first * bs
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Write this step's k, v [B, T, Hkv, D] into their slots; return every sequence's [B, S, Hkv, D]."""
