@@ -52,7 +52,7 @@ def make_model(path: Path, p: dict) -> Path:
 def run(path: Path, name: str, p: dict, seed: int = 0) -> dict:
     import random
 
-    from nanoserve import LLM, SamplingParams
+    from nanoserve import LLM
     from nanoserve.kv.torch_backend import CacheView
 
     windowed = CacheView._window_tables
@@ -62,12 +62,15 @@ def run(path: Path, name: str, p: dict, seed: int = 0) -> dict:
         llm = LLM(str(path), dtype="float32", device="cpu", block_size=16, max_num_seqs=p["n"])
         if name == "kept":
             llm.block_allocator.sliding_window = None
-        return generate(llm, p, random.Random(seed), SamplingParams)
+        return generate(llm, p, random.Random(seed))
     finally:
         CacheView._window_tables = windowed
 
 
-def generate(llm, p: dict, rng, SamplingParams) -> dict:  # noqa: N803  (the class, passed in)
+def generate(llm, p: dict, rng) -> dict:
+    """Submit every request at once, step to the end; blocks held (most at once, most per sequence), tok/s, tokens."""
+    from nanoserve import SamplingParams
+
     engine, bm = llm.engine, llm.block_allocator
     params = SamplingParams(temperature=0, max_tokens=p["tokens"], ignore_eos=True)
     ids = [engine.add_request([rng.randrange(p["vocab"]) for _ in range(16)], params) for _ in range(p["n"])]

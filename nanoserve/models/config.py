@@ -44,7 +44,8 @@ class ModelConfig:
     # GPT-2 only: scores × 1/√head_dim (False: unscaled), and in layer i also × 1/(i+1)
     scale_attn_weights: bool = True
     scale_attn_by_inverse_layer_idx: bool = False
-    # Llama family: sliding-window attention (Mistral, Qwen2/3) and Qwen3's q/k norms
+    # Llama family variants (hf_config.py says which family sets which): sliding windows (Mistral, Qwen2/3,
+    # Gemma, SmolLM3, Phi-3), q/k norms, NoPE, partial RoPE, experts, block layouts, soft-caps
     sliding_window: int | None = None  # keys a query sees in a sliding layer, its own included
     layer_types: list[str] | None = None  # per layer, one of LAYER_TYPES; None: every layer slides if windowed
     # RMSNorm of q and k before RoPE: "per_head" (one head_dim weight for every head: Qwen3, Gemma 3) or
@@ -93,7 +94,7 @@ class ModelConfig:
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(
                 f"num_attention_heads={self.n_heads} is not a multiple of num_key_value_heads={self.n_kv_heads}")
-        self._check_windows()
+        self._check_llama_family()
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts or self.moe_every < 1:
             raise ConfigError(f"num_experts_per_tok={self.num_experts_per_tok} must lie in 1..num_experts="
                               f"{self.num_experts}, and decoder_sparse_step={self.moe_every} be ≥ 1")
@@ -108,7 +109,8 @@ class ModelConfig:
             raise ConfigError(f"unsupported rope scaling {rope_type!r} (config field rope_parameters, or rope_scaling "
                               f"in transformers 4); supported: {SUPPORTED_ROPE_TYPES}")
 
-    def _check_windows(self) -> None:
+    def _check_llama_family(self) -> None:
+        """The Llama family's variant fields (windows, norms, caps, RoPE, experts): in range, not on GPT-2."""
         llama_only = dict(sliding_window=None, layer_types=None, qk_norm=None, no_rope_layers=None, block="pre_norm",
                           partial_rotary_factor=1.0, num_experts=0, norm_unit_offset=False, norm_scale_fp32=False,
                           embed_scale=False, attn_scale=None, attn_softcap=None, final_softcap=None,

@@ -35,17 +35,23 @@ SUPPORTED_ARCHITECTURES = {
 }
 SUPPORTED_MODEL_TYPES = tuple(dict.fromkeys(SUPPORTED_ARCHITECTURES.values()))  # gpt2, llama, mistral, ...
 # What a key absent from config.json means, where a family's HF class differs from Llama's defaults.
+_WINDOWED = dict(sliding_window=4096, max_window_layers=28)
+_GEMMA = dict(num_key_value_heads=4, sliding_window=4096, head_dim=256, hidden_activation="gelu_pytorch_tanh",
+              query_pre_attn_scalar=256, tie_word_embeddings=True)
 TYPE_DEFAULTS = {
-    "mistral": dict(num_key_value_heads=8, max_position_embeddings=131072),
-    "mixtral": dict(num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=1e6),
-    "qwen2": dict(num_key_value_heads=32, max_position_embeddings=32768),
-    "qwen3": dict(num_key_value_heads=32, max_position_embeddings=32768, head_dim=128),
-    "qwen3_moe": dict(num_key_value_heads=4, max_position_embeddings=32768),
-    "gemma2": dict(num_key_value_heads=4, max_position_embeddings=8192),
-    "gemma3_text": dict(num_key_value_heads=4, max_position_embeddings=131072, rope_theta=1e6),
+    "mistral": dict(num_key_value_heads=8, max_position_embeddings=131072, sliding_window=4096),
+    "mixtral": dict(num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=1e6,
+                    num_local_experts=8, num_experts_per_tok=2),
+    "qwen2": dict(num_key_value_heads=32, max_position_embeddings=32768, **_WINDOWED),
+    "qwen3": dict(num_key_value_heads=32, max_position_embeddings=32768, head_dim=128, **_WINDOWED),
+    "qwen3_moe": dict(num_key_value_heads=4, max_position_embeddings=32768, sliding_window=4096,
+                      num_experts_per_tok=8, moe_intermediate_size=768),  # (num_experts: _experts)
+    "gemma2": dict(max_position_embeddings=8192, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                   **_GEMMA),
+    "gemma3_text": dict(max_position_embeddings=131072, rope_theta=1e6, sliding_window_pattern=6, **_GEMMA),
     "smollm3": dict(num_key_value_heads=4, max_position_embeddings=32768, tie_word_embeddings=True, rope_theta=2e6),
     "olmo2": dict(rms_norm_eps=1e-5),
-    "phi3": dict(rms_norm_eps=1e-5, max_position_embeddings=4096),
+    "phi3": dict(rms_norm_eps=1e-5, max_position_embeddings=4096, original_max_position_embeddings=4096),
 }
 GEMMA = ("gemma2", "gemma3_text")
 
@@ -117,16 +123,15 @@ def _gpt2_from_hf(cfg: dict[str, Any]) -> ModelConfig:
 
 
 def _windows(cfg: dict[str, Any], hf_type: str, n_layers: int) -> tuple[int | None, list[str] | None]:
-    """(sliding_window, layer_types) as the HF model code applies them.
+    """(sliding_window, layer_types) as the HF model code applies them (absent keys: TYPE_DEFAULTS).
 
-    Mistral: `sliding_window` in every layer (null: none). Qwen2/Qwen3: the window exists only with
-    `use_sliding_window`, in the layers `layer_types` marks "sliding_attention", or, in a config
-    without `layer_types` (transformers 4), in layers max_window_layers .. n_layers − 1."""
-    # A key absent from config.json takes the HF class's default: sliding_window 4096, max_window_layers 28.
+    Mistral, Mixtral, Phi-3: `sliding_window` in every layer (null: none). Qwen2/3, SmolLM3: only with
+    `use_sliding_window`, in the layers `layer_types` marks "sliding_attention" or, without it, from
+    max_window_layers on (SmolLM3: its NoPE layers). Gemma: always; every 2nd / 6th layer global."""
     if hf_type in ("mistral", "phi3", "mixtral"):
-        return cfg.get("sliding_window", 4096 if hf_type == "mistral" else None), None
+        return cfg.get("sliding_window"), None
     if hf_type == "qwen3_moe":  # every layer, when switched on
-        return cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window") else None, None
+        return cfg.get("sliding_window") if cfg.get("use_sliding_window") else None, None
     if hf_type == "llama":
         return None, None  # a window in a Llama config is refused by check_hf_fields
     types = cfg.get("layer_types")
@@ -135,13 +140,12 @@ def _windows(cfg: dict[str, Any], hf_type: str, n_layers: int) -> tuple[int | No
         nope = _no_rope_layers(cfg, n_layers)
         types = ["sliding_attention" if window is not None and i in nope else "full_attention" for i in range(n_layers)]
     if hf_type in GEMMA:  # a window always; without layer_types, every `pattern`-th layer is global
-        window, pattern = cfg.get("sliding_window", 4096), 2 if hf_type == "gemma2" else cfg.get(
-            "sliding_window_pattern", 6)
+        window, pattern = cfg.get("sliding_window"), 2 if hf_type == "gemma2" else cfg["sliding_window_pattern"]
         types = types or ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
     else:
-        window = cfg.get("sliding_window", 4096 * (hf_type != "smollm3")) if cfg.get("use_sliding_window") else None
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
     if types is None:
-        first = cfg.get("max_window_layers", 28)
+        first = cfg.get("max_window_layers")
         types = ["sliding_attention" if window is not None and i >= first else "full_attention"
                  for i in range(n_layers)]
     bad = [t for t in types if t not in LAYER_TYPES]
@@ -206,8 +210,8 @@ def _longrope(cfg: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:
     exists to match there: nanoserve keeps the short factors and the context within L₀."""
     # (Phi-3's code reads the top-level field, whatever rope_scaling says)
     original = int(cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
-                   or 4096)
-    factor = scaling.get("factor") or int(cfg.get("max_position_embeddings", 4096)) / original
+                   or cfg["max_position_embeddings"])
+    factor = scaling.get("factor") or int(cfg["max_position_embeddings"]) / original
     attention_factor = scaling.get("attention_factor")
     if attention_factor is None:
         attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
@@ -238,10 +242,6 @@ def _llama_from_hf(cfg: dict[str, Any], hf_type: str) -> ModelConfig:
     attention_bias = bool(cfg.get("attention_bias", False)) and hf_type in ("llama", "qwen3", "qwen3_moe", "smollm3",
                                                                             "olmo2", *GEMMA)
     window, layer_types = _windows(cfg, hf_type, n_layers)
-    softcaps = [None, None]  # (attention, final); Gemma 3 reads attn_logit_softcapping but never applies it
-    if gemma:
-        softcaps = [cfg.get("attn_logit_softcapping", 50.0), cfg.get("final_logit_softcapping", 30.0)] \
-            if hf_type == "gemma2" else [None, cfg.get("final_logit_softcapping")]
     return ModelConfig(
         arch="llama",
         vocab_size=int(_need(cfg, "vocab_size")),
@@ -254,17 +254,17 @@ def _llama_from_hf(cfg: dict[str, Any], hf_type: str) -> ModelConfig:
                                     scaling["original_max_position_embeddings"] if scaling.get("rope_type")
                                     == "longrope" else 1 << 62),
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         rope_theta=rope_theta,
         rope_scaling=scaling or None,
         qkv_bias=attention_bias or hf_type == "qwen2",
         o_bias=attention_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)) and hf_type in ("llama", "smollm3"),
-        head_dim_override=cfg.get("head_dim", 256 if gemma else None),
+        head_dim_override=cfg.get("head_dim"),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_eos_list(cfg.get("eos_token_id")),
         dtype=_dtype_name(cfg),
-        hidden_act=cfg.get("hidden_activation", "gelu_pytorch_tanh") if gemma else cfg.get("hidden_act", "silu"),
+        hidden_act=cfg.get("hidden_activation") if gemma else cfg.get("hidden_act", "silu"),
         sliding_window=window,
         layer_types=layer_types,
         qk_norm="per_head" if hf_type in ("qwen3", "qwen3_moe", "gemma3_text") else "whole" if hf_type == "olmo2"
@@ -276,9 +276,9 @@ def _llama_from_hf(cfg: dict[str, Any], hf_type: str) -> ModelConfig:
         norm_unit_offset=gemma,
         norm_scale_fp32=hf_type == "olmo2",
         embed_scale=gemma,
-        attn_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
-        attn_softcap=softcaps[0],
-        final_softcap=softcaps[1],
+        attn_scale=float(cfg["query_pre_attn_scalar"]) ** -0.5 if gemma else None,
+        attn_softcap=cfg.get("attn_logit_softcapping") if hf_type == "gemma2" else None,  # Gemma 3 never applies it
+        final_softcap=cfg.get("final_logit_softcapping") if gemma else None,
         local_rope_theta=local_theta,
         hf_model_type=hf_type,
         **_experts(cfg, hf_type),
@@ -290,11 +290,11 @@ def _experts(cfg: dict[str, Any], hf_type: str) -> dict[str, Any]:
     decoder_sparse_step and mlp_only_layers say, renormalised only with norm_topk_prob."""
     if hf_type not in ("mixtral", "qwen3_moe"):
         return {}
-    mixtral = hf_type == "mixtral"
-    return dict(num_experts=int(cfg.get("num_local_experts", 8) if mixtral else cfg.get("num_experts", cfg.get(
-                    "num_local_experts", 128))),
-                num_experts_per_tok=int(cfg.get("num_experts_per_tok", 2 if mixtral else 8)),
-                moe_intermediate_size=None if mixtral else int(cfg.get("moe_intermediate_size", 768)),
-                norm_topk_prob=True if mixtral else bool(cfg.get("norm_topk_prob", False)),
-                moe_every=1 if mixtral else int(cfg.get("decoder_sparse_step", 1)),
-                mlp_only_layers=None if mixtral else list(cfg.get("mlp_only_layers") or []) or None)
+    if hf_type == "mixtral":
+        return dict(num_experts=int(cfg["num_local_experts"]), num_experts_per_tok=int(cfg["num_experts_per_tok"]))
+    return dict(num_experts=int(cfg.get("num_experts", cfg.get("num_local_experts", 128))),  # either spelling
+                num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                moe_every=int(cfg.get("decoder_sparse_step", 1)),
+                mlp_only_layers=list(cfg.get("mlp_only_layers") or []) or None)
