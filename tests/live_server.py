@@ -162,10 +162,10 @@ def poisoned_engine(model: str = "demo", isolated: bool = True, **kw) -> LLMEngi
     core = LLMEngine(model, **{"num_blocks": 64, **kw})
     emit = core._emit
 
-    def _emit(req, s, token, has_nan, done):
+    def _emit(req, s, token, *rest):
         if req.output.prompt == POISON:
             raise RuntimeError("injected fault in the POISON row")
-        return emit(req, s, token, has_nan, done)
+        return emit(req, s, token, *rest)
 
     core._emit = _emit
     if not isolated:

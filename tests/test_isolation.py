@@ -29,10 +29,10 @@ def faulty_sampling(engine: LLMEngine, rid: str = "bad", after: int = 3) -> LLME
     """Handling request `rid`'s sampled token raises once it has `after` tokens."""
     emit = engine._emit
 
-    def _emit(req, s, token, has_nan, done):
+    def _emit(req, s, token, *rest):
         if req.output.request_id == rid and len(s.out.token_ids) >= after:
             raise Injected(f"injected fault while sampling request {rid!r}")
-        return emit(req, s, token, has_nan, done)
+        return emit(req, s, token, *rest)
 
     engine._emit = _emit
     return engine

@@ -6,7 +6,7 @@ decides which blocks each `Sequence` gets; it never touches a tensor. Ideas from
 
 **Ref counts.** A block is *owned* (ref_count > 0: that many block tables list it) or *free*
 (ref_count 0). Prefix hits and `fork` (SamplingParams(n>1)) make tables share blocks. **Prefix
-caching**: a prompt reuses the cached blocks of its longest cached prefix (block.py: the hash).
+caching**: a prompt reuses its longest cached prefix's blocks (block.py: the hash) unless it is `skip_prefix_cache`.
 
 **Free queue and LRU.** Free blocks wait in `free_block_ids` (nothing cached, FIFO) or `evictable`
 (still in the hash table, least recently freed first). New blocks come from the first queue; only
@@ -220,9 +220,9 @@ class BlockAllocator:
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         """Cached blocks for the prompt's leading full blocks, stopping at the first miss."""
-        hits: list[int] = []
-        parent = None
-        for i in range(self._max_prefix_hits(len(seq)) if self.enable_prefix_caching else 0):
+        hits, parent = [], None
+        lookup = self.enable_prefix_caching and not seq.skip_prefix_cache
+        for i in range(self._max_prefix_hits(len(seq)) if lookup else 0):
             tokens = self._block_tokens(seq, i)
             bid = self.hash_to_block.get(self.hash_fn(parent.hash if parent else None, tokens))
             if bid is None or not self._matches(self.blocks[bid], tokens, parent):

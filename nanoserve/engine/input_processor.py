@@ -86,11 +86,18 @@ class InputProcessor:
         if params.stop and self.tokenizer is None:
             raise NanoserveError(f"stop={params.stop!r}: stop strings need a tokenizer and this model has none; "
                                  "use stop_token_ids")
+        bad = [t for t in params.logit_bias if t >= self.usable_vocab_size]
+        if bad:
+            raise NanoserveError(f"logit_bias: token id {bad[0]} is outside the vocabulary; "
+                                 f"allowed ids are 0..{self.usable_vocab_size - 1}")
         prompt_ids = self.encode_prompt(prompt)
         max_new = self.check_fits(prompt_ids, params)
         arrival = time.perf_counter() if arrival_time is None else arrival_time
-        seq = SequenceState(prompt_ids, request_id=request_id, priority=priority, arrival_time=arrival)
-        out = RequestOutput(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, arrival_time=arrival)
+        # prompt logprobs need every prompt position's logits: such a request never reads the prefix cache
+        seq = SequenceState(prompt_ids, request_id=request_id, priority=priority, arrival_time=arrival,
+                            skip_prefix_cache=params.prompt_logprobs is not None)
+        out = RequestOutput(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, arrival_time=arrival,
+                            prompt_logprobs=None if params.prompt_logprobs is None else [None])
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
         req = Request(params, out, max_new, stop_ids)
         req.samples.append(self.new_sample(req, seq, 0))
@@ -102,5 +109,7 @@ class InputProcessor:
         p = req.params
         seed = None if p.seed is None else p.seed + i  # sample i of n == a single run with seed + i
         seen = torch.tensor(seq.token_ids, device=self.device) if p.repetition_penalty != 1.0 else None
-        return Sample(seq, make_generator(seed, self.device),
-                      IncrementalText(self.tokenizer, p.stop, req.output.prompt_token_ids), CompletionOutput(i), seen)
+        logprobs = None if p.logprobs is None else []
+        out = CompletionOutput(i, logprobs=logprobs, cumulative_logprob=None if logprobs is None else 0.0)
+        text = IncrementalText(self.tokenizer, p.stop, req.output.prompt_token_ids, p.include_stop_str_in_output)
+        return Sample(seq, make_generator(seed, self.device), text, out, seen)

@@ -6,10 +6,10 @@ Data flows one way, as in vLLM and nano-vllm:
     block slots from the BlockAllocator) → ModelRunner (one batched forward) → sampler (one
     batched draw) → Request.emit (text, stop conditions) → Scheduler.postprocess (sequence state)
 
-`step()` reads as that: schedule → forward → update → sample; the scheduler owns every sequence's
-state. Speculation adds two hooks: drafts join the rows before the forward (`_speculate`), and are
-verified after it (`SpecDecoder.accept`). n > 1 samples fork after prefill (copy-on-write). A fault
-in one request fails it alone (`_fail_request`). Taught in notebooks/00_* to 03_*.
+`step()` reads as that: schedule → forward → update → sample; the scheduler owns every sequence's state.
+Speculation adds two hooks: drafts join the rows before the forward (`_speculate`) and are verified after
+it (`SpecDecoder.accept`). n > 1 samples fork after prefill (copy-on-write). A fault in one request fails it
+alone (`_fail_request`). Logprobs: engine/logprobs.py. Taught in notebooks/00_* to 03_*.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from ..models.loader import load_model
 from ..spec.spec_decode import SpecDecodeConfig, build_spec_decoder
 from .block_allocator import BlockAllocator
 from .input_processor import InputProcessor
+from .logprobs import record_prompt_logprobs, sampled_logprobs, wants_prompt_logits
 from .model_runner import ModelRunner
 from .outputs import EngineStats, RequestOutput
 from .request import Prompt, Request, Sample
@@ -127,13 +128,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """The engine's state now, for monitoring (a server's /metrics)."""
-        waiting = {seq.request_id for seq in self.scheduler.waiting}
-        alloc = self.block_allocator
-        return EngineStats(num_running=len(self.requests) - len(waiting), num_waiting=len(waiting),
-                           num_blocks=alloc.num_blocks, num_free_blocks=alloc.num_free_blocks(),
-                           prefix_cache_hits=alloc.stats.hits,
-                           prefix_cache_queries=alloc.stats.hits + alloc.stats.misses,
-                           num_preemptions=self.scheduler.num_preemptions)
+        return EngineStats.of(self.scheduler, len(self.requests))
 
     # ------------------------------------------------------------------ one iteration
     def step(self) -> list[RequestOutput]:
@@ -156,25 +151,25 @@ class LLMEngine:
 
     def _prepare(self, sched: SchedulerOutput) -> bool:
         """Before the forward: copy-on-write copies, first-scheduled times; False when nothing runs."""
-        if self.spec is not None:
-            for seq in sched.preempted:  # recomputed later: the draft's cache is rebuilt then too
-                self.spec.proposer.free(seq)
+        for seq in sched.preempted if self.spec is not None else ():  # recomputed later: its draft cache too
+            self.spec.proposer.free(seq)
         if not sched.seqs:
             return False
         for src, dst in sched.copies:  # before anyone writes into the copies
             self.runner.kv.copy_block(src, dst)
         now = time.perf_counter()
-        for seq in sched.seqs:
-            out = self.requests[seq.request_id].output
+        for out, seq in ((self.requests[s.request_id].output, s) for s in sched.seqs):
             if out.first_scheduled_time is None:
                 out.first_scheduled_time, out.num_cached_tokens = now, seq.num_cached_tokens
         return True
 
     def _forward(self, sched: SchedulerOutput, drafts: dict) -> torch.Tensor | list[torch.Tensor]:
-        """logits [B, V]; with drafts, [1 + γ, V] per verification row and [1, V] per other row.
-        Ids the tokenizer cannot decode (a padded embedding) get -inf: never sampled."""
-        num_logits = [1 + len(drafts[i].draft_ids) if i in drafts else 1 for i in range(len(sched.seqs))]
-        logits = self.runner.run(sched.seqs, sched.num_new, num_logits if drafts else None)
+        """logits [B, V], or a list: [1 + γ, V] per verification row, [n, V] per n-token chunk scoring its
+        prompt (prompt logprobs), [1, V] per other row. Ids past the tokenizer's get -inf: never sampled."""
+        num_logits = [1 + len(drafts[i].draft_ids) if i in drafts else n if wants_prompt_logits(
+            self.requests[seq.request_id].output.prompt_logprobs, seq) else 1 for i, (seq, n) in enumerate(
+            zip(sched.seqs, sched.num_new))]
+        logits = self.runner.run(sched.seqs, sched.num_new, num_logits if max(num_logits) > 1 else None)
         if self.inputs.usable_vocab_size < self.config.vocab_size:
             logits = mask_from(logits, self.inputs.usable_vocab_size)
         return logits
@@ -197,11 +192,14 @@ class LLMEngine:
             if bool(logits.isnan().any()):
                 raise RequestFailedError(f"the model produced NaN logits for request {seq.request_id!r} while "
                                          "verifying its drafts")
-            s = req.samples[seq.sample_index]
-            tokens, finished = req.emit_all(s, self.spec.accept(proposal, logits))
+            s, tokens = req.samples[seq.sample_index], self.spec.accept(proposal, logits)
+            lps = sampled_logprobs(logits[:len(tokens)], [req.params] * len(tokens), tokens, self.tokenizer)  # target's
+            tokens, finished = req.emit_all(s, tokens, lps)
             self.scheduler.postprocess(seq, tokens, finished)
             done[seq.request_id] = req.output
             return
+        if wants_prompt_logits(req.output.prompt_logprobs, seq):
+            record_prompt_logprobs(req.output.prompt_logprobs, seq, logits, req.params.prompt_logprobs, self.tokenizer)
         self.scheduler.advance(seq, num_new)
         if seq.num_computed_tokens < len(seq):
             return  # a prefill chunk: no token to sample yet
@@ -221,18 +219,20 @@ class LLMEngine:
             x = logits  # every row samples once, in order: no copy (the common decode step)
         else:
             x = logits.index_select(0, torch.tensor(rows, device=logits.device))  # R, V
-        tokens, nan = sample_batch(x, [r.params for r, _, _ in to_sample], [s.seen for _, s, _ in to_sample],
-                                   [s.generator for _, s, _ in to_sample])
-        for (req, s, _), token, has_nan in zip(to_sample, tokens, nan):
+        params = [r.params for r, _, _ in to_sample]
+        tokens, nan = sample_batch(x, params, [s.seen for _, s, _ in to_sample], [s.generator for _, s, _ in to_sample],
+                                   [s.out.token_ids for _, s, _ in to_sample], [r.stop_ids for r, _, _ in to_sample])
+        lps = sampled_logprobs(x, params, tokens, self.tokenizer)  # raw logprobs of the rows that ask
+        for (req, s, _), token, has_nan, lp in zip(to_sample, tokens, nan, lps):
             if req.output.request_id in self.requests:
-                self._guarded([s.seq], done, self._emit, req, s, token, has_nan, done)
+                self._guarded([s.seq], done, self._emit, req, s, token, has_nan, lp, done)
 
-    def _emit(self, req: Request, s: Sample, token: int, has_nan: bool, done: dict) -> None:
-        """One sampled token: into the output (stop conditions), then into the sequence."""
+    def _emit(self, req: Request, s: Sample, token: int, has_nan: bool, lp, done: dict) -> None:
+        """One sampled token: into the output (stop conditions, logprobs), then into the sequence."""
         if has_nan:
             raise RequestFailedError(f"the model produced NaN logits for request {req.output.request_id!r} at "
                                      f"position {len(s.seq)} (an overflow in {self.dtype}?)")
-        finished = req.emit(s, token)
+        finished = req.emit(s, token, lp)
         self.scheduler.postprocess(s.seq, [token], finished)
         done[req.output.request_id] = req.output
 

@@ -29,27 +29,35 @@ import torch
 from ..kv.cache import PagedKVCache
 from ..kv.metadata import AttentionMetadata
 from ..models.onednn import use_onednn_linears
+from ..spec.rejection_sampler import MAX_SPECULATIVE_TOKENS
 from .block import slots
 from .sequence import NULL_BLOCK, Sequence
 
 PREFILL_SLACK = 1.25  # a prefill forward computes at most this × its real tokens (the rest: padding)
+MAX_VERIFY_LOGITS = 1 + MAX_SPECULATIVE_TOKENS  # a verification row returns at most this many logits
 
 
 def forward_groups(num_new: list[int], num_logits: list[int], slack: float = PREFILL_SLACK) -> list[list[int]]:
     """The rows of one step, split into forwards: the decode rows (1 new token) together, the
-    verification rows (several logits) together, then the prefill rows longest first, a new forward
-    whenever padding to the group's longest row would exceed `slack` × its real tokens. On the
-    256-request peer workload one forward for all prefills computed 1.72× the real tokens."""
-    kind = [0 if n == 1 else 1 if m > 1 else 2 for n, m in zip(num_new, num_logits)]  # decode, verify, prefill
-    groups = [[i for i, g in enumerate(kind) if g == want] for want in (0, 1)]
-    current: list[int] = []
-    for i in sorted((i for i, g in enumerate(kind) if g == 2), key=lambda i: -num_new[i]):
-        width = num_new[current[0]] if current else num_new[i]  # longest first: the first row's length
-        if current and (len(current) + 1) * width > slack * (sum(num_new[j] for j in current) + num_new[i]):
-            groups.append(current)
-            current = []
-        current.append(i)
-    return [g for g in groups + [current] if g]
+    verification rows (a few logits each) together, then the prefill rows longest first, a new
+    forward whenever padding to the group's longest row would exceed `slack` × its real tokens. On
+    the 256-request peer workload one forward for all prefills computed 1.72× the real tokens.
+    Prefill rows that return every position's logits (prompt logprobs) are grouped the same way
+    apart from the others, so a [B, K, V] logits tensor is never padded to one long row's K."""
+    def kind(n: int, m: int) -> int:  # 0 decode, 1 verify, 2 prefill, 3 prefill with all its logits
+        return 0 if n == 1 else 2 if m == 1 else 1 if m <= MAX_VERIFY_LOGITS else 3
+    kinds = [kind(n, m) for n, m in zip(num_new, num_logits)]
+    groups = [[i for i, g in enumerate(kinds) if g == want] for want in (0, 1)]
+    for want in (2, 3):
+        current: list[int] = []
+        for i in sorted((i for i, g in enumerate(kinds) if g == want), key=lambda i: -num_new[i]):
+            width = num_new[current[0]] if current else num_new[i]  # longest first: the first row's length
+            if current and (len(current) + 1) * width > slack * (sum(num_new[j] for j in current) + num_new[i]):
+                groups.append(current)
+                current = []
+            current.append(i)
+        groups.append(current)
+    return [g for g in groups if g]
 
 
 @dataclass

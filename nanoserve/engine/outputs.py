@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from .logprobs import PositionLogprobs
+
 
 @dataclass
 class SpecStats:
@@ -50,6 +52,8 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     token_times: list[float] = field(default_factory=list)  # when each token was sampled (perf_counter)
     spec_stats: SpecStats | None = None  # with speculative decoding: α, tokens per step
+    logprobs: list[PositionLogprobs] | None = None  # with SamplingParams.logprobs: one per token_ids entry
+    cumulative_logprob: float | None = None  # their sum (with logprobs)
 
 
 @dataclass
@@ -61,6 +65,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # with SamplingParams.prompt_logprobs; [0] is None
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None  # queue time = first_scheduled_time - arrival_time
     first_token_time: float | None = None
@@ -106,8 +111,10 @@ class RequestOutput:
     def snapshot(self) -> RequestOutput:
         """A copy that later steps do not change (the engine keeps growing this object in place)."""
         outs = [replace(o, token_ids=list(o.token_ids), token_times=list(o.token_times),
+                        logprobs=None if o.logprobs is None else list(o.logprobs),
                         spec_stats=None if o.spec_stats is None else replace(o.spec_stats)) for o in self.outputs]
-        return replace(self, outputs=outs)
+        return replace(self, outputs=outs,
+                       prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs))
 
 
 class IncrementalText:
@@ -124,8 +131,8 @@ class IncrementalText:
 
     WINDOW = 4  # ids decoded in front of the new ones, then cut off again
 
-    def __init__(self, tokenizer, stop: list[str], prompt_ids: Sequence[int] = ()):
-        self.tokenizer, self.stop = tokenizer, stop
+    def __init__(self, tokenizer, stop: list[str], prompt_ids: Sequence[int] = (), include_stop: bool = False):
+        self.tokenizer, self.stop, self.include_stop = tokenizer, stop, include_stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         # Prompt ids in front of the output: whether a continuation starts with a space can depend on
         # what precedes it (SentencePiece drops the space of a text's first word, not of a continuation).
@@ -136,8 +143,9 @@ class IncrementalText:
         self.emitted = 0
         self.checked = 0  # stop strings cannot start before this index of the text any more
 
-    def add(self, token_id: int | None) -> tuple[str, bool]:
-        """Append a token (None: no text, e.g. EOS); return (new text, whether a stop string hit)."""
+    def add(self, token_id: int | None, check_stop: bool = True) -> tuple[str, bool]:
+        """Append a token (None: no text, e.g. EOS); return (new text, whether a stop string hit).
+        With check_stop False (before min_tokens) no stop string is looked for."""
         if token_id is not None:
             self.ids.append(token_id)
         if self.tokenizer is None:
@@ -147,10 +155,10 @@ class IncrementalText:
         full = self.anchor_text + tail
         if not full.endswith("\ufffd"):  # settled: later tokens cannot change this text
             self.anchor, self.anchor_text = len(self.ids), full
-        for s in self.stop:
+        for s in self.stop if check_stop else ():
             at = full.find(s, self.checked)
             if at >= 0:
-                self.text = full[:at]
+                self.text = full[:at + len(s) if self.include_stop else at]
                 return self.flush(), True
         safe = len(full.rstrip("\ufffd")) - self.hold  # text no later token or stop string can change
         self.checked, self.text = max(0, safe), full
@@ -178,3 +186,13 @@ class EngineStats:
     prefix_cache_hits: int  # prompt blocks found in the prefix cache ...
     prefix_cache_queries: int  # ... out of all full prompt blocks looked up
     num_preemptions: int
+
+    @classmethod
+    def of(cls, scheduler, num_requests: int) -> EngineStats:
+        """The stats of an engine whose scheduler holds `num_requests` requests (queued or running)."""
+        waiting = {seq.request_id for seq in scheduler.waiting}
+        alloc = scheduler.block_allocator
+        return cls(num_running=num_requests - len(waiting), num_waiting=len(waiting), num_blocks=alloc.num_blocks,
+                   num_free_blocks=alloc.num_free_blocks(), prefix_cache_hits=alloc.stats.hits,
+                   prefix_cache_queries=alloc.stats.hits + alloc.stats.misses,
+                   num_preemptions=scheduler.num_preemptions)

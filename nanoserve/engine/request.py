@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .logprobs import PositionLogprobs
 from .outputs import CompletionOutput, IncrementalText, RequestOutput
 from .sampler import SamplingParams
 from .sequence import Sequence as SequenceState
@@ -43,21 +44,25 @@ class Request:
     stop_ids: set[int]
     samples: list[Sample] = field(default_factory=list)
 
-    def emit(self, s: Sample, token: int) -> bool:
-        """Add a generated token to sample `s`'s output; True when a stop condition hit (a stop
-        token, a stop string, max_tokens)."""
+    def emit(self, s: Sample, token: int, logprobs: PositionLogprobs | None = None) -> bool:
+        """Add a generated token (and, when asked for, its logprobs) to sample `s`'s output; True when
+        a stop condition hit (a stop token, a stop string, max_tokens). Before min_tokens none can."""
         now = time.perf_counter()
         if s.seen is not None:
             s.seen = torch.cat([s.seen, torch.tensor([token], device=s.seen.device)])
         out = s.out
         out.token_ids.append(token)
         out.token_times.append(now)
+        if out.logprobs is not None and logprobs is not None:
+            out.logprobs.append(logprobs)
+            out.cumulative_logprob += logprobs[token].logprob
         if self.output.first_token_time is None:
             self.output.first_token_time = now
-        if token in self.stop_ids:
+        may_stop = len(out.token_ids) > self.params.min_tokens
+        if token in self.stop_ids and may_stop:
             out.finish_reason = "stop"
         else:
-            _, hit = s.text.add(token)
+            _, hit = s.text.add(token, check_stop=may_stop)
             if hit:
                 out.finish_reason = "stop"
             elif len(out.token_ids) >= self.max_new:
@@ -69,9 +74,10 @@ class Request:
         out.text = s.text.text[: s.text.emitted]
         return out.finish_reason is not None
 
-    def emit_all(self, s: Sample, tokens: list[int]) -> tuple[list[int], bool]:
+    def emit_all(self, s: Sample, tokens: list[int], logprobs: list[PositionLogprobs] | None = None
+                 ) -> tuple[list[int], bool]:
         """Emit tokens in order until one finishes the sample: (the tokens emitted, finished)."""
         for i, token in enumerate(tokens):
-            if self.emit(s, token):
+            if self.emit(s, token, None if logprobs is None else logprobs[i]):
                 return tokens[: i + 1], True
         return tokens, False

@@ -1,17 +1,18 @@
 """Sampling: turning next-token logits into a token.
 
-`SamplingParams` holds one request's settings and validates them on construction. The
-pipeline, in the order vLLM and HF apply it:
+`SamplingParams` (sampling_params.py) holds one request's settings. The pipeline, in the order
+vLLM applies it:
 
-    logits ─ repetition penalty ─ /temperature ─ top-k ─ top-p ─ softmax ─ draw (seeded)
+    logits ─ logit_bias ─ min_tokens (stop tokens banned) ─ repetition / presence / frequency penalties
+           ─ /temperature ─ min-p ─ top-k ─ top-p ─ softmax ─ draw (seeded)
 
-Temperature 0 means greedy (argmax after the penalty). Each request with a `seed` draws from
-its own `torch.Generator`, so the same seed gives the same tokens whatever else runs beside
-it; sample i of n uses seed + i, so seeds live in the signed 64-bit range with room for n.
+`process_logits` is the first line (what greedy takes the argmax of), `probs_from_logits` the
+second. Temperature 0 means greedy. Each request with a `seed` draws from its own
+`torch.Generator`, so the same seed gives the same tokens whatever else runs beside it; sample
+i of n uses seed + i, so seeds live in the signed 64-bit range with room for n.
 
-Values are checked in the dtype they are used in (float32): a top_p of 1e-300 is a positive
-Python float but 0 in float32. And the sampler cannot turn finite logits into NaN: scaled
-logits are clamped to float32's finite range and top-p always keeps the most likely token.
+The sampler cannot turn finite logits into NaN: scaled logits are clamped to float32's finite
+range, and min-p, top-k and top-p always keep the most likely token.
 
 `probs_from_logits` is the distribution that is actually sampled, exposed so tests (and
 speculative decoding) can use the exact same law. `sample_next` draws one row's token, the way
@@ -21,70 +22,16 @@ one device→host transfer (a GPU pays dearly for one per row). Taught in notebo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Collection, Sequence
 
 import torch
 
-from ..errors import NanoserveError
+from .sampling_params import SamplingParams
 
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as OpenAI's and vLLM's seed fields
+__all__ = ["SamplingParams", "apply_repetition_penalty", "apply_penalties", "process_logits", "probs_from_logits",
+           "probs_from_logits_batch", "sample_next", "sample_batch", "mask_from", "make_generator"]
+
 _F32 = torch.finfo(torch.float32)
-
-
-@dataclass
-class SamplingParams:
-    """One request's sampling settings (vLLM's names), validated on construction."""
-
-    temperature: float = 1.0  # 0 = greedy
-    top_k: int = 0  # keep the k most likely tokens; 0 = off
-    top_p: float = 1.0  # keep the smallest set with probability ≥ top_p (Holtzman et al. 2019); 1 = off
-    repetition_penalty: float = 1.0  # CTRL's rule (Keskar et al. 2019), see apply_repetition_penalty
-    max_tokens: int = 64
-    stop_token_ids: list[int] = field(default_factory=list)
-    stop: list[str] = field(default_factory=list)  # stop strings (not included in the output)
-    seed: int | None = None
-    ignore_eos: bool = False
-    n: int = 1  # parallel samples of one prompt (they share the prompt's KV blocks)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        _check(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool) and self.max_tokens > 0,
-               f"max_tokens={self.max_tokens!r} must be an integer ≥ 1")
-        _check(isinstance(self.n, int) and not isinstance(self.n, bool) and self.n >= 1,
-               f"n={self.n!r} must be an integer ≥ 1")
-        _check(_is_number(self.temperature) and 0 <= self.temperature < float("inf")
-               and (self.temperature == 0 or self.temperature >= 1e-6),
-               f"temperature={self.temperature!r} must be 0 (greedy) or a finite number ≥ 1e-6")
-        _check(isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 0,
-               f"top_k={self.top_k!r} must be an integer ≥ 0 (0 = off)")
-        _check(_is_number(self.top_p) and _F32.tiny <= self.top_p <= 1,
-               f"top_p={self.top_p!r} must be in (0, 1] and a normal float32 (≥ {_F32.tiny:.3g}); 1 = off")
-        _check(_is_number(self.repetition_penalty) and _F32.tiny <= self.repetition_penalty <= _F32.max,
-               f"repetition_penalty={self.repetition_penalty!r} must be > 0 and a normal float32 "
-               f"({_F32.tiny:.3g} to {_F32.max:.3g}); 1 = off")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-               f"stop_token_ids={self.stop_token_ids!r} must be non-negative integers")
-        _check(all(isinstance(s, str) and s for s in self.stop),
-               f"stop={self.stop!r} must be non-empty strings")
-        _check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
-                                     and SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1)),
-               f"seed={self.seed!r} must be None or an integer in [{SEED_MIN}, {SEED_MAX} - (n - 1)] "
-               f"(sample i of n={self.n} is seeded seed + i, a signed 64-bit value)")
-
-    @property
-    def greedy(self) -> bool:
-        """Temperature 0: the argmax, no randomness."""
-        return self.temperature == 0
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # rejects NaN
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise NanoserveError(message)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen_ids: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -98,16 +45,47 @@ def apply_repetition_penalty(logits: torch.Tensor, seen_ids: torch.Tensor, penal
     return torch.where(seen, penalized, logits)
 
 
-def probs_from_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """The distribution sampled from: softmax(logits / T) restricted to the top-k / top-p set.
+def apply_penalties(logits: torch.Tensor, output_ids: Sequence[int], presence: float, frequency: float) -> torch.Tensor:
+    """OpenAI's presence and frequency penalties: logit[t] − frequency · count(t) − presence · [count(t) > 0],
+    counting the *generated* tokens only. logits [V]."""
+    if not output_ids or (presence == 0 and frequency == 0):
+        return logits
+    V = logits.shape[-1]
+    counts = torch.bincount(torch.tensor(output_ids, device=logits.device), minlength=V)[:V].to(logits.dtype)  # V
+    return logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams, seen_ids: torch.Tensor | None = None,
+                   output_ids: Sequence[int] = (), stop_ids: Collection[int] = ()) -> torch.Tensor:
+    """The settings that reshape one row's logits [V] before temperature, in vLLM's order: logit_bias,
+    min_tokens (the stop tokens get -inf until `output_ids` holds min_tokens), then the repetition
+    penalty (over `seen_ids`: prompt + output) and the presence / frequency penalties (output only)."""
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), device=logits.device)
+        bias = torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+        logits = logits.index_add(0, ids, bias)
+    banned = sorted(t for t in stop_ids if t < logits.shape[-1]) if len(output_ids) < params.min_tokens else ()
+    if banned:
+        logits = logits.index_fill(0, torch.tensor(banned, device=logits.device), float("-inf"))
+    if seen_ids is not None:
+        logits = apply_repetition_penalty(logits, seen_ids, params.repetition_penalty)
+    return apply_penalties(logits, output_ids, params.presence_penalty, params.frequency_penalty)
+
+
+def probs_from_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                      min_p: float = 0.0) -> torch.Tensor:
+    """The distribution sampled from: softmax(logits / T) restricted to the min-p, top-k and top-p sets.
 
     logits [..., V] -> probs [..., V] in float32. Tokens outside the kept set get exactly 0.
     Finite logits give finite probabilities whatever the settings: the scaled logits are clamped
     to float32's finite range (a penalty or a tiny temperature can overflow them to ±inf, and
-    softmax of +inf is NaN), and top-p keeps at least the most likely token. (A NaN logit counts
+    softmax of +inf is NaN), and each filter keeps at least the most likely token. (A NaN logit counts
     as 0, so a draw still happens; the engine checks for NaN and fails such a request.)
     """
     logits = (logits.float() / temperature).nan_to_num(nan=0.0, posinf=_F32.max, neginf=-_F32.max)  # clamp
+    if min_p > 0:
+        p = logits.softmax(dim=-1)
+        logits = logits.masked_fill(p < min_p * p.amax(dim=-1, keepdim=True), float("-inf"))
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # ..., 1
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -124,30 +102,34 @@ def probs_from_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, 
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, seen_ids: torch.Tensor | None = None,
-                generator: torch.Generator | None = None) -> int:
-    """One token id from one position's logits [V]."""
-    if seen_ids is not None:
-        logits = apply_repetition_penalty(logits, seen_ids, params.repetition_penalty)
+                generator: torch.Generator | None = None, output_ids: Sequence[int] = (),
+                stop_ids: Collection[int] = ()) -> int:
+    """One token id from one position's logits [V] (`output_ids`: the tokens generated so far)."""
+    logits = process_logits(logits, params, seen_ids, output_ids, stop_ids)
     if params.greedy:
         return int(logits.argmax())
-    probs = probs_from_logits(logits, params.temperature, params.top_k, params.top_p)
+    probs = probs_from_logits(logits, params.temperature, params.top_k, params.top_p, params.min_p)
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
 @torch.inference_mode()  # (also 2-4x faster on CPU: no autograd bookkeeping on the fresh tensors)
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seen: list[torch.Tensor | None],
-                 generators: list[torch.Generator | None]) -> tuple[list[int], list[bool]]:
+                 generators: list[torch.Generator | None], outputs: list[Sequence[int]] | None = None,
+                 stop_ids: list[Collection[int]] | None = None) -> tuple[list[int], list[bool]]:
     """One token for each row of logits [R, V] — row i with params[i], its seen ids (repetition
-    penalty) and its generator — with one device→host transfer for the whole batch (`sample_next`
-    per row would cost one each). Returns the tokens and which rows held a NaN (their token means
-    nothing: the engine fails those requests). Draw for draw equal to `sample_next` on each row:
-    the same law, and each seeded row draws from its own generator (tests/test_sampling.py)."""
+    penalty), its generated ids and stop ids (min_tokens, presence / frequency penalties) and its
+    generator — with one device→host transfer for the whole batch (`sample_next` per row would cost
+    one each). Returns the tokens and which rows held a NaN (their token means nothing: the engine
+    fails those requests). Draw for draw equal to `sample_next` on each row: the same law, and each
+    seeded row draws from its own generator (tests/test_sampling.py)."""
     nan = logits.amax(-1).isnan()  # R: max propagates NaN (one pass, ~10x cheaper than isnan().any())
-    penalized = [i for i, (p, s) in enumerate(zip(params, seen)) if s is not None and p.repetition_penalty != 1.0]
-    if penalized:
+    outputs = outputs or [()] * len(params)
+    stop_ids = stop_ids or [()] * len(params)
+    reshaped = [i for i, p in enumerate(params) if p.reshapes_logits]
+    if reshaped:
         logits = logits.clone()  # R, V
-        for i in penalized:
-            logits[i] = apply_repetition_penalty(logits[i], seen[i], params[i].repetition_penalty)
+        for i in reshaped:
+            logits[i] = process_logits(logits[i], params[i], seen[i], outputs[i], stop_ids[i])
     tokens = torch.zeros(len(params), dtype=torch.long, device=logits.device)  # R
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if len(greedy) == len(params):  # every row greedy: no copy of the [R, V] logits
@@ -158,8 +140,8 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seen: list[
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         sub = logits if len(rows) == len(params) else logits[rows]  # S, V
-        probs = probs_from_logits_batch(sub, [params[i].temperature for i in rows],
-                                        [params[i].top_k for i in rows], [params[i].top_p for i in rows])  # S, V
+        probs = probs_from_logits_batch(sub, *zip(*[(params[i].temperature, params[i].top_k, params[i].top_p,
+                                                     params[i].min_p) for i in rows]))  # S, V
         drawn = [torch.multinomial(p, 1, generator=generators[i]) for p, i in zip(probs, rows)]  # S × [1]
         tokens = tokens.index_copy(0, torch.tensor(rows, device=logits.device), torch.cat(drawn))
     host = torch.cat([tokens, nan.long()]).tolist()  # the one sync
@@ -167,14 +149,21 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seen: list[
     return host[:R], [bool(b) for b in host[R:]]
 
 
-def probs_from_logits_batch(logits: torch.Tensor, temperatures: list[float], top_ks: list[int],
-                            top_ps: list[float]) -> torch.Tensor:
+def probs_from_logits_batch(logits: torch.Tensor, temperatures: Sequence[float], top_ks: Sequence[int],
+                            top_ps: Sequence[float], min_ps: Sequence[float] | None = None) -> torch.Tensor:
     """`probs_from_logits` with settings per row: logits [S, V] -> probs [S, V]; row i equals
-    probs_from_logits(logits[i], temperatures[i], top_ks[i], top_ps[i]). The settings are host
-    values, so top-k and top-p touch only the rows that use them, without asking the device."""
+    probs_from_logits(logits[i], temperatures[i], top_ks[i], top_ps[i], min_ps[i]). The settings are
+    host values, so min-p, top-k and top-p touch only the rows that use them, without asking the device."""
     dev, V = logits.device, logits.shape[-1]
     logits = logits.float() / torch.tensor(temperatures, dtype=torch.float32, device=dev)[:, None]  # S, V
     logits = logits.nan_to_num_(nan=0.0, posinf=_F32.max, neginf=-_F32.max)  # = clamp; a NaN row is flagged
+    m_rows = [i for i, m in enumerate(min_ps or ()) if m > 0]
+    if m_rows:
+        idx = torch.tensor(m_rows, device=dev)
+        sub = logits.index_select(0, idx)  # Sm, V
+        p = sub.softmax(dim=-1)
+        floor = torch.tensor([[min_ps[i]] for i in m_rows], dtype=torch.float32, device=dev) * p.amax(-1, keepdim=True)
+        logits = logits.index_copy(0, idx, sub.masked_fill(p < floor, float("-inf")))
     k_rows = [i for i, k in enumerate(top_ks) if 0 < k < V]
     if k_rows:
         idx = torch.tensor(k_rows, device=dev)

@@ -43,6 +43,7 @@ class Sequence:
     sample_index: int = 0  # which of a request's n samples this is
     priority: int = 0  # lower runs first (vLLM's convention)
     arrival_time: float = 0.0
+    skip_prefix_cache: bool = False  # never look up the prefix cache (its prompt logprobs need every position)
     needs_slot: bool = False  # a token was appended whose KV has no slot yet (append_slot pending)
     num_preemptions: int = 0
 

@@ -37,8 +37,9 @@ one maximising E(γ) / (1 + c·γ). When no γ is expected to pay (α below `min
 best ratio ≤ 1), the sample decodes plainly and probes again with γ = 1 every `probe_interval`
 steps — so a useless draft costs a probe now and then, not every step.
 
-Requests with a repetition penalty decode plainly (their p depends on every earlier token,
-drafts included, which the one-forward verification does not model). Taught in notebooks/08_*.
+Requests whose law is more than temperature / top-k / top-p — a penalty (p depends on every
+earlier token, drafts included, which the one-forward verification does not model), a logit bias,
+min-p or min_tokens (`SamplingParams.reshapes_logits`) — decode plainly. Taught in notebooks/08_*.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ class SpecDecoder:
 
     def choose_gamma(self, seq: Sequence, params: SamplingParams, tokens_left: int) -> int:
         """This step's γ for a decoding sample (0 = decode plainly)."""
-        if params.repetition_penalty != 1.0:
+        if params.reshapes_logits:  # a penalty, bias, min-p or min_tokens: the law is not the draft's to check
             return 0
         st = self.state(seq)
         gamma = st.gamma

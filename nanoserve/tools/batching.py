@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 
 from ..engine.llm_engine import LLMEngine
+from ..engine.logprobs import sampled_logprobs
 from ..engine.outputs import RequestOutput
 from ..engine.request import Prompt, Request
 from ..engine.sampler import SamplingParams, sample_batch
@@ -62,6 +63,9 @@ class _RunToCompletion:
         ps = _params_list(params, len(prompts))
         if any(p.n != 1 for p in ps):
             raise NanoserveError("static and dynamic batching run n=1 requests; use the continuous engine for n > 1")
+        if any(p.prompt_logprobs is not None for p in ps):
+            raise NanoserveError("static and dynamic batching do not score prompts (prompt_logprobs); use the "
+                                 "continuous engine")
         return [self.engine.new_request(p, q, arrival_time=t0 + a)
                 for p, q, a in zip(prompts, ps, _arrivals(arrivals, len(prompts)))]
 
@@ -89,10 +93,13 @@ class _RunToCompletion:
                 for i in rows:
                     advance(alloc, seqs[i], num_new[i])
                 samples = [reqs[i].samples[0] for i in rows]
-                tokens, _ = sample_batch(logits[rows], [reqs[i].params for i in rows], [s.seen for s in samples],
-                                         [s.generator for s in samples])
-                for i, s, token in zip(rows, samples, tokens):
-                    if reqs[i].emit(s, token):
+                params = [reqs[i].params for i in rows]
+                tokens, _ = sample_batch(logits[rows], params, [s.seen for s in samples],
+                                         [s.generator for s in samples], [s.out.token_ids for s in samples],
+                                         [reqs[i].stop_ids for i in rows])
+                lps = sampled_logprobs(logits[rows], params, tokens, e.tokenizer)
+                for i, s, token, lp in zip(rows, samples, tokens, lps):
+                    if reqs[i].emit(s, token, lp):
                         reqs[i].output.finish_time = time.perf_counter()
                         ride_along(seqs[i])  # recompute its last computed position each step from now on
                     elif extend(alloc, seqs[i], [token])[0] != 1:

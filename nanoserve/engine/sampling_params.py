@@ -1,0 +1,117 @@
+"""`SamplingParams`: one request's settings, with vLLM's names, validated on construction.
+
+Every value is checked here, once, in the dtype it is used in (float32): a top_p of 1e-300 is a
+positive Python float but 0 in float32. A bad value raises NanoserveError naming it and what is
+allowed (the server turns that into a 400). The pipeline that uses them is in sampler.py.
+
+What the extras mean (OpenAI's and vLLM's definitions):
+
+- `presence_penalty` / `frequency_penalty` (OpenAI, in [-2, 2]): subtract `presence` from the
+  logit of every token already *generated* and `frequency × count` for each time it was;
+  `repetition_penalty` (CTRL) counts the prompt too and divides instead.
+- `min_p` (Nguyen et al. 2024): after temperature, drop tokens whose probability is below
+  min_p × the most likely token's.
+- `logit_bias`: {token id: bias in [-100, 100]} added to the logits first (-100 bans a token).
+- `min_tokens`: until this many tokens are out, stop tokens cannot be sampled and stop strings
+  are not looked for; `include_stop_str_in_output` keeps the stop string in the text.
+- `logprobs=k`: each generated token's log-probability plus the k most likely tokens'; and
+  `prompt_logprobs=k`: the same for every prompt token after the first. They are *raw*
+  log-probabilities, `log_softmax` of the model's logits before any setting above (vLLM's
+  default, `logprobs_mode="raw_logprobs"`), so they do not depend on how the request samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import NanoserveError
+
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as OpenAI's and vLLM's seed fields
+MAX_LOGPROBS = 20  # the most top log-probabilities one position returns (OpenAI's and vLLM's default bound)
+_F32 = torch.finfo(torch.float32)
+
+
+@dataclass
+class SamplingParams:
+    """One request's sampling settings (vLLM's names), validated on construction."""
+
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    top_p: float = 1.0  # keep the smallest set with probability ≥ top_p (Holtzman et al. 2019); 1 = off
+    min_p: float = 0.0  # keep tokens with p ≥ min_p · max p; 0 = off
+    repetition_penalty: float = 1.0  # CTRL's rule (Keskar et al. 2019), see apply_repetition_penalty
+    presence_penalty: float = 0.0  # OpenAI's, on generated tokens; 0 = off
+    frequency_penalty: float = 0.0  # OpenAI's, on generated tokens; 0 = off
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    max_tokens: int = 64
+    min_tokens: int = 0  # no stop token or stop string before this many tokens
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)  # stop strings (not included in the output ...)
+    include_stop_str_in_output: bool = False  # (... unless this is set)
+    seed: int | None = None
+    ignore_eos: bool = False
+    n: int = 1  # parallel samples of one prompt (they share the prompt's KV blocks)
+    logprobs: int | None = None  # per generated token: its logprob + the top-k's; None = off
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first; None = off
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        _check(_is_int(self.max_tokens) and self.max_tokens > 0,
+               f"max_tokens={self.max_tokens!r} must be an integer ≥ 1")
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+               f"min_tokens={self.min_tokens!r} must be an integer in [0, max_tokens={self.max_tokens}]")
+        _check(_is_int(self.n) and self.n >= 1, f"n={self.n!r} must be an integer ≥ 1")
+        _check(_is_number(self.temperature) and 0 <= self.temperature < float("inf")
+               and (self.temperature == 0 or self.temperature >= 1e-6),
+               f"temperature={self.temperature!r} must be 0 (greedy) or a finite number ≥ 1e-6")
+        _check(_is_int(self.top_k) and self.top_k >= 0, f"top_k={self.top_k!r} must be an integer ≥ 0 (0 = off)")
+        _check(_is_number(self.top_p) and _F32.tiny <= self.top_p <= 1,
+               f"top_p={self.top_p!r} must be in (0, 1] and a normal float32 (≥ {_F32.tiny:.3g}); 1 = off")
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p={self.min_p!r} must be in [0, 1]; 0 = off")
+        _check(_is_number(self.repetition_penalty) and _F32.tiny <= self.repetition_penalty <= _F32.max,
+               f"repetition_penalty={self.repetition_penalty!r} must be > 0 and a normal float32 "
+               f"({_F32.tiny:.3g} to {_F32.max:.3g}); 1 = off")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            _check(_is_number(v) and -2 <= v <= 2, f"{name}={v!r} must be a number in [-2, 2]; 0 = off")
+        _check(isinstance(self.logit_bias, dict) and all(
+            _is_int(k) and k >= 0 and _is_number(b) and -100 <= b <= 100 for k, b in self.logit_bias.items()),
+            f"logit_bias={self.logit_bias!r:.200} must map token ids (integers ≥ 0) to numbers in [-100, 100]")
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+               f"stop_token_ids={self.stop_token_ids!r} must be non-negative integers")
+        _check(all(isinstance(s, str) and s for s in self.stop), f"stop={self.stop!r} must be non-empty strings")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            _check(v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS),
+                   f"{name}={v!r} must be None (off) or an integer in [0, {MAX_LOGPROBS}] (0: only the chosen token's)")
+        _check(self.seed is None or (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1)),
+               f"seed={self.seed!r} must be None or an integer in [{SEED_MIN}, {SEED_MAX} - (n - 1)] "
+               f"(sample i of n={self.n} is seeded seed + i, a signed 64-bit value)")
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0: the argmax, no randomness."""
+        return self.temperature == 0
+
+    @property
+    def reshapes_logits(self) -> bool:
+        """Whether anything besides temperature / top-k / top-p changes the sampled law: a penalty,
+        a bias, min-p or min_tokens (such rows decode plainly, never speculatively)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0 or self.frequency_penalty != 0
+                or bool(self.logit_bias) or self.min_p > 0 or self.min_tokens > 0)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # rejects NaN
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise NanoserveError(message)
