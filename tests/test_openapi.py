@@ -107,6 +107,22 @@ def test_real_responses_match_the_document(srv, spec):
         reply = _http(srv.port, "GET", path)
         assert reply[0] == 200
         check(spec, path, "get", reply)
+    # logprobs in both shapes, streamed and not; cached-token usage; the tokenizer and model routes
+    scored = {**plain, "logprobs": 2, "echo": True}
+    assert _completion(srv, spec, scored)[0] == 200
+    assert _completion(srv, spec, {**scored, "stream": True})[0] == 200
+    chat_lp = {**chat, "logprobs": True, "top_logprobs": 2}
+    assert _completion(srv, spec, chat_lp, "/v1/chat/completions")[0] == 200
+    assert _completion(srv, spec, {**chat_lp, "stream": True}, "/v1/chat/completions")[0] == 200
+    for path, body, status in [("/tokenize", {"prompt": "Hi"}, 200), ("/tokenize", {"messages": chat["messages"]}, 200),
+                               ("/detokenize", {"tokens": [72, 105]}, 200), ("/detokenize", {"tokens": [-1]}, 400),
+                               ("/tokenize", {"prompt": "Hi", "model": "x"}, 404)]:
+        assert _completion(srv, spec, body, path)[0] == status
+    for path, status in [("/tokenizer_info", 200), ("/v1/models/{name}", 200), ("/v1/models/{name}", 404)]:
+        real = path.replace("{name}", "demo" if status == 200 else "gpt-4")
+        reply = _http(srv.port, "GET", real)
+        assert reply[0] == status
+        check(spec, path, "get", reply)
 
 
 def test_a_dead_engine_is_documented_503(spec, monkeypatch):

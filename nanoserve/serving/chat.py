@@ -56,22 +56,29 @@ class ChatTemplate:
             raise NanoserveError(f"the chat template does not parse: {e}") from e
         self.source, self.bos_token, self.eos_token = source, bos_token, eos_token
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, kwargs: dict | None = None) -> str:
+        """The template rendered; `kwargs` are extra variables (vLLM's chat_template_kwargs, e.g.
+        enable_thinking), which cannot replace the ones set here."""
         import jinja2
 
         check_messages(messages)
+        kwargs = kwargs or {}
+        taken = sorted({"messages", "add_generation_prompt", "bos_token", "eos_token"} & set(kwargs))
+        if taken:
+            raise NanoserveError(f"chat_template_kwargs may not set {', '.join(taken)} (set by the request itself)")
         try:
             return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                                        bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
         except jinja2.TemplateError as e:  # raise_exception() in the template: e.g. roles out of order
             raise NanoserveError(f"the model's chat template rejected the messages: {e}") from e
 
-    def encode(self, messages: list[dict], tokenizer: Tokenizer) -> list[int]:
-        """Render, then encode with special tokens as their own ids."""
+    def encode(self, messages: list[dict], tokenizer: Tokenizer, add_generation_prompt: bool = True,
+               kwargs: dict | None = None) -> list[int]:
+        """Render (see render), then encode with special tokens as their own ids."""
         if tokenizer is None:
             raise NanoserveError("chat needs a tokenizer and this model was loaded without one; "
                                  "use /v1/completions with token-id prompts")
-        return encode_with_special_tokens(self.render(messages), tokenizer)
+        return encode_with_special_tokens(self.render(messages, add_generation_prompt, kwargs), tokenizer)
 
 
 def encode_with_special_tokens(text: str, tokenizer: Tokenizer) -> list[int]:

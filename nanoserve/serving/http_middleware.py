@@ -17,7 +17,8 @@ from fastapi.responses import JSONResponse
 from . import openai_api as api
 from .metrics import ServerMetrics
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
+             "/detokenize", "/tokenizer_info")
 
 
 class CountStatus:

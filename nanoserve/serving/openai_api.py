@@ -2,11 +2,14 @@
 the JSON of responses, stream chunks and errors. No HTTP here (that is server.py).
 
 Bodies are pydantic models with `extra="forbid"`, so a field nanoserve does not implement is an
-error naming it, never silently ignored (a client asking for `logprobs` must not get a response
-that looks as if they were computed). Fields that OpenAI defines but we do not implement are
-accepted only at their no-op values (`frequency_penalty: 0`, `logprobs: null`, ...), which some
-clients send on every call. Beyond OpenAI's fields, `top_k`, `repetition_penalty` and
-`ignore_eos` are accepted as vLLM does.
+error naming it, never silently ignored (a client asking for structured output must not get a
+response that looks as if it were constrained). Fields that OpenAI defines but we do not implement
+are accepted only at their no-op values (`tools: []`, `response_format: {"type": "text"}`, ...),
+which some clients send on every call. Beyond OpenAI's fields, vLLM's extensions are accepted with
+vLLM's names: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`,
+`include_stop_str_in_output`, `ignore_eos`, `prompt_logprobs`. Logprobs come in OpenAI's two
+shapes (openai_logprobs.py): completions' `logprobs=k` (+ `echo`: the prompt's too), chat's
+`logprobs=true` + `top_logprobs=k`.
 
 Values are checked by `SamplingParams` (one source of truth for what is allowed); pydantic only
 checks types, strictly, as the OpenAI API documents them: `"max_tokens": "5"` or `"stream": "yes"`
@@ -33,14 +36,13 @@ from pydantic import BaseModel, ConfigDict, field_validator
 from ..engine.outputs import RequestOutput
 from ..engine.sampler import SamplingParams
 from ..errors import NanoserveError
+from .openai_logprobs import chat_logprobs, completion_logprobs, echo_text
 
 # OpenAI fields we accept only at the value that means "off"
 NO_OP_VALUES: dict[str, tuple] = {
-    "frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0, None), "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0), "echo": (False, None), "best_of": (None, 1), "logit_bias": (None, {}),
-    "suffix": (None, ""), "parallel_tool_calls": (None,), "tools": (None, []), "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}), "service_tier": (None, "auto", "default"), "store": (None, False),
-    "metadata": (None, {}),
+    "best_of": (None, 1), "suffix": (None, ""), "parallel_tool_calls": (None,), "tools": (None, []),
+    "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
+    "service_tier": (None, "auto", "default"), "store": (None, False), "metadata": (None, {}),
 }
 
 
@@ -64,16 +66,19 @@ class _Request(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = None
     user: str | None = None  # accepted, unused
-    # extensions (vLLM's names)
-    top_k: int | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: bool = False
-    # OpenAI fields accepted at their no-op values only
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-    logprobs: Any = None
-    top_logprobs: int | None = None
-    logit_bias: dict | None = None
+    logit_bias: dict[str, float] | None = None  # JSON keys are strings: token ids as text
+    # extensions (vLLM's names)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    prompt_logprobs: int | None = None
+    # OpenAI fields accepted at their no-op values only
     parallel_tool_calls: bool | None = None
     tools: list | None = None
     tool_choice: Any = None
@@ -101,17 +106,50 @@ class _Request(BaseModel):
         kw = dict(temperature=1.0 if self.temperature is None else self.temperature,
                   top_p=1.0 if self.top_p is None else self.top_p,
                   top_k=0 if self.top_k in (None, -1) else self.top_k,  # vLLM's -1 = off, like our 0
+                  min_p=self.min_p or 0.0, presence_penalty=self.presence_penalty or 0.0,
+                  frequency_penalty=self.frequency_penalty or 0.0, logit_bias=_token_keys(self.logit_bias),
                   repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-                  max_tokens=max_tokens, n=self.n, seed=self.seed, ignore_eos=self.ignore_eos,
+                  max_tokens=max_tokens, min_tokens=self.min_tokens, n=self.n, seed=self.seed,
+                  ignore_eos=self.ignore_eos, stop_token_ids=list(self.stop_token_ids or ()),
+                  include_stop_str_in_output=self.include_stop_str_in_output,
+                  logprobs=self.token_logprobs(), prompt_logprobs=self.prompt_logprobs,
                   stop=[] if self.stop is None else ([self.stop] if isinstance(self.stop, str) else list(self.stop)))
         return SamplingParams(**kw)
+
+    def token_logprobs(self) -> int | None:
+        """How many top logprobs per generated token (None: none at all); each endpoint spells it its way."""
+        raise NotImplementedError
+
+
+def _token_keys(bias: dict[str, float] | None) -> dict[int, float]:
+    """logit_bias as sent (JSON object keys are strings) with integer token ids."""
+    out = {}
+    for key, value in (bias or {}).items():
+        if not key.strip().lstrip("-").isdigit():
+            raise NanoserveError(f"logit_bias: key {key!r} is not a token id; keys are token ids as strings, "
+                                 'e.g. "50256"')
+        out[int(key)] = value
+    return out
 
 
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool | None = None
+    logprobs: int | None = None  # the top-k per token (0: the chosen token's alone)
+    echo: bool = False  # the prompt in front of the text (and its logprobs, with logprobs)
     best_of: int | None = None
     suffix: str | None = None
+
+    def token_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        params = super().sampling_params(default_max_tokens)
+        if self.echo and self.logprobs is not None:
+            if self.prompt_logprobs not in (None, self.logprobs):
+                raise NanoserveError(f"echo with logprobs={self.logprobs} returns the prompt's logprobs at that k; "
+                                     f"prompt_logprobs={self.prompt_logprobs} contradicts it")
+            params.prompt_logprobs = self.logprobs  # echo: the prompt tokens' logprobs too (legacy format)
+        return params
 
     def prompts(self) -> list[str | list[int]]:
         """One prompt, or a batch (a list of strings or of token-id lists)."""
@@ -143,6 +181,15 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    logprobs: bool = False  # each generated token's logprob ...
+    top_logprobs: int | None = None  # ... and the top k (0 to 20), only with logprobs
+    add_generation_prompt: bool = True  # vLLM's: end the rendered prompt with the assistant's header
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the template
+
+    def token_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise NanoserveError(f"top_logprobs={self.top_logprobs} needs logprobs=true")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         if self.max_completion_tokens is not None:
@@ -150,6 +197,10 @@ class ChatCompletionRequest(_Request):
                 raise NanoserveError("give max_tokens or max_completion_tokens, not two different values")
             self.max_tokens = self.max_completion_tokens
         return super().sampling_params(default_max_tokens)
+
+    def template_options(self) -> dict:
+        """ChatTemplate.encode's options: add_generation_prompt and chat_template_kwargs (vLLM's fields)."""
+        return {"add_generation_prompt": self.add_generation_prompt, "kwargs": self.chat_template_kwargs}
 
     def message_dicts(self) -> list[dict]:
         return [{"role": m.role, "content": m.content} for m in self.messages]
@@ -161,40 +212,51 @@ def new_id(prefix: str) -> str:
 
 
 def usage(outs: list[RequestOutput]) -> dict:
-    """Prompt tokens once per prompt, completion tokens of every sample (a final EOS included)."""
+    """Prompt tokens once per prompt, completion tokens of every sample (a final EOS included), and the
+    prompt tokens the prefix cache served (`prompt_tokens_details.cached_tokens`)."""
     prompt = sum(len(o.prompt_token_ids) for o in outs)
     completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)}}
 
 
 def finish_reason(reason: str | None) -> str | None:
     return None if reason is None else ("length" if reason == "length" else "stop")
 
 
-def completion_response(rid: str, model: str, created: int, outs: list[RequestOutput]) -> dict:
-    """`outs`: one finished RequestOutput per prompt, in prompt order; choice index = prompt · n + sample."""
-    n = len(outs[0].outputs)
-    choices = [{"index": i * n + c.index, "text": c.text, "logprobs": None, "finish_reason": finish_reason(
-        c.finish_reason)} for i, o in enumerate(outs) for c in o.outputs]
+def completion_response(rid: str, model: str, created: int, outs: list[RequestOutput], echo: bool = False,
+                        tokenizer=None) -> dict:
+    """`outs`: one finished RequestOutput per prompt, in prompt order; choice index = prompt · n + sample.
+    With `echo` each choice's text (and logprobs) starts with its prompt's."""
+    n, choices = len(outs[0].outputs), []
+    for i, o in enumerate(outs):
+        prefix = echo_text(o, tokenizer) if echo else ""
+        choices += [{"index": i * n + c.index, "text": prefix + c.text,
+                     "logprobs": completion_logprobs(o, c, 0, echo, tokenizer, 0),
+                     "finish_reason": finish_reason(c.finish_reason)} for c in o.outputs]
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
             "usage": usage(outs)}
 
 
-def chat_response(rid: str, model: str, created: int, out: RequestOutput) -> dict:
-    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
+def chat_response(rid: str, model: str, created: int, out: RequestOutput, top_logprobs: int = 0,
+                  tokenizer=None) -> dict:
+    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": chat_logprobs(c, 0, top_logprobs, tokenizer),
                 "finish_reason": finish_reason(c.finish_reason)} for c in out.outputs]
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
             "usage": usage([out])}
 
 
-def completion_chunk(rid: str, model: str, created: int, index: int, text: str, reason: str | None) -> dict:
+def completion_chunk(rid: str, model: str, created: int, index: int, text: str, reason: str | None,
+                     logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason(reason)}]}
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(reason)}]}
 
 
-def chat_chunk(rid: str, model: str, created: int, index: int, delta: dict, reason: str | None) -> dict:
+def chat_chunk(rid: str, model: str, created: int, index: int, delta: dict, reason: str | None,
+               logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason(reason)}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason(reason)}]}
 
 
 def usage_chunk(rid: str, model: str, created: int, obj: str, outs: list[RequestOutput]) -> dict:

@@ -31,17 +31,45 @@ class ErrorResponse(_Doc):
     error: ErrorDetail
 
 
+class PromptTokensDetails(_Doc):
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+
 class Usage(_Doc):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(_Doc):
+    """The legacy shape: one entry per token (with echo the prompt's first, the very first null)."""
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
 
 
 class CompletionChoice(_Doc):
     index: int
     text: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None
     finish_reason: Literal["stop", "length"] | None
+
+
+class TopLogprob(_Doc):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Doc):
+    content: list[ChatTokenLogprob] | None
+    refusal: None = None
 
 
 class CompletionResponse(_Doc):
@@ -70,7 +98,7 @@ class AssistantMessage(_Doc):
 class ChatChoice(_Doc):
     index: int
     message: AssistantMessage
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: Literal["stop", "length"] | None
 
 
@@ -91,7 +119,7 @@ class ChatDelta(_Doc):
 class ChatChunkChoice(_Doc):
     index: int
     delta: ChatDelta
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: Literal["stop", "length"] | None
 
 
@@ -121,6 +149,27 @@ class Health(_Doc):
     status: Literal["ok"]
 
 
+class Tokens(_Doc):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None
+
+
+class Detokenized(_Doc):
+    prompt: str
+
+
+class TokenizerInfo(_Doc):
+    tokenizer_class: str
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    chat_template: str | None
+    model_max_length: int
+    vocab_size: int
+
+
 ERRORS = {
     400: "a bad body: invalid JSON, a wrong type, an unknown or unsupported field, a value out of range, "
          "a prompt longer than the context",
@@ -140,6 +189,10 @@ ROUTES: dict[tuple[str, str], tuple[type[BaseModel] | str, type[BaseModel] | Non
     ("/v1/completions", "post"): (CompletionResponse, CompletionChunk, _GENERATION),
     ("/v1/chat/completions", "post"): (ChatCompletionResponse, ChatCompletionChunk, _GENERATION),
     ("/v1/models", "get"): (ModelList, None, (401,)),
+    ("/v1/models/{name}", "get"): (ModelCard, None, (401, 404)),
+    ("/tokenize", "post"): (Tokens, None, (400, 404, 413)),
+    ("/detokenize", "post"): (Detokenized, None, (400, 404, 413)),
+    ("/tokenizer_info", "get"): (TokenizerInfo, None, (400,)),
     ("/health", "get"): (Health, None, (503,)),
     ("/metrics", "get"): ("text/plain", None, ()),
 }
@@ -165,7 +218,7 @@ def document_responses(app) -> None:
         for name in ("HTTPValidationError", "ValidationError"):  # the 422 nobody sends
             schemas.pop(name, None)
         models = [ErrorResponse, CompletionResponse, CompletionChunk, ChatCompletionResponse, ChatCompletionChunk,
-                  ModelList, Health]
+                  ModelList, ModelCard, Health, Tokens, Detokenized, TokenizerInfo]
         for model in models:
             schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(schema.pop("$defs", {}))

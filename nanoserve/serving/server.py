@@ -4,7 +4,8 @@ Endpoints (what vLLM and TGI give their users, so existing clients work unchange
 
     POST /v1/completions       text completion, streamed (server-sent events) or not
     POST /v1/chat/completions  chat, for models that carry a chat template (nanoserve/serving/chat.py)
-    GET  /v1/models            the one model served
+    GET  /v1/models            the one model served (and /v1/models/{id}: it, or 404)
+    POST /tokenize, /detokenize, GET /tokenizer_info   the tokenizer, as vLLM serves it (tokenize_api.py)
     GET  /health               200 while the engine loop is alive, 503 after it failed
     GET  /metrics              Prometheus text format (nanoserve/serving/metrics.py)
 
@@ -55,6 +56,7 @@ from .http_middleware import DEFAULT_MAX_BODY_BYTES, CountStatus, LimitBody, Req
 from .metrics import ServerMetrics
 from .openai_schema import document_responses
 from .streams import ClientGone, collect, sse
+from .tokenize_api import add_tokenizer_routes
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -137,19 +139,30 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def card() -> dict:
+        return {"id": model_name, "object": "model", "created": api.now(), "owned_by": "nanoserve",
+                "max_model_len": core.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": api.now(),
-                                            "owned_by": "nanoserve", "max_model_len": core.max_model_len}]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        check_model(name)
+        return card()
+
+    add_tokenizer_routes(app, core, chat_template, check_model)  # /tokenize, /detokenize, /tokenizer_info
 
     # ------------------------------------------------------------------ generation
-    async def add_all(prompts: list, params, rid: str, chat_messages: list[dict] | None = None
-                      ) -> list[AsyncIterator[RequestOutput]]:
+    async def add_all(prompts: list, params, rid: str, chat_messages: list[dict] | None = None,
+                      template_options: dict | None = None) -> list[AsyncIterator[RequestOutput]]:
         """Queue every prompt or none. Tokenizing and validating run in a worker thread (a 4 MB prompt
         takes a second to tokenize, and the event loop must keep serving /health and the streams);
         queueing runs here on the loop, and undoes the queued ones if one is refused."""
         def prepare():
-            ps = [chat_template.encode(chat_messages, core.tokenizer)] if chat_messages is not None else prompts
+            ps = ([chat_template.encode(chat_messages, core.tokenizer, **(template_options or {}))]
+                  if chat_messages is not None else prompts)
             return [core.new_request(p, params, f"{rid}-{i}") for i, p in enumerate(ps)]
 
         reqs = await asyncio.to_thread(prepare)
@@ -169,13 +182,18 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
         params = body.sampling_params(COMPLETION_DEFAULT_MAX_TOKENS)
         rid, created = api.new_id("cmpl"), api.now()
         streams = await add_all(body.prompts(), params, rid)
+        tok = core.tokenizer
         if body.stream:
-            chunk = lambda index, delta, reason, first: api.completion_chunk(  # noqa: E731
-                rid, model_name, created, index, delta, reason)
+            def chunk(index, delta, reason, first, out, c, chars, tokens):
+                echo = body.echo and first  # the prompt (and its logprobs) lead the first chunk
+                prefix = api.echo_text(out, tok) if body.echo else ""
+                lps = api.completion_logprobs(out, c, tokens, echo, tok, 0 if echo else len(prefix) + chars)
+                return api.completion_chunk(rid, model_name, created, index, (prefix if echo else "") + delta,
+                                            reason, lps)
             return sse(streams, params.n, chunk, body.stream_options, rid, model_name, created, "text_completion",
                         metrics)
         outs = await collect(streams, request, metrics)
-        return api.completion_response(rid, model_name, created, outs)
+        return api.completion_response(rid, model_name, created, outs, body.echo, tok)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: api.ChatCompletionRequest, request: Request):
@@ -186,15 +204,16 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
                            code="no_chat_template")
         params = body.sampling_params(core.max_model_len)  # the engine stops at the context's end
         rid, created = api.new_id("chatcmpl"), api.now()
-        streams = await add_all([], params, rid, body.message_dicts())
+        streams = await add_all([], params, rid, body.message_dicts(), body.template_options())
+        k, tok = params.logprobs or 0, core.tokenizer
         if body.stream:
-            def chunk(index, delta, reason, first):
+            def chunk(index, delta, reason, first, out, c, chars, tokens):
                 d = {"role": "assistant", "content": delta} if first else ({"content": delta} if delta else {})
-                return api.chat_chunk(rid, model_name, created, index, d, reason)
+                return api.chat_chunk(rid, model_name, created, index, d, reason, api.chat_logprobs(c, tokens, k, tok))
             return sse(streams, params.n, chunk, body.stream_options, rid, model_name, created,
                         "chat.completion.chunk", metrics)
         outs = await collect(streams, request, metrics)
-        return api.chat_response(rid, model_name, created, outs[0])
+        return api.chat_response(rid, model_name, created, outs[0], k, tok)
 
     document_responses(app)  # /openapi.json: 400 (not 422), 401/404/413/429/500/503, SSE and text/plain
     # outermost, around FastAPI's own error middleware, so that its 500s are counted too

@@ -81,7 +81,9 @@ async def collect(streams, request: Request, metrics: ServerMetrics) -> list[Req
 
 def sse(streams, n: int, chunk, options: api.StreamOptions | None, rid: str, model: str, created: int,
          obj: str, metrics: ServerMetrics) -> StreamingResponse:
-    """Server-sent events: `data: {chunk}` per step with new tokens per choice, then `data: [DONE]`."""
+    """Server-sent events: `data: {chunk}` per step with new tokens per choice, then `data: [DONE]`.
+    chunk(index, new text, finish reason, first?, the RequestOutput, the choice, chars and tokens sent
+    before) builds one choice's chunk (its logprobs are those of the tokens after `tokens`)."""
     include_usage = options is not None and options.include_usage
     continuous = options is not None and options.continuous_usage_stats
 
@@ -98,7 +100,8 @@ def sse(streams, n: int, chunk, options: api.StreamOptions | None, rid: str, mod
                     ended = tokens < 0  # the choice's final chunk was sent
                     if ended or (len(c.token_ids) == tokens and not c.finish_reason):
                         continue
-                    chunks.append(chunk(i * n + c.index, c.text[chars:], c.finish_reason, (i, c.index) not in sent))
+                    chunks.append(chunk(i * n + c.index, c.text[chars:], c.finish_reason, (i, c.index) not in sent,
+                                        out, c, chars, tokens))
                     sent[(i, c.index)] = (len(c.text), -1 if c.finish_reason else len(c.token_ids))
                 if continuous:
                     for ch in chunks:

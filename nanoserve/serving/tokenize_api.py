@@ -1,0 +1,86 @@
+"""The tokenizer over HTTP, as vLLM serves it, so that outside tools need no copy of it:
+
+    POST /tokenize        {"prompt": "text", "add_special_tokens": true}   (or "messages": [...])
+                          -> {"count", "max_model_len", "tokens", "token_strs"}
+    POST /detokenize      {"tokens": [ids]} -> {"prompt": "text"}
+    GET  /tokenizer_info  -> {"tokenizer_class", "bos_token", "eos_token", "pad_token", "chat_template",
+                              "model_max_length", "vocab_size"}
+
+lm-evaluation-harness checks for /tokenizer_info and /tokenize and, when both answer, tokenizes
+through them (its "remote" tokenizer). Special-token text ("<|endoftext|>") becomes its special id,
+as an HF tokenizer does; `add_special_tokens` adds BOS where the model's prompts start with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from ..errors import NanoserveError
+from .chat import encode_with_special_tokens
+from .openai_api import ChatMessage
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    tokens: list[int]
+
+
+def add_tokenizer_routes(app, core, chat_template, check_model) -> None:
+    """Register the three routes on `app` for the engine `core` (its tokenizer and context)."""
+
+    def tokenizer():
+        if core.tokenizer is None:
+            raise NanoserveError("this model was loaded without a tokenizer: token ids only")
+        return core.tokenizer
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        if body.model is not None:
+            check_model(body.model)
+        tok = tokenizer()
+        if (body.prompt is None) == (body.messages is None):
+            raise NanoserveError("give exactly one of prompt (text) and messages (a chat)")
+        if body.messages is not None:
+            if chat_template is None:
+                raise NanoserveError("messages need a chat template and this model has none; send prompt")
+            msgs = [{"role": m.role, "content": m.content} for m in body.messages]
+            ids = await asyncio.to_thread(chat_template.encode, msgs, tok, body.add_generation_prompt,
+                                          body.chat_template_kwargs)
+        else:
+            ids = await asyncio.to_thread(encode_with_special_tokens, body.prompt, tok)
+            if body.add_special_tokens and core.inputs.add_bos:
+                ids = [tok.bos_id] + ids
+        strs = [tok.decode([t]) for t in ids] if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": core.max_model_len, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        if body.model is not None:
+            check_model(body.model)
+        tok = tokenizer()
+        ids = core.inputs.check_token_ids(body.tokens) if body.tokens else []
+        return {"prompt": tok.decode(ids)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        tok = tokenizer()
+        by_id = {i: t for t, i in tok.special_tokens.items()}
+        return {"tokenizer_class": type(tok).__name__, "bos_token": by_id.get(tok.bos_id),
+                "eos_token": by_id.get(tok.eos_id), "pad_token": None,
+                "chat_template": None if chat_template is None else chat_template.source,
+                "model_max_length": core.max_model_len, "vocab_size": core.inputs.usable_vocab_size}
