@@ -53,7 +53,7 @@ CARD = """# {name}
 |---|---|
 | architecture | {arch} |
 | parameters | {params:,} |
-| vocabulary | bytes (256) + `<|endoftext|>`, a tiktoken encoding (`tokenizer.tiktoken`) |
+| vocabulary | bytes (256) + `<|endoftext|>`, a tiktoken encoding (`tokenizer.tiktoken`), also as HF `tokenizer.json` |
 | data | tinyshakespeare `input.txt` (public domain), first 90 % of bytes train, last 10 % validation |
 | validation loss | **{val:.4f} nats/byte** ({bits:.3f} bits/byte), context 128, stride 127, {ntok:,} bytes |
 | training | {steps} steps × {batch} × {block} bytes, AdamW, lr {lr} cosine → {min_lr}, seed {seed} |

@@ -73,7 +73,8 @@ def _pool_whole(engine: AsyncLLMEngine) -> bool:
 def demo_chat_model(path: Path) -> Path:
     """The demo model copied to `path`, with a chat template added (the shipped one has none)."""
     shutil.copytree(resolve_model_path("demo"), path)
-    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    config = json.loads((path / "tokenizer_config.json").read_text())  # the shipped one, for HF tools
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
     return path
 
 

@@ -32,7 +32,7 @@ from ..errors import NanoserveError
 from ..models import build_model
 from ..models.config import ModelConfig
 from ..models.loader import load_model, save_checkpoint
-from ..tokenizers import byte_level_tokenizer, save_tiktoken
+from ..tokenizers import byte_level_tokenizer, save_hf_tokenizer, save_tiktoken
 
 BYTE_VOCAB = 257  # 256 bytes + <|endoftext|>
 
@@ -198,6 +198,7 @@ def train(model_cfg: ModelConfig, tc: TrainConfig, data_path: str | Path, out_di
     if out_dir is not None:
         save_checkpoint(model, out_dir)
         save_tiktoken(byte_level_tokenizer(), out_dir)
+        save_hf_tokenizer(byte_level_tokenizer(), out_dir, model.config.max_position_embeddings)  # for HF tools
         (Path(out_dir) / "train_log.json").write_text(json.dumps(log, indent=2) + "\n")
     return model, log
 

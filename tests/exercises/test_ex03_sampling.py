@@ -1,8 +1,9 @@
 """Exercise 3: from logits to a token (nanoserve/engine/sampler.py: probs_from_logits, apply_repetition_penalty,
-sample_next).
+apply_penalties, process_logits, sample_next).
 
 Oracles: Hugging Face transformers' logits processors (TemperatureLogitsWarper, TopKLogitsWarper,
-TopPLogitsWarper, RepetitionPenaltyLogitsProcessor; not our code), distributions worked out by hand on
+TopPLogitsWarper, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, MinNewTokensLengthLogitsProcessor;
+not our code), OpenAI's written definition of the presence / frequency penalties, distributions worked out by hand on
 probabilities we chose (0.1, 0.4, 0.2, 0.3), the law written from the definitions in float64, and for
 sample_next a Pearson χ² test on seeded draws (fail at p < 1e-4, docs/TESTING.md).
 """
@@ -16,6 +17,8 @@ import pytest
 import torch
 from chi2 import goodness_of_fit
 from transformers.generation.logits_process import (
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -224,6 +227,55 @@ def check_sampling_law(impl):
     assert [impl.sample_next(SAMPLED_LOGITS, SAMPLED, SAMPLED_SEEN, again) for _ in range(50)] == draws[:50]
 
 
+def check_min_p_matches_hf(impl):
+    """min-p at temperature T keeps exactly what HF's TemperatureLogitsWarper + MinPLogitsWarper keep."""
+    for i, (T, m) in enumerate([(1.0, 0.05), (0.6, 0.2), (1.8, 0.1), (1.0, 1.0), (0.9, 0.0)]):
+        logits = _randn(300, seed=40 + i, scale=3.0)
+        ids = torch.zeros(1, 1, dtype=torch.long)
+        want = MinPLogitsWarper(m)(ids, TemperatureLogitsWarper(T)(ids, logits[None].clone()))[0].softmax(-1) \
+            if m > 0 else (logits / T).softmax(-1)
+        probs = impl.probs_from_logits(logits, T, 0, 1.0, m)
+        assert torch.equal(probs > 0, want > 0), f"kept sets differ at T={T} min_p={m}"
+        torch.testing.assert_close(probs, want, rtol=0, atol=1e-6)
+    # by hand: CHOSEN at T = 1 with min_p = 0.6 keeps p ≥ 0.24: 0.4 and 0.3; at T = 0.5 (16:9) both stay
+    torch.testing.assert_close(impl.probs_from_logits(LOGITS4, 1.0, 0, 1.0, 0.6), torch.tensor([0, 4 / 7, 0, 3 / 7]),
+                               rtol=0, atol=1e-6)
+    torch.testing.assert_close(impl.probs_from_logits(LOGITS4, 2.0, 0, 1.0, 0.6),  # sqrt: 0.63 0.45 0.55 / 0.63
+                               torch.tensor([0, SQRT[1], SQRT[2], SQRT[3]]) / sum(SQRT[1:]), rtol=0, atol=1e-6)
+
+
+def check_penalties_formula(impl):
+    """OpenAI: mu[j] − c[j]·frequency − [c[j] > 0]·presence, over the generated tokens."""
+    logits = _randn(30, seed=21)
+    before = logits.clone()
+    output = [4, 4, 9, 4, 17, 9]
+    want = logits.clone()
+    for j, c in {4: 3, 9: 2, 17: 1}.items():
+        want[j] -= c * 0.4 + 0.7
+    torch.testing.assert_close(impl.apply_penalties(logits, output, 0.7, 0.4), want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(impl.apply_penalties(logits, output, -0.5, 0.0),
+                               logits + 0.5 * torch.isin(torch.arange(30), torch.tensor(output)), rtol=0, atol=1e-6)
+    assert torch.equal(impl.apply_penalties(logits, [], 0.7, 0.4), logits)
+    assert torch.equal(logits, before), "the input logits were modified in place"
+
+
+def check_process_logits(impl):
+    """The order (bias, then min_tokens, then the penalties) worked out by hand, and min_tokens against HF."""
+    logits = torch.tensor([1.0, 2.0, -1.0, 0.5, 3.0])
+    params = SamplingParams(logit_bias={0: -2.0, 4: 1.0}, repetition_penalty=2.0, frequency_penalty=0.5)
+    got = impl.process_logits(logits, params, seen_ids=torch.tensor([0, 3]), output_ids=[3, 3])
+    # token 0: 1 − 2 = −1, seen: × 2 → −2;  token 3: 0.5 / 2 = 0.25, twice out: − 1 → −0.75;  token 4: 3 + 1 = 4
+    torch.testing.assert_close(got, torch.tensor([-2.0, 2.0, -1.0, -0.75, 4.0]), rtol=0, atol=1e-6)
+    assert torch.equal(logits, torch.tensor([1.0, 2.0, -1.0, 0.5, 3.0])), "the input logits were modified in place"
+    row, prompt = _randn(50, seed=8), [5, 6, 7]
+    for generated in range(6):
+        out_ids = list(range(10, 10 + generated))
+        hf = MinNewTokensLengthLogitsProcessor(len(prompt), 4, [3, 9])(torch.tensor([prompt + out_ids]), row[None])[0]
+        ours = impl.process_logits(row, SamplingParams(min_tokens=4, max_tokens=8), output_ids=out_ids,
+                                   stop_ids={3, 9, 99})  # 99 is past the vocabulary: ignored
+        assert torch.equal(ours, hf), f"min_tokens with {generated} tokens out"
+
+
 # ----------------------------------------------------------------------------- the tests
 def test_ex03_1_laws_worked_out_by_hand(impl):
     check_by_hand(impl)
@@ -257,17 +309,34 @@ def test_ex03_3_seeded_draws_follow_the_law_chi2(impl):
     check_sampling_law(impl)
 
 
+def test_ex03_1_min_p_matches_hf(impl):
+    check_min_p_matches_hf(impl)
+
+
+def test_ex03_4_presence_and_frequency_penalties(impl):
+    check_penalties_formula(impl)
+
+
+def test_ex03_5_process_logits_order_and_min_tokens(impl):
+    check_process_logits(impl)
+
+
 # ----------------------------------------------------------------------------- known-wrong variants
-def _sampler(top_k_extra=0, keep_crossing=True, temperature_first=True, penalty_rule="ctrl"):
+def _sampler(top_k_extra=0, keep_crossing=True, temperature_first=True, penalty_rule="ctrl", min_p_at_t1=False,
+             count_prompt=False, presence_per_count=False, bias_last=False):
     """A sampler; the arguments put one bug each in a known place."""
-    def probs_from_logits(logits, temperature, top_k=0, top_p=1.0):
+    def probs_from_logits(logits, temperature, top_k=0, top_p=1.0, min_p=0.0):
         logits = logits.float()
         scaled = logits / temperature
         chooser = scaled if temperature_first else logits  # wrong: the kept sets chosen at T = 1
         keep = torch.ones_like(logits, dtype=torch.bool)
+        if min_p > 0:
+            p = (logits if min_p_at_t1 else scaled).softmax(-1)  # wrong: min-p judged before the temperature
+            keep = p >= min_p * p.amax(-1, keepdim=True)
         k = top_k + top_k_extra if top_k else 0
         if k and k < logits.shape[-1]:
-            keep = chooser >= torch.topk(chooser, k, dim=-1).values[..., -1:]
+            keep = keep & (chooser.masked_fill(~keep, float("-inf")) >= torch.topk(
+                chooser.masked_fill(~keep, float("-inf")), k, dim=-1).values[..., -1:])
         if top_p < 1.0:
             ranked, order = chooser.masked_fill(~keep, float("-inf")).softmax(-1).sort(dim=-1, descending=True)
             before = ranked.cumsum(-1) - (ranked if keep_crossing else 0)  # wrong: the crossing token counts too
@@ -284,16 +353,38 @@ def _sampler(top_k_extra=0, keep_crossing=True, temperature_first=True, penalty_
             penalized = logits / penalty
         return torch.where(seen, penalized, logits)
 
-    def sample_next(logits, params, seen_ids=None, generator=None):
+    def apply_penalties(logits, output_ids, presence, frequency):
+        if not output_ids:
+            return logits
+        counts = torch.bincount(torch.tensor(list(output_ids)), minlength=logits.shape[-1])[:logits.shape[-1]].float()
+        present = counts if presence_per_count else (counts > 0).float()  # wrong: presence grows with the count
+        return logits - frequency * counts - presence * present
+
+    def process_logits(logits, params, seen_ids=None, output_ids=(), stop_ids=()):
+        def bias(x):
+            for t, b in params.logit_bias.items():
+                x = x.index_add(0, torch.tensor([t]), torch.tensor([float(b)]))
+            return x
+        if not bias_last:
+            logits = bias(logits)
+        if len(output_ids) < params.min_tokens:
+            banned = [t for t in stop_ids if t < logits.shape[-1]]
+            logits = logits.index_fill(0, torch.tensor(banned, dtype=torch.long), float("-inf"))
         if seen_ids is not None:
             logits = apply_repetition_penalty(logits, seen_ids, params.repetition_penalty)
+        counted = list(output_ids) + (seen_ids.tolist() if count_prompt and seen_ids is not None else [])  # wrong
+        logits = apply_penalties(logits, counted, params.presence_penalty, params.frequency_penalty)
+        return bias(logits) if bias_last else logits  # wrong: the bias after the penalties
+
+    def sample_next(logits, params, seen_ids=None, generator=None, output_ids=(), stop_ids=()):
+        logits = process_logits(logits, params, seen_ids, output_ids, stop_ids)
         if params.temperature == 0:
             return int(logits.argmax())
-        probs = probs_from_logits(logits, params.temperature, params.top_k, params.top_p)
+        probs = probs_from_logits(logits, params.temperature, params.top_k, params.top_p, params.min_p)
         return int(torch.multinomial(probs, 1, generator=generator))
 
     return SimpleNamespace(probs_from_logits=probs_from_logits, apply_repetition_penalty=apply_repetition_penalty,
-                           sample_next=sample_next)
+                           apply_penalties=apply_penalties, process_logits=process_logits, sample_next=sample_next)
 
 
 WRONG = {
@@ -301,6 +392,10 @@ WRONG = {
     "top-k keeps k + 1": (_sampler(top_k_extra=1), [check_by_hand, check_matches_hf]),
     "temperature applied after top-k / top-p": (_sampler(temperature_first=False), [check_by_hand, check_matches_hf]),
     "repetition penalty always divides": (_sampler(penalty_rule="divide"), [check_penalty_matches_hf, check_greedy]),
+    "min-p judged before the temperature": (_sampler(min_p_at_t1=True), [check_min_p_matches_hf]),
+    "presence penalty grows with the count": (_sampler(presence_per_count=True), [check_penalties_formula]),
+    "presence / frequency count the prompt": (_sampler(count_prompt=True), [check_process_logits]),
+    "logit_bias after the penalties": (_sampler(bias_last=True), [check_process_logits]),
 }
 
 
@@ -316,5 +411,6 @@ def test_ex03_the_checks_pass_on_a_right_variant_built_the_same_way():
     """The mutants differ from this one in exactly one place, so their failures are that place's."""
     right = _sampler()
     for check in (check_by_hand, check_matches_hf, check_ties, check_off_switches, check_batches_and_dtypes,
-                  check_penalty_matches_hf, check_greedy, check_sampling_law):
+                  check_penalty_matches_hf, check_greedy, check_sampling_law, check_min_p_matches_hf,
+                  check_penalties_formula, check_process_logits):
         check(right)
