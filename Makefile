@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.nanoserve-installed
 TORCH_PIN ?= torch==2.13.0 triton==3.8.0
 NBVAL  := --nbval --nbval-sanitize-with notebooks/sanitize.cfg --nbval-current-env
 
-.PHONY: install demo test test-triton-latest test-fast lint notebooks bench gpu-check exercises clean
+.PHONY: install demo test test-triton-latest test-clients test-fast lint notebooks bench gpu-check exercises clean
 
 install: $(STAMP)
 
@@ -28,6 +28,7 @@ test: $(STAMP)
 	@echo "tests on triton $$($(TRITON_VERSION)) (the pinned one)"
 	$(BIN)/pytest -q tests
 	@$(MAKE) --no-print-directory test-triton-latest
+	@$(MAKE) --no-print-directory test-clients
 	$(BIN)/pytest -q tests/exercises --impl exercises --expect-stubs
 	$(BIN)/pytest -q $(NBVAL) notebooks
 
@@ -55,6 +56,22 @@ test-triton-latest: $(STAMP)
 	  echo "kernel tests on triton $$newest (the newest; pinned: $$pinned)"; \
 	  PYTHONPATH=$(CURDIR)/$(TRITON_LATEST) $(BIN)/pytest -q $(KERNEL_TESTS); \
 	fi
+
+# Real client libraries against the server (tests/test_clients.py): lm-evaluation-harness, LangChain, LiteLLM.
+# Not dependencies of nanoserve: they go into .venv-clients, a virtualenv that also sees .venv's packages (one
+# .pth line), so torch and nanoserve are not installed twice. When no index answers, one line says so.
+CLIENTS     := .venv-clients
+CLIENT_PKGS := lm-eval[hf,api] langchain-openai litellm
+
+test-clients: $(STAMP)
+	@test -x $(CLIENTS)/bin/python || $(PYTHON) -m venv $(CLIENTS)
+	@echo "import site; site.addsitedir('$$($(BIN)/python -c 'import site; print(site.getsitepackages()[0])')')" \
+	  > "$$($(CLIENTS)/bin/python -c 'import site; print(site.getsitepackages()[0])')/nanoserve-venv.pth"
+	@if $(CLIENTS)/bin/pip install -q --timeout 20 --retries 1 $(CLIENT_PKGS) -c constraints.txt; then \
+	  echo "client-library tests (lm-eval, langchain-openai, litellm) in $(CLIENTS)"; \
+	  LITELLM_LOCAL_MODEL_COST_MAP=True HF_DATASETS_OFFLINE=1 $(CLIENTS)/bin/python -P -c \
+	    "import sys, pytest; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_clients.py']))"; \
+	else echo "client-library tests skipped: pip could not install $(CLIENT_PKGS)"; fi
 
 test-fast: $(STAMP)
 	$(BIN)/pytest -q -x -m "not slow" tests
