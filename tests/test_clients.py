@@ -12,7 +12,6 @@ through /tokenize) gives the same per-choice log-likelihoods and the same accura
 from __future__ import annotations
 
 import json
-import os
 import random
 
 import pytest
