@@ -284,7 +284,7 @@ def test_malformed_json_is_400_with_an_openai_error_body(server):
 @pytest.mark.parametrize("extra, says", [
     ({"foo": 1}, "unknown field 'foo'"),
     ({"logprobs": 21}, "logprobs=21"),
-    ({"response_format": {"type": "json_object"}}, "unsupported field response_format"),
+    ({"tools": [{"type": "function"}]}, "unsupported field tools"),
     ({"temperature": -1}, "temperature=-1"),
     ({"top_p": "high"}, "field 'top_p'"),
     ({"max_tokens": 0}, "max_tokens=0"),

@@ -213,3 +213,48 @@ def test_model_by_id(server):
     assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4")
+
+
+# ----------------------------------------------------------------------------- structured outputs
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_response_format_json_schema_and_json_object(server):
+    pytest.importorskip("llguidance")
+    jsonschema = pytest.importorskip("jsonschema")
+    client = server.client()
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+    for seed in range(5):
+        got = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=60, seed=seed, temperature=1.0,
+                                             response_format=fmt)
+        jsonschema.validate(json.loads(got.choices[0].message.content), SCHEMA)
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, extra_body={
+        "response_format": {"type": "json_object"}})
+    assert isinstance(json.loads(got.choices[0].text), dict)
+
+
+@pytest.mark.parametrize("extra, check", [
+    ({"guided_regex": r"[0-9]{3}"}, lambda t: len(t) == 3 and t.isdigit()),
+    ({"guided_choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
+    ({"structured_outputs": {"choice": ["left", "right"]}}, lambda t: t in ("left", "right")),
+    ({"guided_grammar": 'start: "x" "y"+'}, lambda t: t.startswith("xy") and set(t[1:]) == {"y"}),
+])
+def test_vllm_structured_fields(server, extra, check):
+    pytest.importorskip("llguidance")
+    status, _, body = _post(server.port, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 12,
+                                                              **extra})
+    assert status == 200 and check(body["choices"][0]["text"]), body
+
+
+@pytest.mark.parametrize("extra, says", [
+    ({"response_format": {"type": "xml"}}, "response_format.type='xml'"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": 3}}}, "response_format.json_schema"),
+    ({"guided_regex": "(("}, "does not compile"), ({"structured_outputs": {"foo": 1}}, "unknown key 'foo'"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "not 2 (guided_regex, guided_choice)"),
+])
+def test_bad_structured_fields_are_400(server, extra, says):
+    pytest.importorskip("llguidance")
+    status, _, body = _post(server.port, "/v1/completions", {"model": MODEL, "prompt": "Hi", **extra})
+    assert status == 400 and says in body["error"]["message"], body

@@ -19,6 +19,7 @@ from .outputs import CompletionOutput, IncrementalText, RequestOutput
 from .request import Prompt, Request, Sample
 from .sampler import SamplingParams, make_generator
 from .sequence import Sequence as SequenceState
+from .structured_output import GrammarCompiler
 
 
 class InputProcessor:
@@ -38,6 +39,7 @@ class InputProcessor:
         # decode when the embedding is padded past it (models/loader.check_vocabulary)
         self.usable_vocab_size = (config.vocab_size if tokenizer is None
                                   else min(tokenizer.vocab_size, config.vocab_size))
+        self.grammars = GrammarCompiler(tokenizer, config.vocab_size, None if tokenizer is None else tokenizer.eos_id)
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """Text -> token ids (BOS added for Llama-family models); id lists are checked as they are."""
@@ -99,7 +101,8 @@ class InputProcessor:
         out = RequestOutput(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, arrival_time=arrival,
                             prompt_logprobs=None if params.prompt_logprobs is None else [None])
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
-        req = Request(params, out, max_new, stop_ids)
+        grammar = None if params.structured_outputs is None else self.grammars.matcher(params.structured_outputs)
+        req = Request(params, out, max_new, stop_ids, grammar=grammar)
         req.samples.append(self.new_sample(req, seq, 0))
         out.outputs = [req.samples[0].out]
         return req
@@ -112,4 +115,5 @@ class InputProcessor:
         logprobs = None if p.logprobs is None else []
         out = CompletionOutput(i, logprobs=logprobs, cumulative_logprob=None if logprobs is None else 0.0)
         text = IncrementalText(self.tokenizer, p.stop, req.output.prompt_token_ids, p.include_stop_str_in_output)
-        return Sample(seq, make_generator(seed, self.device), text, out, seen)
+        matcher = None if req.grammar is None else req.grammar.deep_copy()  # each sample walks the grammar alone
+        return Sample(seq, make_generator(seed, self.device), text, out, seen, matcher)

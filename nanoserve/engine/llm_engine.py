@@ -29,11 +29,12 @@ from .input_processor import InputProcessor
 from .logprobs import record_prompt_logprobs, sampled_logprobs, wants_prompt_logits
 from .model_runner import ModelRunner
 from .outputs import EngineStats, RequestOutput
-from .request import Prompt, Request, Sample
-from .sampler import SamplingParams, mask_from, sample_batch
+from .request import Prompt, Request, Sample, draw
+from .sampler import SamplingParams, mask_from
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import Sequence as SequenceState
 from .sequence import SequenceStatus
+from .structured_output import mask_verification
 
 logger = logging.getLogger("nanoserve")
 __all__ = ["LLMEngine", "EngineStats"]
@@ -192,7 +193,8 @@ class LLMEngine:
             if bool(logits.isnan().any()):
                 raise RequestFailedError(f"the model produced NaN logits for request {seq.request_id!r} while "
                                          "verifying its drafts")
-            s, tokens = req.samples[seq.sample_index], self.spec.accept(proposal, logits)
+            s = req.samples[seq.sample_index]
+            tokens = self.spec.accept(proposal, mask_verification(s.matcher, proposal.draft_ids, logits))  # grammar
             lps = sampled_logprobs(logits[:len(tokens)], [req.params] * len(tokens), tokens, self.tokenizer)  # target's
             tokens, finished = req.emit_all(s, tokens, lps)
             self.scheduler.postprocess(seq, tokens, finished)
@@ -219,10 +221,7 @@ class LLMEngine:
             x = logits  # every row samples once, in order: no copy (the common decode step)
         else:
             x = logits.index_select(0, torch.tensor(rows, device=logits.device))  # R, V
-        params = [r.params for r, _, _ in to_sample]
-        tokens, nan = sample_batch(x, params, [s.seen for _, s, _ in to_sample], [s.generator for _, s, _ in to_sample],
-                                   [s.out.token_ids for _, s, _ in to_sample], [r.stop_ids for r, _, _ in to_sample])
-        lps = sampled_logprobs(x, params, tokens, self.tokenizer)  # raw logprobs of the rows that ask
+        tokens, nan, lps = draw(x, [(r, s) for r, s, _ in to_sample], self.tokenizer)
         for (req, s, _), token, has_nan, lp in zip(to_sample, tokens, nan, lps):
             if req.output.request_id in self.requests:
                 self._guarded([s.seq], done, self._emit, req, s, token, has_nan, lp, done)

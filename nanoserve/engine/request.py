@@ -12,13 +12,16 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from .logprobs import PositionLogprobs
+from ..errors import RequestFailedError
+from .logprobs import PositionLogprobs, sampled_logprobs
 from .outputs import CompletionOutput, IncrementalText, RequestOutput
-from .sampler import SamplingParams
+from .sampler import SamplingParams, sample_batch
 from .sequence import Sequence as SequenceState
+from .structured_output import mask_rows
 
 Prompt = str | Sequence[int]
 
@@ -32,6 +35,7 @@ class Sample:
     text: IncrementalText
     out: CompletionOutput
     seen: torch.Tensor | None  # prompt + generated ids, for the repetition penalty
+    matcher: Any = None  # with structured outputs: the grammar's state after this sample's tokens
 
 
 @dataclass(eq=False)
@@ -43,6 +47,7 @@ class Request:
     max_new: int  # max_tokens, capped by the context
     stop_ids: set[int]
     samples: list[Sample] = field(default_factory=list)
+    grammar: Any = None  # with structured outputs: a matcher at the start, copied for each sample
 
     def emit(self, s: Sample, token: int, logprobs: PositionLogprobs | None = None) -> bool:
         """Add a generated token (and, when asked for, its logprobs) to sample `s`'s output; True when
@@ -53,6 +58,9 @@ class Request:
         out = s.out
         out.token_ids.append(token)
         out.token_times.append(now)
+        if s.matcher is not None and not s.matcher.consume_token(token):  # the mask should have made this impossible
+            raise RequestFailedError(f"request {self.output.request_id!r}: token {token} breaks its structured "
+                                     f"output grammar ({s.matcher.get_error()})")
         if out.logprobs is not None and logprobs is not None:
             out.logprobs.append(logprobs)
             out.cumulative_logprob += logprobs[token].logprob
@@ -67,6 +75,8 @@ class Request:
                 out.finish_reason = "stop"
             elif len(out.token_ids) >= self.max_new:
                 out.finish_reason = "length"
+            elif s.matcher is not None and s.matcher.is_stopped():  # the grammar is complete
+                out.finish_reason = "stop"
         if out.finish_reason:
             s.text.flush()
         # while running, only settled text (no possible stop-string prefix, no cut UTF-8 character),
@@ -81,3 +91,14 @@ class Request:
             if self.emit(s, token, None if logprobs is None else logprobs[i]):
                 return tokens[: i + 1], True
         return tokens, False
+
+
+def draw(logits: torch.Tensor, pairs: list[tuple[Request, Sample]], tokenizer=None) -> tuple[list, list, list]:
+    """One token for each (request, sample) pair from its row of logits [R, V], all in one batched draw:
+    the grammar's mask (structured outputs), the request's processing and sampling. Returns the tokens,
+    which rows held NaN, and the raw logprobs of the rows that ask for them (from the unmasked logits)."""
+    params = [r.params for r, _ in pairs]
+    allowed = mask_rows(logits, [s.matcher for _, s in pairs])
+    tokens, nan = sample_batch(allowed, params, [s.seen for _, s in pairs], [s.generator for _, s in pairs],
+                               [s.out.token_ids for _, s in pairs], [r.stop_ids for r, _ in pairs])
+    return tokens, nan, sampled_logprobs(logits, params, tokens, tokenizer)

@@ -14,6 +14,8 @@ What the extras mean (OpenAI's and vLLM's definitions):
 - `logit_bias`: {token id: bias in [-100, 100]} added to the logits first (-100 bans a token).
 - `min_tokens`: until this many tokens are out, stop tokens cannot be sampled and stop strings
   are not looked for; `include_stop_str_in_output` keeps the stop string in the text.
+- `structured_outputs`: a JSON schema, regex, choice or grammar the output must match
+  (structured_output.py).
 - `logprobs=k`: each generated token's log-probability plus the k most likely tokens'; and
   `prompt_logprobs=k`: the same for every prompt token after the first. They are *raw*
   log-probabilities, `log_softmax` of the model's logits before any setting above (vLLM's
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import NanoserveError
+from .structured_output import StructuredOutputsParams
 
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as OpenAI's and vLLM's seed fields
 MAX_LOGPROBS = 20  # the most top log-probabilities one position returns (OpenAI's and vLLM's default bound)
@@ -55,6 +58,7 @@ class SamplingParams:
     n: int = 1  # parallel samples of one prompt (they share the prompt's KV blocks)
     logprobs: int | None = None  # per generated token: its logprob + the top-k's; None = off
     prompt_logprobs: int | None = None  # the same for each prompt token after the first; None = off
+    structured_outputs: StructuredOutputsParams | dict | None = None  # a grammar the output must match
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -87,6 +91,12 @@ class SamplingParams:
             v = getattr(self, name)
             _check(v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS),
                    f"{name}={v!r} must be None (off) or an integer in [0, {MAX_LOGPROBS}] (0: only the chosen token's)")
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               f"structured_outputs={self.structured_outputs!r:.100} must be StructuredOutputsParams or a dict of it")
+        _check(self.structured_outputs is None or self.min_tokens == 0,
+               "min_tokens cannot be combined with structured_outputs (the grammar decides where the output ends)")
         _check(self.seed is None or (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1)),
                f"seed={self.seed!r} must be None or an integer in [{SEED_MIN}, {SEED_MAX} - (n - 1)] "
                f"(sample i of n={self.n} is seeded seed + i, a signed 64-bit value)")
@@ -99,7 +109,8 @@ class SamplingParams:
     @property
     def reshapes_logits(self) -> bool:
         """Whether anything besides temperature / top-k / top-p changes the sampled law: a penalty,
-        a bias, min-p or min_tokens (such rows decode plainly, never speculatively)."""
+        a bias, min-p or min_tokens (such rows decode plainly, never speculatively). A grammar does not
+        count: its mask is applied in the sampler and, per draft position, in verification."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0 or self.frequency_penalty != 0
                 or bool(self.logit_bias) or self.min_p > 0 or self.min_tokens > 0)
 

@@ -27,21 +27,35 @@ response; in a stream, on the chunk that ends the last choice or, with
 
 from __future__ import annotations
 
-import time
-import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from ..engine.outputs import RequestOutput
 from ..engine.sampler import SamplingParams
+from ..engine.structured_output import KINDS, StructuredOutputsParams
 from ..errors import NanoserveError
 from .openai_logprobs import chat_logprobs, completion_logprobs, echo_text
+from .openai_responses import (
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    error_body,
+    finish_reason,
+    new_id,
+    now,
+    usage,
+    usage_chunk,
+)
+
+__all__ = ["CompletionRequest", "ChatCompletionRequest", "ChatMessage", "StreamOptions", "NO_OP_VALUES", "chat_chunk",
+           "chat_logprobs", "chat_response", "completion_chunk", "completion_logprobs", "completion_response",
+           "echo_text", "error_body", "finish_reason", "new_id", "now", "usage", "usage_chunk"]
 
 # OpenAI fields we accept only at the value that means "off"
 NO_OP_VALUES: dict[str, tuple] = {
     "best_of": (None, 1), "suffix": (None, ""), "parallel_tool_calls": (None,), "tools": (None, []),
-    "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
+    "tool_choice": (None, "none"),
     "service_tier": (None, "auto", "default"), "store": (None, False), "metadata": (None, {}),
 }
 
@@ -78,11 +92,17 @@ class _Request(BaseModel):
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     prompt_logprobs: int | None = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # OpenAI fields accepted at their no-op values only
     parallel_tool_calls: bool | None = None
     tools: list | None = None
     tool_choice: Any = None
-    response_format: dict | None = None
     service_tier: str | None = None
     store: bool | None = None
     metadata: dict | None = None
@@ -113,12 +133,54 @@ class _Request(BaseModel):
                   ignore_eos=self.ignore_eos, stop_token_ids=list(self.stop_token_ids or ()),
                   include_stop_str_in_output=self.include_stop_str_in_output,
                   logprobs=self.token_logprobs(), prompt_logprobs=self.prompt_logprobs,
+                  structured_outputs=self.constraint(),
                   stop=[] if self.stop is None else ([self.stop] if isinstance(self.stop, str) else list(self.stop)))
         return SamplingParams(**kw)
 
     def token_logprobs(self) -> int | None:
         """How many top logprobs per generated token (None: none at all); each endpoint spells it its way."""
         raise NotImplementedError
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The one structured-output constraint the body asks for, however it is spelled; None for none."""
+        given = {k: getattr(self, k) for k in ("response_format", "structured_outputs", "guided_json",
+                                               "guided_regex", "guided_choice", "guided_grammar")
+                 if getattr(self, k) is not None and getattr(self, k) != {"type": "text"}}
+        if len(given) > 1:
+            raise NanoserveError(f"give one structured-output constraint, not {len(given)} ({', '.join(given)})")
+        if not given:
+            return None
+        (field, value), = given.items()
+        if field == "response_format":
+            return StructuredOutputsParams(**_response_format(value))
+        if field == "structured_outputs":
+            keys = (*KINDS, "disable_any_whitespace")
+            return StructuredOutputsParams(**_checked_keys(value, "structured_outputs", keys))
+        return StructuredOutputsParams(**{field.removeprefix("guided_"): value})
+
+
+def _checked_keys(value: dict, field: str, allowed: tuple) -> dict:
+    unknown = sorted(set(value) - set(allowed))
+    if unknown:
+        raise NanoserveError(f"{field}: unknown key {unknown[0]!r}; allowed: {', '.join(allowed)}")
+    return value
+
+
+def _response_format(value: dict) -> dict:
+    """OpenAI's response_format: {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name",
+    "schema", "strict", "description"}} (or {"type": "text"}, no constraint)."""
+    kind = value.get("type")
+    if kind == "json_object":
+        _checked_keys(value, "response_format", ("type",))
+        return {"json_object": True}
+    if kind == "json_schema":
+        _checked_keys(value, "response_format", ("type", "json_schema"))
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise NanoserveError('response_format.json_schema must be an object {"name": ..., "schema": {...}}')
+        _checked_keys(spec, "response_format.json_schema", ("name", "schema", "strict", "description"))
+        return {"json": spec.get("schema", {})}
+    raise NanoserveError(f"response_format.type={kind!r}: allowed are 'text', 'json_object', 'json_schema'")
 
 
 def _token_keys(bias: dict[str, float] | None) -> dict[int, float]:
@@ -204,70 +266,3 @@ class ChatCompletionRequest(_Request):
 
     def message_dicts(self) -> list[dict]:
         return [{"role": m.role, "content": m.content} for m in self.messages]
-
-
-# ----------------------------------------------------------------------------- responses
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def usage(outs: list[RequestOutput]) -> dict:
-    """Prompt tokens once per prompt, completion tokens of every sample (a final EOS included), and the
-    prompt tokens the prefix cache served (`prompt_tokens_details.cached_tokens`)."""
-    prompt = sum(len(o.prompt_token_ids) for o in outs)
-    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)}}
-
-
-def finish_reason(reason: str | None) -> str | None:
-    return None if reason is None else ("length" if reason == "length" else "stop")
-
-
-def completion_response(rid: str, model: str, created: int, outs: list[RequestOutput], echo: bool = False,
-                        tokenizer=None) -> dict:
-    """`outs`: one finished RequestOutput per prompt, in prompt order; choice index = prompt · n + sample.
-    With `echo` each choice's text (and logprobs) starts with its prompt's."""
-    n, choices = len(outs[0].outputs), []
-    for i, o in enumerate(outs):
-        prefix = echo_text(o, tokenizer) if echo else ""
-        choices += [{"index": i * n + c.index, "text": prefix + c.text,
-                     "logprobs": completion_logprobs(o, c, 0, echo, tokenizer, 0),
-                     "finish_reason": finish_reason(c.finish_reason)} for c in o.outputs]
-    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
-            "usage": usage(outs)}
-
-
-def chat_response(rid: str, model: str, created: int, out: RequestOutput, top_logprobs: int = 0,
-                  tokenizer=None) -> dict:
-    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(c, 0, top_logprobs, tokenizer),
-                "finish_reason": finish_reason(c.finish_reason)} for c in out.outputs]
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-            "usage": usage([out])}
-
-
-def completion_chunk(rid: str, model: str, created: int, index: int, text: str, reason: str | None,
-                     logprobs: dict | None = None) -> dict:
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(reason)}]}
-
-
-def chat_chunk(rid: str, model: str, created: int, index: int, delta: dict, reason: str | None,
-               logprobs: dict | None = None) -> dict:
-    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason(reason)}]}
-
-
-def usage_chunk(rid: str, model: str, created: int, obj: str, outs: list[RequestOutput]) -> dict:
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage(outs)}
-
-
-def error_body(message: str, type_: str = "invalid_request_error", code: str | int | None = None,
-               param: str | None = None) -> dict:
-    """OpenAI's error object: {"error": {"message", "type", "param", "code"}}."""
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def now() -> int:
-    return int(time.time())

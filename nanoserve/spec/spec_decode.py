@@ -196,6 +196,8 @@ class SpecDecoder:
             start = len(seq)
             kept, copies = self.scheduler.extend(seq, draft_ids[:gamma])  # stops early when the pool is full
             self.copies += copies
+            if kept == 0:  # nothing to verify, so no accept() will roll the draft back: do it now
+                self.proposer.rollback(seq, start)
             proposals.append(Proposal(seq, params, gen, draft_ids[:kept], None if q is None else q[:kept], start))
         return proposals
 

@@ -22,10 +22,9 @@ import time
 from collections.abc import Sequence
 
 from ..engine.llm_engine import LLMEngine
-from ..engine.logprobs import sampled_logprobs
 from ..engine.outputs import RequestOutput
-from ..engine.request import Prompt, Request
-from ..engine.sampler import SamplingParams, sample_batch
+from ..engine.request import Prompt, Request, draw
+from ..engine.sampler import SamplingParams
 from ..engine.scheduler import advance, extend, ride_along
 from ..errors import NanoserveError, RequestFailedError
 
@@ -93,11 +92,7 @@ class _RunToCompletion:
                 for i in rows:
                     advance(alloc, seqs[i], num_new[i])
                 samples = [reqs[i].samples[0] for i in rows]
-                params = [reqs[i].params for i in rows]
-                tokens, _ = sample_batch(logits[rows], params, [s.seen for s in samples],
-                                         [s.generator for s in samples], [s.out.token_ids for s in samples],
-                                         [reqs[i].stop_ids for i in rows])
-                lps = sampled_logprobs(logits[rows], params, tokens, e.tokenizer)
+                tokens, _, lps = draw(logits[rows], [(reqs[i], s) for i, s in zip(rows, samples)], e.tokenizer)
                 for i, s, token, lp in zip(rows, samples, tokens, lps):
                     if reqs[i].emit(s, token, lp):
                         reqs[i].output.finish_time = time.perf_counter()

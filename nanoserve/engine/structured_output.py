@@ -1,0 +1,171 @@
+"""Structured outputs: a grammar as a token mask (vLLM's `structured_outputs`, OpenAI's `response_format`).
+
+A request may constrain its output to a JSON schema, any JSON object, a regular expression, one of a
+list of strings, or a Lark grammar (`StructuredOutputsParams`, exactly one). Before each token is
+drawn, a *matcher* — a parser over the grammar, advanced by every token the sample emitted —
+computes the set of tokens that keep the output a prefix of some string in the language, as a
+bitmask (bit t of word t // 32 is token t); the sampler sets every other logit to -inf, so the
+draw (greedy or not, any temperature) can only continue legally. When the grammar is complete the
+mask allows only EOS, and a matcher that has stopped ends the sample ("stop").
+
+The grammar engine is llguidance (the `structured` extra): a Rust library with no Python
+dependencies that builds masks on the CPU in microseconds for a 50k vocabulary (so it serves CPU and
+GPU engines alike: the mask is built on the host and moved once per step), reads tiktoken
+vocabularies directly, supports JSON Schema, regexes and Lark grammars, and can roll tokens back
+(which speculative verification needs); vLLM ("guidance" backend), SGLang and llama.cpp use it.
+xgrammar needs torch and an HF tokenizer object; outlines-core has no context-free grammars.
+
+Masking costs the grammar's work per row, done on the host while nothing else waits on it in
+this engine; see benchmarks/bench_structured.py for what it costs per step. Taught in
+notebooks/09_*.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import NanoserveError
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What the output must match (vLLM's fields; exactly one is set)."""
+
+    json: dict | str | None = None  # a JSON schema (a dict, or its JSON text)
+    json_object: bool = False  # any JSON object (OpenAI's response_format json_object)
+    regex: str | None = None
+    choice: list[str] | None = None  # exactly one of these strings
+    grammar: str | None = None  # a Lark grammar
+    # JSON: separators ", " and ": " and no other whitespace (vLLM's field; its default is False, flexible
+    # whitespace, where a small model can spend its whole budget on newlines inside the braces)
+    disable_any_whitespace: bool = True
+
+    def __post_init__(self) -> None:
+        set_ = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(set_) != 1:
+            raise NanoserveError(f"structured outputs need exactly one of {', '.join(KINDS)}; got "
+                                 f"{', '.join(set_) or 'none'}")
+        checks = {"json": isinstance(self.json, (dict, str)), "json_object": self.json_object is True,
+                  "regex": isinstance(self.regex, str) and self.regex != "",
+                  "choice": isinstance(self.choice, list) and bool(self.choice)
+                  and all(isinstance(c, str) and c for c in self.choice),
+                  "grammar": isinstance(self.grammar, str) and self.grammar.strip() != ""}
+        if not checks[set_[0]]:
+            allowed = {"json": "a JSON schema (object or string)", "json_object": "true",
+                       "regex": "a non-empty string", "choice": "a non-empty list of non-empty strings",
+                       "grammar": "a Lark grammar (a non-empty string)"}[set_[0]]
+            raise NanoserveError(f"structured outputs: {set_[0]}={getattr(self, set_[0])!r:.100} must be {allowed}")
+
+    def llguidance_grammar(self) -> str:
+        """The constraint in llguidance's input form."""
+        from llguidance import LLMatcher
+
+        compact = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+        options = compact if self.disable_any_whitespace else None
+        if self.json is not None:
+            try:
+                schema = json.loads(self.json) if isinstance(self.json, str) else self.json
+                return LLMatcher.grammar_from_json_schema(schema, overrides=options)
+            except (json.JSONDecodeError, ValueError) as e:
+                raise NanoserveError(f"structured outputs: json is not a JSON schema: {e}") from None
+        if self.json_object:
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=options)
+        if self.regex is not None:
+            return LLMatcher.grammar_from_regex(self.regex)
+        if self.choice is not None:
+            return LLMatcher.grammar_from_regex("|".join(_escape(c) for c in self.choice))
+        return LLMatcher.grammar_from_lark(self.grammar)
+
+
+def _escape(text: str) -> str:
+    """A literal for llguidance's (Rust) regex syntax: every ASCII punctuation character escaped."""
+    return "".join("\\" + c if c in string.punctuation else c for c in text)
+
+
+class GrammarCompiler:
+    """Builds one matcher per sample for one tokenizer; the llguidance vocabulary is built once, on first use."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_id: int | None):
+        self.tokenizer, self.vocab_size, self.eos_id = tokenizer, vocab_size, eos_id
+        self._ll_tokenizer = None
+        self._lock = threading.Lock()  # the server compiles in worker threads
+
+    def ll_tokenizer(self):
+        with self._lock:
+            if self._ll_tokenizer is None:
+                try:
+                    from llguidance.tiktoken import lltokenizer_from_encoding
+                except ImportError:
+                    raise NanoserveError("structured outputs need llguidance: pip install 'nanoserve[structured]'"
+                                         ) from None
+                encoding = getattr(self.tokenizer, "encoding", None)
+                if encoding is None or self.eos_id is None or getattr(self.tokenizer, "presplit", None) \
+                        or getattr(self.tokenizer, "normalization", None):
+                    raise NanoserveError(
+                        "structured outputs need a plain tiktoken-backed tokenizer with an EOS token; this model's "
+                        f"({type(self.tokenizer).__name__}) is not one (SentencePiece vocabularies are not supported)")
+                self._ll_tokenizer = lltokenizer_from_encoding(encoding, n_vocab=self.vocab_size, eos_token=self.eos_id)
+            return self._ll_tokenizer
+
+    def matcher(self, params: StructuredOutputsParams):
+        """A fresh matcher at the start of the grammar; NanoserveError when the grammar does not compile."""
+        from llguidance import LLMatcher
+
+        m = LLMatcher(self.ll_tokenizer(), params.llguidance_grammar(), log_level=0)
+        if m.is_error():
+            raise NanoserveError(f"structured outputs: the constraint does not compile: {m.get_error()}")
+        return m
+
+
+def token_bitmask(matchers: list, vocab_size: int) -> torch.Tensor:
+    """The allowed tokens of each matcher's next step: int32 [R, ceil(V / 32)], bit t % 32 of word t // 32."""
+    words = (vocab_size + 31) // 32
+    out = torch.empty(len(matchers), words, dtype=torch.int32)
+    for i, m in enumerate(matchers):
+        row = out[i]
+        m.unsafe_compute_mask_ptr(row.data_ptr(), words * 4)  # llguidance writes the words in place
+    return out
+
+
+def mask_rows(logits: torch.Tensor, matchers: list) -> torch.Tensor:
+    """logits [R, V] with each row that has a matcher (not None) limited to its grammar's next tokens;
+    the same tensor when no row has one."""
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    if not rows:
+        return logits
+    idx = torch.tensor(rows, device=logits.device)
+    masked = apply_bitmask(logits.index_select(0, idx), token_bitmask([matchers[i] for i in rows], logits.shape[-1]))
+    return logits.index_copy(0, idx, masked)
+
+
+def mask_verification(matcher, draft_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+    """Speculative decoding: the verification logits [γ+1, V] of one row, position j limited to the grammar's
+    tokens after drafts 0..j−1. A draft the grammar refuses sits at -inf in its position's row, so
+    verification rejects it (greedy: it is not the argmax; sampling: p(draft) = 0) and resamples from the
+    masked row; the rows after it are never used. The matcher ends where it began (rolled back)."""
+    if matcher is None:
+        return logits
+    steps, consumed = [], 0
+    for j in range(len(draft_ids) + 1):
+        steps.append(token_bitmask([matcher], logits.shape[-1]))
+        if j == len(draft_ids) or matcher.try_consume_tokens([draft_ids[j]]) != 1:
+            break
+        consumed += 1
+    steps += [steps[-1]] * (len(draft_ids) + 1 - len(steps))  # after a refused draft: never reached
+    matcher.rollback(consumed)
+    return apply_bitmask(logits, torch.cat(steps))
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] with every token whose bit is 0 at -inf (a new tensor). bitmask [R, W] int32."""
+    V = logits.shape[-1]
+    bits = torch.arange(32, dtype=torch.int32)
+    allowed = ((bitmask[:, :, None] >> bits) & 1).flatten(1)[:, :V].bool()  # R, V
+    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))

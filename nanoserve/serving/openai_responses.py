@@ -1,0 +1,78 @@
+"""The JSON the server answers with, as OpenAI shapes it: completion and chat responses, their stream
+chunks, `usage`, and the error object. Plain dicts (openai_schema.py documents them as schemas);
+logprobs come from openai_logprobs.py. Re-exported by openai_api.py.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from ..engine.outputs import RequestOutput
+from .openai_logprobs import chat_logprobs, completion_logprobs, echo_text
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(outs: list[RequestOutput]) -> dict:
+    """Prompt tokens once per prompt, completion tokens of every sample (a final EOS included), and the
+    prompt tokens the prefix cache served (`prompt_tokens_details.cached_tokens`)."""
+    prompt = sum(len(o.prompt_token_ids) for o in outs)
+    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)}}
+
+
+def finish_reason(reason: str | None) -> str | None:
+    return None if reason is None else ("length" if reason == "length" else "stop")
+
+
+def completion_response(rid: str, model: str, created: int, outs: list[RequestOutput], echo: bool = False,
+                        tokenizer=None) -> dict:
+    """`outs`: one finished RequestOutput per prompt, in prompt order; choice index = prompt · n + sample.
+    With `echo` each choice's text (and logprobs) starts with its prompt's."""
+    n, choices = len(outs[0].outputs), []
+    for i, o in enumerate(outs):
+        prefix = echo_text(o, tokenizer) if echo else ""
+        choices += [{"index": i * n + c.index, "text": prefix + c.text,
+                     "logprobs": completion_logprobs(o, c, 0, echo, tokenizer, 0),
+                     "finish_reason": finish_reason(c.finish_reason)} for c in o.outputs]
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
+            "usage": usage(outs)}
+
+
+def chat_response(rid: str, model: str, created: int, out: RequestOutput, top_logprobs: int = 0,
+                  tokenizer=None) -> dict:
+    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": chat_logprobs(c, 0, top_logprobs, tokenizer),
+                "finish_reason": finish_reason(c.finish_reason)} for c in out.outputs]
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+            "usage": usage([out])}
+
+
+def completion_chunk(rid: str, model: str, created: int, index: int, text: str, reason: str | None,
+                     logprobs: dict | None = None) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(reason)}]}
+
+
+def chat_chunk(rid: str, model: str, created: int, index: int, delta: dict, reason: str | None,
+               logprobs: dict | None = None) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason(reason)}]}
+
+
+def usage_chunk(rid: str, model: str, created: int, obj: str, outs: list[RequestOutput]) -> dict:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage(outs)}
+
+
+def error_body(message: str, type_: str = "invalid_request_error", code: str | int | None = None,
+               param: str | None = None) -> dict:
+    """OpenAI's error object: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def now() -> int:
+    return int(time.time())

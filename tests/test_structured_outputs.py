@@ -1,0 +1,128 @@
+"""Structured outputs (engine/structured_output.py): a grammar as a token mask.
+
+Oracles outside the code: `jsonschema` validates what the JSON-schema requests produce, Python's
+`re` / `regex` (partial matching) decides which tokens may follow a prefix, and plain generation
+without the mask is the negative control. Through speculative decoding and the HTTP server too."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import regex
+import torch
+
+from nanoserve import LLM
+from nanoserve.engine.sampler import SamplingParams
+from nanoserve.engine.structured_output import StructuredOutputsParams, apply_bitmask, token_bitmask
+from nanoserve.errors import NanoserveError
+
+pytest.importorskip("llguidance")
+jsonschema = pytest.importorskip("jsonschema")
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                           "role": {"enum": ["king", "queen", "fool"]}},
+          "required": ["name", "age", "role"], "additionalProperties": False}
+N = 200
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("demo")
+
+
+def _valid(text: str) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), SCHEMA)
+        return True
+    except (json.JSONDecodeError, jsonschema.ValidationError):
+        return False
+
+
+def test_json_schema_samples_all_validate_and_without_the_mask_none_do(llm):
+    """200 seeded samples at temperature 1 under the schema: every one parses and validates. The same
+    200 without the constraint (the negative control): not one does."""
+    constrained = [SamplingParams(temperature=1.0, seed=i, max_tokens=80, structured_outputs={"json": SCHEMA})
+                   for i in range(N)]
+    outs = llm.generate(["ROMEO:"] * N, constrained, use_tqdm=False)
+    assert sum(_valid(o.text) for o in outs) == N
+    assert all(o.finish_reason == "stop" for o in outs)
+    assert len({o.text for o in outs}) > N // 4  # sampled, not one string
+    free = llm.generate(["ROMEO:"] * N, [SamplingParams(temperature=1.0, seed=i, max_tokens=80) for i in range(N)],
+                        use_tqdm=False)
+    assert sum(_valid(o.text) for o in free) == 0
+
+
+def test_regex_and_choice(llm):
+    date = r"\d{4}-\d{2}-\d{2}"
+    outs = llm.generate(["Date: "] * 20, [SamplingParams(temperature=1.0, seed=i, structured_outputs={"regex": date})
+                                          for i in range(20)], use_tqdm=False)
+    assert all(re.fullmatch(date, o.text) for o in outs)
+    choices = ["yes", "no", "a.b (c)*"]  # regex metacharacters are literal in a choice
+    outs = llm.generate(["Well? "] * 30, [SamplingParams(temperature=1.5, seed=i, structured_outputs={"choice": choices})
+                                          for i in range(30)], use_tqdm=False)
+    assert {o.text for o in outs} <= set(choices) and len({o.text for o in outs}) >= 2
+
+
+def test_the_mask_allows_exactly_the_tokens_a_regex_can_continue_with(llm):
+    """Independent oracle: `regex`'s partial fullmatch says whether prefix + byte can still match."""
+    tok = llm.engine.tokenizer
+    pattern = r"(ab|cd)+[0-9]{2}"
+    matcher = llm.engine.inputs.grammars.matcher(StructuredOutputsParams(regex=pattern))
+    prefix = ""
+    for token in tok.encode("abcdab1"):
+        mask = token_bitmask([matcher], 257)
+        allowed = apply_bitmask(torch.zeros(1, 257), mask)[0] == 0
+        want = [t < 256 and chr(t).isascii() and regex.fullmatch(pattern, prefix + chr(t), partial=True) is not None
+                for t in range(257)]
+        want[256] = regex.fullmatch(pattern, prefix) is not None  # EOS: only when the text is complete
+        assert allowed.tolist() == want, prefix
+        assert matcher.consume_token(token)
+        prefix += tok.decode([token])
+
+
+def test_n_samples_each_follow_the_grammar(llm):
+    out = llm.generate(["ROMEO:"], SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=80,
+                                                  structured_outputs={"json": SCHEMA}), use_tqdm=False)[0]
+    assert len(out.outputs) == 4 and all(_valid(c.text) for c in out.outputs)
+
+
+def test_structured_outputs_with_speculative_decoding():
+    """Drafts outside the grammar are rejected at verification: greedy equals plain greedy token for token,
+    and sampled outputs all validate."""
+    plain, spec = LLM("demo"), LLM("demo", speculative_model="demo-draft", num_speculative_tokens=4)
+    greedy = SamplingParams(temperature=0, max_tokens=80, structured_outputs={"json": SCHEMA})
+    a, b = plain.generate(["ROMEO:"], greedy)[0], spec.generate(["ROMEO:"], greedy)[0]
+    assert a.token_ids == b.token_ids and _valid(b.text)
+    assert b.outputs[0].spec_stats.num_steps > 0  # it did speculate
+    sampled = [SamplingParams(temperature=1.0, seed=i, max_tokens=80, structured_outputs={"json": SCHEMA})
+               for i in range(30)]
+    outs = spec.generate(["ROMEO:"] * 30, sampled, use_tqdm=False)
+    assert all(_valid(o.text) for o in outs)
+    assert sum(o.outputs[0].spec_stats.num_accepted_tokens for o in outs) > 0
+
+
+@pytest.mark.parametrize("kw, says", [
+    (dict(regex="((("), "does not compile"), (dict(regex="a", choice=["b"]), "exactly one of"),
+    (dict(), "exactly one of"), (dict(choice=[]), "choice="), (dict(choice=["a", 3]), "choice="),
+    (dict(json="{not json"), "not a JSON schema"), (dict(grammar="start: undefined_rule"), "does not compile"),
+])
+def test_bad_constraints_are_refused_by_name(llm, kw, says):
+    with pytest.raises(NanoserveError, match=re.escape(says)):
+        llm.generate(["x"], SamplingParams(structured_outputs=kw))
+
+
+def test_min_tokens_with_a_grammar_is_refused():
+    with pytest.raises(NanoserveError, match="min_tokens cannot be combined with structured_outputs"):
+        SamplingParams(min_tokens=3, structured_outputs={"regex": "a"})
+
+
+@pytest.mark.shared
+def test_a_sentencepiece_model_is_refused_by_name():
+    from testdata import shared_path
+
+    llm = LLM(str(shared_path("models", "stories260K", "stories260K.bin")))
+    with pytest.raises(NanoserveError, match="SentencePiece vocabularies are not supported"):
+        llm.generate(["Once"], SamplingParams(structured_outputs={"regex": "a+"}))
