@@ -61,8 +61,8 @@ def test_regex_and_choice(llm):
                                           for i in range(20)], use_tqdm=False)
     assert all(re.fullmatch(date, o.text) for o in outs)
     choices = ["yes", "no", "a.b (c)*"]  # regex metacharacters are literal in a choice
-    outs = llm.generate(["Well? "] * 30, [SamplingParams(temperature=1.5, seed=i, structured_outputs={"choice": choices})
-                                          for i in range(30)], use_tqdm=False)
+    pick = [SamplingParams(temperature=1.5, seed=i, structured_outputs={"choice": choices}) for i in range(30)]
+    outs = llm.generate(["Well? "] * 30, pick, use_tqdm=False)
     assert {o.text for o in outs} <= set(choices) and len({o.text for o in outs}) >= 2
 
 
