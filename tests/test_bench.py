@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import statistics
 
+import pytest
+
 from nanoserve.tools import bench
 
 
@@ -81,3 +83,22 @@ def test_sliding_window_benchmark_quick_mode(tmp_path):
     assert res["same_tokens"] and freed["blocks_held"] < kept["blocks_held"]
     assert freed["blocks_per_seq"] <= res["bound_per_seq"] < kept["blocks_per_seq"]
     assert "output tok/s" in proc.stdout
+
+
+def test_structured_outputs_benchmark_quick_mode(tmp_path):
+    """bench_structured.py --quick runs both ways and records the mask's time inside the constrained steps
+    (no speed is asserted: tests never depend on speed)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("llguidance")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_structured.py"
+    out = tmp_path / "so.json"
+    proc = subprocess.run([sys.executable, str(script), "--quick", "--out", str(out)], capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads(out.read_text())["models"]["demo (vocab 257)"]
+    assert row["mask_ms"] > 0 and 0 < row["mask_share"] < 1 and min(row["steps_measured"]) > 0
+    assert "mask share" in proc.stdout

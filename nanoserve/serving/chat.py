@@ -7,9 +7,10 @@ format, e.g. ChatML:
 
 The format is part of the checkpoint: HF stores it as a Jinja template, the `chat_template` of
 `tokenizer_config.json` (or a `chat_template.jinja` file beside it), rendered with the variables
-`messages`, `add_generation_prompt` (end with the header of the assistant's turn) and
-`bos_token` / `eos_token`. A model without one was never taught a conversation format (the demo
-model, stories260K): the server refuses chat requests for it rather than invent one.
+`messages`, `add_generation_prompt` (end with the header of the assistant's turn),
+`bos_token` / `eos_token`, and `tools` when the request has some (tool_calls.py). A model without
+one was never taught a conversation format (the demo model, stories260K): the server refuses chat
+requests for it rather than invent one.
 
 Rendering gives text in which special tokens appear *as text* ("<|im_end|>"). Those must become
 their single ids, never the ids of their characters, so `encode` cuts the text at every special
@@ -32,7 +33,7 @@ from ..errors import NanoserveError
 from ..models.loader import resolve_model_path
 from ..tokenizers import Tokenizer
 
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ChatTemplate:
@@ -48,7 +49,8 @@ class ChatTemplate:
         # HF renders with these settings; a template is data from a checkpoint, hence the sandbox
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+        env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
         env.globals["raise_exception"] = raise_exception
         try:
             self.template = env.from_string(source)
@@ -56,29 +58,33 @@ class ChatTemplate:
             raise NanoserveError(f"the chat template does not parse: {e}") from e
         self.source, self.bos_token, self.eos_token = source, bos_token, eos_token
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, kwargs: dict | None = None) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, kwargs: dict | None = None,
+               tools: list[dict] | None = None) -> str:
         """The template rendered; `kwargs` are extra variables (vLLM's chat_template_kwargs, e.g.
-        enable_thinking), which cannot replace the ones set here."""
+        enable_thinking), which cannot replace the ones set here; `tools` (function definitions) are
+        passed as the variable `tools` when given, as transformers' apply_chat_template does."""
         import jinja2
 
         check_messages(messages)
         kwargs = kwargs or {}
-        taken = sorted({"messages", "add_generation_prompt", "bos_token", "eos_token"} & set(kwargs))
+        taken = sorted({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"} & set(kwargs))
         if taken:
             raise NanoserveError(f"chat_template_kwargs may not set {', '.join(taken)} (set by the request itself)")
         try:
+            if tools is not None:
+                kwargs = {**kwargs, "tools": tools}
             return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
         except jinja2.TemplateError as e:  # raise_exception() in the template: e.g. roles out of order
             raise NanoserveError(f"the model's chat template rejected the messages: {e}") from e
 
     def encode(self, messages: list[dict], tokenizer: Tokenizer, add_generation_prompt: bool = True,
-               kwargs: dict | None = None) -> list[int]:
+               kwargs: dict | None = None, tools: list[dict] | None = None) -> list[int]:
         """Render (see render), then encode with special tokens as their own ids."""
         if tokenizer is None:
             raise NanoserveError("chat needs a tokenizer and this model was loaded without one; "
                                  "use /v1/completions with token-id prompts")
-        return encode_with_special_tokens(self.render(messages, add_generation_prompt, kwargs), tokenizer)
+        return encode_with_special_tokens(self.render(messages, add_generation_prompt, kwargs, tools), tokenizer)
 
 
 def encode_with_special_tokens(text: str, tokenizer: Tokenizer) -> list[int]:
@@ -107,8 +113,11 @@ def check_messages(messages: object) -> None:
     if not isinstance(messages, list) or not messages:
         raise NanoserveError("messages must be a non-empty list of {role, content} objects")
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise NanoserveError(f"messages[{i}] must have a role in {ROLES} and a string content, got {m!r}")
+        calls = isinstance(m, dict) and m.get("role") == "assistant" and bool(m.get("tool_calls"))
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not (
+                isinstance(m.get("content"), str) or (calls and m.get("content") is None)):
+            raise NanoserveError(f"messages[{i}] must have a role in {ROLES} and a string content (null only "
+                                 f"beside an assistant's tool_calls), got {m!r:.200}")
 
 
 def load_chat_template(model: str | os.PathLike, tokenizer: Tokenizer | None = None) -> ChatTemplate | None:

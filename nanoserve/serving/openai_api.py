@@ -27,9 +27,9 @@ response; in a stream, on the chunk that ends the last choice or, with
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict
 
 from ..engine.sampler import SamplingParams
 from ..engine.structured_output import KINDS, StructuredOutputsParams
@@ -70,6 +70,7 @@ class _Request(BaseModel):
     """Fields shared by both endpoints."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+    NO_OPS: ClassVar[dict] = NO_OP_VALUES  # fields accepted at these values only
     model: str
     max_tokens: int | None = None
     temperature: float | None = None
@@ -109,7 +110,7 @@ class _Request(BaseModel):
 
     def check_no_ops(self) -> None:
         set_fields = self.model_fields_set
-        bad = [k for k, allowed in NO_OP_VALUES.items()
+        bad = [k for k, allowed in self.NO_OPS.items()
                if k in set_fields and getattr(self, k, None) not in allowed]
         if bad:
             one = len(bad) == 1
@@ -223,46 +224,4 @@ class CompletionRequest(_Request):
         return list(p)
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[dict]
-    name: str | None = None
-
-    @field_validator("content")
-    @classmethod
-    def _text_parts(cls, v):
-        """OpenAI's content parts: only {"type": "text", "text": ...} (no images, audio, files)."""
-        if isinstance(v, str):
-            return v
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in v):
-            raise ValueError('content parts must all be {"type": "text", "text": ...}; nanoserve serves text only')
-        return "".join(p["text"] for p in v)
-
-
-class ChatCompletionRequest(_Request):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
-    logprobs: bool = False  # each generated token's logprob ...
-    top_logprobs: int | None = None  # ... and the top k (0 to 20), only with logprobs
-    add_generation_prompt: bool = True  # vLLM's: end the rendered prompt with the assistant's header
-    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the template
-
-    def token_logprobs(self) -> int | None:
-        if self.top_logprobs is not None and not self.logprobs:
-            raise NanoserveError(f"top_logprobs={self.top_logprobs} needs logprobs=true")
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        if self.max_completion_tokens is not None:
-            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
-                raise NanoserveError("give max_tokens or max_completion_tokens, not two different values")
-            self.max_tokens = self.max_completion_tokens
-        return super().sampling_params(default_max_tokens)
-
-    def template_options(self) -> dict:
-        """ChatTemplate.encode's options: add_generation_prompt and chat_template_kwargs (vLLM's fields)."""
-        return {"add_generation_prompt": self.add_generation_prompt, "kwargs": self.chat_template_kwargs}
-
-    def message_dicts(self) -> list[dict]:
-        return [{"role": m.role, "content": m.content} for m in self.messages]
+from .openai_chat import ChatCompletionRequest, ChatMessage  # noqa: E402  (they build on _Request)

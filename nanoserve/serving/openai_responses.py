@@ -44,10 +44,15 @@ def completion_response(rid: str, model: str, created: int, outs: list[RequestOu
 
 
 def chat_response(rid: str, model: str, created: int, out: RequestOutput, top_logprobs: int = 0,
-                  tokenizer=None) -> dict:
-    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(c, 0, top_logprobs, tokenizer),
-                "finish_reason": finish_reason(c.finish_reason)} for c in out.outputs]
+                  tokenizer=None, calls=None) -> dict:
+    """`calls(text) -> (content, tool_calls)` parses each choice's text for tool calls (tool_calls.py)."""
+    choices = []
+    for c in out.outputs:
+        content, found = calls(c.text) if calls is not None else (c.text, [])
+        message = {"role": "assistant", "content": content, **({"tool_calls": found} if found else {})}
+        reason = "tool_calls" if found and c.finish_reason != "length" else finish_reason(c.finish_reason)
+        choices.append({"index": c.index, "message": message, "logprobs": chat_logprobs(c, 0, top_logprobs, tokenizer),
+                        "finish_reason": reason})
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
             "usage": usage([out])}
 

@@ -90,16 +90,28 @@ class CompletionChunk(_Doc):
     usage: Usage | None = None
 
 
+class FunctionCall(_Doc):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(_Doc):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(_Doc):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(_Doc):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
 
 
 class ChatCompletionResponse(_Doc):

@@ -50,6 +50,7 @@ from ..engine.outputs import RequestOutput
 from ..engine.scheduler import QueueFullError
 from ..errors import NanoserveError, RequestFailedError
 from . import openai_api as api
+from . import tool_calls
 from .async_engine import AsyncLLMEngine, EngineDeadError
 from .chat import ChatTemplate
 from .http_middleware import DEFAULT_MAX_BODY_BYTES, CountStatus, LimitBody, RequireKey
@@ -204,6 +205,12 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
                            code="no_chat_template")
         params = body.sampling_params(core.max_model_len)  # the engine stops at the context's end
         rid, created = api.new_id("chatcmpl"), api.now()
+        mode, _ = body.tool_mode()  # tool calls: constrained (named, required) or parsed (auto), tool_calls.py
+        hermes = bool(body.tools) and body.tool_choice != "none" and "<tool_call>" in chat_template.source
+        calls = (lambda text: tool_calls.extract(text, mode, body.tool_choice, hermes)) if mode or hermes else None
+        if calls is not None and body.stream:
+            raise APIError(400, "stream=true with tool calls to return (tool_choice required or a named function, "
+                                "or auto with a tool-calling template) is not supported; set stream=false")
         streams = await add_all([], params, rid, body.message_dicts(), body.template_options())
         k, tok = params.logprobs or 0, core.tokenizer
         if body.stream:
@@ -213,7 +220,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
             return sse(streams, params.n, chunk, body.stream_options, rid, model_name, created,
                         "chat.completion.chunk", metrics)
         outs = await collect(streams, request, metrics)
-        return api.chat_response(rid, model_name, created, outs[0], k, tok)
+        return api.chat_response(rid, model_name, created, outs[0], k, tok, calls)
 
     document_responses(app)  # /openapi.json: 400 (not 422), 401/404/413/429/500/503, SSE and text/plain
     # outermost, around FastAPI's own error middleware, so that its 500s are counted too

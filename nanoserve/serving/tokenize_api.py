@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict
 from ..errors import NanoserveError
 from .chat import encode_with_special_tokens
 from .openai_api import ChatMessage
+from .tool_calls import for_template
 
 
 class TokenizeRequest(BaseModel):
@@ -58,7 +59,7 @@ def add_tokenizer_routes(app, core, chat_template, check_model) -> None:
         if body.messages is not None:
             if chat_template is None:
                 raise NanoserveError("messages need a chat template and this model has none; send prompt")
-            msgs = [{"role": m.role, "content": m.content} for m in body.messages]
+            msgs = for_template([m.as_dict() for m in body.messages])
             ids = await asyncio.to_thread(chat_template.encode, msgs, tok, body.add_generation_prompt,
                                           body.chat_template_kwargs)
         else:
