@@ -3,10 +3,10 @@
 On a GPU, every `.item()`, `.tolist()`, `bool(tensor)`, `int(tensor)`, `nonzero()` or boolean-mask
 index stalls the host until the device catches up, and none of them can be captured in a CUDA
 graph. This machine has no GPU, so the test watches for the calls themselves: a TorchFunctionMode
-records every such call made while the forward (`ModelRunner.execute`) and the sampler
-(`sample_batch`) run, with the module that made it, for a prefill step and a decode step, on both
-attention backends. Exactly one is allowed: the sampler's transfer of the step's tokens. Calls made
-inside Triton's interpreter or the kernels' own input checks are not the engine's (on a GPU the
+records every such call made while the forward (`ModelRunner.execute`) and the sampling
+(`request.draw`: grammar masks, `sample_batch`, logprobs) run, with the module that made it, for a
+prefill step and a decode step, on both attention backends. Exactly one is allowed: the sampler's
+transfer of the step's tokens. Calls made inside Triton's interpreter or the kernels' own input checks are not the engine's (on a GPU the
 kernels read no values unless debug checks are on; tests/test_kernels_*.py check that); the host-side
 `ModelRunner.prepare` works on CPU tensors by design and is not watched.
 A negative control brings back the old view, which found the real tokens with `nonzero()` on the device.
@@ -51,7 +51,7 @@ class SyncSpy(TorchFunctionMode):
 def _watched_step(engine: LLMEngine, monkeypatch) -> list[tuple[str, str]]:
     """One engine step with the forward and the sampler watched; returns the reads they made."""
     spy = SyncSpy()
-    execute, sample = engine.runner.execute, llm_engine.sample_batch
+    execute, sample = engine.runner.execute, llm_engine.draw  # draw: grammar masks, sampler, logprobs
 
     def watched(fn):
         def run(*args, **kwargs):
@@ -60,7 +60,7 @@ def _watched_step(engine: LLMEngine, monkeypatch) -> list[tuple[str, str]]:
         return run
 
     monkeypatch.setattr(engine.runner, "execute", watched(execute))
-    monkeypatch.setattr(llm_engine, "sample_batch", watched(sample))
+    monkeypatch.setattr(llm_engine, "draw", watched(sample))
     engine.step()
     monkeypatch.undo()
     return spy.calls

@@ -98,6 +98,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()  # the server compiles in worker threads
 
     def ll_tokenizer(self):
+        """llguidance's view of the vocabulary (token bytes, EOS), built on first use."""
         with self._lock:
             if self._ll_tokenizer is None:
                 try:

@@ -48,7 +48,7 @@ from .openai_responses import (
     usage_chunk,
 )
 
-__all__ = ["CompletionRequest", "ChatCompletionRequest", "ChatMessage", "StreamOptions", "NO_OP_VALUES", "chat_chunk",
+__all__ = ["BaseRequest", "CompletionRequest", "StreamOptions", "NO_OP_VALUES", "chat_chunk",
            "chat_logprobs", "chat_response", "completion_chunk", "completion_logprobs", "completion_response",
            "echo_text", "error_body", "finish_reason", "new_id", "now", "usage", "usage_chunk"]
 
@@ -66,7 +66,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM's extension: usage so far on every chunk
 
 
-class _Request(BaseModel):
+class BaseRequest(BaseModel):
     """Fields shared by both endpoints."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -195,7 +195,7 @@ def _token_keys(bias: dict[str, float] | None) -> dict[int, float]:
     return out
 
 
-class CompletionRequest(_Request):
+class CompletionRequest(BaseRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None  # the top-k per token (0: the chosen token's alone)
     echo: bool = False  # the prompt in front of the text (and its logprobs, with logprobs)
@@ -222,6 +222,3 @@ class CompletionRequest(_Request):
         if not p:
             raise NanoserveError("prompt is empty; give a string, a list of token ids, or a list of either")
         return list(p)
-
-
-from .openai_chat import ChatCompletionRequest, ChatMessage  # noqa: E402  (they build on _Request)

@@ -1,5 +1,6 @@
 """Chat-completion request bodies: messages (text, the assistant's tool calls, tool results), tools and
-tool_choice (tool_calls.py), logprobs, and vLLM's template options. Re-exported by openai_api.py.
+tool_choice (tool_calls.py), logprobs, and vLLM's template options; the fields both endpoints share
+are openai_api.BaseRequest's.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from ..engine.sampler import SamplingParams
 from ..engine.structured_output import StructuredOutputsParams
 from ..errors import NanoserveError
 from . import tool_calls
-from .openai_api import NO_OP_VALUES, _Request
+from .openai_api import NO_OP_VALUES, BaseRequest
 
 
 class FunctionCall(BaseModel):
@@ -67,7 +68,7 @@ class ChatMessage(BaseModel):
         return d
 
 
-class ChatCompletionRequest(_Request):
+class ChatCompletionRequest(BaseRequest):
     NO_OPS: ClassVar[dict] = {k: v for k, v in NO_OP_VALUES.items()
                               if k not in ("tools", "tool_choice", "parallel_tool_calls")}
     messages: list[ChatMessage]

@@ -55,6 +55,7 @@ from .async_engine import AsyncLLMEngine, EngineDeadError
 from .chat import ChatTemplate
 from .http_middleware import DEFAULT_MAX_BODY_BYTES, CountStatus, LimitBody, RequireKey
 from .metrics import ServerMetrics
+from .openai_chat import ChatCompletionRequest
 from .openai_schema import document_responses
 from .streams import ClientGone, collect, sse
 from .tokenize_api import add_tokenizer_routes
@@ -197,7 +198,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
         return api.completion_response(rid, model_name, created, outs, body.echo, tok)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: api.ChatCompletionRequest, request: Request):
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         if chat_template is None:
             raise APIError(400, f"the model {model_name!r} has no chat template, so it cannot serve chat "

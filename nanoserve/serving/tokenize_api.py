@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ..errors import NanoserveError
 from .chat import encode_with_special_tokens
-from .openai_api import ChatMessage
+from .openai_chat import ChatMessage
 from .tool_calls import for_template
 
 

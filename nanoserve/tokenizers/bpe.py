@@ -157,6 +157,11 @@ _BYTE_TO_CHAR = _byte_to_char_table()
 _CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
 
 
+def token_chars(token: bytes) -> str:
+    """GPT-2's byte -> character mapping on one token's bytes (the form HF vocabularies are written in)."""
+    return "".join(_BYTE_TO_CHAR[b] for b in token)
+
+
 def token_bytes(token: str, where: object) -> bytes:
     """Undo GPT-2's byte -> character mapping on one vocabulary string."""
     try:

@@ -17,12 +17,8 @@ import os
 from pathlib import Path
 
 from .base import TokenizerError
-from .bpe import _BYTE_TO_CHAR, TiktokenTokenizer
-
-
-def _chars(token: bytes) -> str:
-    """GPT-2's byte -> printable character mapping (the form HF vocabularies are written in)."""
-    return "".join(_BYTE_TO_CHAR[b] for b in token)
+from .bpe import TiktokenTokenizer
+from .bpe import token_chars as _chars
 
 
 def _last_merge(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
