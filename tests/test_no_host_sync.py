@@ -1,13 +1,13 @@
 """No device→host read in the step's hot path but the sampled tokens (issue 18).
 
-On a GPU, every `.item()`, `.tolist()`, `bool(tensor)`, `int(tensor)`, `nonzero()` or boolean-mask
-index stalls the host until the device catches up, and none of them can be captured in a CUDA
-graph. This machine has no GPU, so the test watches for the calls themselves: a TorchFunctionMode
-records every such call made while the forward (`ModelRunner.execute`) and the sampling
-(`request.draw`: grammar masks, `sample_batch`, logprobs) run, with the module that made it, for a
-prefill step and a decode step, on both attention backends. Exactly one is allowed: the sampler's
-transfer of the step's tokens. Calls made inside Triton's interpreter or the kernels' own input checks are not the engine's (on a GPU the
-kernels read no values unless debug checks are on; tests/test_kernels_*.py check that); the host-side
+On a GPU, every `.item()`, `.tolist()`, `bool(tensor)`, `int(tensor)`, `nonzero()` or boolean-mask index
+stalls the host until the device catches up, and none of them can be captured in a CUDA graph. This
+machine has no GPU, so the test watches for the calls themselves: a TorchFunctionMode records every such
+call made while the forward (`ModelRunner.execute`) and the sampling (`request.draw`: grammar masks,
+`sample_batch`, logprobs) run, with the module that made it, for a prefill step and a decode step, on
+both attention backends. Exactly one is allowed: the sampler's transfer of the step's tokens. Calls made
+inside Triton's interpreter or the kernels' own input checks are not the engine's (on a GPU the kernels
+read no values unless debug checks are on; tests/test_kernels_*.py check that); the host-side
 `ModelRunner.prepare` works on CPU tensors by design and is not watched.
 A negative control brings back the old view, which found the real tokens with `nonzero()` on the device.
 """
