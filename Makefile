@@ -69,7 +69,7 @@ test-clients: $(STAMP)
 	  > "$$($(CLIENTS)/bin/python -c 'import site; print(site.getsitepackages()[0])')/nanoserve-venv.pth"
 	@if $(CLIENTS)/bin/pip install -q --timeout 20 --retries 1 $(CLIENT_PKGS) -c constraints.txt; then \
 	  echo "client-library tests (lm-eval, langchain-openai, litellm) in $(CLIENTS)"; \
-	  LITELLM_LOCAL_MODEL_COST_MAP=True HF_DATASETS_OFFLINE=1 $(CLIENTS)/bin/python -P -c \
+	  LITELLM_LOCAL_MODEL_COST_MAP=True HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 $(CLIENTS)/bin/python -P -c \
 	    "import sys, pytest; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_clients.py']))"; \
 	else echo "client-library tests skipped: pip could not install $(CLIENT_PKGS)"; fi
 

@@ -230,9 +230,9 @@ def test_response_format_json_schema_and_json_object(server):
         got = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=60, seed=seed, temperature=1.0,
                                              response_format=fmt)
         jsonschema.validate(json.loads(got.choices[0].message.content), SCHEMA)
-    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, extra_body={
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=60, temperature=0, extra_body={
         "response_format": {"type": "json_object"}})
-    assert isinstance(json.loads(got.choices[0].text), dict)
+    assert got.choices[0].finish_reason == "stop" and isinstance(json.loads(got.choices[0].text), dict), got
 
 
 @pytest.mark.parametrize("extra, check", [
