@@ -25,8 +25,10 @@ from __future__ import annotations
 import json
 import string
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..errors import NanoserveError
@@ -90,12 +92,19 @@ def _escape(text: str) -> str:
 
 
 class GrammarCompiler:
-    """Builds one matcher per sample for one tokenizer; the llguidance vocabulary is built once, on first use."""
+    """Builds one matcher per sample for one tokenizer; the llguidance vocabulary is built once, on first use.
+
+    Compiled grammars are kept (the last CACHE_SIZE distinct ones) and each request gets a copy: copies
+    share the compiled lexer's caches, so 32 requests under one schema compute their masks ~3x faster
+    than 32 separately compiled matchers (and the compile is paid once)."""
+
+    CACHE_SIZE = 64
 
     def __init__(self, tokenizer, vocab_size: int, eos_id: int | None):
         self.tokenizer, self.vocab_size, self.eos_id = tokenizer, vocab_size, eos_id
         self._ll_tokenizer = None
-        self._lock = threading.Lock()  # the server compiles in worker threads
+        self._compiled: OrderedDict[str, object] = OrderedDict()  # grammar -> a matcher at its start, never advanced
+        self._lock = threading.RLock()  # the server compiles in worker threads
 
     def ll_tokenizer(self):
         """llguidance's view of the vocabulary (token bytes, EOS), built on first use."""
@@ -119,31 +128,44 @@ class GrammarCompiler:
         """A fresh matcher at the start of the grammar; NanoserveError when the grammar does not compile."""
         from llguidance import LLMatcher
 
-        m = LLMatcher(self.ll_tokenizer(), params.llguidance_grammar(), log_level=0)
-        if m.is_error():
-            raise NanoserveError(f"structured outputs: the constraint does not compile: {m.get_error()}")
-        return m
+        grammar = params.llguidance_grammar()
+        with self._lock:
+            proto = self._compiled.get(grammar)
+            if proto is None:
+                proto = LLMatcher(self.ll_tokenizer(), grammar, log_level=0)
+                if proto.is_error():
+                    raise NanoserveError(f"structured outputs: the constraint does not compile: {proto.get_error()}")
+                self._compiled[grammar] = proto
+                if len(self._compiled) > self.CACHE_SIZE:
+                    self._compiled.popitem(last=False)
+            self._compiled.move_to_end(grammar)
+            return proto.deep_copy()
 
 
 def token_bitmask(matchers: list, vocab_size: int) -> torch.Tensor:
-    """The allowed tokens of each matcher's next step: int32 [R, ceil(V / 32)], bit t % 32 of word t // 32."""
+    """The allowed tokens of each matcher's next step: int32 [R, ceil(V / 32)], bit t % 32 of word t // 32.
+    (One row after another: llguidance's own thread pool was slower here, its threads competing with
+    torch's for the same cores.)"""
     words = (vocab_size + 31) // 32
     out = torch.empty(len(matchers), words, dtype=torch.int32)
     for i, m in enumerate(matchers):
-        row = out[i]
-        m.unsafe_compute_mask_ptr(row.data_ptr(), words * 4)  # llguidance writes the words in place
+        m.unsafe_compute_mask_ptr(out[i].data_ptr(), words * 4)  # llguidance writes the words in place
     return out
 
 
 def mask_rows(logits: torch.Tensor, matchers: list) -> torch.Tensor:
     """logits [R, V] with each row that has a matcher (not None) limited to its grammar's next tokens;
-    the same tensor when no row has one."""
+    the same tensor when no row has one. One masked fill for the whole step."""
     rows = [i for i, m in enumerate(matchers) if m is not None]
     if not rows:
         return logits
-    idx = torch.tensor(rows, device=logits.device)
-    masked = apply_bitmask(logits.index_select(0, idx), token_bitmask([matchers[i] for i in rows], logits.shape[-1]))
-    return logits.index_copy(0, idx, masked)
+    R, V = logits.shape
+    allowed = unpack_bitmask(token_bitmask([matchers[i] for i in rows], V), V)  # S, V (host)
+    if len(rows) < R:  # rows without a grammar allow everything
+        full = torch.ones(R, V, dtype=torch.bool)
+        full[rows] = allowed
+        allowed = full
+    return torch.where(allowed.to(logits.device, non_blocking=True), logits, float("-inf"))
 
 
 def mask_verification(matcher, draft_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
@@ -164,9 +186,15 @@ def mask_verification(matcher, draft_ids: list[int], logits: torch.Tensor) -> to
     return apply_bitmask(logits, torch.cat(steps))
 
 
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bitmask [R, W] int32 (on the host) -> allowed [R, V] bool: bit t % 32 of word t // 32, least
+    significant first. The words' bytes, least significant first on a little-endian host, unpacked
+    by numpy ~6x faster than the equivalent torch.arange(32) shifts for a 50k vocabulary."""
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=vocab_size, bitorder="little")  # R, V
+    return torch.from_numpy(bits.view(np.bool_))
+
+
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """logits [R, V] with every token whose bit is 0 at -inf (a new tensor). bitmask [R, W] int32."""
-    V = logits.shape[-1]
-    bits = torch.arange(32, dtype=torch.int32)
-    allowed = ((bitmask[:, :, None] >> bits) & 1).flatten(1)[:, :V].bool()  # R, V
-    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+    allowed = unpack_bitmask(bitmask, logits.shape[-1])  # R, V
+    return torch.where(allowed.to(logits.device), logits, float("-inf"))
