@@ -169,7 +169,23 @@ FIELDS = {
     "repetition_penalty": st.one_of(st.floats(0, 1e40), st.just(1e-300), _ANY),
     "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=3), _ANY),
     "stream": st.one_of(st.booleans(), _ANY), "ignore_eos": st.one_of(st.booleans(), _ANY),
-    "logprobs": _ANY, "stream_options": st.one_of(st.none(), st.fixed_dictionaries({"include_usage": _ANY}), _ANY),
+    "logprobs": st.one_of(st.integers(-1, 22), _ANY), "echo": st.one_of(st.booleans(), _ANY),
+    "stream_options": st.one_of(st.none(), st.fixed_dictionaries({"include_usage": _ANY}), _ANY),
+    "min_tokens": st.one_of(st.integers(-1, 6), _ANY), "min_p": st.one_of(st.floats(-0.5, 1.5), _ANY),
+    "presence_penalty": st.one_of(st.floats(-3, 3), _ANY), "frequency_penalty": _ANY,
+    "logit_bias": st.one_of(st.dictionaries(st.sampled_from(["0", "65", "256", "300", "-1", "x"]),
+                                            st.one_of(st.floats(-150, 150), _ANY), max_size=3), _ANY),
+    "stop_token_ids": st.one_of(st.lists(st.integers(-2, 400), max_size=3), _ANY),
+    "prompt_logprobs": st.one_of(st.integers(-1, 22), _ANY), "include_stop_str_in_output": _ANY,
+    "response_format": st.one_of(st.sampled_from([
+        {"type": "json_object"}, {"type": "text"}, {"type": "xml"},
+        {"type": "json_schema", "json_schema": {"schema": {"type": "integer"}}},
+        {"type": "json_schema", "json_schema": {"schema": 1}}]), _ANY),
+    "guided_regex": st.one_of(st.sampled_from(["[0-9]{2}", "((", "a|b", ""]), _ANY),
+    "guided_choice": st.one_of(st.lists(st.text(max_size=3), max_size=3), _ANY),
+    "structured_outputs": st.one_of(st.fixed_dictionaries({"choice": st.lists(st.text(max_size=3), max_size=2)}),
+                                    st.fixed_dictionaries({"grammar": st.sampled_from(['start: "a"+', "start: ?"])}),
+                                    _ANY),
     "unknown_field": _ANY,
 }
 
@@ -213,9 +229,18 @@ _MESSAGE = st.one_of(
 VALID_CHAT = {"model": st.just("demo"), "max_tokens": st.integers(1, 3),
               "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]),
                                                           "content": st.text(max_size=20)}), min_size=1, max_size=3)}
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+    "x": {"type": "integer"}}, "required": ["x"]}}}
 CHAT_FIELDS = {"messages": st.one_of(st.lists(_MESSAGE, max_size=3), _ANY), "max_tokens": FIELDS["max_tokens"],
                "max_completion_tokens": _ANY, "stream": FIELDS["stream"], "n": FIELDS["n"], "seed": FIELDS["seed"],
-               "temperature": FIELDS["temperature"], "tools": _ANY, "prompt": _ANY}
+               "temperature": FIELDS["temperature"], "prompt": _ANY,
+               "tools": st.one_of(st.just([_TOOL]), st.lists(_ANY, max_size=2), _ANY),
+               "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required", "maybe",
+                                                         {"type": "function", "function": {"name": "f"}},
+                                                         {"type": "function", "function": {"name": "g"}}]), _ANY),
+               "logprobs": st.one_of(st.booleans(), _ANY), "top_logprobs": st.one_of(st.integers(-1, 22), _ANY),
+               "response_format": FIELDS["response_format"], "add_generation_prompt": _ANY,
+               "chat_template_kwargs": st.one_of(st.fixed_dictionaries({"messages": _ANY}), _ANY)}
 
 
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))

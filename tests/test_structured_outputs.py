@@ -126,3 +126,23 @@ def test_a_sentencepiece_model_is_refused_by_name():
     llm = LLM(str(shared_path("models", "stories260K", "stories260K.bin")))
     with pytest.raises(NanoserveError, match="SentencePiece vocabularies are not supported"):
         llm.generate(["Once"], SamplingParams(structured_outputs={"regex": "a+"}))
+
+
+def test_a_matcher_in_error_fails_its_request_alone(llm):
+    """A grammar that breaks mid-way (here: a matcher forced into its error state) fails that request; the
+    others in the same steps finish, and the pool is whole again."""
+    engine = llm.engine
+    bad = engine.add_request("ROMEO:", SamplingParams(temperature=1.0, seed=0, max_tokens=20,
+                                                      structured_outputs={"regex": "[a-z]{5,9}"}))
+    good = engine.add_request("JULIET:", SamplingParams(temperature=1.0, seed=1, max_tokens=20,
+                                                        structured_outputs={"regex": "[a-z]{5,9}"}))
+    plain = engine.add_request("NURSE:", SamplingParams(temperature=1.0, seed=2, max_tokens=5))
+    engine.requests[bad].samples[0].matcher.consume_token(ord("Z"))  # not in the grammar: error state
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] = o
+    assert outs[bad].error is not None and "grammar" in outs[bad].error
+    assert outs[good].error is None and re.fullmatch("[a-z]{5,9}", outs[good].text)
+    assert outs[plain].error is None and len(outs[plain].token_ids) == 5
+    assert engine.block_allocator.num_free_blocks() == engine.block_allocator.num_blocks

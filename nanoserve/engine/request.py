@@ -58,9 +58,10 @@ class Request:
         out = s.out
         out.token_ids.append(token)
         out.token_times.append(now)
-        if s.matcher is not None and not s.matcher.consume_token(token):  # the mask should have made this impossible
+        if s.matcher is not None and (not s.matcher.consume_token(token) or s.matcher.is_error()):
+            # the mask should make this impossible; a matcher that broke fails its request, not silently "stop"
             raise RequestFailedError(f"request {self.output.request_id!r}: token {token} breaks its structured "
-                                     f"output grammar ({s.matcher.get_error()})")
+                                     f"output grammar ({s.matcher.get_error().splitlines()[0]})")
         if out.logprobs is not None and logprobs is not None:
             out.logprobs.append(logprobs)
             out.cumulative_logprob += logprobs[token].logprob

@@ -161,6 +161,9 @@ def mask_rows(logits: torch.Tensor, matchers: list) -> torch.Tensor:
         return logits
     R, V = logits.shape
     allowed = unpack_bitmask(token_bitmask([matchers[i] for i in rows], V), V)  # S, V (host)
+    # a matcher in an error state allows nothing: leave its row free rather than let an all -inf row break
+    # the batch's draw (the token drawn then fails that request alone, in Request.emit)
+    allowed[~allowed.any(-1)] = True
     if len(rows) < R:  # rows without a grammar allow everything
         full = torch.ones(R, V, dtype=torch.bool)
         full[rows] = allowed
