@@ -114,6 +114,9 @@ def test_real_responses_match_the_document(srv, spec):
     chat_lp = {**chat, "logprobs": True, "top_logprobs": 2}
     assert _completion(srv, spec, chat_lp, "/v1/chat/completions")[0] == 200
     assert _completion(srv, spec, {**chat_lp, "stream": True}, "/v1/chat/completions")[0] == 200
+    named = {**chat, "tools": [_TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}}, "max_tokens": 12}
+    assert _completion(srv, spec, named, "/v1/chat/completions")[0] == 200
+    assert _completion(srv, spec, {**named, "stream": True}, "/v1/chat/completions")[0] == 200
     for path, body, status in [("/tokenize", {"prompt": "Hi"}, 200), ("/tokenize", {"messages": chat["messages"]}, 200),
                                ("/detokenize", {"tokens": [72, 105]}, 200), ("/detokenize", {"tokens": [-1]}, 400),
                                ("/tokenize", {"prompt": "Hi", "model": "x"}, 404)]:

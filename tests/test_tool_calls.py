@@ -112,6 +112,21 @@ def test_named_tool_choice_returns_a_call_with_valid_arguments(server):
         jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
 
 
+def test_named_tool_call_streamed_in_pieces(server):
+    """OpenAI's streamed shape: the id and name first, the arguments in pieces; joined, they equal the
+    non-streamed call's (same seed)."""
+    client = server.client(api_key="none")
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    kw = dict(model=MODEL, messages=HISTORY, max_tokens=60, tools=[WEATHER, TIME], tool_choice=named, seed=7,
+              temperature=1.0)
+    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls[0]
+    chunks = [c for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+    first = chunks[0].choices[0].delta.tool_calls[0]
+    assert first.id.startswith("call_") and first.function.name == "get_weather"
+    args = "".join(d.function.arguments for c in chunks for d in (c.choices[0].delta.tool_calls or []))
+    assert args == whole.function.arguments and chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
 def test_required_tool_choice_returns_calls_of_listed_functions(server):
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
     for seed in range(5):
@@ -148,7 +163,7 @@ def test_extract_unit():
     ({"tools": [{"type": "function"}]}, "tools[0]"),
     ({"tool_choice": "required"}, "needs tools"),
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice='sometimes'"),
-    ({"tools": [WEATHER], "tool_choice": "required", "stream": True}, "stream=true with tool calls"),
+    ({"tools": [WEATHER], "tool_choice": "required", "stream": True}, "stream=true with tool calls parsed"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
      "already constrains"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "tool_call_id"),

@@ -123,16 +123,29 @@ class ChatCompletionResponse(_Doc):
     usage: Usage
 
 
+class FunctionCallDelta(_Doc):
+    name: str | None = None
+    arguments: str
+
+
+class ToolCallDelta(_Doc):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(_Doc):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_Doc):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
 
 
 class ChatCompletionChunk(_Doc):

@@ -209,15 +209,24 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
         mode, _ = body.tool_mode()  # tool calls: constrained (named, required) or parsed (auto), tool_calls.py
         hermes = bool(body.tools) and body.tool_choice != "none" and "<tool_call>" in chat_template.source
         calls = (lambda text: tool_calls.extract(text, mode, body.tool_choice, hermes)) if mode or hermes else None
-        if calls is not None and body.stream:
-            raise APIError(400, "stream=true with tool calls to return (tool_choice required or a named function, "
+        if calls is not None and body.stream and mode != "named":
+            raise APIError(400, "stream=true with tool calls parsed from the whole output (tool_choice required, "
                                 "or auto with a tool-calling template) is not supported; set stream=false")
         streams = await add_all([], params, rid, body.message_dicts(), body.template_options())
         k, tok = params.logprobs or 0, core.tokenizer
         if body.stream:
+            ids: dict[int, str] = {}  # choice -> its tool call's id (a named tool_choice)
+
             def chunk(index, delta, reason, first, out, c, chars, tokens):
-                d = {"role": "assistant", "content": delta} if first else ({"content": delta} if delta else {})
-                return api.chat_chunk(rid, model_name, created, index, d, reason, api.chat_logprobs(c, tokens, k, tok))
+                if mode == "named":
+                    name = body.tool_choice["function"]["name"]
+                    d = tool_calls.named_delta(first, delta, name, ids.setdefault(index, tool_calls.call_id()))
+                else:
+                    d = {"role": "assistant", "content": delta} if first else ({"content": delta} if delta else {})
+                ch = api.chat_chunk(rid, model_name, created, index, d, reason, api.chat_logprobs(c, tokens, k, tok))
+                if mode == "named" and reason == "stop":
+                    ch["choices"][0]["finish_reason"] = "tool_calls"
+                return ch
             return sse(streams, params.n, chunk, body.stream_options, rid, model_name, created,
                         "chat.completion.chunk", metrics)
         outs = await collect(streams, request, metrics)

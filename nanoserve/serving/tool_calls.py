@@ -16,6 +16,8 @@ renders them. What the model writes back becomes `tool_calls` by `tool_choice`:
   listed functions each (one only with parallel_tool_calls=false).
 
 A choice with calls has finish_reason "tool_calls" and `content` null (or the text around the calls).
+Streamed, a named function's arguments arrive in pieces (`named_delta`); "required" and a parsed "auto"
+need the whole text first, so the server refuses stream=true for them.
 """
 
 from __future__ import annotations
@@ -87,9 +89,22 @@ def for_template(messages: list[dict]) -> list[dict]:
     return out
 
 
+def named_delta(first: bool, text: str, name: str, call_id: str) -> dict:
+    """A stream's delta for a named tool_choice: the call's id and name first, then its arguments in
+    pieces (OpenAI's streamed tool_calls shape)."""
+    if first:
+        call = {"index": 0, "id": call_id, "type": "function", "function": {"name": name, "arguments": text}}
+        return {"role": "assistant", "content": None, "tool_calls": [call]}
+    return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def _call(name: str, arguments) -> dict:
     args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": args}}
+    return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": args}}
 
 
 def extract(text: str, mode: str | None, tool_choice, hermes: bool) -> tuple[str | None, list[dict]]:
