@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(g)
     g.add_argument("--attention-backend", choices=["torch", "triton"],
                    help="attention over the KV cache (default: triton on CUDA, torch on CPU)")
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto (K/V in the model's dtype), int8, fp8_e4m3 or fp8_e5m2 (a scale per token and head)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
@@ -107,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-num-batched-tokens", type=int, default=512, help="new tokens in one forward")
     v.add_argument("--num-blocks", type=int, help="KV cache blocks (default: 8 full-context sequences)")
     v.add_argument("--attention-backend", choices=["torch", "triton"])
+    v.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto (K/V in the model's dtype), int8, fp8_e4m3 or fp8_e5m2 (a scale per token and head)")
     v.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
                    help="largest request body accepted (default 4 MiB); larger ones get 413")
     v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -122,7 +126,7 @@ def cmd_generate(args) -> None:
                             repetition_penalty=args.repetition_penalty, max_tokens=args.max_tokens,
                             seed=args.seed, stop=args.stop)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
-              **_spec_kwargs(args))
+              kv_cache_dtype=args.kv_cache_dtype, **_spec_kwargs(args))
     n_prompt = len(llm.encode_prompt(args.prompt))
     start = time.perf_counter()
     n_out = 0
@@ -226,7 +230,7 @@ def cmd_serve(args) -> None:
           dtype=args.dtype, device=args.device,
           max_waiting=args.max_waiting, max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
           max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
-          **_spec_kwargs(args))
+          kv_cache_dtype=args.kv_cache_dtype, **_spec_kwargs(args))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,7 @@ import torch
 
 from ..errors import NanoserveError, RequestFailedError, is_fatal
 from ..kv.cache import kv_bytes_per_token, num_blocks_for_budget
+from ..kv.quant import kv_quant
 from ..models.loader import load_model
 from ..spec.spec_decode import SpecDecodeConfig, build_spec_decoder
 from .block_allocator import BlockAllocator
@@ -44,7 +45,8 @@ class LLMEngine:
     """Continuous batching over a paged KV cache.
 
     KV cache: a pool of `num_blocks` blocks of `block_size` tokens, sized from `kv_cache_memory`
-    bytes when given, else to hold 8 full-context sequences. Prefix caching is on by default.
+    bytes when given, else the bytes of 8 full-context sequences in the model's dtype; K/V in that dtype,
+    or 8-bit with `kv_cache_dtype` "int8" / "fp8_e4m3" / "fp8_e5m2" (kv/quant.py). Prefix caching is on.
     Scheduling: at most `max_num_seqs` sequences and `max_num_batched_tokens` new tokens per
     step; chunked prefill on by default; `max_waiting` bounds the queue (None: unbounded).
     Attention: `attention_backend` "torch" (gather + SDPA) or "triton" (the paged kernels of
@@ -58,22 +60,20 @@ class LLMEngine:
                  enable_chunked_prefill: bool = True, max_waiting: int | None = None,
                  attention_backend: str | None = None, speculative_model: str | None = None,
                  speculative: str | None = None, num_speculative_tokens: int = 4, speculative_adaptive: bool = True,
-                 enforce_eager: bool = False):
-        spec_cfg = None
-        if speculative_model is not None or speculative is not None:  # checked before any model loads
-            spec_cfg = SpecDecodeConfig(speculative or "draft", num_speculative_tokens, speculative_model,
-                                        speculative_adaptive)
-            spec_cfg.validate()
+                 enforce_eager: bool = False, kv_cache_dtype: str = "auto"):
+        kv_quant(kv_cache_dtype)  # this and the speculative arguments are checked before any model loads
+        spec_cfg = SpecDecodeConfig.from_args(speculative, num_speculative_tokens, speculative_model,
+                                              speculative_adaptive)
         self.model, self.config, self.tokenizer = load_model(model, dtype=dtype, device=device)
         self.model_name, self.max_model_len = str(model), self.config.max_position_embeddings
         self.device, self.dtype = next(self.model.parameters()).device, next(self.model.parameters()).dtype
         if num_blocks is None:
             budget = kv_cache_memory or 8 * kv_bytes_per_token(self.config, self.dtype) * self.max_model_len
-            num_blocks = num_blocks_for_budget(self.config, budget, block_size, self.dtype)
+            num_blocks = num_blocks_for_budget(self.config, budget, block_size, self.dtype, kv_cache_dtype)
         sched_cfg = SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, max_waiting)
         allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching, sliding_window=self.config.kv_window)
         self.scheduler = Scheduler(sched_cfg, allocator, self.max_model_len)
-        self.runner = ModelRunner(self.model, num_blocks, block_size, attention_backend)
+        self.runner = ModelRunner(self.model, num_blocks, block_size, attention_backend, kv_cache_dtype)
         self.attention_backend = self.runner.attention_backend
         # decode steps replay CUDA graphs where they can (engine/cuda_graph.py); else this says why not
         self.cuda_graphs_off = "enforce_eager=True" if enforce_eager else self.runner.use_cuda_graphs(

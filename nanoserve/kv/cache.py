@@ -39,6 +39,7 @@ contiguous caches give bitwise-equal logits. Taught in notebooks/01_* and notebo
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -47,6 +48,7 @@ from ..engine.block import check_block_size
 from ..errors import NanoserveError
 from ..models.config import ModelConfig
 from .metadata import AttentionMetadata
+from .quant import SCALE_DTYPE, kv_element_bytes, kv_quant
 from .torch_backend import CacheView
 from .triton_backend import TritonCacheView
 
@@ -77,18 +79,30 @@ def resolve_attention_backend(backend: str | None, device: torch.device | str, h
 
 
 class PagedKVCache:
-    """k, v: [n_layers, num_blocks, block_size, n_kv_heads, head_dim]."""
+    """k, v: [n_layers, num_blocks, block_size, n_kv_heads, head_dim]; with a quantized `kv_cache_dtype`,
+    8-bit codes there and fp16 scales in k_scale, v_scale [n_layers, num_blocks, block_size, n_kv_heads]."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int = 16,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 attention_backend: str | None = "torch", num_kv_splits: int | None = None):
+                 attention_backend: str | None = "torch", num_kv_splits: int | None = None,
+                 kv_cache_dtype: str = "auto"):
         shape = (cfg.n_layers, num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.quant = kv_quant(kv_cache_dtype)  # None: K/V in the model's dtype; else 8-bit codes + scales
+        self.kv_cache_dtype, self.dtype = kv_cache_dtype, dtype  # dtype: what attention computes in
+        if self.quant is not None and attention_backend is None:
+            attention_backend = "torch"  # the Triton kernels do not read quantized blocks (yet)
+        elif self.quant is not None and attention_backend == "triton":
+            raise NanoserveError(f"kv_cache_dtype={kv_cache_dtype!r} needs attention_backend='torch': the Triton "
+                                 "kernels do not read quantized KV blocks yet")
+        storage = dtype if self.quant is None else self.quant.storage
+        self.k = torch.zeros(shape, dtype=storage, device=device)
+        self.v = torch.zeros(shape, dtype=storage, device=device)
+        scales = None if self.quant is None else torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
+        self.k_scale, self.v_scale = scales, None if scales is None else scales.clone()  # L, nb, bs, Hkv
         self.num_blocks, self.block_size = num_blocks, block_size
         self.attention_backend = resolve_attention_backend(attention_backend, device, cfg.head_dim, dtype)
         self.num_kv_splits = num_kv_splits  # triton decode: None = choose_num_splits (1 on CPU)
-        self._gather_k = self._gather_v = self.k.new_empty((0, *shape[2:]))  # the torch backend's workspace
+        self._gather_k = self._gather_v = torch.empty((0, *shape[2:]), dtype=dtype, device=device)  # workspace
 
     def gather_buffers(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Two buffers of ≥ num_blocks blocks [n, block_size, Hkv, D] the torch backend gathers K and V
@@ -97,18 +111,25 @@ class PagedKVCache:
         if self._gather_k.shape[0] < num_blocks:
             n = max(num_blocks, 2 * self._gather_k.shape[0])  # grow geometrically: few reallocations
             self._gather_k = self._gather_v = None  # release the old pair before allocating the new
-            self._gather_k = self.k.new_empty((n, *self.k.shape[2:]))
-            self._gather_v = self.v.new_empty((n, *self.v.shape[2:]))
+            self._gather_k = torch.empty((n, *self.k.shape[2:]), dtype=self.dtype, device=self.k.device)
+            self._gather_v = torch.empty((n, *self.v.shape[2:]), dtype=self.dtype, device=self.v.device)
         return self._gather_k, self._gather_v
+
+    def layer(self, i: int):
+        """Layer i's K and V pools [num_blocks, block_size, Hkv, D]; quantized, each a (codes, scales) pair."""
+        if self.quant is None:
+            return self.k[i], self.v[i]
+        return (self.k[i], self.k_scale[i]), (self.v[i], self.v_scale[i])
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return sum(t.nbytes for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None)
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy-on-write: a sequence about to write into a shared block gets its own copy first."""
-        self.k[:, dst] = self.k[:, src]
-        self.v[:, dst] = self.v[:, src]
+        for pool in (self.k, self.v, self.k_scale, self.v_scale):
+            if pool is not None:
+                pool[:, dst] = pool[:, src]
 
     def bind(self, meta: AttentionMetadata) -> CacheView:
         """The view one forward writes and reads through: this backend's CacheView over `meta`."""
@@ -123,20 +144,20 @@ class PagedKVCache:
         return self.bind(meta.to(slot_mapping.device))
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype: Any) -> int:
-    """Bytes of K and V for one token in every layer: 2 · n_layers · n_kv_heads · head_dim · itemsize."""
-    itemsize = getattr(dtype, "itemsize", None)
-    if not isinstance(itemsize, int) or itemsize <= 0:
-        raise NanoserveError(f"dtype={dtype!r} has no .itemsize; pass a torch.dtype such as torch.float16")
-    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * itemsize
+def kv_bytes_per_token(cfg: ModelConfig, dtype: Any, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of K and V for one token in every layer: 2 · n_layers · n_kv_heads · head_dim · bytes per value
+    (the model dtype's itemsize; quantized, 1 + the scale's share: kv/quant.py), rounded up."""
+    return math.ceil(2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * kv_element_bytes(kv_cache_dtype, dtype,
+                                                                                          cfg.head_dim))
 
 
-def num_blocks_for_budget(cfg: ModelConfig, budget_bytes: int, block_size: int, dtype: Any) -> int:
+def num_blocks_for_budget(cfg: ModelConfig, budget_bytes: int, block_size: int, dtype: Any,
+                          kv_cache_dtype: str = "auto") -> int:
     """How many KV blocks fit in `budget_bytes`: one block holds `block_size` tokens' K and V in every
     layer. `dtype` is anything with `.itemsize` (torch.dtype, numpy dtype). The budget must hold at
     least one sequence of cfg.max_position_embeddings tokens, else nothing long could ever run."""
     check_block_size(block_size)
-    bytes_per_block = block_size * kv_bytes_per_token(cfg, dtype)
+    bytes_per_block = block_size * kv_bytes_per_token(cfg, dtype, kv_cache_dtype)
     num_blocks = max(budget_bytes, 0) // bytes_per_block
     min_blocks = -(-cfg.max_position_embeddings // block_size)
     if num_blocks < min_blocks:

@@ -35,8 +35,9 @@ class CacheView:
         # gathered K/V need no masking of their own (the attention mask hides those slots, and
         # 0 · weight stays 0 where NaN · 0 would not).
         if self.zero_fresh_blocks:
-            cache.k.index_fill_(1, meta.fresh_blocks, 0)  # (an empty index changes nothing)
-            cache.v.index_fill_(1, meta.fresh_blocks, 0)
+            for pool in (cache.k, cache.v, cache.k_scale, cache.v_scale):  # (scales: None unless quantized)
+                if pool is not None:
+                    pool.index_fill_(1, meta.fresh_blocks, 0)  # (an empty index changes nothing)
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   positions: torch.Tensor, window: int | None = None, scale: float | None = None,
@@ -47,7 +48,7 @@ class CacheView:
 
         Returns [B, T, H, D]. The model's attention layers call this; the backend decides how. Rows
         are gathered by length bucket (metadata.length_buckets), each bucket to its own length."""
-        pool_k, pool_v = self.cache.k[layer], self.cache.v[layer]  # num_blocks, block_size, Hkv, D
+        pool_k, pool_v = self.cache.layer(layer)  # num_blocks, block_size, Hkv, D (+ scales, quantized)
         self._write(pool_k, k)
         self._write(pool_v, v)
         if window is not None:
@@ -86,7 +87,7 @@ class CacheView:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Write this step's k, v [B, T, Hkv, D] into their slots; return every sequence's [B, S, Hkv, D]."""
-        pool_k, pool_v = self.cache.k[layer], self.cache.v[layer]
+        pool_k, pool_v = self.cache.layer(layer)
         self._write(pool_k, k)
         self._write(pool_v, v)
         return self._gather(pool_k, self.block_tables), self._gather(pool_v, self.block_tables)
@@ -96,20 +97,34 @@ class CacheView:
         valid until the next gather (attention reads them at once; `update` hands out fresh ones)."""
         buf_k, buf_v = self.cache.gather_buffers(tables.numel())  # ≥ M·b blocks each
         idx = tables.flatten()
-        k = torch.index_select(pool_k, 0, idx, out=buf_k[:len(idx)])
-        v = torch.index_select(pool_v, 0, idx, out=buf_v[:len(idx)])
-        b, (_, _, H, D) = tables.shape[0], pool_k.shape
+        k, v = (self._gather_into(pool, idx, buf[:len(idx)]) for pool, buf in ((pool_k, buf_k), (pool_v, buf_v)))
+        b, H, D = tables.shape[0], k.shape[2], k.shape[3]
         return k.view(b, -1, H, D), v.view(b, -1, H, D)
 
-    def _write(self, pool: torch.Tensor, new: torch.Tensor) -> None:
-        nb, bs, H, D = pool.shape
-        pool.view(nb * bs, H, D).index_copy_(0, self.dst, new.reshape(-1, H, D).index_select(0, self.src))
+    def _gather_into(self, pool, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The blocks `idx` of one pool, in the model's dtype, into `out` [n, block_size, Hkv, D]; a quantized
+        pool ((codes, scales): kv/quant.py) is dequantized on the way, the gather's only full-precision copy."""
+        if not isinstance(pool, tuple):
+            return torch.index_select(pool, 0, idx, out=out)
+        codes, scales = pool
+        return self.cache.quant.dequantize(codes.index_select(0, idx), scales.index_select(0, idx), out.dtype, out=out)
 
-    @staticmethod
-    def _gather(pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-        """Each row's blocks in logical order: tables [b, M] -> [b, M · block_size, Hkv, D]."""
-        nb, bs, H, D = pool.shape
-        return pool.index_select(0, tables.flatten()).view(tables.shape[0], -1, H, D)
+    def _write(self, pool, new: torch.Tensor) -> None:
+        """This step's K or V [B, T, Hkv, D] into their slots (quantized first, when the pool is)."""
+        codes, scales = pool if isinstance(pool, tuple) else (pool, None)
+        nb, bs, H, D = codes.shape
+        rows = new.reshape(-1, H, D).index_select(0, self.src)  # N, Hkv, D
+        if scales is not None:
+            rows, s = self.cache.quant.quantize(rows)  # N, Hkv, D codes; N, Hkv scales
+            scales.view(nb * bs, H).index_copy_(0, self.dst, s)
+        codes.view(nb * bs, H, D).index_copy_(0, self.dst, rows)
+
+    def _gather(self, pool, tables: torch.Tensor) -> torch.Tensor:
+        """Each row's blocks in logical order: tables [b, M] -> [b, M · block_size, Hkv, D] (a fresh tensor)."""
+        codes = pool[0] if isinstance(pool, tuple) else pool
+        nb, bs, H, D = codes.shape
+        out = torch.empty((tables.numel(), bs, H, D), dtype=self.cache.dtype, device=codes.device)
+        return self._gather_into(pool, tables.flatten(), out).view(tables.shape[0], -1, H, D)
 
     def advance(self, n: int) -> None:  # the engine tracks lengths; nothing to do here
         pass

@@ -71,6 +71,16 @@ class SpecDecodeConfig:
     ngram_max: int = 3  # n-gram lookup: longest and shortest suffix to match
     ngram_min: int = 1
 
+    @classmethod
+    def from_args(cls, method: str | None, num_speculative_tokens: int, draft_model: str | None,
+                  adaptive: bool) -> SpecDecodeConfig | None:
+        """The validated config of LLMEngine's speculative arguments; None when they ask for no speculation."""
+        if draft_model is None and method is None:
+            return None
+        cfg = cls(method or "draft", num_speculative_tokens, draft_model, adaptive)
+        cfg.validate()
+        return cfg
+
     def validate(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise NanoserveError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, "
