@@ -102,3 +102,23 @@ def test_structured_outputs_benchmark_quick_mode(tmp_path):
     row = json.loads(out.read_text())["models"]["demo (vocab 257)"]
     assert row["mask_ms"] > 0 and 0 < row["mask_share"] < 1 and min(row["steps_measured"]) > 0
     assert "mask share" in proc.stdout
+
+
+@pytest.mark.shared
+def test_kv_quant_benchmark_quick_mode(tmp_path):
+    """bench_kv_quant.py --quick: every mode scores the held-out text and runs the capacity workload; a
+    quantized pool holds more blocks in the same bytes (no speed or quality is asserted here)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_kv_quant.py"
+    out = tmp_path / "kq.json"
+    proc = subprocess.run([sys.executable, str(script), "--quick", "--out", str(out)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert set(res["quality"]["demo"]) == {"auto", "int8", "fp8_e4m3", "fp8_e5m2"}
+    cap = res["capacity"]
+    assert all(cap[m]["num_blocks"] > cap["auto"]["num_blocks"] for m in ("int8", "fp8_e4m3", "fp8_e5m2"))
