@@ -7,8 +7,8 @@ Quality (fp32 model, each kv_cache_dtype vs "auto" = fp32 K/V): held-out text sc
 with prompt logprobs, in chunks of 16 tokens (`max_num_batched_tokens=16`), so almost every key a query
 reads comes from the paged pool, quantized; mean NLL per token and its change from fp32. Windows: the
 demo on tinyshakespeare's last 10 % (windows of 128 bytes), stories260K on the TinyStories validation
-sample (windows of 256 tokens). Greedy agreement: 16 prompts × 64 greedy tokens, the share of positions
-equal to the fp32 cache's tokens.
+sample (windows of 500 characters, ~250 tokens). Greedy agreement: 16 prompts × 64 greedy tokens, the
+share of positions equal to the fp32 cache's tokens.
 Capacity (the demo in bfloat16, so "auto" is a 2-byte cache): one `kv_cache_memory` (the bytes of 8
 full-context bf16 sequences) for every mode; 64 requests at once, prompts U[8, 64], outputs U[16, 64]
 (seed 0, EOS ignored); KV blocks in the pool, peak and mean running sequences, output tok/s.
@@ -39,7 +39,7 @@ def texts(model: str, p: dict) -> list:
         held = text[int(len(text) * 0.9):]
         return [held[i * 127:i * 127 + 127] for i in range(p["windows"])]
     text = (SHARED / "corpora" / "tinystories" / "tinystories_val_sample.txt").read_text(encoding="utf-8")
-    return [text[i * 1200:i * 1200 + 1200] for i in range(p["windows"])]
+    return [text[i * 500:i * 500 + 500] for i in range(p["windows"])]
 
 
 def nll(llm, windows: list, max_len: int) -> float:
