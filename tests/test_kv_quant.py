@@ -167,3 +167,25 @@ def test_bad_settings_are_refused_by_name():
     with pytest.raises(NanoserveError, match="needs attention_backend='torch'"):
         LLM("demo", kv_cache_dtype="int8", attention_backend="triton")
     assert kv_quant("auto") is None
+
+
+def test_the_server_and_the_cli_take_kv_cache_dtype():
+    pytest.importorskip("fastapi")
+    from live_server import LiveServer, _post
+
+    from nanoserve.cli import build_parser
+    from nanoserve.engine import LLMEngine
+    from nanoserve.serving.async_engine import AsyncLLMEngine
+    from nanoserve.serving.server import create_app
+
+    assert build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8_e4m3"]).kv_cache_dtype == "fp8_e4m3"
+    assert build_parser().parse_args(["generate", "--prompt", "x"]).kv_cache_dtype == "auto"
+    core = LLMEngine("demo", kv_cache_dtype="int8")
+    want = LLM("demo", kv_cache_dtype="int8").generate(["ROMEO:"], SamplingParams(temperature=0, max_tokens=12))[0]
+    srv = LiveServer(create_app(AsyncLLMEngine(core), "demo"))
+    try:
+        status, _, body = _post(srv.port, "/v1/completions", {"model": "demo", "prompt": "ROMEO:", "max_tokens": 12,
+                                                               "temperature": 0})
+        assert status == 200 and body["choices"][0]["text"] == want.text
+    finally:
+        srv.stop()
