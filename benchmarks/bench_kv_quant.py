@@ -10,7 +10,7 @@ demo on tinyshakespeare's last 10 % (windows of 128 bytes), stories260K on the T
 sample (windows of 500 characters, ~250 tokens). Greedy agreement: 16 prompts × 64 greedy tokens, the
 share of positions equal to the fp32 cache's tokens.
 Capacity (the demo in bfloat16, so "auto" is a 2-byte cache): one `kv_cache_memory` (the bytes of 8
-full-context bf16 sequences) for every mode; 64 requests at once, prompts U[8, 64], outputs U[16, 64]
+full-context bf16 sequences) for every mode; 128 requests at once, prompts U[8, 64], outputs U[16, 64]
 (seed 0, EOS ignored); KV blocks in the pool, peak and mean running sequences, output tok/s.
 JSON in benchmarks/kv_quant_cpu.json.
 """
@@ -29,7 +29,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 SHARED = HERE.parents[1] / "shared"
 MODES = ["auto", "int8", "fp8_e4m3", "fp8_e5m2"]
-FULL = dict(windows=40, prompts=16, new=64, requests=64)
+FULL = dict(windows=40, prompts=16, new=64, requests=128)
 QUICK = dict(windows=2, prompts=2, new=8, requests=8)
 
 
