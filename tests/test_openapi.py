@@ -110,6 +110,8 @@ def test_real_responses_match_the_document(srv, spec):
     # logprobs in both shapes, streamed and not; cached-token usage; the tokenizer and model routes
     scored = {**plain, "logprobs": 2, "echo": True}
     assert _completion(srv, spec, scored)[0] == 200
+    assert _completion(srv, spec, {**plain, "prompt_logprobs": 1})[0] == 200
+    assert _completion(srv, spec, {**chat, "prompt_logprobs": 1}, "/v1/chat/completions")[0] == 200
     assert _completion(srv, spec, {**scored, "stream": True})[0] == 200
     chat_lp = {**chat, "logprobs": True, "top_logprobs": 2}
     assert _completion(srv, spec, chat_lp, "/v1/chat/completions")[0] == 200

@@ -23,6 +23,7 @@ from nanoserve.serving.server import create_app  # noqa: E402
 
 MODEL = "demo-chat"
 PROMPT = "ROMEO: But soft, what light through yonder window breaks?"
+CHAT = [{"role": "user", "content": "Who is there?"}]
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +101,30 @@ def test_echo_without_logprobs_and_streamed_echo(server):
     assert bare.choices[0].text.startswith(PROMPT) and bare.choices[0].logprobs is None
 
 
+def test_vllm_prompt_logprobs_field(server, ref):
+    """vLLM's prompt_logprobs returns, per choice, None for the first prompt token and then {id: {logprob, rank,
+    decoded_token}} per token, equal to the Python API; with stream=true it is a 400 naming it."""
+    status, _, body = _post(server.port, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2,
+                                                              "temperature": 0, "prompt_logprobs": 1})
+    assert status == 200, body
+    got = body["choices"][0]["prompt_logprobs"]
+    want = ref.generate([PROMPT], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1))[0]
+    ids = want.prompt_token_ids
+    assert got[0] is None and len(got) == len(ids)
+    assert [e[str(t)]["logprob"] for e, t in zip(got[1:], ids[1:])] == pytest.approx(
+        [e[t].logprob for e, t in zip(want.prompt_logprobs[1:], ids[1:])], abs=1e-5)
+    assert "prompt_logprobs" not in _post(server.port, "/v1/completions", {
+        "model": MODEL, "prompt": PROMPT, "max_tokens": 1})[2]["choices"][0]  # not asked: not sent
+    status, _, chat = _post(server.port, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 1,
+                                                                   "prompt_logprobs": 0})
+    assert status == 200 and chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == \
+        chat["usage"]["prompt_tokens"]
+    for path, extra in (("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", {"messages": CHAT})):
+        status, _, err = _post(server.port, path, {"model": MODEL, "stream": True, "prompt_logprobs": 1, **extra})
+        assert status == 400 and "prompt_logprobs with stream=true" in err["error"]["message"]
+
+
 # ----------------------------------------------------------------------------- chat
-CHAT = [{"role": "user", "content": "Who is there?"}]
 
 
 def test_chat_logprobs_and_top_logprobs(server, ref):

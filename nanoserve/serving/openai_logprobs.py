@@ -86,3 +86,10 @@ def chat_logprobs(c: CompletionOutput, start: int, k: int, tokenizer) -> dict | 
         content.append({**_chat_token(entry[token], token, tokenizer),
                         "top_logprobs": [_chat_token(lp, t, tokenizer) for t, lp in top[:k]]})
     return {"content": content, "refusal": None}
+
+
+def prompt_logprobs_json(entries: Sequence[dict | None]) -> list:
+    """vLLM's `prompt_logprobs` field: per prompt token None (the first) or {token id: {logprob, rank,
+    decoded_token}}, ids as JSON keys (strings)."""
+    return [None if e is None else {str(t): {"logprob": _value(lp), "rank": lp.rank, "decoded_token": lp.decoded_token}
+                                    for t, lp in e.items()} for e in entries]

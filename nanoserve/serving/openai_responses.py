@@ -9,7 +9,7 @@ import time
 import uuid
 
 from ..engine.outputs import RequestOutput
-from .openai_logprobs import chat_logprobs, completion_logprobs, echo_text
+from .openai_logprobs import chat_logprobs, completion_logprobs, echo_text, prompt_logprobs_json
 
 
 def new_id(prefix: str) -> str:
@@ -30,22 +30,25 @@ def finish_reason(reason: str | None) -> str | None:
 
 
 def completion_response(rid: str, model: str, created: int, outs: list[RequestOutput], echo: bool = False,
-                        tokenizer=None) -> dict:
+                        tokenizer=None, prompt_logprobs: bool = False) -> dict:
     """`outs`: one finished RequestOutput per prompt, in prompt order; choice index = prompt · n + sample.
-    With `echo` each choice's text (and logprobs) starts with its prompt's."""
+    With `echo` each choice's text (and logprobs) starts with its prompt's; with `prompt_logprobs` (vLLM's
+    field) each choice carries them too."""
     n, choices = len(outs[0].outputs), []
     for i, o in enumerate(outs):
         prefix = echo_text(o, tokenizer) if echo else ""
+        extra = {"prompt_logprobs": prompt_logprobs_json(o.prompt_logprobs)} if prompt_logprobs else {}
         choices += [{"index": i * n + c.index, "text": prefix + c.text,
                      "logprobs": completion_logprobs(o, c, 0, echo, tokenizer, 0),
-                     "finish_reason": finish_reason(c.finish_reason)} for c in o.outputs]
+                     "finish_reason": finish_reason(c.finish_reason), **extra} for c in o.outputs]
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
             "usage": usage(outs)}
 
 
 def chat_response(rid: str, model: str, created: int, out: RequestOutput, top_logprobs: int = 0,
                   tokenizer=None, calls=None) -> dict:
-    """`calls(text) -> (content, tool_calls)` parses each choice's text for tool calls (tool_calls.py)."""
+    """`calls(text) -> (content, tool_calls)` parses each choice's text for tool calls (tool_calls.py); the
+    prompt's logprobs (vLLM's `prompt_logprobs`) ride at the top level when the request asked for them."""
     choices = []
     for c in out.outputs:
         content, found = calls(c.text) if calls is not None else (c.text, [])
@@ -53,8 +56,9 @@ def chat_response(rid: str, model: str, created: int, out: RequestOutput, top_lo
         reason = "tool_calls" if found and c.finish_reason != "length" else finish_reason(c.finish_reason)
         choices.append({"index": c.index, "message": message, "logprobs": chat_logprobs(c, 0, top_logprobs, tokenizer),
                         "finish_reason": reason})
+    extra = {} if out.prompt_logprobs is None else {"prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)}
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-            "usage": usage([out])}
+            "usage": usage([out]), **extra}
 
 
 def completion_chunk(rid: str, model: str, created: int, index: int, text: str, reason: str | None,

@@ -50,11 +50,18 @@ class CompletionLogprobs(_Doc):
     text_offset: list[int]
 
 
+class PromptLogprob(_Doc):
+    logprob: float
+    rank: int
+    decoded_token: str | None
+
+
 class CompletionChoice(_Doc):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: Literal["stop", "length"] | None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # vLLM's, when asked for
 
 
 class TopLogprob(_Doc):
@@ -121,6 +128,7 @@ class ChatCompletionResponse(_Doc):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # vLLM's, when asked for
 
 
 class FunctionCallDelta(_Doc):

@@ -183,6 +183,9 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
         check_model(body.model)
         params = body.sampling_params(COMPLETION_DEFAULT_MAX_TOKENS)
         rid, created = api.new_id("cmpl"), api.now()
+        if body.prompt_logprobs is not None and body.stream:
+            raise APIError(400, "prompt_logprobs with stream=true is not supported; use stream=false (or echo with "
+                                "logprobs, which streams the prompt's logprobs in the first chunk)")
         streams = await add_all(body.prompts(), params, rid)
         tok = core.tokenizer
         if body.stream:
@@ -195,7 +198,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
             return sse(streams, params.n, chunk, body.stream_options, rid, model_name, created, "text_completion",
                         metrics)
         outs = await collect(streams, request, metrics)
-        return api.completion_response(rid, model_name, created, outs, body.echo, tok)
+        return api.completion_response(rid, model_name, created, outs, body.echo, tok, body.prompt_logprobs is not None)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -209,6 +212,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
         mode, _ = body.tool_mode()  # tool calls: constrained (named, required) or parsed (auto), tool_calls.py
         hermes = bool(body.tools) and body.tool_choice != "none" and "<tool_call>" in chat_template.source
         calls = (lambda text: tool_calls.extract(text, mode, body.tool_choice, hermes)) if mode or hermes else None
+        if body.prompt_logprobs is not None and body.stream:
+            raise APIError(400, "prompt_logprobs with stream=true is not supported; use stream=false")
         if calls is not None and body.stream and mode != "named":
             raise APIError(400, "stream=true with tool calls parsed from the whole output (tool_choice required, "
                                 "or auto with a tool-calling template) is not supported; set stream=false")
