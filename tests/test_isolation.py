@@ -147,11 +147,11 @@ def test_a_failed_draft_forward_fails_the_speculating_requests_only(solo):
     engine = LLMEngine("demo", speculative="ngram", num_speculative_tokens=3, speculative_adaptive=False)
     propose, in_failed_batch = engine.spec.propose_and_extend, set()
 
-    def faulty(rows):
+    def faulty(rows, *rest):
         if any(seq.request_id == "bad" and len(seq) > 12 for seq, *_ in rows):
             in_failed_batch.update(seq.request_id for seq, *_ in rows)
             raise Injected("fault while drafting")
-        return propose(rows)
+        return propose(rows, *rest)
 
     engine.spec.propose_and_extend = faulty
     done = _drive(engine)

@@ -21,6 +21,7 @@ from ..engine.model_runner import ModelRunner
 from ..engine.sampler import SamplingParams, probs_from_logits_batch
 from ..engine.scheduler import advance, extend, rollback
 from ..engine.sequence import Sequence as SequenceState
+from ..engine.structured_output import mask_rows
 from ..errors import check, is_int
 from .rejection_sampler import check_gamma
 
@@ -79,9 +80,14 @@ class DraftModelProposer:
         self.block_allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching=False)
         self.seqs: dict[int, SequenceState] = {}  # target seq_id -> draft sequence
 
-    def propose(self, rows: list[tuple[SequenceState, int, SamplingParams, torch.Generator | None]]):
+    def propose(self, rows: list[tuple[SequenceState, int, SamplingParams, torch.Generator | None]],
+                matchers: list | None = None):
         """rows: (target sequence, γ, params, generator) -> per row (draft ids, q [γ, V] or None).
-        Each draft step is one batched forward and one batched draw (one device→host transfer)."""
+        Each draft step is one batched forward and one batched draw (one device→host transfer). A row
+        with a grammar's matcher drafts under its mask (q is then the masked law, which is what
+        verification needs), walking the matcher along its drafts and rolling it back at the end."""
+        matchers = matchers or [None] * len(rows)
+        walked = [0] * len(rows)  # drafts each matcher consumed
         active = []  # (row index, draft seq)
         for i, (seq, _, _, _) in enumerate(rows):
             d = self._sync(seq)
@@ -94,13 +100,19 @@ class DraftModelProposer:
             logits = self.runner.run([d for _, d in active], num_new)  # A, V
             for (_, d), n in zip(active, num_new):
                 advance(self.block_allocator, d, n)
+            logits = mask_rows(logits, [matchers[i] for i, _ in active])  # structured outputs
             tokens = self._draw(logits, [rows[i] for i, _ in active], [qs[i] for i, _ in active])
             still = []
             for (i, d), token in zip(active, tokens):
                 drafts[i].append(token)
-                if len(drafts[i]) < rows[i][1] and extend(self.block_allocator, d, [token])[0] == 1:
+                ok = matchers[i] is None or matchers[i].try_consume_tokens([token]) == 1
+                walked[i] += matchers[i] is not None and ok
+                if ok and len(drafts[i]) < rows[i][1] and extend(self.block_allocator, d, [token])[0] == 1:
                     still.append((i, d))
             active = still
+        for m, n in zip(matchers, walked):
+            if n:
+                m.rollback(n)
         return [(drafts[i], torch.stack(qs[i]) if qs[i] else None) for i in range(len(rows))]
 
     @staticmethod
@@ -157,7 +169,8 @@ class NgramDraft:
     def __init__(self, max_n: int, min_n: int):
         self.proposer = NgramProposer(max_n=max_n, min_n=min_n)
 
-    def propose(self, rows):
+    def propose(self, rows, matchers=None):
+        """n-gram drafts ignore any grammar: verification rejects the ones outside it."""
         return [(self.proposer.propose(seq.token_ids, gamma), None) for seq, gamma, _, _ in rows]
 
     def rollback(self, seq: SequenceState, num_valid: int) -> None:

@@ -167,8 +167,8 @@ class SpecDecoder:
 
     # ------------------------------------------------------------------ one step
     def plan(self, sched, requests: dict, budget: int) -> list[tuple]:
-        """The rows that speculate this step: (row, seq, γ, params, generator) for each decoding row
-        with a γ ≥ 1 that the step's leftover token budget can still pay for."""
+        """The rows that speculate this step: (row, seq, γ, params, generator, grammar matcher or None) for
+        each decoding row with a γ ≥ 1 that the step's leftover token budget can still pay for."""
         rows = []
         for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_new)):
             if n != 1 or seq.num_computed_tokens + 1 != len(seq) or budget <= 0:
@@ -179,7 +179,7 @@ class SpecDecoder:
             s = req.samples[seq.sample_index]
             gamma = min(self.choose_gamma(seq, req.params, req.max_new - len(s.out.token_ids)), budget)
             if gamma > 0:
-                rows.append((i, seq, gamma, req.params, s.generator))
+                rows.append((i, seq, gamma, req.params, s.generator, s.matcher))
                 budget -= gamma
                 s.out.spec_stats = self.state(seq).stats
         return rows
@@ -188,7 +188,7 @@ class SpecDecoder:
         """Propose for the planned rows, append the drafts to their sequences (copy-on-write copies
         applied to `kv`), and grow each row's token count in `sched`: {row: Proposal} to verify."""
         proposals = {}
-        for (i, *_), prop in zip(rows, self.propose_and_extend([r[1:] for r in rows])):
+        for (i, *_), prop in zip(rows, self.propose_and_extend([r[1:5] for r in rows], [r[5] for r in rows])):
             if prop.draft_ids:
                 sched.num_new[i] += len(prop.draft_ids)
                 proposals[i] = prop
@@ -196,12 +196,13 @@ class SpecDecoder:
             kv.copy_block(src, dst)
         return proposals
 
-    def propose_and_extend(self, rows) -> list[Proposal]:
-        """rows: (seq, γ, params, generator) with γ ≥ 1. Drafts, then appends them to each target
-        sequence with KV slots (copy-on-write copies go to `copies`); returns what to verify. A
-        proposal may hold fewer drafts than asked (n-gram without a match, a full pool), even none."""
+    def propose_and_extend(self, rows, matchers: list | None = None) -> list[Proposal]:
+        """rows: (seq, γ, params, generator) with γ ≥ 1, and per row its grammar's matcher (structured
+        outputs) or None. Drafts, then appends them to each target sequence with KV slots (copy-on-write
+        copies go to `copies`); returns what to verify. A proposal may hold fewer drafts than asked
+        (n-gram without a match, a full pool), even none."""
         proposals, self.copies = [], []
-        drafted = self.proposer.propose(rows)
+        drafted = self.proposer.propose(rows, matchers)
         for (seq, gamma, params, gen), (draft_ids, q) in zip(rows, drafted):
             start = len(seq)
             kept, copies = self.scheduler.extend(seq, draft_ids[:gamma])  # stops early when the pool is full
