@@ -65,60 +65,46 @@ def test_speculative_benchmark_end_to_end(tmp_path):
     assert "predicted" in bench.format_speculative(res)
 
 
-def test_sliding_window_benchmark_quick_mode(tmp_path):
-    """bench_sliding_window.py --quick: both engines give the same tokens, the freed one holds fewer blocks and no
-    sequence more than ⌈window / block_size⌉ + 1."""
+def run_quick(script: str, tmp_path, timeout: int = 240) -> tuple[dict, str]:
+    """benchmarks/<script> --quick in a subprocess: (its JSON, its stdout)."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_sliding_window.py"
-    out = tmp_path / "sw.json"
-    proc = subprocess.run([sys.executable, str(script), "--quick", "--out", str(out)], capture_output=True, text=True,
-                          timeout=240)
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / script
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, str(path), "--quick", "--out", str(out)], capture_output=True, text=True,
+                          timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(out.read_text())
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_sliding_window_benchmark_quick_mode(tmp_path):
+    """bench_sliding_window.py --quick: both engines give the same tokens, the freed one holds fewer blocks and no
+    sequence more than ⌈window / block_size⌉ + 1."""
+    res, stdout = run_quick("bench_sliding_window.py", tmp_path)
     freed, kept = res["engines"]["freed"], res["engines"]["kept"]
     assert res["same_tokens"] and freed["blocks_held"] < kept["blocks_held"]
     assert freed["blocks_per_seq"] <= res["bound_per_seq"] < kept["blocks_per_seq"]
-    assert "output tok/s" in proc.stdout
+    assert "output tok/s" in stdout
 
 
 def test_structured_outputs_benchmark_quick_mode(tmp_path):
     """bench_structured.py --quick runs both ways and records the mask's time inside the constrained steps
     (no speed is asserted: tests never depend on speed)."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
     pytest.importorskip("llguidance")
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_structured.py"
-    out = tmp_path / "so.json"
-    proc = subprocess.run([sys.executable, str(script), "--quick", "--out", str(out)], capture_output=True, text=True,
-                          timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    row = json.loads(out.read_text())["models"]["demo (vocab 257)"]
+    res, stdout = run_quick("bench_structured.py", tmp_path)
+    row = res["models"]["demo (vocab 257)"]
     assert row["mask_ms"] > 0 and 0 < row["mask_share"] < 1 and min(row["steps_measured"]) > 0
-    assert "mask share" in proc.stdout
+    assert "mask share" in stdout
 
 
 @pytest.mark.shared
 def test_kv_quant_benchmark_quick_mode(tmp_path):
     """bench_kv_quant.py --quick: every mode scores the held-out text and runs the capacity workload; a
     quantized pool holds more blocks in the same bytes (no speed or quality is asserted here)."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_kv_quant.py"
-    out = tmp_path / "kq.json"
-    proc = subprocess.run([sys.executable, str(script), "--quick", "--out", str(out)], capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(out.read_text())
+    res, _ = run_quick("bench_kv_quant.py", tmp_path, timeout=600)
     assert set(res["quality"]["demo"]) == {"auto", "int8", "fp8_e4m3", "fp8_e5m2"}
     cap = res["capacity"]
     assert all(cap[m]["num_blocks"] > cap["auto"]["num_blocks"] for m in ("int8", "fp8_e4m3", "fp8_e5m2"))

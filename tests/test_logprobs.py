@@ -169,3 +169,16 @@ def test_compute_logprobs_negative_control():
 def test_bad_logprobs_values_are_refused_by_name(field, value):
     with pytest.raises(NanoserveError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_an_undecodable_top_k_id_gives_no_text_not_a_failed_batch():
+    """decoded_token is None for an id the tokenizer has no text for (the draw must not raise for every row)."""
+    class Holes:
+        def decode(self, ids):
+            if ids == [3]:
+                raise NanoserveError("token id 3 has no text")
+            return f"<{ids[0]}>"
+
+    logits = torch.tensor([[0.0, 1.0, 2.0, 9.0]])
+    (entry,) = compute_logprobs(logits, [2], [2], Holes())
+    assert entry[3].decoded_token is None and entry[2].decoded_token == "<2>"

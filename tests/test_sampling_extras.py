@@ -142,3 +142,13 @@ def test_logit_bias_outside_the_vocabulary_is_refused(llm):
 def test_bad_extras_are_refused_by_name(kw, field):
     with pytest.raises(NanoserveError, match=field):
         SamplingParams(**kw)
+
+
+def test_stop_strings_are_looked_for_from_the_min_tokens_th_token(llm):
+    """vLLM checks stop strings once len(output) >= min_tokens: a stop string the 2nd token completes stops a
+    min_tokens=2 request right there (a check from the 3rd token on would miss it for good)."""
+    plain = llm.generate(["ROMEO:"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].text
+    i = next(i for i in range(1, len(plain)) if plain[i] not in plain[:i])  # a char not seen before it
+    out = llm.generate(["ROMEO:"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[plain[i]],
+                                                  min_tokens=i + 1))[0]
+    assert len(out.token_ids) == i + 1 and out.text == plain[:i] and out.finish_reason == "stop"

@@ -156,6 +156,8 @@ def test_extract_unit():
     assert tool_calls.extract("<tool_call>{broken</tool_call>", None, "auto", True) == (
         "<tool_call>{broken</tool_call>", [])
     assert tool_calls.extract("no calls", None, "auto", True) == ("no calls", [])
+    _, first_only = tool_calls.extract(text, None, "auto", hermes=True, parallel=False)
+    assert [c["function"]["name"] for c in first_only] == ["f"]  # parallel_tool_calls=false
 
 
 @pytest.mark.parametrize("body, says", [
@@ -163,6 +165,7 @@ def test_extract_unit():
     ({"tools": [{"type": "function"}]}, "tools[0]"),
     ({"tool_choice": "required"}, "needs tools"),
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice='sometimes'"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": "get_weather"}}, "allowed are"),
     ({"tools": [WEATHER], "tool_choice": "required", "stream": True}, "stream=true with tool calls parsed"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
      "already constrains"),

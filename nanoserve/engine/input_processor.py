@@ -101,7 +101,7 @@ class InputProcessor:
         out = RequestOutput(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, arrival_time=arrival,
                             prompt_logprobs=None if params.prompt_logprobs is None else [None])
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
-        grammar = None if params.structured_outputs is None else self.grammars.matcher(params.structured_outputs)
+        grammar = None if params.structured_outputs is None else self.grammars.compile(params.structured_outputs)
         req = Request(params, out, max_new, stop_ids, grammar=grammar)
         req.samples.append(self.new_sample(req, seq, 0))
         out.outputs = [req.samples[0].out]

@@ -11,7 +11,7 @@ Prompt logprobs need the logits of every prompt position, which a prefix-cache h
 request that asks for them never reads the prefix cache (its blocks still enter it for others),
 as vLLM does. The logit at position p scores the token at p + 1, so a prefill chunk covering
 positions [start, start + n) scores prompt tokens start + 1 .. start + n; the last prompt
-position's logit scores the first generated token instead. Taught in notebooks/09_*.
+position's logit scores the first generated token instead. Taught in notebooks/11_*.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import RequestFailedError
+from ..errors import NanoserveError, RequestFailedError
 
 PositionLogprobs = dict  # {token id: Logprob}, the chosen token first
 
@@ -70,7 +70,10 @@ class _Decoder:
         if self.tokenizer is None:
             return None
         if token_id not in self.memo:
-            self.memo[token_id] = self.tokenizer.decode([token_id])
+            try:
+                self.memo[token_id] = self.tokenizer.decode([token_id])
+            except NanoserveError:  # an id the vocabulary has no text for: no text, not a failed batch
+                self.memo[token_id] = None
         return self.memo[token_id]
 
 

@@ -47,7 +47,7 @@ class Request:
     max_new: int  # max_tokens, capped by the context
     stop_ids: set[int]
     samples: list[Sample] = field(default_factory=list)
-    grammar: Any = None  # with structured outputs: a matcher at the start, copied for each sample
+    grammar: Any = None  # with structured outputs: the compiled grammar's start (shared), copied for each sample
 
     def emit(self, s: Sample, token: int, logprobs: PositionLogprobs | None = None) -> bool:
         """Add a generated token (and, when asked for, its logprobs) to sample `s`'s output; True when
@@ -67,7 +67,7 @@ class Request:
             out.cumulative_logprob += logprobs[token].logprob
         if self.output.first_token_time is None:
             self.output.first_token_time = now
-        may_stop = len(out.token_ids) > self.params.min_tokens
+        may_stop = len(out.token_ids) >= self.params.min_tokens  # (stop tokens are banned before: sampler)
         if token in self.stop_ids and may_stop:
             out.finish_reason = "stop"
         else:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import NanoserveError
+from ..errors import check, is_int
 from .structured_output import StructuredOutputsParams
 
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as OpenAI's and vLLM's seed fields
@@ -63,41 +63,41 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        _check(_is_int(self.max_tokens) and self.max_tokens > 0,
+        check(is_int(self.max_tokens) and self.max_tokens > 0,
                f"max_tokens={self.max_tokens!r} must be an integer ≥ 1")
-        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+        check(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
                f"min_tokens={self.min_tokens!r} must be an integer in [0, max_tokens={self.max_tokens}]")
-        _check(_is_int(self.n) and self.n >= 1, f"n={self.n!r} must be an integer ≥ 1")
-        _check(_is_number(self.temperature) and 0 <= self.temperature < float("inf")
+        check(is_int(self.n) and self.n >= 1, f"n={self.n!r} must be an integer ≥ 1")
+        check(_is_number(self.temperature) and 0 <= self.temperature < float("inf")
                and (self.temperature == 0 or self.temperature >= 1e-6),
                f"temperature={self.temperature!r} must be 0 (greedy) or a finite number ≥ 1e-6")
-        _check(_is_int(self.top_k) and self.top_k >= 0, f"top_k={self.top_k!r} must be an integer ≥ 0 (0 = off)")
-        _check(_is_number(self.top_p) and _F32.tiny <= self.top_p <= 1,
+        check(is_int(self.top_k) and self.top_k >= 0, f"top_k={self.top_k!r} must be an integer ≥ 0 (0 = off)")
+        check(_is_number(self.top_p) and _F32.tiny <= self.top_p <= 1,
                f"top_p={self.top_p!r} must be in (0, 1] and a normal float32 (≥ {_F32.tiny:.3g}); 1 = off")
-        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p={self.min_p!r} must be in [0, 1]; 0 = off")
-        _check(_is_number(self.repetition_penalty) and _F32.tiny <= self.repetition_penalty <= _F32.max,
+        check(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p={self.min_p!r} must be in [0, 1]; 0 = off")
+        check(_is_number(self.repetition_penalty) and _F32.tiny <= self.repetition_penalty <= _F32.max,
                f"repetition_penalty={self.repetition_penalty!r} must be > 0 and a normal float32 "
                f"({_F32.tiny:.3g} to {_F32.max:.3g}); 1 = off")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            _check(_is_number(v) and -2 <= v <= 2, f"{name}={v!r} must be a number in [-2, 2]; 0 = off")
-        _check(isinstance(self.logit_bias, dict) and all(
-            _is_int(k) and k >= 0 and _is_number(b) and -100 <= b <= 100 for k, b in self.logit_bias.items()),
+            check(_is_number(v) and -2 <= v <= 2, f"{name}={v!r} must be a number in [-2, 2]; 0 = off")
+        check(isinstance(self.logit_bias, dict) and all(
+            is_int(k) and k >= 0 and _is_number(b) and -100 <= b <= 100 for k, b in self.logit_bias.items()),
             f"logit_bias={self.logit_bias!r:.200} must map token ids (integers ≥ 0) to numbers in [-100, 100]")
-        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+        check(all(is_int(t) and t >= 0 for t in self.stop_token_ids),
                f"stop_token_ids={self.stop_token_ids!r} must be non-negative integers")
-        _check(all(isinstance(s, str) and s for s in self.stop), f"stop={self.stop!r} must be non-empty strings")
+        check(all(isinstance(s, str) and s for s in self.stop), f"stop={self.stop!r} must be non-empty strings")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            _check(v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS),
+            check(v is None or (is_int(v) and 0 <= v <= MAX_LOGPROBS),
                    f"{name}={v!r} must be None (off) or an integer in [0, {MAX_LOGPROBS}] (0: only the chosen token's)")
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
-        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+        check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
                f"structured_outputs={self.structured_outputs!r:.100} must be StructuredOutputsParams or a dict of it")
-        _check(self.structured_outputs is None or self.min_tokens == 0,
+        check(self.structured_outputs is None or self.min_tokens == 0,
                "min_tokens cannot be combined with structured_outputs (the grammar decides where the output ends)")
-        _check(self.seed is None or (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1)),
+        check(self.seed is None or (is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1)),
                f"seed={self.seed!r} must be None or an integer in [{SEED_MIN}, {SEED_MAX} - (n - 1)] "
                f"(sample i of n={self.n} is seeded seed + i, a signed 64-bit value)")
 
@@ -115,14 +115,5 @@ class SamplingParams:
                 or bool(self.logit_bias) or self.min_p > 0 or self.min_tokens > 0)
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # rejects NaN
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise NanoserveError(message)

@@ -15,9 +15,9 @@ vocabularies directly, supports JSON Schema, regexes and Lark grammars, and can 
 (which speculative verification needs); vLLM ("guidance" backend), SGLang and llama.cpp use it.
 xgrammar needs torch and an HF tokenizer object; outlines-core has no context-free grammars.
 
-Masking costs the grammar's work per row, done on the host while nothing else waits on it in
-this engine; see benchmarks/bench_structured.py for what it costs per step. Taught in
-notebooks/09_*.
+Masking costs the grammar's work per row on the host, in the step (vLLM overlaps it with the
+forward; this engine does not): benchmarks/bench_structured.py measures it per step. Taught in
+notebooks/11_*.
 """
 
 from __future__ import annotations
@@ -126,6 +126,10 @@ class GrammarCompiler:
 
     def matcher(self, params: StructuredOutputsParams):
         """A fresh matcher at the start of the grammar; NanoserveError when the grammar does not compile."""
+        return self.compile(params).deep_copy()
+
+    def compile(self, params: StructuredOutputsParams):
+        """The cached matcher at the start of the grammar, shared: never advance it, copy it (`deep_copy`)."""
         from llguidance import LLMatcher
 
         grammar = params.llguidance_grammar()
@@ -139,7 +143,7 @@ class GrammarCompiler:
                 if len(self._compiled) > self.CACHE_SIZE:
                     self._compiled.popitem(last=False)
             self._compiled.move_to_end(grammar)
-            return proto.deep_copy()
+            return proto
 
 
 def token_bitmask(matchers: list, vocab_size: int) -> torch.Tensor:

@@ -16,7 +16,7 @@ of fp32. vLLM's FP8 cache uses one scale per tensor, calibrated offline (`k_scal
 FP8 has an exponent, so it tolerates that, but a per-token scale needs no calibration and costs the same
 code path as int8 — one path in both backends. Round-trip bounds (tests/test_kv_quant.py): int8 |error|
 ≤ s / 2 = max|x| / 254 per element; FP8 a relative error ≤ 2^-4 (e4m3) or 2^-3 (e5m2) of each value
-above the format's subnormal range.
+above the format's subnormal range. Taught in notebooks/12_*.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ Chat completions:
 
 JSON has no infinity: a token the model rules out (logprob -inf) reads -9999.0, as in OpenAI's and
 vLLM's answers. A token's text is it decoded alone; a byte-level token holding part of a UTF-8
-character decodes to "\ufffd", which is why chat also sends `bytes`. Taught in notebooks/09_*.
+character decodes to "\ufffd", which is why chat also sends `bytes`. Taught in notebooks/11_*.
 """
 
 from __future__ import annotations

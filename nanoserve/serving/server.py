@@ -211,7 +211,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
         rid, created = api.new_id("chatcmpl"), api.now()
         mode, _ = body.tool_mode()  # tool calls: constrained (named, required) or parsed (auto), tool_calls.py
         hermes = bool(body.tools) and body.tool_choice != "none" and "<tool_call>" in chat_template.source
-        calls = (lambda text: tool_calls.extract(text, mode, body.tool_choice, hermes)) if mode or hermes else None
+        calls = (lambda text: tool_calls.extract(text, mode, body.tool_choice, hermes, body.parallel_tool_calls)
+                 ) if mode or hermes else None
         if body.prompt_logprobs is not None and body.stream:
             raise APIError(400, "prompt_logprobs with stream=true is not supported; use stream=false")
         if calls is not None and body.stream and mode != "named":

@@ -7,8 +7,10 @@
                               "model_max_length", "vocab_size"}
 
 lm-evaluation-harness checks for /tokenizer_info and /tokenize and, when both answer, tokenizes
-through them (its "remote" tokenizer). Special-token text ("<|endoftext|>") becomes its special id,
-as an HF tokenizer does; `add_special_tokens` adds BOS where the model's prompts start with it.
+through them (its "remote" tokenizer). A prompt is encoded exactly as /v1/completions encodes it:
+special-token text ("<|endoftext|>") stays ordinary text (a prompt cannot inject control tokens), and
+`add_special_tokens` adds BOS where the model's prompts start with it; `messages` go through the chat
+template as /v1/chat/completions renders them (its special tokens as their ids).
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from ..errors import NanoserveError
-from .chat import encode_with_special_tokens
 from .openai_chat import ChatMessage
 from .tool_calls import for_template
 
@@ -63,9 +64,7 @@ def add_tokenizer_routes(app, core, chat_template, check_model) -> None:
             ids = await asyncio.to_thread(chat_template.encode, msgs, tok, body.add_generation_prompt,
                                           body.chat_template_kwargs)
         else:
-            ids = await asyncio.to_thread(encode_with_special_tokens, body.prompt, tok)
-            if body.add_special_tokens and core.inputs.add_bos:
-                ids = [tok.bos_id] + ids
+            ids = await asyncio.to_thread(tok.encode, body.prompt, body.add_special_tokens and core.inputs.add_bos)
         strs = [tok.decode([t]) for t in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": core.max_model_len, "tokens": ids, "token_strs": strs}
 

@@ -17,7 +17,7 @@ renders them. What the model writes back becomes `tool_calls` by `tool_choice`:
 
 A choice with calls has finish_reason "tool_calls" and `content` null (or the text around the calls).
 Streamed, a named function's arguments arrive in pieces (`named_delta`); "required" and a parsed "auto"
-need the whole text first, so the server refuses stream=true for them.
+need the whole text first, so the server refuses stream=true for them. Taught in notebooks/11_*.
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def forced(tools: list[dict] | None, tool_choice, parallel: bool | None) -> tupl
                  "required": ["name", "parameters"], "additionalProperties": False} for name, schema in fns.items()]
         array = {"type": "array", "minItems": 1, "items": {"anyOf": call}}
         return "required", {**array, "maxItems": 1} if parallel is False else array
-    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or name is None:
         raise NanoserveError(f"tool_choice={tool_choice!r:.120}: allowed are 'none', 'auto', 'required' or "
                              '{"type": "function", "function": {"name": ...}}')
@@ -107,8 +108,9 @@ def _call(name: str, arguments) -> dict:
     return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": args}}
 
 
-def extract(text: str, mode: str | None, tool_choice, hermes: bool) -> tuple[str | None, list[dict]]:
-    """(content, tool_calls) of one choice's text."""
+def extract(text: str, mode: str | None, tool_choice, hermes: bool, parallel: bool | None = None
+            ) -> tuple[str | None, list[dict]]:
+    """(content, tool_calls) of one choice's text; with parallel=False, parsed calls past the first are dropped."""
     if mode == "named":
         return None, [_call(tool_choice["function"]["name"], text)]
     if mode == "required":
@@ -128,4 +130,4 @@ def extract(text: str, mode: str | None, tool_choice, hermes: bool) -> tuple[str
     if not calls:
         return text, []
     rest = HERMES.sub("", text).strip()
-    return rest or None, calls
+    return rest or None, calls[:1] if parallel is False else calls
