@@ -11,7 +11,8 @@ num_stages the launcher passed, specialised as Triton's own launch does (ints eq
 constants, 16-divisible ints and pointers get divisibility hints). So the table is what the
 launchers launch. Matrix: sm_75/80/86/89/90 × fp16/bf16/fp32 × head_dim 64/128/256 for flash and
 decode (GQA 4; decode also GQA 1 and 8 at head_dim 128, and split-KV + merge in fp16), store_kv at
-head_dim 128, the W4A16 kernels at K = N = 4096. Attention on sm_75 is refused by the launchers
+head_dim 128, the three over 8-bit KV pools (`kv8_modes`: "int8 KV", "fp8_e4m3 KV", ...), the W4A16
+kernels at K = N = 4096. Attention on sm_75 is refused by the launchers
 (kernels/configs.py): "unsupported" rows say why.
 
 Each row also says what its tl.dot became in the PTX ("mma f16", "wgmma bf16", "mma tf32", or "fma"
@@ -99,30 +100,42 @@ def describe(kwargs: dict) -> str:
 
 
 # ----------------------------------------------------------------------------- the launches
-def _flash(dtype, D, gqa, extra=None, **tiles):
+def _pool(dtype, D, kv="auto"):
+    """A pool of 4 blocks, and the keyword arguments the kernels take for it: 8-bit codes with their scales
+    when kv names a quantized kv_cache_dtype (nanoserve/kv/quant.py)."""
+    from nanoserve.kv.quant import FORMATS
+
+    if kv == "auto":
+        return torch.zeros(4, BS, HKV, D, dtype=dtype), {}
+    scales = torch.zeros(4, BS, HKV, dtype=torch.float16)
+    return torch.zeros(4, BS, HKV, D, dtype=FORMATS[kv].storage), dict(k_scale=scales, v_scale=scales,
+                                                                      kv_cache_dtype=kv)
+
+
+def _flash(dtype, D, gqa, extra=None, kv="auto", **tiles):
     from nanoserve.kernels.flash_attention import flash_attention
 
     H = HKV * gqa
     q, k = torch.zeros(4, H, D, dtype=dtype), torch.zeros(4, HKV, D, dtype=dtype)  # tokens, heads, D
     cu = torch.tensor([0, 2, 4], dtype=torch.int32)
-    kc = torch.zeros(4, BS, HKV, D, dtype=dtype)  # the engine always passes its paged prefix
+    kc, quant = _pool(dtype, D, kv)  # the engine always passes its paged prefix
     flash_attention(q, k, k, cu, cu, True, None, torch.zeros(2, 2, dtype=torch.int32), kc, kc,
-                    torch.tensor([3, 20], dtype=torch.int32), max_seqlen_q=2, **(extra or {}), **tiles)
+                    torch.tensor([3, 20], dtype=torch.int32), max_seqlen_q=2, **(extra or {}), **quant, **tiles)
 
 
-def _decode(dtype, D, gqa, splits=1, extra=None):
+def _decode(dtype, D, gqa, splits=1, extra=None, kv="auto"):
     from nanoserve.kernels.paged_attention import paged_attention
 
-    q, kc = torch.zeros(2, HKV * gqa, D, dtype=dtype), torch.zeros(4, BS, HKV, D, dtype=dtype)
+    q, (kc, quant) = torch.zeros(2, HKV * gqa, D, dtype=dtype), _pool(dtype, D, kv)
     paged_attention(q, kc, kc, torch.zeros(2, 2, dtype=torch.int32), torch.tensor([5, 20], dtype=torch.int32),
-                    num_splits=splits, max_context=20, **(extra or {}))
+                    num_splits=splits, max_context=20, **(extra or {}), **quant)
 
 
-def _store_kv(dtype, D):
+def _store_kv(dtype, D, kv="auto"):
     from nanoserve.kernels.store_kv import store_kv
 
-    k, kc = torch.zeros(3, HKV, D, dtype=dtype), torch.zeros(4, BS, HKV, D, dtype=dtype)
-    store_kv(k, k, kc, kc, torch.tensor([0, -1, 17]))
+    k, (kc, quant) = torch.zeros(3, HKV, D, dtype=dtype), _pool(dtype, D, kv)
+    store_kv(k, k, kc, kc, torch.tensor([0, -1, 17]), **quant)
 
 
 def _dequant(dtype, which, split_k=1):
@@ -138,6 +151,16 @@ def _dequant(dtype, which, split_k=1):
         dm.dequant_gemv(torch.zeros(1, K, dtype=dtype), **gptq, split_k=split_k)
     else:
         dm.dequantize_int4(**gptq, dtype=dtype)
+
+
+def kv8_modes(dt: str, D: int) -> tuple[str, ...]:
+    """The 8-bit KV rows: int8 and e4m3 at every head dim in fp16, at 128 in bf16; e5m2 (e4m3's code path
+    but for its constants) at fp16/128; fp32 with int8 where the KV8 table has rows of its own."""
+    if dt == "fp16":
+        return ("int8", "fp8_e4m3", "fp8_e5m2") if D == 128 else ("int8", "fp8_e4m3")
+    if dt == "bf16":
+        return ("int8", "fp8_e4m3") if D == 128 else ()
+    return ("int8",) if D in (128, 256) else ()
 
 
 def matrix(archs=ARCHS) -> list[tuple[dict, tuple | None]]:
@@ -159,6 +182,12 @@ def matrix(archs=ARCHS) -> list[tuple[dict, tuple | None]]:
                     rows.append((dict(row, case="store_kv", gqa=None, variant=""), (_store_kv, dtype, D)))
                 if D == 128 and dt == "fp16":
                     rows.append((dict(row, case="decode", variant="4 splits"), (_decode, dtype, D, 4, 4)))
+                for kv in kv8_modes(dt, D):  # 8-bit KV pools: quantized by store_kv, dequantized in registers
+                    rows += [(dict(row, case="flash", variant=f"{kv} KV"), (_flash, dtype, D, 4, None, kv)),
+                             (dict(row, case="decode", variant=f"{kv} KV"), (_decode, dtype, D, 4, 1, None, kv))]
+                    if D == 128 and dt != "fp32":
+                        rows.append((dict(row, case="store_kv", gqa=None, variant=f"{kv} KV"),
+                                     (_store_kv, dtype, D, kv)))
                 if dt == "bf16" and D in (128, 256):  # Gemma 2 (head_dim 256): soft-capped scores, a window
                     gemma, variant = dict(softcap=50.0, window=4096), "softcap + window"
                     rows.append((dict(row, case="flash", variant=variant), (_flash, dtype, D, 4, gemma)))
@@ -229,7 +258,7 @@ def _table_row(r: dict) -> configs.Launch | None:
     if kind is None:
         return None
     with pretend_gpu(r["arch"]):
-        return configs.pick(kind, "cuda", DTYPES[r["dtype"]], r["head_dim"] or 0)
+        return configs.pick(kind, "cuda", DTYPES[r["dtype"]], r["head_dim"] or 0, kv8=r["variant"].endswith(" KV"))
 
 
 def failures(result: dict) -> list[dict]:

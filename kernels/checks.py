@@ -71,14 +71,36 @@ def check_block_ids(block_tables, lens, block_size: int, num_blocks: int) -> Non
         raise ValueError(f"block_tables hold block ids outside 0 .. {num_blocks - 1} within context_lens")
 
 
-def check_pools(k_cache, v_cache) -> None:
+def check_pools(k_cache, v_cache, k_scale=None, v_scale=None, kv_cache_dtype="auto") -> int:
+    """The pools [num_blocks, block_size, Hkv, D], in the model's dtype or 8-bit with their scales; the kernels'
+    KV_QUANT (kernels/kv_quant.py)."""
+    from .kv_quant import FORMATS, kv_quant_code
+
+    quant = kv_quant_code(kv_cache_dtype)
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache, v_cache must both be [num_blocks, block_size, Hkv, D], got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if k_cache.dtype not in DTYPES or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"pools must share one of {DTYPES}, got {k_cache.dtype} and {v_cache.dtype}")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("pools must be contiguous in head_dim (stride 1)")
+    if quant == 0:
+        if k_cache.dtype not in DTYPES or v_cache.dtype != k_cache.dtype:
+            raise ValueError(f"pools must share one of {DTYPES}, got {k_cache.dtype} and {v_cache.dtype}")
+        if k_scale is not None or v_scale is not None:
+            raise ValueError("k_scale, v_scale belong to a quantized pool: pass kv_cache_dtype (int8, fp8_e4m3, "
+                             "fp8_e5m2)")
+        return quant
+    storage = FORMATS[kv_cache_dtype].storage
+    if k_cache.dtype != storage or v_cache.dtype != storage:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} pools hold {storage}, got {k_cache.dtype} and "
+                         f"{v_cache.dtype}")
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is None or s.shape != k_cache.shape[:3] or s.dtype != torch.float16 or not s.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous float16 [{', '.join(map(str, k_cache.shape[:3]))}] "
+                             f"(one scale per slot and kv head), got "
+                             f"{None if s is None else (s.dtype, tuple(s.shape))}")
+        if s.device != k_cache.device:
+            raise ValueError(f"{name} is on {s.device}, the pools on {k_cache.device}")
+    return quant
 
 
 def check_tables(block_tables, context_lens, B: int) -> None:
@@ -91,13 +113,15 @@ def check_tables(block_tables, context_lens, B: int) -> None:
                          f"{tuple(context_lens.shape)}")
 
 
-def check_paged_attention(q, k_cache, v_cache, block_tables, context_lens, num_splits, max_context=None) -> None:
-    check_pools(k_cache, v_cache)
+def check_paged_attention(q, k_cache, v_cache, block_tables, context_lens, num_splits, max_context=None,
+                          k_scale=None, v_scale=None, kv_cache_dtype="auto") -> int:
+    """Raise ValueError on inconsistent inputs; return the kernels' KV_QUANT."""
+    quant = check_pools(k_cache, v_cache, k_scale, v_scale, kv_cache_dtype)
     nb, bs, Hkv, D = k_cache.shape
     if q.dim() != 3 or q.shape[2] != D:
         raise ValueError(f"q must be [B, H, {D}] (head_dim of the pools), got {tuple(q.shape)}")
     B, H, _ = q.shape
-    if q.dtype != k_cache.dtype:
+    if q.dtype != k_cache.dtype and not (quant and q.dtype in DTYPES):
         raise ValueError(f"q dtype {q.dtype} differs from the pools' {k_cache.dtype}")
     if H % Hkv:
         raise ValueError(f"query heads H={H} must be a multiple of kv heads Hkv={Hkv} (GQA)")
@@ -109,16 +133,17 @@ def check_paged_attention(q, k_cache, v_cache, block_tables, context_lens, num_s
     if max_context is not None and (not isinstance(max_context, int) or max_context < 1):
         raise ValueError(f"max_context must be an int ≥ 1 or None, got {max_context!r}")
     if B == 0 or not can_read_values(block_tables, context_lens):
-        return
+        return quant
     capacity = block_tables.shape[1] * bs if max_context is None else min(max_context, block_tables.shape[1] * bs)
     if context_lens.min() < 1 or context_lens.max() > capacity:
         raise ValueError(f"context_lens must lie in 1 .. {capacity} (max_blocks · block_size, and max_context), "
                          f"got {context_lens.tolist()}")
     check_block_ids(block_tables, context_lens, bs, nb)
+    return quant
 
 
 def check_flash_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, block_tables, k_cache, v_cache, context_lens,
-                          max_seqlen_q=None) -> bool:
+                          max_seqlen_q=None, k_scale=None, v_scale=None, kv_cache_dtype="auto") -> bool:
     """Raise ValueError on inconsistent inputs; return whether a paged prefix is given."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(f"q, k, v must be [tokens, heads, head_dim]; got {tuple(q.shape)}, {tuple(k.shape)}, "
@@ -146,7 +171,8 @@ def check_flash_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, block_tables, k_c
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k give different batch sizes: {B} vs {cu_seqlens_k.numel() - 1}")
     if max_seqlen_q is not None and (not isinstance(max_seqlen_q, int) or max_seqlen_q < 0):
         raise ValueError(f"max_seqlen_q must be an int ≥ 0 or None, got {max_seqlen_q!r}")
-    has_prefix = _check_flash_prefix(q, k, B, block_tables, k_cache, v_cache, context_lens)
+    has_prefix = _check_flash_prefix(q, k, B, block_tables, k_cache, v_cache, context_lens, k_scale, v_scale,
+                                     kv_cache_dtype)
     if not can_read_values(cu_seqlens_q, cu_seqlens_k, *((block_tables, context_lens) if has_prefix else ())):
         return has_prefix
     for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
@@ -164,18 +190,21 @@ def check_flash_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, block_tables, k_c
     return has_prefix
 
 
-def _check_flash_prefix(q, k, B, block_tables, k_cache, v_cache, context_lens) -> bool:
-    """Shapes of the optional paged prefix; whether it is given."""
+def _check_flash_prefix(q, k, B, block_tables, k_cache, v_cache, context_lens, k_scale, v_scale,
+                        kv_cache_dtype) -> bool:
+    """Shapes of the optional paged prefix (in q's dtype, or quantized with its scales); whether it is given."""
     Hkv, D = k.shape[1:]
     paged = (block_tables, k_cache, v_cache, context_lens)
     if all(t is None for t in paged):
+        if kv_cache_dtype != "auto" or k_scale is not None or v_scale is not None:
+            raise ValueError("kv_cache_dtype, k_scale and v_scale describe a paged prefix: pass its pools too")
         return False
     if any(t is None for t in paged):
         raise ValueError("a paged prefix needs all of block_tables, k_cache, v_cache and context_lens")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[2:] != (Hkv, D):
         raise ValueError(f"k_cache/v_cache must both be [num_blocks, block_size, {Hkv}, {D}]; got "
                          f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    if not check_pools(k_cache, v_cache, k_scale, v_scale, kv_cache_dtype) and k_cache.dtype != q.dtype:
         raise ValueError(f"k_cache/v_cache dtype must be {q.dtype}; got {k_cache.dtype}, {v_cache.dtype}")
     check_tables(block_tables, context_lens, B)
     if any(t.device != q.device for t in paged):

@@ -93,6 +93,16 @@ DECODE = {
     (4, 128): Launch((32,), 8, 2, smem_kb=43),
     (4, 256): Launch((32,), 8, 2, smem_kb=83),
 }
+# 8-bit KV pools (kv_cache_dtype int8 / fp8, dequantized in registers: kernels/kv_quant.py) need rows of their
+# own where the ones above spill or outgrow their smem_kb, from the compile matrix (benchmarks/kernels_compile.json):
+# (kernel, family (0 = any), bytes per element, head_dim padded) -> Launch; elsewhere the rows above serve.
+KV8 = {
+    ("flash", 80, 2, 64): Launch((128, 32), 8, 2, smem_kb=37),  # the plain (128, 64) spills 88 B
+    ("flash", 80, 2, 128): Launch((64, 32), 4, 2, smem_kb=44),  # (128, 32) w8: 72 KB and 192 B of spills
+    ("flash", 80, 2, 256): Launch((64, 16), 8, 2, smem_kb=74),  # (64, 32): 84 KB
+    ("decode", 0, 4, 128): Launch((32,), 8, 1, smem_kb=40),  # fp32 with 2 stages spills
+    ("decode", 0, 4, 256): Launch((32,), 8, 1, smem_kb=80),
+}
 # (kernel, family, bytes per element; 0 = any) -> Launch
 DEQUANT = {
     ("gemm", 75, 0): Launch((64, 64, 32), 4, 3, upcast=True, smem_kb=16),
@@ -152,8 +162,9 @@ def attention_problem(arch: int | None, dtype: torch.dtype, head_dim: int) -> st
     return None
 
 
-def pick(kernel: str, device: torch.device | str, dtype: torch.dtype, head_dim: int = 0) -> Launch:
-    """The launch of `kernel` ("flash", "decode", "gemm", "gemv", "dequantize") for inputs on `device`.
+def pick(kernel: str, device: torch.device | str, dtype: torch.dtype, head_dim: int = 0, kv8: bool = False) -> Launch:
+    """The launch of `kernel` ("flash", "decode", "gemm", "gemv", "dequantize") for inputs on `device`; kv8:
+    attention over an 8-bit KV pool (the KV8 rows, where there is one).
 
     ValueError where the kernel cannot run there (attention on sm_75, a row over the GPU's shared memory)."""
     arch = gpu_arch(device)
@@ -163,6 +174,9 @@ def pick(kernel: str, device: torch.device | str, dtype: torch.dtype, head_dim: 
         problem = attention_problem(arch, dtype, head_dim)
         if problem:
             raise ValueError(problem)
+        fam, D = (family(arch) if kernel == "flash" else 0), padded_head_dim(head_dim)
+        if kv8 and (kernel, fam, dtype.itemsize, D) in KV8:
+            return KV8[(kernel, fam, dtype.itemsize, D)]
         return _flash(arch, dtype, head_dim) if kernel == "flash" else _decode(dtype, head_dim)
     fam = 75 if arch < 80 else 80  # the W4A16 rows: sm_90 takes the sm_80 ones
     launch = DEQUANT.get((kernel, fam, 0)) or DEQUANT[(kernel, fam, dtype.itemsize)]

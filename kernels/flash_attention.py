@@ -39,7 +39,8 @@ block_table[t // block_size] at offset t % block_size, see nanoserve/kv/cache.py
 new keys at positions P..P + Lk − 1. The kernel runs two loops over key tiles with one online
 softmax across both: first the prefix, gathering each key row through the block table, then the
 new keys. Masked loads never touch a slot past P, so whatever sits in unused blocks (the tests
-fill them with NaN) cannot leak in.
+fill them with NaN) cannot leak in. A quantized pool (8-bit codes with one scale per token and kv head,
+nanoserve/kv/quant.py) is dequantized tile by tile in registers (kernels/kv_quant.py).
 
 **GQA.** H query heads share Hkv kv heads: query head h reads kv head h // (H // Hkv).
 
@@ -63,13 +64,15 @@ import triton.language as tl
 
 from .checks import check_flash_attention, check_softcap, check_tiles, check_window
 from .configs import pick
+from .kv_quant import kv_quant_code, load_kv_tile
+from .online_softmax import online_softmax_step
 
 
 # ----------------------------------------------------------------------------- the kernel
 @triton.jit
 def _flash_attention_kernel(
     Q, K, V, O, cu_seqlens_q, cu_seqlens_k,
-    block_tables, K_cache, V_cache, context_lens,
+    block_tables, K_cache, V_cache, K_scale, V_scale, context_lens,
     stride_qt, stride_qh, stride_qd,
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
@@ -79,7 +82,7 @@ def _flash_attention_kernel(
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
     qk_scale, H, group, head_dim, page_size, window,
     SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr, HAS_PREFIX: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    KV_QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M
     b = tl.program_id(1) // H
@@ -118,24 +121,28 @@ def _flash_attention_kernel(
 
     # ---- loop 1: the cached prefix, keys at positions 0..P-1, gathered through the block table
     if HAS_PREFIX:
-        for start_n in range(first, P, BLOCK_N):
+        p_hi = P
+        if CAUSAL:  # the tile's last query sees prefix keys up to position P + Lk - Lq + start_m + BLOCK_M - 1
+            p_hi = tl.minimum(P, P + Lk - Lq + start_m + BLOCK_M)
+        for start_n in range(first, p_hi, BLOCK_N):
             t = start_n + offs_n  # BLOCK_N     token index = position within the prefix
             n_ok = t < P  # BLOCK_N
             blk = tl.load(block_tables + b * stride_bt_b + (t // page_size) * stride_bt_i,
                           mask=n_ok, other=0).to(tl.int64)  # BLOCK_N     physical block of each token
             off = t % page_size  # BLOCK_N     offset inside the block
-            kT = tl.load(K_cache + blk[None, :] * stride_kcb + off[None, :] * stride_kcs + kvh * stride_kch
-                         + offs_d[:, None] * stride_kcd,
-                         mask=d_ok[:, None] & n_ok[None, :], other=0.0)  # BLOCK_D, BLOCK_N
-            v = tl.load(V_cache + blk[:, None] * stride_vcb + off[:, None] * stride_vcs + kvh * stride_vch
-                        + offs_d[None, :] * stride_vcd,
-                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # BLOCK_N, BLOCK_D
+            scale_at = (blk * page_size + off) * (H // group) + kvh  # BLOCK_N   a quantized pool's scales
+            kT = load_kv_tile(K_cache + blk[None, :] * stride_kcb + off[None, :] * stride_kcs + kvh * stride_kch
+                              + offs_d[:, None] * stride_kcd, d_ok[:, None] & n_ok[None, :],
+                              K_scale + scale_at[None, :], n_ok[None, :], KV_QUANT, q.dtype)  # BLOCK_D, BLOCK_N
+            v = load_kv_tile(V_cache + blk[:, None] * stride_vcb + off[:, None] * stride_vcs + kvh * stride_vch
+                             + offs_d[None, :] * stride_vcd, n_ok[:, None] & d_ok[None, :],
+                             V_scale + scale_at[:, None], n_ok[:, None], KV_QUANT, q.dtype)  # BLOCK_N, BLOCK_D
             valid = n_ok[None, :] & m_ok[:, None]  # BLOCK_M, BLOCK_N
             if CAUSAL:  # only bites when Lq > Lk (queries before the prefix's end)
                 valid = valid & (t[None, :] <= q_pos[:, None])
             if window > 0:
                 valid = valid & (t[None, :] > q_pos[:, None] - window)
-            m_i, l_i, acc = _online_softmax_step(q, kT, v, valid, m_i, l_i, acc, qk_scale, SOFTCAP, UPCAST)
+            m_i, l_i, acc = online_softmax_step(q, kT, v, valid, m_i, l_i, acc, qk_scale, SOFTCAP, UPCAST)
 
     # ---- loop 2: this step's new keys, at positions P..P+Lk-1
     hi = Lk
@@ -154,43 +161,13 @@ def _flash_attention_kernel(
             valid = valid & ((P + j)[None, :] <= q_pos[:, None])
         if window > 0:
             valid = valid & ((P + j)[None, :] > q_pos[:, None] - window)
-        m_i, l_i, acc = _online_softmax_step(q, kT, v, valid, m_i, l_i, acc, qk_scale, SOFTCAP, UPCAST)
+        m_i, l_i, acc = online_softmax_step(q, kT, v, valid, m_i, l_i, acc, qk_scale, SOFTCAP, UPCAST)
 
     # A row that saw no key has l = 0 and acc = 0: output 0, not 0/0.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # BLOCK_M, BLOCK_D
     o_ptrs = (O + (q_start + offs_m).to(tl.int64)[:, None] * stride_ot + h * stride_oh
               + offs_d[None, :] * stride_od)  # BLOCK_M, BLOCK_D
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
-
-
-@triton.jit
-def softcap_scores(s, cap):
-    """Scores in log2 units, s = x·log2 e -> c·tanh(x / c)·log2 e (tanh(y) = ±(1 − e)/(1 + e), e = exp(−2|y|) ≤ 1)."""
-    y = s * (0.6931471805599453 / cap)  # x / c
-    e = tl.exp(-2.0 * tl.abs(y))
-    t = (1.0 - e) / (1.0 + e)
-    return (cap * 1.4426950408889634) * tl.where(y >= 0, t, -t)
-
-
-@triton.jit
-def _online_softmax_step(q, kT, v, valid, m_i, l_i, acc, qk_scale, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr):
-    """Fold one key tile into (m, l, acc). Scores are in log2 units: qk_scale = sm_scale·log2(e)."""
-    if UPCAST:
-        kT = kT.to(tl.float32)
-        v = v.to(tl.float32)
-    s = tl.dot(q, kT, input_precision="ieee") * qk_scale  # BLOCK_M, BLOCK_N
-    if SOFTCAP > 0:  # a compile-time constant: the kernel without a cap is the kernel it always was
-        s = softcap_scores(s, SOFTCAP)
-    s = tl.where(valid, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))  # BLOCK_M
-    # A row with every key masked so far has m_new = -inf; subtract 0 instead so that
-    # exp2(-inf - m) is 0, not exp2(-inf + inf) = NaN.
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # BLOCK_M
-    alpha = tl.math.exp2(m_i - m_safe)  # BLOCK_M     rescales what was accumulated under the old max
-    p = tl.math.exp2(s - m_safe[:, None])  # BLOCK_M, BLOCK_N
-    l_i = l_i * alpha + tl.sum(p, 1)  # BLOCK_M
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")  # BLOCK_M, BLOCK_D
-    return m_new, l_i, acc
 
 
 # ----------------------------------------------------------------------------- the wrapper
@@ -201,7 +178,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     v_cache: torch.Tensor | None = None, context_lens: torch.Tensor | None = None,
                     *, block_m: int | None = None, block_n: int | None = None,
                     max_seqlen_q: int | None = None, window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None, kv_cache_dtype: str = "auto") -> torch.Tensor:
     """Attention over packed sequences.  q [total_q, H, D]; k, v [total_k, Hkv, D] -> [total_q, H, D].
 
     cu_seqlens_q/k [B+1]: cumulative lengths (sequence b is rows cu[b]:cu[b+1]). causal: bottom-right
@@ -212,14 +190,17 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     longest query sequence, or any bound above it, known on the host (sizes the grid; None reads it
     from cu_seqlens_q, a host sync on a GPU). window: a sliding window (with causal), each query sees
     its `window` newest keys only (None: all). softcap: scores x -> softcap·tanh(x / softcap) (None: off).
+    kv_cache_dtype "int8" / "fp8_e4m3" / "fp8_e5m2": the prefix pools hold 8-bit codes and k_scale, v_scale
+    [num_blocks, block_size, Hkv] their fp16 scales (nanoserve/kv/quant.py), dequantized as they are read.
     """
     window, softcap = check_window(window, causal), check_softcap(softcap)
     has_prefix = check_flash_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, block_tables, k_cache, v_cache,
-                                       context_lens, max_seqlen_q)
+                                       context_lens, max_seqlen_q, k_scale, v_scale, kv_cache_dtype)
+    quant = kv_quant_code(kv_cache_dtype)
     total_q, H, D = q.shape
     Hkv = k.shape[1]
     B = cu_seqlens_q.numel() - 1
-    launch = pick("flash", q.device, q.dtype, D)
+    launch = pick("flash", q.device, q.dtype, D, kv8=bool(quant))
     block_m, block_n = block_m or launch.tiles[0], block_n or launch.tiles[1]
     check_tiles(launch.gpu, block_m=block_m, block_n=block_n)
     out = torch.empty_like(q)  # total_q, H, D
@@ -240,17 +221,19 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     else:  # dummies: the HAS_PREFIX=False kernel never reads them
         bt = ctx = cu_q
         kc, vc, page_size = k, v, 1
+    if not quant:  # dummies: the KV_QUANT = 0 kernel never reads them
+        k_scale = v_scale = cu_q
     bt_strides = bt.stride() if has_prefix else (0, 0)
     kc_strides = kc.stride() if has_prefix else (0, 0, 0, 0)
     vc_strides = vc.stride() if has_prefix else (0, 0, 0, 0)
 
     grid = (triton.cdiv(max_seqlen_q, block_m), B * H)  # programs past a sequence's end return at once
     _flash_attention_kernel[grid](
-        q, k, v, out, cu_q, cu_k, bt, kc, vc, ctx,
+        q, k, v, out, cu_q, cu_k, bt, kc, vc, k_scale, v_scale, ctx,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         *bt_strides, *kc_strides, *vc_strides,
         sm_scale * math.log2(math.e), H, H // Hkv, D, page_size, window,
-        SOFTCAP=softcap, CAUSAL=bool(causal), HAS_PREFIX=has_prefix, UPCAST=launch.upcast,
+        SOFTCAP=softcap, CAUSAL=bool(causal), HAS_PREFIX=has_prefix, UPCAST=launch.upcast, KV_QUANT=quant,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
         **launch.options(),
     )

@@ -23,20 +23,15 @@ group as the rows of a [G_PAD, D] tile, so every K/V tile is loaded once per gro
 times, and q·kᵀ, p·v are real matrix products (tl.dot; G_PAD = G rounded up to ≥ 16, the
 smallest tl.dot a GPU accepts; padding rows have q = 0 and are never stored).
 
-**Split-KV** (Flash-Decoding, Dao et al. 2023). Decode has only B·Hkv programs: with a small
-batch most of a GPU's SMs would sit idle while a few programs walk long contexts. So the
-context is cut into `num_splits` contiguous ranges, each of ⌈⌈len / num_splits⌉ / BLOCK_N⌉
-tiles; grid (B, Hkv, num_splits). Split s returns its *partial* result, normalised over its own
-keys, and the log-sum-exp of its scores:
+**Split-KV** (Flash-Decoding, Dao et al. 2023: kernels/split_kv.py). With few sequences, B·Hkv programs
+leave most of a GPU idle, so the context is cut into `num_splits` ranges of whole tiles, grid (B, Hkv,
+num_splits): each split writes its partial output, normalised over its own keys, and their log-sum-exp, and
+`merge_splits` combines them exactly. With num_splits = 1 the single partial is the answer, written to `out`.
 
-    out_s = Σ_{j∈s} exp(x_j − lse_s) v_j,    lse_s = log Σ_{j∈s} exp(x_j)       (x = q·k·scale)
-
-A second small kernel merges them exactly: with lse = logsumexp_s(lse_s),
-out = Σ_s exp(lse_s − lse) · out_s. A split whose range is empty (short sequences, or more
-splits than tiles) is *neutral*: l = 0, out_s = 0, lse_s = −inf, weight exp(−inf) = 0. Split 0
-is never empty (context_lens ≥ 1), so lse is finite. With num_splits = 1 the kernel's single
-partial already is the answer and is written straight to `out`. `choose_num_splits` says how
-many splits fill a GPU.
+**Quantized pools** (`kv_cache_dtype` int8 / fp8_e4m3 / fp8_e5m2, nanoserve/kv/quant.py): K and V hold 8-bit
+codes, `k_scale`/`v_scale` [num_blocks, block_size, Hkv] one fp16 scale per token and kv head. Each tile is
+dequantized in registers as it is loaded (kernels/kv_quant.py: codes · scale, in q's dtype); no
+full-precision copy of the cache exists anywhere.
 
 **Precision.** On a GPU, q·kᵀ and p·v run in the input dtype on tensor cores with fp32
 accumulation (p is rounded to fp16/bf16 for the second product, as in FlashAttention), and fp32
@@ -56,12 +51,10 @@ import triton
 import triton.language as tl
 
 from .checks import check_paged_attention, check_softcap, check_window
-from .configs import INTERPRETER, pick
-from .flash_attention import softcap_scores
-
-BLOCK_N = INTERPRETER["decode"].tiles[0]  # key positions per tile in the interpreter (GPU: configs.DECODE)
-MIN_TILES_PER_SPLIT = 4  # choose_num_splits: a split must have work enough (4 · 32 keys) to pay for the merge
-MAX_SPLITS = 32
+from .configs import pick
+from .kv_quant import load_kv_tile
+from .online_softmax import softcap_scores
+from .split_kv import choose_num_splits, merge_splits
 
 
 # ----------------------------------------------------------------------------- the reference
@@ -86,23 +79,17 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, sm_scal
     return out
 
 
-def merge_splits_ref(partial_out, partial_lse, out_dtype=torch.float32) -> torch.Tensor:
-    """Plain torch: out = Σ_s exp(lse_s − lse) · out_s over partials [B, H, S, D], lse [B, H, S]."""
-    weights = partial_lse.softmax(dim=-1)  # B, H, S   (= exp(lse_s − logsumexp_s lse_s))
-    return (weights[..., None] * partial_out).sum(dim=2).to(out_dtype)  # B, H, D
-
-
 # ----------------------------------------------------------------------------- the kernels
 @triton.jit
 def _paged_decode_kernel(
-    Q, K_cache, V_cache, block_tables, context_lens, Out, Lse,
+    Q, K_cache, V_cache, K_scale, V_scale, block_tables, context_lens, Out, Lse,
     stride_qb, stride_qh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     stride_bt,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-    qk_scale, head_dim, window,
+    qk_scale, head_dim, n_kv_heads, window,
     SOFTCAP: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
-    D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, KV_QUANT: tl.constexpr,
 ):
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(context_lens + b).to(tl.int32)
@@ -133,10 +120,13 @@ def _paged_decode_kernel(
         blk = tl.load(block_tables + b * stride_bt + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         off = pos % BLOCK_SIZE
         kv_mask = n_mask[:, None] & d_mask[None, :]  # masked slots are never read: NaN there cannot leak
-        k = tl.load(K_cache + blk[:, None] * stride_kcb + off[:, None] * stride_kcs + kvh * stride_kch
-                    + offs_d[None, :], mask=kv_mask, other=0.0)  # BLOCK_N, D_PAD
-        v = tl.load(V_cache + blk[:, None] * stride_vcb + off[:, None] * stride_vcs + kvh * stride_vch
-                    + offs_d[None, :], mask=kv_mask, other=0.0)  # BLOCK_N, D_PAD
+        scale_at = (blk * BLOCK_SIZE + off) * n_kv_heads + kvh  # BLOCK_N   a quantized pool's scale of each key
+        k = load_kv_tile(K_cache + blk[:, None] * stride_kcb + off[:, None] * stride_kcs + kvh * stride_kch
+                         + offs_d[None, :], kv_mask, K_scale + scale_at[:, None], n_mask[:, None],
+                         KV_QUANT, q.dtype)  # BLOCK_N, D_PAD
+        v = load_kv_tile(V_cache + blk[:, None] * stride_vcb + off[:, None] * stride_vcs + kvh * stride_vch
+                         + offs_d[None, :], kv_mask, V_scale + scale_at[:, None], n_mask[:, None],
+                         KV_QUANT, q.dtype)  # BLOCK_N, D_PAD
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -161,42 +151,23 @@ def _paged_decode_kernel(
     tl.store(Lse + b * stride_lb + heads * stride_lh + split, lse, mask=row_mask)
 
 
-@triton.jit
-def _merge_splits_kernel(
-    Part, Lse, Out,
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-    num_splits, head_dim,
-    S_PAD: tl.constexpr, D_PAD: tl.constexpr,
-):
-    b, h = tl.program_id(0), tl.program_id(1)  # one program per (sequence, query head)
-    offs_s = tl.arange(0, S_PAD)
-    offs_d = tl.arange(0, D_PAD)
-    s_mask = offs_s < num_splits
-    lse = tl.load(Lse + b * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"))  # S_PAD
-    w = tl.exp(lse - tl.max(lse, axis=0))  # S_PAD   the max is finite (split 0 is never empty)
-    w = w / tl.sum(w, axis=0)  # = exp(lse_s − logsumexp lse); empty splits get exactly 0
-    mask = s_mask[:, None] & (offs_d[None, :] < head_dim)
-    part = tl.load(Part + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
-                   mask=mask, other=0.0)  # S_PAD, D_PAD
-    out = tl.sum(w[:, None] * part, axis=0)  # D_PAD
-    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=offs_d < head_dim)
-
-
 # ----------------------------------------------------------------------------- the wrappers
 def paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, sm_scale=None, num_splits=1,
-                          *, out=None, max_context=None, window=None, softcap=None):
+                          *, out=None, max_context=None, window=None, softcap=None, k_scale=None, v_scale=None,
+                          kv_cache_dtype="auto"):
     """The first phase alone: partial outputs [B, H, num_splits, D] and their log-sum-exps [B, H, num_splits] (fp32).
 
     With `out` ([B, H, D]) and num_splits = 1, the single partial is written straight to it instead.
     max_context: a bound on context_lens known on the host (see `paged_attention`), checked with the values.
     """
-    check_paged_attention(q, k_cache, v_cache, block_tables, context_lens, num_splits, max_context)
+    quant = check_paged_attention(q, k_cache, v_cache, block_tables, context_lens, num_splits, max_context,
+                                  k_scale, v_scale, kv_cache_dtype)
     window, softcap = check_window(window), check_softcap(softcap)
     if out is not None and (num_splits != 1 or out.shape != q.shape or out.stride(-1) != 1):
         raise ValueError("out= is for num_splits = 1 only, and must be shaped like q, contiguous in head_dim")
     B, H, D = q.shape
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
-    launch = pick("decode", q.device, q.dtype, D)
+    launch = pick("decode", q.device, q.dtype, D, kv8=bool(quant))
     q, block_tables, context_lens = q.contiguous(), block_tables.contiguous(), context_lens.contiguous()
     scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
     lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)  # B, H, S
@@ -205,39 +176,25 @@ def paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, sm_sc
         part_strides = part.stride()[:3]
     else:  # num_splits == 1: the "partial" is the final output, in q's dtype
         part, part_strides = out, (out.stride(0), out.stride(1), 0)
+    if not quant:  # dummies: the KV_QUANT = 0 kernel never reads them
+        k_scale = v_scale = lse
     _paged_decode_kernel[(B, Hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, part, lse,
+        q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, part, lse,
         q.stride(0), q.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0),
         *part_strides, lse.stride(0), lse.stride(1),
-        scale * 1.4426950408889634, D, window,  # · log2 e
+        scale * 1.4426950408889634, D, Hkv, window,  # · log2 e
         SOFTCAP=softcap, BLOCK_SIZE=bs, GROUP=H // Hkv, G_PAD=max(16, triton.next_power_of_2(H // Hkv)),
-        D_PAD=max(16, triton.next_power_of_2(D)), BLOCK_N=launch.tiles[0], UPCAST=launch.upcast,
+        D_PAD=max(16, triton.next_power_of_2(D)), BLOCK_N=launch.tiles[0], UPCAST=launch.upcast, KV_QUANT=quant,
         **launch.options(),
     )
     return part, lse
 
 
-def merge_splits(partial_out, partial_lse, out_dtype=torch.float32) -> torch.Tensor:
-    """The second phase: merge partials [B, H, S, D] with their lse [B, H, S] into out [B, H, D]."""
-    B, H, S, D = partial_out.shape
-    if partial_lse.shape != (B, H, S):
-        raise ValueError(f"partial_lse must be [{B}, {H}, {S}], got {tuple(partial_lse.shape)}")
-    partial_out, partial_lse = partial_out.contiguous(), partial_lse.contiguous()
-    out = torch.empty(B, H, D, dtype=out_dtype, device=partial_out.device)  # B, H, D
-    _merge_splits_kernel[(B, H)](
-        partial_out, partial_lse, out,
-        *partial_out.stride()[:3], *partial_lse.stride()[:2], out.stride(0), out.stride(1),
-        S, D,
-        S_PAD=max(2, triton.next_power_of_2(S)), D_PAD=triton.next_power_of_2(D),
-    )
-    return out
-
-
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, sm_scale=None, num_splits: int | None = 1,
-                    *, max_context: int | None = None, window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    *, max_context: int | None = None, window: int | None = None, softcap: float | None = None,
+                    k_scale=None, v_scale=None, kv_cache_dtype: str = "auto") -> torch.Tensor:
     """Decode attention over paged K/V.
 
     q [B, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks]
@@ -247,8 +204,11 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, sm_scale=No
     lets `choose_num_splits` decide from max_context, the longest context (or any bound above it)
     known on the host; without it that reads context_lens, a host sync on a GPU. window: a sliding
     window, each query sees its `window` newest keys only (None: all). softcap: scores x ->
-    softcap·tanh(x / softcap) before the softmax (None: off).
+    softcap·tanh(x / softcap) before the softmax (None: off). kv_cache_dtype "int8" / "fp8_e4m3" /
+    "fp8_e5m2": the pools hold 8-bit codes (int8, or FP8 bits in uint8) and k_scale, v_scale
+    [num_blocks, block_size, Hkv] their fp16 scales (nanoserve/kv/quant.py), dequantized as they are read.
     """
+    kv = dict(k_scale=k_scale, v_scale=v_scale, kv_cache_dtype=kv_cache_dtype)
     if num_splits is None:
         if max_context is None:
             max_context = int(context_lens.max()) if context_lens.numel() else 1
@@ -256,28 +216,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, sm_scale=No
     if num_splits == 1:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)  # B, H, D
         paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, sm_scale, 1, out=out,
-                              max_context=max_context, window=window, softcap=softcap)
+                              max_context=max_context, window=window, softcap=softcap, **kv)
         return out
     part, lse = paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, sm_scale, num_splits,
-                                      max_context=max_context, window=window, softcap=softcap)
+                                      max_context=max_context, window=window, softcap=softcap, **kv)
     return merge_splits(part, lse, q.dtype)
 
 
-def choose_num_splits(batch: int, num_heads: int, max_context: int | None, num_sms: int | None = None) -> int:
-    """How many KV splits fill the GPU: S = ⌈num_sms / (batch · num_heads)⌉, capped.
-
-    batch · num_heads is the number of programs without splitting; pass the number of *kv* heads,
-    since one program serves a whole GQA group. One wave of num_sms programs keeps every SM busy,
-    so more programs than that buy nothing. Caps: each split keeps ≥ MIN_TILES_PER_SPLIT tiles of
-    BLOCK_N keys (a split shorter than that costs more in launch and merge than it saves; None = the
-    longest context is unknown: no such cap), and at most MAX_SPLITS. num_sms = None reads it from
-    the current CUDA device; on CPU the answer is 1. Reads no tensor: no host sync.
-    """
-    if num_sms is None:
-        if not torch.cuda.is_available():
-            return 1
-        num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    programs = max(1, batch * num_heads)
-    fill = -(-num_sms // programs)  # ⌈num_sms / programs⌉
-    by_length = MAX_SPLITS if max_context is None else max(1, -(-max_context // BLOCK_N) // MIN_TILES_PER_SPLIT)
-    return max(1, min(fill, by_length, MAX_SPLITS))

@@ -2,7 +2,10 @@
 
 k, v [N, Hkv, D] go to slots `slot_mapping` [N] (−1 = padding, not written) of the pools
 [num_blocks, block_size, Hkv, D] (the layout: nanoserve/kv/cache.py). One program per token;
-`store_kv_ref` is the same in plain torch. Taught in notebooks/04_attention_kernels.ipynb.
+`store_kv_ref` is the same in plain torch. With a quantized pool (`kv_cache_dtype` int8 / fp8_e4m3 /
+fp8_e5m2) the program quantizes its token first, one fp16 scale per kv head into k_scale, v_scale
+[num_blocks, block_size, Hkv] (kernels/kv_quant.py, bit for bit as nanoserve/kv/quant.py). Taught in
+notebooks/04_attention_kernels.ipynb and 12_kv_cache_quantization.ipynb.
 """
 
 from __future__ import annotations
@@ -11,24 +14,35 @@ import triton
 import triton.language as tl
 
 from .checks import INT_DTYPES, can_read_values, check_pools
+from .configs import DTYPES
+from .kv_quant import qmax, quantize_rows
 
 
-def store_kv_ref(k, v, k_cache, v_cache, slot_mapping) -> None:
+def store_kv_ref(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=None,
+                 kv_cache_dtype="auto") -> None:
     """Plain torch: write k, v [N, Hkv, D] into slots `slot_mapping` [N] of the pools (−1: skip)."""
+    from ..kv.quant import kv_quant
+
     nb, bs, Hkv, D = k_cache.shape
     keep = slot_mapping >= 0  # N
     slots = slot_mapping[keep]  # n real tokens
-    k_cache.view(nb * bs, Hkv, D)[slots] = k[keep]  # slots, Hkv, D
-    v_cache.view(nb * bs, Hkv, D)[slots] = v[keep]
+    quant = kv_quant(kv_cache_dtype)
+    for x, pool, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        rows = x[keep]  # n, Hkv, D
+        if quant is not None:
+            rows, s = quant.quantize(rows)  # n, Hkv, D codes; n, Hkv scales
+            scales.view(nb * bs, Hkv)[slots] = s
+        pool.view(nb * bs, Hkv, D)[slots] = rows
 
 
 @triton.jit
 def _store_kv_kernel(
-    K, V, K_cache, V_cache, slot_mapping,
+    K, V, K_cache, V_cache, K_scale, V_scale, slot_mapping,
     stride_kn, stride_kh, stride_vn, stride_vh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     n_kv_heads, head_dim,
-    BLOCK_SIZE: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr, KV_QUANT: tl.constexpr,
+    QMAX: tl.constexpr,
 ):
     i = tl.program_id(0)  # one program per new token
     slot = tl.load(slot_mapping + i).to(tl.int64)
@@ -41,21 +55,34 @@ def _store_kv_kernel(
     offs_h = tl.arange(0, H_PAD)
     offs_d = tl.arange(0, D_PAD)
     mask = (offs_h[:, None] < n_kv_heads) & (offs_d[None, :] < head_dim)  # H_PAD, D_PAD
-    k = tl.load(K + i * stride_kn + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
-    v = tl.load(V + i * stride_vn + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    # (padding reads 0: it must not count in a quantized head's max|x|)
+    k = tl.load(K + i * stride_kn + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask, other=0.0)
+    v = tl.load(V + i * stride_vn + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask, other=0.0)
     kc = K_cache + blk * stride_kcb + off * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :]
     vc = V_cache + blk * stride_vcb + off * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :]
-    tl.store(kc, k, mask=mask)  # bit copy: no arithmetic, so bf16 is fine in the interpreter
-    tl.store(vc, v, mask=mask)
+    if KV_QUANT == 0:
+        tl.store(kc, k, mask=mask)  # bit copy: no arithmetic, so bf16 is fine in the interpreter
+        tl.store(vc, v, mask=mask)
+    else:  # 8 bits per value and one scale per head, at slot · Hkv + head in the [.., block_size, Hkv] scales
+        k_codes, k_s = quantize_rows(k.to(tl.float32), KV_QUANT, QMAX)  # H_PAD, D_PAD; H_PAD
+        v_codes, v_s = quantize_rows(v.to(tl.float32), KV_QUANT, QMAX)
+        tl.store(kc, k_codes, mask=mask)
+        tl.store(vc, v_codes, mask=mask)
+        tl.store(K_scale + slot * n_kv_heads + offs_h, k_s, mask=offs_h < n_kv_heads)
+        tl.store(V_scale + slot * n_kv_heads + offs_h, v_s, mask=offs_h < n_kv_heads)
 
 
-def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """Write k, v [N, Hkv, D] into the pools [num_blocks, block_size, Hkv, D] at `slot_mapping` [N]."""
-    check_pools(k_cache, v_cache)
+def store_kv(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=None, kv_cache_dtype="auto") -> None:
+    """Write k, v [N, Hkv, D] into the pools [num_blocks, block_size, Hkv, D] at `slot_mapping` [N].
+
+    kv_cache_dtype "int8" / "fp8_e4m3" / "fp8_e5m2": quantize them first, codes into the pools (int8, or
+    FP8 bits in uint8) and one fp16 scale per token and kv head into k_scale, v_scale [num_blocks, block_size, Hkv].
+    """
+    quant = check_pools(k_cache, v_cache, k_scale, v_scale, kv_cache_dtype)
     nb, bs, Hkv, D = k_cache.shape
     if k.shape != v.shape or k.dim() != 3 or k.shape[1:] != (Hkv, D):
         raise ValueError(f"k, v must be [N, {Hkv}, {D}] like the pools, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if k.dtype != k_cache.dtype or v.dtype != k_cache.dtype:
+    if k.dtype != v.dtype or (k.dtype != k_cache.dtype and not quant) or k.dtype not in DTYPES:
         raise ValueError(f"k, v dtypes {k.dtype}, {v.dtype} differ from the pools' {k_cache.dtype}")
     if slot_mapping.shape != (k.shape[0],) or slot_mapping.dtype not in INT_DTYPES:
         raise ValueError(f"slot_mapping must be int32/int64 [{k.shape[0]}], got {slot_mapping.dtype} "
@@ -66,10 +93,13 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
     if k.shape[0] == 0:
         return
     k, v, slot_mapping = k.contiguous(), v.contiguous(), slot_mapping.contiguous()
+    if not quant:  # dummies: the KV_QUANT = 0 kernel never reads them
+        k_scale = v_scale = slot_mapping
     _store_kv_kernel[(k.shape[0],)](
-        k, v, k_cache, v_cache, slot_mapping,
+        k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         Hkv, D,
-        BLOCK_SIZE=bs, H_PAD=triton.next_power_of_2(Hkv), D_PAD=triton.next_power_of_2(D),
+        BLOCK_SIZE=bs, H_PAD=triton.next_power_of_2(Hkv), D_PAD=triton.next_power_of_2(D), KV_QUANT=quant,
+        QMAX=qmax(kv_cache_dtype) if quant else 0.0,
     )

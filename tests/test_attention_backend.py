@@ -27,14 +27,17 @@ CASES = ["gpt2", "llama-gqa", "qwen3-window", "gemma2"]  # MHA with a learned po
 # never); Gemma 2's soft-capped scores with its own scale, in two windowed layers and one global
 
 
-def _step_logits(model, cfg, backend, batch, prefill, *, num_kv_splits=None, poison=False, view_cls=None):
+def _step_logits(model, cfg, backend, batch, prefill, *, num_kv_splits=None, poison=False, view_cls=None,
+                 kv_cache_dtype="auto"):
     """Logits [steps, B, V]: a ragged-free prefill of `prefill` tokens, then one decode step per token."""
     B, T = batch.shape
-    cache = KVCache(cfg, batch_size=B, max_seq_len=T, block_size=4, attention_backend=backend)
+    cache = KVCache(cfg, batch_size=B, max_seq_len=T, block_size=4, attention_backend=backend,
+                    kv_cache_dtype=kv_cache_dtype)
     cache.pool.num_kv_splits = num_kv_splits
     if poison:  # unused slots hold NaN: a kernel reading past a context returns NaN
-        cache.pool.k.fill_(float("nan"))
-        cache.pool.v.fill_(float("nan"))
+        for pool in (cache.pool.k, cache.pool.v, cache.pool.k_scale, cache.pool.v_scale):
+            if pool is not None:  # (int8 codes have no NaN: their NaN scales poison them; 0x7F is FP8's NaN)
+                pool.fill_(float("nan") if pool.is_floating_point() else 0x7F)
     if view_cls is not None:
         cache.pool.bind = lambda meta: view_cls(cache.pool, meta)
     steps = [model(batch[:, :prefill], cache=cache, last_only=True)[:, -1]]
@@ -54,6 +57,23 @@ def test_triton_backend_logits_match_torch(hf_checkpoints, case):
         assert torch.isfinite(got).all()
         err = (got - ref).abs().max().item()
         assert err <= 1e-4, f"{case}, num_kv_splits={splits}: max |Δ logits| = {err:.2e}"
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@torch.no_grad()
+def test_triton_backend_on_a_quantized_pool_matches_torch(hf_checkpoints, kv_cache_dtype):
+    """8-bit pools: store_kv quantizes as kv/quant.py does, bit for bit, and the kernels dequantize in registers,
+    so both backends attend over the same values; Gemma 2 for its windows and soft-capped scores."""
+    model, cfg, _ = load_model(hf_checkpoints["gemma2"][0])
+    batch = torch.randint(0, cfg.vocab_size, (2, 14), generator=torch.Generator().manual_seed(0))
+    ref = _step_logits(model, cfg, "torch", batch, prefill=9, kv_cache_dtype=kv_cache_dtype)
+    got = _step_logits(model, cfg, "triton", batch, prefill=9, num_kv_splits=3, poison=True,
+                       kv_cache_dtype=kv_cache_dtype)
+    assert torch.isfinite(got).all()
+    err = (got - ref).abs().max().item()
+    assert err <= 1e-4, f"{kv_cache_dtype}: max |Δ logits| = {err:.2e}"
+    plain = _step_logits(model, cfg, "torch", batch, prefill=9)
+    assert (plain - ref).abs().max().item() > 1e-3  # the quantization itself shows (8e-3 for int8), far above that
 
 
 class _DropNewestKey(TritonCacheView):
@@ -97,6 +117,32 @@ def test_triton_backend_engine_same_tokens(hf_checkpoints, case):
     assert runs["triton"][0] == runs["torch"][0]
     assert runs["triton"][1] == runs["torch"][1]
     assert all(len(t) == 7 for t in runs["triton"][0] + runs["triton"][1])
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_triton_backend_engine_same_tokens_on_a_quantized_pool(hf_checkpoints, kv_cache_dtype):
+    """The allocator's paths on 8-bit blocks with the kernels: chunked prefill, a prefix-cache hit, n = 2
+    forks (copy-on-write), and preemption in a pool too small for three requests — the torch backend's tokens."""
+    path = str(hf_checkpoints["llama-gqa"][0])
+    prompts = [list(range(5, 24)), [40, 41, 42], [7] * 9]
+    params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+    runs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(path, attention_backend=backend, block_size=4, max_num_batched_tokens=8,
+                  kv_cache_dtype=kv_cache_dtype)
+        first = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        hit = llm.generate([prompts[0][:12] + [99]], params, use_tqdm=False)[0]
+        assert hit.num_cached_tokens == 12
+        forks = llm.generate([prompts[1]], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, n=2),
+                             use_tqdm=False)[0]
+        small = LLM(path, attention_backend=backend, block_size=4, num_blocks=9, kv_cache_dtype=kv_cache_dtype,
+                    enable_prefix_caching=False)
+        tight = [o.outputs[0].token_ids for o in small.generate(prompts, params, use_tqdm=False)]
+        assert small.engine.scheduler.num_preemptions > 0, "the pool must be small enough to preempt"
+        runs[backend] = (first, hit.outputs[0].token_ids, [c.token_ids for c in forks.outputs], tight)
+    assert runs["triton"] == runs["torch"]
+    first, _, forks, tight = runs["triton"]
+    assert forks == [first[1], first[1]] and tight == first
 
 
 def test_default_backend_and_bad_name(hf_checkpoints):

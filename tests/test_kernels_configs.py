@@ -17,6 +17,7 @@ from nanoserve.kernels import checks, configs, triton_attention_supported
 from nanoserve.kernels import dequant_matmul as dm
 from nanoserve.kernels import flash_attention as fa
 from nanoserve.kernels import paged_attention as pa
+from nanoserve.kernels import split_kv as spk
 from nanoserve.kernels import store_kv as sk
 from torch.overrides import TorchFunctionMode
 
@@ -58,7 +59,7 @@ def gpu(monkeypatch):
     monkeypatch.setattr(checks, "on_host", lambda *tensors: False)
     monkeypatch.setattr(checks, "DEBUG_CHECKS", False)
     fakes = {}
-    for module, name in ((fa, "_flash_attention_kernel"), (pa, "_paged_decode_kernel"), (pa, "_merge_splits_kernel"),
+    for module, name in ((fa, "_flash_attention_kernel"), (pa, "_paged_decode_kernel"), (spk, "_merge_splits_kernel"),
                          (sk, "_store_kv_kernel"), (dm, "_dequant_gemm_kernel"), (dm, "_dequant_gemv_kernel"),
                          (dm, "_dequantize_kernel")):
         fakes[name] = FakeKernel()

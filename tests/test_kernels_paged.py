@@ -17,15 +17,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from nanoserve.kernels.paged_attention import (
-    BLOCK_N,
-    choose_num_splits,
-    merge_splits,
-    merge_splits_ref,
-    paged_attention,
-    paged_attention_ref,
-    paged_attention_split,
-)
+from nanoserve.kernels.paged_attention import paged_attention, paged_attention_ref, paged_attention_split
+from nanoserve.kernels.split_kv import BLOCK_N, choose_num_splits, merge_splits, merge_splits_ref
 from nanoserve.kernels.store_kv import store_kv, store_kv_ref
 
 BS = 8  # page size: lengths 1, BS−1, BS, BS+1 and 100 cross many page and tile (BLOCK_N) boundaries

@@ -89,11 +89,6 @@ class PagedKVCache:
         shape = (cfg.n_layers, num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
         self.quant = kv_quant(kv_cache_dtype)  # None: K/V in the model's dtype; else 8-bit codes + scales
         self.kv_cache_dtype, self.dtype = kv_cache_dtype, dtype  # dtype: what attention computes in
-        if self.quant is not None and attention_backend is None:
-            attention_backend = "torch"  # the Triton kernels do not read quantized blocks (yet)
-        elif self.quant is not None and attention_backend == "triton":
-            raise NanoserveError(f"kv_cache_dtype={kv_cache_dtype!r} needs attention_backend='torch': the Triton "
-                                 "kernels do not read quantized KV blocks yet")
         storage = dtype if self.quant is None else self.quant.storage
         self.k = torch.zeros(shape, dtype=storage, device=device)
         self.v = torch.zeros(shape, dtype=storage, device=device)

@@ -27,9 +27,10 @@ class KVCache:
 
     def __init__(self, cfg: ModelConfig, batch_size: int, max_seq_len: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", block_size: int = 16,
-                 attention_backend: str | None = "torch"):
+                 attention_backend: str | None = "torch", kv_cache_dtype: str = "auto"):
         n = -(-max_seq_len // block_size)  # blocks per row
-        self.pool = PagedKVCache(cfg, batch_size * n, block_size, dtype, device, attention_backend)
+        self.pool = PagedKVCache(cfg, batch_size * n, block_size, dtype, device, attention_backend,
+                                 kv_cache_dtype=kv_cache_dtype)
         self.block_tables = torch.arange(batch_size * n).view(batch_size, n)  # B, n (on the host: see _bind)
         self.device = torch.device(device)
         self.batch_size, self.max_seq_len, self.block_size = batch_size, max_seq_len, block_size

@@ -29,7 +29,7 @@ from ..errors import NanoserveError
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
 SCALE_DTYPE = torch.float16  # one per (token, head)
-_TINY = 2.0 ** -14  # fp16's smallest normal: scales never underflow to 0 (an all-zero head stays 0)
+MIN_SCALE = 2.0 ** -14  # fp16's smallest normal: scales never underflow to 0 (an all-zero head stays 0)
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class KVQuant:
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [..., D] -> (q [..., D] in `storage`, scale [...] fp16) with x ≈ q · scale."""
-        scale = (x.abs().amax(-1).float() / self.qmax).clamp(min=_TINY).to(SCALE_DTYPE)  # ...
+        scale = (x.abs().amax(-1).float() / self.qmax).clamp(min=MIN_SCALE).to(SCALE_DTYPE)  # ...
         y = x.float() / scale.float()[..., None]  # ..., D   in [-qmax, qmax]
         if self.fp8 is None:
             return y.round().clamp(-self.qmax, self.qmax).to(torch.int8), scale
