@@ -138,7 +138,7 @@ def _flash_attention_kernel(
                              + offs_d[None, :] * stride_vcd, n_ok[:, None] & d_ok[None, :],
                              V_scale + scale_at[:, None], n_ok[:, None], KV_QUANT, q.dtype)  # BLOCK_N, BLOCK_D
             valid = n_ok[None, :] & m_ok[:, None]  # BLOCK_M, BLOCK_N
-            if CAUSAL:  # only bites when Lq > Lk (queries before the prefix's end)
+            if CAUSAL:  # bites where queries sit inside the prefix: Lq > Lk, or all keys paged (Lk = 0)
                 valid = valid & (t[None, :] <= q_pos[:, None])
             if window > 0:
                 valid = valid & (t[None, :] > q_pos[:, None] - window)

@@ -43,7 +43,7 @@ class TritonCacheView(CacheView):
         self.block_tables_i32 = meta.block_tables.to(torch.int32)  # B, max_blocks
         self.context_lens_i32 = meta.context_lens.to(torch.int32)  # B
         self.quantized = cache.quant is not None
-        if self.quantized:  # every key read from the pool: no new keys per row (see above)
+        if self.quantized and not self.decode:  # a prefill reads every key from the pool: no new keys per row
             self.no_new_keys = torch.zeros_like(self.cu_seqlens)  # B+1
         self.num_splits = cache.num_kv_splits
         if self.num_splits is None:  # from host values: choosing must not read the device
