@@ -47,7 +47,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     v_cache: torch.Tensor | None = None, context_lens: torch.Tensor | None = None,
                     *, block_m: int | None = None, block_n: int | None = None,
                     max_seqlen_q: int | None = None, window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None, kv_cache_dtype: str = "auto") -> torch.Tensor:
     """Attention over packed sequences.  q [total_q, H, D]; k, v [total_k, Hkv, D] -> [total_q, H, D].
 
     cu_seqlens_q/k [B+1]: cumulative lengths. causal: bottom-right aligned (query i of Lq sits at
@@ -57,7 +58,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     t % block_size]. block_m/block_n override the tile sizes (16 is right for the interpreter).
     max_seqlen_q: the longest query sequence if the caller knows it (None: read it from cu_seqlens_q).
     window, softcap: a sliding window and a soft-cap of the scores (Mistral, Gemma; not part of this
-    exercise, whose tests pass None: the reference shows both).
+    exercise, whose tests pass None: the reference shows both). k_scale, v_scale, kv_cache_dtype: an 8-bit
+    paged prefix (notebook 12; not part of this exercise either: its tests keep the default "auto").
     Output in q's dtype.
     """
     raise NotImplementedError(

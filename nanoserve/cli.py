@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attention over the KV cache (default: triton on CUDA, torch on CPU)")
     g.add_argument("--kv-cache-dtype", default="auto",
                    help="auto (K/V in the model's dtype), int8, fp8_e4m3 or fp8_e5m2 (a scale per token and head)")
+    g.add_argument("--quantization", choices=["fp8", "int8", "llm.int8"],
+                   help="make a float checkpoint's linears 8-bit as it loads: W8A8 fp8 or int8, or LLM.int8")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
@@ -111,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--attention-backend", choices=["torch", "triton"])
     v.add_argument("--kv-cache-dtype", default="auto",
                    help="auto (K/V in the model's dtype), int8, fp8_e4m3 or fp8_e5m2 (a scale per token and head)")
+    v.add_argument("--quantization", choices=["fp8", "int8", "llm.int8"],
+                   help="make a float checkpoint's linears 8-bit as it loads: W8A8 fp8 or int8, or LLM.int8")
     v.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
                    help="largest request body accepted (default 4 MiB); larger ones get 413")
     v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -126,7 +130,7 @@ def cmd_generate(args) -> None:
                             repetition_penalty=args.repetition_penalty, max_tokens=args.max_tokens,
                             seed=args.seed, stop=args.stop)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
-              kv_cache_dtype=args.kv_cache_dtype, **_spec_kwargs(args))
+              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, **_spec_kwargs(args))
     n_prompt = len(llm.encode_prompt(args.prompt))
     start = time.perf_counter()
     n_out = 0
@@ -230,7 +234,7 @@ def cmd_serve(args) -> None:
           dtype=args.dtype, device=args.device,
           max_waiting=args.max_waiting, max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
           max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
-          kv_cache_dtype=args.kv_cache_dtype, **_spec_kwargs(args))
+          kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, **_spec_kwargs(args))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,7 @@ from ..errors import NanoserveError, RequestFailedError, is_fatal
 from ..kv.cache import kv_bytes_per_token, num_blocks_for_budget
 from ..kv.quant import kv_quant
 from ..models.loader import load_model
+from ..quant.online import check_quantization, quantize_on_load
 from ..spec.spec_decode import SpecDecodeConfig, build_spec_decoder
 from .block_allocator import BlockAllocator
 from .input_processor import InputProcessor
@@ -47,6 +48,8 @@ class LLMEngine:
     KV cache: a pool of `num_blocks` blocks of `block_size` tokens, sized from `kv_cache_memory`
     bytes when given, else the bytes of 8 full-context sequences in the model's dtype; K/V in that dtype,
     or 8-bit with `kv_cache_dtype` "int8" / "fp8_e4m3" / "fp8_e5m2" (kv/quant.py). Prefix caching is on.
+    `quantization` "fp8" / "int8" / "llm.int8" makes a float checkpoint's linears 8-bit as it loads
+    (quant/online.py).
     Scheduling: at most `max_num_seqs` sequences and `max_num_batched_tokens` new tokens per
     step; chunked prefill on by default; `max_waiting` bounds the queue (None: unbounded).
     Attention: `attention_backend` "torch" (gather + SDPA) or "triton" (the paged kernels of
@@ -60,11 +63,14 @@ class LLMEngine:
                  enable_chunked_prefill: bool = True, max_waiting: int | None = None,
                  attention_backend: str | None = None, speculative_model: str | None = None,
                  speculative: str | None = None, num_speculative_tokens: int = 4, speculative_adaptive: bool = True,
-                 enforce_eager: bool = False, kv_cache_dtype: str = "auto"):
-        kv_quant(kv_cache_dtype)  # this and the speculative arguments are checked before any model loads
+                 enforce_eager: bool = False, kv_cache_dtype: str = "auto", quantization: str | None = None):
+        kv_quant(kv_cache_dtype)  # these and the speculative arguments are checked before any model loads
+        check_quantization(quantization)
         spec_cfg = SpecDecodeConfig.from_args(speculative, num_speculative_tokens, speculative_model,
                                               speculative_adaptive)
         self.model, self.config, self.tokenizer = load_model(model, dtype=dtype, device=device)
+        if quantization is not None:  # a float checkpoint made 8-bit as it loads (quant/online.py)
+            quantize_on_load(self.model, quantization)
         self.model_name, self.max_model_len = str(model), self.config.max_position_embeddings
         self.device, self.dtype = next(self.model.parameters()).device, next(self.model.parameters()).dtype
         if num_blocks is None:
@@ -78,6 +84,8 @@ class LLMEngine:
         # decode steps replay CUDA graphs where they can (engine/cuda_graph.py); else this says why not
         self.cuda_graphs_off = "enforce_eager=True" if enforce_eager else self.runner.use_cuda_graphs(
             max_num_seqs, self.max_model_len)
+        if quantization == "llm.int8" and not self.cuda_graphs_off:  # its outlier columns: a host sync per layer
+            self.cuda_graphs_off = "quantization='llm.int8' picks each batch's outlier features on the host"
         self.inputs = InputProcessor(self.config, self.tokenizer, self.device, num_blocks, block_size, self.model_name)
         self.spec = None if spec_cfg is None else build_spec_decoder(spec_cfg, self)
         self.requests: dict[str, Request] = {}

@@ -1,0 +1,93 @@
+"""W8A8: int8 weights *and* int8 activations, multiplied as integers.
+
+Weight-only int8 (rtn.py, bits = 8) still multiplies in floating point: it saves memory, not
+arithmetic. With both operands in int8 the product runs on integer units (int8 tensor cores give
+twice fp16's throughput) and accumulates exactly in int32:
+
+    x ≈ q_x · s_x   one scale per token (row of x), computed on the fly: s_x = max|x_t| / 127
+    W ≈ q_w · s_w   one scale per output channel (row of W), computed once: s_w = max|W_n| / 127
+    y = x·Wᵀ ≈ (q_x · q_wᵀ) ⊙ (s_x s_wᵀ)       the int32 product, then one float multiply per output
+
+The scales sit outside the sum over K, which is what lets the integer GEMM run unscaled. Per-token
+and per-channel are the granularities that keep that true ("vector-wise", LLM.int8 section 3.1).
+The weak point is the activation grid: one outlier feature of 60 in a row of values near 1 makes
+s_x = 60/127 and rounds the rest to a handful of levels — what LLM.int8 (llm_int8.py) computes apart
+and SmoothQuant (smoothquant.py) moves into the weights.
+
+`int8_mm` multiplies with `torch._int_mm` (int8 × int8 → int32 on CPU; on CUDA it needs more than 16
+rows and K, N multiples of 8, so a decode-sized batch is padded to 17 rows); `int8_mm_ref` is the
+exact integer reference (float64 holds every partial sum: |q| ≤ 127, K < 2^38). Taught in
+notebooks/13_w8a8.ipynb.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+QMAX = 127
+MIN_SCALE = 1e-8  # an all-zero row keeps a finite scale (its codes are 0)
+
+
+def quantize_int8(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 with one scale per slice along `dim`'s complement: x [..., K] -> q int8, s fp32 [...]
+    (dim = −1: one scale per row, i.e. per token of an activation or per output channel of a weight)."""
+    s = (x.detach().abs().amax(dim).float() / QMAX).clamp(min=MIN_SCALE)  # ...
+    q = (x.float() / s.unsqueeze(dim)).round().clamp(-QMAX, QMAX).to(torch.int8)
+    return q, s
+
+
+def int8_mm_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Exact integer product of int8 a [M, K] and int8 b [N, K]: int32 [M, N] = a · bᵀ (via float64, exact)."""
+    return (a.double() @ b.double().T).to(torch.int32)
+
+
+def int8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """int8 a [M, K] · int8 b [N, K]ᵀ -> int32 [M, N], with torch._int_mm (exactly `int8_mm_ref`)."""
+    M, K = a.shape
+    if a.device.type == "cuda":
+        N = b.shape[0]
+        if K % 8 or N % 8:
+            return int8_mm_ref(a, b)  # cuBLASLt's int8 GEMM needs K and N multiples of 8
+        if M <= 16:  # ... and more than 16 rows: pad, multiply, drop the padding
+            return torch._int_mm(F.pad(a, (0, 0, 0, 17 - M)), b.T)[:M]
+    return torch._int_mm(a, b.T)  # b.T: [K, N], column-major, as cuBLASLt wants it
+
+
+class W8A8Linear(nn.Module):
+    """y = x · Wᵀ + b with W int8 per output channel and x quantized to int8 per token at every call."""
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight)  # N, K int8
+        self.register_buffer("weight_scale", weight_scale)  # N fp32
+        self.register_buffer("bias", bias)  # N or None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> W8A8Linear:
+        q, s = quantize_int8(linear.weight)  # N, K; N
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(q, s, bias)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.weight.float() * self.weight_scale[:, None]  # N, K
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        xq, xs = quantize_int8(x.reshape(-1, self.in_features))  # T, K int8; T
+        y = int8_mm(xq, self.weight).float() * xs[:, None] * self.weight_scale[None, :]  # T, N
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype).view(*shape[:-1], self.out_features)
+
+    def forward_ref(self, x: torch.Tensor) -> torch.Tensor:
+        """The same in float: dequantize both operands, multiply (equal up to float rounding)."""
+        xq, xs = quantize_int8(x.reshape(-1, self.in_features))
+        y = F.linear(xq.double() * xs.double()[:, None], self.dequantized_weight().double(),
+                     None if self.bias is None else self.bias.double())
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, W8A8 int8 (per channel × per token)"

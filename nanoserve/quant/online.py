@@ -1,0 +1,42 @@
+"""Quantization at load time: `LLM(..., quantization=...)`, vLLM's `quantization="fp8"` for a float checkpoint.
+
+None of these needs calibration data, so a float model becomes 8-bit as it loads:
+
+- "fp8": FP8-e4m3 weights, one scale per output channel, and FP8 activations with one scale per token
+  computed at every call (W8A8-FP8, fp8.py; tensor cores on sm_89+, a dequantizing fallback elsewhere);
+- "int8": int8 weights per channel, int8 activations per token, an int32 GEMM (W8A8, int8.py);
+- "llm.int8": LLM.int8's decomposition, outlier features in float (llm_int8.py).
+
+SmoothQuant (smoothquant.py) does need calibration text: `smooth_model`, then `quantize_linears` with
+`W8A8Linear.from_linear`. Every linear of every decoder block is replaced; embeddings and the LM head
+stay in float.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..errors import NanoserveError
+from .fp8 import FP8Linear
+from .int8 import W8A8Linear
+from .llm_int8 import LLMInt8Linear
+from .qlinear import QuantLinear
+from .smoothquant import quantize_linears
+
+QUANTIZATION_METHODS = {"fp8": FP8Linear.from_linear, "int8": W8A8Linear.from_linear,
+                        "llm.int8": LLMInt8Linear.from_linear}
+
+
+def check_quantization(quantization: str | None) -> None:
+    if quantization is not None and quantization not in QUANTIZATION_METHODS:
+        raise NanoserveError(f"quantization={quantization!r}; allowed: None (the checkpoint as it is), "
+                             f"{', '.join(QUANTIZATION_METHODS)}")
+
+
+def quantize_on_load(model: nn.Module, quantization: str) -> list[str]:
+    """Replace the block linears of a float model by 8-bit ones, in place; returns their names."""
+    check_quantization(quantization)
+    if any(isinstance(m, QuantLinear) for m in model.modules()):
+        raise NanoserveError(f"quantization={quantization!r} quantizes a float checkpoint; this one is already "
+                             "quantized (GPTQ / AWQ): load it without `quantization`")
+    return quantize_linears(model, QUANTIZATION_METHODS[quantization])
