@@ -6,7 +6,9 @@ quantized linear `<name>.weight` is replaced by `<name>.qweight / .qzeros / .sca
 
     "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": false, "sym": true, ...}
 
-An AutoAWQ (GEMM) checkpoint has `qweight / qzeros / scales` in its own interleaved layout and
+gptqmodel's GPTQ v2 (`"checkpoint_format": "gptq_v2"`) stores the zero points themselves where v1
+stores zero − 1; it is converted to v1 on load. An AutoAWQ (GEMM) checkpoint has
+`qweight / qzeros / scales` in its own interleaved layout and
 `"quant_method": "awq"`. nanoserve computes with one layout, `QuantLinear`'s (GPTQ v1), so AWQ
 tensors are unpacked and repacked on load; since v1 stores zero − 1, a group whose AWQ zero
 point is 0 cannot be held and is refused with a clear error.
@@ -22,10 +24,11 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
-from .packing import pack_gptq, unpack_awq
+from .packing import pack_gptq, unpack_awq, unpack_gptq
 from .qlinear import QuantLinear
 
 SUPPORTED_QUANT_METHODS = ("gptq", "awq")
+GPTQ_FORMATS = ("gptq", "gptq_v2")  # v1 stores each zero point − 1 (AutoGPTQ's offset), v2 the zero point itself
 
 
 def check_quantization_config(qcfg: dict) -> str:
@@ -35,8 +38,8 @@ def check_quantization_config(qcfg: dict) -> str:
         raise CheckpointError(f"quantization_config.quant_method={method!r} is not supported; nanoserve loads "
                               f"{', '.join(SUPPORTED_QUANT_METHODS)} checkpoints")
     fmt = qcfg.get("checkpoint_format", "gptq")
-    if method == "gptq" and fmt != "gptq":
-        raise CheckpointError(f"GPTQ checkpoint_format={fmt!r} is not supported (only the v1 'gptq' format)")
+    if method == "gptq" and fmt not in GPTQ_FORMATS:
+        raise CheckpointError(f"GPTQ checkpoint_format={fmt!r} is not supported; allowed: {', '.join(GPTQ_FORMATS)}")
     if method == "awq" and str(qcfg.get("version", "gemm")).lower() != "gemm":
         raise CheckpointError(f"AWQ version={qcfg.get('version')!r} is not supported (only 'gemm')")
     bits = qcfg.get("bits", qcfg.get("w_bit"))
@@ -71,9 +74,25 @@ def quantized_layers(tensors: dict[str, torch.Tensor], qcfg: dict) -> dict[str, 
             parts.update(packed)
         elif "g_idx" not in parts:
             raise CheckpointError(f"{name}: GPTQ layer without g_idx")
+        elif qcfg.get("checkpoint_format") == "gptq_v2":
+            parts.update(_v2_to_v1(name, parts, bits))
         parts["bits"] = bits
         layers[name] = parts
     return layers
+
+
+def _v2_to_v1(name: str, parts: dict, bits: int) -> dict[str, torch.Tensor]:
+    """GPTQ v2 tensors (gptqmodel's format: qzeros hold the zero points themselves) in the v1 layout."""
+    try:
+        codes, zeros, scales, g_idx = unpack_gptq(parts["qweight"], parts["qzeros"], parts["scales"],
+                                                  parts["g_idx"], bits)
+    except ValueError as e:
+        raise CheckpointError(f"{name}: not a valid GPTQ v2 layer: {e}") from e
+    zeros = zeros - 1  # unpack_gptq adds v1's offset back; v2 stored the zero point as it is
+    if (zeros == 0).any():
+        raise CheckpointError(f"{name}: {(zeros == 0).sum().item()} groups have GPTQ v2 zero point 0, which the "
+                              f"v1 layout nanoserve computes with (zero − 1 per field) cannot hold")
+    return pack_gptq(codes, zeros, scales, g_idx, bits)
 
 
 def install_quant_linears(model: nn.Module, layers: dict[str, dict], dtype: torch.dtype,

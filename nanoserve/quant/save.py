@@ -9,6 +9,8 @@ Taught in notebooks/05_*.
 
 from __future__ import annotations
 
+import fnmatch
+import json
 import os
 import shutil
 from pathlib import Path
@@ -57,23 +59,44 @@ def save_quantized(model: nn.Module, result: QuantizeResult, directory: str | os
         try:
             replaced[name] = pack_gptq(qw.codes, qw.zeros, qw.scales, qw.g_idx, qw.bits)
         except ValueError as e:
-            raise NanoserveError(f"{name} cannot be written in the GPTQ v1 format: {e}. Quantize with sym=True "
-                                 f"(zero points are then 2^(bits-1))") from e
+            hint = (" Quantize with sym=True (zero points are then 2^(bits-1))" if not result.config.sym
+                    and "zero" in str(e) else "")
+            raise NanoserveError(f"{name} cannot be written in the GPTQ v1 format: {e}.{hint}") from e
         bias = model.get_submodule(name).bias
         if bias is not None:
             # the model's own dtype: GPTQ readers cast it anyway, and fp16 here would make the reloaded
             # model differ from the one in memory (scales are fp16 in both: the format's dtype)
             replaced[name]["bias"] = bias.detach()
     out = save_checkpoint(model, directory, replaced, result.config.hf_config())
+    # AutoGPTQ reads its settings from quantize_config.json, not from config.json
+    (out / "quantize_config.json").write_text(json.dumps(quantize_config(result.config), indent=2) + "\n")
     if tokenizer_from is not None:
         _copy_tokenizer(tokenizer_from, out)
     return out
 
 
-def _copy_tokenizer(model: str | os.PathLike, out: Path) -> None:
+def quantize_config(config) -> dict:
+    """AutoGPTQ's quantize_config.json for a QuantizeConfig (the same settings as config.json's block)."""
+    return {"bits": config.bits, "group_size": config.group_size, "damp_percent": config.damp,
+            "desc_act": config.act_order, "static_groups": False, "sym": config.sym, "true_sequential": True,
+            "model_name_or_path": None, "model_file_base_name": "model", "quant_method": "gptq",
+            "checkpoint_format": "gptq"}
+
+
+# the files a tokenizer (and a chat template) may live in: copied by name, whatever their size (a Llama-2
+# tokenizer.json is 3.6 MB); never the weights (a llama2.c checkpoint is a .bin too, but not tok*.bin)
+TOKENIZER_FILES = ("tokenizer*.json", "tokenizer*.model", "tokenizer*.bin", "tokenizer*.tiktoken", "tok*.bin",
+                   "tiktoken_config.json", "vocab.json", "merges.txt", "encoder.json", "vocab.bpe", "vocab.txt",
+                   "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
+
+
+def _copy_tokenizer(model: str | os.PathLike, out: Path) -> list[str]:
     src = resolve_model_path(model)
     src = src if src.is_dir() else src.parent
-    for f in src.iterdir():
-        small = f.is_file() and f.stat().st_size < 1 << 20  # tokenizer files, not a llama2.c checkpoint
-        if small and f.suffix in (".json", ".model", ".bin", ".tiktoken", ".bpe") and f.name != "config.json":
+    copied = []
+    for f in sorted(src.iterdir()):
+        if f.is_file() and any(fnmatch.fnmatch(f.name, pattern) for pattern in TOKENIZER_FILES):
             shutil.copy(f, out / f.name)
+            copied.append(f.name)
+    return copied

@@ -1,0 +1,91 @@
+"""Checkpoint formats around GPTQ (issue 24): GPTQ v2 read, quantize_config.json written, every tokenizer
+file copied whatever its size, and errors that name the real problem.
+
+GPTQ v2 (gptqmodel) stores each zero point itself where v1 stores zero − 1; the v2 file here is made from a
+v1 file by adding 1 to every 4-bit field of qzeros nibble by nibble, independently of nanoserve's packing
+code. Negative control: the same v2 tensors declared as v1 give other logits."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from testdata import shared_path
+
+from nanoserve.errors import CheckpointError, NanoserveError
+from nanoserve.models.loader import load_model, resolve_model_path
+from nanoserve.quant.model import QuantizeConfig, calibration_ids, quantize_model
+from nanoserve.quant.save import save_quantized
+
+
+@pytest.fixture(scope="module")
+def v1_checkpoint(tmp_path_factory):
+    model, _, tok = load_model("demo-draft")
+    text = shared_path("corpora", "tinyshakespeare", "input.txt").read_text()[:50_000]
+    calib = calibration_ids(tok, text, nsamples=4, seqlen=64, seed=0)
+    res = quantize_model(model, calib, QuantizeConfig(method="rtn", group_size=32, sym=False), progress=False)
+    return save_quantized(model, res, tmp_path_factory.mktemp("q") / "v1", tokenizer_from="demo-draft")
+
+
+def _plus_one_per_nibble(qzeros: torch.Tensor) -> torch.Tensor:
+    """Each of the eight 4-bit fields of every int32 word + 1 (none overflows: v1 fields hold zero − 1 ≤ 14)."""
+    words = qzeros.to(torch.int64) & 0xFFFFFFFF
+    out = torch.zeros_like(words)
+    for i in range(8):
+        field = (words >> (4 * i)) & 0xF
+        assert (field < 15).all()
+        out |= (field + 1) << (4 * i)
+    return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
+
+
+def _as_v2(v1, out, fmt="gptq_v2"):
+    shutil.copytree(v1, out)
+    tensors = load_file(str(v1 / "model.safetensors"))
+    save_file({k: _plus_one_per_nibble(t) if k.endswith(".qzeros") else t for k, t in tensors.items()},
+              str(out / "model.safetensors"))
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"]["checkpoint_format"] = fmt
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@torch.no_grad()
+def test_gptq_v2_loads_to_the_v1_model(v1_checkpoint, tmp_path):
+    x = torch.randint(0, 257, (2, 30))
+    want = load_model(v1_checkpoint)[0](x)
+    assert torch.equal(load_model(_as_v2(v1_checkpoint, tmp_path / "v2"))[0](x), want)
+    wrong = load_model(_as_v2(v1_checkpoint, tmp_path / "v2-as-v1", fmt="gptq"))[0](x)  # negative control
+    assert (wrong - want).abs().max() > 1e-2
+
+
+def test_quantize_config_json_and_the_tokenizer_files(v1_checkpoint, tmp_path):
+    qc = json.loads((v1_checkpoint / "quantize_config.json").read_text())
+    hf = json.loads((v1_checkpoint / "config.json").read_text())["quantization_config"]
+    assert {k: qc[k] for k in ("bits", "group_size", "desc_act", "sym")} == \
+        {k: hf[k] for k in ("bits", "group_size", "desc_act", "sym")} == \
+        {"bits": 4, "group_size": 32, "desc_act": False, "sym": False}
+    # a tokenizer.json over 1 MiB (a Llama-2 one is 3.6 MB) is copied like the rest
+    src = tmp_path / "big"
+    shutil.copytree(resolve_model_path("demo-draft"), src)
+    big = (src / "tokenizer.json").read_text() + " " * (2 << 20)  # still valid JSON
+    (src / "tokenizer.json").write_text(big)
+    model, _, tok = load_model(src)
+    res = quantize_model(model, None, QuantizeConfig(method="rtn", group_size=32), progress=False)
+    out = save_quantized(model, res, tmp_path / "q", tokenizer_from=src)
+    assert (out / "tokenizer.json").stat().st_size == (src / "tokenizer.json").stat().st_size > 2 << 20
+    assert load_model(out)[2].encode("ROMEO:") == tok.encode("ROMEO:")
+
+
+def test_errors_name_the_real_problem(v1_checkpoint, tmp_path):
+    """stories260K's down_proj has K = 172, not a multiple of 8: the error says so, not 'use sym=True'."""
+    model, _, _ = load_model(shared_path("models", "stories260K", "stories260K.bin"))
+    res = quantize_model(model, None, QuantizeConfig(method="rtn", group_size=-1, sym=True), progress=False)
+    with pytest.raises(NanoserveError, match="must be multiples of 8") as e:
+        save_quantized(model, res, tmp_path / "x")
+    assert "sym=True" not in str(e.value)
+    bad = _as_v2(v1_checkpoint, tmp_path / "v3", fmt="gptq_v3")
+    with pytest.raises(CheckpointError, match="checkpoint_format='gptq_v3' is not supported; allowed: gptq, gptq_v2"):
+        load_model(bad)
