@@ -103,12 +103,13 @@ def capacity(p: dict) -> dict:
         seconds = time.perf_counter() - start
         res[mode] = dict(num_blocks=engine.block_allocator.num_blocks, kv_bytes=llm.engine.runner.kv.nbytes,
                          peak_running=max(running), mean_running=statistics.mean(running),
-                         saturated_running=statistics.mean(saturated), tok_s=total / seconds,
+                         saturated_running=statistics.mean(saturated) if saturated else None, tok_s=total / seconds,
                          preemptions=engine.scheduler.num_preemptions)
     for row in res.values():
         row["blocks_vs_auto"] = row["num_blocks"] / res["auto"]["num_blocks"]
         row["peak_vs_auto"] = row["peak_running"] / res["auto"]["peak_running"]
-        row["saturated_vs_auto"] = row["saturated_running"] / res["auto"]["saturated_running"]
+        saturated = row["saturated_running"], res["auto"]["saturated_running"]  # None: the queue never backed up
+        row["saturated_vs_auto"] = saturated[0] / saturated[1] if None not in saturated else None
     return res
 
 
@@ -140,7 +141,9 @@ def main(argv=None) -> dict:
     print(f"\n{'kv_cache_dtype':15} {'KV blocks':>10} {'running while queued':>21} {'peak running':>13} "
           f"{'mean running':>13} {'tok/s':>8}")
     for mode, row in cap.items():
-        print(f"{mode:15} {row['num_blocks']:>10} {row['saturated_running']:>13.1f} ({row['saturated_vs_auto']:.2f}x) "
+        queued = "-" if row["saturated_running"] is None else \
+            f"{row['saturated_running']:.1f} ({row['saturated_vs_auto']:.2f}x)"
+        print(f"{mode:15} {row['num_blocks']:>10} {queued:>21} "
               f"{row['peak_running']:>13} {row['mean_running']:>13.1f} {row['tok_s']:>8.1f}")
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     return res

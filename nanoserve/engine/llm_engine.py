@@ -6,10 +6,10 @@ Data flows one way, as in vLLM and nano-vllm:
     block slots from the BlockAllocator) → ModelRunner (one batched forward) → sampler (one
     batched draw) → Request.emit (text, stop conditions) → Scheduler.postprocess (sequence state)
 
-`step()` reads as that: schedule → forward → update → sample; the scheduler owns every sequence's state.
-Speculation adds two hooks: drafts join the rows before the forward (`_speculate`) and are verified after
-it (`SpecDecoder.accept`). n > 1 samples fork after prefill (copy-on-write). A fault in one request fails it
-alone (`_fail_request`). Logprobs: engine/logprobs.py. Taught in notebooks/00_* to 03_*.
+`step()` reads as that: schedule → forward → update → sample; the scheduler owns every sequence's state. Speculation:
+drafts join the rows before the forward (`_speculate`), verified after it (`SpecDecoder.accept`). n > 1 samples fork
+after prefill (copy-on-write). A fault in one request fails it alone (`_fail_request`). Logprobs: engine/logprobs.py.
+Taught in notebooks/00_* to 03_*.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from .input_processor import InputProcessor
 from .logprobs import record_prompt_logprobs, sampled_logprobs, wants_prompt_logits
 from .model_runner import ModelRunner
 from .outputs import EngineStats, RequestOutput
-from .request import Prompt, Request, Sample, draw
+from .request import Prompt, Request, Sample, draw, logit_rows
 from .sampler import SamplingParams, mask_from
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import Sequence as SequenceState
@@ -45,16 +45,14 @@ __all__ = ["LLMEngine", "EngineStats"]
 class LLMEngine:
     """Continuous batching over a paged KV cache.
 
-    KV cache: a pool of `num_blocks` blocks of `block_size` tokens, sized from `kv_cache_memory`
-    bytes when given, else the bytes of 8 full-context sequences in the model's dtype; K/V in that dtype,
-    or 8-bit with `kv_cache_dtype` "int8" / "fp8_e4m3" / "fp8_e5m2" (kv/quant.py). Prefix caching is on.
-    `quantization` "fp8" / "int8" / "llm.int8" makes a float checkpoint's linears 8-bit as it loads
-    (quant/online.py).
-    Scheduling: at most `max_num_seqs` sequences and `max_num_batched_tokens` new tokens per
-    step; chunked prefill on by default; `max_waiting` bounds the queue (None: unbounded).
-    Attention: `attention_backend` "torch" (gather + SDPA) or "triton" (the paged kernels of
-    nanoserve.kernels); None picks triton on CUDA and torch on CPU (see nanoserve/kv/). On CUDA
-    with triton, decode steps replay CUDA graphs unless `enforce_eager` (`cuda_graphs_off` says why not).
+    KV cache: a pool of `num_blocks` blocks of `block_size` tokens, sized from `kv_cache_memory` bytes when given,
+    else the bytes of 8 full-context sequences in the model's dtype; K/V in that dtype, or 8-bit with
+    `kv_cache_dtype` "int8" / "fp8_e4m3" / "fp8_e5m2" (kv/quant.py). Prefix caching is on. Linears: 8-bit as they
+    load with `quantization` "fp8" / "int8" / "llm.int8" (quant/online.py). Scheduling: at most `max_num_seqs`
+    sequences and `max_num_batched_tokens` new tokens per step; chunked prefill on by default; `max_waiting` bounds
+    the queue (None: unbounded). Attention: `attention_backend` "torch" (gather + SDPA) or "triton" (the paged
+    kernels of nanoserve.kernels); None picks triton on CUDA and torch on CPU (see nanoserve/kv/). On CUDA with
+    triton, decode steps replay CUDA graphs unless `enforce_eager` (`cuda_graphs_off` says why not).
     """
 
     def __init__(self, model: str = "demo", dtype: str | torch.dtype | None = None, device: str | None = None,
@@ -69,8 +67,7 @@ class LLMEngine:
         spec_cfg = SpecDecodeConfig.from_args(speculative, num_speculative_tokens, speculative_model,
                                               speculative_adaptive)
         self.model, self.config, self.tokenizer = load_model(model, dtype=dtype, device=device)
-        if quantization is not None:  # a float checkpoint made 8-bit as it loads (quant/online.py)
-            quantize_on_load(self.model, quantization)
+        quantize_on_load(self.model, quantization)  # None: the checkpoint as it is
         self.model_name, self.max_model_len = str(model), self.config.max_position_embeddings
         self.device, self.dtype = next(self.model.parameters()).device, next(self.model.parameters()).dtype
         if num_blocks is None:
@@ -84,8 +81,6 @@ class LLMEngine:
         # decode steps replay CUDA graphs where they can (engine/cuda_graph.py); else this says why not
         self.cuda_graphs_off = "enforce_eager=True" if enforce_eager else self.runner.use_cuda_graphs(
             max_num_seqs, self.max_model_len)
-        if quantization == "llm.int8" and not self.cuda_graphs_off:  # its outlier columns: a host sync per layer
-            self.cuda_graphs_off = "quantization='llm.int8' picks each batch's outlier features on the host"
         self.inputs = InputProcessor(self.config, self.tokenizer, self.device, num_blocks, block_size, self.model_name)
         self.spec = None if spec_cfg is None else build_spec_decoder(spec_cfg, self)
         self.requests: dict[str, Request] = {}
@@ -143,9 +138,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule → forward → update → sample; the outputs of the requests that advanced (or failed).
 
-        A fault while handling one request's row fails that request alone; a forward that raises fails
-        every request in it (the fault cannot be pinned to a row); only a fatal error (errors.is_fatal:
-        broken bookkeeping, a device fault) escapes and stops the engine."""
+        A fault while handling one request's row fails that request alone; a forward that raises fails every
+        request in it (the fault cannot be pinned to a row); only a fatal error (errors.is_fatal: broken
+        bookkeeping, a device fault) escapes and stops the engine."""
         sched = self.scheduler.schedule()
         self.last_num_seqs = len(sched.seqs)
         if not self._prepare(sched):
@@ -184,8 +179,8 @@ class LLMEngine:
         return logits
 
     def _update(self, sched: SchedulerOutput, logits, drafts: dict, done: dict) -> list[tuple]:
-        """After the forward: a verification row accepts its drafts and emits; every other row's
-        computed tokens advance. Returns (request, sample, row of logits) for each sample due a token."""
+        """After the forward: a verification row accepts its drafts and emits; every other row's computed tokens
+        advance. Returns (request, sample, row of logits) for each sample due a token."""
         to_sample: list[tuple[Request, Sample, int]] = []
         for row, seq in enumerate(sched.seqs):
             req = self.requests.get(seq.request_id)
@@ -222,13 +217,7 @@ class LLMEngine:
         """One batched draw for every sample due a token (one device→host transfer), then emit each."""
         if not to_sample:
             return
-        rows = [row for _, _, row in to_sample]
-        if not isinstance(logits, torch.Tensor):  # speculation's ragged rows: each [1 + γ, V] or [1, V]
-            x = torch.stack([logits[row][-1] for row in rows])  # R, V
-        elif rows == list(range(logits.shape[0])):
-            x = logits  # every row samples once, in order: no copy (the common decode step)
-        else:
-            x = logits.index_select(0, torch.tensor(rows, device=logits.device))  # R, V
+        x = logit_rows(logits, [row for _, _, row in to_sample])  # R, V
         tokens, nan, lps = draw(x, [(r, s) for r, s, _ in to_sample], self.tokenizer)
         for (req, s, _), token, has_nan, lp in zip(to_sample, tokens, nan, lps):
             if req.output.request_id in self.requests:

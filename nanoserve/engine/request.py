@@ -94,6 +94,16 @@ class Request:
         return tokens, False
 
 
+def logit_rows(logits, rows: list[int]) -> torch.Tensor:
+    """The rows of a step's logits that sample, [R, V]: `logits` [B, V], or speculation's ragged list of
+    [1 + γ, V] / [1, V] (their last row each)."""
+    if not isinstance(logits, torch.Tensor):
+        return torch.stack([logits[row][-1] for row in rows])  # R, V
+    if rows == list(range(logits.shape[0])):
+        return logits  # every row samples once, in order: no copy (the common decode step)
+    return logits.index_select(0, torch.tensor(rows, device=logits.device))  # R, V
+
+
 def draw(logits: torch.Tensor, pairs: list[tuple[Request, Sample]], tokenizer=None) -> tuple[list, list, list]:
     """One token for each (request, sample) pair from its row of logits [R, V], all in one batched draw:
     the grammar's mask (structured outputs), the request's processing and sampling. Returns the tokens,

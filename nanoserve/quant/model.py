@@ -131,7 +131,7 @@ def _group_size(group_size: int, k: int) -> int:
 
 
 @torch.no_grad()
-def _block_inputs(model: nn.Module, block: nn.Module, calib: torch.Tensor, batch_size: int) -> list[tuple]:
+def block_inputs(model: nn.Module, block: nn.Module, calib: torch.Tensor, batch_size: int) -> list[tuple]:
     """Block 0's positional arguments for each calibration batch (hidden states first)."""
     captured = []
 
@@ -151,7 +151,7 @@ def _block_inputs(model: nn.Module, block: nn.Module, calib: torch.Tensor, batch
     return captured
 
 
-def _run(block: nn.Module, inputs: list[tuple]) -> list[torch.Tensor]:
+def run_block(block: nn.Module, inputs: list[tuple]) -> list[torch.Tensor]:
     return [block(*args) for args in inputs]
 
 
@@ -174,12 +174,12 @@ def quantize_model(model: nn.Module, calib: torch.Tensor | None, config: Quantiz
     prefix, blocks = decoder_blocks(model)
     device = next(model.parameters()).device
     result = QuantizeResult(config=config, qweights={})
-    inputs = _block_inputs(model, blocks[0], calib.to(device), batch_size) if calib is not None else None
+    inputs = block_inputs(model, blocks[0], calib.to(device), batch_size) if calib is not None else None
     bar = tqdm(total=sum(len(n) for b in blocks for _, n in block_groups(model, b)),
                desc=f"{config.method} {config.bits}-bit", unit="layer", disable=not progress)
     for i, block in enumerate(blocks):
         groups = block_groups(model, block)
-        ref = _run(block, inputs) if inputs is not None else None
+        ref = run_block(block, inputs) if inputs is not None else None
         if config.method == "awq":
             _awq_block(block, groups, inputs, config, result, f"{prefix}.{i}.")
         for _prev, names in groups:
@@ -187,7 +187,7 @@ def quantize_model(model: nn.Module, calib: torch.Tensor | None, config: Quantiz
                 lins = {n: block.get_submodule(n) for n in names}
                 stats = {n: GPTQ(lin.weight) for n, lin in lins.items()}
                 with capture_inputs(lins, lambda n, x, stats=stats: stats[n].add_batch(x)):
-                    _run(block, inputs)
+                    run_block(block, inputs)
             for n in names:
                 lin = block.get_submodule(n)
                 N, K = lin.weight.shape
@@ -201,7 +201,7 @@ def quantize_model(model: nn.Module, calib: torch.Tensor | None, config: Quantiz
                 result.layers.append(LayerReport(f"{prefix}.{i}.{n}", (N, K), gs))
                 bar.update()
         if inputs is not None:
-            outs = _run(block, inputs)
+            outs = run_block(block, inputs)
             err = sum(((o - r).float() ** 2).sum().item() for o, r in zip(outs, ref))
             result.block_errors.append(err / max(sum((r.float() ** 2).sum().item() for r in ref), 1e-30))
             inputs = [(o, *args[1:]) for o, args in zip(outs, inputs)]
@@ -218,7 +218,7 @@ def _awq_block(block: nn.Module, groups: Sequence[tuple[str | None, list[str]]],
         gs = _group_size(config.group_size, K)
         xs = []
         with capture_inputs({names[0]: lins[0]}, lambda n, x, xs=xs, K=K: xs.append(x.reshape(-1, K))):
-            _run(block, inputs)
+            run_block(block, inputs)
         x = torch.cat(xs)                                                    # T, K
         # q and k feed attention scores, which clipping hurts (the reference code skips them)
         clip = not any(n.endswith(("q_proj", "k_proj", "c_attn")) for n in names)

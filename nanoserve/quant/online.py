@@ -33,9 +33,11 @@ def check_quantization(quantization: str | None) -> None:
                              f"{', '.join(QUANTIZATION_METHODS)}")
 
 
-def quantize_on_load(model: nn.Module, quantization: str) -> list[str]:
-    """Replace the block linears of a float model by 8-bit ones, in place; returns their names."""
+def quantize_on_load(model: nn.Module, quantization: str | None) -> list[str]:
+    """Replace the block linears of a float model by 8-bit ones, in place; returns their names (None: none)."""
     check_quantization(quantization)
+    if quantization is None:
+        return []
     if any(isinstance(m, QuantLinear) for m in model.modules()):
         raise NanoserveError(f"quantization={quantization!r} quantizes a float checkpoint; this one is already "
                              "quantized (GPTQ / AWQ): load it without `quantization`")

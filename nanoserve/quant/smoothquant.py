@@ -26,7 +26,7 @@ from torch import nn
 from ..errors import NanoserveError
 from .awq import fold_scales
 from .gptq import capture_inputs
-from .model import _block_inputs, _run, block_groups, decoder_blocks
+from .model import block_groups, block_inputs, decoder_blocks, run_block
 
 MIN = 1e-5  # keeps s finite for a channel that is zero in X or in W
 
@@ -44,7 +44,7 @@ def smoothing_factors(act_max: torch.Tensor, weights: Sequence[torch.Tensor], al
 def channel_maxima(model: nn.Module, calib: torch.Tensor, batch_size: int = 8) -> dict[str, torch.Tensor]:
     """max |x_k| over the calibration tokens of the input of every block linear: {module name: [K]}."""
     prefix, blocks = decoder_blocks(model)
-    inputs = _block_inputs(model, blocks[0], calib, batch_size)
+    inputs = block_inputs(model, blocks[0], calib, batch_size)
     found: dict[str, torch.Tensor] = {}
 
     def record(name, x):
@@ -54,7 +54,7 @@ def channel_maxima(model: nn.Module, calib: torch.Tensor, batch_size: int = 8) -
     for i, block in enumerate(blocks):
         names = [n for _, group in block_groups(model, block) for n in group]
         with capture_inputs({f"{prefix}.{i}.{n}": block.get_submodule(n) for n in names}, record):
-            outs = _run(block, inputs)
+            outs = run_block(block, inputs)
         inputs = [(o, *args[1:]) for o, args in zip(outs, inputs)]
     return found
 

@@ -1,0 +1,148 @@
+"""Exercise 16: SmoothQuant (nanoserve/quant/smoothquant.py: smoothing_factors, smooth_model).
+
+Oracles outside the code under test: the formula's defining property — at α = 0.5 the smoothed input and
+weight have the same maximum per channel, √(max|X_k| · max|W_k|) — checked on a layer and, measured with
+hooks, on every smoothed group of a real model (demo-draft, a Llama); α = 0 and α = 1 as limits; and the
+model's logits, which smoothing must not change. Known-wrong variants at the end: α and 1 − α swapped,
+the weight maximum of the group's first linear only, and 1/s folded the wrong way (multiplied).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import nanoserve.quant.smoothquant as reference
+from nanoserve.errors import NanoserveError
+from nanoserve.models.loader import load_model
+from nanoserve.quant.awq import fold_scales
+from nanoserve.quant.gptq import capture_inputs
+from nanoserve.quant.model import block_groups, decoder_blocks
+
+REFERENCE = "nanoserve.quant.smoothquant"
+EXERCISE = "smoothquant"
+pytestmark = pytest.mark.ex16
+
+
+def _layer(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    act_max = torch.rand(48, generator=g) * 2 + 0.1
+    act_max[[3, 30]] = 40.0  # two outlier channels
+    act_max[7] = 0.0  # a channel that never fires: clamped, not a division by zero
+    return act_max, [torch.randn(16, 48, generator=g), torch.randn(24, 48, generator=g) * 3]  # the second dominates
+
+
+# ----------------------------------------------------------------------------- checks (shared with the mutants)
+def check_factors(impl):
+    act_max, weights = _layer()
+    w_max = torch.maximum(weights[0].abs().amax(0), weights[1].abs().amax(0))  # 48
+    s = impl.smoothing_factors(act_max, weights, 0.5)
+    assert s.shape == (48,) and torch.isfinite(s).all() and (s > 0).all()
+    live = act_max > 0
+    torch.testing.assert_close((act_max / s)[live], (w_max * s)[live], rtol=1e-4, atol=0)  # balanced at α = 0.5
+    torch.testing.assert_close(impl.smoothing_factors(act_max, weights, 1.0)[live], act_max[live])
+    torch.testing.assert_close(impl.smoothing_factors(act_max, weights, 0.0), 1 / w_max)
+    with pytest.raises(NanoserveError, match="alpha"):
+        impl.smoothing_factors(act_max, weights, -0.1)
+
+
+def _model_and_calib():
+    model, cfg, _ = load_model("demo-draft")
+    calib = torch.randint(0, cfg.vocab_size, (3, 32), generator=torch.Generator().manual_seed(0))
+    return model, calib
+
+
+def _input_maxima(model, calib, groups):
+    """max |x_k| of each group's input over calib, measured with hooks: {group name: [K]}."""
+    seen = {}
+
+    def record(name, x):
+        m = x.reshape(-1, x.shape[-1]).abs().amax(0)
+        seen[name] = torch.maximum(seen[name], m) if name in seen else m
+
+    with capture_inputs({name: lins[0] for name, (_, lins) in groups.items()}, record):
+        model(calib)
+    return seen
+
+
+@torch.no_grad()
+def check_smooth_model(impl):
+    model, calib = _model_and_calib()
+    prefix, blocks = decoder_blocks(model)
+    groups = {f"{prefix}.{i}.{names[0]}": (names, [b.get_submodule(n) for n in names])
+              for i, b in enumerate(blocks) for prev, names in block_groups(model, b) if prev is not None}
+    prevs = {prev for prev, _ in block_groups(model, blocks[0])}  # e.g. mlp.up_proj, whose rows down_proj's s divides
+    before, logits = _input_maxima(model, calib, groups), model(calib)
+    factors = impl.smooth_model(model, calib, alpha=0.5)
+    torch.testing.assert_close(model(calib), logits, atol=1e-4, rtol=1e-5)  # the float model is unchanged
+    assert set(factors) == set(groups)
+    after = _input_maxima(model, calib, groups)
+    for name, (names, lins) in groups.items():
+        torch.testing.assert_close(after[name], before[name] / factors[name], rtol=1e-4, atol=1e-6)  # X' = X / s
+        if not prevs & set(names):  # no later fold touched these weights: balanced at α = 0.5
+            w_max = torch.stack([lin.weight.abs().amax(0) for lin in lins]).amax(0)  # K
+            torch.testing.assert_close(after[name], w_max, rtol=2e-3, atol=1e-5)
+    with pytest.raises(NanoserveError, match="calibration ids"):
+        impl.smooth_model(model, torch.randn(2, 8))
+
+
+# ----------------------------------------------------------------------------- the tests
+def test_ex16_1_smoothing_factors(impl):
+    check_factors(impl)
+
+
+def test_ex16_2_smooth_model_keeps_the_model_and_balances_every_group(impl):
+    check_smooth_model(impl)
+
+
+# ----------------------------------------------------------------------------- known-wrong variants
+def _variant(swap_alpha=False, first_only=False, fold_wrong=False):
+    def smoothing_factors(act_max, weights, alpha):
+        if not 0 <= alpha <= 1:
+            raise NanoserveError(f"alpha {alpha}")
+        weights = weights[:1] if first_only else weights
+        w_max = torch.stack([w.abs().amax(0).float() for w in weights]).amax(0)
+        a = 1 - alpha if swap_alpha else alpha
+        return (act_max.clamp(min=1e-5) ** a / w_max.clamp(min=1e-5) ** (1 - a)).clamp(min=1e-5)
+
+    @torch.no_grad()
+    def smooth_model(model, calib, alpha=0.5, batch_size=8):
+        if calib.dim() != 2 or calib.dtype not in (torch.int32, torch.int64):
+            raise NanoserveError("calibration ids must be an integer tensor")
+        maxima = reference.channel_maxima(model, calib, batch_size)
+        prefix, blocks = decoder_blocks(model)
+        out = {}
+        for i, block in enumerate(blocks):
+            for prev, names in block_groups(model, block):
+                if prev is None:
+                    continue
+                lins = [block.get_submodule(n) for n in names]
+                s = smoothing_factors(maxima[f"{prefix}.{i}.{names[0]}"], [lin.weight for lin in lins], alpha)
+                fold_scales(block.get_submodule(prev), lins, 1 / s if fold_wrong else s)
+                out[f"{prefix}.{i}.{names[0]}"] = s
+        return out
+
+    return SimpleNamespace(smoothing_factors=smoothing_factors, smooth_model=smooth_model)
+
+
+WRONG = {
+    "α and 1 − α swapped": (_variant(swap_alpha=True), [check_factors]),  # (at α = 0.5 they agree)
+    "the first linear's weights only": (_variant(first_only=True), [check_factors, check_smooth_model]),
+    "1/s folded into the weights, s into the norm": (_variant(fold_wrong=True), [check_smooth_model]),
+}
+
+
+@pytest.mark.parametrize("name", list(WRONG))
+def test_ex16_known_wrong_variants_fail(name):
+    wrong, checks = WRONG[name]
+    for check in checks:
+        with pytest.raises(AssertionError):
+            check(wrong)
+
+
+def test_ex16_the_checks_pass_on_a_right_variant_built_the_same_way():
+    right = _variant()
+    for check in (check_factors, check_smooth_model):
+        check(right)
