@@ -10,7 +10,9 @@ the training split (seed 0). Rows: fp32; int8 weight-only (RTN, one scale per ro
 per channel × per token, no smoothing); SmoothQuant W8A8 at α = 0.25, 0.5, 0.75; LLM.int8 (threshold
 6); FP8-e4m3 weights (per channel) alone and with per-token FP8 activations. Also, per model, the
 activation outliers the methods are about: the largest |x| of any input feature of any block linear over
-the calibration tokens, and that over the median feature's. Saves JSON, prints a table.
+the calibration tokens, and that over the median feature's. Neither model is large enough for the outlier
+features LLM.int8 reports from 6.7B parameters on, so "stories260K+outliers" puts two in without changing the
+float model (`inject_outliers`): the model SmoothQuant and LLM.int8 are for. Saves JSON, prints a table.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ from pathlib import Path
 import torch
 
 from nanoserve.models.loader import load_model
+from nanoserve.quant.awq import fold_scales
 from nanoserve.quant.fp8 import FP8Linear
 from nanoserve.quant.int8 import W8A8Linear
 from nanoserve.quant.llm_int8 import LLMInt8Linear
-from nanoserve.quant.model import QuantizeConfig, calibration_ids, quantize_model
+from nanoserve.quant.model import QuantizeConfig, block_groups, calibration_ids, decoder_blocks, quantize_model
 from nanoserve.quant.smoothquant import channel_maxima, quantize_linears, smooth_model
 from nanoserve.tools.evaluate import perplexity
 
@@ -38,6 +41,25 @@ MODELS = {  # name: (model, corpus, training split, eval tokens)
     "stories260K": (str(SHARED / "models/stories260K/stories260K.bin"),
                     SHARED / "corpora/tinystories/tinystories_val_sample.txt", 0.5, 40_000),
 }
+MODELS["stories260K+outliers"] = MODELS["stories260K"]  # with outlier features put in (`inject_outliers`)
+OUTLIER_CHANNELS, OUTLIER_FACTOR = (5, 37), 30.0
+
+
+@torch.no_grad()
+def inject_outliers(model) -> None:
+    """Give the model the outlier features of a large LLM without changing what it computes: every norm that
+    feeds linears multiplies channels 5 and 37 by 30 and the linears reading them divide those columns by 30
+    (smoothing run backwards: awq.fold_scales with s = 1/30 there). The float model is the same one; its
+    activations now have two features 30x larger in every token, as LLM.int8 describes them."""
+    prefix, blocks = decoder_blocks(model)
+    for block in blocks:
+        for prev, names in block_groups(model, block):
+            if prev is None or isinstance(block.get_submodule(prev), torch.nn.Linear):
+                continue
+            lins = [block.get_submodule(n) for n in names]
+            s = torch.ones(lins[0].in_features)
+            s[list(OUTLIER_CHANNELS)] = 1 / OUTLIER_FACTOR
+            fold_scales(block.get_submodule(prev), lins, s)
 ALPHAS = (0.25, 0.5, 0.75)
 
 
@@ -60,18 +82,26 @@ def methods():
     return rows
 
 
+def _load(name: str, path: str):
+    model, cfg, tok = load_model(path)
+    if name.endswith("+outliers"):
+        inject_outliers(model)
+    return model, cfg, tok
+
+
 @torch.no_grad()
 def run(name: str, quick: bool) -> dict:
     path, corpus, split, max_tokens = MODELS[name]
     text = corpus.read_text()
     calib_text, eval_text = text[: int(len(text) * split)], text[int(len(text) * split):]
     max_tokens = 600 if quick else max_tokens
-    model, cfg, tok = load_model(path)
+    load = lambda: _load(name, path)  # noqa: E731
+    model, cfg, tok = load()
     calib = calibration_ids(tok, calib_text[:300_000], 4 if quick else 32, min(128, cfg.max_position_embeddings))
     maxima = torch.cat(list(channel_maxima(model, calib).values()))  # every feature of every block linear's input
     rows, base = {}, None
     for label, apply in methods().items():
-        model, _, _ = load_model(path)
+        model, _, _ = load()
         apply(model, calib)
         r = perplexity(model, tok, eval_text, max_tokens=max_tokens, progress=False)
         nll = r.nll_sum / r.n_tokens

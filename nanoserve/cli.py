@@ -85,9 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--slo-tpot-ms", type=float, help="serve: goodput's time-per-output-token SLO")
     _add_spec_args(b)
 
-    q = sub.add_parser("quantize", help="quantize a model's linears (RTN, GPTQ or AWQ), save in GPTQ format")
+    q = sub.add_parser("quantize", help="quantize a model's linears (RTN, GPTQ, AWQ; W8A8 int8, SmoothQuant, FP8), "
+                                        "save in the GPTQ or compressed-tensors format")
     _add_model_args(q)
-    q.add_argument("--method", choices=["rtn", "gptq", "awq"], default="gptq")
+    q.add_argument("--method", choices=["rtn", "gptq", "awq", "int8", "smoothquant", "fp8"], default="gptq",
+                   help="int8: W8A8 (per-channel weights, per-token activations); smoothquant: the same after "
+                        "SmoothQuant's smoothing (needs --calib); fp8: W8A8-FP8. These three write compressed-tensors")
+    q.add_argument("--format", choices=["gptq", "compressed-tensors"],
+                   help="checkpoint format of the 4-bit methods (default gptq)")
+    q.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant's migration strength α in [0, 1]")
     q.add_argument("--bits", type=int, default=4, help="2..8 (the GPTQ format stores 2, 3, 4 or 8)")
     q.add_argument("--group-size", type=int, default=128, help="weights per (scale, zero); -1 = one group per row")
     q.add_argument("--asym", action="store_true", help="asymmetric grid (zero points per group; default symmetric)")
@@ -195,20 +201,36 @@ def cmd_bench(args) -> None:
 def cmd_quantize(args) -> None:
     from .models.loader import load_model
     from .quant.model import QuantizeConfig, calibration_ids, quantize_model
-    from .quant.save import save_quantized
+    from .quant.online import quantize_on_load
+    from .quant.save import replace_linears, save_compressed, save_quantized
+    from .quant.smoothquant import smooth_model
     from .tools.evaluate import read_text
 
-    config = QuantizeConfig(method=args.method, bits=args.bits, group_size=args.group_size, sym=not args.asym,
-                            act_order=args.act_order)
-    if args.method != "rtn" and not args.calib:
+    w8 = args.method in ("int8", "smoothquant", "fp8")
+    if w8 and args.format == "gptq":
+        raise NanoserveError(f"--method {args.method} is saved in the compressed-tensors format, not gptq")
+    if args.method not in ("rtn", "int8", "fp8") and not args.calib:
         raise NanoserveError(f"--method {args.method} needs --calib FILE (text to calibrate on)")
     text = read_text(args.calib) if args.calib else None
     model, cfg, tok = load_model(args.model, dtype=args.dtype, device=args.device)
     seqlen = args.seqlen or min(cfg.max_position_embeddings, 512)
     calib = calibration_ids(tok, text, args.nsamples, seqlen, args.seed) if text is not None else None
     start = time.perf_counter()
+    if w8:
+        if args.method == "smoothquant":
+            smooth_model(model, calib, args.alpha)
+        names = quantize_on_load(model, "fp8" if args.method == "fp8" else "int8")
+        out = save_compressed(model, args.out, tokenizer_from=args.model)
+        print(f"[nanoserve] {args.method}: {len(names)} linears in {time.perf_counter() - start:.1f}s; saved to {out}",
+              file=sys.stderr)
+        return
+    config = QuantizeConfig(method=args.method, bits=args.bits, group_size=args.group_size, sym=not args.asym,
+                            act_order=args.act_order)
     result = quantize_model(model, calib, config)
-    out = save_quantized(model, result, args.out, tokenizer_from=args.model)
+    if args.format == "compressed-tensors":
+        out = save_compressed(replace_linears(model, result.qweights), args.out, tokenizer_from=args.model)
+    else:
+        out = save_quantized(model, result, args.out, tokenizer_from=args.model)
     print(f"[nanoserve] {args.method} {args.bits}-bit g{args.group_size}: {len(result.qweights)} linears in "
           f"{time.perf_counter() - start:.1f}s; block output errors "
           f"{', '.join(f'{e:.2e}' for e in result.block_errors) or '(no calibration)'}; saved to {out}",

@@ -15,7 +15,9 @@ point is 0 cannot be held and is refused with a clear error.
 
 GPT-2's Conv1D layers are stored in quantized checkpoints with the same [K/8, N] qweight as
 any linear (AutoGPTQ replaces them by its QuantLinear), so no transposition applies to them.
-models/loader.py calls `quantized_layers` and `install_quant_linears`; saving is save.py.
+compressed-tensors checkpoints (llmcompressor's) are read by compressed_tensors.py: W4A16 layers become
+QuantLinears, W8A8 int8 and FP8 ones `W8A8Linear` / `FP8Linear`. models/loader.py calls `quantized_layers`
+and `install_quant_linears`; saving is save.py.
 """
 
 from __future__ import annotations
@@ -24,16 +26,19 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
+from . import compressed_tensors
 from .packing import pack_gptq, unpack_awq, unpack_gptq
 from .qlinear import QuantLinear
 
-SUPPORTED_QUANT_METHODS = ("gptq", "awq")
+SUPPORTED_QUANT_METHODS = ("gptq", "awq", "compressed-tensors")
 GPTQ_FORMATS = ("gptq", "gptq_v2")  # v1 stores each zero point − 1 (AutoGPTQ's offset), v2 the zero point itself
 
 
 def check_quantization_config(qcfg: dict) -> str:
     """The quant_method of a checkpoint's quantization_config, or a CheckpointError."""
     method = qcfg.get("quant_method") if isinstance(qcfg, dict) else None
+    if method == "compressed-tensors":
+        compressed_tensors.scheme(qcfg)  # a CheckpointError naming an unsupported scheme
     if method not in SUPPORTED_QUANT_METHODS:
         raise CheckpointError(f"quantization_config.quant_method={method!r} is not supported; nanoserve loads "
                               f"{', '.join(SUPPORTED_QUANT_METHODS)} checkpoints")
@@ -52,6 +57,8 @@ def quantized_layers(tensors: dict[str, torch.Tensor], qcfg: dict) -> dict[str, 
     """name → GPTQ v1 tensors {qweight, qzeros, scales, g_idx, bias?} for every quantized linear;
     AWQ tensors are repacked. Removes those entries from `tensors`."""
     method = check_quantization_config(qcfg)
+    if method == "compressed-tensors":
+        return compressed_tensors.read_layers(tensors, qcfg)
     bits = int(qcfg.get("bits", qcfg.get("w_bit", 4)))
     names = sorted(k[: -len(".qweight")] for k in tensors if k.endswith(".qweight"))
     if not names:
@@ -106,6 +113,16 @@ def install_quant_linears(model: nn.Module, layers: dict[str, dict], dtype: torc
             raise CheckpointError(f"quantized tensor {name}.qweight names no layer of this model") from e
         if not isinstance(lin, nn.Linear):
             raise CheckpointError(f"quantized tensor {name}.qweight names a {type(lin).__name__}, not a linear")
+        if "module" in parts:  # an 8-bit layer made whole by its reader (compressed_tensors.py)
+            module = parts["module"]
+            if (module.in_features, module.out_features) != (lin.in_features, lin.out_features):
+                raise CheckpointError(f"{name}: the file's layer is [{module.out_features}, {module.in_features}], "
+                                      f"the model's [{lin.out_features}, {lin.in_features}]")
+            if module.bias is None and lin.bias is not None:
+                raise CheckpointError(f"{name}: the model's layer has a bias, the file has none")
+            module.bias = None if module.bias is None else module.bias.to(dtype)
+            setattr(model.get_submodule(parent_name), child, module.to(device))
+            continue
         bits, G = parts["bits"], parts["scales"].shape[0]
         K, N = lin.in_features, lin.out_features
         group_size = -(-K // G)

@@ -1,4 +1,4 @@
-"""Saving a quantized model in the GPTQ (v1) format, so that other tools load it too.
+"""Saving a quantized model in the GPTQ (v1) or compressed-tensors format, so that other tools load it too.
 
 A GPTQ checkpoint is an ordinary HF directory (config.json + model.safetensors) where each
 quantized linear `<name>.weight` is replaced by `<name>.qweight / .qzeros / .scales / .g_idx`
@@ -20,6 +20,7 @@ from torch import nn
 
 from ..errors import NanoserveError
 from ..models.loader import resolve_model_path, save_checkpoint
+from . import compressed_tensors
 from .model import QuantizeResult
 from .packing import pack_gptq
 from .qlinear import QuantLinear
@@ -70,6 +71,20 @@ def save_quantized(model: nn.Module, result: QuantizeResult, directory: str | os
     out = save_checkpoint(model, directory, replaced, result.config.hf_config())
     # AutoGPTQ reads its settings from quantize_config.json, not from config.json
     (out / "quantize_config.json").write_text(json.dumps(quantize_config(result.config), indent=2) + "\n")
+    if tokenizer_from is not None:
+        _copy_tokenizer(tokenizer_from, out)
+    return out
+
+
+def save_compressed(model: nn.Module, directory: str | os.PathLike,
+                    tokenizer_from: str | os.PathLike | None = None) -> Path:
+    """Write a model whose block linears are 8-bit (W8A8Linear, FP8Linear) or 4-bit QuantLinears in the
+    compressed-tensors format (compressed_tensors.py): llmcompressor's, which vLLM and transformers read."""
+    if model.config.arch == "gpt2":
+        raise NanoserveError("compressed-tensors quantizes nn.Linear modules; transformers' GPT-2 has Conv1D layers, "
+                             "so its checkpoint would not load: save GPT-2 in the GPTQ format")
+    replaced, qcfg = compressed_tensors.tensors_and_config(model)
+    out = save_checkpoint(model, directory, replaced, qcfg)
     if tokenizer_from is not None:
         _copy_tokenizer(tokenizer_from, out)
     return out
