@@ -58,7 +58,8 @@ test-triton-latest: $(STAMP)
 	  PYTHONPATH=$(CURDIR)/$(TRITON_LATEST) $(BIN)/pytest -q $(KERNEL_TESTS); \
 	fi
 
-# Real client libraries against the server (tests/test_clients.py): lm-evaluation-harness, LangChain, LiteLLM.
+# Real client libraries against the server (tests/test_clients.py): lm-evaluation-harness, LangChain, LiteLLM;
+# and compressed-tensors against our checkpoint reader and writer (tests/test_compressed_tensors.py).
 # Not dependencies of nanoserve: they go into .venv-clients, a virtualenv that also sees .venv's packages (one
 # .pth line), so torch and nanoserve are not installed twice. When no index answers, one line says so.
 CLIENTS     := .venv-clients
@@ -73,6 +74,11 @@ test-clients: $(STAMP)
 	  LITELLM_LOCAL_MODEL_COST_MAP=True HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 $(CLIENTS)/bin/python -P -c \
 	    "import sys, pytest; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_clients.py']))"; \
 	else echo "client-library tests skipped: pip could not install $(CLIENT_PKGS)"; fi
+	@if $(CLIENTS)/bin/pip install -q --timeout 20 --retries 1 compressed-tensors -c constraints.txt; then \
+	  echo "compressed-tensors checkpoints (the library's own, and ours in transformers) in $(CLIENTS)"; \
+	  HF_HUB_OFFLINE=1 $(CLIENTS)/bin/python -P -c \
+	    "import sys, pytest; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_compressed_tensors.py']))"; \
+	else echo "compressed-tensors tests skipped: pip could not install compressed-tensors"; fi
 
 test-fast: $(STAMP)
 	$(BIN)/pytest -q -x -m "not slow" tests
