@@ -12,7 +12,8 @@ constants, 16-divisible ints and pointers get divisibility hints). So the table 
 launchers launch. Matrix: sm_75/80/86/89/90 × fp16/bf16/fp32 × head_dim 64/128/256 for flash and
 decode (GQA 4; decode also GQA 1 and 8 at head_dim 128, and split-KV + merge in fp16), store_kv at
 head_dim 128, the three over 8-bit KV pools (`kv8_modes`: "int8 KV", "fp8_e4m3 KV", ...), the W4A16
-kernels at K = N = 4096. Attention on sm_75 is refused by the launchers
+kernels at K = N = 4096, and the W8A8 int8 GEMM (sm_80+, K = N = 4096, each output dtype). Attention on
+sm_75 is refused by the launchers
 (kernels/configs.py): "unsupported" rows say why.
 
 Each row also says what its tl.dot became in the PTX ("mma f16", "wgmma bf16", "mma tf32", or "fma"
@@ -52,7 +53,7 @@ ARCHS = (75, 80, 86, 89, 90)
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 HEAD_DIMS = (64, 128, 256)
 HKV, BS = 8, 16  # kv heads, page size
-DOT_KERNELS = ("flash_attention", "paged_decode", "dequant_gemm", "dequant_gemv")  # the kernels with a tl.dot
+DOT_KERNELS = ("flash_attention", "paged_decode", "dequant_gemm", "dequant_gemv", "w8a8")  # the kernels with a tl.dot
 
 
 # ----------------------------------------------------------------------------- capture and compile
@@ -89,7 +90,7 @@ def compile_call(fn, args, kwargs, arch: int) -> dict:
 def dot_units(ptx: str) -> str:
     """What the kernel's tl.dot became: tensor-core instructions and their input type ("mma f16",
     "wgmma bf16", "mma tf32"), or "fma" (no tensor-core instruction in the PTX)."""
-    found = sorted({f"{op} {a}" for op, a in re.findall(r"\b(wgmma|mma)\.[\w.]*?\.f32\.(f16|bf16|tf32)\.", ptx)})
+    found = sorted({f"{op} {a}" for op, a in re.findall(r"\b(wgmma|mma)\.[\w.]*?\.[fs]32\.(f16|bf16|tf32|s8)\.", ptx)})
     return ", ".join(found) or "fma"
 
 
@@ -163,6 +164,14 @@ def kv8_modes(dt: str, D: int) -> tuple[str, ...]:
     return ("int8",) if D in (128, 256) else ()
 
 
+def _w8a8(dtype):
+    from nanoserve.kernels.int8_matmul import w8a8_matmul
+
+    M, K, N = 32, 4096, 4096
+    w8a8_matmul(torch.zeros(M, K, dtype=torch.int8), torch.ones(M), torch.zeros(N, K, dtype=torch.int8),
+                torch.ones(N), torch.zeros(N, dtype=dtype), out_dtype=dtype)
+
+
 def matrix(archs=ARCHS) -> list[tuple[dict, tuple | None]]:
     """(row labels, launch: a function and its arguments) for every row; None = refused, nothing to compile."""
     rows = []
@@ -192,6 +201,9 @@ def matrix(archs=ARCHS) -> list[tuple[dict, tuple | None]]:
                     gemma, variant = dict(softcap=50.0, window=4096), "softcap + window"
                     rows.append((dict(row, case="flash", variant=variant), (_flash, dtype, D, 4, gemma)))
                     rows.append((dict(row, case="decode", variant=variant), (_decode, dtype, D, 4, 1, gemma)))
+            if arch >= 80:  # W8A8: an int8 GEMM with its scales in the epilogue, the output in each dtype
+                rows.append((dict(arch=arch, dtype=dt, head_dim=None, gqa=None, case="w8a8", variant="M 32"),
+                             (_w8a8, dtype)))
             for which, split_k in (("gemm", 1), ("gemv", 1), ("gemv", 4), ("dequantize", 1)):
                 variant = f"split_k {split_k}" if which == "gemv" else ""
                 row = dict(arch=arch, dtype=dt, head_dim=None, gqa=None, case=which, variant=variant)
@@ -254,7 +266,7 @@ def judge(r: dict) -> None:
 def _table_row(r: dict) -> configs.Launch | None:
     """The configs row the launcher took; None for store_kv and the merge (no tl.dot, a few KB)."""
     kind = {"flash_attention": "flash", "paged_decode": "decode", "dequant_gemm": "gemm", "dequant_gemv": "gemv",
-            "dequantize": "dequantize"}.get(r["kernel"])
+            "dequantize": "dequantize", "w8a8": "w8a8"}.get(r["kernel"])
     if kind is None:
         return None
     with pretend_gpu(r["arch"]):

@@ -63,7 +63,7 @@ class Launch:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages} if self.gpu else {}
 
 
-# tiles: flash (BLOCK_M, BLOCK_N); decode (BLOCK_N,); gemm and gemv (BLOCK_M, BLOCK_N, BLOCK_K);
+# tiles: flash (BLOCK_M, BLOCK_N); decode (BLOCK_N,); gemm, gemv and w8a8 (BLOCK_M, BLOCK_N, BLOCK_K);
 # dequantize (BLOCK_K, BLOCK_N)
 INTERPRETER = {
     "flash": Launch((16, 16), upcast=True),
@@ -71,6 +71,7 @@ INTERPRETER = {
     "gemm": Launch((16, 32, 32), upcast=True),
     "gemv": Launch((16, 32, 32), upcast=True),
     "dequantize": Launch((32, 32), upcast=True),
+    "w8a8": Launch((16, 32, 32)),  # int8 tiles: the interpreter computes them exactly in integers
 }
 # (family, bytes per element, head_dim padded: 64, 128 or 256) -> Launch. Families: 80 (sm_80+), 90 (sm_90).
 FLASH = {
@@ -113,6 +114,7 @@ DEQUANT = {
     ("gemv", 80, 4): Launch((16, 64, 64), 8, 1, smem_kb=20),
     ("dequantize", 75, 0): Launch((64, 64), 4, 3, upcast=True, smem_kb=16),
     ("dequantize", 80, 0): Launch((64, 64), 4, 3, smem_kb=16),
+    ("w8a8", 80, 0): Launch((64, 128, 64), 4, 3, smem_kb=36),  # kernels/int8_matmul.py: int8 mma, sm_80+
 }
 
 

@@ -75,7 +75,7 @@ def test_the_engine_configs_are_all_in_the_matrix(compiled):
                 for kernel in ("flash_attention", "paged_decode"):
                     assert _rows(result, arch=arch, dtype=dt, head_dim=D, kernel=kernel, status="ok"), (arch, dt, D)
             assert {r["gqa"] for r in _rows(result, arch=arch, dtype=dt, kernel="paged_decode")} == {1, 4, 8}
-            for kernel in ("store_kv", "dequant_gemm", "dequant_gemv", "dequantize"):
+            for kernel in ("store_kv", "dequant_gemm", "dequant_gemv", "dequantize", "w8a8"):
                 assert _rows(result, arch=arch, dtype=dt, kernel=kernel, status="ok"), (arch, dt, kernel)
         assert _rows(result, arch=arch, kernel="merge_splits", status="ok")
     # sm_75: attention refused (the engine falls back to torch), the W4A16 kernels compiled in every dtype
@@ -101,13 +101,16 @@ def test_8bit_kv_pools_compile_for_every_gpu_without_spills(compiled):
 
 
 def test_dots_run_in_the_input_dtype_and_fp32_without_tf32(compiled):
-    """fp16/bf16: tensor cores in that dtype on sm_80+ (decode no longer upcasts); fp32: IEEE (FMA), never TF32."""
+    """fp16/bf16: tensor cores in that dtype on sm_80+ (decode no longer upcasts); fp32: IEEE (FMA), never TF32;
+    the W8A8 GEMM: int8 (s8) tensor cores."""
     _, result = compiled
     dots = [r for r in result["rows"] if r.get("dot", "-") != "-"]
-    assert {r["kernel"] for r in dots} == {"flash_attention", "paged_decode", "dequant_gemm", "dequant_gemv"}
+    assert {r["kernel"] for r in dots} == {"flash_attention", "paged_decode", "dequant_gemm", "dequant_gemv", "w8a8"}
     ptx_type = {"fp16": "f16", "bf16": "bf16"}
     for r in dots:
-        if r["dtype"] == "fp32" or r["arch"] < 80:  # sm_75: the W4A16 kernels upcast, FMA
+        if r["kernel"] == "w8a8":  # int8 × int8 on int8 tensor cores, whatever the output dtype
+            assert {op.split()[1] for op in r["dot"].split(", ")} == {"s8"}, r
+        elif r["dtype"] == "fp32" or r["arch"] < 80:  # sm_75: the W4A16 kernels upcast, FMA
             assert r["dot"] == "fma", r
         else:  # e.g. "mma bf16" (sm_80+), "wgmma f16" (sm_90)
             assert {op.split()[1] for op in r["dot"].split(", ")} == {ptx_type[r["dtype"]]}, r

@@ -14,8 +14,9 @@ The weak point is the activation grid: one outlier feature of 60 in a row of val
 s_x = 60/127 and rounds the rest to a handful of levels — what LLM.int8 (llm_int8.py) computes apart
 and SmoothQuant (smoothquant.py) moves into the weights.
 
-`int8_mm` multiplies with `torch._int_mm` (int8 × int8 → int32 on CPU; on CUDA it needs more than 16
-rows and K, N multiples of 8, so a decode-sized batch is padded to 17 rows); `int8_mm_ref` is the
+On a CUDA GPU (sm_80+) the layer runs kernels/int8_matmul.py, the integer GEMM with the scales applied in its
+epilogue. Elsewhere `int8_mm` multiplies with `torch._int_mm` (int8 × int8 → int32 on CPU; on CUDA it needs
+more than 16 rows and K, N multiples of 8, so a decode-sized batch is padded to 17 rows); `int8_mm_ref` is the
 exact integer reference (float64 holds every partial sum: |q| ≤ 127, K < 2^38). Taught in
 notebooks/13_w8a8.ipynb.
 """
@@ -55,6 +56,11 @@ def int8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch._int_mm(a, b.T)  # b.T: [K, N], column-major, as cuBLASLt wants it
 
 
+def fused_kernel(device: torch.device) -> bool:
+    """Whether W8A8 runs kernels/int8_matmul.py here: a CUDA GPU with int8 tensor cores (sm_80+)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
 class W8A8Linear(nn.Module):
     """y = x · Wᵀ + b with W int8 per output channel and x quantized to int8 per token at every call."""
 
@@ -77,6 +83,11 @@ class W8A8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         xq, xs = quantize_int8(x.reshape(-1, self.in_features))  # T, K int8; T
+        if fused_kernel(x.device):  # the Triton GEMM: scales, bias and cast in its epilogue, one pass
+            from ..kernels.int8_matmul import w8a8_matmul
+
+            y = w8a8_matmul(xq, xs, self.weight, self.weight_scale, self.bias, x.dtype)  # T, N
+            return y.view(*shape[:-1], self.out_features)
         y = int8_mm(xq, self.weight).float() * xs[:, None] * self.weight_scale[None, :]  # T, N
         if self.bias is not None:
             y = y + self.bias.float()
