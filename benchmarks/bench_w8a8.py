@@ -31,7 +31,8 @@ from nanoserve.quant.fp8 import FP8Linear
 from nanoserve.quant.int8 import W8A8Linear
 from nanoserve.quant.llm_int8 import LLMInt8Linear
 from nanoserve.quant.model import QuantizeConfig, block_groups, calibration_ids, decoder_blocks, quantize_model
-from nanoserve.quant.smoothquant import channel_maxima, quantize_linears, smooth_model
+from nanoserve.quant.online import quantize_linears
+from nanoserve.quant.smoothquant import channel_maxima, smooth_model
 from nanoserve.tools.evaluate import perplexity
 
 HERE = Path(__file__).resolve().parent
@@ -43,6 +44,7 @@ MODELS = {  # name: (model, corpus, training split, eval tokens)
 }
 MODELS["stories260K+outliers"] = MODELS["stories260K"]  # with outlier features put in (`inject_outliers`)
 OUTLIER_CHANNELS, OUTLIER_FACTOR = (5, 37), 30.0
+ALPHAS = (0.25, 0.5, 0.75)
 
 
 @torch.no_grad()
@@ -51,7 +53,7 @@ def inject_outliers(model) -> None:
     feeds linears multiplies channels 5 and 37 by 30 and the linears reading them divide those columns by 30
     (smoothing run backwards: awq.fold_scales with s = 1/30 there). The float model is the same one; its
     activations now have two features 30x larger in every token, as LLM.int8 describes them."""
-    prefix, blocks = decoder_blocks(model)
+    _, blocks = decoder_blocks(model)
     for block in blocks:
         for prev, names in block_groups(model, block):
             if prev is None or isinstance(block.get_submodule(prev), torch.nn.Linear):
@@ -60,7 +62,6 @@ def inject_outliers(model) -> None:
             s = torch.ones(lins[0].in_features)
             s[list(OUTLIER_CHANNELS)] = 1 / OUTLIER_FACTOR
             fold_scales(block.get_submodule(prev), lins, s)
-ALPHAS = (0.25, 0.5, 0.75)
 
 
 def methods():

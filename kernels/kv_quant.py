@@ -4,8 +4,8 @@ attention reads a tile.
 The formats, and the scale granularity (one fp16 scale per token and kv head, over its D values), are
 nanoserve/kv/quant.py's; its `KVQuant.quantize` / `dequantize`, built on torch's own int8 and float8 dtypes,
 are the plain-torch reference these functions match bit for bit (tests/test_kernels_kv_quant.py). A kernel
-takes `KV_QUANT` as a compile-time constant — 0 for a pool in the model's dtype, else a code of `KV_QUANT`
-below — so the unquantized kernel is the kernel it always was.
+takes `KV_QUANT` as a compile-time constant — NONE (0) for a pool in the model's dtype, else INT8, E4M3 or
+E5M2 below — so the unquantized kernel is the kernel it always was.
 
 **Rounding exactly as torch does.** x / s uses `tl.math.div_rn`, the IEEE-rounded division of torch's `/`
 (Triton's plain `/` is an approximate division on a GPU). int8 rounds half to even, as torch.round: Triton's
@@ -31,15 +31,18 @@ import triton.language as tl
 
 from ..kv.quant import FORMATS, KV_CACHE_DTYPES, MIN_SCALE
 
-KV_QUANT = {name: i for i, name in enumerate(KV_CACHE_DTYPES)}  # the kernels' constexpr: auto 0, int8 1, e4m3 2, e5m2 3
+# the kernels' KV_QUANT, by name: the jit code tests these constants, never bare numbers
+NONE, INT8, E4M3, E5M2 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
+KV_QUANT_CODES = {"auto": NONE.value, "int8": INT8.value, "fp8_e4m3": E4M3.value, "fp8_e5m2": E5M2.value}
+assert set(KV_QUANT_CODES) == set(KV_CACHE_DTYPES)
 TINY = tl.constexpr(MIN_SCALE)  # the smallest scale, 2⁻¹⁴ (an all-zero head keeps a normal fp16 scale)
 
 
 def kv_quant_code(kv_cache_dtype) -> int:
     """The kernels' KV_QUANT for a `kv_cache_dtype` name."""
-    if kv_cache_dtype not in KV_QUANT:
+    if kv_cache_dtype not in KV_QUANT_CODES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
-    return KV_QUANT[kv_cache_dtype]
+    return KV_QUANT_CODES[kv_cache_dtype]
 
 
 def qmax(kv_cache_dtype: str) -> float:
@@ -72,7 +75,7 @@ def fp8_encode(y, KV_QUANT: tl.constexpr):
     """fp32 y, already within the format's range, -> its FP8 bits (uint8), rounded to nearest even."""
     sign = (y.to(tl.int32, bitcast=True) >> 24) & 0x80  # y's sign bit, −0 included (torch keeps it too)
     a = tl.abs(y)
-    if KV_QUANT == 2:  # e4m3: as fp16 the value · 2⁻⁸; keep its 4 exponent and 3 mantissa bits
+    if KV_QUANT == E4M3:  # as fp16 the value · 2⁻⁸; keep its 4 exponent and 3 mantissa bits
         h = (_round_to_grid(a, 3, -6) * 0.00390625).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
         bits = sign | ((h >> 7) & 0x7F)
     else:  # e5m2: the fp16 number's top byte
@@ -85,7 +88,7 @@ def fp8_encode(y, KV_QUANT: tl.constexpr):
 def fp8_decode(bits, KV_QUANT: tl.constexpr):
     """FP8 bits (uint8) -> their value in fp32, exactly."""
     b = bits.to(tl.int32)
-    if KV_QUANT == 2:  # e4m3: sign to bit 15, exponent and mantissa to bits 13..7 of an fp16, then · 2⁸
+    if KV_QUANT == E4M3:  # sign to bit 15, exponent and mantissa to bits 13..7 of an fp16, then · 2⁸
         h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
         x = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
     else:  # e5m2: the top byte of an fp16
@@ -102,7 +105,7 @@ def quantize_rows(x, KV_QUANT: tl.constexpr, QMAX: tl.constexpr):
     scale = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32)), TINY).to(tl.float16)  # R
     y = tl.math.div_rn(x, scale.to(tl.float32)[:, None])  # R, D
     y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
-    if KV_QUANT == 1:
+    if KV_QUANT == INT8:
         codes = rint(y).to(tl.int8)
     else:
         codes = fp8_encode(y, KV_QUANT)
@@ -115,9 +118,9 @@ def load_kv_tile(ptrs, mask, scale_ptrs, scale_mask, KV_QUANT: tl.constexpr, dty
     registers — codes · scale, both in `dtype` as kv/quant.py's `dequantize`, one scale per token (scale_ptrs
     broadcast against ptrs). Masked positions read 0."""
     x = tl.load(ptrs, mask=mask, other=0)
-    if KV_QUANT != 0:
+    if KV_QUANT != NONE:
         scale = tl.load(scale_ptrs, mask=scale_mask, other=0.0)
-        if KV_QUANT == 1:
+        if KV_QUANT == INT8:
             values = x.to(tl.float32)
         else:
             values = fp8_decode(x, KV_QUANT)

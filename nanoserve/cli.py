@@ -202,17 +202,16 @@ def cmd_quantize(args) -> None:
     from .models.loader import load_model
     from .quant.model import QuantizeConfig, calibration_ids, quantize_model
     from .quant.online import quantize_on_load
-    from .quant.save import replace_linears, save_compressed, save_quantized
+    from .quant.save import check_compressed_target, replace_linears, save_compressed, save_quantized
     from .quant.smoothquant import smooth_model
     from .tools.evaluate import read_text
 
     w8 = args.method in ("int8", "smoothquant", "fp8")
-    if w8 and args.format == "gptq":
-        raise NanoserveError(f"--method {args.method} is saved in the compressed-tensors format, not gptq")
-    if args.method not in ("rtn", "int8", "fp8") and not args.calib:
-        raise NanoserveError(f"--method {args.method} needs --calib FILE (text to calibrate on)")
+    _check_quantize_args(args, w8)
     text = read_text(args.calib) if args.calib else None
     model, cfg, tok = load_model(args.model, dtype=args.dtype, device=args.device)
+    if w8 or args.format == "compressed-tensors":
+        check_compressed_target(cfg)  # before the (long) quantization, not after
     seqlen = args.seqlen or min(cfg.max_position_embeddings, 512)
     calib = calibration_ids(tok, text, args.nsamples, seqlen, args.seed) if text is not None else None
     start = time.perf_counter()
@@ -235,6 +234,23 @@ def cmd_quantize(args) -> None:
           f"{time.perf_counter() - start:.1f}s; block output errors "
           f"{', '.join(f'{e:.2e}' for e in result.block_errors) or '(no calibration)'}; saved to {out}",
           file=sys.stderr)
+
+
+def _check_quantize_args(args, w8: bool) -> None:
+    """Every flag of `quantize` either applies to the method or is refused by name, before any model loads."""
+    if w8:
+        unused = [flag for flag, used in (("--bits", args.bits != 4), ("--group-size", args.group_size != 128),
+                                          ("--asym", args.asym), ("--act-order", args.act_order)) if used]
+        if unused or args.format == "gptq":
+            raise NanoserveError(f"--method {args.method} is 8-bit, per channel, saved as compressed-tensors: "
+                                 f"{', '.join(unused) or '--format gptq'} does not apply to it")
+    elif args.format == "compressed-tensors" and (args.bits != 4 or args.act_order):
+        raise NanoserveError("--format compressed-tensors writes 4-bit groups in order: not --bits "
+                             f"{args.bits}{' with --act-order' if args.act_order else ''}")
+    if (args.alpha != 0.5 and args.method != "smoothquant") or not 0 <= args.alpha <= 1:
+        raise NanoserveError(f"--alpha {args.alpha}: SmoothQuant's α, in [0, 1], for --method smoothquant only")
+    if args.method not in ("rtn", "int8", "fp8") and not args.calib:
+        raise NanoserveError(f"--method {args.method} needs --calib FILE (text to calibrate on)")
 
 
 def cmd_serve(args) -> None:

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 from nanoserve.kernels.flash_attention import flash_attention, flash_attention_ref
-from nanoserve.kernels.kv_quant import fp8_decode, fp8_encode
+from nanoserve.kernels.kv_quant import KV_QUANT_CODES, fp8_decode, fp8_encode
 from nanoserve.kernels.paged_attention import paged_attention, paged_attention_ref
 from nanoserve.kernels.store_kv import store_kv, store_kv_ref
 
@@ -24,7 +24,7 @@ from nanoserve.kv.quant import FORMATS
 
 MODES = list(FORMATS)
 FP8 = ["fp8_e4m3", "fp8_e5m2"]
-CODE = {"fp8_e4m3": 2, "fp8_e5m2": 3}
+CODE = KV_QUANT_CODES
 
 
 @triton.jit

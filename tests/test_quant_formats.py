@@ -1,5 +1,6 @@
-"""Checkpoint formats around GPTQ (issue 24): GPTQ v2 read, quantize_config.json written, every tokenizer
-file copied whatever its size, and errors that name the real problem.
+"""Checkpoint formats (issue 24): GPTQ v2 read, quantize_config.json written, every tokenizer file copied
+whatever its size, errors that name the real problem; compressed-tensors' int4 layout by hand and
+`nanoserve quantize` writing it (tests/test_compressed_tensors.py checks it against the library itself).
 
 GPTQ v2 (gptqmodel) stores each zero point itself where v1 stores zero − 1; the v2 file here is made from a
 v1 file by adding 1 to every 4-bit field of qzeros nibble by nibble, independently of nanoserve's packing
@@ -89,3 +90,73 @@ def test_errors_name_the_real_problem(v1_checkpoint, tmp_path):
     bad = _as_v2(v1_checkpoint, tmp_path / "v3", fmt="gptq_v3")
     with pytest.raises(CheckpointError, match="checkpoint_format='gptq_v3' is not supported; allowed: gptq, gptq_v2"):
         load_model(bad)
+
+
+# ----------------------------------------------------------------------------- compressed-tensors, without the library
+def test_int4_nibbles_are_packed_lowest_first_with_the_plus_8_offset():
+    """compressed-tensors' layout, written out by hand: q = −8..7 stored as q + 8, eight per int32, lowest first."""
+    from nanoserve.quant.compressed_tensors import pack_int4, unpack_int4
+
+    q = torch.arange(-8, 8).repeat(3, 1)  # 3, 16
+    words = pack_int4(q + 8)
+    assert words.dtype == torch.int32 and words.shape == (3, 2)
+    assert words[0].tolist() == [0x76543210, 0xFEDCBA98 - 2**32]  # the second word's top nibble sets the sign
+    ragged = torch.randint(0, 16, (5, 13))
+    assert torch.equal(unpack_int4(pack_int4(ragged), 13), ragged)
+
+
+def test_a_group_size_that_does_not_divide_k_reads_right():
+    """K = 96 with group_size 64: two groups, the second one short (the library allows it)."""
+    from nanoserve.quant.compressed_tensors import _w4_to_gptq, pack_int4
+    from nanoserve.quant.qlinear import QuantLinear
+
+    g = torch.Generator().manual_seed(0)
+    N, K, gs = 8, 96, 64
+    q = torch.randint(-8, 8, (N, K), generator=g)
+    scale = torch.rand(N, 2, generator=g) + 0.1  # N, ⌈96 / 64⌉
+    parts = _w4_to_gptq("x", pack_int4(q + 8), scale, None, torch.tensor([N, K]),
+                        {"strategy": "group", "group_size": gs, "symmetric": True})
+    layer = QuantLinear(K, N, 4, 48, False, torch.float32)  # the loader's group_size guess; g_idx decides
+    for key in ("qweight", "qzeros", "scales", "g_idx"):
+        getattr(layer, key).copy_(parts[key])
+    want = q.float() * scale.repeat_interleave(gs, 1)[:, :K]
+    torch.testing.assert_close(layer.dequantize(), want)
+    with pytest.raises(CheckpointError, match="needs ⌈K / group_size⌉"):
+        _w4_to_gptq("x", pack_int4(q + 8), scale, None, torch.tensor([N, K]),
+                    {"strategy": "group", "group_size": 32, "symmetric": True})
+
+
+def test_cli_quantize_fp8_and_smoothquant_write_checkpoints_that_load(tmp_path):
+    import subprocess
+    import sys
+
+    from nanoserve.quant.fp8 import FP8Linear
+    from nanoserve.quant.int8 import W8A8Linear
+
+    text = shared_path("corpora", "tinyshakespeare", "input.txt")
+    for method, kind, extra in (("fp8", FP8Linear, []),
+                                ("smoothquant", W8A8Linear, ["--calib", str(text), "--nsamples", "4", "--seqlen", "64",
+                                                             "--alpha", "0.6"])):
+        out = tmp_path / method
+        r = subprocess.run([sys.executable, "-m", "nanoserve", "quantize", "--model", "demo-draft", "--method", method,
+                            *extra, "--out", str(out)], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        model, _, tok = load_model(out)
+        assert tok is not None and sum(isinstance(m, kind) for m in model.modules()) == 2 * 7
+        assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == \
+            "compressed-tensors"
+    bad = subprocess.run([sys.executable, "-m", "nanoserve", "quantize", "--model", "demo-draft", "--method", "int8",
+                          "--bits", "3", "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "--bits does not apply" in bad.stderr
+    gpt2 = subprocess.run([sys.executable, "-m", "nanoserve", "quantize", "--model", "demo", "--method", "fp8",
+                           "--out", str(tmp_path / "y")], capture_output=True, text=True, timeout=300)
+    assert gpt2.returncode != 0 and "Conv1D" in gpt2.stderr
+
+
+def test_a_quantized_model_is_not_quantized_twice(tmp_path):
+    from nanoserve.quant.online import quantize_on_load
+
+    model, _, _ = load_model("demo-draft")
+    quantize_on_load(model, "int8")
+    with pytest.raises(NanoserveError, match="already quantized \\(W8A8Linear layers"):
+        quantize_on_load(model, "fp8")

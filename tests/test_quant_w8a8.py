@@ -19,7 +19,8 @@ from nanoserve.quant.fp8 import FP8, FP8Linear, quantize_fp8
 from nanoserve.quant.int8 import W8A8Linear, int8_mm, int8_mm_ref, quantize_int8
 from nanoserve.quant.llm_int8 import LLMInt8Linear, llm_int8_ref
 from nanoserve.quant.model import calibration_ids
-from nanoserve.quant.smoothquant import quantize_linears, smooth_model, smoothing_factors
+from nanoserve.quant.online import quantize_linears
+from nanoserve.quant.smoothquant import smooth_model, smoothing_factors
 
 
 def _outlier_input(seed=0, tokens=24, k=96, features=(5, 40), size=30.0):

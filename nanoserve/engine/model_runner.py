@@ -93,8 +93,8 @@ class ModelRunner:
             return "CUDA graphs need a CUDA device"
         if self.attention_backend != "triton":
             return "CUDA graphs need the triton attention backend (the torch one zeroes a varying set of blocks)"
-        if any(type(m).__name__ == "LLMInt8Linear" for m in self.model.modules()):
-            return "quantization='llm.int8' picks each batch's outlier features on the host (a sync per layer)"
+        if any(getattr(m, "host_sync", False) for m in self.model.modules()):  # e.g. quant/llm_int8.py
+            return "a layer reads device values on the host every call (LLM.int8's outlier features)"
         from .cuda_graph import CudaGraphRunner
 
         self.graphs = CudaGraphRunner(self, max_num_seqs, max_model_len)

@@ -71,12 +71,14 @@ def scheme(qcfg: dict) -> tuple[str, dict, dict | None, list[str]]:
         raise CheckpointError(f"compressed-tensors targets={group.get('targets')!r}: only ['Linear'] is supported")
     kind = (fmt, w.get("type"), w.get("num_bits"), w.get("strategy"), None if a is None else
             (a.get("type"), a.get("num_bits"), a.get("strategy"), a.get("dynamic")))
+    symmetric_acts = a is None or a.get("symmetric", True)
     ok = (fmt == "pack-quantized" and kind[1:3] == ("int", 4) and w.get("strategy") in ("group", "channel")
           and a is None and not w.get("actorder")) or \
-         (fmt == "int-quantized" and kind[1:4] == ("int", 8, "channel") and w.get("symmetric")
-          and kind[4] == ("int", 8, "token", True)) or \
-         (fmt in ("float-quantized", "naive-quantized") and kind[1:3] == ("float", 8)
-          and w.get("strategy") in ("channel", "tensor") and kind[4] in (None, ("float", 8, "token", True)))
+         (fmt == "int-quantized" and kind[1:4] == ("int", 8, "channel") and w.get("symmetric", True)
+          and kind[4] == ("int", 8, "token", True) and symmetric_acts) or \
+         (fmt in ("float-quantized", "naive-quantized") and kind[1:3] == ("float", 8) and w.get("symmetric", True)
+          and w.get("strategy") in ("channel", "tensor") and kind[4] in (None, ("float", 8, "token", True))
+          and symmetric_acts)
     if not ok:
         raise CheckpointError(f"compressed-tensors scheme not supported: format={fmt!r}, weights={w}, "
                               f"input_activations={a}; nanoserve reads pack-quantized int4 (W4A16), int-quantized "
@@ -127,6 +129,10 @@ def _w4_to_gptq(name, packed, scale, zero_point, shape, w: dict) -> dict[str, to
         raise CheckpointError(f"{name}: a pack-quantized layer needs weight_packed, weight_scale and weight_shape")
     N, K = (int(v) for v in shape.tolist())
     G = scale.shape[1]
+    gs = K if w.get("strategy") == "channel" else int(w.get("group_size") or 0)
+    if gs < 1 or G != -(-K // gs):  # the last group may be short: ⌈K / g⌉ groups
+        raise CheckpointError(f"{name}: weight_scale has {G} groups; group_size={w.get('group_size')!r} over K={K} "
+                              f"needs ⌈K / group_size⌉")
     codes = unpack_int4(packed, K)  # N, K   q + 8
     if w.get("symmetric", True):
         zeros = torch.full((N, G), 8, dtype=torch.int64)
@@ -137,7 +143,7 @@ def _w4_to_gptq(name, packed, scale, zero_point, shape, w: dict) -> dict[str, to
     if (zeros == 0).any():
         raise CheckpointError(f"{name}: {(zeros == 0).sum().item()} groups have zero point −8, which the GPTQ v1 "
                               "layout nanoserve computes with (zero − 1 per field) cannot hold")
-    g_idx = torch.arange(K, dtype=torch.int32) // -(-K // G)
+    g_idx = torch.arange(K, dtype=torch.int32) // gs
     try:
         parts = pack_gptq(codes.to(torch.uint8), zeros.to(torch.int32), scale, g_idx, 4)
     except ValueError as e:

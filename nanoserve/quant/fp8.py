@@ -9,16 +9,20 @@ tensor is usually enough for FP8 weights (vLLM's default); one per output channe
 
 On Hopper and Ada GPUs (sm_89+) the product runs in FP8 on tensor cores, `torch._scaled_mm` with
 the two scales applied to its fp32 accumulator; elsewhere (the CPU, older GPUs) the layer
-dequantizes and multiplies in fp32: the same numbers (the activations rounded to FP8 and back when
-they are FP8 too), no speed-up. Taught in
+dequantizes and multiplies in the activations' dtype: the same numbers (the activations rounded to
+FP8 and back when they are FP8 too), no speed-up. Taught in
 notebooks/13_w8a8.ipynb.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+logger = logging.getLogger("nanoserve")
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -33,9 +37,14 @@ def quantize_fp8(x: torch.Tensor, per_row: bool) -> tuple[torch.Tensor, torch.Te
     return (x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8), s
 
 
+_SCALED_MM_REFUSED: set[str] = set()  # devices where this torch's _scaled_mm refused row-wise scales
+
+
 def scaled_mm_supported(device: torch.device) -> bool:
-    """Whether `torch._scaled_mm` runs FP8 × FP8 here: CUDA with compute capability 8.9 or newer."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    """Whether to try `torch._scaled_mm` (FP8 × FP8) here: CUDA with compute capability 8.9 or newer, unless it
+    has refused row-wise scales on this device before (torch < 2.5; some GPU and torch pairs)."""
+    return (device.type == "cuda" and str(device) not in _SCALED_MM_REFUSED
+            and torch.cuda.get_device_capability(device) >= (8, 9))
 
 
 class FP8Linear(nn.Module):
@@ -47,10 +56,15 @@ class FP8Linear(nn.Module):
         if activations not in (None, "token"):
             raise ValueError(f"activations must be None (W8A16) or 'token' (W8A8, dynamic per-token scales), "
                              f"got {activations!r}")
+        if weight.dtype != FP8 or weight.dim() != 2:
+            raise ValueError(f"weight must be float8_e4m3fn [N, K], got {weight.dtype} {tuple(weight.shape)}")
         self.out_features, self.in_features = weight.shape
+        if weight_scale.numel() not in (1, self.out_features):
+            raise ValueError(f"weight_scale must hold one scale (per tensor) or {self.out_features} (per channel), "
+                             f"got {tuple(weight_scale.shape)}")
         self.activations = activations
         self.register_buffer("weight", weight)  # N, K float8_e4m3fn
-        self.register_buffer("weight_scale", weight_scale)  # N, 1 or 1, 1 fp32
+        self.register_buffer("weight_scale", weight_scale.float().reshape(-1, 1))  # N, 1 or 1, 1 fp32
         self.register_buffer("bias", bias)
 
     @classmethod
@@ -66,20 +80,32 @@ class FP8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)  # T, K
+        y = None
         if self.activations == "token" and scaled_mm_supported(x.device) and self.in_features % 16 == 0 \
                 and self.out_features % 16 == 0:
-            xq, xs = quantize_fp8(x2, per_row=True)  # T, K fp8; T, 1
-            s_w = self.weight_scale.T.expand(1, self.out_features).contiguous()  # 1, N   row-wise for any scale
-            # the scales multiply the fp32 accumulator; torch's row-wise-scaled kernel writes bf16
-            y = torch._scaled_mm(xq, self.weight.T, scale_a=xs, scale_b=s_w, out_dtype=torch.bfloat16).float()
-        else:
-            if self.activations == "token":  # FP8 activations, emulated: round them to FP8 and back
+            y = self._scaled_mm(x2)
+        if y is None:  # dequantize, multiply in the activations' dtype (FP8 activations: rounded to FP8 and back)
+            if self.activations == "token":
                 xq, xs = quantize_fp8(x2, per_row=True)
-                x2 = xq.to(torch.float32) * xs
-            y = F.linear(x2.float(), self.dequantized_weight())  # T, N
+                x2 = (xq.to(torch.float32) * xs).to(x.dtype)
+            y = F.linear(x2, self.dequantized_weight(x.dtype))  # T, N
         if self.bias is not None:
-            y = y + self.bias.float()
+            y = y + self.bias.to(y.dtype)
         return y.to(x.dtype).view(*shape[:-1], self.out_features)
+
+    def _scaled_mm(self, x2: torch.Tensor) -> torch.Tensor | None:
+        """FP8 × FP8 on tensor cores, the two scales applied to the fp32 accumulator; None where this torch
+        refuses (remembered for the device). Its row-wise-scaled kernel writes bf16: fp16 and fp32 models get
+        their outputs rounded to bf16 there, which the dequantizing path does not do."""
+        xq, xs = quantize_fp8(x2, per_row=True)  # T, K fp8; T, 1
+        s_w = self.weight_scale.T.expand(1, self.out_features).contiguous()  # 1, N   row-wise for any scale
+        try:
+            return torch._scaled_mm(xq, self.weight.T, scale_a=xs, scale_b=s_w, out_dtype=torch.bfloat16)
+        except RuntimeError as e:
+            _SCALED_MM_REFUSED.add(str(x2.device))
+            logger.warning("torch._scaled_mm refused FP8 with row-wise scales on %s (%s); dequantizing instead",
+                           x2.device, str(e).splitlines()[0])
+            return None
 
     def extra_repr(self) -> str:
         scale = "per channel" if self.weight_scale.numel() > 1 else "per tensor"

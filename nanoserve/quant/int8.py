@@ -64,18 +64,29 @@ def fused_kernel(device: torch.device) -> bool:
 class W8A8Linear(nn.Module):
     """y = x · Wᵀ + b with W int8 per output channel and x quantized to int8 per token at every call."""
 
+    host_sync = False  # whether a forward reads device values on the host (no CUDA graph then)
+
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
+        if weight.dtype != torch.int8 or weight.dim() != 2:
+            raise ValueError(f"weight must be int8 [N, K], got {weight.dtype} {tuple(weight.shape)}")
         self.out_features, self.in_features = weight.shape
+        if weight_scale.numel() != self.out_features or (bias is not None and bias.shape != (self.out_features,)):
+            raise ValueError(f"weight_scale must hold one scale per output channel ({self.out_features}) and bias "
+                             f"be [{self.out_features}], got {tuple(weight_scale.shape)} and "
+                             f"{None if bias is None else tuple(bias.shape)}")
         self.register_buffer("weight", weight)  # N, K int8
-        self.register_buffer("weight_scale", weight_scale)  # N fp32
+        self.register_buffer("weight_scale", weight_scale.float().reshape(-1))  # N fp32
         self.register_buffer("bias", bias)  # N or None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> W8A8Linear:
+    def from_linear(cls, linear: nn.Linear, **kwargs) -> W8A8Linear:
         q, s = quantize_int8(linear.weight)  # N, K; N
-        bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(q, s, bias)
+        return cls(q, s, None if linear.bias is None else linear.bias.detach().clone(), **kwargs)
+
+    def scaled_product(self, xq: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
+        """The int8 GEMM of per-token codes xq [T, K] (scales xs [T]) with the weights, rescaled: fp32 [T, N]."""
+        return int8_mm(xq, self.weight).float() * xs[:, None] * self.weight_scale[None, :]
 
     def dequantized_weight(self) -> torch.Tensor:
         return self.weight.float() * self.weight_scale[:, None]  # N, K
@@ -88,7 +99,7 @@ class W8A8Linear(nn.Module):
 
             y = w8a8_matmul(xq, xs, self.weight, self.weight_scale, self.bias, x.dtype)  # T, N
             return y.view(*shape[:-1], self.out_features)
-        y = int8_mm(xq, self.weight).float() * xs[:, None] * self.weight_scale[None, :]  # T, N
+        y = self.scaled_product(xq, xs)  # T, N
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x.dtype).view(*shape[:-1], self.out_features)

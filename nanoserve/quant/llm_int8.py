@@ -19,32 +19,24 @@ every call, from the activations (the paper: ~0.1 % of features, > 99.9 % of the
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from .int8 import int8_mm, quantize_int8
+from .int8 import W8A8Linear, quantize_int8
 
 THRESHOLD = 6.0  # the paper's and bitsandbytes' default
 
 
-class LLMInt8Linear(nn.Module):
-    """y = x · Wᵀ + b by LLM.int8's decomposition; W held in int8, one scale per output row."""
+class LLMInt8Linear(W8A8Linear):
+    """y = x · Wᵀ + b by LLM.int8's decomposition; W held in int8, one scale per output row (as W8A8Linear)."""
+
+    host_sync = True  # the outlier columns are found on the host at every call (no CUDA graph)
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                  threshold: float = THRESHOLD):
-        super().__init__()
+        super().__init__(weight, weight_scale, bias)
         if not threshold > 0:
             raise ValueError(f"threshold must be > 0 (|x| above it makes a feature an outlier), got {threshold!r}")
-        self.out_features, self.in_features = weight.shape
         self.threshold = float(threshold)
-        self.register_buffer("weight", weight)  # N, K int8
-        self.register_buffer("weight_scale", weight_scale)  # N fp32
-        self.register_buffer("bias", bias)
         self.last_outliers = 0  # features computed in float by the last call (for the notebook's counts)
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, threshold: float = THRESHOLD) -> LLMInt8Linear:
-        q, s = quantize_int8(linear.weight)  # N, K; N
-        return cls(q, s, None if linear.bias is None else linear.bias.detach().clone(), threshold)
 
     def outlier_features(self, x: torch.Tensor) -> torch.Tensor:
         """The columns of x [T, K] with any |value| above the threshold: indices [n_outliers]."""
@@ -56,8 +48,7 @@ class LLMInt8Linear(nn.Module):
         cols = self.outlier_features(x2)  # n_out
         self.last_outliers = cols.numel()
         regular = x2.index_fill(1, cols, 0)  # T, K   the outlier columns zeroed: the int8 GEMM skips them
-        xq, xs = quantize_int8(regular)  # T, K int8; T   (scales from the regular features alone)
-        y = int8_mm(xq, self.weight).float() * xs[:, None] * self.weight_scale[None, :]  # T, N
+        y = self.scaled_product(*quantize_int8(regular))  # T, N   (token scales from the regular features alone)
         if cols.numel():
             w_out = self.weight.index_select(1, cols).float() * self.weight_scale[:, None]  # N, n_out
             y = y + x2.index_select(1, cols).float() @ w_out.T  # T, N   the outliers, in float

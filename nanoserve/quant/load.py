@@ -110,9 +110,9 @@ def install_quant_linears(model: nn.Module, layers: dict[str, dict], dtype: torc
         try:
             lin = model.get_submodule(name)
         except AttributeError as e:
-            raise CheckpointError(f"quantized tensor {name}.qweight names no layer of this model") from e
+            raise CheckpointError(f"quantized layer {name} (its tensors {name}.*) names no layer of this model") from e
         if not isinstance(lin, nn.Linear):
-            raise CheckpointError(f"quantized tensor {name}.qweight names a {type(lin).__name__}, not a linear")
+            raise CheckpointError(f"quantized layer {name} names a {type(lin).__name__}, not a linear")
         if "module" in parts:  # an 8-bit layer made whole by its reader (compressed_tensors.py)
             module = parts["module"]
             if (module.in_features, module.out_features) != (lin.in_features, lin.out_features):

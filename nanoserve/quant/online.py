@@ -7,12 +7,14 @@ None of these needs calibration data, so a float model becomes 8-bit as it loads
 - "int8": int8 weights per channel, int8 activations per token, an int32 GEMM (W8A8, int8.py);
 - "llm.int8": LLM.int8's decomposition, outlier features in float (llm_int8.py).
 
-SmoothQuant (smoothquant.py) does need calibration text: `smooth_model`, then `quantize_linears` with
-`W8A8Linear.from_linear`. Every linear of every decoder block is replaced; embeddings and the LM head
+SmoothQuant (smoothquant.py) does need calibration text: `smooth_model`, then `quantize_linears` (below)
+with `W8A8Linear.from_linear`. Every linear of every decoder block is replaced; embeddings and the LM head
 stay in float.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from torch import nn
 
@@ -20,9 +22,10 @@ from ..errors import NanoserveError
 from .fp8 import FP8Linear
 from .int8 import W8A8Linear
 from .llm_int8 import LLMInt8Linear
+from .model import block_groups, decoder_blocks
 from .qlinear import QuantLinear
-from .smoothquant import quantize_linears
 
+QUANTIZED_LAYERS = (QuantLinear, W8A8Linear, FP8Linear)  # LLMInt8Linear is a W8A8Linear
 QUANTIZATION_METHODS = {"fp8": FP8Linear.from_linear, "int8": W8A8Linear.from_linear,
                         "llm.int8": LLMInt8Linear.from_linear}
 
@@ -38,7 +41,24 @@ def quantize_on_load(model: nn.Module, quantization: str | None) -> list[str]:
     check_quantization(quantization)
     if quantization is None:
         return []
-    if any(isinstance(m, QuantLinear) for m in model.modules()):
+    done = next((type(m).__name__ for m in model.modules() if isinstance(m, QUANTIZED_LAYERS)), None)
+    if done is not None:
         raise NanoserveError(f"quantization={quantization!r} quantizes a float checkpoint; this one is already "
-                             "quantized (GPTQ / AWQ): load it without `quantization`")
+                             f"quantized ({done} layers: GPTQ, AWQ or compressed-tensors): load it without "
+                             "`quantization`")
     return quantize_linears(model, QUANTIZATION_METHODS[quantization])
+
+
+def quantize_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> list[str]:
+    """Replace every linear of every decoder block by make(linear) (embeddings, the LM head and a MoE router
+    stay in float, as in vLLM's checkpoints); returns the names replaced."""
+    prefix, blocks = decoder_blocks(model)
+    done = []
+    for i, block in enumerate(blocks):
+        for _, names in block_groups(model, block):
+            for n in names:
+                parent, _, child = n.rpartition(".")
+                owner = block.get_submodule(parent) if parent else block
+                setattr(owner, child, make(getattr(owner, child)))
+                done.append(f"{prefix}.{i}.{n}")
+    return done

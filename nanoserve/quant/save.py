@@ -80,14 +80,23 @@ def save_compressed(model: nn.Module, directory: str | os.PathLike,
                     tokenizer_from: str | os.PathLike | None = None) -> Path:
     """Write a model whose block linears are 8-bit (W8A8Linear, FP8Linear) or 4-bit QuantLinears in the
     compressed-tensors format (compressed_tensors.py): llmcompressor's, which vLLM and transformers read."""
-    if model.config.arch == "gpt2":
-        raise NanoserveError("compressed-tensors quantizes nn.Linear modules; transformers' GPT-2 has Conv1D layers, "
-                             "so its checkpoint would not load: save GPT-2 in the GPTQ format")
+    check_compressed_target(model.config)
     replaced, qcfg = compressed_tensors.tensors_and_config(model)
     out = save_checkpoint(model, directory, replaced, qcfg)
     if tokenizer_from is not None:
         _copy_tokenizer(tokenizer_from, out)
     return out
+
+
+def check_compressed_target(cfg) -> None:
+    """compressed-tensors names the layers it leaves float by their HF names, and transformers reads the file
+    as it is: refuse the models whose HF layout differs from nanoserve's (before any quantization runs)."""
+    if cfg.arch == "gpt2":
+        raise NanoserveError("compressed-tensors quantizes nn.Linear modules; transformers' GPT-2 has Conv1D layers, "
+                             "so its checkpoint would not load: save GPT-2 in the GPTQ format")
+    if cfg.hf_model_type in ("phi3", "mixtral") or getattr(cfg, "num_experts", 0):
+        raise NanoserveError(f"writing compressed-tensors for model_type={cfg.hf_model_type!r} is not supported: its "
+                             "HF layout (fused or renamed layers, experts) differs from nanoserve's")
 
 
 def quantize_config(config) -> dict:

@@ -13,12 +13,12 @@ folding AWQ does (awq.fold_scales), so smoothing costs nothing at run time. A gr
 from an op with no per-channel weight (GPT-2's attention output, its GELU) stays unsmoothed. Then
 every linear of every block becomes a `W8A8Linear` (int8.py): per-channel weights, per-token dynamic
 activations. `smooth_model` measures the channel maxima in one float pass over calibration text and
-folds; `quantize_linears` swaps the layers. Taught in notebooks/13_w8a8.ipynb.
+folds; online.py's `quantize_linears` swaps the layers. Taught in notebooks/13_w8a8.ipynb.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -80,17 +80,3 @@ def smooth_model(model: nn.Module, calib: torch.Tensor, alpha: float = 0.5,
             factors[f"{prefix}.{i}.{names[0]}"] = s
     return factors
 
-
-def quantize_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> list[str]:
-    """Replace every linear of every decoder block by make(linear) (embeddings, the LM head and a MoE router
-    stay in float, as in vLLM's checkpoints); returns the names replaced."""
-    prefix, blocks = decoder_blocks(model)
-    done = []
-    for i, block in enumerate(blocks):
-        for _, names in block_groups(model, block):
-            for n in names:
-                parent, _, child = n.rpartition(".")
-                owner = block.get_submodule(parent) if parent else block
-                setattr(owner, child, make(getattr(owner, child)))
-                done.append(f"{prefix}.{i}.{n}")
-    return done
