@@ -222,15 +222,15 @@ def test_model_and_bin_files_give_the_same_tokenizer() -> None:
 class RightmostTies(SentencePieceTokenizer):
     """Mutant: among equal scores, merge the rightmost pair first."""
 
-    def _pair_priority(self, score: float, position: int) -> tuple[float, int]:
-        return (-score, -position)
+    def _pair_priority(self, rank: float, position: int) -> tuple[float, int]:
+        return (rank, -position)
 
 
 class LowestScoreFirst(SentencePieceTokenizer):
     """Mutant: merge the lowest-scoring pair first."""
 
-    def _pair_priority(self, score: float, position: int) -> tuple[float, int]:
-        return (score, position)
+    def _pair_priority(self, rank: float, position: int) -> tuple[float, int]:
+        return (-rank, position)  # rank = −score
 
 
 @pytest.mark.parametrize("mutant", [RightmostTies, LowestScoreFirst])

@@ -8,8 +8,10 @@ Two engines cover the vocabulary formats that checkpoints ship with:
   ``tokenizer.tiktoken`` files (tiktoken_file.py), and the 257-token byte tokenizer of our demo models.
 * A small pure-Python **SentencePiece BPE** (sentencepiece.py) runs Llama-2 style vocabularies
   (``tokenizer.model`` protobufs, read by protobuf.py; llama2.c ``tokenizer.bin`` / ``tok512.bin``,
-  llama2c.py). There a merge is chosen by the *score* of the merged piece over unicode characters, with
-  byte fallback for unknown characters: tiktoken's rank-over-bytes BPE cannot express that exactly.
+  llama2c.py; and SentencePiece-style ``tokenizer.json`` files — Llama-2's, Mistral's Metaspace — where
+  `MergesTokenizer` ranks pairs by the file's merge list, as HF does). There a merge is chosen by the
+  *score* of the merged piece over unicode characters (or its rank), with byte fallback for unknown
+  characters: tiktoken's rank-over-bytes BPE cannot express that exactly.
 
 Both engines have the members of :class:`Tokenizer`; :func:`load_tokenizer` (load.py) picks one by the
 files it finds. ``encode`` never parses special-token text (``"<|endoftext|>"`` in a prompt is ordinary

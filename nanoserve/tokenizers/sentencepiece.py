@@ -120,9 +120,15 @@ class SentencePieceTokenizer:
             start = match.end()
         return symbols + self._bpe(list(text[start:]))
 
-    def _pair_priority(self, score: float, position: int) -> tuple[float, int]:
-        """Heap key of a candidate merge: highest score first, then leftmost (smallest key pops first)."""
-        return (-score, position)
+    def _pair_priority(self, rank: float, position: int) -> tuple[float, int]:
+        """Heap key of a candidate merge: the smallest rank first, then the leftmost (smallest key pops first)."""
+        return (rank, position)
+
+    def _pair_rank(self, left: str, right: str) -> float | None:
+        """How early the pair merges (smaller first), or None if it never does: here, the merged piece's
+        score, negated (SentencePiece); `MergesTokenizer` ranks pairs by a merge list (HF's BPE)."""
+        score = self._merge_score.get(left + right)
+        return None if score is None else -score
 
     def _bpe(self, symbols: list[str]) -> list[str]:
         """Merge adjacent symbols, best pair first, until no adjacent pair forms a mergeable piece.
@@ -141,10 +147,9 @@ class SentencePieceTokenizer:
             right = next_[left] if left != -1 else -1
             if right == -1:
                 return
-            merged = symbols[left] + symbols[right]
-            score = self._merge_score.get(merged)
-            if score is not None:
-                heapq.heappush(heap, (self._pair_priority(score, left), left, merged))
+            rank = self._pair_rank(symbols[left], symbols[right])
+            if rank is not None:
+                heapq.heappush(heap, (self._pair_priority(rank, left), left, symbols[left] + symbols[right]))
 
         for i in range(n - 1):
             push(i)
@@ -176,6 +181,34 @@ class SentencePieceTokenizer:
         return text
 
 
+class MergesTokenizer(SentencePieceTokenizer):
+    """The same BPE over unicode characters with byte fallback, but a pair merges by its rank in a merge
+    list, as HF's BPE does: what a Llama-2 / Mistral ``tokenizer.json`` holds (tokenizer_json.py reads it).
+    split=True: the Metaspace pre-tokenizer's split, each word from a "▁" on, merged on its own."""
+
+    def __init__(self, pieces: Sequence[str], types: Sequence[int], merges: Sequence[tuple[str, str]], *,
+                 split: bool = False, prefix_if_missing: bool = False, **kwargs) -> None:
+        super().__init__(pieces, [0.0] * len(pieces), types, **kwargs)
+        self._ranks = {pair: rank for rank, pair in reversed(list(enumerate(merges)))}  # the first listing wins
+        self.split = split  # Metaspace(split=True): each "▁"-led word is merged on its own
+        self.prefix_if_missing = prefix_if_missing  # Metaspace: no "▁" prefix on a text that already starts with one
+
+    def _pair_rank(self, left: str, right: str) -> float | None:
+        return self._ranks.get((left, right))
+
+    def _normalize(self, text: str) -> str:
+        if self.prefix_if_missing and text.startswith(" "):
+            return text.replace(" ", SPACE)
+        return super()._normalize(text)
+
+    def _segment(self, text: str) -> list[str]:
+        words = regex.findall(f"{SPACE}[^{SPACE}]*|[^{SPACE}]+", text) if self.split else [text]
+        symbols = []
+        for word in words:
+            symbols += SentencePieceTokenizer._segment(self, word)
+        return symbols
+
+
 def _piece_surface(piece: str, kind: int) -> bytes:
     """The bytes one piece decodes to."""
     if kind == BYTE:
@@ -183,7 +216,6 @@ def _piece_surface(piece: str, kind: int) -> bytes:
     if kind in (CONTROL, UNKNOWN):
         return b""
     return piece.replace(SPACE, " ").encode("utf-8")
-
 
 
 def sentencepiece_tokenizer(path: str | os.PathLike) -> SentencePieceTokenizer:

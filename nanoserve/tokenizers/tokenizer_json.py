@@ -1,20 +1,37 @@
-"""HF ``tokenizer.json`` (byte-level BPE) converted to tiktoken's mergeable ranks, with the
-pre-tokenizer's split regex and normalizer reproduced.
+"""HF ``tokenizer.json``: byte-level BPE converted to tiktoken's mergeable ranks, with the pre-tokenizer's
+split regex and normalizer reproduced; or, for the SentencePiece-style files of Llama-2 and Mistral ("▁" for
+spaces, byte fallback), sentencepiece.py's BPE with the file's merge ranks (`MergesTokenizer`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import regex
 
-from .base import BOS_NAMES, ENDOFTEXT, EOS_NAMES, GPT2_PATTERN, TokenizerError, read_json
+from .base import (
+    BOS_NAMES,
+    BYTE,
+    BYTE_PIECE,
+    CONTROL,
+    ENDOFTEXT,
+    EOS_NAMES,
+    GPT2_PATTERN,
+    NORMAL,
+    SPACE,
+    UNKNOWN,
+    TokenizerError,
+    read_json,
+)
 from .bpe import TiktokenTokenizer, bpe_ranks, make_encoding
+from .sentencepiece import MergesTokenizer
 
 
-def hf_tokenizer(path: str | os.PathLike) -> TiktokenTokenizer:
-    """A HF ``tokenizer.json`` byte-level BPE, converted to tiktoken ranks.
+def hf_tokenizer(path: str | os.PathLike) -> TiktokenTokenizer | MergesTokenizer:
+    """A HF ``tokenizer.json`` byte-level BPE, converted to tiktoken ranks; or a SentencePiece-style one (Llama-2,
+    Mistral: "▁" for spaces, byte fallback), read by `_merges_tokenizer`.
 
     Supported pre-tokenizers: ``ByteLevel`` (GPT-2 regex); ``Sequence[Split(regex), ByteLevel(use_regex=
     False)]`` (Llama-3, Qwen2); either one after a ``Digits`` or ``Split`` step (SmolLM); normalizers: none
@@ -36,6 +53,8 @@ def hf_tokenizer(path: str | os.PathLike) -> TiktokenTokenizer:
     for key in ("continuing_subword_prefix", "end_of_word_suffix", "dropout"):
         if model.get(key):
             raise TokenizerError(f"{path}: BPE option {key}={model[key]!r} is not supported (must be null)")
+    if _sentencepiece_style(spec):
+        return _merges_tokenizer(path, spec)
     pat_str, presplit, add_prefix_space = _hf_pre_tokenizer(spec.get("pre_tokenizer"), path)
     normalization = _hf_normalizer(spec.get("normalizer"), path)
     added = {t["content"]: t["id"] for t in spec.get("added_tokens") or []}
@@ -59,6 +78,47 @@ def hf_tokenizer(path: str | os.PathLike) -> TiktokenTokenizer:
         presplit=presplit,
         add_prefix_space=add_prefix_space,
     )
+
+
+def _sentencepiece_style(spec: dict) -> bool:
+    """Whether a tokenizer.json is a converted SentencePiece BPE: byte fallback, a Metaspace pre-tokenizer, or
+    the "▁"-writing normalizer of Llama-2's files."""
+    pre, norm = spec.get("pre_tokenizer") or {}, json.dumps(spec.get("normalizer"))
+    return bool(spec["model"].get("byte_fallback")) or pre.get("type") == "Metaspace" or SPACE in norm
+
+
+def _merges_tokenizer(path: Path, spec: dict) -> MergesTokenizer:
+    """A SentencePiece-style tokenizer.json: spaces written "▁" (a normalizer Prepend("▁") + Replace(" ", "▁"), or
+    a Metaspace pre-tokenizer), BPE over characters by merge rank, byte fallback to <0xXX> pieces."""
+    model, pre, norm = spec["model"], spec.get("pre_tokenizer"), spec.get("normalizer")
+    steps = (norm.get("normalizers") or []) if isinstance(norm, dict) and norm.get("type") == "Sequence" else \
+        [norm] if norm else []
+    kinds = [(st.get("type"), st.get("prepend"), (st.get("pattern") or {}).get("String"), st.get("content"))
+             for st in steps]
+    if kinds not in ([], [("Prepend", SPACE, None, None), ("Replace", None, " ", SPACE)]):
+        raise TokenizerError(f"{path}: normalizer {norm!r} is not supported with a SentencePiece-style vocabulary; "
+                             "allowed: null, or Prepend('▁') then Replace(' ', '▁')")
+    if pre is not None and (pre.get("type") != "Metaspace" or pre.get("replacement", SPACE) != SPACE or kinds):
+        raise TokenizerError(f"{path}: pre_tokenizer {pre!r} is not supported here; allowed: null (after the "
+                             "'▁' normalizer), or Metaspace('▁')")
+    prefix = bool(kinds) or (pre or {}).get("prepend_scheme", "always" if (pre or {}).get("add_prefix_space", True)
+                                                            else "never") in ("always", "first")
+    added = {t["content"]: t for t in spec.get("added_tokens") or []}
+    names = {**model.get("vocab", {}), **{c: t["id"] for c, t in added.items()}}
+    pieces = [""] * (max(names.values()) + 1)
+    for piece, i in names.items():
+        pieces[i] = piece
+    unk = model.get("unk_token")
+    types = [BYTE if BYTE_PIECE.fullmatch(p) else UNKNOWN if p == unk else
+             CONTROL if p in added and added[p].get("special") else NORMAL for p in pieces]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model.get("merges") or []]
+    config_path = path.with_name("tokenizer_config.json")
+    config = read_json(config_path) if config_path.is_file() else {}
+    special = {key: _special_id(config, f"{key}_token", fallback, names, config_path)
+               for key, fallback in (("bos", BOS_NAMES), ("eos", EOS_NAMES))}
+    return MergesTokenizer(pieces, types, merges, split=bool((pre or {}).get("split", False)), unk_id=names.get(unk),
+                           bos_id=special["bos"], eos_id=special["eos"], add_dummy_prefix=prefix,
+                           prefix_if_missing=pre is not None, byte_fallback=bool(model.get("byte_fallback")))
 
 
 def _hf_pre_tokenizer(spec: dict | None, where: Path) -> tuple[str, str | None, bool]:
