@@ -105,7 +105,7 @@ def test_smoothing_leaves_the_float_model_unchanged(model, hf_checkpoints):
     before = m(ids)
     factors = smooth_model(m, ids, alpha=0.5)
     assert factors and all((s != 1).any() for s in factors.values())  # something really moved
-    torch.testing.assert_close(m(ids), before, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(m(ids), before, atol=1e-5, rtol=1e-5)  # the bound; measured ≤ 6e-6
     names = quantize_linears(m, W8A8Linear.from_linear)
     assert names and all(isinstance(m.get_submodule(n), W8A8Linear) for n in names)
 
