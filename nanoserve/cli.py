@@ -20,6 +20,8 @@ import time
 
 from .errors import NanoserveError
 
+QUANTIZATION_CHOICES = ("fp8", "int8", "llm.int8")  # quant/online.py's QUANTIZATION_METHODS (a test keeps them equal)
+
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="demo", help="shipped name (demo), checkpoint dir, llama2.c .bin or hub id")
@@ -45,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attention over the KV cache (default: triton on CUDA, torch on CPU)")
     g.add_argument("--kv-cache-dtype", default="auto",
                    help="auto (K/V in the model's dtype), int8, fp8_e4m3 or fp8_e5m2 (a scale per token and head)")
-    g.add_argument("--quantization", choices=["fp8", "int8", "llm.int8"],
+    g.add_argument("--quantization", choices=QUANTIZATION_CHOICES,
                    help="make a float checkpoint's linears 8-bit as it loads: W8A8 fp8 or int8, or LLM.int8")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-tokens", type=int, default=64)
@@ -119,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--attention-backend", choices=["torch", "triton"])
     v.add_argument("--kv-cache-dtype", default="auto",
                    help="auto (K/V in the model's dtype), int8, fp8_e4m3 or fp8_e5m2 (a scale per token and head)")
-    v.add_argument("--quantization", choices=["fp8", "int8", "llm.int8"],
+    v.add_argument("--quantization", choices=QUANTIZATION_CHOICES,
                    help="make a float checkpoint's linears 8-bit as it loads: W8A8 fp8 or int8, or LLM.int8")
     v.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
                    help="largest request body accepted (default 4 MiB); larger ones get 413")

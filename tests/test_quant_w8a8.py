@@ -139,6 +139,14 @@ def test_the_engine_quantizes_on_load(quantization):
     assert agree >= 12, (quantization, out.text, plain.text)  # 8 bits: the same greedy text for a while
 
 
+def test_the_cli_offers_every_method_the_engine_takes():
+    from nanoserve.cli import QUANTIZATION_CHOICES, build_parser
+    from nanoserve.quant.online import QUANTIZATION_METHODS
+
+    assert QUANTIZATION_CHOICES == tuple(QUANTIZATION_METHODS)
+    assert build_parser().parse_args(["serve", "--quantization", "llm.int8"]).quantization == "llm.int8"
+
+
 def test_bad_quantization_settings_are_refused_by_name(tmp_path):
     with pytest.raises(NanoserveError, match=r"quantization='int4'; allowed: None .*fp8, int8, llm.int8"):
         LLM("demo", quantization="int4")
