@@ -136,7 +136,7 @@ def test_the_engine_quantizes_on_load(quantization):
     assert {"fp8": "FP8Linear", "int8": "W8A8Linear", "llm.int8": "LLMInt8Linear"}[quantization] in kinds
     out = llm.generate(["ROMEO:"], params, use_tqdm=False)[0]
     agree = sum(a == b for a, b in zip(out.outputs[0].token_ids, plain.outputs[0].token_ids))
-    assert agree >= 12, (quantization, out.text, plain.text)  # 8 bits: the same greedy text for a while
+    assert agree >= 20, (quantization, out.text, plain.text)  # measured 24 of 24 for all three
 
 
 def test_the_cli_offers_every_method_the_engine_takes():
@@ -160,6 +160,12 @@ def test_bad_quantization_settings_are_refused_by_name(tmp_path):
     m = nn.Sequential(QuantLinear(64, 8, 4, 64, False))
     with pytest.raises(NanoserveError, match="already quantized"):
         quantize_on_load(m, "fp8")
+    from nanoserve.quant.save import save_compressed
+
+    llm_int8 = load_model("demo-draft")[0]
+    quantize_on_load(llm_int8, "llm.int8")
+    with pytest.raises(NanoserveError, match=r"one scheme of .* this model has \['LLMInt8Linear'\]"):
+        save_compressed(llm_int8, tmp_path / "x")
     model, cfg, tok = load_model("demo")
     with pytest.raises(NanoserveError, match="calibration ids must be an integer tensor"):
         smooth_model(model, torch.randn(2, 8))

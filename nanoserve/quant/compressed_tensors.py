@@ -31,6 +31,7 @@ from torch import nn
 from ..errors import CheckpointError, NanoserveError
 from .fp8 import FP8, FP8Linear
 from .int8 import W8A8Linear
+from .llm_int8 import LLMInt8Linear
 from .packing import pack_gptq, unpack_gptq
 from .qlinear import QuantLinear
 
@@ -69,16 +70,17 @@ def scheme(qcfg: dict) -> tuple[str, dict, dict | None, list[str]]:
     w, a = group.get("weights") or {}, group.get("input_activations")
     if group.get("targets") != ["Linear"]:
         raise CheckpointError(f"compressed-tensors targets={group.get('targets')!r}: only ['Linear'] is supported")
-    kind = (fmt, w.get("type"), w.get("num_bits"), w.get("strategy"), None if a is None else
-            (a.get("type"), a.get("num_bits"), a.get("strategy"), a.get("dynamic")))
-    symmetric_acts = a is None or a.get("symmetric", True)
-    ok = (fmt == "pack-quantized" and kind[1:3] == ("int", 4) and w.get("strategy") in ("group", "channel")
-          and a is None and not w.get("actorder")) or \
-         (fmt == "int-quantized" and kind[1:4] == ("int", 8, "channel") and w.get("symmetric", True)
-          and kind[4] == ("int", 8, "token", True) and symmetric_acts) or \
-         (fmt in ("float-quantized", "naive-quantized") and kind[1:3] == ("float", 8) and w.get("symmetric", True)
-          and w.get("strategy") in ("channel", "tensor") and kind[4] in (None, ("float", 8, "token", True))
-          and symmetric_acts)
+    weights = (w.get("type"), w.get("num_bits"))
+    acts = None if a is None else (a.get("type"), a.get("num_bits"), a.get("strategy"), a.get("dynamic"),
+                                   a.get("symmetric", True))  # dynamic, symmetric, per token: what we compute
+    symmetric, strategy = w.get("symmetric", True), w.get("strategy")
+    fp8 = weights == ("float", 8) and strategy in ("channel", "tensor") and symmetric \
+        and acts in (None, ("float", 8, "token", True, True))
+    ok = {"pack-quantized": weights == ("int", 4) and strategy in ("group", "channel") and acts is None
+          and not w.get("actorder"),
+          "int-quantized": weights == ("int", 8) and strategy == "channel" and symmetric
+          and acts == ("int", 8, "token", True, True),
+          "float-quantized": fp8, "naive-quantized": fp8}.get(fmt, False)
     if not ok:
         raise CheckpointError(f"compressed-tensors scheme not supported: format={fmt!r}, weights={w}, "
                               f"input_activations={a}; nanoserve reads pack-quantized int4 (W4A16), int-quantized "
@@ -140,13 +142,10 @@ def _w4_to_gptq(name, packed, scale, zero_point, shape, w: dict) -> dict[str, to
         raise CheckpointError(f"{name}: asymmetric pack-quantized layer without weight_zero_point")
     else:
         zeros = unpack_int4(zero_point.T, N).T  # N, G   z + 8 (packed along N)
-    if (zeros == 0).any():
-        raise CheckpointError(f"{name}: {(zeros == 0).sum().item()} groups have zero point −8, which the GPTQ v1 "
-                              "layout nanoserve computes with (zero − 1 per field) cannot hold")
     g_idx = torch.arange(K, dtype=torch.int32) // gs
     try:
         parts = pack_gptq(codes.to(torch.uint8), zeros.to(torch.int32), scale, g_idx, 4)
-    except ValueError as e:
+    except ValueError as e:  # e.g. a zero point of −8 (GPTQ v1's field holds zero − 1 ≥ 0)
         raise CheckpointError(f"{name}: {e}") from e
     # the file's scales as they are (pack_gptq rounds to GPTQ's fp16): the layer computes with the same weights
     return {**parts, "scales": scale.t().contiguous(), "bits": 4}  # scales G, N
@@ -158,21 +157,21 @@ def tensors_and_config(model: nn.Module) -> tuple[dict[str, dict[str, torch.Tens
     dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
     layers = {n: m for n, m in model.named_modules() if isinstance(m, (QuantLinear, W8A8Linear, FP8Linear))}
     kinds = {type(m) for m in layers.values()}
-    if len(kinds) != 1:
-        raise NanoserveError(f"a compressed-tensors checkpoint holds one scheme; this model has "
+    if len(kinds) != 1 or kinds & {LLMInt8Linear}:  # LLM.int8 computes its outliers apart: no such scheme
+        raise NanoserveError(f"a compressed-tensors checkpoint holds one scheme of {QuantLinear.__name__}, "
+                             f"{W8A8Linear.__name__} or {FP8Linear.__name__} layers; this model has "
                              f"{sorted(k.__name__ for k in kinds) or 'no quantized layer'}")
     kind = kinds.pop()
+    # symmetric (every GPTQ zero point 8, i.e. z = 0): the format then stores no zero points
+    sym = kind is QuantLinear and all(bool((unpack_gptq(m.qweight, m.qzeros, m.scales, m.g_idx, m.bits)[1] == 8).all())
+                                      for m in layers.values())
     out = {}
     for name, m in layers.items():
-        out[name] = _w4_tensors(name, m, dtype) if kind is QuantLinear else _w8_tensors(m, dtype)
+        out[name] = _w4_tensors(name, m, dtype, sym) if kind is QuantLinear else _w8_tensors(m, dtype)
         if m.bias is not None:
             out[name]["bias"] = m.bias.detach().to(dtype)
     first = next(iter(layers.values()))
     if kind is QuantLinear:
-        sym = all(bool((t.pop("zeros") == 8).all()) for t in out.values())  # every zero point 8: symmetric
-        if sym:
-            for t in out.values():
-                del t["weight_zero_point"]
         if len({m.group_size for m in layers.values()}) > 1:
             raise NanoserveError("the layers have different group sizes; a compressed-tensors group has one")
         fmt, weights, acts = "pack-quantized", _args("int", 4, "group", sym, first.group_size), None
@@ -198,7 +197,7 @@ def _args(type_: str, bits: int, strategy: str, symmetric: bool = True, group_si
             "group_size": group_size if strategy == "group" else None, "dynamic": dynamic}
 
 
-def _w4_tensors(name: str, q: QuantLinear, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _w4_tensors(name: str, q: QuantLinear, dtype: torch.dtype, symmetric: bool) -> dict[str, torch.Tensor]:
     if q.bits != 4:
         raise NanoserveError(f"{name}: {q.bits}-bit weights; compressed-tensors pack-quantized is written for 4 bits")
     codes, zeros, scales, g_idx = unpack_gptq(q.qweight, q.qzeros, q.scales, q.g_idx, 4)  # N, K; N, G; N, G; K
@@ -207,9 +206,11 @@ def _w4_tensors(name: str, q: QuantLinear, dtype: torch.dtype) -> dict[str, torc
         raise NanoserveError(f"{name}: act-order (a permuted g_idx) is not written to compressed-tensors")
     if (zeros > 15).any():
         raise NanoserveError(f"{name}: zero point 16 (z = 8) is outside compressed-tensors' int4 range")
-    return {"weight_packed": pack_int4(codes), "weight_scale": scales.to(dtype),
-            "weight_shape": torch.tensor([codes.shape[0], K], dtype=torch.int64),
-            "weight_zero_point": pack_int4(zeros.T).T, "zeros": zeros}  # packed along N; zeros: for the caller
+    t = {"weight_packed": pack_int4(codes), "weight_scale": scales.to(dtype),
+         "weight_shape": torch.tensor([codes.shape[0], K], dtype=torch.int64)}
+    if not symmetric:
+        t["weight_zero_point"] = pack_int4(zeros.T).T  # zero points z + 8, packed along N
+    return t
 
 
 def _w8_tensors(m: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:

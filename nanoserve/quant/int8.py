@@ -31,11 +31,11 @@ QMAX = 127
 MIN_SCALE = 1e-8  # an all-zero row keeps a finite scale (its codes are 0)
 
 
-def quantize_int8(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 with one scale per slice along `dim`'s complement: x [..., K] -> q int8, s fp32 [...]
-    (dim = −1: one scale per row, i.e. per token of an activation or per output channel of a weight)."""
-    s = (x.detach().abs().amax(dim).float() / QMAX).clamp(min=MIN_SCALE)  # ...
-    q = (x.float() / s.unsqueeze(dim)).round().clamp(-QMAX, QMAX).to(torch.int8)
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8, one scale per row: x [..., K] -> q int8 [..., K], s fp32 [...] (a row: a token of an
+    activation, or an output channel of a weight)."""
+    s = (x.detach().abs().amax(-1).float() / QMAX).clamp(min=MIN_SCALE)  # ...
+    q = (x.float() / s[..., None]).round().clamp(-QMAX, QMAX).to(torch.int8)
     return q, s
 
 

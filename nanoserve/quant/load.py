@@ -93,13 +93,10 @@ def _v2_to_v1(name: str, parts: dict, bits: int) -> dict[str, torch.Tensor]:
     try:
         codes, zeros, scales, g_idx = unpack_gptq(parts["qweight"], parts["qzeros"], parts["scales"],
                                                   parts["g_idx"], bits)
+        # unpack_gptq adds v1's offset back; v2 stored the zero point as it is (a zero of 0 cannot be repacked)
+        return pack_gptq(codes, zeros - 1, scales, g_idx, bits)
     except ValueError as e:
-        raise CheckpointError(f"{name}: not a valid GPTQ v2 layer: {e}") from e
-    zeros = zeros - 1  # unpack_gptq adds v1's offset back; v2 stored the zero point as it is
-    if (zeros == 0).any():
-        raise CheckpointError(f"{name}: {(zeros == 0).sum().item()} groups have GPTQ v2 zero point 0, which the "
-                              f"v1 layout nanoserve computes with (zero − 1 per field) cannot hold")
-    return pack_gptq(codes, zeros, scales, g_idx, bits)
+        raise CheckpointError(f"{name}: not a GPTQ v2 layer nanoserve can hold: {e}") from e
 
 
 def install_quant_linears(model: nn.Module, layers: dict[str, dict], dtype: torch.dtype,

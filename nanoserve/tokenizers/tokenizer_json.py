@@ -53,21 +53,20 @@ def hf_tokenizer(path: str | os.PathLike) -> TiktokenTokenizer | MergesTokenizer
     for key in ("continuing_subword_prefix", "end_of_word_suffix", "dropout"):
         if model.get(key):
             raise TokenizerError(f"{path}: BPE option {key}={model[key]!r} is not supported (must be null)")
-    if _sentencepiece_style(spec):
-        return _merges_tokenizer(path, spec)
-    pat_str, presplit, add_prefix_space = _hf_pre_tokenizer(spec.get("pre_tokenizer"), path)
-    normalization = _hf_normalizer(spec.get("normalizer"), path)
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model.get("merges") or []]
     added = {t["content"]: t["id"] for t in spec.get("added_tokens") or []}
     vocab = model.get("vocab") or {}
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model.get("merges") or []]
-    ranks = bpe_ranks(vocab, merges, set(added.values()), path)
-    encoding = make_encoding(path.parent.name or "tokenizer.json", ranks, pat_str, added)
-
+    names = {**vocab, **added}  # vocab keys are byte-level strings: equal to the text for printable ASCII
     config_path = path.with_name("tokenizer_config.json")
     config = read_json(config_path) if config_path.is_file() else {}
-    names = {**vocab, **added}  # vocab keys are byte-level strings: equal to the text for printable ASCII
     bos_id = _special_id(config, "bos_token", BOS_NAMES, names, config_path)
     eos_id = _special_id(config, "eos_token", EOS_NAMES, names, config_path)
+    if _sentencepiece_style(spec):
+        return _merges_tokenizer(path, spec, names, merges, bos_id, eos_id)
+    pat_str, presplit, add_prefix_space = _hf_pre_tokenizer(spec.get("pre_tokenizer"), path)
+    normalization = _hf_normalizer(spec.get("normalizer"), path)
+    ranks = bpe_ranks(vocab, merges, set(added.values()), path)
+    encoding = make_encoding(path.parent.name or "tokenizer.json", ranks, pat_str, added)
     if bos_id is None and "bos_token" not in config and eos_id is not None and eos_id == names.get(ENDOFTEXT):
         bos_id = eos_id  # GPT-2's convention: <|endoftext|> starts and ends documents
     return TiktokenTokenizer(
@@ -87,10 +86,11 @@ def _sentencepiece_style(spec: dict) -> bool:
     return bool(spec["model"].get("byte_fallback")) or pre.get("type") == "Metaspace" or SPACE in norm
 
 
-def _merges_tokenizer(path: Path, spec: dict) -> MergesTokenizer:
+def _merges_tokenizer(path: Path, spec: dict, names: dict[str, int], merges: list[tuple[str, str]],
+                      bos_id: int | None, eos_id: int | None) -> MergesTokenizer:
     """A SentencePiece-style tokenizer.json: spaces written "▁" (a normalizer Prepend("▁") + Replace(" ", "▁"), or
     a Metaspace pre-tokenizer), BPE over characters by merge rank, byte fallback to <0xXX> pieces."""
-    model, pre, norm = spec["model"], spec.get("pre_tokenizer"), spec.get("normalizer")
+    model, norm, pre = spec["model"], spec.get("normalizer"), spec.get("pre_tokenizer")
     steps = (norm.get("normalizers") or []) if isinstance(norm, dict) and norm.get("type") == "Sequence" else \
         [norm] if norm else []
     kinds = [(st.get("type"), st.get("prepend"), (st.get("pattern") or {}).get("String"), st.get("content"))
@@ -101,24 +101,20 @@ def _merges_tokenizer(path: Path, spec: dict) -> MergesTokenizer:
     if pre is not None and (pre.get("type") != "Metaspace" or pre.get("replacement", SPACE) != SPACE or kinds):
         raise TokenizerError(f"{path}: pre_tokenizer {pre!r} is not supported here; allowed: null (after the "
                              "'▁' normalizer), or Metaspace('▁')")
-    prefix = bool(kinds) or (pre or {}).get("prepend_scheme", "always" if (pre or {}).get("add_prefix_space", True)
-                                                            else "never") in ("always", "first")
-    added = {t["content"]: t for t in spec.get("added_tokens") or []}
-    names = {**model.get("vocab", {}), **{c: t["id"] for c, t in added.items()}}
+    if pre is None:  # Llama-2's normalizer: "▁" before every text
+        prefix = bool(kinds)
+    else:  # Metaspace: prepend_scheme, or in older files add_prefix_space
+        prefix = pre.get("prepend_scheme", "always" if pre.get("add_prefix_space", True) else "never") != "never"
+    special = {t["content"] for t in spec.get("added_tokens") or [] if t.get("special")}
     pieces = [""] * (max(names.values()) + 1)
     for piece, i in names.items():
         pieces[i] = piece
     unk = model.get("unk_token")
-    types = [BYTE if BYTE_PIECE.fullmatch(p) else UNKNOWN if p == unk else
-             CONTROL if p in added and added[p].get("special") else NORMAL for p in pieces]
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model.get("merges") or []]
-    config_path = path.with_name("tokenizer_config.json")
-    config = read_json(config_path) if config_path.is_file() else {}
-    special = {key: _special_id(config, f"{key}_token", fallback, names, config_path)
-               for key, fallback in (("bos", BOS_NAMES), ("eos", EOS_NAMES))}
+    types = [BYTE if BYTE_PIECE.fullmatch(p) else UNKNOWN if p == unk else CONTROL if p in special else NORMAL
+             for p in pieces]
     return MergesTokenizer(pieces, types, merges, split=bool((pre or {}).get("split", False)), unk_id=names.get(unk),
-                           bos_id=special["bos"], eos_id=special["eos"], add_dummy_prefix=prefix,
-                           prefix_if_missing=pre is not None, byte_fallback=bool(model.get("byte_fallback")))
+                           bos_id=bos_id, eos_id=eos_id, add_dummy_prefix=prefix, prefix_if_missing=pre is not None,
+                           byte_fallback=bool(model.get("byte_fallback")))
 
 
 def _hf_pre_tokenizer(spec: dict | None, where: Path) -> tuple[str, str | None, bool]:
