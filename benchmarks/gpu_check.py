@@ -194,6 +194,7 @@ def parse_args(argv=None):
     ap.add_argument("--only", default="", help="comma-separated figure letters, e.g. a,b,e (default: all)")
     ap.add_argument("--out", help="JSON path (default: benchmarks/gpu_check.json; a dry run: the temp dir)")
     ap.add_argument("--time-limit", type=float, default=1140.0, help="stop starting figures after this (s)")
+    ap.add_argument("--budgets", default="", help="per-figure budgets in seconds for a shorter lease, e.g. a=45,f=80")
     ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                     help="one process per figure (default: yes on a GPU, no in a dry run)")
     ap.add_argument("--workdir", help="where checkpoints are built (default: a temporary dir, removed after)")
@@ -205,7 +206,21 @@ def parse_args(argv=None):
     bad = [x for x in args.only if x not in FIGURES]
     if bad:
         ap.error(f"unknown figure {bad[0]!r}; figures: {', '.join(FIGURES)}")
+    args.budgets = dict(_budget(item, ap) for item in args.budgets.split(",") if item.strip())
     return args
+
+
+def _budget(item: str, ap) -> tuple[str, float]:
+    """'f=80' -> ('f', 80.0), refusing an unknown letter or a budget that is not a positive number."""
+    letter, _, seconds = item.strip().partition("=")
+    try:
+        value = float(seconds)
+    except ValueError:
+        value = -1.0
+    if letter not in FIGURES or value <= 0:
+        ap.error(f"--budgets item {item.strip()!r}: expected LETTER=SECONDS with a letter of {', '.join(FIGURES)} "
+                 "and a positive number of seconds")
+    return letter, value
 
 
 def main(argv=None) -> int:
@@ -242,7 +257,7 @@ def main(argv=None) -> int:
     print(f"gpu_check on {res['environment']['device']}: figures {','.join(args.only)} -> {out}")
     try:
         for letter in args.only:
-            budget = DRY_BUDGET_S if args.dry_run else FIGURES[letter][3]
+            budget = args.budgets.get(letter, DRY_BUDGET_S if args.dry_run else FIGURES[letter][3])
             left = args.time_limit - (time.perf_counter() - start)
             if left < 30:
                 rec = {"name": FIGURES[letter][0], "status": "skipped", "seconds": 0.0, "budget_s": budget,
