@@ -139,17 +139,18 @@ def _store_kv(dtype, D, kv="auto"):
     store_kv(k, k, kc, kc, torch.tensor([0, -1, 17]), **quant)
 
 
-def _dequant(dtype, which, split_k=1):
+def _dequant(dtype, which, split_k=1, grouped=True):
     from nanoserve.kernels import dequant_matmul as dm
 
     K = N = 4096
     gptq = dict(qweight=torch.zeros(K // 8, N, dtype=torch.int32),
                 qzeros=torch.zeros(K // 128, N // 8, dtype=torch.int32),
                 scales=torch.zeros(K // 128, N, dtype=dtype), g_idx=torch.arange(K, dtype=torch.int32) // 128)
+    group = dict(group_size=128 if grouped else None)  # None: the act-order path (zeros and scales row by row)
     if which == "gemm":
-        dm.dequant_gemm(torch.zeros(32, K, dtype=dtype), **gptq)
+        dm.dequant_gemm(torch.zeros(32, K, dtype=dtype), **gptq, **group)
     elif which == "gemv":
-        dm.dequant_gemv(torch.zeros(1, K, dtype=dtype), **gptq, split_k=split_k)
+        dm.dequant_gemv(torch.zeros(1, K, dtype=dtype), **gptq, split_k=split_k, **group)
     else:
         dm.dequantize_int4(**gptq, dtype=dtype)
 
@@ -204,10 +205,12 @@ def matrix(archs=ARCHS) -> list[tuple[dict, tuple | None]]:
             if arch >= 80:  # W8A8: an int8 GEMM with its scales in the epilogue, the output in each dtype
                 rows.append((dict(arch=arch, dtype=dt, head_dim=None, gqa=None, case="w8a8", variant="M 32"),
                              (_w8a8, dtype)))
-            for which, split_k in (("gemm", 1), ("gemv", 1), ("gemv", 4), ("dequantize", 1)):
-                variant = f"split_k {split_k}" if which == "gemv" else ""
+            for which, split_k, grouped in (("gemm", 1, True), ("gemm", 1, False), ("gemv", 1, True),
+                                            ("gemv", 4, True), ("gemv", 1, False), ("dequantize", 1, True)):
+                variant = " ".join(([f"split_k {split_k}"] if which == "gemv" else [])
+                                   + ([] if which == "dequantize" else ["g128" if grouped else "act-order"]))
                 row = dict(arch=arch, dtype=dt, head_dim=None, gqa=None, case=which, variant=variant)
-                rows.append((row, (_dequant, dtype, which, split_k)))
+                rows.append((row, (_dequant, dtype, which, split_k, grouped)))
     control = dict(arch=86, dtype="fp32", head_dim=128, gqa=4, case="flash", variant="control: old tiles")
     rows.append((control, (_flash, torch.float32, 128, 4)))
     return rows

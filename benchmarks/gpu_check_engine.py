@@ -9,6 +9,7 @@ h. speculative decoding at T = 0 with a random draft ~37x smaller, and with the 
 from __future__ import annotations
 
 import inspect
+import os
 import time
 
 import torch
@@ -161,7 +162,15 @@ def fig_throughput(ctx) -> dict:
                         "ttft_p50_s": (summary.get("ttft") or {}).get("p50"),
                         "ttft_p99_s": (summary.get("ttft") or {}).get("p99")})
     ctx.save(res)
-    hf = hf_throughput(path, prompts, params, (8,) if ctx.dry else (256, 128), ctx.device, _dtype(ctx),
+    # GPU_CHECK_HF_BATCH=B[:n] (a short lease): HF in batches of B only, at most n of them (i.i.d. requests:
+    # the first n·B measure the same rate)
+    sizes, most = ((8,) if ctx.dry else (256, 128)), None
+    if os.environ.get("GPU_CHECK_HF_BATCH"):
+        size, _, count = os.environ["GPU_CHECK_HF_BATCH"].partition(":")
+        sizes, most = (int(size),), (int(count) if count else None)
+        res["hf_batches"] = os.environ["GPU_CHECK_HF_BATCH"]
+    n_hf = len(prompts) if most is None else most * sizes[0]
+    hf = hf_throughput(path, prompts[:n_hf], params[:n_hf], sizes, ctx.device, _dtype(ctx),
                        deadline=ctx.start + 0.92 * ctx.budget)
     res["hf_transformers"] = hf["transformers"]
     for run in hf["runs"]:

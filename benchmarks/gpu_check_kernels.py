@@ -6,6 +6,7 @@ in a dry run); d is the W4A16 kernel against fp16 cuBLAS on the same (dequantize
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -40,13 +41,16 @@ def fig_pytest_gpu(ctx) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "junit.xml"
         # a test module that cannot be imported (an optional package missing from the image) must not stop the rest
+        # with pytest-xdist, 4 workers: the tests compile their kernels in parallel (one GPU serves them all)
+        workers = ["-n", "4"] if ctx.device == "cuda" and importlib.util.find_spec("xdist") else []
         cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}",
-               "--continue-on-collection-errors", *paths]
+               "--continue-on-collection-errors", *workers, *paths]
         env = dict(os.environ)
         if ctx.device == "cuda":
             # tests/conftest.py sets TRITON_INTERPRET=1 unless it is set: on a GPU the kernels must compile
             env["TRITON_INTERPRET"] = "0"
-        res = {"command": ("TRITON_INTERPRET=0 " if ctx.device == "cuda" else "") + f"pytest -m gpu {' '.join(paths)}",
+        res = {"command": ("TRITON_INTERPRET=0 " if ctx.device == "cuda" else "")
+                   + f"pytest -m gpu {' '.join(workers + paths)}",
                "summary": []}
         try:
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,

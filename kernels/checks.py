@@ -212,7 +212,7 @@ def _check_flash_prefix(q, k, B, block_tables, k_cache, v_cache, context_lens, k
     return True
 
 
-def check_dequant_matmul(a, qweight, qzeros, scales, g_idx, bits, split_k) -> tuple[int, int]:
+def check_dequant_matmul(a, qweight, qzeros, scales, g_idx, bits, split_k, group_size=None) -> tuple[int, int]:
     """Raise ValueError on inconsistent inputs; return (K, N)."""
     if bits != 4:
         raise ValueError(f"dequant_matmul is a 4-bit kernel (W4A16), got bits={bits!r}; "
@@ -226,4 +226,10 @@ def check_dequant_matmul(a, qweight, qzeros, scales, g_idx, bits, split_k) -> tu
         raise ValueError(f"a is on {a.device}, the weights on {qweight.device}")
     if split_k is not None and (not isinstance(split_k, int) or split_k < 1):
         raise ValueError(f"split_k must be an int ≥ 1 or None, got {split_k!r}")
+    if group_size is not None:
+        if not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"group_size must be an int ≥ 1 or None, got {group_size!r}")
+        if can_read_values(g_idx) and not torch.equal(g_idx.long().cpu(), torch.arange(K) // group_size):
+            raise ValueError(f"group_size={group_size} says g_idx is k // {group_size}, but it is not "
+                             "(act-order?): pass group_size=None")
     return K, N

@@ -102,13 +102,36 @@ def _dequant_tile(QW, QZ, S, G_IDX, offs_k, offs_n, k_mask, n_mask,
 
 
 @triton.jit
+def _grouped_codes(QW, QZ, S, start, offs_n, n_mask, K,
+                   stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn,
+                   BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SIZE: tl.constexpr):
+    """(code − zero) [BLOCK_K, BLOCK_N] as integers and the tile's scale row [BLOCK_N], for rows start ..
+    start + BLOCK_K that all lie in group start // GROUP_SIZE (no act-order; BLOCK_K divides GROUP_SIZE).
+
+    Each word is loaded once, [BLOCK_K / 8, BLOCK_N], and its 8 codes are shifted out along a new middle
+    axis: [BLOCK_K / 8, 8, BLOCK_N], whose rows, read in order, are k = 8 · word + nibble. One zero row and
+    one scale row serve the whole tile, so W = (code − zero) · scale leaves the scale for after the dot."""
+    offs_w = start // 8 + tl.arange(0, BLOCK_K // 8)  # BLOCK_K / 8   words along K
+    words = tl.load(QW + offs_w[:, None] * stride_qk + offs_n[None, :] * stride_qn,
+                    mask=(offs_w < K // 8)[:, None] & n_mask[None, :], other=0)  # BLOCK_K / 8, BLOCK_N
+    shifts = tl.arange(0, 8) * 4  # 8
+    codes = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # BLOCK_K / 8, 8, BLOCK_N
+    codes = tl.reshape(codes, (BLOCK_K, BLOCK_N))  # BLOCK_K, BLOCK_N   row 8·w + j: word w, nibble j
+    g = start // GROUP_SIZE
+    zwords = tl.load(QZ + g * stride_zg + (offs_n // 8) * stride_zn, mask=n_mask, other=0)  # BLOCK_N
+    zeros = ((zwords >> ((offs_n % 8) * 4)) & 0xF) + 1  # v1 stores zero − 1
+    scales = tl.load(S + g * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)  # BLOCK_N
+    return codes - zeros[None, :], scales
+
+
+@triton.jit
 def _dequant_gemm_kernel(
     A, QW, QZ, S, G_IDX, C,
     M, N, K,
     stride_am, stride_ak, stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn,
     stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, GROUP_SIZE: tl.constexpr,
 ):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # BLOCK_M
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # BLOCK_N
@@ -122,9 +145,14 @@ def _dequant_gemm_kernel(
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # BLOCK_M, BLOCK_K
         if UPCAST:
             a = a.to(tl.float32)
-        w = _dequant_tile(QW, QZ, S, G_IDX, offs_k, offs_n, k_mask, n_mask,
-                          stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn)  # BLOCK_K, BLOCK_N
-        acc += tl.dot(a, w.to(a.dtype), input_precision="ieee")  # BLOCK_M, BLOCK_N
+        if GROUP_SIZE > 0:  # one group per tile: integer codes into the dot, the scale after it
+            q, scale = _grouped_codes(QW, QZ, S, start, offs_n, n_mask, K, stride_qk, stride_qn, stride_zg,
+                                      stride_zn, stride_sg, stride_sn, BLOCK_K, BLOCK_N, GROUP_SIZE)  # [BK, BN], [BN]
+            acc += tl.dot(a, q.to(a.dtype), input_precision="ieee") * scale[None, :]  # BLOCK_M, BLOCK_N
+        else:  # any g_idx (act-order): zero and scale gathered row by row
+            w = _dequant_tile(QW, QZ, S, G_IDX, offs_k, offs_n, k_mask, n_mask,
+                              stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn)  # BLOCK_K, BLOCK_N
+            acc += tl.dot(a, w.to(a.dtype), input_precision="ieee")  # BLOCK_M, BLOCK_N
     c_ptrs = C + rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -136,7 +164,7 @@ def _dequant_gemv_kernel(
     stride_am, stride_ak, stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn,
     stride_ps, stride_pm, stride_pn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, GROUP_SIZE: tl.constexpr,
 ):
     split = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)  # BLOCK_M   every row of A (M ≤ BLOCK_M)
@@ -152,9 +180,14 @@ def _dequant_gemv_kernel(
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # BLOCK_M, BLOCK_K
         if UPCAST:
             a = a.to(tl.float32)
-        w = _dequant_tile(QW, QZ, S, G_IDX, offs_k, offs_n, k_mask, n_mask,
-                          stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn)  # BLOCK_K, BLOCK_N
-        acc += tl.dot(a, w.to(a.dtype), input_precision="ieee")  # BLOCK_M, BLOCK_N
+        if GROUP_SIZE > 0:  # one group per tile: integer codes into the dot, the scale after it
+            q, scale = _grouped_codes(QW, QZ, S, start, offs_n, n_mask, K, stride_qk, stride_qn, stride_zg,
+                                      stride_zn, stride_sg, stride_sn, BLOCK_K, BLOCK_N, GROUP_SIZE)  # [BK, BN], [BN]
+            acc += tl.dot(a, q.to(a.dtype), input_precision="ieee") * scale[None, :]  # BLOCK_M, BLOCK_N
+        else:  # any g_idx (act-order): zero and scale gathered row by row
+            w = _dequant_tile(QW, QZ, S, G_IDX, offs_k, offs_n, k_mask, n_mask,
+                              stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn)  # BLOCK_K, BLOCK_N
+            acc += tl.dot(a, w.to(a.dtype), input_precision="ieee")  # BLOCK_M, BLOCK_N
     p_ptrs = P + split * stride_ps + offs_m[:, None] * stride_pm + offs_n[None, :] * stride_pn
     tl.store(p_ptrs, acc.to(P.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -178,36 +211,47 @@ def _dequantize_kernel(
 
 # ----------------------------------------------------------------------------- the wrappers
 def dequant_matmul(a: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-                   g_idx: torch.Tensor, bits: int = 4, *, split_k: int | None = None) -> torch.Tensor:
+                   g_idx: torch.Tensor, bits: int = 4, *, split_k: int | None = None,
+                   group_size: int | None = None) -> torch.Tensor:
     """C [M, N] = A [M, K] · W, W [K, N] dequantized on the fly from GPTQ v1 4-bit tensors.
 
     qweight int32 [K/8, N], qzeros int32 [G, N/8] (zero − 1), scales [G, N], g_idx [K] (int32/int64,
     any assignment of rows to groups: act-order works). A is fp16, bf16 or fp32; C has its dtype.
     M ≤ 16: split-K GEMV (split_k: None = `choose_split_k`); larger M: the tiled GEMM, or on CUDA
-    with M ≥ 64 dequantize + torch.matmul.
+    with M ≥ 64 dequantize + torch.matmul. `group_size`: the caller's word that g_idx is k // group_size
+    (no act-order), so a tile of BLOCK_K rows has one zero and scale row (`_grouped_codes`); checked
+    against g_idx where its values can be read without a host sync (CPU), ignored when BLOCK_K does not
+    divide it.
     """
-    K, N = check_dequant_matmul(a, qweight, qzeros, scales, g_idx, bits, split_k)
+    K, N = check_dequant_matmul(a, qweight, qzeros, scales, g_idx, bits, split_k, group_size)
     M = a.shape[0]
     if M <= GEMV_MAX_M:
-        return _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k)
+        return _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k, group_size)
     if a.is_cuda and M >= TORCH_MIN_M:  # cuBLAS does the matmul; the cost is in the module docstring
         # dequantize_int4: dequantize_gptq's values bit for bit, in one pass and without its host-synced g_idx check
         return a @ dequantize_int4(qweight, qzeros, scales, g_idx, dtype=a.dtype).t()  # M, N
-    return _launch_gemm(a, qweight, qzeros, scales, g_idx, K, N)
+    return _launch_gemm(a, qweight, qzeros, scales, g_idx, K, N, group_size)
 
 
-def dequant_gemm(a, qweight, qzeros, scales, g_idx, bits: int = 4) -> torch.Tensor:
+def dequant_gemm(a, qweight, qzeros, scales, g_idx, bits: int = 4, *, group_size: int | None = None) -> torch.Tensor:
     """The tiled GEMM kernel alone, for any M (no torch fallback); arguments as `dequant_matmul`."""
-    K, N = check_dequant_matmul(a, qweight, qzeros, scales, g_idx, bits, None)
-    return _launch_gemm(a, qweight, qzeros, scales, g_idx, K, N)
+    K, N = check_dequant_matmul(a, qweight, qzeros, scales, g_idx, bits, None, group_size)
+    return _launch_gemm(a, qweight, qzeros, scales, g_idx, K, N, group_size)
 
 
-def dequant_gemv(a, qweight, qzeros, scales, g_idx, bits: int = 4, *, split_k: int | None = None) -> torch.Tensor:
+def dequant_gemv(a, qweight, qzeros, scales, g_idx, bits: int = 4, *, split_k: int | None = None,
+                 group_size: int | None = None) -> torch.Tensor:
     """The split-K GEMV kernel alone, for M ≤ 16; arguments as `dequant_matmul`."""
-    K, N = check_dequant_matmul(a, qweight, qzeros, scales, g_idx, bits, split_k)
+    K, N = check_dequant_matmul(a, qweight, qzeros, scales, g_idx, bits, split_k, group_size)
     if a.shape[0] > GEMV_MAX_M:
         raise ValueError(f"the GEMV kernel takes M ≤ {GEMV_MAX_M} rows, got M={a.shape[0]}")
-    return _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k)
+    return _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k, group_size)
+
+
+def _group_constexpr(group_size: int | None, block_k: int) -> int:
+    """GROUP_SIZE for the kernels: the group size where every tile of block_k rows lies in one group, else 0
+    (the row-by-row gather of `_dequant_tile`)."""
+    return group_size if group_size and group_size % block_k == 0 else 0
 
 
 def dequantize_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
@@ -258,7 +302,7 @@ def choose_split_k(n: int, k: int, num_sms: int | None = None) -> int:
     return max(1, min(fill, by_length, MAX_SPLIT_K))
 
 
-def _launch_gemm(a, qweight, qzeros, scales, g_idx, K, N) -> torch.Tensor:
+def _launch_gemm(a, qweight, qzeros, scales, g_idx, K, N, group_size=None) -> torch.Tensor:
     M = a.shape[0]
     launch = pick("gemm", a.device, a.dtype)
     block_m, block_n, block_k = launch.tiles
@@ -270,12 +314,12 @@ def _launch_gemm(a, qweight, qzeros, scales, g_idx, K, N) -> torch.Tensor:
         M, N, K,
         *a.stride(), *qweight.stride(), *qzeros.stride(), *scales.stride(), *c.stride(),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        UPCAST=launch.upcast, **launch.options(),
+        UPCAST=launch.upcast, GROUP_SIZE=_group_constexpr(group_size, block_k), **launch.options(),
     )
     return c
 
 
-def _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k) -> torch.Tensor:
+def _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k, group_size=None) -> torch.Tensor:
     M = a.shape[0]
     launch = pick("gemv", a.device, a.dtype)
     block_m, block_n, block_k = launch.tiles
@@ -294,6 +338,6 @@ def _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k) -> torch.Tens
         M, N, K, k_per_split,
         *a.stride(), *qweight.stride(), *qzeros.stride(), *scales.stride(), *p_strides,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        UPCAST=launch.upcast, **launch.options(),
+        UPCAST=launch.upcast, GROUP_SIZE=_group_constexpr(group_size, block_k), **launch.options(),
     )
     return p if split_k == 1 else p.sum(dim=0).to(a.dtype)  # M, N   the second pass: a fixed order

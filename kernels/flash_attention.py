@@ -83,6 +83,7 @@ def _flash_attention_kernel(
     qk_scale, H, group, head_dim, page_size, window,
     SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr, HAS_PREFIX: tl.constexpr, UPCAST: tl.constexpr,
     KV_QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M
     b = tl.program_id(1) // H
@@ -103,7 +104,10 @@ def _flash_attention_kernel(
     offs_n = tl.arange(0, BLOCK_N)  # BLOCK_N
     offs_d = tl.arange(0, BLOCK_D)  # BLOCK_D
     m_ok = offs_m < Lq  # BLOCK_M
-    d_ok = offs_d < head_dim  # BLOCK_D
+    if EVEN_D:  # head_dim == BLOCK_D: a constant mask, so loads along D stay 16 bytes wide
+        d_ok = tl.full([BLOCK_D], 1, tl.int1)  # BLOCK_D
+    else:
+        d_ok = offs_d < head_dim  # BLOCK_D
     q_pos = P + Lk - Lq + offs_m  # BLOCK_M     absolute positions (bottom-right alignment)
     first = 0  # the first key position any query of this tile sees: 0, or its window's start
     if window > 0:
@@ -142,13 +146,30 @@ def _flash_attention_kernel(
                 valid = valid & (t[None, :] <= q_pos[:, None])
             if window > 0:
                 valid = valid & (t[None, :] > q_pos[:, None] - window)
-            m_i, l_i, acc = online_softmax_step(q, kT, v, valid, m_i, l_i, acc, qk_scale, SOFTCAP, UPCAST)
+            m_i, l_i, acc = online_softmax_step(q, kT, v, valid, m_i, l_i, acc, qk_scale, SOFTCAP, UPCAST, True)
 
     # ---- loop 2: this step's new keys, at positions P..P+Lk-1
+    lo = tl.maximum(first - P, 0)
     hi = Lk
     if CAUSAL:  # the tile's last query sees new keys up to Lk - Lq + (start_m + BLOCK_M - 1)
         hi = tl.minimum(Lk, Lk - Lq + start_m + BLOCK_M)
-    for start_n in range(tl.maximum(first - P, 0), hi, BLOCK_N):
+    # 2a: whole key tiles that every query of this tile sees (no window; causal: at or before the first
+    # query's position), so no mask is built or applied; the tiles after them, up to hi, are loop 2b's
+    full = lo
+    if window == 0:
+        seen_by_all = Lk
+        if CAUSAL:
+            seen_by_all = tl.minimum(Lk, Lk - Lq + start_m + 1)
+        full = lo + tl.maximum(seen_by_all - lo, 0) // BLOCK_N * BLOCK_N
+    for start_n in range(lo, full, BLOCK_N):
+        rows = (k_start + start_n + offs_n).to(tl.int64)  # BLOCK_N
+        kT = tl.load(K + rows[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None] * stride_kd,
+                     mask=d_ok[:, None], other=0.0)  # BLOCK_D, BLOCK_N
+        v = tl.load(V + rows[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :] * stride_vd,
+                    mask=d_ok[None, :], other=0.0)  # BLOCK_N, BLOCK_D
+        m_i, l_i, acc = online_softmax_step(q, kT, v, None, m_i, l_i, acc, qk_scale, SOFTCAP, UPCAST, False)
+    # 2b: the diagonal tiles (and a ragged end, or every tile under a window), masked
+    for start_n in range(full, hi, BLOCK_N):
         j = start_n + offs_n  # BLOCK_N     key index within the sequence's new keys
         n_ok = j < Lk  # BLOCK_N
         rows = (k_start + j).to(tl.int64)  # BLOCK_N
@@ -161,7 +182,7 @@ def _flash_attention_kernel(
             valid = valid & ((P + j)[None, :] <= q_pos[:, None])
         if window > 0:
             valid = valid & ((P + j)[None, :] > q_pos[:, None] - window)
-        m_i, l_i, acc = online_softmax_step(q, kT, v, valid, m_i, l_i, acc, qk_scale, SOFTCAP, UPCAST)
+        m_i, l_i, acc = online_softmax_step(q, kT, v, valid, m_i, l_i, acc, qk_scale, SOFTCAP, UPCAST, True)
 
     # A row that saw no key has l = 0 and acc = 0: output 0, not 0/0.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # BLOCK_M, BLOCK_D
@@ -235,7 +256,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         sm_scale * math.log2(math.e), H, H // Hkv, D, page_size, window,
         SOFTCAP=softcap, CAUSAL=bool(causal), HAS_PREFIX=has_prefix, UPCAST=launch.upcast, KV_QUANT=quant,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
-        **launch.options(),
+        EVEN_D=D == max(16, triton.next_power_of_2(D)), **launch.options(),
     )
     return out
 

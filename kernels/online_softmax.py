@@ -22,19 +22,24 @@ def softcap_scores(s, cap):
 
 
 @triton.jit
-def online_softmax_step(q, kT, v, valid, m_i, l_i, acc, qk_scale, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr):
-    """Fold one key tile into (m, l, acc). Scores are in log2 units: qk_scale = sm_scale·log2(e)."""
+def online_softmax_step(q, kT, v, valid, m_i, l_i, acc, qk_scale, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
+                        MASKED: tl.constexpr):
+    """Fold one key tile into (m, l, acc). Scores are in log2 units: qk_scale = sm_scale·log2(e).
+    MASKED = False: every score of the tile counts (`valid` is ignored), so no mask is applied."""
     if UPCAST:
         kT = kT.to(tl.float32)
         v = v.to(tl.float32)
     s = tl.dot(q, kT, input_precision="ieee") * qk_scale  # BLOCK_M, BLOCK_N
     if SOFTCAP > 0:  # a compile-time constant: the kernel without a cap is the kernel it always was
         s = softcap_scores(s, SOFTCAP)
-    s = tl.where(valid, s, float("-inf"))
+    if MASKED:
+        s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))  # BLOCK_M
     # A row with every key masked so far has m_new = -inf; subtract 0 instead so that
-    # exp2(-inf - m) is 0, not exp2(-inf + inf) = NaN.
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # BLOCK_M
+    # exp2(-inf - m) is 0, not exp2(-inf + inf) = NaN. (Unmasked, every score is finite: m_new is too.)
+    m_safe = m_new
+    if MASKED:
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # BLOCK_M
     alpha = tl.math.exp2(m_i - m_safe)  # BLOCK_M     rescales what was accumulated under the old max
     p = tl.math.exp2(s - m_safe[:, None])  # BLOCK_M, BLOCK_N
     l_i = l_i * alpha + tl.sum(p, 1)  # BLOCK_M

@@ -225,16 +225,19 @@ def test_choose_split_k():
 @pytest.mark.parametrize("dtype,tol", [(torch.float16, 1e-3), (torch.bfloat16, 4e-3), (torch.float32, 1e-4)])
 def test_compiled_kernels_on_cuda(dtype, tol):
     """bf16 rounds each dequantized weight to 8 mantissa bits (~1e-3 relative on C): a wider bound."""
-    tensors, w = _gptq_case(4096, 1000, 128, True, seed=8)
-    tensors = {k: v.cuda() for k, v in tensors.items()}
-    for M in (1, 7, 16, 33, 64, 256):
-        a = _activations(M, 4096, dtype).cuda()
-        want = (a.double() @ w.cuda().t()).float()  # M, N
-        for c in (dequant_matmul(a, **tensors), dequant_gemm(a, **tensors)):
-            assert c.dtype == dtype and _rel(c, want) < tol
-        if M <= 16:
-            for split_k in (1, 5):
-                assert _rel(dequant_gemv(a, **tensors, split_k=split_k), want) < tol
+    for act_order in (True, False):  # act-order: the row-by-row gather; sorted groups: the grouped path too
+        tensors, w = _gptq_case(4096, 1000, 128, act_order, seed=8)
+        tensors = {k: v.cuda() for k, v in tensors.items()}
+        groups = [None] if act_order else [None, 128]
+        for M in (1, 7, 16, 33, 64, 256):
+            a = _activations(M, 4096, dtype).cuda()
+            want = (a.double() @ w.cuda().t()).float()  # M, N
+            for gs in groups:
+                for c in (dequant_matmul(a, **tensors, group_size=gs), dequant_gemm(a, **tensors, group_size=gs)):
+                    assert c.dtype == dtype and _rel(c, want) < tol
+                if M <= 16:
+                    for split_k in (1, 5):
+                        assert _rel(dequant_gemv(a, **tensors, split_k=split_k, group_size=gs), want) < tol
 
 
 @pytest.mark.gpu
@@ -247,3 +250,31 @@ def test_compiled_dequantize_int4_on_cuda(dtype):
     out = dequantize_int4(**tensors, dtype=dtype)  # N, K
     torch.cuda.synchronize()
     assert torch.equal(out, dequantize_gptq(**tensors, bits=4, dtype=dtype))
+
+
+@pytest.mark.parametrize("K,N,group", [(256, 96, 64), (192, 40, 32), (320, 72, 64)])
+def test_grouped_path_matches_the_reference(K, N, group):
+    """group_size= (sorted groups: one zero and scale row per tile, the scale applied after the dot) computes
+    what the row-by-row path does, for the GEMV (with split-K) and the GEMM, ragged K and N included."""
+    tensors, w = _gptq_case(K, N, group, False, seed=3)
+    for M in (1, 5, 20):
+        a = _activations(M, K)
+        want = a.double() @ w.t()  # M, N
+        assert _rel(dequant_matmul(a, **tensors, group_size=group), want) < 1e-6
+        assert _rel(dequant_gemm(a, **tensors, group_size=group), want) < 1e-6
+        if M <= 16:
+            assert _rel(dequant_gemv(a, **tensors, split_k=3, group_size=group), want) < 1e-6
+
+
+def test_grouped_path_refuses_act_order_and_a_wrong_promise_is_wrong():
+    """group_size= is a promise about g_idx: on CPU it is checked (act-order is refused by name). The negative
+    control bypasses the check and shows what the promise buys when false: one scale row per tile is wrong."""
+    tensors, w = _gptq_case(256, 64, 32, True, seed=4)
+    a = _activations(3, 256)
+    with pytest.raises(ValueError, match="act-order"):
+        dequant_matmul(a, **tensors, group_size=32)
+    from nanoserve.kernels import dequant_matmul as dm
+
+    K, N = 256, 64
+    wrong = dm._launch_gemv(a, *tensors.values(), K, N, 1, group_size=32)  # the check skipped
+    assert _rel(wrong, a.double() @ w.t()) > 0.1

@@ -44,6 +44,23 @@ class QuantLinear(nn.Module):
         self.register_buffer("scales", torch.zeros(G, out_features, dtype=dtype, **kw))
         self.register_buffer("g_idx", (torch.arange(in_features, **kw) // gs).to(torch.int32))
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, **kw) if bias else None)
+        self._sorted_groups: bool | None = None  # g_idx == k // group_size (no act-order); None: not looked yet
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._sorted_groups = None  # a new g_idx: look again
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def kernel_group_size(self) -> int | None:
+        """group_size for the W4A16 kernel when g_idx is k // group_size (one scale row per tile), else None.
+
+        Reading g_idx is a host sync, done once (at the first forward, before any CUDA graph is captured);
+        during a capture, a layer not looked at yet takes the general act-order path."""
+        if self._sorted_groups is None:
+            if self.g_idx.is_cuda and torch.cuda.is_current_stream_capturing():
+                return None
+            groups = torch.arange(self.in_features, device=self.g_idx.device) // self.group_size
+            self._sorted_groups = bool(torch.equal(self.g_idx.long(), groups))
+        return self.group_size if self._sorted_groups else None
 
     @classmethod
     def from_quantized(cls, qw, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float16) -> QuantLinear:
@@ -68,7 +85,8 @@ class QuantLinear(nn.Module):
             from ..kernels.dequant_matmul import dequant_matmul
 
             x2 = x.reshape(-1, self.in_features)  # M, K
-            y = dequant_matmul(x2, self.qweight, self.qzeros, self.scales.to(x.dtype), self.g_idx, self.bits)  # M, N
+            y = dequant_matmul(x2, self.qweight, self.qzeros, self.scales.to(x.dtype), self.g_idx, self.bits,
+                               group_size=self.kernel_group_size())  # M, N
             y = y.view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias.to(x.dtype)
         bias = None if self.bias is None else self.bias.to(x.dtype)

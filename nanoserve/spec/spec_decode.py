@@ -267,5 +267,7 @@ def build_spec_decoder(cfg: SpecDecodeConfig, engine) -> SpecDecoder:
                                  "speculative decoding needs one shared tokenizer")
         max_len = min(max_len, dcfg.max_position_embeddings)
         proposer = DraftModelProposer(draft, kv.num_blocks, kv.block_size, engine.attention_backend)
+        if engine.cuda_graphs_off is None:  # the target replays decode graphs: the draft's decode steps do too
+            proposer.runner.use_cuda_graphs(engine.scheduler.config.max_num_seqs, max_len)
         cost = sum(p.numel() for p in draft.parameters()) / sum(p.numel() for p in engine.model.parameters())
     return SpecDecoder(cfg, proposer, engine.scheduler, max_len, cost)
