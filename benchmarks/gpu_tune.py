@@ -12,7 +12,7 @@
   num_splits = one wave of programs and 2, 4, 8 waves.
 - profile: one 1B Llama (gpu_check_models' "target", random bf16 weights) decoding at batch 1,
   eager and with CUDA graphs, under torch.profiler: wall time per step, GPU kernel time per step,
-  kernel launches per step, and the host functions that cost most (eager).
+  kernel launches per step, and the host functions and GPU kernels that cost most.
 
 Each part runs alone (an error keeps the others), saves what it has, and prints a table. Every timing
 is the median of triton.testing.do_bench (CUDA events) after warm-up. Needs CUDA.
@@ -173,12 +173,16 @@ def profile(workdir: Path) -> list[dict]:
                                                              "cudaLaunchKernelExC", "cudaGraphLaunch"))
         top = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CPU),
                      key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
+        top_gpu = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+                         key=lambda e: e.self_device_time_total, reverse=True)[:12]
         host_ops_us = sum(e.self_cpu_time_total for e in events if e.device_type == torch.autograd.DeviceType.CPU)
         rows.append(dict(mode=mode, steps=steps, wall_ms_per_step=1e3 * wall / steps,
                          gpu_ms_per_step=gpu_us / 1e3 / steps, launches_per_step=launches / steps,
                          host_ops_ms_per_step=host_ops_us / 1e3 / steps,
                          top_host=[(e.key, round(e.self_cpu_time_total / 1e3 / steps, 3), e.count // steps)
-                                   for e in top]))
+                                   for e in top],
+                         top_gpu=[(e.key[:80], round(e.self_device_time_total / 1e3 / steps, 4), e.count / steps)
+                                  for e in top_gpu]))
         del llm
         torch.cuda.empty_cache()
     return rows

@@ -78,8 +78,8 @@ FLASH = {
     (80, 2, 64): Launch((128, 64), 8, 2, smem_kb=32),
     (80, 2, 128): Launch((128, 32), 8, 2, smem_kb=48),
     (80, 2, 256): Launch((64, 32), 8, 2, smem_kb=68),
-    (90, 2, 64): Launch((128, 64), 8, 2, smem_kb=48),
-    (90, 2, 128): Launch((128, 64), 8, 2, smem_kb=96),
+    (90, 2, 64): Launch((64, 64), 4, 3, smem_kb=56),  # H100-measured: benchmarks/gpu_tune.py, RESULTS.md
+    (90, 2, 128): Launch((128, 128), 8, 2, smem_kb=160),  # its paged-prefix variant spills ~50-110 B
     (90, 2, 256): Launch((128, 32), 8, 2, smem_kb=128),
     **{(fam, 4, 64): Launch((64, 16), 4, 1, smem_kb=24) for fam in (80, 90)},
     **{(fam, 4, 128): Launch((32, 16), 8, 1, smem_kb=32) for fam in (80, 90)},
@@ -110,7 +110,7 @@ DEQUANT = {
     ("gemm", 80, 2): Launch((64, 64, 32), 4, 3, smem_kb=33),
     ("gemm", 80, 4): Launch((64, 32, 32), 4, 3, smem_kb=25),
     ("gemv", 75, 0): Launch((16, 64, 64), 4, 2, upcast=True, smem_kb=20),
-    ("gemv", 80, 2): Launch((16, 64, 64), 4, 2, smem_kb=50),
+    ("gemv", 80, 2): Launch((16, 128, 64), 4, 3, smem_kb=99),  # H100-measured (gpu_tune.py); 99: act-order path
     ("gemv", 80, 4): Launch((16, 64, 64), 8, 1, smem_kb=20),
     ("dequantize", 75, 0): Launch((64, 64), 4, 3, upcast=True, smem_kb=16),
     ("dequantize", 80, 0): Launch((64, 64), 4, 3, smem_kb=16),

@@ -26,7 +26,9 @@ from .configs import INTERPRETER
 
 BLOCK_N = INTERPRETER["decode"].tiles[0]  # key positions per tile in the interpreter (GPU: configs.DECODE)
 MIN_TILES_PER_SPLIT = 4  # choose_num_splits: a split must have work enough (4 · 32 keys) to pay for the merge
-MAX_SPLITS = 32
+MAX_SPLITS = 64
+WAVES = 2  # choose_num_splits fills the GPU twice: on an H100, batch 1 at 32k context, 2 waves took 0.068 ms,
+# 1 wave 0.086, 4 and 8 waves 0.067-0.068 (benchmarks/gpu_tune.py, RESULTS.md)
 
 
 # ----------------------------------------------------------------------------- the reference
@@ -76,20 +78,22 @@ def merge_splits(partial_out, partial_lse, out_dtype=torch.float32) -> torch.Ten
 
 
 def choose_num_splits(batch: int, num_heads: int, max_context: int | None, num_sms: int | None = None) -> int:
-    """How many KV splits fill the GPU: S = ⌈num_sms / (batch · num_heads)⌉, capped.
+    """How many KV splits fill the GPU: S = ⌈WAVES · num_sms / (batch · num_heads)⌉, capped.
 
     batch · num_heads is the number of programs without splitting; pass the number of *kv* heads,
-    since one program serves a whole GQA group. One wave of num_sms programs keeps every SM busy,
-    so more programs than that buy nothing. Caps: each split keeps ≥ MIN_TILES_PER_SPLIT tiles of
-    BLOCK_N keys (a split shorter than that costs more in launch and merge than it saves; None = the
-    longest context is unknown: no such cap), and at most MAX_SPLITS. num_sms = None reads it from
-    the current CUDA device; on CPU the answer is 1. Reads no tensor: no host sync.
+    since one program serves a whole GQA group. One wave of num_sms programs gives every SM one
+    program, but a program reads its tiles one after another: measured, a second wave (more loads in
+    flight per SM) was 1.26× faster at 32k context and further waves bought nothing. Caps: each split
+    keeps ≥ MIN_TILES_PER_SPLIT tiles of BLOCK_N keys (a split shorter than that costs more in launch
+    and merge than it saves; None = the longest context is unknown: no such cap), and at most
+    MAX_SPLITS. num_sms = None reads it from the current CUDA device; on CPU the answer is 1. Reads no
+    tensor: no host sync.
     """
     if num_sms is None:
         if not torch.cuda.is_available():
             return 1
         num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     programs = max(1, batch * num_heads)
-    fill = -(-num_sms // programs)  # ⌈num_sms / programs⌉
+    fill = -(-WAVES * num_sms // programs)  # ⌈WAVES · num_sms / programs⌉
     by_length = MAX_SPLITS if max_context is None else max(1, -(-max_context // BLOCK_N) // MIN_TILES_PER_SPLIT)
     return max(1, min(fill, by_length, MAX_SPLITS))

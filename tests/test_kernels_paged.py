@@ -234,10 +234,11 @@ def test_validation_errors():
 def test_choose_num_splits():
     if not torch.cuda.is_available():
         assert choose_num_splits(1, 8, 4096) == 1  # CPU: no SMs to fill
-    assert choose_num_splits(1, 8, 4096, num_sms=132) == 17  # ⌈132 / 8⌉ programs per (seq, head)
-    assert choose_num_splits(64, 8, 4096, num_sms=132) == 1  # 512 programs already fill 132 SMs
+    assert choose_num_splits(1, 8, 32768, num_sms=132) == 33  # ⌈2 · 132 / 8⌉: two waves of programs
+    assert choose_num_splits(1, 8, 4096, num_sms=132) == 32  # by length: 4096 / 32 keys / 4 tiles a split
+    assert choose_num_splits(64, 8, 4096, num_sms=132) == 1  # 512 programs already fill 132 SMs twice
     assert choose_num_splits(1, 8, 256, num_sms=132) == 2  # 8 tiles: ≥ 4 tiles per split
-    assert choose_num_splits(1, 1, 1 << 20, num_sms=132) == 32  # capped
+    assert choose_num_splits(1, 1, 1 << 20, num_sms=132) == 64  # capped
 
 
 # ----------------------------------------------------------------------------- GPU
