@@ -143,6 +143,7 @@ def environment(device: str, dry: bool) -> dict:
                                                  text=True, timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         env["nanoserve_commit"] = None
+    env["source_sha256"] = source_digest()
     if device != "cuda":
         env["device"] = f"CPU ({platform.machine()}), Triton interpreter" + (" (dry run)" if dry else "")
         return env
@@ -161,6 +162,17 @@ def environment(device: str, dry: bool) -> dict:
         except (AttributeError, RuntimeError):
             env["driver"] = "unknown (nvidia-smi gave no driver version)"
     return env
+
+
+def source_digest() -> str:
+    """sha256 of the engine's and the benchmarks' Python sources as they ran: the commit recorded beside it is
+    git's HEAD where it ran, and a copy of a working tree (a device machine's) can carry an older .git."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for path in sorted(p for d in ("nanoserve", "kernels", "benchmarks") for p in (HERE.parent / d).rglob("*.py")):
+        h.update(str(path.relative_to(HERE.parent)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def fmt(v) -> str:

@@ -30,7 +30,7 @@ TABLES = {
           ("decode over 8-bit KV pools vs bf16", "kv8_decode", ["context", "bf16_ms", "int8_ms", "fp8_e4m3_ms",
                                                                 "int8_speedup", "fp8_e4m3_speedup"])],
     "d": [("W4A16 (group 128) vs fp16 cuBLAS, microseconds", "rows",
-           ["K", "N", "M", "cublas_fp16_us", "w4a16_us", "kernel", "split_k", "gemm_kernel_us",
+           ["K", "N", "M", "cublas_fp16_us", "w4a16_us", "kernel", "split_k", "gemm_kernel_us", "act_order_us",
             "speedup_vs_fp16", "w4a16_tbps"])],
 }
 
@@ -138,7 +138,9 @@ def _random_gptq(K: int, N: int, group: int, device: str, seed: int):
 
 
 def fig_w4a16(ctx) -> dict:
-    """d. GEMV (M <= 16, split-K) and GEMM kernels vs fp16 cuBLAS; 4096^2 and 8192^2, group 128."""
+    """d. GEMV (M <= 16, split-K) and GEMM kernels vs fp16 cuBLAS; 4096^2 and 8192^2, group 128. The weights
+    have sorted groups (no act-order), so the kernels take the grouped path, as QuantLinear calls them;
+    act_order_us times the row-by-row gather path on the same weights."""
     import torch.nn.functional as F
     from bench_attention import bench
     from nanoserve.kernels.dequant_matmul import choose_split_k, dequant_gemm, dequant_matmul
@@ -154,8 +156,10 @@ def fig_w4a16(ctx) -> dict:
     res = {"group_size": group, "activation_dtype": str(dtype).removeprefix("torch."), "rows": [],
            "peak_tbps": peak[0], "peak_source": peak[1],
            "note": "w4a16_us: dequant_matmul as the engine calls it (M <= 16: split-K GEMV; 16 < M < 64: the GEMM "
-                   "kernel; M >= 64 on CUDA: dequantize + cuBLAS); gemm_kernel_us: the tiled GEMM kernel alone; "
-                   "w4a16_tbps: bytes of packed weights + scales + zeros + activations / time"}
+                   "kernel; M >= 64 on CUDA: dequantize + cuBLAS), with group_size=128 (the grouped path); "
+                   "act_order_us: the same call through the act-order (row-by-row gather) path; gemm_kernel_us: "
+                   "the tiled GEMM kernel alone; w4a16_tbps: bytes of packed weights + scales + zeros + "
+                   "activations / time"}
     for K, N in shapes:
         if ctx.over():
             res["truncated"] = f"budget spent before {K}x{N}"
@@ -166,12 +170,14 @@ def fig_w4a16(ctx) -> dict:
             a = (torch.randn(M, K, device=ctx.device) * 0.5).to(dtype)
             w = w16.to(dtype)
             ref = bench(lambda: F.linear(a, w), ctx.dry)  # noqa: B023
-            ours = bench(lambda: dequant_matmul(a, **packed), ctx.dry)  # noqa: B023
-            gemm = bench(lambda: dequant_gemm(a, **packed), ctx.dry)  # noqa: B023
+            ours = bench(lambda: dequant_matmul(a, **packed, group_size=group), ctx.dry)  # noqa: B023
+            gather = bench(lambda: dequant_matmul(a, **packed), ctx.dry)  # noqa: B023
+            gemm = bench(lambda: dequant_gemm(a, **packed, group_size=group), ctx.dry)  # noqa: B023
             want = F.linear(a, w).float()
-            err = (dequant_matmul(a, **packed).float() - want).norm() / want.norm()
+            err = (dequant_matmul(a, **packed, group_size=group).float() - want).norm() / want.norm()
             kernel = "gemv" if M <= 16 else ("torch" if M >= 64 and ctx.device == "cuda" else "gemm")
             res["rows"].append(dict(K=K, N=N, M=M, cublas_fp16_us=1e3 * ref, w4a16_us=1e3 * ours, kernel=kernel,
+                                    act_order_us=1e3 * gather,
                                     split_k=choose_split_k(N, K) if M <= 16 else None, gemm_kernel_us=1e3 * gemm,
                                     speedup_vs_fp16=ref / ours, rel_error=float(err),
                                     w4a16_tbps=(wbytes + a.numel() * a.element_size()) / (ours * 1e-3) / 1e12))

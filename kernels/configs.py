@@ -24,8 +24,10 @@ head_dim)` and gets a `Launch` from the tables below:
 `smem_kb` is the shared memory the row needs, the largest over the targets it serves, as
 compiled by benchmarks/bench_kernels_compile.py (benchmarks/kernels_compile.json, Triton 3.8);
 tests/test_kernels_compile.py fails if a row needs more than it says or than its GPU has. The
-rows are chosen to fit and not to spill, then the largest tiles; they are untuned for speed
-(no GPU was at hand): time them on one before trusting them.
+rows are chosen to fit and not to spill, then the largest tiles, untuned for speed, except those
+marked "H100-measured": benchmarks/gpu_tune.py swept their tiles, warps and stages on an H100
+(2026-11-26, benchmarks/RESULTS.md). Spills are allowed where the sweep paid for them (the sm_90
+head_dim-128 flash row spills in its paged-prefix variant). The sm_80 rows are still unmeasured.
 """
 
 from __future__ import annotations
@@ -101,6 +103,7 @@ KV8 = {
     ("flash", 80, 2, 64): Launch((128, 32), 8, 2, smem_kb=37),  # the plain (128, 64) spills 88 B
     ("flash", 80, 2, 128): Launch((64, 32), 4, 2, smem_kb=44),  # (128, 32) w8: 72 KB and 192 B of spills
     ("flash", 80, 2, 256): Launch((64, 16), 8, 2, smem_kb=74),  # (64, 32): 84 KB
+    ("flash", 90, 2, 128): Launch((128, 64), 8, 2, smem_kb=96),  # the plain sm_90 row (128, 128) spills 48-52 B
     ("decode", 0, 4, 128): Launch((32,), 8, 1, smem_kb=40),  # fp32 with 2 stages spills
     ("decode", 0, 4, 256): Launch((32,), 8, 1, smem_kb=80),
 }

@@ -10,11 +10,16 @@ stores W [K, N] (here as the matmul's right operand, K rows) in four tensors:
 
     W[k, n] = (code[k, n] − zero[g_idx[k], n]) · scale[g_idx[k], n]
 
-A program loads a [BLOCK_K, BLOCK_N] tile of codes as the words that hold them (row k reads word
-k // 8, so each word is loaded for 8 rows and the cache serves the repeats), shifts each by
-4·(k % 8) and masks 0xF. Zero points and scales are gathered row by row through g_idx: with
-act-order, neighbouring rows of a tile belong to different groups, so one scale row per tile
-would be wrong (the test's negative control shows how wrong).
+**Two ways to read a tile.** Without act-order (g_idx = k // group_size, what RTN, AWQ and most
+GPTQ checkpoints store) a tile of BLOCK_K rows lies in one group when BLOCK_K divides group_size:
+`_grouped_codes` loads each word once ([BLOCK_K/8, BLOCK_N]), shifts its 8 codes out along a new
+axis, and loads one zero row and one scale row for the tile; the scale multiplies the dot's result,
+not every weight. With act-order, neighbouring rows belong to different groups, so `_dequant_tile`
+loads the word of each row (row k reads word k // 8: each word 8 times) and gathers zero points and
+scales row by row through g_idx (one scale row per tile would be wrong: the test's negative control
+shows how wrong). The caller says which with `group_size=` (QuantLinear looks at its g_idx once).
+Measured on an H100 (benchmarks/RESULTS.md): the gather path took 262 µs for a 4096² GEMV, 11× the
+fp16 cuBLAS GEMV; the grouped path 22 µs, 1.06× faster than cuBLAS (1.22× at 8192²).
 
 **Why fuse, and why batch 1 gains most.** At batch 1 a linear does 2 flops per weight it reads:
 far below what a GPU can compute per byte, so its time is the time to read the weights. fp16
@@ -27,8 +32,10 @@ before they meet A, and W exists nowhere in memory.
 **Large M: the torch fallback.** As M grows each weight serves more rows of A and the matmul
 becomes compute-bound, so on CUDA `dequant_matmul` hands M ≥ TORCH_MIN_M (64) to
 `dequantize_int4` + torch.matmul. Every call then first writes an fp16 W: by a roofline
-estimate for an H100 ~2× an fp16 layer at M = 64, ~1.1× at M = 4096. Both the threshold and the
-estimate are unmeasured: benchmark before trusting either.
+estimate for an H100 ~2× an fp16 layer at M = 64, ~1.1× at M = 4096. Measured on an H100
+(4096², fp16): 1.9× at M = 64, 1.5× at M = 1024 (benchmarks/RESULTS.md). The tiled GEMM kernel
+was measured only on its act-order (gather) path there (13× cuBLAS at M = 64); its grouped path,
+and so the threshold, are still to be timed against this fallback.
 
 **Two kernels.**
 - `_dequant_gemm_kernel`, for M > 16: the textbook tiled GEMM. One program per
@@ -248,9 +255,13 @@ def dequant_gemv(a, qweight, qzeros, scales, g_idx, bits: int = 4, *, split_k: i
     return _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k, group_size)
 
 
-def _group_constexpr(group_size: int | None, block_k: int) -> int:
-    """GROUP_SIZE for the kernels: the group size where every tile of block_k rows lies in one group, else 0
-    (the row-by-row gather of `_dequant_tile`)."""
+def _group_constexpr(group_size: int | None, launch) -> int:
+    """GROUP_SIZE for the kernels: the group size where every tile of BLOCK_K rows lies in one group, else 0
+    (the row-by-row gather of `_dequant_tile`). Not on sm_75 (a GPU launch that upcasts): there the grouped
+    tile's integer codes beside their fp32 copy spill 160-600 B (benchmarks/kernels_compile.json)."""
+    block_k = launch.tiles[-1]
+    if launch.gpu and launch.upcast:
+        return 0
     return group_size if group_size and group_size % block_k == 0 else 0
 
 
@@ -314,7 +325,7 @@ def _launch_gemm(a, qweight, qzeros, scales, g_idx, K, N, group_size=None) -> to
         M, N, K,
         *a.stride(), *qweight.stride(), *qzeros.stride(), *scales.stride(), *c.stride(),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        UPCAST=launch.upcast, GROUP_SIZE=_group_constexpr(group_size, block_k), **launch.options(),
+        UPCAST=launch.upcast, GROUP_SIZE=_group_constexpr(group_size, launch), **launch.options(),
     )
     return c
 
@@ -338,6 +349,6 @@ def _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k, group_size=No
         M, N, K, k_per_split,
         *a.stride(), *qweight.stride(), *qzeros.stride(), *scales.stride(), *p_strides,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        UPCAST=launch.upcast, GROUP_SIZE=_group_constexpr(group_size, block_k), **launch.options(),
+        UPCAST=launch.upcast, GROUP_SIZE=_group_constexpr(group_size, launch), **launch.options(),
     )
     return p if split_k == 1 else p.sum(dim=0).to(a.dtype)  # M, N   the second pass: a fixed order

@@ -214,7 +214,8 @@ def test_validation_errors():
 def test_choose_split_k():
     if not torch.cuda.is_available():
         assert choose_split_k(4096, 4096) == 1
-    assert choose_split_k(4096, 4096, num_sms=132) == 9  # ⌈4 · 132 / 64 N-tiles⌉; 64 K-tiles allow 16
+    assert choose_split_k(8192, 8192, num_sms=132) == 9  # ⌈4 · 132 / 64 N-tiles of 128⌉; 128 K-tiles allow 32
+    assert choose_split_k(4096, 4096, num_sms=132) == 16  # ⌈4 · 132 / 32⌉ = 17, but 64 K-tiles allow 16
     assert choose_split_k(4096, 256, num_sms=132) == 1  # 4 K-tiles: one split
     assert choose_split_k(64, 1 << 16, num_sms=132) == 16  # capped at MAX_SPLIT_K
 
@@ -278,3 +279,16 @@ def test_grouped_path_refuses_act_order_and_a_wrong_promise_is_wrong():
     K, N = 256, 64
     wrong = dm._launch_gemv(a, *tensors.values(), K, N, 1, group_size=32)  # the check skipped
     assert _rel(wrong, a.double() @ w.t()) > 0.1
+
+
+def test_quant_linear_takes_the_grouped_path_only_for_sorted_groups():
+    """QuantLinear looks at its g_idx once: sorted groups -> the kernels' group_size; act-order -> None (the
+    gather path). A state dict loaded later (a new g_idx) is looked at again."""
+    from nanoserve.quant.qlinear import QuantLinear
+
+    layer = QuantLinear(256, 64, 4, 64, bias=False)
+    assert layer.kernel_group_size() == 64
+    state = dict(layer.state_dict())
+    state["g_idx"] = state["g_idx"][torch.randperm(256, generator=torch.Generator().manual_seed(0))]
+    layer.load_state_dict(state)
+    assert layer.kernel_group_size() is None
