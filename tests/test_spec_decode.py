@@ -80,10 +80,12 @@ def test_draft_identical_to_target_is_always_accepted():
 
 
 def test_sampling_is_seeded_and_blocks_return():
+    """With the controller's cost pinned (speculative_cost), γ follows α alone, so a seed fixes the tokens; the
+    measured default lets the machine's speed choose γ, and with it which random draws a sample consumes."""
     params = SamplingParams(temperature=0.8, top_k=40, max_tokens=30, seed=7, ignore_eos=True)
     runs = []
     for _ in range(2):
-        llm = LLM("demo", block_size=4, speculative_model="demo-draft", num_speculative_tokens=4)
+        llm = LLM("demo", block_size=4, speculative_model="demo-draft", num_speculative_tokens=4, speculative_cost=0.1)
         runs.append([o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)])
         _whole(llm)
     assert runs[0] == runs[1]
@@ -138,7 +140,8 @@ def test_adaptive_gamma_switches_a_useless_draft_off(hf_checkpoints):
     """Greedy, the demo model with a tiny random model as the draft (α ≈ 0, cheap): it ends up
     speculating on few steps — the switch-off, with rare probes. The demo pair (α ≈ 0.5–0.6, a
     draft 11× smaller) keeps speculating on (nearly) every step. The target as its own draft has
-    α = 1 but costs as much as the target: no γ pays, so it is switched off too."""
+    α = 1 but costs as much as the target: no γ pays, so it is switched off too. The costs are pinned
+    (c = 0.1, 0.1, 1: what the parameter ratios say) so the choices depend on α alone, not on speed."""
     path, other = str(hf_checkpoints["gpt2"][0]), str(hf_checkpoints["llama-mha"][0])
     params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
 
@@ -147,11 +150,12 @@ def test_adaptive_gamma_switches_a_useless_draft_off(hf_checkpoints):
         _whole(llm)
         return out.spec_stats
 
-    bad = stats(LLM("demo", speculative_model=other, num_speculative_tokens=4), "ROMEO:\n")
+    bad = stats(LLM("demo", speculative_model=other, num_speculative_tokens=4, speculative_cost=0.1), "ROMEO:\n")
     assert bad.acceptance_rate < 0.2 and bad.num_steps < 16  # of 80 tokens: mostly plain steps once α is seen to be low
-    good = stats(LLM("demo", speculative_model="demo-draft", num_speculative_tokens=4), "ROMEO:\n")
+    good = stats(LLM("demo", speculative_model="demo-draft", num_speculative_tokens=4, speculative_cost=0.1),
+                 "ROMEO:\n")
     assert good.acceptance_rate > 0.4 and good.num_emitted_tokens >= 70  # ≥ 70 of 80 tokens from speculative steps
-    itself = stats(LLM(path, speculative_model=path, num_speculative_tokens=4), [1, 2, 3])
+    itself = stats(LLM(path, speculative_model=path, num_speculative_tokens=4, speculative_cost=1.0), [1, 2, 3])
     assert itself.acceptance_rate == 1.0 and itself.num_emitted_tokens < 30
 
 
@@ -161,6 +165,8 @@ def test_adaptive_gamma_switches_a_useless_draft_off(hf_checkpoints):
     (dict(speculative="medusa"), r"must be one of draft, ngram"),
     (dict(speculative="draft"), r"needs speculative_model"),
     (dict(speculative_model="/nonexistent/draft"), r"could not be loaded"),
+    (dict(speculative_model="demo-draft", speculative_cost=-1), r"speculative_cost=-1 must be a finite number ≥ 0"),
+    (dict(speculative_model="demo-draft", speculative_cost="fast"), r"speculative_cost='fast'"),
 ])
 def test_bad_speculative_settings(kwargs, match):
     with pytest.raises(NanoserveError, match=match):

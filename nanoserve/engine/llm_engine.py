@@ -61,11 +61,12 @@ class LLMEngine:
                  enable_chunked_prefill: bool = True, max_waiting: int | None = None,
                  attention_backend: str | None = None, speculative_model: str | None = None,
                  speculative: str | None = None, num_speculative_tokens: int = 4, speculative_adaptive: bool = True,
-                 enforce_eager: bool = False, kv_cache_dtype: str = "auto", quantization: str | None = None):
+                 enforce_eager: bool = False, kv_cache_dtype: str = "auto", quantization: str | None = None,
+                 speculative_cost: float | None = None):
         kv_quant(kv_cache_dtype)  # these and the speculative arguments are checked before any model loads
         check_quantization(quantization)
         spec_cfg = SpecDecodeConfig.from_args(speculative, num_speculative_tokens, speculative_model,
-                                              speculative_adaptive)
+                                              speculative_adaptive, speculative_cost)
         self.model, self.config, self.tokenizer = load_model(model, dtype=dtype, device=device)
         quantize_on_load(self.model, quantization)  # None: the checkpoint as it is
         self.model_name, self.max_model_len = str(model), self.config.max_position_embeddings
@@ -147,10 +148,13 @@ class LLMEngine:
             return []
         done: dict[str, RequestOutput] = {}  # the outputs that advanced this step, by request id
         drafts = self._speculate(sched, done) if self.spec is not None else {}  # spec hook 1: {row: Proposal}
+        start = time.perf_counter()
         logits = self._guarded(sched.seqs, done, self._forward, sched, drafts)  # [B, V], or [1 + γ, V] per row
         if logits is not None:
             to_sample = self._update(sched, logits, drafts, done)  # spec hook 2 inside: accept the drafts
             self._guarded([s.seq for _, s, _ in to_sample], done, self._sample, logits, to_sample, done)
+        if self.spec is not None:  # spec hook 3: the step's time, for the controller's cost estimates
+            self.spec.record_step(drafts, time.perf_counter() - start)
         return self._collect(done)
 
     def _prepare(self, sched: SchedulerOutput) -> bool:

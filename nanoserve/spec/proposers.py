@@ -10,6 +10,7 @@ Taught in notebooks/08_*.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -79,6 +80,7 @@ class DraftModelProposer:
         self.runner = ModelRunner(model, num_blocks, block_size, attention_backend)
         self.block_allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching=False)
         self.seqs: dict[int, SequenceState] = {}  # target seq_id -> draft sequence
+        self.timings: list[tuple[float, int]] = []  # the last propose's forwards: (seconds, most new tokens of a row)
 
     def propose(self, rows: list[tuple[SequenceState, int, SamplingParams, torch.Generator | None]],
                 matchers: list | None = None):
@@ -95,13 +97,16 @@ class DraftModelProposer:
                 active.append((i, d))
         drafts: list[list[int]] = [[] for _ in rows]
         qs: list[list[torch.Tensor]] = [[] for _ in rows]
+        self.timings = []
         while active:
+            start = time.perf_counter()
             num_new = [len(d) - d.num_computed_tokens for _, d in active]
             logits = self.runner.run([d for _, d in active], num_new)  # A, V
             for (_, d), n in zip(active, num_new):
                 advance(self.block_allocator, d, n)
             logits = mask_rows(logits, [matchers[i] for i, _ in active])  # structured outputs
             tokens = self._draw(logits, [rows[i] for i, _ in active], [qs[i] for i, _ in active])
+            self.timings.append((time.perf_counter() - start, max(num_new)))  # the draw synced: the forward is done
             still = []
             for (i, d), token in zip(active, tokens):
                 drafts[i].append(token)

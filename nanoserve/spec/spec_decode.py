@@ -26,16 +26,13 @@ requests, in each `LLMEngine.step()`:
    (`BlockAllocator.truncate`) — before `mark_computed`, so no block holding a rejected token's
    K/V ever becomes a prefix-cache entry. The draft cache rolls back the same way.
 
-**Adaptive γ and the switch-off** (per sample). With acceptance rate α the expected tokens per
-verification are E(γ) = (1 − α^(γ+1)) / (1 − α) (Leviathan et al. 2023), at a cost of about
-1 + c·γ target-forward units, c = draft parameters / target parameters (what a forward reads
-on a GPU and computes on a CPU both scale with them; 0 for n-gram lookup). A measured time
-ratio would adapt to the machine but make seeded outputs depend on timing; this keeps them
-reproducible.
-After each verification α is re-estimated (an exponential moving average) and the next γ is the
-one maximising E(γ) / (1 + c·γ). When no γ is expected to pay (α below `min_acceptance`, or the
-best ratio ≤ 1), the sample decodes plainly and probes again with γ = 1 every `probe_interval`
-steps — so a useless draft costs a probe now and then, not every step.
+**Adaptive γ and the switch-off** (per sample; spec/controller.py). With acceptance rate α the expected
+tokens per verification are E(γ) = (1 − α^(γ+1)) / (1 − α) (Leviathan et al. 2023), at a cost of v + c·γ
+plain decode steps: c a draft forward, v the verification, each *measured* on this engine's own steps
+(the parameter ratio and v = 1 until then, or `speculative_cost=c` to pin them and keep seeded outputs
+independent of the machine's speed). After each verification α is re-estimated (an exponential moving
+average) and the next γ is the one maximising E(γ) / (v + c·γ). When no γ is expected to pay, the sample
+decodes plainly and probes now and then — so a useless draft costs a few per cent, not every step.
 
 Requests whose law is more than temperature / top-k / top-p — a penalty (p depends on every
 earlier token, drafts included, which the one-forward verification does not model), a logit bias,
@@ -44,7 +41,8 @@ min-p or min_tokens (`SamplingParams.reshapes_logits`) — decode plainly. Taugh
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
 
 import torch
 
@@ -54,8 +52,9 @@ from ..engine.scheduler import Scheduler
 from ..engine.sequence import Sequence
 from ..errors import NanoserveError
 from ..models.loader import load_model
+from .controller import SpecController
 from .proposers import DraftModelProposer, NgramDraft
-from .rejection_sampler import MAX_SPECULATIVE_TOKENS, expected_tokens_per_step, greedy_verify, rejection_sample
+from .rejection_sampler import MAX_SPECULATIVE_TOKENS, greedy_verify, rejection_sample
 
 SPECULATIVE_METHODS = ("draft", "ngram")
 
@@ -70,14 +69,15 @@ class SpecDecodeConfig:
     probe_interval: int = 16  # plain steps between probes of a switched-off sample
     ngram_max: int = 3  # n-gram lookup: longest and shortest suffix to match
     ngram_min: int = 1
+    cost: float | None = None  # c pinned (v = 1, nothing timed); None: measured (spec/controller.py)
 
     @classmethod
     def from_args(cls, method: str | None, num_speculative_tokens: int, draft_model: str | None,
-                  adaptive: bool) -> SpecDecodeConfig | None:
+                  adaptive: bool, cost: float | None = None) -> SpecDecodeConfig | None:
         """The validated config of LLMEngine's speculative arguments; None when they ask for no speculation."""
         if draft_model is None and method is None:
             return None
-        cfg = cls(method or "draft", num_speculative_tokens, draft_model, adaptive)
+        cfg = cls(method or "draft", num_speculative_tokens, draft_model, adaptive, cost=cost)
         cfg.validate()
         return cfg
 
@@ -92,14 +92,10 @@ class SpecDecodeConfig:
             raise NanoserveError("speculative decoding with a draft model needs speculative_model=<name or path>")
         if not 0 <= self.min_acceptance < 1:
             raise NanoserveError(f"min_acceptance={self.min_acceptance!r} must be in [0, 1)")
-
-
-@dataclass
-class _SampleState:
-    gamma: int
-    alpha: float = 0.8  # prior estimate of α, replaced by observation within a few steps
-    plain_steps: int = 0  # consecutive steps without speculation (switched off)
-    stats: SpecStats = field(default_factory=SpecStats)
+        c = self.cost
+        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 <= c < float("inf")):
+            raise NanoserveError(f"speculative_cost={c!r} must be a finite number ≥ 0 (a draft forward's cost "
+                                 "in target steps), or None to measure it")
 
 
 @dataclass
@@ -120,55 +116,19 @@ class SpecDecoder:
     def __init__(self, config: SpecDecodeConfig, proposer, scheduler: Scheduler, max_model_len: int,
                  cost: float = 0.0):
         self.config, self.proposer, self.scheduler, self.max_model_len = config, proposer, scheduler, max_model_len
-        self.cost = cost  # c: a drafted token's cost in target forwards
-        self.states: dict[int, _SampleState] = {}
+        self.controller = SpecController(config, cost)  # γ per sample (cost: c's prior, the parameter ratio)
+        self.pure_decode = False  # whether the planned step has decoding rows only (its time is recorded)
         self.copies: list[tuple[int, int]] = []  # copy-on-write block copies from the last extension
-
-    # ------------------------------------------------------------------ γ
-    def state(self, seq: Sequence) -> _SampleState:
-        if seq.seq_id not in self.states:
-            self.states[seq.seq_id] = _SampleState(gamma=self.config.num_speculative_tokens)
-        return self.states[seq.seq_id]
-
-    def choose_gamma(self, seq: Sequence, params: SamplingParams, tokens_left: int) -> int:
-        """This step's γ for a decoding sample (0 = decode plainly)."""
-        if params.reshapes_logits:  # a penalty, bias, min-p or min_tokens: the law is not the draft's to check
-            return 0
-        st = self.state(seq)
-        gamma = st.gamma
-        if gamma == 0:  # switched off: probe with γ = 1 now and then
-            st.plain_steps += 1
-            if st.plain_steps < self.config.probe_interval:
-                return 0
-            st.plain_steps, gamma = 0, 1
-        room = min(tokens_left - 1, self.max_model_len - len(seq) - 1)  # the bonus token needs room too
-        return max(0, min(gamma, room))
-
-    def _update_gamma(self, st: _SampleState, drafted: int, accepted: int) -> None:
-        if drafted == 0:
-            return
-        # Each draft token is a coin with P(accept) = α, tossed until the first rejection: the coins
-        # tossed are the accepted ones plus the rejection, if any (accepted / drafted would count
-        # the never-tossed drafts after a rejection as failures and underestimate α).
-        tossed = accepted + (accepted < drafted)
-        w = min(1.0, tossed / 8)  # about 8 tosses of memory
-        st.alpha = (1 - w) * st.alpha + w * (accepted / tossed)
-        if not self.config.adaptive:
-            return
-        if st.alpha < self.config.min_acceptance:
-            st.gamma = 0
-            return
-        best, best_gain = 0, 1.0
-        for g in range(1, self.config.num_speculative_tokens + 1):
-            gain = expected_tokens_per_step(st.alpha, g) / (1 + self.cost * g)
-            if gain > best_gain * (1 + 1e-9):
-                best, best_gain = g, gain
-        st.gamma = best
 
     # ------------------------------------------------------------------ one step
     def plan(self, sched, requests: dict, budget: int) -> list[tuple]:
         """The rows that speculate this step: (row, seq, γ, params, generator, grammar matcher or None) for
-        each decoding row with a γ ≥ 1 that the step's leftover token budget can still pay for."""
+        each decoding row with a γ ≥ 1 that the step's leftover token budget can still pay for; none when the
+        controller's clock wants a plain step timed (controller.StepCosts.wants_plain_step)."""
+        self.pure_decode = all(n == 1 and s.num_computed_tokens + 1 == len(s) for s, n in zip(sched.seqs,
+                                                                                            sched.num_new))
+        if self.controller.wants_plain_step():
+            return []
         rows = []
         for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_new)):
             if n != 1 or seq.num_computed_tokens + 1 != len(seq) or budget <= 0:
@@ -177,18 +137,21 @@ class SpecDecoder:
             if len(req.samples) < req.params.n:
                 continue  # about to fork its samples: the first token is drawn plainly
             s = req.samples[seq.sample_index]
-            gamma = min(self.choose_gamma(seq, req.params, req.max_new - len(s.out.token_ids)), budget)
+            left = req.max_new - len(s.out.token_ids)
+            gamma = min(self.controller.choose_gamma(seq, req.params, left, self.max_model_len), budget)
             if gamma > 0:
                 rows.append((i, seq, gamma, req.params, s.generator, s.matcher))
                 budget -= gamma
-                s.out.spec_stats = self.state(seq).stats
+                s.out.spec_stats = self.controller.state(seq).stats
         return rows
 
     def draft(self, sched, rows: list[tuple], kv) -> dict:
         """Propose for the planned rows, append the drafts to their sequences (copy-on-write copies
         applied to `kv`), and grow each row's token count in `sched`: {row: Proposal} to verify."""
-        proposals = {}
-        for (i, *_), prop in zip(rows, self.propose_and_extend([r[1:5] for r in rows], [r[5] for r in rows])):
+        proposals, start = {}, time.perf_counter()
+        extended = self.propose_and_extend([r[1:5] for r in rows], [r[5] for r in rows])
+        self._record_draft(time.perf_counter() - start, max(r[2] for r in rows))
+        for (i, *_), prop in zip(rows, extended):
             if prop.draft_ids:
                 sched.num_new[i] += len(prop.draft_ids)
                 proposals[i] = prop
@@ -227,21 +190,37 @@ class SpecDecoder:
         # Positions start_len − 1 (the old last token) .. start_len − 1 + accepted hold valid K/V.
         self.scheduler.rollback(seq, prop.start_len, prop.start_len + accepted)
         self.proposer.rollback(seq, prop.start_len + accepted)
-        st = self.state(seq)
+        st = self.controller.state(seq)
         st.stats.num_steps += 1
         st.stats.num_draft_tokens += gamma
         st.stats.num_accepted_tokens += accepted
         st.stats.num_emitted_tokens += len(tokens)
         st.stats.num_rejections += accepted < gamma
-        self._update_gamma(st, gamma, accepted)
+        self.controller.observe(st, gamma, accepted)
         return tokens
+
+    def _record_draft(self, seconds: float, gamma: int) -> None:
+        """A draft model's forwards as it timed them, leaving out a new row's prompt (a one-off catch-up, not
+        what a speculative step costs); n-gram lookup: the whole proposal, as one forward."""
+        timings = getattr(self.proposer, "timings", None)
+        if timings is None:
+            self.controller.costs.record_draft(seconds, 1)
+            return
+        steady = [t for t, most_new in timings if most_new <= self.config.num_speculative_tokens + 1]
+        if steady:
+            self.controller.costs.record_draft(sum(steady), len(steady))
+
+    def record_step(self, drafts: dict, seconds: float) -> None:
+        """The engine's forward, accept and sample of the planned step took `seconds`: timed if it decoded only."""
+        if self.pure_decode and self.config.adaptive:
+            self.controller.costs.record_step(bool(drafts), seconds)
 
     def free(self, seq: Sequence) -> None:
         self.proposer.free(seq)
-        self.states.pop(seq.seq_id, None)
+        self.controller.free(seq)
 
     def stats(self, seq: Sequence) -> SpecStats | None:
-        st = self.states.get(seq.seq_id)
+        st = self.controller.states.get(seq.seq_id)
         return None if st is None else st.stats
 
 

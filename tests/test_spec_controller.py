@@ -1,0 +1,140 @@
+"""The speculative controller (spec/controller.py): its clock, StepCosts, and the γ it chooses.
+
+Timings are fed in by hand, so nothing here depends on the machine's speed; the engine test only checks that
+the engine feeds the clock (every estimate gets measured) and that greedy output stays the target's.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.spec.controller import PROBE_BUDGET, SampleState, SpecController, StepCosts
+from nanoserve.spec.rejection_sampler import expected_tokens_per_step
+from nanoserve.spec.spec_decode import SpecDecodeConfig
+
+
+def test_prior_until_measured_then_ratios_of_the_moving_averages():
+    costs = StepCosts(prior_draft_cost=0.09)
+    assert costs.draft_cost() == 0.09 and costs.verify_cost() == 1.0 and costs.wants_plain_step()
+    costs.record_draft(0.6, forwards=2)  # 0.3 s per forward
+    assert costs.draft_cost() == 0.09  # no plain step timed yet: still the prior
+    costs.record_step(speculative=False, seconds=0.5)
+    costs.record_step(speculative=True, seconds=0.75)
+    assert costs.draft_cost() == pytest.approx(0.6) and costs.verify_cost() == pytest.approx(1.5)
+    assert costs.step_cost(4) == pytest.approx(1.5 + 4 * 0.6) and costs.step_cost(0) == 1.0
+    costs.record_step(speculative=False, seconds=1.0)  # moving average, weight 0.2: 0.8 · 0.5 + 0.2 · 1.0
+    assert costs.plain_s == pytest.approx(0.6)
+
+
+def test_a_plain_step_is_asked_for_again_after_recalibrate_every_speculative_steps():
+    costs = StepCosts(0.1, recalibrate_every=5)
+    costs.record_step(False, 1.0)
+    for _ in range(4):
+        costs.record_step(True, 1.0)
+        assert not costs.wants_plain_step()
+    costs.record_step(True, 1.0)
+    assert costs.wants_plain_step()
+    costs.record_step(False, 1.0)
+    assert not costs.wants_plain_step()
+
+
+def test_pinned_costs_time_nothing():
+    costs = StepCosts(0.09, pinned=0.25)
+    costs.record_step(False, 1.0)
+    costs.record_step(True, 100.0)
+    costs.record_draft(100.0, 1)
+    assert costs.draft_cost() == 0.25 and costs.verify_cost() == 1.0 and not costs.wants_plain_step()
+    with pytest.raises(ValueError, match="speculative_cost=-1"):
+        StepCosts(0.09, pinned=-1)
+
+
+def _decoder(draft_s: float, verify_s: float, plain_s: float, **cfg) -> SpecController:
+    spec = SpecController(SpecDecodeConfig("ngram", num_speculative_tokens=4, **cfg), prior_draft_cost=0.09)
+    spec.costs.draft_s, spec.costs.verify_s, spec.costs.plain_s = draft_s, verify_s, plain_s
+    return spec
+
+
+def _gamma_after(spec: SpecController) -> int:
+    """γ once the sample's α estimate has settled at 2/3 (4 drafted, 2 accepted, then a rejection: 3 tosses)."""
+    st = SampleState(gamma=4)
+    for _ in range(50):
+        spec.observe(st, 4, 2)
+    assert st.alpha == pytest.approx(2 / 3)
+    return st.gamma
+
+
+def test_measured_costs_switch_off_what_the_parameter_ratio_would_keep():
+    """The demo pair on a CPU: α ≈ 2/3, a draft forward ≈ 0.6 of a target step and a verification 1.2 (the
+    issue's figures): E(α, γ) / (v + c·γ) < 1 for every γ, so the measured controller decodes plainly. The
+    negative control is the old controller, c = 0.09 and v = 1 (pinned): it speculates, with γ = 4."""
+    assert max(expected_tokens_per_step(2 / 3, g) / (1.2 + 0.6 * g) for g in range(1, 5)) < 1
+    assert _gamma_after(_decoder(draft_s=0.6, verify_s=1.2, plain_s=1.0)) == 0
+    assert _gamma_after(_decoder(0.6, 1.2, 1.0, cost=0.09)) == 4
+    # a cheap draft (a GPU with graphed draft steps, say: c = 0.05, v = 1.1) pays at the same α
+    assert _gamma_after(_decoder(draft_s=0.05, verify_s=1.1, plain_s=1.0)) == 4
+
+
+def test_a_switched_off_sample_probes_so_rarely_that_probes_cost_at_most_the_budget():
+    """The GPU pass's useless draft: v = 5.2, c = 3.4 (eager verification and draft against a graphed step). A
+    probe costs v + c − 1 = 7.6 extra steps, so probes come every 7.6 / PROBE_BUDGET ≈ 253 plain steps, not 16."""
+    spec = _decoder(draft_s=3.4, verify_s=5.2, plain_s=1.0)
+    seq = type("Seq", (), {"seq_id": 0, "__len__": lambda self: 10})()  # what choose_gamma reads of a sequence
+    spec.state(seq).gamma = 0  # switched off
+    params, calls = SamplingParams(temperature=0), 0
+    while spec.choose_gamma(seq, params, 1000, 10_000) == 0:
+        calls += 1
+    assert calls + 1 >= (5.2 + 3.4 - 1) / PROBE_BUDGET and calls < 300
+    cheap = _decoder(draft_s=0.05, verify_s=1.0, plain_s=1.0)  # a probe costs 0.05: the floor, probe_interval
+    cheap.state(seq).gamma, calls = 0, 0
+    while cheap.choose_gamma(seq, params, 1000, 10_000) == 0:
+        calls += 1
+    assert calls + 1 == cheap.config.probe_interval
+
+
+def test_the_engine_feeds_the_clock_and_greedy_output_stays_the_targets():
+    """Measured by default: after a generation the draft forward, the verification and the plain step all have
+    estimates (the first decode step ran plainly to time one), and the tokens are the target's own."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM("demo").generate(["ROMEO:", "JULIET:"], params, use_tqdm=False)
+    llm = LLM("demo", speculative_model="demo-draft", num_speculative_tokens=3)
+    outs = llm.generate(["ROMEO:", "JULIET:"], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    costs = llm.engine.spec.controller.costs
+    assert costs.measuring and None not in (costs.draft_s, costs.verify_s, costs.plain_s)
+    assert costs.draft_cost() > 0 and costs.verify_cost() > 0
+    fixed = LLM("demo", speculative_model="demo-draft", num_speculative_tokens=3, speculative_adaptive=False)
+    fixed.generate(["ROMEO:"], params, use_tqdm=False)
+    assert fixed.engine.spec.controller.costs.plain_s is None  # a fixed γ needs no clock: no plain step was forced
+
+
+def test_a_new_sample_starts_from_the_engines_running_acceptance():
+    """After a useless draft's rejections, the next request's sample starts switched off (it probes later) instead
+    of paying γ = 4 steps to learn what the engine already saw; the negative control is a fresh controller."""
+    spec = _decoder(draft_s=0.1, verify_s=1.0, plain_s=1.0)
+    first = SampleState(gamma=4)
+    for _ in range(20):
+        spec.observe(first, 4, 0)  # every draft rejected: α shrinks by 7/8 a verification
+    seq = type("Seq", (), {"seq_id": 1, "__len__": lambda self: 10})()
+    assert spec.alpha < spec.config.min_acceptance and spec.state(seq).gamma == 0
+    fresh = _decoder(draft_s=0.1, verify_s=1.0, plain_s=1.0)
+    assert fresh.state(seq).gamma == 4
+
+
+def test_failed_probes_double_the_wait_and_a_good_one_resets_it():
+    spec = _decoder(draft_s=0.01, verify_s=1.0, plain_s=1.0)  # cheap: the wait is probe_every, not the budget's
+    seq = type("Seq", (), {"seq_id": 0, "__len__": lambda self: 10})()
+    st, params, waits = spec.state(seq), SamplingParams(temperature=0), []
+    st.alpha, st.gamma = 0.0, 0
+    for _ in range(3):
+        calls = 1
+        while spec.choose_gamma(seq, params, 1000, 10_000) == 0:
+            calls += 1
+        waits.append(calls)
+        spec.observe(st, 1, 0)  # the probe's draft is rejected
+    assert waits == [16, 32, 64] and spec.probe_every == 128
+    while st.gamma == 0:  # now every probe's draft is accepted: α climbs back over min_acceptance
+        while spec.choose_gamma(seq, params, 1000, 10_000) == 0:
+            pass
+        spec.observe(st, 1, 1)
+    assert spec.probe_every == spec.config.probe_interval  # the probe that switched it on reset the wait
