@@ -35,6 +35,8 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-model", help="a draft model (e.g. demo-draft) for speculative decoding")
     p.add_argument("--speculative", choices=["draft", "ngram"], help="the proposer (ngram: prompt lookup, no draft)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="γ, draft tokens per step (1..16)")
+    p.add_argument("--speculative-cost", type=float, help="pin a draft forward's cost in target steps (default: "
+                   "measured; pinned, seeded sampling no longer depends on the machine's speed)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -162,7 +164,7 @@ def _spec_kwargs(args) -> dict:
     if args.speculative_model is None and args.speculative is None:
         return eager
     return dict(speculative_model=args.speculative_model, speculative=args.speculative,
-                num_speculative_tokens=args.num_speculative_tokens, **eager)
+                num_speculative_tokens=args.num_speculative_tokens, speculative_cost=args.speculative_cost, **eager)
 
 
 def cmd_eval(args) -> None:

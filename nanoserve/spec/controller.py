@@ -146,14 +146,16 @@ class SpecController:
         if params.reshapes_logits:  # a penalty, bias, min-p or min_tokens: the law is not the draft's to check
             return 0
         st = self.state(seq)
-        gamma = st.gamma
+        gamma, probe = st.gamma, False
         if gamma == 0:  # switched off: probe with γ = 1 now and then, its extra cost ≤ PROBE_BUDGET of the wait
             st.plain_steps += 1
             if st.plain_steps < max(self.probe_every, (self.costs.step_cost(1) - 1) / PROBE_BUDGET):
                 return 0
-            st.plain_steps, st.probing, gamma = 0, True, 1
+            st.plain_steps, gamma, probe = 0, 1, True
         room = min(tokens_left - 1, max_model_len - len(seq) - 1)  # the bonus token needs room too
-        return max(0, min(gamma, room))
+        gamma = max(0, min(gamma, room))
+        st.probing = probe and gamma > 0
+        return gamma
 
     def observe(self, st: SampleState, drafted: int, accepted: int) -> None:
         """A verification of `drafted` tokens kept `accepted`: α updated (the sample's and the engine's), then γ."""
