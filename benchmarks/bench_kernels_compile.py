@@ -272,6 +272,8 @@ def _table_row(r: dict) -> configs.Launch | None:
             "dequantize": "dequantize", "w8a8": "w8a8"}.get(r["kernel"])
     if kind is None:
         return None
+    if kind == "gemv" and ("act-order" in r["variant"] or r["arch"] < 80):  # the gather path's own row
+        kind = "gemv_gather"
     with pretend_gpu(r["arch"]):
         return configs.pick(kind, "cuda", DTYPES[r["dtype"]], r["head_dim"] or 0, kv8=r["variant"].endswith(" KV"))
 

@@ -72,6 +72,7 @@ INTERPRETER = {
     "decode": Launch((32,), upcast=True),
     "gemm": Launch((16, 32, 32), upcast=True),
     "gemv": Launch((16, 32, 32), upcast=True),
+    "gemv_gather": Launch((16, 32, 32), upcast=True),
     "dequantize": Launch((32, 32), upcast=True),
     "w8a8": Launch((16, 32, 32)),  # int8 tiles: the interpreter computes them exactly in integers
 }
@@ -113,8 +114,12 @@ DEQUANT = {
     ("gemm", 80, 2): Launch((64, 64, 32), 4, 3, smem_kb=33),
     ("gemm", 80, 4): Launch((64, 32, 32), 4, 3, smem_kb=25),
     ("gemv", 75, 0): Launch((16, 64, 64), 4, 2, upcast=True, smem_kb=20),
-    ("gemv", 80, 2): Launch((16, 128, 64), 4, 3, smem_kb=99),  # H100-measured (gpu_tune.py); 99: act-order path
+    ("gemv", 80, 2): Launch((16, 128, 64), 4, 3, smem_kb=29),  # H100-measured (benchmarks/gpu_tune.py)
     ("gemv", 80, 4): Launch((16, 64, 64), 8, 1, smem_kb=20),
+    # the act-order GEMV (zero and scale gathered row by row): the grouped path's tiles would cost it 98 KB
+    ("gemv_gather", 75, 0): Launch((16, 64, 64), 4, 2, upcast=True, smem_kb=20),
+    ("gemv_gather", 80, 2): Launch((16, 64, 64), 4, 2, smem_kb=50),
+    ("gemv_gather", 80, 4): Launch((16, 64, 64), 8, 1, smem_kb=20),
     ("dequantize", 75, 0): Launch((64, 64), 4, 3, upcast=True, smem_kb=16),
     ("dequantize", 80, 0): Launch((64, 64), 4, 3, smem_kb=16),
     ("w8a8", 80, 0): Launch((64, 128, 64), 4, 3, smem_kb=36),  # kernels/int8_matmul.py: int8 mma, sm_80+
@@ -168,7 +173,7 @@ def attention_problem(arch: int | None, dtype: torch.dtype, head_dim: int) -> st
 
 
 def pick(kernel: str, device: torch.device | str, dtype: torch.dtype, head_dim: int = 0, kv8: bool = False) -> Launch:
-    """The launch of `kernel` ("flash", "decode", "gemm", "gemv", "dequantize") for inputs on `device`; kv8:
+    """The launch of `kernel` ("flash", "decode", "gemm", "gemv", "gemv_gather", "dequantize") on `device`; kv8:
     attention over an 8-bit KV pool (the KV8 rows, where there is one).
 
     ValueError where the kernel cannot run there (attention on sm_75, a row over the GPU's shared memory)."""

@@ -132,6 +132,22 @@ def _grouped_codes(QW, QZ, S, start, offs_n, n_mask, K,
 
 
 @triton.jit
+def _dot_tile(a, QW, QZ, S, G_IDX, start, offs_k, offs_n, k_mask, n_mask, K,
+              stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn,
+              BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SIZE: tl.constexpr):
+    """a [BLOCK_M, BLOCK_K] · W[offs_k, offs_n] in fp32, W read one of the two ways (module docstring)."""
+    if GROUP_SIZE > 0:  # one group per tile: integer codes into the dot, the scale after it
+        q, scale = _grouped_codes(QW, QZ, S, start, offs_n, n_mask, K, stride_qk, stride_qn, stride_zg,
+                                  stride_zn, stride_sg, stride_sn, BLOCK_K, BLOCK_N, GROUP_SIZE)  # [BK, BN], [BN]
+        out = tl.dot(a, q.to(a.dtype), input_precision="ieee") * scale[None, :]  # BLOCK_M, BLOCK_N
+    else:  # any g_idx (act-order): zero and scale gathered row by row
+        w = _dequant_tile(QW, QZ, S, G_IDX, offs_k, offs_n, k_mask, n_mask,
+                          stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn)  # BLOCK_K, BLOCK_N
+        out = tl.dot(a, w.to(a.dtype), input_precision="ieee")  # BLOCK_M, BLOCK_N
+    return out
+
+
+@triton.jit
 def _dequant_gemm_kernel(
     A, QW, QZ, S, G_IDX, C,
     M, N, K,
@@ -152,14 +168,8 @@ def _dequant_gemm_kernel(
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # BLOCK_M, BLOCK_K
         if UPCAST:
             a = a.to(tl.float32)
-        if GROUP_SIZE > 0:  # one group per tile: integer codes into the dot, the scale after it
-            q, scale = _grouped_codes(QW, QZ, S, start, offs_n, n_mask, K, stride_qk, stride_qn, stride_zg,
-                                      stride_zn, stride_sg, stride_sn, BLOCK_K, BLOCK_N, GROUP_SIZE)  # [BK, BN], [BN]
-            acc += tl.dot(a, q.to(a.dtype), input_precision="ieee") * scale[None, :]  # BLOCK_M, BLOCK_N
-        else:  # any g_idx (act-order): zero and scale gathered row by row
-            w = _dequant_tile(QW, QZ, S, G_IDX, offs_k, offs_n, k_mask, n_mask,
-                              stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn)  # BLOCK_K, BLOCK_N
-            acc += tl.dot(a, w.to(a.dtype), input_precision="ieee")  # BLOCK_M, BLOCK_N
+        acc += _dot_tile(a, QW, QZ, S, G_IDX, start, offs_k, offs_n, k_mask, n_mask, K, stride_qk, stride_qn,
+                         stride_zg, stride_zn, stride_sg, stride_sn, BLOCK_K, BLOCK_N, GROUP_SIZE)  # BLOCK_M, BLOCK_N
     c_ptrs = C + rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -187,14 +197,8 @@ def _dequant_gemv_kernel(
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # BLOCK_M, BLOCK_K
         if UPCAST:
             a = a.to(tl.float32)
-        if GROUP_SIZE > 0:  # one group per tile: integer codes into the dot, the scale after it
-            q, scale = _grouped_codes(QW, QZ, S, start, offs_n, n_mask, K, stride_qk, stride_qn, stride_zg,
-                                      stride_zn, stride_sg, stride_sn, BLOCK_K, BLOCK_N, GROUP_SIZE)  # [BK, BN], [BN]
-            acc += tl.dot(a, q.to(a.dtype), input_precision="ieee") * scale[None, :]  # BLOCK_M, BLOCK_N
-        else:  # any g_idx (act-order): zero and scale gathered row by row
-            w = _dequant_tile(QW, QZ, S, G_IDX, offs_k, offs_n, k_mask, n_mask,
-                              stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn)  # BLOCK_K, BLOCK_N
-            acc += tl.dot(a, w.to(a.dtype), input_precision="ieee")  # BLOCK_M, BLOCK_N
+        acc += _dot_tile(a, QW, QZ, S, G_IDX, start, offs_k, offs_n, k_mask, n_mask, K, stride_qk, stride_qn,
+                         stride_zg, stride_zn, stride_sg, stride_sn, BLOCK_K, BLOCK_N, GROUP_SIZE)  # BLOCK_M, BLOCK_N
     p_ptrs = P + split * stride_ps + offs_m[:, None] * stride_pm + offs_n[None, :] * stride_pn
     tl.store(p_ptrs, acc.to(P.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -296,18 +300,19 @@ def dequantize_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.T
     return w.to(dtype)  # N, K   a no-op unless the interpreter wrote fp32 for bf16
 
 
-def choose_split_k(n: int, k: int, num_sms: int | None = None) -> int:
+def choose_split_k(n: int, k: int, num_sms: int | None = None, tiles: tuple[int, int, int] | None = None) -> int:
     """How many K splits fill the GPU at M ≤ 16: ⌈4 · num_sms / N-tiles⌉, capped.
 
     Four programs per SM keep enough loads in flight for a memory-bound GEMV (a guess, untuned).
     Caps: each split keeps ≥ MIN_TILES_PER_SPLIT tiles of BLOCK_K, and at most MAX_SPLIT_K.
-    num_sms = None reads it from the current CUDA device; on CPU the answer is 1.
+    num_sms = None reads it from the current CUDA device; on CPU the answer is 1. tiles: the
+    launch's (BLOCK_M, BLOCK_N, BLOCK_K); None: the sm_80+ 16-bit GEMV row's.
     """
     if num_sms is None:
         if not torch.cuda.is_available():
             return 1
         num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    _, block_n, block_k = _GEMV_TILES[True]
+    _, block_n, block_k = tiles or _GEMV_TILES[True]  # the launch's (BLOCK_M, BLOCK_N, BLOCK_K)
     fill = -(-4 * num_sms // max(1, -(-n // block_n)))
     by_length = max(1, -(-k // block_k) // MIN_TILES_PER_SPLIT)
     return max(1, min(fill, by_length, MAX_SPLIT_K))
@@ -333,10 +338,13 @@ def _launch_gemm(a, qweight, qzeros, scales, g_idx, K, N, group_size=None) -> to
 def _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k, group_size=None) -> torch.Tensor:
     M = a.shape[0]
     launch = pick("gemv", a.device, a.dtype)
+    group = _group_constexpr(group_size, launch)
+    if not group:  # the gather path has a row of its own (the grouped path's tiles cost it 3× the shared memory)
+        launch = pick("gemv_gather", a.device, a.dtype)
     block_m, block_n, block_k = launch.tiles
     if M == 0 or N == 0:
         return torch.zeros(M, N, dtype=a.dtype, device=a.device)  # M, N
-    split_k = choose_split_k(N, K) if split_k is None else split_k
+    split_k = choose_split_k(N, K, tiles=launch.tiles) if split_k is None else split_k
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k  # whole tiles per split
     if split_k == 1:  # the single partial is the answer: write C directly, in A's dtype
         out = torch.empty(M, N, dtype=a.dtype, device=a.device)  # M, N
@@ -349,6 +357,6 @@ def _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k, group_size=No
         M, N, K, k_per_split,
         *a.stride(), *qweight.stride(), *qzeros.stride(), *scales.stride(), *p_strides,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        UPCAST=launch.upcast, GROUP_SIZE=_group_constexpr(group_size, launch), **launch.options(),
+        UPCAST=launch.upcast, GROUP_SIZE=group, **launch.options(),
     )
     return p if split_k == 1 else p.sum(dim=0).to(a.dtype)  # M, N   the second pass: a fixed order
