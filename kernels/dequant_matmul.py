@@ -10,16 +10,9 @@ stores W [K, N] (here as the matmul's right operand, K rows) in four tensors:
 
     W[k, n] = (code[k, n] − zero[g_idx[k], n]) · scale[g_idx[k], n]
 
-**Two ways to read a tile.** Without act-order (g_idx = k // group_size, what RTN, AWQ and most
-GPTQ checkpoints store) a tile of BLOCK_K rows lies in one group when BLOCK_K divides group_size:
-`_grouped_codes` loads each word once ([BLOCK_K/8, BLOCK_N]), shifts its 8 codes out along a new
-axis, and loads one zero row and one scale row for the tile; the scale multiplies the dot's result,
-not every weight. With act-order, neighbouring rows belong to different groups, so `_dequant_tile`
-loads the word of each row (row k reads word k // 8: each word 8 times) and gathers zero points and
-scales row by row through g_idx (one scale row per tile would be wrong: the test's negative control
-shows how wrong). The caller says which with `group_size=` (QuantLinear looks at its g_idx once).
-Measured on an H100 (benchmarks/RESULTS.md): the gather path took 262 µs for a 4096² GEMV, 11× the
-fp16 cuBLAS GEMV; the grouped path 22 µs, 1.06× faster than cuBLAS (1.22× at 8192²).
+**Two ways to read a tile** (kernels/int4_tiles.py): grouped, one zero / scale row per tile, when
+g_idx = k // group_size (`group_size=`, which QuantLinear passes when it holds); gathered row by row
+for act-order. On an H100 a 4096² GEMV took 262 µs gathered (11× fp16 cuBLAS), 22 µs grouped.
 
 **Why fuse, and why batch 1 gains most.** At batch 1 a linear does 2 flops per weight it reads:
 far below what a GPU can compute per byte, so its time is the time to read the weights. fp16
@@ -46,19 +39,19 @@ and so the threshold, are still to be timed against this fallback.
   too few to keep 132 SMs reading memory. **Split-K** cuts K into `split_k` ranges of whole
   BLOCK_K tiles, grid (N / BLOCK_N, split_k); split s writes its partial sum to row s of an
   fp32 buffer [split_k, M, N], and a second pass sums the rows (torch .sum, then the cast to
-  A's dtype). We chose that pass over tl.atomic_add into one fp32 buffer: atomics add the
-  partials in whatever order programs finish, so results would change in the last bits from
-  run to run; the buffer's extra traffic (split_k · M · N · 4 bytes: 128 KiB for M = 1,
+  A's dtype), not tl.atomic_add: atomics add in whatever order programs finish, so results
+  would change in the last bits from run to run; the buffer's traffic (128 KiB for M = 1,
   N = 4096, split_k = 8, beside 8 MiB of weights) is small. With split_k = 1 the kernel
   writes C directly; an empty split writes zeros. `choose_split_k` says how many fill a GPU.
 
 A third, `dequantize_int4`, writes W [N, K] out (packing.dequantize_gptq's layout and values) in
-one pass with the same `_dequant_tile`: the dequantize step of "dequantize + cuBLAS" for large M.
+one pass with the same `dequant_tile`: the dequantize step of "dequantize + cuBLAS" for large M.
 
 **Precision.** Accumulation is fp32. The interpreter cannot do bf16 arithmetic, so there tiles
 become fp32 right after their load (`UPCAST`), and so on sm_75, whose tl.dot is FMA anyway. On
-sm_80+, w is cast to A's dtype for the tensor cores (as the torch fallback does), and fp32 inputs
-use IEEE fp32 (not TF32). Tiles: kernels/configs.py. `dequant_matmul_ref` is the plain-torch
+sm_80+ the weight tile is cast to A's dtype for the tensor cores: gathered, the dequantized values
+(rounded, as the torch fallback does); grouped, code − zero (exact: |·| ≤ 15). fp32 inputs use IEEE
+fp32 (not TF32). Tiles: kernels/configs.py. `dequant_matmul_ref` is the plain-torch
 reference. Taught in notebooks/07_int4_kernel.ipynb (exercise 11: `dequantize_int4`).
 """
 
@@ -72,6 +65,7 @@ from nanoserve.quant.packing import check_gptq, dequantize_gptq
 
 from .checks import DTYPES, can_read_values, check_dequant_matmul
 from .configs import DEQUANT, INTERPRETER, pick
+from .int4_tiles import dequant_tile, dot_tile
 
 GEMV_MAX_M = 16  # M ≤ this: split-K GEMV (all rows in one tile of 16)
 TORCH_MIN_M = 64  # on CUDA, M ≥ this: dequantize + torch.matmul
@@ -91,62 +85,6 @@ def dequant_matmul_ref(a: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Ten
 
 
 # ----------------------------------------------------------------------------- the kernels
-@triton.jit
-def _dequant_tile(QW, QZ, S, G_IDX, offs_k, offs_n, k_mask, n_mask,
-                  stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn):
-    """W[offs_k, offs_n] in fp32 from the GPTQ v1 tensors; 0 outside the masks."""
-    mask = k_mask[:, None] & n_mask[None, :]  # BLOCK_K, BLOCK_N
-    g = tl.load(G_IDX + offs_k, mask=k_mask, other=0)  # BLOCK_K   group of each row
-    words = tl.load(QW + (offs_k // 8)[:, None] * stride_qk + offs_n[None, :] * stride_qn,
-                    mask=mask, other=0)  # BLOCK_K, BLOCK_N   the word holding each code
-    codes = (words >> ((offs_k % 8) * 4)[:, None]) & 0xF  # >> sign-extends; the mask drops it
-    zwords = tl.load(QZ + g[:, None] * stride_zg + (offs_n // 8)[None, :] * stride_zn,
-                     mask=mask, other=0)  # BLOCK_K, BLOCK_N
-    zeros = ((zwords >> ((offs_n % 8) * 4)[None, :]) & 0xF) + 1  # v1 stores zero − 1
-    scales = tl.load(S + g[:, None] * stride_sg + offs_n[None, :] * stride_sn,
-                     mask=mask, other=0.0).to(tl.float32)  # BLOCK_K, BLOCK_N   0 outside: w = 0 there
-    return (codes - zeros).to(tl.float32) * scales
-
-
-@triton.jit
-def _grouped_codes(QW, QZ, S, start, offs_n, n_mask, K,
-                   stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn,
-                   BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SIZE: tl.constexpr):
-    """(code − zero) [BLOCK_K, BLOCK_N] as integers and the tile's scale row [BLOCK_N], for rows start ..
-    start + BLOCK_K that all lie in group start // GROUP_SIZE (no act-order; BLOCK_K divides GROUP_SIZE).
-
-    Each word is loaded once, [BLOCK_K / 8, BLOCK_N], and its 8 codes are shifted out along a new middle
-    axis: [BLOCK_K / 8, 8, BLOCK_N], whose rows, read in order, are k = 8 · word + nibble. One zero row and
-    one scale row serve the whole tile, so W = (code − zero) · scale leaves the scale for after the dot."""
-    offs_w = start // 8 + tl.arange(0, BLOCK_K // 8)  # BLOCK_K / 8   words along K
-    words = tl.load(QW + offs_w[:, None] * stride_qk + offs_n[None, :] * stride_qn,
-                    mask=(offs_w < K // 8)[:, None] & n_mask[None, :], other=0)  # BLOCK_K / 8, BLOCK_N
-    shifts = tl.arange(0, 8) * 4  # 8
-    codes = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # BLOCK_K / 8, 8, BLOCK_N
-    codes = tl.reshape(codes, (BLOCK_K, BLOCK_N))  # BLOCK_K, BLOCK_N   row 8·w + j: word w, nibble j
-    g = start // GROUP_SIZE
-    zwords = tl.load(QZ + g * stride_zg + (offs_n // 8) * stride_zn, mask=n_mask, other=0)  # BLOCK_N
-    zeros = ((zwords >> ((offs_n % 8) * 4)) & 0xF) + 1  # v1 stores zero − 1
-    scales = tl.load(S + g * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)  # BLOCK_N
-    return codes - zeros[None, :], scales
-
-
-@triton.jit
-def _dot_tile(a, QW, QZ, S, G_IDX, start, offs_k, offs_n, k_mask, n_mask, K,
-              stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn,
-              BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SIZE: tl.constexpr):
-    """a [BLOCK_M, BLOCK_K] · W[offs_k, offs_n] in fp32, W read one of the two ways (module docstring)."""
-    if GROUP_SIZE > 0:  # one group per tile: integer codes into the dot, the scale after it
-        q, scale = _grouped_codes(QW, QZ, S, start, offs_n, n_mask, K, stride_qk, stride_qn, stride_zg,
-                                  stride_zn, stride_sg, stride_sn, BLOCK_K, BLOCK_N, GROUP_SIZE)  # [BK, BN], [BN]
-        out = tl.dot(a, q.to(a.dtype), input_precision="ieee") * scale[None, :]  # BLOCK_M, BLOCK_N
-    else:  # any g_idx (act-order): zero and scale gathered row by row
-        w = _dequant_tile(QW, QZ, S, G_IDX, offs_k, offs_n, k_mask, n_mask,
-                          stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn)  # BLOCK_K, BLOCK_N
-        out = tl.dot(a, w.to(a.dtype), input_precision="ieee")  # BLOCK_M, BLOCK_N
-    return out
-
-
 @triton.jit
 def _dequant_gemm_kernel(
     A, QW, QZ, S, G_IDX, C,
@@ -168,7 +106,7 @@ def _dequant_gemm_kernel(
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # BLOCK_M, BLOCK_K
         if UPCAST:
             a = a.to(tl.float32)
-        acc += _dot_tile(a, QW, QZ, S, G_IDX, start, offs_k, offs_n, k_mask, n_mask, K, stride_qk, stride_qn,
+        acc += dot_tile(a, QW, QZ, S, G_IDX, start, offs_k, offs_n, k_mask, n_mask, K, stride_qk, stride_qn,
                          stride_zg, stride_zn, stride_sg, stride_sn, BLOCK_K, BLOCK_N, GROUP_SIZE)  # BLOCK_M, BLOCK_N
     c_ptrs = C + rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
@@ -197,7 +135,7 @@ def _dequant_gemv_kernel(
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # BLOCK_M, BLOCK_K
         if UPCAST:
             a = a.to(tl.float32)
-        acc += _dot_tile(a, QW, QZ, S, G_IDX, start, offs_k, offs_n, k_mask, n_mask, K, stride_qk, stride_qn,
+        acc += dot_tile(a, QW, QZ, S, G_IDX, start, offs_k, offs_n, k_mask, n_mask, K, stride_qk, stride_qn,
                          stride_zg, stride_zn, stride_sg, stride_sn, BLOCK_K, BLOCK_N, GROUP_SIZE)  # BLOCK_M, BLOCK_N
     p_ptrs = P + split * stride_ps + offs_m[:, None] * stride_pm + offs_n[None, :] * stride_pn
     tl.store(p_ptrs, acc.to(P.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
@@ -213,7 +151,7 @@ def _dequantize_kernel(
     offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)  # BLOCK_K   input rows of W's tile
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # BLOCK_N   output columns
     k_mask, n_mask = offs_k < K, offs_n < N
-    w = _dequant_tile(QW, QZ, S, G_IDX, offs_k, offs_n, k_mask, n_mask,
+    w = dequant_tile(QW, QZ, S, G_IDX, offs_k, offs_n, k_mask, n_mask,
                       stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn)  # BLOCK_K, BLOCK_N
     # W is [N, K] (nn.Linear's layout): the [K, N] tile is stored transposed, through the strides
     w_ptrs = W + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk  # BLOCK_K, BLOCK_N
@@ -230,7 +168,7 @@ def dequant_matmul(a: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
     any assignment of rows to groups: act-order works). A is fp16, bf16 or fp32; C has its dtype.
     M ≤ 16: split-K GEMV (split_k: None = `choose_split_k`); larger M: the tiled GEMM, or on CUDA
     with M ≥ 64 dequantize + torch.matmul. `group_size`: the caller's word that g_idx is k // group_size
-    (no act-order), so a tile of BLOCK_K rows has one zero and scale row (`_grouped_codes`); checked
+    (no act-order), so a tile of BLOCK_K rows has one zero and scale row (`grouped_codes`); checked
     against g_idx where its values can be read without a host sync (CPU), ignored when BLOCK_K does not
     divide it.
     """
@@ -261,7 +199,7 @@ def dequant_gemv(a, qweight, qzeros, scales, g_idx, bits: int = 4, *, split_k: i
 
 def _group_constexpr(group_size: int | None, launch) -> int:
     """GROUP_SIZE for the kernels: the group size where every tile of BLOCK_K rows lies in one group, else 0
-    (the row-by-row gather of `_dequant_tile`). Not on sm_75 (a GPU launch that upcasts): there the grouped
+    (the row-by-row gather of `dequant_tile`). Not on sm_75 (a GPU launch that upcasts): there the grouped
     tile's integer codes beside their fp32 copy spill 160-600 B (benchmarks/kernels_compile.json)."""
     block_k = launch.tiles[-1]
     if launch.gpu and launch.upcast:

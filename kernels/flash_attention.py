@@ -28,30 +28,28 @@ query tile starts past its sequence's end returns at once.
 **Bottom-right causal alignment.** A sequence with Lq queries and Lk keys is the *last* Lq
 tokens of Lk: query i sits at position Lk − Lq + i and sees keys 0..Lk − Lq + i. With Lq = Lk
 that is ordinary causal attention; with Lq < Lk the new tokens see everything before them.
-A query that sees no key at all (only possible when Lq > Lk) gets output 0. A sliding window w hides
-keys more than w − 1 positions back too; both loops then start at the tile's first visible key (the
-blocks before it are never read). A soft-cap c (Gemma 2) maps each score x to c·tanh(x / c) first.
+A query that sees no key (only when Lq > Lk) gets output 0. A sliding window w hides keys more than
+w − 1 back too (both loops start at the tile's first visible key). A soft-cap c maps x to c·tanh(x / c).
 
 **Paged prefix** (chunked prefill, prefix-cache hits). With `block_tables`, `k_cache`,
 `v_cache` and `context_lens`, sequence b first has `context_lens[b]` = P tokens already in the
-paged cache ([num_blocks, block_size, Hkv, D]; token t lives in block
-block_table[t // block_size] at offset t % block_size, see nanoserve/kv/cache.py), then its Lk
-new keys at positions P..P + Lk − 1. The kernel runs two loops over key tiles with one online
-softmax across both: first the prefix, gathering each key row through the block table, then the
-new keys. Masked loads never touch a slot past P, so whatever sits in unused blocks (the tests
-fill them with NaN) cannot leak in. A quantized pool (8-bit codes with one scale per token and kv head,
-nanoserve/kv/quant.py) is dequantized tile by tile in registers (kernels/kv_quant.py).
+paged cache ([num_blocks, block_size, Hkv, D]; token t in block block_table[t // block_size] at
+offset t % block_size: nanoserve/kv/cache.py), then its Lk new keys at positions P..P + Lk − 1.
+Two loops over key tiles share one online softmax: the prefix, each key row gathered through the
+block table, then the new keys. Masked loads never touch a slot past P, so whatever sits in unused
+blocks (the tests fill them with NaN) cannot leak in. A quantized pool (8-bit codes with one scale
+per token and kv head, nanoserve/kv/quant.py) is dequantized tile by tile in registers (kv_quant.py).
 
 **GQA.** H query heads share Hkv kv heads: query head h reads kv head h // (H // Hkv).
 
-Triton notes (docs/ARCHITECTURE.md, section 'Triton on CPU and GPU'): on CPU this runs in
-Triton's interpreter, which cannot do bf16 arithmetic, so there every tile is converted to fp32
-straight after its load (`UPCAST`); on a GPU, q·kᵀ and p·v stay in the input dtype for tensor
-cores, accumulating in fp32, and fp32 inputs use IEEE fp32 (`input_precision="ieee"`: no silent
-TF32). Tiles, warps and stages come from kernels/configs.py by GPU, dtype and head dim (16×16 in
-the interpreter, where each program step costs milliseconds); BLOCK_D is head_dim rounded up to
-a power of two (≥ 16, as tl.dot needs), with masked loads for head dims like 80. Taught in
-notebooks/04_attention_kernels.ipynb (exercise 7).
+**Masks cost.** The key tiles every query of a program sees (below the diagonal, no window) run
+without building or applying a mask (loop 2a); only the diagonal tiles are masked (2b). BLOCK_D is
+head_dim rounded up to a power of two (≥ 16, as tl.dot needs); when they are equal the head-dim mask
+is a constant (`EVEN_D`), so K / V loads stay 16 bytes wide. On an H100 the two took d 64 from 0.45×
+to 0.73× SDPA-flash (benchmarks/RESULTS.md). Triton notes (docs/ARCHITECTURE.md): in the interpreter
+tiles become fp32 after their load (`UPCAST`: no bf16 arithmetic there); on a GPU q·kᵀ and p·v run in
+the input dtype on tensor cores with fp32 accumulation, fp32 as IEEE (no silent TF32). Tiles, warps and
+stages: kernels/configs.py. Taught in notebooks/04_attention_kernels.ipynb (exercise 7).
 """
 
 from __future__ import annotations
@@ -104,10 +102,9 @@ def _flash_attention_kernel(
     offs_n = tl.arange(0, BLOCK_N)  # BLOCK_N
     offs_d = tl.arange(0, BLOCK_D)  # BLOCK_D
     m_ok = offs_m < Lq  # BLOCK_M
+    d_ok = offs_d < head_dim  # BLOCK_D
     if EVEN_D:  # head_dim == BLOCK_D: a constant mask, so loads along D stay 16 bytes wide
         d_ok = tl.full([BLOCK_D], 1, tl.int1)  # BLOCK_D
-    else:
-        d_ok = offs_d < head_dim  # BLOCK_D
     q_pos = P + Lk - Lq + offs_m  # BLOCK_M     absolute positions (bottom-right alignment)
     first = 0  # the first key position any query of this tile sees: 0, or its window's start
     if window > 0:
@@ -153,8 +150,7 @@ def _flash_attention_kernel(
     hi = Lk
     if CAUSAL:  # the tile's last query sees new keys up to Lk - Lq + (start_m + BLOCK_M - 1)
         hi = tl.minimum(Lk, Lk - Lq + start_m + BLOCK_M)
-    # 2a: whole key tiles that every query of this tile sees (no window; causal: at or before the first
-    # query's position), so no mask is built or applied; the tiles after them, up to hi, are loop 2b's
+    # 2a: whole key tiles every query of this tile sees (no window; causal: up to the first query's position)
     full = lo
     if window == 0:
         seen_by_all = Lk

@@ -71,8 +71,10 @@ def test_dry_run_measures_every_figure(tmp_path):
     assert _positive(full["tok_s"], int4["tok_s"], g["int4_speedup"])
     h = figs["h"]["rows"]
     assert [r["pair"].split()[0] for r in h] == ["random", "random", "demo"]
-    for r in h:
-        assert 0 <= r["alpha"] <= 1 and 1 <= r["tokens_per_step"] <= r["gamma"] + 1 and _positive(r["speedup"])
+    for r in h:  # the adaptive row may never speculate: its measured costs can switch the draft off at once
+        assert _positive(r["speedup"]) and (r["adaptive"] or r["num_steps"] > 0)
+        if r["num_steps"]:
+            assert 0 <= r["alpha"] <= 1 and 1 <= r["tokens_per_step"] <= r["gamma"] + 1
     assert all(col in proc.stdout for col in ("ours_tflops", "w4a16_us", "achieved_tbps", "tokens_per_step"))
     assert "8 of 8 figures ok" in proc.stdout
 
