@@ -1,0 +1,84 @@
+"""Verifying a token *tree* of drafts: SpecInfer's multi-candidate rejection sampling, and greedy.
+
+Medusa's heads, EAGLE and SpecInfer propose a tree rather than a chain: several candidates for the next
+token, several for the one after each, and so on. Node 0 is the last token the target already has; every
+other node i has a parent parents[i] < i and a token tokens[i]. The target scores every node in one
+forward (tree attention: each node sees its ancestors and the prefix), giving p[i], its law for the token
+after node i's path. Verification walks down from the root (issue 25; the engine does not build trees
+yet — this is the sampler the tree verification will call):
+
+    at node u, law r = p[u], children c_1..c_k in order:
+        for each child c_j:   accept its token x_j with probability min(1, r(x_j) / q_j(x_j))
+                              accepted: emit x_j, continue at c_j (r = p[c_j])
+                              rejected: r = normalize(max(r − q_j, 0))     (the residual)
+        no child accepted, or u is a leaf: emit a token drawn from r, stop
+
+q_j is the law x_j was drawn from: the draft's distribution at u when the children were sampled from it
+independently (SpecInfer), or one-hot on x_j when they were *chosen* (Medusa's top-k): then x_j is
+accepted with probability r(x_j) and removed from r on rejection.
+
+**Why the law is p[u].** Each candidate is one speculative step from law r with draft q_j, and given the
+earlier rejections x_j is still distributed as q_j (drawn independently, or fixed): by the chain's lemma
+(rejection_sampler.speculative_law), accepting x_j or falling through to a token from the residual gives
+a token distributed as r. The fall-through is the next candidate's step, with the residual as its r, and
+so on to the final draw: by induction the emitted token is distributed as p[u]. Once x_j is accepted the
+walk continues at c_j, whose candidates were drawn given it, so the next token follows p[c_j]: the
+target's law, token after token. tests/test_tree_sampler.py checks it by χ² with mutants.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .rejection_sampler import residual_distribution
+
+
+def children_of(parents: list[int]) -> list[list[int]]:
+    """For each node, its children in index order. parents[0] is the root's (−1); parents[i] < i."""
+    kids: list[list[int]] = [[] for _ in parents]
+    for i, parent in enumerate(parents[1:], start=1):
+        if not 0 <= parent < i:
+            raise ValueError(f"node {i}'s parent must be an earlier node (0..{i - 1}), got {parent}")
+        kids[parent].append(i)
+    return kids
+
+
+def tree_rejection_sample(parents: list[int], tokens: list[int], p: torch.Tensor, q: list[torch.Tensor | None],
+                          generator: torch.Generator | None = None) -> tuple[list[int], list[int]]:
+    """parents, tokens [n] (the root's token unused); p [n, V] the target's probabilities at every node;
+    q[u] the law node u's children were drawn from ([V]), or None when they were chosen (one-hot each).
+    Returns (the emitted tokens: the accepted path's, then one more; the accepted nodes, root excluded)."""
+    kids = children_of(parents)
+    u, emitted, path = 0, [], []
+    while True:
+        r = p[u].double()  # V
+        accepted = None
+        for c in kids[u]:
+            x = tokens[c]
+            q_c = torch.zeros_like(r).index_fill_(0, torch.tensor([x]), 1.0) if q[u] is None else q[u].double()
+            ratio = 0.0 if q_c[x] <= 0 else min(1.0, (r[x] / q_c[x]).item())  # q(x) = 0: never proposed
+            if torch.rand((), generator=generator, dtype=torch.float64).item() < ratio:
+                accepted = c
+                break
+            r = residual_distribution(r, q_c)
+        if accepted is None:
+            emitted.append(int(torch.multinomial(r, 1, generator=generator)))
+            return emitted, path
+        emitted.append(tokens[accepted])
+        path.append(accepted)
+        u = accepted
+
+
+def tree_greedy_verify(parents: list[int], tokens: list[int], p_or_logits: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Greedy: at each node the child whose token is the target's argmax, else that argmax, emitted, and stop.
+    The tokens equal the target's own greedy ones, token for token."""
+    kids = children_of(parents)
+    u, emitted, path = 0, [], []
+    while True:
+        best = int(p_or_logits[u].argmax())
+        emitted.append(best)
+        match = next((c for c in kids[u] if tokens[c] == best), None)
+        if match is None:
+            return emitted, path
+        path.append(match)
+        u = match
