@@ -111,3 +111,32 @@ def test_children_and_bad_parents():
     assert children_of([-1, 0, 0, 1, 1, 2]) == [[1, 2], [3, 4], [5], [], [], []]
     with pytest.raises(ValueError, match="node 2's parent must be an earlier node"):
         children_of([-1, 0, 2])
+
+
+def test_tree_attention_over_one_forward_equals_each_path_alone():
+    """Scoring a tree in one attention call with `tree_attention_mask` gives every node the output it would
+    get as the last token of its own path (prefix, ancestors, itself), computed alone by SDPA. Control: the
+    causal mask a chain would use lets siblings see each other and changes the outputs."""
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    from nanoserve.spec.tree_sampler import tree_attention_mask, tree_positions
+
+    parents, prefix = [-1, 0, 0, 1, 1, 2, 5], 5
+    assert tree_positions(parents, 9) == [9, 10, 10, 11, 11, 11, 12]
+    g = torch.Generator().manual_seed(0)
+    n, d = len(parents), 16
+    q = torch.randn(n, d, generator=g, dtype=torch.float64)  # the tree's queries
+    k, v = (torch.randn(prefix + n, d, generator=g, dtype=torch.float64) for _ in range(2))  # prefix + tree keys
+    mask = tree_attention_mask(parents, prefix)
+    together = sdpa(q[None], k[None], v[None], attn_mask=mask[None])[0]  # n, d
+    for i in range(n):
+        path, j = [], i
+        while j >= 0:
+            path.insert(0, prefix + j)
+            j = parents[j]
+        keys = list(range(prefix)) + path
+        alone = sdpa(q[i][None, None], k[keys][None], v[keys][None])[0, 0]  # d
+        assert torch.allclose(together[i], alone, atol=1e-12)
+    chain = torch.ones(n, prefix + n, dtype=torch.bool).tril(prefix)
+    wrong = sdpa(q[None], k[None], v[None], attn_mask=chain[None])[0]
+    assert not torch.allclose(wrong, together, atol=1e-6)

@@ -24,6 +24,9 @@ a token distributed as r. The fall-through is the next candidate's step, with th
 so on to the final draw: by induction the emitted token is distributed as p[u]. Once x_j is accepted the
 walk continues at c_j, whose candidates were drawn given it, so the next token follows p[c_j]: the
 target's law, token after token. tests/test_tree_sampler.py checks it by χ² with mutants.
+
+The forward over a tree needs each node to see its ancestors only: `tree_attention_mask` and
+`tree_positions` (position = the root's + depth) are what an attention backend is given for that.
 """
 
 from __future__ import annotations
@@ -41,6 +44,29 @@ def children_of(parents: list[int]) -> list[list[int]]:
             raise ValueError(f"node {i}'s parent must be an earlier node (0..{i - 1}), got {parent}")
         kids[parent].append(i)
     return kids
+
+
+def tree_positions(parents: list[int], root_position: int) -> list[int]:
+    """Each node's position in the sequence: the root's, plus its depth (siblings share a position)."""
+    depth = [0] * len(parents)
+    for i, parent in enumerate(parents[1:], start=1):
+        depth[i] = depth[parent] + 1
+    return [root_position + d for d in depth]
+
+
+def tree_attention_mask(parents: list[int], prefix_len: int) -> torch.Tensor:
+    """bool [n, prefix_len + n]: node i sees the whole prefix, its ancestors and itself — the keys its own
+    path would hold if it were decoded as a chain (what one forward over the tree must reproduce per node)."""
+    n = len(parents)
+    children_of(parents)  # checks parents[i] < i
+    mask = torch.zeros(n, prefix_len + n, dtype=torch.bool)
+    mask[:, :prefix_len] = True
+    for i in range(n):
+        j = i
+        while j >= 0:
+            mask[i, prefix_len + j] = True
+            j = parents[j]
+    return mask
 
 
 def tree_rejection_sample(parents: list[int], tokens: list[int], p: torch.Tensor, q: list[torch.Tensor | None],
