@@ -439,7 +439,8 @@ def test_metrics_parse_and_count_what_was_sent(small_server):
 
 
 def test_metrics_show_speculative_acceptance_when_enabled():
-    core = LLMEngine("demo", speculative_model="demo-draft", num_speculative_tokens=3)
+    core = LLMEngine("demo", speculative_model="demo-draft", num_speculative_tokens=3,
+                     speculative_cost=0.1)  # pinned: it speculates whatever the machine's speed
     srv = LiveServer(create_app(AsyncLLMEngine(core), "demo"))
     try:
         client = openai.OpenAI(base_url=srv.url, api_key="none", max_retries=0, timeout=DEADLINE)

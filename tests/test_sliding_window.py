@@ -126,7 +126,7 @@ def test_speculative_decoding_with_a_window_changes_no_token(hf_checkpoints):
     """n-gram drafts verified over the window; the rollback moves num_computed_tokens back before the
     allocator gives blocks back (Scheduler.postprocess), so a rejected draft never costs a needed block."""
     plain, _ = _run(_llm(hf_checkpoints), PROMPTS)
-    llm = _llm(hf_checkpoints, speculative="ngram", num_speculative_tokens=3)
+    llm = _llm(hf_checkpoints, speculative="ngram", num_speculative_tokens=3, speculative_cost=0.0)
     spec, held = _run(llm, PROMPTS)
     assert spec == plain
     assert held <= math.ceil(WINDOW / BS) + 1 + 3  # + the γ draft tokens' slots during a verification
@@ -202,7 +202,8 @@ def test_no_prefix_hit_on_blocks_computed_after_a_speculative_step(tmp_path):
                                      num_key_value_heads=2, sliding_window=4, vocab_size=257,
                                      max_position_embeddings=256)
     tiny_hf_checkpoint(cfg, tmp_path)
-    llm = LLM(str(tmp_path), dtype="float32", device="cpu", block_size=4, speculative="ngram", num_speculative_tokens=4)
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", block_size=4, speculative="ngram", num_speculative_tokens=4,
+              speculative_cost=0.0)
     first = [7, 8, 9, 7, 8, 9, 7, 8, 9, 7]
     out = llm.generate([first], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), use_tqdm=False)
     tokens = first + out[0].outputs[0].token_ids

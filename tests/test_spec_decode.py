@@ -107,7 +107,7 @@ def test_preemption_and_n_samples_with_speculation(plain):
 
 
 def test_abort_mid_generation_frees_both_pools():
-    llm = LLM("demo", block_size=4, speculative_model="demo-draft", num_speculative_tokens=4)
+    llm = LLM("demo", block_size=4, speculative_model="demo-draft", num_speculative_tokens=4, speculative_cost=0.1)
     e = llm.engine
     rid = e.add_request("ROMEO:", SamplingParams(max_tokens=60, ignore_eos=True))
     e.add_request("JULIET:", SamplingParams(max_tokens=8, ignore_eos=True))

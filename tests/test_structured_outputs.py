@@ -92,7 +92,8 @@ def test_n_samples_each_follow_the_grammar(llm):
 def test_structured_outputs_with_speculative_decoding():
     """The draft model drafts under the grammar's mask and verification masks each draft position: greedy
     equals plain greedy token for token, most drafts are accepted, and sampled outputs all validate."""
-    plain, spec = LLM("demo"), LLM("demo", speculative_model="demo-draft", num_speculative_tokens=4)
+    plain = LLM("demo")  # the draft's cost pinned: measured, a slow machine could switch it off
+    spec = LLM("demo", speculative_model="demo-draft", num_speculative_tokens=4, speculative_cost=0.1)
     greedy = SamplingParams(temperature=0, max_tokens=80, structured_outputs={"json": SCHEMA})
     a, b = plain.generate(["ROMEO:"], greedy)[0], spec.generate(["ROMEO:"], greedy)[0]
     assert a.token_ids == b.token_ids and _valid(b.text)
