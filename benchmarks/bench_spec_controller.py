@@ -22,7 +22,6 @@ import platform
 import shutil
 import statistics
 import tempfile
-import time
 from datetime import date
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from safetensors.torch import load_file, save_file
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.models.loader import resolve_model_path
-from nanoserve.tools.bench import SPEC_PROMPTS
+from nanoserve.tools.bench import SPEC_PROMPTS, _timed_generate
 
 HERE = Path(__file__).resolve().parent
 
@@ -49,12 +48,6 @@ def useless_draft(where: Path) -> Path:
             weights[name] = (torch.randn(w.shape, generator=g) * w.float().std()).to(w.dtype)
     save_file(weights, str(dst / "model.safetensors"))
     return dst
-
-
-def timed(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[float, list]:
-    start = time.perf_counter()
-    outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]  # batch 1
-    return time.perf_counter() - start, outs
 
 
 def main() -> None:
@@ -76,20 +69,19 @@ def main() -> None:
         times = {k: [] for k in engines}
         outs = {}
         for llm in engines.values():
-            timed(llm, prompts[:1], params)  # warm-up (and the measured controller's first estimates)
+            _timed_generate(llm, prompts[:1], params, repeats=1)  # warm-up; the controller's first estimates
         for _ in range(args.reps):
             for name, llm in engines.items():
-                seconds, outs[name] = timed(llm, prompts, params)
+                seconds, outs[name] = _timed_generate(llm, prompts, params, repeats=1)  # batch 1
                 times[name].append(seconds)
         rows = []
         for name, llm in engines.items():
-            stats = [o.outputs[0].spec_stats for o in outs[name]]
+            stats = [o.spec_stats for o in outs[name]]
             stats = [s for s in stats if s is not None]
             steps = sum(s.num_steps for s in stats)
             emitted = sum(s.num_emitted_tokens for s in stats)
-            total = sum(len(o.outputs[0].token_ids) for o in outs[name])
-            same = [o.outputs[0].token_ids for o in outs[name]] == [o.outputs[0].token_ids for o in
-                                                                     outs["target alone"]]
+            total = sum(len(o.token_ids) for o in outs[name])
+            same = [o.token_ids for o in outs[name]] == [o.token_ids for o in outs["target alone"]]
             costs = llm.engine.spec.controller.costs.as_dict() if llm.engine.spec is not None else {}
             paired = [t / x for t, x in zip(times["target alone"], times[name])]  # per rep: drift cancels
             rows.append(dict(engine=name, seconds=statistics.median(times[name]), runs=times[name],

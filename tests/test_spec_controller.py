@@ -45,11 +45,9 @@ def test_pinned_costs_time_nothing():
     costs.record_step(True, 100.0)
     costs.record_draft(100.0, 1)
     assert costs.draft_cost() == 0.25 and costs.verify_cost() == 1.0 and not costs.wants_plain_step()
-    with pytest.raises(ValueError, match="speculative_cost=-1"):
-        StepCosts(0.09, pinned=-1)
 
 
-def _decoder(draft_s: float, verify_s: float, plain_s: float, **cfg) -> SpecController:
+def _controller(draft_s: float, verify_s: float, plain_s: float, **cfg) -> SpecController:
     spec = SpecController(SpecDecodeConfig("ngram", num_speculative_tokens=4, **cfg), prior_draft_cost=0.09)
     spec.costs.draft_s, spec.costs.verify_s, spec.costs.plain_s = draft_s, verify_s, plain_s
     return spec
@@ -69,23 +67,23 @@ def test_measured_costs_switch_off_what_the_parameter_ratio_would_keep():
     issue's figures): E(α, γ) / (v + c·γ) < 1 for every γ, so the measured controller decodes plainly. The
     negative control is the old controller, c = 0.09 and v = 1 (pinned): it speculates, with γ = 4."""
     assert max(expected_tokens_per_step(2 / 3, g) / (1.2 + 0.6 * g) for g in range(1, 5)) < 1
-    assert _gamma_after(_decoder(draft_s=0.6, verify_s=1.2, plain_s=1.0)) == 0
-    assert _gamma_after(_decoder(0.6, 1.2, 1.0, cost=0.09)) == 4
+    assert _gamma_after(_controller(draft_s=0.6, verify_s=1.2, plain_s=1.0)) == 0
+    assert _gamma_after(_controller(0.6, 1.2, 1.0, cost=0.09)) == 4
     # a cheap draft (a GPU with graphed draft steps, say: c = 0.05, v = 1.1) pays at the same α
-    assert _gamma_after(_decoder(draft_s=0.05, verify_s=1.1, plain_s=1.0)) == 4
+    assert _gamma_after(_controller(draft_s=0.05, verify_s=1.1, plain_s=1.0)) == 4
 
 
 def test_a_switched_off_sample_probes_so_rarely_that_probes_cost_at_most_the_budget():
     """The GPU pass's useless draft: v = 5.2, c = 3.4 (eager verification and draft against a graphed step). A
     probe costs v + c − 1 = 7.6 extra steps, so probes come every 7.6 / PROBE_BUDGET ≈ 253 plain steps, not 16."""
-    spec = _decoder(draft_s=3.4, verify_s=5.2, plain_s=1.0)
+    spec = _controller(draft_s=3.4, verify_s=5.2, plain_s=1.0)
     seq = type("Seq", (), {"seq_id": 0, "__len__": lambda self: 10})()  # what choose_gamma reads of a sequence
     spec.state(seq).gamma = 0  # switched off
     params, calls = SamplingParams(temperature=0), 0
     while spec.choose_gamma(seq, params, 1000, 10_000) == 0:
         calls += 1
     assert calls + 1 >= (5.2 + 3.4 - 1) / PROBE_BUDGET and calls < 300
-    cheap = _decoder(draft_s=0.05, verify_s=1.0, plain_s=1.0)  # a probe costs 0.05: the floor, probe_interval
+    cheap = _controller(draft_s=0.05, verify_s=1.0, plain_s=1.0)  # a probe costs 0.05: the floor, probe_interval
     cheap.state(seq).gamma, calls = 0, 0
     while cheap.choose_gamma(seq, params, 1000, 10_000) == 0:
         calls += 1
@@ -111,18 +109,18 @@ def test_the_engine_feeds_the_clock_and_greedy_output_stays_the_targets():
 def test_a_new_sample_starts_from_the_engines_running_acceptance():
     """After a useless draft's rejections, the next request's sample starts switched off (it probes later) instead
     of paying γ = 4 steps to learn what the engine already saw; the negative control is a fresh controller."""
-    spec = _decoder(draft_s=0.1, verify_s=1.0, plain_s=1.0)
+    spec = _controller(draft_s=0.1, verify_s=1.0, plain_s=1.0)
     first = SampleState(gamma=4)
     for _ in range(20):
         spec.observe(first, 4, 0)  # every draft rejected: α shrinks by 7/8 a verification
     seq = type("Seq", (), {"seq_id": 1, "__len__": lambda self: 10})()
     assert spec.alpha < spec.config.min_acceptance and spec.state(seq).gamma == 0
-    fresh = _decoder(draft_s=0.1, verify_s=1.0, plain_s=1.0)
+    fresh = _controller(draft_s=0.1, verify_s=1.0, plain_s=1.0)
     assert fresh.state(seq).gamma == 4
 
 
 def test_failed_probes_double_the_wait_and_a_good_one_resets_it():
-    spec = _decoder(draft_s=0.01, verify_s=1.0, plain_s=1.0)  # cheap: the wait is probe_every, not the budget's
+    spec = _controller(draft_s=0.01, verify_s=1.0, plain_s=1.0)  # cheap: the wait is probe_every, not the budget's
     seq = type("Seq", (), {"seq_id": 0, "__len__": lambda self: 10})()
     st, params, waits = spec.state(seq), SamplingParams(temperature=0), []
     st.alpha, st.gamma = 0.0, 0

@@ -47,8 +47,6 @@ MAX_PROBE_INTERVAL = 1024  # the longest wait between probes, after failed probe
 
 class StepCosts:
     def __init__(self, prior_draft_cost: float, pinned: float | None = None, recalibrate_every: int = 100):
-        if pinned is not None and not pinned >= 0:
-            raise ValueError(f"speculative_cost={pinned!r} must be a number ≥ 0 (or None to measure it)")
         self.prior, self.pinned, self.recalibrate_every = prior_draft_cost, pinned, recalibrate_every
         self.draft_s: float | None = None  # seconds per draft forward (EMA)
         self.verify_s: float | None = None  # seconds per verification step (EMA)
