@@ -22,6 +22,7 @@ the engine's generate call (load and warm-up excluded). Agreement = share of req
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -61,6 +62,15 @@ def use_nanoserve_rev(rev: str, cache: Path) -> str:
         subprocess.run(["tar", "-x", "-C", str(dest)], input=tar.stdout, check=True)
     sys.path.insert(0, str(dest))
     return commit
+
+
+def malloc_of_this_process() -> str:
+    """engine/cpu_allocator.py's `malloc_library` ("glibc", "tcmalloc", ...: LD_PRELOAD changes it), loaded from
+    the working tree by path, so that a --nanoserve-rev older than that file is still the one imported."""
+    spec = importlib.util.spec_from_file_location("_cpu_allocator", ROOT / "nanoserve" / "engine" / "cpu_allocator.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.malloc_library()
 
 
 def model_dir(name: str, cache: Path) -> Path:
@@ -281,7 +291,7 @@ def main() -> None:
     result = {"benchmark": "peers on CPU", "quick": args.quick, "date": datetime.now().isoformat(timespec="seconds"),
               "command": " ".join(["python", os.path.relpath(__file__, ROOT), *sys.argv[1:]]),
               "machine": {"cpu": f"{platform.machine()}, {cpu}", "cores": os.cpu_count(), "threads": args.threads,
-                          "loadavg_before": os.getloadavg()},
+                          "loadavg_before": os.getloadavg(), "nanoserve_malloc": malloc_of_this_process()},
               "versions": {"python": platform.python_version(), "torch": torch.__version__,
                            "transformers": transformers.__version__, "nanoserve": NANOSERVE_REV},
               "workloads": {}}

@@ -112,7 +112,8 @@ def main() -> None:
     out = Path(args.out)
     res = json.loads(out.read_text()) if out.exists() else {"benchmark": "decode step time on CPU", "series": {}}
     res.update(model=str(path.name), k=k, threads=args.threads, cores=os.cpu_count(), torch=torch.__version__)
-    series = {args.label: {"engine": "nanoserve", "rev": rev, "attention_backend": args.attention_backend},
+    series = {args.label: {"engine": "nanoserve", "rev": rev, "attention_backend": args.attention_backend,
+                           "malloc": bench_peers.malloc_of_this_process()},
               **{p: {"engine": p} for p in args.peers}}
     for name, s in series.items():
         s.update(date=datetime.now().isoformat(timespec="seconds"), loadavg_before=os.getloadavg()[0],

@@ -13,9 +13,10 @@ arguments as `paged_attention` (kernels/paged_attention.py).
 library links the OpenMP runtime torch has already loaded), and the reassociation flags that let it
 vectorize the sums (`-fassociative-math` and the flags it needs; not `-ffast-math`, which would
 also assume no infinities, and the softmax's running max starts at −inf). Libraries are kept in
-`$NANOSERVE_CACHE` (default ~/.cache/nanoserve), named by a digest of the source, the flags and the
-CPU's feature flags, so an edit or another CPU builds afresh. `cpu_kernel_problem()` says why the
-kernel cannot run here (no compiler, a failed build), and the engine then uses the torch backend.
+`$NANOSERVE_CACHE` (default ~/.cache/nanoserve; a temporary folder where that is read-only), named
+by a digest of the source, the flags and the CPU's feature flags, so an edit or another CPU builds
+afresh. `cpu_kernel_problem()` says why the kernel cannot run here (no compiler, a failed build), and
+the engine then uses the torch backend.
 """
 
 from __future__ import annotations
@@ -55,7 +56,18 @@ def _cpu_flags() -> str:
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("NANOSERVE_CACHE") or Path.home() / ".cache" / "nanoserve") / "cpu_kernels"
+    """$NANOSERVE_CACHE/cpu_kernels (default ~/.cache/nanoserve/...), or a folder of the user's in the system's
+    temporary directory where that cannot be written (a read-only home in a container)."""
+    for root in (os.environ.get("NANOSERVE_CACHE") or Path.home() / ".cache" / "nanoserve",
+                 Path(tempfile.gettempdir()) / f"nanoserve-{os.getuid()}"):
+        folder = Path(root) / "cpu_kernels"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(folder, os.W_OK):
+            return folder
+    raise RuntimeError("no writable folder for the compiled kernel: set NANOSERVE_CACHE to one")
 
 
 @cache
@@ -69,7 +81,6 @@ def load_library(head_dim: int) -> ctypes.CDLL:
     key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *flags, _cpu_flags()]).encode()).hexdigest()[:16]
     path = _cache_dir() / f"paged_decode_d{head_dim}_{key}.so"
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # build aside, then rename: processes may race
             built = Path(tmp) / path.name
             run = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)], capture_output=True, text=True)

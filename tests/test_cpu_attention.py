@@ -130,3 +130,13 @@ def test_default_on_the_cpu_and_the_fallback_without_a_compiler(monkeypatch, cap
         assert reason in caplog.text
         with pytest.raises(NanoserveError, match=reason):
             resolve_attention_backend("cpu", "cpu", 48, torch.float32)
+
+
+def test_an_unwritable_cache_falls_back_to_a_temporary_folder(monkeypatch, tmp_path):
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    monkeypatch.setenv("NANOSERVE_CACHE", str(not_a_folder))  # mkdir under a file fails
+    folder = cpa._cache_dir()
+    assert folder.name == "cpu_kernels" and not_a_folder not in folder.parents
+    monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path))
+    assert cpa._cache_dir() == tmp_path / "cpu_kernels"  # the control: a writable one is used

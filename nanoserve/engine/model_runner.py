@@ -31,6 +31,7 @@ from ..kv.metadata import AttentionMetadata
 from ..models.onednn import use_onednn_linears
 from ..spec.rejection_sampler import MAX_SPECULATIVE_TOKENS
 from .block import slots
+from .cpu_allocator import advise_on_allocator
 from .sequence import NULL_BLOCK, Sequence
 
 PREFILL_SLACK = 1.25  # a prefill forward computes at most this × its real tokens (the rest: padding)
@@ -80,6 +81,8 @@ class ModelRunner:
         self.onednn_off = use_onednn_linears(model)  # CPU GEMMs through oneDNN (models/onednn.py), or why not
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        if self.device.type == "cpu":
+            advise_on_allocator()  # glibc's malloc costs page faults on big tensors (engine/cpu_allocator.py)
         self.kv = PagedKVCache(self.config, num_blocks, block_size, self.dtype, self.device, attention_backend,
                                kv_cache_dtype=kv_cache_dtype)
         self.attention_backend = self.kv.attention_backend  # "torch", "triton" or "cpu" (see nanoserve/kv/)
