@@ -80,7 +80,8 @@ def resolve_attention_backend(backend: str | None, device: torch.device | str, h
     if backend is None:
         if problem and (cuda or dtype == torch.float32):  # (the CPU kernel is float32 only: no news for bf16)
             logger.warning("attention backend: torch, not %s: %s", fast, problem)
-        return fast if not problem and (cuda or head_dim is not None) else "torch"
+        checked = head_dim is not None and dtype is not None  # the CPU kernel is only chosen once checked
+        return fast if not problem and (cuda or checked) else "torch"
     return backend
 
 
