@@ -26,12 +26,18 @@ from .sampler import SamplingParams
 
 class LLM:
     """Load a model once, then generate from prompts (text or token-id lists) with continuous
-    batching. Keyword arguments go to `LLMEngine` (cache size, prefix caching, scheduling)."""
+    batching. Keyword arguments go to `LLMEngine` (cache size, prefix caching, scheduling). `lora`: a
+    PEFT LoRA adapter directory, merged into the weights before the first request (nanoserve/lora/)."""
 
     def __init__(self, model: str = "demo", dtype: str | torch.dtype | None = None, device: str | None = None,
-                 **engine_kwargs):
+                 lora: str | None = None, **engine_kwargs):
         self.engine = LLMEngine(model, dtype=dtype, device=device, **engine_kwargs)
         e = self.engine
+        if lora is not None:  # W + s·BA in place: the engine's layers (and any CUDA graph) read the same tensors
+            from ..lora import load_lora_adapter, merge_lora
+
+            self.lora = load_lora_adapter(lora, e.config)
+            merge_lora(e.model, self.lora)
         self.model, self.config, self.tokenizer = e.model, e.config, e.tokenizer
         self.model_name, self.device, self.dtype, self.max_model_len = e.model_name, e.device, e.dtype, e.max_model_len
         self.runner = e.runner

@@ -1,0 +1,121 @@
+"""LoRA adapters in PEFT's format: read them, check them against the model, merge them into its weights.
+
+LoRA (Hu et al. 2021) fine-tunes a linear layer W [out, in] by a low-rank update instead of all of W:
+y = W x + s · B (A x), with A [r, in], B [out, r], r ≪ in, out and a scale s = lora_alpha / r
+(rsLoRA, Kalajdzievski 2023: lora_alpha / √r). Merged, the update is one matrix, ΔW = s · B A, added
+to W once: the model then costs exactly what the base costs, and serves that one adapter only.
+
+PEFT saves an adapter as a directory: `adapter_config.json` (r, lora_alpha, target_modules, ...) and
+`adapter_model.safetensors`, with tensors named `base_model.model.<module path>.lora_A.weight` and
+`.lora_B.weight`. The module paths are transformers'; nanoserve's modules carry the same names and the
+same [out, in] layout (GPT-2's Conv1D weights are transposed at load, and PEFT's A and B are [r, in],
+[out, r] for Conv1D too), so ΔW lands on our parameter of that name. A target that is one of Phi-3's
+fused matrices (qkv_proj, gate_up_proj) is split by rows like its weight (models/fused.py).
+
+What would change the math and is not implemented is refused by name (no silent wrong answer): DoRA,
+biases trained with the adapter, `modules_to_save`, per-module rank or alpha patterns, embedding
+targets, adapters for modules the model lacks, shapes that do not fit, and merging into quantized layers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from ..errors import CheckpointError
+from ..models.config import ModelConfig
+from ..models.fused import split_fused
+
+PREFIX = "base_model.model."
+# adapter_config.json fields that change the math, and the value under which nanoserve computes it right
+UNSUPPORTED = {"use_dora": False, "bias": "none", "lora_bias": False, "modules_to_save": None, "rank_pattern": {},
+               "alpha_pattern": {}, "layer_replication": None, "use_qalora": False, "trainable_token_indices": None}
+
+
+@dataclass
+class LoRAAdapter:
+    """One adapter read from disk: its update of each target weight, ΔW = scale · B A, in our names."""
+
+    path: Path
+    rank: int
+    scale: float
+    deltas: dict[str, torch.Tensor]  # "<module path>.weight" -> ΔW [out, in], float32
+
+
+def load_lora_adapter(path: str | Path, cfg: ModelConfig) -> LoRAAdapter:
+    """Read a PEFT LoRA directory; every ΔW in float32, named after the model's parameter it updates."""
+    path = Path(path)
+    config_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
+    for f in (config_file, weights_file):
+        if not f.is_file():
+            raise CheckpointError(f"{path} is not a PEFT LoRA adapter: {f.name} is missing")
+    config = json.loads(config_file.read_text())
+    if config.get("peft_type", "LORA") != "LORA":
+        raise CheckpointError(f"{config_file}: peft_type {config['peft_type']!r} is not supported; allowed: 'LORA'")
+    for field, allowed in UNSUPPORTED.items():
+        value = config.get(field)
+        if value is not None and value != allowed and value not in ({}, [], False):
+            raise CheckpointError(f"{config_file}: {field}={value!r} is not supported by nanoserve's LoRA; "
+                                  f"allowed: {allowed!r}")
+    r, alpha = config.get("r"), config.get("lora_alpha")
+    if not isinstance(r, int) or r < 1 or not isinstance(alpha, (int, float)):
+        raise CheckpointError(f"{config_file}: r must be an int ≥ 1 and lora_alpha a number, got r={r!r}, "
+                              f"lora_alpha={alpha!r}")
+    scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+    tensors = load_file(str(weights_file))
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        module, dot, which = key.removeprefix(PREFIX).rpartition(".lora_")
+        if not dot or which not in ("A.weight", "B.weight"):
+            raise CheckpointError(f"{weights_file}: tensor {key!r} is not a LoRA A or B weight (embedding LoRA and "
+                                  "other tensors are not supported)")
+        pairs.setdefault(module, {})[which[0]] = t
+    deltas = {}
+    for module, ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise CheckpointError(f"{weights_file}: module {module!r} has lora_{next(iter(ab))} but not its partner")
+        A, B = ab["A"].float(), ab["B"].float()  # r, in; out, r
+        if A.ndim != 2 or B.ndim != 2 or A.shape[0] != r or B.shape[1] != r:
+            raise CheckpointError(f"{weights_file}: module {module!r} has A {tuple(A.shape)} and B {tuple(B.shape)}; "
+                                  f"expected [r, in] and [out, r] with r={r} (adapter_config.json)")
+        deltas[f"{module}.weight"] = scale * (B @ A)  # out, in
+    return LoRAAdapter(path, r, scale, split_fused(cfg, deltas))
+
+
+def _targets(model: nn.Module, adapter: LoRAAdapter) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(parameter, ΔW) for every update, all checked before any weight changes."""
+    params = dict(model.named_parameters())
+    out = []
+    for name, delta in adapter.deltas.items():
+        module_name = name.rpartition(".")[0]
+        if name not in params:
+            raise CheckpointError(f"{adapter.path}: the adapter updates {module_name!r}, which this model does not "
+                                  f"have as a plain linear layer (a quantized base cannot be merged into)")
+        if not isinstance(model.get_submodule(module_name), nn.Linear):
+            raise CheckpointError(f"{adapter.path}: {module_name!r} is not a linear layer")
+        p = params[name]
+        if tuple(p.shape) != tuple(delta.shape):
+            raise CheckpointError(f"{adapter.path}: ΔW of {module_name!r} is {tuple(delta.shape)}, the weight "
+                                  f"{tuple(p.shape)}: the adapter was trained on another model shape")
+        out.append((p, delta))
+    return out
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module, adapter: LoRAAdapter) -> None:
+    """W ← W + ΔW for every target (in float32, then back to W's dtype)."""
+    for p, delta in _targets(model, adapter):
+        p.copy_((p.float() + delta.to(p.device)).to(p.dtype))
+
+
+@torch.no_grad()
+def unmerge_lora(model: nn.Module, adapter: LoRAAdapter) -> None:
+    """W ← W − ΔW: the base back, up to rounding in W's dtype (exact in float32 only when W + ΔW was)."""
+    for p, delta in _targets(model, adapter):
+        p.copy_((p.float() - delta.to(p.device)).to(p.dtype))

@@ -1,0 +1,102 @@
+"""LoRA adapters (nanoserve/lora/) against PEFT itself: adapters made with `peft.get_peft_model` on tiny random
+HF checkpoints (A and B both random: PEFT's init leaves B = 0, an update that changes nothing) and saved with
+`save_pretrained`; `LLM(path, lora=adapter)` must give PEFT's logits (fp32, 1e-4) and its greedy tokens.
+GPT-2 (Conv1D layers, `c_proj` naming two modules), a GQA Llama, and Phi-3 (LoRA on its fused qkv_proj and
+gate_up_proj, split by rows like the weights); rsLoRA's scale. Negative controls: the base model misses
+PEFT's logits by far, and unmerging gives the base back. Refusals: every config field that would change
+the math and is not implemented, a module the model lacks, a shape that does not fit, a missing file.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+
+import pytest
+import torch
+
+from nanoserve import LLM
+from nanoserve.errors import CheckpointError
+from nanoserve.lora import load_lora_adapter, merge_lora, unmerge_lora
+
+peft = pytest.importorskip("peft")
+
+TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"], "llama-gqa": ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"],
+           "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
+IDS = [5, 17, 99, 3, 42, 8, 77, 1, 64, 23, 11, 90]
+
+
+def _adapter(hf, out_dir, targets, seed=0, **config):
+    """A PEFT LoRA adapter on a copy of `hf`, A and B random; returns (the PEFT model, its directory)."""
+    config = {"r": 4, "lora_alpha": 8, "target_modules": targets, **config}
+    model = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(**config)).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(out_dir)
+    return model, out_dir
+
+
+@pytest.mark.parametrize("case", ["gpt2", "llama-gqa", "phi3"])
+def test_merged_adapter_matches_peft(hf_checkpoints, tmp_path, case):
+    path, hf = hf_checkpoints[case]
+    model, adapter = _adapter(hf, tmp_path / "adapter", TARGETS[case])
+    with torch.no_grad():
+        want = model(torch.tensor([IDS])).logits[0].float()  # T, V
+        base = hf(torch.tensor([IDS])).logits[0].float()
+    llm = LLM(str(path), dtype="float32", lora=str(adapter))
+    got = llm.logits(IDS)
+    assert (got - want).abs().max().item() <= 1e-4
+    assert (base - want).abs().max().item() > 1e-2  # the control: the adapter changes the logits by far more
+    with torch.no_grad():
+        hf_tokens = model.generate(torch.tensor([IDS]), max_new_tokens=32, do_sample=False,
+                                   attention_mask=torch.ones(1, len(IDS), dtype=torch.long))[0, len(IDS):].tolist()
+    from nanoserve import SamplingParams
+
+    out = llm.generate([IDS], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_tokens
+    unmerge_lora(llm.model, llm.lora)  # and the base is back
+    assert (llm.logits(IDS) - base).abs().max().item() <= 1e-4
+
+
+def test_rslora_scale_matches_peft(hf_checkpoints, tmp_path):
+    path, hf = hf_checkpoints["llama-gqa"]
+    model, adapter = _adapter(hf, tmp_path / "rs", ["q_proj", "v_proj"], seed=1, r=8, lora_alpha=4, use_rslora=True)
+    with torch.no_grad():
+        want = model(torch.tensor([IDS])).logits[0].float()
+    assert load_lora_adapter(adapter, LLM(str(path), dtype="float32").config).scale == pytest.approx(4 / 8 ** 0.5)
+    assert (LLM(str(path), dtype="float32", lora=str(adapter)).logits(IDS) - want).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("field,value", [("use_dora", True), ("bias", "all"), ("modules_to_save", ["lm_head"]),
+                                         ("rank_pattern", {"q_proj": 2}), ("alpha_pattern", {"q_proj": 2})])
+def test_fields_that_change_the_math_are_refused_by_name(hf_checkpoints, tmp_path, field, value):
+    path, hf = hf_checkpoints["llama-gqa"]
+    _, adapter = _adapter(hf, tmp_path / "a", ["q_proj"])
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(CheckpointError, match=re.escape(f"{field}={value!r} is not supported")):
+        LLM(str(path), dtype="float32", lora=str(adapter))
+
+
+def test_adapters_for_another_model_are_refused(hf_checkpoints, tmp_path):
+    llama_path, llama = hf_checkpoints["llama-gqa"]
+    gpt2_path, gpt2 = hf_checkpoints["gpt2"]
+    _, for_gpt2 = _adapter(gpt2, tmp_path / "g", ["c_fc"])
+    with pytest.raises(CheckpointError, match="updates 'transformer.h.0.mlp.c_fc', which this model does not have"):
+        LLM(str(llama_path), dtype="float32", lora=str(for_gpt2))
+    _, for_llama = _adapter(llama, tmp_path / "l", ["q_proj"])
+    llm = LLM(str(llama_path), dtype="float32")
+    adapter = load_lora_adapter(for_llama, llm.config)
+    last = list(adapter.deltas)[-1]  # as if trained on a model twice as wide there, with the same names
+    adapter.deltas[last] = torch.zeros(2 * adapter.deltas[last].shape[0], adapter.deltas[last].shape[1])
+    before = llm.logits(IDS)
+    with pytest.raises(CheckpointError, match="the adapter was trained on another model shape"):
+        merge_lora(llm.model, adapter)
+    assert torch.equal(llm.logits(IDS), before)  # every target is checked before any weight changes
+    (for_llama / "adapter_model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="adapter_model.safetensors is missing"):
+        LLM(str(llama_path), dtype="float32", lora=str(for_llama))
