@@ -100,3 +100,23 @@ def test_adapters_for_another_model_are_refused(hf_checkpoints, tmp_path):
     (for_llama / "adapter_model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="adapter_model.safetensors is missing"):
         LLM(str(llama_path), dtype="float32", lora=str(for_llama))
+
+
+def test_merging_into_a_quantized_base_is_refused(hf_checkpoints, tmp_path):
+    path, hf = hf_checkpoints["llama-gqa"]
+    _, adapter = _adapter(hf, tmp_path / "q", ["q_proj"])
+    with pytest.raises(CheckpointError, match="not a plain linear layer: merging into a quantized layer"):
+        LLM(str(path), dtype="float32", quantization="int8", lora=str(adapter))
+
+
+def test_a_tied_lm_head_is_refused(hf_checkpoints, tmp_path):
+    path, hf = hf_checkpoints["gpt2"]  # lm_head shares the token embedding's weight
+    from safetensors.torch import load_file, save_file
+
+    _, adapter = _adapter(hf, tmp_path / "t", ["lm_head"])
+    file = adapter / "adapter_model.safetensors"
+    with pytest.raises(CheckpointError, match="'base_model.model.lm_head.base_layer.weight' is not a LoRA A or B"):
+        LLM(str(path), dtype="float32", lora=str(adapter))  # PEFT saved the tied base weight beside A and B
+    save_file({k: v for k, v in load_file(str(file)).items() if ".lora_" in k}, str(file))
+    with pytest.raises(CheckpointError, match="'lm_head' shares its weight with 'transformer.wte.weight'"):
+        LLM(str(path), dtype="float32", lora=str(adapter))  # A and B alone: merging would change the embedding

@@ -90,16 +90,23 @@ def load_lora_adapter(path: str | Path, cfg: ModelConfig) -> LoRAAdapter:
 
 def _targets(model: nn.Module, adapter: LoRAAdapter) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(parameter, ΔW) for every update, all checked before any weight changes."""
-    params = dict(model.named_parameters())
+    params = dict(model.named_parameters(remove_duplicate=False))  # tied weights under each of their names
     out = []
     for name, delta in adapter.deltas.items():
         module_name = name.rpartition(".")[0]
-        if name not in params:
+        try:
+            module = model.get_submodule(module_name)
+        except AttributeError:
             raise CheckpointError(f"{adapter.path}: the adapter updates {module_name!r}, which this model does not "
-                                  f"have as a plain linear layer (a quantized base cannot be merged into)")
-        if not isinstance(model.get_submodule(module_name), nn.Linear):
-            raise CheckpointError(f"{adapter.path}: {module_name!r} is not a linear layer")
+                                  f"have") from None
+        if not isinstance(module, nn.Linear) or name not in params:
+            raise CheckpointError(f"{adapter.path}: {module_name!r} is a {type(module).__name__}, not a plain linear "
+                                  f"layer: merging into a quantized layer is not supported")
         p = params[name]
+        tied = [other for other, q in params.items() if q is p and other != name]
+        if tied:  # PEFT adds BA to this layer's output only; merged, it would change the tied layer too
+            raise CheckpointError(f"{adapter.path}: {module_name!r} shares its weight with {tied[0]!r} (tied "
+                                  f"embeddings): merging would change both; not supported")
         if tuple(p.shape) != tuple(delta.shape):
             raise CheckpointError(f"{adapter.path}: ΔW of {module_name!r} is {tuple(delta.shape)}, the weight "
                                   f"{tuple(p.shape)}: the adapter was trained on another model shape")
