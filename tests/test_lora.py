@@ -18,7 +18,7 @@ import torch
 
 from nanoserve import LLM
 from nanoserve.errors import CheckpointError
-from nanoserve.lora import load_lora_adapter, merge_lora, unmerge_lora
+from nanoserve.lora import LoRALinear, apply_lora, load_lora_adapter, merge_lora, remove_lora, unmerge_lora
 
 peft = pytest.importorskip("peft")
 
@@ -40,14 +40,15 @@ def _adapter(hf, out_dir, targets, seed=0, **config):
     return model, out_dir
 
 
+@pytest.mark.parametrize("merge", [True, False])
 @pytest.mark.parametrize("case", ["gpt2", "llama-gqa", "phi3"])
-def test_merged_adapter_matches_peft(hf_checkpoints, tmp_path, case):
+def test_adapter_matches_peft_merged_and_not(hf_checkpoints, tmp_path, case, merge):
     path, hf = hf_checkpoints[case]
     model, adapter = _adapter(hf, tmp_path / "adapter", TARGETS[case])
     with torch.no_grad():
         want = model(torch.tensor([IDS])).logits[0].float()  # T, V
         base = hf(torch.tensor([IDS])).logits[0].float()
-    llm = LLM(str(path), dtype="float32", lora=str(adapter))
+    llm = LLM(str(path), dtype="float32", lora=str(adapter), lora_merge=merge)
     got = llm.logits(IDS)
     assert (got - want).abs().max().item() <= 1e-4
     assert (base - want).abs().max().item() > 1e-2  # the control: the adapter changes the logits by far more
@@ -58,7 +59,7 @@ def test_merged_adapter_matches_peft(hf_checkpoints, tmp_path, case):
 
     out = llm.generate([IDS], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
     assert out[0].outputs[0].token_ids == hf_tokens
-    unmerge_lora(llm.model, llm.lora)  # and the base is back
+    unmerge_lora(llm.model, llm.lora) if merge else remove_lora(llm.model)  # and the base is back
     assert (llm.logits(IDS) - base).abs().max().item() <= 1e-4
 
 
@@ -91,8 +92,9 @@ def test_adapters_for_another_model_are_refused(hf_checkpoints, tmp_path):
     _, for_llama = _adapter(llama, tmp_path / "l", ["q_proj"])
     llm = LLM(str(llama_path), dtype="float32")
     adapter = load_lora_adapter(for_llama, llm.config)
-    last = list(adapter.deltas)[-1]  # as if trained on a model twice as wide there, with the same names
-    adapter.deltas[last] = torch.zeros(2 * adapter.deltas[last].shape[0], adapter.deltas[last].shape[1])
+    last = list(adapter.factors)[-1]  # as if trained on a model twice as wide there, with the same names
+    A, B = adapter.factors[last]
+    adapter.factors[last] = (A, torch.zeros(2 * B.shape[0], B.shape[1]))
     before = llm.logits(IDS)
     with pytest.raises(CheckpointError, match="the adapter was trained on another model shape"):
         merge_lora(llm.model, adapter)
@@ -120,3 +122,41 @@ def test_a_tied_lm_head_is_refused(hf_checkpoints, tmp_path):
     save_file({k: v for k, v in load_file(str(file)).items() if ".lora_" in k}, str(file))
     with pytest.raises(CheckpointError, match="'lm_head' shares its weight with 'transformer.wte.weight'"):
         LLM(str(path), dtype="float32", lora=str(adapter))  # A and B alone: merging would change the embedding
+
+
+def test_unmerged_on_an_int4_base_equals_merged_on_its_dequantized_weights(hf_checkpoints, tmp_path):
+    """QLoRA-style: RTN int4 QuantLinears (no float W to add ΔW to) with the adapter beside them equal the
+    float model holding the same dequantized weights with the adapter merged (proven against PEFT above)."""
+    import transformers
+    from testdata import tiny_hf_checkpoint
+
+    from nanoserve.models.loader import load_model
+    from nanoserve.quant.model import QuantizeConfig, quantize_model
+    from nanoserve.quant.qlinear import QuantLinear
+    from nanoserve.quant.save import replace_linears
+
+    path = tmp_path / "llama"  # every linear's dims multiples of 8, as 4-bit packing needs
+    hf = tiny_hf_checkpoint(transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=264,
+                                                     max_position_embeddings=64), path, seed=3)
+    _, adapter_dir = _adapter(hf, tmp_path / "q4", TARGETS["llama-gqa"])
+    model, cfg, _ = load_model(str(path), dtype="float32", device="cpu")
+    res = quantize_model(model, None, QuantizeConfig(method="rtn", group_size=16), progress=False)  # W <- Ŵ
+    int4 = copy.deepcopy(model)
+    replace_linears(int4, res.qweights)
+    adapter = load_lora_adapter(adapter_dir, cfg)
+    with pytest.raises(CheckpointError, match="is a QuantLinear, not a plain linear layer"):
+        merge_lora(int4, adapter)
+    ids = torch.tensor([IDS])
+    with torch.no_grad():
+        plain_int4 = int4(ids)[0]
+        merge_lora(model, adapter)
+        want = model(ids)[0]
+        names = apply_lora(int4, adapter)
+        got = int4(ids)[0]
+    assert all(isinstance(int4.get_submodule(n), LoRALinear) for n in names)
+    assert all(isinstance(int4.get_submodule(n).base, QuantLinear) for n in names)
+    assert (got - want).abs().max().item() <= 1e-4
+    assert (plain_int4 - want).abs().max().item() > 1e-2  # the control: the int4 base without its adapter
+    with pytest.raises(ValueError, match="already carries an adapter"):
+        apply_lora(int4, adapter)

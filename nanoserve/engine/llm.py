@@ -27,20 +27,32 @@ from .sampler import SamplingParams
 class LLM:
     """Load a model once, then generate from prompts (text or token-id lists) with continuous
     batching. Keyword arguments go to `LLMEngine` (cache size, prefix caching, scheduling). `lora`: a
-    PEFT LoRA adapter directory, merged into the weights before the first request (nanoserve/lora/)."""
+    PEFT LoRA adapter directory, merged into the weights before the first request, or with
+    `lora_merge=False` applied beside each target layer (a quantized base; nanoserve/lora/)."""
 
     def __init__(self, model: str = "demo", dtype: str | torch.dtype | None = None, device: str | None = None,
-                 lora: str | None = None, **engine_kwargs):
+                 lora: str | None = None, lora_merge: bool = True, **engine_kwargs):
         self.engine = LLMEngine(model, dtype=dtype, device=device, **engine_kwargs)
         e = self.engine
-        if lora is not None:  # W + s·BA in place: the engine's layers (and any CUDA graph) read the same tensors
-            from ..lora import load_lora_adapter, merge_lora
-
-            self.lora = load_lora_adapter(lora, e.config)
-            merge_lora(e.model, self.lora)
+        if lora is not None:
+            self._use_lora(lora, lora_merge)
         self.model, self.config, self.tokenizer = e.model, e.config, e.tokenizer
         self.model_name, self.device, self.dtype, self.max_model_len = e.model_name, e.device, e.dtype, e.max_model_len
         self.runner = e.runner
+
+    def _use_lora(self, path: str, merge: bool) -> None:
+        """Merged: W + s·BA in place, so the engine's layers (and CUDA graphs) read the same tensors. Unmerged:
+        the target layers are swapped for LoRALinear ones, and decode CUDA graphs are recorded again."""
+        from ..lora import apply_lora, load_lora_adapter, merge_lora
+
+        e = self.engine
+        self.lora = load_lora_adapter(path, e.config)
+        if merge:
+            merge_lora(e.model, self.lora)
+            return
+        apply_lora(e.model, self.lora)
+        if e.runner.graphs is not None:  # graphs recorded the layers as they were
+            e.runner.graphs.capture()
 
     @property
     def block_allocator(self) -> BlockAllocator:

@@ -40,12 +40,17 @@ UNSUPPORTED = {"use_dora": False, "bias": "none", "lora_bias": False, "modules_t
 
 @dataclass
 class LoRAAdapter:
-    """One adapter read from disk: its update of each target weight, ΔW = scale · B A, in our names."""
+    """One adapter read from disk: for each target weight of the model (in our names), its A and s·B."""
 
     path: Path
     rank: int
     scale: float
-    deltas: dict[str, torch.Tensor]  # "<module path>.weight" -> ΔW [out, in], float32
+    factors: dict[str, tuple[torch.Tensor, torch.Tensor]]  # "<module path>.weight" -> (A [r, in], s·B [out, r])
+
+    @property
+    def deltas(self) -> dict[str, torch.Tensor]:
+        """ΔW = s · B A [out, in] of each target, float32 (what merging adds)."""
+        return {name: B @ A for name, (A, B) in self.factors.items()}
 
 
 def load_lora_adapter(path: str | Path, cfg: ModelConfig) -> LoRAAdapter:
@@ -76,7 +81,7 @@ def load_lora_adapter(path: str | Path, cfg: ModelConfig) -> LoRAAdapter:
             raise CheckpointError(f"{weights_file}: tensor {key!r} is not a LoRA A or B weight (embedding LoRA and "
                                   "other tensors are not supported)")
         pairs.setdefault(module, {})[which[0]] = t
-    deltas = {}
+    factors = {}
     for module, ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise CheckpointError(f"{weights_file}: module {module!r} has lora_{next(iter(ab))} but not its partner")
@@ -84,45 +89,60 @@ def load_lora_adapter(path: str | Path, cfg: ModelConfig) -> LoRAAdapter:
         if A.ndim != 2 or B.ndim != 2 or A.shape[0] != r or B.shape[1] != r:
             raise CheckpointError(f"{weights_file}: module {module!r} has A {tuple(A.shape)} and B {tuple(B.shape)}; "
                                   f"expected [r, in] and [out, r] with r={r} (adapter_config.json)")
-        deltas[f"{module}.weight"] = scale * (B @ A)  # out, in
-    return LoRAAdapter(path, r, scale, split_fused(cfg, deltas))
+        key = f"{module}.weight"
+        for part, B_part in split_fused(cfg, {key: scale * B}).items():  # a fused target: B split by rows, A shared
+            factors[part] = (A, B_part)
+    return LoRAAdapter(path, r, scale, factors)
 
 
-def _targets(model: nn.Module, adapter: LoRAAdapter) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(parameter, ΔW) for every update, all checked before any weight changes."""
-    params = dict(model.named_parameters(remove_duplicate=False))  # tied weights under each of their names
+def target_modules(model: nn.Module, adapter: LoRAAdapter) -> list[tuple[str, nn.Module]]:
+    """(module name, module) of every target, each checked to exist and to fit its A and B, before anything
+    changes. A module fits when its in_features and out_features are A's and B's (a plain, a oneDNN or a
+    quantized linear all have them)."""
     out = []
-    for name, delta in adapter.deltas.items():
+    for name, (A, B) in adapter.factors.items():
         module_name = name.rpartition(".")[0]
         try:
             module = model.get_submodule(module_name)
         except AttributeError:
             raise CheckpointError(f"{adapter.path}: the adapter updates {module_name!r}, which this model does not "
                                   f"have") from None
+        shape = (getattr(module, "out_features", None), getattr(module, "in_features", None))
+        if shape != (B.shape[0], A.shape[1]):
+            raise CheckpointError(f"{adapter.path}: ΔW of {module_name!r} is {(B.shape[0], A.shape[1])}, the layer "
+                                  f"{shape} (out, in): the adapter was trained on another model shape")
+        out.append((module_name, module))
+    return out
+
+
+def _merge_targets(model: nn.Module, adapter: LoRAAdapter) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(weight, ΔW) of every target; merging needs plain linear layers whose weight no other layer shares."""
+    params = dict(model.named_parameters(remove_duplicate=False))  # tied weights under each of their names
+    deltas, out = adapter.deltas, []
+    for module_name, module in target_modules(model, adapter):
+        name = f"{module_name}.weight"
         if not isinstance(module, nn.Linear) or name not in params:
             raise CheckpointError(f"{adapter.path}: {module_name!r} is a {type(module).__name__}, not a plain linear "
-                                  f"layer: merging into a quantized layer is not supported")
+                                  f"layer: merging into a quantized layer is not supported (lora_merge=False "
+                                  f"applies the adapter beside it)")
         p = params[name]
         tied = [other for other, q in params.items() if q is p and other != name]
         if tied:  # PEFT adds BA to this layer's output only; merged, it would change the tied layer too
             raise CheckpointError(f"{adapter.path}: {module_name!r} shares its weight with {tied[0]!r} (tied "
-                                  f"embeddings): merging would change both; not supported")
-        if tuple(p.shape) != tuple(delta.shape):
-            raise CheckpointError(f"{adapter.path}: ΔW of {module_name!r} is {tuple(delta.shape)}, the weight "
-                                  f"{tuple(p.shape)}: the adapter was trained on another model shape")
-        out.append((p, delta))
+                                  f"embeddings): merging would change both (lora_merge=False applies it beside)")
+        out.append((p, deltas[name]))
     return out
 
 
 @torch.no_grad()
 def merge_lora(model: nn.Module, adapter: LoRAAdapter) -> None:
     """W ← W + ΔW for every target (in float32, then back to W's dtype)."""
-    for p, delta in _targets(model, adapter):
+    for p, delta in _merge_targets(model, adapter):
         p.copy_((p.float() + delta.to(p.device)).to(p.dtype))
 
 
 @torch.no_grad()
 def unmerge_lora(model: nn.Module, adapter: LoRAAdapter) -> None:
     """W ← W − ΔW: the base back, up to rounding in W's dtype (exact in float32 only when W + ΔW was)."""
-    for p, delta in _targets(model, adapter):
+    for p, delta in _merge_targets(model, adapter):
         p.copy_((p.float() - delta.to(p.device)).to(p.dtype))
