@@ -51,13 +51,13 @@ def prompts_for(batch: int, context: int, vocab: int, seed: int = 0) -> list[lis
     return [[rng.randrange(vocab) for _ in range(context)] for _ in range(batch)]
 
 
-def nanoserve_point(path, batch, context, k, threads, backend=None) -> dict:
+def nanoserve_point(path, batch, context, k, threads, backend=None, **llm_kwargs) -> dict:
     from nanoserve import LLM, SamplingParams
 
     blocks = batch * (-(-(context + k + 1) // 16)) + 16
     llm = LLM(str(path), dtype="float32", device="cpu", num_blocks=blocks, block_size=16, max_num_seqs=batch,
               max_num_batched_tokens=max(512, batch * context), enable_prefix_caching=False,  # one prefill step
-              **({"attention_backend": backend} if backend else {}))
+              **({"attention_backend": backend} if backend else {}), **llm_kwargs)
     eng, vocab = llm.engine, llm.engine.config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=1 + k, ignore_eos=True)
     ids = [eng.add_request(p, params) for p in prompts_for(batch, context, vocab)]

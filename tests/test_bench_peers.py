@@ -1,4 +1,5 @@
-"""benchmarks/bench_peers.py (nanoserve vs HF, vLLM, llama.cpp): its --quick mode keeps the script from rotting.
+"""benchmarks/bench_peers.py (nanoserve vs HF, vLLM, llama.cpp), bench_step_time.py and bench_lora.py: their --quick
+modes keep the scripts from rotting.
 
 Quick mode runs nanoserve and HF only, on tiny models, one round; the peers (which live in their own
 virtualenvs, never installed for the tests) are recorded as skipped.
@@ -55,3 +56,15 @@ def test_bench_step_time_quick_mode_adds_its_series(tmp_path):
             ("batch", 1, 8), ("batch", 3, 8), ("context", 2, 8), ("context", 2, 16)]
         for p in s["points"]:
             assert p["steps"] == res["k"] and p["step_ms"] > 0  # exactly K decode steps after the prefill
+
+
+def test_bench_lora_quick_mode_times_every_config(tmp_path):
+    out = tmp_path / "lora.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT.parent / "bench_lora.py"), "--quick", "--out", str(out),
+                           "--cache-dir", str(tmp_path / "cache")], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert [(p["config"], p["batch"]) for p in res["points"]] == [
+        (c, b) for c in ("base", "merged r=4", "unmerged r=4") for b in (1, 2)]
+    assert all(p["step_ms"] > 0 for p in res["points"])
+    assert "unmerged r=4" in proc.stdout  # the printed table
