@@ -14,7 +14,8 @@ fused matrices (qkv_proj, gate_up_proj) is split by rows like its weight (models
 
 What would change the math and is not implemented is refused by name (no silent wrong answer): DoRA,
 biases trained with the adapter, `modules_to_save`, per-module rank or alpha patterns, embedding
-targets, adapters for modules the model lacks, shapes that do not fit, and merging into quantized layers.
+targets, adapters for modules the model lacks, shapes that do not fit; and merging into a quantized layer
+or a tied LM head (applied beside the layer instead, layer.py, both are served).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class LoRAAdapter:
 
 
 def load_lora_adapter(path: str | Path, cfg: ModelConfig) -> LoRAAdapter:
-    """Read a PEFT LoRA directory; every ΔW in float32, named after the model's parameter it updates."""
+    """Read a PEFT LoRA directory: each target's A and s·B in float32, named after the parameter they update."""
     path = Path(path)
     config_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
     for f in (config_file, weights_file):
