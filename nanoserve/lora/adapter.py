@@ -14,8 +14,8 @@ fused matrices (qkv_proj, gate_up_proj) is split by rows like its weight (models
 
 What would change the math and is not implemented is refused by name (no silent wrong answer): DoRA,
 biases trained with the adapter, `modules_to_save`, per-module rank or alpha patterns, embedding
-targets, adapters for modules the model lacks, shapes that do not fit; and merging into a quantized layer
-or a tied LM head (applied beside the layer instead, layer.py, both are served).
+targets, adapters for modules the model lacks, shapes that do not fit; merging into a tied LM head; and
+merging into a quantized layer (applied beside it instead, layer.py, that one is served).
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def _merge_targets(model: nn.Module, adapter: LoRAAdapter) -> list[tuple[torch.T
         tied = [other for other, q in params.items() if q is p and other != name]
         if tied:  # PEFT adds BA to this layer's output only; merged, it would change the tied layer too
             raise CheckpointError(f"{adapter.path}: {module_name!r} shares its weight with {tied[0]!r} (tied "
-                                  f"embeddings): merging would change both (lora_merge=False applies it beside)")
+                                  f"embeddings): merging would change both; not supported")
         out.append((p, deltas[name]))
     return out
 
