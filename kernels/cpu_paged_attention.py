@@ -133,6 +133,8 @@ def paged_attention_cpu_unchecked(q, k_cache, v_cache, block_tables, context_len
     tables, lens = block_tables.contiguous(), context_lens.contiguous()
     q = q.contiguous()
     out = torch.empty_like(q)  # B, H, D
+    if B == 0:  # (no sequence: nothing to read, and the kernel would size its buffers at 0)
+        return out
     scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
     failed = load_library(D).paged_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),

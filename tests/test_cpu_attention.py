@@ -82,6 +82,7 @@ def test_bad_inputs_are_named_before_the_kernel_runs():
         paged_attention_cpu(q, k, v.transpose(0, 1).contiguous().transpose(0, 1), tables, lens)
     with pytest.raises(ValueError, match="window must be None or an int"):
         paged_attention_cpu(q, k, v, tables, lens, window=0)
+    assert paged_attention_cpu(q[:0], k, v, tables[:0], lens[:0]).shape == (0, 4, 64)  # no sequence: no call
 
 
 @pytest.mark.parametrize("case", CASES)

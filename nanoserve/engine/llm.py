@@ -50,7 +50,7 @@ class LLM:
         if merge:
             merge_lora(e.model, self.lora)
             return
-        apply_lora(e.model, self.lora)
+        apply_lora(e.model, self.lora, e.dtype)
         if e.runner.graphs is not None:  # graphs recorded the layers as they were
             e.runner.graphs.capture()
 

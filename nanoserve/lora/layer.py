@@ -40,18 +40,20 @@ def _dtype_device(module: nn.Module) -> tuple[torch.dtype, torch.device]:
     return tensors[0].dtype, tensors[0].device
 
 
-def apply_lora(model: nn.Module, adapter: LoRAAdapter) -> list[str]:
-    """Wrap every target of `adapter` in a LoRALinear (all checked first); returns their names."""
+def apply_lora(model: nn.Module, adapter: LoRAAdapter, dtype: torch.dtype | None = None) -> list[str]:
+    """Wrap every target of `adapter` in a LoRALinear (all checked first); returns their names. A and B are
+    kept in `dtype`, the model's activations' (default: each layer's first floating tensor's; a quantized
+    layer's scales may be float32 in a bf16 model, so the engine passes its dtype)."""
     targets = target_modules(model, adapter)
     for module_name, module in targets:
         if isinstance(module, LoRALinear):
             raise ValueError(f"{module_name!r} already carries an adapter: remove_lora first")
     for module_name, module in targets:
         A, B = adapter.factors[f"{module_name}.weight"]
-        dtype, device = _dtype_device(module)
+        own_dtype, device = _dtype_device(module)
         parent_name, _, child = module_name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, LoRALinear(module, A.to(device, dtype), B.to(device, dtype)))
+        setattr(parent, child, LoRALinear(module, A.to(device, dtype or own_dtype), B.to(device, dtype or own_dtype)))
     return [name for name, _ in targets]
 
 
