@@ -173,6 +173,14 @@ def _w8a8(dtype):
                 torch.ones(N), torch.zeros(N, dtype=dtype), out_dtype=dtype)
 
 
+def _lora(dtype):
+    from nanoserve.kernels.lora_bgmv import lora_bgmv
+
+    N, K, S, R = 4, 4096, 8, 16  # decode rows, a 4096-wide layer, 8 adapter slots of rank 16
+    lora_bgmv(torch.zeros(N, K, dtype=dtype), torch.zeros(S, R, K, dtype=dtype), torch.zeros(S, K, R, dtype=dtype),
+              torch.zeros(N, dtype=torch.int32), torch.zeros(N, K, dtype=dtype))
+
+
 def matrix(archs=ARCHS) -> list[tuple[dict, tuple | None]]:
     """(row labels, launch: a function and its arguments) for every row; None = refused, nothing to compile."""
     rows = []
@@ -205,6 +213,8 @@ def matrix(archs=ARCHS) -> list[tuple[dict, tuple | None]]:
             if arch >= 80:  # W8A8: an int8 GEMM with its scales in the epilogue, the output in each dtype
                 rows.append((dict(arch=arch, dtype=dt, head_dim=None, gqa=None, case="w8a8", variant="M 32"),
                              (_w8a8, dtype)))
+                rows.append((dict(arch=arch, dtype=dt, head_dim=None, gqa=None, case="lora_bgmv", variant="r 16"),
+                             (_lora, dtype)))  # many LoRA adapters in a batch: shrink, then expand
             for which, split_k, grouped in (("gemm", 1, True), ("gemm", 1, False), ("gemv", 1, True),
                                             ("gemv", 4, True), ("gemv", 1, False), ("dequantize", 1, True)):
                 variant = " ".join(([f"split_k {split_k}"] if which == "gemv" else [])

@@ -7,7 +7,7 @@ pools, and the W4A16 kernels. It runs in
 a subprocess: compiling needs Triton without the interpreter, which conftest.py switches on for
 this process. A row fails on a compile error or on shared memory above its GPU's limit (or above
 what its kernels/configs.py row claims); the control, the old fp32 head_dim-128 flash tiles on
-sm_86, must be reported over. About 80 s on 2 cores (~290 compiles, 2 processes).
+sm_86, must be reported over. About 80 s on 2 quiet cores (~370 compiles, 2 processes).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""nanoserve/lora/batched.py: several adapters in one forward, by segments (SGMV) and by gathering (BGMV).
+"""nanoserve/lora/batched.py: several adapters in one forward, by segments (SGMV), by gathering (BGMV) and by
+the Triton kernel (kernels/lora_bgmv.py).
 
 The oracle is the single-adapter path (LoRALinear, itself proven against PEFT in test_lora.py) run row by
 row, each row with its own adapter or none. Adapters of ranks 2, 4 and 8 share slots of rank 8 (zero
@@ -40,11 +41,11 @@ def _row_by_row(base, adapters, x, slots):
     return torch.stack(rows).view(*x.shape[:-1], OUT)
 
 
-@pytest.mark.parametrize("gathered", [False, True])
+@pytest.mark.parametrize("how", ["segmented", "gathered", "kernel"])
 @torch.no_grad()
-def test_a_mixed_batch_equals_each_row_under_its_own_adapter(gathered):
+def test_a_mixed_batch_equals_each_row_under_its_own_adapter(how):
     base, adapters, layer, x, slots = _setup()
-    layer.gathered = gathered
+    layer.gathered, layer.kernel = how == "gathered", how == "kernel"  # (the kernel: Triton's interpreter here)
     layer.set_slots(slots, sorted({s for s in slots.tolist() if s >= 0}))
     want = _row_by_row(base, adapters, x, slots)
     assert (layer(x) - want).abs().max().item() <= 1e-4

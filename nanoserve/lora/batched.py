@@ -12,9 +12,10 @@ of every token row (−1: the base alone). Two ways to compute the adapters' par
 - **gathered** (Punica's BGMV): each row's A and B gathered, then a batched product per row; one
   launch whatever the mix, at the cost of copying [N, R, in] and [N, out, R].
 
-They are the references a fused kernel must match (issue 26: not built yet). The slot index of a
-forward is set by whoever owns the batch (`set_slots`), like the attention metadata: the layer's
-forward signature stays the model's.
+They are the references of the Triton kernel (kernels/lora_bgmv.py: BGMV's shrink and expand, in
+place on the base output), which `kernel = True` selects. The slot index of a forward is set by
+whoever owns the batch (`set_slots`), like the attention metadata: the layer's forward signature
+stays the model's.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class MultiLoRALinear(nn.Module):
         self.slots: torch.Tensor | None = None  # N: each token row's slot, −1 none (set per forward)
         self.present: list[int] = []  # the slots that occur in `slots`, known on the host
         self.gathered = False  # compute the adapters' part by gathering (BGMV) instead of by segments (SGMV)
+        self.kernel = False  # ... or by the Triton kernel (kernels/lora_bgmv.py; on a CPU, Triton's interpreter)
 
     def set_adapter(self, slot: int, A: torch.Tensor | None, B: torch.Tensor | None) -> None:
         """Load A [r, in] and s·B [out, r] into `slot` (zero-padded to max_rank), or clear it (None)."""
@@ -80,6 +82,11 @@ class MultiLoRALinear(nn.Module):
         if self.slots is None or not self.present:
             return y
         flat = x.reshape(-1, self.in_features)  # N, in
+        if self.kernel:
+            from ..kernels.lora_bgmv import lora_bgmv
+
+            return lora_bgmv(flat.contiguous(), self.lora_A, self.lora_B, self.slots,
+                             y.reshape(-1, self.out_features)).view(y.shape)  # y += ..., in place
         if self.gathered:
             extra = lora_gathered(flat, self.lora_A, self.lora_B, self.slots)
         else:
