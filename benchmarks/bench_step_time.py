@@ -51,13 +51,13 @@ def prompts_for(batch: int, context: int, vocab: int, seed: int = 0) -> list[lis
     return [[rng.randrange(vocab) for _ in range(context)] for _ in range(batch)]
 
 
-def nanoserve_point(path, batch, context, k, threads, backend=None, **llm_kwargs) -> dict:
+def nanoserve_point(path, batch, context, k, threads, **llm_kwargs) -> dict:
     from nanoserve import LLM, SamplingParams
 
     blocks = batch * (-(-(context + k + 1) // 16)) + 16
     llm = LLM(str(path), dtype="float32", device="cpu", num_blocks=blocks, block_size=16, max_num_seqs=batch,
               max_num_batched_tokens=max(512, batch * context), enable_prefix_caching=False,  # one prefill step
-              **({"attention_backend": backend} if backend else {}), **llm_kwargs)
+              **llm_kwargs)
     eng, vocab = llm.engine, llm.engine.config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=1 + k, ignore_eos=True)
     ids = [eng.add_request(p, params) for p in prompts_for(batch, context, vocab)]
@@ -119,7 +119,8 @@ def main() -> None:
         s.update(date=datetime.now().isoformat(timespec="seconds"), loadavg_before=os.getloadavg()[0],
                  command=" ".join(["python", "benchmarks/bench_step_time.py", *sys.argv[1:]]), points=[])
         for sweep, b, c in points(args.quick):
-            pt = (nanoserve_point(path, b, c, k, args.threads, args.attention_backend) if s["engine"] == "nanoserve"
+            backend = {"attention_backend": args.attention_backend} if args.attention_backend else {}
+            pt = (nanoserve_point(path, b, c, k, args.threads, **backend) if s["engine"] == "nanoserve"
                   else vllm_point(path, b, c, k, args.threads, cache, args.reps))
             s["points"].append({"sweep": sweep, "batch": b, "context": c, **pt})
             print(f"{name:<10}{sweep:<8} B={b:<4} C={c:<5}{pt['step_ms']:>9.2f} ms/step", flush=True)

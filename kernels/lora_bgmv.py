@@ -11,9 +11,10 @@ A and B from the slot tensors A [S, R, in], B [S, out, R] (nanoserve/lora/batche
 - `_expand_kernel`, grid (N, ⌈out / BLOCK_O⌉): each program reads h [R] and one [BLOCK_O, R] tile of
   B[s], and adds their product to its slice of y, in place.
 
-A row with slot −1 is skipped by both (its h is never read). The reference, `lora_bgmv_ref`, gathers
-each row's A and B in plain torch. Segmented variants (SGMV, one GEMM per adapter over its rows) suit
-prefill, where an adapter owns many rows; decode, one row per sequence, is this kernel's case.
+A row with slot −1 is skipped by both (its h is never read). The reference, `lora_bgmv_ref`, is
+nanoserve/lora/batched.py's `lora_gathered`: each row's A and B gathered, in plain torch. Segmented
+variants (SGMV, one GEMM per adapter over its rows) suit prefill, where an adapter owns many rows;
+decode, one row per sequence, is this kernel's case.
 """
 
 from __future__ import annotations
@@ -22,15 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..lora.batched import lora_gathered as lora_bgmv_ref  # the reference: each row's A and B gathered, in torch
 from .checks import INT_DTYPES, check_tiles
 
-
-def lora_bgmv_ref(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """y [N, out] = each row's x·A[s]ᵀ·B[s]ᵀ (zeros where s = −1), in fp32 then x's dtype; plain torch."""
-    s = slots.long().clamp(min=0)
-    h = torch.einsum("nri,ni->nr", A[s].float(), x.float())  # N, R
-    y = torch.einsum("nor,nr->no", B[s].float(), h) * (slots >= 0)[:, None]  # N, out
-    return y.to(x.dtype)
+__all__ = ["lora_bgmv", "lora_bgmv_ref"]
 
 
 @triton.jit

@@ -45,7 +45,7 @@ def _row_by_row(base, adapters, x, slots):
 @torch.no_grad()
 def test_a_mixed_batch_equals_each_row_under_its_own_adapter(how):
     base, adapters, layer, x, slots = _setup()
-    layer.gathered, layer.kernel = how == "gathered", how == "kernel"  # (the kernel: Triton's interpreter here)
+    layer.method = how  # (the kernel: Triton's interpreter here)
     layer.set_slots(slots, sorted({s for s in slots.tolist() if s >= 0}))
     want = _row_by_row(base, adapters, x, slots)
     assert (layer(x) - want).abs().max().item() <= 1e-4

@@ -13,7 +13,7 @@ of every token row (−1: the base alone). Two ways to compute the adapters' par
   launch whatever the mix, at the cost of copying [N, R, in] and [N, out, R].
 
 They are the references of the Triton kernel (kernels/lora_bgmv.py: BGMV's shrink and expand, in
-place on the base output), which `kernel = True` selects. The slot index of a forward is set by
+place on the base output); `method` picks one of the three. The slot index of a forward is set by
 whoever owns the batch (`set_slots`), like the attention metadata: the layer's forward signature
 stays the model's.
 """
@@ -56,8 +56,7 @@ class MultiLoRALinear(nn.Module):
         self.register_buffer("lora_B", torch.zeros(num_slots, self.out_features, max_rank, **kw), persistent=False)
         self.slots: torch.Tensor | None = None  # N: each token row's slot, −1 none (set per forward)
         self.present: list[int] = []  # the slots that occur in `slots`, known on the host
-        self.gathered = False  # compute the adapters' part by gathering (BGMV) instead of by segments (SGMV)
-        self.kernel = False  # ... or by the Triton kernel (kernels/lora_bgmv.py; on a CPU, Triton's interpreter)
+        self.method = "segmented"  # the adapters' part: "segmented" (SGMV), "gathered" (BGMV) or "kernel"
 
     def set_adapter(self, slot: int, A: torch.Tensor | None, B: torch.Tensor | None) -> None:
         """Load A [r, in] and s·B [out, r] into `slot` (zero-padded to max_rank), or clear it (None)."""
@@ -82,12 +81,12 @@ class MultiLoRALinear(nn.Module):
         if self.slots is None or not self.present:
             return y
         flat = x.reshape(-1, self.in_features)  # N, in
-        if self.kernel:
+        if self.method == "kernel":  # kernels/lora_bgmv.py (on a CPU, Triton's interpreter)
             from ..kernels.lora_bgmv import lora_bgmv
 
             return lora_bgmv(flat.contiguous(), self.lora_A, self.lora_B, self.slots,
                              y.reshape(-1, self.out_features)).view(y.shape)  # y += ..., in place
-        if self.gathered:
+        if self.method == "gathered":
             extra = lora_gathered(flat, self.lora_A, self.lora_B, self.slots)
         else:
             extra = lora_segmented(flat, self.lora_A, self.lora_B, self.slots, self.present)
