@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.kv import PagedKVCache
@@ -109,6 +110,25 @@ def test_onednn_linear_is_fp32_exact(shape):
         assert err_fast <= max(4 * err_plain, 1e-5)  # as close to float64 as MKL's fp32 GEMM
         # negative control: the same check catches an input rounded to bf16
         assert (lin(x.bfloat16().float()).double() - ref).abs().max().item() > max(4 * err_plain, 1e-5)
+
+
+@needs_onednn
+def test_the_packed_weight_follows_in_place_changes():
+    """The layer computes with a prepacked copy of its weight: a copy_ into the weight (a LoRA merge,
+    a quantizer's dequantized weights) must reach the output, and the copy must not be remade per call."""
+    g = torch.Generator().manual_seed(2)
+    lin = OneDNNLinear.from_linear(nn.Linear(48, 300))
+    x = torch.randn(5, 48, generator=g)
+    with torch.inference_mode():
+        packed = lin.packed_weight()
+        assert packed.is_mkldnn and lin.packed_weight() is packed  # made once
+        new_w = torch.randn(300, 48, generator=g)
+        lin.weight.copy_(new_w)
+        torch.testing.assert_close(lin(x), F.linear(x, new_w, lin.bias), rtol=1e-5, atol=1e-5)
+        assert lin.packed_weight() is not packed
+        # negative control: the stale copy (what a cache keyed on the Parameter alone would keep)
+        stale = torch.ops.mkldnn._linear_pointwise(x, packed, lin.bias, "none", [], "")
+        assert (stale - F.linear(x, new_w, lin.bias)).abs().max() > 0.1
 
 
 @needs_onednn

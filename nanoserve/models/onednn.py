@@ -8,9 +8,19 @@ the same shapes, and ~2.5× on the LM head (benchmarks/RESULTS.md, "Where the ti
 CPU backend calls oneDNN for the same reason.
 
     OneDNNLinear        an nn.Linear (same parameters, same state dict) whose forward calls
-                        oneDNN's fp32/bf16 matmul, through the op torch's own compiler uses
+                        oneDNN's fp32/bf16 matmul, through the op torch's own compiler uses,
+                        on a copy of the weight prepacked in oneDNN's blocked layout
     use_onednn_linears  swaps a CPU model's plain nn.Linear layers for it, after checking once
                         that the op exists and agrees with F.linear; says why not otherwise
+
+Prepacking. Given a plain [out, in] weight, oneDNN reorders it into its blocked layout inside every
+call; `_reorder_linear_weight` does it once (vLLM's CPU linears do the same). It pays most where a
+step is a few rows over big weights: the LM head (50257 × 384) at 4 rows, 2.5 → 1.5 ms; GPT-2
+6 × 384's whole decode step at batch 4, 7.0 → 4.4 ms (benchmarks/RESULTS.md, "Third step"). The
+layout is chosen for a batch hint (PACK_ROWS); measured, any hint ≥ 16 serves 1..256 rows alike,
+and 1 does not help. The cost: a second copy of every linear's weight (the plain Parameter stays,
+for the state dict, tied embeddings, LoRA merges and quantization). The copy is remade when the
+weight changes in place (keyed by its storage and autograd version counter, which copy_ bumps).
 
 The math is the same fp32 (or bf16) GEMM with fp32 accumulation: results differ from MKL's
 only in summation order, ~1e-6 (tests/test_onednn.py checks it against a float64 reference,
@@ -25,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 _DTYPES = (torch.float32, torch.bfloat16)
+PACK_ROWS = 64  # the batch hint oneDNN chooses the packed layout for (see above)
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -41,12 +52,23 @@ class OneDNNLinear(nn.Linear):
         nn.Module.__init__(new)
         new.in_features, new.out_features = layer.in_features, layer.out_features
         new.weight, new.bias = layer.weight, layer.bias  # the same Parameters: tied weights stay tied
+        new._packed, new._packed_key = None, None
         return new
+
+    def packed_weight(self) -> torch.Tensor:
+        """The weight in oneDNN's blocked layout (an opaque mkldnn tensor), remade when it changed."""
+        w = self.weight
+        key = (w.data_ptr(), w._version, w.dtype)
+        if self._packed_key != key:
+            with torch.no_grad():
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS)
+            self._packed_key = key
+        return self._packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             return F.linear(x, self.weight, self.bias)  # the op has no backward
-        return onednn_linear(x, self.weight, self.bias)
+        return onednn_linear(x, self.packed_weight(), self.bias)
 
 
 def onednn_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -61,10 +83,12 @@ def onednn_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
     x, w, b = (torch.randn(*s, generator=g).to(dtype) for s in ((3, 40), (24, 40), (24,)))
     try:
         got = onednn_linear(x, w, b)
-    except RuntimeError as e:
+        packed = onednn_linear(x, torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS), b)
+    except (RuntimeError, AttributeError) as e:
         return f"the oneDNN linear op failed: {e}".splitlines()[0]
-    if not torch.allclose(got.float(), F.linear(x, w, b).float(), rtol=1e-2, atol=1e-2):
-        return "the oneDNN linear op disagrees with F.linear"
+    for y in (got, packed):
+        if not torch.allclose(y.float(), F.linear(x, w, b).float(), rtol=1e-2, atol=1e-2):
+            return "the oneDNN linear op disagrees with F.linear"
     return None
 
 
@@ -78,5 +102,6 @@ def use_onednn_linears(model: nn.Module) -> str | None:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.weight.dtype in _DTYPES:
-                setattr(parent, name, OneDNNLinear.from_linear(child))
+                setattr(parent, name, new := OneDNNLinear.from_linear(child))
+                new.packed_weight()  # packed now, not in the first request's step
     return None
