@@ -51,7 +51,8 @@ def prompts_for(batch: int, context: int, vocab: int, seed: int = 0) -> list[lis
     return [[rng.randrange(vocab) for _ in range(context)] for _ in range(batch)]
 
 
-def nanoserve_point(path, batch, context, k, threads, **llm_kwargs) -> dict:
+def nanoserve_point(path, batch, context, k, threads, lora_requests=None, setup=None, **llm_kwargs) -> dict:
+    """`lora_requests`: one LoRARequest (or None) per request; `setup(llm)` runs once its requests are added."""
     from nanoserve import LLM, SamplingParams
 
     blocks = batch * (-(-(context + k + 1) // 16)) + 16
@@ -60,7 +61,10 @@ def nanoserve_point(path, batch, context, k, threads, **llm_kwargs) -> dict:
               **llm_kwargs)
     eng, vocab = llm.engine, llm.engine.config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=1 + k, ignore_eos=True)
-    ids = [eng.add_request(p, params) for p in prompts_for(batch, context, vocab)]
+    loras = lora_requests or [None] * batch
+    ids = [eng.add_request(p, params, lora_request=r) for p, r in zip(prompts_for(batch, context, vocab), loras)]
+    if setup is not None:
+        setup(llm)
     made = lambda: min(len(eng.requests[i].output.outputs[0].token_ids) for i in ids)  # noqa: E731
     while made() < 1:  # prefill (chunked under the token budget), untimed
         eng.step()

@@ -11,6 +11,7 @@ The folders are the course map (docs/ARCHITECTURE.md tells the whole story):
     models/      GPT-2 and Llama, their configs, checkpoint loading
     spec/        speculative decoding: the rejection sampler, proposers, the engine's path
     quant/       RTN, GPTQ, AWQ, packing, QuantLinear, quantized checkpoints
+    lora/        LoRA adapters: PEFT's format, merging, many adapters in one batch, per-request serving
     serving/     the async engine and the OpenAI-compatible server
     tokenizers/  one module per tokenizer file format
     tools/       benchmarks, evaluation, training, the batching comparison
@@ -32,8 +33,9 @@ if not torch.cuda.is_available():
 
 from .engine import LLM, LLMEngine, RequestOutput, SamplingParams  # noqa: E402
 from .errors import CheckpointError, ConfigError, NanoserveError  # noqa: E402
+from .lora.serving import LoRARequest  # noqa: E402
 from .serving.async_engine import AsyncLLMEngine  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "RequestOutput", "SamplingParams",
+__all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "RequestOutput", "SamplingParams", "LoRARequest",
            "NanoserveError", "CheckpointError", "ConfigError"]

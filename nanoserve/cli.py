@@ -4,11 +4,10 @@
     nanoserve eval --model demo --text FILE [--context N --stride S]
     nanoserve bench throughput|latency|speculative [--model demo --num-requests N --out FILE.json]
     nanoserve quantize --model demo --method gptq --bits 4 --group-size 128 --calib FILE --out DIR
-    nanoserve serve --model demo [--host 127.0.0.1 --port 8000 --api-key KEY --max-waiting N]
+    nanoserve serve --model demo [--host 127.0.0.1 --port 8000 --api-key KEY --max-waiting N --lora-modules N=P]
     nanoserve bench serve --url http://127.0.0.1:8000/v1 --rates 1 4 16 [--out FILE.json]
 
-Generated text streams to stdout (text only, so it can be piped); statistics go to stderr.
-Bad input prints one line `nanoserve: error: ...` and exits with status 2, no traceback.
+Text streams to stdout (pipe it), statistics to stderr; bad input prints `nanoserve: error: ...`, exits 2.
 """
 
 from __future__ import annotations
@@ -117,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--served-model-name", help="the model name clients send (default: --model)")
     v.add_argument("--chat-template", help="a Jinja chat template file (default: the model's own, if any)")
     v.add_argument("--max-waiting", type=int, help="waiting-queue bound: beyond it requests get 429")
+    v.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", help="PEFT LoRA adapters served beside it")
+    v.add_argument("--max-loras", type=int, default=4, help="LoRA adapters in one step (slots)")
+    v.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank a slot holds")
     v.add_argument("--max-num-seqs", type=int, default=64, help="sequences in one forward")
     v.add_argument("--max-num-batched-tokens", type=int, default=512, help="new tokens in one forward")
     v.add_argument("--num-blocks", type=int, help="KV cache blocks (default: 8 full-context sequences)")
@@ -273,10 +275,11 @@ def cmd_serve(args) -> None:
         raise NanoserveError(f"--max-body-bytes {args.max_body_bytes} must be ≥ 1")
     serve(args.model, host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
           chat_template=args.chat_template, log_level=args.log_level, max_body_bytes=args.max_body_bytes,
-          dtype=args.dtype, device=args.device,
-          max_waiting=args.max_waiting, max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
-          max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
-          kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, **_spec_kwargs(args))
+          dtype=args.dtype, device=args.device, lora_modules=args.lora_modules, max_loras=args.max_loras,
+          max_lora_rank=args.max_lora_rank, max_waiting=args.max_waiting, max_num_seqs=args.max_num_seqs,
+          num_blocks=args.num_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
+          attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+          **_spec_kwargs(args))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,6 +15,7 @@ import re
 
 import pytest
 import torch
+from lora_helpers import TARGETS, make_peft_adapter
 
 from nanoserve import LLM
 from nanoserve.errors import CheckpointError
@@ -22,22 +23,8 @@ from nanoserve.lora import LoRALinear, apply_lora, load_lora_adapter, merge_lora
 
 peft = pytest.importorskip("peft")
 
-TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"], "llama-gqa": ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"],
-           "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
 IDS = [5, 17, 99, 3, 42, 8, 77, 1, 64, 23, 11, 90]
-
-
-def _adapter(hf, out_dir, targets, seed=0, **config):
-    """A PEFT LoRA adapter on a copy of `hf`, A and B random; returns (the PEFT model, its directory)."""
-    config = {"r": 4, "lora_alpha": 8, "target_modules": targets, **config}
-    model = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(**config)).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
-    model.save_pretrained(out_dir)
-    return model, out_dir
+_adapter = make_peft_adapter
 
 
 @pytest.mark.parametrize("merge", [True, False])

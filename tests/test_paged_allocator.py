@@ -76,12 +76,12 @@ class UnderAllocates(BlockAllocator):
 
 
 class TrustsHash(BlockAllocator):
-    def _matches(self, block, tokens, parent):
+    def _matches(self, block, tokens, parent, root):
         return True  # no collision check at all
 
 
 class TokensOnly(BlockAllocator):
-    def _matches(self, block, tokens, parent):
+    def _matches(self, block, tokens, parent, root):
         return block.token_ids == tokens  # checks the block's tokens but not the prefix before them
 
 

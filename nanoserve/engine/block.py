@@ -7,6 +7,8 @@ used: the cached block's tokens must equal the prompt's, and its parent's `prefi
 the prefix_id of the block matched just before. A `prefix_id` names one exact token prefix (two
 blocks share one only when their tokens and their parents' prefix_ids are equal), so a hit's KV is
 always the KV of exactly this prefix, whatever `hash_fn` returns (the tests use a constant one).
+Under a LoRA adapter the same tokens have other KV: block 0 of such a sequence hangs from a *root*
+of its adapter's (`prefix_root`) instead of None, in its hash and in the exact check alike.
 Taught in notebooks/02_*.
 """
 
@@ -25,6 +27,12 @@ def default_block_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> i
     salts str/bytes). The first block hashes a 1-tuple rather than `(None, ...)` because `hash(None)`
     varies between processes before Python 3.12. Collisions cost hits, never correctness."""
     return hash((token_ids,) if parent_hash is None else (parent_hash, token_ids))
+
+
+def prefix_root(seq) -> int | None:
+    """What block 0 of a sequence hangs from: None under the base model, −id under LoRA adapter id (a
+    value no block's prefix_id takes: those count from 0)."""
+    return -seq.lora_int_id or None
 
 
 @dataclass(slots=True)

@@ -26,7 +26,8 @@ import itertools
 from collections import OrderedDict, deque
 
 from ..errors import EngineStateError, NanoserveError
-from .block import Block, HashFn, PrefixCacheStats, check_block_size, check_invariants, default_block_hash, slots
+from . import block as _block
+from .block import Block, HashFn, PrefixCacheStats, check_block_size, default_block_hash, prefix_root, slots
 from .sequence import NULL_BLOCK, Sequence
 
 
@@ -109,15 +110,13 @@ class BlockAllocator:
         returned so the KV cache copies the slots already written; otherwise None. Idempotent."""
         table = self._require_allocated(seq)
         n, bs = len(seq), self.block_size
-        cow = None
         if len(table) * bs == n - 1:
             table.append(self._take_free_block())
-        elif len(table) == self.blocks_needed(n):
-            cow = self._copy_on_write(table)
-        else:
-            raise EngineStateError(f"append_slot makes room for one new token at a time: sequence {seq.seq_id} has "
-                                   f"{n} tokens but its block table covers {len(table) * bs}")
-        return cow
+            return None
+        if len(table) == self.blocks_needed(n):
+            return self._copy_on_write(table)
+        raise EngineStateError(f"append_slot makes room for one new token at a time: sequence {seq.seq_id} has "
+                               f"{n} tokens but its block table covers {len(table) * bs}")
 
     def mark_computed(self, seq: Sequence) -> None:
         """Register `seq`'s full blocks whose KV is now written (its first num_computed_tokens) in
@@ -197,7 +196,7 @@ class BlockAllocator:
         self.hash_to_block.clear()
         return True
 
-    check_invariants = check_invariants  # raise AssertionError if the bookkeeping is inconsistent (block.py)
+    check_invariants = _block.check_invariants  # raise AssertionError if the bookkeeping is inconsistent (block.py)
 
     # ------------------------------------------------------------------ internals
     def _check_fits(self, seq: Sequence) -> None:
@@ -210,9 +209,9 @@ class BlockAllocator:
     def _block_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
         return tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
 
-    def _matches(self, block: Block, tokens: tuple[int, ...], parent: Block | None) -> bool:
-        """The exact check behind every hit: same tokens, same prefix before them."""
-        return block.token_ids == tokens and block.parent_prefix_id == (parent.prefix_id if parent else None)
+    def _matches(self, block: Block, tokens: tuple[int, ...], parent: Block | None, root: int | None = None) -> bool:
+        """The exact check behind every hit: same tokens, same prefix before them (for block 0: same root)."""
+        return block.token_ids == tokens and block.parent_prefix_id == (parent.prefix_id if parent else root)
 
     def _max_prefix_hits(self, num_tokens: int) -> int:
         """Full blocks before the one holding the last token: that token must be computed."""
@@ -220,12 +219,12 @@ class BlockAllocator:
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         """Cached blocks for the prompt's leading full blocks, stopping at the first miss."""
-        hits, parent = [], None
+        hits, parent, root = [], None, prefix_root(seq)
         lookup = self.enable_prefix_caching and not seq.skip_prefix_cache
         for i in range(self._max_prefix_hits(len(seq)) if lookup else 0):
             tokens = self._block_tokens(seq, i)
-            bid = self.hash_to_block.get(self.hash_fn(parent.hash if parent else None, tokens))
-            if bid is None or not self._matches(self.blocks[bid], tokens, parent):
+            bid = self.hash_to_block.get(self.hash_fn(parent.hash if parent else root, tokens))
+            if bid is None or not self._matches(self.blocks[bid], tokens, parent, root):
                 break
             hits.append(bid)
             parent = self.blocks[bid]
@@ -244,12 +243,12 @@ class BlockAllocator:
         parent = self.blocks[before] if before != NULL_BLOCK else None
         if not self.enable_prefix_caching or block.hash is not None or (i and (parent is None or parent.hash is None)):
             return
-        tokens = self._block_tokens(seq, i)
-        h = self.hash_fn(parent.hash if parent else None, tokens)
+        tokens, root = self._block_tokens(seq, i), prefix_root(seq)
+        h = self.hash_fn(parent.hash if parent else root, tokens)
         owner = self.blocks[self.hash_to_block.setdefault(h, block.block_id)]
-        twin = owner is not block and self._matches(owner, tokens, parent)
+        twin = owner is not block and self._matches(owner, tokens, parent, root)
         block.hash, block.token_ids = h, tokens
-        block.parent_prefix_id = parent.prefix_id if parent else None
+        block.parent_prefix_id = parent.prefix_id if parent else root
         block.prefix_id = owner.prefix_id if twin else next(self._prefix_ids)
 
     def _take_free_block(self) -> int:

@@ -40,6 +40,7 @@ class InputProcessor:
         self.usable_vocab_size = (config.vocab_size if tokenizer is None
                                   else min(tokenizer.vocab_size, config.vocab_size))
         self.grammars = GrammarCompiler(tokenizer, config.vocab_size, None if tokenizer is None else tokenizer.eos_id)
+        self.lora = None  # the engine's LoRAManager with enable_lora: it checks and reads a request's adapter
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """Text -> token ids (BOS added for Llama-family models); id lists are checked as they are."""
@@ -82,9 +83,14 @@ class InputProcessor:
         return n_new
 
     def make_request(self, prompt: Prompt, params: SamplingParams | None, request_id: str, priority: int = 0,
-                     arrival_time: float | None = None) -> Request:
-        """A validated request with its first sequence, queued nowhere yet."""
+                     arrival_time: float | None = None, lora_request=None) -> Request:
+        """A validated request with its first sequence, queued nowhere yet; under `lora_request`'s adapter."""
         params = params or SamplingParams()
+        if lora_request is not None:
+            if self.lora is None:
+                raise NanoserveError(f"lora_request={lora_request!r}: this engine serves no adapters; start it with "
+                                     "enable_lora=True")
+            self.lora.add(lora_request)  # read from disk the first time, checked against the model
         if params.stop and self.tokenizer is None:
             raise NanoserveError(f"stop={params.stop!r}: stop strings need a tokenizer and this model has none; "
                                  "use stop_token_ids")
@@ -97,7 +103,8 @@ class InputProcessor:
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         # prompt logprobs need every prompt position's logits: such a request never reads the prefix cache
         seq = SequenceState(prompt_ids, request_id=request_id, priority=priority, arrival_time=arrival,
-                            skip_prefix_cache=params.prompt_logprobs is not None)
+                            skip_prefix_cache=params.prompt_logprobs is not None,
+                            lora_int_id=0 if lora_request is None else lora_request.lora_int_id)
         out = RequestOutput(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, arrival_time=arrival,
                             prompt_logprobs=None if params.prompt_logprobs is None else [None])
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)

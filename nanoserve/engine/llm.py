@@ -65,16 +65,21 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool | None = None, lora_request=None) -> list[RequestOutput]:
         """Generate for each prompt (a string, a list of token ids, or a list of either), all
         scheduled together; outputs come back in the prompts' order. `params`: one SamplingParams
         for every prompt, or a list with one per prompt (as vLLM's). A request that fails inside
-        the engine raises RequestFailedError (the others are aborted: generate returns all or none)."""
+        the engine raises RequestFailedError (the others are aborted: generate returns all or none).
+        `lora_request`: a LoRARequest for every prompt, or a list with one (or None) per prompt; the engine
+        must have been made with enable_lora=True (nanoserve/lora/serving.py)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         per_prompt = self._params_per_prompt(params, len(prompts))
-        # every prompt validated (and tokenized, once) before any compute is spent
-        reqs = [self.engine.new_request(p, sp) for p, sp in zip(prompts, per_prompt)]
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise NanoserveError(f"got {len(loras)} lora_request for {len(prompts)} prompts; give one, or one each")
+        # every prompt validated (and tokenized, once; its adapter read) before any compute is spent
+        reqs = [self.engine.new_request(p, sp, lora_request=lr) for p, sp, lr in zip(prompts, per_prompt, loras)]
         ids: list[str] = []
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(reqs), desc="generate", unit="req",

@@ -21,8 +21,9 @@ import time
 import torch
 
 from ..errors import NanoserveError, RequestFailedError, is_fatal
-from ..kv.cache import kv_bytes_per_token, num_blocks_for_budget
+from ..kv.cache import num_blocks_for_budget
 from ..kv.quant import kv_quant
+from ..lora.serving import LoRAManager
 from ..models.loader import load_model
 from ..quant.online import check_quantization, quantize_on_load
 from ..spec.spec_decode import SpecDecodeConfig, build_spec_decoder
@@ -53,6 +54,7 @@ class LLMEngine:
     the queue (None: unbounded). Attention (nanoserve/kv/): `attention_backend` "torch" (gather + SDPA), "triton"
     (nanoserve.kernels) or "cpu" (decode in C); None: triton on CUDA, cpu on the CPU, where they serve, else torch.
     On CUDA with triton, decode steps replay CUDA graphs unless `enforce_eager` (`cuda_graphs_off` says why not).
+    `enable_lora`: requests may name a LoRA adapter (`lora_request`), `max_loras` of rank ≤ `max_lora_rank` per step.
     """
 
     def __init__(self, model: str = "demo", dtype: str | torch.dtype | None = None, device: str | None = None,
@@ -62,7 +64,8 @@ class LLMEngine:
                  attention_backend: str | None = None, speculative_model: str | None = None,
                  speculative: str | None = None, num_speculative_tokens: int = 4, speculative_adaptive: bool = True,
                  enforce_eager: bool = False, kv_cache_dtype: str = "auto", quantization: str | None = None,
-                 speculative_cost: float | None = None):
+                 speculative_cost: float | None = None, enable_lora: bool = False, max_loras: int = 4,
+                 max_lora_rank: int = 16):
         kv_quant(kv_cache_dtype)  # these and the speculative arguments are checked before any model loads
         check_quantization(quantization)
         spec_cfg = SpecDecodeConfig.from_args(speculative, num_speculative_tokens, speculative_model,
@@ -71,18 +74,19 @@ class LLMEngine:
         quantize_on_load(self.model, quantization)  # None: the checkpoint as it is
         self.model_name, self.max_model_len = str(model), self.config.max_position_embeddings
         self.device, self.dtype = next(self.model.parameters()).device, next(self.model.parameters()).dtype
-        if num_blocks is None:
-            budget = kv_cache_memory or 8 * kv_bytes_per_token(self.config, self.dtype) * self.max_model_len
-            num_blocks = num_blocks_for_budget(self.config, budget, block_size, self.dtype, kv_cache_dtype)
-        sched_cfg = SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, max_waiting)
+        if num_blocks is None:  # from kv_cache_memory bytes; None: 8 full-context sequences
+            num_blocks = num_blocks_for_budget(self.config, kv_cache_memory, block_size, self.dtype, kv_cache_dtype)
+        sched_cfg = SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, max_waiting,
+                                    max_loras if enable_lora else None)
         allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching, sliding_window=self.config.kv_window)
         self.scheduler = Scheduler(sched_cfg, allocator, self.max_model_len)
-        self.runner = ModelRunner(self.model, num_blocks, block_size, attention_backend, kv_cache_dtype)
+        lora = LoRAManager(self.model, self.config, max_loras, max_lora_rank, self.dtype) if enable_lora else None
+        self.runner = ModelRunner(self.model, num_blocks, block_size, attention_backend, kv_cache_dtype, lora)
         self.attention_backend = self.runner.attention_backend
-        # decode steps replay CUDA graphs where they can (engine/cuda_graph.py); else this says why not
         self.cuda_graphs_off = "enforce_eager=True" if enforce_eager else self.runner.use_cuda_graphs(
-            max_num_seqs, self.max_model_len)
+            max_num_seqs, self.max_model_len)  # decode steps replay CUDA graphs where they can; else why not
         self.inputs = InputProcessor(self.config, self.tokenizer, self.device, num_blocks, block_size, self.model_name)
+        self.inputs.lora = lora  # checks and reads a request's adapter (lora_request)
         self.spec = None if spec_cfg is None else build_spec_decoder(spec_cfg, self)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -95,13 +99,13 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def new_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> Request:
-        """A validated request, queued nowhere yet (the batchers and the async engine queue it
-        themselves). Reads no scheduler state, so it may run while a step is in flight."""
+                    priority: int = 0, arrival_time: float | None = None, lora_request=None) -> Request:
+        """A validated request, queued nowhere yet (the batchers and the async engine queue it themselves), under
+        `lora_request`'s adapter if given. Reads no scheduler state, so it may run while a step is in flight."""
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.requests:
             raise NanoserveError(f"request id {rid!r} is already in use")
-        return self.inputs.make_request(prompt, params, rid, priority, arrival_time)
+        return self.inputs.make_request(prompt, params, rid, priority, arrival_time, lora_request)
 
     def enqueue(self, req: Request) -> None:
         """Queue a request made by `new_request`; QueueFullError (and nothing registered) when full."""
@@ -109,16 +113,14 @@ class LLMEngine:
         self.requests[req.output.request_id] = req
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> str:
+                    priority: int = 0, arrival_time: float | None = None, lora_request=None) -> str:
         """Validate and queue a request; returns its id. NanoserveError for bad input, QueueFullError when full."""
-        req = self.new_request(prompt, params, request_id, priority, arrival_time)
-        self.enqueue(req)
+        self.enqueue(req := self.new_request(prompt, params, request_id, priority, arrival_time, lora_request))
         return req.output.request_id
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now: its sequences leave the scheduler and their blocks return to the pool."""
-        req = self.requests.pop(request_id, None)
-        if req is None:
+        if (req := self.requests.pop(request_id, None)) is None:
             return
         for s in req.samples:
             if s.out.finish_reason is None:
@@ -262,9 +264,7 @@ class LLMEngine:
     def _fork(self, req: Request, parent: SequenceState) -> list[Sample]:
         children = []
         for i in range(1, req.params.n):
-            child = SequenceState(list(parent.token_ids), request_id=parent.request_id, sample_index=i,
-                                  priority=parent.priority, arrival_time=parent.arrival_time)
-            sample = self.inputs.new_sample(req, child, i)
+            sample = self.inputs.new_sample(req, child := parent.child(i), i)
             self.scheduler.fork(parent, child)
             req.samples.append(sample)  # at once: if a later step of the fork fails, aborting frees it
             req.output.outputs.append(sample.out)

@@ -76,7 +76,7 @@ class ModelRunner:
     """The model and its paged KV pool; `run` is one batched forward over the scheduled sequences."""
 
     def __init__(self, model, num_blocks: int, block_size: int, attention_backend: str | None = None,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", lora=None):
         self.model, self.config = model, model.config
         self.onednn_off = use_onednn_linears(model)  # CPU GEMMs through oneDNN (models/onednn.py), or why not
         p = next(model.parameters())
@@ -88,6 +88,7 @@ class ModelRunner:
         self.attention_backend = self.kv.attention_backend  # "torch", "triton" or "cpu" (see nanoserve/kv/)
         self.block_size = block_size
         self.graphs = None  # CudaGraphRunner once use_cuda_graphs() ran: decode steps replay graphs
+        self.lora = lora  # a LoRAManager when the engine serves per-request adapters (lora/serving.py)
 
     def use_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> str | None:
         """Capture decode CUDA graphs (engine/cuda_graph.py); returns why not when they cannot serve
@@ -96,6 +97,8 @@ class ModelRunner:
             return "CUDA graphs need a CUDA device"
         if self.attention_backend != "triton":
             return "CUDA graphs need the triton attention backend (the torch one zeroes a varying set of blocks)"
+        if self.lora is not None:  # its layers are wrapped as adapters arrive, and their slots change per step
+            return "per-request LoRA adapters (enable_lora) run eagerly"
         if any(getattr(m, "host_sync", False) for m in self.model.modules()):  # e.g. quant/llm_int8.py
             return "a layer reads device values on the host every call (LLM.int8's outlier features)"
         from .cuda_graph import CudaGraphRunner
@@ -168,4 +171,6 @@ class ModelRunner:
 
     def _forward(self, seqs: list[Sequence], num_new: list[int], num_logits: list[int]) -> torch.Tensor:
         """logits [B, K, V] of each row's last num_logits new tokens (K = max; shorter rows repeat their last)."""
+        if self.lora is not None:  # each row's adapter into a slot, and each row's slot into the LoRA layers
+            self.lora.set_batch([s.lora_int_id for s in seqs], self.device)
         return self.execute(self.prepare(seqs, num_new, num_logits))

@@ -48,6 +48,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # new tokens in one forward (the token budget)
     enable_chunked_prefill: bool = True
     max_waiting: int | None = None  # None = unbounded
+    max_loras: int | None = None  # distinct LoRA adapters among the running sequences (lora/serving.py); None: any
 
     def validate(self, max_model_len: int) -> None:
         """Raise NanoserveError naming the first setting out of range."""
@@ -131,14 +132,19 @@ class Scheduler:
             i += 1
         if out.preempted:
             return out
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        adapters, j = {s.lora_int_id for s in self.running} - {0}, 0  # LoRA adapters holding slots
+        while j < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[j]
+            if seq.lora_int_id not in adapters | {0} and len(adapters) == self.config.max_loras:
+                j += 1  # its adapter needs a slot that running sequences hold: later; the next may go now
+                continue
             if not self.config.enable_chunked_prefill and len(seq) > budget:
                 break  # its whole prompt must fit in one step; wait for a step with more room
             if not self.block_allocator.can_allocate(seq):
                 break
             self.block_allocator.allocate(seq)
-            self.waiting.pop(0)
+            self.waiting.pop(j)
+            adapters |= {seq.lora_int_id} - {0}
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             n = self._tokens_to_compute(seq, budget)

@@ -44,6 +44,7 @@ class Sequence:
     priority: int = 0  # lower runs first (vLLM's convention)
     arrival_time: float = 0.0
     skip_prefix_cache: bool = False  # never look up the prefix cache (its prompt logprobs need every position)
+    lora_int_id: int = 0  # the LoRA adapter it runs under (0: the base model); part of its prefix-cache key
     needs_slot: bool = False  # a token was appended whose KV has no slot yet (append_slot pending)
     num_preemptions: int = 0
 
@@ -59,6 +60,12 @@ class Sequence:
     def output_token_ids(self) -> list[int]:
         """The generated tokens: token_ids after the prompt."""
         return self.token_ids[self.num_prompt_tokens:]
+
+    def child(self, sample_index: int) -> Sequence:
+        """A new sequence with this one's tokens, request, priority and adapter: sample `sample_index` of the
+        request (n > 1 samples fork after the prefill; its blocks are shared by `BlockAllocator.fork`)."""
+        return Sequence(list(self.token_ids), request_id=self.request_id, sample_index=sample_index,
+                        priority=self.priority, arrival_time=self.arrival_time, lora_int_id=self.lora_int_id)
 
     def append_token(self, token_id: int) -> None:
         """Add a token (inside nanoserve, only the scheduler calls this; tests and notebooks that

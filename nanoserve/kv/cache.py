@@ -166,12 +166,15 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: Any, kv_cache_dtype: str = "auto
                                                                                           cfg.head_dim))
 
 
-def num_blocks_for_budget(cfg: ModelConfig, budget_bytes: int, block_size: int, dtype: Any,
+def num_blocks_for_budget(cfg: ModelConfig, budget_bytes: int | None, block_size: int, dtype: Any,
                           kv_cache_dtype: str = "auto") -> int:
     """How many KV blocks fit in `budget_bytes`: one block holds `block_size` tokens' K and V in every
     layer. `dtype` is anything with `.itemsize` (torch.dtype, numpy dtype). The budget must hold at
-    least one sequence of cfg.max_position_embeddings tokens, else nothing long could ever run."""
+    least one sequence of cfg.max_position_embeddings tokens, else nothing long could ever run.
+    None: the engine's default, the bytes of 8 full-context sequences in `dtype` (8-bit K/V fit twice as many)."""
     check_block_size(block_size)
+    if budget_bytes is None:
+        budget_bytes = 8 * kv_bytes_per_token(cfg, dtype) * cfg.max_position_embeddings
     bytes_per_block = block_size * kv_bytes_per_token(cfg, dtype, kv_cache_dtype)
     num_blocks = max(budget_bytes, 0) // bytes_per_block
     min_blocks = -(-cfg.max_position_embeddings // block_size)

@@ -73,7 +73,8 @@ class MultiLoRALinear(nn.Module):
         self.lora_B[slot, :, :r] = B
 
     def set_slots(self, slots: torch.Tensor, present: list[int]) -> None:
-        """This forward's slot per token row [N] (rows in x.reshape(-1, in) order) and the slots present."""
+        """This forward's slots, [N] one per token row (x.reshape(-1, in)'s rows), or [B] one per batch row
+        of an x [B, T, in] (each row's T tokens share it: the engine's way), and the slots present."""
         self.slots, self.present = slots, present
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
@@ -81,13 +82,19 @@ class MultiLoRALinear(nn.Module):
         if self.slots is None or not self.present:
             return y
         flat = x.reshape(-1, self.in_features)  # N, in
+        slots = self.slots
+        if slots.shape[0] != flat.shape[0]:  # one slot per batch row: repeat it for the row's T tokens
+            if x.dim() != 3 or x.shape[0] != slots.shape[0]:
+                raise ValueError(f"{slots.shape[0]} slots for an input of shape {tuple(x.shape)}: give one per "
+                                 "token row, or one per batch row of a [B, T, in] input")
+            slots = slots.repeat_interleave(x.shape[1])  # N
         if self.method == "kernel":  # kernels/lora_bgmv.py (on a CPU, Triton's interpreter)
             from ..kernels.lora_bgmv import lora_bgmv
 
-            return lora_bgmv(flat.contiguous(), self.lora_A, self.lora_B, self.slots,
+            return lora_bgmv(flat.contiguous(), self.lora_A, self.lora_B, slots,
                              y.reshape(-1, self.out_features)).view(y.shape)  # y += ..., in place
         if self.method == "gathered":
-            extra = lora_gathered(flat, self.lora_A, self.lora_B, self.slots)
+            extra = lora_gathered(flat, self.lora_A, self.lora_B, slots)
         else:
-            extra = lora_segmented(flat, self.lora_A, self.lora_B, self.slots, self.present)
+            extra = lora_segmented(flat, self.lora_A, self.lora_B, slots, self.present)
         return y + extra.view(y.shape)

@@ -4,7 +4,7 @@ Endpoints (what vLLM and TGI give their users, so existing clients work unchange
 
     POST /v1/completions       text completion, streamed (server-sent events) or not
     POST /v1/chat/completions  chat, for models that carry a chat template (nanoserve/serving/chat.py)
-    GET  /v1/models            the one model served (and /v1/models/{id}: it, or 404)
+    GET  /v1/models            the model served and its LoRA adapters (/v1/models/{id}: one, or 404)
     POST /tokenize, /detokenize, GET /tokenizer_info   the tokenizer, as vLLM serves it (tokenize_api.py)
     GET  /health               200 while the engine loop is alive, 503 after it failed
     GET  /metrics              Prometheus text format (nanoserve/serving/metrics.py)
@@ -72,9 +72,10 @@ class APIError(Exception):
 
 def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
                chat_template: ChatTemplate | None = None, retry_after: int = 1,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> CountStatus:
-    """The ASGI app serving `engine` under `model_name`; run it with uvicorn (see `serve`)."""
-    core = engine.engine
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, loras: dict | None = None) -> CountStatus:
+    """The ASGI app serving `engine` under `model_name`, and each LoRARequest of `loras` under its name (a
+    request's `model` picks one, as vLLM's --lora-modules); run it with uvicorn (see `serve`)."""
+    core, loras = engine.engine, loras or {}
     metrics = ServerMetrics(core, pending=lambda: engine.num_pending)
 
     @asynccontextmanager
@@ -125,10 +126,12 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
     async def _bug(request, e: Exception):  # logged by uvicorn with its traceback; the client gets JSON
         return error(500, f"internal error: {type(e).__name__}: {e}", "server_error")
 
-    def check_model(name: str) -> None:
-        if name != model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
-                           code="model_not_found")
+    def check_model(name: str):
+        """The LoRARequest that `name` serves under, None for the base model; 404 for any other name."""
+        if name != model_name and name not in loras:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                                f"{', '.join(map(repr, [model_name, *loras]))}", code="model_not_found")
+        return loras.get(name)
 
     # ------------------------------------------------------------------ plain endpoints
     @app.get("/health")
@@ -141,31 +144,31 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    def card() -> dict:
-        return {"id": model_name, "object": "model", "created": api.now(), "owned_by": "nanoserve",
-                "max_model_len": core.max_model_len}
+    def card(name: str) -> dict:  # an adapter names the base model as its parent (vLLM's card)
+        return {"id": name, "object": "model", "created": api.now(), "owned_by": "nanoserve",
+                "max_model_len": core.max_model_len, **({"parent": model_name} if name in loras else {})}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [card()]}
+        return {"object": "list", "data": [card(name) for name in [model_name, *loras]]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str):
         check_model(name)
-        return card()
+        return card(name)
 
     add_tokenizer_routes(app, core, chat_template, check_model)  # /tokenize, /detokenize, /tokenizer_info
 
     # ------------------------------------------------------------------ generation
     async def add_all(prompts: list, params, rid: str, chat_messages: list[dict] | None = None,
-                      template_options: dict | None = None) -> list[AsyncIterator[RequestOutput]]:
+                      template_options: dict | None = None, lora=None) -> list[AsyncIterator[RequestOutput]]:
         """Queue every prompt or none. Tokenizing and validating run in a worker thread (a 4 MB prompt
         takes a second to tokenize, and the event loop must keep serving /health and the streams);
         queueing runs here on the loop, and undoes the queued ones if one is refused."""
         def prepare():
             ps = ([chat_template.encode(chat_messages, core.tokenizer, **(template_options or {}))]
                   if chat_messages is not None else prompts)
-            return [core.new_request(p, params, f"{rid}-{i}") for i, p in enumerate(ps)]
+            return [core.new_request(p, params, f"{rid}-{i}", lora_request=lora) for i, p in enumerate(ps)]
 
         reqs = await asyncio.to_thread(prepare)
         streams = []
@@ -180,13 +183,13 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
 
     @app.post("/v1/completions")
     async def completions(body: api.CompletionRequest, request: Request):
-        check_model(body.model)
+        lora, model_name = check_model(body.model), body.model  # the name answered: the one asked for
         params = body.sampling_params(COMPLETION_DEFAULT_MAX_TOKENS)
         rid, created = api.new_id("cmpl"), api.now()
         if body.prompt_logprobs is not None and body.stream:
             raise APIError(400, "prompt_logprobs with stream=true is not supported; use stream=false (or echo with "
                                 "logprobs, which streams the prompt's logprobs in the first chunk)")
-        streams = await add_all(body.prompts(), params, rid)
+        streams = await add_all(body.prompts(), params, rid, lora=lora)
         tok = core.tokenizer
         if body.stream:
             def chunk(index, delta, reason, first, out, c, chars, tokens):
@@ -202,7 +205,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        check_model(body.model)
+        lora, model_name = check_model(body.model), body.model
         if chat_template is None:
             raise APIError(400, f"the model {model_name!r} has no chat template, so it cannot serve chat "
                                 "completions; use /v1/completions, or start the server with --chat-template FILE",
@@ -218,7 +221,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
         if calls is not None and body.stream and mode != "named":
             raise APIError(400, "stream=true with tool calls parsed from the whole output (tool_choice required, "
                                 "or auto with a tool-calling template) is not supported; set stream=false")
-        streams = await add_all([], params, rid, body.message_dicts(), body.template_options())
+        streams = await add_all([], params, rid, body.message_dicts(), body.template_options(), lora)
         k, tok = params.logprobs or 0, core.tokenizer
         if body.stream:
             ids: dict[int, str] = {}  # choice -> its tool call's id (a named tool_choice)
@@ -262,18 +265,24 @@ def validation_message(errors: list[dict]) -> str:
 # ----------------------------------------------------------------------------- running it
 def serve(model: str = "demo", host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           served_model_name: str | None = None, chat_template: str | None = None, log_level: str = "info",
-          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, **engine_kwargs) -> None:
-    """Load the model and serve it until interrupted (what `nanoserve serve` runs)."""
+          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, lora_modules: list[str] | None = None,
+          **engine_kwargs) -> None:
+    """Load the model and serve it until interrupted (what `nanoserve serve` runs); `lora_modules`: name=path
+    of each LoRA adapter to serve beside it, read and checked before the server starts."""
     import uvicorn
 
     from ..engine.llm_engine import LLMEngine
+    from ..lora.serving import parse_lora_modules
     from .chat import load_chat_template, read_chat_template_file
 
-    core = LLMEngine(model, **engine_kwargs)
+    loras = parse_lora_modules(lora_modules or [])
+    core = LLMEngine(model, **engine_kwargs, **({"enable_lora": True} if loras else {}))
+    for req in loras.values():
+        core.inputs.lora.add(req)
     template = (read_chat_template_file(chat_template, core.tokenizer) if chat_template
                 else load_chat_template(model, core.tokenizer))
     app = create_app(AsyncLLMEngine(core), served_model_name or str(model), api_key, template,
-                     max_body_bytes=max_body_bytes)
+                     max_body_bytes=max_body_bytes, loras=loras)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"[nanoserve] warning: serving on {host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)
