@@ -89,6 +89,18 @@ def test_two_slots_four_adapters_the_scheduler_keeps_at_most_two_running(hf_chec
         assert _logprob_error(models[w] if w else hf, p, outs[rid]) <= 1e-4
 
 
+def test_preempted_requests_come_back_under_their_adapters(hf_checkpoints, tmp_path):
+    path, hf = hf_checkpoints["llama-gqa"]
+    models, reqs = _four_adapters(hf, tmp_path, "llama-gqa")
+    # 9 blocks of 4 tokens; three 12-token prompts growing to 20 need 15: some are preempted and recomputed
+    llm = LLM(str(path), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8, block_size=4, num_blocks=9)
+    prompts, which = [IDS, IDS[3:] + IDS[:3], IDS[6:] + IDS[:6]], [1, 2, 0]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=[reqs[w - 1] if w else None for w in which])
+    assert llm.engine.scheduler.num_preemptions > 0
+    for p, w, out in zip(prompts, which, outs):
+        assert _logprob_error(models[w] if w else hf, p, out) <= 1e-4, w
+
+
 def _first_logprob(llm, prompt, lora_request):
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=0)
     out = llm.generate([prompt], params, use_tqdm=False, lora_request=lora_request)[0]
