@@ -29,10 +29,12 @@ def _whole(llm: LLM) -> None:
     bm = e.block_allocator
     assert bm.num_free_blocks() == bm.num_blocks
     bm.check_invariants()
-    if e.spec is not None and hasattr(e.spec.proposer, "bm"):
+    if e.spec is not None and hasattr(e.spec.proposer, "block_allocator"):
         dbm = e.spec.proposer.block_allocator
         assert dbm.num_free_blocks() == dbm.num_blocks and not e.spec.proposer.seqs
         dbm.check_invariants()
+    if e.spec is not None:  # finished sequences let go of their controller state too
+        assert not e.spec.controller.states
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +50,7 @@ def test_greedy_draft_model_equals_target_alone(plain, gamma):
               speculative_adaptive=False)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)  # batch > 1
     assert {p: o.token_ids for p, o in zip(PROMPTS, outs)} == plain
+    _whole(llm)  # the draft's pool too: a request that finished let go of its draft sequence
     single = llm.generate(PROMPTS[2], GREEDY, use_tqdm=False)[0]  # batch 1
     assert single.token_ids == plain[PROMPTS[2]]
     stats = [o.outputs[0].spec_stats for o in outs]
@@ -162,7 +165,7 @@ def test_adaptive_gamma_switches_a_useless_draft_off(hf_checkpoints):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(speculative_model="demo-draft", num_speculative_tokens=0), r"num_speculative_tokens=0 must be an integer"),
     (dict(speculative_model="demo-draft", num_speculative_tokens=17), r"num_speculative_tokens=17"),
-    (dict(speculative="medusa"), r"must be one of draft, ngram"),
+    (dict(speculative="lookahead"), r"must be one of draft, ngram, medusa"),
     (dict(speculative="draft"), r"needs speculative_model"),
     (dict(speculative_model="/nonexistent/draft"), r"could not be loaded"),
     (dict(speculative_model="demo-draft", speculative_cost=-1), r"speculative_cost=-1 must be a finite number ≥ 0"),

@@ -88,6 +88,8 @@ class LLMEngine:
         self.inputs = InputProcessor(self.config, self.tokenizer, self.device, num_blocks, block_size, self.model_name)
         self.inputs.lora = lora  # checks and reads a request's adapter (lora_request)
         self.spec = None if spec_cfg is None else build_spec_decoder(spec_cfg, self)
+        if self.spec is not None:  # a sequence that finishes (or is aborted) lets go of its speculative state
+            self.scheduler.on_finish.append(self.spec.free)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.last_num_seqs = 0  # sequences in the latest forward (for occupancy plots)
@@ -124,7 +126,7 @@ class LLMEngine:
             return
         for s in req.samples:
             if s.out.finish_reason is None:
-                self._finish(s.seq, SequenceStatus.ABORTED)
+                self.scheduler.finish(s.seq, SequenceStatus.ABORTED)
                 s.out.finish_reason = "abort"
                 s.out.text = s.text.text
         req.output.finish_time = time.perf_counter()
@@ -270,11 +272,6 @@ class LLMEngine:
             req.output.outputs.append(sample.out)
             children.append(sample)
         return children
-
-    def _finish(self, seq: SequenceState, status: SequenceStatus = SequenceStatus.FINISHED) -> None:
-        self.scheduler.finish(seq, status)
-        if self.spec is not None:
-            self.spec.free(seq)
 
     def _guarded(self, seqs: list[SequenceState], done: dict, fn, *args):
         """fn(*args); if it raises a non-fatal error, the requests of `seqs` fail (and None is returned)."""

@@ -89,6 +89,7 @@ class ModelRunner:
         self.block_size = block_size
         self.graphs = None  # CudaGraphRunner once use_cuda_graphs() ran: decode steps replay graphs
         self.lora = lora  # a LoRAManager when the engine serves per-request adapters (lora/serving.py)
+        self.hidden: dict[int, torch.Tensor] = {}  # with model.keep_hidden: seq_id -> [K, C] at its latest logits
 
     def use_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> str | None:
         """Capture decode CUDA graphs (engine/cuda_graph.py); returns why not when they cannot serve
@@ -99,6 +100,8 @@ class ModelRunner:
             return "CUDA graphs need the triton attention backend (the torch one zeroes a varying set of blocks)"
         if self.lora is not None:  # its layers are wrapped as adapters arrive, and their slots change per step
             return "per-request LoRA adapters (enable_lora) run eagerly"
+        if self.model.keep_hidden:
+            return "draft heads read each step's hidden states (Medusa) eagerly"
         if any(getattr(m, "host_sync", False) for m in self.model.modules()):  # e.g. quant/llm_int8.py
             return "a layer reads device values on the host every call (LLM.int8's outlier features)"
         from .cuda_graph import CudaGraphRunner
@@ -173,4 +176,8 @@ class ModelRunner:
         """logits [B, K, V] of each row's last num_logits new tokens (K = max; shorter rows repeat their last)."""
         if self.lora is not None:  # each row's adapter into a slot, and each row's slot into the LoRA layers
             self.lora.set_batch([s.lora_int_id for s in seqs], self.device)
-        return self.execute(self.prepare(seqs, num_new, num_logits))
+        logits = self.execute(self.prepare(seqs, num_new, num_logits))
+        if self.model.keep_hidden:  # each row's hidden states where its logits are (Medusa heads read them)
+            for i, (seq, m) in enumerate(zip(seqs, num_logits)):
+                self.hidden[seq.seq_id] = self.model.last_hidden[i, :m]  # m, C
+        return logits

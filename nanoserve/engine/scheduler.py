@@ -94,6 +94,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
+        self.on_finish: list = []  # called with each sequence that leaves for good (speculation drops its state)
 
     # ------------------------------------------------------------------ queue management
     def add(self, seq: Sequence) -> None:
@@ -223,6 +224,8 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_allocator.free(seq)
         seq.status = status
+        for callback in self.on_finish:
+            callback(seq)
 
     # speculation: drafts join a sequence for one verification forward, the rejected ones leave
     def extend(self, seq: Sequence, tokens: list[int]) -> tuple[int, list[tuple[int, int]]]:

@@ -13,6 +13,7 @@ from torch import nn
 
 class CausalLM(nn.Module):
     config: object
+    keep_hidden = False  # keep the LM head's input as `last_hidden` [B, K, C] (draft heads read it: spec/medusa.py)
 
     def embed_and_blocks(self, input_ids, positions, cache):  # pragma: no cover - per family
         raise NotImplementedError
@@ -38,6 +39,8 @@ class CausalLM(nn.Module):
             h = h[rows, logit_index][:, None] if logit_index.dim() == 1 else h[rows[:, None], logit_index]  # B, K, C
         elif last_only:
             h = h[:, -1:]
+        if self.keep_hidden:
+            self.last_hidden = h
         logits = self.lm_head(h)  # B, T, V
         cap = getattr(self.config, "final_softcap", None)
         return logits if cap is None else cap * torch.tanh(logits / cap)  # Gemma 2: logits in (−cap, cap)

@@ -13,6 +13,8 @@ requests, in each `LLMEngine.step()`:
    pool, a draft `Sequence` shadowing each target sequence), drafting x₁..x_γ from q at the
    request's temperature / top-k / top-p (greedy: argmax). Or *n-gram lookup* (prompt lookup
    decoding): copy what followed the latest earlier occurrence of the last few tokens — no model.
+   Or *Medusa heads* (medusa.py): small heads on the target's own last hidden state, head i's top
+   token the i-th draft — no second forward at all.
 3. **Verify.** The drafts are appended to the target sequence (each gets a KV slot through the
    block allocator, copy-on-write included) and the target computes all γ + 1 positions in one
    forward: logits for p₁..p_{γ+1}. Decoding is memory-bound on a GPU, so scoring γ + 1 tokens
@@ -53,17 +55,18 @@ from ..engine.sequence import Sequence
 from ..errors import NanoserveError
 from ..models.loader import load_model
 from .controller import SpecController
+from .medusa import MedusaProposer, load_medusa
 from .proposers import DraftModelProposer, NgramDraft
 from .rejection_sampler import MAX_SPECULATIVE_TOKENS, greedy_verify, rejection_sample
 
-SPECULATIVE_METHODS = ("draft", "ngram")
+SPECULATIVE_METHODS = ("draft", "ngram", "medusa")
 
 
 @dataclass
 class SpecDecodeConfig:
-    method: str  # "draft" (a small model) or "ngram" (prompt lookup)
+    method: str  # "draft" (a small model), "ngram" (prompt lookup) or "medusa" (heads on the target: medusa.py)
     num_speculative_tokens: int = 4  # γ: the most tokens drafted per step
-    draft_model: str | None = None  # for method="draft": a shipped name, checkpoint dir or .bin
+    draft_model: str | None = None  # "draft": a shipped name, checkpoint dir or .bin; "medusa": the heads' dir
     adaptive: bool = True  # pick each sample's γ from its observed acceptance (else always γ)
     min_acceptance: float = 0.3  # below this estimated α a sample stops speculating (then probes)
     probe_interval: int = 16  # plain steps between probes of a switched-off sample
@@ -90,6 +93,8 @@ class SpecDecodeConfig:
             raise NanoserveError(f"num_speculative_tokens={g!r} must be an integer in 1..{MAX_SPECULATIVE_TOKENS}")
         if self.method == "draft" and not self.draft_model:
             raise NanoserveError("speculative decoding with a draft model needs speculative_model=<name or path>")
+        if self.method == "medusa" and not self.draft_model:
+            raise NanoserveError("speculative='medusa' needs speculative_model=<the Medusa heads' directory>")
         if not 0 <= self.min_acceptance < 1:
             raise NanoserveError(f"min_acceptance={self.min_acceptance!r} must be in [0, 1)")
         c = self.cost
@@ -230,6 +235,16 @@ def build_spec_decoder(cfg: SpecDecodeConfig, engine) -> SpecDecoder:
     max_len, kv = engine.max_model_len, engine.runner.kv
     if cfg.method == "ngram":
         proposer, cost = NgramDraft(cfg.ngram_max, cfg.ngram_min), 0.0  # no model: drafting is ~free
+    elif cfg.method == "medusa":
+        heads = load_medusa(cfg.draft_model, engine.config.hidden_size, engine.config.vocab_size, engine.device,
+                            engine.dtype)
+        if cfg.num_speculative_tokens > heads.num_heads:
+            raise NanoserveError(f"num_speculative_tokens={cfg.num_speculative_tokens} but the Medusa heads at "
+                                 f"{cfg.draft_model} predict {heads.num_heads} tokens; allowed: 1..{heads.num_heads}")
+        proposer = MedusaProposer(heads, engine.runner)
+        if engine.runner.graphs is not None:  # the graphs were recorded without keeping hidden states
+            engine.runner.graphs, engine.cuda_graphs_off = None, "Medusa heads read each step's hidden states"
+        cost = sum(p.numel() for p in heads.parameters()) / sum(p.numel() for p in engine.model.parameters())
     else:
         try:
             draft, dcfg, dtok = load_model(cfg.draft_model, dtype=engine.dtype, device=engine.device)

@@ -1,0 +1,143 @@
+"""Medusa heads (Cai et al. 2024): draft tokens from the target's own last hidden state, no draft model.
+
+The target's LM head turns the hidden state h_t (after the last block and the final norm) into the
+distribution of token t + 1. A Medusa head is a small block on the same h_t, trained to predict token
+t + 1 + i instead (i = 1..k): one residual block, h + SiLU(W h + b), then its own LM head [V, C]
+(initialized from the target's). All k heads read one vector, so drafting k tokens costs k small
+matmuls, not k forwards of anything: the cheapest proposer there is beside n-gram lookup.
+
+    MedusaHeads      the k heads (Medusa-1's layout), `forward(h) -> logits [N, k, V]`
+    save_medusa      a directory in Medusa's own layout: config.json (medusa_num_heads,
+    load_medusa      medusa_num_layers, base_model_name_or_path, and our hidden_size / vocab_size)
+                     and medusa_lm_head.safetensors with keys "{i}.{j}.linear.weight" / ".bias" (block
+                     j of head i) and "{i}.{L}.weight" (head i's LM head, L = medusa_num_layers)
+    MedusaProposer   the engine's proposer: each row's top-1 of heads 1..γ, a chain of γ drafts
+
+Here the heads' top-1 tokens form one chain, verified like any draft (spec_decode.py): greedy keeps the
+target's tokens exactly, and at T > 0 the chain is a deterministic proposal (q one-hot, as n-gram's),
+which the rejection sampler verifies without changing the target's law. Medusa's tree of top-k
+candidates per head is spec/tree_sampler.py's subject; the engine verifies chains only, so far.
+
+The hidden state: the model keeps its LM head's input when `keep_hidden` is set (models/base.py), the
+model runner keeps each row's rows of it by sequence (`ModelRunner.hidden`), and the proposer picks the
+one that produced the sequence's latest token: the last row after a plain step, row `accepted` after a
+verification (recorded at `rollback`). Training: nanoserve/tools/train_medusa.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from ..errors import CheckpointError
+
+WEIGHTS, CONFIG = "medusa_lm_head.safetensors", "config.json"
+
+
+class ResBlock(nn.Module):
+    """h + SiLU(W h + b); W starts at zero, so an untrained head is its LM head on h."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden)
+        nn.init.zeros_(self.linear.weight)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + F.silu(self.linear(h))
+
+
+class MedusaHeads(nn.Module):
+    """k heads; head i (0-based) at position t predicts token t + 2 + i. Its state dict is Medusa's."""
+
+    def __init__(self, hidden: int, vocab: int, num_heads: int, num_layers: int = 1):
+        super().__init__()
+        self.hidden, self.vocab, self.num_heads, self.num_layers = hidden, vocab, num_heads, num_layers
+        self.heads = nn.ModuleList(
+            nn.Sequential(*[ResBlock(hidden) for _ in range(num_layers)], nn.Linear(hidden, vocab, bias=False))
+            for _ in range(num_heads))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # h [..., C] -> logits [..., k, V]
+        return torch.stack([head(h) for head in self.heads], dim=-2)
+
+
+def save_medusa(heads: MedusaHeads, path: str | Path, base_model: str = "") -> Path:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = {"medusa_num_heads": heads.num_heads, "medusa_num_layers": heads.num_layers,
+              "base_model_name_or_path": base_model, "hidden_size": heads.hidden, "vocab_size": heads.vocab}
+    (path / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+    save_file({k: v.detach().contiguous().cpu() for k, v in heads.heads.state_dict().items()}, str(path / WEIGHTS))
+    return path
+
+
+def load_medusa(path: str | Path, hidden: int, vocab: int, device=None, dtype=None) -> MedusaHeads:
+    """Heads saved by save_medusa (or Medusa itself), checked against the target's hidden size and vocabulary."""
+    path = Path(path)
+    for f in (CONFIG, WEIGHTS):
+        if not (path / f).is_file():
+            raise CheckpointError(f"{path} holds no Medusa heads: {f} is missing")
+    cfg = json.loads((path / CONFIG).read_text())
+    k, layers = cfg.get("medusa_num_heads"), cfg.get("medusa_num_layers", 1)
+    if not isinstance(k, int) or k < 1 or not isinstance(layers, int) or layers < 0:
+        raise CheckpointError(f"{path / CONFIG}: medusa_num_heads={k!r} and medusa_num_layers={layers!r} must be "
+                              "integers, ≥ 1 and ≥ 0")
+    state = load_file(str(path / WEIGHTS))
+    shape = tuple(state.get(f"0.{layers}.weight", torch.empty(0)).shape)
+    if shape != (vocab, hidden):
+        raise CheckpointError(f"{path}: the heads' LM head is {shape} (vocab, hidden); the target's is "
+                              f"{(vocab, hidden)}: these heads were trained for another model")
+    heads = MedusaHeads(hidden, vocab, k, layers)
+    missing, unexpected = heads.heads.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f"{path / WEIGHTS}: tensors missing {missing[:3]} or unexpected {unexpected[:3]} for "
+                              f"{k} heads of {layers} blocks")
+    return heads.to(device=device, dtype=dtype).eval()
+
+
+class MedusaProposer:
+    """Each speculating row's drafts: the top token of heads 1..γ on the hidden state behind its latest token."""
+
+    timings = None  # (one batched head call per step: timed as one draft forward by spec_decode)
+
+    def __init__(self, heads: MedusaHeads, runner):
+        self.heads, self.runner = heads, runner
+        runner.model.keep_hidden = True  # the runner keeps each row's hidden states (ModelRunner.hidden)
+        self.start: dict[int, int] = {}  # seq_id -> its length before this step's drafts
+        self.verified: dict[int, tuple[torch.Tensor, int]] = {}  # seq_id -> (the verification's rows, accepted)
+
+    def propose(self, rows, matchers=None):
+        """rows: (seq, γ, params, generator) -> (draft ids, None) each; drafts ignore a grammar (verification
+        masks them, as n-gram drafts) and are deterministic: q is one-hot."""
+        found, picked = [], []
+        for i, (seq, _, _, _) in enumerate(rows):
+            h = self.runner.hidden.get(seq.seq_id)  # [K, C] of its latest forward
+            if h is None:
+                continue
+            rows_then, accepted = self.verified.pop(seq.seq_id, (None, -1))
+            picked.append(h[accepted] if rows_then is h else h[-1])  # row `accepted` only of that verification
+            found.append(i)
+            self.start[seq.seq_id] = len(seq)
+        drafts: list[tuple[list[int], None]] = [([], None) for _ in rows]
+        if found:
+            with torch.inference_mode():
+                tops = self.heads(torch.stack(picked)).argmax(-1).tolist()  # N, k
+            for i, top in zip(found, tops):
+                drafts[i] = (top[: rows[i][1]], None)
+        return drafts
+
+    def rollback(self, seq, num_valid: int) -> None:
+        """After verifying: the hidden row behind the latest token is that of the last accepted draft."""
+        start = self.start.pop(seq.seq_id, None)
+        h = self.runner.hidden.get(seq.seq_id)
+        if start is not None and h is not None:
+            self.verified[seq.seq_id] = (h, num_valid - start)
+
+    def free(self, seq) -> None:
+        self.runner.hidden.pop(seq.seq_id, None)
+        self.start.pop(seq.seq_id, None)
+        self.verified.pop(seq.seq_id, None)
