@@ -1,5 +1,5 @@
-"""benchmarks/bench_peers.py (nanoserve vs HF, vLLM, llama.cpp), bench_step_time.py and bench_lora.py: their --quick
-modes keep the scripts from rotting.
+"""benchmarks/bench_peers.py (nanoserve vs HF, vLLM, llama.cpp), bench_step_time.py, bench_lora.py and
+bench_spec_methods.py: their --quick modes keep the scripts from rotting.
 
 Quick mode runs nanoserve and HF only, on tiny models, one round; the peers (which live in their own
 virtualenvs, never installed for the tests) are recorded as skipped.
@@ -68,3 +68,18 @@ def test_bench_lora_quick_mode_times_every_config(tmp_path):
         (c, b) for c in ("base", "merged r=4", "unmerged r=4") for b in (1, 2)]
     assert all(p["step_ms"] > 0 for p in res["points"])
     assert "unmerged r=4" in proc.stdout  # the printed table
+    assert [(p["method"], p["distinct"]) for p in res["distinct"]["points"]] == [
+        (m, d) for m in ("segmented", "gathered", "auto") for d in (0, 1, 4)]
+
+
+def test_bench_spec_methods_quick_mode_runs_every_proposer(tmp_path):
+    out = tmp_path / "spec.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT.parent / "bench_spec_methods.py"), "--quick", "--out",
+                           str(out), "--cache-dir", str(tmp_path / "cache")], capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert [r["engine"] for r in res["rows"]] == ["target alone"] + [
+        f"{m}, {c}" for m in ("draft model", "n-gram", "Medusa") for c in ("γ = 3", "controller")]
+    assert all(r["same_tokens_as_target"] for r in res["rows"])  # greedy: every proposer keeps the target's tokens
+    assert res["rows"][1]["spec_steps"] > 0 and "Medusa, γ = 3" in proc.stdout
