@@ -27,6 +27,19 @@ def test_prior_until_measured_then_ratios_of_the_moving_averages():
     assert costs.plain_s == pytest.approx(0.6)
 
 
+def test_a_one_call_proposer_pays_its_call_once_whatever_gamma():
+    """n-gram lookup and Medusa's heads draft all γ tokens in one call: a step costs v + c, not v + c·γ."""
+    for one_call, want in ((False, 1.5 + 4 * 0.6), (True, 1.5 + 0.6)):
+        costs = StepCosts(0.09, one_call=one_call)
+        costs.record_draft(0.3, forwards=1)
+        costs.record_step(speculative=False, seconds=0.5)
+        costs.record_step(speculative=True, seconds=0.75)
+        assert costs.step_cost(4) == pytest.approx(want) and costs.step_cost(0) == 1.0
+    ngram = LLM("demo", speculative="ngram").engine.spec.controller.costs
+    draft = LLM("demo", speculative_model="demo-draft").engine.spec.controller.costs
+    assert ngram.one_call and not draft.one_call
+
+
 def test_a_plain_step_is_asked_for_again_after_recalibrate_every_speculative_steps():
     costs = StepCosts(0.1, recalibrate_every=5)
     costs.record_step(False, 1.0)

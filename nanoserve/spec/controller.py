@@ -8,6 +8,9 @@ tokens), against one plain decode step that emits one token. In units of a plain
 
     cost(γ) = v + c·γ        c = draft forward / plain step,  v = verification / plain step
 
+(a proposer that drafts all γ tokens in one call, n-gram lookup or Medusa's heads, costs v + c: its
+`one_call` is True and c is that call),
+
 and the expected speedup of a sample with acceptance rate α is E(α, γ) / cost(γ), E the expected
 tokens per verification (rejection_sampler.expected_tokens_per_step). Neither ratio is known ahead:
 
@@ -46,8 +49,10 @@ MAX_PROBE_INTERVAL = 1024  # the longest wait between probes, after failed probe
 
 
 class StepCosts:
-    def __init__(self, prior_draft_cost: float, pinned: float | None = None, recalibrate_every: int = 100):
+    def __init__(self, prior_draft_cost: float, pinned: float | None = None, recalibrate_every: int = 100,
+                 one_call: bool = False):
         self.prior, self.pinned, self.recalibrate_every = prior_draft_cost, pinned, recalibrate_every
+        self.one_call = one_call  # the proposer drafts γ tokens in one call (n-gram, Medusa), not γ forwards
         self.draft_s: float | None = None  # seconds per draft forward (EMA)
         self.verify_s: float | None = None  # seconds per verification step (EMA)
         self.plain_s: float | None = None  # seconds per plain decode step (EMA)
@@ -72,8 +77,8 @@ class StepCosts:
         return self.verify_s / self.plain_s
 
     def step_cost(self, gamma: int) -> float:
-        """A speculative step of γ drafts, in plain steps: v + c·γ (1 for γ = 0)."""
-        return 1.0 if gamma == 0 else self.verify_cost() + self.draft_cost() * gamma
+        """A speculative step of γ drafts, in plain steps: v + c·γ, or v + c for a one-call proposer (1 for γ = 0)."""
+        return 1.0 if gamma == 0 else self.verify_cost() + self.draft_cost() * (1 if self.one_call else gamma)
 
     def wants_plain_step(self) -> bool:
         """Whether the next decode step should run plainly, to time a plain step."""
@@ -121,9 +126,9 @@ class SpecController:
     MAX_PROBE_INTERVAL, one that switches its sample back on resets it), and never more often than keeps a
     probe's extra cost within PROBE_BUDGET of the wait."""
 
-    def __init__(self, config, prior_draft_cost: float):
+    def __init__(self, config, prior_draft_cost: float, one_call: bool = False):
         self.config = config  # spec_decode.SpecDecodeConfig
-        self.costs = StepCosts(prior_draft_cost, config.cost)  # c and v: measured, or pinned
+        self.costs = StepCosts(prior_draft_cost, config.cost, one_call=one_call)  # c and v: measured, or pinned
         self.alpha = ALPHA_PRIOR  # the engine's running α: a new sample's first estimate
         self.probe_every = config.probe_interval  # plain steps between a switched-off sample's probes
         self.states: dict[int, SampleState] = {}

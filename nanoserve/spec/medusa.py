@@ -103,6 +103,7 @@ class MedusaProposer:
     """Each speculating row's drafts: the top token of heads 1..γ on the hidden state behind its latest token."""
 
     timings = None  # (one batched head call per step: timed as one draft forward by spec_decode)
+    one_call = True  # all γ drafts come from that one call: a step costs v + c, not v + c·γ (spec/controller.py)
 
     def __init__(self, heads: MedusaHeads, runner):
         self.heads, self.runner = heads, runner

@@ -171,6 +171,8 @@ class DraftModelProposer:
 class NgramDraft:
     """Prompt lookup decoding: no second model, q is one-hot."""
 
+    one_call = True  # one lookup gives all γ drafts (spec/controller.py: a step costs v + c, not v + c·γ)
+
     def __init__(self, max_n: int, min_n: int):
         self.proposer = NgramProposer(max_n=max_n, min_n=min_n)
 

@@ -121,7 +121,8 @@ class SpecDecoder:
     def __init__(self, config: SpecDecodeConfig, proposer, scheduler: Scheduler, max_model_len: int,
                  cost: float = 0.0):
         self.config, self.proposer, self.scheduler, self.max_model_len = config, proposer, scheduler, max_model_len
-        self.controller = SpecController(config, cost)  # γ per sample (cost: c's prior, the parameter ratio)
+        # γ per sample (cost: c's prior, the parameter ratio); n-gram lookup and Medusa draft γ tokens in one call
+        self.controller = SpecController(config, cost, one_call=getattr(proposer, "one_call", False))
         self.pure_decode = False  # whether the planned step has decoding rows only (its time is recorded)
         self.copies: list[tuple[int, int]] = []  # copy-on-write block copies from the last extension
 
