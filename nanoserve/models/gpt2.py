@@ -39,7 +39,7 @@ class GPT2Attention(nn.Module):
             y = attention(q, k, v)  # B, T, H, D
         else:  # the cache stores k, v and attends over everything cached (its backend: torch or Triton)
             y = cache.attention(self.layer_idx, q, k, v, positions)  # B, T, H, D
-        return self.c_proj(y.reshape(B, T, C))
+        return self.c_proj(y.reshape(B, T, -1))  # (-1: H·D, which tensor parallelism makes a share of C)
 
 
 class GPT2MLP(nn.Module):

@@ -1,0 +1,68 @@
+"""Running a sharded model on N processes of this machine, with gloo (CPU) — what the tests and the notebook do.
+
+    tp_forward(path, ids, world_size)          logits [T, V] of one forward of `ids`, the model split N ways
+    tp_greedy(path, ids, n, world_size)        n greedy tokens, each from a full forward (no KV cache)
+
+Each spawns `world_size` processes (torch.multiprocessing), which join one gloo process group over a local
+TCP port, load the checkpoint, keep their share (tensor_parallel.shard_model) and run the same forward; rank 0
+writes the result to a file the caller reads. One torch thread per process: the ranks share the cores.
+The engine's own workers (a scheduler on rank 0, the others following its steps) are not built yet.
+"""
+
+from __future__ import annotations
+
+import socket
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, path: str, ids: list[int], steps: int, out: str, shard) -> None:
+    from ..models.loader import load_model
+    from .tensor_parallel import shard_model
+
+    shard = shard or shard_model
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        model = load_model(path, dtype="float32", device="cpu")[0]
+        if world_size > 1:
+            shard(model, rank, world_size)
+        with torch.no_grad():
+            tokens, logits = list(ids), model(torch.tensor([ids]))[0]  # T, V
+            for _ in range(steps):  # greedy, a full forward per token: every rank gets the same logits
+                tokens.append(int(model(torch.tensor([tokens]))[0, -1].argmax()))
+        if rank == 0:
+            torch.save({"logits": logits, "tokens": tokens[len(ids):]}, out)
+        dist.barrier()  # nobody tears the group down while another rank still talks to it
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(path, ids, steps: int, world_size: int, shard) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "rank0.pt")
+        mp.spawn(_worker, args=(world_size, free_port(), str(path), list(ids), steps, out, shard),
+                 nprocs=world_size, join=True)
+        return torch.load(out)
+
+
+def tp_forward(path, ids: list[int], world_size: int, shard=None) -> torch.Tensor:
+    """Logits [T, V] (float32) of `ids` with the model split over `world_size` gloo processes; `shard(model, rank,
+    world_size)`: how each rank takes its share (default tensor_parallel.shard_model; a module-level function)."""
+    return _run(path, ids, 0, world_size, shard)["logits"]
+
+
+def tp_greedy(path, ids: list[int], n: int, world_size: int, shard=None) -> list[int]:
+    """`n` greedy tokens after `ids`, the model split over `world_size` gloo processes."""
+    return _run(path, ids, n, world_size, shard)["tokens"]

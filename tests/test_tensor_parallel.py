@@ -1,0 +1,69 @@
+"""Tensor parallelism (nanoserve/parallel/): a model split over 2 (or 4) gloo processes on this CPU must compute
+what one process computes.
+
+Oracle: the same checkpoint in one process (itself proven against transformers in test_models_parity.py).
+Logits within 1e-5 (fp32; the all-reduces sum the rows' partial products in another order) and 64 greedy
+tokens identical, on GPT-2 (fused qkv, biases, tied and vocabulary-padded: 257 ids over 2 ranks), a GQA Llama
+(untied head), Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms) over 4 ranks, which has 2 KV heads: each rank
+keeps a replica of the one its query heads share. Negative control: a row-parallel layer that skips its
+all-reduce. Refused by name: heads not divisible by the ranks, OLMo 2's whole-projection q/k norm, MoE.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoserve import LLM, NanoserveError
+from nanoserve.parallel import tensor_parallel
+from nanoserve.parallel.launch import tp_forward, tp_greedy
+from nanoserve.parallel.tensor_parallel import tp_unsupported
+
+IDS = [5, 17, 99, 3, 42, 8, 77, 1, 64, 23, 11, 90]
+
+
+@pytest.mark.parametrize("case,world", [("gpt2", 2), ("llama-gqa", 2), ("qwen2-bias", 2), ("qwen3-window", 4)])
+def test_split_logits_equal_one_process(hf_checkpoints, case, world):
+    path = hf_checkpoints[case][0]
+    want = LLM(str(path), dtype="float32").logits(IDS)
+    got = tp_forward(path, IDS, world)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_split_greedy_tokens_equal_one_process(hf_checkpoints):
+    path = hf_checkpoints["llama-gqa"][0]
+    from nanoserve import SamplingParams
+
+    want = LLM(str(path), dtype="float32").generate([IDS], SamplingParams(temperature=0, max_tokens=64,
+                                                                          ignore_eos=True), use_tqdm=False)
+    assert tp_greedy(path, IDS, 64, 2) == want[0].outputs[0].token_ids
+
+
+class _NoAllReduce(tensor_parallel.RowParallelLinear):
+    def forward(self, x):  # each rank keeps its partial product: the mutant
+        y = torch.nn.functional.linear(x, self.weight)
+        return y if self.bias is None else y + self.bias
+
+
+def _shard_without_all_reduce(model, rank, world_size):  # (module level: the spawned ranks import it by name)
+    tensor_parallel.shard_model(model, rank, world_size)
+    for m in model.modules():
+        if isinstance(m, tensor_parallel.RowParallelLinear):
+            m.__class__ = _NoAllReduce
+
+
+def test_a_row_parallel_layer_without_its_all_reduce_is_caught(hf_checkpoints):
+    path = hf_checkpoints["llama-gqa"][0]
+    want = LLM(str(path), dtype="float32").logits(IDS)
+    got = tp_forward(path, IDS, 2, shard=_shard_without_all_reduce)
+    assert (got - want).abs().max().item() > 1e-2
+
+
+@pytest.mark.parametrize("case,world,match", [("llama-gqa", 4, "n_heads=6 is not divisible by 4"),
+                                               ("olmo2", 2, "whole projection"),
+                                               ("mixtral", 2, "mixture-of-experts")])
+def test_what_cannot_be_split_is_refused_by_name(hf_checkpoints, case, world, match):
+    model = LLM(str(hf_checkpoints[case][0]), dtype="float32").model
+    assert match in tp_unsupported(model.config, world)
+    with pytest.raises(NanoserveError, match=match):
+        tensor_parallel.shard_model(model, 0, world)
