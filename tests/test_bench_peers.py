@@ -1,5 +1,5 @@
-"""benchmarks/bench_peers.py (nanoserve vs HF, vLLM, llama.cpp), bench_step_time.py, bench_lora.py and
-bench_spec_methods.py: their --quick modes keep the scripts from rotting.
+"""benchmarks/bench_peers.py (nanoserve vs HF, vLLM, llama.cpp), bench_step_time.py, bench_lora.py,
+bench_spec_methods.py and bench_tp.py: their --quick modes keep the scripts from rotting.
 
 Quick mode runs nanoserve and HF only, on tiny models, one round; the peers (which live in their own
 virtualenvs, never installed for the tests) are recorded as skipped.
@@ -83,3 +83,15 @@ def test_bench_spec_methods_quick_mode_runs_every_proposer(tmp_path):
         f"{m}, {c}" for m in ("draft model", "n-gram", "Medusa") for c in ("γ = 3", "controller")]
     assert all(r["same_tokens_as_target"] for r in res["rows"])  # greedy: every proposer keeps the target's tokens
     assert res["rows"][1]["spec_steps"] > 0 and "Medusa, γ = 3" in proc.stdout
+
+
+def test_bench_tp_quick_mode_counts_what_it_exchanges(tmp_path):
+    out = tmp_path / "tp.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT.parent / "bench_tp.py"), "--quick", "--out", str(out),
+                           "--cache-dir", str(tmp_path / "cache")], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["tp"], r["tokens"]) for r in rows] == [(1, 1), (1, 8), (2, 1), (2, 8)]
+    for r in rows:  # the bytes the wrapped collectives moved are the formula's, per token
+        assert r["comm_bytes_per_token_measured"] == r["comm_bytes_per_token_computed"]
+        assert r["forward_ms"] > 0 and (r["comm_calls"] > 0) == (r["tp"] == 2)
