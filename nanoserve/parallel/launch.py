@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import socket
 import tempfile
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -33,7 +34,8 @@ def _worker(rank: int, world_size: int, port: int, path: str, ids: list[int], st
     shard = shard or shard_model
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=120))  # a rank left waiting on a dead one fails, not hangs
     try:
         model = load_model(path, dtype="float32", device="cpu")[0]
         if world_size > 1:
