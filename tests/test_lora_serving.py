@@ -62,6 +62,11 @@ def test_a_batch_mixing_four_adapters_and_the_base_equals_peft_request_by_reques
         assert _logprob_error(models[w] if w else hf, p, out) <= 1e-4, (i, w)
         if w:  # the control: a row computed under the wrong adapter (here: none) would miss by far
             assert _logprob_error(hf, p, out) > 1e-2, (i, w)
+    one = llm.generate([IDS], GREEDY, use_tqdm=False, lora_request=reqs[0])[0]  # a step of one row, then:
+    with torch.no_grad():  # a forward outside the engine is the base model's, not that step's adapter's
+        base = torch.log_softmax(hf(torch.tensor([IDS])).logits[0].double(), -1)
+    assert (torch.log_softmax(llm.logits(IDS).double(), -1) - base).abs().max().item() <= 1e-4
+    assert _logprob_error(models[1], IDS, one) <= 1e-4
 
 
 def test_two_slots_four_adapters_the_scheduler_keeps_at_most_two_running(hf_checkpoints, tmp_path):

@@ -176,7 +176,11 @@ class ModelRunner:
         """logits [B, K, V] of each row's last num_logits new tokens (K = max; shorter rows repeat their last)."""
         if self.lora is not None:  # each row's adapter into a slot, and each row's slot into the LoRA layers
             self.lora.set_batch([s.lora_int_id for s in seqs], self.device)
-        logits = self.execute(self.prepare(seqs, num_new, num_logits))
+        try:
+            logits = self.execute(self.prepare(seqs, num_new, num_logits))
+        finally:
+            if self.lora is not None:
+                self.lora.clear()
         if self.model.keep_hidden:  # each row's hidden states where its logits are (Medusa heads read them)
             for i, (seq, m) in enumerate(zip(seqs, num_logits)):
                 self.hidden[seq.seq_id] = self.model.last_hidden[i, :m]  # m, C

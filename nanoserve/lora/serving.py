@@ -143,6 +143,12 @@ class LoRAManager:
                 layer.set_slots(slots, present)
                 layer.method = method
 
+    def clear(self) -> None:
+        """After a forward: no layer keeps its rows' slots (a later forward outside the engine, `LLM.logits`
+        say, is the base model's, not the last step's adapters')."""
+        for layer in self.layers.values():
+            layer.set_slots(None, [])
+
 
 def parse_lora_modules(specs: list[str]) -> dict[str, LoRARequest]:
     """`name=path` each (vLLM's `--lora-modules`): a LoRARequest per name, with ids 1, 2, ... in order."""
