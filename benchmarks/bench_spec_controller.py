@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.models.loader import resolve_model_path
-from nanoserve.tools.bench import SPEC_PROMPTS, _timed_generate
+from nanoserve.tools.bench import SPEC_PROMPTS, _timed_generate, text_table
 
 HERE = Path(__file__).resolve().parent
 
@@ -96,11 +96,7 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     cols = ["engine", "seconds", "speedup", "spec_steps", "tokens_from_spec_steps", "tokens", "draft_cost_c",
             "verify_cost_v", "same_tokens_as_target"]
-    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
-    widths = [max(len(c), *(len(fmt(r[c])) for r in rows)) for c in cols]
-    print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
-    for r in rows:
-        print("  ".join(fmt(r[c]).rjust(w) for c, w in zip(cols, widths)))
+    print(text_table(rows, cols))
     print(f"saved {args.out}")
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.tools.bench import SPEC_PROMPTS, _timed_generate
+from nanoserve.tools.bench import SPEC_PROMPTS, _timed_generate, text_table
 
 HERE = Path(__file__).resolve().parent
 
@@ -86,12 +86,8 @@ def main() -> None:
            "device": f"CPU ({platform.machine()}), {torch.get_num_threads()} threads",
            "command": "python benchmarks/bench_spec_methods.py" + (" --quick" if args.quick else "")}
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
-    fmt = lambda v: "—" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
-    cols = ["engine", "seconds", "speedup", "acceptance", "tokens_per_forward", "spec_steps", "same_tokens_as_target"]
-    widths = [max(len(c), *(len(fmt(r[c])) for r in rows)) for c in cols]
-    print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
-    for r in rows:
-        print("  ".join(fmt(r[c]).rjust(w) for c, w in zip(cols, widths)))
+    print(text_table(rows, ["engine", "seconds", "speedup", "acceptance", "tokens_per_forward", "spec_steps",
+                            "same_tokens_as_target"]))
     print(f"saved {args.out}")
 
 

@@ -153,6 +153,14 @@ SPEC_PROMPTS = ("ROMEO:\n", "JULIET:\nO Romeo, Romeo", "First Citizen:\nBefore w
                 "KING HENRY:\n", "MENENIUS:\nWhat work's, my countrymen", "DUKE VINCENTIO:\n")
 
 
+def text_table(rows: list[dict], cols: list[str]) -> str:
+    """`rows` as a right-aligned text table of `cols` (floats with 3 decimals, None as —), for the benchmarks."""
+    fmt = lambda v: "—" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
+    widths = [max(len(c), *(len(fmt(r[c])) for r in rows)) for c in cols]
+    return "\n".join(["  ".join(c.rjust(w) for c, w in zip(cols, widths))]
+                     + ["  ".join(fmt(r[c]).rjust(w) for c, w in zip(cols, widths)) for r in rows])
+
+
 def _timed_generate(llm, prompts, params, repeats: int = 2) -> tuple[float, list]:
     """Best of `repeats` wall times (this machine is shared and noisy) for the prompts one at a time."""
     best = float("inf")
