@@ -67,3 +67,9 @@ def test_what_cannot_be_split_is_refused_by_name(hf_checkpoints, case, world, ma
     assert match in tp_unsupported(model.config, world)
     with pytest.raises(NanoserveError, match=match):
         tensor_parallel.shard_model(model, 0, world)
+
+
+def test_a_quantized_model_is_refused_before_any_weight_is_split(hf_checkpoints):
+    model = LLM(str(hf_checkpoints["llama-gqa"][0]), dtype="float32", quantization="int8").model
+    with pytest.raises(NanoserveError, match="splits float nn.Linear layers, not a"):
+        tensor_parallel.shard_model(model, 0, 2)

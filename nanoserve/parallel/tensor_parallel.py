@@ -43,11 +43,19 @@ def _rows(t: torch.Tensor, start: int, size: int) -> torch.Tensor:
     return out
 
 
+def _check_float_linear(layer: nn.Module) -> None:
+    """Only a float nn.Linear's weight is split here: an int8/int4 layer's codes and scales split otherwise."""
+    if not isinstance(layer, nn.Linear) or not layer.weight.is_floating_point():
+        raise NanoserveError(f"tensor parallelism splits float nn.Linear layers, not a {type(layer).__name__}: "
+                             "quantized (or adapter-wrapped) linears are not split yet")
+
+
 class ColumnParallelLinear(nn.Module):
     """Rows `index` of a linear's weight [O, I] (and bias): this rank's share of its outputs."""
 
     def __init__(self, layer: nn.Linear, index: torch.Tensor):
         super().__init__()
+        _check_float_linear(layer)
         self.in_features, self.out_features = layer.in_features, len(index)
         self.weight = nn.Parameter(layer.weight.detach()[index].clone(), requires_grad=False)  # O/N, I
         self.bias = None if layer.bias is None else nn.Parameter(layer.bias.detach()[index].clone(),
@@ -62,6 +70,7 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, layer: nn.Linear, index: torch.Tensor):
         super().__init__()
+        _check_float_linear(layer)
         self.in_features, self.out_features = len(index), layer.out_features
         self.weight = nn.Parameter(layer.weight.detach()[:, index].clone(), requires_grad=False)  # O, I/N
         self.bias = None if layer.bias is None else nn.Parameter(layer.bias.detach().clone(), requires_grad=False)
@@ -126,8 +135,11 @@ def shard_model(model: nn.Module, rank: int, world_size: int) -> nn.Module:
     why = tp_unsupported(cfg, world_size)
     if why is not None:
         raise NanoserveError(f"tensor_parallel_size={world_size} is not possible for this model: {why}")
-    if any(not isinstance(m, nn.Linear) and hasattr(m, "qweight") for m in model.modules()):
-        raise NanoserveError("tensor parallelism over quantized linears is not supported yet")
+    for module in model.modules():  # every layer to split checked before the first one is
+        for name in ("c_attn", "c_proj", "c_fc", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                     "down_proj"):
+            if hasattr(module, name):
+                _check_float_linear(getattr(module, name))
     H, D, N = cfg.n_heads, cfg.head_dim, world_size
     Hl = H // N
     Kl = max(1, cfg.n_kv_heads // N)  # KV heads per rank (replicated when fewer than ranks)
