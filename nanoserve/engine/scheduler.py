@@ -133,7 +133,8 @@ class Scheduler:
             i += 1
         if out.preempted:
             return out
-        adapters, j = {s.lora_int_id for s in self.running} - {0}, 0  # LoRA adapters holding slots
+        adapters = {s.lora_int_id for s in self.running} - {0} if self.config.max_loras else set()  # holding slots
+        j = 0
         while j < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[j]
             if seq.lora_int_id not in adapters | {0} and len(adapters) == self.config.max_loras:

@@ -23,7 +23,7 @@ for the state dict, tied embeddings, LoRA merges and quantization). The copy is 
 weight changes in place (keyed by its storage and autograd version counter, which copy_ bumps).
 
 The math is the same fp32 (or bf16) GEMM with fp32 accumulation: results differ from MKL's
-only in summation order, ~1e-6 (tests/test_onednn.py checks it against a float64 reference,
+only in summation order, ~1e-6 (tests/test_cpu_step_costs.py checks it against a float64 reference,
 beside F.linear's own error). Autograd is not supported by the op, so a forward that needs
 gradients takes the plain path.
 """

@@ -183,7 +183,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
 
     @app.post("/v1/completions")
     async def completions(body: api.CompletionRequest, request: Request):
-        lora, model_name = check_model(body.model), body.model  # the name answered: the one asked for
+        lora, answered_as = check_model(body.model), body.model  # the name answered: the one asked for
         params = body.sampling_params(COMPLETION_DEFAULT_MAX_TOKENS)
         rid, created = api.new_id("cmpl"), api.now()
         if body.prompt_logprobs is not None and body.stream:
@@ -196,16 +196,17 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
                 echo = body.echo and first  # the prompt (and its logprobs) lead the first chunk
                 prefix = api.echo_text(out, tok) if body.echo else ""
                 lps = api.completion_logprobs(out, c, tokens, echo, tok, 0 if echo else len(prefix) + chars)
-                return api.completion_chunk(rid, model_name, created, index, (prefix if echo else "") + delta,
+                return api.completion_chunk(rid, answered_as, created, index, (prefix if echo else "") + delta,
                                             reason, lps)
-            return sse(streams, params.n, chunk, body.stream_options, rid, model_name, created, "text_completion",
+            return sse(streams, params.n, chunk, body.stream_options, rid, answered_as, created, "text_completion",
                         metrics)
         outs = await collect(streams, request, metrics)
-        return api.completion_response(rid, model_name, created, outs, body.echo, tok, body.prompt_logprobs is not None)
+        return api.completion_response(rid, answered_as, created, outs, body.echo, tok,
+                                       body.prompt_logprobs is not None)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        lora, model_name = check_model(body.model), body.model
+        lora, answered_as = check_model(body.model), body.model  # (an adapter's name, or the model's)
         if chat_template is None:
             raise APIError(400, f"the model {model_name!r} has no chat template, so it cannot serve chat "
                                 "completions; use /v1/completions, or start the server with --chat-template FILE",
@@ -232,14 +233,14 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
                     d = tool_calls.named_delta(first, delta, name, ids.setdefault(index, tool_calls.call_id()))
                 else:
                     d = {"role": "assistant", "content": delta} if first else ({"content": delta} if delta else {})
-                ch = api.chat_chunk(rid, model_name, created, index, d, reason, api.chat_logprobs(c, tokens, k, tok))
+                ch = api.chat_chunk(rid, answered_as, created, index, d, reason, api.chat_logprobs(c, tokens, k, tok))
                 if mode == "named" and reason == "stop":
                     ch["choices"][0]["finish_reason"] = "tool_calls"
                 return ch
-            return sse(streams, params.n, chunk, body.stream_options, rid, model_name, created,
+            return sse(streams, params.n, chunk, body.stream_options, rid, answered_as, created,
                         "chat.completion.chunk", metrics)
         outs = await collect(streams, request, metrics)
-        return api.chat_response(rid, model_name, created, outs[0], k, tok, calls)
+        return api.chat_response(rid, answered_as, created, outs[0], k, tok, calls)
 
     document_responses(app)  # /openapi.json: 400 (not 422), 401/404/413/429/500/503, SSE and text/plain
     # outermost, around FastAPI's own error middleware, so that its 500s are counted too
