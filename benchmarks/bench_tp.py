@@ -28,17 +28,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 HERE = Path(__file__).resolve().parent
 
 
-def _worker(rank, world, port, path, tokens, reps, out):
+def _worker(rank, world, path, tokens, reps, out):
+    """One rank (launch.spawn_ranks owns the gloo group)."""
     from nanoserve.models.loader import load_model
     from nanoserve.parallel.tensor_parallel import shard_model
 
-    torch.set_num_threads(max(1, 2 // world))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     comm = {"bytes": 0, "seconds": 0.0, "calls": 0}
     for name in ("all_reduce", "all_gather"):
         op = getattr(dist, name)
@@ -54,36 +52,32 @@ def _worker(rank, world, port, path, tokens, reps, out):
                 comm["bytes"] += len(x) * args[0].numel() * args[0].element_size()
             return r
         setattr(dist, name, counted)
-    try:
-        model = load_model(path, dtype="float32", device="cpu")[0]
-        if world > 1:
-            shard_model(model, rank, world)
-        res = {}
-        with torch.no_grad():
-            for T in tokens:
-                x = torch.randint(0, model.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(T))
-                model(x)  # warm-up
-                times, before = [], dict(comm)
-                for _ in range(reps):
-                    dist.barrier()
-                    t = time.perf_counter()
-                    model(x)
-                    times.append(time.perf_counter() - t)
-                res[T] = {"ms": 1e3 * statistics.median(times),
-                          "comm_bytes_per_token": (comm["bytes"] - before["bytes"]) / reps / T,
-                          "comm_ms": 1e3 * (comm["seconds"] - before["seconds"]) / reps,
-                          "comm_calls": (comm["calls"] - before["calls"]) / reps}
-        if rank == 0:
-            Path(out).write_text(json.dumps(res))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    model = load_model(path, dtype="float32", device="cpu")[0]
+    if world > 1:
+        shard_model(model, rank, world)
+    res = {}
+    with torch.no_grad():
+        for T in tokens:
+            x = torch.randint(0, model.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(T))
+            model(x)  # warm-up
+            times, before = [], dict(comm)
+            for _ in range(reps):
+                dist.barrier()
+                t = time.perf_counter()
+                model(x)
+                times.append(time.perf_counter() - t)
+            res[T] = {"ms": 1e3 * statistics.median(times),
+                      "comm_bytes_per_token": (comm["bytes"] - before["bytes"]) / reps / T,
+                      "comm_ms": 1e3 * (comm["seconds"] - before["seconds"]) / reps,
+                      "comm_calls": (comm["calls"] - before["calls"]) / reps}
+    if rank == 0:
+        Path(out).write_text(json.dumps(res))
 
 
 def main() -> None:
     import bench_peers
 
-    from nanoserve.parallel.launch import free_port
+    from nanoserve.parallel.launch import spawn_ranks
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
@@ -101,7 +95,7 @@ def main() -> None:
     for world in (1, 2):
         with tempfile.TemporaryDirectory() as tmp:
             out = str(Path(tmp) / "res.json")
-            mp.spawn(_worker, args=(world, free_port(), str(path), tokens, reps, out), nprocs=world, join=True)
+            spawn_ranks(_worker, world, str(path), tokens, reps, out, threads=max(1, 2 // world))
             res = json.loads(Path(out).read_text())
         for T in tokens:
             r = res[str(T)]

@@ -2,6 +2,7 @@
 
     tp_forward(path, ids, world_size)          logits [T, V] of one forward of `ids`, the model split N ways
     tp_greedy(path, ids, n, world_size)        n greedy tokens, each from a full forward (no KV cache)
+    spawn_ranks(fn, world_size, *args)         fn(rank, world_size, *args) on each rank of a fresh gloo group
 
 Each spawns `world_size` processes (torch.multiprocessing), which join one gloo process group over a local
 TCP port, load the checkpoint, keep their share (tensor_parallel.shard_model) and run the same forward; rank 0
@@ -11,7 +12,9 @@ The engine's own workers (a scheduler on rank 0, the others following its steps)
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
 import tempfile
 from datetime import timedelta
 from pathlib import Path
@@ -27,35 +30,59 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, path: str, ids: list[int], steps: int, out: str, shard) -> None:
-    from ..models.loader import load_model
-    from .tensor_parallel import shard_model
+def spawn_ranks(fn, world_size: int, *args, threads: int = 1) -> None:
+    """Run fn(rank, world_size, *args) in `world_size` new processes joined in one gloo process group; return
+    when every rank has finished (torch.multiprocessing raises if one raised or died). `fn` must be a
+    module-level function (it is pickled by name); it reports back through files, as the callers here do."""
+    mp.spawn(_rank_main, args=(fn, world_size, free_port(), threads, args), nprocs=world_size, join=True)
 
-    shard = shard or shard_model
 
-    torch.set_num_threads(1)
+def _rank_main(rank: int, fn, world_size: int, port: int, threads: int, args: tuple) -> None:
+    """One rank's life: join the group, run `fn`, wait for the others, leave the group, end the process."""
+    torch.set_num_threads(threads)  # the ranks share the machine's cores
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=120))  # a rank left waiting on a dead one fails, not hangs
     try:
-        model = load_model(path, dtype="float32", device="cpu")[0]
-        if world_size > 1:
-            shard(model, rank, world_size)
-        with torch.no_grad():
-            tokens, logits = list(ids), model(torch.tensor([ids]))[0]  # T, V
-            for _ in range(steps):  # greedy, a full forward per token: every rank gets the same logits
-                tokens.append(int(model(torch.tensor([tokens]))[0, -1].argmax()))
-        if rank == 0:
-            torch.save({"logits": logits, "tokens": tokens[len(ids):]}, out)
+        fn(rank, world_size, *args)
         dist.barrier()  # nobody tears the group down while another rank still talks to it
     finally:
         dist.destroy_process_group()
+    _exit_without_finalizing()
+
+
+def _exit_without_finalizing() -> None:
+    """End a finished rank's process here, skipping the interpreter's shutdown.
+
+    A gloo worker thread can still be dropping its last collective's work object when the rank returns; the
+    work holds tensors, freeing one takes the GIL, and a thread that asks for the GIL while Python finalizes
+    is stopped by force, which in C++ ends in std::terminate: the rank dies by SIGABRT after its job is done
+    (CI saw it; here, 3 runs in 19 of a loop on a busy 2-core machine; the C++ stack is in issue 27's note).
+    Everything is written and the group destroyed by now, so skipping the shutdown loses nothing. Only the
+    success path leaves this way: a rank that raised exits through torch's error report."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _forward_rank(rank: int, world_size: int, path: str, ids: list[int], steps: int, out: str, shard) -> None:
+    from ..models.loader import load_model
+    from .tensor_parallel import shard_model
+
+    model = load_model(path, dtype="float32", device="cpu")[0]
+    if world_size > 1:
+        (shard or shard_model)(model, rank, world_size)
+    with torch.no_grad():
+        tokens, logits = list(ids), model(torch.tensor([ids]))[0]  # T, V
+        for _ in range(steps):  # greedy, a full forward per token: every rank gets the same logits
+            tokens.append(int(model(torch.tensor([tokens]))[0, -1].argmax()))
+    if rank == 0:
+        torch.save({"logits": logits, "tokens": tokens[len(ids):]}, out)
 
 
 def _run(path, ids, steps: int, world_size: int, shard) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rank0.pt")
-        mp.spawn(_worker, args=(world_size, free_port(), str(path), list(ids), steps, out, shard),
-                 nprocs=world_size, join=True)
+        spawn_ranks(_forward_rank, world_size, str(path), list(ids), steps, out, shard)
         return torch.load(out)
 
 

@@ -14,13 +14,11 @@ import importlib
 import importlib.util
 import json
 import tempfile
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
@@ -50,37 +48,32 @@ def _load(name: str, file: str | None):
     return module
 
 
-def _rank(rank, port, name, file, variant, out):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=120))  # a rank stuck in a collective fails, not hangs
+def _rank(rank, world, name, file, variant, out):
+    """One of the WORLD ranks (launch.spawn_ranks owns the gloo group and its 120 s timeout)."""
+    impl = WRONG[variant][0] if variant else _load(name, file)
+    fc1, fc2, x = _layers()
+    cols = torch.arange(rank * HIDDEN // world, (rank + 1) * HIDDEN // world)
     try:
-        impl = WRONG[variant][0] if variant else _load(name, file)
-        fc1, fc2, x = _layers()
-        cols = torch.arange(rank * HIDDEN // WORLD, (rank + 1) * HIDDEN // WORLD)
-        try:
-            col, row = impl.ColumnParallelLinear(fc1, cols), impl.RowParallelLinear(fc2, cols)
-            with torch.no_grad():
-                mine = col(x)  # 5, HIDDEN/2
-                y = row(F.gelu(mine))  # 5, OUT
-            res = {"mine": mine.tolist(), "y": y.tolist(), "shapes": [col.out_features, row.in_features]}
-        except NotImplementedError as e:
-            res = {"not_implemented": str(e)}
-        except Exception as e:  # a shape error, say: reported as a failed check, with its message
-            res = {"error": f"{type(e).__name__}: {e}"}
-        if rank == 0:
-            Path(out).write_text(json.dumps(res))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+        col, row = impl.ColumnParallelLinear(fc1, cols), impl.RowParallelLinear(fc2, cols)
+        with torch.no_grad():
+            mine = col(x)  # 5, HIDDEN/2
+            y = row(F.gelu(mine))  # 5, OUT
+        res = {"mine": mine.tolist(), "y": y.tolist(), "shapes": [col.out_features, row.in_features]}
+    except NotImplementedError as e:
+        res = {"not_implemented": str(e)}
+    except Exception as e:  # a shape error, say: reported as a failed check, with its message
+        res = {"error": f"{type(e).__name__}: {e}"}
+    if rank == 0:
+        Path(out).write_text(json.dumps(res))
 
 
 def _run(impl, variant: str | None = None) -> dict:
-    from nanoserve.parallel.launch import free_port
+    from nanoserve.parallel.launch import spawn_ranks
 
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rank0.json")
         name, file = getattr(impl, "__name__", REFERENCE), getattr(impl, "__file__", None)
-        mp.spawn(_rank, args=(free_port(), name, file, variant, out), nprocs=WORLD, join=True)
+        spawn_ranks(_rank, WORLD, name, file, variant, out)
         res = json.loads(Path(out).read_text())
     if "not_implemented" in res:
         raise NotImplementedError(res["not_implemented"])
