@@ -206,6 +206,9 @@ def matrix(archs=ARCHS) -> list[tuple[dict, tuple | None]]:
                     if D == 128 and dt != "fp32":
                         rows.append((dict(row, case="store_kv", gqa=None, variant=f"{kv} KV"),
                                      (_store_kv, dtype, D, kv)))
+                if D == 128 and dt != "fp32":  # speculative verification of a token tree: bits per query
+                    tree = dict(tree_bits=torch.full((4,), -1, dtype=torch.int64))
+                    rows.append((dict(row, case="flash", variant="token tree"), (_flash, dtype, D, 4, tree)))
                 if dt == "bf16" and D in (128, 256):  # Gemma 2 (head_dim 256): soft-capped scores, a window
                     gemma, variant = dict(softcap=50.0, window=4096), "softcap + window"
                     rows.append((dict(row, case="flash", variant=variant), (_flash, dtype, D, 4, gemma)))

@@ -10,8 +10,10 @@ the demo's own samples by tools/train_medusa.py, cached under benchmarks/.peers_
 γ (3: the heads' count) with the controller off, which shows what the proposer is worth, and with the
 default controller (measured costs, adaptive γ), which is what a user gets. Per row: acceptance (kept /
 drafted), tokens per target forward over the speculative steps, and the wall-clock speedup over the
-target alone (the median over reps of the paired ratio, interleaved runs). EAGLE heads and tree
-verification are not built yet (issue 25).
+target alone (the median over reps of the paired ratio, interleaved runs). "Medusa tree": the same heads
+with speculative_tree="default" (8 candidates to depth 3, verified as one token tree); its acceptance is
+kept / drafted nodes, low by design (most branches are alternatives): compare tokens per forward. EAGLE
+heads are not built yet (issue 25).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ def main() -> None:
                                                                      ignore_eos=True)
     methods = {"draft model": dict(speculative_model="demo-draft"), "n-gram": dict(speculative="ngram"),
                "Medusa": dict(speculative="medusa", speculative_model=str(medusa_heads(cache, args.quick)))}
+    methods["Medusa tree"] = dict(methods["Medusa"], speculative_tree="default")
     engines = {"target alone": LLM("demo")}
     for name, kw in methods.items():
         engines[f"{name}, γ = 3"] = LLM("demo", num_speculative_tokens=3, speculative_adaptive=False, **kw)

@@ -48,7 +48,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     *, block_m: int | None = None, block_n: int | None = None,
                     max_seqlen_q: int | None = None, window: int | None = None,
                     softcap: float | None = None, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None, kv_cache_dtype: str = "auto") -> torch.Tensor:
+                    v_scale: torch.Tensor | None = None, kv_cache_dtype: str = "auto",
+                    tree_bits: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over packed sequences.  q [total_q, H, D]; k, v [total_k, Hkv, D] -> [total_q, H, D].
 
     cu_seqlens_q/k [B+1]: cumulative lengths. causal: bottom-right aligned (query i of Lq sits at
@@ -59,7 +60,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     max_seqlen_q: the longest query sequence if the caller knows it (None: read it from cu_seqlens_q).
     window, softcap: a sliding window and a soft-cap of the scores (Mistral, Gemma; not part of this
     exercise, whose tests pass None: the reference shows both). k_scale, v_scale, kv_cache_dtype: an 8-bit
-    paged prefix (notebook 12; not part of this exercise either: its tests keep the default "auto").
+    paged prefix (notebook 12; not part of this exercise either: its tests keep the default "auto"). tree_bits:
+    a token tree's mask, one bit per visible new key (notebook 15; not part of it: its tests pass None).
     Output in q's dtype.
     """
     raise NotImplementedError(

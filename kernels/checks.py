@@ -54,6 +54,19 @@ def check_window(window, causal: bool = True) -> int:
     return window
 
 
+def check_tree_bits(tree_bits, q, causal: bool) -> None:
+    """A token tree's visibility bits: None, or int64 [total_q] on q's device, with causal attention."""
+    if tree_bits is None:
+        return
+    if not causal:
+        raise ValueError("tree_bits needs causal=True (a tree's nodes see earlier nodes only)")
+    if not isinstance(tree_bits, torch.Tensor) or tree_bits.dtype != torch.int64 or tree_bits.shape != q.shape[:1] \
+            or tree_bits.device != q.device:
+        raise ValueError(f"tree_bits must be an int64 tensor of shape [{q.shape[0]}] (one entry per query) on "
+                         f"{q.device}, got {getattr(tree_bits, 'dtype', type(tree_bits).__name__)} "
+                         f"{tuple(getattr(tree_bits, 'shape', ()))}")
+
+
 def check_softcap(softcap) -> float:
     """A soft-cap of the scores (c·tanh(x / c)): None (off) or a positive finite number; the kernels' form (0: off)."""
     if softcap is None:

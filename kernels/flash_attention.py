@@ -1,6 +1,6 @@
 """Flash attention for prefill: packed variable-length sequences, GQA, and a paged KV prefix.
 
-Attention is softmax(q·kᵀ·scale + mask)·v. Written out (`flash_attention_ref` below), it
+Attention is softmax(q·kᵀ·scale + mask)·v. Written out (`flash_attention_ref`, beside), it
 materialises a [Lq, Lk] score matrix per head: O(L²) memory, and on a GPU O(L²) traffic to
 and from slow HBM. FlashAttention (Dao et al. 2022) never builds that matrix. One program
 owns a tile of BLOCK_M queries, keeps it on chip, and streams the keys and values past it in
@@ -30,6 +30,9 @@ tokens of Lk: query i sits at position Lk − Lq + i and sees keys 0..Lk − Lq 
 that is ordinary causal attention; with Lq < Lk the new tokens see everything before them.
 A query that sees no key (only when Lq > Lk) gets output 0. A sliding window w hides keys more than
 w − 1 back too (both loops start at the tile's first visible key). A soft-cap c maps x to c·tanh(x / c).
+**Token trees** (speculative verification, nanoserve/spec/tree_sampler.py): `tree_bits` [total_q] gives
+each query the new keys it may see, bit j for new key j (its ancestors and itself), on top of causality;
+−1 (every bit) for a row that is a plain chain. The prefix is seen whole, as before.
 
 **Paged prefix** (chunked prefill, prefix-cache hits). With `block_tables`, `k_cache`,
 `v_cache` and `context_lens`, sequence b first has `context_lens[b]` = P tokens already in the
@@ -60,7 +63,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_flash_attention, check_softcap, check_tiles, check_window
+from .checks import check_flash_attention, check_softcap, check_tiles, check_tree_bits, check_window
 from .configs import pick
 from .kv_quant import kv_quant_code, load_kv_tile
 from .online_softmax import online_softmax_step
@@ -70,7 +73,7 @@ from .online_softmax import online_softmax_step
 @triton.jit
 def _flash_attention_kernel(
     Q, K, V, O, cu_seqlens_q, cu_seqlens_k,
-    block_tables, K_cache, V_cache, K_scale, V_scale, context_lens,
+    block_tables, K_cache, V_cache, K_scale, V_scale, context_lens, tree_bits,
     stride_qt, stride_qh, stride_qd,
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
@@ -81,7 +84,7 @@ def _flash_attention_kernel(
     qk_scale, H, group, head_dim, page_size, window,
     SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr, HAS_PREFIX: tl.constexpr, UPCAST: tl.constexpr,
     KV_QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr,
+    EVEN_D: tl.constexpr, TREE: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M
     b = tl.program_id(1) // H
@@ -152,7 +155,7 @@ def _flash_attention_kernel(
         hi = tl.minimum(Lk, Lk - Lq + start_m + BLOCK_M)
     # 2a: whole key tiles every query of this tile sees (no window; causal: up to the first query's position)
     full = lo
-    if window == 0:
+    if window == 0 and not TREE:  # (a tree's queries see only some earlier keys: every tile is masked)
         seen_by_all = Lk
         if CAUSAL:
             seen_by_all = tl.minimum(Lk, Lk - Lq + start_m + 1)
@@ -164,7 +167,9 @@ def _flash_attention_kernel(
         v = tl.load(V + rows[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :] * stride_vd,
                     mask=d_ok[None, :], other=0.0)  # BLOCK_N, BLOCK_D
         m_i, l_i, acc = online_softmax_step(q, kT, v, None, m_i, l_i, acc, qk_scale, SOFTCAP, UPCAST, False)
-    # 2b: the diagonal tiles (and a ragged end, or every tile under a window), masked
+    # 2b: the diagonal tiles (and a ragged end, or every tile under a window or of a tree), masked
+    if TREE:  # each query's visible new keys, one bit per key (−1: all of them, a chain)
+        bits = tl.load(tree_bits + q_start + offs_m, mask=m_ok, other=0)  # BLOCK_M (int64)
     for start_n in range(full, hi, BLOCK_N):
         j = start_n + offs_n  # BLOCK_N     key index within the sequence's new keys
         n_ok = j < Lk  # BLOCK_N
@@ -178,6 +183,8 @@ def _flash_attention_kernel(
             valid = valid & ((P + j)[None, :] <= q_pos[:, None])
         if window > 0:
             valid = valid & ((P + j)[None, :] > q_pos[:, None] - window)
+        if TREE:  # key j visible only where its bit is set (a shift past 63 reads bit 63: set only in −1)
+            valid = valid & (((bits[:, None] >> tl.minimum(j, 63)[None, :]) & 1) != 0)
         m_i, l_i, acc = online_softmax_step(q, kT, v, valid, m_i, l_i, acc, qk_scale, SOFTCAP, UPCAST, True)
 
     # A row that saw no key has l = 0 and acc = 0: output 0, not 0/0.
@@ -196,7 +203,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     *, block_m: int | None = None, block_n: int | None = None,
                     max_seqlen_q: int | None = None, window: int | None = None,
                     softcap: float | None = None, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None, kv_cache_dtype: str = "auto") -> torch.Tensor:
+                    v_scale: torch.Tensor | None = None, kv_cache_dtype: str = "auto",
+                    tree_bits: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over packed sequences.  q [total_q, H, D]; k, v [total_k, Hkv, D] -> [total_q, H, D].
 
     cu_seqlens_q/k [B+1]: cumulative lengths (sequence b is rows cu[b]:cu[b+1]). causal: bottom-right
@@ -209,8 +217,10 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     its `window` newest keys only (None: all). softcap: scores x -> softcap·tanh(x / softcap) (None: off).
     kv_cache_dtype "int8" / "fp8_e4m3" / "fp8_e5m2": the prefix pools hold 8-bit codes and k_scale, v_scale
     [num_blocks, block_size, Hkv] their fp16 scales (nanoserve/kv/quant.py), dequantized as they are read.
+    tree_bits [total_q] (int64, with causal): bit j of a query's entry set = it sees new key j of its sequence.
     """
     window, softcap = check_window(window, causal), check_softcap(softcap)
+    check_tree_bits(tree_bits, q, causal)
     has_prefix = check_flash_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, block_tables, k_cache, v_cache,
                                        context_lens, max_seqlen_q, k_scale, v_scale, kv_cache_dtype)
     quant = kv_quant_code(kv_cache_dtype)
@@ -240,61 +250,22 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         kc, vc, page_size = k, v, 1
     if not quant:  # dummies: the KV_QUANT = 0 kernel never reads them
         k_scale = v_scale = cu_q
+    bits = cu_q if tree_bits is None else tree_bits  # (a dummy the TREE = False kernel never reads)
     bt_strides = bt.stride() if has_prefix else (0, 0)
     kc_strides = kc.stride() if has_prefix else (0, 0, 0, 0)
     vc_strides = vc.stride() if has_prefix else (0, 0, 0, 0)
 
     grid = (triton.cdiv(max_seqlen_q, block_m), B * H)  # programs past a sequence's end return at once
     _flash_attention_kernel[grid](
-        q, k, v, out, cu_q, cu_k, bt, kc, vc, k_scale, v_scale, ctx,
+        q, k, v, out, cu_q, cu_k, bt, kc, vc, k_scale, v_scale, ctx, bits,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         *bt_strides, *kc_strides, *vc_strides,
         sm_scale * math.log2(math.e), H, H // Hkv, D, page_size, window,
         SOFTCAP=softcap, CAUSAL=bool(causal), HAS_PREFIX=has_prefix, UPCAST=launch.upcast, KV_QUANT=quant,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
-        EVEN_D=D == max(16, triton.next_power_of_2(D)), **launch.options(),
+        EVEN_D=D == max(16, triton.next_power_of_2(D)), TREE=tree_bits is not None, **launch.options(),
     )
     return out
 
 
-# ----------------------------------------------------------------------------- the reference
-def flash_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-                        causal: bool = True, sm_scale: float | None = None,
-                        block_tables: torch.Tensor | None = None, k_cache: torch.Tensor | None = None,
-                        v_cache: torch.Tensor | None = None, context_lens: torch.Tensor | None = None,
-                        window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-    """`flash_attention` in plain torch: one sequence at a time, the full score matrix, fp32 math."""
-    has_prefix = check_flash_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, block_tables, k_cache, v_cache,
-                                       context_lens)
-    H, D = q.shape[1:]
-    group = H // k.shape[1]
-    scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
-    out = torch.zeros_like(q)  # total_q, H, D
-    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    for b in range(len(cu_q) - 1):
-        qb = q[cu_q[b]:cu_q[b + 1]].float()  # Lq, H, D
-        kb = k[cu_k[b]:cu_k[b + 1]].float()  # Lk, Hkv, D
-        vb = v[cu_k[b]:cu_k[b + 1]].float()  # Lk, Hkv, D
-        if has_prefix:  # gather the P cached tokens through the block table, then put the new ones after
-            bs = k_cache.shape[1]
-            t = torch.arange(int(context_lens[b]), device=q.device)  # P
-            slots = block_tables[b, t // bs].long() * bs + t % bs  # P
-            kb = torch.cat([k_cache.flatten(0, 1)[slots].float(), kb])  # P + Lk, Hkv, D
-            vb = torch.cat([v_cache.flatten(0, 1)[slots].float(), vb])  # P + Lk, Hkv, D
-        Lq, S = qb.shape[0], kb.shape[0]
-        kb = kb.repeat_interleave(group, dim=1)  # S, H, D
-        vb = vb.repeat_interleave(group, dim=1)  # S, H, D
-        scores = torch.einsum("thd,shd->hts", qb, kb) * scale  # H, Lq, S
-        if softcap:
-            scores = softcap * torch.tanh(scores / softcap)
-        if causal:  # bottom-right: query i sits at position S - Lq + i
-            q_pos = torch.arange(S - Lq, S, device=q.device)  # Lq
-            k_pos = torch.arange(S, device=q.device)  # S
-            hidden = k_pos[None, :] > q_pos[:, None]  # Lq, S
-            if window:
-                hidden |= k_pos[None, :] <= q_pos[:, None] - window
-            scores = scores.masked_fill(hidden, float("-inf"))
-        probs = scores.softmax(dim=-1).nan_to_num(0.0)  # H, Lq, S   (a row with no visible key -> 0)
-        out[cu_q[b]:cu_q[b + 1]] = torch.einsum("hts,shd->thd", probs, vb).to(q.dtype)  # Lq, H, D
-    return out
+from .flash_attention_ref import flash_attention_ref  # noqa: E402,F401  (the plain-torch reference, beside)

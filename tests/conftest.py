@@ -62,6 +62,21 @@ def hf_checkpoints(tmp_path_factory):
             for i, (name, cfg) in enumerate(hf_configs().items())}
 
 
+@pytest.fixture(scope="session")
+def medusa_trained(tmp_path_factory):
+    """(heads dir, demo LLM, held-out ids, trained heads): 3 Medusa heads trained 300 steps on 128 sequences the
+    demo wrote itself (tools/train_medusa.py); shared by tests/test_medusa.py and tests/test_medusa_tree.py."""
+    from nanoserve import LLM
+    from nanoserve.spec.medusa import save_medusa
+    from nanoserve.tools.train_medusa import self_distill_data, train_medusa
+
+    llm = LLM("demo", dtype="float32")
+    ids = self_distill_data(llm, num_seqs=160, length=64, seed=0)
+    heads = train_medusa(llm.model, ids[:128], num_heads=3, steps=300, seed=0)
+    path = save_medusa(heads, tmp_path_factory.mktemp("medusa") / "heads", "demo")
+    return path, llm, ids[128:], heads
+
+
 def pytest_runtest_setup(item):
     """Tests marked `gpu` need CUDA: skipped without it (the GPU pass runs them with `-m gpu`)."""
     if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():

@@ -9,9 +9,10 @@ redesign does not touch, so they are an outside oracle for it. Run this file to 
 
     .venv/bin/python tests/engine_workload.py
 
-One case was recorded again since, alone: `spec_ngram_seeded` (2026-11-26), when the speculative controller
-began starting new samples from the engine's running acceptance rate and backing its probes off (issue 25).
-That changes which random draws a seeded speculative request consumes, not the law of its tokens
+One case was recorded again since, alone, twice: `spec_ngram_seeded` (2026-11-26), when the speculative
+controller began starting new samples from the engine's running acceptance rate and backing its probes off, and
+again the same day when it began keeping one acceptance rate per draft position (issue 25). Either changes
+which γ a step picks and so which random draws a seeded speculative request consumes, not the law of its tokens
 (tests/test_speculative_core.py); the greedy speculative case and every other case are the original record.
 """
 

@@ -19,7 +19,7 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.engine.sampler import probs_from_logits
 from nanoserve.errors import CheckpointError, NanoserveError
 from nanoserve.spec.medusa import MedusaHeads, load_medusa, save_medusa
-from nanoserve.tools.train_medusa import head_accuracy, hidden_states, init_heads, self_distill_data, train_medusa
+from nanoserve.tools.train_medusa import head_accuracy, hidden_states, init_heads
 
 PROMPTS = ["ROMEO:\nWhat light through yonder", "To be, or not to be", "First Citizen:\nBefore we proceed any further,",
            "KING"]
@@ -27,13 +27,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """(heads dir, demo LLM, held-out ids, trained heads): 3 heads, 300 steps on 128 self-made sequences."""
-    llm = LLM("demo", dtype="float32")
-    ids = self_distill_data(llm, num_seqs=160, length=64, seed=0)
-    heads = train_medusa(llm.model, ids[:128], num_heads=3, steps=300, seed=0)
-    path = save_medusa(heads, tmp_path_factory.mktemp("medusa") / "heads", "demo")
-    return path, llm, ids[128:], heads
+def trained(medusa_trained):
+    """(heads dir, demo LLM, held-out ids, trained heads): conftest's 3 heads, 300 steps on 128 sequences."""
+    return medusa_trained
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.spec.controller import PROBE_BUDGET, SampleState, SpecController, StepCosts
+from nanoserve.spec.controller import PROBE_BUDGET, SampleState, SpecController, StepCosts, expected_tokens
 from nanoserve.spec.rejection_sampler import expected_tokens_per_step
 from nanoserve.spec.spec_decode import SpecDecodeConfig
 
@@ -67,12 +67,30 @@ def _controller(draft_s: float, verify_s: float, plain_s: float, **cfg) -> SpecC
 
 
 def _gamma_after(spec: SpecController) -> int:
-    """γ once the sample's α estimate has settled at 2/3 (4 drafted, 2 accepted, then a rejection: 3 tosses)."""
-    st = SampleState(gamma=4)
-    for _ in range(50):
-        spec.observe(st, 4, 2)
-    assert st.alpha == pytest.approx(2 / 3)
-    return st.gamma
+    """γ for a sample whose rates have settled at α = 2/3 at every position (each draft kept with that chance)."""
+    return spec.best_gamma([2 / 3] * 4)
+
+
+def test_each_position_keeps_its_own_rate_and_untested_positions_keep_theirs():
+    """4 drafted, 2 kept: positions 1 and 2 were kept, position 3 rejected, position 4 never tested (it is not a
+    failure). Each tested rate moves 1/8 of the way to its outcome; the engine's running rates too."""
+    spec = _controller(0.1, 1.0, 1.0)
+    st = SampleState(gamma=4, alphas=[0.8] * 4)
+    spec.observe(st, 4, 2)
+    assert st.alphas == pytest.approx([0.825, 0.825, 0.7, 0.8]) and spec.alphas == pytest.approx(st.alphas)
+
+
+def test_expected_tokens_follow_the_conditional_rates():
+    """E(γ) = 1 + α_1 + α_1·α_2 + …: equal to Leviathan's (1 − α^(γ+1)) / (1 − α) when every α_i = α. Medusa-like
+    rates (later drafts kept more often once the earlier were) give more than one pooled α would: with the heads'
+    measured costs (c = 0.18, v = 1.41: RESULTS.md) the controller keeps γ = 3 where the pooled α = 0.30 it used
+    to estimate switched them off."""
+    assert expected_tokens([0.6] * 5, 5) == pytest.approx(expected_tokens_per_step(0.6, 5))
+    assert expected_tokens([0.5, 1.0, 0.0], 3) == pytest.approx(1 + 0.5 + 0.5)
+    spec = _controller(draft_s=0.18, verify_s=1.41, plain_s=1.0)
+    spec.costs.one_call = True  # the heads draft every position in one call
+    assert spec.best_gamma([0.45, 0.6, 0.7, 0.7]) >= 3
+    assert max(expected_tokens_per_step(0.30, g) / 1.59 for g in range(1, 5)) < 1  # the pooled estimate: off
 
 
 def test_measured_costs_switch_off_what_the_parameter_ratio_would_keep():
@@ -127,7 +145,7 @@ def test_a_new_sample_starts_from_the_engines_running_acceptance():
     for _ in range(20):
         spec.observe(first, 4, 0)  # every draft rejected: α shrinks by 7/8 a verification
     seq = type("Seq", (), {"seq_id": 1, "__len__": lambda self: 10})()
-    assert spec.alpha < spec.config.min_acceptance and spec.state(seq).gamma == 0
+    assert spec.alphas[0] < spec.config.min_acceptance and spec.state(seq).gamma == 0
     fresh = _controller(draft_s=0.1, verify_s=1.0, plain_s=1.0)
     assert fresh.state(seq).gamma == 4
 
@@ -136,7 +154,7 @@ def test_failed_probes_double_the_wait_and_a_good_one_resets_it():
     spec = _controller(draft_s=0.01, verify_s=1.0, plain_s=1.0)  # cheap: the wait is probe_every, not the budget's
     seq = type("Seq", (), {"seq_id": 0, "__len__": lambda self: 10})()
     st, params, waits = spec.state(seq), SamplingParams(temperature=0), []
-    st.alpha, st.gamma = 0.0, 0
+    st.alphas, st.gamma = [0.0] * 4, 0
     for _ in range(3):
         calls = 1
         while spec.choose_gamma(seq, params, 1000, 10_000) == 0:

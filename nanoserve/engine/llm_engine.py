@@ -65,11 +65,11 @@ class LLMEngine:
                  speculative: str | None = None, num_speculative_tokens: int = 4, speculative_adaptive: bool = True,
                  enforce_eager: bool = False, kv_cache_dtype: str = "auto", quantization: str | None = None,
                  speculative_cost: float | None = None, enable_lora: bool = False, max_loras: int = 4,
-                 max_lora_rank: int = 16):
+                 max_lora_rank: int = 16, speculative_tree=None):
         kv_quant(kv_cache_dtype)  # these and the speculative arguments are checked before any model loads
         check_quantization(quantization)
         spec_cfg = SpecDecodeConfig.from_args(speculative, num_speculative_tokens, speculative_model,
-                                              speculative_adaptive, speculative_cost)
+                                              speculative_adaptive, speculative_cost, speculative_tree)
         self.model, self.config, self.tokenizer = load_model(model, dtype=dtype, device=device)
         quantize_on_load(self.model, quantization)  # None: the checkpoint as it is
         self.model_name, self.max_model_len = str(model), self.config.max_position_embeddings
@@ -181,7 +181,8 @@ class LLMEngine:
         num_logits = [1 + len(drafts[i].draft_ids) if i in drafts else n if wants_prompt_logits(
             self.requests[seq.request_id].output.prompt_logprobs, seq) else 1 for i, (seq, n) in enumerate(
             zip(sched.seqs, sched.num_new))]
-        logits = self.runner.run(sched.seqs, sched.num_new, num_logits if max(num_logits) > 1 else None)
+        trees = [drafts[i].parents if i in drafts else None for i in range(len(sched.seqs))] if drafts else None
+        logits = self.runner.run(sched.seqs, sched.num_new, num_logits if max(num_logits) > 1 else None, trees)
         if self.inputs.usable_vocab_size < self.config.vocab_size:
             logits = mask_from(logits, self.inputs.usable_vocab_size)
         return logits
@@ -206,7 +207,7 @@ class LLMEngine:
                                          "verifying its drafts")
             s = req.samples[seq.sample_index]
             tokens = self.spec.accept(proposal, mask_verification(s.matcher, proposal.draft_ids, logits))  # grammar
-            lps = sampled_logprobs(logits[:len(tokens)], [req.params] * len(tokens), tokens, self.tokenizer)  # target's
+            lps = sampled_logprobs(logits[proposal.logit_rows], [req.params] * len(tokens), tokens, self.tokenizer)
             tokens, finished = req.emit_all(s, tokens, lps)
             self.scheduler.postprocess(seq, tokens, finished)
             done[seq.request_id] = req.output

@@ -30,6 +30,7 @@ from ..kv.cache import PagedKVCache
 from ..kv.metadata import AttentionMetadata
 from ..models.onednn import use_onednn_linears
 from ..spec.rejection_sampler import MAX_SPECULATIVE_TOKENS
+from ..spec.tree_sampler import ancestor_bits, tree_attention_mask, tree_positions
 from .block import slots
 from .cpu_allocator import advise_on_allocator
 from .sequence import NULL_BLOCK, Sequence
@@ -110,16 +111,22 @@ class ModelRunner:
         self.graphs.capture()
         return None
 
-    def prepare(self, seqs: list[Sequence], num_new: list[int], num_logits: list[int]) -> ForwardInputs:
+    def prepare(self, seqs: list[Sequence], num_new: list[int], num_logits: list[int],
+                trees: list | None = None) -> ForwardInputs:
         """Build the step's tensors on the host, then move them to the device once; row i computes
-        tokens num_computed .. num_computed + num_new[i] − 1 and returns its last num_logits[i] logits."""
+        tokens num_computed .. num_computed + num_new[i] − 1 and returns its last num_logits[i] logits.
+        trees[i], when given and not None: row i's new tokens are a token tree (their parents, node 0 the
+        first new token), at positions by depth and each seeing its ancestors only (`tree_mask`)."""
         T, bs = max(num_new), self.block_size
         M = max(len(s.block_table) for s in seqs)
+        trees = trees if trees and any(t is not None for t in trees) else None
         ids, pos, slot_rows, tables, lens = [], [], [], [], []
-        for seq, n in zip(seqs, num_new):  # Python lists, one tensor each at the end: O(tokens), no small tensors
+        for i, (seq, n) in enumerate(zip(seqs, num_new)):  # Python lists, one tensor each: O(tokens)
             start, pad = seq.num_computed_tokens, T - n
             ids.append(seq.token_ids[start:start + n] + [0] * pad)
-            pos.append(list(range(start, start + n)) + [start + n - 1] * pad)  # padding looks at real keys
+            row_pos = list(range(start, start + n)) if trees is None or trees[i] is None else tree_positions(
+                trees[i], start)  # a tree's nodes sit at the root's position + their depth
+            pos.append(row_pos + [row_pos[-1]] * pad)  # padding looks at real keys
             slot_rows.append(slots(seq.block_table, start, start + n, bs) + [-1] * pad)  # −1: not written
             table = seq.block_table
             if table[0] == NULL_BLOCK:  # blocks out of every sliding window were given back: read a live one, masked
@@ -133,7 +140,11 @@ class ModelRunner:
         K = max(num_logits)
         back = torch.tensor(num_logits)[:, None] - torch.arange(K)  # B, K
         logit_index = (torch.tensor(num_new)[:, None] - back.clamp(min=1)).clamp(min=0)  # B, K: n-m .. n-1
-        meta = AttentionMetadata.build(slot_mapping, block_tables, context_lens, bs, self.attention_backend != "triton")
+        kernels = self.attention_backend == "triton"  # a tree: bits per token for the kernel, else a mask for SDPA
+        mask = None if trees is None or kernels else tree_mask(trees, num_new, context_lens, T, M * bs)  # B, T, M·bs
+        bits = None if trees is None or not kernels else torch.tensor(  # N, in the packed order of the real tokens
+            [b for parents, n in zip(trees, num_new) for b in (ancestor_bits(parents) if parents else [-1] * n)])
+        meta = AttentionMetadata.build(slot_mapping, block_tables, context_lens, bs, not kernels, mask, bits)
         to = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
         return ForwardInputs(to(input_ids), to(positions), to(logit_index), meta.to(self.device))
 
@@ -146,11 +157,13 @@ class ModelRunner:
         return logits.float()  # B, K, V
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], num_new: list[int], num_logits: list[int] | None = None):
+    def run(self, seqs: list[Sequence], num_new: list[int], num_logits: list[int] | None = None,
+            trees: list | None = None):
         """Forward the new tokens of each sequence; return next-token logits [B, V] (float32).
 
         With `num_logits`, row i returns the logits of its last num_logits[i] new tokens instead, as
         a list of [num_logits[i], V] tensors (speculative verification scores every draft position).
+        With `trees`, row i's new tokens form the token tree trees[i] (its parents; None: a chain).
 
         The rows run as a few forwards (`forward_groups`): decodes, verifications, then prefills
         of similar lengths. In one [B, T] rectangle every row is padded to the longest (a step
@@ -161,9 +174,10 @@ class ModelRunner:
         k = num_logits or [1] * len(seqs)
         out: list[torch.Tensor | None] = [None] * len(seqs)
         for rows in forward_groups(num_new, k):
-            args = [seqs[i] for i in rows], [num_new[i] for i in rows], [k[i] for i in rows]
+            args = [seqs[i] for i in rows], [num_new[i] for i in rows], [k[i] for i in rows], \
+                [trees[i] for i in rows] if trees else None
             if max(args[1]) == 1 and self.graphs is not None and self.graphs.fits(len(rows)):
-                logits = self.graphs.run(self.prepare(*args))  # a pure decode group: replay its graph
+                logits = self.graphs.run(self.prepare(*args[:3]))  # a pure decode group: replay its graph
             else:
                 logits = self._forward(*args)
             if num_logits is None and rows == list(range(len(seqs))):
@@ -172,12 +186,12 @@ class ModelRunner:
                 out[i] = row[: k[i]]
         return out if num_logits is not None else torch.cat(out)
 
-    def _forward(self, seqs: list[Sequence], num_new: list[int], num_logits: list[int]) -> torch.Tensor:
+    def _forward(self, seqs: list[Sequence], num_new: list[int], num_logits: list[int], trees=None) -> torch.Tensor:
         """logits [B, K, V] of each row's last num_logits new tokens (K = max; shorter rows repeat their last)."""
         if self.lora is not None:  # each row's adapter into a slot, and each row's slot into the LoRA layers
             self.lora.set_batch([s.lora_int_id for s in seqs], self.device)
         try:
-            logits = self.execute(self.prepare(seqs, num_new, num_logits))
+            logits = self.execute(self.prepare(seqs, num_new, num_logits, trees))
         finally:
             if self.lora is not None:
                 self.lora.clear()
@@ -185,3 +199,19 @@ class ModelRunner:
             for i, (seq, m) in enumerate(zip(seqs, num_logits)):
                 self.hidden[seq.seq_id] = self.model.last_hidden[i, :m]  # m, C
         return logits
+
+
+def tree_mask(trees: list, num_new: list[int], context_lens: torch.Tensor, T: int, S: int) -> torch.Tensor:
+    """bool [B, T, S]: which of the S gathered keys each new token sees. A chain row: its own context, causally
+    (a padding query sees its row's last real token's); a tree row: the cached prefix, then its ancestors
+    (tree_sampler.tree_attention_mask) — never a sibling's branch."""
+    mask = torch.zeros(len(num_new), T, S, dtype=torch.bool)
+    for b, (parents, n, ctx) in enumerate(zip(trees, num_new, context_lens.tolist())):
+        prefix = ctx - n
+        if parents is None:
+            seen = torch.arange(S)[None, :] <= (prefix + torch.arange(T).clamp(max=n - 1))[:, None]  # T, S
+            mask[b] = seen
+        else:
+            mask[b, :n, :prefix + n] = tree_attention_mask(parents, prefix)
+            mask[b, n:] = mask[b, n - 1]
+    return mask

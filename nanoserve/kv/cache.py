@@ -146,6 +146,15 @@ class PagedKVCache:
             if pool is not None:
                 pool[:, dst] = pool[:, src]
 
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """Move K/V between slots (block · block_size + offset), in every layer: a verified token tree's
+        accepted path to the positions it now holds (spec_decode.py). Pairs apply in order."""
+        for pool in (self.k, self.v, self.k_scale, self.v_scale):
+            if pool is not None:
+                flat = pool.view(pool.shape[0], -1, *pool.shape[3:])  # layers, slots, ...
+                for s, d in zip(src, dst):
+                    flat[:, d] = flat[:, s]
+
     def bind(self, meta: AttentionMetadata) -> CacheView:
         """The view one forward writes and reads through: this backend's CacheView over `meta`."""
         view_cls = {"triton": TritonCacheView, "cpu": CpuCacheView}.get(self.attention_backend, CacheView)

@@ -20,6 +20,11 @@ computed here, on CPU tensors, and the backends only ever consume device tensors
     buckets               [(rows, num_blocks)]: rows grouped by the blocks their context needs,
                           rounded up to a ladder of sizes (`bucket_size`; the torch backend
                           gathers each group to its own length, not every row to the longest)
+    attn_mask     [B, T, M·block_size] or None: which gathered keys each new token sees, when a row
+                          holds a token tree (speculative verification; spec/tree_sampler.py) rather
+                          than a run of consecutive positions; None: causal by position (torch backend)
+    tree_bits     [N] int64 or None: the same for the Triton kernel, per real token, bit j = it sees
+                          its row's new token j (−1 in a chain row); None: no tree this step
 """
 
 from __future__ import annotations
@@ -43,12 +48,16 @@ class AttentionMetadata:
     decode: bool
     max_query_len: int = 1
     buckets: list[tuple[torch.Tensor, int]] = field(default_factory=list)
+    attn_mask: torch.Tensor | None = None
+    tree_bits: torch.Tensor | None = None
 
     @classmethod
     def build(cls, slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-              block_size: int, buckets: bool = True) -> AttentionMetadata:
+              block_size: int, buckets: bool = True, attn_mask: torch.Tensor | None = None,
+              tree_bits: torch.Tensor | None = None) -> AttentionMetadata:
         """From the three CPU tensors of a step (the model runner's), every value the backends use
-        (the length buckets only with `buckets`: the torch backend reads them, the kernels do not)."""
+        (the length buckets only with `buckets`: the torch backend reads them, the kernels do not;
+        none with a tree's `attn_mask`, which spans the longest row's keys)."""
         flat = slot_mapping.flatten()  # B·T
         src = (flat >= 0).nonzero().squeeze(1)  # N: host tensors, so no device is asked
         dst = flat[src]  # N
@@ -61,7 +70,8 @@ class AttentionMetadata:
                    prefix_lens=(context_lens - num_new).to(torch.int32),
                    max_context=int(context_lens.max()) if B else 1, decode=T == 1 and len(src) == B,
                    max_query_len=int(num_new.max()) if B else 1,
-                   buckets=length_buckets(context_lens, block_size) if buckets else [])
+                   buckets=length_buckets(context_lens, block_size) if buckets and attn_mask is None else [],
+                   attn_mask=attn_mask, tree_bits=tree_bits)
 
     def to(self, device: torch.device | str) -> AttentionMetadata:
         """The same metadata with its tensors on `device` (host→device copies only)."""

@@ -57,6 +57,9 @@ class CacheView:
                 tables, offsets = windowed  # B, M_w; B
                 return sdpa_attention(q, *self._gather_kv(pool_k, pool_v, tables), positions - offsets[:, None],
                                       window, scale, softcap)
+        if self.meta.attn_mask is not None:  # a token tree in some row: its mask spans the longest row's keys
+            return sdpa_attention(q, *self._gather_kv(pool_k, pool_v, self.block_tables), positions, None, scale,
+                                  softcap, mask=self.meta.attn_mask)
         buckets = self.meta.buckets
         if len(buckets) <= 1:  # one length: every row gathered to the longest, as `update` does
             return sdpa_attention(q, *self._gather_kv(pool_k, pool_v, self.block_tables), positions, window, scale,

@@ -38,6 +38,9 @@ class TritonCacheView(CacheView):
         from ..kernels.split_kv import choose_num_splits  # imports Triton: only for this backend
 
         check_interpreter(meta.slot_mapping.device)
+        if meta.tree_bits is not None and cache.quant is not None:  # spec_decode.check_tree_fits refuses it first
+            raise NotImplementedError("a token tree over a quantized pool: its keys are read back from the pool, "
+                                      "where the kernel applies no tree mask")
         self.decode = meta.decode  # one new token in every row
         self.cu_seqlens, self.prefix_lens = meta.cu_seqlens, meta.prefix_lens  # B+1, B (int32)
         self.block_tables_i32 = meta.block_tables.to(torch.int32)  # B, max_blocks
@@ -77,7 +80,7 @@ class TritonCacheView(CacheView):
         out_new = flash_attention(q_new, k_step, v_step, self.cu_seqlens, cu_k, causal=True, sm_scale=scale,
                                   block_tables=self.block_tables_i32, k_cache=k_cache, v_cache=v_cache,
                                   context_lens=prefix, max_seqlen_q=self.meta.max_query_len,
-                                  window=window, softcap=softcap, **kv)  # N, H, D
+                                  window=window, softcap=softcap, tree_bits=self.meta.tree_bits, **kv)  # N, H, D
         out = q.new_zeros(B * T, H, D)  # padding rows get zeros (their logits are never read)
         out.index_copy_(0, self.src, out_new)
         return out.view(B, T, H, D)

@@ -145,25 +145,26 @@ def naive_attention(q, k, v, q_positions=None, window: int | None = None):
 
 
 def attention(q, k, v, q_positions=None, window: int | None = None, scale: float | None = None,
-              softcap: float | None = None):
+              softcap: float | None = None, mask: torch.Tensor | None = None):
     """The same as `naive_attention`, through torch's fused SDPA kernel; `scale` multiplies the scores
     instead of 1/√D, and `softcap` c maps them to c·tanh(scores / c) before the mask (Gemma 2), which
-    SDPA cannot do: those take `softcapped_attention`."""
+    SDPA cannot do: those take `softcapped_attention`. `mask` [B, T, S] (bool, True: visible) replaces the
+    causal mask of the positions: a token tree's queries see their ancestors only (spec/tree_sampler.py)."""
     if softcap is not None:
-        return softcapped_attention(q, k, v, q_positions, window, scale, softcap)
+        return softcapped_attention(q, k, v, q_positions, window, scale, softcap, mask)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # B, H, T, D
     gqa = q.shape[1] != k.shape[1]
-    if q_positions is None and window is None:  # no cache: plain causal attention among the T tokens
+    if q_positions is None and window is None and mask is None:  # no cache: plain causal attention
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
         if q_positions is None:
             q_positions = torch.arange(q.shape[2], device=q.device).expand(q.shape[0], -1)  # B, T
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(q_positions, k.shape[2], window),
-                                             scale=scale, enable_gqa=gqa)
+        visible = causal_mask(q_positions, k.shape[2], window) if mask is None else mask[:, None]  # B, 1, T, S
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=gqa)
     return out.transpose(1, 2)  # B, T, H, D
 
 
-def softcapped_attention(q, k, v, q_positions, window, scale, softcap: float):
+def softcapped_attention(q, k, v, q_positions, window, scale, softcap: float, mask: torch.Tensor | None = None):
     """Attention with soft-capped scores, written out (in float32): softmax(c·tanh(q·kᵀ·scale / c) + mask)·v.
     The cap bounds every score to (−c, c) smoothly, so no single key can take all the weight."""
     B, T, H, D = q.shape
@@ -173,5 +174,6 @@ def softcapped_attention(q, k, v, q_positions, window, scale, softcap: float):
     k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)  # B, S, H, D
     scores = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) * (scale or 1 / math.sqrt(D))  # B, H, T, S
     scores = softcap * torch.tanh(scores / softcap)
-    scores = scores.masked_fill(~causal_mask(q_positions, k.shape[1], window), float("-inf"))
+    visible = causal_mask(q_positions, k.shape[1], window) if mask is None else mask[:, None]  # B, 1, T, S
+    scores = scores.masked_fill(~visible, float("-inf"))
     return torch.einsum("bhts,bshd->bthd", scores.softmax(dim=-1), v.float()).to(q.dtype)  # B, T, H, D

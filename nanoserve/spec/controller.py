@@ -11,8 +11,13 @@ tokens), against one plain decode step that emits one token. In units of a plain
 (a proposer that drafts all γ tokens in one call, n-gram lookup or Medusa's heads, costs v + c: its
 `one_call` is True and c is that call),
 
-and the expected speedup of a sample with acceptance rate α is E(α, γ) / cost(γ), E the expected
-tokens per verification (rejection_sampler.expected_tokens_per_step). Neither ratio is known ahead:
+and the expected speedup of a sample is E(γ) / cost(γ), E the expected tokens per verification. E is
+not taken from one acceptance rate α (rejection_sampler.expected_tokens_per_step: every draft kept with the
+same chance, independently): measured, the later drafts of Medusa's heads are kept far more often once
+the earlier ones were (the text is predictable there), and one α put E(3) at 1.42 tokens where the heads
+made 1.60. So the controller keeps one rate per draft position, α_i = P(draft i kept | drafts 1..i−1 kept)
+— a tree's depth i, for a token tree — and E(γ) = 1 + Σ_{i ≤ γ} α_1·…·α_i (`expected_tokens`).
+Neither cost ratio is known ahead:
 
 - c is not the draft/target parameter ratio. On a CPU a tiny draft's forward is dominated by fixed
   per-layer overheads (measured 0.5–0.7 of the demo target's step for a draft 11× smaller); on a GPU a
@@ -40,11 +45,11 @@ from dataclasses import dataclass, field
 from ..engine.outputs import SpecStats
 from ..engine.sampler import SamplingParams
 from ..engine.sequence import Sequence
-from .rejection_sampler import expected_tokens_per_step
 
 EMA_WEIGHT = 0.2  # a new step's weight: about 5 steps of memory
 PROBE_BUDGET = 0.03  # a switched-off sample's probes may cost this share of its plain steps
-ALPHA_PRIOR = 0.8  # the first sample's α before any verification
+ALPHA_PRIOR = 0.8  # the first sample's α at every position before any verification
+ALPHA_MEMORY = 8  # a position's α averages about its last 8 outcomes (an exponential moving average)
 MAX_PROBE_INTERVAL = 1024  # the longest wait between probes, after failed probes doubled it
 
 
@@ -109,10 +114,21 @@ def _ema(old: float | None, new: float) -> float:
     return new if old is None else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * new
 
 
+def expected_tokens(alphas: list[float], gamma: int) -> float:
+    """E[tokens per verification] of γ drafts kept with conditional rates α_1.., stopping at the first rejection,
+    plus the bonus token: 1 + α_1 + α_1·α_2 + … + α_1·…·α_γ (= (1 − α^(γ+1)) / (1 − α) when every α_i = α)."""
+    total, kept = 1.0, 1.0
+    for a in alphas[:gamma]:
+        kept *= a
+        total += kept
+    return total
+
+
 @dataclass
 class SampleState:
     gamma: int
-    alpha: float = ALPHA_PRIOR  # estimate of α, replaced by observation within a few steps
+    alphas: list[float] = field(default_factory=list)  # α_i per draft position (conditional), from observation
+    # (the first position's α decides the switch-off: a sample whose first draft is rarely kept stops)
     plain_steps: int = 0  # consecutive steps without speculation (switched off)
     probing: bool = False  # this verification is a switched-off sample's probe
     stats: SpecStats = field(default_factory=SpecStats)
@@ -129,15 +145,15 @@ class SpecController:
     def __init__(self, config, prior_draft_cost: float, one_call: bool = False):
         self.config = config  # spec_decode.SpecDecodeConfig
         self.costs = StepCosts(prior_draft_cost, config.cost, one_call=one_call)  # c and v: measured, or pinned
-        self.alpha = ALPHA_PRIOR  # the engine's running α: a new sample's first estimate
+        self.alphas = [ALPHA_PRIOR] * config.num_speculative_tokens  # the engine's running α_i: a new sample's start
         self.probe_every = config.probe_interval  # plain steps between a switched-off sample's probes
         self.states: dict[int, SampleState] = {}
 
     def state(self, seq: Sequence) -> SampleState:
         if seq.seq_id not in self.states:
-            st = SampleState(gamma=self.config.num_speculative_tokens, alpha=self.alpha)
+            st = SampleState(gamma=self.config.num_speculative_tokens, alphas=list(self.alphas))
             if self.config.adaptive:
-                st.gamma = self.best_gamma(st.alpha)
+                st.gamma = self.best_gamma(st.alphas)
             self.states[seq.seq_id] = st
         return self.states[seq.seq_id]
 
@@ -161,30 +177,33 @@ class SpecController:
         return gamma
 
     def observe(self, st: SampleState, drafted: int, accepted: int) -> None:
-        """A verification of `drafted` tokens kept `accepted`: α updated (the sample's and the engine's), then γ."""
+        """A verification of `drafted` positions (a chain's drafts, a tree's depth) that kept `accepted`: the α_i
+        of the positions it tested updated (the sample's and the engine's), then γ."""
         if drafted == 0:
             return
-        # Each draft token is a coin with P(accept) = α, tossed until the first rejection: the coins
-        # tossed are the accepted ones plus the rejection, if any (accepted / drafted would count
-        # the never-tossed drafts after a rejection as failures and underestimate α).
-        tossed = accepted + (accepted < drafted)
-        w = min(1.0, tossed / 8)  # about 8 tosses of memory
-        st.alpha = (1 - w) * st.alpha + w * (accepted / tossed)
-        self.alpha = (1 - w) * self.alpha + w * (accepted / tossed)
+        # Position i's draft is a coin tossed only when drafts 1..i−1 were kept: the positions tested are the
+        # accepted ones (heads) and the first rejection (tails), if any. The drafts after a rejection were
+        # never tested: counting them as failures would underestimate every α.
+        if not st.alphas:
+            st.alphas = list(self.alphas)
+        for i in range(min(drafted, accepted + 1)):
+            kept = float(i < accepted)
+            st.alphas[i] += (kept - st.alphas[i]) / ALPHA_MEMORY
+            self.alphas[i] += (kept - self.alphas[i]) / ALPHA_MEMORY
         if self.config.adaptive:
-            st.gamma = self.best_gamma(st.alpha)
+            st.gamma = self.best_gamma(st.alphas)
         if st.probing:  # a failed probe: wait twice as long next time; a good one: back to the start
             st.probing = False
             self.probe_every = (min(2 * self.probe_every, MAX_PROBE_INTERVAL) if st.gamma == 0
                                 else self.config.probe_interval)
 
-    def best_gamma(self, alpha: float) -> int:
-        """argmax over γ of E(α, γ) / cost(γ); 0 when α < min_acceptance or no γ beats plain decoding."""
-        if alpha < self.config.min_acceptance:
+    def best_gamma(self, alphas: list[float]) -> int:
+        """argmax over γ of E(γ) / cost(γ); 0 when α_1 < min_acceptance or no γ beats plain decoding."""
+        if alphas[0] < self.config.min_acceptance:
             return 0
         best, best_gain = 0, 1.0
         for g in range(1, self.config.num_speculative_tokens + 1):
-            gain = expected_tokens_per_step(alpha, g) / self.costs.step_cost(g)
+            gain = expected_tokens(alphas, g) / self.costs.step_cost(g)
             if gain > best_gain * (1 + 1e-9):
                 best, best_gain = g, gain
         return best

@@ -13,15 +13,16 @@ matmuls, not k forwards of anything: the cheapest proposer there is beside n-gra
                      j of head i) and "{i}.{L}.weight" (head i's LM head, L = medusa_num_layers)
     MedusaProposer   the engine's proposer: each row's top-1 of heads 1..γ, a chain of γ drafts
 
-Here the heads' top-1 tokens form one chain, verified like any draft (spec_decode.py): greedy keeps the
-target's tokens exactly, and at T > 0 the chain is a deterministic proposal (q one-hot, as n-gram's),
-which the rejection sampler verifies without changing the target's law. Medusa's tree of top-k
-candidates per head is spec/tree_sampler.py's subject; the engine verifies chains only, so far.
+By default the heads' top-1 tokens form one chain, verified like any draft (spec_decode.py): greedy keeps
+the target's tokens exactly, and at T > 0 the chain is a deterministic proposal (q one-hot, as n-gram's),
+which the rejection sampler verifies without changing the target's law. With `speculative_tree` the heads'
+top-k candidates form a token tree (tree_sampler.tree_from_choices), scored in one forward with a tree
+mask and verified by walking it (tree_sampler.py: greedy, or SpecInfer's multi-candidate rejection).
 
 The hidden state: the model keeps its LM head's input when `keep_hidden` is set (models/base.py), the
 model runner keeps each row's rows of it by sequence (`ModelRunner.hidden`), and the proposer picks the
 one that produced the sequence's latest token: the last row after a plain step, row `accepted` after a
-verification (recorded at `rollback`). Training: nanoserve/tools/train_medusa.py.
+verification (recorded at `rollback`; a tree's: its last accepted node's). Training: tools/train_medusa.py.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..errors import CheckpointError
+from .tree_sampler import tree_from_choices
 
 WEIGHTS, CONFIG = "medusa_lm_head.safetensors", "config.json"
 
@@ -100,20 +102,23 @@ def load_medusa(path: str | Path, hidden: int, vocab: int, device=None, dtype=No
 
 
 class MedusaProposer:
-    """Each speculating row's drafts: the top token of heads 1..γ on the hidden state behind its latest token."""
+    """Each speculating row's drafts: the top token of heads 1..γ on the hidden state behind its latest token,
+    or with `tree` (checked choices) the tree of the paths of length ≤ γ over the heads' top-k."""
 
     timings = None  # (one batched head call per step: timed as one draft forward by spec_decode)
     one_call = True  # all γ drafts come from that one call: a step costs v + c, not v + c·γ (spec/controller.py)
 
-    def __init__(self, heads: MedusaHeads, runner):
-        self.heads, self.runner = heads, runner
+    def __init__(self, heads: MedusaHeads, runner, tree: list[tuple[int, ...]] | None = None):
+        self.heads, self.runner, self.tree = heads, runner, tree
+        self.top_k = 1 if tree is None else 1 + max(i for c in tree for i in c)  # candidates read per head
         runner.model.keep_hidden = True  # the runner keeps each row's hidden states (ModelRunner.hidden)
         self.start: dict[int, int] = {}  # seq_id -> its length before this step's drafts
         self.verified: dict[int, tuple[torch.Tensor, int]] = {}  # seq_id -> (the verification's rows, accepted)
 
     def propose(self, rows, matchers=None):
-        """rows: (seq, γ, params, generator) -> (draft ids, None) each; drafts ignore a grammar (verification
-        masks them, as n-gram drafts) and are deterministic: q is one-hot."""
+        """rows: (seq, γ, params, generator) -> (draft ids, None) each, or (node tokens 1.., None, parents) for a
+        tree; drafts ignore a grammar (verification masks a chain's, as n-gram drafts: a row under a grammar
+        drafts a chain) and are deterministic: q is one-hot."""
         found, picked = [], []
         for i, (seq, _, _, _) in enumerate(rows):
             h = self.runner.hidden.get(seq.seq_id)  # [K, C] of its latest forward
@@ -123,20 +128,28 @@ class MedusaProposer:
             picked.append(h[accepted] if rows_then is h else h[-1])  # row `accepted` only of that verification
             found.append(i)
             self.start[seq.seq_id] = len(seq)
-        drafts: list[tuple[list[int], None]] = [([], None) for _ in rows]
+        drafts: list[tuple] = [([], None) for _ in rows]
         if found:
             with torch.inference_mode():
-                tops = self.heads(torch.stack(picked)).argmax(-1).tolist()  # N, k
+                scores = self.heads(torch.stack(picked))  # N, k, V
+                best = scores.argmax(-1, keepdim=True) if self.top_k == 1 else scores.topk(self.top_k, -1).indices
+                tops = best.tolist()  # N, k, top_k
             for i, top in zip(found, tops):
-                drafts[i] = (top[: rows[i][1]], None)
+                gamma = rows[i][1]
+                if self.tree is None or (matchers and matchers[i] is not None):
+                    drafts[i] = ([t[0] for t in top[:gamma]], None)
+                else:
+                    parents, tokens = tree_from_choices([c for c in self.tree if len(c) <= gamma], top)
+                    drafts[i] = (tokens[1:], None, parents)
         return drafts
 
-    def rollback(self, seq, num_valid: int) -> None:
-        """After verifying: the hidden row behind the latest token is that of the last accepted draft."""
+    def rollback(self, seq, num_valid: int, row: int | None = None) -> None:
+        """After verifying: the hidden row behind the latest token is that of the last accepted draft (a
+        chain's row num_valid − start; a tree's last accepted node, `row`)."""
         start = self.start.pop(seq.seq_id, None)
         h = self.runner.hidden.get(seq.seq_id)
         if start is not None and h is not None:
-            self.verified[seq.seq_id] = (h, num_valid - start)
+            self.verified[seq.seq_id] = (h, num_valid - start if row is None else row)
 
     def free(self, seq) -> None:
         self.runner.hidden.pop(seq.seq_id, None)

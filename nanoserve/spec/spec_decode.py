@@ -14,7 +14,8 @@ requests, in each `LLMEngine.step()`:
    request's temperature / top-k / top-p (greedy: argmax). Or *n-gram lookup* (prompt lookup
    decoding): copy what followed the latest earlier occurrence of the last few tokens — no model.
    Or *Medusa heads* (medusa.py): small heads on the target's own last hidden state, head i's top
-   token the i-th draft — no second forward at all.
+   token the i-th draft — no second forward at all; with `speculative_tree`, their top-k candidates
+   form a token tree instead of a chain (config.py, tree_sampler.py).
 3. **Verify.** The drafts are appended to the target sequence (each gets a KV slot through the
    block allocator, copy-on-write included) and the target computes all γ + 1 positions in one
    forward: logits for p₁..p_{γ+1}. Decoding is memory-bound on a GPU, so scoring γ + 1 tokens
@@ -23,6 +24,10 @@ requests, in each `LLMEngine.step()`:
    rejected one by a draw from normalize(max(p − q, 0)), and adds a bonus token from p_{γ+1} when
    all were kept: between 1 and γ + 1 tokens, distributed exactly as the target alone would
    sample them. Greedy requests use `greedy_verify` (the target's argmax, token for token).
+   A tree is verified the same way in one forward: its nodes sit at the root's position + their depth
+   and each sees only its ancestors (ModelRunner's `tree_mask`); the walk down the tree
+   (tree_sampler.py) keeps the target's law, and the accepted path's K/V moves to the slots right
+   after the root (`PagedKVCache.copy_slots`) before the roll back keeps them.
 5. **Roll back.** Rejected drafts leave the sequence; `num_computed_tokens` drops to the kept
    prefix (their K/V slots are overwritten later) and blocks past it return to the pool
    (`BlockAllocator.truncate`) — before `mark_computed`, so no block holding a rejected token's
@@ -54,53 +59,12 @@ from ..engine.scheduler import Scheduler
 from ..engine.sequence import Sequence
 from ..errors import NanoserveError
 from ..models.loader import load_model
+from .config import SPECULATIVE_METHODS, SpecDecodeConfig  # noqa: F401  (the engine imports them from here)
 from .controller import SpecController
 from .medusa import MedusaProposer, load_medusa
 from .proposers import DraftModelProposer, NgramDraft
-from .rejection_sampler import MAX_SPECULATIVE_TOKENS, greedy_verify, rejection_sample
-
-SPECULATIVE_METHODS = ("draft", "ngram", "medusa")
-
-
-@dataclass
-class SpecDecodeConfig:
-    method: str  # "draft" (a small model), "ngram" (prompt lookup) or "medusa" (heads on the target: medusa.py)
-    num_speculative_tokens: int = 4  # γ: the most tokens drafted per step
-    draft_model: str | None = None  # "draft": a shipped name, checkpoint dir or .bin; "medusa": the heads' dir
-    adaptive: bool = True  # pick each sample's γ from its observed acceptance (else always γ)
-    min_acceptance: float = 0.3  # below this estimated α a sample stops speculating (then probes)
-    probe_interval: int = 16  # plain steps between probes of a switched-off sample
-    ngram_max: int = 3  # n-gram lookup: longest and shortest suffix to match
-    ngram_min: int = 1
-    cost: float | None = None  # c pinned (v = 1, nothing timed); None: measured (spec/controller.py)
-
-    @classmethod
-    def from_args(cls, method: str | None, num_speculative_tokens: int, draft_model: str | None,
-                  adaptive: bool, cost: float | None = None) -> SpecDecodeConfig | None:
-        """The validated config of LLMEngine's speculative arguments; None when they ask for no speculation."""
-        if draft_model is None and method is None:
-            return None
-        cfg = cls(method or "draft", num_speculative_tokens, draft_model, adaptive, cost=cost)
-        cfg.validate()
-        return cfg
-
-    def validate(self) -> None:
-        if self.method not in SPECULATIVE_METHODS:
-            raise NanoserveError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, "
-                                 f"got {self.method!r}")
-        g = self.num_speculative_tokens
-        if not isinstance(g, int) or isinstance(g, bool) or not 1 <= g <= MAX_SPECULATIVE_TOKENS:
-            raise NanoserveError(f"num_speculative_tokens={g!r} must be an integer in 1..{MAX_SPECULATIVE_TOKENS}")
-        if self.method == "draft" and not self.draft_model:
-            raise NanoserveError("speculative decoding with a draft model needs speculative_model=<name or path>")
-        if self.method == "medusa" and not self.draft_model:
-            raise NanoserveError("speculative='medusa' needs speculative_model=<the Medusa heads' directory>")
-        if not 0 <= self.min_acceptance < 1:
-            raise NanoserveError(f"min_acceptance={self.min_acceptance!r} must be in [0, 1)")
-        c = self.cost
-        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 <= c < float("inf")):
-            raise NanoserveError(f"speculative_cost={c!r} must be a finite number ≥ 0 (a draft forward's cost "
-                                 "in target steps), or None to measure it")
+from .rejection_sampler import greedy_verify, rejection_sample
+from .tree_sampler import tree_greedy_verify, tree_positions, tree_rejection_sample
 
 
 @dataclass
@@ -111,6 +75,8 @@ class Proposal:
     draft_ids: list[int]
     q: torch.Tensor | None  # [γ, V] draft distributions; None: deterministic (greedy / n-gram)
     start_len: int  # the sequence's length before the drafts were appended
+    parents: list[int] | None = None  # a token tree's (node 0: the last token; the drafts are nodes 1..); None: a chain
+    logit_rows: list[int] | None = None  # set by accept: the verification's rows the emitted tokens were drawn from
 
 
 class SpecDecoder:
@@ -119,8 +85,9 @@ class SpecDecoder:
     NgramDraft. The target's sequences change only through the target's `scheduler`."""
 
     def __init__(self, config: SpecDecodeConfig, proposer, scheduler: Scheduler, max_model_len: int,
-                 cost: float = 0.0):
+                 cost: float = 0.0, kv=None):
         self.config, self.proposer, self.scheduler, self.max_model_len = config, proposer, scheduler, max_model_len
+        self.kv = kv  # the target's PagedKVCache: a verified tree's accepted path moves within it
         # γ per sample (cost: c's prior, the parameter ratio); n-gram lookup and Medusa draft γ tokens in one call
         self.controller = SpecController(config, cost, one_call=getattr(proposer, "one_call", False))
         self.pure_decode = False  # whether the planned step has decoding rows only (its time is recorded)
@@ -145,11 +112,21 @@ class SpecDecoder:
             s = req.samples[seq.sample_index]
             left = req.max_new - len(s.out.token_ids)
             gamma = min(self.controller.choose_gamma(seq, req.params, left, self.max_model_len), budget)
+            while gamma > 0 and (self.tree_size(gamma, s.matcher) > budget  # a tree's nodes are its tokens
+                                 or len(seq) + self.tree_size(gamma, s.matcher) > self.max_model_len):
+                gamma -= 1
             if gamma > 0:
                 rows.append((i, seq, gamma, req.params, s.generator, s.matcher))
-                budget -= gamma
+                budget -= self.tree_size(gamma, s.matcher)
                 s.out.spec_stats = self.controller.state(seq).stats
         return rows
+
+    def tree_size(self, gamma: int, matcher=None) -> int:
+        """The tokens a row drafts at depth γ: γ for a chain, the tree's paths of length ≤ γ for a tree (a
+        row under a grammar drafts a chain: its masks follow one path, spec_decode's mask_verification)."""
+        if self.config.tree is None or matcher is not None:
+            return gamma
+        return sum(len(c) <= gamma for c in self.config.tree)
 
     def draft(self, sched, rows: list[tuple], kv) -> dict:
         """Propose for the planned rows, append the drafts to their sequences (copy-on-write copies
@@ -172,13 +149,15 @@ class SpecDecoder:
         (n-gram without a match, a full pool), even none."""
         proposals, self.copies = [], []
         drafted = self.proposer.propose(rows, matchers)
-        for (seq, gamma, params, gen), (draft_ids, q) in zip(rows, drafted):
-            start = len(seq)
-            kept, copies = self.scheduler.extend(seq, draft_ids[:gamma])  # stops early when the pool is full
+        for (seq, gamma, params, gen), (draft_ids, q, *tree) in zip(rows, drafted):
+            start, limit = len(seq), len(draft_ids) if tree else gamma  # a tree's nodes: as many as it has
+            kept, copies = self.scheduler.extend(seq, draft_ids[:limit])  # stops early when the pool is full
             self.copies += copies
             if kept == 0:  # nothing to verify, so no accept() will roll the draft back: do it now
                 self.proposer.rollback(seq, start)
-            proposals.append(Proposal(seq, params, gen, draft_ids[:kept], None if q is None else q[:kept], start))
+            parents = tree[0][:kept + 1] if tree else None  # parents come first: any first nodes form a tree
+            proposals.append(Proposal(seq, params, gen, draft_ids[:kept], None if q is None else q[:kept], start,
+                                      parents))
         return proposals
 
     def accept(self, prop: Proposal, logits: torch.Tensor) -> list[int]:
@@ -187,23 +166,49 @@ class SpecDecoder:
         accepted draft; the caller emits the returned tokens like sampled ones (stop checks, then
         Scheduler.postprocess), the last of which, as after any decode step, still needs its slot."""
         seq, params, gamma = prop.seq, prop.params, len(prop.draft_ids)
-        draft = torch.tensor(prop.draft_ids, dtype=torch.long)  # γ
-        if params.greedy:
-            tokens, accepted = greedy_verify(draft, logits)
+        if prop.parents is not None:
+            tokens, accepted = self._accept_tree(prop, logits)
         else:
-            p = probs_from_logits(logits, params.temperature, params.top_k, params.top_p)  # γ+1, V
-            tokens, accepted = rejection_sample(draft, prop.q, p, prop.generator)
+            draft = torch.tensor(prop.draft_ids, dtype=torch.long)  # γ
+            if params.greedy:
+                tokens, accepted = greedy_verify(draft, logits)
+            else:
+                p = probs_from_logits(logits, params.temperature, params.top_k, params.top_p)  # γ+1, V
+                tokens, accepted = rejection_sample(draft, prop.q, p, prop.generator)
+            prop.logit_rows = list(range(len(tokens)))
+            self.proposer.rollback(seq, prop.start_len + accepted)
         # Positions start_len − 1 (the old last token) .. start_len − 1 + accepted hold valid K/V.
         self.scheduler.rollback(seq, prop.start_len, prop.start_len + accepted)
-        self.proposer.rollback(seq, prop.start_len + accepted)
         st = self.controller.state(seq)
         st.stats.num_steps += 1
         st.stats.num_draft_tokens += gamma
         st.stats.num_accepted_tokens += accepted
         st.stats.num_emitted_tokens += len(tokens)
         st.stats.num_rejections += accepted < gamma
-        self.controller.observe(st, gamma, accepted)
+        depth = gamma if prop.parents is None else max(tree_positions(prop.parents, 0))  # positions drafted
+        self.controller.observe(st, depth, accepted)
         return tokens
+
+    def _accept_tree(self, prop: Proposal, logits: torch.Tensor) -> tuple[list[int], int]:
+        """A token tree's verification (tree_sampler.py): the emitted tokens and how many nodes were accepted.
+        The accepted path's K/V moves to the positions right after the root (node i sat at root + i), where the
+        scheduler's rollback then keeps it; every other node's slot is let go of."""
+        seq, params, parents = prop.seq, prop.params, prop.parents
+        root = prop.start_len - 1  # the old last token's index: node i's token is at root + i
+        nodes = [seq.token_ids[root]] + prop.draft_ids
+        if params.greedy:
+            tokens, path = tree_greedy_verify(parents, nodes, logits)
+        else:
+            p = probs_from_logits(logits, params.temperature, params.top_k, params.top_p)  # n, V
+            tokens, path = tree_rejection_sample(parents, nodes, p, [None] * len(parents), prop.generator)
+        bs, table = self.kv.block_size, seq.block_table
+        slot = lambda i: table[i // bs] * bs + i % bs  # noqa: E731  (a token index's K/V slot)
+        moves = [(slot(root + node), slot(root + j)) for j, node in enumerate(path, start=1) if node != j]
+        if moves:
+            self.kv.copy_slots([s for s, _ in moves], [d for _, d in moves])
+        prop.logit_rows = [0] + path[:len(tokens) - 1]  # token j was drawn at the node before it
+        self.proposer.rollback(seq, prop.start_len + len(path), row=path[-1] if path else 0)
+        return tokens, len(path)
 
     def _record_draft(self, seconds: float, gamma: int) -> None:
         """A draft model's forwards as it timed them, leaving out a new row's prompt (a one-off catch-up, not
@@ -242,7 +247,8 @@ def build_spec_decoder(cfg: SpecDecodeConfig, engine) -> SpecDecoder:
         if cfg.num_speculative_tokens > heads.num_heads:
             raise NanoserveError(f"num_speculative_tokens={cfg.num_speculative_tokens} but the Medusa heads at "
                                  f"{cfg.draft_model} predict {heads.num_heads} tokens; allowed: 1..{heads.num_heads}")
-        proposer = MedusaProposer(heads, engine.runner)
+        check_tree_fits(cfg.tree, heads.num_heads, engine)
+        proposer = MedusaProposer(heads, engine.runner, cfg.tree)
         if engine.runner.graphs is not None:  # the graphs were recorded without keeping hidden states
             engine.runner.graphs, engine.cuda_graphs_off = None, "Medusa heads read each step's hidden states"
         cost = sum(p.numel() for p in heads.parameters()) / sum(p.numel() for p in engine.model.parameters())
@@ -265,4 +271,19 @@ def build_spec_decoder(cfg: SpecDecodeConfig, engine) -> SpecDecoder:
         if engine.cuda_graphs_off is None:  # the target replays decode graphs: the draft's decode steps do too
             proposer.runner.use_cuda_graphs(engine.scheduler.config.max_num_seqs, max_len)
         cost = sum(p.numel() for p in draft.parameters()) / sum(p.numel() for p in engine.model.parameters())
-    return SpecDecoder(cfg, proposer, engine.scheduler, max_len, cost)
+    return SpecDecoder(cfg, proposer, engine.scheduler, max_len, cost, kv)
+
+
+def check_tree_fits(tree, num_heads: int, engine) -> None:
+    """A token tree needs a head per depth, an attention backend that takes its mask, and no sliding window."""
+    if tree is None:
+        return
+    if max(map(len, tree)) > num_heads:
+        raise NanoserveError(f"speculative_tree has a path of length {max(map(len, tree))} but the Medusa heads "
+                             f"predict {num_heads} tokens; allowed: paths of length 1..{num_heads}")
+    if engine.attention_backend == "triton" and engine.runner.kv.quant is not None:
+        raise NanoserveError("speculative_tree with the triton backend needs kv_cache_dtype='auto': over a "
+                             "quantized pool its kernel reads the tree's keys back from the pool, unmasked")
+    if engine.config.sliding_window is not None:
+        raise NanoserveError("speculative_tree is not supported with sliding-window attention (a node's window "
+                             "would follow its path, not its slot); without a tree, Medusa verifies a chain")

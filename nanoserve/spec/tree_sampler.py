@@ -26,14 +26,57 @@ walk continues at c_j, whose candidates were drawn given it, so the next token f
 target's law, token after token. tests/test_tree_sampler.py checks it by χ² with mutants.
 
 The forward over a tree needs each node to see its ancestors only: `tree_attention_mask` and
-`tree_positions` (position = the root's + depth) are what an attention backend is given for that.
+`tree_positions` (position = the root's + depth) are what an attention backend is given for that
+(engine/model_runner.py: `tree_mask`). The engine's trees come from Medusa's heads: `tree_from_choices`
+turns paths of top-k indices ("choices", as Medusa's) and each head's top-k tokens into parents and tokens.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .rejection_sampler import residual_distribution
+from ..errors import NanoserveError
+from .rejection_sampler import MAX_SPECULATIVE_TOKENS, residual_distribution
+
+# 8 candidates to depth 3 (3 heads): the first head's top 2; after its best, the second head's top 2, after
+# its second best, the second head's best; after the best pair, the third head's top 2; after (0, 1), its best
+DEFAULT_TREE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0)]
+
+
+def check_tree_choices(choices) -> list[tuple[int, ...]] | None:
+    """Paths of top-k indices, checked and sorted (shorter first): each non-empty, of indices ≥ 0, listed once,
+    its parent path listed too, at most MAX_SPECULATIVE_TOKENS in all. None stays None (no tree: a chain)."""
+    if choices is None:
+        return None
+    if isinstance(choices, (str, bytes)) or not hasattr(choices, "__iter__"):
+        raise NanoserveError(f"speculative_tree must be a list of paths such as [(0,), (1,), (0, 0)] or "
+                             f"'default', got {choices!r}")
+    paths = [tuple(c) if isinstance(c, (list, tuple)) else c for c in choices]
+    for c in paths:
+        if not isinstance(c, tuple) or not c or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                        for i in c):
+            raise NanoserveError(f"speculative_tree: each path must be a non-empty tuple of top-k indices ≥ 0, "
+                                 f"got {c!r}")
+        if len(c) > 1 and c[:-1] not in paths:
+            raise NanoserveError(f"speculative_tree: path {c} is listed without its parent path {c[:-1]}")
+    if len(set(paths)) != len(paths):
+        raise NanoserveError("speculative_tree lists a path twice")
+    if not 1 <= len(paths) <= MAX_SPECULATIVE_TOKENS:
+        raise NanoserveError(f"speculative_tree has {len(paths)} paths; allowed: 1..{MAX_SPECULATIVE_TOKENS} "
+                             "(each is a token the target verifies)")
+    return sorted(paths, key=lambda c: (len(c), c))
+
+
+def tree_from_choices(choices: list[tuple[int, ...]], top: list[list[int]]) -> tuple[list[int], list[int]]:
+    """choices sorted by check_tree_choices; top[d] the (d+1)-th head's candidates, best first ->
+    (parents, tokens) with node 0 the root (its token: −1, the caller's) and node i + 1 the path choices[i]."""
+    index = {(): 0}
+    parents, tokens = [-1], [-1]
+    for c in choices:
+        index[c] = len(parents)
+        parents.append(index[c[:-1]])
+        tokens.append(top[len(c) - 1][c[-1]])
+    return parents, tokens
 
 
 def children_of(parents: list[int]) -> list[list[int]]:
@@ -52,6 +95,15 @@ def tree_positions(parents: list[int], root_position: int) -> list[int]:
     for i, parent in enumerate(parents[1:], start=1):
         depth[i] = depth[parent] + 1
     return [root_position + d for d in depth]
+
+
+def ancestor_bits(parents: list[int]) -> list[int]:
+    """Per node, the nodes it sees as bits: bit j set when node j is an ancestor of it or itself — one row of
+    `tree_attention_mask` past the prefix, packed into an int (what the Triton kernel reads: `tree_bits`)."""
+    bits: list[int] = []
+    for i, parent in enumerate(parents):
+        bits.append((1 << i) | (bits[parent] if parent >= 0 else 0))
+    return bits
 
 
 def tree_attention_mask(parents: list[int], prefix_len: int) -> torch.Tensor:
