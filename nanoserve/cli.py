@@ -36,6 +36,7 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="γ, draft tokens per step (1..16)")
     p.add_argument("--speculative-cost", type=float, help="pin a draft forward's cost in target steps (default: "
                    "measured; pinned, seeded sampling no longer depends on the machine's speed)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks the model is split over (workers)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,11 +145,9 @@ def cmd_generate(args) -> None:
     llm = LLM(args.model, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
               kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, **_spec_kwargs(args))
     n_prompt = len(llm.encode_prompt(args.prompt))
-    start = time.perf_counter()
-    n_out = 0
+    start, n_out = time.perf_counter(), 0
     for out in llm.stream_request(args.prompt, params):
-        sys.stdout.write(out[0])
-        sys.stdout.flush()
+        print(out[0], end="", flush=True)
         n_out = len(out[1].token_ids)
     elapsed = time.perf_counter() - start
     sys.stdout.write("\n")
@@ -161,8 +160,9 @@ def cmd_generate(args) -> None:
 
 
 def _spec_kwargs(args) -> dict:
-    """The engine arguments of _add_spec_args: speculation, and --enforce-eager."""
-    eager = {"enforce_eager": True} if getattr(args, "enforce_eager", False) else {}
+    """The engine arguments of _add_spec_args: speculation, --enforce-eager and --tensor-parallel-size."""
+    eager = dict({"enforce_eager": True} if getattr(args, "enforce_eager", False) else {},
+                 tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
     if args.speculative_model is None and args.speculative is None:
         return eager
     return dict(speculative_model=args.speculative_model, speculative=args.speculative,

@@ -73,3 +73,26 @@ def test_a_quantized_model_is_refused_before_any_weight_is_split(hf_checkpoints)
     model = LLM(str(hf_checkpoints["llama-gqa"][0]), dtype="float32", quantization="int8").model
     with pytest.raises(NanoserveError, match="splits float nn.Linear layers, not a"):
         tensor_parallel.shard_model(model, 0, 2)
+
+
+def _rank_with_exit_hook(rank, world_size, folder):  # (module level: the spawned ranks import it by name)
+    import atexit
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    t = torch.ones(3)
+    dist.all_reduce(t)  # a collective, as every sharded forward makes
+    Path(folder, f"ran{rank}").write_text(str(t.tolist()))
+    atexit.register(lambda: Path(folder, f"finalized{rank}").write_text("Python shut down normally"))
+
+
+def test_finished_ranks_skip_the_interpreters_shutdown(tmp_path):
+    """launch.spawn_ranks ends a rank that returned with os._exit: a gloo thread still freeing its last work's
+    tensors at shutdown aborts the process (SIGABRT after the work is done: launch._exit_without_finalizing).
+    The rank's work ran (its file, the all-reduced sum) and its atexit hook did not: no shutdown happened."""
+    from nanoserve.parallel.launch import spawn_ranks
+
+    spawn_ranks(_rank_with_exit_hook, 2, str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ran0", "ran1"]
+    assert (tmp_path / "ran1").read_text() == "[2.0, 2.0, 2.0]"

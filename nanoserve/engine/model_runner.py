@@ -77,15 +77,15 @@ class ModelRunner:
     """The model and its paged KV pool; `run` is one batched forward over the scheduled sequences."""
 
     def __init__(self, model, num_blocks: int, block_size: int, attention_backend: str | None = None,
-                 kv_cache_dtype: str = "auto", lora=None):
+                 kv_cache_dtype: str = "auto", lora=None, kv_config=None):
         self.model, self.config = model, model.config
         self.onednn_off = use_onednn_linears(model)  # CPU GEMMs through oneDNN (models/onednn.py), or why not
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         if self.device.type == "cpu":
             advise_on_allocator()  # glibc's malloc costs page faults on big tensors (engine/cpu_allocator.py)
-        self.kv = PagedKVCache(self.config, num_blocks, block_size, self.dtype, self.device, attention_backend,
-                               kv_cache_dtype=kv_cache_dtype)
+        self.kv = PagedKVCache(kv_config or self.config, num_blocks, block_size, self.dtype, self.device,
+                               attention_backend, kv_cache_dtype=kv_cache_dtype)  # (kv_config: one rank's heads)
         self.attention_backend = self.kv.attention_backend  # "torch", "triton" or "cpu" (see nanoserve/kv/)
         self.block_size = block_size
         self.graphs = None  # CudaGraphRunner once use_cuda_graphs() ran: decode steps replay graphs

@@ -1,11 +1,12 @@
 """Beyond one device: tensor parallelism on torch.distributed (gloo on CPU, NCCL on CUDA).
 
     tensor_parallel.py   column- and row-parallel linears, the vocabulary split, shard_model
-    launch.py            a sharded forward on N local processes (tp_forward, tp_greedy)
+    launch.py            a sharded forward on N local processes (tp_forward, tp_greedy, spawn_ranks)
+    workers.py           the engine over N ranks: LLM(model, tensor_parallel_size=N); rank 0 schedules, the
+                         worker processes follow each step, each rank a paged KV pool of its own heads
 
-Built so far: the layers and the sharding of GPT-2 and Llama-family models, proven against one process.
-Not yet: the engine's workers (rank 0 schedules, the others follow), a paged KV pool per rank, pipeline
-parallelism (issue 27).
+Not yet (issue 27): pipeline parallelism, quantized linears split along their groups, speculative decoding
+and LoRA adapters on the split engine (refused by name), a launch across nodes (torchrun).
 """
 
 from .tensor_parallel import (

@@ -7,7 +7,7 @@
 Each spawns `world_size` processes (torch.multiprocessing), which join one gloo process group over a local
 TCP port, load the checkpoint, keep their share (tensor_parallel.shard_model) and run the same forward; rank 0
 writes the result to a file the caller reads. One torch thread per process: the ranks share the cores.
-The engine's own workers (a scheduler on rank 0, the others following its steps) are not built yet.
+The engine's own workers (a scheduler on rank 0, the others following its steps) are workers.py's.
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ def _rank_main(rank: int, fn, world_size: int, port: int, threads: int, args: tu
         dist.barrier()  # nobody tears the group down while another rank still talks to it
     finally:
         dist.destroy_process_group()
-    _exit_without_finalizing()
+    exit_without_finalizing()
 
 
-def _exit_without_finalizing() -> None:
+def exit_without_finalizing() -> None:
     """End a finished rank's process here, skipping the interpreter's shutdown.
 
     A gloo worker thread can still be dropping its last collective's work object when the rank returns; the
