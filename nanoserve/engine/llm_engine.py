@@ -183,8 +183,8 @@ class LLMEngine:
         num_logits = [1 + len(drafts[i].draft_ids) if i in drafts else n if wants_prompt_logits(
             self.requests[seq.request_id].output.prompt_logprobs, seq) else 1 for i, (seq, n) in enumerate(
             zip(sched.seqs, sched.num_new))]
-        trees = [drafts[i].parents if i in drafts else None for i in range(len(sched.seqs))] if drafts else None
-        logits = self.runner.run(sched.seqs, sched.num_new, num_logits if max(num_logits) > 1 else None, trees)
+        trees = self.spec.tree_kwargs(drafts, len(sched.seqs)) if drafts else {}  # Medusa's token trees, if any
+        logits = self.runner.run(sched.seqs, sched.num_new, num_logits if max(num_logits) > 1 else None, **trees)
         if self.inputs.usable_vocab_size < self.config.vocab_size:
             logits = mask_from(logits, self.inputs.usable_vocab_size)
         return logits

@@ -174,10 +174,12 @@ class ModelRunner:
         k = num_logits or [1] * len(seqs)
         out: list[torch.Tensor | None] = [None] * len(seqs)
         for rows in forward_groups(num_new, k):
-            args = [seqs[i] for i in rows], [num_new[i] for i in rows], [k[i] for i in rows], \
-                [trees[i] for i in rows] if trees else None
+            args = [seqs[i] for i in rows], [num_new[i] for i in rows], [k[i] for i in rows]
+            group_trees = [trees[i] for i in rows] if trees else None
             if max(args[1]) == 1 and self.graphs is not None and self.graphs.fits(len(rows)):
-                logits = self.graphs.run(self.prepare(*args[:3]))  # a pure decode group: replay its graph
+                logits = self.graphs.run(self.prepare(*args))  # a pure decode group: replay its graph
+            elif group_trees and any(t is not None for t in group_trees):
+                logits = self._forward(*args, trees=group_trees)
             else:
                 logits = self._forward(*args)
             if num_logits is None and rows == list(range(len(seqs))):

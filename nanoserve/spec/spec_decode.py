@@ -121,6 +121,12 @@ class SpecDecoder:
                 s.out.spec_stats = self.controller.state(seq).stats
         return rows
 
+    def tree_kwargs(self, proposals: dict, num_rows: int) -> dict:
+        """ModelRunner.run's `trees` for a step's {row: Proposal}: given only when some row holds a token tree."""
+        if all(p.parents is None for p in proposals.values()):
+            return {}
+        return {"trees": [proposals[i].parents if i in proposals else None for i in range(num_rows)]}
+
     def tree_size(self, gamma: int, matcher=None) -> int:
         """The tokens a row drafts at depth γ: γ for a chain, the tree's paths of length ≤ γ for a tree (a
         row under a grammar drafts a chain: its masks follow one path, spec_decode's mask_verification)."""
