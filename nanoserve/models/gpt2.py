@@ -74,11 +74,17 @@ class GPT2Transformer(nn.Module):
         self.h = nn.ModuleList(GPT2Block(cfg, i) for i in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
 
-    def forward(self, input_ids, positions, cache):
-        x = self.wte(input_ids) + self.wpe(positions)  # B, T, C
+    def embed(self, input_ids, positions):
+        return self.wte(input_ids) + self.wpe(positions)  # B, T, C
+
+    def blocks(self, x, positions, cache):
+        """The blocks this module holds (all of them; a pipeline stage's share: parallel/pipeline.py)."""
         for block in self.h:
             x = block(x, positions, cache)
-        return self.ln_f(x)
+        return x
+
+    def forward(self, input_ids, positions, cache):
+        return self.ln_f(self.blocks(self.embed(input_ids, positions), positions, cache))
 
 
 class GPT2LMHeadModel(CausalLM):

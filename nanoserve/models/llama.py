@@ -132,10 +132,17 @@ class LlamaModel(nn.Module):
         if cfg.local_rope_theta:  # Gemma 3's sliding layers: their own base, no scaling
             self.inv_freq["local"] = rope_inv_freq(replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=None))
 
-    def forward(self, input_ids, positions, cache):
+    def embed(self, input_ids, positions):
         x = self.embed_tokens(input_ids)  # B, T, C
         if self.embed_scale is not None:  # the factor rounded to x's dtype first, as HF does
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        return x
+
+    def forward(self, input_ids, positions, cache):
+        return self.norm(self.blocks(self.embed(input_ids, positions), positions, cache))
+
+    def blocks(self, x, positions, cache):
+        """The layers this module holds (all of them; a pipeline stage's share: parallel/pipeline.py)."""
         if self.inv_freq["global"].device != x.device:
             self.inv_freq = {k: f.to(x.device) for k, f in self.inv_freq.items()}
         rope = {k: rope_cos_sin(f, positions, x.dtype) for k, f in self.inv_freq.items()}  # once for all layers
@@ -145,7 +152,7 @@ class LlamaModel(nn.Module):
         rope["none"] = (None, None)
         for layer in self.layers:
             x = layer(x, positions, *rope[layer.rope], cache)
-        return self.norm(x)
+        return x
 
 
 class LlamaForCausalLM(CausalLM):
