@@ -95,3 +95,12 @@ def test_bench_tp_quick_mode_counts_what_it_exchanges(tmp_path):
     for r in rows:  # the bytes the wrapped collectives moved are the formula's, per token
         assert r["comm_bytes_per_token_measured"] == r["comm_bytes_per_token_computed"]
         assert r["forward_ms"] > 0 and (r["comm_calls"] > 0) == (r["tp"] == 2)
+
+
+def test_bench_tp_engine_quick_mode_runs_both_engines(tmp_path):
+    out = tmp_path / "tp_engine.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT.parent / "bench_tp_engine.py"), "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["tensor_parallel_size"] for r in rows] == [1, 2] and all(r["same_tokens_as_one_process"] for r in rows)
