@@ -154,6 +154,9 @@ def test_tree_settings_are_checked_by_name(medusa_trained):
     with pytest.raises(NanoserveError, match="path of length 4 but the Medusa heads predict 3"):
         LLM("demo", speculative="medusa", speculative_model=heads, num_speculative_tokens=3,
             speculative_tree=[(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)])
+    with pytest.raises(NanoserveError, match="candidate 300 of a head; the vocabulary has 257"):
+        LLM("demo", speculative="medusa", speculative_model=heads, num_speculative_tokens=3,
+            speculative_tree=[(0,), (300,)])
     with pytest.raises(NanoserveError, match="triton backend needs kv_cache_dtype='auto'"):
         LLM("demo", speculative="medusa", speculative_model=heads, num_speculative_tokens=3,
             speculative_tree="default", attention_backend="triton", kv_cache_dtype="int8")

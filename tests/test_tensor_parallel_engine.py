@@ -123,7 +123,7 @@ def test_what_the_split_engine_does_not_run_is_refused_by_name(hf_checkpoints):
                       (dict(tensor_parallel_size="2"), "must be an integer ≥ 1"),
                       (dict(tensor_parallel_size=2, speculative="ngram"), "speculative decoding is not supported"),
                       (dict(tensor_parallel_size=2, enable_lora=True), "enable_lora is not supported"),
-                      (dict(tensor_parallel_size=3), "n_heads=4 is not divisible by 3")]:
+                      (dict(tensor_parallel_size=3), "not possible for this model: n_heads=4 is not divisible by 3")]:
         with pytest.raises(NanoserveError, match=match):
             LLM(path, dtype="float32", **kw)
     first = LLM(path, dtype="float32", tensor_parallel_size=2)
@@ -166,3 +166,9 @@ def test_the_server_on_a_split_engine_answers_then_503_once_a_worker_died():
     finally:
         srv.stop()
         del core, srv
+
+
+def test_a_quantized_model_is_refused_before_any_worker_starts(hf_checkpoints):
+    with pytest.raises(NanoserveError, match="splits float nn.Linear layers, not a"):
+        LLM(str(hf_checkpoints["gpt2"][0]), dtype="float32", quantization="int8", tensor_parallel_size=2)
+    assert not torch.distributed.is_initialized()

@@ -129,10 +129,9 @@ def _heads(head_dim: int, first: int, count: int) -> torch.Tensor:
     return torch.arange(first * head_dim, (first + count) * head_dim)
 
 
-def shard_model(model: nn.Module, rank: int, world_size: int) -> nn.Module:
-    """Replace `model`'s layers, in place, by rank's share of them (see the module's docstring)."""
-    cfg = model.config
-    why = tp_unsupported(cfg, world_size)
+def check_shardable(model: nn.Module, world_size: int) -> None:
+    """Raise, by name, what keeps `model` from being split `world_size` ways (before anything is split)."""
+    why = tp_unsupported(model.config, world_size)
     if why is not None:
         raise NanoserveError(f"tensor_parallel_size={world_size} is not possible for this model: {why}")
     for module in model.modules():  # every layer to split checked before the first one is
@@ -140,6 +139,12 @@ def shard_model(model: nn.Module, rank: int, world_size: int) -> nn.Module:
                      "down_proj"):
             if hasattr(module, name):
                 _check_float_linear(getattr(module, name))
+
+
+def shard_model(model: nn.Module, rank: int, world_size: int) -> nn.Module:
+    """Replace `model`'s layers, in place, by rank's share of them (see the module's docstring)."""
+    cfg = model.config
+    check_shardable(model, world_size)
     H, D, N = cfg.n_heads, cfg.head_dim, world_size
     Hl = H // N
     Kl = max(1, cfg.n_kv_heads // N)  # KV heads per rank (replicated when fewer than ranks)

@@ -39,7 +39,7 @@ import torch.multiprocessing as mp
 from ..engine.model_runner import ModelRunner
 from ..errors import EngineStateError, NanoserveError
 from .launch import exit_without_finalizing, free_port
-from .tensor_parallel import shard_model, tp_unsupported
+from .tensor_parallel import check_shardable, shard_model
 
 TIMEOUT = timedelta(seconds=60)  # a collective waiting on a rank that never comes fails, it does not hang
 
@@ -77,11 +77,9 @@ def rank_kv_config(cfg, world_size: int):
 class WorkerGroup:
     """Rank 0's side: the worker processes and the process group they share with this process."""
 
-    def __init__(self, model: str, dtype, device: str, world_size: int, cfg):
+    def __init__(self, model: str, dtype, device: str, world_size: int, net):
         self.closed, self.procs = True, []  # (nothing to shut down until the workers start)
-        problem = tp_unsupported(cfg, world_size)
-        if problem:
-            raise NanoserveError(f"tensor_parallel_size={world_size}: {problem}")
+        check_shardable(net, world_size)  # (rank 0's model, loaded: a refusal here starts no process)
         if dist.is_initialized():
             raise NanoserveError("tensor_parallel_size > 1: this process already belongs to a process group (one "
                                  "tensor-parallel engine per process; shut the other down first)")
@@ -234,7 +232,7 @@ def start_tensor_parallel(engine, world_size: int, model: str) -> WorkerGroup | 
     """None for one rank; else start the workers, join them as rank 0, and shard rank 0's model (the engine's)."""
     if world_size == 1:
         return None
-    group = WorkerGroup(model, engine.dtype, str(engine.device), world_size, engine.config)
+    group = WorkerGroup(model, engine.dtype, str(engine.device), world_size, engine.model)
     group._guard(shard_model, engine.model, 0, world_size)
     return group
 

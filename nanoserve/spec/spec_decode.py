@@ -185,13 +185,13 @@ class SpecDecoder:
             self.proposer.rollback(seq, prop.start_len + accepted)
         # Positions start_len − 1 (the old last token) .. start_len − 1 + accepted hold valid K/V.
         self.scheduler.rollback(seq, prop.start_len, prop.start_len + accepted)
+        depth = gamma if prop.parents is None else max(tree_positions(prop.parents, 0))  # positions drafted
         st = self.controller.state(seq)
         st.stats.num_steps += 1
-        st.stats.num_draft_tokens += gamma
+        st.stats.num_draft_tokens += gamma  # (a tree's: its nodes)
         st.stats.num_accepted_tokens += accepted
         st.stats.num_emitted_tokens += len(tokens)
-        st.stats.num_rejections += accepted < gamma
-        depth = gamma if prop.parents is None else max(tree_positions(prop.parents, 0))  # positions drafted
+        st.stats.num_rejections += accepted < depth  # (a tree's: a path that stopped short of its depth)
         self.controller.observe(st, depth, accepted)
         return tokens
 
@@ -287,6 +287,9 @@ def check_tree_fits(tree, num_heads: int, engine) -> None:
     if max(map(len, tree)) > num_heads:
         raise NanoserveError(f"speculative_tree has a path of length {max(map(len, tree))} but the Medusa heads "
                              f"predict {num_heads} tokens; allowed: paths of length 1..{num_heads}")
+    if max(max(c) for c in tree) >= engine.config.vocab_size:
+        raise NanoserveError(f"speculative_tree asks for candidate {max(max(c) for c in tree)} of a head; the "
+                             f"vocabulary has {engine.config.vocab_size} tokens")
     if engine.attention_backend == "triton" and engine.runner.kv.quant is not None:
         raise NanoserveError("speculative_tree with the triton backend needs kv_cache_dtype='auto': over a "
                              "quantized pool its kernel reads the tree's keys back from the pool, unmasked")
