@@ -89,10 +89,57 @@ def _rank_with_exit_hook(rank, world_size, folder):  # (module level: the spawne
 
 def test_finished_ranks_skip_the_interpreters_shutdown(tmp_path):
     """launch.spawn_ranks ends a rank that returned with os._exit: a gloo thread still freeing its last work's
-    tensors at shutdown aborts the process (SIGABRT after the work is done: launch._exit_without_finalizing).
+    tensors at shutdown aborts the process (SIGABRT after the work is done: launch.exit_without_finalizing).
     The rank's work ran (its file, the all-reduced sum) and its atexit hook did not: no shutdown happened."""
     from nanoserve.parallel.launch import spawn_ranks
 
     spawn_ranks(_rank_with_exit_hook, 2, str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ran0", "ran1"]
     assert (tmp_path / "ran1").read_text() == "[2.0, 2.0, 2.0]"
+
+
+@pytest.fixture(scope="module")
+def gptq_gpt2(hf_checkpoints, tmp_path_factory):
+    """The tiny GPT-2, 4-bit GPTQ (round-to-nearest codes, groups of 8) saved as a GPTQ checkpoint: {group: dir}."""
+    from nanoserve.quant.model import QuantizeConfig, quantize_model
+    from nanoserve.quant.save import save_quantized
+
+    src, out = hf_checkpoints["gpt2"][0], {}
+    for group in (8, 16):
+        model = LLM(str(src), dtype="float32").model
+        res = quantize_model(model, None, QuantizeConfig(method="rtn", group_size=group), progress=False)
+        out[group] = save_quantized(model, res, tmp_path_factory.mktemp(f"gptq{group}"), tokenizer_from=str(src))
+    return out
+
+
+def test_a_gptq_model_splits_by_its_codes(gptq_gpt2):
+    """Each shard's Ŵ is exactly its slice of the whole layer's Ŵ (columns: any outputs; rows: whole groups), and
+    the split model's logits over 2 processes equal one process's; the engine over 2 ranks gives its tokens."""
+    from nanoserve.parallel.quant_shard import column_shard, row_shard
+    from nanoserve.quant.qlinear import QuantLinear
+
+    model = LLM(str(gptq_gpt2[8]), dtype="float32").model
+    attn = model.transformer.h[0].attn
+    assert isinstance(attn.c_attn, QuantLinear)
+    whole_in, whole_out = attn.c_attn.dequantize(), attn.c_proj.dequantize()  # [3C, C], [C, C]
+    outputs = torch.tensor([0, 5, 13, 47, 96, 100, 101, 143])  # any outputs (8: the zeros' packing word)
+    assert torch.equal(column_shard(attn.c_attn, outputs).dequantize(), whole_in[outputs])
+    inputs = torch.arange(24, 48)  # rank 1 of 2: groups 3..5 of 8 inputs
+    assert torch.equal(row_shard(attn.c_proj, inputs).dequantize(), whole_out[:, inputs])
+    ids = IDS[:8]
+    want = LLM(str(gptq_gpt2[8]), dtype="float32").logits(ids)
+    assert torch.allclose(tp_forward(gptq_gpt2[8], ids, 2), want, rtol=1e-5, atol=1e-5)
+    from nanoserve import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    one = LLM(str(gptq_gpt2[8]), dtype="float32").generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids
+    split = LLM(str(gptq_gpt2[8]), dtype="float32", tensor_parallel_size=2)
+    assert split.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids == one
+    del split
+
+
+def test_a_quantized_split_inside_a_group_is_refused_by_name(gptq_gpt2):
+    """48 inputs in groups of 16 do not split into 2 whole numbers of groups: refused before anything is split."""
+    model = LLM(str(gptq_gpt2[16]), dtype="float32").model
+    with pytest.raises(NanoserveError, match="quantized c_proj cannot be split: its 48 inputs in groups of 16"):
+        tensor_parallel.shard_model(model, 0, 2)

@@ -5,9 +5,10 @@
     workers.py           the engine over N ranks: LLM(model, tensor_parallel_size=N); rank 0 schedules, the
                          worker processes follow each step, each rank a paged KV pool of its own heads
     pipeline.py          pipeline stages: the blocks split over N processes, micro-batches in GPipe's order
+    quant_shard.py       GPTQ / AWQ layers split by their codes (by inputs along whole groups)
 
-Not yet (issue 27): pipeline stages inside the engine, quantized linears split along their groups, speculative
-decoding and LoRA adapters on the split engine (refused by name), a launch across nodes (torchrun).
+Not yet (issue 27): pipeline stages inside the engine, 8-bit linears split, speculative decoding and LoRA adapters
+on the split engine (refused by name), a launch across nodes (torchrun).
 """
 
 from .tensor_parallel import (

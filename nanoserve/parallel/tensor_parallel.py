@@ -21,8 +21,9 @@ is zeros, its logits dropped). With fewer KV heads than ranks
 
 All-reduces go through `torch.distributed` (gloo on CPU, NCCL on CUDA); `shard_model` needs its process
 group initialized. What would be computed wrongly is refused by name: heads or the MLP not divisible by N,
-a whole-projection q/k norm (OLMo 2: its variance spans every head), mixture-of-experts blocks,
-quantized linears.
+a whole-projection q/k norm (OLMo 2: its variance spans every head), mixture-of-experts blocks, 8-bit and
+adapter-wrapped linears. GPTQ / AWQ layers (QuantLinear) split by their codes (quant_shard.py): by outputs
+freely, by inputs along whole groups only.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import NanoserveError
+from ..quant.qlinear import QuantLinear
 
 
 def _rows(t: torch.Tensor, start: int, size: int) -> torch.Tensor:
@@ -43,11 +45,41 @@ def _rows(t: torch.Tensor, start: int, size: int) -> torch.Tensor:
     return out
 
 
+def _column(layer: nn.Module, index: torch.Tensor) -> nn.Module:
+    """The column-parallel share of a float or a GPTQ / AWQ (QuantLinear) layer."""
+    from .quant_shard import ColumnParallelQuantLinear
+
+    return ColumnParallelQuantLinear(layer, index) if isinstance(layer, QuantLinear) else ColumnParallelLinear(
+        layer, index)
+
+
+def _row(layer: nn.Module, index: torch.Tensor) -> nn.Module:
+    """The row-parallel share of a float or a GPTQ / AWQ (QuantLinear) layer."""
+    from .quant_shard import RowParallelQuantLinear
+
+    return RowParallelQuantLinear(layer, index) if isinstance(layer, QuantLinear) else RowParallelLinear(layer, index)
+
+
+ROW_PARALLEL = ("c_proj", "o_proj", "down_proj")  # split by inputs (GPT-2's attention and MLP c_proj both)
+
+
+def _check_splittable(layer: nn.Module, name: str, world_size: int) -> None:
+    """A float nn.Linear splits any way; a GPTQ / AWQ layer too, by inputs only along its groups."""
+    if isinstance(layer, QuantLinear):
+        from .quant_shard import column_split_problem, row_split_problem
+
+        problem = (row_split_problem if name in ROW_PARALLEL else column_split_problem)(layer, world_size)
+        if problem:
+            raise NanoserveError(f"tensor_parallel_size={world_size}: the quantized {name} cannot be split: {problem}")
+        return
+    _check_float_linear(layer)
+
+
 def _check_float_linear(layer: nn.Module) -> None:
     """Only a float nn.Linear's weight is split here: an int8/int4 layer's codes and scales split otherwise."""
     if not isinstance(layer, nn.Linear) or not layer.weight.is_floating_point():
         raise NanoserveError(f"tensor parallelism splits float nn.Linear layers, not a {type(layer).__name__}: "
-                             "quantized (or adapter-wrapped) linears are not split yet")
+                             "8-bit (or adapter-wrapped) linears are not split yet; GPTQ / AWQ layers are")
 
 
 class ColumnParallelLinear(nn.Module):
@@ -138,7 +170,7 @@ def check_shardable(model: nn.Module, world_size: int) -> None:
         for name in ("c_attn", "c_proj", "c_fc", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                      "down_proj"):
             if hasattr(module, name):
-                _check_float_linear(getattr(module, name))
+                _check_splittable(getattr(module, name), name, world_size)
 
 
 def shard_model(model: nn.Module, rank: int, world_size: int) -> nn.Module:
@@ -156,22 +188,22 @@ def shard_model(model: nn.Module, rank: int, world_size: int) -> nn.Module:
         if hasattr(module, "c_attn"):  # GPT-2: fused [q; k; v] rows, each part split by heads
             C = cfg.hidden_size
             fused = torch.cat([q_idx + part * C for part in range(3)])
-            module.c_attn = ColumnParallelLinear(module.c_attn, fused)
-            module.c_proj = RowParallelLinear(module.c_proj, q_idx)
+            module.c_attn = _column(module.c_attn, fused)
+            module.c_proj = _row(module.c_proj, q_idx)
             module.n_heads = Hl
         elif hasattr(module, "q_proj"):  # Llama family
-            module.q_proj = ColumnParallelLinear(module.q_proj, q_idx)
-            module.k_proj = ColumnParallelLinear(module.k_proj, kv_idx)
-            module.v_proj = ColumnParallelLinear(module.v_proj, kv_idx)
-            module.o_proj = RowParallelLinear(module.o_proj, q_idx)
+            module.q_proj = _column(module.q_proj, q_idx)
+            module.k_proj = _column(module.k_proj, kv_idx)
+            module.v_proj = _column(module.v_proj, kv_idx)
+            module.o_proj = _row(module.o_proj, q_idx)
             module.n_heads, module.n_kv_heads = Hl, Kl
         elif hasattr(module, "c_fc"):  # GPT-2's MLP
-            module.c_fc = ColumnParallelLinear(module.c_fc, mlp_idx)
-            module.c_proj = RowParallelLinear(module.c_proj, mlp_idx)
+            module.c_fc = _column(module.c_fc, mlp_idx)
+            module.c_proj = _row(module.c_proj, mlp_idx)
         elif hasattr(module, "gate_proj"):  # Llama's MLP
-            module.gate_proj = ColumnParallelLinear(module.gate_proj, mlp_idx)
-            module.up_proj = ColumnParallelLinear(module.up_proj, mlp_idx)
-            module.down_proj = RowParallelLinear(module.down_proj, mlp_idx)
+            module.gate_proj = _column(module.gate_proj, mlp_idx)
+            module.up_proj = _column(module.up_proj, mlp_idx)
+            module.down_proj = _row(module.down_proj, mlp_idx)
     _shard_vocab(model, rank, world_size)
     return model
 
