@@ -14,22 +14,14 @@ import torch
 import torch.nn.functional as F
 from nanoserve.kernels.flash_attention import flash_attention, flash_attention_ref
 from test_kernels_flash import FP32_TOL, _cu, _err, _paged_prefix, _wrong
+from testdata import tree_path
 
 SMALL = [-1, 0, 0, 1, 1, 2, 3]
 WIDE = [-1, 0, 0, 0, 1, 1, 2, 3, 3, 4, 5, 6, 7, 8, 9, 12, 15]  # 17 nodes: the last tile starts at node 16
 
 
-def _path(parents: list[int], i: int) -> list[int]:
-    """Node i's ancestors and itself, root first."""
-    out = []
-    while i >= 0:
-        out.append(i)
-        i = parents[i]
-    return out[::-1]
-
-
 def _bits(parents: list[int] | None, n: int) -> list[int]:
-    return [-1] * n if parents is None else [sum(1 << j for j in _path(parents, i)) for i in range(n)]
+    return [-1] * n if parents is None else [sum(1 << j for j in tree_path(parents, i)) for i in range(n)]
 
 
 def _case(H=4, Hkv=2, D=32, block_size=8):
@@ -52,7 +44,7 @@ def _oracle(q, k, v, cu, rows, prefixes):
     for b, parents in enumerate(rows):
         n = cu[b + 1] - cu[b]
         for i in range(n):
-            seen = _path(parents, i) if parents is not None else list(range(i + 1))
+            seen = tree_path(parents, i) if parents is not None else list(range(i + 1))
             keys = torch.cat([prefixes[b][0], k[cu[b]:cu[b + 1]][seen]])  # S_i, Hkv, D
             vals = torch.cat([prefixes[b][1], v[cu[b]:cu[b + 1]][seen]])
             o = F.scaled_dot_product_attention(q[cu[b] + i][:, None], keys.transpose(0, 1), vals.transpose(0, 1),

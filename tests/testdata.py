@@ -171,3 +171,13 @@ def hf_moe_block_like(ours, family: str):
             hf.experts.gate_up_proj[e].copy_(torch.cat([expert.gate_proj.weight, expert.up_proj.weight]))
             hf.experts.down_proj[e].copy_(expert.down_proj.weight)
     return lambda x: (lambda out: out[0] if isinstance(out, tuple) else out)(hf(x))
+
+
+def tree_path(parents: list[int], i: int) -> list[int]:
+    """Node i of a token tree (parents[i] < i, the root's −1): its ancestors and itself, root first — the keys its
+    path would hold as a chain, what tests compare a tree mask against."""
+    out = []
+    while i >= 0:
+        out.append(i)
+        i = parents[i]
+    return out[::-1]

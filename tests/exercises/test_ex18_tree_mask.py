@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from testdata import tree_path
 
 import nanoserve.spec.tree_sampler as reference
 
@@ -33,19 +34,10 @@ TREES = {"chain": [-1, 0, 1, 2, 3], "star": [-1, 0, 0, 0, 0], "medusa top-2": [-
          "random 12": _random_tree(12, 0), "random 20": _random_tree(20, 1)}
 
 
-def _path(parents: list[int], i: int) -> list[int]:
-    """Node i's ancestors and itself, root first."""
-    out = []
-    while i >= 0:
-        out.append(i)
-        i = parents[i]
-    return out[::-1]
-
-
 def check_positions(impl):
     for name, parents in TREES.items():
         got = impl.tree_positions(parents, 7)
-        assert list(got) == [7 + len(_path(parents, i)) - 1 for i in range(len(parents))], name
+        assert list(got) == [7 + len(tree_path(parents, i)) - 1 for i in range(len(parents))], name
 
 
 def check_mask(impl):
@@ -57,7 +49,7 @@ def check_mask(impl):
         q, k, v = torch.randn(1, 2, n, D), torch.randn(1, 2, P + n, D), torch.randn(1, 2, P + n, D)
         tree = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         for i in range(n):
-            keys = list(range(P)) + [P + j for j in _path(parents, i)]
+            keys = list(range(P)) + [P + j for j in tree_path(parents, i)]
             alone = F.scaled_dot_product_attention(q[:, :, i:i + 1], k[:, :, keys], v[:, :, keys])
             torch.testing.assert_close(tree[:, :, i:i + 1], alone, rtol=1e-5, atol=1e-6, msg=f"{name}, node {i}")
     assert impl.tree_attention_mask([-1], 0).tolist() == [[True]]  # the root alone, no prefix
