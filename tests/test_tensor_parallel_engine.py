@@ -172,3 +172,30 @@ def test_a_quantized_model_is_refused_before_any_worker_starts(hf_checkpoints):
     with pytest.raises(NanoserveError, match="splits float nn.Linear layers, not a"):
         LLM(str(hf_checkpoints["gpt2"][0]), dtype="float32", quantization="int8", tensor_parallel_size=2)
     assert not torch.distributed.is_initialized()
+
+
+def test_torchrun_launches_every_rank_and_rank_0_serves(hf_checkpoints, tmp_path, monkeypatch):
+    """`torchrun --nproc-per-node 2 script.py`: both ranks run the script; rank 1 never returns from LLM(...) (it
+    follows rank 0, then exits), rank 0 generates, and its tokens are one process's. A launch of another size
+    than tensor_parallel_size is refused by name."""
+    from nanoserve.parallel.launch import free_port
+
+    path = str(hf_checkpoints["llama-gqa"][0])
+    script, out = tmp_path / "script.py", tmp_path / "tokens.json"
+    script.write_text(textwrap.dedent(f"""
+        import json
+        from nanoserve import LLM, SamplingParams
+        llm = LLM({path!r}, dtype="float32", tensor_parallel_size=2)
+        outs = llm.generate({PROMPTS!r}, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+        open({str(out)!r}, "w").write(json.dumps([o.outputs[0].token_ids for o in outs]))
+    """))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(free_port()), str(script)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    assert json.loads(out.read_text()) == [o.outputs[0].token_ids for o in LLM(path, dtype="float32").generate(
+        PROMPTS, params, use_tqdm=False)]
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(NanoserveError, match="tensor_parallel_size=2 but the launcher started WORLD_SIZE=3"):
+        LLM(path, dtype="float32", tensor_parallel_size=2)

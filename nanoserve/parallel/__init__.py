@@ -8,7 +8,7 @@
     quant_shard.py       GPTQ / AWQ layers split by their codes (by inputs along whole groups)
 
 Not yet (issue 27): pipeline stages inside the engine, 8-bit linears split, speculative decoding and LoRA adapters
-on the split engine (refused by name), a launch across nodes (torchrun).
+on the split engine (refused by name). Several nodes: launch every rank with torchrun (workers.py).
 """
 
 from .tensor_parallel import (

@@ -15,6 +15,11 @@ same blocks as rank 0's: one block table serves every rank), and loop: receive a
 Messages go out with torch.distributed.broadcast_object_list from rank 0; the all-reduces inside the forward
 then keep the ranks in step. The scheduler, the block allocator and the sequences live on rank 0 only.
 
+Launched by torchrun (`torchrun --nproc-per-node N [--nnodes ...] script.py`, every rank running the same
+script): no process is spawned; the ranks join through the launcher's environment (MASTER_ADDR, RANK, ...),
+so they may sit on several nodes. `LLM(model, tensor_parallel_size=N)` on rank 0 returns the engine; on the
+other ranks it never returns: they follow rank 0 and exit when it is done (`torchrun_rank`).
+
 Failure: a worker that dies (killed, out of memory) breaks the group; rank 0's next broadcast or collective
 raises, and the engine stops with `TensorParallelError` naming the worker and its exit code (an EngineStateError:
 fatal, the server answers 503). Shutdown: `shutdown()` (called when the engine is closed or collected, and at
@@ -84,16 +89,22 @@ class WorkerGroup:
             raise NanoserveError("tensor_parallel_size > 1: this process already belongs to a process group (one "
                                  "tensor-parallel engine per process; shut the other down first)")
         self.world_size, self.cuda = world_size, torch.device(device).type == "cuda"
-        ctx, port = mp.get_context("spawn"), free_port()
+        launched = torchrun_rank(world_size)  # None: start the workers here; else torchrun started every rank
         threads = max(1, torch.get_num_threads() // world_size)
-        self.procs = [ctx.Process(target=worker_main, args=(r, world_size, port, model, dtype, device, threads),
-                                  daemon=True, name=f"nanoserve-tp-rank{r}") for r in range(1, world_size)]
-        for p in self.procs:
-            p.start()
+        if launched is not None and launched > 0:  # this process is a worker: follow rank 0, then exit with it
+            worker_main(launched, world_size, None, model, dtype, device, threads)
+        init = "env://"  # (torchrun's MASTER_ADDR / MASTER_PORT: any host, any node)
+        if launched is None:
+            ctx, port = mp.get_context("spawn"), free_port()
+            init = f"tcp://127.0.0.1:{port}"
+            self.procs = [ctx.Process(target=worker_main, args=(r, world_size, init, model, dtype, device, threads),
+                                      daemon=True, name=f"nanoserve-tp-rank{r}") for r in range(1, world_size)]
+            for p in self.procs:
+                p.start()
         self.closed = False
         atexit.register(_shutdown, weakref.ref(self))  # (a weak reference: the group can still be collected)
-        self._guard(dist.init_process_group, "nccl" if self.cuda else "gloo",
-                    init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=world_size, timeout=TIMEOUT)
+        self._guard(dist.init_process_group, "nccl" if self.cuda else "gloo", init_method=init, rank=0,
+                    world_size=world_size, timeout=TIMEOUT)
 
     def send(self, *message) -> None:
         """One message to every worker (they all act on it)."""
@@ -180,16 +191,29 @@ class _SentCache:
         self._cache.copy_slots(src, dst)
 
 
-def worker_main(rank: int, world_size: int, port: int, model: str, dtype, device: str, threads: int) -> None:
-    """A worker rank's life: join the group, load and shard the model, build its runner, follow rank 0's messages."""
+def torchrun_rank(world_size: int) -> int | None:
+    """This process's rank when torchrun (or any launcher setting RANK and WORLD_SIZE) started the ranks; None
+    when it did not (the engine then spawns its workers). A launch of another size is refused by name."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    if int(os.environ["WORLD_SIZE"]) != world_size:
+        raise NanoserveError(f"tensor_parallel_size={world_size} but the launcher started WORLD_SIZE="
+                             f"{os.environ['WORLD_SIZE']} processes; they must be equal")
+    return int(os.environ["RANK"])
+
+
+def worker_main(rank: int, world_size: int, init: str | None, model: str, dtype, device: str, threads: int) -> None:
+    """A worker rank's life: join the group, load and shard the model, build its runner, follow rank 0's messages.
+    `init`: the group's address (None: the launcher's environment); the process ends here, it never returns."""
     from ..models.loader import load_model
 
     torch.set_num_threads(threads)
     cuda = torch.device(device).type == "cuda"
     if cuda:
-        torch.cuda.set_device(rank)
-        device = f"cuda:{rank}"
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        local = int(os.environ.get("LOCAL_RANK", rank))  # (a multi-node launch numbers the GPUs per node)
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=init or "env://", rank=rank,
                             world_size=world_size, timeout=TIMEOUT)
     try:
         net, cfg, _ = load_model(model, dtype=dtype, device=device)
