@@ -2,9 +2,9 @@
 
 The oracle is one process's forward (LLM.logits, itself proven against HF transformers): logits within 1e-5 for a
 batch of 4 sequences through 2 stages in 2 micro-batches on GPT-2 and a GQA Llama, and through 3 stages in 4
-micro-batches on Gemma 2 (a final soft-cap on the last stage). The recorded schedule keeps its order: a stage
-starts a micro-batch only after the stage before finished it. The negative control: a last stage that skips its
-blocks misses the logits.
+micro-batches on Gemma 2 (a final soft-cap on the last stage); 64 greedy tokens equal one process's. The recorded
+schedule keeps its order: a stage starts a micro-batch only after the stage before finished it. The negative
+control: a last stage that skips its blocks misses the logits.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from nanoserve import LLM, NanoserveError
-from nanoserve.parallel.pipeline import pp_forward, split_layers
+from nanoserve.parallel.pipeline import pp_forward, pp_greedy, split_layers
 
 BATCH = [[5, 17, 99, 3, 42, 8, 77], [8, 77, 1, 64, 23, 11, 90], [1, 2, 3, 4, 5, 6, 7], [9, 9, 9, 1, 1, 1, 2]]
 
@@ -27,6 +27,15 @@ def test_stages_give_one_process_logits(hf_checkpoints, case, stages, microbatch
     assert [len(r) for r in spans] == [microbatches] * stages
     for s in range(1, stages):  # micro-batch i reaches stage s only once stage s − 1 finished it
         assert all(spans[s][i][0] >= spans[s - 1][i][1] for i in range(microbatches))
+
+
+def test_greedy_tokens_through_the_stages_are_one_process_s(hf_checkpoints):
+    path = hf_checkpoints["llama-gqa"][0]
+    from nanoserve import SamplingParams
+
+    want = LLM(str(path), dtype="float32").generate([BATCH[0]], SamplingParams(temperature=0, max_tokens=64,
+                                                                              ignore_eos=True), use_tqdm=False)
+    assert pp_greedy(path, BATCH[0], 64, 2) == want[0].outputs[0].token_ids
 
 
 def test_a_stage_that_skips_its_blocks_is_caught(hf_checkpoints):

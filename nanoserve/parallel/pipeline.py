@@ -16,6 +16,8 @@ the idle share, the *bubble*, is (N − 1) / (N + m − 1) (notebook 16 draws it
     stage_forward(model, x, positions, first, last)   ids (first stage) or activations -> activations or logits
     pp_forward(path, batch, num_stages, microbatches)  logits [B, T, V] of a batch through N local processes,
                                                        and every micro-batch's start and end on every rank
+    pp_greedy(path, ids, n, num_stages)     n greedy tokens, each from a full forward through the stages (the
+                                            last stage's choice is broadcast back to the first)
 
 The engine does not run stages yet (issue 27): `pp_forward` is a forward without a KV cache, as launch.py's.
 """
@@ -86,28 +88,59 @@ def _stage_rank(rank: int, world: int, path: str, batch: list[list[int]], microb
     first, last = rank == 0, rank == world - 1
     if skip_blocks and last:  # the negative control: the last stage passes its input on without its blocks
         _body(model).blocks = lambda x, positions, cache: x
-    logits, spans = [], []
+    logits, spans = [], []  # spans: (start, end) on this host's monotonic clock, one clock for all its processes
     dist.barrier()
-    t0 = time.perf_counter()
     with torch.no_grad():
         for mb in ids.chunk(microbatches):  # b, T each (GPipe: every micro-batch's forward, in order)
             positions = torch.arange(T).expand(len(mb), T)
             x = mb if first else torch.empty(len(mb), T, C)
             if not first:
                 dist.recv(x, src=rank - 1)  # the previous stage's activations
-            start = time.perf_counter() - t0
+            start = time.monotonic()
             y = stage_forward(model, x, positions, first, last)
-            spans.append((start, time.perf_counter() - t0))
+            spans.append((start, time.monotonic()))
             if last:
                 logits.append(y)
             else:
                 dist.send(y.contiguous(), dst=rank + 1)
     gathered = [None] * world if rank == 0 else None
     dist.gather_object(spans, gathered, dst=0)  # every rank's busy times, for the schedule's plot
-    if rank == 0:
-        torch.save({"spans": gathered}, out + ".spans")
+    if rank == 0:  # from the first stage's first start (each rank's own zero would differ by the barrier's skew)
+        t0 = gathered[0][0][0]
+        torch.save({"spans": [[(a - t0, b - t0) for a, b in stage] for stage in gathered]}, out + ".spans")
     if last:
         torch.save({"logits": torch.cat(logits)}, out)
+
+
+def _greedy_rank(rank: int, world: int, path: str, ids: list[int], n: int, out: str) -> None:
+    from ..models.loader import load_model
+
+    model = load_model(path, dtype="float32", device="cpu")[0]
+    keep_stage(model, rank, world)
+    tokens, C, first, last = list(ids), model.config.hidden_size, rank == 0, rank == world - 1
+    with torch.no_grad():
+        for _ in range(n):  # a full forward per token, no KV cache: every stage sees the whole sequence
+            T = len(tokens)
+            positions = torch.arange(T)[None]  # 1, T
+            x = torch.tensor([tokens]) if first else torch.empty(1, T, C)
+            if not first:
+                dist.recv(x, src=rank - 1)
+            y = stage_forward(model, x, positions, first, last)
+            if not last:
+                dist.send(y.contiguous(), dst=rank + 1)
+            nxt = y[0, -1].argmax().reshape(1) if last else torch.zeros(1, dtype=torch.long)
+            dist.broadcast(nxt, src=world - 1)  # the last stage's token, to every stage
+            tokens.append(int(nxt))
+    if last:
+        Path(out).write_text(" ".join(map(str, tokens[len(ids):])))
+
+
+def pp_greedy(path, ids: list[int], n: int, num_stages: int) -> list[int]:
+    """`n` greedy tokens after `ids`, the model's blocks in `num_stages` stages over as many gloo processes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "tokens.txt")
+        spawn_ranks(_greedy_rank, num_stages, str(path), list(ids), n, out)
+        return [int(t) for t in Path(out).read_text().split()]
 
 
 def pp_forward(path, batch: list[list[int]], num_stages: int, microbatches: int = 1,
