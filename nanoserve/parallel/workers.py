@@ -92,7 +92,7 @@ class WorkerGroup:
         launched = torchrun_rank(world_size)  # None: start the workers here; else torchrun started every rank
         threads = max(1, torch.get_num_threads() // world_size)
         if launched is not None and launched > 0:  # this process is a worker: follow rank 0, then exit with it
-            worker_main(launched, world_size, None, model, dtype, device, threads)
+            worker_main(launched, world_size, None, model, dtype, device, threads, loaded=net)
         init = "env://"  # (torchrun's MASTER_ADDR / MASTER_PORT: any host, any node)
         if launched is None:
             ctx, port = mp.get_context("spawn"), free_port()
@@ -202,9 +202,11 @@ def torchrun_rank(world_size: int) -> int | None:
     return int(os.environ["RANK"])
 
 
-def worker_main(rank: int, world_size: int, init: str | None, model: str, dtype, device: str, threads: int) -> None:
+def worker_main(rank: int, world_size: int, init: str | None, model: str, dtype, device: str, threads: int,
+                loaded=None) -> None:
     """A worker rank's life: join the group, load and shard the model, build its runner, follow rank 0's messages.
-    `init`: the group's address (None: the launcher's environment); the process ends here, it never returns."""
+    `init`: the group's address (None: the launcher's environment); `loaded`: the model this process loaded
+    already (a torchrun rank inside LLM(...): not loaded twice). The process ends here, it never returns."""
     from ..models.loader import load_model
 
     torch.set_num_threads(threads)
@@ -216,7 +218,8 @@ def worker_main(rank: int, world_size: int, init: str | None, model: str, dtype,
     dist.init_process_group("nccl" if cuda else "gloo", init_method=init or "env://", rank=rank,
                             world_size=world_size, timeout=TIMEOUT)
     try:
-        net, cfg, _ = load_model(model, dtype=dtype, device=device)
+        net = loaded if loaded is not None else load_model(model, dtype=dtype, device=device)[0]
+        cfg = net.config
         shard_model(net, rank, world_size)
         runner = None
         while True:
@@ -250,6 +253,8 @@ def check_tensor_parallel(world_size, spec_cfg, enable_lora: bool) -> None:
         raise NanoserveError("speculative decoding is not supported with tensor_parallel_size > 1 yet")
     if world_size > 1 and enable_lora:
         raise NanoserveError("enable_lora is not supported with tensor_parallel_size > 1 yet")
+    if world_size > 1 and torchrun_rank(world_size) is not None and torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # each rank its own GPU, before the model loads
 
 
 def start_tensor_parallel(engine, world_size: int, model: str) -> WorkerGroup | None:
