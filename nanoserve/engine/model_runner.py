@@ -119,7 +119,6 @@ class ModelRunner:
         first new token), at positions by depth and each seeing its ancestors only (`tree_mask`)."""
         T, bs = max(num_new), self.block_size
         M = max(len(s.block_table) for s in seqs)
-        trees = trees if trees and any(t is not None for t in trees) else None
         ids, pos, slot_rows, tables, lens = [], [], [], [], []
         for i, (seq, n) in enumerate(zip(seqs, num_new)):  # Python lists, one tensor each: O(tokens)
             start, pad = seq.num_computed_tokens, T - n

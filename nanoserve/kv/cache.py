@@ -147,13 +147,14 @@ class PagedKVCache:
                 pool[:, dst] = pool[:, src]
 
     def copy_slots(self, src: list[int], dst: list[int]) -> None:
-        """Move K/V between slots (block · block_size + offset), in every layer: a verified token tree's
-        accepted path to the positions it now holds (spec_decode.py). Pairs apply in order."""
+        """Copy K/V from slots `src` to slots `dst` (block · block_size + offset), in every layer, all at once (every
+        source is read before any destination is written): a verified token tree's accepted path to the positions
+        it now holds (spec_decode.py)."""
+        s, d = torch.tensor(src, device=self.k.device), torch.tensor(dst, device=self.k.device)
         for pool in (self.k, self.v, self.k_scale, self.v_scale):
             if pool is not None:
                 flat = pool.view(pool.shape[0], -1, *pool.shape[3:])  # layers, slots, ...
-                for s, d in zip(src, dst):
-                    flat[:, d] = flat[:, s]
+                flat[:, d] = flat[:, s]
 
     def bind(self, meta: AttentionMetadata) -> CacheView:
         """The view one forward writes and reads through: this backend's CacheView over `meta`."""
