@@ -1,4 +1,5 @@
-"""The engine over N ranks against one process: LLM(model, tensor_parallel_size=N) on this CPU (gloo).
+"""The engine over N ranks against one process: LLM(model, tensor_parallel_size=N) and pipeline_parallel_size=N
+on this CPU (gloo).
 
     python benchmarks/bench_tp_engine.py                  # -> benchmarks/tp_engine_cpu.json, and a table
     python benchmarks/bench_tp_engine.py --quick --out X  # tiny, for the test that keeps it running
@@ -6,7 +7,9 @@
 The demo model, 16 prompts of 32 token ids × 64 greedy tokens (EOS ignored), median of --reps after a warm-up.
 Rank 0 is this process: one process runs 2 threads; with N = 2 each rank runs 1 (rank 0 set here, the worker
 by parallel/workers.py), so both use the machine's 2 cores, no more. Each row also says whether its tokens are
-one process's. bench_tp.py times the sharded forward alone and counts its collectives.
+one process's, and counts the exchanges of one decode step of the 16 rows (tensor: the step's message, 2
+collectives, then 2 all-reduces per block, the embedding's and the logits' gather; pipeline: the message, then
+per micro-batch one send of activations and one of logits). bench_tp.py times the sharded forward alone.
 """
 
 from __future__ import annotations
@@ -39,19 +42,22 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     rows, tokens = [], {}
     threads = torch.get_num_threads()
-    for world in (1, 2):
+    blocks = LLM("demo").config.n_layers
+    exchanges = {"none": 0, "tensor": 2 + 2 * blocks + 2, "pipeline": 2 + 2 * 2}  # 2 micro-batches of 8 rows
+    for split, world in (("none", 1), ("tensor", 2), ("pipeline", 2)):
         torch.set_num_threads(max(1, threads // world))
-        llm = LLM("demo", dtype="float32", tensor_parallel_size=world)
+        llm = LLM("demo", dtype="float32", **{f"{split}_parallel_size": world} if world > 1 else {})
         llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
         times = []
         for _ in range(reps):
             start = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             times.append(time.perf_counter() - start)
-        tokens[world] = [o.outputs[0].token_ids for o in outs]
-        rows.append(dict(tensor_parallel_size=world, threads_per_rank=torch.get_num_threads(),
-                         seconds=statistics.median(times), out_tokens_per_s=n * new / statistics.median(times),
-                         same_tokens_as_one_process=tokens[world] == tokens[1]))
+        tokens[split] = [o.outputs[0].token_ids for o in outs]
+        rows.append(dict(split=split, ranks=world, threads_per_rank=torch.get_num_threads(),
+                         exchanges_per_decode_step=exchanges[split], seconds=statistics.median(times),
+                         out_tokens_per_s=n * new / statistics.median(times),
+                         same_tokens_as_one_process=tokens[split] == tokens["none"]))
         del llm, outs
         gc.collect()  # the workers stop with their engine
     torch.set_num_threads(threads)
@@ -62,8 +68,8 @@ def main() -> None:
            "device": f"CPU ({platform.machine()}), {threads} threads in all",
            "command": "python benchmarks/bench_tp_engine.py" + (" --quick" if args.quick else "")}
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
-    print(text_table(rows, ["tensor_parallel_size", "threads_per_rank", "seconds", "out_tokens_per_s", "slowdown",
-                            "same_tokens_as_one_process"]))
+    print(text_table(rows, ["split", "ranks", "threads_per_rank", "exchanges_per_decode_step", "seconds",
+                            "out_tokens_per_s", "slowdown", "same_tokens_as_one_process"]))
     print(f"saved {args.out}")
 
 

@@ -36,7 +36,8 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="γ, draft tokens per step (1..16)")
     p.add_argument("--speculative-cost", type=float, help="pin a draft forward's cost in target steps (default: "
                    "measured; pinned, seeded sampling no longer depends on the machine's speed)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks the model is split over (workers)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks every layer is split over (workers)")
+    p.add_argument("--pipeline-parallel-size", type=int, default=1, help="stages the blocks are split into (workers)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -160,9 +161,9 @@ def cmd_generate(args) -> None:
 
 
 def _spec_kwargs(args) -> dict:
-    """The engine arguments of _add_spec_args: speculation, --enforce-eager and --tensor-parallel-size."""
-    eager = dict({"enforce_eager": True} if getattr(args, "enforce_eager", False) else {},
-                 tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
+    """The engine arguments of _add_spec_args: speculation, --enforce-eager and the parallel sizes."""
+    eager = dict({"enforce_eager": True} if args.enforce_eager else {}, tensor_parallel_size=args.tensor_parallel_size,
+                 pipeline_parallel_size=args.pipeline_parallel_size)
     if args.speculative_model is None and args.speculative is None:
         return eager
     return dict(speculative_model=args.speculative_model, speculative=args.speculative,
@@ -285,9 +286,8 @@ def cmd_serve(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        commands = {"generate": cmd_generate, "eval": cmd_eval, "bench": cmd_bench, "quantize": cmd_quantize,
-                    "serve": cmd_serve}
-        commands[args.command](args)
+        {"generate": cmd_generate, "eval": cmd_eval, "bench": cmd_bench, "quantize": cmd_quantize,
+         "serve": cmd_serve}[args.command](args)
     except NanoserveError as e:
         print(f"nanoserve: error: {e}", file=sys.stderr)
         return 2

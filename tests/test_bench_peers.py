@@ -97,10 +97,11 @@ def test_bench_tp_quick_mode_counts_what_it_exchanges(tmp_path):
         assert r["forward_ms"] > 0 and (r["comm_calls"] > 0) == (r["tp"] == 2)
 
 
-def test_bench_tp_engine_quick_mode_runs_both_engines(tmp_path):
+def test_bench_tp_engine_quick_mode_runs_every_split(tmp_path):
     out = tmp_path / "tp_engine.json"
     proc = subprocess.run([sys.executable, str(SCRIPT.parent / "bench_tp_engine.py"), "--quick", "--out", str(out)],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [r["tensor_parallel_size"] for r in rows] == [1, 2] and all(r["same_tokens_as_one_process"] for r in rows)
+    assert [(r["split"], r["ranks"]) for r in rows] == [("none", 1), ("tensor", 2), ("pipeline", 2)]
+    assert all(r["same_tokens_as_one_process"] for r in rows)

@@ -11,6 +11,8 @@ all-reduce. Refused by name: heads not divisible by the ranks, OLMo 2's whole-pr
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -114,7 +116,8 @@ def gptq_gpt2(hf_checkpoints, tmp_path_factory):
 
 def test_a_gptq_model_splits_by_its_codes(gptq_gpt2):
     """Each shard's Ŵ is exactly its slice of the whole layer's Ŵ (columns: any outputs; rows: whole groups), and
-    the split model's logits over 2 processes equal one process's; the engine over 2 ranks gives its tokens."""
+    the split model's logits over 2 processes equal one process's; the engine over 2 ranks gives its tokens, and so
+    does the engine in 2 pipeline stages."""
     from nanoserve.parallel.quant_shard import column_shard, row_shard
     from nanoserve.quant.qlinear import QuantLinear
 
@@ -136,6 +139,12 @@ def test_a_gptq_model_splits_by_its_codes(gptq_gpt2):
     split = LLM(str(gptq_gpt2[8]), dtype="float32", tensor_parallel_size=2)
     assert split.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids == one
     del split
+    gc.collect()  # (its workers stopped: the next engine starts a group of its own)
+    staged = LLM(str(gptq_gpt2[8]), dtype="float32", pipeline_parallel_size=2)  # whole quantized blocks per stage
+    assert staged.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids == one
+    assert torch.allclose(staged.logits(ids), want, rtol=1e-5, atol=1e-5)
+    del staged
+    gc.collect()
 
 
 def test_a_quantized_split_inside_a_group_is_refused_by_name(gptq_gpt2):

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from nanoserve import LLM, NanoserveError, SamplingParams
-from nanoserve.parallel.workers import TensorParallelError
+from nanoserve.parallel.workers import WorkerGroupError
 
 PROMPTS = [[5, 17, 99, 3, 42, 8, 77, 1, 64], [5, 17, 99, 3, 42, 8, 77, 1, 64, 23, 11], [90, 4, 33, 2, 18, 7]]
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=0)
@@ -68,7 +68,7 @@ def test_split_engine_equals_one_process(hf_checkpoints, case, world):
     assert _run(llm, PROMPTS[:1], two)[0] == _run(one, PROMPTS[:1], two)[0]
     assert torch.allclose(llm.logits(PROMPTS[1]), one.logits(PROMPTS[1]), atol=1e-5, rtol=1e-5)
     assert llm.engine.runner.kv.k.shape[3] == max(1, one.config.n_kv_heads // world)  # each rank: its KV heads
-    procs = llm.engine.tp.procs
+    procs = llm.engine.workers.procs
     del llm
     gc.collect()
     assert _workers_gone(procs) and [p.exitcode for p in procs] == [0] * (world - 1)
@@ -77,10 +77,10 @@ def test_split_engine_equals_one_process(hf_checkpoints, case, world):
 def test_a_killed_worker_fails_the_engine_by_name_and_nothing_hangs(hf_checkpoints):
     path = str(hf_checkpoints["gpt2"][0])
     llm = LLM(path, dtype="float32", tensor_parallel_size=2)
-    worker = llm.engine.tp.procs[0]
+    worker = llm.engine.workers.procs[0]
     worker.kill()
     worker.join()
-    with pytest.raises(TensorParallelError, match=r"rank 1 \(exit code -9\)"):
+    with pytest.raises(WorkerGroupError, match=r"tensor-parallel group failed: rank 1 \(exit code -9\)"):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert not torch.distributed.is_initialized()  # the group is gone: another engine may start
     again = LLM(path, dtype="float32", tensor_parallel_size=2)
@@ -97,7 +97,7 @@ def test_no_worker_outlives_its_process(hf_checkpoints, tmp_path, how):
         from nanoserve import LLM
         if __name__ == "__main__":
             llm = LLM({str(hf_checkpoints["gpt2"][0])!r}, dtype="float32", tensor_parallel_size=2)
-            print(" ".join(str(p.pid) for p in llm.engine.tp.procs), flush=True)
+            print(" ".join(str(p.pid) for p in llm.engine.workers.procs), flush=True)
             threading.Event().wait()  # until a signal ends it
     """))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
@@ -127,7 +127,7 @@ def test_what_the_split_engine_does_not_run_is_refused_by_name(hf_checkpoints):
         with pytest.raises(NanoserveError, match=match):
             LLM(path, dtype="float32", **kw)
     first = LLM(path, dtype="float32", tensor_parallel_size=2)
-    with pytest.raises(NanoserveError, match="one tensor-parallel engine per process"):
+    with pytest.raises(NanoserveError, match="one split engine per process"):
         LLM(path, dtype="float32", tensor_parallel_size=2)
     assert first.engine.cuda_graphs_off.startswith("tensor parallelism runs eagerly")
 
@@ -152,8 +152,8 @@ def test_the_server_on_a_split_engine_answers_then_503_once_a_worker_died():
         got = client.completions.create(model="demo", prompt="ROMEO:", max_tokens=12, temperature=0).choices[0].text
         assert got == LLM("demo").generate("ROMEO:", SamplingParams(temperature=0, max_tokens=12),
                                            use_tqdm=False)[0].outputs[0].text
-        core.tp.procs[0].kill()
-        core.tp.procs[0].join()
+        core.workers.procs[0].kill()
+        core.workers.procs[0].join()
         with pytest.raises(openai.InternalServerError, match=r"rank 1 \(exit code -9\)"):
             client.completions.create(model="demo", prompt="ROMEO:", max_tokens=4)
         body = json.dumps({"model": "demo", "prompt": "ROMEO:", "max_tokens": 4}).encode()

@@ -151,6 +151,4 @@ class LLM:
         ids = self.engine.inputs.check_token_ids(token_ids)
         if len(ids) > self.max_model_len:
             raise NanoserveError(f"{len(ids)} tokens exceed the model's context of {self.max_model_len}")
-        if self.engine.tp is not None:  # every rank runs the forward (parallel/workers.py)
-            return self.runner.logits(ids)
-        return self.model(torch.tensor([ids], device=self.device))[0].float()
+        return self.runner.logits(ids)  # (split over ranks, every rank runs its share: parallel/workers.py)

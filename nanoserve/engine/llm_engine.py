@@ -25,7 +25,7 @@ from ..kv.cache import num_blocks_for_budget
 from ..kv.quant import kv_quant
 from ..lora.serving import LoRAManager
 from ..models.loader import load_model
-from ..parallel.workers import check_tensor_parallel, make_runner, start_tensor_parallel
+from ..parallel.workers import ParallelConfig, make_runner, start_workers
 from ..quant.online import check_quantization, quantize_on_load
 from ..spec.spec_decode import SpecDecodeConfig, build_spec_decoder
 from .block_allocator import BlockAllocator
@@ -55,6 +55,7 @@ class LLMEngine:
     (nanoserve.kernels) or "cpu" (decode in C); None: triton on CUDA, cpu on the CPU, where they serve, else torch.
     On CUDA with triton, decode steps replay CUDA graphs unless `enforce_eager` (`cuda_graphs_off` says why not).
     `enable_lora`: requests may name a LoRA adapter (`lora_request`), `max_loras` of rank ≤ `max_lora_rank` per step.
+    `tensor_parallel_size` / `pipeline_parallel_size`: the model split over as many ranks (nanoserve/parallel/).
     """
 
     def __init__(self, model: str = "demo", dtype: str | torch.dtype | None = None, device: str | None = None,
@@ -65,17 +66,18 @@ class LLMEngine:
                  speculative: str | None = None, num_speculative_tokens: int = 4, speculative_adaptive: bool = True,
                  enforce_eager: bool = False, kv_cache_dtype: str = "auto", quantization: str | None = None,
                  speculative_cost: float | None = None, enable_lora: bool = False, max_loras: int = 4,
-                 max_lora_rank: int = 16, speculative_tree=None, tensor_parallel_size: int = 1):
+                 max_lora_rank: int = 16, speculative_tree=None, tensor_parallel_size: int = 1,
+                 pipeline_parallel_size: int = 1):
         kv_quant(kv_cache_dtype)  # these and the speculative arguments are checked before any model loads
         check_quantization(quantization)
         spec_cfg = SpecDecodeConfig.from_args(speculative, num_speculative_tokens, speculative_model,
                                               speculative_adaptive, speculative_cost, speculative_tree)
-        check_tensor_parallel(tensor_parallel_size, spec_cfg, enable_lora)
+        (parallel := ParallelConfig(tensor_parallel_size, pipeline_parallel_size)).check(spec_cfg, enable_lora)
         self.model, self.config, self.tokenizer = load_model(model, dtype=dtype, device=device)
         quantize_on_load(self.model, quantization)  # None: the checkpoint as it is
         self.model_name, self.max_model_len = str(model), self.config.max_position_embeddings
         self.device, self.dtype = next(self.model.parameters()).device, next(self.model.parameters()).dtype
-        self.tp = start_tensor_parallel(self, tensor_parallel_size, model)  # None, or the workers (parallel/workers.py)
+        self.workers = start_workers(self, parallel, model)  # None, or the other ranks (parallel/workers.py)
         if num_blocks is None:  # from kv_cache_memory bytes; None: 8 full-context sequences
             num_blocks = num_blocks_for_budget(self.config, kv_cache_memory, block_size, self.dtype, kv_cache_dtype)
         sched_cfg = SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, max_waiting,
@@ -83,15 +85,13 @@ class LLMEngine:
         allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching, sliding_window=self.config.kv_window)
         self.scheduler = Scheduler(sched_cfg, allocator, self.max_model_len)
         lora = LoRAManager(self.model, self.config, max_loras, max_lora_rank, self.dtype) if enable_lora else None
-        self.runner = make_runner(self.tp, self.model, num_blocks, block_size, attention_backend, kv_cache_dtype, lora)
+        self.runner = make_runner(self.workers, self.model, num_blocks, block_size, attention_backend, kv_cache_dtype,
+                                  lora)
         self.attention_backend = self.runner.attention_backend
         self.cuda_graphs_off = "enforce_eager=True" if enforce_eager else self.runner.use_cuda_graphs(
             max_num_seqs, self.max_model_len)  # decode steps replay CUDA graphs where they can; else why not
-        self.inputs = InputProcessor(self.config, self.tokenizer, self.device, num_blocks, block_size, self.model_name)
-        self.inputs.lora = lora  # checks and reads a request's adapter (lora_request)
+        self.inputs = InputProcessor(self.config, self.tokenizer, self.device, num_blocks, block_size, str(model), lora)
         self.spec = None if spec_cfg is None else build_spec_decoder(spec_cfg, self)
-        if self.spec is not None:  # a sequence that finishes (or is aborted) lets go of its speculative state
-            self.scheduler.on_finish.append(self.spec.free)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.last_num_seqs = 0  # sequences in the latest forward (for occupancy plots)

@@ -77,7 +77,7 @@ class ModelRunner:
     """The model and its paged KV pool; `run` is one batched forward over the scheduled sequences."""
 
     def __init__(self, model, num_blocks: int, block_size: int, attention_backend: str | None = None,
-                 kv_cache_dtype: str = "auto", lora=None, kv_config=None):
+                 kv_cache_dtype: str = "auto", lora=None, kv_config=None, kv_layers: range | None = None):
         self.model, self.config = model, model.config
         self.onednn_off = use_onednn_linears(model)  # CPU GEMMs through oneDNN (models/onednn.py), or why not
         p = next(model.parameters())
@@ -85,7 +85,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             advise_on_allocator()  # glibc's malloc costs page faults on big tensors (engine/cpu_allocator.py)
         self.kv = PagedKVCache(kv_config or self.config, num_blocks, block_size, self.dtype, self.device,
-                               attention_backend, kv_cache_dtype=kv_cache_dtype)  # (kv_config: one rank's heads)
+                               attention_backend, kv_cache_dtype=kv_cache_dtype, layers=kv_layers)
+        # (kv_config, kv_layers: one rank's share of the heads, or of the layers: nanoserve/parallel/)
         self.attention_backend = self.kv.attention_backend  # "torch", "triton" or "cpu" (see nanoserve/kv/)
         self.block_size = block_size
         self.graphs = None  # CudaGraphRunner once use_cuda_graphs() ran: decode steps replay graphs
@@ -154,6 +155,11 @@ class ModelRunner:
         view = self.kv.bind(inputs.meta)
         logits = self.model(inputs.input_ids, inputs.positions, cache=view, logit_index=inputs.logit_index)
         return logits.float()  # B, K, V
+
+    @torch.inference_mode()
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        """Logits [T, V] (float32) of one full forward of `ids` without a cache (LLM.logits)."""
+        return self.model(torch.tensor([ids], device=self.device))[0].float()
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], num_new: list[int], num_logits: list[int] | None = None,

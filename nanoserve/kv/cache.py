@@ -100,13 +100,16 @@ def _in_place_problem(cuda: bool, head_dim: int, dtype: torch.dtype, device) -> 
 
 class PagedKVCache:
     """k, v: [n_layers, num_blocks, block_size, n_kv_heads, head_dim]; with a quantized `kv_cache_dtype`,
-    8-bit codes there and fp16 scales in k_scale, v_scale [n_layers, num_blocks, block_size, n_kv_heads]."""
+    8-bit codes there and fp16 scales in k_scale, v_scale [n_layers, num_blocks, block_size, n_kv_heads].
+    `layers`: the model layers the pool holds (default all; a pipeline stage's pool: its own, parallel/)."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int = 16,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  attention_backend: str | None = "torch", num_kv_splits: int | None = None,
-                 kv_cache_dtype: str = "auto"):
-        shape = (cfg.n_layers, num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
+                 kv_cache_dtype: str = "auto", layers: range | None = None):
+        layers = range(cfg.n_layers) if layers is None else layers
+        self.first_layer = layers.start  # model layer i is the pool's layer i − first_layer
+        shape = (len(layers), num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
         self.quant = kv_quant(kv_cache_dtype)  # None: K/V in the model's dtype; else 8-bit codes + scales
         self.kv_cache_dtype, self.dtype = kv_cache_dtype, dtype  # dtype: what attention computes in
         storage = dtype if self.quant is None else self.quant.storage
@@ -131,7 +134,8 @@ class PagedKVCache:
         return self._gather_k, self._gather_v
 
     def layer(self, i: int):
-        """Layer i's K and V pools [num_blocks, block_size, Hkv, D]; quantized, each a (codes, scales) pair."""
+        """Model layer i's K and V pools [num_blocks, block_size, Hkv, D]; quantized, each a (codes, scales) pair."""
+        i -= self.first_layer
         if self.quant is None:
             return self.k[i], self.v[i]
         return (self.k[i], self.k_scale[i]), (self.v[i], self.v_scale[i])

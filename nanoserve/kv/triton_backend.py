@@ -60,11 +60,11 @@ class TritonCacheView(CacheView):
 
         B, T, H, D = q.shape
         Hkv = k.shape[2]
-        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]  # num_blocks, block_size, Hkv, D
+        k_cache, v_cache = self.cache.layer(layer)  # num_blocks, block_size, Hkv, D
         kv = {}  # a quantized pool's format and scales [num_blocks, block_size, Hkv], for the kernels
         if self.quantized:
-            kv = dict(kv_cache_dtype=self.cache.kv_cache_dtype, k_scale=self.cache.k_scale[layer],
-                      v_scale=self.cache.v_scale[layer])
+            (k_cache, k_scale), (v_cache, v_scale) = k_cache, v_cache
+            kv = dict(kv_cache_dtype=self.cache.kv_cache_dtype, k_scale=k_scale, v_scale=v_scale)
         k_new = k.reshape(B * T, Hkv, D).index_select(0, self.src)  # N, Hkv, D  (real tokens only)
         v_new = v.reshape(B * T, Hkv, D).index_select(0, self.src)  # N, Hkv, D
         store_kv(k_new, v_new, k_cache, v_cache, self.dst, **kv)

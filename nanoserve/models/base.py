@@ -34,8 +34,13 @@ class CausalLM(nn.Module):
         h = self.embed_and_blocks(input_ids, positions, cache)  # B, T, C
         if cache is not None:
             cache.advance(T)
+        return self.head(h, logit_index, last_only)
+
+    def head(self, h: torch.Tensor, logit_index: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+        """The LM head over the final hidden states h [B, T, C] (after the final norm), where forward's
+        logit_index / last_only say (a pipeline's last stage calls it on its own: parallel/pipeline.py)."""
         if logit_index is not None:
-            rows = torch.arange(B, device=h.device)
+            rows = torch.arange(h.shape[0], device=h.device)
             h = h[rows, logit_index][:, None] if logit_index.dim() == 1 else h[rows[:, None], logit_index]  # B, K, C
         elif last_only:
             h = h[:, -1:]

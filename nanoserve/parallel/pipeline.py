@@ -19,7 +19,8 @@ the idle share, the *bubble*, is (N − 1) / (N + m − 1) (notebook 16 draws it
     pp_greedy(path, ids, n, num_stages)     n greedy tokens, each from a full forward through the stages (the
                                             last stage's choice is broadcast back to the first)
 
-The engine does not run stages yet (issue 27): `pp_forward` is a forward without a KV cache, as launch.py's.
+`pp_forward` and `pp_greedy` are forwards without a KV cache, for teaching and checks; the engine runs the stages
+over its paged KV cache with `LLM(model, pipeline_parallel_size=N)` (stage_runner.py).
 """
 
 from __future__ import annotations
@@ -62,19 +63,19 @@ def keep_stage(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
     return model
 
 
-def stage_forward(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, first: bool, last: bool):
+def stage_forward(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, first: bool, last: bool,
+                  cache=None, logit_index: torch.Tensor | None = None) -> torch.Tensor:
     """One stage: token ids [b, T] (first stage) or activations [b, T, C] -> activations, or logits [b, T, V]
-    (last stage). No KV cache: the T tokens attend causally among themselves."""
+    (last stage; [b, K, V] at `logit_index`, as CausalLM.forward). Without a cache the T tokens attend causally
+    among themselves; with one (a paged view: the engine's stages, stage_runner.py), to the cached tokens too."""
     body = _body(model)
     if first:
         x = body.embed(x, positions)  # b, T, C
-    x = body.blocks(x, positions, None)  # b, T, C
+    x = body.blocks(x, positions, cache)  # b, T, C
     if not last:
         return x
     norm = body.ln_f if hasattr(body, "ln_f") else body.norm
-    logits = model.lm_head(norm(x))  # b, T, V
-    cap = getattr(model.config, "final_softcap", None)
-    return logits if cap is None else cap * torch.tanh(logits / cap)
+    return model.head(norm(x), logit_index)  # b, T (or K), V
 
 
 def _stage_rank(rank: int, world: int, path: str, batch: list[list[int]], microbatches: int, out: str,

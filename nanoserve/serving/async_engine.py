@@ -27,7 +27,8 @@ A consumer that stops iterating (a client that disconnected) aborts its request;
 applied before the next step, which frees its blocks. A request that fails inside a step (the
 engine already freed its blocks) raises `RequestFailedError` in its own consumer only; an error
 that escapes `step()` is fatal by construction (errors.is_fatal), so every consumer gets it and
-the engine takes no more requests. vLLM's AsyncLLMEngine has this shape
+the engine takes no more requests (`on_fatal` tells whoever asked, e.g. the server, which then exits). vLLM's
+AsyncLLMEngine has this shape
 (requests and aborts queued, applied between steps); it later moved the engine to its own
 process. Taught in notebooks/09_*.
 """
@@ -63,6 +64,7 @@ class AsyncLLMEngine:
         self._loop_task: asyncio.Task | None = None
         self._stepping = False  # a step is running on the worker thread: leave the engine alone
         self.error: BaseException | None = None  # a step failed: the engine may be inconsistent, serve no more
+        self.on_fatal: list = []  # called with that error once every consumer has it (a server exits: serve())
         self.num_steps = 0  # steps run so far (tests count how many steps an abort takes)
 
     # ------------------------------------------------------------------ requests
@@ -174,6 +176,8 @@ class AsyncLLMEngine:
                 self.error = e      # every consumer gets the error, no one new is let in; a server reports 503
                 for rid in list(self._queues):
                     self._deliver(rid, e)
+                for callback in self.on_fatal:
+                    callback(e)
                 return
             self.num_steps += 1
             for out in outs:

@@ -26,7 +26,8 @@ Failure is part of the interface, and /openapi.json documents it (openai_schema.
 - a full waiting queue (`--max-waiting`) → 429 with Retry-After; nothing is queued;
 - a request that fails inside the engine → 500 (or an error event in its stream) for it alone:
   its blocks go back, other requests and /health go on (errors.py draws the line);
-- an error that breaks shared state (errors.is_fatal) → /health and every later request 503;
+- an error that breaks shared state (errors.is_fatal) → /health and every later request 503; `serve` then stops
+  once the responses in flight are out and exits with status 1, as vLLM's server does (a supervisor restarts it);
 - a client that disconnects — mid-stream, or while waiting for a plain response — aborts its
   request, which leaves the engine and frees its KV blocks before the next step.
 
@@ -268,8 +269,8 @@ def serve(model: str = "demo", host: str = "127.0.0.1", port: int = 8000, api_ke
           served_model_name: str | None = None, chat_template: str | None = None, log_level: str = "info",
           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, lora_modules: list[str] | None = None,
           **engine_kwargs) -> None:
-    """Load the model and serve it until interrupted (what `nanoserve serve` runs); `lora_modules`: name=path
-    of each LoRA adapter to serve beside it, read and checked before the server starts."""
+    """Load the model and serve it until interrupted, or until the engine fails (then SystemExit, status 1);
+    what `nanoserve serve` runs. `lora_modules`: name=path of each LoRA adapter, read before the server starts."""
     import uvicorn
 
     from ..engine.llm_engine import LLMEngine
@@ -282,11 +283,16 @@ def serve(model: str = "demo", host: str = "127.0.0.1", port: int = 8000, api_ke
         core.inputs.lora.add(req)
     template = (read_chat_template_file(chat_template, core.tokenizer) if chat_template
                 else load_chat_template(model, core.tokenizer))
-    app = create_app(AsyncLLMEngine(core), served_model_name or str(model), api_key, template,
+    app = create_app(engine := AsyncLLMEngine(core), served_model_name or str(model), api_key, template,
                      max_body_bytes=max_body_bytes, loras=loras)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"[nanoserve] warning: serving on {host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)
     print(f"[nanoserve] serving {served_model_name or model} on http://{host}:{port}/v1 "
           f"(chat: {'yes' if template else 'no template'}; device {core.device})", file=sys.stderr)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    engine.on_fatal.append(lambda e: setattr(server, "should_exit", True))  # finish what is in flight, then stop
+    server.run()
+    if engine.error is not None:  # exit status 1 (SystemExit with a message), as vLLM's server
+        raise SystemExit(f"[nanoserve] the engine failed ({type(engine.error).__name__}: {engine.error}); "
+                         "the server stopped")

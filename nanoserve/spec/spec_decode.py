@@ -92,6 +92,7 @@ class SpecDecoder:
         self.controller = SpecController(config, cost, one_call=getattr(proposer, "one_call", False))
         self.pure_decode = False  # whether the planned step has decoding rows only (its time is recorded)
         self.copies: list[tuple[int, int]] = []  # copy-on-write block copies from the last extension
+        scheduler.on_finish.append(self.free)  # a sequence that finishes (or is aborted) lets go of its state here
 
     # ------------------------------------------------------------------ one step
     def plan(self, sched, requests: dict, budget: int) -> list[tuple]:
