@@ -1,4 +1,5 @@
-"""Speculative decoding by proposer: a draft model, n-gram lookup and Medusa heads, against the target alone.
+"""Speculative decoding by proposer: a draft model, n-gram lookup, Medusa heads and EAGLE's head, against the
+target alone.
 
     python benchmarks/bench_spec_methods.py [--reps 5] [--out benchmarks/spec_methods_cpu.json]
     python benchmarks/bench_spec_methods.py --quick --out X   # tiny, for the test that keeps it running
@@ -12,8 +13,9 @@ default controller (measured costs, adaptive γ), which is what a user gets. Per
 drafted), tokens per target forward over the speculative steps, and the wall-clock speedup over the
 target alone (the median over reps of the paired ratio, interleaved runs). "Medusa tree": the same heads
 with speculative_tree="default" (8 candidates to depth 3, verified as one token tree); its acceptance is
-kept / drafted nodes, low by design (most branches are alternatives): compare tokens per forward. EAGLE
-heads are not built yet (issue 25).
+kept / drafted nodes, low by design (most branches are alternatives): compare tokens per forward. "EAGLE":
+a one-layer head drafting the demo's next features (tools/train_eagle.py's defaults, cached too), γ calls of
+it per step.
 """
 
 from __future__ import annotations
@@ -47,6 +49,20 @@ def medusa_heads(cache: Path, quick: bool) -> Path:
     return path
 
 
+def eagle_head(cache: Path, quick: bool) -> Path:
+    """The demo's EAGLE head, trained once (tools/train_eagle.py's defaults) and kept in the cache."""
+    from nanoserve.spec.eagle import save_eagle
+    from nanoserve.tools.train_eagle import train_eagle
+    from nanoserve.tools.train_medusa import self_distill_data
+
+    path = cache / ("eagle-demo-quick" if quick else "eagle-demo")
+    if not (path / "eagle.safetensors").is_file():
+        seqs, steps = (8, 2) if quick else (256, 400)
+        llm = LLM("demo", dtype="float32")
+        save_eagle(train_eagle(llm.model, self_distill_data(llm, seqs, 96, seed=0), steps=steps), path, "demo")
+    return path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=5)
@@ -60,7 +76,8 @@ def main() -> None:
     prompts, params = list(SPEC_PROMPTS[:n_prompts]), SamplingParams(temperature=0, max_tokens=max_tokens,
                                                                      ignore_eos=True)
     methods = {"draft model": dict(speculative_model="demo-draft"), "n-gram": dict(speculative="ngram"),
-               "Medusa": dict(speculative="medusa", speculative_model=str(medusa_heads(cache, args.quick)))}
+               "Medusa": dict(speculative="medusa", speculative_model=str(medusa_heads(cache, args.quick))),
+               "EAGLE": dict(speculative="eagle", speculative_model=str(eagle_head(cache, args.quick)))}
     methods["Medusa tree"] = dict(methods["Medusa"], speculative_tree="default")
     engines = {"target alone": LLM("demo")}
     for name, kw in methods.items():

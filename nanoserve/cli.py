@@ -32,7 +32,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (debugging)")
     p.add_argument("--speculative-model", help="a draft model (e.g. demo-draft), or with medusa the heads' directory")
-    p.add_argument("--speculative", choices=["draft", "ngram", "medusa"], help="the proposer (ngram: prompt lookup)")
+    p.add_argument("--speculative", choices=["draft", "ngram", "medusa", "eagle"], help="the proposer (ngram: lookup)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="γ, draft tokens per step (1..16)")
     p.add_argument("--speculative-cost", type=float, help="pin a draft forward's cost in target steps (default: "
                    "measured; pinned, seeded sampling no longer depends on the machine's speed)")

@@ -63,18 +63,39 @@ def hf_checkpoints(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def medusa_trained(tmp_path_factory):
-    """(heads dir, demo LLM, held-out ids, trained heads): 3 Medusa heads trained 300 steps on 128 sequences the
-    demo wrote itself (tools/train_medusa.py); shared by tests/test_medusa.py and tests/test_medusa_tree.py."""
+def self_distilled():
+    """(demo LLM, ids [160, 64]): sequences the demo wrote itself (tools/train_medusa.self_distill_data), the
+    training data of the draft heads (the first 128) and their held-out set (the rest)."""
     from nanoserve import LLM
-    from nanoserve.spec.medusa import save_medusa
-    from nanoserve.tools.train_medusa import self_distill_data, train_medusa
+    from nanoserve.tools.train_medusa import self_distill_data
 
     llm = LLM("demo", dtype="float32")
-    ids = self_distill_data(llm, num_seqs=160, length=64, seed=0)
+    return llm, self_distill_data(llm, num_seqs=160, length=64, seed=0)
+
+
+@pytest.fixture(scope="session")
+def medusa_trained(tmp_path_factory, self_distilled):
+    """(heads dir, demo LLM, held-out ids, trained heads): 3 Medusa heads trained 300 steps on 128 sequences the
+    demo wrote itself (tools/train_medusa.py); shared by tests/test_medusa.py and tests/test_medusa_tree.py."""
+    from nanoserve.spec.medusa import save_medusa
+    from nanoserve.tools.train_medusa import train_medusa
+
+    llm, ids = self_distilled
     heads = train_medusa(llm.model, ids[:128], num_heads=3, steps=300, seed=0)
     path = save_medusa(heads, tmp_path_factory.mktemp("medusa") / "heads", "demo")
     return path, llm, ids[128:], heads
+
+
+@pytest.fixture(scope="session")
+def eagle_trained(tmp_path_factory, self_distilled):
+    """(head dir, demo LLM, held-out ids, trained head): EAGLE's head trained 200 steps on the same 128 sequences
+    (tools/train_eagle.py); tests/test_eagle.py."""
+    from nanoserve.spec.eagle import save_eagle
+    from nanoserve.tools.train_eagle import train_eagle
+
+    llm, ids = self_distilled
+    head = train_eagle(llm.model, ids[:128], steps=200, seed=0)
+    return save_eagle(head, tmp_path_factory.mktemp("eagle") / "head", "demo"), llm, ids[128:], head
 
 
 def pytest_runtest_setup(item):

@@ -12,32 +12,12 @@ The server that finds its engine dead exits by itself: tests/test_server_exit.py
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
+from test_tensor_parallel_engine import GREEDY, PROMPTS, _one_group_at_a_time, _run  # noqa: F401  (autouse fixture)
 
 from nanoserve import LLM, NanoserveError, SamplingParams
 from nanoserve.parallel.workers import WorkerGroupError
-
-PROMPTS = [[5, 17, 99, 3, 42, 8, 77, 1, 64], [5, 17, 99, 3, 42, 8, 77, 1, 64, 23, 11], [90, 4, 33, 2, 18, 7]]
-GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=0)
-
-
-@pytest.fixture(autouse=True)
-def _one_group_at_a_time():
-    """Each test's engines are collected after it (their workers stopped), so the next may start its own group."""
-    yield
-    gc.collect()
-    assert not torch.distributed.is_initialized(), "a split engine outlived its test"
-
-
-def _run(llm: LLM, prompts=PROMPTS, params=GREEDY):
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    tokens = [[c.token_ids for c in o.outputs] for o in outs]
-    lps = [torch.tensor([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]) for o in outs for c in o.outputs
-           if c.logprobs is not None]
-    return tokens, lps
 
 
 @pytest.mark.parametrize("case,stages,extra", [

@@ -92,6 +92,7 @@ class ModelRunner:
         self.graphs = None  # CudaGraphRunner once use_cuda_graphs() ran: decode steps replay graphs
         self.lora = lora  # a LoRAManager when the engine serves per-request adapters (lora/serving.py)
         self.hidden: dict[int, torch.Tensor] = {}  # with model.keep_hidden: seq_id -> [K, C] at its latest logits
+        self.features: dict[int, list] = {}  # keep_hidden == "all": seq_id -> [(first position, [n, C]), ...]
 
     def use_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> str | None:
         """Capture decode CUDA graphs (engine/cuda_graph.py); returns why not when they cannot serve
@@ -103,7 +104,7 @@ class ModelRunner:
         if self.lora is not None:  # its layers are wrapped as adapters arrive, and their slots change per step
             return "per-request LoRA adapters (enable_lora) run eagerly"
         if self.model.keep_hidden:
-            return "draft heads read each step's hidden states (Medusa) eagerly"
+            return "draft heads read each step's hidden states (Medusa, EAGLE) eagerly"
         if any(getattr(m, "host_sync", False) for m in self.model.modules()):  # e.g. quant/llm_int8.py
             return "a layer reads device values on the host every call (LLM.int8's outlier features)"
         from .cuda_graph import CudaGraphRunner
@@ -202,7 +203,11 @@ class ModelRunner:
         finally:
             if self.lora is not None:
                 self.lora.clear()
-        if self.model.keep_hidden:  # each row's hidden states where its logits are (Medusa heads read them)
+        if self.model.keep_hidden == "all":  # every new token's, kept until read (EAGLE's head reads them)
+            for i, (seq, n) in enumerate(zip(seqs, num_new)):
+                chunk = (seq.num_computed_tokens, self.model.last_hidden[i, :n].clone())  # n, C
+                self.features.setdefault(seq.seq_id, []).append(chunk)
+        elif self.model.keep_hidden:  # each row's hidden states where its logits are (Medusa heads read them)
             for i, (seq, m) in enumerate(zip(seqs, num_logits)):
                 self.hidden[seq.seq_id] = self.model.last_hidden[i, :m]  # m, C
         return logits

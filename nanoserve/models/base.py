@@ -13,7 +13,8 @@ from torch import nn
 
 class CausalLM(nn.Module):
     config: object
-    keep_hidden = False  # keep the LM head's input as `last_hidden` [B, K, C] (draft heads read it: spec/medusa.py)
+    keep_hidden = False  # keep the LM head's input as `last_hidden`: True [B, K, C] where the logits are (Medusa's
+    # heads read it: spec/medusa.py), "all" [B, T, C] at every position (EAGLE's head: spec/eagle_proposer.py)
 
     def embed_and_blocks(self, input_ids, positions, cache):  # pragma: no cover - per family
         raise NotImplementedError
@@ -39,13 +40,19 @@ class CausalLM(nn.Module):
     def head(self, h: torch.Tensor, logit_index: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
         """The LM head over the final hidden states h [B, T, C] (after the final norm), where forward's
         logit_index / last_only say (a pipeline's last stage calls it on its own: parallel/pipeline.py)."""
+        if self.keep_hidden == "all":
+            self.last_hidden = h
         if logit_index is not None:
             rows = torch.arange(h.shape[0], device=h.device)
             h = h[rows, logit_index][:, None] if logit_index.dim() == 1 else h[rows[:, None], logit_index]  # B, K, C
         elif last_only:
             h = h[:, -1:]
-        if self.keep_hidden:
+        if self.keep_hidden is True:
             self.last_hidden = h
-        logits = self.lm_head(h)  # B, T, V
+        return self.lm_logits(h)
+
+    def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The LM head on features h [..., C] -> logits [..., V] (and Gemma 2's soft-cap)."""
+        logits = self.lm_head(h)
         cap = getattr(self.config, "final_softcap", None)
         return logits if cap is None else cap * torch.tanh(logits / cap)  # Gemma 2: logits in (−cap, cap)

@@ -40,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -292,7 +292,8 @@ def serve(model: str = "demo", host: str = "127.0.0.1", port: int = 8000, api_ke
           f"(chat: {'yes' if template else 'no template'}; device {core.device})", file=sys.stderr)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
     engine.on_fatal.append(lambda e: setattr(server, "should_exit", True))  # finish what is in flight, then stop
-    server.run()
+    with suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn shuts down gracefully, then raises it again
+        server.run()
     if engine.error is not None:  # exit status 1 (SystemExit with a message), as vLLM's server
         raise SystemExit(f"[nanoserve] the engine failed ({type(engine.error).__name__}: {engine.error}); "
                          "the server stopped")

@@ -1,6 +1,6 @@
 """What speculative decoding runs with: `SpecDecodeConfig`, checked before any model loads (spec_decode.py uses it).
 
-    LLM(target, speculative="draft" | "ngram" | "medusa", speculative_model=..., num_speculative_tokens=γ,
+    LLM(target, speculative="draft" | "ngram" | "medusa" | "eagle", speculative_model=..., num_speculative_tokens=γ,
         speculative_adaptive=True, speculative_cost=None, speculative_tree=None)
 
 `speculative_tree` (Medusa only) turns the heads' top-1 chain into a token tree: a list of paths of top-k
@@ -17,14 +17,14 @@ from ..errors import NanoserveError
 from .rejection_sampler import MAX_SPECULATIVE_TOKENS
 from .tree_sampler import DEFAULT_TREE, check_tree_choices
 
-SPECULATIVE_METHODS = ("draft", "ngram", "medusa")
+SPECULATIVE_METHODS = ("draft", "ngram", "medusa", "eagle")
 
 
 @dataclass
 class SpecDecodeConfig:
-    method: str  # "draft" (a small model), "ngram" (prompt lookup) or "medusa" (heads on the target: medusa.py)
+    method: str  # "draft" (a small model), "ngram" (prompt lookup), "medusa" or "eagle" (heads on the target)
     num_speculative_tokens: int = 4  # γ: the most tokens drafted per step
-    draft_model: str | None = None  # "draft": a shipped name, checkpoint dir or .bin; "medusa": the heads' dir
+    draft_model: str | None = None  # "draft": a shipped name, checkpoint dir or .bin; "medusa", "eagle": the head's dir
     adaptive: bool = True  # pick each sample's γ from its observed acceptance (else always γ)
     min_acceptance: float = 0.3  # below this estimated α a sample stops speculating (then probes)
     probe_interval: int = 16  # plain steps between probes of a switched-off sample
@@ -55,8 +55,9 @@ class SpecDecodeConfig:
             raise NanoserveError(f"num_speculative_tokens={g!r} must be an integer in 1..{MAX_SPECULATIVE_TOKENS}")
         if self.method == "draft" and not self.draft_model:
             raise NanoserveError("speculative decoding with a draft model needs speculative_model=<name or path>")
-        if self.method == "medusa" and not self.draft_model:
-            raise NanoserveError("speculative='medusa' needs speculative_model=<the Medusa heads' directory>")
+        if self.method in ("medusa", "eagle") and not self.draft_model:
+            raise NanoserveError(f"speculative={self.method!r} needs speculative_model=<the {self.method} head's "
+                                 "directory>")
         if not 0 <= self.min_acceptance < 1:
             raise NanoserveError(f"min_acceptance={self.min_acceptance!r} must be in [0, 1)")
         if self.tree is not None and self.method != "medusa":

@@ -15,7 +15,8 @@ requests, in each `LLMEngine.step()`:
    decoding): copy what followed the latest earlier occurrence of the last few tokens — no model.
    Or *Medusa heads* (medusa.py): small heads on the target's own last hidden state, head i's top
    token the i-th draft — no second forward at all; with `speculative_tree`, their top-k candidates
-   form a token tree instead of a chain (config.py, tree_sampler.py).
+   form a token tree instead of a chain (config.py, tree_sampler.py). Or *EAGLE's head* (eagle.py):
+   one small decoder layer drafting the target's next features, γ calls of it.
 3. **Verify.** The drafts are appended to the target sequence (each gets a KV slot through the
    block allocator, copy-on-write included) and the target computes all γ + 1 positions in one
    forward: logits for p₁..p_{γ+1}. Decoding is memory-bound on a GPU, so scoring γ + 1 tokens
@@ -61,7 +62,7 @@ from ..errors import NanoserveError
 from ..models.loader import load_model
 from .config import SPECULATIVE_METHODS, SpecDecodeConfig  # noqa: F401  (the engine imports them from here)
 from .controller import SpecController
-from .medusa import MedusaProposer, load_medusa
+from .draft_heads import head_proposer
 from .proposers import DraftModelProposer, NgramDraft
 from .rejection_sampler import greedy_verify, rejection_sample
 from .tree_sampler import tree_greedy_verify, tree_positions, tree_rejection_sample
@@ -248,17 +249,8 @@ def build_spec_decoder(cfg: SpecDecodeConfig, engine) -> SpecDecoder:
     max_len, kv = engine.max_model_len, engine.runner.kv
     if cfg.method == "ngram":
         proposer, cost = NgramDraft(cfg.ngram_max, cfg.ngram_min), 0.0  # no model: drafting is ~free
-    elif cfg.method == "medusa":
-        heads = load_medusa(cfg.draft_model, engine.config.hidden_size, engine.config.vocab_size, engine.device,
-                            engine.dtype)
-        if cfg.num_speculative_tokens > heads.num_heads:
-            raise NanoserveError(f"num_speculative_tokens={cfg.num_speculative_tokens} but the Medusa heads at "
-                                 f"{cfg.draft_model} predict {heads.num_heads} tokens; allowed: 1..{heads.num_heads}")
-        check_tree_fits(cfg.tree, heads.num_heads, engine)
-        proposer = MedusaProposer(heads, engine.runner, cfg.tree)
-        if engine.runner.graphs is not None:  # the graphs were recorded without keeping hidden states
-            engine.runner.graphs, engine.cuda_graphs_off = None, "Medusa heads read each step's hidden states"
-        cost = sum(p.numel() for p in heads.parameters()) / sum(p.numel() for p in engine.model.parameters())
+    elif cfg.method in ("medusa", "eagle"):  # heads on the target's own hidden states
+        proposer, cost = head_proposer(cfg, engine)
     else:
         try:
             draft, dcfg, dtok = load_model(cfg.draft_model, dtype=engine.dtype, device=engine.device)
@@ -279,21 +271,3 @@ def build_spec_decoder(cfg: SpecDecodeConfig, engine) -> SpecDecoder:
             proposer.runner.use_cuda_graphs(engine.scheduler.config.max_num_seqs, max_len)
         cost = sum(p.numel() for p in draft.parameters()) / sum(p.numel() for p in engine.model.parameters())
     return SpecDecoder(cfg, proposer, engine.scheduler, max_len, cost, kv)
-
-
-def check_tree_fits(tree, num_heads: int, engine) -> None:
-    """A token tree needs a head per depth, an attention backend that takes its mask, and no sliding window."""
-    if tree is None:
-        return
-    if max(map(len, tree)) > num_heads:
-        raise NanoserveError(f"speculative_tree has a path of length {max(map(len, tree))} but the Medusa heads "
-                             f"predict {num_heads} tokens; allowed: paths of length 1..{num_heads}")
-    if max(max(c) for c in tree) >= engine.config.vocab_size:
-        raise NanoserveError(f"speculative_tree asks for candidate {max(max(c) for c in tree)} of a head; the "
-                             f"vocabulary has {engine.config.vocab_size} tokens")
-    if engine.attention_backend == "triton" and engine.runner.kv.quant is not None:
-        raise NanoserveError("speculative_tree with the triton backend needs kv_cache_dtype='auto': over a "
-                             "quantized pool its kernel reads the tree's keys back from the pool, unmasked")
-    if engine.config.sliding_window is not None:
-        raise NanoserveError("speculative_tree is not supported with sliding-window attention (a node's window "
-                             "would follow its path, not its slot); without a tree, Medusa verifies a chain")
