@@ -27,10 +27,9 @@ A consumer that stops iterating (a client that disconnected) aborts its request;
 applied before the next step, which frees its blocks. A request that fails inside a step (the
 engine already freed its blocks) raises `RequestFailedError` in its own consumer only; an error
 that escapes `step()` is fatal by construction (errors.is_fatal), so every consumer gets it and
-the engine takes no more requests (`on_fatal` tells whoever asked, e.g. the server, which then exits). vLLM's
-AsyncLLMEngine has this shape
-(requests and aborts queued, applied between steps); it later moved the engine to its own
-process. Taught in notebooks/09_*.
+the engine takes no more requests (`on_fatal` tells whoever asked, e.g. the server, which then exits).
+vLLM's AsyncLLMEngine has this shape (requests and aborts queued, applied between steps); it later moved the
+engine to its own process. Taught in notebooks/09_*.
 """
 
 from __future__ import annotations
