@@ -10,7 +10,7 @@
     workers.py           the engine over N ranks: LLM(model, tensor_parallel_size=N) or pipeline_parallel_size=N;
                          rank 0 schedules, the worker processes follow each step
 
-Not yet (issue 27): both kinds at once, 8-bit linears split, speculative decoding and LoRA adapters on the
+Not yet: both kinds at once, 8-bit linears split, speculative decoding and LoRA adapters on the
 split engine (refused by name). Several nodes: launch every rank with torchrun (workers.py).
 """
 

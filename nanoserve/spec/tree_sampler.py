@@ -4,8 +4,8 @@ Medusa's heads, EAGLE and SpecInfer propose a tree rather than a chain: several 
 token, several for the one after each, and so on. Node 0 is the last token the target already has; every
 other node i has a parent parents[i] < i and a token tokens[i]. The target scores every node in one
 forward (tree attention: each node sees its ancestors and the prefix), giving p[i], its law for the token
-after node i's path. Verification walks down from the root (issue 25; the engine does not build trees
-yet — this is the sampler the tree verification will call):
+after node i's path. Verification walks down from the root (the engine's tree verification,
+spec_decode.py's `_accept_tree`, calls it):
 
     at node u, law r = p[u], children c_1..c_k in order:
         for each child c_j:   accept its token x_j with probability min(1, r(x_j) / q_j(x_j))
