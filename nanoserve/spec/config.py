@@ -56,8 +56,8 @@ class SpecDecodeConfig:
         if self.method == "draft" and not self.draft_model:
             raise NanoserveError("speculative decoding with a draft model needs speculative_model=<name or path>")
         if self.method in ("medusa", "eagle") and not self.draft_model:
-            raise NanoserveError(f"speculative={self.method!r} needs speculative_model=<the {self.method} head's "
-                                 "directory>")
+            what = {"medusa": "the Medusa heads' directory", "eagle": "the EAGLE head's directory"}[self.method]
+            raise NanoserveError(f"speculative={self.method!r} needs speculative_model=<{what}>")
         if not 0 <= self.min_acceptance < 1:
             raise NanoserveError(f"min_acceptance={self.min_acceptance!r} must be in [0, 1)")
         if self.tree is not None and self.method != "medusa":
