@@ -40,22 +40,16 @@ class PipelineRunner(ModelRunner):
         self.first, self.last = stage == 0, stage == num_stages - 1
         self.microbatches = num_stages  # parts per forward (fewer when it has fewer rows)
 
-    def use_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> str | None:
-        return "pipeline parallelism runs eagerly (its stages exchange activations)"
-
     def _forward(self, seqs, num_new: list[int], num_logits: list[int], trees=None) -> torch.Tensor:
         """logits [B, K, V] on stage 0 (the last stage's, sent back); on the other stages [B, K, 0]: only rank 0
         samples, and ModelRunner.run slices the same rows out of it."""
         B = len(seqs)
-        parts = [r for r in torch.arange(B).tensor_split(min(self.microbatches, B)) if len(r)]
         sends, shapes = [], []  # (the asynchronous sends, and each part's [b, K] for the logits coming back)
-        for part in (r.tolist() for r in parts):
+        for part in (r.tolist() for r in torch.arange(B).tensor_split(min(self.microbatches, B))):  # none empty
             inputs = self.prepare([seqs[i] for i in part], [num_new[i] for i in part], [num_logits[i] for i in part])
             shapes.append(tuple(inputs.logit_index.shape))  # b, K
-            y = self._stage(inputs)  # b, T, C activations; the last stage: b, K, V logits
-            if not self.last or not self.first:
-                dst = 0 if self.last else self.stage + 1
-                sends.append((dist.isend(y.contiguous(), dst=dst), y))  # (y kept alive until sent)
+            y = self._stage(inputs).contiguous()  # b, T, C activations; the last stage: b, K, V logits
+            sends.append((dist.isend(y, dst=0 if self.last else self.stage + 1), y))  # (y kept alive until sent)
         logits = [self._receive_logits(b, K) for b, K in shapes] if self.first else []
         for work, _ in sends:
             work.wait()
