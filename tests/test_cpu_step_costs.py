@@ -82,6 +82,38 @@ def test_bucketed_attention_equals_attention_per_row(monkeypatch, per_doubling):
     assert not torch.allclose(bad, out, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("window", [None, 3])
+def test_prefills_from_scratch_attend_without_the_gather(monkeypatch, window):
+    """Rows with nothing cached attend over their own new k, v (no gather from the pool): the same as the
+    gathered path and as attention written out per row, right-padded rows of several lengths."""
+    H, D, lens = 2, 8, [7, 3, 5, 1]
+    g = torch.Generator().manual_seed(4)
+    cache = PagedKVCache(gpt2_config("gpt2", n_layers=1, hidden_size=H * D, n_heads=H, vocab_size=16), 64, BS)
+    B, T, start = len(lens), max(lens), 0
+    tables, slots = [], []
+    for n in lens:
+        table = list(range(start, start + -(-n // BS)))
+        start += len(table)
+        tables.append(table + [table[0]] * (-(-T // BS) - len(table)))
+        slots.append([table[j // BS] * BS + j % BS for j in range(n)] + [-1] * (T - n))
+    q, k, v = (torch.randn(B, T, H, D, generator=g) for _ in range(3))
+    pos = torch.tensor([list(range(n)) + [n - 1] * (T - n) for n in lens])  # B, T
+    view = cache.view(torch.tensor(slots), torch.tensor(tables), torch.tensor(lens))
+    assert view.meta.no_prefix
+    gathered = cache.bind(dataclasses.replace(view.meta, no_prefix=False))
+    with monkeypatch.context() as m:  # the fast path must not gather
+        m.setattr(cache, "gather_buffers", lambda *a: pytest.fail("gathered"))
+        out = view.attention(0, q, k, v, pos, window)
+    ref = gathered.attention(0, q, k, v, pos, window)
+    for i, n in enumerate(lens):
+        torch.testing.assert_close(out[i, :n], ref[i, :n], rtol=1e-5, atol=1e-5)
+        want = naive_attention(q[i:i + 1, :n], k[i:i + 1, :n], v[i:i + 1, :n], pos[i:i + 1, :n], window)
+        torch.testing.assert_close(out[i:i + 1, :n], want, rtol=1e-5, atol=1e-5)
+    # control: one row with a token cached before this step is not a prefill from scratch
+    assert not cache.view(torch.tensor(slots), torch.tensor(tables), torch.tensor(lens) + torch.tensor(
+        [0, 0, 1, 0])).meta.no_prefix
+
+
 def test_gather_workspace_is_reused_and_grown():
     cache, view_args, q, k_new, v_new, _ = _decode_case([5, 9, 17])
     a, _ = cache.gather_buffers(3)
@@ -129,6 +161,37 @@ def test_the_packed_weight_follows_in_place_changes():
         # negative control: the stale copy (what a cache keyed on the Parameter alone would keep)
         stale = torch.ops.mkldnn._linear_pointwise(x, packed, lin.bias, "none", [], "")
         assert (stale - F.linear(x, new_w, lin.bias)).abs().max() > 0.1
+
+
+@needs_onednn
+@pytest.mark.parametrize("act", ["gelu_new", "gelu"])
+def test_the_gelu_post_op_equals_gelu_after_the_linear(act, monkeypatch):
+    """forward_gelu (oneDNN's GELU post-op) against ACTIVATION_FNS[act] after F.linear, as close as the
+    float64 reference allows; GPT-2's MLP takes it on a CPU model (counted), and the model's output stays."""
+    from nanoserve.models import build_model
+    from nanoserve.models.layers import ACTIVATION_FNS
+
+    g = torch.Generator().manual_seed(3)
+    lin = OneDNNLinear.from_linear(nn.Linear(48, 200))
+    x = torch.randn(6, 48, generator=g) * 2
+    with torch.inference_mode():
+        ref = ACTIVATION_FNS[act](x.double() @ lin.weight.double().t() + lin.bias.double())
+        plain, fused = ACTIVATION_FNS[act](F.linear(x, lin.weight, lin.bias)), lin.forward_gelu(x, act)
+        assert (fused.double() - ref).abs().max() <= max(4 * (plain.double() - ref).abs().max(), 1e-5)
+        # control: the other GELU (tanh against erf) is farther than that
+        other = lin.forward_gelu(x, "gelu" if act == "gelu_new" else "gelu_new")
+        assert (other.double() - ref).abs().max() > 1e-4
+    assert lin.fuses_gelu(act) and not lin.fuses_gelu("silu") and not lin.fuses_gelu("quick_gelu")
+    cfg = gpt2_config("gpt2", n_layers=2, hidden_size=32, n_heads=2, vocab_size=50)
+    model = build_model(cfg)
+    ids = torch.randint(0, 50, (2, 5), generator=g)
+    with torch.inference_mode():
+        before = model(ids)
+        use_onednn_linears(model)
+        calls, fused_gelu = [], OneDNNLinear.forward_gelu
+        monkeypatch.setattr(OneDNNLinear, "forward_gelu", lambda self, x, a: calls.append(a) or fused_gelu(self, x, a))
+        torch.testing.assert_close(model(ids), before, rtol=1e-5, atol=1e-5)
+    assert calls == ["gelu_new", "gelu_new"]  # one per layer
 
 
 @needs_onednn

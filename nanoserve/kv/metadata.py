@@ -17,6 +17,7 @@ computed here, on CPU tensors, and the backends only ever consume device tensors
     prefix_lens   [B]     int32, tokens cached before this step
     max_context, max_query_len, decode   host values: the longest context, the most new tokens
                           in a row, and whether every row has one
+    no_prefix             host value: no row has tokens cached before this step (prefills from scratch)
     buckets               [(rows, num_blocks)]: rows grouped by the blocks their context needs,
                           rounded up to a ladder of sizes (`bucket_size`; the torch backend
                           gathers each group to its own length, not every row to the longest)
@@ -47,6 +48,7 @@ class AttentionMetadata:
     max_context: int
     decode: bool
     max_query_len: int = 1
+    no_prefix: bool = False
     buckets: list[tuple[torch.Tensor, int]] = field(default_factory=list)
     attn_mask: torch.Tensor | None = None
     tree_bits: torch.Tensor | None = None
@@ -69,7 +71,7 @@ class AttentionMetadata:
                    fresh_blocks=dst[dst % block_size == 0] // block_size, cu_seqlens=cu_seqlens,
                    prefix_lens=(context_lens - num_new).to(torch.int32),
                    max_context=int(context_lens.max()) if B else 1, decode=T == 1 and len(src) == B,
-                   max_query_len=int(num_new.max()) if B else 1,
+                   max_query_len=int(num_new.max()) if B else 1, no_prefix=bool((context_lens == num_new).all()),
                    buckets=length_buckets(context_lens, block_size) if buckets and attn_mask is None else [],
                    attn_mask=attn_mask, tree_bits=tree_bits)
 

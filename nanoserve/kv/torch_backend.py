@@ -51,6 +51,10 @@ class CacheView:
         pool_k, pool_v = self.cache.layer(layer)  # num_blocks, block_size, Hkv, D (+ scales, quantized)
         self._write(pool_k, k)
         self._write(pool_v, v)
+        if self.meta.no_prefix and self.meta.attn_mask is None and self.cache.quant is None:
+            # Prefills from scratch: this step's k, v are every key there is (each row's key j at position j;
+            # a padding key sits after its row's real ones, where no real query looks). Nothing to gather.
+            return sdpa_attention(q, k, v, None if window is None else positions, window, scale, softcap)
         if window is not None:
             windowed = self._window_tables(window, positions)
             if windowed is not None:  # gather only the blocks the window reaches, not the whole context

@@ -14,6 +14,7 @@ from torch import nn
 from .base import CausalLM
 from .config import ModelConfig
 from .layers import ACTIVATION_FNS, attention
+from .onednn import OneDNNLinear
 
 
 class GPT2Attention(nn.Module):
@@ -48,8 +49,11 @@ class GPT2MLP(nn.Module):
         self.c_fc = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
         self.c_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
         self.act = ACTIVATION_FNS[cfg.hidden_act]  # GPT-2's own: "gelu_new", GELU's tanh approximation
+        self.hidden_act = cfg.hidden_act
 
     def forward(self, x):
+        if isinstance(self.c_fc, OneDNNLinear) and self.c_fc.fuses_gelu(self.hidden_act):  # on a CPU: one call
+            return self.c_proj(self.c_fc.forward_gelu(x, self.hidden_act))  # (models/onednn.py)
         return self.c_proj(self.act(self.c_fc(x)))
 
 
