@@ -120,7 +120,9 @@ class CacheView:
         """This step's K or V [B, T, Hkv, D] into their slots (quantized first, when the pool is)."""
         codes, scales = pool if isinstance(pool, tuple) else (pool, None)
         nb, bs, H, D = codes.shape
-        rows = new.reshape(-1, H, D).index_select(0, self.src)  # N, Hkv, D
+        rows = new.reshape(-1, H, D)  # B·T, Hkv, D
+        if len(self.src) < len(rows):  # padding among the rows: the real tokens only
+            rows = rows.index_select(0, self.src)  # N, Hkv, D
         if scales is not None:
             rows, s = self.cache.quant.quantize(rows)  # N, Hkv, D codes; N, Hkv scales
             scales.view(nb * bs, H).index_copy_(0, self.dst, s)
