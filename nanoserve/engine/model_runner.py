@@ -179,6 +179,7 @@ class ModelRunner:
         """
         k = num_logits or [1] * len(seqs)
         out: list[torch.Tensor | None] = [None] * len(seqs)
+        full = None  # without num_logits: [B, V], each group's rows copied in at once (not B row views + a cat)
         for rows in forward_groups(num_new, k):
             args = [seqs[i] for i in rows], [num_new[i] for i in rows], [k[i] for i in rows]
             group_trees = [trees[i] for i in rows] if trees else None
@@ -190,9 +191,13 @@ class ModelRunner:
                 logits = self._forward(*args)
             if num_logits is None and rows == list(range(len(seqs))):
                 return logits[:, 0]  # one group, every row in order: no copy  (B, V)
+            if num_logits is None:
+                full = logits.new_empty(len(seqs), logits.shape[-1]) if full is None else full
+                full.index_copy_(0, torch.tensor(rows, device=full.device), logits[:, 0])
+                continue
             for i, row in zip(rows, logits):
                 out[i] = row[: k[i]]
-        return out if num_logits is not None else torch.cat(out)
+        return out if num_logits is not None else full
 
     def _forward(self, seqs: list[Sequence], num_new: list[int], num_logits: list[int], trees=None) -> torch.Tensor:
         """logits [B, K, V] of each row's last num_logits new tokens (K = max; shorter rows repeat their last)."""
