@@ -35,7 +35,7 @@ class LLM:
     Offline, nobody waits on a stream's next token, so `LLM` takes a larger token budget per step than the
     engine's default (`max_num_batched_tokens` 4096 against 512, as vLLM's CPU default): fewer, fuller prefill
     steps, and the decodes join a full batch sooner. Measured on the peer workloads (benchmarks/RESULTS.md,
-    "Fourth step"): 64 × U[8, 64] ~10 % more tokens/s (7 of 7 interleaved pairs), 256 × U[32, 256] ~3 %. A
+    "Fourth step"): 64 × U[8, 64] ~14 % more tokens/s (7 of 7 interleaved pairs), 256 × U[32, 256] ~3 %. A
     server keeps 512: a 4096-token prefill step would hold every stream's next token for most of a second."""
 
     def __init__(self, model: str = "demo", dtype: str | torch.dtype | None = None, device: str | None = None,
