@@ -55,8 +55,11 @@ def test_the_server_exits_by_itself_when_its_engine_dies():
         body = json.dumps({"model": "demo", "prompt": "ROMEO:", "max_tokens": 4, "temperature": 0}).encode()
         ask = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(ask, timeout=DEADLINE) as answer:
-            assert answer.status == 200
+        try:
+            with urllib.request.urlopen(ask, timeout=DEADLINE) as answer:
+                assert answer.status == 200
+        except urllib.error.HTTPError as e:  # say what the server said (its answer and its log so far)
+            raise AssertionError(f"first request: {e.code} {e.read().decode()[:2000]}\n{''.join(seen)[-3000:]}") from e
         workers = [p for p in _children(proc.pid) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()
                    and b"resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes()]
         assert len(workers) == 1, workers

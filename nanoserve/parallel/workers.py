@@ -39,6 +39,7 @@ import sys
 import traceback
 import weakref
 from datetime import timedelta
+from multiprocessing.connection import wait
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,7 @@ from .launch import exit_without_finalizing, free_port
 from .runners import LeaderRunner, check_split, rank_runner, split_for_rank
 
 TIMEOUT = timedelta(seconds=60)  # a collective waiting on a rank that never comes fails, it does not hang
+DEATH_WAIT = 10.0  # seconds a failed exchange waits for a worker's exit to be reported (see guard)
 
 
 class WorkerGroupError(EngineStateError):
@@ -94,6 +96,10 @@ class WorkerGroup:
         try:
             return fn(*args, **kwargs)
         except Exception as e:
+            # A killed worker's sockets close while it dies, before the OS reports its exit: rank 0 can see the
+            # connection drop first. Wait for the first worker's exit (an event, bounded), then name the dead.
+            if self.procs and all(p.is_alive() for p in self.procs):
+                wait([p.sentinel for p in self.procs], timeout=DEATH_WAIT)
             dead = [f"rank {i + 1} (exit code {p.exitcode})" for i, p in enumerate(self.procs) if not p.is_alive()]
             self.shutdown()
             raise WorkerGroupError(f"the {self.parallel.kind}-parallel group failed: "
