@@ -15,7 +15,10 @@ serves every rank), and loop: receive a message, act on it —
     ("logits", ids)                              a full forward without a cache (LLM.logits)
     ("stop",)                                    leave the group and exit
 
-Messages go out with torch.distributed.broadcast_object_list from rank 0; within a forward the ranks then
+Messages go out with torch.distributed.broadcast_object_list from rank 0, on a group of their own (`control`)
+whose waits never time out: a server may sit idle for hours, and a worker waiting for its next message must not
+give up after the 60 s the exchanges inside a step are allowed (it did: an idle 2-rank server lost its worker
+after a minute). A dead rank 0 still ends that wait at once: its sockets close. Within a forward the ranks then
 meet in the all-reduces (tensor) or pass activations from stage to stage (pipeline: stage_runner.py). The
 scheduler, the block allocator and the sequences live on rank 0 only.
 
@@ -51,7 +54,9 @@ from .config import ParallelConfig, torchrun_rank
 from .launch import exit_without_finalizing, free_port
 from .runners import LeaderRunner, check_split, rank_runner, split_for_rank
 
-TIMEOUT = timedelta(seconds=60)  # a collective waiting on a rank that never comes fails, it does not hang
+TIMEOUT = timedelta(seconds=float(os.environ.get("NANOSERVE_DIST_TIMEOUT", 60)))  # an exchange inside a step
+# waiting on a rank that never comes fails, it does not hang (the variable: tests shorten it)
+IDLE = timedelta(days=3650)  # the control group's: how long a worker waits for rank 0's next message
 DEATH_WAIT = 10.0  # seconds a failed exchange waits for a worker's exit to be reported (see guard)
 
 
@@ -86,10 +91,11 @@ class WorkerGroup:
         atexit.register(_shutdown, weakref.ref(self))  # (a weak reference: the group can still be collected)
         self.guard(dist.init_process_group, "nccl" if self.cuda else "gloo", init_method=init, rank=0,
                    world_size=world_size, timeout=TIMEOUT)
+        self.control = self.guard(dist.new_group, backend="gloo", timeout=IDLE)  # rank 0's messages (above)
 
     def send(self, *message) -> None:
         """One message to every worker (they all act on it)."""
-        self.guard(dist.broadcast_object_list, [message], src=0)
+        self.guard(dist.broadcast_object_list, [message], src=0, group=self.control)
 
     def guard(self, fn, *args, **kwargs):
         """fn(...), with a failure of the group reported as which worker died, not as a socket error."""
@@ -115,7 +121,7 @@ class WorkerGroup:
         self.closed = True
         if all(p.is_alive() for p in self.procs):
             try:
-                dist.broadcast_object_list([("stop",)], src=0)
+                dist.broadcast_object_list([("stop",)], src=0, group=self.control)
             except Exception:  # the group is already broken: the workers leave on their own, or get killed
                 pass
         for p in self.procs:
@@ -148,6 +154,7 @@ def worker_main(rank: int, parallel: ParallelConfig, init: str | None, model: st
         device = f"cuda:{local}"
     dist.init_process_group("nccl" if cuda else "gloo", init_method=init or "env://", rank=rank,
                             world_size=parallel.world_size, timeout=TIMEOUT)
+    control = dist.new_group(backend="gloo", timeout=IDLE)  # rank 0's messages: waits that never time out
     try:
         net = loaded if loaded is not None else load_model(model, dtype=dtype, device=device)[0]
         num_layers = net.config.n_layers
@@ -155,7 +162,7 @@ def worker_main(rank: int, parallel: ParallelConfig, init: str | None, model: st
         runner = None
         while True:
             box = [None]
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=0, group=control)
             op, *args = box[0]
             if op == "stop":
                 break
