@@ -105,7 +105,10 @@ class WorkerGroup:
             # A killed worker's sockets close while it dies, before the OS reports its exit: rank 0 can see the
             # connection drop first. Wait for the first worker's exit (an event, bounded), then name the dead.
             if self.procs and all(p.is_alive() for p in self.procs):
-                wait([p.sentinel for p in self.procs], timeout=DEATH_WAIT)
+                ready = wait([p.sentinel for p in self.procs], timeout=DEATH_WAIT)
+                for p in self.procs:  # (a sentinel is ready as the process closes its files, a moment before
+                    if p.sentinel in ready:  # its exit can be reaped: join waits for that)
+                        p.join()
             dead = [f"rank {i + 1} (exit code {p.exitcode})" for i, p in enumerate(self.procs) if not p.is_alive()]
             self.shutdown()
             raise WorkerGroupError(f"the {self.parallel.kind}-parallel group failed: "
