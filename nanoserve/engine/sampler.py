@@ -149,16 +149,17 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seen: list[
     stop_ids = stop_ids or [()] * len(params)
     reshaped = [i for i, p in enumerate(params) if p.reshapes_logits]
     greedy = [i for i, p in enumerate(params) if p.greedy]
-    all_plain_greedy = len(greedy) == len(params) and not reshaped  # the NaN check comes with greedy_argmax
-    nan = None if all_plain_greedy else logits.amax(-1).isnan()  # R: max propagates NaN (one pass, ~10x
-    # cheaper than isnan().any()), on the logits as the model gave them
+    # R: which rows hold NaN, on the logits as the model gave them (max propagates NaN: one pass, ~10x cheaper than
+    # isnan().any()); when every row is greedy and unchanged, greedy_argmax's maxima below give it
+    nan = None if len(greedy) == len(params) and not reshaped else logits.amax(-1).isnan()
     if reshaped:
         logits = logits.clone()  # R, V
         for i in reshaped:
             logits[i] = process_logits(logits[i], params[i], seen[i], outputs[i], stop_ids[i])
     if len(greedy) == len(params):  # every row greedy: no copy of the [R, V] logits
         tokens, maxima = greedy_argmax(logits)  # R; R
-        nan = maxima.isnan() if nan is None else nan
+        if nan is None:
+            nan = maxima.isnan()
     else:
         tokens = torch.zeros(len(params), dtype=torch.long, device=logits.device)  # R
     if greedy and len(greedy) < len(params):
