@@ -23,11 +23,12 @@ the caller tells the scheduler what was computed (`Scheduler.advance`). Taught i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
 from ..kv.cache import PagedKVCache
-from ..kv.metadata import AttentionMetadata
+from ..kv.metadata import AttentionMetadata, host_tensor
 from ..models.onednn import use_onednn_linears
 from ..spec.rejection_sampler import MAX_SPECULATIVE_TOKENS
 from ..spec.tree_sampler import ancestor_bits, tree_attention_mask, tree_positions
@@ -134,18 +135,18 @@ class ModelRunner:
                 table = [b if b != NULL_BLOCK else table[-1] for b in table]
             tables.append(table + [table[0]] * (M - len(table)))  # read, then masked
             lens.append(start + n)
-        long = dict(dtype=torch.long)
-        input_ids, positions = torch.tensor(ids, **long), torch.tensor(pos, **long)  # B, T
-        slot_mapping, block_tables = torch.tensor(slot_rows, **long), torch.tensor(tables, **long)  # B, T; B, M
-        context_lens = torch.tensor(lens, **long)  # B
-        K = max(num_logits)
-        back = torch.tensor(num_logits)[:, None] - torch.arange(K)  # B, K
-        logit_index = (torch.tensor(num_new)[:, None] - back.clamp(min=1)).clamp(min=0)  # B, K: n-m .. n-1
+        B, K, flat = len(seqs), max(num_logits), chain.from_iterable  # host tensors over C arrays (host_tensor)
+        input_ids, positions = host_tensor(flat(ids), (B, T)), host_tensor(flat(pos), (B, T))
+        slot_mapping, block_tables = host_tensor(flat(slot_rows), (B, T)), host_tensor(flat(tables), (B, M))
+        context_lens = host_tensor(lens)  # B
+        logit_index = host_tensor((max(n - max(m - j, 1), 0) for n, m in zip(num_new, num_logits) for j in range(K)),
+                                  (B, K))  # row i's last num_logits[i] new tokens: n−m .. n−1 (shorter: repeated)
         kernels = self.attention_backend == "triton"  # a tree: bits per token for the kernel, else a mask for SDPA
         mask = None if trees is None or kernels else tree_mask(trees, num_new, context_lens, T, M * bs)  # B, T, M·bs
         bits = None if trees is None or not kernels else torch.tensor(  # N, in the packed order of the real tokens
             [b for parents, n in zip(trees, num_new) for b in (ancestor_bits(parents) if parents else [-1] * n)])
-        meta = AttentionMetadata.build(slot_mapping, block_tables, context_lens, bs, not kernels, mask, bits)
+        meta = AttentionMetadata.build(slot_mapping, block_tables, context_lens, bs, self.kv.needs_buckets(T == 1),
+                                       mask, bits)
         to = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
         return ForwardInputs(to(input_ids), to(positions), to(logit_index), meta.to(self.device))
 

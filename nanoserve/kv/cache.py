@@ -165,6 +165,12 @@ class PagedKVCache:
         view_cls = {"triton": TritonCacheView, "cpu": CpuCacheView}.get(self.attention_backend, CacheView)
         return view_cls(self, meta)
 
+    def needs_buckets(self, decode: bool) -> bool:
+        """Whether a step's attention gathers K/V by length bucket (metadata.length_buckets): the torch paths."""
+        if self.attention_backend == "triton":
+            return False
+        return not (self.attention_backend == "cpu" and CpuCacheView.reads_in_place(self, decode))
+
     def view(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor) -> CacheView:
         """A view from a step's three tensors, for tests and notebooks: it reads them on the host to
         derive the metadata (the model runner builds the metadata from host values and calls `bind`)."""

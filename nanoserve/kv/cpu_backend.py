@@ -23,12 +23,19 @@ class CpuCacheView(CacheView):
 
     def __init__(self, cache, meta: AttentionMetadata):
         super().__init__(cache, meta)
-        self.in_place = meta.decode and cache.quant is None and cache.dtype == torch.float32
+        self.in_place = self.reads_in_place(cache, meta.decode)
         if self.in_place:  # the kernel trusts its indices: check them once per step, here, not per layer
             from ..kernels.checks import check_block_ids
 
             self.tables, self.context_lens = meta.block_tables.long(), meta.context_lens.long()  # B, max_blocks; B
-            check_block_ids(self.tables, self.context_lens, cache.block_size, cache.num_blocks)
+            low, high = map(int, self.tables.aminmax()) if self.tables.numel() else (0, 0)  # all in range: one op
+            if low < 0 or high >= cache.num_blocks:  # (the runner pads with live ids) else only those read count
+                check_block_ids(self.tables, self.context_lens, cache.block_size, cache.num_blocks)
+
+    @staticmethod
+    def reads_in_place(cache, decode: bool) -> bool:
+        """Whether a step runs the C kernel over the pool: a decode step over a float32, unquantized pool."""
+        return decode and cache.quant is None and cache.dtype == torch.float32
 
     def attention(self, layer, q, k, v, positions, window=None, scale=None, softcap=None):
         if not self.in_place:

@@ -34,10 +34,10 @@ class CacheView:
         # block's slots past the context then hold zeros, never stale or poisoned memory, so the
         # gathered K/V need no masking of their own (the attention mask hides those slots, and
         # 0 · weight stays 0 where NaN · 0 would not).
-        if self.zero_fresh_blocks:
+        if self.zero_fresh_blocks and len(meta.fresh_blocks):
             for pool in (cache.k, cache.v, cache.k_scale, cache.v_scale):  # (scales: None unless quantized)
                 if pool is not None:
-                    pool.index_fill_(1, meta.fresh_blocks, 0)  # (an empty index changes nothing)
+                    pool.index_fill_(1, meta.fresh_blocks, 0)
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   positions: torch.Tensor, window: int | None = None, scale: float | None = None,

@@ -42,7 +42,9 @@ class CausalLM(nn.Module):
         logit_index / last_only say (a pipeline's last stage calls it on its own: parallel/pipeline.py)."""
         if self.keep_hidden == "all":
             self.last_hidden = h
-        if logit_index is not None:
+        if logit_index is not None and h.shape[1] == 1 and logit_index.shape[1:] in ((), (1,)):
+            pass  # one position (a decode step), and so one valid index, 0: the logits are h's
+        elif logit_index is not None:
             rows = torch.arange(h.shape[0], device=h.device)
             h = h[rows, logit_index][:, None] if logit_index.dim() == 1 else h[rows[:, None], logit_index]  # B, K, C
         elif last_only:
