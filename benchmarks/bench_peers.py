@@ -17,6 +17,8 @@ line saying why. HF runs in left-padded static batches of --hf-batch (a request'
 are waste, not counted); llama.cpp runs a single request through `Llama.generate`, several through its batch
 API with --llamacpp-slots parallel sequences (peer_llamacpp.py). Throughput = output tokens / wall seconds of
 the engine's generate call (load and warm-up excluded). Agreement = share of requests with HF's greedy tokens.
+No engine turns ids into text: vLLM runs with skip_tokenizer_init, HF's generate returns ids, and nanoserve's
+requests say detokenize=False (vLLM's field; --detokenize puts its incremental detokenization back in).
 """
 
 from __future__ import annotations
@@ -96,11 +98,14 @@ def model_dir(name: str, cache: Path) -> Path:
 class Nanoserve:
     name = "nanoserve"
 
-    def __init__(self, path, prompts, max_tokens, attention_backend=None):
+    def __init__(self, path, prompts, max_tokens, attention_backend=None, detokenize=False):
         import nanoserve
-        from nanoserve import LLM
+        from nanoserve import LLM, SamplingParams
         blocks = sum(-(-(len(p) + n) // 16) for p, n in zip(prompts, max_tokens)) + 16  # all fit at once
         self.settings = {"max_num_seqs": 256, "num_blocks": blocks, "block_size": 16, "enable_prefix_caching": False}
+        has_field = "detokenize" in SamplingParams.__dataclass_fields__  # (an older --nanoserve-rev: always text)
+        self.request = {"detokenize": detokenize} if has_field else {}
+        self.detokenize = detokenize or not has_field
         if attention_backend:
             self.settings["attention_backend"] = attention_backend
         t0 = time.perf_counter()
@@ -108,7 +113,8 @@ class Nanoserve:
         eng, step = self.llm.engine, self.llm.engine.step
         self.settings.update(max_num_batched_tokens=getattr(eng.scheduler.config, "max_num_batched_tokens", None),
                              attention_backend=getattr(eng, "attention_backend", None),
-                             cpu_linear=getattr(eng.runner, "onednn_off", "torch") or "oneDNN")  # or why not
+                             cpu_linear=getattr(eng.runner, "onednn_off", "torch") or "oneDNN",  # or why not
+                             detokenize=self.detokenize)
         self.info = {"version": f"{nanoserve.__version__} ({NANOSERVE_REV})", "load_s": time.perf_counter() - t0,
                      "settings": self.settings, "source": str(Path(nanoserve.__file__).parent)}
         self.prompts, self.max_tokens, self.steps = prompts, max_tokens, []
@@ -124,8 +130,8 @@ class Nanoserve:
         from nanoserve import SamplingParams
 
         n = n or len(self.prompts)
-        params = [SamplingParams(temperature=0, max_tokens=m if cap is None else min(m, cap), ignore_eos=True)
-                  for m in self.max_tokens[:n]]
+        params = [SamplingParams(temperature=0, max_tokens=m if cap is None else min(m, cap), ignore_eos=True,
+                                 **self.request) for m in self.max_tokens[:n]]
         self.steps, sched = [], self.llm.engine.scheduler
         preempted, t0 = getattr(sched, "num_preemptions", 0), time.perf_counter()
         outs = self.llm.generate(self.prompts[:n], params, use_tqdm=False)
@@ -183,7 +189,7 @@ def run_workload(wname, w, args, cache, peers) -> dict:
     max_tokens = [p.max_tokens for p in params]
     res = {"model": w["model"], "model_dir": str(path), "requests": w["n"], "input_len": list(w["inp"]),
            "output_len": list(w["out"]), "output_tokens": sum(max_tokens), "rounds": w["rounds"], "engines": {}}
-    engines = [Nanoserve(path, prompts, max_tokens, args.attention_backend),
+    engines = [Nanoserve(path, prompts, max_tokens, args.attention_backend, args.detokenize),
                HF(path, prompts, max_tokens, args.hf_batch)]
     spec = {"model_dir": str(path), "gguf_path": str(cache / f"{w['model']}-f32.gguf"), "ctx": ctx,
             "threads": args.threads, "prompts": prompts, "max_tokens": max_tokens, "slots": args.llamacpp_slots}
@@ -268,6 +274,8 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=32)
     ap.add_argument("--llamacpp-slots", type=int, default=256, help="parallel sequences (1: one request at a time)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--detokenize", action="store_true", help="nanoserve's requests make text too (the peers' "
+                                                               "do not)")
     ap.add_argument("--attention-backend", help="nanoserve's attention backend (default: the CPU's default)")
     ap.add_argument("--nanoserve-rev", help="benchmark nanoserve as committed at this git revision (default: the "
                                             "working tree, as git describe --dirty names it)")

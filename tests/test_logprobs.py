@@ -183,3 +183,27 @@ def test_an_undecodable_top_k_id_gives_no_text_not_a_failed_batch():
     logits = torch.tensor([[0.0, 1.0, 2.0, 9.0]])
     (entry,) = compute_logprobs(logits, [2], [2], Holes())
     assert entry[3].decoded_token is None and entry[2].decoded_token == "<2>"
+
+
+def test_detokenize_false_keeps_the_ids_and_skips_every_decode(llm, monkeypatch):
+    """detokenize=False (vLLM's field): the same token ids and logprobs, no text, no decoded tokens, and the
+    tokenizer is never asked to decode; stop strings (which need the text) are refused by name."""
+    kw = dict(temperature=0, max_tokens=12, logprobs=2, prompt_logprobs=1, ignore_eos=True)
+    want = llm.generate(PROMPT, SamplingParams(**kw), use_tqdm=False)[0]
+    decodes = []
+    tok = llm.engine.tokenizer
+    monkeypatch.setattr(tok, "decode", lambda ids, *a, **k: decodes.append(ids) or "")
+    got = llm.generate(PROMPT, SamplingParams(**kw, detokenize=False), use_tqdm=False)[0]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids and decodes == []
+    assert got.outputs[0].text == "" and want.outputs[0].text  # control: with the default there is text
+    for mine, ref in zip(got.outputs[0].logprobs + got.prompt_logprobs[1:],
+                         want.outputs[0].logprobs + want.prompt_logprobs[1:]):
+        assert {t: (e.logprob, e.rank) for t, e in mine.items()} == {t: (e.logprob, e.rank) for t, e in ref.items()}
+        assert all(e.decoded_token is None for e in mine.values())
+        assert any(e.decoded_token for e in ref.values())
+    llm.generate(PROMPT, SamplingParams(**kw), use_tqdm=False)
+    assert decodes  # control: the default decodes through the same patched tokenizer
+    with pytest.raises(NanoserveError, match="stop=.*needs detokenize=True"):
+        SamplingParams(stop=["\n"], detokenize=False)
+    with pytest.raises(NanoserveError, match="detokenize='no' must be True or False"):
+        SamplingParams(detokenize="no")

@@ -121,6 +121,7 @@ class InputProcessor:
         seen = torch.tensor(seq.token_ids, device=self.device) if p.repetition_penalty != 1.0 else None
         logprobs = None if p.logprobs is None else []
         out = CompletionOutput(i, logprobs=logprobs, cumulative_logprob=None if logprobs is None else 0.0)
-        text = IncrementalText(self.tokenizer, p.stop, req.output.prompt_token_ids, p.include_stop_str_in_output)
+        text = IncrementalText(self.tokenizer if p.detokenize else None, p.stop, req.output.prompt_token_ids,
+                               p.include_stop_str_in_output)  # no tokenizer: ids only, no text
         matcher = None if req.grammar is None else req.grammar.deep_copy()  # each sample walks the grammar alone
         return Sample(seq, make_generator(seed, self.device), text, out, seen, matcher)

@@ -215,7 +215,7 @@ class LLMEngine:
             done[seq.request_id] = req.output
             return
         if wants_prompt_logits(req.output.prompt_logprobs, seq):
-            record_prompt_logprobs(req.output.prompt_logprobs, seq, logits, req.params.prompt_logprobs, self.tokenizer)
+            record_prompt_logprobs(req.output.prompt_logprobs, seq, logits, req.params, self.tokenizer)
         self.scheduler.advance(seq, num_new)
         if seq.num_computed_tokens < len(seq):
             return  # a prefill chunk: no token to sample yet

@@ -82,12 +82,14 @@ def sampled_logprobs(logits: torch.Tensor, params: Sequence, tokens: Sequence[in
     """The entry of each sampled token whose request asks for logprobs (None for the others), from the
     step's logits [R, V] (before the requests' processing): one transfer for them all."""
     out: list[PositionLogprobs | None] = [None] * len(tokens)
-    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-    if rows:
-        sub = logits if len(rows) == len(tokens) else logits[rows]  # S, V
-        got = compute_logprobs(sub, [tokens[i] for i in rows], [params[i].logprobs for i in rows], tokenizer)
-        for i, entry in zip(rows, got):
-            out[i] = entry
+    for text in (True, False):  # (detokenize=False: no decoded tokens)
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None and p.detokenize == text]
+        if rows:
+            sub = logits if len(rows) == len(tokens) else logits[rows]  # S, V
+            got = compute_logprobs(sub, [tokens[i] for i in rows], [params[i].logprobs for i in rows],
+                                   tokenizer if text else None)
+            for i, entry in zip(rows, got):
+                out[i] = entry
     return out
 
 
@@ -98,10 +100,11 @@ def wants_prompt_logits(prompt_logprobs: list | None, seq) -> bool:
             and seq.num_computed_tokens < seq.num_prompt_tokens)
 
 
-def record_prompt_logprobs(prompt_logprobs: list, seq, logits: torch.Tensor, k: int, tokenizer=None) -> None:
+def record_prompt_logprobs(prompt_logprobs: list, seq, logits: torch.Tensor, params, tokenizer=None) -> None:
     """Append the entries this chunk scores to `prompt_logprobs` (entry i is prompt token i's; entry 0
-    is None). logits [n, V] are the chunk's, positions start .. start + n − 1 with start =
-    seq.num_computed_tokens before the chunk. A recomputed chunk (after preemption) adds nothing twice."""
+    is None), with params.prompt_logprobs top tokens each (decoded unless params.detokenize is False).
+    logits [n, V] are the chunk's, positions start .. start + n − 1 with start = seq.num_computed_tokens
+    before the chunk. A recomputed chunk (after preemption) adds nothing twice."""
     start, P = seq.num_computed_tokens, seq.num_prompt_tokens
     logits = logits if logits.dim() == 2 else logits[None]  # a 1-token chunk in a step of single logits: [V]
     first, last = len(prompt_logprobs), min(start + logits.shape[0], P - 1)  # prompt tokens to score now
@@ -111,4 +114,5 @@ def record_prompt_logprobs(prompt_logprobs: list, seq, logits: torch.Tensor, k: 
         raise RequestFailedError(f"prompt logprobs of request {seq.request_id!r}: position {first - 1} was not "
                                  f"computed (the chunk starts at {start})")
     rows = logits[first - 1 - start:last - start]  # the logit at position p scores token p + 1
-    prompt_logprobs += compute_logprobs(rows, seq.token_ids[first:last + 1], [k] * (last + 1 - first), tokenizer)
+    ks, tokenizer = [params.prompt_logprobs] * (last + 1 - first), tokenizer if params.detokenize else None
+    prompt_logprobs += compute_logprobs(rows, seq.token_ids[first:last + 1], ks, tokenizer)

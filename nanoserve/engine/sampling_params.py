@@ -12,6 +12,9 @@ What the extras mean (OpenAI's and vLLM's definitions):
 - `min_p` (Nguyen et al. 2024): after temperature, drop tokens whose probability is below
   min_p × the most likely token's.
 - `logit_bias`: {token id: bias in [-100, 100]} added to the logits first (-100 bans a token).
+- `detokenize=False` (vLLM's): the output keeps its token ids and gets no text, nor do its
+  logprobs' tokens — the decoding work per token is skipped (a benchmark comparing with engines
+  that return ids only); stop strings need the text, so they are refused with it.
 - `min_tokens`: until this many tokens are out, stop tokens cannot be sampled and stop strings
   are not looked for; `include_stop_str_in_output` keeps the stop string in the text.
 - `structured_outputs`: a JSON schema, regex, choice or grammar the output must match
@@ -59,6 +62,7 @@ class SamplingParams:
     logprobs: int | None = None  # per generated token: its logprob + the top-k's; None = off
     prompt_logprobs: int | None = None  # the same for each prompt token after the first; None = off
     structured_outputs: StructuredOutputsParams | dict | None = None  # a grammar the output must match
+    detokenize: bool = True  # False: token ids only, no text (nor the logprobs' decoded tokens); vLLM's field
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -87,6 +91,9 @@ class SamplingParams:
         check(all(is_int(t) and t >= 0 for t in self.stop_token_ids),
                f"stop_token_ids={self.stop_token_ids!r} must be non-negative integers")
         check(all(isinstance(s, str) and s for s in self.stop), f"stop={self.stop!r} must be non-empty strings")
+        check(isinstance(self.detokenize, bool), f"detokenize={self.detokenize!r} must be True or False")
+        check(self.detokenize or not self.stop, f"stop={self.stop!r} needs detokenize=True (stop strings are "
+                                                "looked for in the text)")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             check(v is None or (is_int(v) and 0 <= v <= MAX_LOGPROBS),
