@@ -28,13 +28,15 @@ up-projection with its GELU costs 23–29 % less at ≥ 16 rows (float32; benchm
 step"); the difference from F.gelu after F.linear is ~2e-7. Float32 only: in bfloat16 the fused GELU acts
 on the float32 sum before rounding, where HF rounds first (~1e-2 apart).
 
-One row: a GEMV. A decode step with one sequence multiplies one row by each weight, and there oneDNN's
-fixed cost per call (~13 µs more than MKL's, measured on 64 × 64 weights) and its reading speed on small
-weights lose to MKL's GEMV: on GPT-2 6 × 384's layers (0.6–2.4 MB each) F.linear takes 48–126 µs where
-oneDNN takes 72–154, ~0.65 ms of a 7 ms step over its 24 linears; from ~64 MB up (the 77 MB LM head, Llama's
-4096 × 4096) oneDNN reads faster (3.2 against 3.6 ms on the head). So a float32 layer under GEMV_MAX_BYTES
-calls F.linear for a single row (benchmarks/bench_cpu_linear.py; RESULTS.md, "Fifth step"); two rows and
-more, and bfloat16 (MKL has no bf16 GEMV), keep oneDNN.
+A few rows: MKL. A decode step with one sequence multiplies one row by each weight, and there
+oneDNN's fixed cost per call (~13 µs more than MKL's, measured on 64 × 64 weights) and its reading speed
+on small weights lose to MKL's GEMV: on GPT-2 6 × 384's layers (0.6–2.4 MB each) F.linear takes 20–54 µs
+where oneDNN takes 35–68, ~0.4 ms of a ~6 ms step over its 24 linears, and likewise at 2 and 3 rows; at 4
+rows MKL switches to its GEMM and oneDNN is faster again. On the LM heads (50257 × 384, 32000 × 512,
+151936 × 896: tall and narrow) oneDNN reads faster at any row count (3.1 against 3.5 ms on GPT-2's). So a
+float32 weight under GEMV_MAX_BYTES calls F.linear for up to GEMV_MAX_ROWS rows (benchmarks/bench_cpu_linear.py,
+cpu_linear.json; RESULTS.md, "Fifth step"); bfloat16 (MKL has no bf16 GEMV) keeps oneDNN. The 32 MB line sits
+between the layers and the heads measured; larger layers (Llama's 4096 × 4096, 67 MB) measured within 2 %.
 
 The math is the same fp32 (or bf16) GEMM with fp32 accumulation: results differ from MKL's
 only in summation order, ~1e-6 (tests/test_cpu_step_costs.py checks it against a float64 reference,
@@ -50,7 +52,7 @@ from torch import nn
 
 _DTYPES = (torch.float32, torch.bfloat16)
 PACK_ROWS = 64  # the batch hint oneDNN chooses the packed layout for (see above)
-GEMV_MAX_BYTES = 32 << 20  # one row over a float32 weight smaller than this: MKL's GEMV (see above)
+GEMV_MAX_BYTES, GEMV_MAX_ROWS = 32 << 20, 3  # up to 3 rows over a float32 weight under 32 MB: MKL (see above)
 GELU_POST_OPS = {"gelu": "none", "gelu_python": "none",  # HF's activation name -> oneDNN's GELU algorithm
                  "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_python_tanh": "tanh", "gelu_fast": "tanh"}
 
@@ -73,9 +75,10 @@ class OneDNNLinear(nn.Linear):
         return new
 
     def gemv(self, x: torch.Tensor) -> bool:
-        """Whether x is a single row that MKL's GEMV (F.linear) computes faster than oneDNN (see above)."""
+        """Whether x holds so few rows that MKL (F.linear) computes them faster than oneDNN (see above)."""
         w = self.weight
-        return x.numel() == self.in_features and w.dtype == torch.float32 and w.numel() * 4 < GEMV_MAX_BYTES
+        return (x.numel() <= GEMV_MAX_ROWS * self.in_features and w.dtype == torch.float32
+                and w.numel() * 4 < GEMV_MAX_BYTES)
 
     def packed_weight(self) -> torch.Tensor:
         """The weight in oneDNN's blocked layout (an opaque mkldnn tensor), remade when it changed."""
@@ -99,7 +102,7 @@ class OneDNNLinear(nn.Linear):
         return hidden_act in GELU_POST_OPS and self.weight.dtype == torch.float32
 
     def forward_gelu(self, x: torch.Tensor, hidden_act: str) -> torch.Tensor:
-        """GELU(x @ Wᵀ + b) in one oneDNN call (a post-op; see above; one row: F.linear, then F.gelu). Only where
+        """GELU(x @ Wᵀ + b) in one oneDNN call (a post-op; see above; a few rows: F.linear, then F.gelu). Only where
         `fuses_gelu`."""
         if self.gemv(x) or torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             return F.gelu(F.linear(x, self.weight, self.bias), approximate=GELU_POST_OPS[hidden_act])
