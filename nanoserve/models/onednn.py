@@ -33,7 +33,7 @@ oneDNN's fixed cost per call (~13 µs more than MKL's, measured on 64 × 64 weig
 on small weights lose to MKL's GEMV: on GPT-2 6 × 384's layers (0.6–2.4 MB each) F.linear takes 20–54 µs
 where oneDNN takes 35–68, ~0.4 ms of a ~6 ms step over its 24 linears, and likewise at 2 and 3 rows; at 4
 rows MKL switches to its GEMM and oneDNN is faster again. On the LM heads (50257 × 384, 32000 × 512,
-151936 × 896: tall and narrow) oneDNN reads faster at any row count (3.1 against 3.5 ms on GPT-2's). So a
+151936 × 896: tall and narrow) oneDNN reads faster at any row count (3.1 against 3.2–3.5 ms on GPT-2's). So a
 float32 weight under GEMV_MAX_BYTES calls F.linear for up to GEMV_MAX_ROWS rows (benchmarks/bench_cpu_linear.py,
 cpu_linear.json; RESULTS.md, "Fifth step"); bfloat16 (MKL has no bf16 GEMV) keeps oneDNN. The 32 MB line sits
 between the layers and the heads measured; larger layers (Llama's 4096 × 4096, 67 MB) measured within 2 %.
