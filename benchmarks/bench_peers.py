@@ -38,7 +38,11 @@ from pathlib import Path
 
 from peer_protocol import Peer
 
+# Every engine on the same memory pages: nanoserve asks for 2 MB pages on import (engine/cpu_allocator.py); set
+# here, before any tensor, HF in this process and the peers' subprocesses (which inherit it) get them too.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 HERE, ROOT = Path(__file__).resolve().parent, Path(__file__).resolve().parents[1]
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 SHARED_TOKENIZER = ROOT.parent / "shared" / "models" / "gpt2-tokenizer"
 MODELS = {"gpt2-6x384": dict(layers=6, width=384, heads=6, vocab=50257, ctx=1024),
           "gpt2-tiny": dict(layers=2, width=64, heads=2, vocab=1000, ctx=64)}
@@ -299,7 +303,9 @@ def main() -> None:
     result = {"benchmark": "peers on CPU", "quick": args.quick, "date": datetime.now().isoformat(timespec="seconds"),
               "command": " ".join(["python", os.path.relpath(__file__, ROOT), *sys.argv[1:]]),
               "machine": {"cpu": f"{platform.machine()}, {cpu}", "cores": os.cpu_count(), "threads": args.threads,
-                          "loadavg_before": os.getloadavg(), "nanoserve_malloc": malloc_of_this_process()},
+                          "loadavg_before": os.getloadavg(), "nanoserve_malloc": malloc_of_this_process(),
+                          "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE"),
+                          "thp": THP.read_text().strip() if THP.exists() else "unknown"},
               "versions": {"python": platform.python_version(), "torch": torch.__version__,
                            "transformers": transformers.__version__, "nanoserve": NANOSERVE_REV},
               "workloads": {}}

@@ -49,3 +49,34 @@ def test_the_advice_is_logged_once_and_only_under_glibc(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="nanoserve"):
         cpu_allocator.advise_on_allocator()
     assert not caplog.records
+
+
+HUGE = ("import nanoserve, torch; from nanoserve.engine.cpu_allocator import huge_page_bytes; "
+        "x = torch.ones(64 << 20); print(huge_page_bytes())")
+
+
+@pytest.mark.skipif(cpu_allocator.thp_mode() not in ("always", "madvise") or cpu_allocator.huge_page_bytes() is None,
+                    reason="no transparent huge pages to ask for on this machine")
+def test_importing_nanoserve_puts_big_cpu_tensors_on_huge_pages():
+    """nanoserve sets THP_MEM_ALLOC_ENABLE=1 on import (unless set): a 256 MB tensor made after lands on 2 MB
+    pages; control: a process that set it to 0 keeps 4 KiB pages (in `madvise` mode nothing else asks)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    run = lambda extra: int(subprocess.run([sys.executable, "-c", HUGE], capture_output=True, text=True,  # noqa: E731
+                                           env={**env, **extra}, check=True).stdout.split()[-1])
+    assert run({}) >= 2 << 20
+    if cpu_allocator.thp_mode() == "madvise":
+        assert run({"THP_MEM_ALLOC_ENABLE": "0"}) == 0
+
+
+def test_the_huge_page_advice_names_the_setting(monkeypatch, caplog):
+    monkeypatch.setattr(cpu_allocator, "malloc_library", lambda: "tcmalloc")
+    monkeypatch.setattr(cpu_allocator, "thp_mode", lambda: "madvise")
+    for pages, largest, said in ((0, 8 << 20, True), (4 << 20, 8 << 20, False), (0, 1 << 20, False)):
+        monkeypatch.setattr(cpu_allocator, "_ADVISED", False)
+        monkeypatch.setattr(cpu_allocator, "huge_page_bytes", lambda: pages)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="nanoserve"):
+            cpu_allocator.advise_on_allocator(largest)
+        assert any("THP_MEM_ALLOC_ENABLE" in r.message for r in caplog.records) == said

@@ -84,7 +84,8 @@ class ModelRunner:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         if self.device.type == "cpu":
-            advise_on_allocator()  # glibc's malloc costs page faults on big tensors (engine/cpu_allocator.py)
+            largest = max(t.numel() * t.element_size() for t in model.parameters())
+            advise_on_allocator(largest)  # glibc's malloc, 4 KiB pages under the weights (engine/cpu_allocator.py)
         self.kv = PagedKVCache(kv_config or self.config, num_blocks, block_size, self.dtype, self.device,
                                attention_backend, kv_cache_dtype=kv_cache_dtype, layers=kv_layers)
         # (kv_config, kv_layers: one rank's share of the heads, or of the layers: nanoserve/parallel/)
