@@ -30,8 +30,8 @@ on the float32 sum before rounding, where HF rounds first (~1e-2 apart).
 
 A few rows: MKL. A decode step with one sequence multiplies one row by each weight, and there
 oneDNN's fixed cost per call (~13 µs more than MKL's, measured on 64 × 64 weights) and its reading speed
-on small weights lose to MKL's GEMV: on GPT-2 6 × 384's layers (0.6–2.4 MB each) F.linear takes 20–54 µs
-where oneDNN takes 35–68, ~0.4 ms of a ~6 ms step over its 24 linears, and likewise at 2 and 3 rows; at 4
+on small weights lose to MKL's GEMV: on GPT-2 6 × 384's layers (0.6–2.4 MB each) F.linear takes 19–52 µs
+where oneDNN takes 32–66, ~0.35 ms of a ~6 ms step over its 24 linears, and likewise at 2 and 3 rows; at 4
 rows MKL switches to its GEMM and oneDNN is faster again. On the LM heads (50257 × 384, 32000 × 512,
 151936 × 896: tall and narrow) oneDNN reads faster at any row count (3.1 against 3.2–3.5 ms on GPT-2's). So a
 float32 weight under GEMV_MAX_BYTES calls F.linear for up to GEMV_MAX_ROWS rows (benchmarks/bench_cpu_linear.py,
