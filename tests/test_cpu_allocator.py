@@ -75,7 +75,7 @@ def test_the_huge_page_advice_names_the_setting(monkeypatch, caplog):
     monkeypatch.setattr(cpu_allocator, "thp_mode", lambda: "madvise")
     for pages, largest, said in ((0, 8 << 20, True), (4 << 20, 8 << 20, False), (0, 1 << 20, False)):
         monkeypatch.setattr(cpu_allocator, "_ADVISED", False)
-        monkeypatch.setattr(cpu_allocator, "huge_page_bytes", lambda: pages)
+        monkeypatch.setattr(cpu_allocator, "huge_page_bytes", lambda p=pages: p)
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="nanoserve"):
             cpu_allocator.advise_on_allocator(largest)
