@@ -77,7 +77,12 @@ def check_softcap(softcap) -> float:
 
 
 def check_block_ids(block_tables, lens, block_size: int, num_blocks: int) -> None:
-    """Value check: every table entry a sequence reads (its first ⌈len / block_size⌉) names a block of the pool."""
+    """Value check: every table entry a sequence reads (its first ⌈len / block_size⌉) names a block of the pool.
+    When every entry does, read or not (the engine pads its tables with live ids), one reduction says so."""
+    if block_tables.numel():
+        low, high = block_tables.aminmax()
+        if bool((low >= 0) & (high < num_blocks)):
+            return
     used = (torch.arange(block_tables.shape[1], device=block_tables.device)
             < (lens[:, None] + block_size - 1) // block_size)  # B, max_blocks
     if ((block_tables < 0) | (block_tables >= num_blocks))[used].any():

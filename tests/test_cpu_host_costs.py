@@ -62,14 +62,26 @@ def test_metadata_from_host_lists_equals_tensor_ops(B, T, seed):
 
 
 def test_host_tensor_equals_torch_tensor():
-    for values, shape in (([3, -1, 2**40], None), (list(range(12)), (3, 4)), ([], (2, 0)), ([], None)):
-        for dtype in (torch.long, torch.int32):
-            vals = [v for v in values if dtype == torch.long or abs(v) < 2**31]
-            want = torch.tensor(vals, dtype=dtype).view(shape if shape and len(vals) == len(values) else (-1,))
-            got = md.host_tensor(iter(vals), shape if len(vals) == len(values) else None, dtype=dtype)
-            assert got.dtype == dtype and torch.equal(got, want)
+    for values, shape, dtype in (([3, -1, 2**40], None, torch.long), ([3, -1, 7], None, torch.int32),
+                                 (list(range(12)), (3, 4), torch.long), (list(range(12)), (4, 3), torch.int32),
+                                 ([], (2, 0), torch.long), ([], None, torch.int32)):
+        want = torch.tensor(values, dtype=dtype)
+        got = md.host_tensor(iter(values), shape, dtype=dtype)
+        assert got.dtype == dtype and torch.equal(got, want if shape is None else want.view(shape))
     with pytest.raises(OverflowError):  # an id int32 cannot hold is refused, not wrapped
         md.host_tensor([2**40], dtype=torch.int32)
+
+
+def test_the_block_id_check_takes_its_shortcut_only_when_every_entry_is_in_range():
+    """check_block_ids: all entries in range → one reduction and done; else only the entries a row reads count."""
+    from nanoserve.kernels.checks import check_block_ids
+
+    lens = torch.tensor([5, 2])  # block size 4: row 0 reads 2 blocks, row 1 reads 1
+    check_block_ids(torch.tensor([[0, 1, 2], [3, 0, 0]]), lens, 4, 4)  # every entry in range
+    check_block_ids(torch.tensor([[0, 1, 99], [3, -1, 7]]), lens, 4, 4)  # out of range, but never read
+    for bad in ([[0, 9, 2], [3, 0, 0]], [[0, 1, 2], [-1, 0, 0]]):  # a read entry out of range (control)
+        with pytest.raises(ValueError, match=r"outside 0 \.\. 3 within context_lens"):
+            check_block_ids(torch.tensor(bad), lens, 4, 4)
 
 
 needs_onednn = pytest.mark.skipif(onednn_unavailable(torch.device("cpu"), torch.float32) is not None,

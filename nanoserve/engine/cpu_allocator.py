@@ -68,7 +68,7 @@ def huge_page_bytes() -> int | None:
 
 def advise_on_allocator(largest_weight_bytes: int = 0) -> None:
     """Log once per process, at INFO, that a CPU engine under glibc's malloc pays page faults on big tensors,
-    and that its weights (the largest of `largest_weight_bytes`) sit on 4 KiB pages where the kernel could give
+    and that its weights (the largest `largest_weight_bytes` long) sit on 4 KiB pages where the kernel could give
     it huge ones."""
     global _ADVISED
     if _ADVISED:

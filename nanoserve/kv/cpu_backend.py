@@ -28,9 +28,7 @@ class CpuCacheView(CacheView):
             from ..kernels.checks import check_block_ids
 
             self.tables, self.context_lens = meta.block_tables.long(), meta.context_lens.long()  # B, max_blocks; B
-            low, high = map(int, self.tables.aminmax()) if self.tables.numel() else (0, 0)  # all in range: one op
-            if low < 0 or high >= cache.num_blocks:  # (the runner pads with live ids) else only those read count
-                check_block_ids(self.tables, self.context_lens, cache.block_size, cache.num_blocks)
+            check_block_ids(self.tables, self.context_lens, cache.block_size, cache.num_blocks)
 
     @staticmethod
     def reads_in_place(cache, decode: bool) -> bool:
