@@ -1,6 +1,7 @@
 """The single-stream step's cheaper paths agree with the plain ones (issue 20, "Fifth step"): the
 attention metadata derived from Python lists against the same values derived with tensor ops, the
-C-array host tensors against torch.tensor, MKL for up to 3 rows against oneDNN, and the LM head's
+C-array host tensors against torch.tensor, the few-rows route to MKL (which library each shape
+takes, each within fp32's rounding bound), and the LM head's
 decode shortcut against indexing. Each with a control that shows the comparison can fail.
 """
 
@@ -16,7 +17,7 @@ from torch import nn
 from nanoserve.kv import metadata as md
 from nanoserve.models import build_model, onednn
 from nanoserve.models.config import gpt2_config
-from nanoserve.models.onednn import OneDNNLinear, onednn_linear, onednn_unavailable
+from nanoserve.models.onednn import OneDNNLinear, onednn_unavailable
 
 
 def metadata_by_tensor_ops(slot_mapping, context_lens, block_size):
@@ -88,25 +89,92 @@ needs_onednn = pytest.mark.skipif(onednn_unavailable(torch.device("cpu"), torch.
                                   reason="no oneDNN linear op in this torch build")
 
 
+def fp32_error_bound(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The worst-case rounding error of an fp32 dot product of length K plus a bias, in any summation
+    order and on any processor: γ_(K+1) · (|x| @ |W|ᵀ + |b|), γ_n = n·u / (1 − n·u), u = 2⁻²⁴ (Higham,
+    "Accuracy and Stability of Numerical Algorithms", §3.1). Exact in float64 for the sizes used here."""
+    n = x.shape[-1] + 1
+    u = 2.0**-24
+    gamma = n * u / (1 - n * u)
+    return gamma * (x.double().abs() @ weight.double().abs().t() + bias.double().abs())
+
+
+def record_calls(monkeypatch, module, names: tuple[str, ...]) -> list[str]:
+    """Wrap module.<name> for each name so that every call appends its name to the returned list."""
+    calls: list[str] = []
+    for name in names:
+        original = getattr(module, name)
+
+        def wrapper(*args, _name=name, _original=original):
+            calls.append(_name)
+            return _original(*args)
+
+        monkeypatch.setattr(module, name, wrapper)
+    return calls
+
+
+ROUTES = ("blas_linear", "onednn_linear", "onednn_linear_gelu")
+
+
 @needs_onednn
-def test_a_few_rows_take_mkl_below_the_size_limit(monkeypatch):
+@pytest.mark.parametrize("shape", [(1, 96), (1, 1, 96), (3, 96), (1, 3, 96), (4, 96), (2, 2, 96), (0, 96)])
+def test_a_few_rows_take_blas_below_the_size_limit(shape, monkeypatch):
+    """The routing rule, observed at the two libraries' entry points: a float32 weight under
+    GEMV_MAX_BYTES sends ≤ GEMV_MAX_ROWS rows to torch's BLAS (MKL), more to oneDNN; the fused GELU
+    follows the same rule. Each path's result is within the fp32 rounding bound of a float64 reference
+    (a bound, not bitwise equality: which library rounds how depends on the processor)."""
     g = torch.Generator().manual_seed(5)
     lin = OneDNNLinear.from_linear(nn.Linear(96, 300))
-    half = OneDNNLinear.from_linear(nn.Linear(96, 300).bfloat16())  # no bf16 GEMV in MKL: oneDNN
+    calls = record_calls(monkeypatch, onednn, ROUTES)
+    x = torch.randn(*shape, generator=g)
+    few = x.numel() <= 3 * 96
     with torch.inference_mode():
-        for shape in ((1, 96), (1, 1, 96), (3, 96), (1, 3, 96), (4, 96), (2, 2, 96)):  # ≤ 3 rows: MKL
-            x = torch.randn(*shape, generator=g)
-            by_mkl, by_onednn = F.linear(x, lin.weight, lin.bias), onednn_linear(x, lin.packed_weight(), lin.bias)
-            assert not torch.equal(by_mkl, by_onednn)  # the two libraries round differently: the check can tell
-            few = x.numel() <= 3 * 96
-            assert torch.equal(lin(x), by_mkl if few else by_onednn)
-            assert torch.equal(lin.forward_gelu(x, "gelu_new"), F.gelu(by_mkl, approximate="tanh")) == few
-        x = torch.randn(1, 96, generator=g)
-        monkeypatch.setattr(onednn, "GEMV_MAX_BYTES", 96 * 300 * 4)  # the weight is not under the limit: oneDNN
-        assert torch.equal(lin(x), onednn_linear(x, lin.packed_weight(), lin.bias))
-        monkeypatch.undo()
-        xb = x.bfloat16()
-        assert torch.equal(half(xb), onednn_linear(xb, half.packed_weight(), half.bias))
+        ref = x.double() @ lin.weight.double().t() + lin.bias.double()
+        bound = fp32_error_bound(x, lin.weight, lin.bias)
+        y = lin(x)
+        assert calls == ["blas_linear" if few else "onednn_linear"]
+        assert y.shape == ref.shape and ((y.double() - ref).abs() <= bound).all()
+        calls.clear()
+        g_fused = lin.forward_gelu(x, "gelu_new")
+        assert calls == ["blas_linear" if few else "onednn_linear_gelu"]
+        # GELU's slope is at most 1.13: the linear's bound carries over, plus a few ulps of GELU itself
+        g_ref = F.gelu(ref, approximate="tanh")
+        assert ((g_fused.double() - g_ref).abs() <= 1.13 * bound + 1e-6 * (1 + g_ref.abs())).all()
+        # control: an input rounded to bf16 (a wrong dtype on either path) is outside the bound
+        if x.numel():
+            rounded = F.linear(x.bfloat16().float(), lin.weight, lin.bias)
+            assert ((rounded.double() - ref).abs() > bound).any()
+
+
+@needs_onednn
+def test_blas_is_not_taken_for_bf16_big_weights_or_autograd(monkeypatch):
+    """Outside the rule every call goes to oneDNN (bf16: MKL has no bf16 GEMV; a weight over the size
+    limit), and a forward that needs gradients takes F.linear, which neither wrapper sees."""
+    g = torch.Generator().manual_seed(6)
+    lin = OneDNNLinear.from_linear(nn.Linear(96, 300))
+    half = OneDNNLinear.from_linear(nn.Linear(96, 300).bfloat16())
+    calls = record_calls(monkeypatch, onednn, ROUTES)
+    x = torch.randn(1, 96, generator=g)
+    with torch.inference_mode():
+        y = half(x.bfloat16())
+        assert calls == ["onednn_linear"]
+        ref = x.bfloat16().double() @ half.weight.double().t() + half.bias.double()
+        # fp32 accumulation, then one rounding to bf16 (8 bits of mantissa): relative 2⁻⁸
+        bound = fp32_error_bound(x, half.weight, half.bias) + ref.abs() * 2.0**-8
+        assert ((y.double() - ref).abs() <= bound).all()
+        calls.clear()
+        monkeypatch.setattr(onednn, "GEMV_MAX_BYTES", 96 * 300 * 4)  # the weight is not under it
+        lin(x)
+        assert calls == ["onednn_linear"]
+    calls.clear()
+    xg = x.clone().requires_grad_()
+    lin(xg).sum().backward()
+    assert calls == [] and xg.grad is not None
+    # control: the wrappers do see the BLAS route when the rule takes it
+    monkeypatch.setattr(onednn, "GEMV_MAX_BYTES", 32 << 20)
+    with torch.inference_mode():
+        lin(x)
+    assert calls == ["blas_linear"]
 
 
 def test_the_heads_decode_shortcut_equals_indexing():

@@ -84,6 +84,10 @@ class SchedulerOutput:
         return sum(self.num_new)
 
 
+def _sort_key(seq: Sequence) -> tuple:
+    return seq.sort_key
+
+
 class Scheduler:
     """Continuous batching's scheduler (Orca, vLLM): `schedule()` picks the next forward's sequences
     and token counts; the methods after it apply the forward's results to the sequences."""
@@ -110,9 +114,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _enqueue(self, seq: Sequence) -> None:
+        """Insert in sort_key order: a binary search (O(log n) comparisons), then one list insert,
+        which lands at the end for a new request of the usual priority (arrival times only grow)."""
         seq.status = SequenceStatus.WAITING
-        keys = [s.sort_key for s in self.waiting]
-        self.waiting.insert(bisect.bisect(keys, seq.sort_key), seq)
+        bisect.insort_right(self.waiting, seq, key=_sort_key)
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:

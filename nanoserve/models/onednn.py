@@ -62,6 +62,19 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+def onednn_linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       approximate: str) -> torch.Tensor:
+    """GELU(x @ weightᵀ + bias) by oneDNN, the GELU as a post-op ("none" or "tanh", as F.gelu)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "gelu", [], approximate)
+
+
+def blas_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The same product by torch's own CPU path (F.linear: the BLAS torch was built with, MKL in the
+    PyPI wheels). OneDNNLinear's few-rows route calls it by this name, so a test can see which
+    library a shape took."""
+    return F.linear(x, weight, bias)
+
+
 class OneDNNLinear(nn.Linear):
     """nn.Linear computed by oneDNN (built by `from_linear`, sharing the layer's parameters)."""
 
@@ -94,7 +107,7 @@ class OneDNNLinear(nn.Linear):
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             return F.linear(x, self.weight, self.bias)  # the op has no backward
         if self.gemv(x):
-            return F.linear(x, self.weight, self.bias)
+            return blas_linear(x, self.weight, self.bias)
         return onednn_linear(x, self.packed_weight(), self.bias)
 
     def fuses_gelu(self, hidden_act: str) -> bool:
@@ -104,10 +117,12 @@ class OneDNNLinear(nn.Linear):
     def forward_gelu(self, x: torch.Tensor, hidden_act: str) -> torch.Tensor:
         """GELU(x @ Wᵀ + b) in one oneDNN call (a post-op; see above; a few rows: F.linear, then F.gelu). Only where
         `fuses_gelu`."""
-        if self.gemv(x) or torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
-            return F.gelu(F.linear(x, self.weight, self.bias), approximate=GELU_POST_OPS[hidden_act])
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, "gelu", [],
-                                                  GELU_POST_OPS[hidden_act])
+        approximate = GELU_POST_OPS[hidden_act]
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return F.gelu(F.linear(x, self.weight, self.bias), approximate=approximate)
+        if self.gemv(x):
+            return F.gelu(blas_linear(x, self.weight, self.bias), approximate=approximate)
+        return onednn_linear_gelu(x, self.packed_weight(), self.bias, approximate)
 
 
 def onednn_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:

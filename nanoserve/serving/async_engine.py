@@ -55,7 +55,7 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, step_in_thread: bool = True):
         self.engine = engine
         self._queues: dict[str, asyncio.Queue] = {}  # request id → its consumer's outputs
-        self._new: list[Request] = []  # validated requests waiting for the next gap between steps
+        self._new: dict[str, Request] = {}  # validated requests (by id) waiting for the next gap between steps
         self._aborts: set[str] = set()
         self._ids = itertools.count()
         self._executor = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-step")
@@ -89,7 +89,7 @@ class AsyncLLMEngine:
         waiting = len(self.engine.scheduler.waiting) + len(self._new)
         if limit is not None and waiting >= limit:
             raise QueueFullError(f"the waiting queue is full ({waiting} requests, max_waiting={limit}); retry later")
-        self._new.append(req)
+        self._new[rid] = req
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
         if self._loop_task is None or self._loop_task.done():
@@ -132,7 +132,7 @@ class AsyncLLMEngine:
         """Stop a request: it leaves the engine and frees its blocks now, or, while a step is in
         flight, right after that step. Its consumer's queue goes too (it may never have started)."""
         self._queues.pop(request_id, None)
-        self._new = [r for r in self._new if r.output.request_id != request_id]
+        self._new.pop(request_id, None)
         if self._stepping:
             self._aborts.add(request_id)
         else:
@@ -151,8 +151,8 @@ class AsyncLLMEngine:
     # ------------------------------------------------------------------ the loop
     def _apply_pending(self) -> None:
         """Between steps: new requests enter the scheduler, aborted ones leave it."""
-        new, self._new = self._new, []
-        for req in new:
+        new, self._new = self._new, {}
+        for req in new.values():
             try:
                 self.engine.enqueue(req)
             except NanoserveError as e:  # the queue filled up with preempted sequences meanwhile

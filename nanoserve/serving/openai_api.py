@@ -27,6 +27,7 @@ response; in a stream, on the chunk that ends the last choice or, with
 
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
@@ -184,13 +185,16 @@ def _response_format(value: dict) -> dict:
     raise NanoserveError(f"response_format.type={kind!r}: allowed are 'text', 'json_object', 'json_schema'")
 
 
+TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,18}")  # ASCII digits (str.isdigit also takes "²" and "①")
+
+
 def _token_keys(bias: dict[str, float] | None) -> dict[int, float]:
     """logit_bias as sent (JSON object keys are strings) with integer token ids."""
     out = {}
     for key, value in (bias or {}).items():
-        if not key.strip().lstrip("-").isdigit():
-            raise NanoserveError(f"logit_bias: key {key!r} is not a token id; keys are token ids as strings, "
-                                 'e.g. "50256"')
+        if TOKEN_ID_KEY.fullmatch(key.strip()) is None:
+            raise NanoserveError(f"logit_bias: key {key!r:.40} is not a token id; keys are token ids as "
+                                 'decimal strings of at most 18 digits, e.g. "50256"')
         out[int(key)] = value
     return out
 

@@ -10,6 +10,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from ..engine.sampler import SamplingParams
+from ..engine.sampling_params import MAX_LOGPROBS
 from ..engine.structured_output import StructuredOutputsParams
 from ..errors import NanoserveError
 from . import tool_calls
@@ -81,6 +82,8 @@ class ChatCompletionRequest(BaseRequest):
     def token_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise NanoserveError(f"top_logprobs={self.top_logprobs} needs logprobs=true")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise NanoserveError(f"top_logprobs={self.top_logprobs} must be an integer in [0, {MAX_LOGPROBS}]")
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:

@@ -55,6 +55,7 @@ from . import tool_calls
 from .async_engine import AsyncLLMEngine, EngineDeadError
 from .chat import ChatTemplate
 from .http_middleware import DEFAULT_MAX_BODY_BYTES, CountStatus, LimitBody, RequireKey
+from .limits import ServerLimits
 from .metrics import ServerMetrics
 from .openai_chat import ChatCompletionRequest
 from .openai_schema import document_responses
@@ -73,10 +74,13 @@ class APIError(Exception):
 
 def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
                chat_template: ChatTemplate | None = None, retry_after: int = 1,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, loras: dict | None = None) -> CountStatus:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, loras: dict | None = None,
+               limits: ServerLimits | None = None) -> CountStatus:
     """The ASGI app serving `engine` under `model_name`, and each LoRARequest of `loras` under its name (a
-    request's `model` picks one, as vLLM's --lora-modules); run it with uvicorn (see `serve`)."""
+    request's `model` picks one, as vLLM's --lora-modules); run it with uvicorn (see `serve`). `limits`:
+    what one request may ask for (limits.py)."""
     core, loras = engine.engine, loras or {}
+    limits = limits or ServerLimits()
     metrics = ServerMetrics(core, pending=lambda: engine.num_pending)
 
     @asynccontextmanager
@@ -158,18 +162,28 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
         check_model(name)
         return card(name)
 
-    add_tokenizer_routes(app, core, chat_template, check_model)  # /tokenize, /detokenize, /tokenizer_info
+    add_tokenizer_routes(app, core, chat_template, check_model, limits)  # /tokenize, /detokenize, ...
 
     # ------------------------------------------------------------------ generation
     async def add_all(prompts: list, params, rid: str, chat_messages: list[dict] | None = None,
                       template_options: dict | None = None, lora=None) -> list[AsyncIterator[RequestOutput]]:
         """Queue every prompt or none. Tokenizing and validating run in a worker thread (a 4 MB prompt
         takes a second to tokenize, and the event loop must keep serving /health and the streams);
-        queueing runs here on the loop, and undoes the queued ones if one is refused."""
+        queueing runs here on the loop, and undoes the queued ones if one is refused. The batch's size
+        is bounded before any prompt is tokenized, its tokens as each one is."""
+        if chat_messages is not None:
+            limits.check_messages(len(chat_messages))
+        limits.check_prompts(len(prompts))
+
         def prepare():
             ps = ([chat_template.encode(chat_messages, core.tokenizer, **(template_options or {}))]
                   if chat_messages is not None else prompts)
-            return [core.new_request(p, params, f"{rid}-{i}", lora_request=lora) for i, p in enumerate(ps)]
+            reqs, tokens = [], 0
+            for i, p in enumerate(ps):
+                reqs.append(core.new_request(p, params, f"{rid}-{i}", lora_request=lora))
+                tokens += len(reqs[-1].output.prompt_token_ids)
+                limits.check_tokens(tokens)
+            return reqs
 
         reqs = await asyncio.to_thread(prepare)
         streams = []
@@ -268,7 +282,7 @@ def validation_message(errors: list[dict]) -> str:
 def serve(model: str = "demo", host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           served_model_name: str | None = None, chat_template: str | None = None, log_level: str = "info",
           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, lora_modules: list[str] | None = None,
-          **engine_kwargs) -> None:
+          limits: ServerLimits | None = None, **engine_kwargs) -> None:
     """Load the model and serve it until interrupted, or until the engine fails (then SystemExit, status 1);
     what `nanoserve serve` runs. `lora_modules`: name=path of each LoRA adapter, read before the server starts."""
     import uvicorn
@@ -283,14 +297,17 @@ def serve(model: str = "demo", host: str = "127.0.0.1", port: int = 8000, api_ke
         core.inputs.lora.add(req)
     template = (read_chat_template_file(chat_template, core.tokenizer) if chat_template
                 else load_chat_template(model, core.tokenizer))
+    limits = limits or ServerLimits()
     app = create_app(engine := AsyncLLMEngine(core), served_model_name or str(model), api_key, template,
-                     max_body_bytes=max_body_bytes, loras=loras)
+                     max_body_bytes=max_body_bytes, loras=loras, limits=limits)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"[nanoserve] warning: serving on {host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)
     print(f"[nanoserve] serving {served_model_name or model} on http://{host}:{port}/v1 "
           f"(chat: {'yes' if template else 'no template'}; device {core.device})", file=sys.stderr)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    # SIGTERM: responses in flight get shutdown_grace_s to finish, then they are cut and the engine stops
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                           timeout_graceful_shutdown=limits.shutdown_grace_s))
     engine.on_fatal.append(lambda e: setattr(server, "should_exit", True))  # finish what is in flight, then stop
     with suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn shuts down gracefully, then raises it again
         server.run()

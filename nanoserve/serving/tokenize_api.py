@@ -16,11 +16,14 @@ template as /v1/chat/completions renders them (its special tokens as their ids).
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
 from ..errors import NanoserveError
+from .limits import ServerLimits
 from .openai_chat import ChatMessage
 from .tool_calls import for_template
 
@@ -42,13 +45,20 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-def add_tokenizer_routes(app, core, chat_template, check_model) -> None:
-    """Register the three routes on `app` for the engine `core` (its tokenizer and context)."""
+def add_tokenizer_routes(app, core, chat_template, check_model, limits: ServerLimits) -> None:
+    """Register the three routes on `app` for the engine `core` (its tokenizer and context).
+
+    Tokenizing, decoding and encoding the reply as JSON all run in a worker thread: a 4 MB prompt is
+    millions of tokens, and a reply of that size built on the event loop would hold every stream and
+    /health for seconds. The token counts are bounded by `limits` (as a completion's prompts are)."""
 
     def tokenizer():
         if core.tokenizer is None:
             raise NanoserveError("this model was loaded without a tokenizer: token ids only")
         return core.tokenizer
+
+    def json_response(obj: dict) -> Response:
+        return Response(json.dumps(obj, ensure_ascii=False).encode(), media_type="application/json")
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -60,21 +70,33 @@ def add_tokenizer_routes(app, core, chat_template, check_model) -> None:
         if body.messages is not None:
             if chat_template is None:
                 raise NanoserveError("messages need a chat template and this model has none; send prompt")
-            msgs = for_template([m.as_dict() for m in body.messages])
-            ids = await asyncio.to_thread(chat_template.encode, msgs, tok, body.add_generation_prompt,
-                                          body.chat_template_kwargs)
-        else:
-            ids = await asyncio.to_thread(tok.encode, body.prompt, body.add_special_tokens and core.inputs.add_bos)
-        strs = [tok.decode([t]) for t in ids] if body.return_token_strs else None
-        return {"count": len(ids), "max_model_len": core.max_model_len, "tokens": ids, "token_strs": strs}
+            limits.check_messages(len(body.messages))
+
+        def work() -> Response:
+            if body.messages is not None:
+                msgs = for_template([m.as_dict() for m in body.messages])
+                ids = chat_template.encode(msgs, tok, body.add_generation_prompt, body.chat_template_kwargs)
+            else:
+                ids = tok.encode(body.prompt, body.add_special_tokens and core.inputs.add_bos)
+            limits.check_tokens(len(ids), "the prompt")
+            strs = [tok.decode([t]) for t in ids] if body.return_token_strs else None
+            return json_response({"count": len(ids), "max_model_len": core.max_model_len, "tokens": ids,
+                                  "token_strs": strs})
+
+        return await asyncio.to_thread(work)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         if body.model is not None:
             check_model(body.model)
         tok = tokenizer()
-        ids = core.inputs.check_token_ids(body.tokens) if body.tokens else []
-        return {"prompt": tok.decode(ids)}
+        limits.check_tokens(len(body.tokens), "tokens")
+
+        def work() -> Response:
+            ids = core.inputs.check_token_ids(body.tokens) if body.tokens else []
+            return json_response({"prompt": tok.decode(ids)})
+
+        return await asyncio.to_thread(work)
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():
