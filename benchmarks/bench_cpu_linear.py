@@ -10,6 +10,12 @@ its LM head (50257 x 384), then larger ones (Qwen2-0.5B's, Llama's 4096-wide lay
 goes first), and times each call; the medians over `reps` passes are reported with the read speed they
 imply (weight bytes / time). Saves
 benchmarks/cpu_linear.json and prints a table.
+
+    python benchmarks/bench_cpu_linear.py --engine-rounds 6 --out benchmarks/cpu_linear_epyc.json
+
+adds the engine's view: greedy decoding on a random GPT-2 6 x 384 (1 and 3 sequences, 128 tokens each),
+with the few-rows rule at 3 rows (MKL) and at 0 (oneDNN for every shape), alternating round by round in one
+process; output tokens/s per round, their medians and the ratio.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoserve.models.onednn import GEMV_MAX_BYTES, OneDNNLinear, onednn_linear
+from nanoserve.models.onednn import GEMV_MAX_BYTES, GEMV_MAX_ROWS, OneDNNLinear, cpu_vendor, onednn_linear
 
 HERE = Path(__file__).resolve().parent
 GROUPS = {  # (out, in) in the order one forward reads them
@@ -62,6 +68,36 @@ def measure(shapes, rows: int, reps: int) -> dict:
     return out
 
 
+def engine_pairs(rounds: int) -> dict:
+    """Output tokens/s of greedy decoding with GEMV_MAX_ROWS = 3 and = 0, alternating each round."""
+    import tempfile
+
+    from bench_peers import model_dir
+
+    from nanoserve import LLM, SamplingParams
+    from nanoserve.models import onednn
+
+    llm = LLM(str(model_dir("gpt2-6x384", Path(tempfile.gettempdir()) / "nanoserve-bench")))
+    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True, detokenize=False)
+    out = {}
+    for n in (1, 3):
+        prompts = [[11 + i] * 16 for i in range(n)]
+        tok_s = {3: [], 0: []}
+        for r in range(rounds):
+            for rule in ((3, 0) if r % 2 else (0, 3)):
+                onednn.GEMV_MAX_ROWS = rule
+                start = time.perf_counter()
+                llm.generate(prompts, params, use_tqdm=False)
+                tok_s[rule].append(n * 128 / (time.perf_counter() - start))
+        med = {rule: statistics.median(v) for rule, v in tok_s.items()}
+        out[f"{n}_seq"] = {"mkl_3_rows_tok_s": tok_s[3], "onednn_only_tok_s": tok_s[0],
+                           "median_mkl_3_rows": med[3], "median_onednn_only": med[0],
+                           "onednn_only_over_mkl": med[0] / med[3]}
+        print(f"engine, {n} sequence(s): MKL for ≤ 3 rows {med[3]:.1f} tok/s, oneDNN only {med[0]:.1f} tok/s "
+              f"({med[0] / med[3]:.2f}x)")
+    return out
+
+
 def cpu_name() -> str:
     info = Path("/proc/cpuinfo")
     names = [ln.split(":", 1)[1].strip() for ln in info.read_text().splitlines() if ln.startswith("model name")] \
@@ -75,6 +111,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(HERE / "cpu_linear.json"))
+    ap.add_argument("--engine-rounds", type=int, default=0, help="also the engine, this many paired rounds")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     result = {"benchmark": "one row through a linear layer: MKL GEMV vs oneDNN (prepacked)", "date": str(date.today()),
@@ -96,12 +133,15 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         return print(f"saved {args.out}")
     per_pass = {n: sum(d[f"{n}_us"] * d["calls_per_pass"] for d in gpt2.values()) / 1e3 for n in ("mkl", "onednn")}
-    rule = sum(d["mkl_us"] if d["weight_mb"] * 1e6 < GEMV_MAX_BYTES else d["onednn_us"]
+    rule = sum(d["mkl_us"] if d["weight_mb"] * 1e6 < GEMV_MAX_BYTES else d["onednn_us"]  # the Intel rule
                for d in gpt2.values() for _ in range(d["calls_per_pass"])) / 1e3
     result["gpt2_one_token_ms"] = {**per_pass, "rule": rule}
+    result["vendor"], result["gemv_max_rows"] = cpu_vendor(), GEMV_MAX_ROWS
+    if args.engine_rounds:
+        result["engine"] = engine_pairs(args.engine_rounds)
     result["machine"]["loadavg_after"] = os.getloadavg()
     print(f"GPT-2 6x384, one row, all 25 linears: MKL {per_pass['mkl']:.2f} ms, oneDNN {per_pass['onednn']:.2f} ms, "
-          f"nanoserve's rule (MKL under {GEMV_MAX_BYTES >> 20} MB) {rule:.2f} ms")
+          f"the Intel rule (MKL for up to 3 rows under {GEMV_MAX_BYTES >> 20} MB) {rule:.2f} ms")
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"saved {args.out}")
 

@@ -17,7 +17,9 @@ import os
 import sys
 import time
 
+from .engine.grammar_limits import GrammarLimits
 from .errors import NanoserveError
+from .serving.limits import ServerLimits
 
 QUANTIZATION_CHOICES = ("fp8", "int8", "llm.int8")  # quant/online.py's QUANTIZATION_METHODS (a test keeps them equal)
 
@@ -114,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     v.add_argument("--port", type=int, default=8000)
     v.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY") or None,
-                   help="require 'Authorization: Bearer KEY' on /v1 (default: $NANOSERVE_API_KEY, else none)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
+                        "(default: $NANOSERVE_API_KEY, else none)")
     v.add_argument("--served-model-name", help="the model name clients send (default: --model)")
     v.add_argument("--chat-template", help="a Jinja chat template file (default: the model's own, if any)")
     v.add_argument("--max-waiting", type=int, help="waiting-queue bound: beyond it requests get 429")
@@ -132,6 +135,21 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
                    help="largest request body accepted (default 4 MiB); larger ones get 413")
     v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    limits, grammar = ServerLimits(), GrammarLimits()
+    v.add_argument("--max-prompts-per-request", type=int, default=limits.max_prompts_per_request,
+                   help="prompts in one completions batch (default %(default)s)")
+    v.add_argument("--max-prompt-tokens-per-request", type=int, default=limits.max_prompt_tokens_per_request,
+                   help="prompt tokens in one request, and what /tokenize returns (default %(default)s)")
+    v.add_argument("--max-chat-messages", type=int, default=limits.max_chat_messages,
+                   help="messages in one chat (default %(default)s)")
+    v.add_argument("--shutdown-grace", type=float, default=limits.shutdown_grace_s,
+                   help="seconds responses in flight may finish after SIGTERM (default %(default)s)")
+    v.add_argument("--grammar-max-bytes", type=int, default=grammar.max_bytes,
+                   help="a structured-output constraint's size (default %(default)s)")
+    v.add_argument("--grammar-compile-timeout", type=float, default=grammar.compile_timeout_s,
+                   help="seconds a constraint may take to compile (default %(default)s)")
+    v.add_argument("--grammar-mask-budget-ms", type=float, default=grammar.mask_budget_ms,
+                   help="one row's grammar mask in one step; over it the request fails (default %(default)s)")
     _add_spec_args(v)
     return ap
 
@@ -280,6 +298,11 @@ def cmd_serve(args) -> None:
           max_lora_rank=args.max_lora_rank, max_waiting=args.max_waiting, max_num_seqs=args.max_num_seqs,
           num_blocks=args.num_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
           attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+          limits=ServerLimits(args.max_prompts_per_request, args.max_prompt_tokens_per_request,
+                              args.max_chat_messages, args.shutdown_grace),
+          grammar_limits=GrammarLimits(max_bytes=args.grammar_max_bytes,
+                                       compile_timeout_s=args.grammar_compile_timeout,
+                                       mask_budget_ms=args.grammar_mask_budget_ms),
           **_spec_kwargs(args))
 
 

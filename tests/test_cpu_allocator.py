@@ -65,6 +65,9 @@ def test_importing_nanoserve_puts_big_cpu_tensors_on_huge_pages():
     env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
     run = lambda extra: int(subprocess.run([sys.executable, "-c", HUGE], capture_output=True, text=True,  # noqa: E731
                                            env={**env, **extra}, check=True).stdout.split()[-1])
+    if run({"THP_MEM_ALLOC_ENABLE": "1"}) == 0:  # asked outright and given none: the machine's doing
+        pytest.skip("the kernel gave no transparent huge page to a process that asked for them (its memory "
+                    "too fragmented, or a container's limit): nothing here to tell the setting by")
     assert run({}) >= 2 << 20
     if cpu_allocator.thp_mode() == "madvise":
         assert run({"THP_MEM_ALLOC_ENABLE": "0"}) == 0

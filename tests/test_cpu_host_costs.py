@@ -8,6 +8,8 @@ decode shortcut against indexing. Each with a control that shows the comparison 
 from __future__ import annotations
 
 import random
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -116,18 +118,30 @@ def record_calls(monkeypatch, module, names: tuple[str, ...]) -> list[str]:
 ROUTES = ("blas_linear", "onednn_linear", "onednn_linear_gelu")
 
 
+def test_the_few_rows_rule_is_the_vendors():
+    """MKL takes a few rows on Intel processors only (measured on a Xeon and an EPYC: RESULTS.md)."""
+    assert onednn.gemv_max_rows("GenuineIntel") == 3
+    assert onednn.gemv_max_rows("AuthenticAMD") == onednn.gemv_max_rows("") == 0
+    assert onednn.GEMV_MAX_ROWS == onednn.gemv_max_rows(onednn.cpu_vendor())
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True) if shutil.which("lscpu") else None
+    if lscpu is not None and "Vendor ID:" in lscpu.stdout:  # another reader of the same fact
+        assert f"Vendor ID: {onednn.cpu_vendor()}" in " ".join(lscpu.stdout.split())
+
+
 @needs_onednn
+@pytest.mark.parametrize("rule", [3, 0])  # the Intel rule and everyone else's, on whatever runs the test
 @pytest.mark.parametrize("shape", [(1, 96), (1, 1, 96), (3, 96), (1, 3, 96), (4, 96), (2, 2, 96), (0, 96)])
-def test_a_few_rows_take_blas_below_the_size_limit(shape, monkeypatch):
+def test_a_few_rows_take_blas_below_the_size_limit(shape, rule, monkeypatch):
     """The routing rule, observed at the two libraries' entry points: a float32 weight under
     GEMV_MAX_BYTES sends ≤ GEMV_MAX_ROWS rows to torch's BLAS (MKL), more to oneDNN; the fused GELU
     follows the same rule. Each path's result is within the fp32 rounding bound of a float64 reference
     (a bound, not bitwise equality: which library rounds how depends on the processor)."""
     g = torch.Generator().manual_seed(5)
     lin = OneDNNLinear.from_linear(nn.Linear(96, 300))
+    monkeypatch.setattr(onednn, "GEMV_MAX_ROWS", rule)
     calls = record_calls(monkeypatch, onednn, ROUTES)
     x = torch.randn(*shape, generator=g)
-    few = x.numel() <= 3 * 96
+    few = x.numel() <= rule * 96  # (an empty input too: either library gives it back empty)
     with torch.inference_mode():
         ref = x.double() @ lin.weight.double().t() + lin.bias.double()
         bound = fp32_error_bound(x, lin.weight, lin.bias)
@@ -172,6 +186,7 @@ def test_blas_is_not_taken_for_bf16_big_weights_or_autograd(monkeypatch):
     assert calls == [] and xg.grad is not None
     # control: the wrappers do see the BLAS route when the rule takes it
     monkeypatch.setattr(onednn, "GEMV_MAX_BYTES", 32 << 20)
+    monkeypatch.setattr(onednn, "GEMV_MAX_ROWS", 3)
     with torch.inference_mode():
         lin(x)
     assert calls == ["blas_linear"]

@@ -93,9 +93,12 @@ def test_no_worker_outlives_its_process(hf_checkpoints, tmp_path, how):
     stops them): every worker process ends."""
     script = tmp_path / "rank0.py"
     script.write_text(textwrap.dedent(f"""
-        import sys, threading
+        import signal, sys, threading
         from nanoserve import LLM
         if __name__ == "__main__":
+            # Ctrl-C raises KeyboardInterrupt even where this process was started with SIGINT ignored
+            # (a background job of a non-interactive shell, as a CI runner may start the tests)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             llm = LLM({str(hf_checkpoints["gpt2"][0])!r}, dtype="float32", tensor_parallel_size=2)
             print(" ".join(str(p.pid) for p in llm.engine.workers.procs), flush=True)
             threading.Event().wait()  # until a signal ends it

@@ -26,7 +26,7 @@ class InputProcessor:
     """Validates prompts and builds requests for one model and one KV pool."""
 
     def __init__(self, config, tokenizer, device: torch.device, num_blocks: int, block_size: int,
-                 model_name: str = "", lora=None):
+                 model_name: str = "", lora=None, grammar_limits=None):
         self.config, self.tokenizer, self.device = config, tokenizer, device
         self.lora = lora  # the engine's LoRAManager with enable_lora: it checks and reads a request's adapter
         self.num_blocks, self.block_size, self.model_name = num_blocks, block_size, model_name
@@ -40,7 +40,8 @@ class InputProcessor:
         # decode when the embedding is padded past it (models/loader.check_vocabulary)
         self.usable_vocab_size = (config.vocab_size if tokenizer is None
                                   else min(tokenizer.vocab_size, config.vocab_size))
-        self.grammars = GrammarCompiler(tokenizer, config.vocab_size, None if tokenizer is None else tokenizer.eos_id)
+        eos = None if tokenizer is None else tokenizer.eos_id
+        self.grammars = GrammarCompiler(tokenizer, config.vocab_size, eos, grammar_limits)
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """Text -> token ids (BOS added for Llama-family models); id lists are checked as they are."""

@@ -29,6 +29,7 @@ from ..parallel.workers import ParallelConfig, make_runner, start_workers
 from ..quant.online import check_quantization, quantize_on_load
 from ..spec.spec_decode import SpecDecodeConfig, build_spec_decoder
 from .block_allocator import BlockAllocator
+from .grammar_limits import GrammarLimits
 from .input_processor import InputProcessor
 from .logprobs import record_prompt_logprobs, sampled_logprobs, wants_prompt_logits
 from .outputs import EngineStats, RequestOutput
@@ -37,7 +38,7 @@ from .sampler import SamplingParams, mask_from
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import Sequence as SequenceState
 from .sequence import SequenceStatus
-from .structured_output import mask_verification
+from .structured_output import mask_verification, row_bitmask
 
 logger = logging.getLogger("nanoserve")
 __all__ = ["LLMEngine", "EngineStats"]
@@ -56,6 +57,7 @@ class LLMEngine:
     On CUDA with triton, decode steps replay CUDA graphs unless `enforce_eager` (`cuda_graphs_off` says why not).
     `enable_lora`: requests may name a LoRA adapter (`lora_request`), `max_loras` of rank ≤ `max_lora_rank` per step.
     `tensor_parallel_size` / `pipeline_parallel_size`: the model split over as many ranks (nanoserve/parallel/).
+    `grammar_limits`: what a structured-output constraint may ask for (engine/grammar_limits.py).
     """
 
     def __init__(self, model: str = "demo", dtype: str | torch.dtype | None = None, device: str | None = None,
@@ -67,7 +69,7 @@ class LLMEngine:
                  enforce_eager: bool = False, kv_cache_dtype: str = "auto", quantization: str | None = None,
                  speculative_cost: float | None = None, enable_lora: bool = False, max_loras: int = 4,
                  max_lora_rank: int = 16, speculative_tree=None, tensor_parallel_size: int = 1,
-                 pipeline_parallel_size: int = 1):
+                 pipeline_parallel_size: int = 1, grammar_limits: GrammarLimits | None = None):
         kv_quant(kv_cache_dtype)  # these and the speculative arguments are checked before any model loads
         check_quantization(quantization)
         spec_cfg = SpecDecodeConfig.from_args(speculative, num_speculative_tokens, speculative_model,
@@ -90,7 +92,8 @@ class LLMEngine:
         self.attention_backend = self.runner.attention_backend
         self.cuda_graphs_off = "enforce_eager=True" if enforce_eager else self.runner.use_cuda_graphs(
             max_num_seqs, self.max_model_len)  # decode steps replay CUDA graphs where they can; else why not
-        self.inputs = InputProcessor(self.config, self.tokenizer, self.device, num_blocks, block_size, str(model), lora)
+        self.inputs = InputProcessor(self.config, self.tokenizer, self.device, num_blocks, block_size, str(model), lora,
+                                     grammar_limits)
         self.spec = None if spec_cfg is None else build_spec_decoder(spec_cfg, self)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -226,13 +229,30 @@ class LLMEngine:
 
     def _sample(self, logits, to_sample: list[tuple[Request, Sample, int]], done: dict) -> None:
         """One batched draw for every sample due a token (one device→host transfer), then emit each."""
+        bitmasks = self._grammar_masks(to_sample, logits, done)  # a row whose mask fails, fails alone
+        alive = [i for i, (req, _, _) in enumerate(to_sample) if req.output.request_id in self.requests]
+        to_sample, bitmasks = [to_sample[i] for i in alive], [bitmasks[i] for i in alive]
         if not to_sample:
             return
         x = logit_rows(logits, [row for _, _, row in to_sample])  # R, V
-        tokens, nan, lps = draw(x, [(r, s) for r, s, _ in to_sample], self.tokenizer)
+        tokens, nan, lps = draw(x, [(r, s) for r, s, _ in to_sample], self.tokenizer, bitmasks)
         for (req, s, _), token, has_nan, lp in zip(to_sample, tokens, nan, lps):
             if req.output.request_id in self.requests:
                 self._guarded([s.seq], done, self._emit, req, s, token, has_nan, lp, done)
+
+    def _grammar_masks(self, to_sample: list, logits, done: dict) -> list:
+        """Each row's grammar mask (None without a grammar), computed one row at a time, so that a row
+        whose grammar fails or runs over its time budget fails its request alone (grammar_limits.py)."""
+        vocab = logits.shape[-1] if isinstance(logits, torch.Tensor) else logits[0].shape[-1]
+        budget_s = self.inputs.grammars.limits.mask_budget_ms / 1e3
+        bitmasks = []
+        for req, s, _ in to_sample:
+            bitmask = None
+            if s.matcher is not None and req.output.request_id in self.requests:
+                bitmask = self._guarded([s.seq], done, row_bitmask, s.matcher, vocab, budget_s,
+                                        req.output.request_id)
+            bitmasks.append(bitmask)
+        return bitmasks
 
     def _emit(self, req: Request, s: Sample, token: int, has_nan: bool, lp, done: dict) -> None:
         """One sampled token: into the output (stop conditions, logprobs), then into the sequence."""
@@ -297,4 +317,5 @@ class LLMEngine:
             if s.out.finish_reason == "abort":
                 s.out.finish_reason = "error"
         req.output.error = f"{type(error).__name__}: {error}"
+        req.output.error_is_bad_input = isinstance(error, NanoserveError)
         return req.output

@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
-from ..errors import RequestFailedError
+from .grammar_limits import GrammarError
 from .logprobs import PositionLogprobs, sampled_logprobs
 from .outputs import CompletionOutput, IncrementalText, RequestOutput
 from .sampler import SamplingParams, sample_batch
 from .sequence import Sequence as SequenceState
-from .structured_output import mask_rows
+from .structured_output import apply_row_bitmasks, first_line, mask_rows
 
 Prompt = str | Sequence[int]
 
@@ -59,9 +59,9 @@ class Request:
         out.token_ids.append(token)
         out.token_times.append(now)
         if s.matcher is not None and (not s.matcher.consume_token(token) or s.matcher.is_error()):
-            # the mask should make this impossible; a matcher that broke fails its request, not silently "stop"
-            raise RequestFailedError(f"request {self.output.request_id!r}: token {token} breaks its structured "
-                                     f"output grammar ({s.matcher.get_error().splitlines()[0]})")
+            # the mask allowed it, so the grammar itself broke (a parser limit hit): its request fails
+            raise GrammarError(f"request {self.output.request_id!r}: token {token} breaks its structured "
+                               f"output grammar ({first_line(s.matcher.get_error())})")
         if out.logprobs is not None and logprobs is not None:
             out.logprobs.append(logprobs)
             out.cumulative_logprob += logprobs[token].logprob
@@ -104,12 +104,17 @@ def logit_rows(logits, rows: list[int]) -> torch.Tensor:
     return logits.index_select(0, torch.tensor(rows, device=logits.device))  # R, V
 
 
-def draw(logits: torch.Tensor, pairs: list[tuple[Request, Sample]], tokenizer=None) -> tuple[list, list, list]:
+def draw(logits: torch.Tensor, pairs: list[tuple[Request, Sample]], tokenizer=None,
+         bitmasks: list | None = None) -> tuple[list, list, list]:
     """One token for each (request, sample) pair from its row of logits [R, V], all in one batched draw:
-    the grammar's mask (structured outputs), the request's processing and sampling. Returns the tokens,
-    which rows held NaN, and the raw logprobs of the rows that ask for them (from the unmasked logits)."""
+    the grammar's mask (structured outputs; `bitmasks`: each row's, computed already, None for a row
+    without a grammar), the request's processing and sampling. Returns the tokens, which rows held NaN,
+    and the raw logprobs of the rows that ask for them (from the unmasked logits)."""
     params = [r.params for r, _ in pairs]
-    allowed = mask_rows(logits, [s.matcher for _, s in pairs])
+    if bitmasks is None:
+        allowed = mask_rows(logits, [s.matcher for _, s in pairs])
+    else:
+        allowed = apply_row_bitmasks(logits, bitmasks)
     tokens, nan = sample_batch(allowed, params, [s.seen for _, s in pairs], [s.generator for _, s in pairs],
                                [s.out.token_ids for _, s in pairs], [r.stop_ids for r, _ in pairs])
     return tokens, nan, sampled_logprobs(logits, params, tokens, tokenizer)

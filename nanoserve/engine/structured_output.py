@@ -22,16 +22,22 @@ notebooks/11_*.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
+import queue
 import string
 import threading
+import time
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ..errors import NanoserveError
+from .grammar_limits import GrammarError, GrammarLimits, check_constraint
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -65,6 +71,22 @@ class StructuredOutputsParams:
                        "grammar": "a Lark grammar (a non-empty string)"}[set_[0]]
             raise NanoserveError(f"structured outputs: {set_[0]}={getattr(self, set_[0])!r:.100} must be {allowed}")
 
+    @property
+    def kind(self) -> str:
+        """Which of KINDS is set."""
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def value(self):
+        return getattr(self, self.kind)
+
+    def key(self) -> tuple:
+        """What two requests must share to share a compiled grammar (a schema dict by its JSON)."""
+        value = self.value
+        if isinstance(value, (dict, list)):
+            value = json.dumps(value)  # key order kept: a schema's property order is its output's
+        return self.kind, value, self.disable_any_whitespace
+
     def llguidance_grammar(self) -> str:
         """The constraint in llguidance's input form."""
         from llguidance import LLMatcher
@@ -96,15 +118,25 @@ class GrammarCompiler:
 
     Compiled grammars are kept (the last CACHE_SIZE distinct ones) and each request gets a copy: copies
     share the compiled lexer's caches, so 32 requests under one schema compute their masks ~3x faster
-    than 32 separately compiled matchers (and the compile is paid once)."""
+    than 32 separately compiled matchers (and the compile is paid once).
+
+    Compiling is a client's program run on the server, so it is bounded (grammar_limits.py): checked
+    against `limits` first, then compiled, with its first mask, in a small pool of threads whose
+    stacks are deep (STACK_BYTES) under a deadline. The lock guards only the cache and the table of
+    compiles in flight, never a compile: a slow one holds one pool thread, not every request. Two
+    requests for the same constraint share one compile."""
 
     CACHE_SIZE = 64
+    STACK_BYTES = 256 << 20  # address space reserved per pool thread; pages are committed only as used
 
-    def __init__(self, tokenizer, vocab_size: int, eos_id: int | None):
+    def __init__(self, tokenizer, vocab_size: int, eos_id: int | None, limits: GrammarLimits | None = None):
         self.tokenizer, self.vocab_size, self.eos_id = tokenizer, vocab_size, eos_id
+        self.limits = limits or GrammarLimits()
         self._ll_tokenizer = None
-        self._compiled: OrderedDict[str, object] = OrderedDict()  # grammar -> a matcher at its start, never advanced
-        self._lock = threading.RLock()  # the server compiles in worker threads
+        self._compiled: OrderedDict[tuple, object] = OrderedDict()  # key -> a matcher at its start, never advanced
+        self._in_flight: dict[tuple, Future] = {}
+        self._lock = threading.Lock()  # the cache, the table in flight and the vocabulary; never held to compile
+        self._pool: ThreadPool | None = None
 
     def ll_tokenizer(self):
         """llguidance's view of the vocabulary (token bytes, EOS), built on first use."""
@@ -124,26 +156,120 @@ class GrammarCompiler:
                 self._ll_tokenizer = lltokenizer_from_encoding(encoding, n_vocab=self.vocab_size, eos_token=self.eos_id)
             return self._ll_tokenizer
 
+    @property
+    def num_cached(self) -> int:
+        """Compiled grammars kept now (a server's /metrics)."""
+        return len(self._compiled)
+
     def matcher(self, params: StructuredOutputsParams):
         """A fresh matcher at the start of the grammar; NanoserveError when the grammar does not compile."""
         return self.compile(params).deep_copy()
 
     def compile(self, params: StructuredOutputsParams):
-        """The cached matcher at the start of the grammar, shared: never advance it, copy it (`deep_copy`)."""
+        """The cached matcher at the start of the grammar, shared: never advance it, copy it (`deep_copy`).
+        Waits for the compile at most `limits.compile_timeout_s`; GrammarError past it or over a limit."""
+        future = self.submit(params)
+        try:
+            return future.result(timeout=self.limits.compile_timeout_s)
+        except concurrent.futures.TimeoutError:  # (TimeoutError itself from Python 3.11)
+            raise self.timeout_error() from None
+
+    async def compile_async(self, params: StructuredOutputsParams):
+        """`compile` for an event loop: waits without holding a thread (the compile runs in the pool,
+        shared with any other request for the same constraint; giving up on it cancels nothing)."""
+        future = self.submit(params)
+        loop = asyncio.get_running_loop()
+        ready = asyncio.Event()
+        future.add_done_callback(lambda _: loop.call_soon_threadsafe(ready.set))
+        try:
+            await asyncio.wait_for(ready.wait(), self.limits.compile_timeout_s)
+        except asyncio.TimeoutError:
+            raise self.timeout_error() from None
+        return future.result()
+
+    def timeout_error(self) -> GrammarError:
+        return GrammarError("structured outputs: compiling the constraint took longer than "
+                            f"GrammarLimits.compile_timeout_s={self.limits.compile_timeout_s} s; simplify it")
+
+    def submit(self, params: StructuredOutputsParams) -> Future:
+        """A future of `compile(params)`'s matcher, without waiting: done at once when cached, the
+        same future as a compile of the same constraint in flight, else a new job for the pool."""
+        self.ll_tokenizer()  # a model without a usable vocabulary is refused here, at once
+        key = params.key()
+        with self._lock:
+            proto = self._compiled.get(key)
+            if proto is not None:
+                self._compiled.move_to_end(key)
+                future: Future = Future()
+                future.set_result(proto)
+                return future
+            future = self._in_flight.get(key)
+            if future is None:
+                if self._pool is None:
+                    self._pool = ThreadPool(self.limits.compile_threads, self.STACK_BYTES, "nanoserve-grammar")
+                future = self._pool.submit(self._compile, params, key)
+                self._in_flight[key] = future
+            return future
+
+    def _compile(self, params: StructuredOutputsParams, key: tuple):
+        """In a pool thread: check, compile, compute the first mask (off the step; it is also the
+        most expensive one), cache."""
         from llguidance import LLMatcher
 
-        grammar = params.llguidance_grammar()
-        with self._lock:
-            proto = self._compiled.get(grammar)
-            if proto is None:
-                proto = LLMatcher(self.ll_tokenizer(), grammar, log_level=0)
-                if proto.is_error():
-                    raise NanoserveError(f"structured outputs: the constraint does not compile: {proto.get_error()}")
-                self._compiled[grammar] = proto
+        try:
+            check_constraint(params.kind, params.value, self.limits)
+            proto = LLMatcher(self.ll_tokenizer(), params.llguidance_grammar(), log_level=0,
+                              limits=self.limits.parser_limits())
+            if proto.is_error():
+                raise GrammarError("structured outputs: the constraint does not compile: "
+                                   f"{first_line(proto.get_error())}")
+            probe = proto.deep_copy()  # shares the lexer's caches: the first mask warms them for every copy
+            first = token_bitmask([probe], self.vocab_size)
+            if probe.is_error() or not bool(first.any()):
+                why = first_line(probe.get_error()) if probe.is_error() else "no token can start it"
+                raise GrammarError(f"structured outputs: the constraint admits no output ({why})")
+            with self._lock:
+                self._compiled[key] = proto
                 if len(self._compiled) > self.CACHE_SIZE:
                     self._compiled.popitem(last=False)
-            self._compiled.move_to_end(grammar)
             return proto
+        finally:
+            with self._lock:
+                self._in_flight.pop(key, None)
+
+
+def first_line(text: str | None) -> str:
+    return (text or "").strip().splitlines()[0] if (text or "").strip() else "no reason given"
+
+
+class ThreadPool:
+    """`size` daemon threads, started at once, each with a stack of `stack_bytes`, running submitted
+    calls in order. (concurrent.futures' pool starts its threads lazily, after whatever stack size the
+    process set meanwhile; a native compiler that recurses once per grammar rule needs the deep one.)"""
+
+    def __init__(self, size: int, stack_bytes: int, name: str):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        old = threading.stack_size(stack_bytes)
+        try:
+            for i in range(size):
+                threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True).start()
+        finally:
+            threading.stack_size(old)
+
+    def submit(self, fn, *args) -> Future:
+        future: Future = Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        while True:
+            future, fn, args = self._jobs.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # handed to whoever waits on the future
+                future.set_exception(e)
 
 
 def token_bitmask(matchers: list, vocab_size: int) -> torch.Tensor:
@@ -157,14 +283,37 @@ def token_bitmask(matchers: list, vocab_size: int) -> torch.Tensor:
     return out
 
 
+def row_bitmask(matcher, vocab_size: int, budget_s: float, request_id: str) -> torch.Tensor:
+    """One row's mask, int32 [1, W], as token_bitmask computes it; GrammarError when the matcher is
+    in error (a parser limit hit) or the mask took longer than `budget_s` (its request fails, the
+    others' step goes on; GrammarLimits.mask_budget_ms)."""
+    start = time.perf_counter()
+    bitmask = token_bitmask([matcher], vocab_size)
+    took = time.perf_counter() - start
+    if matcher.is_error():
+        raise GrammarError(f"request {request_id!r}: its structured output grammar failed "
+                           f"({first_line(matcher.get_error())})")
+    if took > budget_s:
+        raise GrammarError(f"request {request_id!r}: its structured output grammar took {took * 1e3:.0f} ms "
+                           f"for one token's mask, over GrammarLimits.mask_budget_ms={budget_s * 1e3:g}")
+    return bitmask
+
+
 def mask_rows(logits: torch.Tensor, matchers: list) -> torch.Tensor:
     """logits [R, V] with each row that has a matcher (not None) limited to its grammar's next tokens;
     the same tensor when no row has one. One masked fill for the whole step."""
-    rows = [i for i, m in enumerate(matchers) if m is not None]
+    V = logits.shape[-1]
+    bitmasks = [None if m is None else token_bitmask([m], V) for m in matchers]
+    return apply_row_bitmasks(logits, bitmasks)
+
+
+def apply_row_bitmasks(logits: torch.Tensor, bitmasks: list) -> torch.Tensor:
+    """logits [R, V] with each row whose bitmask (int32 [1, W]) is not None limited to its tokens."""
+    rows = [i for i, m in enumerate(bitmasks) if m is not None]
     if not rows:
         return logits
     R, V = logits.shape
-    allowed = unpack_bitmask(token_bitmask([matchers[i] for i in rows], V), V)  # S, V (host)
+    allowed = unpack_bitmask(torch.cat([bitmasks[i] for i in rows]), V)  # S, V (host)
     # a matcher in an error state allows nothing: leave its row free rather than let an all -inf row break
     # the batch's draw (the token drawn then fails that request alone, in Request.emit)
     allowed[~allowed.any(-1)] = True

@@ -28,15 +28,20 @@ up-projection with its GELU costs 23–29 % less at ≥ 16 rows (float32; benchm
 step"); the difference from F.gelu after F.linear is ~2e-7. Float32 only: in bfloat16 the fused GELU acts
 on the float32 sum before rounding, where HF rounds first (~1e-2 apart).
 
-A few rows: MKL. A decode step with one sequence multiplies one row by each weight, and there
-oneDNN's fixed cost per call (~13 µs more than MKL's, measured on 64 × 64 weights) and its reading speed
-on small weights lose to MKL's GEMV: on GPT-2 6 × 384's layers (0.6–2.4 MB each) F.linear takes 19–52 µs
-where oneDNN takes 32–66, ~0.35 ms of a ~6 ms step over its 24 linears, and likewise at 2 and 3 rows; at 4
-rows MKL switches to its GEMM and oneDNN is faster again. On the LM heads (50257 × 384, 32000 × 512,
-151936 × 896: tall and narrow) oneDNN reads faster at any row count (3.1 against 3.2–3.5 ms on GPT-2's). So a
-float32 weight under GEMV_MAX_BYTES calls F.linear for up to GEMV_MAX_ROWS rows (benchmarks/bench_cpu_linear.py,
-cpu_linear.json; RESULTS.md, "Fifth step"); bfloat16 (MKL has no bf16 GEMV) keeps oneDNN. The 32 MB line sits
-between the layers and the heads measured; larger layers (Llama's 4096 × 4096, 67 MB) measured within 2 %.
+A few rows: MKL, on Intel processors. A decode step with one sequence multiplies one row by each weight.
+On an Intel Xeon, oneDNN's fixed cost per call and its reading speed on small weights lose to MKL's: on GPT-2
+6 × 384's layers (0.6–2.4 MB each) F.linear took 19–52 µs where oneDNN took 32–66, ~0.35 ms of a ~6 ms step
+over its 24 linears, and likewise at 2 and 3 rows; at 4 rows MKL switches to its GEMM and oneDNN is faster
+again. On the LM heads (50257 × 384, 32000 × 512, 151936 × 896: tall and narrow) oneDNN reads faster at any
+row count. On an AMD EPYC the same measurement favours oneDNN almost everywhere: MKL is 1.2–1.5× slower on
+three of the four layers at one row and 1.5–3× slower at 2 and 3 rows (MKL picks its code paths by the
+processor's vendor, and its fastest ones are Intel's). So the rule is the vendor's: on a GenuineIntel
+processor a float32 weight under GEMV_MAX_BYTES calls F.linear for up to GEMV_MAX_ROWS = 3 rows; elsewhere
+GEMV_MAX_ROWS = 0 and every shape goes to oneDNN (`gemv_max_rows`; benchmarks/bench_cpu_linear.py,
+cpu_linear*.json; RESULTS.md, "Fifth step" and "MKL on an AMD EPYC"). A vendor, not a timing taken at start-up:
+the route decides how a product rounds, and a model should give the same tokens in every run on one machine.
+bfloat16 (MKL has no bf16 GEMV) keeps oneDNN. The 32 MB line sits between the layers and the heads measured;
+larger layers (Llama's 4096 × 4096, 67 MB) measured within 2 % on the Xeon.
 
 The math is the same fp32 (or bf16) GEMM with fp32 accumulation: results differ from MKL's
 only in summation order, ~1e-6 (tests/test_cpu_step_costs.py checks it against a float64 reference,
@@ -46,13 +51,36 @@ gradients takes the plain path.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 _DTYPES = (torch.float32, torch.bfloat16)
 PACK_ROWS = 64  # the batch hint oneDNN chooses the packed layout for (see above)
-GEMV_MAX_BYTES, GEMV_MAX_ROWS = 32 << 20, 3  # up to 3 rows over a float32 weight under 32 MB: MKL (see above)
+
+
+def cpu_vendor() -> str:
+    """The x86 processor's vendor (/proc/cpuinfo's vendor_id: "GenuineIntel", "AuthenticAMD"), or ""
+    where it cannot be read (another OS, another architecture)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        if line.startswith("vendor_id"):
+            return line.partition(":")[2].strip()
+    return ""
+
+
+def gemv_max_rows(vendor: str) -> int:
+    """How many rows go to MKL's GEMV (F.linear) rather than oneDNN on this vendor's processors (see above)."""
+    return 3 if vendor == "GenuineIntel" else 0
+
+
+GEMV_MAX_BYTES = 32 << 20  # a float32 weight under 32 MB ...
+GEMV_MAX_ROWS = gemv_max_rows(cpu_vendor())  # ... with up to this many rows: MKL (see above)
 GELU_POST_OPS = {"gelu": "none", "gelu_python": "none",  # HF's activation name -> oneDNN's GELU algorithm
                  "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_python_tanh": "tanh", "gelu_fast": "tanh"}
 

@@ -120,6 +120,8 @@ class AsyncLLMEngine:
                     raise out
                 if out.error is not None:  # this request alone failed inside a step; the engine goes on
                     finished = True
+                    if out.error_is_bad_input:  # e.g. its grammar went over a limit: the client's to mend
+                        raise NanoserveError(f"request {rid} failed: {out.error}")
                     raise RequestFailedError(f"request {rid} failed inside the engine: {out.error}")
                 finished = out.finished
                 yield out

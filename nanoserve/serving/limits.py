@@ -33,25 +33,39 @@ class ServerLimits:
     shutdown_grace_s: float = 5.0
 
     def __post_init__(self) -> None:
-        for name in ("max_prompts_per_request", "max_prompt_tokens_per_request", "max_chat_messages"):
+        for name in (
+            "max_prompts_per_request",
+            "max_prompt_tokens_per_request",
+            "max_chat_messages",
+        ):
             value = getattr(self, name)
-            check(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
-                  f"{name}={value!r} must be an integer ≥ 1")
-        check(isinstance(self.shutdown_grace_s, (int, float)) and self.shutdown_grace_s >= 0,
-              f"shutdown_grace_s={self.shutdown_grace_s!r} must be a number of seconds ≥ 0")
+            check(
+                isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                f"{name}={value!r} must be an integer ≥ 1",
+            )
+        check(
+            isinstance(self.shutdown_grace_s, (int, float)) and self.shutdown_grace_s >= 0,
+            f"shutdown_grace_s={self.shutdown_grace_s!r} must be a number of seconds ≥ 0",
+        )
 
     def check_prompts(self, count: int) -> None:
         if count > self.max_prompts_per_request:
-            raise NanoserveError(f"prompt holds {count} prompts; this server takes at most "
-                                 f"max_prompts_per_request={self.max_prompts_per_request} in one request")
+            raise NanoserveError(
+                f"prompt holds {count} prompts; this server takes at most "
+                f"max_prompts_per_request={self.max_prompts_per_request} in one request"
+            )
 
     def check_tokens(self, count: int, what: str = "the prompts") -> None:
         if count > self.max_prompt_tokens_per_request:
-            raise NanoserveError(f"{what} hold {count} tokens or more; this server takes at most "
-                                 f"max_prompt_tokens_per_request={self.max_prompt_tokens_per_request} "
-                                 "in one request")
+            raise NanoserveError(
+                f"{what}: {count} tokens; this server takes at most "
+                f"max_prompt_tokens_per_request={self.max_prompt_tokens_per_request} "
+                "in one request"
+            )
 
     def check_messages(self, count: int) -> None:
         if count > self.max_chat_messages:
-            raise NanoserveError(f"messages holds {count} messages; this server takes at most "
-                                 f"max_chat_messages={self.max_chat_messages} in one chat")
+            raise NanoserveError(
+                f"messages holds {count} messages; this server takes at most "
+                f"max_chat_messages={self.max_chat_messages} in one chat"
+            )

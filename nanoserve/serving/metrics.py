@@ -86,7 +86,9 @@ class _EngineCollector:
                   ("nanoserve_kv_cache_usage_ratio", "Fraction of KV blocks in use",
                    1 - s.num_free_blocks / s.num_blocks),
                   ("nanoserve_prefix_cache_hit_rate", "Prefix-cache block hits / lookups",
-                   s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0)]
+                   s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0),
+                  ("nanoserve_grammar_cache_entries", "Compiled structured-output grammars kept",
+                   self.engine.inputs.grammars.num_cached)]
         if self.engine.spec is not None:
             drafted, accepted = self.metrics.spec_totals
             gauges.append(("nanoserve_spec_decode_acceptance_rate", "Accepted / drafted tokens of finished requests",

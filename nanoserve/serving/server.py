@@ -174,6 +174,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
         if chat_messages is not None:
             limits.check_messages(len(chat_messages))
         limits.check_prompts(len(prompts))
+        if params.structured_outputs is not None:  # compiled in the grammar pool; no worker thread waits
+            await core.inputs.grammars.compile_async(params.structured_outputs)
 
         def prepare():
             ps = ([chat_template.encode(chat_messages, core.tokenizer, **(template_options or {}))]
@@ -182,7 +184,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
             for i, p in enumerate(ps):
                 reqs.append(core.new_request(p, params, f"{rid}-{i}", lora_request=lora))
                 tokens += len(reqs[-1].output.prompt_token_ids)
-                limits.check_tokens(tokens)
+                limits.check_tokens(tokens, f"the first {i + 1} prompts")
             return reqs
 
         reqs = await asyncio.to_thread(prepare)

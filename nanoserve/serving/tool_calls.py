@@ -56,9 +56,11 @@ def forced(tools: list[dict] | None, tool_choice, parallel: bool | None) -> tupl
     if not fns:
         raise NanoserveError(f"tool_choice={tool_choice!r} needs tools")
     if tool_choice == "required":
-        call = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
-                 "required": ["name", "parameters"], "additionalProperties": False} for name, schema in fns.items()]
-        array = {"type": "array", "minItems": 1, "items": {"anyOf": call}}
+        # each tool's parameters sit under $defs, their local $refs rebased there (they meant their own root)
+        defs = {f"tool{i}": rebase_refs(schema, f"#/$defs/tool{i}") for i, schema in enumerate(fns.values())}
+        call = [{"type": "object", "properties": {"name": {"const": name}, "parameters": {"$ref": f"#/$defs/tool{i}"}},
+                 "required": ["name", "parameters"], "additionalProperties": False} for i, name in enumerate(fns)]
+        array = {"type": "array", "minItems": 1, "items": {"anyOf": call}, "$defs": defs}
         return "required", {**array, "maxItems": 1} if parallel is False else array
     fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
@@ -69,6 +71,23 @@ def forced(tools: list[dict] | None, tool_choice, parallel: bool | None) -> tupl
         raise NanoserveError(f"tool_choice names the function {name!r}, which is not among the tools "
                              f"({', '.join(fns)})")
     return "named", fns[name]
+
+
+def rebase_refs(schema: dict, base: str) -> dict:
+    """A copy of `schema` whose local `$ref`s ("#", "#/...") point at the same places once the schema
+    sits at JSON pointer `base` of a larger document (walked with a stack: no recursion)."""
+    root = json.loads(json.dumps(schema))
+    stack: list = [root]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#"):
+                node["$ref"] = base + ref[1:]
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return root
 
 
 def for_template(messages: list[dict]) -> list[dict]:

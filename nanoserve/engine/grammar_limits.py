@@ -1,0 +1,362 @@
+"""How much grammar work one request may ask for, checked before anything is compiled.
+
+A structured-output constraint is a program the client writes and the server runs: compiled once,
+then advanced and asked for a mask at every token. Left unbounded, one small request can crash the
+process (a chain of 3,000 Lark rules overflows the native compiler's stack), hold a core for
+seconds (`(a{1000}){999}` is a regex of 999,000 characters once its counts are expanded) or ask
+for a language with no finite string at all (a schema whose object requires itself). So every
+constraint passes three gates, each with a 400 that names the limit:
+
+1. **Before compiling** (`check_constraint`, here): the constraint's size in bytes, its nesting
+   (brackets inside brackets), the number of Lark rules or choices, a regex's expanded size, and,
+   for a JSON schema, that some finite value satisfies it (`has_finite_value`).
+2. **While compiling** (GrammarCompiler, structured_output.py): llguidance's own parser limits
+   (`parser_limits`, its LLParserLimits, every field set here on purpose), a compile deadline,
+   a thread with a stack far deeper than any grammar the limits let through, and the first mask
+   computed there, off the engine's step: a constraint that allows no first token is refused.
+3. **At every step** (LLMEngine._grammar_masks): a row whose mask takes longer than
+   `mask_budget_ms` fails alone; the others' step goes on.
+
+    GrammarLimits()                          the defaults below
+    LLMEngine(..., grammar_limits=GrammarLimits(max_bytes=1 << 20))
+
+Taught in notebooks/11_*.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+
+from ..errors import NanoserveError
+
+
+class GrammarError(NanoserveError):
+    """A constraint the server will not run: too large, too deep, too slow, or with no valid output.
+    A client's mistake (HTTP 400), also when it shows only at a later token."""
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarLimits:
+    # what a request may send (checked before compiling)
+    max_bytes: int = 65_536  # a schema as JSON, a regex, a Lark grammar, or the choices together
+    max_nesting: int = 64  # a schema's objects and arrays, a regex's groups, a grammar's brackets
+    max_rules: int = 1_000  # Lark rules and terminals (a chain of ~2,800 overflowed an 8 MB stack)
+    max_choices: int = 1_000  # strings in one `choice`
+    max_regex_size: int = (
+        10_000  # a regex's length with every {n,m} expanded: (a{1000}){999} is 999,000
+    )
+    # how the work runs
+    compile_timeout_s: float = 10.0  # compile + first mask; a request waits no longer
+    compile_threads: int = 2  # the compile pool: a slow compile holds one of these, never the step
+    mask_budget_ms: float = 250.0  # one row's mask in one step; over it, that request fails alone
+    # llguidance's LLParserLimits (its defaults but for max_lexer_states, ~1-2 kB a state)
+    max_items_in_row: int = 2_000
+    initial_lexer_fuel: int = 1_000_000
+    step_lexer_fuel: int = 200_000
+    step_max_items: int = 50_000
+    max_lexer_states: int = 50_000
+    max_grammar_size: int = 500_000
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+            if f.type == "int":
+                ok = ok and isinstance(value, int)
+            if not ok:
+                raise NanoserveError(
+                    f"GrammarLimits.{f.name}={value!r} must be a positive {f.type}"
+                )
+
+    def parser_limits(self):
+        """llguidance's LLParserLimits with every field set from these limits."""
+        from llguidance import LLParserLimits
+
+        return LLParserLimits(
+            max_items_in_row=self.max_items_in_row,
+            initial_lexer_fuel=self.initial_lexer_fuel,
+            step_lexer_fuel=self.step_lexer_fuel,
+            step_max_items=self.step_max_items,
+            max_lexer_states=self.max_lexer_states,
+            max_grammar_size=self.max_grammar_size,
+            verbose_errors=False,
+        )
+
+
+def over(name: str, value: int, limits: GrammarLimits, what: str) -> GrammarError:
+    """The 400 for a limit exceeded: what the request holds, the limit's name and value."""
+    return GrammarError(
+        f"structured outputs: {what} is {value}, over GrammarLimits.{name}={getattr(limits, name)}"
+    )
+
+
+# ------------------------------------------------------------------------------ gate 1: the text
+def check_constraint(kind: str, value, limits: GrammarLimits) -> None:
+    """Raise GrammarError when a constraint (StructuredOutputsParams' kind, value) is over a limit,
+    or, for a JSON schema, has no finite value."""
+    if kind == "json":
+        schema = value
+        if isinstance(value, str):
+            check_size(len(value.encode()), limits, "the schema's size in bytes")
+            check_nesting(value, "{[", "}]", limits, "the schema's nesting")
+            try:
+                schema = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise GrammarError(f"structured outputs: json is not a JSON schema: {e}") from None
+        text = json.dumps(schema)
+        check_size(len(text.encode()), limits, "the schema's size in bytes")
+        check_nesting(text, "{[", "}]", limits, "the schema's nesting")
+        if not has_finite_value(schema):
+            raise GrammarError(
+                "structured outputs: the JSON schema admits no finite value (a cycle of "
+                "$ref, or an object or array that requires itself through its properties or "
+                "items)"
+            )
+    elif kind == "regex":
+        check_size(len(value.encode()), limits, "the regex's size in bytes")
+        check_nesting(value, "(", ")", limits, "the regex's nesting of groups")
+        size = regex_size(value)
+        if size > limits.max_regex_size:
+            raise over("max_regex_size", size, limits, "the regex's expanded size")
+    elif kind == "choice":
+        if len(value) > limits.max_choices:
+            raise over("max_choices", len(value), limits, "the number of choices")
+        check_size(sum(len(c.encode()) for c in value), limits, "the choices' size in bytes")
+    elif kind == "grammar":
+        check_size(len(value.encode()), limits, "the grammar's size in bytes")
+        check_nesting(value, "([{", ")]}", limits, "the grammar's nesting of brackets")
+        rules = lark_rule_count(value)
+        if rules > limits.max_rules:
+            raise over("max_rules", rules, limits, "the number of Lark rules and terminals")
+
+
+def check_size(size: int, limits: GrammarLimits, what: str) -> None:
+    if size > limits.max_bytes:
+        raise over("max_bytes", size, limits, what)
+
+
+def check_nesting(text: str, opening: str, closing: str, limits: GrammarLimits, what: str) -> None:
+    """The deepest bracket nesting in `text`, counted without recursion (escaped and quoted brackets
+    count too: an over-count only ever refuses, it cannot let a deeper text through)."""
+    depth = deepest = 0
+    for ch in text:
+        if ch in opening:
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in closing:
+            depth = max(depth - 1, 0)
+    if deepest > limits.max_nesting:
+        raise over("max_nesting", deepest, limits, what)
+
+
+def lark_rule_count(grammar: str) -> int:
+    """Definitions in a Lark grammar: lines of the form `name: ...` (rules, lowercase; terminals,
+    uppercase; with Lark's `?`, `!` and `.priority` decorations)."""
+    count = 0
+    for line in grammar.splitlines():
+        head, colon, _ = line.partition(":")
+        name = head.strip().lstrip("?!").split(".")[0]
+        if colon and name.replace("_", "a").isalnum() and name[:1].isalpha():
+            count += 1
+    return count
+
+
+# ----------------------------------------------------------------------- a regex's expanded size
+def regex_size(pattern: str) -> int:
+    """The regex's length once every counted repetition is written out: `a{3}` counts 3, `(ab){2,5}`
+    counts 10, `(a{1000}){999}` 999,000. `*`, `+` and `?` count once (a loop costs no more states
+    than its body). Escapes and classes count one each. An estimate of the automaton's size, the
+    quantity llguidance's derivative lexer pays for, computed with an explicit stack."""
+    stack: list[list[int]] = [
+        [0, 0]
+    ]  # per open group: [size of the group so far, size of the last atom]
+    i, n = 0, len(pattern)
+    while i < n:
+        ch = pattern[i]
+        if ch == "\\":
+            i += 2
+            _add_atom(stack, 1)
+            continue
+        if ch == "[":
+            i = _class_end(pattern, i)
+            _add_atom(stack, 1)
+            continue
+        if ch == "(":
+            stack.append([0, 0])
+            i = _group_body(pattern, i)
+            continue
+        elif ch == ")" and len(stack) > 1:
+            inner, _ = stack.pop()
+            _add_atom(stack, inner)
+        elif ch == "{":
+            count, i = _repeat_count(pattern, i)
+            if count is not None:
+                top = stack[-1]
+                top[0] += top[1] * (count - 1)  # the last atom, written out `count` times
+                top[1] *= count
+                continue
+            _add_atom(stack, 1)
+        elif ch == "|":
+            stack[-1][1] = 0
+        elif ch not in "*+?":
+            _add_atom(stack, 1)
+        i += 1
+    return sum(size for size, _ in stack)
+
+
+def _add_atom(stack: list[list[int]], size: int) -> None:
+    stack[-1][0] += size
+    stack[-1][1] = size
+
+
+def _group_body(pattern: str, i: int) -> int:
+    """Where the body of the group opening at pattern[i] ('(') starts: after `(?:`, `(?P<name>`
+    or `(?<name>`, else right after '('."""
+    if pattern.startswith("(?:", i):
+        return i + 3
+    if pattern.startswith(("(?P<", "(?<"), i) and pattern.find(">", i) > 0:
+        return pattern.find(">", i) + 1
+    return i + 2 if pattern.startswith("(?", i) else i + 1
+
+
+def _class_end(pattern: str, i: int) -> int:
+    """The index after the character class opening at pattern[i] ('[')."""
+    j = i + 1
+    if j < len(pattern) and pattern[j] == "^":
+        j += 1
+    if j < len(pattern) and pattern[j] == "]":
+        j += 1
+    while j < len(pattern) and pattern[j] != "]":
+        j += 2 if pattern[j] == "\\" else 1
+    return j + 1
+
+
+def _repeat_count(pattern: str, i: int) -> tuple[int | None, int]:
+    """At pattern[i] == '{': (the largest count of `{n}`, `{n,}` or `{n,m}`, the index after '}'),
+    (None, i) when the brace is a literal."""
+    end = pattern.find("}", i)
+    body = pattern[i + 1 : end] if end > 0 else ""
+    parts = body.split(",")
+    digits = [part.isascii() and part.isdigit() for part in parts]
+    if (
+        len(parts) > 2
+        or not any(digits)
+        or not all(d or not part for d, part in zip(digits, parts))
+    ):
+        return None, i  # `{`, `{}`, `{,}`, `{x}`: a literal brace
+    largest = int(parts[-1]) if parts[-1] else int(parts[0])
+    return max(largest, 1), end + 1
+
+
+# ------------------------------------------------------------------------ a schema with no value
+SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+
+
+def has_finite_value(root) -> bool:
+    """Whether some finite JSON value satisfies the schema, judged on its structure: an object needs
+    each required property's schema, a non-empty array its items', `allOf` every branch, `anyOf` /
+    `oneOf` one, `$ref` its target. A least fixed point (every subschema starts without a value and
+    gains one when its parts have theirs), so a cycle of requirements never gets one: the schema
+    `{"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}, "required":
+    ["next"]}}, "$ref": "#/$defs/n"}` has no finite value. Other keywords (patterns, bounds) are not
+    judged here: llguidance refuses what they make empty when it compiles."""
+    nodes = _subschemas(root)
+    finite: dict[int, bool] = {id(node): False for node in nodes}
+    changed = True
+    while changed:
+        changed = False
+        for node in nodes:
+            if not finite[id(node)] and _finite_now(node, root, finite):
+                finite[id(node)] = changed = True
+    return finite[id(root)] if isinstance(root, dict) else root is not False
+
+
+def _subschemas(root) -> list:
+    """Every dict subschema under root, children before parents (explicit stack, no recursion)."""
+    out, seen, stack = [], set(), [(root, False)]
+    while stack:
+        node, expanded = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        if expanded:
+            out.append(node)
+            continue
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        stack.append((node, True))
+        stack.extend((child, False) for child in _children(node))
+    return out
+
+
+def _children(node: dict) -> list:
+    children = [node.get(key) for key in SCHEMA_ONE]
+    for key in SCHEMA_LISTS:
+        if isinstance(node.get(key), list):
+            children += node[key]
+    for key in SCHEMA_MAPS:
+        if isinstance(node.get(key), dict):
+            children += node[key].values()
+    return children
+
+
+def _finite_now(node: dict, root, finite: dict[int, bool]) -> bool:
+    """Whether `node` has a finite value, given what `finite` says of its parts so far."""
+
+    def ok(child) -> bool:
+        if isinstance(child, bool):
+            return child
+        return not isinstance(child, dict) or finite.get(id(child), False)
+
+    if "$ref" in node:
+        target = _resolve(root, node["$ref"])
+        if target is not None and not ok(target):
+            return False
+    if "allOf" in node and not all(ok(s) for s in node["allOf"] or []):
+        return False
+    for key in ("anyOf", "oneOf"):
+        if key in node and not any(ok(s) for s in node[key] or []):
+            return False
+    if "const" in node or "enum" in node:
+        return True
+    types = node.get("type")
+    types = types if isinstance(types, list) else [types]
+    if all(t in ("object", "array") for t in types):
+        return any(_container_ok(node, t, ok) for t in types)
+    return True
+
+
+def _container_ok(node: dict, kind: str, ok) -> bool:
+    if kind == "object":
+        props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        extra = node.get("additionalProperties", True)
+        required = node.get("required") if isinstance(node.get("required"), list) else []
+        return all(ok(props[name]) if name in props else ok(extra) for name in required)
+    if kind == "array":
+        least = node.get("minItems", 0)
+        prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
+        least = least if isinstance(least, int) else 0
+        if not all(ok(s) for s in prefix[:least]):
+            return False
+        return least <= len(prefix) or ok(node.get("items", True))
+    return True  # no type: anything, a number for one
+
+
+def _resolve(root, ref):
+    """The subschema a local `$ref` ("#", "#/$defs/name", a JSON pointer into root) names; None for
+    another document's (llguidance refuses those itself)."""
+    if not isinstance(ref, str) or not ref.startswith("#"):
+        return None
+    node = root
+    for part in filter(None, ref[1:].split("/")):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
