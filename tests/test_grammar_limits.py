@@ -310,3 +310,22 @@ def test_the_compile_pool_survives_a_chain_that_overflows_a_default_stack():
     assert crashed.returncode < 0, (
         crashed.stdout + crashed.stderr[-2000:]
     )  # killed by a signal (SIGSEGV)
+
+
+def test_the_cache_keeps_what_its_bytes_hold_counted_at_the_lexers_largest():
+    """cache_bytes for three grammars at their bound: the three most recently used stay."""
+    pytest.importorskip("llguidance")
+    from nanoserve import LLMEngine
+    from nanoserve.engine.structured_output import StructuredOutputsParams
+
+    limits = GrammarLimits(max_lexer_states=1000)
+    limits = GrammarLimits(max_lexer_states=1000, cache_bytes=3 * limits.grammar_bytes_bound() + 1)
+    assert limits.grammar_bytes_bound() == 1000 * 2048 and limits.cache_entries() == 3
+    compiler = LLMEngine("demo", grammar_limits=limits).inputs.grammars
+    regexes = [f"[a-z]{{{n}}}" for n in range(1, 6)]
+    for regex in regexes:
+        compiler.compile(StructuredOutputsParams(regex=regex))
+    compiler.compile(StructuredOutputsParams(regex=regexes[2]))  # used again: the most recent
+    assert compiler.num_cached == 3 and compiler.cached_bytes_bound == 3 * 1000 * 2048
+    kept = [key[1] for key in compiler._compiled]
+    assert kept == [regexes[3], regexes[4], regexes[2]]

@@ -30,6 +30,8 @@ from dataclasses import dataclass, fields
 
 from ..errors import NanoserveError
 
+LEXER_STATE_BYTES = 2048  # the upper end of llguidance's "approx. 1-2 kB per state"
+
 
 class GrammarError(NanoserveError):
     """A constraint the server will not run: too large, too deep, too slow, or with no valid output.
@@ -43,13 +45,12 @@ class GrammarLimits:
     max_nesting: int = 64  # a schema's objects and arrays, a regex's groups, a grammar's brackets
     max_rules: int = 1_000  # Lark rules and terminals (a chain of ~2,800 overflowed an 8 MB stack)
     max_choices: int = 1_000  # strings in one `choice`
-    max_regex_size: int = (
-        10_000  # a regex's length with every {n,m} expanded: (a{1000}){999} is 999,000
-    )
+    max_regex_size: int = 10_000  # a regex with every {n,m} written out: (a{1000}){999} is 999,000
     # how the work runs
     compile_timeout_s: float = 10.0  # compile + first mask; a request waits no longer
     compile_threads: int = 2  # the compile pool: a slow compile holds one of these, never the step
     mask_budget_ms: float = 250.0  # one row's mask in one step; over it, that request fails alone
+    cache_bytes: int = 2 << 30  # compiled grammars kept, each counted at its lexer's largest size
     # llguidance's LLParserLimits (its defaults but for max_lexer_states, ~1-2 kB a state)
     max_items_in_row: int = 2_000
     initial_lexer_fuel: int = 1_000_000
@@ -68,6 +69,15 @@ class GrammarLimits:
                 raise NanoserveError(
                     f"GrammarLimits.{f.name}={value!r} must be a positive {f.type}"
                 )
+
+    def grammar_bytes_bound(self) -> int:
+        """The most one compiled grammar can hold: its lexer's states at their largest (llguidance's
+        documentation: 1-2 kB a state; copies share them). What the cache counts each entry as."""
+        return self.max_lexer_states * LEXER_STATE_BYTES
+
+    def cache_entries(self) -> int:
+        """How many compiled grammars the cache keeps: cache_bytes at the bound above (at least one)."""
+        return max(1, self.cache_bytes // self.grammar_bytes_bound())
 
     def parser_limits(self):
         """llguidance's LLParserLimits with every field set from these limits."""

@@ -116,9 +116,10 @@ def _escape(text: str) -> str:
 class GrammarCompiler:
     """Builds one matcher per sample for one tokenizer; the llguidance vocabulary is built once, on first use.
 
-    Compiled grammars are kept (the last CACHE_SIZE distinct ones) and each request gets a copy: copies
-    share the compiled lexer's caches, so 32 requests under one schema compute their masks ~3x faster
-    than 32 separately compiled matchers (and the compile is paid once).
+    Compiled grammars are kept (the most recently used, as many as `limits.cache_bytes` holds when each
+    is counted at the most its lexer can grow to: `GrammarLimits.cache_entries`) and each request gets
+    a copy: copies share the compiled lexer's caches, so 32 requests under one schema compute their
+    masks ~3x faster than 32 separately compiled matchers (and the compile is paid once).
 
     Compiling is a client's program run on the server, so it is bounded (grammar_limits.py): checked
     against `limits` first, then compiled, with its first mask, in a small pool of threads whose
@@ -126,7 +127,6 @@ class GrammarCompiler:
     compiles in flight, never a compile: a slow one holds one pool thread, not every request. Two
     requests for the same constraint share one compile."""
 
-    CACHE_SIZE = 64
     STACK_BYTES = 256 << 20  # address space reserved per pool thread; pages are committed only as used
 
     def __init__(self, tokenizer, vocab_size: int, eos_id: int | None, limits: GrammarLimits | None = None):
@@ -160,6 +160,11 @@ class GrammarCompiler:
     def num_cached(self) -> int:
         """Compiled grammars kept now (a server's /metrics)."""
         return len(self._compiled)
+
+    @property
+    def cached_bytes_bound(self) -> int:
+        """The most the kept grammars can hold (each at GrammarLimits.grammar_bytes_bound)."""
+        return self.num_cached * self.limits.grammar_bytes_bound()
 
     def matcher(self, params: StructuredOutputsParams):
         """A fresh matcher at the start of the grammar; NanoserveError when the grammar does not compile."""
@@ -230,7 +235,7 @@ class GrammarCompiler:
                 raise GrammarError(f"structured outputs: the constraint admits no output ({why})")
             with self._lock:
                 self._compiled[key] = proto
-                if len(self._compiled) > self.CACHE_SIZE:
+                if len(self._compiled) > self.limits.cache_entries():
                     self._compiled.popitem(last=False)
             return proto
         finally:

@@ -88,7 +88,9 @@ class _EngineCollector:
                   ("nanoserve_prefix_cache_hit_rate", "Prefix-cache block hits / lookups",
                    s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0),
                   ("nanoserve_grammar_cache_entries", "Compiled structured-output grammars kept",
-                   self.engine.inputs.grammars.num_cached)]
+                   self.engine.inputs.grammars.num_cached),
+                  ("nanoserve_grammar_cache_bytes_bound", "The most the kept grammars can hold, in bytes",
+                   self.engine.inputs.grammars.cached_bytes_bound)]
         if self.engine.spec is not None:
             drafted, accepted = self.metrics.spec_totals
             gauges.append(("nanoserve_spec_decode_acceptance_rate", "Accepted / drafted tokens of finished requests",
