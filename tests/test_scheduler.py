@@ -221,3 +221,44 @@ def test_async_engine_serves_concurrent_consumers_and_aborts_the_abandoned(path)
     assert [results[0], results[1], results[3]] == expected
     assert not engine.has_unfinished_requests()
     assert engine.block_allocator.num_free_blocks() == engine.block_allocator.num_blocks
+
+
+def test_enqueue_compares_log_n_keys_and_keeps_the_order(monkeypatch):
+    """Inserting into the waiting queue reads O(log n) sort keys (a binary search), not the whole
+    queue's: 4,000 arrivals read at most n·(log2 n + 2) keys. Control: rebuilding the key list on
+    every insert (the old way) reads ~n²/2. Mixed priorities, so inserts land mid-queue too."""
+    import math
+
+    from nanoserve.engine import scheduler as sched_module
+    from nanoserve.engine.block_allocator import BlockAllocator
+    from nanoserve.engine.scheduler import Scheduler, SchedulerConfig
+    from nanoserve.engine.sequence import Sequence
+
+    reads = [0]
+    plain_key = Sequence.sort_key.fget
+
+    def counted(seq):
+        reads[0] += 1
+        return plain_key(seq)
+
+    monkeypatch.setattr(Sequence, "sort_key", property(counted))
+    rng, n = random.Random(0), 4000
+    seqs = [Sequence([1], priority=rng.choice([0, 0, 0, 1, -1]), arrival_time=float(i)) for i in range(n)]
+
+    def fill() -> list:
+        s = Scheduler(SchedulerConfig(), BlockAllocator(8, BS), max_model_len=64)
+        reads[0] = 0
+        for seq in seqs:
+            s.add(seq)
+        return s.waiting
+
+    waiting = fill()
+    assert reads[0] <= n * (math.log2(n) + 2)
+    assert waiting == sorted(seqs, key=plain_key)  # in (priority, arrival) order
+    # control: the old insert, which rebuilt every key each time
+    def rebuild_keys(self, seq):
+        keys = [s.sort_key for s in self.waiting]
+        self.waiting.insert(sched_module.bisect.bisect(keys, seq.sort_key), seq)
+
+    monkeypatch.setattr(Scheduler, "_enqueue", rebuild_keys)
+    assert fill() == waiting and reads[0] > n * n / 4

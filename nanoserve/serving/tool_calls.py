@@ -56,11 +56,12 @@ def forced(tools: list[dict] | None, tool_choice, parallel: bool | None) -> tupl
     if not fns:
         raise NanoserveError(f"tool_choice={tool_choice!r} needs tools")
     if tool_choice == "required":
-        # each tool's parameters sit under $defs, their local $refs rebased there (they meant their own root)
-        defs = {f"tool{i}": rebase_refs(schema, f"#/$defs/tool{i}") for i, schema in enumerate(fns.values())}
-        call = [{"type": "object", "properties": {"name": {"const": name}, "parameters": {"$ref": f"#/$defs/tool{i}"}},
-                 "required": ["name", "parameters"], "additionalProperties": False} for i, name in enumerate(fns)]
-        array = {"type": "array", "minItems": 1, "items": {"anyOf": call}, "$defs": defs}
+        # a tool's local $refs meant its parameters' root: rebased to where the parameters sit in the array
+        call = [{"type": "object", "properties": {"name": {"const": name}, "parameters": rebase_refs(
+                     schema, f"#/items/anyOf/{i}/properties/parameters")},
+                 "required": ["name", "parameters"], "additionalProperties": False}
+                for i, (name, schema) in enumerate(fns.items())]
+        array = {"type": "array", "minItems": 1, "items": {"anyOf": call}}
         return "required", {**array, "maxItems": 1} if parallel is False else array
     fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
