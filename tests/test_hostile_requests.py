@@ -124,6 +124,37 @@ class HealthProbe:
         self._thread.join()
 
 
+class Bystander:
+    """A greedy stream of TOKENS tokens in a thread: the arrival time of each chunk; `first` is set at
+    the first one (an attack is sent then, so it runs while the stream does)."""
+
+    TOKENS = 30
+
+    def __init__(self, server: ServerProcess):
+        self.server, self.times = server, []
+        self.first = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", self.server.port, timeout=DEADLINE)
+        body = completion(prompt="ROMEO:", max_tokens=self.TOKENS, temperature=0, ignore_eos=True,
+                          stream=True)
+        conn.request("POST", "/v1/completions", body=json.dumps(body),
+                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+        for line in conn.getresponse():
+            if line.startswith(b"data: {"):
+                self.times.append(time.monotonic())
+                self.first.set()
+        conn.close()
+        self.first.set()
+
+    def largest_gap(self) -> float:
+        self._thread.join(DEADLINE)
+        assert len(self.times) >= self.TOKENS, "the bystander's stream was cut"
+        return max(b - a for a, b in zip(self.times, self.times[1:]))
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     srv = ServerProcess(tmp_path_factory.mktemp("hostile"), *LIMIT_FLAGS)
@@ -182,13 +213,25 @@ ATTACKS = {  # name: (path, body, what the 400 must say)
 }
 
 
+@pytest.fixture(scope="module")
+def gap_alone(server) -> float:
+    """The bystander's largest gap between tokens with no attack beside it."""
+    return Bystander(server).largest_gap()
+
+
 @pytest.mark.parametrize("name", ATTACKS)
-def test_each_attack_is_a_400_naming_its_limit_and_health_answers_throughout(server, name):
+def test_each_attack_is_a_400_naming_its_limit_and_health_answers_throughout(server, gap_alone, name):
+    """The attack's 400, /health within HEALTH_BOUND throughout, and a bystander stream that goes on:
+    all its tokens, its largest gap within the larger of HEALTH_BOUND and 20× its gap alone (a ratio
+    to the same stream on the same machine, not a speed)."""
     path, body, says = ATTACKS[name]
+    bystander = Bystander(server)
+    assert bystander.first.wait(DEADLINE)
     with HealthProbe(server) as probe:
         status, answer = server.request("POST", path, body)
     assert status == 400 and says in answer["error"]["message"], (status, answer)
     assert probe.count >= 1 and probe.worst <= HEALTH_BOUND, probe.worst
+    assert bystander.largest_gap() <= max(HEALTH_BOUND, 20 * gap_alone)
     assert server.proc.poll() is None
     free, total = server.free_blocks()
     assert free == total  # every KV block back in the pool
