@@ -6,8 +6,8 @@ against the same 32 unconstrained (a peer in the same run).
 
 Per model: the median time of an engine step while all 32 rows decode (steps with fewer rows, and the
 prefill, are left out), plain and constrained, interleaved runs; the time inside the grammar mask
-(`structured_output.mask_rows`: llguidance's bitmask for 32 rows + applying it to the logits) per step;
-and the mask's share of the constrained step. Models: the shipped `demo` (GPT-2, 6 × 256, vocab 257),
+(`structured_output.row_bitmask`: llguidance's bitmask, row by row for 32 rows, + `apply_row_bitmasks`,
+the masked fill of the logits) per step; and the mask's share of the constrained step. Models: the shipped `demo` (GPT-2, 6 × 256, vocab 257),
 and a random GPT-2 (6 × 384) with GPT-2's real 50,257-token vocabulary, where the mask has 200× more
 tokens to decide. fp32, 2 threads, temperature 1, seeds fixed. JSON in benchmarks/structured_cpu.json.
 """
@@ -52,20 +52,26 @@ def gpt2_50k(path: Path) -> Path | None:
 
 def run(model: str, p: dict, constrained: bool) -> dict:
     """Step times while all rows decode, and the time spent in the mask per such step."""
+    import nanoserve.engine.llm_engine as llm_engine
     import nanoserve.engine.request as request
     from nanoserve import LLM, SamplingParams
 
     llm = LLM(model, dtype="float32", device="cpu", max_num_seqs=p["batch"])
     engine, spent = llm.engine, []
-    mask_rows = request.mask_rows
+    # the mask's two parts: each row's bitmask (llguidance), then one masked fill of the logits
+    parts = [(llm_engine, "row_bitmask"), (request, "apply_row_bitmasks")]
+    originals = [getattr(module, name) for module, name in parts]
 
-    def timed(logits, matchers):
-        t = time.perf_counter()
-        out = mask_rows(logits, matchers)
-        spent.append(time.perf_counter() - t)
-        return out
+    def timed(fn):
+        def wrapper(*args):
+            t = time.perf_counter()
+            out = fn(*args)
+            spent.append(time.perf_counter() - t)
+            return out
+        return wrapper
 
-    request.mask_rows = timed
+    for (module, name), fn in zip(parts, originals):
+        setattr(module, name, timed(fn))
     try:
         for i in range(p["batch"]):
             so = {"json": SCHEMA} if constrained else None
@@ -82,7 +88,8 @@ def run(model: str, p: dict, constrained: bool) -> dict:
                 steps.append(dt)
                 masks.append(sum(spent[before:]))
     finally:
-        request.mask_rows = mask_rows
+        for (module, name), fn in zip(parts, originals):
+            setattr(module, name, fn)
     return dict(step_s=statistics.median(steps) if steps else None, mask_s=statistics.median(masks) if masks else 0.0,
                 steps=len(steps))
 

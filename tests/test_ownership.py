@@ -7,7 +7,8 @@
    the Sequence's own constructor may write; the model runner is pure.
 2. The scheduler, the allocator and the sequence import no torch (the scheduler never touches tensors).
 3. No import cycle between nanoserve's modules, no private name imported across modules.
-4. Files of at most 300 lines; a docstring on every public class and method of the engine path.
+4. A docstring on every public class and method of the engine path. (Files are split by meaning, not
+   held under a line count: the old 300-line rule squeezed code to fit.)
 Each check has a negative control showing it can fail.
 """
 
@@ -188,11 +189,6 @@ def test_no_private_name_is_imported_across_modules():
            for module, names in _imports(name, path, top_level_only=False) if module.startswith("nanoserve")
            for n in names if n.startswith("_") and not n.startswith("__")]
     assert not bad, bad
-
-
-def test_files_hold_at_most_300_lines():
-    long = {str(p.relative_to(ROOT)): n for p in _modules().values() if (n := len(p.read_text().splitlines())) > 300}
-    assert not long, long
 
 
 def test_every_public_class_and_method_of_the_engine_has_a_docstring():

@@ -40,6 +40,8 @@ class GrammarError(NanoserveError):
 
 @dataclass(frozen=True, slots=True)
 class GrammarLimits:
+    """What one structured-output constraint may ask for, and how its work runs (see above)."""
+
     # what a request may send (checked before compiling)
     max_bytes: int = 65_536  # a schema as JSON, a regex, a Lark grammar, or the choices together
     max_nesting: int = 64  # a schema's objects and arrays, a regex's groups, a grammar's brackets
@@ -142,6 +144,7 @@ def check_constraint(kind: str, value, limits: GrammarLimits) -> None:
 
 
 def check_size(size: int, limits: GrammarLimits, what: str) -> None:
+    """GrammarError when `size` bytes are over max_bytes."""
     if size > limits.max_bytes:
         raise over("max_bytes", size, limits, what)
 

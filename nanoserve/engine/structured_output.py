@@ -78,6 +78,7 @@ class StructuredOutputsParams:
 
     @property
     def value(self):
+        """The constraint itself: the schema, the regex, the choices or the grammar."""
         return getattr(self, self.kind)
 
     def key(self) -> tuple:
@@ -193,6 +194,7 @@ class GrammarCompiler:
         return future.result()
 
     def timeout_error(self) -> GrammarError:
+        """The 400 of a request whose compile outlasted its deadline."""
         return GrammarError("structured outputs: compiling the constraint took longer than "
                             f"GrammarLimits.compile_timeout_s={self.limits.compile_timeout_s} s; simplify it")
 
@@ -244,6 +246,7 @@ class GrammarCompiler:
 
 
 def first_line(text: str | None) -> str:
+    """The first non-empty line of an llguidance error (its state dump follows)."""
     return (text or "").strip().splitlines()[0] if (text or "").strip() else "no reason given"
 
 
@@ -262,6 +265,7 @@ class ThreadPool:
             threading.stack_size(old)
 
     def submit(self, fn, *args) -> Future:
+        """A future of fn(*args), run by the first free thread."""
         future: Future = Future()
         self._jobs.put((future, fn, args))
         return future

@@ -90,7 +90,7 @@ def add_tokenizer_routes(app, core, chat_template, check_model, limits: ServerLi
         if body.model is not None:
             check_model(body.model)
         tok = tokenizer()
-        limits.check_tokens(len(body.tokens), "tokens")
+        limits.check_tokens(len(body.tokens), "the token list")
 
         def work() -> Response:
             ids = core.inputs.check_token_ids(body.tokens) if body.tokens else []
