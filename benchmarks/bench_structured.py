@@ -7,9 +7,10 @@ against the same 32 unconstrained (a peer in the same run).
 Per model: the median time of an engine step while all 32 rows decode (steps with fewer rows, and the
 prefill, are left out), plain and constrained, interleaved runs; the time inside the grammar mask
 (`structured_output.row_bitmask`: llguidance's bitmask, row by row for 32 rows, + `apply_row_bitmasks`,
-the masked fill of the logits) per step; and the mask's share of the constrained step. Models: the shipped `demo` (GPT-2, 6 × 256, vocab 257),
-and a random GPT-2 (6 × 384) with GPT-2's real 50,257-token vocabulary, where the mask has 200× more
-tokens to decide. fp32, 2 threads, temperature 1, seeds fixed. JSON in benchmarks/structured_cpu.json.
+the masked fill of the logits) per step; and the mask's share of the constrained step. Models: the
+shipped `demo` (GPT-2, 6 × 256, vocab 257), and a random GPT-2 (6 × 384) with GPT-2's real 50,257-token
+vocabulary, where the mask has 200× more tokens to decide. fp32, 2 threads, temperature 1, seeds fixed.
+JSON in benchmarks/structured_cpu.json.
 """
 
 from __future__ import annotations
