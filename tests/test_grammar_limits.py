@@ -124,6 +124,9 @@ NO_VALUE = {
     },
     "required but forbidden": {"type": "object", "required": ["x"], "additionalProperties": False},
     "anyOf of dead branches": {"$defs": {"n": NODE}, "anyOf": [{"$ref": "#/$defs/n"}, False]},
+    "a long chain of refs in a cycle": {
+        "$defs": {f"a{k}": {"$ref": f"#/$defs/a{(k - 1) % 1500}"} for k in range(1500)},
+        "$ref": "#/$defs/a1499"},
 }
 # each with a finite value that satisfies it (checked by jsonschema, an outside validator)
 HAS_VALUE = {
@@ -169,6 +172,20 @@ HAS_VALUE = {
         {"a": 1},
     ),
     "prefix items": ({"type": "array", "prefixItems": [{"type": "string"}], "minItems": 1}, ["x"]),
+    "OpenAPI-style components": (
+        {"components": {"schemas": {"X": {"type": "string"}}}, "type": "object",
+         "properties": {"x": {"$ref": "#/components/schemas/X"}}, "required": ["x"]}, {"x": "s"}),
+    "draft-4 tuple items": (
+        {"$schema": "http://json-schema.org/draft-04/schema#", "type": "object",
+         "properties": {"t": {"type": "array", "items": [{"type": "integer"}]},
+                                          "u": {"$ref": "#/properties/t/items/0"}}, "required": ["u"]},
+        {"u": 1}),
+    "required by a pattern": (
+        {"type": "object", "patternProperties": {"^a$": {"type": "string"}},
+         "additionalProperties": False, "required": ["a"]}, {"a": "x"}),
+    "a long chain of refs": (
+        {"$defs": {f"a{k}": {"$ref": f"#/$defs/a{k - 1}"} if k else {"type": "string"}
+                   for k in range(300)}, "$ref": "#/$defs/a299"}, "s"),
     "json pointer ref": (
         {
             "properties": {"a": {"type": "string"}},
@@ -329,3 +346,27 @@ def test_the_cache_keeps_what_its_bytes_hold_counted_at_the_lexers_largest():
     assert compiler.num_cached == 3 and compiler.cached_bytes_bound == 3 * 1000 * 2048
     kept = [key[1] for key in compiler._compiled]
     assert kept == [regexes[3], regexes[4], regexes[2]]
+
+
+@pytest.mark.parametrize("kind,value", [
+    ("json", {"anyOf": 5}), ("json", {"type": "object", "required": [{}]}),
+    ("json", {"$ref": "#/anyOf/²", "anyOf": [{}]}), ("regex", "a{" + "9" * 5000 + "}"),
+    ("regex", "\\x{2013}" * 6),
+])
+def test_malformed_constraints_are_grammar_errors_never_crashes(kind, value):
+    """Whatever a client sends, the check ends in a GrammarError (a 400) or passes; never a TypeError
+    or ValueError that a server would answer with a 500."""
+    try:
+        check_constraint(kind, value, GrammarLimits())
+    except GrammarError:
+        pass
+
+
+def test_sizes_count_utf8_bytes_and_nesting_counts_structure_not_text():
+    """A schema's size is its UTF-8 JSON (not \\u escapes); its nesting is its objects' and arrays',
+    not brackets inside its strings."""
+    words = {"type": "string", "description": "価値" * 5000}  # 30,000 bytes of UTF-8
+    check_constraint("json", {"type": "object", "properties": {"a": words, "b": words}},
+                     GrammarLimits())  # 60 kB: under 64 KiB (escaped, it would be 120 kB)
+    texts = {f"p{i}": {"type": "number", "description": "a value in [0, 1)"} for i in range(80)}
+    check_constraint("json", {"type": "object", "properties": texts}, GrammarLimits())

@@ -14,8 +14,9 @@ constraint passes three gates, each with a 400 that names the limit:
    (`parser_limits`, its LLParserLimits, every field set here on purpose), a compile deadline,
    a thread with a stack far deeper than any grammar the limits let through, and the first mask
    computed there, off the engine's step: a constraint that allows no first token is refused.
-3. **At every step** (LLMEngine._grammar_masks): a row whose mask takes longer than
-   `mask_budget_ms` fails alone; the others' step goes on.
+3. **At every step** (LLMEngine._grammar_masks): a row whose mask takes more than `mask_budget_ms`
+   of its thread's CPU time fails alone; the others' step goes on. (A bound per row: a step of R
+   such rows can still take up to R budgets.)
 
     GrammarLimits()                          the defaults below
     LLMEngine(..., grammar_limits=GrammarLimits(max_bytes=1 << 20))
@@ -26,6 +27,7 @@ Taught in notebooks/11_*.
 from __future__ import annotations
 
 import json
+from collections import deque
 from dataclasses import dataclass, fields
 
 from ..errors import NanoserveError
@@ -51,6 +53,7 @@ class GrammarLimits:
     # how the work runs
     compile_timeout_s: float = 10.0  # compile + first mask; a request waits no longer
     compile_threads: int = 2  # the compile pool: a slow compile holds one of these, never the step
+    max_queued_compiles: int = 64  # compiles queued or running at once; past it a request gets a 429
     mask_budget_ms: float = 250.0  # one row's mask in one step; over it, that request fails alone
     cache_bytes: int = 2 << 30  # compiled grammars kept, each counted at its lexer's largest size
     # llguidance's LLParserLimits (its defaults but for max_lexer_states, ~1-2 kB a state)
@@ -106,19 +109,35 @@ def over(name: str, value: int, limits: GrammarLimits, what: str) -> GrammarErro
 # ------------------------------------------------------------------------------ gate 1: the text
 def check_constraint(kind: str, value, limits: GrammarLimits) -> None:
     """Raise GrammarError when a constraint (StructuredOutputsParams' kind, value) is over a limit,
-    or, for a JSON schema, has no finite value."""
+    is malformed, or, for a JSON schema, has no finite value."""
+    try:
+        _check_constraint(kind, value, limits)
+    except GrammarError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError, RecursionError) as e:
+        raise GrammarError(
+            f"structured outputs: the {kind} constraint is malformed ({type(e).__name__}: "
+            f"{str(e)[:200]})"
+        ) from None
+
+
+def _check_constraint(kind: str, value, limits: GrammarLimits) -> None:
     if kind == "json":
         schema = value
         if isinstance(value, str):
             check_size(len(value.encode()), limits, "the schema's size in bytes")
-            check_nesting(value, "{[", "}]", limits, "the schema's nesting")
             try:
                 schema = json.loads(value)
+            except RecursionError:
+                deeper = limits.max_nesting + 1
+                raise over("max_nesting", deeper, limits, "the schema's nesting") from None
             except json.JSONDecodeError as e:
                 raise GrammarError(f"structured outputs: json is not a JSON schema: {e}") from None
-        text = json.dumps(schema)
+        text = json.dumps(schema, ensure_ascii=False)
         check_size(len(text.encode()), limits, "the schema's size in bytes")
-        check_nesting(text, "{[", "}]", limits, "the schema's nesting")
+        depth = json_depth(schema)
+        if depth > limits.max_nesting:
+            raise over("max_nesting", depth, limits, "the schema's nesting")
         if not has_finite_value(schema):
             raise GrammarError(
                 "structured outputs: the JSON schema admits no finite value (a cycle of "
@@ -163,13 +182,29 @@ def check_nesting(text: str, opening: str, closing: str, limits: GrammarLimits, 
         raise over("max_nesting", deepest, limits, what)
 
 
+def json_depth(value) -> int:
+    """How deep objects and arrays nest in a parsed JSON value (an explicit stack: no recursion)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
 def lark_rule_count(grammar: str) -> int:
     """Definitions in a Lark grammar: lines of the form `name: ...` (rules, lowercase; terminals,
     uppercase; with Lark's `?`, `!` and `.priority` decorations)."""
     count = 0
     for line in grammar.splitlines():
         head, colon, _ = line.partition(":")
-        name = head.strip().lstrip("?!").split(".")[0]
+        name = head.strip().lstrip("?!").split(".")[0].lstrip("_")  # `_name`: an inlined rule
         if colon and name.replace("_", "a").isalnum() and name[:1].isalpha():
             count += 1
     return count
@@ -188,7 +223,7 @@ def regex_size(pattern: str) -> int:
     while i < n:
         ch = pattern[i]
         if ch == "\\":
-            i += 2
+            i = _escape_end(pattern, i)
             _add_atom(stack, 1)
             continue
         if ch == "[":
@@ -233,6 +268,15 @@ def _group_body(pattern: str, i: int) -> int:
     return i + 2 if pattern.startswith("(?", i) else i + 1
 
 
+def _escape_end(pattern: str, i: int) -> int:
+    """The index after the escape at pattern[i] (a backslash): two characters, or `\\x{...}`,
+    `\\u{...}`, `\\p{...}`, `\\P{...}` through their closing brace."""
+    if pattern[i + 1 : i + 2] in ("x", "u", "p", "P") and pattern[i + 2 : i + 3] == "{":
+        end = pattern.find("}", i + 3)
+        return end + 1 if end > 0 else len(pattern)
+    return i + 2
+
+
 def _class_end(pattern: str, i: int) -> int:
     """The index after the character class opening at pattern[i] ('[')."""
     j = i + 1
@@ -245,27 +289,31 @@ def _class_end(pattern: str, i: int) -> int:
     return j + 1
 
 
+MAX_COUNT_DIGITS = 9  # a longer count is read as 10⁹: over any limit, without parsing it
+
+
 def _repeat_count(pattern: str, i: int) -> tuple[int | None, int]:
     """At pattern[i] == '{': (the largest count of `{n}`, `{n,}` or `{n,m}`, the index after '}'),
     (None, i) when the brace is a literal."""
-    end = pattern.find("}", i)
-    body = pattern[i + 1 : end] if end > 0 else ""
-    parts = body.split(",")
-    digits = [part.isascii() and part.isdigit() for part in parts]
-    if (
-        len(parts) > 2
-        or not any(digits)
-        or not all(d or not part for d, part in zip(digits, parts))
-    ):
-        return None, i  # `{`, `{}`, `{,}`, `{x}`: a literal brace
-    largest = int(parts[-1]) if parts[-1] else int(parts[0])
-    return max(largest, 1), end + 1
+    j = i + 1
+    while j < len(pattern) and pattern[j] in "0123456789,":
+        j += 1
+    if j == len(pattern) or pattern[j] != "}":
+        return None, i  # `{`, `{x}`: a literal brace
+    parts = pattern[i + 1 : j].split(",")
+    if len(parts) > 2 or not any(parts) or ("" in parts and len(parts) == 1):
+        return None, i  # `{}`, `{,}`, `{1,2,3}`
+    largest = parts[-1] or parts[0]
+    if len(largest) > MAX_COUNT_DIGITS:
+        return 10**MAX_COUNT_DIGITS, j + 1
+    return max(int(largest), 1), j + 1
 
 
 # ------------------------------------------------------------------------ a schema with no value
-SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")  # ("items": a list in draft 4)
 SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
-SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+SCHEMA_ONE = ("items", "additionalItems", "additionalProperties", "not", "if", "then", "else",
+              "contains")
 
 
 def has_finite_value(root) -> bool:
@@ -274,26 +322,31 @@ def has_finite_value(root) -> bool:
     `oneOf` one, `$ref` its target. A least fixed point (every subschema starts without a value and
     gains one when its parts have theirs), so a cycle of requirements never gets one: the schema
     `{"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}, "required":
-    ["next"]}}, "$ref": "#/$defs/n"}` has no finite value. Other keywords (patterns, bounds) are not
-    judged here: llguidance refuses what they make empty when it compiles."""
-    nodes = _subschemas(root)
+    ["next"]}}, "$ref": "#/$defs/n"}` has no finite value. Computed with a worklist: a subschema is
+    looked at again only when one of its parts gains a value (linear in the schema's size). What is
+    not judged here counts as having a value (patterns, bounds, `not`: llguidance refuses what they
+    make empty when it compiles): this check may let an empty schema through, never refuse one."""
+    if not isinstance(root, dict):
+        return root is not False
+    nodes, parents = _schema_graph(root)
     finite: dict[int, bool] = {id(node): False for node in nodes}
-    changed = True
-    while changed:
-        changed = False
-        for node in nodes:
-            if not finite[id(node)] and _finite_now(node, root, finite):
-                finite[id(node)] = changed = True
-    return finite[id(root)] if isinstance(root, dict) else root is not False
+    work = deque(nodes)  # children before parents
+    while work:
+        node = work.popleft()
+        if finite[id(node)] or not _finite_now(node, root, finite):
+            continue
+        finite[id(node)] = True
+        work.extend(parents.get(id(node), ()))
+    return finite[id(root)]
 
 
-def _subschemas(root) -> list:
-    """Every dict subschema under root, children before parents (explicit stack, no recursion)."""
-    out, seen, stack = [], set(), [(root, False)]
+def _schema_graph(root: dict) -> tuple[list[dict], dict[int, list[dict]]]:
+    """Every dict subschema reachable from root, through its keywords and its local `$ref`s, children
+    before parents; and for each, the subschemas that depend on it (explicit stack, no recursion)."""
+    out, seen, parents = [], set(), {}
+    stack: list = [(root, False)]
     while stack:
         node, expanded = stack.pop()
-        if not isinstance(node, dict):
-            continue
         if expanded:
             out.append(node)
             continue
@@ -301,11 +354,13 @@ def _subschemas(root) -> list:
             continue
         seen.add(id(node))
         stack.append((node, True))
-        stack.extend((child, False) for child in _children(node))
-    return out
+        for child in _children(node, root):
+            parents.setdefault(id(child), []).append(node)
+            stack.append((child, False))
+    return out, parents
 
 
-def _children(node: dict) -> list:
+def _children(node: dict, root: dict) -> list[dict]:
     children = [node.get(key) for key in SCHEMA_ONE]
     for key in SCHEMA_LISTS:
         if isinstance(node.get(key), list):
@@ -313,7 +368,8 @@ def _children(node: dict) -> list:
     for key in SCHEMA_MAPS:
         if isinstance(node.get(key), dict):
             children += node[key].values()
-    return children
+    children.append(_resolve(root, node.get("$ref")))
+    return [child for child in children if isinstance(child, dict)]
 
 
 def _finite_now(node: dict, root, finite: dict[int, bool]) -> bool:
@@ -322,22 +378,20 @@ def _finite_now(node: dict, root, finite: dict[int, bool]) -> bool:
     def ok(child) -> bool:
         if isinstance(child, bool):
             return child
-        return not isinstance(child, dict) or finite.get(id(child), False)
+        return not isinstance(child, dict) or finite.get(id(child), True)
 
-    if "$ref" in node:
-        target = _resolve(root, node["$ref"])
-        if target is not None and not ok(target):
-            return False
-    if "allOf" in node and not all(ok(s) for s in node["allOf"] or []):
+    if "$ref" in node and not ok(_resolve(root, node["$ref"])):
+        return False
+    if isinstance(node.get("allOf"), list) and not all(ok(s) for s in node["allOf"]):
         return False
     for key in ("anyOf", "oneOf"):
-        if key in node and not any(ok(s) for s in node[key] or []):
+        if isinstance(node.get(key), list) and not any(ok(s) for s in node[key]):
             return False
     if "const" in node or "enum" in node:
         return True
     types = node.get("type")
     types = types if isinstance(types, list) else [types]
-    if all(t in ("object", "array") for t in types):
+    if types and all(t in ("object", "array") for t in types):
         return any(_container_ok(node, t, ok) for t in types)
     return True
 
@@ -347,28 +401,35 @@ def _container_ok(node: dict, kind: str, ok) -> bool:
         props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
         extra = node.get("additionalProperties", True)
         required = node.get("required") if isinstance(node.get("required"), list) else []
-        return all(ok(props[name]) if name in props else ok(extra) for name in required)
-    if kind == "array":
-        least = node.get("minItems", 0)
+        if node.get("patternProperties"):  # a required name may match a pattern: not judged here
+            return all(ok(props[name]) for name in required if isinstance(name, str) and name in props)
+        return all(ok(props[name]) if name in props else ok(extra)
+                   for name in required if isinstance(name, str))
+    least = node.get("minItems", 0)
+    least = least if isinstance(least, int) else 0
+    items = node.get("items", True)
+    if isinstance(items, list):  # draft 4: a tuple of schemas, then additionalItems
+        prefix, rest = items, node.get("additionalItems", True)
+    else:
         prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
-        least = least if isinstance(least, int) else 0
-        if not all(ok(s) for s in prefix[:least]):
-            return False
-        return least <= len(prefix) or ok(node.get("items", True))
-    return True  # no type: anything, a number for one
+        rest = items
+    if not all(ok(s) for s in prefix[:least]):
+        return False
+    return least <= len(prefix) or ok(rest)
 
 
 def _resolve(root, ref):
     """The subschema a local `$ref` ("#", "#/$defs/name", a JSON pointer into root) names; None for
-    another document's (llguidance refuses those itself)."""
-    if not isinstance(ref, str) or not ref.startswith("#"):
+    an anchor, another document's or a pointer to nothing (llguidance judges those itself)."""
+    if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
         return None
     node = root
     for part in filter(None, ref[1:].split("/")):
         part = part.replace("~1", "/").replace("~0", "~")
         if isinstance(node, dict) and part in node:
             node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+        elif isinstance(node, list) and part.isascii() and part.isdecimal() and len(part) < 9 \
+                and int(part) < len(node):
             node = node[int(part)]
         else:
             return None

@@ -29,7 +29,7 @@ from ..parallel.workers import ParallelConfig, make_runner, start_workers
 from ..quant.online import check_quantization, quantize_on_load
 from ..spec.spec_decode import SpecDecodeConfig, build_spec_decoder
 from .block_allocator import BlockAllocator
-from .grammar_limits import GrammarLimits
+from .grammar_limits import GrammarError, GrammarLimits
 from .input_processor import InputProcessor
 from .logprobs import record_prompt_logprobs, sampled_logprobs, wants_prompt_logits
 from .outputs import EngineStats, RequestOutput
@@ -317,5 +317,5 @@ class LLMEngine:
             if s.out.finish_reason == "abort":
                 s.out.finish_reason = "error"
         req.output.error = f"{type(error).__name__}: {error}"
-        req.output.error_is_bad_input = isinstance(error, NanoserveError)
+        req.output.error_is_bad_input = isinstance(error, GrammarError)  # the client's constraint
         return req.output

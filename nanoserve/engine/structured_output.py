@@ -38,6 +38,7 @@ import torch
 
 from ..errors import NanoserveError
 from .grammar_limits import GrammarError, GrammarLimits, check_constraint
+from .scheduler import QueueFullError
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -135,9 +136,9 @@ class GrammarCompiler:
         self.limits = limits or GrammarLimits()
         self._ll_tokenizer = None
         self._compiled: OrderedDict[tuple, object] = OrderedDict()  # key -> a matcher at its start, never advanced
-        self._in_flight: dict[tuple, Future] = {}
+        self._in_flight: dict[tuple, Future] = {}  # key -> its compile, queued or running
+        self._waiters: dict[tuple, int] = {}  # key -> requests waiting for it now
         self._lock = threading.Lock()  # the cache, the table in flight and the vocabulary; never held to compile
-        self._pool: ThreadPool | None = None
 
     def ll_tokenizer(self):
         """llguidance's view of the vocabulary (token bytes, EOS), built on first use."""
@@ -174,49 +175,84 @@ class GrammarCompiler:
     def compile(self, params: StructuredOutputsParams):
         """The cached matcher at the start of the grammar, shared: never advance it, copy it (`deep_copy`).
         Waits for the compile at most `limits.compile_timeout_s`; GrammarError past it or over a limit."""
-        future = self.submit(params)
+        key, future = self.submit(params)
         try:
-            return future.result(timeout=self.limits.compile_timeout_s)
+            result = future.result(timeout=self.limits.compile_timeout_s)
         except concurrent.futures.TimeoutError:  # (TimeoutError itself from Python 3.11)
-            raise self.timeout_error() from None
+            raise self._give_up(key, future) from None
+        except BaseException:
+            self._leave(key)
+            raise
+        self._leave(key)
+        return result
 
     async def compile_async(self, params: StructuredOutputsParams):
         """`compile` for an event loop: waits without holding a thread (the compile runs in the pool,
-        shared with any other request for the same constraint; giving up on it cancels nothing)."""
-        future = self.submit(params)
+        shared with any other request for the same constraint)."""
+        key, future = self.submit(params)
         loop = asyncio.get_running_loop()
         ready = asyncio.Event()
         future.add_done_callback(lambda _: loop.call_soon_threadsafe(ready.set))
         try:
             await asyncio.wait_for(ready.wait(), self.limits.compile_timeout_s)
         except asyncio.TimeoutError:
-            raise self.timeout_error() from None
+            raise self._give_up(key, future) from None
+        except BaseException:  # (the request was cancelled: its client left)
+            self._leave(key)
+            raise
+        self._leave(key)
         return future.result()
 
-    def timeout_error(self) -> GrammarError:
-        """The 400 of a request whose compile outlasted its deadline."""
-        return GrammarError("structured outputs: compiling the constraint took longer than "
-                            f"GrammarLimits.compile_timeout_s={self.limits.compile_timeout_s} s; simplify it")
-
-    def submit(self, params: StructuredOutputsParams) -> Future:
-        """A future of `compile(params)`'s matcher, without waiting: done at once when cached, the
-        same future as a compile of the same constraint in flight, else a new job for the pool."""
-        self.ll_tokenizer()  # a model without a usable vocabulary is refused here, at once
+    def submit(self, params: StructuredOutputsParams) -> tuple[tuple, Future]:
+        """(the constraint's key, a future of its compiled matcher), without waiting: done at once when
+        cached, the same future as a compile of the same constraint in flight, else a new job for the
+        pool. Each call is a waiter on the key until `_leave` or `_give_up`; QueueFullError (429) when
+        `limits.max_queued_compiles` compiles are queued or running already."""
         key = params.key()
         with self._lock:
+            self._waiters[key] = self._waiters.get(key, 0) + 1
             proto = self._compiled.get(key)
             if proto is not None:
                 self._compiled.move_to_end(key)
                 future: Future = Future()
                 future.set_result(proto)
-                return future
+                return key, future
             future = self._in_flight.get(key)
             if future is None:
-                if self._pool is None:
-                    self._pool = ThreadPool(self.limits.compile_threads, self.STACK_BYTES, "nanoserve-grammar")
-                future = self._pool.submit(self._compile, params, key)
+                if len(self._in_flight) >= self.limits.max_queued_compiles:
+                    self._leave_locked(key)
+                    raise GrammarBusyError(
+                        f"structured outputs: {len(self._in_flight)} constraints are compiling already "
+                        f"(GrammarLimits.max_queued_compiles={self.limits.max_queued_compiles}); retry")
+                pool = shared_pool(self.limits.compile_threads, self.STACK_BYTES)
+                future = pool.submit(self._compile, params, key)
                 self._in_flight[key] = future
-            return future
+            return key, future
+
+    def _leave(self, key: tuple) -> None:
+        with self._lock:
+            self._leave_locked(key)
+
+    def _leave_locked(self, key: tuple) -> None:
+        self._waiters[key] -= 1
+        if not self._waiters[key]:
+            del self._waiters[key]
+
+    def _give_up(self, key: tuple, future: Future) -> NanoserveError:
+        """A waiter's deadline passed. A compile that never started is cancelled once no one waits
+        for it, and its waiter was only busy behind others (429, retry); one that ran is too slow
+        for its limits (400)."""
+        with self._lock:
+            self._leave_locked(key)
+            started = future.running() or future.done()
+            if not started and key not in self._waiters and future.cancel():
+                self._in_flight.pop(key, None)
+        if not started:
+            return GrammarBusyError(
+                f"structured outputs: the constraint waited GrammarLimits.compile_timeout_s="
+                f"{self.limits.compile_timeout_s} s behind other compiles without starting; retry")
+        return GrammarError("structured outputs: compiling the constraint took longer than "
+                            f"GrammarLimits.compile_timeout_s={self.limits.compile_timeout_s} s; simplify it")
 
     def _compile(self, params: StructuredOutputsParams, key: tuple):
         """In a pool thread: check, compile, compute the first mask (off the step; it is also the
@@ -245,9 +281,26 @@ class GrammarCompiler:
                 self._in_flight.pop(key, None)
 
 
+class GrammarBusyError(QueueFullError):
+    """The compile pool is full, or a request's compile never started before its deadline: the
+    server is busy, not the constraint wrong (HTTP 429, retry later)."""
+
+
 def first_line(text: str | None) -> str:
     """The first non-empty line of an llguidance error (its state dump follows)."""
     return (text or "").strip().splitlines()[0] if (text or "").strip() else "no reason given"
+
+
+_POOLS: dict[int, ThreadPool] = {}  # one pool of each size per process, shared by every engine
+_POOLS_LOCK = threading.Lock()
+
+
+def shared_pool(size: int, stack_bytes: int) -> ThreadPool:
+    """The process's compile pool of `size` threads (started on first use; never stopped)."""
+    with _POOLS_LOCK:
+        if size not in _POOLS:
+            _POOLS[size] = ThreadPool(size, stack_bytes, f"nanoserve-grammar-{size}")
+        return _POOLS[size]
 
 
 class ThreadPool:
@@ -296,9 +349,9 @@ def row_bitmask(matcher, vocab_size: int, budget_s: float, request_id: str) -> t
     """One row's mask, int32 [1, W], as token_bitmask computes it; GrammarError when the matcher is
     in error (a parser limit hit) or the mask took longer than `budget_s` (its request fails, the
     others' step goes on; GrammarLimits.mask_budget_ms)."""
-    start = time.perf_counter()
+    start = time.thread_time()  # this thread's CPU time: a busy machine or a GIL wait is not the grammar's
     bitmask = token_bitmask([matcher], vocab_size)
-    took = time.perf_counter() - start
+    took = time.thread_time() - start
     if matcher.is_error():
         raise GrammarError(f"request {request_id!r}: its structured output grammar failed "
                            f"({first_line(matcher.get_error())})")

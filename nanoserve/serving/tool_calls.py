@@ -74,18 +74,21 @@ def forced(tools: list[dict] | None, tool_choice, parallel: bool | None) -> tupl
     return "named", fns[name]
 
 
+LITERAL_KEYWORDS = ("const", "enum", "default", "examples")  # JSON values, not schemas: left alone
+
+
 def rebase_refs(schema: dict, base: str) -> dict:
-    """A copy of `schema` whose local `$ref`s ("#", "#/...") point at the same places once the schema
-    sits at JSON pointer `base` of a larger document (walked with a stack: no recursion)."""
+    """A copy of `schema` whose JSON-pointer `$ref`s ("#", "#/...") point at the same places once the
+    schema sits at pointer `base` of a larger document (walked with a stack: no recursion)."""
     root = json.loads(json.dumps(schema))
     stack: list = [root]
     while stack:
         node = stack.pop()
         if isinstance(node, dict):
             ref = node.get("$ref")
-            if isinstance(ref, str) and ref.startswith("#"):
+            if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
                 node["$ref"] = base + ref[1:]
-            stack.extend(node.values())
+            stack.extend(v for k, v in node.items() if k not in LITERAL_KEYWORDS)
         elif isinstance(node, list):
             stack.extend(node)
     return root
