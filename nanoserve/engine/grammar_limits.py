@@ -53,7 +53,7 @@ class GrammarLimits:
     # how the work runs
     compile_timeout_s: float = 10.0  # compile + first mask; a request waits no longer
     compile_threads: int = 2  # the compile pool: a slow compile holds one of these, never the step
-    max_queued_compiles: int = 64  # compiles queued or running at once; past it a request gets a 429
+    max_queued_compiles: int = 64  # compiles queued or running at once; past it: a 429
     mask_budget_ms: float = 250.0  # one row's mask in one step; over it, that request fails alone
     cache_bytes: int = 2 << 30  # compiled grammars kept, each counted at its lexer's largest size
     # llguidance's LLParserLimits (its defaults but for max_lexer_states, ~1-2 kB a state)
@@ -81,7 +81,7 @@ class GrammarLimits:
         return self.max_lexer_states * LEXER_STATE_BYTES
 
     def cache_entries(self) -> int:
-        """How many compiled grammars the cache keeps: cache_bytes at the bound above (at least one)."""
+        """How many compiled grammars the cache keeps: cache_bytes at the bound above (≥ 1)."""
         return max(1, self.cache_bytes // self.grammar_bytes_bound())
 
     def parser_limits(self):
@@ -341,8 +341,8 @@ def has_finite_value(root) -> bool:
 
 
 def _schema_graph(root: dict) -> tuple[list[dict], dict[int, list[dict]]]:
-    """Every dict subschema reachable from root, through its keywords and its local `$ref`s, children
-    before parents; and for each, the subschemas that depend on it (explicit stack, no recursion)."""
+    """Every dict subschema reachable from root, through its keywords and its local `$ref`s,
+    children before parents; and for each, the subschemas that depend on it (an explicit stack)."""
     out, seen, parents = [], set(), {}
     stack: list = [(root, False)]
     while stack:
@@ -402,7 +402,8 @@ def _container_ok(node: dict, kind: str, ok) -> bool:
         extra = node.get("additionalProperties", True)
         required = node.get("required") if isinstance(node.get("required"), list) else []
         if node.get("patternProperties"):  # a required name may match a pattern: not judged here
-            return all(ok(props[name]) for name in required if isinstance(name, str) and name in props)
+            named = [name for name in required if isinstance(name, str) and name in props]
+            return all(ok(props[name]) for name in named)
         return all(ok(props[name]) if name in props else ok(extra)
                    for name in required if isinstance(name, str))
     least = node.get("minItems", 0)

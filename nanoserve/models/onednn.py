@@ -28,20 +28,21 @@ up-projection with its GELU costs 23–29 % less at ≥ 16 rows (float32; benchm
 step"); the difference from F.gelu after F.linear is ~2e-7. Float32 only: in bfloat16 the fused GELU acts
 on the float32 sum before rounding, where HF rounds first (~1e-2 apart).
 
-A few rows: MKL, on Intel processors. A decode step with one sequence multiplies one row by each weight.
-On an Intel Xeon, oneDNN's fixed cost per call and its reading speed on small weights lose to MKL's: on GPT-2
-6 × 384's layers (0.6–2.4 MB each) F.linear took 19–52 µs where oneDNN took 32–66, ~0.35 ms of a ~6 ms step
-over its 24 linears, and likewise at 2 and 3 rows; at 4 rows MKL switches to its GEMM and oneDNN is faster
-again. On the LM heads (50257 × 384, 32000 × 512, 151936 × 896: tall and narrow) oneDNN reads faster at any
-row count. On an AMD EPYC the same measurement favours oneDNN almost everywhere: MKL is 1.2–1.5× slower on
-three of the four layers at one row and 1.5–3× slower at 2 and 3 rows (MKL picks its code paths by the
-processor's vendor, and its fastest ones are Intel's). So the rule is the vendor's: on a GenuineIntel
-processor a float32 weight under GEMV_MAX_BYTES calls F.linear for up to GEMV_MAX_ROWS = 3 rows; elsewhere
-GEMV_MAX_ROWS = 0 and every shape goes to oneDNN (`gemv_max_rows`; benchmarks/bench_cpu_linear.py,
-cpu_linear*.json; RESULTS.md, "Fifth step" and "MKL on an AMD EPYC"). A vendor, not a timing taken at start-up:
-the route decides how a product rounds, and a model should give the same tokens in every run on one machine.
-bfloat16 (MKL has no bf16 GEMV) keeps oneDNN. The 32 MB line sits between the layers and the heads measured;
-larger layers (Llama's 4096 × 4096, 67 MB) measured within 2 % on the Xeon.
+A few rows: MKL, on Intel processors. A decode step with one sequence multiplies one row by each
+weight. On an Intel Xeon, oneDNN's fixed cost per call and its reading speed on small weights lose
+to MKL's: on GPT-2 6 × 384's layers (0.6–2.4 MB each) F.linear took 19–52 µs where oneDNN took
+32–66, ~0.35 ms of a ~6 ms step over its 24 linears, and likewise at 2 and 3 rows; at 4 rows MKL
+switches to its GEMM and oneDNN is faster again. On the LM heads (50257 × 384, 32000 × 512, 151936 ×
+896: tall and narrow) oneDNN reads faster at any row count. On an AMD EPYC the same measurement
+favours oneDNN almost everywhere, most of all at 2 and 3 rows (RESULTS.md has the figures; MKL picks
+its code paths by the processor's vendor, and its fastest ones are Intel's). So the rule is the
+vendor's: on a GenuineIntel processor a float32 weight under GEMV_MAX_BYTES calls F.linear for up to
+GEMV_MAX_ROWS = 3 rows; elsewhere GEMV_MAX_ROWS = 0 and every shape goes to oneDNN (`gemv_max_rows`;
+benchmarks/bench_cpu_linear.py, cpu_linear*.json; RESULTS.md, "Fifth step" and "MKL on an AMD
+EPYC"). A vendor, not a timing taken at start-up: the route decides how a product rounds, and a
+model should give the same tokens in every run on one machine. bfloat16 (MKL has no bf16 GEMV) keeps
+oneDNN. The 32 MB line sits between the layers and the heads measured; larger layers (Llama's 4096 ×
+4096, 67 MB) measured within 2 % on the Xeon.
 
 The math is the same fp32 (or bf16) GEMM with fp32 accumulation: results differ from MKL's
 only in summation order, ~1e-6 (tests/test_cpu_step_costs.py checks it against a float64 reference,
@@ -75,7 +76,7 @@ def cpu_vendor() -> str:
 
 
 def gemv_max_rows(vendor: str) -> int:
-    """How many rows go to MKL's GEMV (F.linear) rather than oneDNN on this vendor's processors (see above)."""
+    """How many rows go to MKL's GEMV (F.linear), not oneDNN, on this vendor's processors (above)."""
     return 3 if vendor == "GenuineIntel" else 0
 
 
