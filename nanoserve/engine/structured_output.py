@@ -118,9 +118,9 @@ def _escape(text: str) -> str:
 class GrammarCompiler:
     """Builds one matcher per sample for one tokenizer; the llguidance vocabulary is built once, on first use.
 
-    Compiled grammars are kept (the most recently used, as many as `limits.cache_bytes` holds when each
-    is counted at the most its lexer can grow to: `GrammarLimits.cache_entries`) and each request gets
-    a copy: copies share the compiled lexer's caches, so 32 requests under one schema compute their
+    Compiled grammars are kept (the most recently used, as many as `limits.cache_bytes` holds when
+    each is counted at the most its lexer can grow to: `GrammarLimits.cache_entries`) and each request
+    gets a copy: copies share the compiled lexer's caches, so 32 requests under one schema compute their
     masks ~3x faster than 32 separately compiled matchers (and the compile is paid once).
 
     Compiling is a client's program run on the server, so it is bounded (grammar_limits.py): checked
@@ -129,16 +129,19 @@ class GrammarCompiler:
     compiles in flight, never a compile: a slow one holds one pool thread, not every request. Two
     requests for the same constraint share one compile."""
 
-    STACK_BYTES = 256 << 20  # address space reserved per pool thread; pages are committed only as used
+    STACK_BYTES = 256 << 20  # address space reserved per pool thread; pages committed only as used
 
-    def __init__(self, tokenizer, vocab_size: int, eos_id: int | None, limits: GrammarLimits | None = None):
+    def __init__(self, tokenizer, vocab_size: int, eos_id: int | None,
+                 limits: GrammarLimits | None = None):
         self.tokenizer, self.vocab_size, self.eos_id = tokenizer, vocab_size, eos_id
         self.limits = limits or GrammarLimits()
         self._ll_tokenizer = None
-        self._compiled: OrderedDict[tuple, object] = OrderedDict()  # key -> a matcher at its start, never advanced
+        # key -> a matcher at the grammar's start, never advanced
+        self._compiled: OrderedDict[tuple, object] = OrderedDict()
         self._in_flight: dict[tuple, Future] = {}  # key -> its compile, queued or running
         self._waiters: dict[tuple, int] = {}  # key -> requests waiting for it now
-        self._lock = threading.Lock()  # the cache, the table in flight and the vocabulary; never held to compile
+        # the cache, the tables above and the vocabulary; never held while compiling
+        self._lock = threading.Lock()
 
     def ll_tokenizer(self):
         """llguidance's view of the vocabulary (token bytes, EOS), built on first use."""
@@ -173,8 +176,9 @@ class GrammarCompiler:
         return self.compile(params).deep_copy()
 
     def compile(self, params: StructuredOutputsParams):
-        """The cached matcher at the start of the grammar, shared: never advance it, copy it (`deep_copy`).
-        Waits for the compile at most `limits.compile_timeout_s`; GrammarError past it or over a limit."""
+        """The cached matcher at the grammar's start, shared: never advance it, copy it (`deep_copy`).
+        Waits for the compile at most `limits.compile_timeout_s`; GrammarError past it or over a
+        limit."""
         key, future = self.submit(params)
         try:
             result = future.result(timeout=self.limits.compile_timeout_s)
@@ -187,8 +191,8 @@ class GrammarCompiler:
         return result
 
     async def compile_async(self, params: StructuredOutputsParams):
-        """`compile` for an event loop: waits without holding a thread (the compile runs in the pool,
-        shared with any other request for the same constraint)."""
+        """`compile` for an event loop: waits without holding a thread (the compile runs in the
+        pool, shared with any other request for the same constraint)."""
         key, future = self.submit(params)
         loop = asyncio.get_running_loop()
         ready = asyncio.Event()
@@ -204,10 +208,10 @@ class GrammarCompiler:
         return future.result()
 
     def submit(self, params: StructuredOutputsParams) -> tuple[tuple, Future]:
-        """(the constraint's key, a future of its compiled matcher), without waiting: done at once when
-        cached, the same future as a compile of the same constraint in flight, else a new job for the
-        pool. Each call is a waiter on the key until `_leave` or `_give_up`; QueueFullError (429) when
-        `limits.max_queued_compiles` compiles are queued or running already."""
+        """(the constraint's key, a future of its compiled matcher), without waiting: done at once
+        when cached, the same future as a compile of the same constraint in flight, else a new job
+        for the pool. Each call is a waiter on the key until `_leave` or `_give_up`; QueueFullError
+        (429) when `limits.max_queued_compiles` compiles are queued or running already."""
         key = params.key()
         with self._lock:
             self._waiters[key] = self._waiters.get(key, 0) + 1
@@ -221,9 +225,10 @@ class GrammarCompiler:
             if future is None:
                 if len(self._in_flight) >= self.limits.max_queued_compiles:
                     self._leave_locked(key)
+                    most = self.limits.max_queued_compiles
                     raise GrammarBusyError(
-                        f"structured outputs: {len(self._in_flight)} constraints are compiling already "
-                        f"(GrammarLimits.max_queued_compiles={self.limits.max_queued_compiles}); retry")
+                        f"structured outputs: {len(self._in_flight)} constraints are compiling "
+                        f"already (GrammarLimits.max_queued_compiles={most}); retry")
                 pool = shared_pool(self.limits.compile_threads, self.STACK_BYTES)
                 future = pool.submit(self._compile, params, key)
                 self._in_flight[key] = future
@@ -252,7 +257,8 @@ class GrammarCompiler:
                 f"structured outputs: the constraint waited GrammarLimits.compile_timeout_s="
                 f"{self.limits.compile_timeout_s} s behind other compiles without starting; retry")
         return GrammarError("structured outputs: compiling the constraint took longer than "
-                            f"GrammarLimits.compile_timeout_s={self.limits.compile_timeout_s} s; simplify it")
+                            f"GrammarLimits.compile_timeout_s={self.limits.compile_timeout_s} s; "
+                            "simplify it")
 
     def _compile(self, params: StructuredOutputsParams, key: tuple):
         """In a pool thread: check, compile, compute the first mask (off the step; it is also the
@@ -266,7 +272,7 @@ class GrammarCompiler:
             if proto.is_error():
                 raise GrammarError("structured outputs: the constraint does not compile: "
                                    f"{first_line(proto.get_error())}")
-            probe = proto.deep_copy()  # shares the lexer's caches: the first mask warms them for every copy
+            probe = proto.deep_copy()  # shares the lexer's caches: its first mask warms every copy
             first = token_bitmask([probe], self.vocab_size)
             if probe.is_error() or not bool(first.any()):
                 why = first_line(probe.get_error()) if probe.is_error() else "no token can start it"
@@ -305,8 +311,9 @@ def shared_pool(size: int, stack_bytes: int) -> ThreadPool:
 
 class ThreadPool:
     """`size` daemon threads, started at once, each with a stack of `stack_bytes`, running submitted
-    calls in order. (concurrent.futures' pool starts its threads lazily, after whatever stack size the
-    process set meanwhile; a native compiler that recurses once per grammar rule needs the deep one.)"""
+    calls in order. (concurrent.futures' pool starts its threads lazily, after whatever stack size
+    the process set meanwhile; a native compiler that recurses once per grammar rule needs the deep
+    one.)"""
 
     def __init__(self, size: int, stack_bytes: int, name: str):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -349,15 +356,16 @@ def row_bitmask(matcher, vocab_size: int, budget_s: float, request_id: str) -> t
     """One row's mask, int32 [1, W], as token_bitmask computes it; GrammarError when the matcher is
     in error (a parser limit hit) or the mask took longer than `budget_s` (its request fails, the
     others' step goes on; GrammarLimits.mask_budget_ms)."""
-    start = time.thread_time()  # this thread's CPU time: a busy machine or a GIL wait is not the grammar's
+    start = time.thread_time()  # CPU time: a busy machine or a GIL wait is not the grammar's
     bitmask = token_bitmask([matcher], vocab_size)
     took = time.thread_time() - start
     if matcher.is_error():
         raise GrammarError(f"request {request_id!r}: its structured output grammar failed "
                            f"({first_line(matcher.get_error())})")
     if took > budget_s:
-        raise GrammarError(f"request {request_id!r}: its structured output grammar took {took * 1e3:.0f} ms "
-                           f"for one token's mask, over GrammarLimits.mask_budget_ms={budget_s * 1e3:g}")
+        raise GrammarError(f"request {request_id!r}: its structured output grammar took "
+                           f"{took * 1e3:.0f} ms for one token's mask, over "
+                           f"GrammarLimits.mask_budget_ms={budget_s * 1e3:g}")
     return bitmask
 
 
@@ -370,7 +378,7 @@ def mask_rows(logits: torch.Tensor, matchers: list) -> torch.Tensor:
 
 
 def apply_row_bitmasks(logits: torch.Tensor, bitmasks: list) -> torch.Tensor:
-    """logits [R, V] with each row whose bitmask (int32 [1, W]) is not None limited to its tokens."""
+    """logits [R, V] with each row whose bitmask (int32 [1, W]) is not None limited to it."""
     rows = [i for i, m in enumerate(bitmasks) if m is not None]
     if not rows:
         return logits
