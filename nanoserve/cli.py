@@ -116,8 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     v.add_argument("--port", type=int, default=8000)
     v.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY") or None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
-                        "(default: $NANOSERVE_API_KEY, else none)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health and "
+                        "/metrics (default: $NANOSERVE_API_KEY, else none)")
     v.add_argument("--served-model-name", help="the model name clients send (default: --model)")
     v.add_argument("--chat-template", help="a Jinja chat template file (default: the model's own, if any)")
     v.add_argument("--max-waiting", type=int, help="waiting-queue bound: beyond it requests get 429")
@@ -138,18 +138,20 @@ def build_parser() -> argparse.ArgumentParser:
     limits, grammar = ServerLimits(), GrammarLimits()
     v.add_argument("--max-prompts-per-request", type=int, default=limits.max_prompts_per_request,
                    help="prompts in one completions batch (default %(default)s)")
-    v.add_argument("--max-prompt-tokens-per-request", type=int, default=limits.max_prompt_tokens_per_request,
-                   help="prompt tokens in one request, and what /tokenize returns (default %(default)s)")
+    v.add_argument("--max-prompt-tokens-per-request", type=int,
+                   default=limits.max_prompt_tokens_per_request,
+                   help="prompt tokens in one request, and in /tokenize (default %(default)s)")
     v.add_argument("--max-chat-messages", type=int, default=limits.max_chat_messages,
                    help="messages in one chat (default %(default)s)")
     v.add_argument("--shutdown-grace", type=float, default=limits.shutdown_grace_s,
-                   help="seconds responses in flight may finish after SIGTERM (default %(default)s)")
+                   help="seconds responses in flight get after SIGTERM (default %(default)s)")
     v.add_argument("--grammar-max-bytes", type=int, default=grammar.max_bytes,
                    help="a structured-output constraint's size (default %(default)s)")
     v.add_argument("--grammar-compile-timeout", type=float, default=grammar.compile_timeout_s,
                    help="seconds a constraint may take to compile (default %(default)s)")
     v.add_argument("--grammar-mask-budget-ms", type=float, default=grammar.mask_budget_ms,
-                   help="one row's grammar mask in one step; over it the request fails (default %(default)s)")
+                   help="CPU ms one row's grammar mask may take; over it, the request fails "
+                        "(default %(default)s)")
     _add_spec_args(v)
     return ap
 

@@ -92,8 +92,8 @@ class LLMEngine:
         self.attention_backend = self.runner.attention_backend
         self.cuda_graphs_off = "enforce_eager=True" if enforce_eager else self.runner.use_cuda_graphs(
             max_num_seqs, self.max_model_len)  # decode steps replay CUDA graphs where they can; else why not
-        self.inputs = InputProcessor(self.config, self.tokenizer, self.device, num_blocks, block_size, str(model), lora,
-                                     grammar_limits)
+        self.inputs = InputProcessor(self.config, self.tokenizer, self.device, num_blocks, block_size,
+                                     str(model), lora, grammar_limits)
         self.spec = None if spec_cfg is None else build_spec_decoder(spec_cfg, self)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -229,8 +229,9 @@ class LLMEngine:
 
     def _sample(self, logits, to_sample: list[tuple[Request, Sample, int]], done: dict) -> None:
         """One batched draw for every sample due a token (one device→host transfer), then emit each."""
-        bitmasks = self._grammar_masks(to_sample, logits, done)  # a row whose mask fails, fails alone
-        alive = [i for i, (req, _, _) in enumerate(to_sample) if req.output.request_id in self.requests]
+        bitmasks = self._grammar_masks(to_sample, logits, done)  # a failing mask fails its row alone
+        alive = [i for i, (req, _, _) in enumerate(to_sample)
+                 if req.output.request_id in self.requests]
         to_sample, bitmasks = [to_sample[i] for i in alive], [bitmasks[i] for i in alive]
         if not to_sample:
             return
@@ -241,8 +242,9 @@ class LLMEngine:
                 self._guarded([s.seq], done, self._emit, req, s, token, has_nan, lp, done)
 
     def _grammar_masks(self, to_sample: list, logits, done: dict) -> list:
-        """Each row's grammar mask (None without a grammar), computed one row at a time, so that a row
-        whose grammar fails or runs over its time budget fails its request alone (grammar_limits.py)."""
+        """Each row's grammar mask (None without a grammar), computed one row at a time, so that a
+        row whose grammar fails or runs over its time budget fails its request alone
+        (grammar_limits.py)."""
         vocab = logits.shape[-1] if isinstance(logits, torch.Tensor) else logits[0].shape[-1]
         budget_s = self.inputs.grammars.limits.mask_budget_ms / 1e3
         bitmasks = []

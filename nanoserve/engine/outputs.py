@@ -71,7 +71,7 @@ class RequestOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     error: str | None = None  # set when this request failed on its own (the others go on)
-    error_is_bad_input: bool = False  # ... and the fault was its input's (its grammar: a server's 400)
+    error_is_bad_input: bool = False  # ... and the fault was its grammar's (a server's 400)
 
     # the first sample, for the common n = 1 case
     @property

@@ -60,8 +60,8 @@ class Request:
         out.token_times.append(now)
         if s.matcher is not None and (not s.matcher.consume_token(token) or s.matcher.is_error()):
             # the mask allowed it, so the grammar itself broke (a parser limit hit): its request fails
-            raise GrammarError(f"request {self.output.request_id!r}: token {token} breaks its structured "
-                               f"output grammar ({first_line(s.matcher.get_error())})")
+            raise GrammarError(f"request {self.output.request_id!r}: token {token} breaks its "
+                               f"structured output grammar ({first_line(s.matcher.get_error())})")
         if out.logprobs is not None and logprobs is not None:
             out.logprobs.append(logprobs)
             out.cumulative_logprob += logprobs[token].logprob
@@ -107,9 +107,9 @@ def logit_rows(logits, rows: list[int]) -> torch.Tensor:
 def draw(logits: torch.Tensor, pairs: list[tuple[Request, Sample]], tokenizer=None,
          bitmasks: list | None = None) -> tuple[list, list, list]:
     """One token for each (request, sample) pair from its row of logits [R, V], all in one batched draw:
-    the grammar's mask (structured outputs; `bitmasks`: each row's, computed already, None for a row
-    without a grammar), the request's processing and sampling. Returns the tokens, which rows held NaN,
-    and the raw logprobs of the rows that ask for them (from the unmasked logits)."""
+    the grammar's mask (structured outputs; `bitmasks`: each row's, computed already, None for a
+    row without a grammar), the request's processing and sampling. Returns the tokens, which rows
+    held NaN, and the raw logprobs of the rows that ask for them (from the unmasked logits)."""
     params = [r.params for r, _ in pairs]
     if bitmasks is None:
         allowed = mask_rows(logits, [s.matcher for _, s in pairs])

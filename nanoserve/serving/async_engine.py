@@ -55,7 +55,7 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, step_in_thread: bool = True):
         self.engine = engine
         self._queues: dict[str, asyncio.Queue] = {}  # request id → its consumer's outputs
-        self._new: dict[str, Request] = {}  # validated requests (by id) waiting for the next gap between steps
+        self._new: dict[str, Request] = {}  # validated requests (by id) waiting for a gap between steps
         self._aborts: set[str] = set()
         self._ids = itertools.count()
         self._executor = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-step")
@@ -120,7 +120,7 @@ class AsyncLLMEngine:
                     raise out
                 if out.error is not None:  # this request alone failed inside a step; the engine goes on
                     finished = True
-                    if out.error_is_bad_input:  # e.g. its grammar went over a limit: the client's to mend
+                    if out.error_is_bad_input:  # its grammar went over a limit: the client's to mend
                         raise NanoserveError(f"request {rid} failed: {out.error}")
                     raise RequestFailedError(f"request {rid} failed inside the engine: {out.error}")
                 finished = out.finished

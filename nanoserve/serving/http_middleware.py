@@ -1,8 +1,8 @@
 """ASGI middleware around the OpenAI server (server.py), outermost first:
 
     CountStatus   count every response by endpoint and status code (for /metrics)
-    RequireKey    with an API key set, every path but /health and /metrics needs `Authorization: Bearer
-                  <key>` (401 before any body is read)
+    RequireKey    with an API key set, every path but /health and /metrics needs
+                  `Authorization: Bearer <key>` (401 before any body is read)
     LimitBody     refuse a body larger than `max_body_bytes` (413) before it is parsed or tokenized
 
 Each is a plain ASGI callable, so a reader sees the whole protocol: `scope` describes the request,
@@ -64,7 +64,8 @@ class RequireKey:
         self.app, self.expected = app, None if api_key is None else f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if self.expected is not None and scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        guarded = scope["type"] == "http" and scope["path"] not in OPEN_PATHS
+        if self.expected is not None and guarded:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 body = api.error_body("missing or invalid API key: send the header 'Authorization: Bearer <key>'",

@@ -89,7 +89,7 @@ class _EngineCollector:
                    s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0),
                   ("nanoserve_grammar_cache_entries", "Compiled structured-output grammars kept",
                    self.engine.inputs.grammars.num_cached),
-                  ("nanoserve_grammar_cache_bytes_bound", "The most the kept grammars can hold, in bytes",
+                  ("nanoserve_grammar_cache_bytes_bound", "The most the kept grammars can hold (bytes)",
                    self.engine.inputs.grammars.cached_bytes_bound)]
         if self.engine.spec is not None:
             drafted, accepted = self.metrics.spec_totals

@@ -83,7 +83,8 @@ class ChatCompletionRequest(BaseRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise NanoserveError(f"top_logprobs={self.top_logprobs} needs logprobs=true")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-            raise NanoserveError(f"top_logprobs={self.top_logprobs} must be an integer in [0, {MAX_LOGPROBS}]")
+            raise NanoserveError(f"top_logprobs={self.top_logprobs} must be an integer in "
+                                 f"[0, {MAX_LOGPROBS}]")
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:

@@ -77,8 +77,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, loras: dict | None = None,
                limits: ServerLimits | None = None) -> CountStatus:
     """The ASGI app serving `engine` under `model_name`, and each LoRARequest of `loras` under its name (a
-    request's `model` picks one, as vLLM's --lora-modules); run it with uvicorn (see `serve`). `limits`:
-    what one request may ask for (limits.py)."""
+    request's `model` picks one, as vLLM's --lora-modules); run it with uvicorn (see `serve`).
+    `limits`: what one request may ask for (limits.py)."""
     core, loras = engine.engine, loras or {}
     limits = limits or ServerLimits()
     metrics = ServerMetrics(core, pending=lambda: engine.num_pending)
@@ -162,19 +162,19 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
         check_model(name)
         return card(name)
 
-    add_tokenizer_routes(app, core, chat_template, check_model, limits)  # /tokenize, /detokenize, ...
+    add_tokenizer_routes(app, core, chat_template, check_model, limits)  # /tokenize, ...
 
     # ------------------------------------------------------------------ generation
     async def add_all(prompts: list, params, rid: str, chat_messages: list[dict] | None = None,
                       template_options: dict | None = None, lora=None) -> list[AsyncIterator[RequestOutput]]:
         """Queue every prompt or none. Tokenizing and validating run in a worker thread (a 4 MB prompt
         takes a second to tokenize, and the event loop must keep serving /health and the streams);
-        queueing runs here on the loop, and undoes the queued ones if one is refused. The batch's size
-        is bounded before any prompt is tokenized, its tokens as each one is."""
+        queueing runs here on the loop, and undoes the queued ones if one is refused. The batch's
+        size is bounded before any prompt is tokenized, its tokens as each one is."""
         if chat_messages is not None:
             limits.check_messages(len(chat_messages))
         limits.check_prompts(len(prompts))
-        if params.structured_outputs is not None:  # compiled in the grammar pool; no worker thread waits
+        if params.structured_outputs is not None:  # compiled in the grammar pool; no thread waits
             await core.inputs.grammars.compile_async(params.structured_outputs)
 
         def prepare():
@@ -307,7 +307,7 @@ def serve(model: str = "demo", host: str = "127.0.0.1", port: int = 8000, api_ke
               file=sys.stderr)
     print(f"[nanoserve] serving {served_model_name or model} on http://{host}:{port}/v1 "
           f"(chat: {'yes' if template else 'no template'}; device {core.device})", file=sys.stderr)
-    # SIGTERM: responses in flight get shutdown_grace_s to finish, then they are cut and the engine stops
+    # SIGTERM: responses in flight get shutdown_grace_s to finish, then are cut; the engine stops
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                            timeout_graceful_shutdown=limits.shutdown_grace_s))
     engine.on_fatal.append(lambda e: setattr(server, "should_exit", True))  # finish what is in flight, then stop

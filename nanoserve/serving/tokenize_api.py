@@ -48,9 +48,9 @@ class DetokenizeRequest(BaseModel):
 def add_tokenizer_routes(app, core, chat_template, check_model, limits: ServerLimits) -> None:
     """Register the three routes on `app` for the engine `core` (its tokenizer and context).
 
-    Tokenizing, decoding and encoding the reply as JSON all run in a worker thread: a 4 MB prompt is
-    millions of tokens, and a reply of that size built on the event loop would hold every stream and
-    /health for seconds. The token counts are bounded by `limits` (as a completion's prompts are)."""
+    Tokenizing, decoding and encoding the reply as JSON all run in a worker thread: a 4 MB prompt
+    is millions of tokens, and a reply of that size built on the event loop would hold every stream
+    and /health for seconds. The token counts are bounded by `limits` (as a completion's are)."""
 
     def tokenizer():
         if core.tokenizer is None:
@@ -75,13 +75,14 @@ def add_tokenizer_routes(app, core, chat_template, check_model, limits: ServerLi
         def work() -> Response:
             if body.messages is not None:
                 msgs = for_template([m.as_dict() for m in body.messages])
-                ids = chat_template.encode(msgs, tok, body.add_generation_prompt, body.chat_template_kwargs)
+                ids = chat_template.encode(msgs, tok, body.add_generation_prompt,
+                                           body.chat_template_kwargs)
             else:
                 ids = tok.encode(body.prompt, body.add_special_tokens and core.inputs.add_bos)
             limits.check_tokens(len(ids), "the prompt")
             strs = [tok.decode([t]) for t in ids] if body.return_token_strs else None
-            return json_response({"count": len(ids), "max_model_len": core.max_model_len, "tokens": ids,
-                                  "token_strs": strs})
+            return json_response({"count": len(ids), "max_model_len": core.max_model_len,
+                                  "tokens": ids, "token_strs": strs})
 
         return await asyncio.to_thread(work)
 

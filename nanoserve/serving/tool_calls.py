@@ -56,11 +56,13 @@ def forced(tools: list[dict] | None, tool_choice, parallel: bool | None) -> tupl
     if not fns:
         raise NanoserveError(f"tool_choice={tool_choice!r} needs tools")
     if tool_choice == "required":
-        # a tool's local $refs meant its parameters' root: rebased to where the parameters sit in the array
-        call = [{"type": "object", "properties": {"name": {"const": name}, "parameters": rebase_refs(
-                     schema, f"#/items/anyOf/{i}/properties/parameters")},
-                 "required": ["name", "parameters"], "additionalProperties": False}
-                for i, (name, schema) in enumerate(fns.items())]
+        # a tool's local $refs meant its parameters' root: rebased to where they sit in the array
+        call = []
+        for i, (name, schema) in enumerate(fns.items()):
+            parameters = rebase_refs(schema, f"#/items/anyOf/{i}/properties/parameters")
+            properties = {"name": {"const": name}, "parameters": parameters}
+            call.append({"type": "object", "properties": properties,
+                         "required": ["name", "parameters"], "additionalProperties": False})
         array = {"type": "array", "minItems": 1, "items": {"anyOf": call}}
         return "required", {**array, "maxItems": 1} if parallel is False else array
     fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
@@ -78,8 +80,8 @@ LITERAL_KEYWORDS = ("const", "enum", "default", "examples")  # JSON values, not 
 
 
 def rebase_refs(schema: dict, base: str) -> dict:
-    """A copy of `schema` whose JSON-pointer `$ref`s ("#", "#/...") point at the same places once the
-    schema sits at pointer `base` of a larger document (walked with a stack: no recursion)."""
+    """A copy of `schema` whose JSON-pointer `$ref`s ("#", "#/...") point at the same places once
+    the schema sits at pointer `base` of a larger document (walked with a stack: no recursion)."""
     root = json.loads(json.dumps(schema))
     stack: list = [root]
     while stack:
