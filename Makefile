@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.nanoserve-installed
 TORCH_PIN ?= torch==2.13.0 triton==3.8.0
 NBVAL  := --nbval --nbval-sanitize-with notebooks/sanitize.cfg --nbval-current-env
 
-.PHONY: install demo test test-triton-latest test-clients test-fast lint notebooks bench gpu-check exercises clean
+.PHONY: install demo test test-triton-latest test-clients test-fast lint core-size notebooks bench gpu-check exercises clean
 
 install: $(STAMP)
 
@@ -24,7 +24,7 @@ demo: $(STAMP)
 
 # The test command the README documents and .ci/run calls.
 test: $(STAMP)
-	$(BIN)/ruff check nanoserve kernels tests benchmarks exercises
+	$(BIN)/ruff check nanoserve kernels tests benchmarks exercises scripts
 	@echo "tests on triton $$($(TRITON_VERSION)) (the pinned one)"
 	$(BIN)/pytest -q tests
 	@$(MAKE) --no-print-directory test-triton-latest
@@ -85,7 +85,11 @@ test-fast: $(STAMP)
 	$(BIN)/pytest -q -x -m "not slow" tests
 
 lint: $(STAMP)
-	$(BIN)/ruff check nanoserve kernels tests benchmarks exercises
+	$(BIN)/ruff check nanoserve kernels tests benchmarks exercises scripts
+
+# The core's files in reading order with their lines, and the share the extensions hold.
+core-size: $(STAMP)
+	$(BIN)/python scripts/core_size.py
 
 # Re-execute every notebook in place (what is committed must be executed top to bottom).
 notebooks: $(STAMP)

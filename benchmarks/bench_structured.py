@@ -53,14 +53,14 @@ def gpt2_50k(path: Path) -> Path | None:
 
 def run(model: str, p: dict, constrained: bool) -> dict:
     """Step times while all rows decode, and the time spent in the mask per such step."""
-    import nanoserve.engine.llm_engine as llm_engine
     import nanoserve.engine.request as request
+    import nanoserve.engine.structured_output as structured_output
     from nanoserve import LLM, SamplingParams
 
     llm = LLM(model, dtype="float32", device="cpu", max_num_seqs=p["batch"])
     engine, spent = llm.engine, []
     # the mask's two parts: each row's bitmask (llguidance), then one masked fill of the logits
-    parts = [(llm_engine, "row_bitmask"), (request, "apply_row_bitmasks")]
+    parts = [(structured_output, "row_bitmask"), (request, "apply_row_bitmasks")]
     originals = [getattr(module, name) for module, name in parts]
 
     def timed(fn):

@@ -36,6 +36,8 @@ if not torch.cuda.is_available():
     # that sets it to 0 keeps 4 KiB pages). Why and how much: engine/cpu_allocator.py.
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
+# every extension attached to the core's extension points (nanoserve/extensions.py)
+from . import extensions  # noqa: E402, F401
 from .engine import LLM, LLMEngine, RequestOutput, SamplingParams  # noqa: E402
 from .errors import CheckpointError, ConfigError, NanoserveError  # noqa: E402
 from .lora.serving import LoRARequest  # noqa: E402

@@ -16,30 +16,72 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import MISSING, fields
+from typing import get_args, get_type_hints
 
-from .engine.grammar_limits import GrammarLimits
+from .config import ENGINE_ARGS, SECTION_TYPES, EngineArg
 from .errors import NanoserveError
 from .serving.limits import ServerLimits
 
-QUANTIZATION_CHOICES = ("fp8", "int8", "llm.int8")  # quant/online.py's QUANTIZATION_METHODS (a test keeps them equal)
+MODEL_HELP = "shipped name (demo), checkpoint dir, llama2.c .bin or hub id"
+LOAD_ARGS = ("dtype", "device")  # eval and quantize load a model and run no engine
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="demo", help="shipped name (demo), checkpoint dir, llama2.c .bin or hub id")
-    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
-    p.add_argument("--dtype", help="float32, float16 or bfloat16 (default: float32 on CPU, bfloat16 on CUDA "
-                                   "where the GPU has it, else float16)")
+def add_engine_args(p: argparse.ArgumentParser, names: tuple[str, ...] | None = None) -> None:
+    """--model, and one flag per engine argument (nanoserve/config.py's ENGINE_ARGS, the table LLM
+    reads too): --max-num-seqs 8, --no-enable-prefix-caching, ... `names`: only these."""
+    p.add_argument("--model", default="demo", help=MODEL_HELP)
+    for name, arg in ENGINE_ARGS.items():
+        if arg.cli and (names is None or name in names):
+            p.add_argument("--" + name.replace("_", "-"), **flag_options(arg))
 
 
-def _add_spec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (debugging)")
-    p.add_argument("--speculative-model", help="a draft model (e.g. demo-draft), or with medusa the heads' directory")
-    p.add_argument("--speculative", choices=["draft", "ngram", "medusa", "eagle"], help="the proposer (ngram: lookup)")
-    p.add_argument("--num-speculative-tokens", type=int, default=4, help="γ, draft tokens per step (1..16)")
-    p.add_argument("--speculative-cost", type=float, help="pin a draft forward's cost in target steps (default: "
-                   "measured; pinned, seeded sampling no longer depends on the machine's speed)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks every layer is split over (workers)")
-    p.add_argument("--pipeline-parallel-size", type=int, default=1, help="stages the blocks are split into (workers)")
+def flag_options(arg: EngineArg) -> dict:
+    """argparse's options for one engine argument: its type and default from the config dataclass
+    that holds it, its help and choices from the table."""
+    default = engine_arg_default(arg)
+    options = {"default": default, "help": arg.help}
+    if arg.choices:
+        options["choices"] = arg.choices
+    kind = engine_arg_type(arg)
+    if kind is bool and default:
+        options["action"] = argparse.BooleanOptionalAction
+    elif kind is bool:
+        options["action"] = "store_true"
+    else:
+        options["type"] = kind
+    if default is not None and kind is not bool:
+        options["help"] += " (default %(default)s)"
+    return options
+
+
+def engine_arg_default(arg: EngineArg):
+    """The default of the config field behind `arg` (None where the field has none)."""
+    if arg.field == "enabled":
+        return False
+    default = {f.name: f.default for f in fields(SECTION_TYPES[arg.section])}[arg.field]
+    return None if default is MISSING else default
+
+
+def engine_arg_type(arg: EngineArg) -> type:
+    """bool, int, float or str: what the command line parses the field's value as."""
+    if arg.field == "enabled":
+        return bool
+    hint = get_type_hints(SECTION_TYPES[arg.section])[arg.field]
+    for kind in (bool, int, float):
+        if hint is kind or kind in get_args(hint):
+            return kind
+    return str
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The engine arguments given on the command line (those at their default are left out)."""
+    kwargs = {}
+    for name, arg in ENGINE_ARGS.items():
+        value = getattr(args, name, None)
+        if arg.cli and value is not None and value != engine_arg_default(arg):
+            kwargs[name] = value
+    return kwargs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,13 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text from a prompt (streams to stdout)")
-    _add_model_args(g)
-    g.add_argument("--attention-backend", choices=["torch", "triton", "cpu"],
-                   help="attention over the KV cache (default: triton on CUDA, cpu on the CPU, where they serve)")
-    g.add_argument("--kv-cache-dtype", default="auto",
-                   help="auto (K/V in the model's dtype), int8, fp8_e4m3 or fp8_e5m2 (a scale per token and head)")
-    g.add_argument("--quantization", choices=QUANTIZATION_CHOICES,
-                   help="make a float checkpoint's linears 8-bit as it loads: W8A8 fp8 or int8, or LLM.int8")
+    add_engine_args(g)
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
@@ -62,10 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--seed", type=int)
     g.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
-    _add_spec_args(g)
 
     e = sub.add_parser("eval", help="perplexity of a model on a text file (sliding window)")
-    _add_model_args(e)
+    add_engine_args(e, LOAD_ARGS)
     e.add_argument("--text", required=True, help="a UTF-8 text file")
     e.add_argument("--context", type=int, help="window length in tokens (default: the model's context)")
     e.add_argument("--stride", type=int, help="tokens scored per window (default: context // 2)")
@@ -75,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("workload", choices=["throughput", "latency", "speculative", "serve"],
                    help="speculative: the target alone vs speculative decoding, γ = 1..8, T = 0 and 1; "
                         "serve: Poisson load on a running server (--url)")
-    b.add_argument("--model", default="demo")
+    b.add_argument("--model", default="demo", help=MODEL_HELP)
+    b.add_argument("--speculative-model", help="speculative: the draft model (default demo-draft)")
     b.add_argument("--num-requests", type=int)
     b.add_argument("--batch-size", type=int, default=16, help="static/dynamic batch size")
     b.add_argument("--max-wait-ms", type=float, default=20.0, help="dynamic batching's wait")
@@ -90,11 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve: tokens to generate, uniform in [MIN, MAX]")
     b.add_argument("--slo-ttft-ms", type=float, help="serve: goodput's time-to-first-token SLO")
     b.add_argument("--slo-tpot-ms", type=float, help="serve: goodput's time-per-output-token SLO")
-    _add_spec_args(b)
 
     q = sub.add_parser("quantize", help="quantize a model's linears (RTN, GPTQ, AWQ; W8A8 int8, SmoothQuant, FP8), "
                                         "save in the GPTQ or compressed-tensors format")
-    _add_model_args(q)
+    add_engine_args(q, LOAD_ARGS)
     q.add_argument("--method", choices=["rtn", "gptq", "awq", "int8", "smoothquant", "fp8"], default="gptq",
                    help="int8: W8A8 (per-channel weights, per-token activations); smoothquant: the same after "
                         "SmoothQuant's smoothing (needs --calib); fp8: W8A8-FP8. These three write compressed-tensors")
@@ -112,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--out", required=True, help="output directory (config.json + model.safetensors)")
 
     v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)")
-    _add_model_args(v)
+    add_engine_args(v)
     v.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     v.add_argument("--port", type=int, default=8000)
     v.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY") or None,
@@ -120,22 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "/metrics (default: $NANOSERVE_API_KEY, else none)")
     v.add_argument("--served-model-name", help="the model name clients send (default: --model)")
     v.add_argument("--chat-template", help="a Jinja chat template file (default: the model's own, if any)")
-    v.add_argument("--max-waiting", type=int, help="waiting-queue bound: beyond it requests get 429")
     v.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", help="PEFT LoRA adapters served beside it")
-    v.add_argument("--max-loras", type=int, default=4, help="LoRA adapters in one step (slots)")
-    v.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank a slot holds")
-    v.add_argument("--max-num-seqs", type=int, default=64, help="sequences in one forward")
-    v.add_argument("--max-num-batched-tokens", type=int, default=512, help="new tokens in one forward")
-    v.add_argument("--num-blocks", type=int, help="KV cache blocks (default: 8 full-context sequences)")
-    v.add_argument("--attention-backend", choices=["torch", "triton", "cpu"])
-    v.add_argument("--kv-cache-dtype", default="auto",
-                   help="auto (K/V in the model's dtype), int8, fp8_e4m3 or fp8_e5m2 (a scale per token and head)")
-    v.add_argument("--quantization", choices=QUANTIZATION_CHOICES,
-                   help="make a float checkpoint's linears 8-bit as it loads: W8A8 fp8 or int8, or LLM.int8")
     v.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
                    help="largest request body accepted (default 4 MiB); larger ones get 413")
     v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    limits, grammar = ServerLimits(), GrammarLimits()
+    limits = ServerLimits()
     v.add_argument("--max-prompts-per-request", type=int, default=limits.max_prompts_per_request,
                    help="prompts in one completions batch (default %(default)s)")
     v.add_argument("--max-prompt-tokens-per-request", type=int,
@@ -145,14 +169,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="messages in one chat (default %(default)s)")
     v.add_argument("--shutdown-grace", type=float, default=limits.shutdown_grace_s,
                    help="seconds responses in flight get after SIGTERM (default %(default)s)")
-    v.add_argument("--grammar-max-bytes", type=int, default=grammar.max_bytes,
-                   help="a structured-output constraint's size (default %(default)s)")
-    v.add_argument("--grammar-compile-timeout", type=float, default=grammar.compile_timeout_s,
-                   help="seconds a constraint may take to compile (default %(default)s)")
-    v.add_argument("--grammar-mask-budget-ms", type=float, default=grammar.mask_budget_ms,
-                   help="CPU ms one row's grammar mask may take; over it, the request fails "
-                        "(default %(default)s)")
-    _add_spec_args(v)
     return ap
 
 
@@ -163,8 +179,7 @@ def cmd_generate(args) -> None:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             repetition_penalty=args.repetition_penalty, max_tokens=args.max_tokens,
                             seed=args.seed, stop=args.stop)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
-              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, **_spec_kwargs(args))
+    llm = LLM(args.model, **engine_kwargs(args))
     n_prompt = len(llm.encode_prompt(args.prompt))
     start, n_out = time.perf_counter(), 0
     for out in llm.stream_request(args.prompt, params):
@@ -178,16 +193,6 @@ def cmd_generate(args) -> None:
     print(f"[nanoserve] model={args.model} device={llm.device} dtype={str(llm.dtype).removeprefix('torch.')} "
           f"prompt_tokens={n_prompt} generated_tokens={n_out} time={elapsed:.2f}s "
           f"tokens/s={n_out / elapsed:.1f}{spec_note}", file=sys.stderr)
-
-
-def _spec_kwargs(args) -> dict:
-    """The engine arguments of _add_spec_args: speculation, --enforce-eager and the parallel sizes."""
-    eager = dict({"enforce_eager": True} if args.enforce_eager else {}, tensor_parallel_size=args.tensor_parallel_size,
-                 pipeline_parallel_size=args.pipeline_parallel_size)
-    if args.speculative_model is None and args.speculative is None:
-        return eager
-    return dict(speculative_model=args.speculative_model, speculative=args.speculative,
-                num_speculative_tokens=args.num_speculative_tokens, speculative_cost=args.speculative_cost, **eager)
 
 
 def cmd_eval(args) -> None:
@@ -294,19 +299,13 @@ def cmd_serve(args) -> None:
         raise NanoserveError(f"--port {args.port} is not a TCP port (1..65535)")
     if args.max_body_bytes < 1:
         raise NanoserveError(f"--max-body-bytes {args.max_body_bytes} must be ≥ 1")
-    serve(args.model, host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
-          chat_template=args.chat_template, log_level=args.log_level, max_body_bytes=args.max_body_bytes,
-          dtype=args.dtype, device=args.device, lora_modules=args.lora_modules, max_loras=args.max_loras,
-          max_lora_rank=args.max_lora_rank, max_waiting=args.max_waiting, max_num_seqs=args.max_num_seqs,
-          num_blocks=args.num_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
-          attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+    serve(args.model, host=args.host, port=args.port, api_key=args.api_key,
+          served_model_name=args.served_model_name, chat_template=args.chat_template,
+          log_level=args.log_level, max_body_bytes=args.max_body_bytes,
+          lora_modules=args.lora_modules,
           limits=ServerLimits(args.max_prompts_per_request, args.max_prompt_tokens_per_request,
                               args.max_chat_messages, args.shutdown_grace),
-          grammar_limits=GrammarLimits(max_bytes=args.grammar_max_bytes,
-                                       compile_timeout_s=args.grammar_compile_timeout,
-                                       mask_budget_ms=args.grammar_mask_budget_ms),
-          **_spec_kwargs(args))
-
+          **engine_kwargs(args))
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)

@@ -28,6 +28,17 @@ class ConfigError(NanoserveError):
     """A model config that is missing a field or names something unsupported."""
 
 
+class GrammarError(NanoserveError):
+    """A constraint the server will not run: too large, too deep, too slow, or with no valid output.
+    A client's mistake (HTTP 400), also when it shows only at a later token (structured outputs)."""
+
+
+def first_line(text: str | None) -> str:
+    """The first non-empty line of an error text (a grammar engine's: its state dump follows)."""
+    text = (text or "").strip()
+    return text.splitlines()[0] if text else "no reason given"
+
+
 class RequestFailedError(RuntimeError):
     """One request failed inside the engine; it alone ends (HTTP 500), the others go on."""
 

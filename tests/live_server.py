@@ -160,7 +160,7 @@ POISON = "POISON"  # the prompt whose row `poisoned_engine`'s injected fault hit
 def poisoned_engine(model: str = "demo", isolated: bool = True, **kw) -> LLMEngine:
     """An engine whose sampling raises for the request with prompt POISON (a bug in one row).
     isolated=False: the fault escapes step(), as before issue 16 (the negative control)."""
-    core = LLMEngine(model, **{"num_blocks": 64, **kw})
+    core = LLMEngine.from_kwargs(model, **{"num_blocks": 64, **kw})
     emit = core._emit
 
     def _emit(req, s, token, *rest):

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from nanoserve import LLM, NanoserveError, SamplingParams
-from nanoserve.kv import KVCache, PagedKVCache, TritonCacheView
+from nanoserve.kv import KVCache, PagedKVCache
+from nanoserve.kv.triton_backend import TritonCacheView
 from nanoserve.models.loader import load_model
 
 CASES = ["gpt2", "llama-gqa", "qwen3-window", "gemma2"]  # MHA with a learned position table; GQA 6:2 with RoPE
@@ -151,7 +152,7 @@ def test_default_backend_and_bad_name(hf_checkpoints):
 
     llm = LLM(path)  # the CPU's default: the C decode kernel where it builds (the Triton interpreter is slow)
     assert llm.engine.attention_backend == ("torch" if cpu_kernel_problem(llm.model.config.head_dim) else "cpu")
-    with pytest.raises(NanoserveError, match=r"attention_backend must be one of torch, triton, cpu.*'flash'"):
+    with pytest.raises(NanoserveError, match=r"attention_backend='flash'; allowed: None .*torch, triton, cpu"):
         LLM(path, attention_backend="flash")
     with pytest.raises(NanoserveError, match="attention_backend must be one of"):
         PagedKVCache(load_model(path)[1], 4, 4, attention_backend="cuda")

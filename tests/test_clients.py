@@ -34,7 +34,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    core = LLMEngine(str(checkpoint), num_blocks=256)
+    core = LLMEngine.from_kwargs(str(checkpoint), num_blocks=256)
     srv = LiveServer(create_app(AsyncLLMEngine(core), MODEL,
                                 chat_template=load_chat_template(checkpoint, core.tokenizer)))
     yield srv

@@ -219,7 +219,7 @@ def test_use_onednn_linears_swaps_plain_linears_and_keeps_ties():
 def test_the_engine_runs_its_cpu_linears_through_onednn():
     from nanoserve import LLMEngine
 
-    engine = LLMEngine("demo")
+    engine = LLMEngine.from_kwargs("demo")
     assert engine.runner.onednn_off is None
     linears = [m for m in engine.model.modules() if isinstance(m, nn.Linear)]
     assert linears and all(type(m) is OneDNNLinear for m in linears)
@@ -255,7 +255,7 @@ def test_run_returns_each_rows_logits_whatever_the_forward_order():
     from nanoserve import LLMEngine
     from nanoserve.engine.sequence import Sequence
 
-    engine = LLMEngine("demo", enable_prefix_caching=False)
+    engine = LLMEngine.from_kwargs("demo", enable_prefix_caching=False)
     seqs = [Sequence(list(range(1, 1 + n))) for n in (8, 10, 9)]  # one prefill forward, not in length order
     for s in seqs:
         engine.block_allocator.allocate(s)

@@ -28,7 +28,7 @@ def test_buckets(max_num_seqs, buckets):
 
 def _decode_step(backend: str, rows: int):
     """An engine after its prefill, and the prepared inputs of its first decode step."""
-    engine = LLMEngine("demo", attention_backend=backend, block_size=4, num_blocks=96)
+    engine = LLMEngine.from_kwargs("demo", attention_backend=backend, block_size=4, num_blocks=96)
     for i in range(rows):
         engine.add_request("ROMEO:" * (i + 1), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     engine.step()  # the prefill (and the first tokens)
@@ -89,8 +89,8 @@ def test_fill_negative_control_without_padding_the_stale_rows_write_kv():
 
 
 def test_graphs_are_off_on_a_cpu_and_with_enforce_eager():
-    assert "CUDA device" in LLMEngine("demo").cuda_graphs_off
-    assert LLMEngine("demo", enforce_eager=True).cuda_graphs_off == "enforce_eager=True"
+    assert "CUDA device" in LLMEngine.from_kwargs("demo").cuda_graphs_off
+    assert LLMEngine.from_kwargs("demo", enforce_eager=True).cuda_graphs_off == "enforce_eager=True"
 
 
 @pytest.mark.gpu

@@ -220,14 +220,14 @@ def test_without_the_check_llguidance_fails_the_self_requiring_schema_late():
     llguidance = pytest.importorskip("llguidance")
     from llguidance.tiktoken import lltokenizer_from_encoding
 
-    from nanoserve.engine.structured_output import StructuredOutputsParams
+    from nanoserve.engine.structured_output import StructuredOutputsParams, llguidance_grammar
     from nanoserve.models.loader import load_model
 
     _, config, tok = load_model("demo")
     ll_tok = lltokenizer_from_encoding(
         tok.encoding, n_vocab=config.vocab_size, eos_token=tok.eos_id
     )
-    grammar = StructuredOutputsParams(json=NO_VALUE["self-requiring object"]).llguidance_grammar()
+    grammar = llguidance_grammar(StructuredOutputsParams(json=NO_VALUE["self-requiring object"]))
     matcher = llguidance.LLMatcher(ll_tok, grammar, log_level=0)
     assert not matcher.is_error() and matcher.compute_bitmask() is not None  # "{" is allowed ...
     accepted = matcher.consume_token(
@@ -313,7 +313,7 @@ def test_the_compile_pool_survives_a_chain_that_overflows_a_default_stack():
     raised = GrammarLimits(
         max_rules=10**6, max_bytes=10**7, step_max_items=10**7, compile_timeout_s=600
     )
-    engine = LLMEngine("demo", grammar_limits=raised)
+    engine = LLMEngine.from_kwargs("demo", grammar_limits=raised)
     proto = engine.inputs.grammars.compile(StructuredOutputsParams(grammar=DEEP_CHAIN))
     assert not proto.is_error()
     assert threading.stack_size() == 0  # the pool put the process's default back
@@ -338,7 +338,7 @@ def test_the_cache_keeps_what_its_bytes_hold_counted_at_the_lexers_largest():
     limits = GrammarLimits(max_lexer_states=1000)
     limits = GrammarLimits(max_lexer_states=1000, cache_bytes=3 * limits.grammar_bytes_bound() + 1)
     assert limits.grammar_bytes_bound() == 1000 * 2048 and limits.cache_entries() == 3
-    compiler = LLMEngine("demo", grammar_limits=limits).inputs.grammars
+    compiler = LLMEngine.from_kwargs("demo", grammar_limits=limits).inputs.grammars
     regexes = [f"[a-z]{{{n}}}" for n in range(1, 6)]
     for regex in regexes:
         compiler.compile(StructuredOutputsParams(regex=regex))

@@ -79,20 +79,20 @@ def _assert_isolated(engine: LLMEngine, done: dict, solo: dict, says: str) -> No
 
 
 def test_a_fault_in_one_row_fails_that_request_alone(solo):
-    engine = faulty_sampling(LLMEngine("demo"))
+    engine = faulty_sampling(LLMEngine.from_kwargs("demo"))
     _assert_isolated(engine, _drive(engine), solo, "Injected: injected fault while sampling")
     assert len(_drive(engine)["a"].token_ids) == 12  # and the engine serves on
 
 
 def test_isolation_negative_control_an_escaping_fault_fails_the_check(solo):
-    engine = unisolated(faulty_sampling(LLMEngine("demo")))
+    engine = unisolated(faulty_sampling(LLMEngine.from_kwargs("demo")))
     with pytest.raises(Injected):
         _drive(engine)
     assert engine.has_unfinished_requests()  # the others were cut off with it
 
 
 def test_a_fault_while_forking_n_samples_frees_every_child(solo):
-    engine = LLMEngine("demo")
+    engine = LLMEngine.from_kwargs("demo")
     new_sample = engine.inputs.new_sample
 
     def faulty_fork(req, seq, i):
@@ -111,7 +111,7 @@ def test_a_fault_while_forking_n_samples_frees_every_child(solo):
 
 
 def test_nan_logits_in_one_row_fail_that_request(solo):
-    engine = LLMEngine("demo")
+    engine = LLMEngine.from_kwargs("demo")
     run = engine.runner.run
 
     def poisoned(seqs, num_new, num_logits=None):  # as an fp16 overflow in one sequence would
@@ -127,7 +127,7 @@ def test_nan_logits_in_one_row_fail_that_request(solo):
 
 
 def test_a_failed_forward_fails_its_batch_and_the_engine_serves_on(solo):
-    engine = LLMEngine("demo", max_num_seqs=2)  # "c" waits outside the failing batch
+    engine = LLMEngine.from_kwargs("demo", max_num_seqs=2)  # "c" waits outside the failing batch
     run, calls = engine.runner.run, []
 
     def once(seqs, num_new, num_logits=None):
@@ -144,7 +144,7 @@ def test_a_failed_forward_fails_its_batch_and_the_engine_serves_on(solo):
 
 
 def test_a_failed_draft_forward_fails_the_speculating_requests_only(solo):
-    engine = LLMEngine("demo", speculative="ngram", num_speculative_tokens=3, speculative_adaptive=False)
+    engine = LLMEngine.from_kwargs("demo", speculative="ngram", num_speculative_tokens=3, speculative_adaptive=False)
     propose, in_failed_batch = engine.spec.propose_and_extend, set()
 
     def faulty(rows, *rest):
@@ -165,7 +165,7 @@ def test_a_failed_draft_forward_fails_the_speculating_requests_only(solo):
 
 
 def test_broken_shared_state_stops_the_engine():
-    engine = LLMEngine("demo")
+    engine = LLMEngine.from_kwargs("demo")
     engine.add_request("ROMEO:", GREEDY, request_id="a")
     engine.step()
     seq = engine.requests["a"].samples[0].seq
@@ -177,7 +177,7 @@ def test_broken_shared_state_stops_the_engine():
 
 
 def test_a_running_sequence_with_nothing_to_compute_is_an_error_not_a_hang():
-    engine = LLMEngine("demo")
+    engine = LLMEngine.from_kwargs("demo")
     engine.add_request("ROMEO:", GREEDY, request_id="a")
     engine.step()
     seq = engine.requests["a"].samples[0].seq
@@ -191,7 +191,7 @@ def test_hang_negative_control_without_the_guard_steps_make_no_progress(monkeypa
     import nanoserve.engine.scheduler as scheduler
 
     monkeypatch.setattr(scheduler, "_check_has_work", lambda seq: None)
-    engine = LLMEngine("demo")
+    engine = LLMEngine.from_kwargs("demo")
     engine.add_request("ROMEO:", GREEDY, request_id="a")
     engine.step()
     seq = engine.requests["a"].samples[0].seq

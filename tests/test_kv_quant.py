@@ -182,7 +182,7 @@ def test_the_server_and_the_cli_take_kv_cache_dtype():
 
     assert build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8_e4m3"]).kv_cache_dtype == "fp8_e4m3"
     assert build_parser().parse_args(["generate", "--prompt", "x"]).kv_cache_dtype == "auto"
-    core = LLMEngine("demo", kv_cache_dtype="int8")
+    core = LLMEngine.from_kwargs("demo", kv_cache_dtype="int8")
     want = LLM("demo", kv_cache_dtype="int8").generate(["ROMEO:"], SamplingParams(temperature=0, max_tokens=12))[0]
     srv = LiveServer(create_app(AsyncLLMEngine(core), "demo"))
     try:

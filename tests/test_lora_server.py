@@ -39,7 +39,7 @@ def adapters(tmp_path_factory):
 
 def test_a_requests_model_field_picks_its_adapter(adapters):
     loras = parse_lora_modules([f"{name}={path}" for name, path in adapters.items()])
-    core = LLMEngine("demo", enable_lora=True, max_loras=2, max_lora_rank=8)
+    core = LLMEngine.from_kwargs("demo", enable_lora=True, max_loras=2, max_lora_rank=8)
     srv = LiveServer(create_app(AsyncLLMEngine(core), "demo", loras=loras))
     try:
         client = srv.client(api_key="none")

@@ -1,4 +1,4 @@
-"""Medusa's token tree in the engine (speculative_tree: spec/tree_sampler.py, model_runner.tree_mask,
+"""Medusa's token tree in the engine (speculative_tree: spec/tree_sampler.py and its tree_mask,
 spec_decode.SpecDecoder._accept_tree), on the demo model with conftest's trained heads.
 
 Greedy: the output equals the target's own greedy output token for token (γ = 1 and 3, batch > 1, block size 4,
@@ -18,10 +18,10 @@ import torch
 from chi2 import goodness_of_fit
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.engine import model_runner
 from nanoserve.engine.sampler import probs_from_logits
 from nanoserve.errors import NanoserveError
 from nanoserve.kv.cache import PagedKVCache
+from nanoserve.spec import tree_sampler
 from nanoserve.spec.tree_sampler import DEFAULT_TREE
 
 PROMPTS = ["ROMEO:\nWhat light through yonder", "To be, or not to be", "First Citizen:\nBefore we proceed any further,",
@@ -132,8 +132,8 @@ def test_copy_slots_moves_every_layers_keys_values_and_scales(kv_cache_dtype):
 @pytest.mark.parametrize("broken", ["causal mask", "no K/V move"])
 def test_controls_break_the_equality(medusa_trained, plain, monkeypatch, broken):
     if broken == "causal mask":  # every tree row treated as a chain: a node sees its siblings' branches
-        real = model_runner.tree_mask
-        monkeypatch.setattr(model_runner, "tree_mask", lambda trees, *a: real([None] * len(trees), *a))
+        real = tree_sampler.tree_mask
+        monkeypatch.setattr(tree_sampler, "tree_mask", lambda trees, *a: real([None] * len(trees), *a))
     else:
         monkeypatch.setattr(PagedKVCache, "copy_slots", lambda self, src, dst: None)
     outs = _llm(medusa_trained[0]).generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -145,7 +145,7 @@ def test_tree_settings_are_checked_by_name(medusa_trained):
     heads = str(medusa_trained[0])
     with pytest.raises(NanoserveError, match="speculative_tree is for speculative='medusa'"):
         LLM("demo", speculative="ngram", speculative_tree="default")
-    with pytest.raises(NanoserveError, match="speculative_tree needs speculative='medusa'"):
+    with pytest.raises(NanoserveError, match="speculative_tree needs speculative=<method>"):
         LLM("demo", speculative_tree="default")
     for bad, match in [([(0, 0)], "without its parent path"), ([(0,), (0,)], "twice"), ([()], "non-empty"),
                        ([(-1,)], "indices ≥ 0"), ("wide", "list of paths"), ([(0,)] * 0, "1..16")]:

@@ -68,7 +68,7 @@ def _watched_step(engine: LLMEngine, monkeypatch) -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_prefill_and_decode_steps_read_back_only_the_sampled_tokens(backend, monkeypatch):
-    engine = LLMEngine("demo", attention_backend=backend, block_size=8)
+    engine = LLMEngine.from_kwargs("demo", attention_backend=backend, block_size=8)
     for prompt, seed in (("ROMEO:", 1), ("JULIET: O Romeo", None)):
         engine.add_request(prompt, SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=seed, max_tokens=4))
     engine.add_request("KING:", SamplingParams(temperature=0, repetition_penalty=1.2, max_tokens=4))
@@ -87,7 +87,7 @@ class _OldView(CacheView):
 
 
 def test_sync_negative_control_the_old_view_is_caught(monkeypatch):
-    engine = LLMEngine("demo", attention_backend="torch")
+    engine = LLMEngine.from_kwargs("demo", attention_backend="torch")
     engine.add_request("ROMEO:", SamplingParams(temperature=0, max_tokens=3))
     monkeypatch.setattr(engine.runner.kv, "bind", lambda meta: _OldView(engine.runner.kv, meta))
     calls = _watched_step(engine, monkeypatch)

@@ -140,10 +140,11 @@ def test_the_engine_quantizes_on_load(quantization):
 
 
 def test_the_cli_offers_every_method_the_engine_takes():
-    from nanoserve.cli import QUANTIZATION_CHOICES, build_parser
-    from nanoserve.quant.online import QUANTIZATION_METHODS
+    from nanoserve.cli import build_parser
+    from nanoserve.config import ENGINE_ARGS, QUANTIZATION_METHODS
+    from nanoserve.quant.online import QUANTIZERS
 
-    assert QUANTIZATION_CHOICES == tuple(QUANTIZATION_METHODS)
+    assert ENGINE_ARGS["quantization"].choices == QUANTIZATION_METHODS == tuple(QUANTIZERS)
     assert build_parser().parse_args(["serve", "--quantization", "llm.int8"]).quantization == "llm.int8"
 
 

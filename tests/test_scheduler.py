@@ -56,7 +56,7 @@ def _run_batched(engine: LLMEngine, prompts, params):
 @pytest.mark.parametrize("chunked", [True, False])
 def test_batched_equals_alone(path, reference, chunked):
     prompts, params = _workload()
-    engine = LLMEngine(path, block_size=BS, num_blocks=512, max_num_seqs=16, max_num_batched_tokens=256,
+    engine = LLMEngine.from_kwargs(path, block_size=BS, num_blocks=512, max_num_seqs=16, max_num_batched_tokens=256,
                        enable_chunked_prefill=chunked, enable_prefix_caching=False)
     got, max_batch = _run_batched(engine, prompts, params)
     assert max_batch > 8  # it really batched
@@ -65,7 +65,7 @@ def test_batched_equals_alone(path, reference, chunked):
 
 def test_small_pool_preempts_and_still_equals_alone(path, reference):
     prompts, params = _workload(seed=1)
-    engine = LLMEngine(path, block_size=BS, num_blocks=40, max_num_seqs=32, max_num_batched_tokens=64,
+    engine = LLMEngine.from_kwargs(path, block_size=BS, num_blocks=40, max_num_seqs=32, max_num_batched_tokens=64,
                        enable_prefix_caching=False)
     got, _ = _run_batched(engine, prompts, params)
     assert engine.scheduler.num_preemptions > 0, "the pool was meant to be too small"
@@ -75,7 +75,7 @@ def test_small_pool_preempts_and_still_equals_alone(path, reference):
 def test_chunked_prefill_splits_long_prompts(path, reference):
     prompts, params = _workload(n=8, seed=2)
     prompts = [p * 4 for p in prompts]  # up to 160 tokens
-    engine = LLMEngine(path, block_size=BS, num_blocks=512, max_num_batched_tokens=16)
+    engine = LLMEngine.from_kwargs(path, block_size=BS, num_blocks=512, max_num_batched_tokens=16)
     seen_chunks = []
     orig = engine.runner.run
 
@@ -90,14 +90,14 @@ def test_chunked_prefill_splits_long_prompts(path, reference):
 
 def test_prefix_caching_in_a_batch_equals_alone(path, reference):
     prompts, params = _workload(n=32, seed=3, shared_prefix=list(range(30, 50)))
-    engine = LLMEngine(path, block_size=BS, num_blocks=512, max_num_batched_tokens=64)
+    engine = LLMEngine.from_kwargs(path, block_size=BS, num_blocks=512, max_num_batched_tokens=64)
     got, _ = _run_batched(engine, prompts, params)
     assert engine.block_allocator.stats.hits > 0
     assert got == reference(prompts, params)
 
 
 def test_abort_mid_generation_frees_every_block(path):
-    engine = LLMEngine(path, block_size=BS, num_blocks=128)
+    engine = LLMEngine.from_kwargs(path, block_size=BS, num_blocks=128)
     keep = engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     gone = engine.add_request(list(range(5, 30)), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
     for _ in range(5):
@@ -113,7 +113,7 @@ def test_abort_mid_generation_frees_every_block(path):
 
 def test_priority_order_is_respected(path):
     """One sequence per step: requests start in (priority, arrival) order."""
-    engine = LLMEngine(path, block_size=BS, num_blocks=128, max_num_seqs=1)
+    engine = LLMEngine.from_kwargs(path, block_size=BS, num_blocks=128, max_num_seqs=1)
     p = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     ids = {prio: engine.add_request([prio + 1, 7], p, priority=prio) for prio in (5, 0, 3, 1)}
     order = []
@@ -125,7 +125,7 @@ def test_priority_order_is_respected(path):
 
 
 def test_full_waiting_queue_rejects_instead_of_growing(path):
-    engine = LLMEngine(path, block_size=BS, num_blocks=64, max_waiting=2)
+    engine = LLMEngine.from_kwargs(path, block_size=BS, num_blocks=64, max_waiting=2)
     engine.add_request([1, 2])
     engine.add_request([3, 4])
     with pytest.raises(QueueFullError, match="waiting queue is full .*max_waiting=2"):
@@ -141,7 +141,7 @@ def test_full_waiting_queue_rejects_instead_of_growing(path):
 ])
 def test_bad_scheduler_settings_fail_at_construction(path, kwargs, match):
     with pytest.raises(NanoserveError, match=match):
-        LLMEngine(path, **kwargs)
+        LLMEngine.from_kwargs(path, **kwargs)
 
 
 def test_timestamps_feed_the_metrics(path):
@@ -160,7 +160,7 @@ def test_preemption_without_recompute_is_caught(path, reference):
     """Negative control: resuming a preempted sequence as if its KV were still there (no recompute)
     must break the equality above."""
     prompts, params = _workload(seed=1)
-    engine = LLMEngine(path, block_size=BS, num_blocks=40, max_num_seqs=32, max_num_batched_tokens=64,
+    engine = LLMEngine.from_kwargs(path, block_size=BS, num_blocks=40, max_num_seqs=32, max_num_batched_tokens=64,
                        enable_prefix_caching=False)
     bm = engine.block_allocator
     allocate = bm.allocate
@@ -180,7 +180,7 @@ def test_every_batcher_equals_alone(path, reference, kind):
     from nanoserve.tools.batching import ContinuousBatcher, DynamicBatcher, StaticBatcher
 
     prompts, params = _workload(n=24, seed=4)
-    engine = LLMEngine(path, block_size=BS, num_blocks=512, max_num_seqs=8)
+    engine = LLMEngine.from_kwargs(path, block_size=BS, num_blocks=512, max_num_seqs=8)
     batcher = {"static": lambda: StaticBatcher(engine, batch_size=8),
                "dynamic": lambda: DynamicBatcher(engine, max_batch_size=8, max_wait_ms=5),
                "continuous": lambda: ContinuousBatcher(engine)}[kind]()
@@ -197,7 +197,7 @@ def test_async_engine_serves_concurrent_consumers_and_aborts_the_abandoned(path)
 
     from nanoserve import AsyncLLMEngine
 
-    engine = LLMEngine(path, block_size=BS, num_blocks=128)
+    engine = LLMEngine.from_kwargs(path, block_size=BS, num_blocks=128)
     aengine = AsyncLLMEngine(engine)
     p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 

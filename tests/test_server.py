@@ -52,7 +52,7 @@ def chat_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(chat_model):
-    core = LLMEngine(str(chat_model), num_blocks=256, max_num_seqs=64)
+    core = LLMEngine.from_kwargs(str(chat_model), num_blocks=256, max_num_seqs=64)
     srv = LiveServer(create_app(AsyncLLMEngine(core), "demo-chat", api_key=KEY,
                                 chat_template=load_chat_template(chat_model, core.tokenizer)))
     yield srv
@@ -347,7 +347,7 @@ def test_unknown_routes_are_404_with_an_openai_body_and_one_metric_label(server)
 @pytest.fixture(scope="module")
 def small_server():
     """The plain demo model (no chat template, no key), one sequence at a time, one waiting slot."""
-    core = LLMEngine("demo", max_num_seqs=1, max_waiting=1, num_blocks=64)
+    core = LLMEngine.from_kwargs("demo", max_num_seqs=1, max_waiting=1, num_blocks=64)
     srv = LiveServer(create_app(AsyncLLMEngine(core), "demo", retry_after=2))
     yield srv
     srv.stop()
@@ -439,7 +439,7 @@ def test_metrics_parse_and_count_what_was_sent(small_server):
 
 
 def test_metrics_show_speculative_acceptance_when_enabled():
-    core = LLMEngine("demo", speculative_model="demo-draft", num_speculative_tokens=3,
+    core = LLMEngine.from_kwargs("demo", speculative_model="demo-draft", num_speculative_tokens=3,
                      speculative_cost=0.1)  # pinned: it speculates whatever the machine's speed
     srv = LiveServer(create_app(AsyncLLMEngine(core), "demo"))
     try:
@@ -454,7 +454,7 @@ def test_metrics_show_speculative_acceptance_when_enabled():
 
 
 def test_a_failed_engine_answers_500_then_503_and_health_stays_503(monkeypatch):
-    core = LLMEngine("demo", num_blocks=32)
+    core = LLMEngine.from_kwargs("demo", num_blocks=32)
     srv = LiveServer(create_app(AsyncLLMEngine(core), "demo"))
     try:
         def broken():

@@ -33,7 +33,7 @@ def chat_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(chat_model):
-    core = LLMEngine(str(chat_model), num_blocks=256)
+    core = LLMEngine.from_kwargs(str(chat_model), num_blocks=256)
     srv = LiveServer(create_app(AsyncLLMEngine(core), MODEL, api_key=KEY,
                                 chat_template=load_chat_template(chat_model, core.tokenizer)))
     yield srv

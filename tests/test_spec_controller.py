@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.config import SpeculativeConfig
 from nanoserve.spec.controller import PROBE_BUDGET, SampleState, SpecController, StepCosts, expected_tokens
 from nanoserve.spec.rejection_sampler import expected_tokens_per_step
-from nanoserve.spec.spec_decode import SpecDecodeConfig
 
 
 def test_prior_until_measured_then_ratios_of_the_moving_averages():
@@ -61,7 +61,7 @@ def test_pinned_costs_time_nothing():
 
 
 def _controller(draft_s: float, verify_s: float, plain_s: float, **cfg) -> SpecController:
-    spec = SpecController(SpecDecodeConfig("ngram", num_speculative_tokens=4, **cfg), prior_draft_cost=0.09)
+    spec = SpecController(SpeculativeConfig("ngram", num_speculative_tokens=4, **cfg), prior_draft_cost=0.09)
     spec.costs.draft_s, spec.costs.verify_s, spec.costs.plain_s = draft_s, verify_s, plain_s
     return spec
 

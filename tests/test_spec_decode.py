@@ -165,7 +165,7 @@ def test_adaptive_gamma_switches_a_useless_draft_off(hf_checkpoints):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(speculative_model="demo-draft", num_speculative_tokens=0), r"num_speculative_tokens=0 must be an integer"),
     (dict(speculative_model="demo-draft", num_speculative_tokens=17), r"num_speculative_tokens=17"),
-    (dict(speculative="lookahead"), r"must be one of draft, ngram, medusa"),
+    (dict(speculative="lookahead"), r"speculative='lookahead'; allowed: draft, ngram, medusa"),
     (dict(speculative="draft"), r"needs speculative_model"),
     (dict(speculative_model="/nonexistent/draft"), r"could not be loaded"),
     (dict(speculative_model="demo-draft", speculative_cost=-1), r"speculative_cost=-1 must be a finite number ≥ 0"),

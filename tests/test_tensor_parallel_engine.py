@@ -148,7 +148,7 @@ def test_the_server_on_a_split_engine_answers_then_503_once_a_worker_died():
     from nanoserve.serving.async_engine import AsyncLLMEngine
     from nanoserve.serving.server import create_app
 
-    core = LLMEngine("demo", tensor_parallel_size=2)
+    core = LLMEngine.from_kwargs("demo", tensor_parallel_size=2)
     srv = LiveServer(create_app(AsyncLLMEngine(core), "demo"))
     try:
         client = openai.OpenAI(base_url=srv.url, api_key="none", max_retries=0, timeout=DEADLINE)

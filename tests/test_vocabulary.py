@@ -50,7 +50,7 @@ def test_the_server_answers_token_ids_and_refuses_text_without_a_tokenizer(no_to
     from nanoserve.serving.async_engine import AsyncLLMEngine
     from nanoserve.serving.server import create_app
 
-    srv = LiveServer(create_app(AsyncLLMEngine(LLMEngine(str(no_tokenizer))), "w"))
+    srv = LiveServer(create_app(AsyncLLMEngine(LLMEngine.from_kwargs(str(no_tokenizer))), "w"))
     try:
         status, _, body = _post(srv.port, "/v1/completions", {"model": "w", "prompt": "ROMEO:"})
         assert status == 400 and "without a tokenizer" in body["error"]["message"]

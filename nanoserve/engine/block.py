@@ -17,8 +17,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import NanoserveError
-
 HashFn = Callable[[int | None, tuple[int, ...]], int]
 
 
@@ -32,7 +30,9 @@ def default_block_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> i
 def prefix_root(seq) -> int | None:
     """What block 0 of a sequence hangs from: None under the base model, −id under LoRA adapter id (a
     value no block's prefix_id takes: those count from 0)."""
-    return -seq.lora_int_id or None
+    if seq.lora_int_id == 0:
+        return None
+    return -seq.lora_int_id
 
 
 @dataclass(slots=True)
@@ -100,9 +100,3 @@ def _expect(condition: bool, message: str) -> None:
     """An assert that `python -O` cannot strip."""
     if not condition:
         raise AssertionError(message)
-
-
-def check_block_size(block_size: int) -> None:
-    """Raise NanoserveError unless `block_size` is a power of two (an int ≥ 1)."""
-    if type(block_size) is not int or block_size <= 0 or block_size & (block_size - 1):
-        raise NanoserveError(f"block_size={block_size!r} is not allowed; it must be a power of two: 1, 2, 4, ... 16")

@@ -25,9 +25,10 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict, deque
 
+from ..config import check_block_size
 from ..errors import EngineStateError, NanoserveError
 from . import block as _block
-from .block import Block, HashFn, PrefixCacheStats, check_block_size, default_block_hash, prefix_root, slots
+from .block import Block, HashFn, PrefixCacheStats, default_block_hash, prefix_root, slots
 from .sequence import NULL_BLOCK, Sequence
 
 
@@ -170,11 +171,17 @@ class BlockAllocator:
         """Sliding window w in every layer: give back the blocks no query sees again (entry -> NULL_BLOCK);
         how many. Queries come at positions ≥ num_computed_tokens and see keys > p − w. Call it once the
         step's tokens are final (Scheduler.postprocess: after speculation's rollback moved them back)."""
-        w, table, freed = self.sliding_window, seq.block_table, 0
-        i = -1 if w is None else (seq.num_computed_tokens - w + 1) // self.block_size - 1
+        if self.sliding_window is None:
+            return 0
+        table = seq.block_table
+        oldest_seen = seq.num_computed_tokens - self.sliding_window + 1  # the first key still seen
+        i = oldest_seen // self.block_size - 1  # the newest block wholly before it
+        freed = 0
         while i >= 0 and table[i] != NULL_BLOCK:  # newest dead block first, back to the last one freed
             self._unref(table[i])
-            table[i], i, freed = NULL_BLOCK, i - 1, freed + 1
+            table[i] = NULL_BLOCK
+            freed += 1
+            i -= 1
         return freed
 
     def slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:
@@ -239,9 +246,12 @@ class BlockAllocator:
 
     def _seal(self, seq: Sequence, i: int) -> None:
         """Hash full block i and register it, unless registered, or its parent is unhashed (a window's: not cached)."""
-        block, before = self.blocks[seq.block_table[i]], seq.block_table[i - 1] if i else NULL_BLOCK
-        parent = self.blocks[before] if before != NULL_BLOCK else None
-        if not self.enable_prefix_caching or block.hash is not None or (i and (parent is None or parent.hash is None)):
+        block = self.blocks[seq.block_table[i]]
+        parent = None  # block i − 1, when there is one and it is still held
+        if i > 0 and seq.block_table[i - 1] != NULL_BLOCK:
+            parent = self.blocks[seq.block_table[i - 1]]
+        parent_unhashed = i > 0 and (parent is None or parent.hash is None)
+        if not self.enable_prefix_caching or block.hash is not None or parent_unhashed:
             return
         tokens, root = self._block_tokens(seq, i), prefix_root(seq)
         h = self.hash_fn(parent.hash if parent else root, tokens)

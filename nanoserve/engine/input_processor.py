@@ -15,11 +15,11 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import NanoserveError
+from ..extension_points import extension
 from .outputs import CompletionOutput, IncrementalText, RequestOutput
 from .request import Prompt, Request, Sample
 from .sampler import SamplingParams, make_generator
 from .sequence import Sequence as SequenceState
-from .structured_output import GrammarCompiler
 
 
 class InputProcessor:
@@ -41,7 +41,9 @@ class InputProcessor:
         self.usable_vocab_size = (config.vocab_size if tokenizer is None
                                   else min(tokenizer.vocab_size, config.vocab_size))
         eos = None if tokenizer is None else tokenizer.eos_id
-        self.grammars = GrammarCompiler(tokenizer, config.vocab_size, eos, grammar_limits)
+        # structured outputs: a request's grammar compiled off the step (structured_output.py)
+        compiler = extension("structured_outputs").GrammarCompiler
+        self.grammars = compiler(tokenizer, config.vocab_size, eos, grammar_limits)
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """Text -> token ids (BOS added for Llama-family models); id lists are checked as they are."""

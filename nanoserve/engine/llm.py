@@ -16,7 +16,9 @@ from collections.abc import Iterator, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from ..config import EngineConfig
 from ..errors import NanoserveError, RequestFailedError
+from ..extension_points import extension
 from .block_allocator import BlockAllocator
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
@@ -28,38 +30,40 @@ OFFLINE_BATCHED_TOKENS = 4096  # LLM's token budget per step (the engine's and t
 
 class LLM:
     """Load a model once, then generate from prompts (text or token-id lists) with continuous
-    batching. Keyword arguments go to `LLMEngine` (cache size, prefix caching, scheduling). `lora`: a
-    PEFT LoRA adapter directory, merged into the weights before the first request, or with
-    `lora_merge=False` applied beside each target layer (a quantized base; nanoserve/lora/).
+    batching. Keyword arguments set up the engine (nanoserve/config.py: cache size, prefix caching,
+    scheduling, ...; an unknown one is an error naming the closest). `lora`: a PEFT LoRA adapter
+    directory, merged into the weights before the first request, or with `lora_merge=False` applied
+    beside each target layer (a quantized base; nanoserve/lora/).
 
-    Offline, nobody waits on a stream's next token, so `LLM` takes a larger token budget per step than the
-    engine's default (`max_num_batched_tokens` 4096 against 512, as vLLM's CPU default): fewer, fuller prefill
-    steps, and the decodes join a full batch sooner. Measured on the peer workloads (benchmarks/RESULTS.md,
-    "Fourth step"): 64 × U[8, 64] ~14 % more tokens/s (7 of 7 interleaved pairs), 256 × U[32, 256] ~3 %. A
-    server keeps 512: a 4096-token prefill step would hold every stream's next token for most of a second."""
+    Offline, nobody waits on a stream's next token, so `LLM` takes a larger token budget per step
+    than the engine's default (`max_num_batched_tokens` 4096 against 512, as vLLM's CPU default):
+    fewer, fuller prefill steps, and the decodes join a full batch sooner (measured on the peer
+    workloads: benchmarks/RESULTS.md, "Fourth step"). A server keeps 512: a 4096-token prefill step
+    would hold every stream's next token for most of a second."""
 
-    def __init__(self, model: str = "demo", dtype: str | torch.dtype | None = None, device: str | None = None,
-                 lora: str | None = None, lora_merge: bool = True, **engine_kwargs):
-        engine_kwargs.setdefault("max_num_batched_tokens", OFFLINE_BATCHED_TOKENS)
-        self.engine = LLMEngine(model, dtype=dtype, device=device, **engine_kwargs)
+    def __init__(self, model: str = "demo", lora: str | None = None, lora_merge: bool = True,
+                 **kwargs):
+        kwargs.setdefault("max_num_batched_tokens", OFFLINE_BATCHED_TOKENS)
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **kwargs))
         e = self.engine
         if lora is not None:
             self._use_lora(lora, lora_merge)
         self.model, self.config, self.tokenizer = e.model, e.config, e.tokenizer
-        self.model_name, self.device, self.dtype, self.max_model_len = e.model_name, e.device, e.dtype, e.max_model_len
+        self.model_name = e.model_name
+        self.device, self.dtype = e.device, e.dtype
+        self.max_model_len = e.max_model_len
         self.runner = e.runner
 
     def _use_lora(self, path: str, merge: bool) -> None:
         """Merged: W + s·BA in place, so the engine's layers (and CUDA graphs) read the same tensors. Unmerged:
         the target layers are swapped for LoRALinear ones, and decode CUDA graphs are recorded again."""
-        from ..lora import apply_lora, load_lora_adapter, merge_lora
-
+        lora = extension("lora")  # nanoserve/lora/
         e = self.engine
-        self.lora = load_lora_adapter(path, e.config)
+        self.lora = lora.load_lora_adapter(path, e.config)
         if merge:
-            merge_lora(e.model, self.lora)
+            lora.merge_lora(e.model, self.lora)
             return
-        apply_lora(e.model, self.lora, e.dtype)
+        lora.apply_lora(e.model, self.lora, e.dtype)
         if e.runner.graphs is not None:  # graphs recorded the layers as they were
             e.runner.graphs.capture()
 

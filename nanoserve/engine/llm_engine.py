@@ -6,10 +6,11 @@ Data flows one way, as in vLLM and nano-vllm:
     block slots from the BlockAllocator) → ModelRunner (one batched forward) → sampler (one
     batched draw) → Request.emit (text, stop conditions) → Scheduler.postprocess (sequence state)
 
-`step()` reads as that: schedule → forward → update → sample; the scheduler owns every sequence's state. Speculation:
-drafts join the rows before the forward (`_speculate`), verified after it (`SpecDecoder.accept`). n > 1 samples fork
-after prefill (copy-on-write). A fault in one request fails it alone (`_fail_request`). Logprobs: engine/logprobs.py.
-Taught in notebooks/00_* to 03_*.
+`step()` reads as that: schedule → forward → update → sample; the scheduler owns every sequence's
+state. Extensions that take part in a step do it as step hooks (`StepHook`: speculative decoding
+drafts before the forward and verifies the rows it claimed after it). n > 1 samples fork after
+prefill (copy-on-write). A fault in one request fails it alone (`isolated`, `_fail_request`).
+Logprobs: engine/logprobs.py. Taught in notebooks/00_* to 03_*.
 """
 
 from __future__ import annotations
@@ -17,87 +18,139 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from ..errors import NanoserveError, RequestFailedError, is_fatal
+from ..config import EngineConfig
+from ..errors import ConfigError, GrammarError, NanoserveError, RequestFailedError, is_fatal
+from ..extension_points import extension
 from ..kv.cache import num_blocks_for_budget
-from ..kv.quant import kv_quant
-from ..lora.serving import LoRAManager
 from ..models.loader import load_model
-from ..parallel.workers import ParallelConfig, make_runner, start_workers
-from ..quant.online import check_quantization, quantize_on_load
-from ..spec.spec_decode import SpecDecodeConfig, build_spec_decoder
 from .block_allocator import BlockAllocator
-from .grammar_limits import GrammarError, GrammarLimits
 from .input_processor import InputProcessor
-from .logprobs import record_prompt_logprobs, sampled_logprobs, wants_prompt_logits
+from .logprobs import record_prompt_logprobs, wants_prompt_logits
+from .model_runner import ModelRunner
 from .outputs import EngineStats, RequestOutput
 from .request import Prompt, Request, Sample, draw, logit_rows
 from .sampler import SamplingParams, mask_from
-from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence as SequenceState
 from .sequence import SequenceStatus
-from .structured_output import mask_verification, row_bitmask
 
 logger = logging.getLogger("nanoserve")
-__all__ = ["LLMEngine", "EngineStats"]
+__all__ = ["LLMEngine", "EngineStats", "EngineStep", "StepHook"]
+
+
+@dataclass
+class EngineStep:
+    """One step's working state as it flows through `LLMEngine.step()`: the scheduler's decision,
+    the outputs that advanced, and what step hooks add. A hook may lengthen a row (speculation
+    appends its drafts through the scheduler) and claim it: the row then returns
+    `num_logits[row]` positions' logits and `handlers[row](logits)` handles them instead of the
+    core, which advances and samples every other row."""
+
+    sched: SchedulerOutput
+    done: dict[str, RequestOutput] = field(default_factory=dict)  # advanced or failed, by request id
+    num_logits: dict[int, int] = field(default_factory=dict)  # claimed rows: logits each returns
+    handlers: dict[int, Callable] = field(default_factory=dict)  # claimed rows: handler(logits)
+    trees: list | None = None  # per row, a token tree's parents (None: a chain); None: no trees
+
+    def drop_rows_of(self, requests: dict) -> None:
+        """Leave out the rows whose request is no longer in `requests` (it failed this step)."""
+        keep = [i for i, seq in enumerate(self.sched.seqs) if seq.request_id in requests]
+        self.sched.seqs = [self.sched.seqs[i] for i in keep]
+        self.sched.num_new = [self.sched.num_new[i] for i in keep]
+
+
+class StepHook(Protocol):
+    """An extension that takes part in every step (speculative decoding: spec/spec_decode.py)."""
+
+    def before_forward(self, engine: LLMEngine, step: EngineStep) -> None:
+        """After scheduling, before the forward: may lengthen and claim rows (see EngineStep)."""
+
+    def after_step(self, engine: LLMEngine, step: EngineStep) -> None:
+        """After every row was handled and sampled."""
 
 
 class LLMEngine:
-    """Continuous batching over a paged KV cache.
+    """Continuous batching over a paged KV cache, set up by one `EngineConfig` (config.py).
 
-    KV cache: a pool of `num_blocks` blocks of `block_size` tokens, sized from `kv_cache_memory` bytes when given,
-    else the bytes of 8 full-context sequences in the model's dtype; K/V in that dtype, or 8-bit with
-    `kv_cache_dtype` "int8" / "fp8_e4m3" / "fp8_e5m2" (kv/quant.py). Prefix caching is on. Linears: 8-bit as they
-    load with `quantization` "fp8" / "int8" / "llm.int8" (quant/online.py). Scheduling: at most `max_num_seqs`
-    sequences and `max_num_batched_tokens` new tokens per step; chunked prefill on by default; `max_waiting` bounds
-    the queue (None: unbounded). Attention (nanoserve/kv/): `attention_backend` "torch" (gather + SDPA), "triton"
-    (nanoserve.kernels) or "cpu" (decode in C); None: triton on CUDA, cpu on the CPU, where they serve, else torch.
-    On CUDA with triton, decode steps replay CUDA graphs unless `enforce_eager` (`cuda_graphs_off` says why not).
-    `enable_lora`: requests may name a LoRA adapter (`lora_request`), `max_loras` of rank ≤ `max_lora_rank` per step.
-    `tensor_parallel_size` / `pipeline_parallel_size`: the model split over as many ranks (nanoserve/parallel/).
-    `grammar_limits`: what a structured-output constraint may ask for (engine/grammar_limits.py).
+    KV cache: a pool of `num_blocks` blocks of `block_size` tokens, sized from `kv_cache_memory`
+    bytes when given, else the bytes of 8 full-context sequences in the model's dtype; K/V in that dtype,
+    or 8-bit (`kv_cache_dtype`, kv/quant.py). Prefix caching is on. Scheduling: at most
+    `max_num_seqs` sequences and `max_num_batched_tokens` new tokens per step; chunked prefill on by
+    default; `max_waiting` bounds the queue. Attention: `attention_backend` (nanoserve/kv/). On CUDA
+    with triton, decode steps replay CUDA graphs unless `enforce_eager` (`cuda_graphs_off` says why
+    not). The optional sections — speculative decoding, LoRA adapters, tensor or pipeline ranks,
+    grammar limits — each set up their own part (nanoserve/spec/, lora/, parallel/).
+
+        LLMEngine(EngineConfig.from_kwargs("demo", max_num_seqs=8))
+        LLMEngine.from_kwargs("demo", max_num_seqs=8)          (the same)
     """
 
-    def __init__(self, model: str = "demo", dtype: str | torch.dtype | None = None, device: str | None = None,
-                 block_size: int = 16, enable_prefix_caching: bool = True, kv_cache_memory: int | None = None,
-                 num_blocks: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                 enable_chunked_prefill: bool = True, max_waiting: int | None = None,
-                 attention_backend: str | None = None, speculative_model: str | None = None,
-                 speculative: str | None = None, num_speculative_tokens: int = 4, speculative_adaptive: bool = True,
-                 enforce_eager: bool = False, kv_cache_dtype: str = "auto", quantization: str | None = None,
-                 speculative_cost: float | None = None, enable_lora: bool = False, max_loras: int = 4,
-                 max_lora_rank: int = 16, speculative_tree=None, tensor_parallel_size: int = 1,
-                 pipeline_parallel_size: int = 1, grammar_limits: GrammarLimits | None = None):
-        kv_quant(kv_cache_dtype)  # these and the speculative arguments are checked before any model loads
-        check_quantization(quantization)
-        spec_cfg = SpecDecodeConfig.from_args(speculative, num_speculative_tokens, speculative_model,
-                                              speculative_adaptive, speculative_cost, speculative_tree)
-        (parallel := ParallelConfig(tensor_parallel_size, pipeline_parallel_size)).check(spec_cfg, enable_lora)
-        self.model, self.config, self.tokenizer = load_model(model, dtype=dtype, device=device)
-        quantize_on_load(self.model, quantization)  # None: the checkpoint as it is
-        self.model_name, self.max_model_len = str(model), self.config.max_position_embeddings
-        self.device, self.dtype = next(self.model.parameters()).device, next(self.model.parameters()).dtype
-        self.workers = start_workers(self, parallel, model)  # None, or the other ranks (parallel/workers.py)
+    def __init__(self, config: EngineConfig):
+        if not isinstance(config, EngineConfig):
+            raise ConfigError(f"LLMEngine takes an EngineConfig, got {type(config).__name__}; "
+                              "LLMEngine.from_kwargs(model, **kwargs) builds one from keyword "
+                              "arguments")
+        self.engine_config = config
+        load, cache = config.load, config.cache
+        parallel = None  # the extension that splits the model over ranks, when it is split
+        if config.parallel.world_size > 1:
+            parallel = extension("parallel")
+            parallel.pin_rank_device(config.parallel)  # under torchrun: each rank's GPU, first
+        self.model, self.config, self.tokenizer = load_model(load.model, load.dtype, load.device)
+        if load.quantization is not None:  # 8-bit linears as the model loads
+            extension("quantization").quantize_on_load(self.model, load.quantization)
+        self.model_name = str(load.model)
+        self.max_model_len = self.config.max_position_embeddings
+        weight = next(self.model.parameters())
+        self.device, self.dtype = weight.device, weight.dtype
+        self.workers = None  # the other ranks, when there are some
+        if parallel is not None:
+            self.workers = parallel.start_workers(self, config.parallel, load.model)
+        num_blocks = cache.num_blocks
         if num_blocks is None:  # from kv_cache_memory bytes; None: 8 full-context sequences
-            num_blocks = num_blocks_for_budget(self.config, kv_cache_memory, block_size, self.dtype, kv_cache_dtype)
-        sched_cfg = SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, max_waiting,
-                                    max_loras if enable_lora else None)
-        allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching, sliding_window=self.config.kv_window)
-        self.scheduler = Scheduler(sched_cfg, allocator, self.max_model_len)
-        lora = LoRAManager(self.model, self.config, max_loras, max_lora_rank, self.dtype) if enable_lora else None
-        self.runner = make_runner(self.workers, self.model, num_blocks, block_size, attention_backend, kv_cache_dtype,
-                                  lora)
+            num_blocks = num_blocks_for_budget(self.config, cache.kv_cache_memory, cache.block_size,
+                                               self.dtype, cache.kv_cache_dtype)
+        allocator = BlockAllocator(num_blocks, cache.block_size, cache.enable_prefix_caching,
+                                   sliding_window=self.config.kv_window)
+        lora = None
+        if config.lora is not None:
+            lora = extension("lora").LoRAManager(self.model, self.config, config.lora.max_loras,
+                                                 config.lora.max_lora_rank, self.dtype)
+        max_loras = None if config.lora is None else config.lora.max_loras
+        self.scheduler = Scheduler(config.scheduler, allocator, self.max_model_len, max_loras)
+        runner_args = (self.model, num_blocks, cache.block_size, cache.attention_backend,
+                       cache.kv_cache_dtype, lora)
+        if parallel is None:
+            self.runner = ModelRunner(*runner_args)
+        else:  # rank 0's runner, which tells the other ranks what to run
+            self.runner = parallel.make_runner(self.workers, *runner_args)
         self.attention_backend = self.runner.attention_backend
-        self.cuda_graphs_off = "enforce_eager=True" if enforce_eager else self.runner.use_cuda_graphs(
-            max_num_seqs, self.max_model_len)  # decode steps replay CUDA graphs where they can; else why not
-        self.inputs = InputProcessor(self.config, self.tokenizer, self.device, num_blocks, block_size,
-                                     str(model), lora, grammar_limits)
-        self.spec = None if spec_cfg is None else build_spec_decoder(spec_cfg, self)
+        self.cuda_graphs_off = "enforce_eager=True"  # why decode steps run eagerly (None: graphs)
+        if not load.enforce_eager:
+            self.cuda_graphs_off = self.runner.use_cuda_graphs(config.scheduler.max_num_seqs,
+                                                               self.max_model_len)
+        self.inputs = InputProcessor(self.config, self.tokenizer, self.device, num_blocks,
+                                     cache.block_size, self.model_name, lora,
+                                     config.structured_outputs)
+        self.step_hooks: list = []  # extensions that take part in each step (StepHook)
+        self.spec = None  # the speculative decoder, when speculation is on (spec/spec_decode.py)
+        if config.speculative is not None:
+            self.spec = extension("speculative").build_spec_decoder(config.speculative, self)
+            self.step_hooks.append(self.spec)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.last_num_seqs = 0  # sequences in the latest forward (for occupancy plots)
+
+    @classmethod
+    def from_kwargs(cls, model: str = "demo", **kwargs) -> LLMEngine:
+        """An engine from flat keyword arguments (`max_num_seqs=8`: config.py's ENGINE_ARGS)."""
+        return cls(EngineConfig.from_kwargs(model, **kwargs))
 
     @property
     def block_allocator(self) -> BlockAllocator:
@@ -148,75 +201,81 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule → forward → update → sample; the outputs of the requests that advanced (or failed).
 
-        A fault while handling one request's row fails that request alone; a forward that raises fails every
-        request in it (the fault cannot be pinned to a row); only a fatal error (errors.is_fatal: broken
-        bookkeeping, a device fault) escapes and stops the engine."""
-        sched = self.scheduler.schedule()
-        self.last_num_seqs = len(sched.seqs)
-        if not self._prepare(sched):
+        A fault while handling one request's row fails that request alone; a forward that raises fails
+        every request in it (the fault cannot be pinned to a row); only a fatal error (errors.is_fatal:
+        broken bookkeeping, a device fault) escapes and stops the engine."""
+        step = EngineStep(self.scheduler.schedule())
+        self.last_num_seqs = len(step.sched.seqs)
+        if not self._prepare(step.sched):
             return []
-        done: dict[str, RequestOutput] = {}  # the outputs that advanced this step, by request id
-        drafts = self._speculate(sched, done) if self.spec is not None else {}  # spec hook 1: {row: Proposal}
-        start = time.perf_counter()
-        logits = self._guarded(sched.seqs, done, self._forward, sched, drafts)  # [B, V], or [1 + γ, V] per row
+        for hook in self.step_hooks:  # e.g. speculation: drafts join their rows (spec/spec_decode.py)
+            hook.before_forward(self, step)
+        logits = self.isolated(step.sched.seqs, step.done, self._forward, step)  # [B, V] or per row
         if logits is not None:
-            to_sample = self._update(sched, logits, drafts, done)  # spec hook 2 inside: accept the drafts
-            self._guarded([s.seq for _, s, _ in to_sample], done, self._sample, logits, to_sample, done)
-        if self.spec is not None:  # spec hook 3: the step's time, for the controller's cost estimates
-            self.spec.record_step(drafts, time.perf_counter() - start)
-        return self._collect(done)
+            to_sample = self._update(step, logits)
+            self._sample(step, logits, to_sample)
+        for hook in self.step_hooks:  # e.g. speculation: the step's time, for its cost estimates
+            hook.after_step(self, step)
+        return self._collect(step.done)
 
     def _prepare(self, sched: SchedulerOutput) -> bool:
         """Before the forward: copy-on-write copies, first-scheduled times; False when nothing runs."""
-        for seq in sched.preempted if self.spec is not None else ():  # recomputed later: its draft cache too
-            self.spec.proposer.free(seq)
         if not sched.seqs:
             return False
         for src, dst in sched.copies:  # before anyone writes into the copies
             self.runner.kv.copy_block(src, dst)
         now = time.perf_counter()
-        for out, seq in ((self.requests[s.request_id].output, s) for s in sched.seqs):
+        for seq in sched.seqs:
+            out = self.requests[seq.request_id].output
             if out.first_scheduled_time is None:
-                out.first_scheduled_time, out.num_cached_tokens = now, seq.num_cached_tokens
+                out.first_scheduled_time = now
+                out.num_cached_tokens = seq.num_cached_tokens
         return True
 
-    def _forward(self, sched: SchedulerOutput, drafts: dict) -> torch.Tensor | list[torch.Tensor]:
-        """logits [B, V], or a list: [1 + γ, V] per verification row, [n, V] per n-token chunk scoring its
-        prompt (prompt logprobs), [1, V] per other row. Ids past the tokenizer's get -inf: never sampled."""
-        num_logits = [1 + len(drafts[i].draft_ids) if i in drafts else n if wants_prompt_logits(
-            self.requests[seq.request_id].output.prompt_logprobs, seq) else 1 for i, (seq, n) in enumerate(
-            zip(sched.seqs, sched.num_new))]
-        trees = self.spec.tree_kwargs(drafts, len(sched.seqs)) if drafts else {}  # Medusa's token trees, if any
-        logits = self.runner.run(sched.seqs, sched.num_new, num_logits if max(num_logits) > 1 else None, **trees)
+    def _forward(self, step: EngineStep) -> torch.Tensor | list[torch.Tensor]:
+        """logits [B, V], or a list: [k, V] per row that returns k > 1 positions' logits (a claimed
+        row's, or an n-token chunk scoring its prompt for prompt logprobs), [1, V] per other row.
+        Ids past the tokenizer's get -inf: never sampled."""
+        sched = step.sched
+        num_logits = [self._logits_wanted(row, seq, n, step)
+                      for row, (seq, n) in enumerate(zip(sched.seqs, sched.num_new))]
+        wanted = num_logits if max(num_logits) > 1 else None
+        if step.trees is None:
+            logits = self.runner.run(sched.seqs, sched.num_new, wanted)
+        else:  # some rows are token trees (Medusa's)
+            logits = self.runner.run(sched.seqs, sched.num_new, wanted, trees=step.trees)
         if self.inputs.usable_vocab_size < self.config.vocab_size:
             logits = mask_from(logits, self.inputs.usable_vocab_size)
         return logits
 
-    def _update(self, sched: SchedulerOutput, logits, drafts: dict, done: dict) -> list[tuple]:
-        """After the forward: a verification row accepts its drafts and emits; every other row's computed tokens
-        advance. Returns (request, sample, row of logits) for each sample due a token."""
+    def _logits_wanted(self, row: int, seq: SequenceState, num_new: int, step: EngineStep) -> int:
+        """How many of a row's last positions return logits: what a step hook that claimed the row
+        asked for; all of a prompt chunk scoring its prompt (prompt logprobs); else one."""
+        if row in step.num_logits:
+            return step.num_logits[row]
+        if wants_prompt_logits(self.requests[seq.request_id].output.prompt_logprobs, seq):
+            return num_new
+        return 1
+
+    def _update(self, step: EngineStep, logits) -> list[tuple[Request, Sample, int]]:
+        """After the forward: a claimed row goes to its hook's handler; every other row's computed
+        tokens advance. Returns (request, sample, row of logits) for each sample due a token."""
         to_sample: list[tuple[Request, Sample, int]] = []
+        sched = step.sched
         for row, seq in enumerate(sched.seqs):
-            req = self.requests.get(seq.request_id)
-            if req is None:
+            if seq.request_id not in self.requests:
                 continue  # its request failed earlier in this step
-            self._guarded([seq], done, self._update_row, req, seq, row, sched.num_new[row], logits[row],
-                          drafts.get(row), to_sample, done)
+            handler = step.handlers.get(row)
+            if handler is not None:  # e.g. speculation: accept the drafts, emit
+                self.isolated([seq], step.done, handler, logits[row])
+            else:
+                self.isolated([seq], step.done, self._update_row, seq, row, sched.num_new[row],
+                              logits[row], to_sample)
         return to_sample
 
-    def _update_row(self, req: Request, seq: SequenceState, row: int, num_new: int, logits: torch.Tensor, proposal,
-                    to_sample: list, done: dict) -> None:
-        if proposal is not None:  # accept / reject the drafts, roll back, emit like any step
-            if bool(logits.isnan().any()):
-                raise RequestFailedError(f"the model produced NaN logits for request {seq.request_id!r} while "
-                                         "verifying its drafts")
-            s = req.samples[seq.sample_index]
-            tokens = self.spec.accept(proposal, mask_verification(s.matcher, proposal.draft_ids, logits))  # grammar
-            lps = sampled_logprobs(logits[proposal.logit_rows], [req.params] * len(tokens), tokens, self.tokenizer)
-            tokens, finished = req.emit_all(s, tokens, lps)
-            self.scheduler.postprocess(seq, tokens, finished)
-            done[seq.request_id] = req.output
-            return
+    def _update_row(self, seq: SequenceState, row: int, num_new: int, logits: torch.Tensor,
+                    to_sample: list) -> None:
+        req = self.requests[seq.request_id]
         if wants_prompt_logits(req.output.prompt_logprobs, seq):
             record_prompt_logprobs(req.output.prompt_logprobs, seq, logits, req.params, self.tokenizer)
         self.scheduler.advance(seq, num_new)
@@ -225,34 +284,44 @@ class LLMEngine:
         samples = [req.samples[seq.sample_index]]
         if len(req.samples) < req.params.n:  # prefill done: the other samples fork from here
             samples += self._fork(req, seq)
-        to_sample += [(req, s, row) for s in samples]
+        for sample in samples:
+            to_sample.append((req, sample, row))
 
-    def _sample(self, logits, to_sample: list[tuple[Request, Sample, int]], done: dict) -> None:
-        """One batched draw for every sample due a token (one device→host transfer), then emit each."""
-        bitmasks = self._grammar_masks(to_sample, logits, done)  # a failing mask fails its row alone
-        alive = [i for i, (req, _, _) in enumerate(to_sample)
-                 if req.output.request_id in self.requests]
-        to_sample, bitmasks = [to_sample[i] for i in alive], [bitmasks[i] for i in alive]
+    def _sample(self, step: EngineStep, logits, to_sample: list[tuple[Request, Sample, int]]) -> None:
+        """One batched draw for every sample due a token (one device→host transfer), then emit each.
+        A failing draw fails every request in it; a failing mask or emit, its own request."""
+        bitmasks = self._grammar_masks(to_sample, logits, step.done)  # a failing mask fails its row
+        alive = [i for i, (req, _, _) in enumerate(to_sample) if req.output.request_id in self.requests]
+        to_sample = [to_sample[i] for i in alive]
+        bitmasks = [bitmasks[i] for i in alive]
         if not to_sample:
             return
-        x = logit_rows(logits, [row for _, _, row in to_sample])  # R, V
-        tokens, nan, lps = draw(x, [(r, s) for r, s, _ in to_sample], self.tokenizer, bitmasks)
-        for (req, s, _), token, has_nan, lp in zip(to_sample, tokens, nan, lps):
+        seqs = [sample.seq for _, sample, _ in to_sample]
+        drawn = self.isolated(seqs, step.done, self._draw, logits, to_sample, bitmasks)
+        if drawn is None:
+            return
+        for (req, sample, _), token, has_nan, lp in zip(to_sample, *drawn):
             if req.output.request_id in self.requests:
-                self._guarded([s.seq], done, self._emit, req, s, token, has_nan, lp, done)
+                self.isolated([sample.seq], step.done, self._emit, req, sample, token, has_nan, lp,
+                              step.done)
+
+    def _draw(self, logits, to_sample: list[tuple[Request, Sample, int]], bitmasks: list) -> tuple:
+        """(tokens, which rows held NaN, logprobs): one batched draw over the rows due a token."""
+        rows = logit_rows(logits, [row for _, _, row in to_sample])  # R, V
+        pairs = [(req, sample) for req, sample, _ in to_sample]
+        return draw(rows, pairs, self.tokenizer, bitmasks)
 
     def _grammar_masks(self, to_sample: list, logits, done: dict) -> list:
         """Each row's grammar mask (None without a grammar), computed one row at a time, so that a
         row whose grammar fails or runs over its time budget fails its request alone
         (grammar_limits.py)."""
         vocab = logits.shape[-1] if isinstance(logits, torch.Tensor) else logits[0].shape[-1]
-        budget_s = self.inputs.grammars.limits.mask_budget_ms / 1e3
         bitmasks = []
         for req, s, _ in to_sample:
             bitmask = None
             if s.matcher is not None and req.output.request_id in self.requests:
-                bitmask = self._guarded([s.seq], done, row_bitmask, s.matcher, vocab, budget_s,
-                                        req.output.request_id)
+                bitmask = self.isolated([s.seq], done, self.inputs.grammars.row_bitmask, s.matcher,
+                                        vocab, req.output.request_id)
             bitmasks.append(bitmask)
         return bitmasks
 
@@ -272,22 +341,7 @@ class LLMEngine:
                 self.requests.pop(rid, None)
         return list(done.values())
 
-    # ------------------------------------------------------------------ speculation, forks, faults
-    def _speculate(self, sched: SchedulerOutput, done: dict) -> dict:
-        """Spec hook 1: drafts for the decoding rows that speculate, appended (with KV slots) to their
-        sequences; returns {row: Proposal}. If drafting fails, the drafting requests fail and leave
-        `sched` (one batched draft forward: the fault cannot be pinned to a row)."""
-        budget = self.scheduler.config.max_num_batched_tokens - sched.num_tokens  # leftover: no saturation
-        rows = self.spec.plan(sched, self.requests, budget)  # [(row, seq, γ, params, generator)]
-        if not rows:
-            return {}
-        proposals = self._guarded([r[1] for r in rows], done, self.spec.draft, sched, rows, self.runner.kv)
-        if proposals is None:
-            keep = [i for i, seq in enumerate(sched.seqs) if seq.request_id in self.requests]
-            sched.seqs, sched.num_new = [sched.seqs[i] for i in keep], [sched.num_new[i] for i in keep]
-            return {}
-        return proposals
-
+    # ------------------------------------------------------------------ forks, faults
     def _fork(self, req: Request, parent: SequenceState) -> list[Sample]:
         children = []
         for i in range(1, req.params.n):
@@ -298,8 +352,9 @@ class LLMEngine:
             children.append(sample)
         return children
 
-    def _guarded(self, seqs: list[SequenceState], done: dict, fn, *args):
-        """fn(*args); if it raises a non-fatal error, the requests of `seqs` fail (and None is returned)."""
+    def isolated(self, seqs: list[SequenceState], done: dict, fn, *args):
+        """fn(*args), a fault in it kept to the requests of `seqs`: on a non-fatal error they fail
+        (their outputs go into `done`) and None is returned; the rest of the step goes on."""
         try:
             return fn(*args)
         except Exception as e:

@@ -23,44 +23,74 @@ the caller tells the scheduler what was computed (`Scheduler.advance`). Taught i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import IntEnum
 from itertools import chain
 
 import torch
 
+from ..config import MAX_SPECULATIVE_TOKENS
+from ..extension_points import extension
 from ..kv.cache import PagedKVCache
 from ..kv.metadata import AttentionMetadata, host_tensor
-from ..models.onednn import use_onednn_linears
-from ..spec.rejection_sampler import MAX_SPECULATIVE_TOKENS
-from ..spec.tree_sampler import ancestor_bits, tree_attention_mask, tree_positions
 from .block import slots
-from .cpu_allocator import advise_on_allocator
 from .sequence import NULL_BLOCK, Sequence
 
 PREFILL_SLACK = 1.25  # a prefill forward computes at most this × its real tokens (the rest: padding)
 MAX_VERIFY_LOGITS = 1 + MAX_SPECULATIVE_TOKENS  # a verification row returns at most this many logits
 
 
-def forward_groups(num_new: list[int], num_logits: list[int], slack: float = PREFILL_SLACK) -> list[list[int]]:
-    """The rows of one step, split into forwards: the decode rows (1 new token) together, the
-    verification rows (a few logits each) together, then the prefill rows longest first, a new
-    forward whenever padding to the group's longest row would exceed `slack` × its real tokens. On
-    the 256-request peer workload one forward for all prefills computed 1.72× the real tokens.
-    Prefill rows that return every position's logits (prompt logprobs) are grouped the same way
-    apart from the others, so a [B, K, V] logits tensor is never padded to one long row's K."""
-    def kind(n: int, m: int) -> int:  # 0 decode, 1 verify, 2 prefill, 3 prefill with all its logits
-        return 0 if n == 1 else 2 if m == 1 else 1 if m <= MAX_VERIFY_LOGITS else 3
-    kinds = [kind(n, m) for n, m in zip(num_new, num_logits)]
-    groups = [[i for i, g in enumerate(kinds) if g == want] for want in (0, 1)]
-    for want in (2, 3):
-        current: list[int] = []
-        for i in sorted((i for i, g in enumerate(kinds) if g == want), key=lambda i: -num_new[i]):
-            width = num_new[current[0]] if current else num_new[i]  # longest first: the first row's length
-            if current and (len(current) + 1) * width > slack * (sum(num_new[j] for j in current) + num_new[i]):
-                groups.append(current)
-                current = []
-            current.append(i)
-        groups.append(current)
+class RowKind(IntEnum):
+    """What a row of a step computes; rows of one kind share forwards, in this order."""
+
+    DECODE = 0  # one new token
+    VERIFY = 1  # a few new tokens, a logit for each (speculative verification)
+    PREFILL = 2  # a prompt or a chunk of it, one logit
+    PREFILL_ALL_LOGITS = 3  # a prompt chunk that returns every position's logits (prompt logprobs)
+
+
+def row_kind(num_new: int, num_logits: int) -> RowKind:
+    """The kind of a row that computes `num_new` tokens and returns `num_logits` logits."""
+    if num_new == 1:
+        return RowKind.DECODE
+    if num_logits == 1:
+        return RowKind.PREFILL
+    if num_logits <= MAX_VERIFY_LOGITS:
+        return RowKind.VERIFY
+    return RowKind.PREFILL_ALL_LOGITS
+
+
+def forward_groups(num_new: list[int], num_logits: list[int],
+                   slack: float = PREFILL_SLACK) -> list[list[int]]:
+    """The rows of one step, split into forwards: the decode rows together, the verification rows
+    together, then the prefill rows longest first, a new forward whenever padding to the group's
+    longest row would exceed `slack` × its real tokens (one forward for every prefill can compute
+    far more padding than tokens). Prefill rows that return every position's logits are grouped
+    the same way apart from the others, so a [B, K, V] logits tensor is never padded to one long
+    row's K."""
+    kinds = [row_kind(n, m) for n, m in zip(num_new, num_logits)]
+    groups = [[i for i, kind in enumerate(kinds) if kind == want]
+              for want in (RowKind.DECODE, RowKind.VERIFY)]
+    for want in (RowKind.PREFILL, RowKind.PREFILL_ALL_LOGITS):
+        rows = [i for i, kind in enumerate(kinds) if kind == want]
+        rows.sort(key=lambda i: -num_new[i])  # longest first
+        groups += split_by_padding(rows, num_new, slack)
     return [g for g in groups if g]
+
+
+def split_by_padding(rows: list[int], num_new: list[int], slack: float) -> list[list[int]]:
+    """`rows`, longest first, cut into groups whose padded size (rows × the first row's length)
+    stays within `slack` × their real tokens."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    for i in rows:
+        width = num_new[current[0]] if current else num_new[i]  # longest first: the first row's
+        padded = (len(current) + 1) * width
+        if current and padded > slack * (sum(num_new[j] for j in current) + num_new[i]):
+            groups.append(current)
+            current = []
+        current.append(i)
+    groups.append(current)
+    return groups
 
 
 @dataclass
@@ -79,13 +109,15 @@ class ModelRunner:
 
     def __init__(self, model, num_blocks: int, block_size: int, attention_backend: str | None = None,
                  kv_cache_dtype: str = "auto", lora=None, kv_config=None, kv_layers: range | None = None):
-        self.model, self.config = model, model.config
-        self.onednn_off = use_onednn_linears(model)  # CPU GEMMs through oneDNN (models/onednn.py), or why not
-        p = next(model.parameters())
-        self.device, self.dtype = p.device, p.dtype
+        self.model = model
+        self.config = model.config
+        cpu_runtime = extension("cpu_runtime")  # models/onednn.py, engine/cpu_allocator.py
+        self.onednn_off = cpu_runtime.use_onednn_linears(model)  # CPU GEMMs in oneDNN, or why not
+        weight = next(model.parameters())
+        self.device, self.dtype = weight.device, weight.dtype
         if self.device.type == "cpu":
             largest = max(t.numel() * t.element_size() for t in model.parameters())
-            advise_on_allocator(largest)  # glibc's malloc, 4 KiB pages under the weights (engine/cpu_allocator.py)
+            cpu_runtime.advise_on_allocator(largest)  # glibc's malloc; pages under the weights
         self.kv = PagedKVCache(kv_config or self.config, num_blocks, block_size, self.dtype, self.device,
                                attention_backend, kv_cache_dtype=kv_cache_dtype, layers=kv_layers)
         # (kv_config, kv_layers: one rank's share of the heads, or of the layers: nanoserve/parallel/)
@@ -109,9 +141,7 @@ class ModelRunner:
             return "draft heads read each step's hidden states (Medusa, EAGLE) eagerly"
         if any(getattr(m, "host_sync", False) for m in self.model.modules()):  # e.g. quant/llm_int8.py
             return "a layer reads device values on the host every call (LLM.int8's outlier features)"
-        from .cuda_graph import CudaGraphRunner
-
-        self.graphs = CudaGraphRunner(self, max_num_seqs, max_model_len)
+        self.graphs = extension("cuda_graphs").CudaGraphRunner(self, max_num_seqs, max_model_len)
         self.graphs.capture()
         return None
 
@@ -127,29 +157,40 @@ class ModelRunner:
         for i, (seq, n) in enumerate(zip(seqs, num_new)):  # Python lists, one tensor each: O(tokens)
             start, pad = seq.num_computed_tokens, T - n
             ids.append(seq.token_ids[start:start + n] + [0] * pad)
-            row_pos = list(range(start, start + n)) if trees is None or trees[i] is None else tree_positions(
-                trees[i], start)  # a tree's nodes sit at the root's position + their depth
+            tree = None if trees is None else trees[i]
+            row_pos = row_positions(start, n, tree)
             pos.append(row_pos + [row_pos[-1]] * pad)  # padding looks at real keys
             slot_rows.append(slots(seq.block_table, start, start + n, bs) + [-1] * pad)  # −1: not written
-            table = seq.block_table
-            if table[0] == NULL_BLOCK:  # blocks out of every sliding window were given back: read a live one, masked
-                table = [b if b != NULL_BLOCK else table[-1] for b in table]
-            tables.append(table + [table[0]] * (M - len(table)))  # read, then masked
+            tables.append(padded_block_table(seq.block_table, M))
             lens.append(start + n)
-        B, K, flat = len(seqs), max(num_logits), chain.from_iterable  # host tensors over C arrays (host_tensor)
-        input_ids, positions = host_tensor(flat(ids), (B, T)), host_tensor(flat(pos), (B, T))
-        slot_mapping, block_tables = host_tensor(flat(slot_rows), (B, T)), host_tensor(flat(tables), (B, M))
+        B, K = len(seqs), max(num_logits)
+        flat = chain.from_iterable  # rows of Python lists into one host tensor each (host_tensor)
+        input_ids = host_tensor(flat(ids), (B, T))
+        positions = host_tensor(flat(pos), (B, T))
+        slot_mapping = host_tensor(flat(slot_rows), (B, T))
+        block_tables = host_tensor(flat(tables), (B, M))
         context_lens = host_tensor(lens)  # B
-        logit_index = host_tensor((max(n - max(m - j, 1), 0) for n, m in zip(num_new, num_logits) for j in range(K)),
-                                  (B, K))  # row i's last num_logits[i] new tokens: n−m .. n−1 (shorter: repeated)
-        kernels = self.attention_backend == "triton"  # a tree: bits per token for the kernel, else a mask for SDPA
-        mask = None if trees is None or kernels else tree_mask(trees, num_new, context_lens, T, M * bs)  # B, T, M·bs
-        bits = None if trees is None or not kernels else torch.tensor(  # N, in the packed order of the real tokens
-            [b for parents, n in zip(trees, num_new) for b in (ancestor_bits(parents) if parents else [-1] * n)])
-        meta = AttentionMetadata.build(slot_mapping, block_tables, context_lens, bs, self.kv.needs_buckets(T == 1),
-                                       mask, bits)
-        to = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
-        return ForwardInputs(to(input_ids), to(positions), to(logit_index), meta.to(self.device))
+        logit_index = host_tensor(logit_positions(num_new, num_logits, K), (B, K))
+        mask = bits = None  # a token tree's attention (speculative decoding), else causal
+        if trees is not None:
+            mask, bits = self._tree_attention(trees, num_new, context_lens, T, M * bs)
+        decode = T == 1
+        meta = AttentionMetadata.build(slot_mapping, block_tables, context_lens, bs,
+                                       self.kv.needs_buckets(decode), mask, bits)
+        return ForwardInputs(self._to_device(input_ids), self._to_device(positions),
+                             self._to_device(logit_index), meta.to(self.device))
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device, non_blocking=True)
+
+    def _tree_attention(self, trees: list, num_new: list[int], context_lens: torch.Tensor, T: int,
+                        S: int) -> tuple:
+        """(mask, bits) of the rows that are token trees: for the Triton kernel each token's
+        ancestors as bits (N, the real tokens packed), for SDPA a bool mask [B, T, S]."""
+        token_trees = extension("token_trees")  # spec/tree_sampler.py
+        if self.attention_backend == "triton":
+            return None, token_trees.packed_ancestor_bits(trees, num_new)
+        return token_trees.tree_mask(trees, num_new, context_lens, T, S), None
 
     @torch.inference_mode()
     def execute(self, inputs: ForwardInputs) -> torch.Tensor:
@@ -183,14 +224,19 @@ class ModelRunner:
         out: list[torch.Tensor | None] = [None] * len(seqs)
         full = None  # without num_logits: [B, V], each group's rows copied in at once (not B row views + a cat)
         for rows in forward_groups(num_new, k):
-            args = [seqs[i] for i in rows], [num_new[i] for i in rows], [k[i] for i in rows]
-            group_trees = [trees[i] for i in rows] if trees else None
-            if max(args[1]) == 1 and self.graphs is not None and self.graphs.fits(len(rows)):
-                logits = self.graphs.run(self.prepare(*args))  # a pure decode group: replay its graph
-            elif group_trees and any(t is not None for t in group_trees):
-                logits = self._forward(*args, trees=group_trees)
+            group_seqs = [seqs[i] for i in rows]
+            group_new = [num_new[i] for i in rows]
+            group_logits = [k[i] for i in rows]
+            group_trees = None  # only when some row of the group is a token tree
+            if trees and any(trees[i] is not None for i in rows):
+                group_trees = [trees[i] for i in rows]
+            if max(group_new) == 1 and self.graphs is not None and self.graphs.fits(len(rows)):
+                inputs = self.prepare(group_seqs, group_new, group_logits)
+                logits = self.graphs.run(inputs)  # a pure decode group: replay its graph
+            elif group_trees is not None:
+                logits = self._forward(group_seqs, group_new, group_logits, trees=group_trees)
             else:
-                logits = self._forward(*args)
+                logits = self._forward(group_seqs, group_new, group_logits)
             if num_logits is None and rows == list(range(len(seqs))):
                 return logits[:, 0]  # one group, every row in order: no copy  (B, V)
             if num_logits is None:
@@ -220,17 +266,28 @@ class ModelRunner:
         return logits
 
 
-def tree_mask(trees: list, num_new: list[int], context_lens: torch.Tensor, T: int, S: int) -> torch.Tensor:
-    """bool [B, T, S]: which of the S gathered keys each new token sees. A chain row: its own context, causally
-    (a padding query sees its row's last real token's); a tree row: the cached prefix, then its ancestors
-    (tree_sampler.tree_attention_mask) — never a sibling's branch."""
-    mask = torch.zeros(len(num_new), T, S, dtype=torch.bool)
-    for b, (parents, n, ctx) in enumerate(zip(trees, num_new, context_lens.tolist())):
-        prefix = ctx - n
-        if parents is None:
-            seen = torch.arange(S)[None, :] <= (prefix + torch.arange(T).clamp(max=n - 1))[:, None]  # T, S
-            mask[b] = seen
-        else:
-            mask[b, :n, :prefix + n] = tree_attention_mask(parents, prefix)
-            mask[b, n:] = mask[b, n - 1]
-    return mask
+def row_positions(start: int, n: int, tree: list[int] | None) -> list[int]:
+    """The positions of a row's n new tokens: start, start + 1, ...; a token tree's nodes sit at
+    the root's position plus their depth (spec/tree_sampler.py)."""
+    if tree is None:
+        return list(range(start, start + n))
+    return extension("token_trees").tree_positions(tree, start)
+
+
+def padded_block_table(table: list[int], width: int) -> list[int]:
+    """A row's block table padded to `width` with its first block (read, then masked). Blocks a
+    sliding window gave back (NULL_BLOCK) read as the row's last live block, masked too."""
+    row = []
+    for block in table:
+        row.append(table[-1] if block == NULL_BLOCK else block)
+    return row + [row[0]] * (width - len(row))
+
+
+def logit_positions(num_new: list[int], num_logits: list[int], K: int) -> list[int]:
+    """For each row, K positions whose logits it returns: its last num_logits[i] new tokens
+    n − m .. n − 1, the last repeated when m < K. Flat, row after row."""
+    index = []
+    for n, m in zip(num_new, num_logits):
+        for j in range(K):
+            index.append(max(n - max(m - j, 1), 0))
+    return index

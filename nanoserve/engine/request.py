@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
-from .grammar_limits import GrammarError
+from ..errors import GrammarError, first_line
+from .bitmask import apply_row_bitmasks
 from .logprobs import PositionLogprobs, sampled_logprobs
 from .outputs import CompletionOutput, IncrementalText, RequestOutput
 from .sampler import SamplingParams, sample_batch
 from .sequence import Sequence as SequenceState
-from .structured_output import apply_row_bitmasks, first_line, mask_rows
 
 Prompt = str | Sequence[int]
 
@@ -107,14 +107,12 @@ def logit_rows(logits, rows: list[int]) -> torch.Tensor:
 def draw(logits: torch.Tensor, pairs: list[tuple[Request, Sample]], tokenizer=None,
          bitmasks: list | None = None) -> tuple[list, list, list]:
     """One token for each (request, sample) pair from its row of logits [R, V], all in one batched draw:
-    the grammar's mask (structured outputs; `bitmasks`: each row's, computed already, None for a
-    row without a grammar), the request's processing and sampling. Returns the tokens, which rows
-    held NaN, and the raw logprobs of the rows that ask for them (from the unmasked logits)."""
+    each row's allowed-token mask (`bitmasks`, engine/bitmask.py: a structured output's grammar;
+    None for a row without one, or for all), the request's processing and sampling. Returns the
+    tokens, which rows held NaN, and the raw logprobs of the rows that ask for them (from the
+    unmasked logits)."""
     params = [r.params for r, _ in pairs]
-    if bitmasks is None:
-        allowed = mask_rows(logits, [s.matcher for _, s in pairs])
-    else:
-        allowed = apply_row_bitmasks(logits, bitmasks)
+    allowed = logits if bitmasks is None else apply_row_bitmasks(logits, bitmasks)
     tokens, nan = sample_batch(allowed, params, [s.seen for _, s in pairs], [s.generator for _, s in pairs],
                                [s.out.token_ids for _, s in pairs], [r.stop_ids for r, _ in pairs])
     return tokens, nan, sampled_logprobs(logits, params, tokens, tokenizer)

@@ -27,16 +27,66 @@ What the extras mean (OpenAI's and vLLM's definitions):
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import check, is_int
-from .structured_output import StructuredOutputsParams
+from ..errors import NanoserveError, check, is_int
 
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as OpenAI's and vLLM's seed fields
 MAX_LOGPROBS = 20  # the most top log-probabilities one position returns (OpenAI's and vLLM's default bound)
 _F32 = torch.finfo(torch.float32)
+
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")  # StructuredOutputsParams' kinds
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What the output must match (vLLM's fields; exactly one is set)."""
+
+    json: dict | str | None = None  # a JSON schema (a dict, or its JSON text)
+    json_object: bool = False  # any JSON object (OpenAI's response_format json_object)
+    regex: str | None = None
+    choice: list[str] | None = None  # exactly one of these strings
+    grammar: str | None = None  # a Lark grammar
+    # JSON: separators ", " and ": " and no other whitespace (vLLM's field; its default is False, flexible
+    # whitespace, where a small model can spend its whole budget on newlines inside the braces)
+    disable_any_whitespace: bool = True
+
+    def __post_init__(self) -> None:
+        set_ = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(set_) != 1:
+            raise NanoserveError(f"structured outputs need exactly one of {', '.join(KINDS)}; got "
+                                 f"{', '.join(set_) or 'none'}")
+        checks = {"json": isinstance(self.json, (dict, str)), "json_object": self.json_object is True,
+                  "regex": isinstance(self.regex, str) and self.regex != "",
+                  "choice": isinstance(self.choice, list) and bool(self.choice)
+                  and all(isinstance(c, str) and c for c in self.choice),
+                  "grammar": isinstance(self.grammar, str) and self.grammar.strip() != ""}
+        if not checks[set_[0]]:
+            allowed = {"json": "a JSON schema (object or string)", "json_object": "true",
+                       "regex": "a non-empty string", "choice": "a non-empty list of non-empty strings",
+                       "grammar": "a Lark grammar (a non-empty string)"}[set_[0]]
+            raise NanoserveError(f"structured outputs: {set_[0]}={getattr(self, set_[0])!r:.100} must be {allowed}")
+
+    @property
+    def kind(self) -> str:
+        """Which of KINDS is set."""
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def value(self):
+        """The constraint itself: the schema, the regex, the choices or the grammar."""
+        return getattr(self, self.kind)
+
+    def key(self) -> tuple:
+        """What two requests must share to share a compiled grammar (a schema dict by its JSON)."""
+        value = self.value
+        if isinstance(value, (dict, list)):
+            value = json.dumps(value)  # key order kept: a schema's property order is its output's
+        return self.kind, value, self.disable_any_whitespace
 
 
 @dataclass

@@ -31,6 +31,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from ..config import SchedulerConfig
 from ..errors import EngineStateError, NanoserveError
 from .block_allocator import BlockAllocator
 from .sequence import Sequence, SequenceStatus
@@ -38,30 +39,6 @@ from .sequence import Sequence, SequenceStatus
 
 class QueueFullError(NanoserveError):
     """The waiting queue is at `max_waiting`: the caller should retry later (HTTP 429)."""
-
-
-@dataclass
-class SchedulerConfig:
-    """The scheduler's limits per step, and the waiting queue's bound."""
-
-    max_num_seqs: int = 64  # sequences in one forward
-    max_num_batched_tokens: int = 512  # new tokens in one forward (the token budget)
-    enable_chunked_prefill: bool = True
-    max_waiting: int | None = None  # None = unbounded
-    max_loras: int | None = None  # distinct LoRA adapters among the running sequences (lora/serving.py); None: any
-
-    def validate(self, max_model_len: int) -> None:
-        """Raise NanoserveError naming the first setting out of range."""
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise NanoserveError(f"{name}={v!r} must be an integer ≥ 1")
-        if self.max_waiting is not None and (not isinstance(self.max_waiting, int) or self.max_waiting < 1):
-            raise NanoserveError(f"max_waiting={self.max_waiting!r} must be an integer ≥ 1 or None")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
-            raise NanoserveError(
-                f"max_num_batched_tokens={self.max_num_batched_tokens} must be ≥ the context length "
-                f"{max_model_len} when chunked prefill is off (a whole prompt must fit in one step)")
 
 
 @dataclass
@@ -92,13 +69,17 @@ class Scheduler:
     """Continuous batching's scheduler (Orca, vLLM): `schedule()` picks the next forward's sequences
     and token counts; the methods after it apply the forward's results to the sequences."""
 
-    def __init__(self, config: SchedulerConfig, block_allocator: BlockAllocator, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, block_allocator: BlockAllocator, max_model_len: int,
+                 max_loras: int | None = None):
         config.validate(max_model_len)
-        self.config, self.block_allocator = config, block_allocator
+        self.config = config
+        self.block_allocator = block_allocator
+        self.max_loras = max_loras  # distinct LoRA adapters among the running sequences; None: any
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
         self.on_finish: list = []  # called with each sequence that leaves for good (speculation drops its state)
+        self.on_preempt: list = []  # called with each sequence preempted (speculation drops its draft cache)
 
     # ------------------------------------------------------------------ queue management
     def add(self, seq: Sequence) -> None:
@@ -138,11 +119,13 @@ class Scheduler:
             i += 1
         if out.preempted:
             return out
-        adapters = {s.lora_int_id for s in self.running} - {0} if self.config.max_loras else set()  # holding slots
+        adapters = set()  # the LoRA adapters running sequences hold slots for
+        if self.max_loras:
+            adapters = {s.lora_int_id for s in self.running} - {0}
         j = 0
         while j < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[j]
-            if seq.lora_int_id not in adapters | {0} and len(adapters) == self.config.max_loras:
+            if seq.lora_int_id not in adapters | {0} and len(adapters) == self.max_loras:
                 j += 1  # its adapter needs a slot that running sequences hold: later; the next may go now
                 continue
             if not self.config.enable_chunked_prefill and len(seq) > budget:
@@ -193,6 +176,8 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue(seq)
+        for callback in self.on_preempt:
+            callback(seq)
 
 
     # ------------------------------------------------------------------ after the forward

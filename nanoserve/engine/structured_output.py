@@ -31,83 +31,37 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from ..errors import NanoserveError
-from .grammar_limits import GrammarError, GrammarLimits, check_constraint
+from ..errors import GrammarError, NanoserveError, first_line
+from .bitmask import apply_bitmask, apply_row_bitmasks, unpack_bitmask  # noqa: F401
+from .grammar_limits import GrammarLimits, check_constraint
+from .sampling_params import StructuredOutputsParams
 from .scheduler import QueueFullError
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+__all__ = ["GrammarCompiler", "StructuredOutputsParams", "apply_bitmask", "token_bitmask"]
 
 
-@dataclass(frozen=True)
-class StructuredOutputsParams:
-    """What the output must match (vLLM's fields; exactly one is set)."""
+def llguidance_grammar(params: StructuredOutputsParams) -> str:
+    """A request's constraint in llguidance's input form."""
+    from llguidance import LLMatcher
 
-    json: dict | str | None = None  # a JSON schema (a dict, or its JSON text)
-    json_object: bool = False  # any JSON object (OpenAI's response_format json_object)
-    regex: str | None = None
-    choice: list[str] | None = None  # exactly one of these strings
-    grammar: str | None = None  # a Lark grammar
-    # JSON: separators ", " and ": " and no other whitespace (vLLM's field; its default is False, flexible
-    # whitespace, where a small model can spend its whole budget on newlines inside the braces)
-    disable_any_whitespace: bool = True
-
-    def __post_init__(self) -> None:
-        set_ = [k for k in KINDS if getattr(self, k) not in (None, False)]
-        if len(set_) != 1:
-            raise NanoserveError(f"structured outputs need exactly one of {', '.join(KINDS)}; got "
-                                 f"{', '.join(set_) or 'none'}")
-        checks = {"json": isinstance(self.json, (dict, str)), "json_object": self.json_object is True,
-                  "regex": isinstance(self.regex, str) and self.regex != "",
-                  "choice": isinstance(self.choice, list) and bool(self.choice)
-                  and all(isinstance(c, str) and c for c in self.choice),
-                  "grammar": isinstance(self.grammar, str) and self.grammar.strip() != ""}
-        if not checks[set_[0]]:
-            allowed = {"json": "a JSON schema (object or string)", "json_object": "true",
-                       "regex": "a non-empty string", "choice": "a non-empty list of non-empty strings",
-                       "grammar": "a Lark grammar (a non-empty string)"}[set_[0]]
-            raise NanoserveError(f"structured outputs: {set_[0]}={getattr(self, set_[0])!r:.100} must be {allowed}")
-
-    @property
-    def kind(self) -> str:
-        """Which of KINDS is set."""
-        return next(k for k in KINDS if getattr(self, k) not in (None, False))
-
-    @property
-    def value(self):
-        """The constraint itself: the schema, the regex, the choices or the grammar."""
-        return getattr(self, self.kind)
-
-    def key(self) -> tuple:
-        """What two requests must share to share a compiled grammar (a schema dict by its JSON)."""
-        value = self.value
-        if isinstance(value, (dict, list)):
-            value = json.dumps(value)  # key order kept: a schema's property order is its output's
-        return self.kind, value, self.disable_any_whitespace
-
-    def llguidance_grammar(self) -> str:
-        """The constraint in llguidance's input form."""
-        from llguidance import LLMatcher
-
-        compact = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-        options = compact if self.disable_any_whitespace else None
-        if self.json is not None:
-            try:
-                schema = json.loads(self.json) if isinstance(self.json, str) else self.json
-                return LLMatcher.grammar_from_json_schema(schema, overrides=options)
-            except (json.JSONDecodeError, ValueError) as e:
-                raise NanoserveError(f"structured outputs: json is not a JSON schema: {e}") from None
-        if self.json_object:
-            return LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=options)
-        if self.regex is not None:
-            return LLMatcher.grammar_from_regex(self.regex)
-        if self.choice is not None:
-            return LLMatcher.grammar_from_regex("|".join(_escape(c) for c in self.choice))
-        return LLMatcher.grammar_from_lark(self.grammar)
+    compact = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    options = compact if params.disable_any_whitespace else None
+    if params.json is not None:
+        try:
+            schema = json.loads(params.json) if isinstance(params.json, str) else params.json
+            return LLMatcher.grammar_from_json_schema(schema, overrides=options)
+        except (json.JSONDecodeError, ValueError) as e:
+            raise NanoserveError(f"structured outputs: json is not a JSON schema: {e}") from None
+    if params.json_object:
+        return LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=options)
+    if params.regex is not None:
+        return LLMatcher.grammar_from_regex(params.regex)
+    if params.choice is not None:
+        return LLMatcher.grammar_from_regex("|".join(_escape(c) for c in params.choice))
+    return LLMatcher.grammar_from_lark(params.grammar)
 
 
 def _escape(text: str) -> str:
@@ -142,6 +96,15 @@ class GrammarCompiler:
         self._waiters: dict[tuple, int] = {}  # key -> requests waiting for it now
         # the cache, the tables above and the vocabulary; never held while compiling
         self._lock = threading.Lock()
+
+    def row_bitmask(self, matcher, vocab_size: int, request_id: str) -> torch.Tensor:
+        """One row's mask of next tokens within GrammarLimits.mask_budget_ms (`row_bitmask`)."""
+        return row_bitmask(matcher, vocab_size, self.limits.mask_budget_ms / 1e3, request_id)
+
+    @staticmethod
+    def mask_verification(matcher, draft_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """Speculative verification's logits under the grammar (`mask_verification`)."""
+        return mask_verification(matcher, draft_ids, logits)
 
     def ll_tokenizer(self):
         """llguidance's view of the vocabulary (token bytes, EOS), built on first use."""
@@ -267,7 +230,7 @@ class GrammarCompiler:
 
         try:
             check_constraint(params.kind, params.value, self.limits)
-            proto = LLMatcher(self.ll_tokenizer(), params.llguidance_grammar(), log_level=0,
+            proto = LLMatcher(self.ll_tokenizer(), llguidance_grammar(params), log_level=0,
                               limits=self.limits.parser_limits())
             if proto.is_error():
                 raise GrammarError("structured outputs: the constraint does not compile: "
@@ -290,11 +253,6 @@ class GrammarCompiler:
 class GrammarBusyError(QueueFullError):
     """The compile pool is full, or a request's compile never started before its deadline: the
     server is busy, not the constraint wrong (HTTP 429, retry later)."""
-
-
-def first_line(text: str | None) -> str:
-    """The first non-empty line of an llguidance error (its state dump follows)."""
-    return (text or "").strip().splitlines()[0] if (text or "").strip() else "no reason given"
 
 
 _POOLS: dict[int, ThreadPool] = {}  # one pool of each size per process, shared by every engine
@@ -372,26 +330,18 @@ def row_bitmask(matcher, vocab_size: int, budget_s: float, request_id: str) -> t
 def mask_rows(logits: torch.Tensor, matchers: list) -> torch.Tensor:
     """logits [R, V] with each row that has a matcher (not None) limited to its grammar's next tokens;
     the same tensor when no row has one. One masked fill for the whole step."""
-    V = logits.shape[-1]
-    bitmasks = [None if m is None else token_bitmask([m], V) for m in matchers]
-    return apply_row_bitmasks(logits, bitmasks)
+    return apply_row_bitmasks(logits, matcher_bitmasks(matchers, logits.shape[-1]))
 
 
-def apply_row_bitmasks(logits: torch.Tensor, bitmasks: list) -> torch.Tensor:
-    """logits [R, V] with each row whose bitmask (int32 [1, W]) is not None limited to it."""
-    rows = [i for i, m in enumerate(bitmasks) if m is not None]
-    if not rows:
-        return logits
-    R, V = logits.shape
-    allowed = unpack_bitmask(torch.cat([bitmasks[i] for i in rows]), V)  # S, V (host)
-    # a matcher in an error state allows nothing: leave its row free rather than let an all -inf row break
-    # the batch's draw (the token drawn then fails that request alone, in Request.emit)
-    allowed[~allowed.any(-1)] = True
-    if len(rows) < R:  # rows without a grammar allow everything
-        full = torch.ones(R, V, dtype=torch.bool)
-        full[rows] = allowed
-        allowed = full
-    return torch.where(allowed.to(logits.device, non_blocking=True), logits, float("-inf"))
+def matcher_bitmasks(matchers: list, vocab_size: int) -> list:
+    """Each matcher's mask of next tokens, int32 [1, W]; None for a row without a matcher."""
+    bitmasks = []
+    for matcher in matchers:
+        if matcher is None:
+            bitmasks.append(None)
+        else:
+            bitmasks.append(token_bitmask([matcher], vocab_size))
+    return bitmasks
 
 
 def mask_verification(matcher, draft_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
@@ -410,17 +360,3 @@ def mask_verification(matcher, draft_ids: list[int], logits: torch.Tensor) -> to
     steps += [steps[-1]] * (len(draft_ids) + 1 - len(steps))  # after a refused draft: never reached
     matcher.rollback(consumed)
     return apply_bitmask(logits, torch.cat(steps))
-
-
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """bitmask [R, W] int32 (on the host) -> allowed [R, V] bool: bit t % 32 of word t // 32, least
-    significant first. The words' bytes, least significant first on a little-endian host, unpacked
-    by numpy ~6x faster than the equivalent torch.arange(32) shifts for a 50k vocabulary."""
-    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=vocab_size, bitorder="little")  # R, V
-    return torch.from_numpy(bits.view(np.bool_))
-
-
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """logits [R, V] with every token whose bit is 0 at -inf (a new tensor). bitmask [R, W] int32."""
-    allowed = unpack_bitmask(bitmask, logits.shape[-1])  # R, V
-    return torch.where(allowed.to(logits.device), logits, float("-inf"))

@@ -13,9 +13,8 @@ the top-level kernels/ folder, installed as nanoserve.kernels.
 
 from .cache import PagedKVCache, kv_bytes_per_token, num_blocks_for_budget, resolve_attention_backend
 from .contiguous import KVCache
-from .cpu_backend import CpuCacheView
 from .torch_backend import CacheView
-from .triton_backend import TritonCacheView
 
-__all__ = ["PagedKVCache", "KVCache", "CacheView", "TritonCacheView", "CpuCacheView", "kv_bytes_per_token",
-           "num_blocks_for_budget", "resolve_attention_backend"]
+# (the in-place backends, triton_backend.py and cpu_backend.py, attach through in_place.py)
+__all__ = ["PagedKVCache", "KVCache", "CacheView", "kv_bytes_per_token", "num_blocks_for_budget",
+           "resolve_attention_backend"]

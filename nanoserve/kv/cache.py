@@ -47,16 +47,13 @@ from typing import Any
 
 import torch
 
-from ..engine.block import check_block_size
+from ..config import ATTENTION_BACKENDS, check_block_size
 from ..errors import NanoserveError
+from ..extension_points import extension
 from ..models.config import ModelConfig
-from .cpu_backend import CpuCacheView
 from .metadata import AttentionMetadata
-from .quant import SCALE_DTYPE, kv_element_bytes, kv_quant
 from .torch_backend import CacheView
-from .triton_backend import TritonCacheView
 
-ATTENTION_BACKENDS = ("torch", "triton", "cpu")
 logger = logging.getLogger("nanoserve")
 
 
@@ -72,7 +69,7 @@ def resolve_attention_backend(backend: str | None, device: torch.device | str, h
     fast = "triton" if cuda else "cpu"  # the device's backend that reads the pool in place
     problem = None
     if backend in (None, fast) and head_dim is not None and dtype is not None:
-        problem = _in_place_problem(cuda, head_dim, dtype, device)
+        problem = extension("attention_backends").in_place_problem(cuda, head_dim, dtype, device)
     if backend == "cpu" and cuda:
         problem = "it runs on the CPU, and this model is on CUDA (its in-place backend there is 'triton')"
     if backend in ("triton", "cpu") and problem:
@@ -83,19 +80,6 @@ def resolve_attention_backend(backend: str | None, device: torch.device | str, h
         checked = head_dim is not None and dtype is not None  # the CPU kernel is only chosen once checked
         return fast if not problem and (cuda or checked) else "torch"
     return backend
-
-
-def _in_place_problem(cuda: bool, head_dim: int, dtype: torch.dtype, device) -> str | None:
-    """Why the device's in-place backend cannot serve this head_dim and dtype, or None."""
-    if cuda:
-        from ..kernels import triton_attention_supported  # reads no tensor, imports no Triton
-
-        return triton_attention_supported(head_dim, dtype, device)
-    if dtype != torch.float32:
-        return f"the C decode kernel computes in float32, and the model is {dtype}"
-    from ..kernels.cpu_paged_attention import cpu_kernel_problem  # builds the kernel once (~0.2 s), or says why not
-
-    return cpu_kernel_problem(head_dim)
 
 
 class PagedKVCache:
@@ -110,12 +94,16 @@ class PagedKVCache:
         layers = range(cfg.n_layers) if layers is None else layers
         self.first_layer = layers.start  # model layer i is the pool's layer i − first_layer
         shape = (len(layers), num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
-        self.quant = kv_quant(kv_cache_dtype)  # None: K/V in the model's dtype; else 8-bit codes + scales
+        self.quant = None  # K/V in the model's dtype; else their format: 8-bit codes + scales
+        if kv_cache_dtype != "auto":
+            self.quant = extension("kv_quant").kv_quant(kv_cache_dtype)  # kv/quant.py
         self.kv_cache_dtype, self.dtype = kv_cache_dtype, dtype  # dtype: what attention computes in
         storage = dtype if self.quant is None else self.quant.storage
         self.k = torch.zeros(shape, dtype=storage, device=device)
         self.v = torch.zeros(shape, dtype=storage, device=device)
-        scales = None if self.quant is None else torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
+        scales = None
+        if self.quant is not None:
+            scales = torch.zeros(shape[:-1], dtype=self.quant.scale_dtype, device=device)
         self.k_scale, self.v_scale = scales, None if scales is None else scales.clone()  # L, nb, bs, Hkv
         self.num_blocks, self.block_size = num_blocks, block_size
         self.attention_backend = resolve_attention_backend(attention_backend, device, cfg.head_dim, dtype)
@@ -162,14 +150,15 @@ class PagedKVCache:
 
     def bind(self, meta: AttentionMetadata) -> CacheView:
         """The view one forward writes and reads through: this backend's CacheView over `meta`."""
-        view_cls = {"triton": TritonCacheView, "cpu": CpuCacheView}.get(self.attention_backend, CacheView)
-        return view_cls(self, meta)
+        if self.attention_backend == "torch":
+            return CacheView(self, meta)
+        return extension("attention_backends").VIEWS[self.attention_backend](self, meta)
 
     def needs_buckets(self, decode: bool) -> bool:
         """Whether a step's attention gathers K/V by length bucket (metadata.length_buckets): the torch paths."""
-        if self.attention_backend == "triton":
-            return False
-        return not (self.attention_backend == "cpu" and CpuCacheView.reads_in_place(self, decode))
+        if self.attention_backend == "torch":
+            return True
+        return extension("attention_backends").needs_buckets(self, decode)
 
     def view(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor) -> CacheView:
         """A view from a step's three tensors, for tests and notebooks: it reads them on the host to
@@ -182,8 +171,20 @@ class PagedKVCache:
 def kv_bytes_per_token(cfg: ModelConfig, dtype: Any, kv_cache_dtype: str = "auto") -> int:
     """Bytes of K and V for one token in every layer: 2 · n_layers · n_kv_heads · head_dim · bytes per value
     (the model dtype's itemsize; quantized, 1 + the scale's share: kv/quant.py), rounded up."""
-    return math.ceil(2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * kv_element_bytes(kv_cache_dtype, dtype,
-                                                                                          cfg.head_dim))
+    value_bytes = kv_element_bytes(kv_cache_dtype, dtype, cfg.head_dim)
+    return math.ceil(2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * value_bytes)
+
+
+def kv_element_bytes(kv_cache_dtype: str, dtype: Any, head_dim: int) -> float:
+    """Bytes one K (or V) value costs in the pool: the dtype's itemsize; quantized, the code's
+    and its share of the scale (kv/quant.py)."""
+    if kv_cache_dtype != "auto":
+        return extension("kv_quant").kv_element_bytes(kv_cache_dtype, dtype, head_dim)
+    itemsize = getattr(dtype, "itemsize", None)
+    if not isinstance(itemsize, int) or itemsize <= 0:
+        raise NanoserveError(f"dtype={dtype!r} has no .itemsize; pass a torch.dtype such as "
+                             "torch.float16")
+    return float(itemsize)
 
 
 def num_blocks_for_budget(cfg: ModelConfig, budget_bytes: int | None, block_size: int, dtype: Any,

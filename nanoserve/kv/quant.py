@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import KV_CACHE_DTYPES
 from ..errors import NanoserveError
 
-KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
 SCALE_DTYPE = torch.float16  # one per (token, head)
 MIN_SCALE = 2.0 ** -14  # fp16's smallest normal: scales never underflow to 0 (an all-zero head stays 0)
 
@@ -40,6 +40,11 @@ class KVQuant:
     storage: torch.dtype  # the pool's dtype: int8, or uint8 holding FP8 bits (CPU torch cannot scatter float8)
     fp8: torch.dtype | None  # the FP8 format the bits are, if any
     qmax: float  # the largest magnitude stored
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        """The scales' dtype (SCALE_DTYPE): one per token and head."""
+        return SCALE_DTYPE
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [..., D] -> (q [..., D] in `storage`, scale [...] fp16) with x ≈ q · scale."""

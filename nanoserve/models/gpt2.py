@@ -14,7 +14,6 @@ from torch import nn
 from .base import CausalLM
 from .config import ModelConfig
 from .layers import ACTIVATION_FNS, attention
-from .onednn import OneDNNLinear
 
 
 class GPT2Attention(nn.Module):
@@ -52,9 +51,16 @@ class GPT2MLP(nn.Module):
         self.hidden_act = cfg.hidden_act
 
     def forward(self, x):
-        if isinstance(self.c_fc, OneDNNLinear) and self.c_fc.fuses_gelu(self.hidden_act):  # on a CPU: one call
-            return self.c_proj(self.c_fc.forward_gelu(x, self.hidden_act))  # (models/onednn.py)
+        if fuses_activation(self.c_fc, self.hidden_act):  # the linear and GELU in one call
+            return self.c_proj(self.c_fc.forward_gelu(x, self.hidden_act))
         return self.c_proj(self.act(self.c_fc(x)))
+
+
+def fuses_activation(linear: nn.Module, hidden_act: str) -> bool:
+    """Whether `linear` computes its output and the activation in one call: on a CPU the
+    extension that runs linears in oneDNN (models/onednn.py) swaps in such layers."""
+    fuses = getattr(linear, "fuses_gelu", None)
+    return fuses is not None and fuses(hidden_act)
 
 
 class GPT2Block(nn.Module):

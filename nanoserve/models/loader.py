@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..errors import CheckpointError, ConfigError, NanoserveError
+from ..extension_points import extension
 from ..models import CausalLM, build_model
 from ..tokenizers import has_tokenizer, load_tokenizer
 from .config import ModelConfig
@@ -244,10 +245,9 @@ def build_from_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype
     model.tie_weights()  # to_empty() allocates each parameter anew, which unties them
     quantized = set()
     if quantization is not None:
-        from ..quant.load import install_quant_linears, quantized_layers
-
-        layers = quantized_layers(tensors, quantization)
-        install_quant_linears(model, layers, dtype, device)
+        quant = extension("quantization")  # nanoserve/quant/
+        layers = quant.quantized_layers(tensors, quantization)
+        quant.install_quant_linears(model, layers, dtype, device)
         quantized = set(layers)
     expected = {k: v for k, v in model.state_dict().items() if k.rpartition(".")[0] not in quantized}
     tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()

@@ -1,4 +1,5 @@
-"""How the engine splits a model over ranks: `ParallelConfig` (vLLM's names), checked before any model loads.
+"""How the engine splits a model over ranks: `ParallelConfig` (nanoserve/config.py, vLLM's
+names), and where a rank learns its place: torchrun's environment.
 
     tensor_parallel_size=N     every layer split N ways (Megatron: columns, then rows, one all-reduce each);
                                each rank holds 1/N of every weight and of every layer's KV heads
@@ -12,52 +13,20 @@ does not run yet (speculative decoding, LoRA adapters).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 
+from ..config import ParallelConfig
 from ..errors import NanoserveError
 
+__all__ = ["ParallelConfig", "pin_rank_device", "torchrun_rank"]
 
-@dataclass(frozen=True)
-class ParallelConfig:
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
 
-    def __post_init__(self):
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-            size = getattr(self, name)
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise NanoserveError(f"{name}={size!r} must be an integer ≥ 1")
-        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
-            raise NanoserveError(f"tensor_parallel_size={self.tensor_parallel_size} with pipeline_parallel_size="
-                                 f"{self.pipeline_parallel_size}: one kind of split at a time (not both yet)")
-
-    @property
-    def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
-
-    @property
-    def kind(self) -> str:
-        """"tensor" or "pipeline" (what the ranks split), "none" for one rank."""
-        return "tensor" if self.tensor_parallel_size > 1 else "pipeline" if self.pipeline_parallel_size > 1 else "none"
-
-    @property
-    def size_name(self) -> str:
-        """The argument that set the world size, for messages: "tensor_parallel_size=2"."""
-        name = "pipeline_parallel_size" if self.kind == "pipeline" else "tensor_parallel_size"
-        return f"{name}={self.world_size}"
-
-    def check(self, spec_cfg, enable_lora: bool) -> None:
-        """What the split engine does not run yet, refused by name before any model loads."""
-        if self.world_size == 1:
-            return
-        if spec_cfg is not None:
-            raise NanoserveError(f"speculative decoding is not supported with {self.size_name} yet")
-        if enable_lora:
-            raise NanoserveError(f"enable_lora is not supported with {self.size_name} yet")
-        if torchrun_rank(self) is not None and torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # each rank its own GPU, before the model loads
+def pin_rank_device(parallel: ParallelConfig) -> None:
+    """Under torchrun on CUDA, each rank takes its own GPU (LOCAL_RANK) before its model loads."""
+    launched = parallel.world_size > 1 and torchrun_rank(parallel) is not None
+    if launched and torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
 
 
 def torchrun_rank(parallel: ParallelConfig) -> int | None:

@@ -50,7 +50,7 @@ import torch.multiprocessing as mp
 
 from ..engine.model_runner import ModelRunner
 from ..errors import EngineStateError, NanoserveError
-from .config import ParallelConfig, torchrun_rank
+from .config import ParallelConfig, pin_rank_device, torchrun_rank  # noqa: F401  (the engine's)
 from .launch import exit_without_finalizing, free_port
 from .runners import LeaderRunner, check_split, rank_runner, split_for_rank
 

@@ -26,14 +26,14 @@ from .model import block_groups, decoder_blocks
 from .qlinear import QuantLinear
 
 QUANTIZED_LAYERS = (QuantLinear, W8A8Linear, FP8Linear)  # LLMInt8Linear is a W8A8Linear
-QUANTIZATION_METHODS = {"fp8": FP8Linear.from_linear, "int8": W8A8Linear.from_linear,
+QUANTIZERS = {"fp8": FP8Linear.from_linear, "int8": W8A8Linear.from_linear,
                         "llm.int8": LLMInt8Linear.from_linear}
 
 
 def check_quantization(quantization: str | None) -> None:
-    if quantization is not None and quantization not in QUANTIZATION_METHODS:
+    if quantization is not None and quantization not in QUANTIZERS:
         raise NanoserveError(f"quantization={quantization!r}; allowed: None (the checkpoint as it is), "
-                             f"{', '.join(QUANTIZATION_METHODS)}")
+                             f"{', '.join(QUANTIZERS)}")
 
 
 def quantize_on_load(model: nn.Module, quantization: str | None) -> list[str]:
@@ -46,7 +46,7 @@ def quantize_on_load(model: nn.Module, quantization: str | None) -> list[str]:
         raise NanoserveError(f"quantization={quantization!r} quantizes a float checkpoint; this one is already "
                              f"quantized ({done} layers: GPTQ, AWQ or compressed-tensors): load it without "
                              "`quantization`")
-    return quantize_linears(model, QUANTIZATION_METHODS[quantization])
+    return quantize_linears(model, QUANTIZERS[quantization])
 
 
 def quantize_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> list[str]:

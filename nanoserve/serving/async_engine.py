@@ -1,7 +1,7 @@
 """`AsyncLLMEngine`: the engine behind an asyncio server. Many coroutines await their own
 request's outputs while one background task drives `LLMEngine.step()`.
 
-    engine = AsyncLLMEngine(LLMEngine("demo"))
+    engine = AsyncLLMEngine(LLMEngine.from_kwargs("demo"))
     async for out in engine.generate("ROMEO:", SamplingParams(max_tokens=50)):
         print(out.text)                     # the output so far; the last one is finished
 

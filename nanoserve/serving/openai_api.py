@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict
 
 from ..engine.sampler import SamplingParams
-from ..engine.structured_output import KINDS, StructuredOutputsParams
+from ..engine.sampling_params import KINDS, StructuredOutputsParams
 from ..errors import NanoserveError
 from .openai_logprobs import chat_logprobs, completion_logprobs, echo_text
 from .openai_responses import (

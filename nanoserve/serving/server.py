@@ -294,7 +294,9 @@ def serve(model: str = "demo", host: str = "127.0.0.1", port: int = 8000, api_ke
     from .chat import load_chat_template, read_chat_template_file
 
     loras = parse_lora_modules(lora_modules or [])
-    core = LLMEngine(model, **engine_kwargs, **({"enable_lora": True} if loras else {}))
+    if loras:
+        engine_kwargs = {**engine_kwargs, "enable_lora": True}
+    core = LLMEngine.from_kwargs(model, **engine_kwargs)
     for req in loras.values():
         core.inputs.lora.add(req)
     template = (read_chat_template_file(chat_template, core.tokenizer) if chat_template

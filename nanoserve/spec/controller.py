@@ -143,7 +143,7 @@ class SpecController:
     probe's extra cost within PROBE_BUDGET of the wait."""
 
     def __init__(self, config, prior_draft_cost: float, one_call: bool = False):
-        self.config = config  # spec_decode.SpecDecodeConfig
+        self.config = config  # nanoserve.config.SpeculativeConfig
         self.costs = StepCosts(prior_draft_cost, config.cost, one_call=one_call)  # c and v: measured, or pinned
         self.alphas = [ALPHA_PRIOR] * config.num_speculative_tokens  # the engine's running α_i: a new sample's start
         self.probe_every = config.probe_interval  # plain steps between a switched-off sample's probes

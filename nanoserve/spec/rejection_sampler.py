@@ -42,9 +42,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from ..config import MAX_SPECULATIVE_TOKENS
 from ..errors import check, is_int
 
-MAX_SPECULATIVE_TOKENS = 16  # γ beyond this almost never pays: α^γ is tiny (and it bounds test sizes)
 PAD_TOKEN_ID = -1  # fills the unused tail of rejection_sample_batch's output rows (vLLM's placeholder)
 
 Generators = torch.Generator | Sequence[torch.Generator | None] | None

@@ -51,16 +51,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
+from ..config import SpeculativeConfig
+from ..engine.logprobs import sampled_logprobs
 from ..engine.outputs import SpecStats
 from ..engine.sampler import SamplingParams, probs_from_logits
 from ..engine.scheduler import Scheduler
 from ..engine.sequence import Sequence
-from ..errors import NanoserveError
+from ..errors import NanoserveError, RequestFailedError
 from ..models.loader import load_model
-from .config import SPECULATIVE_METHODS, SpecDecodeConfig  # noqa: F401  (the engine imports them from here)
 from .controller import SpecController
 from .draft_heads import head_proposer
 from .proposers import DraftModelProposer, NgramDraft
@@ -85,7 +87,7 @@ class SpecDecoder:
     target's forward accept and roll back. Owned by LLMEngine; `proposer` is a DraftModelProposer or
     NgramDraft. The target's sequences change only through the target's `scheduler`."""
 
-    def __init__(self, config: SpecDecodeConfig, proposer, scheduler: Scheduler, max_model_len: int,
+    def __init__(self, config: SpeculativeConfig, proposer, scheduler: Scheduler, max_model_len: int,
                  cost: float = 0.0, kv=None):
         self.config, self.proposer, self.scheduler, self.max_model_len = config, proposer, scheduler, max_model_len
         self.kv = kv  # the target's PagedKVCache: a verified tree's accepted path moves within it
@@ -94,6 +96,53 @@ class SpecDecoder:
         self.pure_decode = False  # whether the planned step has decoding rows only (its time is recorded)
         self.copies: list[tuple[int, int]] = []  # copy-on-write block copies from the last extension
         scheduler.on_finish.append(self.free)  # a sequence that finishes (or is aborted) lets go of its state here
+        scheduler.on_preempt.append(self.drop_draft)  # recomputed later: its draft cache too
+        self._step_start = 0.0  # when the step's forward began (after drafting), for record_step
+        self._drafts: dict = {}  # the step's {row: Proposal}
+
+    # ------------------------------------------------------------------ the engine's step hooks
+    def before_forward(self, engine, step) -> None:
+        """Drafts for the decoding rows that speculate, appended (with KV slots) to their sequences;
+        each such row is claimed: it returns 1 + γ logits and `verify_row` handles them. If drafting
+        fails, the drafting requests fail and their rows leave the step (one batched draft forward:
+        the fault cannot be pinned to a row)."""
+        budget = engine.scheduler.config.max_num_batched_tokens - step.sched.num_tokens  # leftover
+        rows = self.plan(step.sched, engine.requests, budget)  # [(row, seq, γ, params, generator)]
+        proposals = {}
+        if rows:
+            proposals = engine.isolated([r[1] for r in rows], step.done, self.draft, step.sched, rows,
+                                        engine.runner.kv)
+            if proposals is None:
+                step.drop_rows_of(engine.requests)
+                proposals = {}
+        for row, proposal in proposals.items():
+            step.num_logits[row] = 1 + len(proposal.draft_ids)
+            step.handlers[row] = partial(self.verify_row, engine, step, proposal)
+        if any(p.parents is not None for p in proposals.values()):
+            step.trees = self.tree_kwargs(proposals, len(step.sched.seqs))["trees"]
+        self._drafts = proposals
+        self._step_start = time.perf_counter()
+
+    def verify_row(self, engine, step, proposal: Proposal, logits: torch.Tensor) -> None:
+        """A claimed row's logits [1 + γ, V]: accept or reject the drafts (under the request's
+        grammar, if any), roll back, and emit the kept tokens like any step's."""
+        seq = proposal.seq
+        if bool(logits.isnan().any()):
+            raise RequestFailedError(f"the model produced NaN logits for request {seq.request_id!r} "
+                                     "while verifying its drafts")
+        req = engine.requests[seq.request_id]
+        sample = req.samples[seq.sample_index]
+        masked = engine.inputs.grammars.mask_verification(sample.matcher, proposal.draft_ids, logits)
+        tokens = self.accept(proposal, masked)
+        lps = sampled_logprobs(logits[proposal.logit_rows], [req.params] * len(tokens), tokens,
+                               engine.tokenizer)
+        tokens, finished = req.emit_all(sample, tokens, lps)
+        engine.scheduler.postprocess(seq, tokens, finished)
+        step.done[seq.request_id] = req.output
+
+    def after_step(self, engine, step) -> None:
+        """The step's forward, accept and sample took this long: the controller's cost estimates."""
+        self.record_step(self._drafts, time.perf_counter() - self._step_start)
 
     # ------------------------------------------------------------------ one step
     def plan(self, sched, requests: dict, budget: int) -> list[tuple]:
@@ -234,6 +283,10 @@ class SpecDecoder:
         if self.pure_decode and self.config.adaptive:
             self.controller.costs.record_step(bool(drafts), seconds)
 
+    def drop_draft(self, seq: Sequence) -> None:
+        """A preempted sequence will be recomputed: its draft state goes (the controller's stays)."""
+        self.proposer.free(seq)
+
     def free(self, seq: Sequence) -> None:
         self.proposer.free(seq)
         self.controller.free(seq)
@@ -243,7 +296,7 @@ class SpecDecoder:
         return None if st is None else st.stats
 
 
-def build_spec_decoder(cfg: SpecDecodeConfig, engine) -> SpecDecoder:
+def build_spec_decoder(cfg: SpeculativeConfig, engine) -> SpecDecoder:
     """The engine's SpecDecoder: an n-gram proposer, or the draft model loaded beside the target
     (one vocabulary, one tokenizer, its own paged KV pool of the target's size)."""
     max_len, kv = engine.max_model_len, engine.runner.kv

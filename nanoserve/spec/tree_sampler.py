@@ -35,36 +35,8 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import NanoserveError
-from .rejection_sampler import MAX_SPECULATIVE_TOKENS, residual_distribution
-
-# 8 candidates to depth 3 (3 heads): the first head's top 2; after its best, the second head's top 2, after
-# its second best, the second head's best; after the best pair, the third head's top 2; after (0, 1), its best
-DEFAULT_TREE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0)]
-
-
-def check_tree_choices(choices) -> list[tuple[int, ...]] | None:
-    """Paths of top-k indices, checked and sorted (shorter first): each non-empty, of indices ≥ 0, listed once,
-    its parent path listed too, at most MAX_SPECULATIVE_TOKENS in all. None stays None (no tree: a chain)."""
-    if choices is None:
-        return None
-    if isinstance(choices, (str, bytes)) or not hasattr(choices, "__iter__"):
-        raise NanoserveError(f"speculative_tree must be a list of paths such as [(0,), (1,), (0, 0)] or "
-                             f"'default', got {choices!r}")
-    paths = [tuple(c) if isinstance(c, (list, tuple)) else c for c in choices]
-    for c in paths:
-        if not isinstance(c, tuple) or not c or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
-                                                        for i in c):
-            raise NanoserveError(f"speculative_tree: each path must be a non-empty tuple of top-k indices ≥ 0, "
-                                 f"got {c!r}")
-        if len(c) > 1 and c[:-1] not in paths:
-            raise NanoserveError(f"speculative_tree: path {c} is listed without its parent path {c[:-1]}")
-    if len(set(paths)) != len(paths):
-        raise NanoserveError("speculative_tree lists a path twice")
-    if not 1 <= len(paths) <= MAX_SPECULATIVE_TOKENS:
-        raise NanoserveError(f"speculative_tree has {len(paths)} paths; allowed: 1..{MAX_SPECULATIVE_TOKENS} "
-                             "(each is a token the target verifies)")
-    return sorted(paths, key=lambda c: (len(c), c))
+from ..config import DEFAULT_TREE, check_tree_choices  # noqa: F401  (their home: the config)
+from .rejection_sampler import residual_distribution
 
 
 def tree_from_choices(choices: list[tuple[int, ...]], top: list[list[int]]) -> tuple[list[int], list[int]]:
@@ -119,6 +91,35 @@ def tree_attention_mask(parents: list[int], prefix_len: int) -> torch.Tensor:
             mask[i, prefix_len + j] = True
             j = parents[j]
     return mask
+
+
+def tree_mask(trees: list, num_new: list[int], context_lens: torch.Tensor, T: int, S: int) -> torch.Tensor:
+    """bool [B, T, S]: which of the S gathered keys each new token sees. A chain row: its own context, causally
+    (a padding query sees its row's last real token's); a tree row: the cached prefix, then its ancestors
+    (tree_attention_mask) — never a sibling's branch."""
+    mask = torch.zeros(len(num_new), T, S, dtype=torch.bool)
+    for b, (parents, n, ctx) in enumerate(zip(trees, num_new, context_lens.tolist())):
+        prefix = ctx - n
+        if parents is None:
+            seen = torch.arange(S)[None, :] <= (prefix + torch.arange(T).clamp(max=n - 1))[:, None]  # T, S
+            mask[b] = seen
+        else:
+            mask[b, :n, :prefix + n] = tree_attention_mask(parents, prefix)
+            mask[b, n:] = mask[b, n - 1]
+    return mask
+
+
+def packed_ancestor_bits(trees: list, num_new: list[int]) -> torch.Tensor:
+    """int64 [N]: each real token's ancestor bits (`ancestor_bits`), the rows' tokens packed one
+    after another; a row that is a chain (None) gets -1 for each of its tokens (the kernel's
+    causal mask)."""
+    bits: list[int] = []
+    for parents, n in zip(trees, num_new):
+        if parents:
+            bits += ancestor_bits(parents)
+        else:
+            bits += [-1] * n
+    return torch.tensor(bits)
 
 
 def tree_rejection_sample(parents: list[int], tokens: list[int], p: torch.Tensor, q: list[torch.Tensor | None],

@@ -26,6 +26,7 @@ from ..engine.outputs import RequestOutput
 from ..engine.request import Prompt, Request, draw
 from ..engine.sampler import SamplingParams
 from ..engine.scheduler import advance, extend, ride_along
+from ..engine.structured_output import matcher_bitmasks
 from ..errors import NanoserveError, RequestFailedError
 
 
@@ -92,7 +93,9 @@ class _RunToCompletion:
                 for i in rows:
                     advance(alloc, seqs[i], num_new[i])
                 samples = [reqs[i].samples[0] for i in rows]
-                tokens, _, lps = draw(logits[rows], [(reqs[i], s) for i, s in zip(rows, samples)], e.tokenizer)
+                bitmasks = matcher_bitmasks([s.matcher for s in samples], logits.shape[-1])
+                pairs = [(reqs[i], s) for i, s in zip(rows, samples)]
+                tokens, _, lps = draw(logits[rows], pairs, e.tokenizer, bitmasks)
                 for i, s, token, lp in zip(rows, samples, tokens, lps):
                     if reqs[i].emit(s, token, lp):
                         reqs[i].output.finish_time = time.perf_counter()

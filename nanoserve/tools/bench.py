@@ -60,8 +60,9 @@ def _engine(model: str, batch_size: int) -> LLMEngine:
     from ..models.loader import load_model
 
     ctx = load_model(model)[1].max_position_embeddings
-    return LLMEngine(model, dtype="float32", device="cpu", max_num_seqs=batch_size * 2, max_num_batched_tokens=512,
-                     enable_prefix_caching=False, num_blocks=2 * batch_size * -(-ctx // 16))
+    return LLMEngine.from_kwargs(model, dtype="float32", device="cpu", max_num_seqs=batch_size * 2,
+                                 max_num_batched_tokens=512, enable_prefix_caching=False,
+                                 num_blocks=2 * batch_size * -(-ctx // 16))
 
 
 def _check_lengths(engine: LLMEngine, in_range, out_range) -> None:

@@ -1,0 +1,38 @@
+"""The attention backends that read the KV pool in place: Triton's kernels on CUDA, a C decode
+kernel on the CPU. kv/cache.py resolves a backend's name and binds its view through this module
+(the extension point "attention_backends"); the torch backend is the core's own.
+
+    VIEWS                  backend name -> its CacheView class
+    in_place_problem       why the device's in-place backend cannot serve a model, or None
+    needs_buckets          whether a step's attention still gathers K/V by length bucket
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cpu_backend import CpuCacheView
+from .triton_backend import TritonCacheView
+
+VIEWS = {"triton": TritonCacheView, "cpu": CpuCacheView}
+
+
+def in_place_problem(cuda: bool, head_dim: int, dtype: torch.dtype, device) -> str | None:
+    """Why the device's in-place backend cannot serve this head_dim and dtype, or None."""
+    if cuda:
+        from ..kernels import triton_attention_supported  # reads no tensor, imports no Triton
+
+        return triton_attention_supported(head_dim, dtype, device)
+    if dtype != torch.float32:
+        return f"the C decode kernel computes in float32, and the model is {dtype}"
+    from ..kernels.cpu_paged_attention import cpu_kernel_problem  # builds the kernel once, or says why not
+
+    return cpu_kernel_problem(head_dim)
+
+
+def needs_buckets(cache, decode: bool) -> bool:
+    """Triton reads every step in place; the CPU kernel only a float32 decode step, otherwise its
+    view falls back to the torch path, which gathers by length bucket (metadata.length_buckets)."""
+    if cache.attention_backend == "triton":
+        return False
+    return not CpuCacheView.reads_in_place(cache, decode)
