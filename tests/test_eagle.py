@@ -77,7 +77,7 @@ def test_preemption_prefix_hits_and_forks(eagle_trained):
     assert [c.token_ids for c in got.outputs] == [c.token_ids for c in one.generate(PROMPTS[:1], two,
                                                                                    use_tqdm=False)[0].outputs]
     bm = llm.engine.block_allocator
-    assert bm.num_free_blocks() == bm.num_blocks and not llm.engine.runner.features
+    assert bm.num_free_blocks() == bm.num_blocks and not llm.engine.spec.proposer.features
     assert not llm.engine.spec.proposer.tracks
 
 

@@ -86,7 +86,7 @@ def test_medusa_with_preemption_samples_and_prefix_hits(trained, plain):
     two = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, n=2, ignore_eos=True),
                        use_tqdm=False)[0]
     assert [c.token_ids for c in two.outputs] == [plain[PROMPTS[0]][:12]] * 2
-    assert not llm.engine.runner.hidden  # every sequence's hidden rows were let go
+    assert not llm.engine.spec.proposer.hidden  # every sequence's hidden rows were let go
 
 
 def test_medusa_needs_its_heads_and_fits_their_count(trained):

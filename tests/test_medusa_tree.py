@@ -104,7 +104,7 @@ def test_tree_with_preemption_samples_and_prefix_hits(medusa_trained, plain):
                        use_tqdm=False)[0]
     assert [c.token_ids for c in two.outputs] == [plain[PROMPTS[0]][0][:12]] * 2
     bm = llm.engine.block_allocator  # every block back, the bookkeeping whole, the Medusa state let go of
-    assert bm.num_free_blocks() == bm.num_blocks and not llm.engine.runner.hidden
+    assert bm.num_free_blocks() == bm.num_blocks and not llm.engine.spec.proposer.hidden
     bm.check_invariants()
 
 

@@ -22,6 +22,7 @@ the caller tells the scheduler what was computed (`Scheduler.advance`). Taught i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 from itertools import chain
@@ -125,8 +126,9 @@ class ModelRunner:
         self.block_size = block_size
         self.graphs = None  # CudaGraphRunner once use_cuda_graphs() ran: decode steps replay graphs
         self.lora = lora  # a LoRAManager when the engine serves per-request adapters (lora/serving.py)
-        self.hidden: dict[int, torch.Tensor] = {}  # with model.keep_hidden: seq_id -> [K, C] at its latest logits
-        self.features: dict[int, list] = {}  # keep_hidden == "all": seq_id -> [(first position, [n, C]), ...]
+        # called after each forward with (seqs, num_new, num_logits): what an extension reads of it
+        # (Medusa's and EAGLE's proposers keep the model's hidden states: spec/medusa.py, eagle_proposer.py)
+        self.after_forward: list[Callable] = []
 
     def use_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> str | None:
         """Capture decode CUDA graphs (engine/cuda_graph.py); returns why not when they cannot serve
@@ -256,13 +258,8 @@ class ModelRunner:
         finally:
             if self.lora is not None:
                 self.lora.clear()
-        if self.model.keep_hidden == "all":  # every new token's, kept until read (EAGLE's head reads them)
-            for i, (seq, n) in enumerate(zip(seqs, num_new)):
-                chunk = (seq.num_computed_tokens, self.model.last_hidden[i, :n].clone())  # n, C
-                self.features.setdefault(seq.seq_id, []).append(chunk)
-        elif self.model.keep_hidden:  # each row's hidden states where its logits are (Medusa heads read them)
-            for i, (seq, m) in enumerate(zip(seqs, num_logits)):
-                self.hidden[seq.seq_id] = self.model.last_hidden[i, :m]  # m, C
+        for hook in self.after_forward:
+            hook(seqs, num_new, num_logits)
         return logits
 
 

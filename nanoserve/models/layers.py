@@ -125,12 +125,17 @@ def causal_mask(q_positions: torch.Tensor, kv_len: int, window: int | None = Non
     return visible[:, None]  # B, 1, T, S
 
 
-def naive_attention(q, k, v, q_positions=None, window: int | None = None):
-    """softmax(q·kᵀ/√d + causal mask)·v, written out.  q [B,T,H,D]; k, v [B,S,Hkv,D] -> [B,T,H,D].
+def naive_attention(q, k, v, q_positions=None, window: int | None = None, scale: float | None = None,
+                    softcap: float | None = None, mask: torch.Tensor | None = None):
+    """softmax(q·kᵀ/√d + causal mask)·v, written out in float32.  q [B,T,H,D]; k, v [B,S,Hkv,D]
+    -> [B,T,H,D].
 
     Key j sits at position j. `q_positions` [B, T] are the queries' absolute positions; None
     means the queries are the keys themselves (positions 0..T-1, no cache). `window`: each query
-    sees only its `window` newest keys, itself included (None: all of them).
+    sees only its `window` newest keys, itself included (None: all of them). `scale` multiplies
+    the scores instead of 1/√D; `softcap` c maps them to c·tanh(scores / c) before the mask (Gemma
+    2: no score can take all the weight). `mask` [B, T, S] (bool, True: visible) replaces the
+    causal mask: a token tree's queries see their ancestors only (spec/tree_sampler.py).
     """
     B, T, H, D = q.shape
     if q_positions is None:
@@ -138,20 +143,28 @@ def naive_attention(q, k, v, q_positions=None, window: int | None = None):
     group = H // k.shape[2]  # query heads per kv head (GQA; 1 = multi-head attention)
     k = k.repeat_interleave(group, dim=2)  # B, S, H, D
     v = v.repeat_interleave(group, dim=2)
-    scores = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) / math.sqrt(D)  # B, H, T, S
-    scores = scores.masked_fill(~causal_mask(q_positions, k.shape[1], window), float("-inf"))
+    scores = torch.einsum("bthd,bshd->bhts", q.float(), k.float())  # B, H, T, S
+    if scale is None:
+        scores = scores / math.sqrt(D)
+    else:
+        scores = scores * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if mask is None:
+        visible = causal_mask(q_positions, k.shape[1], window)  # B, 1, T, S
+    else:
+        visible = mask[:, None]
+    scores = scores.masked_fill(~visible, float("-inf"))
     probs = scores.softmax(dim=-1)
     return torch.einsum("bhts,bshd->bthd", probs, v.float()).to(q.dtype)  # B, T, H, D
 
 
 def attention(q, k, v, q_positions=None, window: int | None = None, scale: float | None = None,
               softcap: float | None = None, mask: torch.Tensor | None = None):
-    """The same as `naive_attention`, through torch's fused SDPA kernel; `scale` multiplies the scores
-    instead of 1/√D, and `softcap` c maps them to c·tanh(scores / c) before the mask (Gemma 2), which
-    SDPA cannot do: those take `softcapped_attention`. `mask` [B, T, S] (bool, True: visible) replaces the
-    causal mask of the positions: a token tree's queries see their ancestors only (spec/tree_sampler.py)."""
+    """The same as `naive_attention`, through torch's fused SDPA kernel. SDPA cannot soft-cap the
+    scores: with `softcap` this is `naive_attention` itself."""
     if softcap is not None:
-        return softcapped_attention(q, k, v, q_positions, window, scale, softcap, mask)
+        return naive_attention(q, k, v, q_positions, window, scale, softcap, mask)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # B, H, T, D
     gqa = q.shape[1] != k.shape[1]
     if q_positions is None and window is None and mask is None:  # no cache: plain causal attention
@@ -162,18 +175,3 @@ def attention(q, k, v, q_positions=None, window: int | None = None, scale: float
         visible = causal_mask(q_positions, k.shape[2], window) if mask is None else mask[:, None]  # B, 1, T, S
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=gqa)
     return out.transpose(1, 2)  # B, T, H, D
-
-
-def softcapped_attention(q, k, v, q_positions, window, scale, softcap: float, mask: torch.Tensor | None = None):
-    """Attention with soft-capped scores, written out (in float32): softmax(c·tanh(q·kᵀ·scale / c) + mask)·v.
-    The cap bounds every score to (−c, c) smoothly, so no single key can take all the weight."""
-    B, T, H, D = q.shape
-    if q_positions is None:
-        q_positions = torch.arange(T, device=q.device).expand(B, T)
-    group = H // k.shape[2]
-    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)  # B, S, H, D
-    scores = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) * (scale or 1 / math.sqrt(D))  # B, H, T, S
-    scores = softcap * torch.tanh(scores / softcap)
-    visible = causal_mask(q_positions, k.shape[1], window) if mask is None else mask[:, None]  # B, 1, T, S
-    scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.einsum("bhts,bshd->bthd", scores.softmax(dim=-1), v.float()).to(q.dtype)  # B, T, H, D

@@ -1,7 +1,8 @@
 """The engine's EAGLE proposer: each speculating row's γ drafts from its features (eagle.py's head).
 
-What it reads. The model runner keeps the feature of *every* token each forward computes (the model's
-`keep_hidden = "all"`; `ModelRunner.features`: per sequence, chunks (first position, [n, C])), prefill and
+What it reads. After each forward (a hook in the model runner's `after_forward`) it keeps the feature of
+*every* token the forward computed (the model's `keep_hidden = "all"`; `features`: per sequence, chunks
+(first position, [n, C])), prefill and
 verification included. Before drafting, a row's chunks are merged into its track: its features by position,
 a later chunk overwriting from where it starts (a verification's rejected drafts are overwritten by the next
 step's, and never used: only positions < num_computed_tokens count).
@@ -50,14 +51,16 @@ class EagleProposer:
     def __init__(self, head: EagleHead, runner):
         self.head, self.runner, self.model = head, runner, runner.model
         self.embed = token_embedding(self.model)
-        runner.model.keep_hidden = "all"  # the runner keeps every computed token's feature (ModelRunner.features)
+        runner.model.keep_hidden = "all"  # the model keeps every computed token's feature (models/base.py)
+        self.features: dict[int, list] = {}  # seq_id -> [(first position, [n, C]), ...] until read
+        runner.after_forward.append(self.keep_features)
         self.tracks: dict[int, _Track] = {}  # seq_id -> its features and the head's cache
         self.timings = []
 
     def _absorb(self, seq_id: int) -> _Track | None:
         """Merge the runner's new chunks of features into the sequence's track."""
         track = self.tracks.get(seq_id)
-        for start, h in self.runner.features.pop(seq_id, []):
+        for start, h in self.features.pop(seq_id, []):
             if track is None or not track.first <= start <= track.first + track.feats.shape[0]:
                 track = _Track(start, h)  # the first chunk, or one after a gap (or a recomputation from earlier)
             else:
@@ -147,6 +150,12 @@ class EagleProposer:
     def rollback(self, seq, num_valid: int, row: int | None = None) -> None:
         """Nothing to undo: the next proposal reads the accepted tokens and their features."""
 
+    def keep_features(self, seqs, num_new: list[int], num_logits: list[int]) -> None:
+        """After each target forward: every new token's feature, kept until the head reads it."""
+        for i, (seq, n) in enumerate(zip(seqs, num_new)):
+            chunk = (seq.num_computed_tokens, self.model.last_hidden[i, :n].clone())  # n, C
+            self.features.setdefault(seq.seq_id, []).append(chunk)
+
     def free(self, seq) -> None:
         self.tracks.pop(seq.seq_id, None)
-        self.runner.features.pop(seq.seq_id, None)
+        self.features.pop(seq.seq_id, None)

@@ -20,7 +20,8 @@ top-k candidates form a token tree (tree_sampler.tree_from_choices), scored in o
 mask and verified by walking it (tree_sampler.py: greedy, or SpecInfer's multi-candidate rejection).
 
 The hidden state: the model keeps its LM head's input when `keep_hidden` is set (models/base.py), the
-model runner keeps each row's rows of it by sequence (`ModelRunner.hidden`), and the proposer picks the
+proposer keeps each row's rows of it by sequence after every forward (`keep_hidden`, a hook in the model
+runner's `after_forward`), and picks the
 one that produced the sequence's latest token: the last row after a plain step, row `accepted` after a
 verification (recorded at `rollback`; a tree's: its last accepted node's). Training: tools/train_medusa.py.
 """
@@ -111,7 +112,9 @@ class MedusaProposer:
     def __init__(self, heads: MedusaHeads, runner, tree: list[tuple[int, ...]] | None = None):
         self.heads, self.runner, self.tree = heads, runner, tree
         self.top_k = 1 if tree is None else 1 + max(i for c in tree for i in c)  # candidates read per head
-        runner.model.keep_hidden = True  # the runner keeps each row's hidden states (ModelRunner.hidden)
+        runner.model.keep_hidden = True  # the model keeps its LM head's input (models/base.py)
+        self.hidden: dict[int, torch.Tensor] = {}  # seq_id -> [K, C] where its latest logits were
+        runner.after_forward.append(self.keep_hidden)
         self.start: dict[int, int] = {}  # seq_id -> its length before this step's drafts
         self.verified: dict[int, tuple[torch.Tensor, int]] = {}  # seq_id -> (the verification's rows, accepted)
 
@@ -121,7 +124,7 @@ class MedusaProposer:
         drafts a chain) and are deterministic: q is one-hot."""
         found, picked = [], []
         for i, (seq, _, _, _) in enumerate(rows):
-            h = self.runner.hidden.get(seq.seq_id)  # [K, C] of its latest forward
+            h = self.hidden.get(seq.seq_id)  # [K, C] of its latest forward
             if h is None:
                 continue
             rows_then, accepted = self.verified.pop(seq.seq_id, (None, -1))
@@ -147,11 +150,16 @@ class MedusaProposer:
         """After verifying: the hidden row behind the latest token is that of the last accepted draft (a
         chain's row num_valid − start; a tree's last accepted node, `row`)."""
         start = self.start.pop(seq.seq_id, None)
-        h = self.runner.hidden.get(seq.seq_id)
+        h = self.hidden.get(seq.seq_id)
         if start is not None and h is not None:
             self.verified[seq.seq_id] = (h, num_valid - start if row is None else row)
 
+    def keep_hidden(self, seqs, num_new: list[int], num_logits: list[int]) -> None:
+        """After each target forward: each row's hidden states where its logits are [m, C]."""
+        for i, (seq, m) in enumerate(zip(seqs, num_logits)):
+            self.hidden[seq.seq_id] = self.runner.model.last_hidden[i, :m]
+
     def free(self, seq) -> None:
-        self.runner.hidden.pop(seq.seq_id, None)
+        self.hidden.pop(seq.seq_id, None)
         self.start.pop(seq.seq_id, None)
         self.verified.pop(seq.seq_id, None)
