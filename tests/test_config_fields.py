@@ -29,6 +29,7 @@ from nanoserve import CheckpointError, ConfigError
 from nanoserve.kv import KVCache
 from nanoserve.models.hf_fields import ACTIVATIONS, HF_FIELDS, INERT
 from nanoserve.models.layers import ACTIVATION_FNS, RMSNorm, gelu_tanh
+from nanoserve.models.llama import LlamaDecoderLayer
 from nanoserve.models.loader import build_from_tensors, load_model, read_hf_config, read_weights_dir
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: a second thread only adds latency
@@ -411,7 +412,8 @@ MUTANTS = {  # case id -> a wrong implementation, made by editing nanoserve's lo
     "gemma2-defaults": lambda m: setattr(m.config, "final_softcap", None),  # the final cap off
     "gemma2-no-caps-biases": lambda m: _set_all([x for x in m.modules() if isinstance(x, RMSNorm)],
                                                 "unit_offset", False),  # w, not 1 + w
-    "gemma2-layer-types-untied": lambda m: _set_all(m.model.layers, "block", "pre_norm"),  # Llama's layout
+    # Llama's layout: the sandwich layers run as plain pre-norm ones
+    "gemma2-layer-types-untied": lambda m: _set_all(m.model.layers, "__class__", LlamaDecoderLayer),
     "gemma3-rope-per-layer-type": lambda m: _set_all(m.model.layers, "rope", "global"),  # one RoPE for all layers
     "gemma3-soft-caps-window-all": lambda m: setattr(m.model, "embed_scale", None),  # no √d
     "smollm3-nope": lambda m: _set_all(m.model.layers, "rope", "global"),  # RoPE in every layer

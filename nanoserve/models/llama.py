@@ -82,48 +82,84 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
+def rms_norm(cfg: ModelConfig) -> RMSNorm:
+    """A norm over the hidden size, as the config's family makes it."""
+    return RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_unit_offset, cfg.norm_scale_fp32)
+
+
+def rope_kind(cfg: ModelConfig, layer_idx: int, window: int | None) -> str:
+    """Which RoPE a layer applies: "global"; "local" for Gemma 3's sliding layers (their own base);
+    "none" for SmolLM3's NoPE layers."""
+    if layer_idx in (cfg.no_rope_layers or []):
+        return "none"
+    if cfg.local_rope_theta and window is not None:
+        return "local"
+    return "global"
+
+
+def feed_forward(cfg: ModelConfig, layer_idx: int) -> nn.Module:
+    """The layer's MLP; Mixtral's and Qwen3-MoE's: experts and a router instead (models/moe.py)."""
+    if is_moe_layer(cfg, layer_idx):
+        return SparseMoeBlock(cfg, ACTIVATION_FNS[cfg.hidden_act])
+    return LlamaMLP(cfg)
+
+
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm (Llama): x + attn(norm(x)), then x + mlp(norm(x)). Sandwich (Gemma 2/3): the attention's and
-    the MLP's outputs are normalised too, before the residual add; then `post_attention_layernorm` is the
-    attention's output norm, and the MLP's input norm is `pre_feedforward_layernorm` (HF's names).
-    Post-norm (OLMo 2): only the outputs are normalised, x + norm(attn(x)), then x + norm(mlp(x))."""
+    """Pre-norm (Llama): x + attn(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
-        norm = lambda: RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_unit_offset, cfg.norm_scale_fp32)  # noqa: E731
-        self.block = cfg.block
-        if self.block != "post_norm":
-            self.input_layernorm = norm()
+        self.input_layernorm = rms_norm(cfg)
         self.self_attn = LlamaAttention(cfg, layer_idx)
-        self.post_attention_layernorm = norm()
-        moe = is_moe_layer(cfg, layer_idx)  # Mixtral, Qwen3-MoE: experts and a router instead of one MLP
-        self.mlp = SparseMoeBlock(cfg, ACTIVATION_FNS[cfg.hidden_act]) if moe else LlamaMLP(cfg)
-        if self.block == "sandwich":
-            self.pre_feedforward_layernorm = norm()
-        if self.block != "pre_norm":
-            self.post_feedforward_layernorm = norm()
-        # which RoPE: Gemma 3's sliding layers have their own base; SmolLM3's NoPE layers have none
-        self.rope = "local" if cfg.local_rope_theta and self.self_attn.window is not None else "global"
-        if layer_idx in (cfg.no_rope_layers or []):
-            self.rope = "none"
+        self.post_attention_layernorm = rms_norm(cfg)
+        self.mlp = feed_forward(cfg, layer_idx)
+        self.rope = rope_kind(cfg, layer_idx, self.self_attn.window)
 
     def forward(self, x, positions, cos, sin, cache):
-        attn = lambda h: self.self_attn(h, positions, cos, sin, cache)  # noqa: E731
-        if self.block == "pre_norm":
-            x = x + attn(self.input_layernorm(x))
-            return x + self.mlp(self.post_attention_layernorm(x))
-        if self.block == "sandwich":
-            x = x + self.post_attention_layernorm(attn(self.input_layernorm(x)))
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + self.post_attention_layernorm(attn(x))  # post_norm
+        x = x + self.self_attn(self.input_layernorm(x), positions, cos, sin, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class SandwichDecoderLayer(LlamaDecoderLayer):
+    """Sandwich (Gemma 2/3): the attention's and the MLP's outputs are normalised too, before the
+    residual add. `post_attention_layernorm` is then the attention's output norm, and the MLP's
+    input norm is `pre_feedforward_layernorm` (HF's names)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__(cfg, layer_idx)
+        self.pre_feedforward_layernorm = rms_norm(cfg)
+        self.post_feedforward_layernorm = rms_norm(cfg)
+
+    def forward(self, x, positions, cos, sin, cache):
+        attn_out = self.self_attn(self.input_layernorm(x), positions, cos, sin, cache)
+        x = x + self.post_attention_layernorm(attn_out)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class PostNormDecoderLayer(LlamaDecoderLayer):
+    """Post-norm (OLMo 2): only the outputs are normalised, x + norm(attn(x)), then
+    x + norm(mlp(x)); there is no input norm."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__(cfg, layer_idx)
+        del self.input_layernorm
+        self.post_feedforward_layernorm = rms_norm(cfg)
+
+    def forward(self, x, positions, cos, sin, cache):
+        x = x + self.post_attention_layernorm(self.self_attn(x, positions, cos, sin, cache))
         return x + self.post_feedforward_layernorm(self.mlp(x))
+
+
+DECODER_LAYERS = {"pre_norm": LlamaDecoderLayer, "sandwich": SandwichDecoderLayer,
+                  "post_norm": PostNormDecoderLayer}  # ModelConfig.block -> the layer's class
 
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.n_layers))
+        layer_class = DECODER_LAYERS[cfg.block]
+        self.layers = nn.ModuleList(layer_class(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_unit_offset, cfg.norm_scale_fp32)
         self.embed_scale = cfg.hidden_size ** 0.5 if cfg.embed_scale else None  # Gemma: embeddings × √d
         # Kept in float32 whatever the model dtype (not buffers, so .to(bf16) cannot round them).
