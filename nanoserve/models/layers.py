@@ -125,18 +125,24 @@ def causal_mask(q_positions: torch.Tensor, kv_len: int, window: int | None = Non
     return visible[:, None]  # B, 1, T, S
 
 
-def naive_attention(q, k, v, q_positions=None, window: int | None = None, scale: float | None = None,
-                    softcap: float | None = None, mask: torch.Tensor | None = None):
-    """softmax(q·kᵀ/√d + causal mask)·v, written out in float32.  q [B,T,H,D]; k, v [B,S,Hkv,D]
-    -> [B,T,H,D].
+def naive_attention(q, k, v, q_positions=None, window: int | None = None):
+    """softmax(q·kᵀ/√d + causal mask)·v, written out.  q [B,T,H,D]; k, v [B,S,Hkv,D] -> [B,T,H,D].
 
     Key j sits at position j. `q_positions` [B, T] are the queries' absolute positions; None
     means the queries are the keys themselves (positions 0..T-1, no cache). `window`: each query
-    sees only its `window` newest keys, itself included (None: all of them). `scale` multiplies
-    the scores instead of 1/√D; `softcap` c maps them to c·tanh(scores / c) before the mask (Gemma
-    2: no score can take all the weight). `mask` [B, T, S] (bool, True: visible) replaces the
-    causal mask: a token tree's queries see their ancestors only (spec/tree_sampler.py).
+    sees only its `window` newest keys, itself included (None: all of them). What notebook 01
+    builds: `reference_attention` with its defaults.
     """
+    return reference_attention(q, k, v, q_positions, window)
+
+
+def reference_attention(q, k, v, q_positions=None, window: int | None = None, scale: float | None = None,
+                        softcap: float | None = None, mask: torch.Tensor | None = None):
+    """`naive_attention` with every option the model families use, written out in float32:
+    `scale` multiplies the scores instead of 1/√D; `softcap` c maps them to c·tanh(scores / c)
+    before the mask (Gemma 2: no score can take all the weight); `mask` [B, T, S] (bool, True:
+    visible) replaces the causal mask (a token tree's queries see their ancestors only:
+    spec/tree_sampler.py)."""
     B, T, H, D = q.shape
     if q_positions is None:
         q_positions = torch.arange(T, device=q.device).expand(B, T)
@@ -161,10 +167,10 @@ def naive_attention(q, k, v, q_positions=None, window: int | None = None, scale:
 
 def attention(q, k, v, q_positions=None, window: int | None = None, scale: float | None = None,
               softcap: float | None = None, mask: torch.Tensor | None = None):
-    """The same as `naive_attention`, through torch's fused SDPA kernel. SDPA cannot soft-cap the
-    scores: with `softcap` this is `naive_attention` itself."""
+    """`reference_attention` through torch's fused SDPA kernel. SDPA cannot soft-cap the scores:
+    with `softcap` this is `reference_attention` itself."""
     if softcap is not None:
-        return naive_attention(q, k, v, q_positions, window, scale, softcap, mask)
+        return reference_attention(q, k, v, q_positions, window, scale, softcap, mask)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # B, H, T, D
     gqa = q.shape[1] != k.shape[1]
     if q_positions is None and window is None and mask is None:  # no cache: plain causal attention
