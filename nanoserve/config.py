@@ -356,10 +356,6 @@ class EngineConfig:
                    lora=_lora_section(sections.get("lora", {})),
                    structured_outputs=_structured_section(sections.get("structured_outputs", {})))
 
-    def with_scheduler(self, **changes) -> EngineConfig:
-        """A copy with some scheduler settings changed (LLM's larger offline token budget)."""
-        return replace(self, scheduler=replace(self.scheduler, **changes))
-
 
 SECTION_TYPES = {"load": LoadConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
                  "parallel": ParallelConfig, "speculative": SpeculativeConfig, "lora": LoRAConfig,

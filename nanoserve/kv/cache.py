@@ -179,7 +179,7 @@ def kv_element_bytes(kv_cache_dtype: str, dtype: Any, head_dim: int) -> float:
     """Bytes one K (or V) value costs in the pool: the dtype's itemsize; quantized, the code's
     and its share of the scale (kv/quant.py)."""
     if kv_cache_dtype != "auto":
-        return extension("kv_quant").kv_element_bytes(kv_cache_dtype, dtype, head_dim)
+        return extension("kv_quant").kv_element_bytes(kv_cache_dtype, head_dim)
     itemsize = getattr(dtype, "itemsize", None)
     if not isinstance(itemsize, int) or itemsize <= 0:
         raise NanoserveError(f"dtype={dtype!r} has no .itemsize; pass a torch.dtype such as "

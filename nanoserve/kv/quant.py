@@ -73,12 +73,8 @@ def kv_quant(kv_cache_dtype: str) -> KVQuant | None:
     return FORMATS.get(kv_cache_dtype)
 
 
-def kv_element_bytes(kv_cache_dtype: str, dtype, head_dim: int) -> float:
-    """Bytes one K (or V) value costs in the pool, its share of the scale included."""
-    quant = kv_quant(kv_cache_dtype)
-    if quant is None:
-        itemsize = getattr(dtype, "itemsize", None)
-        if not isinstance(itemsize, int) or itemsize <= 0:
-            raise NanoserveError(f"dtype={dtype!r} has no .itemsize; pass a torch.dtype such as torch.float16")
-        return float(itemsize)
+def kv_element_bytes(kv_cache_dtype: str, head_dim: int) -> float:
+    """Bytes one quantized K (or V) value costs in the pool, its share of the scale included (K/V in
+    the model's dtype, "auto": kv/cache.py's kv_element_bytes)."""
+    quant = FORMATS[kv_cache_dtype]
     return quant.storage.itemsize + SCALE_DTYPE.itemsize / head_dim
