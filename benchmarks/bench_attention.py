@@ -54,12 +54,14 @@ def bench(fn, smoke: bool) -> float:
 
 
 def random_pool(lens, n_kv, d, block_size, dtype, device, shuffle, gen):
-    """A KV pool holding len tokens per sequence; block tables shuffled across the pool or arange."""
+    """A KV pool holding len tokens per sequence; block tables shuffled across the pool or
+    arange."""
     per_seq = [-(-n // block_size) for n in lens]
     num_blocks = sum(per_seq)
     k = torch.randn(num_blocks, block_size, n_kv, d, generator=gen, device=device).to(dtype)
     v = torch.randn(num_blocks, block_size, n_kv, d, generator=gen, device=device).to(dtype)
-    order = torch.randperm(num_blocks, generator=gen, device=device) if shuffle else torch.arange(num_blocks,
+    order = torch.randperm(num_blocks, generator=gen,
+                           device=device) if shuffle else torch.arange(num_blocks,
                                                                                                   device=device)
     tables = torch.zeros(len(lens), max(per_seq), dtype=torch.int32, device=device)
     start = 0
@@ -84,7 +86,8 @@ def prefill(args, device, gen):
             H = 2 if args.smoke else 2048 // d
             for N in lengths:
                 B = max(1, total_tokens // N)
-                q, k, v = (torch.randn(B * N, H, d, generator=gen, device=device).to(dtype) for _ in range(3))
+                q, k, v = (torch.randn(B * N, H, d, generator=gen,
+                                       device=device).to(dtype) for _ in range(3))
                 cu = torch.arange(0, (B + 1) * N, N, dtype=torch.int32, device=device)  # B+1
                 ours = bench(lambda: flash_attention(q, k, v, cu, cu, causal=True), args.smoke)  # noqa: B023
                 qs, ks, vs = (t.view(B, N, H, d).transpose(1, 2) for t in (q, k, v))  # B, H, N, d
@@ -165,23 +168,30 @@ def table(title, rows, cols):
     print(f"\n{title}")
     print(" | ".join(f"{c:>12s}" for c in cols))
     for r in rows:
-        print(" | ".join(f"{r[c]:12.3f}" if isinstance(r[c], float) else f"{r[c]!s:>12s}" for c in cols))
+        print(" | ".join(f"{r[c]:12.3f}" if isinstance(r[c],
+                                                       float) else f"{r[c]!s:>12s}" for c in cols))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (interpreter): checks the script only")
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny shapes on CPU (interpreter): checks the script only")
     ap.add_argument("--out", help="JSON path (default: benchmarks/attention_<device>.json)")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.smoke:
-        raise SystemExit("bench_attention measures GPU kernels: no CUDA device here (use --smoke to check the script)")
+        raise SystemExit("bench_attention measures GPU kernels: no CUDA device here (use --smoke "
+                         "to check the script)")
     gen = torch.Generator(device=device).manual_seed(0)
     import triton
 
-    res = dict(date=date.today().isoformat(), device=torch.cuda.get_device_name() if device == "cuda" else
-               f"CPU ({platform.machine()}), Triton interpreter", torch=torch.__version__, triton=triton.__version__,
-               smoke=args.smoke, command="python benchmarks/bench_attention.py" + (" --smoke" if args.smoke else ""))
+    res = dict(date=date.today().isoformat(),
+               device=torch.cuda.get_device_name() if device == "cuda" else
+               f"CPU ({platform.machine()}), Triton interpreter", torch=torch.__version__,
+               triton=triton.__version__,
+               smoke=args.smoke,
+               command="python benchmarks/bench_attention.py" + (" --smoke" if args.smoke else ""))
     res["prefill"] = prefill(args, device, gen)
     table("prefill: flash_attention vs SDPA (flash backend), causal", res["prefill"],
           ["dtype", "d", "N", "ours_tflops", "sdpa_tflops", "ratio"])

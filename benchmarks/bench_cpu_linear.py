@@ -1,21 +1,22 @@
-"""A few rows through a linear layer on the CPU: MKL (F.linear) against oneDNN with a prepacked weight.
+"""A few rows through a linear layer on the CPU: MKL (F.linear) against oneDNN with a prepacked
+weight.
 
     python benchmarks/bench_cpu_linear.py [--reps 200] [--rows 1 2 3 4]
 
-Where GEMV_MAX_BYTES and GEMV_MAX_ROWS in nanoserve/models/onednn.py come from. A single-stream decode
-step multiplies one row by every weight of the model, in order; each weight is read from memory once per
-token. The shapes: GPT-2 6 x 384's four layer linears (in the order a block calls them, six times over) and
-its LM head (50257 x 384), then larger ones (Qwen2-0.5B's, Llama's 4096-wide layers, the 32000- and
-151936-row heads). Every pass runs all shapes of a group in order, once with each library (alternating which
-goes first), and times each call; the medians over `reps` passes are reported with the read speed they
-imply (weight bytes / time). Saves
+Where GEMV_MAX_BYTES and GEMV_MAX_ROWS in nanoserve/models/onednn.py come from. A single-stream
+decode step multiplies one row by every weight of the model, in order; each weight is read from
+memory once per token. The shapes: GPT-2 6 x 384's four layer linears (in the order a block calls
+them, six times over) and its LM head (50257 x 384), then larger ones (Qwen2-0.5B's, Llama's
+4096-wide layers, the 32000- and 151936-row heads). Every pass runs all shapes of a group in order,
+once with each library (alternating which goes first), and times each call; the medians over `reps`
+passes are reported with the read speed they imply (weight bytes / time). Saves
 benchmarks/cpu_linear.json and prints a table.
 
     python benchmarks/bench_cpu_linear.py --engine-rounds 6 --out benchmarks/cpu_linear_epyc.json
 
-adds the engine's view: greedy decoding on a random GPT-2 6 x 384 (1 and 3 sequences, 128 tokens each),
-with the few-rows rule at 3 rows (MKL) and at 0 (oneDNN for every shape), alternating round by round in one
-process; output tokens/s per round, their medians and the ratio.
+adds the engine's view: greedy decoding on a random GPT-2 6 x 384 (1 and 3 sequences, 128 tokens
+each), with the few-rows rule at 3 rows (MKL) and at 0 (oneDNN for every shape), alternating round
+by round in one process; output tokens/s per round, their medians and the ratio.
 """
 
 from __future__ import annotations
@@ -34,12 +35,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoserve.models.onednn import GEMV_MAX_BYTES, GEMV_MAX_ROWS, OneDNNLinear, cpu_vendor, onednn_linear
+from nanoserve.models.onednn import (
+    GEMV_MAX_BYTES,
+    GEMV_MAX_ROWS,
+    OneDNNLinear,
+    cpu_vendor,
+    onednn_linear,
+)
 
 HERE = Path(__file__).resolve().parent
 GROUPS = {  # (out, in) in the order one forward reads them
     "gpt2-6x384": [(1152, 384), (384, 384), (1536, 384), (384, 1536)] * 6 + [(50257, 384)],
-    "larger": [(896, 896), (4864, 896), (4096, 1024), (1024, 4096), (4096, 4096), (11008, 4096), (32000, 512),
+    "larger": [(896, 896), (4864, 896), (4096, 1024), (1024, 4096), (4096, 4096), (11008, 4096),
+               (32000, 512),
                (151936, 896)],
 }
 
@@ -93,36 +101,42 @@ def engine_pairs(rounds: int) -> dict:
         out[f"{n}_seq"] = {"mkl_3_rows_tok_s": tok_s[3], "onednn_only_tok_s": tok_s[0],
                            "median_mkl_3_rows": med[3], "median_onednn_only": med[0],
                            "onednn_only_over_mkl": med[0] / med[3]}
-        print(f"engine, {n} sequence(s): MKL for ≤ 3 rows {med[3]:.1f} tok/s, oneDNN only {med[0]:.1f} tok/s "
-              f"({med[0] / med[3]:.2f}x)")
+        print(f"engine, {n} sequence(s): MKL for ≤ 3 rows {med[3]:.1f} tok/s, oneDNN only "
+              f"{med[0]:.1f} tok/s ({med[0] / med[3]:.2f}x)")
     return out
 
 
 def cpu_name() -> str:
     info = Path("/proc/cpuinfo")
-    names = [ln.split(":", 1)[1].strip() for ln in info.read_text().splitlines() if ln.startswith("model name")] \
+    names = [ln.split(":",
+                      1)[1].strip() for ln in info.read_text().splitlines() if ln.startswith("model name")] \
         if info.exists() else []
     return f"{platform.machine()}, {names[0] if names else platform.processor()}"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(HERE / "cpu_linear.json"))
-    ap.add_argument("--engine-rounds", type=int, default=0, help="also the engine, this many paired rounds")
+    ap.add_argument("--engine-rounds", type=int, default=0,
+                    help="also the engine, this many paired rounds")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    result = {"benchmark": "one row through a linear layer: MKL GEMV vs oneDNN (prepacked)", "date": str(date.today()),
+    result = {"benchmark": "one row through a linear layer: MKL GEMV vs oneDNN (prepacked)",
+              "date": str(date.today()),
               "machine": {"cpu": cpu_name(), "threads": args.threads,
                           "loadavg_before": os.getloadavg()},
-              "torch": torch.__version__, "gemv_max_bytes": GEMV_MAX_BYTES, "reps": args.reps, "groups": {}}
+              "torch": torch.__version__, "gemv_max_bytes": GEMV_MAX_BYTES, "reps": args.reps,
+              "groups": {}}
     print(f"{'group':<11}{'rows':>5}  {'weight':>12}{'MB':>8}{'MKL µs':>10}{'oneDNN µs':>11}{'MKL GB/s':>10}"
           f"{'oneDNN GB/s':>13}  faster")
     for group, shapes in GROUPS.items():
         for rows in args.rows:
-            res = measure(shapes, rows, args.reps if group == "gpt2-6x384" else max(args.reps // 5, 5))
+            res = measure(shapes, rows,
+                          args.reps if group == "gpt2-6x384" else max(args.reps // 5, 5))
             result["groups"][f"{group}/{rows}"] = res
             for name, d in res.items():
                 faster = "MKL" if d["mkl_us"] < d["onednn_us"] else "oneDNN"
@@ -133,15 +147,17 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         return print(f"saved {args.out}")
     per_pass = {n: sum(d[f"{n}_us"] * d["calls_per_pass"] for d in gpt2.values()) / 1e3 for n in ("mkl", "onednn")}
-    rule = sum(d["mkl_us"] if d["weight_mb"] * 1e6 < GEMV_MAX_BYTES else d["onednn_us"]  # the Intel rule
+    # the Intel rule
+    rule = sum(d["mkl_us"] if d["weight_mb"] * 1e6 < GEMV_MAX_BYTES else d["onednn_us"]
                for d in gpt2.values() for _ in range(d["calls_per_pass"])) / 1e3
     result["gpt2_one_token_ms"] = {**per_pass, "rule": rule}
     result["vendor"], result["gemv_max_rows"] = cpu_vendor(), GEMV_MAX_ROWS
     if args.engine_rounds:
         result["engine"] = engine_pairs(args.engine_rounds)
     result["machine"]["loadavg_after"] = os.getloadavg()
-    print(f"GPT-2 6x384, one row, all 25 linears: MKL {per_pass['mkl']:.2f} ms, oneDNN {per_pass['onednn']:.2f} ms, "
-          f"the Intel rule (MKL for up to 3 rows under {GEMV_MAX_BYTES >> 20} MB) {rule:.2f} ms")
+    print(f"GPT-2 6x384, one row, all 25 linears: MKL {per_pass['mkl']:.2f} ms, oneDNN "
+          f"{per_pass['onednn']:.2f} ms, the Intel rule (MKL for up to 3 rows under "
+          f"{GEMV_MAX_BYTES >> 20} MB) {rule:.2f} ms")
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"saved {args.out}")
 

@@ -1,4 +1,5 @@
-"""Single-stream decode speed: nanoserve `LLM.generate` vs HF `transformers` `generate`, same weights.
+"""Single-stream decode speed: nanoserve `LLM.generate` vs HF `transformers` `generate`, same
+weights.
 
     python benchmarks/bench_decode.py [--layers 6 --width 384 --heads 6 --new-tokens 128 --reps 5]
 
@@ -26,7 +27,8 @@ SHARED_TOKENIZER = HERE.parent.parent / "shared" / "models" / "gpt2-tokenizer"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--width", type=int, default=384)
     ap.add_argument("--heads", type=int, default=6)
@@ -43,7 +45,8 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=args.heads, vocab_size=50257)
+    cfg = transformers.GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=args.heads,
+                                  vocab_size=50257)
     hf = transformers.GPT2LMHeadModel(cfg).eval()
     with tempfile.TemporaryDirectory() as tmp:
         hf.save_pretrained(tmp)
@@ -64,7 +67,8 @@ def main() -> None:
     @torch.inference_mode()
     def run_hf() -> tuple[float, list[int]]:
         t = time.perf_counter()
-        ids = hf.generate(torch.tensor([prompt]), max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+        ids = hf.generate(torch.tensor([prompt]), max_new_tokens=args.new_tokens,
+                          min_new_tokens=args.new_tokens,
                           do_sample=False, pad_token_id=0)
         return time.perf_counter() - t, ids[0, len(prompt):].tolist()
 
@@ -80,7 +84,8 @@ def main() -> None:
         "date": date.today().isoformat(),
         "device": f"CPU ({platform.processor() or platform.machine()}), {args.threads} threads",
         "torch": torch.__version__, "transformers": transformers.__version__,
-        "model": f"random GPT-2 {args.layers} layers, {args.width} wide, {args.heads} heads, vocab 50257, fp32",
+        "model": f"random GPT-2 {args.layers} layers, {args.width} wide, {args.heads} heads, vocab "
+                 "50257, fp32",
         "prompt_tokens": len(prompt), "new_tokens": args.new_tokens, "reps": args.reps,
         "nanoserve_tok_s": ns, "hf_tok_s": hs,
         "nanoserve_median_tok_s": statistics.median(ns), "hf_median_tok_s": statistics.median(hs),

@@ -76,7 +76,8 @@ class Server:
     def bystander(self, on_first_token=None) -> list[float]:
         """Arrival times of a streamed 100-token greedy completion's chunks."""
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=300)
-        body = {"model": "demo", "prompt": "ROMEO:", "max_tokens": 100, "temperature": 0, "ignore_eos": True,
+        body = {"model": "demo", "prompt": "ROMEO:", "max_tokens": 100, "temperature": 0,
+                "ignore_eos": True,
                 "stream": True}
         conn.request("POST", "/v1/completions", json.dumps(body),
                      {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
@@ -135,8 +136,11 @@ def run_attack(server: Server, path: str, body: dict) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tree", help="run this checkout's nanoserve (PYTHONPATH), e.g. a worktree of an old commit")
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tree",
+                    help="run this checkout's nanoserve (PYTHONPATH), e.g. a worktree of an old "
+                         "commit")
     ap.add_argument("--port", type=int, default=8790)
     ap.add_argument("--out", default=str(HERE / "hostile.json"))
     args = ap.parse_args()
@@ -155,7 +159,8 @@ def main() -> None:
         if died is None:
             server.proc.kill()
         server.proc.wait()
-    out = {"benchmark": "hostile requests against a bystander stream and /health", "date": str(date.today()),
+    out = {"benchmark": "hostile requests against a bystander stream and /health",
+           "date": str(date.today()),
            "tree": args.tree or str(HERE.parent), "died_with": died, "attacks": rows}
     if died is not None:
         print(f"the server died during the run, exit code {died}")

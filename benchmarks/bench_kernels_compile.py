@@ -1,9 +1,10 @@
-"""Compile every Triton kernel for real GPUs on a machine without one: shared memory, registers, spills.
+"""Compile every Triton kernel for real GPUs on a machine without one: shared memory, registers,
+spills.
 
     python benchmarks/bench_kernels_compile.py [--out benchmarks/kernels_compile.json] [--jobs 2]
 
-Triton compiles for a GPU it does not have (`triton.compile(..., target=GPUTarget("cuda", arch, 32))`)
-and its ptxas reports registers and spills. Each row calls a *launcher* (flash_attention,
+Triton compiles for a GPU it does not have (`triton.compile(..., target=GPUTarget("cuda", arch,
+32))`) and its ptxas reports registers and spills. Each row calls a *launcher* (flash_attention,
 paged_attention, store_kv, dequant_gemm/gemv, dequantize_int4) with small CPU tensors while
 `kernels.configs.gpu_arch` says sm_<arch>: the launcher picks its launch config as on that GPU, and
 the kernel call, instead of running, is compiled with the arguments, constexprs, num_warps and
@@ -12,8 +13,8 @@ constants, 16-divisible ints and pointers get divisibility hints). So the table 
 launchers launch. Matrix: sm_75/80/86/89/90 × fp16/bf16/fp32 × head_dim 64/128/256 for flash and
 decode (GQA 4; decode also GQA 1 and 8 at head_dim 128, and split-KV + merge in fp16), store_kv at
 head_dim 128, the three over 8-bit KV pools (`kv8_modes`: "int8 KV", "fp8_e4m3 KV", ...), the W4A16
-kernels at K = N = 4096, and the W8A8 int8 GEMM (sm_80+, K = N = 4096, each output dtype). Attention on
-sm_75 is refused by the launchers
+kernels at K = N = 4096, and the W8A8 int8 GEMM (sm_80+, K = N = 4096, each output dtype). Attention
+on sm_75 is refused by the launchers
 (kernels/configs.py): "unsupported" rows say why.
 
 Each row also says what its tl.dot became in the PTX ("mma f16", "wgmma bf16", "mma tf32", or "fma"
@@ -38,8 +39,10 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ["TRITON_INTERPRET"] = "0"  # compile for real GPUs; before Triton (and nanoserve) is imported
-os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"  # Triton prints ptxas -v (registers, spills) for each kernel
+# compile for real GPUs; before Triton (and nanoserve) is imported
+os.environ["TRITON_INTERPRET"] = "0"
+# Triton prints ptxas -v (registers, spills) for each kernel
+os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -53,13 +56,15 @@ ARCHS = (75, 80, 86, 89, 90)
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 HEAD_DIMS = (64, 128, 256)
 HKV, BS = 8, 16  # kv heads, page size
-DOT_KERNELS = ("flash_attention", "paged_decode", "dequant_gemm", "dequant_gemv", "w8a8")  # the kernels with a tl.dot
+# the kernels with a tl.dot
+DOT_KERNELS = ("flash_attention", "paged_decode", "dequant_gemm", "dequant_gemv", "w8a8")
 
 
 # ----------------------------------------------------------------------------- capture and compile
 @contextlib.contextmanager
 def pretend_gpu(arch: int):
-    """Launchers pick their configs for sm_<arch>; every kernel[grid](...) call is recorded, not run."""
+    """Launchers pick their configs for sm_<arch>; every kernel[grid](...) call is recorded, not
+    run."""
     calls = []
     real_arch, real_run = configs.gpu_arch, JITFunction.run
     configs.gpu_arch = lambda device: arch
@@ -71,39 +76,46 @@ def pretend_gpu(arch: int):
 
 
 def compile_call(fn, args, kwargs, arch: int) -> dict:
-    """Compile one recorded launch for sm_<arch> as JITFunction.run would: shared memory, registers, spills."""
+    """Compile one recorded launch for sm_<arch> as JITFunction.run would: shared memory, registers,
+    spills."""
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
     bound, specialization, options = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
     log = io.StringIO()
-    # an empty cache for each kernel: a cache hit would skip ptxas, and with it the registers and spills
+    # an empty cache for each kernel: a cache hit would skip ptxas, and with it the registers and
+    # spills
     with tempfile.TemporaryDirectory() as cache, contextlib.redirect_stdout(log):
         os.environ["TRITON_CACHE_DIR"] = cache
-        kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+        kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                                options=options.__dict__)
     regs = re.search(r"Used (\d+) registers", log.getvalue())
     spills = re.search(r"(\d+) bytes spill stores", log.getvalue())
     return {"smem_bytes": kernel.metadata.shared, "regs": int(regs.group(1)) if regs else None,
-            "spill_bytes": int(spills.group(1)) if spills else None, "dot": dot_units(kernel.asm["ptx"])}
+            "spill_bytes": int(spills.group(1)) if spills else None,
+            "dot": dot_units(kernel.asm["ptx"])}
 
 
 def dot_units(ptx: str) -> str:
     """What the kernel's tl.dot became: tensor-core instructions and their input type ("mma f16",
     "wgmma bf16", "mma tf32"), or "fma" (no tensor-core instruction in the PTX)."""
-    found = sorted({f"{op} {a}" for op, a in re.findall(r"\b(wgmma|mma)\.[\w.]*?\.[fs]32\.(f16|bf16|tf32|s8)\.", ptx)})
+    found = sorted({f"{op} {a}" for op,
+                    a in re.findall(r"\b(wgmma|mma)\.[\w.]*?\.[fs]32\.(f16|bf16|tf32|s8)\.", ptx)})
     return ", ".join(found) or "fma"
 
 
 def describe(kwargs: dict) -> str:
     """The launch config of a recorded call: its tile constexprs, warps, stages."""
-    tiles = "×".join(str(v) for k, v in kwargs.items() if k.startswith("BLOCK_") and k not in ("BLOCK_SIZE", "BLOCK_D"))
-    return f"{tiles or '-'} w{kwargs.get('num_warps', 4)} s{kwargs.get('num_stages', 3)}"  # Triton's defaults: 4, 3
+    tiles = "×".join(str(v) for k,
+                     v in kwargs.items() if k.startswith("BLOCK_") and k not in ("BLOCK_SIZE", "BLOCK_D"))
+    # Triton's defaults: 4, 3
+    return f"{tiles or '-'} w{kwargs.get('num_warps', 4)} s{kwargs.get('num_stages', 3)}"
 
 
 # ----------------------------------------------------------------------------- the launches
 def _pool(dtype, D, kv="auto"):
-    """A pool of 4 blocks, and the keyword arguments the kernels take for it: 8-bit codes with their scales
-    when kv names a quantized kv_cache_dtype (nanoserve/kv/quant.py)."""
+    """A pool of 4 blocks, and the keyword arguments the kernels take for it: 8-bit codes with their
+    scales when kv names a quantized kv_cache_dtype (nanoserve/kv/quant.py)."""
     from nanoserve.kv.quant import FORMATS
 
     if kv == "auto":
@@ -117,18 +129,21 @@ def _flash(dtype, D, gqa, extra=None, kv="auto", **tiles):
     from nanoserve.kernels.flash_attention import flash_attention
 
     H = HKV * gqa
-    q, k = torch.zeros(4, H, D, dtype=dtype), torch.zeros(4, HKV, D, dtype=dtype)  # tokens, heads, D
+    # tokens, heads, D
+    q, k = torch.zeros(4, H, D, dtype=dtype), torch.zeros(4, HKV, D, dtype=dtype)
     cu = torch.tensor([0, 2, 4], dtype=torch.int32)
     kc, quant = _pool(dtype, D, kv)  # the engine always passes its paged prefix
     flash_attention(q, k, k, cu, cu, True, None, torch.zeros(2, 2, dtype=torch.int32), kc, kc,
-                    torch.tensor([3, 20], dtype=torch.int32), max_seqlen_q=2, **(extra or {}), **quant, **tiles)
+                    torch.tensor([3, 20], dtype=torch.int32), max_seqlen_q=2, **(extra or {}),
+                    **quant, **tiles)
 
 
 def _decode(dtype, D, gqa, splits=1, extra=None, kv="auto"):
     from nanoserve.kernels.paged_attention import paged_attention
 
     q, (kc, quant) = torch.zeros(2, HKV * gqa, D, dtype=dtype), _pool(dtype, D, kv)
-    paged_attention(q, kc, kc, torch.zeros(2, 2, dtype=torch.int32), torch.tensor([5, 20], dtype=torch.int32),
+    paged_attention(q, kc, kc, torch.zeros(2, 2, dtype=torch.int32),
+                    torch.tensor([5, 20], dtype=torch.int32),
                     num_splits=splits, max_context=20, **(extra or {}), **quant)
 
 
@@ -145,8 +160,10 @@ def _dequant(dtype, which, split_k=1, grouped=True):
     K = N = 4096
     gptq = dict(qweight=torch.zeros(K // 8, N, dtype=torch.int32),
                 qzeros=torch.zeros(K // 128, N // 8, dtype=torch.int32),
-                scales=torch.zeros(K // 128, N, dtype=dtype), g_idx=torch.arange(K, dtype=torch.int32) // 128)
-    group = dict(group_size=128 if grouped else None)  # None: the act-order path (zeros and scales row by row)
+                scales=torch.zeros(K // 128, N, dtype=dtype),
+                g_idx=torch.arange(K, dtype=torch.int32) // 128)
+    # None: the act-order path (zeros and scales row by row)
+    group = dict(group_size=128 if grouped else None)
     if which == "gemm":
         dm.dequant_gemm(torch.zeros(32, K, dtype=dtype), **gptq, **group)
     elif which == "gemv":
@@ -156,8 +173,9 @@ def _dequant(dtype, which, split_k=1, grouped=True):
 
 
 def kv8_modes(dt: str, D: int) -> tuple[str, ...]:
-    """The 8-bit KV rows: int8 and e4m3 at every head dim in fp16, at 128 in bf16; e5m2 (e4m3's code path
-    but for its constants) at fp16/128; fp32 with int8 where the KV8 table has rows of its own."""
+    """The 8-bit KV rows: int8 and e4m3 at every head dim in fp16, at 128 in bf16; e5m2 (e4m3's code
+    path but for its constants) at fp16/128; fp32 with int8 where the KV8 table has rows of its
+    own."""
     if dt == "fp16":
         return ("int8", "fp8_e4m3", "fp8_e5m2") if D == 128 else ("int8", "fp8_e4m3")
     if dt == "bf16":
@@ -169,7 +187,8 @@ def _w8a8(dtype):
     from nanoserve.kernels.int8_matmul import w8a8_matmul
 
     M, K, N = 32, 4096, 4096
-    w8a8_matmul(torch.zeros(M, K, dtype=torch.int8), torch.ones(M), torch.zeros(N, K, dtype=torch.int8),
+    w8a8_matmul(torch.zeros(M, K, dtype=torch.int8), torch.ones(M),
+                torch.zeros(N, K, dtype=torch.int8),
                 torch.ones(N), torch.zeros(N, dtype=dtype), out_dtype=dtype)
 
 
@@ -177,12 +196,14 @@ def _lora(dtype):
     from nanoserve.kernels.lora_bgmv import lora_bgmv
 
     N, K, S, R = 4, 4096, 8, 16  # decode rows, a 4096-wide layer, 8 adapter slots of rank 16
-    lora_bgmv(torch.zeros(N, K, dtype=dtype), torch.zeros(S, R, K, dtype=dtype), torch.zeros(S, K, R, dtype=dtype),
+    lora_bgmv(torch.zeros(N, K, dtype=dtype), torch.zeros(S, R, K, dtype=dtype),
+              torch.zeros(S, K, R, dtype=dtype),
               torch.zeros(N, dtype=torch.int32), torch.zeros(N, K, dtype=dtype))
 
 
 def matrix(archs=ARCHS) -> list[tuple[dict, tuple | None]]:
-    """(row labels, launch: a function and its arguments) for every row; None = refused, nothing to compile."""
+    """(row labels, launch: a function and its arguments) for every row; None = refused, nothing to
+    compile."""
     rows = []
     for arch in archs:
         for dt, dtype in DTYPES.items():
@@ -190,41 +211,61 @@ def matrix(archs=ARCHS) -> list[tuple[dict, tuple | None]]:
                 row = dict(arch=arch, dtype=dt, head_dim=D, gqa=4)
                 problem = configs.attention_problem(arch, dtype, D)
                 if problem:  # sm_75: the engine uses the torch backend there
-                    rows.append((dict(row, case="attention", variant="", status="unsupported", reason=problem), None))
+                    rows.append((dict(row, case="attention", variant="", status="unsupported",
+                                      reason=problem), None))
                     continue
-                rows.append((dict(row, case="flash", variant="paged prefix"), (_flash, dtype, D, 4)))
+                rows.append((dict(row, case="flash", variant="paged prefix"),
+                             (_flash, dtype, D, 4)))
                 rows.append((dict(row, case="decode", variant="1 split"), (_decode, dtype, D, 4)))
                 if D == 128:  # GQA changes only the decode kernel (its GROUP constexpr)
-                    rows += [(dict(row, case="decode", gqa=g, variant="1 split"), (_decode, dtype, D, g))
+                    rows += [(dict(row, case="decode", gqa=g, variant="1 split"),
+                              (_decode, dtype, D, g))
                              for g in (1, 8)]
-                    rows.append((dict(row, case="store_kv", gqa=None, variant=""), (_store_kv, dtype, D)))
+                    rows.append((dict(row, case="store_kv", gqa=None, variant=""),
+                                 (_store_kv, dtype, D)))
                 if D == 128 and dt == "fp16":
-                    rows.append((dict(row, case="decode", variant="4 splits"), (_decode, dtype, D, 4, 4)))
-                for kv in kv8_modes(dt, D):  # 8-bit KV pools: quantized by store_kv, dequantized in registers
-                    rows += [(dict(row, case="flash", variant=f"{kv} KV"), (_flash, dtype, D, 4, None, kv)),
-                             (dict(row, case="decode", variant=f"{kv} KV"), (_decode, dtype, D, 4, 1, None, kv))]
+                    rows.append((dict(row, case="decode", variant="4 splits"),
+                                 (_decode, dtype, D, 4, 4)))
+                # 8-bit KV pools: quantized by store_kv, dequantized in registers
+                for kv in kv8_modes(dt, D):
+                    rows += [(dict(row, case="flash", variant=f"{kv} KV"),
+                              (_flash, dtype, D, 4, None, kv)),
+                             (dict(row, case="decode", variant=f"{kv} KV"),
+                              (_decode, dtype, D, 4, 1, None, kv))]
                     if D == 128 and dt != "fp32":
                         rows.append((dict(row, case="store_kv", gqa=None, variant=f"{kv} KV"),
                                      (_store_kv, dtype, D, kv)))
-                if D == 128 and dt != "fp32":  # speculative verification of a token tree: bits per query
+                # speculative verification of a token tree: bits per query
+                if D == 128 and dt != "fp32":
                     tree = dict(tree_bits=torch.full((4,), -1, dtype=torch.int64))
-                    rows.append((dict(row, case="flash", variant="token tree"), (_flash, dtype, D, 4, tree)))
-                if dt == "bf16" and D in (128, 256):  # Gemma 2 (head_dim 256): soft-capped scores, a window
+                    rows.append((dict(row, case="flash", variant="token tree"),
+                                 (_flash, dtype, D, 4, tree)))
+                # Gemma 2 (head_dim 256): soft-capped scores, a window
+                if dt == "bf16" and D in (128, 256):
                     gemma, variant = dict(softcap=50.0, window=4096), "softcap + window"
-                    rows.append((dict(row, case="flash", variant=variant), (_flash, dtype, D, 4, gemma)))
-                    rows.append((dict(row, case="decode", variant=variant), (_decode, dtype, D, 4, 1, gemma)))
-            if arch >= 80:  # W8A8: an int8 GEMM with its scales in the epilogue, the output in each dtype
-                rows.append((dict(arch=arch, dtype=dt, head_dim=None, gqa=None, case="w8a8", variant="M 32"),
+                    rows.append((dict(row, case="flash", variant=variant),
+                                 (_flash, dtype, D, 4, gemma)))
+                    rows.append((dict(row, case="decode", variant=variant),
+                                 (_decode, dtype, D, 4, 1, gemma)))
+            # W8A8: an int8 GEMM with its scales in the epilogue, the output in each dtype
+            if arch >= 80:
+                rows.append((dict(arch=arch, dtype=dt, head_dim=None, gqa=None, case="w8a8",
+                                  variant="M 32"),
                              (_w8a8, dtype)))
-                rows.append((dict(arch=arch, dtype=dt, head_dim=None, gqa=None, case="lora_bgmv", variant="r 16"),
+                rows.append((dict(arch=arch, dtype=dt, head_dim=None, gqa=None, case="lora_bgmv",
+                                  variant="r 16"),
                              (_lora, dtype)))  # many LoRA adapters in a batch: shrink, then expand
-            for which, split_k, grouped in (("gemm", 1, True), ("gemm", 1, False), ("gemv", 1, True),
-                                            ("gemv", 4, True), ("gemv", 1, False), ("dequantize", 1, True)):
+            for which, split_k, grouped in (("gemm", 1, True), ("gemm", 1, False),
+                                            ("gemv", 1, True),
+                                            ("gemv", 4, True), ("gemv", 1, False),
+                                            ("dequantize", 1, True)):
                 variant = " ".join(([f"split_k {split_k}"] if which == "gemv" else [])
                                    + ([] if which == "dequantize" else ["g128" if grouped else "act-order"]))
-                row = dict(arch=arch, dtype=dt, head_dim=None, gqa=None, case=which, variant=variant)
+                row = dict(arch=arch, dtype=dt, head_dim=None, gqa=None, case=which,
+                           variant=variant)
                 rows.append((row, (_dequant, dtype, which, split_k, grouped)))
-    control = dict(arch=86, dtype="fp32", head_dim=128, gqa=4, case="flash", variant="control: old tiles")
+    control = dict(arch=86, dtype="fp32", head_dim=128, gqa=4, case="flash",
+                   variant="control: old tiles")
     rows.append((control, (_flash, torch.float32, 128, 4)))
     return rows
 
@@ -239,7 +280,8 @@ def _compile_job(i: int) -> dict:
         result = dict(row, **compile_call(fn, args, kwargs, row["arch"]))
         return result if row["kernel"] in DOT_KERNELS else dict(result, dot="-")
     except Exception as e:  # noqa: BLE001  a compile error is a result row
-        return dict(row, status="error", reason=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}")
+        return dict(row, status="error",
+                    reason=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}")
 
 
 def run(jobs: int = 2, archs=ARCHS) -> dict:
@@ -252,8 +294,10 @@ def run(jobs: int = 2, archs=ARCHS) -> dict:
         with pretend_gpu(row["arch"]) as calls:
             launch[0](*launch[1:])
         for fn, args, kwargs in calls:
-            kernel = fn.fn.__name__.strip("_").removesuffix("_kernel")  # _paged_decode_kernel -> paged_decode
-            if row["variant"].startswith("control"):  # the tiles flash used before kernels/configs.py
+            # _paged_decode_kernel -> paged_decode
+            kernel = fn.fn.__name__.strip("_").removesuffix("_kernel")
+            # the tiles flash used before kernels/configs.py
+            if row["variant"].startswith("control"):
                 kwargs = dict(kwargs, BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
             entries.append(len(_JOBS))
             _JOBS.append((dict(row, kernel=kernel, config=describe(kwargs)), fn, args, kwargs))
@@ -263,12 +307,14 @@ def run(jobs: int = 2, archs=ARCHS) -> dict:
     for r in results:
         judge(r)
     return {"triton": triton.__version__, "torch": torch.__version__, "jobs": jobs,
-            "seconds": round(time.perf_counter() - start, 1), "smem_limit_kb": configs.SMEM_LIMIT_KB,
+            "seconds": round(time.perf_counter() - start, 1),
+            "smem_limit_kb": configs.SMEM_LIMIT_KB,
             "rows": results}
 
 
 def judge(r: dict) -> None:
-    """status: ok, over (shared memory above the GPU's limit or the configs row's smem_kb), error, unsupported."""
+    """status: ok, over (shared memory above the GPU's limit or the configs row's smem_kb), error,
+    unsupported."""
     if r.get("status") in ("error", "unsupported"):
         return
     kb = r["smem_bytes"] / 1024
@@ -281,14 +327,17 @@ def judge(r: dict) -> None:
 
 def _table_row(r: dict) -> configs.Launch | None:
     """The configs row the launcher took; None for store_kv and the merge (no tl.dot, a few KB)."""
-    kind = {"flash_attention": "flash", "paged_decode": "decode", "dequant_gemm": "gemm", "dequant_gemv": "gemv",
+    kind = {"flash_attention": "flash", "paged_decode": "decode", "dequant_gemm": "gemm",
+            "dequant_gemv": "gemv",
             "dequantize": "dequantize", "w8a8": "w8a8"}.get(r["kernel"])
     if kind is None:
         return None
-    if kind == "gemv" and ("act-order" in r["variant"] or r["arch"] < 80):  # the gather path's own row
+    # the gather path's own row
+    if kind == "gemv" and ("act-order" in r["variant"] or r["arch"] < 80):
         kind = "gemv_gather"
     with pretend_gpu(r["arch"]):
-        return configs.pick(kind, "cuda", DTYPES[r["dtype"]], r["head_dim"] or 0, kv8=r["variant"].endswith(" KV"))
+        return configs.pick(kind, "cuda", DTYPES[r["dtype"]], r["head_dim"] or 0,
+                            kv8=r["variant"].endswith(" KV"))
 
 
 def failures(result: dict) -> list[dict]:
@@ -298,24 +347,27 @@ def failures(result: dict) -> list[dict]:
 
 
 def table(result: dict) -> str:
-    lines = [f"{'arch':5} {'dtype':5} {'D':>4} {'kernel':16} {'gqa':>3} {'variant':18} {'config':18} "
-             f"{'smem KB':>8} {'limit':>5} {'regs':>4} {'spill B':>7} {'dot':10} status"]
+    lines = [f"{'arch':5} {'dtype':5} {'D':>4} {'kernel':16} {'gqa':>3} {'variant':18} "
+             f"{'config':18} {'smem KB':>8} {'limit':>5} {'regs':>4} {'spill B':>7} {'dot':10} "
+             "status"]
     for r in result["rows"]:
         if r["status"] == "unsupported":
-            lines.append(f"sm_{r['arch']:<2} {r['dtype']:5} {r['head_dim']:>4} {'attention':16} {'':>3} {'':18} "
-                         f"{'':18} unsupported: {r['reason']}")
+            lines.append(f"sm_{r['arch']:<2} {r['dtype']:5} {r['head_dim']:>4} {'attention':16} "
+                         f"{'':>3} {'':18} {'':18} unsupported: {r['reason']}")
             continue
         smem = f"{r['smem_bytes'] / 1024:.1f}" if "smem_bytes" in r else "-"
         lines.append(f"sm_{r['arch']:<2} {r['dtype']:5} {r['head_dim'] or '':>4} {r['kernel']:16} "
                      f"{r['gqa'] or '':>3} {r['variant']:18} {r.get('config', ''):18} {smem:>8} "
-                     f"{r.get('smem_limit_kb', ''):>5} {r.get('regs', ''):>4} {r.get('spill_bytes', ''):>7} "
-                     f"{r.get('dot', ''):10} {r['status']}{': ' + r['reason'] if r.get('reason') else ''}")
+                     f"{r.get('smem_limit_kb', ''):>5} {r.get('regs', ''):>4} "
+                     f"{r.get('spill_bytes', ''):>7} {r.get('dot', ''):10} "
+                     f"{r['status']}{': ' + r['reason'] if r.get('reason') else ''}")
     return "\n".join(lines)
 
 
 def dumps(result: dict) -> str:
     """JSON with one row per line, so that a rerun's diff shows the rows that changed."""
-    head = json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1, ensure_ascii=False)
+    head = json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1,
+                      ensure_ascii=False)
     rows = ",\n  ".join(json.dumps(r, ensure_ascii=False) for r in result["rows"])
     return f'{head[:-2]},\n "rows": [\n  {rows}\n ]\n}}\n'
 
@@ -324,14 +376,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(HERE / "kernels_compile.json"))
     parser.add_argument("--jobs", type=int, default=2, help="compiler processes (default 2)")
-    parser.add_argument("--archs", default=",".join(map(str, ARCHS)), help="e.g. 80,90 (default: all)")
+    parser.add_argument("--archs", default=",".join(map(str, ARCHS)),
+                        help="e.g. 80,90 (default: all)")
     args = parser.parse_args(argv)
     result = run(args.jobs, tuple(int(a) for a in args.archs.split(",")))
     Path(args.out).write_text(dumps(result))
     print(table(result))
     bad = failures(result)
-    print(f"{len(result['rows'])} rows, {len(bad)} failed, {result['seconds']} s with {args.jobs} processes "
-          f"(triton {result['triton']}); saved {args.out}")
+    print(f"{len(result['rows'])} rows, {len(bad)} failed, {result['seconds']} s with {args.jobs} "
+          f"processes (triton {result['triton']}); saved {args.out}")
     return 1 if bad else 0
 
 

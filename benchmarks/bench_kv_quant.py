@@ -3,17 +3,17 @@
     python benchmarks/bench_kv_quant.py                  # demo and (with ../shared) stories260K
     python benchmarks/bench_kv_quant.py --quick --out X  # tiny (tested)
 
-Quality (fp32 model, each kv_cache_dtype vs "auto" = fp32 K/V): held-out text scored through the engine
-with prompt logprobs, in chunks of 16 tokens (`max_num_batched_tokens=16`), so almost every key a query
-reads comes from the paged pool, quantized; mean NLL per token and its change from fp32. Windows: the
-demo on tinyshakespeare's last 10 % (windows of 128 bytes), stories260K on the TinyStories validation
-sample (windows of 500 characters, ~250 tokens). Greedy agreement: 16 prompts × 64 greedy tokens, the
-share of positions equal to the fp32 cache's tokens.
+Quality (fp32 model, each kv_cache_dtype vs "auto" = fp32 K/V): held-out text scored through the
+engine with prompt logprobs, in chunks of 16 tokens (`max_num_batched_tokens=16`), so almost every
+key a query reads comes from the paged pool, quantized; mean NLL per token and its change from fp32.
+Windows: the demo on tinyshakespeare's last 10 % (windows of 128 bytes), stories260K on the
+TinyStories validation sample (windows of 500 characters, ~250 tokens). Greedy agreement: 16 prompts
+× 64 greedy tokens, the share of positions equal to the fp32 cache's tokens.
 Capacity (the demo in bfloat16, so "auto" is a 2-byte cache): one `kv_cache_memory` (the bytes of 8
-full-context bf16 sequences) for every mode; 128 requests at once, prompts U[8, 64], outputs U[16, 64]
-(seed 0, EOS ignored); KV blocks in the pool, running sequences while requests still queue (the
-pool-bound phase: this is the capacity), peak and mean over the whole run (the mean includes the drain at
-the end, a larger share of a faster run), output tok/s.
+full-context bf16 sequences) for every mode; 128 requests at once, prompts U[8, 64], outputs U[16,
+64] (seed 0, EOS ignored); KV blocks in the pool, running sequences while requests still queue (the
+pool-bound phase: this is the capacity), peak and mean over the whole run (the mean includes the
+drain at the end, a larger share of a faster run), output tok/s.
 JSON in benchmarks/kv_quant_cpu.json.
 """
 
@@ -45,13 +45,15 @@ def texts(model: str, p: dict) -> list:
 
 
 def nll(llm, windows: list, max_len: int) -> float:
-    """Mean negative log-likelihood per token of the windows, scored by the engine (prompt logprobs)."""
+    """Mean negative log-likelihood per token of the windows, scored by the engine (prompt
+    logprobs)."""
     from nanoserve import SamplingParams
 
     total = count = 0.0
     for w in windows:
         ids = llm.encode_prompt(w)[:max_len - 1]
-        out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+        out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                           use_tqdm=False)[0]
         total -= sum(out.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids)))
         count += len(ids) - 1
     return total / count
@@ -69,7 +71,8 @@ def quality(model: str, p: dict) -> dict:
         tokens = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
         if mode == "auto":
             ref_tokens = tokens
-        row["greedy_agreement"] = sum(a == b for t, r in zip(tokens, ref_tokens) for a, b in zip(t, r)) / sum(
+        row["greedy_agreement"] = sum(a == b for t, r in zip(tokens, ref_tokens) for a,
+                                      b in zip(t, r)) / sum(
             len(r) for r in ref_tokens)
         res[mode] = row
     for row in res.values():
@@ -85,7 +88,8 @@ def capacity(p: dict) -> dict:
 
     res, budget = {}, None
     for mode in MODES:  # "auto" first: its config gives the budget every mode gets
-        llm = LLM("demo", dtype="bfloat16", kv_cache_dtype=mode, max_num_seqs=64, kv_cache_memory=budget)
+        llm = LLM("demo", dtype="bfloat16", kv_cache_dtype=mode, max_num_seqs=64,
+                  kv_cache_memory=budget)
         budget = budget or 8 * kv_bytes_per_token(llm.config, torch.bfloat16) * llm.max_model_len
         engine, rng = llm.engine, random.Random(0)
         total = 0
@@ -98,17 +102,21 @@ def capacity(p: dict) -> dict:
             engine.step()
             stats = engine.stats()
             running.append(stats.num_running)
-            if stats.num_waiting:  # requests still queue: the pool, not the workload, bounds the batch
+            # requests still queue: the pool, not the workload, bounds the batch
+            if stats.num_waiting:
                 saturated.append(stats.num_running)
         seconds = time.perf_counter() - start
-        res[mode] = dict(num_blocks=engine.block_allocator.num_blocks, kv_bytes=llm.engine.runner.kv.nbytes,
+        res[mode] = dict(num_blocks=engine.block_allocator.num_blocks,
+                         kv_bytes=llm.engine.runner.kv.nbytes,
                          peak_running=max(running), mean_running=statistics.mean(running),
-                         saturated_running=statistics.mean(saturated) if saturated else None, tok_s=total / seconds,
+                         saturated_running=statistics.mean(saturated) if saturated else None,
+                         tok_s=total / seconds,
                          preemptions=engine.scheduler.num_preemptions)
     for row in res.values():
         row["blocks_vs_auto"] = row["num_blocks"] / res["auto"]["num_blocks"]
         row["peak_vs_auto"] = row["peak_running"] / res["auto"]["peak_running"]
-        saturated = row["saturated_running"], res["auto"]["saturated_running"]  # None: the queue never backed up
+        # None: the queue never backed up
+        saturated = row["saturated_running"], res["auto"]["saturated_running"]
         row["saturated_vs_auto"] = saturated[0] / saturated[1] if None not in saturated else None
     return res
 
@@ -123,14 +131,16 @@ def main(argv=None) -> dict:
 
     torch.set_num_threads(args.threads)
     p = QUICK if args.quick else FULL
-    res = dict(date=datetime.now().isoformat(timespec="seconds"), device=f"cpu ({platform.machine()})",
+    res = dict(date=datetime.now().isoformat(timespec="seconds"),
+               device=f"cpu ({platform.machine()})",
                threads=args.threads, torch=torch.__version__, workload=p,
                command="python benchmarks/bench_kv_quant.py" + (" --quick" if args.quick else ""), quality={})
     models = ["demo"]
     stories = SHARED / "models" / "stories260K" / "stories260K.bin"
     if stories.is_file() and not args.quick:
         models.append(str(stories))
-    print(f"{'model':12} {'kv_cache_dtype':15} {'NLL/token':>10} {'vs fp32':>8} {'greedy agreement':>17}")
+    print(f"{'model':12} {'kv_cache_dtype':15} {'NLL/token':>10} {'vs fp32':>8} "
+          f"{'greedy agreement':>17}")
     for model in models:
         name = "demo" if model == "demo" else "stories260K"
         res["quality"][name] = q = quality(model, p)
@@ -138,8 +148,8 @@ def main(argv=None) -> dict:
             print(f"{name:12} {mode:15} {row['nll']:>10.4f} {row['nll_change']:>+8.2%} "
                   f"{row['greedy_agreement']:>17.1%}")
     res["capacity"] = cap = capacity(p)
-    print(f"\n{'kv_cache_dtype':15} {'KV blocks':>10} {'running while queued':>21} {'peak running':>13} "
-          f"{'mean running':>13} {'tok/s':>8}")
+    print(f"\n{'kv_cache_dtype':15} {'KV blocks':>10} {'running while queued':>21} "
+          f"{'peak running':>13} {'mean running':>13} {'tok/s':>8}")
     for mode, row in cap.items():
         queued = "-" if row["saturated_running"] is None else \
             f"{row['saturated_running']:.1f} ({row['saturated_vs_auto']:.2f}x)"

@@ -82,7 +82,8 @@ def concurrency(reqs) -> dict:
         while waiting or running:
             while waiting:  # admit FCFS while the next one fits
                 cur, final = waiting[0]
-                need = {"paged": -(-cur // BS) * BS, "max": MAX_CONTEXT, "pow2": 1 << (final - 1).bit_length(),
+                need = {"paged": -(-cur // BS) * BS, "max": MAX_CONTEXT,
+                        "pow2": 1 << (final - 1).bit_length(),
                         "oracle": final}[policy]
                 if need > free_slots:
                     break
@@ -116,8 +117,10 @@ def concurrency(reqs) -> dict:
 
 def prefix_ttft(n=32, length=1024, shared=0.9) -> dict:
     torch.manual_seed(0)
-    cfg = ModelConfig(arch="gpt2", vocab_size=257, hidden_size=384, n_layers=6, n_heads=6, n_kv_heads=6,
-                      intermediate_size=1536, max_position_embeddings=length + 8, eos_token_ids=[256])
+    cfg = ModelConfig(arch="gpt2", vocab_size=257, hidden_size=384, n_layers=6, n_heads=6,
+                      n_kv_heads=6,
+                      intermediate_size=1536, max_position_embeddings=length + 8,
+                      eos_token_ids=[256])
     model = build_model(cfg)
     rng = random.Random(0)
     prefix = [rng.randrange(256) for _ in range(int(shared * length))]
@@ -130,7 +133,8 @@ def prefix_ttft(n=32, length=1024, shared=0.9) -> dict:
         for caching in (False, True):
             llm = LLM(tmp, dtype="float32", device="cpu", enable_prefix_caching=caching,
                       num_blocks=4 * (length // BS + 2))
-            llm.generate([prompts[0]], params, use_tqdm=False)  # warm-up (and, with caching, fills the cache)
+            # warm-up (and, with caching, fills the cache)
+            llm.generate([prompts[0]], params, use_tqdm=False)
             outs = llm.generate(prompts, params, use_tqdm=False)
             res["on" if caching else "off"] = {"mean_ttft_s": statistics.mean(o.ttft for o in outs),
                                                "cached_tokens": statistics.mean(o.num_cached_tokens for o in outs)}
@@ -143,7 +147,8 @@ def main() -> None:
     reqs = workload()
     result = {"date": date.today().isoformat(), "device": f"CPU ({platform.machine()}), 2 threads",
               "torch": torch.__version__, "block_size": BS, "budget_slots": BUDGET_SLOTS,
-              "waste": waste(reqs), "concurrency": concurrency(reqs), "prefix_caching": prefix_ttft()}
+              "waste": waste(reqs), "concurrency": concurrency(reqs),
+              "prefix_caching": prefix_ttft()}
     (HERE / "paged.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"{'policy':<8}{'KV waste':>10}{'mean running':>14}{'peak':>6}")
     for k in ("paged", "oracle", "pow2", "max"):
@@ -153,8 +158,8 @@ def main() -> None:
     print(f"concurrent sequences, paged / max-reservation: {ratio:.1f}x")
     pc = result["prefix_caching"]
     off, on = pc["off"]["mean_ttft_s"] * 1e3, pc["on"]["mean_ttft_s"] * 1e3
-    print(f"prefix caching TTFT: off {off:.0f} ms, on {on:.0f} ms "
-          f"({pc['speedup']:.1f}x lower), cached tokens per request {pc['on']['cached_tokens']:.0f}")
+    print(f"prefix caching TTFT: off {off:.0f} ms, on {on:.0f} ms ({pc['speedup']:.1f}x lower), "
+          f"cached tokens per request {pc['on']['cached_tokens']:.0f}")
 
 
 if __name__ == "__main__":

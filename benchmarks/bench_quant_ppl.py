@@ -35,7 +35,8 @@ SHARED = Path(__file__).resolve().parents[2] / "shared"
 # name: (model, corpus, calibration split, eval tokens, [(bits, group size), ...])
 MODELS = {
     "demo": ("demo", SHARED / "corpora/tinyshakespeare/input.txt", 0.9, 20_000, [(4, 128)]),
-    # K = 64 for most layers: g64 is one group per row there; down_proj (K = 172) falls back to per row
+    # K = 64 for most layers: g64 is one group per row there; down_proj (K = 172) falls back to per
+    # row
     "stories260K": (str(SHARED / "models/stories260K/stories260K.bin"),
                     SHARED / "corpora/tinystories/tinystories_val_sample.txt", 0.5, 40_000,
                     [(4, 32), (4, 64), (3, -1)]),
@@ -59,7 +60,8 @@ def run(name: str, nsamples: int, seqlen: int, seeds: int) -> dict:
     calib_text, eval_text = text[: int(len(text) * split)], text[int(len(text) * split):]
     model, cfg, tok = load_model(path)
     seqlen = min(seqlen, cfg.max_position_embeddings)
-    calibs = [calibration_ids(tok, calib_text[:300_000], nsamples, seqlen, seed=s) for s in range(seeds)]
+    calibs = [calibration_ids(tok, calib_text[:300_000], nsamples, seqlen,
+                              seed=s) for s in range(seeds)]
     fp = perplexity(model, tok, eval_text, max_tokens=max_tokens, progress=False)
     base = fp.nll_sum / fp.n_tokens
     rows = {"fp32": {"nll": [base]}}
@@ -69,8 +71,10 @@ def run(name: str, nsamples: int, seqlen: int, seeds: int) -> dict:
         tag = f"w{bits}-g{group}" if group != -1 else f"w{bits}-row"
         for label, extra in METHODS:
             kw = dict(method=label.split("-")[0], bits=bits, group_size=group, **extra)
-            runs = [_nll(path, tok, eval_text, max_tokens, c, **kw) for c in (calibs[:1] if label == "rtn" else calibs)]
-            rows[f"{label}-{tag}"] = {"nll": [r[0] for r in runs], "seconds": statistics.mean(r[1] for r in runs),
+            runs = [_nll(path, tok, eval_text, max_tokens, c,
+                         **kw) for c in (calibs[:1] if label == "rtn" else calibs)]
+            rows[f"{label}-{tag}"] = {"nll": [r[0] for r in runs],
+                                      "seconds": statistics.mean(r[1] for r in runs),
                                      "per_row_layers": runs[0][2]}
     summarize(rows)
     return {"model": name, "eval_tokens": fp.n_tokens, "nsamples": nsamples, "seqlen": seqlen,
@@ -78,7 +82,8 @@ def run(name: str, nsamples: int, seqlen: int, seeds: int) -> dict:
 
 
 def summarize(rows: dict) -> None:
-    """Add NLL increase, mean perplexity and RTN gap closed to each row (keys "<method>-w<bits>-<group>")."""
+    """Add NLL increase, mean perplexity and RTN gap closed to each row (keys
+    "<method>-w<bits>-<group>")."""
     base = rows["fp32"]["nll"][0]
     for key, r in rows.items():
         r["nll_increase_pct"] = [100 * (x - base) / base for x in r["nll"]]
@@ -90,7 +95,8 @@ def summarize(rows: dict) -> None:
 
 
 def _mean_sd(xs: list[float], fmt: str) -> str:
-    return format(xs[0], fmt) if len(xs) == 1 else f"{statistics.mean(xs):{fmt}} ± {statistics.stdev(xs):{fmt}}"
+    return format(xs[0],
+                  fmt) if len(xs) == 1 else f"{statistics.mean(xs):{fmt}} ± {statistics.stdev(xs):{fmt}}"
 
 
 def main() -> None:
@@ -100,7 +106,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=5, help="calibration draws per GPTQ / AWQ setting")
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--out")
-    ap.add_argument("--table", metavar="JSON", help="only print the table of a saved run (summaries recomputed)")
+    ap.add_argument("--table", metavar="JSON",
+                    help="only print the table of a saved run (summaries recomputed)")
     args = ap.parse_args()
     if args.table:
         out = json.loads(Path(args.table).read_text())
@@ -109,9 +116,12 @@ def main() -> None:
         print_table(out)
         Path(args.table).write_text(json.dumps(out, indent=2) + "\n")
         return
-    out = {"date": date.today().isoformat(), "device": f"CPU ({platform.machine()}), {torch.get_num_threads()} threads",
-           "torch": torch.__version__, "command": "python benchmarks/bench_quant_ppl.py " + " ".join(
-               f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(args).items() if v),
+    out = {"date": date.today().isoformat(),
+           "device": f"CPU ({platform.machine()}), {torch.get_num_threads()} threads",
+           "torch": torch.__version__,
+           "command": "python benchmarks/bench_quant_ppl.py " + " ".join(
+               f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k,
+               v in vars(args).items() if v),
            "results": [run(m, args.nsamples, args.seqlen, args.seeds) for m in args.models]}
     print_table(out)
     if args.out:
@@ -120,7 +130,8 @@ def main() -> None:
 
 def print_table(out: dict) -> None:
     for res in out["results"]:
-        print(f"{res['model']} ({res['eval_tokens']} eval tokens, {res['calibration_seeds']} calibration draws)")
+        print(f"{res['model']} ({res['eval_tokens']} eval tokens, {res['calibration_seeds']} "
+              "calibration draws)")
         print(f"  {'setting':<16}{'ppl':>9}{'NLL +%':>16}{'RTN gap closed %':>20}")
         for key, r in res["rows"].items():
             closed = _mean_sd(r["rtn_gap_closed_pct"], ".0f") if "rtn_gap_closed_pct" in r else "-"

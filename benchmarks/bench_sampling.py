@@ -1,4 +1,5 @@
-"""Batched sampling vs one call per row: the engine's `sample_batch` against `sample_next` in a loop.
+"""Batched sampling vs one call per row: the engine's `sample_batch` against `sample_next` in a
+loop.
 
     python benchmarks/bench_sampling.py [--batch 64] [--reps 30]
 
@@ -35,7 +36,8 @@ def mixes(batch: int) -> dict[str, list[SamplingParams]]:
     mixed = ([SamplingParams(temperature=0)] * quarter + seeded(temperature=0.8)[:quarter]
              + seeded(top_k=40, top_p=0.9)[:quarter]
              + seeded(temperature=0.7, repetition_penalty=1.2)[:batch - 3 * quarter])
-    return {"greedy": [SamplingParams(temperature=0)] * batch, "temperature": seeded(temperature=0.8),
+    return {"greedy": [SamplingParams(temperature=0)] * batch,
+            "temperature": seeded(temperature=0.8),
             "top-k + top-p": seeded(top_k=40, top_p=0.9), "mixed + penalty": mixed}
 
 
@@ -73,12 +75,15 @@ def main() -> None:
             row_s, batch_s, same = time_both(logits, params, seen, args.reps)
             rows.append(dict(vocab=vocab, mix=name, batch=args.batch, per_row_ms=1e3 * row_s,
                              batched_ms=1e3 * batch_s, speedup=row_s / batch_s, same_tokens=same))
-    result = dict(device=f"cpu ({platform.processor() or platform.machine()}), {torch.get_num_threads()} threads",
+    result = dict(device=f"cpu ({platform.processor() or platform.machine()}), "
+                         f"{torch.get_num_threads()} threads",
                   torch=torch.__version__, date=str(date.today()),
-                  command=f"python benchmarks/bench_sampling.py --batch {args.batch} --reps {args.reps}", rows=rows)
+                  command=f"python benchmarks/bench_sampling.py --batch {args.batch} --reps "
+                          f"{args.reps}", rows=rows)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"{result['device']}, torch {result['torch']}, batch {args.batch}, median of {args.reps}")
-    print(f"{'vocab':>6} {'mix':<16} {'per row (ms)':>13} {'batched (ms)':>13} {'speed-up':>9} {'same tokens':>12}")
+    print(f"{'vocab':>6} {'mix':<16} {'per row (ms)':>13} {'batched (ms)':>13} {'speed-up':>9} "
+          f"{'same tokens':>12}")
     for r in rows:
         print(f"{r['vocab']:>6} {r['mix']:<16} {r['per_row_ms']:>13.2f} {r['batched_ms']:>13.2f} "
               f"{r['speedup']:>8.1f}x {str(r['same_tokens']):>12}")

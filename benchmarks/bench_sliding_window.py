@@ -3,15 +3,17 @@
     python benchmarks/bench_sliding_window.py                  # the full run (a few minutes on 2 CPU cores)
     python benchmarks/bench_sliding_window.py --quick --out X  # tiny (tested)
 
-Model: a random Mistral (transformers' MistralConfig, saved offline): hidden 256, 4 layers, 8 heads over
-4 kv heads, vocab 4096, a window of 128 in every layer, fp32. Workload: --n requests of 16 random prompt
-tokens each generating --tokens tokens (greedy, EOS ignored), all submitted at once, block size 16.
+Model: a random Mistral (transformers' MistralConfig, saved offline): hidden 256, 4 layers, 8 heads
+over 4 kv heads, vocab 4096, a window of 128 in every layer, fp32. Workload: --n requests of 16
+random prompt tokens each generating --tokens tokens (greedy, EOS ignored), all submitted at once,
+block size 16.
 Three engines on the same weights:
 - `freed` (the default): blocks out of every layer's window go back to the pool
   (BlockAllocator.free_out_of_window), and attention gathers only the blocks the window reaches
   (torch_backend.CacheView._window_tables);
 - `kept`: the allocator's window switched off, every block stays (the same windowed gather);
-- `whole table`: blocks freed, but every row's whole table gathered (the gather before the windowed one).
+- `whole table`: blocks freed, but every row's whole table gathered (the gather before the windowed
+  one).
 Per engine: the most KV blocks held at once and per sequence, output tok/s (median of --reps), and
 whether the tokens are the same. Interleaved runs; JSON in benchmarks/sliding_window_cpu.json.
 """
@@ -39,8 +41,10 @@ def make_model(path: Path, p: dict) -> Path:
     from nanoserve.tokenizers import byte_level_tokenizer, save_tiktoken
 
     cfg = transformers.MistralConfig(hidden_size=p["hidden"], intermediate_size=4 * p["hidden"],
-                                     num_hidden_layers=p["layers"], num_attention_heads=8, num_key_value_heads=4,
-                                     vocab_size=p["vocab"], max_position_embeddings=4096, sliding_window=p["window"],
+                                     num_hidden_layers=p["layers"], num_attention_heads=8,
+                                     num_key_value_heads=4,
+                                     vocab_size=p["vocab"], max_position_embeddings=4096,
+                                     sliding_window=p["window"],
                                      pad_token_id=0)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
@@ -68,12 +72,14 @@ def run(path: Path, name: str, p: dict, seed: int = 0) -> dict:
 
 
 def generate(llm, p: dict, rng) -> dict:
-    """Submit every request at once, step to the end; blocks held (most at once, most per sequence), tok/s, tokens."""
+    """Submit every request at once, step to the end; blocks held (most at once, most per sequence),
+    tok/s, tokens."""
     from nanoserve import SamplingParams
 
     engine, bm = llm.engine, llm.block_allocator
     params = SamplingParams(temperature=0, max_tokens=p["tokens"], ignore_eos=True)
-    ids = [engine.add_request([rng.randrange(p["vocab"]) for _ in range(16)], params) for _ in range(p["n"])]
+    ids = [engine.add_request([rng.randrange(p["vocab"]) for _ in range(16)],
+                              params) for _ in range(p["n"])]
     most, most_per_seq, outs, start = 0, 0, {}, time.perf_counter()
     while engine.has_unfinished_requests():
         for o in engine.step():
@@ -102,23 +108,29 @@ def main(argv=None) -> dict:
         for _ in range(p["reps"]):  # interleaved
             for name in runs:
                 runs[name].append(run(path, name, p))
-    res = dict(date=datetime.now().isoformat(timespec="seconds"), device=f"cpu ({platform.machine()})",
+    res = dict(date=datetime.now().isoformat(timespec="seconds"),
+               device=f"cpu ({platform.machine()})",
                threads=args.threads, torch=torch.__version__, workload=p, block_size=16,
-               command="python benchmarks/bench_sliding_window.py" + (" --quick" if args.quick else ""),
+               command="python "
+                       "benchmarks/bench_sliding_window.py" + (" --quick" if args.quick else ""),
                same_tokens=runs["freed"][0]["tokens"] == runs["kept"][0]["tokens"] == runs["whole table"][0]["tokens"],
                bound_per_seq=-(-p["window"] // 16) + 1, engines={})
     print(f"{'engine':12} {'blocks held (max)':>18} {'per sequence':>13} {'output tok/s':>13}")
     for name, rs in runs.items():
-        row = dict(blocks_held=max(r["blocks_held"] for r in rs), blocks_per_seq=max(r["blocks_per_seq"] for r in rs),
-                   tok_s=statistics.median(r["tok_s"] for r in rs), tok_s_runs=[round(r["tok_s"], 1) for r in rs])
+        row = dict(blocks_held=max(r["blocks_held"] for r in rs),
+                   blocks_per_seq=max(r["blocks_per_seq"] for r in rs),
+                   tok_s=statistics.median(r["tok_s"] for r in rs),
+                   tok_s_runs=[round(r["tok_s"], 1) for r in rs])
         res["engines"][name] = row
-        print(f"{name:12} {row['blocks_held']:>18} {row['blocks_per_seq']:>13} {row['tok_s']:>13.1f}")
+        print(f"{name:12} {row['blocks_held']:>18} {row['blocks_per_seq']:>13} "
+              f"{row['tok_s']:>13.1f}")
     f, k, w = res["engines"]["freed"], res["engines"]["kept"], res["engines"]["whole table"]
     res["ratios"] = dict(blocks=k["blocks_held"] / f["blocks_held"], tok_s=f["tok_s"] / k["tok_s"],
                          windowed_gather=f["tok_s"] / w["tok_s"])
-    print(f"kept / freed blocks: {res['ratios']['blocks']:.1f}×; freed / kept tok/s: {res['ratios']['tok_s']:.2f}; "
-          f"windowed / whole-table gather tok/s: {res['ratios']['windowed_gather']:.2f}; "
-          f"same tokens: {res['same_tokens']}; bound per sequence ⌈window / 16⌉ + 1 = {res['bound_per_seq']}")
+    print(f"kept / freed blocks: {res['ratios']['blocks']:.1f}×; freed / kept tok/s: "
+          f"{res['ratios']['tok_s']:.2f}; windowed / whole-table gather tok/s: "
+          f"{res['ratios']['windowed_gather']:.2f}; same tokens: {res['same_tokens']}; bound per "
+          f"sequence ⌈window / 16⌉ + 1 = {res['bound_per_seq']}")
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     return res
 

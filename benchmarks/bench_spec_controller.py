@@ -1,4 +1,5 @@
-"""The speculative controller that measures its cost, against the target alone and the old pinned controller.
+"""The speculative controller that measures its cost, against the target alone and the old pinned
+controller.
 
     python benchmarks/bench_spec_controller.py [--prompts 6] [--max-tokens 80] [--reps 9]
 
@@ -36,8 +37,8 @@ HERE = Path(__file__).resolve().parent
 
 
 def useless_draft(where: Path) -> Path:
-    """demo-draft's files with every weight redrawn (normal, the tensor's own std; norms kept): same shape,
-    same tokenizer, nothing learned."""
+    """demo-draft's files with every weight redrawn (normal, the tensor's own std; norms kept): same
+    shape, same tokenizer, nothing learned."""
     src = Path(resolve_model_path("demo-draft"))
     dst = where / "useless-draft"
     shutil.copytree(src, dst)
@@ -51,7 +52,8 @@ def useless_draft(where: Path) -> Path:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=80)
     ap.add_argument("--reps", type=int, default=9)
@@ -64,12 +66,14 @@ def main() -> None:
         engines = {"target alone": LLM("demo")}
         for name, path in drafts.items():
             for ctl, cost in (("measured", None), ("pinned 0.09", 0.09)):
-                engines[f"{name}, {ctl}"] = LLM("demo", speculative_model=path, num_speculative_tokens=4,
+                engines[f"{name}, {ctl}"] = LLM("demo", speculative_model=path,
+                                                num_speculative_tokens=4,
                                                 speculative_cost=cost)
         times = {k: [] for k in engines}
         outs = {}
         for llm in engines.values():
-            _timed_generate(llm, prompts[:1], params, repeats=1)  # warm-up; the controller's first estimates
+            # warm-up; the controller's first estimates
+            _timed_generate(llm, prompts[:1], params, repeats=1)
         for _ in range(args.reps):
             for name, llm in engines.items():
                 seconds, outs[name] = _timed_generate(llm, prompts, params, repeats=1)  # batch 1
@@ -83,18 +87,24 @@ def main() -> None:
             total = sum(len(o.token_ids) for o in outs[name])
             same = [o.token_ids for o in outs[name]] == [o.token_ids for o in outs["target alone"]]
             costs = llm.engine.spec.controller.costs.as_dict() if llm.engine.spec is not None else {}
-            paired = [t / x for t, x in zip(times["target alone"], times[name])]  # per rep: drift cancels
+            # per rep: drift cancels
+            paired = [t / x for t, x in zip(times["target alone"], times[name])]
             rows.append(dict(engine=name, seconds=statistics.median(times[name]), runs=times[name],
-                             speedup=statistics.median(paired), speedup_range=[min(paired), max(paired)],
+                             speedup=statistics.median(paired),
+                             speedup_range=[min(paired), max(paired)],
                              spec_steps=steps,
-                             tokens_from_spec_steps=emitted, tokens=total, same_tokens_as_target=same,
-                             draft_cost_c=costs.get("draft_cost"), verify_cost_v=costs.get("verify_cost")))
-    res = {"benchmark": "spec_controller", "prompts": len(prompts), "max_tokens": args.max_tokens, "reps": args.reps,
+                             tokens_from_spec_steps=emitted, tokens=total,
+                             same_tokens_as_target=same,
+                             draft_cost_c=costs.get("draft_cost"),
+                             verify_cost_v=costs.get("verify_cost")))
+    res = {"benchmark": "spec_controller", "prompts": len(prompts), "max_tokens": args.max_tokens,
+           "reps": args.reps,
            "gamma": 4, "rows": rows, "date": date.today().isoformat(), "torch": torch.__version__,
            "device": f"CPU ({platform.machine()}), {torch.get_num_threads()} threads",
            "goal": "useless draft, measured controller: >= 0.95x the target alone"}
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
-    cols = ["engine", "seconds", "speedup", "spec_steps", "tokens_from_spec_steps", "tokens", "draft_cost_c",
+    cols = ["engine", "seconds", "speedup", "spec_steps", "tokens_from_spec_steps", "tokens",
+            "draft_cost_c",
             "verify_cost_v", "same_tokens_as_target"]
     print(text_table(rows, cols))
     print(f"saved {args.out}")

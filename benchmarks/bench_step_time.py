@@ -6,8 +6,9 @@
     python benchmarks/bench_step_time.py --quick --out X                          # tiny, nanoserve only (tested)
 
 Each run adds its series under its label to the JSON (benchmarks/step_time_cpu.json by default: the
-plot in notebooks/03_batching.ipynb reads it) and prints a table. Model: bench_peers.py's random GPT-2
-6 × 384 (vocab 50257, context 1024), fp32, --threads threads, greedy, EOS ignored, random token ids.
+plot in notebooks/03_batching.ipynb reads it) and prints a table. Model: bench_peers.py's random
+GPT-2 6 × 384 (vocab 50257, context 1024), fp32, --threads threads, greedy, EOS ignored, random
+token ids.
 
 Two sweeps: batch B ∈ {1, 4, 16, 64, 256} at prompt 256, and prompt C ∈ {64, 128, 256, 512, 960} at
 B = 32. A point is B requests of C prompt tokens and 1 + K generated (K = 32).
@@ -51,18 +52,23 @@ def prompts_for(batch: int, context: int, vocab: int, seed: int = 0) -> list[lis
     return [[rng.randrange(vocab) for _ in range(context)] for _ in range(batch)]
 
 
-def nanoserve_point(path, batch, context, k, threads, lora_requests=None, setup=None, **llm_kwargs) -> dict:
-    """`lora_requests`: one LoRARequest (or None) per request; `setup(llm)` runs once its requests are added."""
+def nanoserve_point(path, batch, context, k, threads, lora_requests=None, setup=None,
+                    **llm_kwargs) -> dict:
+    """`lora_requests`: one LoRARequest (or None) per request; `setup(llm)` runs once its requests
+    are added."""
     from nanoserve import LLM, SamplingParams
 
     blocks = batch * (-(-(context + k + 1) // 16)) + 16
-    llm = LLM(str(path), dtype="float32", device="cpu", num_blocks=blocks, block_size=16, max_num_seqs=batch,
-              max_num_batched_tokens=max(512, batch * context), enable_prefix_caching=False,  # one prefill step
+    llm = LLM(str(path), dtype="float32", device="cpu", num_blocks=blocks, block_size=16,
+              max_num_seqs=batch,
+              # one prefill step
+              max_num_batched_tokens=max(512, batch * context), enable_prefix_caching=False,
               **llm_kwargs)
     eng, vocab = llm.engine, llm.engine.config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=1 + k, ignore_eos=True)
     loras = lora_requests or [None] * batch
-    ids = [eng.add_request(p, params, lora_request=r) for p, r in zip(prompts_for(batch, context, vocab), loras)]
+    ids = [eng.add_request(p, params, lora_request=r) for p,
+           r in zip(prompts_for(batch, context, vocab), loras)]
     if setup is not None:
         setup(llm)
     made = lambda: min(len(eng.requests[i].output.outputs[0].token_ids) for i in ids)  # noqa: E731
@@ -80,7 +86,8 @@ def nanoserve_point(path, batch, context, k, threads, lora_requests=None, setup=
 def vllm_point(path, batch, context, k, threads, cache, reps) -> dict:
     cfg = json.loads((Path(path) / "config.json").read_text())
     spec = {"model_dir": str(path), "ctx": cfg["n_positions"], "threads": threads,
-            "prompts": prompts_for(batch, context, cfg["vocab_size"]), "max_tokens": [1 + k] * batch}
+            "prompts": prompts_for(batch, context, cfg["vocab_size"]),
+            "max_tokens": [1 + k] * batch}
     peer = Peer("vllm", HERE, spec, cache)
     try:
         peer.run(n=min(batch, 4), cap=2)  # warm-up
@@ -93,13 +100,15 @@ def vllm_point(path, batch, context, k, threads, cache, reps) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--label", default="after", help="the nanoserve series' name in the JSON")
     ap.add_argument("--nanoserve-rev", help="measure nanoserve as committed at this git revision")
     ap.add_argument("--peers", nargs="*", choices=["vllm"], default=[])
     ap.add_argument("--reps", type=int, default=3, help="vLLM: runs per point (medians)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--attention-backend", help="nanoserve's attention backend (default: the CPU's default)")
+    ap.add_argument("--attention-backend",
+                    help="nanoserve's attention backend (default: the CPU's default)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=str(HERE / "step_time_cpu.json"))
     ap.add_argument("--cache-dir", default=str(HERE / ".peers_cache"))
@@ -110,24 +119,30 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     cache = Path(args.cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
-    rev = bench_peers.use_nanoserve_rev(args.nanoserve_rev, cache) if args.nanoserve_rev else "working tree"
+    rev = bench_peers.use_nanoserve_rev(args.nanoserve_rev,
+                                        cache) if args.nanoserve_rev else "working tree"
     path = bench_peers.model_dir(QUICK["model"] if args.quick else "gpt2-6x384", cache)
     k = QUICK["k"] if args.quick else K
     out = Path(args.out)
     res = json.loads(out.read_text()) if out.exists() else {"benchmark": "decode step time on CPU", "series": {}}
-    res.update(model=str(path.name), k=k, threads=args.threads, cores=os.cpu_count(), torch=torch.__version__)
-    series = {args.label: {"engine": "nanoserve", "rev": rev, "attention_backend": args.attention_backend,
+    res.update(model=str(path.name), k=k, threads=args.threads, cores=os.cpu_count(),
+               torch=torch.__version__)
+    series = {args.label: {"engine": "nanoserve", "rev": rev,
+                           "attention_backend": args.attention_backend,
                            "malloc": bench_peers.malloc_of_this_process()},
               **{p: {"engine": p} for p in args.peers}}
     for name, s in series.items():
-        s.update(date=datetime.now().isoformat(timespec="seconds"), loadavg_before=os.getloadavg()[0],
+        s.update(date=datetime.now().isoformat(timespec="seconds"),
+                 loadavg_before=os.getloadavg()[0],
                  command=" ".join(["python", "benchmarks/bench_step_time.py", *sys.argv[1:]]), points=[])
         for sweep, b, c in points(args.quick):
             backend = {"attention_backend": args.attention_backend} if args.attention_backend else {}
-            pt = (nanoserve_point(path, b, c, k, args.threads, **backend) if s["engine"] == "nanoserve"
+            pt = (nanoserve_point(path, b, c, k, args.threads,
+                                  **backend) if s["engine"] == "nanoserve"
                   else vllm_point(path, b, c, k, args.threads, cache, args.reps))
             s["points"].append({"sweep": sweep, "batch": b, "context": c, **pt})
-            print(f"{name:<10}{sweep:<8} B={b:<4} C={c:<5}{pt['step_ms']:>9.2f} ms/step", flush=True)
+            print(f"{name:<10}{sweep:<8} B={b:<4} C={c:<5}{pt['step_ms']:>9.2f} "
+                  "ms/step", flush=True)
         s["loadavg_after"] = os.getloadavg()[0]
         res["series"][name] = s
     out.write_text(json.dumps(res, indent=1) + "\n")

@@ -1,17 +1,20 @@
-"""Tensor parallelism on this CPU: a forward on 1 process against the same model split over 2 (gloo).
+"""Tensor parallelism on this CPU: a forward on 1 process against the same model split over 2
+(gloo).
 
     python benchmarks/bench_tp.py                  # -> benchmarks/tp_cpu.json, and a table
     python benchmarks/bench_tp.py --quick --out X  # tiny, for the test that keeps it running
 
-Model: bench_peers.py's random GPT-2 6 × 384 (vocab 50257, padded to 50258 over 2 ranks), fp32. A point is a
-full forward (no KV cache: the sharded engine is not built yet) of T tokens, T = 1 (a decode step's
-arithmetic, without the history) and T = 128 (a prefill), the median of --reps after a warm-up. The machine
-has 2 cores: one process gets 2 threads, each of 2 processes 1, so both runs use the whole machine.
-Communication: every all-reduce and all-gather is wrapped to count its bytes and time. Computed per token
-and rank: an all-reduce of the embedding and 2 per block of C floats, and an all-gather of ⌈V/N⌉ logits
-from each of the N ranks: ((1 + 2L)·C + N·⌈V/N⌉)·4 bytes.
-Expected: TP = 2 slower here. Splitting a layer halves each rank's arithmetic but not the machine's (the same
-2 cores do it), and adds the exchanges, which on one host are memory copies through gloo's TCP loopback.
+Model: bench_peers.py's random GPT-2 6 × 384 (vocab 50257, padded to 50258 over 2 ranks), fp32. A
+point is a full forward (no KV cache: the sharded engine is not built yet) of T tokens, T = 1 (a
+decode step's arithmetic, without the history) and T = 128 (a prefill), the median of --reps after a
+warm-up. The machine has 2 cores: one process gets 2 threads, each of 2 processes 1, so both runs
+use the whole machine.
+Communication: every all-reduce and all-gather is wrapped to count its bytes and time. Computed per
+token and rank: an all-reduce of the embedding and 2 per block of C floats, and an all-gather of
+⌈V/N⌉ logits from each of the N ranks: ((1 + 2L)·C + N·⌈V/N⌉)·4 bytes.
+Expected: TP = 2 slower here. Splitting a layer halves each rank's arithmetic but not the machine's
+(the same 2 cores do it), and adds the exchanges, which on one host are memory copies through gloo's
+TCP loopback.
 """
 
 from __future__ import annotations
@@ -58,7 +61,8 @@ def _worker(rank, world, path, tokens, reps, out):
     res = {}
     with torch.no_grad():
         for T in tokens:
-            x = torch.randint(0, model.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(T))
+            x = torch.randint(0, model.config.vocab_size, (1, T),
+                              generator=torch.Generator().manual_seed(T))
             model(x)  # warm-up
             times, before = [], dict(comm)
             for _ in range(reps):
@@ -79,7 +83,8 @@ def main() -> None:
 
     from nanoserve.parallel.launch import spawn_ranks
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=str(HERE / "tp_cpu.json"))
@@ -104,7 +109,8 @@ def main() -> None:
                          "comm_bytes_per_token_measured": r["comm_bytes_per_token"],
                          "comm_bytes_per_token_computed": computed, "comm_calls": r["comm_calls"]})
     base = {r["tokens"]: r["forward_ms"] for r in rows if r["tp"] == 1}
-    result = {"benchmark": "tensor parallelism on CPU (gloo)", "model": path.name, "hidden": C, "layers": L,
+    result = {"benchmark": "tensor parallelism on CPU (gloo)", "model": path.name, "hidden": C,
+              "layers": L,
               "vocab": V, "cores": os.cpu_count(), "torch": torch.__version__, "reps": reps,
               "date": datetime.now().isoformat(timespec="seconds"), "rows": rows,
               "command": " ".join(["python", "benchmarks/bench_tp.py", *sys.argv[1:]])}

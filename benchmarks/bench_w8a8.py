@@ -4,15 +4,16 @@
     python benchmarks/bench_w8a8.py --quick --out X                        # tiny (tested)
 
 Held-out NLL per token (fp32 activations outside the linears) on the same corpora and splits as
-bench_quant_ppl.py: the demo on tinyshakespeare's last 10 % (20,000 tokens), stories260K on the second
-half of the TinyStories sample (40,000 tokens); SmoothQuant calibrated on 32 windows of 128 tokens from
-the training split (seed 0). Rows: fp32; int8 weight-only (RTN, one scale per row); naive W8A8 (int8
-per channel × per token, no smoothing); SmoothQuant W8A8 at α = 0.25, 0.5, 0.75; LLM.int8 (threshold
-6); FP8-e4m3 weights (per channel) alone and with per-token FP8 activations. Also, per model, the
-activation outliers the methods are about: the largest |x| of any input feature of any block linear over
-the calibration tokens, and that over the median feature's. Neither model is large enough for the outlier
-features LLM.int8 reports from 6.7B parameters on, so "stories260K+outliers" puts two in without changing the
-float model (`inject_outliers`): the model SmoothQuant and LLM.int8 are for. Saves JSON, prints a table.
+bench_quant_ppl.py: the demo on tinyshakespeare's last 10 % (20,000 tokens), stories260K on the
+second half of the TinyStories sample (40,000 tokens); SmoothQuant calibrated on 32 windows of 128
+tokens from the training split (seed 0). Rows: fp32; int8 weight-only (RTN, one scale per row);
+naive W8A8 (int8 per channel × per token, no smoothing); SmoothQuant W8A8 at α = 0.25, 0.5, 0.75;
+LLM.int8 (threshold 6); FP8-e4m3 weights (per channel) alone and with per-token FP8 activations.
+Also, per model, the activation outliers the methods are about: the largest |x| of any input feature
+of any block linear over the calibration tokens, and that over the median feature's. Neither model
+is large enough for the outlier features LLM.int8 reports from 6.7B parameters on, so
+"stories260K+outliers" puts two in without changing the float model (`inject_outliers`): the model
+SmoothQuant and LLM.int8 are for. Saves JSON, prints a table.
 """
 
 from __future__ import annotations
@@ -30,7 +31,13 @@ from nanoserve.quant.awq import fold_scales
 from nanoserve.quant.fp8 import FP8Linear
 from nanoserve.quant.int8 import W8A8Linear
 from nanoserve.quant.llm_int8 import LLMInt8Linear
-from nanoserve.quant.model import QuantizeConfig, block_groups, calibration_ids, decoder_blocks, quantize_model
+from nanoserve.quant.model import (
+    QuantizeConfig,
+    block_groups,
+    calibration_ids,
+    decoder_blocks,
+    quantize_model,
+)
 from nanoserve.quant.online import quantize_linears
 from nanoserve.quant.smoothquant import channel_maxima, smooth_model
 from nanoserve.tools.evaluate import perplexity
@@ -42,17 +49,19 @@ MODELS = {  # name: (model, corpus, training split, eval tokens)
     "stories260K": (str(SHARED / "models/stories260K/stories260K.bin"),
                     SHARED / "corpora/tinystories/tinystories_val_sample.txt", 0.5, 40_000),
 }
-MODELS["stories260K+outliers"] = MODELS["stories260K"]  # with outlier features put in (`inject_outliers`)
+# with outlier features put in (`inject_outliers`)
+MODELS["stories260K+outliers"] = MODELS["stories260K"]
 OUTLIER_CHANNELS, OUTLIER_FACTOR = (5, 37), 30.0
 ALPHAS = (0.25, 0.5, 0.75)
 
 
 @torch.no_grad()
 def inject_outliers(model) -> None:
-    """Give the model the outlier features of a large LLM without changing what it computes: every norm that
-    feeds linears multiplies channels 5 and 37 by 30 and the linears reading them divide those columns by 30
-    (smoothing run backwards: awq.fold_scales with s = 1/30 there). The float model is the same one; its
-    activations now have two features 30x larger in every token, as LLM.int8 describes them."""
+    """Give the model the outlier features of a large LLM without changing what it computes: every
+    norm that feeds linears multiplies channels 5 and 37 by 30 and the linears reading them divide
+    those columns by 30 (smoothing run backwards: awq.fold_scales with s = 1/30 there). The float
+    model is the same one; its activations now have two features 30x larger in every token, as
+    LLM.int8 describes them."""
     _, blocks = decoder_blocks(model)
     for block in blocks:
         for prev, names in block_groups(model, block):
@@ -70,7 +79,8 @@ def methods():
         return lambda model, calib: quantize_linears(model, make)
 
     def smooth(alpha):
-        return lambda model, calib: (smooth_model(model, calib, alpha), quantize_linears(model, W8A8Linear.from_linear))
+        return lambda model, calib: (smooth_model(model, calib, alpha),
+                                     quantize_linears(model, W8A8Linear.from_linear))
 
     rows = {"fp32": lambda model, calib: None,
             "int8 weight-only": lambda model, calib: quantize_model(model, None, QuantizeConfig(
@@ -98,8 +108,10 @@ def run(name: str, quick: bool) -> dict:
     max_tokens = 600 if quick else max_tokens
     load = lambda: _load(name, path)  # noqa: E731
     model, cfg, tok = load()
-    calib = calibration_ids(tok, calib_text[:300_000], 4 if quick else 32, min(128, cfg.max_position_embeddings))
-    maxima = torch.cat(list(channel_maxima(model, calib).values()))  # every feature of every block linear's input
+    calib = calibration_ids(tok, calib_text[:300_000], 4 if quick else 32,
+                            min(128, cfg.max_position_embeddings))
+    # every feature of every block linear's input
+    maxima = torch.cat(list(channel_maxima(model, calib).values()))
     rows, base = {}, None
     for label, apply in methods().items():
         model, _, _ = load()
@@ -110,7 +122,8 @@ def run(name: str, quick: bool) -> dict:
         rows[label] = {"nll": nll, "change": nll / base - 1}
         print(f"{name:12} {label:22} {nll:8.4f} {nll / base - 1:+8.2%}")
     return {"model": name, "eval_tokens": r.n_tokens, "calibration": list(calib.shape),
-            "outliers": {"max_abs": maxima.max().item(), "max_over_median": (maxima.max() / maxima.median()).item()},
+            "outliers": {"max_abs": maxima.max().item(),
+                         "max_over_median": (maxima.max() / maxima.median()).item()},
             "rows": rows}
 
 
@@ -122,8 +135,10 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     names = [n for n in MODELS if n == "demo" or (not args.quick and Path(MODELS[n][0]).is_file())]
-    res = dict(date=date.today().isoformat(), device=f"cpu ({platform.machine()})", threads=args.threads,
-               torch=torch.__version__, command="python benchmarks/bench_w8a8.py" + (" --quick" if args.quick else ""),
+    res = dict(date=date.today().isoformat(), device=f"cpu ({platform.machine()})",
+               threads=args.threads,
+               torch=torch.__version__,
+               command="python benchmarks/bench_w8a8.py" + (" --quick" if args.quick else ""),
                models={n: run(n, args.quick) for n in names})
     for n, m in res["models"].items():
         print(f"{n}: activation outliers, max |x| {m['outliers']['max_abs']:.1f} "

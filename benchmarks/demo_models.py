@@ -39,9 +39,11 @@ def evaluate_pair(data: Path) -> dict:
     out = {}
     for name, model, cfg in (("demo", target, tcfg), ("demo-draft", draft, dcfg)):
         res = perplexity(model, tok, text, context=VAL_CONTEXT, stride=VAL_STRIDE, progress=False)
-        out[name] = {"val_loss_nats_per_byte": res.nats_per_byte, "val_bits_per_byte": res.bits_per_byte,
+        out[name] = {"val_loss_nats_per_byte": res.nats_per_byte,
+                     "val_bits_per_byte": res.bits_per_byte,
                      "val_tokens": res.n_tokens, "parameters": cfg.num_parameters()}
-    out["acceptance"] = acceptance_stats(target, draft, tok.encode(text), context=VAL_CONTEXT, max_windows=32)
+    out["acceptance"] = acceptance_stats(target, draft, tok.encode(text), context=VAL_CONTEXT,
+                                         max_windows=32)
     return out
 
 
@@ -70,7 +72,8 @@ def write_cards(results: dict) -> None:
         d = ASSETS / name
         log = json.loads((d / "train_log.json").read_text())
         tc = log["train_config"]
-        mc = load_model(name)[1].to_dict()  # the shipped config (context trimmed to the trained length)
+        # the shipped config (context trimmed to the trained length)
+        mc = load_model(name)[1].to_dict()
         r = results[name]
         card = {**r, "train_time_s": log["train_time_s"], "train_device": log.get("device", "CPU"),
                 "evaluated": date.today().isoformat()}
@@ -80,13 +83,15 @@ def write_cards(results: dict) -> None:
             a1, a0 = acc["alpha"]["1.0"], acc["alpha"]["0"]
             rows = " | ".join(f"{acc['expected_tokens_per_step']['1.0'][g]:.2f}" for g in range(1, 9))
             rows0 = " | ".join(f"{acc['expected_tokens_per_step']['0'][g]:.2f}" for g in range(1, 9))
-            extra = (f"\nDistilled from `demo` (loss = KL(target ‖ draft), α-weight {tc['distill_alpha']}).\n"
-                     f"Acceptance against `demo` over {acc['positions']:,} held-out positions: "
-                     f"α = {a1:.3f} at temperature 1 (E[Σ min(p, q)]), {a0:.3f} at temperature 0 "
-                     "(argmax agreement). Expected tokens per target call, (1 − α^(γ+1)) / (1 − α):\n\n"
-                     "| γ | 1 | 2 | 3 | 4 | 5 | 6 | 7 | 8 |\n|---|---|---|---|---|---|---|---|---|\n"
-                     f"| T = 1 | {rows} |\n| T = 0 | {rows0} |\n")
-        command = ("python -m nanoserve.tools.train --preset demo --data PATH/TO/tinyshakespeare/input.txt"
+            extra = ("\nDistilled from `demo` (loss = KL(target ‖ draft), α-weight "
+                     f"{tc['distill_alpha']}).\nAcceptance against `demo` over "
+                     f"{acc['positions']:,} held-out positions: α = {a1:.3f} at temperature 1 (E[Σ "
+                     f"min(p, q)]), {a0:.3f} at temperature 0 (argmax agreement). Expected tokens "
+                     "per target call, (1 − α^(γ+1)) / (1 − α):\n\n| γ | 1 | 2 | 3 | 4 | 5 | 6 | "
+                     f"7 | 8 |\n|---|---|---|---|---|---|---|---|---|\n| T = 1 | {rows} |\n| T = 0 "
+                     f"| {rows0} |\n")
+        command = ("python -m nanoserve.tools.train --preset demo --data "
+                   "PATH/TO/tinyshakespeare/input.txt"
                    if name == "demo" else
                    "python -m nanoserve.tools.train --preset demo-draft --teacher demo "
                    "--data PATH/TO/tinyshakespeare/input.txt")
@@ -96,16 +101,21 @@ def write_cards(results: dict) -> None:
                    "A Llama-architecture draft for speculative decoding, distilled from `demo`.")
         (d / "card.json").write_text(json.dumps(card, indent=2) + "\n")
         (d / "README.md").write_text(CARD.format(
-            name=name, summary=summary, arch=f"{mc['arch']}, {mc['n_layers']} layers, {mc['hidden_size']} wide, "
-            f"{mc['n_heads']} heads ({mc['n_kv_heads']} kv heads), context {mc['max_position_embeddings']}",
+            name=name, summary=summary,
+            arch=f"{mc['arch']}, {mc['n_layers']} layers, {mc['hidden_size']} wide, "
+                 f"{mc['n_heads']} heads ({mc['n_kv_heads']} kv heads), context "
+                 f"{mc['max_position_embeddings']}",
             params=r["parameters"], val=r["val_loss_nats_per_byte"], bits=r["val_bits_per_byte"],
-            ntok=r["val_tokens"], steps=tc["steps"], batch=tc["batch_size"], block=tc["block_size"], lr=tc["lr"],
+            ntok=r["val_tokens"], steps=tc["steps"], batch=tc["batch_size"], block=tc["block_size"],
+            lr=tc["lr"],
             min_lr=tc["min_lr"], seed=tc["seed"], time_min=log["train_time_s"] / 60,
-            device=log.get("device", "CPU"), command=command, extra=extra, date=date.today().isoformat()))
+            device=log.get("device", "CPU"), command=command, extra=extra,
+            date=date.today().isoformat()))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default=str(DEFAULT_DATA))
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -116,9 +126,11 @@ def main() -> None:
     write_cards(results)
     for name in ("demo", "demo-draft"):
         r = results[name]
-        print(f"{name:<11} {r['parameters']:>10,} params   val {r['val_loss_nats_per_byte']:.4f} nats/byte")
+        print(f"{name:<11} {r['parameters']:>10,} params   val {r['val_loss_nats_per_byte']:.4f} "
+              "nats/byte")
     acc = results["acceptance"]
-    print(f"draft acceptance: alpha(T=1) = {acc['alpha']['1.0']:.3f}, alpha(T=0) = {acc['alpha']['0']:.3f}")
+    print(f"draft acceptance: alpha(T=1) = {acc['alpha']['1.0']:.3f}, alpha(T=0) = "
+          f"{acc['alpha']['0']:.3f}")
 
 
 if __name__ == "__main__":

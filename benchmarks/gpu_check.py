@@ -1,13 +1,15 @@
-"""Every GPU figure of nanoserve in one command, for a single H100 / H200 (offline), in <= 20 minutes.
+"""Every GPU figure of nanoserve in one command, for a single H100 / H200 (offline), in <= 20
+minutes.
 
     make gpu-check                                  # = python benchmarks/gpu_check.py
     python benchmarks/gpu_check.py --only b,d       # some figures
     python benchmarks/gpu_check.py --dry-run        # CPU, tiny shapes, Triton interpreter: checks the script
 
-Writes benchmarks/gpu_check.json (one section per figure, with device, driver / CUDA, torch / triton /
-transformers versions, date and command) and prints a table per figure. Nothing comes from the
+Writes benchmarks/gpu_check.json (one section per figure, with device, driver / CUDA, torch / triton
+/ transformers versions, date and command) and prints a table per figure. Nothing comes from the
 network: weights are random, model shapes are configs built in code (gpu_check_models.py), and the
-demo models ship in the package. Figures, GPU sizes, and our time estimate on an H100 (budget in brackets):
+demo models ship in the package. Figures, GPU sizes, and our time estimate on an H100 (budget in
+brackets):
 
   a  `pytest -m gpu` (subprocess, TRITON_INTERPRET=0), pass / fail counts           ~1.5 min [150 s]
   b  flash_attention prefill TFLOP/s vs SDPA-flash: N 1k-8k, d 64/128, fp16/bf16
@@ -23,12 +25,13 @@ demo models ship in the package. Figures, GPU sizes, and our time estimate on an
   h  speculative decoding T = 0: 1B target + random 28M draft (gamma 4, fixed and adaptive),
      and the trained demo / demo-draft pair                                         ~1.5 min [140 s]
 
-The estimates add up to ~12 min, the budgets to ~18 min (estimates are ours, unmeasured: no GPU was lent
-when this was written). On a GPU each figure runs in its own process (a CUDA fault or a hang loses that
-figure alone) and records its own error; a figure past its budget stops between measurements and keeps
-what it measured (b cannot stop early: its process is killed at budget + 45 s; pytest is stopped at
-the budget), and the run starts no figure once --time-limit (1140 s) is near. Exit status 1 when a figure
-failed or a GPU test did not pass. Without CUDA it refuses to run, except with --dry-run.
+The estimates add up to ~12 min, the budgets to ~18 min (estimates are ours, unmeasured: no GPU was
+lent when this was written). On a GPU each figure runs in its own process (a CUDA fault or a hang
+loses that figure alone) and records its own error; a figure past its budget stops between
+measurements and keeps what it measured (b cannot stop early: its process is killed at budget + 45
+s; pytest is stopped at the budget), and the run starts no figure once --time-limit (1140 s) is
+near. Exit status 1 when a figure failed or a GPU test did not pass. Without CUDA it refuses to run,
+except with --dry-run.
 """
 
 from __future__ import annotations
@@ -68,7 +71,8 @@ class Ctx:
     """What a figure gets: its sizes (dry or not), device, a shared work dir, its time budget, and
     `save` for what it has measured so far (kept if it fails or is killed later)."""
 
-    def __init__(self, dry: bool, device: str, workdir: Path, budget: float, save_path: Path | None = None):
+    def __init__(self, dry: bool, device: str, workdir: Path, budget: float,
+                 save_path: Path | None = None):
         self.dry, self.device, self.workdir, self.budget, self.save_path = dry, device, workdir, budget, save_path
         self.start, self.partial = time.perf_counter(), {}
 
@@ -107,15 +111,18 @@ def run_isolated(letter: str, args, workdir: Path, budget: float, hard: float) -
     """The figure in a child process (its own CUDA context), killed at `hard` seconds."""
     out = workdir / f"figure_{letter}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", letter, "--child-out", str(out),
-           "--workdir", str(workdir), "--budget", str(budget)] + (["--dry-run"] if args.dry_run else [])
+           "--workdir", str(workdir), "--budget",
+           str(budget)] + (["--dry-run"] if args.dry_run else [])
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, start_new_session=True)  # its own process group: killed with its subprocesses
+    # its own process group: killed with its subprocesses
+    proc = subprocess.Popen(cmd, start_new_session=True)
     try:
         rc, killed = proc.wait(timeout=hard), False
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         rc, killed = proc.wait(), True
-    except BaseException:  # Ctrl-C: the figure's process group is not in the terminal's, so stop it here
+    # Ctrl-C: the figure's process group is not in the terminal's, so stop it here
+    except BaseException:
         os.killpg(proc.pid, signal.SIGKILL)
         raise
     rec = json.loads(out.read_text()) if out.is_file() else {}
@@ -131,7 +138,8 @@ def environment(device: str, dry: bool) -> dict:
     import torch
     import triton
 
-    env = {"python": platform.python_version(), "executable": sys.executable, "torch": torch.__version__,
+    env = {"python": platform.python_version(), "executable": sys.executable,
+           "torch": torch.__version__,
            "cuda_runtime": torch.version.cuda, "triton": triton.__version__}
     for pkg in ("transformers", "numpy"):
         try:
@@ -139,7 +147,8 @@ def environment(device: str, dry: bool) -> dict:
         except metadata.PackageNotFoundError:
             env[pkg] = None
     try:
-        env["nanoserve_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True,
+        env["nanoserve_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE,
+                                                 capture_output=True,
                                                  text=True, timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         env["nanoserve_commit"] = None
@@ -148,11 +157,15 @@ def environment(device: str, dry: bool) -> dict:
         env["device"] = f"CPU ({platform.machine()}), Triton interpreter" + (" (dry run)" if dry else "")
         return env
     props = torch.cuda.get_device_properties(0)
-    env.update(device=torch.cuda.get_device_name(0), compute_capability=f"{props.major}.{props.minor}",
-               sm_count=props.multi_processor_count, memory_gib=round(props.total_memory / 2**30, 1))
+    env.update(device=torch.cuda.get_device_name(0),
+               compute_capability=f"{props.major}.{props.minor}",
+               sm_count=props.multi_processor_count,
+               memory_gib=round(props.total_memory / 2**30, 1))
     try:
-        env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                       capture_output=True, text=True, timeout=20).stdout.split("\n")[0].strip()
+        env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
+                                        "--format=csv,noheader"],
+                                       capture_output=True, text=True,
+                                       timeout=20).stdout.split("\n")[0].strip()
     except (OSError, subprocess.SubprocessError):
         env["driver"] = None
     if not env["driver"]:
@@ -165,12 +178,14 @@ def environment(device: str, dry: bool) -> dict:
 
 
 def source_digest() -> str:
-    """sha256 of the engine's and the benchmarks' Python sources as they ran: the commit recorded beside it is
-    git's HEAD where it ran, and a copy of a working tree (a device machine's) can carry an older .git."""
+    """sha256 of the engine's and the benchmarks' Python sources as they ran: the commit recorded
+    beside it is git's HEAD where it ran, and a copy of a working tree (a device machine's) can
+    carry an older .git."""
     import hashlib
 
     h = hashlib.sha256()
-    for path in sorted(p for d in ("nanoserve", "kernels", "benchmarks") for p in (HERE.parent / d).rglob("*.py")):
+    for path in sorted(p for d in ("nanoserve", "kernels",
+                                   "benchmarks") for p in (HERE.parent / d).rglob("*.py")):
         h.update(str(path.relative_to(HERE.parent)).encode() + b"\0" + path.read_bytes())
     return h.hexdigest()[:16]
 
@@ -182,7 +197,8 @@ def fmt(v) -> str:
 
 
 def print_figure(letter: str, rec: dict, tables: dict) -> None:
-    print(f"\n== {letter}. {rec['name']}: {rec['status']} in {rec['seconds']:.0f} s (budget {rec['budget_s']:.0f} s)")
+    print(f"\n== {letter}. {rec['name']}: {rec['status']} in {rec['seconds']:.0f} s (budget "
+          f"{rec['budget_s']:.0f} s)")
     for title, key, cols in tables.get(letter, []):
         rows = rec.get(key) or []
         if not rows:
@@ -201,15 +217,22 @@ def print_figure(letter: str, rec: dict, tables: dict) -> None:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dry-run", action="store_true", help="every figure on CPU with tiny shapes (checks the script)")
-    ap.add_argument("--only", default="", help="comma-separated figure letters, e.g. a,b,e (default: all)")
-    ap.add_argument("--out", help="JSON path (default: benchmarks/gpu_check.json; a dry run: the temp dir)")
-    ap.add_argument("--time-limit", type=float, default=1140.0, help="stop starting figures after this (s)")
-    ap.add_argument("--budgets", default="", help="per-figure budgets in seconds for a shorter lease, e.g. a=45,f=80")
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dry-run", action="store_true",
+                    help="every figure on CPU with tiny shapes (checks the script)")
+    ap.add_argument("--only", default="",
+                    help="comma-separated figure letters, e.g. a,b,e (default: all)")
+    ap.add_argument("--out",
+                    help="JSON path (default: benchmarks/gpu_check.json; a dry run: the temp dir)")
+    ap.add_argument("--time-limit", type=float, default=1140.0,
+                    help="stop starting figures after this (s)")
+    ap.add_argument("--budgets", default="",
+                    help="per-figure budgets in seconds for a shorter lease, e.g. a=45,f=80")
     ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                     help="one process per figure (default: yes on a GPU, no in a dry run)")
-    ap.add_argument("--workdir", help="where checkpoints are built (default: a temporary dir, removed after)")
+    ap.add_argument("--workdir",
+                    help="where checkpoints are built (default: a temporary dir, removed after)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=float, help=argparse.SUPPRESS)
@@ -223,15 +246,16 @@ def parse_args(argv=None):
 
 
 def _budget(item: str, ap) -> tuple[str, float]:
-    """'f=80' -> ('f', 80.0), refusing an unknown letter or a budget that is not a positive number."""
+    """'f=80' -> ('f', 80.0), refusing an unknown letter or a budget that is not a positive
+    number."""
     letter, _, seconds = item.strip().partition("=")
     try:
         value = float(seconds)
     except ValueError:
         value = -1.0
     if letter not in FIGURES or value <= 0:
-        ap.error(f"--budgets item {item.strip()!r}: expected LETTER=SECONDS with a letter of {', '.join(FIGURES)} "
-                 "and a positive number of seconds")
+        ap.error(f"--budgets item {item.strip()!r}: expected LETTER=SECONDS with a letter of "
+                 f"{', '.join(FIGURES)} and a positive number of seconds")
     return letter, value
 
 
@@ -244,11 +268,13 @@ def main(argv=None) -> int:
     import nanoserve  # noqa: F401  (sets the interpreter up on CPU before Triton loads)
 
     if args.dry_run:
-        torch.set_num_threads(1)  # tiny tensors: more threads only add wake-ups (and CI shares its cores)
+        # tiny tensors: more threads only add wake-ups (and CI shares its cores)
+        torch.set_num_threads(1)
 
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_check measures GPU figures and needs a CUDA GPU; torch sees none here "
-              f"(torch {torch.__version__}). Use --dry-run to check the script on CPU.", file=sys.stderr)
+              f"(torch {torch.__version__}). Use --dry-run to check the script on CPU.",
+              file=sys.stderr)
         return 2
     device = "cpu" if args.dry_run else "cuda"
     if args.child:  # one figure, in its own process
@@ -261,10 +287,14 @@ def main(argv=None) -> int:
                                            else HERE / "gpu_check.json")
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="gpu_check_"))
     workdir.mkdir(parents=True, exist_ok=True)
-    tables = {**import_module("gpu_check_kernels").TABLES, **import_module("gpu_check_engine").TABLES}
-    res = {"command": " ".join(["python", "benchmarks/gpu_check.py", *(argv if argv is not None else sys.argv[1:])]),
-           "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "dry_run": args.dry_run,
-           "isolated": isolate, "time_limit_s": args.time_limit, "environment": environment(device, args.dry_run),
+    tables = {**import_module("gpu_check_kernels").TABLES,
+              **import_module("gpu_check_engine").TABLES}
+    res = {"command": " ".join(["python", "benchmarks/gpu_check.py",
+                                *(argv if argv is not None else sys.argv[1:])]),
+           "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+           "dry_run": args.dry_run,
+           "isolated": isolate, "time_limit_s": args.time_limit,
+           "environment": environment(device, args.dry_run),
            "figures": {}}
     print(f"gpu_check on {res['environment']['device']}: figures {','.join(args.only)} -> {out}")
     try:
@@ -272,10 +302,12 @@ def main(argv=None) -> int:
             budget = args.budgets.get(letter, DRY_BUDGET_S if args.dry_run else FIGURES[letter][3])
             left = args.time_limit - (time.perf_counter() - start)
             if left < 30:
-                rec = {"name": FIGURES[letter][0], "status": "skipped", "seconds": 0.0, "budget_s": budget,
+                rec = {"name": FIGURES[letter][0], "status": "skipped", "seconds": 0.0,
+                       "budget_s": budget,
                        "error": f"the run's time limit of {args.time_limit:.0f} s was reached"}
             elif isolate:
-                rec = run_isolated(letter, args, workdir, min(budget, left), min(budget + GRACE_S, left))
+                rec = run_isolated(letter, args, workdir, min(budget, left),
+                                   min(budget + GRACE_S, left))
             else:
                 rec = run_figure(letter, Ctx(args.dry_run, device, workdir, budget))
             res["figures"][letter] = rec

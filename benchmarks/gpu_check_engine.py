@@ -26,10 +26,12 @@ from gpu_check_models import (
 )
 
 TABLES = {
-    "e": [("batch-1 decode, greedy", "rows", ["mode", "tok_s", "tpot_ms", "weight_gb", "achieved_tbps",
+    "e": [("batch-1 decode, greedy", "rows",
+           ["mode", "tok_s", "tpot_ms", "weight_gb", "achieved_tbps",
                                                 "frac_of_peak", "roofline_tok_s", "graphs_off"])],
     "f": [("throughput: continuous batching vs HF generate (output tokens/s)", "rows",
-           ["engine", "batch_size", "requests", "output_tokens", "duration_s", "output_tok_s", "total_tok_s",
+           ["engine", "batch_size", "requests", "output_tokens", "duration_s", "output_tok_s",
+            "total_tok_s",
             "complete"])],
     "g": [("batch-1 decode: int4 (RTN g128, W4A16 kernel) vs bf16", "rows",
            ["weights", "tok_s", "tpot_ms", "weight_gb", "achieved_tbps", "frac_of_peak"])],
@@ -63,7 +65,8 @@ def engine_modes() -> tuple[dict, str]:
     from nanoserve import LLMEngine
 
     if "enforce_eager" in inspect.signature(LLMEngine.__init__).parameters:
-        return {"eager": {"enforce_eager": True}, "cuda_graphs": {"enforce_eager": False}}, "available"
+        return {"eager": {"enforce_eager": True},
+                "cuda_graphs": {"enforce_eager": False}}, "available"
     return {"eager": {}}, "not available (LLMEngine takes no enforce_eager argument)"
 
 
@@ -79,14 +82,19 @@ def _peak(ctx) -> tuple[float | None, str]:
 
 
 def fig_decode(ctx) -> dict:
-    """e. tok/s and achieved bandwidth at batch 1, bf16, 128-token prompt, 256 new tokens, median of 3."""
+    """e. tok/s and achieved bandwidth at batch 1, bf16, 128-token prompt, 256 new tokens, median of
+    3."""
     path, cfg = _target(ctx)
     peak, peak_note = _peak(ctx)
     modes, graphs = engine_modes()
     P, N, reps = (4, 4, 1) if ctx.dry else (128, 256, 3)
-    res = {"model": describe(cfg), "dtype": str(_dtype(ctx)).removeprefix("torch."), "prompt_tokens": P,
-           "new_tokens": N, "reps": reps, "peak_tbps": peak, "peak_source": peak_note, "cuda_graphs": graphs,
-           "rows": [], "note": "achieved = (weight bytes + mean KV bytes read per step) / median decode step time"}
+    res = {"model": describe(cfg), "dtype": str(_dtype(ctx)).removeprefix("torch."),
+           "prompt_tokens": P,
+           "new_tokens": N, "reps": reps, "peak_tbps": peak, "peak_source": peak_note,
+           "cuda_graphs": graphs,
+           "rows": [],
+           "note": "achieved = (weight bytes + mean KV bytes read per step) / median decode step "
+                   "time"}
     for mode, kw in modes.items():
         if ctx.over():
             res["truncated"] = f"budget spent before mode {mode}"
@@ -94,7 +102,8 @@ def fig_decode(ctx) -> dict:
         llm = None
         try:
             llm = _llm(path, ctx, max_num_seqs=BATCH1_SEQS, **kw)
-            row = {"mode": mode, "graphs_off": _graphs_off(llm), **measure_decode(llm, P, N, reps, peak)}
+            row = {"mode": mode, "graphs_off": _graphs_off(llm),
+                   **measure_decode(llm, P, N, reps, peak)}
         except Exception as e:  # one mode failing keeps the other
             row = {"mode": mode, "error": f"{type(e).__name__}: {e}"}
         llm = None
@@ -102,7 +111,8 @@ def fig_decode(ctx) -> dict:
         res["rows"].append(row)
         ctx.save(res)
     ok = [r for r in res["rows"] if "error" not in r]
-    res["ok"] = len(ok) == len(res["rows"]) == len(modes)  # a mode that failed fails the run's exit status
+    # a mode that failed fails the run's exit status
+    res["ok"] = len(ok) == len(res["rows"]) == len(modes)
     if len(ok) == 2:
         res["graphs_speedup"] = ok[1]["tok_s"] / ok[0]["tok_s"]
         if ok[1]["graphs_off"] is not None:
@@ -114,7 +124,8 @@ def fig_decode(ctx) -> dict:
 
 
 def fig_throughput(ctx) -> dict:
-    """f. 256 requests, prompt and output lengths U[100, 1024], all at t = 0, greedy, EOS ignored."""
+    """f. 256 requests, prompt and output lengths U[100, 1024], all at t = 0, greedy, EOS
+    ignored."""
     from nanoserve import SamplingParams
     from nanoserve.tools.bench import make_workload
     from nanoserve.tools.metrics import RequestMetrics, summarize
@@ -124,13 +135,15 @@ def fig_throughput(ctx) -> dict:
     prompts, params = make_workload(n, (lo, hi), (lo, hi), vocab=256, seed=0)
     blocks = sum(-(-(len(p) + sp.max_tokens) // 16) for p, sp in zip(prompts, params)) + n
     res = {"model": describe(cfg), "requests": n, "input_len": [lo, hi], "output_len": [lo, hi],
-           "nanoserve_settings": dict(max_num_seqs=seqs, max_num_batched_tokens=batched, num_blocks=blocks,
+           "nanoserve_settings": dict(max_num_seqs=seqs, max_num_batched_tokens=batched,
+                                      num_blocks=blocks,
                                       enable_prefix_caching=False),
            "goal": "continuous / HF output tok/s >= 10x", "rows": []}
     llm = _llm(path, ctx, max_num_seqs=seqs, max_num_batched_tokens=batched, num_blocks=blocks,
                enable_prefix_caching=False)
     res["graphs_off"] = _graphs_off(llm)
-    llm.generate([prompts[0][:16]] * 2, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+    llm.generate([prompts[0][:16]] * 2,
+                 SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                  use_tqdm=False)  # warm-up
     engine, reqs = llm.engine, [llm.engine.new_request(p, sp) for p, sp in zip(prompts, params)]
     deadline = ctx.start + 0.45 * ctx.budget  # the rest is HF's
@@ -147,7 +160,8 @@ def fig_throughput(ctx) -> dict:
     outs = [r.output for r in reqs]
     failed = [o.error for o in outs if o.error is not None]
     if failed:
-        raise RuntimeError(f"{len(failed)} of {n} requests failed in the engine, the first: {failed[0]}")
+        raise RuntimeError(f"{len(failed)} of {n} requests failed in the engine, the first: "
+                           f"{failed[0]}")
     n_out = sum(len(o.token_ids) for o in outs)
     n_in = sum(len(p) for p, o in zip(prompts, outs) if o.token_ids)
     done = [o for o in outs if o.finished]
@@ -156,14 +170,16 @@ def fig_throughput(ctx) -> dict:
     del llm, engine, reqs
     free()
     summary = summarize([RequestMetrics.from_output(o) for o in done]).as_dict() if done else {}
-    res["rows"].append({"engine": "nanoserve (continuous)", "batch_size": seqs, "requests": len(done),
-                        "output_tokens": n_out, "duration_s": duration, "output_tok_s": n_out / duration,
+    res["rows"].append({"engine": "nanoserve (continuous)", "batch_size": seqs,
+                        "requests": len(done),
+                        "output_tokens": n_out, "duration_s": duration,
+                        "output_tok_s": n_out / duration,
                         "total_tok_s": (n_out + n_in) / duration, "complete": complete,
                         "ttft_p50_s": (summary.get("ttft") or {}).get("p50"),
                         "ttft_p99_s": (summary.get("ttft") or {}).get("p99")})
     ctx.save(res)
-    # GPU_CHECK_HF_BATCH=B[:n] (a short lease): HF in batches of B only, at most n of them (i.i.d. requests:
-    # the first n·B measure the same rate)
+    # GPU_CHECK_HF_BATCH=B[:n] (a short lease): HF in batches of B only, at most n of them (i.i.d.
+    # requests: the first n·B measure the same rate)
     sizes, most = ((8,) if ctx.dry else (256, 128)), None
     if os.environ.get("GPU_CHECK_HF_BATCH"):
         size, _, count = os.environ["GPU_CHECK_HF_BATCH"].partition(":")
@@ -182,7 +198,8 @@ def fig_throughput(ctx) -> dict:
 
 
 def fig_int4(ctx) -> dict:
-    """g. The random target quantized with RTN (4-bit, group 128, symmetric), saved as GPTQ v1, reloaded."""
+    """g. The random target quantized with RTN (4-bit, group 128, symmetric), saved as GPTQ v1,
+    reloaded."""
     from nanoserve.models.loader import load_model
     from nanoserve.quant.model import QuantizeConfig, quantize_model
     from nanoserve.quant.save import save_quantized
@@ -195,12 +212,15 @@ def fig_int4(ctx) -> dict:
     start = time.perf_counter()
     if not (qdir / "config.json").is_file():
         model = load_model(str(path), dtype=torch.float32, device=ctx.device)[0]
-        result = quantize_model(model, None, QuantizeConfig(method="rtn", bits=4, group_size=group), progress=False)
+        result = quantize_model(model, None, QuantizeConfig(method="rtn", bits=4, group_size=group),
+                                progress=False)
         save_quantized(model, result, qdir, tokenizer_from=str(path))
         del model, result
         free()
-    res = {"model": describe(cfg), "group_size": group, "prompt_tokens": P, "new_tokens": N, "reps": reps,
-           "quantize_and_save_s": time.perf_counter() - start, "peak_tbps": peak, "peak_source": peak_note,
+    res = {"model": describe(cfg), "group_size": group, "prompt_tokens": P, "new_tokens": N,
+           "reps": reps,
+           "quantize_and_save_s": time.perf_counter() - start, "peak_tbps": peak,
+           "peak_source": peak_note,
            "rows": []}
     tokens = {}
     for label, where in (("bf16" if not ctx.dry else "fp32", path), ("int4 RTN", qdir)):
@@ -208,7 +228,8 @@ def fig_int4(ctx) -> dict:
             res["truncated"] = f"budget spent before {label}"
             break
         llm = _llm(where, ctx, max_num_seqs=BATCH1_SEQS)
-        row = {"weights": label, "graphs_off": _graphs_off(llm), **measure_decode(llm, P, N, reps, peak)}
+        row = {"weights": label, "graphs_off": _graphs_off(llm),
+               **measure_decode(llm, P, N, reps, peak)}
         tokens[label] = row.pop("token_ids")
         res["rows"].append(row)
         del llm
@@ -233,7 +254,8 @@ def _spec_row(llm, prompts, max_tokens, base_s, **info) -> dict:
         return {**info, "seconds": seconds}
     stats = [o.spec_stats for o in outs if o.spec_stats is not None]
     tot = {k: sum(getattr(s, k) for s in stats) for k in
-           ("num_steps", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens", "num_rejections")}
+           ("num_steps", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens",
+            "num_rejections")}
     checked = tot["num_accepted_tokens"] + tot["num_rejections"]
     alpha = tot["num_accepted_tokens"] / checked if checked else None
     gamma = info["gamma"]
@@ -248,8 +270,8 @@ def _spec_row(llm, prompts, max_tokens, base_s, **info) -> dict:
 
 
 def fig_speculative(ctx) -> dict:
-    """h. Greedy speculative decoding, one request at a time: the random 1B target with a random draft
-    (γ = 4 fixed, and adaptive), then the trained demo pair (γ = 4)."""
+    """h. Greedy speculative decoding, one request at a time: the random 1B target with a random
+    draft (γ = 4 fixed, and adaptive), then the trained demo pair (γ = 4)."""
     from nanoserve.tools.bench import SPEC_PROMPTS
 
     path, cfg = _target(ctx)
@@ -260,13 +282,16 @@ def fig_speculative(ctx) -> dict:
     ratio = cfg.num_parameters() / dcfg.num_parameters()
     res = {"target": describe(cfg), "draft": describe(dcfg), "size_ratio": ratio, "prompts": n,
            "prompt_tokens": length, "max_tokens": max_tokens, "rows": [],
-           "note": "random weights: the random pair's alpha is chance agreement (or preferences both random models "
-                   "happen to share), not what a trained draft would reach; its rows measure what speculating costs "
-                   "(c, in target steps) and the adaptive switch-off. The demo rows (a trained pair, 11x smaller, "
-                   "tiny, so overhead-bound on a GPU) show a real alpha",
-           "goals": "trained draft 10-50x smaller: >= 1.8x at T = 0; a useless draft: >= 0.95x (adaptive)"}
+           "note": "random weights: the random pair's alpha is chance agreement (or preferences "
+                   "both random models happen to share), not what a trained draft would reach; "
+                   "its rows measure what speculating costs (c, in target steps) and the adaptive "
+                   "switch-off. The demo rows (a trained pair, 11x smaller, tiny, so "
+                   "overhead-bound on a GPU) show a real alpha",
+           "goals": "trained draft 10-50x smaller: >= 1.8x at T = 0; a useless draft: >= 0.95x "
+                    "(adaptive)"}
     pairs = [("random 1B / random draft", path, draft, prompts, max_tokens),
-             ("demo / demo-draft (trained)", "demo", "demo-draft", list(SPEC_PROMPTS[:n]), min(max_tokens, 64))]
+             ("demo / demo-draft (trained)", "demo", "demo-draft", list(SPEC_PROMPTS[:n]),
+              min(max_tokens, 64))]
     for pair, tgt, drf, ps, mt in pairs:
         if ctx.over():
             res["truncated"] = f"budget spent before {pair}"
@@ -279,7 +304,8 @@ def fig_speculative(ctx) -> dict:
         for gamma, adaptive in settings:
             llm = _llm(tgt, ctx, max_num_seqs=BATCH1_SEQS, speculative_model=str(drf),
                        num_speculative_tokens=gamma, speculative_adaptive=adaptive)
-            res["rows"].append(_spec_row(llm, ps, mt, base, pair=pair, gamma=gamma, adaptive=adaptive,
+            res["rows"].append(_spec_row(llm, ps, mt, base, pair=pair, gamma=gamma,
+                                         adaptive=adaptive,
                                          target_alone_s=base))
             del llm
             free()

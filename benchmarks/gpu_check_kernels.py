@@ -20,34 +20,43 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 TABLES = {
-    "a": [("pytest -m gpu", "summary", ["passed", "failed", "errors", "skipped", "collection_errors", "returncode"])],
+    "a": [("pytest -m gpu", "summary",
+           ["passed", "failed", "errors", "skipped", "collection_errors", "returncode"])],
     "b": [("prefill: flash_attention vs SDPA (flash backend), causal, TFLOP/s", "rows",
            ["dtype", "d", "N", "batch", "heads", "ours_tflops", "sdpa_tflops", "ratio"])],
     "c": [("decode: paged (shuffled blocks) vs contiguous, same kernel", "paged_decode",
            ["context", "batch", "contiguous_ms", "paged_ms", "ratio"]),
-          ("batch-1 decode, split-KV", "split_kv", ["context", "num_splits", "split_ms", "one_split_ms",
+          ("batch-1 decode, split-KV", "split_kv",
+           ["context", "num_splits", "split_ms", "one_split_ms",
                                                     "growth_vs_first"]),
-          ("decode over 8-bit KV pools vs bf16", "kv8_decode", ["context", "bf16_ms", "int8_ms", "fp8_e4m3_ms",
-                                                                "int8_speedup", "fp8_e4m3_speedup"])],
+          ("decode over 8-bit KV pools vs bf16", "kv8_decode",
+           ["context", "bf16_ms", "int8_ms", "fp8_e4m3_ms",
+                                                                "int8_speedup",
+            "fp8_e4m3_speedup"])],
     "d": [("W4A16 (group 128) vs fp16 cuBLAS, microseconds", "rows",
-           ["K", "N", "M", "cublas_fp16_us", "w4a16_us", "kernel", "split_k", "gemm_kernel_us", "act_order_us",
+           ["K", "N", "M", "cublas_fp16_us", "w4a16_us", "kernel", "split_k", "gemm_kernel_us",
+            "act_order_us",
             "speedup_vs_fp16", "w4a16_tbps"])],
 }
 
 
 def fig_pytest_gpu(ctx) -> dict:
     """a. `pytest -m gpu` in a subprocess; pass / fail counts from its JUnit XML."""
-    paths = ["tests/test_kernels_paged.py"] if ctx.dry else ["tests"]  # dry: CPU, every GPU test skips anyway
+    # dry: CPU, every GPU test skips anyway
+    paths = ["tests/test_kernels_paged.py"] if ctx.dry else ["tests"]
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "junit.xml"
-        # a test module that cannot be imported (an optional package missing from the image) must not stop the rest
-        # with pytest-xdist, 4 workers: the tests compile their kernels in parallel (one GPU serves them all)
+        # a test module that cannot be imported (an optional package missing from the image) must
+        # not stop the rest with pytest-xdist, 4 workers: the tests compile their kernels in
+        # parallel (one GPU serves them all)
         workers = ["-n", "4"] if ctx.device == "cuda" and importlib.util.find_spec("xdist") else []
-        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}",
+        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+               f"--junitxml={xml}",
                "--continue-on-collection-errors", *workers, *paths]
         env = dict(os.environ)
         if ctx.device == "cuda":
-            # tests/conftest.py sets TRITON_INTERPRET=1 unless it is set: on a GPU the kernels must compile
+            # tests/conftest.py sets TRITON_INTERPRET=1 unless it is set: on a GPU the kernels must
+            # compile
             env["TRITON_INTERPRET"] = "0"
         res = {"command": ("TRITON_INTERPRET=0 " if ctx.device == "cuda" else "")
                    + f"pytest -m gpu {' '.join(workers + paths)}",
@@ -73,11 +82,14 @@ def fig_pytest_gpu(ctx) -> dict:
         elif (err := case.find("error")) is not None:
             bad["collection_errors" if "collection failure" in (err.get("message") or "") else "errors"].append(name)
     res["summary"] = [{"passed": count["tests"] - count["failures"] - count["errors"] - count["skipped"],
-                       "failed": len(bad["failed"]), "errors": len(bad["errors"]), "skipped": count["skipped"],
-                       "collection_errors": len(bad["collection_errors"]), "returncode": proc.returncode}]
+                       "failed": len(bad["failed"]), "errors": len(bad["errors"]),
+                       "skipped": count["skipped"],
+                       "collection_errors": len(bad["collection_errors"]),
+                       "returncode": proc.returncode}]
     res.update({f"{k}_tests": v for k, v in bad.items()})
-    # a module that could not be imported (listed) is the image's missing package, not a failed GPU test; on a GPU
-    # the GPU tests must run (skipped ones there would mean they did not see the device)
+    # a module that could not be imported (listed) is the image's missing package, not a failed GPU
+    # test; on a GPU the GPU tests must run (skipped ones there would mean they did not see the
+    # device)
     ran = res["summary"][0]["passed"] + (count["skipped"] if ctx.device != "cuda" else 0)
     res["ok"] = not bad["failed"] and not bad["errors"] and ran > 0
     return res
@@ -91,18 +103,20 @@ def _attention_args(ctx):
 
 
 def fig_flash_prefill(ctx) -> dict:
-    """b. bench_attention.prefill: N 1k-8k, d 64 / 128, fp16 / bf16, 16k tokens per launch, 2048 / d heads."""
+    """b. bench_attention.prefill: N 1k-8k, d 64 / 128, fp16 / bf16, 16k tokens per launch, 2048 / d
+    heads."""
     ba, args, gen = _attention_args(ctx)
     rows = ba.prefill(args, ctx.device, gen)
     ratios = sorted(r["ratio"] for r in rows)
     return {"goal": "flash_attention / SDPA-flash TFLOP/s >= 0.9", "rows": rows,
             "min_ratio": ratios[0], "median_ratio": ratios[len(ratios) // 2],
-            "note": "TFLOP/s counts the causal half: 4 B H N^2 d / 2; median of triton.testing.do_bench"}
+            "note": "TFLOP/s counts the causal half: 4 B H N^2 d / 2; median of "
+                    "triton.testing.do_bench"}
 
 
 def fig_paged_decode(ctx) -> dict:
-    """c. bench_attention.paged_vs_contiguous (batch 32, 32/8 heads, d 128, bf16, 1k-8k), split_kv (1k-32k) and
-    kv8_decode (the shape of paged_vs_contiguous over int8 / fp8_e4m3 pools)."""
+    """c. bench_attention.paged_vs_contiguous (batch 32, 32/8 heads, d 128, bf16, 1k-8k), split_kv
+    (1k-32k) and kv8_decode (the shape of paged_vs_contiguous over int8 / fp8_e4m3 pools)."""
     ba, args, gen = _attention_args(ctx)
     res = {"goals": "paged / contiguous <= 1.2x; split-KV latency growth 1k -> 32k <= 2x; "
                     "8-bit KV decode >= 1.3x bf16 at 8k"}
@@ -119,7 +133,8 @@ def fig_paged_decode(ctx) -> dict:
     if ctx.over():
         res["truncated"] = "budget spent before the 8-bit KV sweep"
         return res
-    res["kv8_decode"] = ba.kv8_decode(args, ctx.device, gen)  # issue 23: half the bytes read per decode step
+    # issue 23: half the bytes read per decode step
+    res["kv8_decode"] = ba.kv8_decode(args, ctx.device, gen)
     res["kv8_speedup_longest"] = min(res["kv8_decode"][-1][f"{n}_speedup"] for n in ("int8", "fp8_e4m3"))
     return res
 
@@ -138,9 +153,9 @@ def _random_gptq(K: int, N: int, group: int, device: str, seed: int):
 
 
 def fig_w4a16(ctx) -> dict:
-    """d. GEMV (M <= 16, split-K) and GEMM kernels vs fp16 cuBLAS; 4096^2 and 8192^2, group 128. The weights
-    have sorted groups (no act-order), so the kernels take the grouped path, as QuantLinear calls them;
-    act_order_us times the row-by-row gather path on the same weights."""
+    """d. GEMV (M <= 16, split-K) and GEMM kernels vs fp16 cuBLAS; 4096^2 and 8192^2, group 128. The
+    weights have sorted groups (no act-order), so the kernels take the grouped path, as QuantLinear
+    calls them; act_order_us times the row-by-row gather path on the same weights."""
     import torch.nn.functional as F
     from bench_attention import bench
     from nanoserve.kernels.dequant_matmul import choose_split_k, dequant_gemm, dequant_matmul
@@ -149,17 +164,19 @@ def fig_w4a16(ctx) -> dict:
     small_m = [1] if ctx.dry else [1, 2, 4, 8, 16]
     large_m = [32] if ctx.dry else [64, 256, 1024]
     group = 128
-    dtype = torch.float32 if ctx.dry else torch.float16  # the interpreter: fp32 keeps the dry run quick and exact
+    # the interpreter: fp32 keeps the dry run quick and exact
+    dtype = torch.float32 if ctx.dry else torch.float16
     from gpu_check_models import peak_bandwidth
 
     peak = peak_bandwidth(torch.cuda.get_device_name()) if ctx.device == "cuda" else (None, "dry run")
     res = {"group_size": group, "activation_dtype": str(dtype).removeprefix("torch."), "rows": [],
            "peak_tbps": peak[0], "peak_source": peak[1],
-           "note": "w4a16_us: dequant_matmul as the engine calls it (M <= 16: split-K GEMV; 16 < M < 64: the GEMM "
-                   "kernel; M >= 64 on CUDA: dequantize + cuBLAS), with group_size=128 (the grouped path); "
-                   "act_order_us: the same call through the act-order (row-by-row gather) path; gemm_kernel_us: "
-                   "the tiled GEMM kernel alone; w4a16_tbps: bytes of packed weights + scales + zeros + "
-                   "activations / time"}
+           "note": "w4a16_us: dequant_matmul as the engine calls it (M <= 16: split-K GEMV; 16 < "
+                   "M < 64: the GEMM kernel; M >= 64 on CUDA: dequantize + cuBLAS), with "
+                   "group_size=128 (the grouped path); act_order_us: the same call through the "
+                   "act-order (row-by-row gather) path; gemm_kernel_us: the tiled GEMM kernel "
+                   "alone; w4a16_tbps: bytes of packed weights + scales + zeros + activations / "
+                   "time"}
     for K, N in shapes:
         if ctx.over():
             res["truncated"] = f"budget spent before {K}x{N}"
@@ -174,11 +191,14 @@ def fig_w4a16(ctx) -> dict:
             gather = bench(lambda: dequant_matmul(a, **packed), ctx.dry)  # noqa: B023
             gemm = bench(lambda: dequant_gemm(a, **packed, group_size=group), ctx.dry)  # noqa: B023
             want = F.linear(a, w).float()
-            err = (dequant_matmul(a, **packed, group_size=group).float() - want).norm() / want.norm()
+            err = (dequant_matmul(a, **packed,
+                                  group_size=group).float() - want).norm() / want.norm()
             kernel = "gemv" if M <= 16 else ("torch" if M >= 64 and ctx.device == "cuda" else "gemm")
-            res["rows"].append(dict(K=K, N=N, M=M, cublas_fp16_us=1e3 * ref, w4a16_us=1e3 * ours, kernel=kernel,
+            res["rows"].append(dict(K=K, N=N, M=M, cublas_fp16_us=1e3 * ref, w4a16_us=1e3 * ours,
+                                    kernel=kernel,
                                     act_order_us=1e3 * gather,
-                                    split_k=choose_split_k(N, K) if M <= 16 else None, gemm_kernel_us=1e3 * gemm,
+                                    split_k=choose_split_k(N, K) if M <= 16 else None,
+                                    gemm_kernel_us=1e3 * gemm,
                                     speedup_vs_fp16=ref / ours, rel_error=float(err),
                                     w4a16_tbps=(wbytes + a.numel() * a.element_size()) / (ours * 1e-3) / 1e12))
             ctx.save(res)

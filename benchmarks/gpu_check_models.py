@@ -1,4 +1,5 @@
-"""Helpers of `gpu_check.py` for the end-to-end figures: random checkpoints, decode timing, HF generate.
+"""Helpers of `gpu_check.py` for the end-to-end figures: random checkpoints, decode timing, HF
+generate.
 
 Nothing here touches the network: model shapes are configs built in code, weights are random
 (N(0, 0.02), norms 1, as HF's initializer_range), the tokenizer is nanoserve's 257-token byte-level
@@ -54,20 +55,23 @@ def llama_config(kind: str, dry: bool) -> ModelConfig:
         shapes = {"target": (2048, 16, 32, 8, 8192), "draft": (512, 4, 8, 2, 1536)}
         vocab, ctx = 32000, 4096
     d, layers, heads, kv_heads, ffn = shapes[kind]
-    return ModelConfig(arch="llama", vocab_size=vocab, hidden_size=d, n_layers=layers, n_heads=heads,
+    return ModelConfig(arch="llama", vocab_size=vocab, hidden_size=d, n_layers=layers,
+                       n_heads=heads,
                        n_kv_heads=kv_heads, intermediate_size=ffn, max_position_embeddings=ctx,
                        tie_word_embeddings=True, rope_theta=500000.0, eos_token_ids=[256])
 
 
 def describe(cfg: ModelConfig) -> str:
-    return (f"random Llama {cfg.hidden_size} wide, {cfg.n_layers} layers, {cfg.n_heads}/{cfg.n_kv_heads} heads, "
-            f"MLP {cfg.intermediate_size}, vocab {cfg.vocab_size} (byte tokenizer: 257 usable), "
-            f"{cfg.num_parameters() / 1e6:.1f} M parameters")
+    return (f"random Llama {cfg.hidden_size} wide, {cfg.n_layers} layers, "
+            f"{cfg.n_heads}/{cfg.n_kv_heads} heads, MLP {cfg.intermediate_size}, vocab "
+            f"{cfg.vocab_size} (byte tokenizer: 257 usable), {cfg.num_parameters() / 1e6:.1f} M "
+            "parameters")
 
 
-def ensure_checkpoint(workdir: Path, name: str, cfg: ModelConfig, device: str, dtype: torch.dtype) -> Path:
-    """workdir/name: config.json + model.safetensors (random weights) + the byte tokenizer, built once
-    and reused by the later figures of the same run."""
+def ensure_checkpoint(workdir: Path, name: str, cfg: ModelConfig, device: str,
+                      dtype: torch.dtype) -> Path:
+    """workdir/name: config.json + model.safetensors (random weights) + the byte tokenizer, built
+    once and reused by the later figures of the same run."""
     from nanoserve.models.loader import save_checkpoint
     from nanoserve.tokenizers.bpe import byte_level_tokenizer
     from nanoserve.tokenizers.tiktoken_file import save_tiktoken
@@ -95,7 +99,8 @@ def ensure_checkpoint(workdir: Path, name: str, cfg: ModelConfig, device: str, d
 
 
 def free() -> None:
-    """Give the memory of dropped models back to the GPU between measurements (callers `del` theirs first)."""
+    """Give the memory of dropped models back to the GPU between measurements (callers `del` theirs
+    first)."""
     if torch.cuda.is_available():
         gc.collect()
         torch.cuda.empty_cache()
@@ -124,14 +129,17 @@ def random_prompt(n: int, seed: int) -> list[int]:
     return torch.randint(0, 256, (n,), generator=g).tolist()  # byte ids: every one decodes
 
 
-def measure_decode(llm, prompt_len: int, new_tokens: int, reps: int, peak_tbps: float | None) -> dict:
+def measure_decode(llm, prompt_len: int, new_tokens: int, reps: int,
+                   peak_tbps: float | None) -> dict:
     """Batch-1 greedy decode: median time per output token after the first (TPOT: the decode step,
-    prefill excluded) and what it implies for HBM bandwidth: (weights + KV read per step) / step time."""
+    prefill excluded) and what it implies for HBM bandwidth: (weights + KV read per step) / step
+    time."""
     from nanoserve import SamplingParams
     from nanoserve.kv.cache import kv_bytes_per_token
 
     prompt = random_prompt(prompt_len, seed=1)
-    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=min(8, new_tokens), ignore_eos=True),
+    llm.generate([prompt],
+                 SamplingParams(temperature=0, max_tokens=min(8, new_tokens), ignore_eos=True),
                  use_tqdm=False)  # warm-up
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     tpots, tokens = [], None
@@ -142,7 +150,8 @@ def measure_decode(llm, prompt_len: int, new_tokens: int, reps: int, peak_tbps: 
         tokens = out.token_ids
     tpot = statistics.median(tpots)
     wbytes = weight_bytes_per_step(llm.model)
-    kv = kv_bytes_per_token(llm.config, llm.dtype) * (prompt_len + new_tokens / 2)  # mean context of a step
+    # mean context of a step
+    kv = kv_bytes_per_token(llm.config, llm.dtype) * (prompt_len + new_tokens / 2)
     achieved = (wbytes + kv) / tpot / 1e12
     return {"tok_s": 1 / tpot, "tpot_ms": 1e3 * tpot, "tpot_ms_runs": [1e3 * t for t in tpots],
             "weight_gb": wbytes / 1e9, "kv_mb_per_step": kv / 1e6, "achieved_tbps": achieved,
@@ -167,9 +176,10 @@ def sync() -> None:
 
 def hf_throughput(path: Path, prompts, params, batch_sizes, device: str, dtype: torch.dtype,
                   deadline: float) -> dict:
-    """HF `generate` in left-padded static batches (as nanoserve.tools.bench does on CPU), on `device`
-    in `dtype`. Each batch generates its longest request's length; a batch size whose batches run past
-    `deadline` (perf_counter) keeps the batches it finished (they are i.i.d.: the rate is unbiased)."""
+    """HF `generate` in left-padded static batches (as nanoserve.tools.bench does on CPU), on
+    `device` in `dtype`. Each batch generates its longest request's length; a batch size whose
+    batches run past `deadline` (perf_counter) keeps the batches it finished (they are i.i.d.: the
+    rate is unbiased)."""
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -177,10 +187,12 @@ def hf_throughput(path: Path, prompts, params, batch_sizes, device: str, dtype: 
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path)).to(device=device, dtype=dtype).eval()
     res = {"transformers": transformers.__version__, "runs": [], "best": None}
     with torch.inference_mode():
-        hf.generate(torch.tensor([prompts[0][:8]], device=device), max_new_tokens=2, do_sample=False,
+        hf.generate(torch.tensor([prompts[0][:8]], device=device), max_new_tokens=2,
+                    do_sample=False,
                     pad_token_id=0)  # warm-up
         for bs in batch_sizes:
-            run = {"batch_size": bs, "batches": 0, "requests": 0, "output_tokens": 0, "prompt_tokens": 0,
+            run = {"batch_size": bs, "batches": 0, "requests": 0, "output_tokens": 0,
+                   "prompt_tokens": 0,
                    "slots": 0, "duration_s": 0.0, "complete": True}
             try:
                 for i in range(0, len(prompts), bs):
@@ -189,17 +201,21 @@ def hf_throughput(path: Path, prompts, params, batch_sizes, device: str, dtype: 
                         break
                     batch, ps = prompts[i:i + bs], params[i:i + bs]
                     width, new = max(len(p) for p in batch), max(p.max_tokens for p in ps)
-                    ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=device)  # left padding
-                    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
+                    # left padding
+                    ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=device)
+                    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch],
+                                        device=device)
                     sync()
                     start = time.perf_counter()
-                    hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                    hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                do_sample=False,
                                 pad_token_id=0)
                     sync()
                     run["duration_s"] += time.perf_counter() - start
                     run["batches"] += 1
                     run["requests"] += len(batch)
-                    run["output_tokens"] += sum(p.max_tokens for p in ps)  # past a request's own length: waste
+                    # past a request's own length: waste
+                    run["output_tokens"] += sum(p.max_tokens for p in ps)
                     run["prompt_tokens"] += sum(len(p) for p in batch)
                     run["slots"] += len(batch) * (width + new)
             except torch.cuda.OutOfMemoryError as e:

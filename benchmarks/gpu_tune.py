@@ -1,10 +1,11 @@
-"""Launch-config sweeps and a step profile on a GPU: what gpu_check's figures leave open, in one short run.
+"""Launch-config sweeps and a step profile on a GPU: what gpu_check's figures leave open, in one
+short run.
 
     python benchmarks/gpu_tune.py [--only w4a16,flash,splitkv,profile] [--out gpu_tune.json] [--workdir DIR]
 
-- w4a16: the W4A16 GEMV / GEMM at K = N = 4096 and 8192, M = 1 and 16, against fp16 cuBLAS on the same
-  (dequantized) weights: the act-order path (zero and scale gathered row by row), the grouped path
-  (one scale row per tile, `group_size=`) at the configs.py tiles, and a few other GEMV tiles;
+- w4a16: the W4A16 GEMV / GEMM at K = N = 4096 and 8192, M = 1 and 16, against fp16 cuBLAS on the
+  same (dequantized) weights: the act-order path (zero and scale gathered row by row), the grouped
+  path (one scale row per tile, `group_size=`) at the configs.py tiles, and a few other GEMV tiles;
   each also checked against the torch reference (relative error).
 - flash: flash_attention prefill (bf16, causal, N = 4096, 16k tokens a launch) at several tiles /
   warps / stages for head_dim 64 and 128, against SDPA's flash backend, with the error against it.
@@ -14,8 +15,8 @@
   eager and with CUDA graphs, under torch.profiler: wall time per step, GPU kernel time per step,
   kernel launches per step, and the host functions and GPU kernels that cost most.
 
-Each part runs alone (an error keeps the others), saves what it has, and prints a table. Every timing
-is the median of triton.testing.do_bench (CUDA events) after warm-up. Needs CUDA.
+Each part runs alone (an error keeps the others), saves what it has, and prints a table. Every
+timing is the median of triton.testing.do_bench (CUDA events) after warm-up. Needs CUDA.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def w4a16() -> list[dict]:
     from nanoserve.quant.packing import pack_gptq
 
     rows, gen = [], torch.Generator(device="cuda").manual_seed(0)
-    gemv_tiles = [None, (16, 128, 64, 4, 3), (16, 64, 128, 4, 3), (16, 32, 128, 4, 4), (16, 128, 128, 8, 3),
+    gemv_tiles = [None, (16, 128, 64, 4, 3), (16, 64, 128, 4, 3), (16, 32, 128, 4, 4),
+                  (16, 128, 128, 8, 3),
                   (16, 64, 64, 4, 4)]
     for KN in (4096, 8192):
         K = N = KN
@@ -68,7 +70,8 @@ def w4a16() -> list[dict]:
             base = dict(K=K, N=N, M=M, cublas_fp16_us=1e3 * cublas)
             out = dm.dequant_matmul(a, qw, qz, s, gi)
             t = bench(lambda: dm.dequant_matmul(a, qw, qz, s, gi))  # noqa: B023
-            rows.append(dict(base, path="act-order (gather)", tiles="configs", us=1e3 * t, speedup=cublas / t,
+            rows.append(dict(base, path="act-order (gather)", tiles="configs", us=1e3 * t,
+                             speedup=cublas / t,
                              rel_err=rel_err(out, ref)))
             old = configs.DEQUANT[("gemv", 80, 2)]
             for tiles in gemv_tiles:
@@ -77,11 +80,13 @@ def w4a16() -> list[dict]:
                 try:
                     out = dm.dequant_matmul(a, qw, qz, s, gi, group_size=128)
                     t = bench(lambda: dm.dequant_matmul(a, qw, qz, s, gi, group_size=128))  # noqa: B023
-                    rows.append(dict(base, path="grouped g128", tiles=str(tiles or "configs"), us=1e3 * t,
+                    rows.append(dict(base, path="grouped "
+                                                "g128", tiles=str(tiles or "configs"), us=1e3 * t,
                                      speedup=cublas / t, rel_err=rel_err(out, ref),
                                      tbps=(qw.numel() * 4 + s.numel() * 2) / (t * 1e-3) / 1e12))
                 except Exception as e:  # a tile that does not compile: its row says so
-                    rows.append(dict(base, path="grouped g128", tiles=str(tiles), error=f"{type(e).__name__}: {e}"))
+                    rows.append(dict(base, path="grouped g128", tiles=str(tiles),
+                                     error=f"{type(e).__name__}: {e}"))
                 finally:
                     configs.DEQUANT[("gemv", 80, 2)] = old
     return rows
@@ -94,12 +99,14 @@ def flash() -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     rows, gen = [], torch.Generator(device="cuda").manual_seed(0)
-    tiles = [None, (128, 64, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3),
+    tiles = [None, (128, 64, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3),
+             (128, 32, 4, 3),
              (64, 128, 4, 3)]
     N, dtype = 4096, torch.bfloat16
     for d in (64, 128):
         H, B = 2048 // d, 16384 // N
-        q, k, v = (torch.randn(B * N, H, d, device="cuda", generator=gen).to(dtype) for _ in range(3))
+        q, k, v = (torch.randn(B * N, H, d, device="cuda",
+                               generator=gen).to(dtype) for _ in range(3))
         cu = torch.arange(0, (B + 1) * N, N, dtype=torch.int32, device="cuda")
         qs, ks, vs = (t.view(B, N, H, d).transpose(1, 2) for t in (q, k, v))
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -115,7 +122,8 @@ def flash() -> list[dict]:
             try:
                 out = flash_attention(q, k, v, cu, cu, causal=True, max_seqlen_q=N)
                 t = bench(lambda: flash_attention(q, k, v, cu, cu, causal=True, max_seqlen_q=N))  # noqa: B023
-                rows.append(dict(d=d, N=N, tiles=label, ours_tflops=flops / t / 1e9, sdpa_tflops=flops / t_ref / 1e9,
+                rows.append(dict(d=d, N=N, tiles=label, ours_tflops=flops / t / 1e9,
+                                 sdpa_tflops=flops / t_ref / 1e9,
                                  ratio=t_ref / t, rel_err=rel_err(out, ref)))
             except Exception as e:
                 rows.append(dict(d=d, N=N, tiles=label, error=f"{type(e).__name__}: {e}"))
@@ -142,7 +150,8 @@ def splitkv() -> list[dict]:
             S = wave * waves
             out = paged_attention(q, k, v, tables, lens, num_splits=S)
             t = bench(lambda: paged_attention(q, k, v, tables, lens, num_splits=S))  # noqa: B023
-            rows.append(dict(context=ctx, waves=waves, num_splits=S, ms=t, rel_err=rel_err(out, ref)))
+            rows.append(dict(context=ctx, waves=waves, num_splits=S, ms=t,
+                             rel_err=rel_err(out, ref)))
     return rows
 
 
@@ -158,7 +167,8 @@ def profile(workdir: Path) -> list[dict]:
     rows, steps = [], 32
     prompt = random_prompt(128, seed=1)
     for mode, eager in (("eager", True), ("cuda_graphs", False)):
-        llm = LLM(str(path), dtype=torch.bfloat16, device="cuda", max_num_seqs=8, enforce_eager=eager)
+        llm = LLM(str(path), dtype=torch.bfloat16, device="cuda", max_num_seqs=8,
+                  enforce_eager=eager)
         params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
         llm.generate([prompt], params, use_tqdm=False)  # warm-up
         torch.cuda.synchronize()
@@ -179,9 +189,11 @@ def profile(workdir: Path) -> list[dict]:
         rows.append(dict(mode=mode, steps=steps, wall_ms_per_step=1e3 * wall / steps,
                          gpu_ms_per_step=gpu_us / 1e3 / steps, launches_per_step=launches / steps,
                          host_ops_ms_per_step=host_ops_us / 1e3 / steps,
-                         top_host=[(e.key, round(e.self_cpu_time_total / 1e3 / steps, 3), e.count // steps)
+                         top_host=[(e.key, round(e.self_cpu_time_total / 1e3 / steps, 3),
+                                    e.count // steps)
                                    for e in top],
-                         top_gpu=[(e.key[:80], round(e.self_device_time_total / 1e3 / steps, 4), e.count / steps)
+                         top_gpu=[(e.key[:80], round(e.self_device_time_total / 1e3 / steps, 4),
+                                   e.count / steps)
                                   for e in top_gpu]))
         del llm
         torch.cuda.empty_cache()
@@ -192,16 +204,19 @@ PARTS = {"w4a16": w4a16, "flash": flash, "splitkv": splitkv, "profile": profile}
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default=",".join(PARTS))
     ap.add_argument("--out", default=str(HERE / "gpu_tune.json"))
-    ap.add_argument("--workdir", default="/tmp/gpu_tune", help="where the profile's 1B checkpoint is built")
+    ap.add_argument("--workdir", default="/tmp/gpu_tune",
+                    help="where the profile's 1B checkpoint is built")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("gpu_tune needs a CUDA GPU", file=sys.stderr)
         return 2
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "triton": __import__("triton").__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "triton": __import__("triton").__version__,
+           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "parts": {}}
     for name in args.only.split(","):
         start = time.perf_counter()
@@ -209,12 +224,14 @@ def main() -> int:
             rows = PARTS[name](Path(args.workdir)) if name == "profile" else PARTS[name]()
             res["parts"][name] = {"rows": rows}
         except Exception as e:
-            res["parts"][name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+            res["parts"][name] = {"error": f"{type(e).__name__}: {e}",
+                                  "traceback": traceback.format_exc()[-3000:]}
         res["parts"][name]["seconds"] = time.perf_counter() - start
         Path(args.out).write_text(json.dumps(res, indent=1, default=str) + "\n")
         print(f"\n== {name} ({res['parts'][name]['seconds']:.0f} s)")
         for r in res["parts"][name].get("rows", []):
-            print("  " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+            print("  " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k,
+                                   v in r.items()))
         if "error" in res["parts"][name]:
             print(res["parts"][name]["traceback"])
     return 0

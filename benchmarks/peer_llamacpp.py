@@ -1,21 +1,24 @@
-"""llama.cpp (llama-cpp-python) as a peer for benchmarks/bench_peers.py; runs in benchmarks/.peers/llamacpp.
+"""llama.cpp (llama-cpp-python) as a peer for benchmarks/bench_peers.py; runs in
+benchmarks/.peers/llamacpp.
 
     .peers/llamacpp/bin/python benchmarks/peer_llamacpp.py SPEC.json      (protocol: peer_protocol.py)
 
-The HF GPT-2 checkpoint (config.json + model.safetensors) is written to GGUF with the `gguf` package in
-llama.cpp's GPT-2 layout, as convert_hf_to_gguf.py's GPT2Model does: HF's Conv1D weights ([in, out])
-transposed to [out, in], tensor names from gguf's own name map (token_embd, position_embd,
-blk.N.attn_norm / attn_qkv / attn_output / ffn_norm / ffn_up / ffn_down, output_norm), fp32 throughout,
-no `output` tensor (tied: llama.cpp reuses token_embd). The vocabulary is written as "none" with the
-model's vocab size: requests are token ids in and out, nothing is tokenized or detokenized.
+The HF GPT-2 checkpoint (config.json + model.safetensors) is written to GGUF with the `gguf` package
+in llama.cpp's GPT-2 layout, as convert_hf_to_gguf.py's GPT2Model does: HF's Conv1D weights ([in,
+out]) transposed to [out, in], tensor names from gguf's own name map (token_embd, position_embd,
+blk.N.attn_norm / attn_qkv / attn_output / ffn_norm / ffn_up / ffn_down, output_norm), fp32
+throughout, no `output` tensor (tied: llama.cpp reuses token_embd). The vocabulary is written as
+"none" with the model's vocab size: requests are token ids in and out, nothing is tokenized or
+detokenized.
 
-Greedy, fp32 weights and KV cache, exactly max_tokens tokens per request (EOS ignored: we, not llama.cpp,
-decide when to stop), no KV reuse between requests or rounds. A single request (or spec "slots": 1) runs
-through the high-level `Llama.generate` (temp=0: llama.cpp's greedy sampler), one request at a time; several
-run batched through llama.cpp's low-level batch API, as its server runs parallel slots: up to "slots"
-(default 256, at most llama_max_parallel_sequences()) sequences, each with its own KV stream of the longest
-request's length, every step one batch of <= 512 tokens holding each running request's next token plus
-whole prompts of waiting requests (first come, first served), greedy = argmax of the returned logits.
+Greedy, fp32 weights and KV cache, exactly max_tokens tokens per request (EOS ignored: we, not
+llama.cpp, decide when to stop), no KV reuse between requests or rounds. A single request (or spec
+"slots": 1) runs through the high-level `Llama.generate` (temp=0: llama.cpp's greedy sampler), one
+request at a time; several run batched through llama.cpp's low-level batch API, as its server runs
+parallel slots: up to "slots" (default 256, at most llama_max_parallel_sequences()) sequences, each
+with its own KV stream of the longest request's length, every step one batch of <= 512 tokens
+holding each running request's next token plus whole prompts of waiting requests (first come, first
+served), greedy = argmax of the returned logits.
 """
 
 from __future__ import annotations
@@ -97,29 +100,36 @@ def load(spec):
     slots = min(n, spec.get("slots") or 256, llama_cpp.llama_max_parallel_sequences())
     f32 = llama_cpp.GGML_TYPE_F32
     if slots == 1:  # the high-level API, as a llama-cpp-python user would run it
-        settings = {"n_ctx": spec["ctx"], "n_threads": threads, "n_threads_batch": threads, "n_batch": 512,
+        settings = {"n_ctx": spec["ctx"], "n_threads": threads, "n_threads_batch": threads,
+                    "n_batch": 512,
                     "type_k": f32, "type_v": f32, "logits_all": False}
         engine = llama_cpp.Llama(model_path=str(gguf_path), verbose=False, seed=0, **settings)
         settings["batching"] = "none: one request at a time (Llama.generate, temp=0: greedy sampler)"
     else:  # the low-level batch API, as llama.cpp's server runs parallel slots
         per_seq = max(len(p) + m for p, m in zip(spec["prompts"], spec["max_tokens"]))
-        settings = {"n_ctx": slots * per_seq, "n_seq_max": slots, "kv_unified": False, "n_batch": 512,
-                    "n_ubatch": 512, "n_threads": threads, "n_threads_batch": threads, "type_k": f32, "type_v": f32}
+        settings = {"n_ctx": slots * per_seq, "n_seq_max": slots, "kv_unified": False,
+                    "n_batch": 512,
+                    "n_ubatch": 512, "n_threads": threads, "n_threads_batch": threads,
+                    "type_k": f32, "type_v": f32}
         engine = Batched(llama_cpp, gguf_path, settings)
-        settings["batching"] = (f"continuous over {slots} sequences (llama_batch, one KV stream each), "
-                                "prompts and decode tokens in one batch of <= 512, argmax of the logits")
-    info = {"engine": "llama.cpp", "version": llama_cpp.__version__, "load_s": time.perf_counter() - t0,
+        settings["batching"] = (f"continuous over {slots} sequences (llama_batch, one KV stream "
+                                "each), prompts and decode tokens in one batch of <= 512, argmax "
+                                "of the logits")
+    info = {"engine": "llama.cpp", "version": llama_cpp.__version__,
+            "load_s": time.perf_counter() - t0,
             "settings": {**settings, "weights": "GGUF f32", "kv_cache": "f32"}}
     return engine, info
 
 
 class Batched:
-    """Continuous batching with llama.cpp's own batch API: each request gets a sequence id while it runs."""
+    """Continuous batching with llama.cpp's own batch API: each request gets a sequence id while it
+    runs."""
 
     def __init__(self, L, path: Path, settings: dict):
         self.L = L
         L.llama_backend_init()
-        self.model = L.llama_model_load_from_file(str(path).encode(), L.llama_model_default_params())
+        self.model = L.llama_model_load_from_file(str(path).encode(),
+                                                  L.llama_model_default_params())
         cp = L.llama_context_default_params()
         for k, v in settings.items():
             setattr(cp, k, v)
@@ -148,7 +158,8 @@ class Batched:
                 rows.append((len(rows), seq))
                 a[1] += 1
             n = len(rows)
-            while pending and free and n + len(prompts[pending[-1]]) <= self.n_batch:  # whole prompts join
+            # whole prompts join
+            while pending and free and n + len(prompts[pending[-1]]) <= self.n_batch:
                 req, seq = pending.pop(), free.pop()
                 for j, tok in enumerate(prompts[req]):
                     add(n, tok, j, seq, int(j == len(prompts[req]) - 1))
@@ -160,7 +171,8 @@ class Batched:
                 raise RuntimeError(f"llama_decode returned {rc}")
             for i, seq in rows:
                 a = active[seq]
-                a[2] = int(np.ctypeslib.as_array(L.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,)).argmax())
+                a[2] = int(np.ctypeslib.as_array(L.llama_get_logits_ith(self.ctx, i),
+                                                 shape=(self.n_vocab,)).argmax())
                 outs[a[0]].append(a[2])
                 if len(outs[a[0]]) == max_tokens[a[0]]:
                     L.llama_memory_seq_rm(self.mem, seq, -1, -1)
@@ -178,7 +190,8 @@ def run(engine, prompts, max_tokens):
     for prompt, n in zip(prompts, max_tokens):
         engine.reset()  # no KV reuse from the previous request
         toks = []
-        for tok in engine.generate(prompt, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
+        for tok in engine.generate(prompt, temp=0.0, top_k=1, top_p=1.0, min_p=0.0,
+                                   repeat_penalty=1.0, reset=True):
             toks.append(int(tok))
             if len(toks) == n:
                 break

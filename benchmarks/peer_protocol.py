@@ -1,6 +1,8 @@
-"""The small line protocol between benchmarks/bench_peers.py and a peer runner (peer_vllm.py, peer_llamacpp.py).
+"""The small line protocol between benchmarks/bench_peers.py and a peer runner (peer_vllm.py,
+peer_llamacpp.py).
 
-A runner runs in the peer's own virtualenv (benchmarks/.peers/NAME) and imports nothing from nanoserve:
+A runner runs in the peer's own virtualenv (benchmarks/.peers/NAME) and imports nothing from
+nanoserve:
 
     python peer_NAME.py SPEC.json
         SPEC: {"model_dir", "gguf_path", "ctx", "threads", "prompts": [[id, ...], ...], "max_tokens": [n, ...]}
@@ -10,8 +12,9 @@ A runner runs in the peer's own virtualenv (benchmarks/.peers/NAME) and imports 
     -> @@RESULT {"seconds", "output_tokens", "tokens": [[...]] | null}
     <- {"cmd": "quit"}
 
-Every other line a library prints on stdout is not ours (the parent logs it); errors are "@@ERROR message".
-`serve` is the runner's side (stdlib only: it runs in the peers' venvs), `Peer` the benchmark's.
+Every other line a library prints on stdout is not ours (the parent logs it); errors are "@@ERROR
+message". `serve` is the runner's side (stdlib only: it runs in the peers' venvs), `Peer` the
+benchmark's.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ def send(kind: str, payload) -> None:
 
 
 def serve(load, run) -> None:
-    """The runner side. load(spec) -> (engine, info); run(engine, prompts, max_tokens) -> (seconds, token lists)."""
+    """The runner side. load(spec) -> (engine, info); run(engine, prompts, max_tokens) -> (seconds,
+    token lists)."""
     try:
         with open(sys.argv[1]) as f:
             spec = json.load(f)
@@ -60,16 +64,19 @@ class Peer:
     def __init__(self, name: str, here: Path, spec: dict, cache: Path):
         self.name, py = name, here / ".peers" / name / "bin" / "python"
         if not py.exists():
-            raise RuntimeError(f"no venv at {py.parent.parent} (bash benchmarks/peers_setup.sh {name})")
+            raise RuntimeError(f"no venv at {py.parent.parent} (bash benchmarks/peers_setup.sh "
+                               f"{name})")
         spec_path = cache / f"spec-{name}.json"
         spec_path.write_text(json.dumps(spec))
         env = dict(os.environ)
         if name == "vllm":  # what vLLM's CPU docs ask for, when both libraries are there
-            libs = [*Path("/usr/lib").glob("*/libtcmalloc_minimal.so.4"), *py.parent.parent.glob("lib/libiomp5.so")]
+            libs = [*Path("/usr/lib").glob("*/libtcmalloc_minimal.so.4"),
+                    *py.parent.parent.glob("lib/libiomp5.so")]
             if len(libs) == 2:
                 env["LD_PRELOAD"] = ":".join(map(str, libs))
         self.log = open(cache / f"{name}.log", "a")
-        self.proc = subprocess.Popen([str(py), str(here / f"peer_{name}.py"), str(spec_path)], cwd=here, env=env,
+        self.proc = subprocess.Popen([str(py), str(here / f"peer_{name}.py"), str(spec_path)],
+                                     cwd=here, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
         self.info = self._read("READY")
         self.info.setdefault("settings", {})["LD_PRELOAD"] = env.get("LD_PRELOAD")
@@ -86,7 +93,8 @@ class Peer:
         raise RuntimeError(f"runner exited (code {self.proc.wait()}), see {self.log.name}")
 
     def run(self, n=None, cap=None, tokens=False):
-        self.proc.stdin.write(json.dumps({"cmd": "run", "n": n, "cap": cap, "tokens": tokens}) + "\n")
+        self.proc.stdin.write(json.dumps({"cmd": "run", "n": n, "cap": cap,
+                                          "tokens": tokens}) + "\n")
         self.proc.stdin.flush()
         return self._read("RESULT")
 

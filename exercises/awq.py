@@ -1,4 +1,5 @@
-"""Exercise 10: AWQ's scale search: the loss of a scaled layer, the α grid search, and folding the scales away.
+"""Exercise 10: AWQ's scale search: the loss of a scaled layer, the α grid search, and folding the
+scales away.
 
 Your versions of nanoserve/quant/awq.py's `scaled_loss`, `search_scales` and `fold_scales`, with the
 same names and signatures. Taught in notebooks/06_awq.ipynb, sections 2 ("Why scaling a column
@@ -6,9 +7,10 @@ protects it"), 3 ("The α search") and 4 ("Folding the scales away"). Check your
 
     make exercises EX=ex10        # or: .venv/bin/pytest tests/exercises -m ex10 --impl exercises
 
-Given (imported below, from nanoserve): `fake_quantize(w, bits, group_size, sym)`, RTN's Ŵ (exercise 8)
-in w's dtype; `activation_scale(x)`, mean |x| per input channel; `_inputs(x, linears)`, which checks
-the group and returns x as fp32 [T, K]. Shapes: T tokens, K input channels, N output features.
+Given (imported below, from nanoserve): `fake_quantize(w, bits, group_size, sym)`, RTN's Ŵ (exercise
+8) in w's dtype; `activation_scale(x)`, mean |x| per input channel; `_inputs(x, linears)`, which
+checks the group and returns x as fp32 [T, K]. Shapes: T tokens, K input channels, N output
+features.
 """
 
 from __future__ import annotations
@@ -24,33 +26,38 @@ from nanoserve.quant.rtn import fake_quantize  # noqa: F401
 
 
 # ----------------------------------------------------------------------------- exercise 10
-def scaled_loss(linears: Sequence[nn.Linear], x: torch.Tensor, s: torch.Tensor, bits: int, group_size: int,
+def scaled_loss(linears: Sequence[nn.Linear], x: torch.Tensor, s: torch.Tensor, bits: int,
+                group_size: int,
                 sym: bool) -> float:
-    """Σ ‖W X − Q(W·diag(s)) (X / s)‖² over the linears; x [T, K] (the product is taken as (W − Q(W·s)/s) X).
+    """Σ ‖W X − Q(W·diag(s)) (X / s)‖² over the linears; x [T, K] (the product is taken as (W −
+    Q(W·s)/s) X).
 
     The output error of every linear when its columns are scaled by s [K] before rounding and its
     inputs divided by s: W x = (W·diag(s)) (x / s) exactly, so only the rounding error remains. Use
     the weights in fp32 and return a Python float (accumulate in fp64; split long x into chunks of
     tokens if memory matters)."""
     raise NotImplementedError(
-        "Exercise 10.1: for each linear, w = weight in fp32, ŵ = fake_quantize(w · s, bits, group_size, sym) / s "
-        "(the weight the scaled layer effectively computes with); add the sum of squares of x @ (w − ŵ)ᵀ "
-        "(roughly 6 lines; see notebooks/06_awq, sections 2 and 3, 'The α search')")
+        "Exercise 10.1: for each linear, w = weight in fp32, ŵ = fake_quantize(w · s, bits, "
+        "group_size, sym) / s (the weight the scaled layer effectively computes with); add the "
+        "sum of squares of x @ (w − ŵ)ᵀ (roughly 6 lines; see notebooks/06_awq, sections 2 and 3, "
+        "'The α search')")
 
 
-def search_scales(linears: Sequence[nn.Linear], x: torch.Tensor, bits: int = 4, group_size: int = 128,
-                  sym: bool = False, n_grid: int = 20) -> tuple[torch.Tensor, float, list[float], list[float]]:
+def search_scales(linears: Sequence[nn.Linear], x: torch.Tensor, bits: int = 4,
+                  group_size: int = 128,
+                  sym: bool = False,
+                  n_grid: int = 20) -> tuple[torch.Tensor, float, list[float], list[float]]:
     """Grid search of α over {0, 1/n_grid, ..., (n_grid−1)/n_grid}. Returns (s, α, alphas, losses).
 
     For each α: s = mean|x|^α per input channel (clamped to ≥ 1e-4: a dead channel has mean 0), then
-    normalised so that max(s)·min(s) = 1; loss = scaled_loss(...). The winner is the first α with the
-    least loss; `losses` is the whole α curve. α = 0 gives s = 1 (plain RTN), so AWQ never does
+    normalised so that max(s)·min(s) = 1; loss = scaled_loss(...). The winner is the first α with
+    the least loss; `losses` is the whole α curve. α = 0 gives s = 1 (plain RTN), so AWQ never does
     worse than RTN on x. n_grid must be a positive integer."""
     raise NotImplementedError(
-        "Exercise 10.2: x = _inputs(x, linears); x_mean = activation_scale(x); for α in [i / n_grid for i in "
-        "range(n_grid)] (1.0 is not on the grid): s = x_mean^α clamped at 1e-4, divided by √(max(s)·min(s)); "
-        "keep every loss and the best (loss, s, α) "
-        "(roughly 12 lines; see notebooks/06_awq, section 3, 'The α search')")
+        "Exercise 10.2: x = _inputs(x, linears); x_mean = activation_scale(x); for α in [i / "
+        "n_grid for i in range(n_grid)] (1.0 is not on the grid): s = x_mean^α clamped at 1e-4, "
+        "divided by √(max(s)·min(s)); keep every loss and the best (loss, s, α) (roughly 12 "
+        "lines; see notebooks/06_awq, section 3, 'The α search')")
 
 
 @torch.no_grad()
@@ -62,6 +69,7 @@ def fold_scales(prev: nn.Module, linears: Sequence[nn.Linear], s: torch.Tensor) 
     of prev's output must be in `linears`, or it would see x / s. Exact up to float rounding.
     Raise NanoserveError for a prev that is neither (e.g. a GELU) or for shapes that do not fit."""
     raise NotImplementedError(
-        "Exercise 10.3: prev.weight ÷ s (a norm's weight [K]; a linear's rows: weight [K, K_prev] ÷ s[:, None]), "
-        "prev.bias ÷ s if it has one, each linear's weight [N, K] × s[None, :]; in place (.div_, .mul_) "
-        "(roughly 15 lines; see notebooks/06_awq, section 4, 'Folding the scales away, and where it is possible')")
+        "Exercise 10.3: prev.weight ÷ s (a norm's weight [K]; a linear's rows: weight [K, K_prev] "
+        "÷ s[:, None]), prev.bias ÷ s if it has one, each linear's weight [N, K] × s[None, :]; in "
+        "place (.div_, .mul_) (roughly 15 lines; see notebooks/06_awq, section 4, 'Folding the "
+        "scales away, and where it is possible')")

@@ -1,11 +1,11 @@
 """Exercises 4 and 5: the paged-KV block allocator, and prefix-cache hashing and lookup.
 
-Your versions of parts of nanoserve/engine/block_allocator.py, with the same names and signatures. `BlockAllocator`
-below inherits nanoserve's and overrides only the methods you write; everything else is given and
-yours to call: the free queues (`free_block_ids`, `evictable`), `_plan(seq)` (prefix hits, fresh
-blocks needed, blocks available), `_take_free_block()`, `_share(bid)`, `_release(block)`,
-`_copy_on_write(table)`, `_require_allocated(seq)`, `blocks_needed(n)`, and the prefix-cache
-internals (`mark_computed`, `_seal`, `_block_tokens`, `_matches`, `_max_prefix_hits`).
+Your versions of parts of nanoserve/engine/block_allocator.py, with the same names and signatures.
+`BlockAllocator` below inherits nanoserve's and overrides only the methods you write; everything
+else is given and yours to call: the free queues (`free_block_ids`, `evictable`), `_plan(seq)`
+(prefix hits, fresh blocks needed, blocks available), `_take_free_block()`, `_share(bid)`,
+`_release(block)`, `_copy_on_write(table)`, `_require_allocated(seq)`, `blocks_needed(n)`, and the
+prefix-cache internals (`mark_computed`, `_seal`, `_block_tokens`, `_matches`, `_max_prefix_hits`).
 Taught in notebooks/02_paged_kv_cache.ipynb (sections 2, 4 and 5). Check your work with
 
     make exercises EX=ex04        # or: .venv/bin/pytest tests/exercises -m ex04 --impl exercises
@@ -13,7 +13,8 @@ Taught in notebooks/02_paged_kv_cache.ipynb (sections 2, 4 and 5). Check your wo
 
 The two exercises can be done in either order: exercise 4's tests use nanoserve's `_prefix_hits`,
 exercise 5's use nanoserve's allocate / append_slot / free / fork. The inherited constructor's
-default `hash_fn` is nanoserve's `default_block_hash`; pass `hash_fn=default_block_hash` to use yours.
+default `hash_fn` is nanoserve's `default_block_hash`; pass `hash_fn=default_block_hash` to use
+yours.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ def default_block_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> i
     equal hashes mean equal tokens *and* equal prefix, up to collisions. Deterministic: the same
     arguments give the same int."""
     raise NotImplementedError(
-        "Exercise 5.1: hash a tuple holding the parent's hash and the tokens; for the first block hash a "
-        "1-tuple (token_ids,) instead, because hash(None) differs between processes before Python 3.12 "
-        "(roughly 1 line; see notebooks/02_paged_kv_cache, section 4, 'Prefix caching', why a chained hash)")
+        "Exercise 5.1: hash a tuple holding the parent's hash and the tokens; for the first block "
+        "hash a 1-tuple (token_ids,) instead, because hash(None) differs between processes before "
+        "Python 3.12 (roughly 1 line; see notebooks/02_paged_kv_cache, section 4, 'Prefix "
+        "caching', why a chained hash)")
 
 
 class BlockAllocator(nanoserve.engine.block_allocator.BlockAllocator):
@@ -48,12 +50,12 @@ class BlockAllocator(nanoserve.engine.block_allocator.BlockAllocator):
         `self.stats`. Raises RuntimeError if `seq` already has blocks, and NanoserveError (changing
         nothing) if the fresh blocks needed exceed the blocks available."""
         raise NotImplementedError(
-            "Exercise 4.1: RuntimeError if seq already has blocks; hits, needed, available = self._plan(seq); "
-            "NanoserveError if needed > available (before changing anything); "
-            "self._share(bid) for each hit; block_table = hits + [self._take_free_block() for each needed]; "
-            "set num_cached_tokens, num_computed_tokens and self.stats.hits / misses "
-            "(roughly 12 lines; see notebooks/02_paged_kv_cache, sections 2 and 4, "
-            "'The block allocator, step by step' and 'Prefix caching')")
+            "Exercise 4.1: RuntimeError if seq already has blocks; hits, needed, available = "
+            "self._plan(seq); NanoserveError if needed > available (before changing anything); "
+            "self._share(bid) for each hit; block_table = hits + [self._take_free_block() for "
+            "each needed]; set num_cached_tokens, num_computed_tokens and self.stats.hits / "
+            "misses (roughly 12 lines; see notebooks/02_paged_kv_cache, sections 2 and 4, 'The "
+            "block allocator, step by step' and 'Prefix caching')")
 
     def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
         """Make room for the token just appended (position len(seq) - 1), before its KV is written.
@@ -63,38 +65,42 @@ class BlockAllocator(nanoserve.engine.block_allocator.BlockAllocator):
         `(src, dst)` is returned so the KV cache copies the slots already written; otherwise None.
         Calling it again for the same length changes nothing."""
         raise NotImplementedError(
-            "Exercise 4.2: the new token starts a block exactly when the table covers len(seq) - 1 tokens: "
-            "then append self._take_free_block(); otherwise return self._copy_on_write(table), which copies "
-            "a shared last block (raise RuntimeError if the table is further behind) "
-            "(roughly 10 lines; see notebooks/02_paged_kv_cache, sections 2 and 5, "
-            "'The block allocator, step by step' and 'Parallel samples: fork and copy-on-write')")
+            "Exercise 4.2: the new token starts a block exactly when the table covers len(seq) - "
+            "1 tokens: then append self._take_free_block(); otherwise return "
+            "self._copy_on_write(table), which copies a shared last block (raise RuntimeError if "
+            "the table is further behind) (roughly 10 lines; see notebooks/02_paged_kv_cache, "
+            "sections 2 and 5, 'The block allocator, step by step' and 'Parallel samples: fork "
+            "and copy-on-write')")
 
     def free(self, seq: Sequence) -> None:
         """Release `seq`'s blocks, last block first (so LRU evicts tails before shared heads). A
-        block whose count drops to 0 stays cached (evictable) if registered. Freeing twice is a no-op."""
+        block whose count drops to 0 stays cached (evictable) if registered. Freeing twice is a
+        no-op."""
         raise NotImplementedError(
-            "Exercise 4.3: walk reversed(seq.block_table); decrement each block's ref_count (RuntimeError if "
-            "it is already 0) and hand it to self._release(block) when it reaches 0; then empty the table and "
-            "zero num_cached_tokens and num_computed_tokens "
-            "(roughly 10 lines; see notebooks/02_paged_kv_cache, sections 2 and 4, "
-            "'The block allocator, step by step' and 'The free queue doubles as an LRU cache')")
+            "Exercise 4.3: walk reversed(seq.block_table); decrement each block's ref_count "
+            "(RuntimeError if it is already 0) and hand it to self._release(block) when it "
+            "reaches 0; then empty the table and zero num_cached_tokens and num_computed_tokens "
+            "(roughly 10 lines; see notebooks/02_paged_kv_cache, sections 2 and 4, 'The block "
+            "allocator, step by step' and 'The free queue doubles as an LRU cache')")
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """`child` (same tokens as `parent`) shares every parent block; copy-on-write splits them later."""
+        """`child` (same tokens as `parent`) shares every parent block; copy-on-write splits them
+        later."""
         raise NotImplementedError(
-            "Exercise 4.4: check the parent has blocks (self._require_allocated) and the child none and the same "
-            "tokens (RuntimeError otherwise); every parent block gains a reference; the child gets a copy of the "
-            "table and the parent's num_cached_tokens and num_computed_tokens "
-            "(roughly 8 lines; see notebooks/02_paged_kv_cache, section 5, "
+            "Exercise 4.4: check the parent has blocks (self._require_allocated) and the child "
+            "none and the same tokens (RuntimeError otherwise); every parent block gains a "
+            "reference; the child gets a copy of the table and the parent's num_cached_tokens and "
+            "num_computed_tokens (roughly 8 lines; see notebooks/02_paged_kv_cache, section 5, "
             "'Parallel samples: fork and copy-on-write')")
 
     # ------------------------------------------------------------------------- exercise 5.2
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         """Cached blocks for the prompt's leading full blocks, stopping at the first miss."""
         raise NotImplementedError(
-            "Exercise 5.2: with prefix caching on, for each of the first self._max_prefix_hits(len(seq)) blocks "
-            "(never the block holding the last token): tokens = self._block_tokens(seq, i), look up "
-            "self.hash_fn(parent's hash or None, tokens) in self.hash_to_block, stop at a miss or when "
-            "self._matches(block, tokens, parent) is False (a collision), else keep it and make it the parent "
-            "(roughly 10 lines; see notebooks/02_paged_kv_cache, section 4, 'Prefix caching', "
-            "hits are checked, not trusted)")
+            "Exercise 5.2: with prefix caching on, for each of the first "
+            "self._max_prefix_hits(len(seq)) blocks (never the block holding the last token): "
+            "tokens = self._block_tokens(seq, i), look up self.hash_fn(parent's hash or None, "
+            "tokens) in self.hash_to_block, stop at a miss or when self._matches(block, tokens, "
+            "parent) is False (a collision), else keep it and make it the parent (roughly 10 "
+            "lines; see notebooks/02_paged_kv_cache, section 4, 'Prefix caching', hits are "
+            "checked, not trusted)")

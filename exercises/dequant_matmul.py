@@ -37,7 +37,8 @@ import triton  # noqa: F401  (you will want them)
 import triton.language as tl  # noqa: F401
 
 
-def dequantize_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
+def dequantize_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                    g_idx: torch.Tensor,
                     *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """W [N, K] from GPTQ v1 4-bit tensors, computed in a Triton kernel; equal to
     nanoserve.quant.packing.dequantize_gptq(qweight, qzeros, scales, g_idx, bits=4, dtype=dtype).
@@ -46,11 +47,12 @@ def dequantize_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.T
     Compute (code − zero) · scale in fp32 (exact for fp16 scales), then round once to `dtype`.
     """
     raise NotImplementedError(
-        "Exercise 11.1: a @triton.jit kernel with one program per [BLOCK_K, BLOCK_N] tile of W in the [K, N] "
-        "orientation (e.g. 32 x 32; grid (cdiv(K, BLOCK_K), cdiv(N, BLOCK_N))) and a mask for the ragged edges; "
-        "row k of the tile loads word qweight[k // 8, n], shifts it right by 4 * (k % 8) and masks 0xF. "
-        "11.2: load each row's group g = g_idx[k]; zero = field n % 8 of qzeros[g, n // 8], plus 1; "
-        "scale = scales[g, n] as fp32; w = (code - zero) * scale, stored transposed into W [N, K]. "
-        "11.3: act-order only works if every row looks its group up in g_idx; return W in `dtype`. "
-        "A 12-line kernel and its launch (roughly 25 lines; see notebooks/07_int4_kernel, section 3, "
-        "'Unpacking int4 in a Triton kernel')")
+        "Exercise 11.1: a @triton.jit kernel with one program per [BLOCK_K, BLOCK_N] tile of W in "
+        "the [K, N] orientation (e.g. 32 x 32; grid (cdiv(K, BLOCK_K), cdiv(N, BLOCK_N))) and a "
+        "mask for the ragged edges; row k of the tile loads word qweight[k // 8, n], shifts it "
+        "right by 4 * (k % 8) and masks 0xF. 11.2: load each row's group g = g_idx[k]; zero = "
+        "field n % 8 of qzeros[g, n // 8], plus 1; scale = scales[g, n] as fp32; w = (code - "
+        "zero) * scale, stored transposed into W [N, K]. 11.3: act-order only works if every row "
+        "looks its group up in g_idx; return W in `dtype`. A 12-line kernel and its launch "
+        "(roughly 25 lines; see notebooks/07_int4_kernel, section 3, 'Unpacking int4 in a Triton "
+        "kernel')")

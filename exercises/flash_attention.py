@@ -19,14 +19,15 @@ Sub-tasks, in the order the tests check them (each step extends the same kernel)
        block_tables before the new keys (which sit at positions P..P + Lk − 1). Unused slots of the pool
        hold NaN in the tests: a load that is not masked to t < P poisons the output.
 The tests never give a query that sees no key (Lq ≤ P + Lk in every sequence, as in the engine).
-Input checks are not part of the exercise: nanoserve.kernels.checks.check_flash_attention does them if you want.
+Input checks are not part of the exercise: nanoserve.kernels.checks.check_flash_attention does them
+if you want.
 
 Triton on a machine without CUDA: kernels run in Triton's interpreter, which must be switched on
 (TRITON_INTERPRET=1) before triton is first imported. The tests do that for you (tests/conftest.py);
 in your own scripts set it in the environment, or `import nanoserve` first. The interpreter cannot
 compute in bf16 (convert each tile to fp32 straight after its load); tl.dot needs every dimension
-≥ 16 on a GPU (tiles of 16 here; BLOCK_D = head dim rounded up to a power of two, at least 16, masked);
-each program step costs milliseconds in the interpreter, so keep tiles at 16 × 16 on CPU.
+≥ 16 on a GPU (tiles of 16 here; BLOCK_D = head dim rounded up to a power of two, at least 16,
+masked); each program step costs milliseconds in the interpreter, so keep tiles at 16 × 16 on CPU.
 
 Shapes: total_q / total_k packed tokens, H query heads, Hkv kv heads, D head dim, B sequences.
 """
@@ -57,25 +58,27 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     paged prefix: block_tables [B, max_blocks], k_cache/v_cache [num_blocks, block_size, Hkv, D],
     context_lens [B]; token t of sequence b's prefix is k_cache[block_tables[b, t // block_size],
     t % block_size]. block_m/block_n override the tile sizes (16 is right for the interpreter).
-    max_seqlen_q: the longest query sequence if the caller knows it (None: read it from cu_seqlens_q).
-    window, softcap: a sliding window and a soft-cap of the scores (Mistral, Gemma; not part of this
-    exercise, whose tests pass None: the reference shows both). k_scale, v_scale, kv_cache_dtype: an 8-bit
-    paged prefix (notebook 12; not part of this exercise either: its tests keep the default "auto"). tree_bits:
-    a token tree's mask, one bit per visible new key (notebook 15; not part of it: its tests pass None).
-    Output in q's dtype.
+    max_seqlen_q: the longest query sequence if the caller knows it (None: read it from
+    cu_seqlens_q). window, softcap: a sliding window and a soft-cap of the scores (Mistral, Gemma;
+    not part of this exercise, whose tests pass None: the reference shows both). k_scale, v_scale,
+    kv_cache_dtype: an 8-bit paged prefix (notebook 12; not part of this exercise either: its tests
+    keep the default "auto"). tree_bits: a token tree's mask, one bit per visible new key (notebook
+    15; not part of it: its tests pass None). Output in q's dtype.
     """
     raise NotImplementedError(
         "Exercise 7.1: one program per (query tile of BLOCK_M rows, sequence and head): grid "
-        "(cdiv(longest Lq, BLOCK_M), B * H). Load the q tile once (masked rows past the end), keep a running "
-        "max m, denominator l and numerator acc in fp32, and loop over key tiles of BLOCK_N: scores s = q·kᵀ "
-        "times sm_scale·log2(e), masked to -inf for keys past the end and, if causal, for keys after the query; "
-        "m_new = max(m, rowmax(s)), p = exp2(s - m_new), and rescale BOTH l and acc by exp2(m - m_new) before "
-        "adding this tile; causal: stop after the tile holding the diagonal. Store acc / l in q's dtype. "
-        "7.2: head h reads kv head h // (H // Hkv). 7.3: sequence b's rows start at cu_seqlens[b]; a program "
-        "whose tile starts past its sequence's end returns; query i sits at position Lk - Lq + i; address "
-        "q, k, v and the output through their strides; BLOCK_D = max(16, next power of two of D), masked. "
-        "7.4: before the new keys, a second loop over the P = context_lens[b] cached keys with the same "
-        "online softmax, key t gathered from block block_tables[b, t // block_size] at offset "
-        "t % block_size, every load masked to t < P; the new keys then sit at positions P + j. "
-        "The kernel and its launch (roughly 90 lines; see notebooks/04_attention_kernels, sections 3 "
-        "'The kernel in Triton' and 4 'From this kernel to nanoserve.kernels.flash_attention')")
+        "(cdiv(longest Lq, BLOCK_M), B * H). Load the q tile once (masked rows past the end), "
+        "keep a running max m, denominator l and numerator acc in fp32, and loop over key tiles "
+        "of BLOCK_N: scores s = q·kᵀ times sm_scale·log2(e), masked to -inf for keys past the end "
+        "and, if causal, for keys after the query; m_new = max(m, rowmax(s)), p = exp2(s - "
+        "m_new), and rescale BOTH l and acc by exp2(m - m_new) before adding this tile; causal: "
+        "stop after the tile holding the diagonal. Store acc / l in q's dtype. 7.2: head h reads "
+        "kv head h // (H // Hkv). 7.3: sequence b's rows start at cu_seqlens[b]; a program whose "
+        "tile starts past its sequence's end returns; query i sits at position Lk - Lq + i; "
+        "address q, k, v and the output through their strides; BLOCK_D = max(16, next power of "
+        "two of D), masked. 7.4: before the new keys, a second loop over the P = context_lens[b] "
+        "cached keys with the same online softmax, key t gathered from block block_tables[b, t // "
+        "block_size] at offset t % block_size, every load masked to t < P; the new keys then sit "
+        "at positions P + j. The kernel and its launch (roughly 90 lines; see "
+        "notebooks/04_attention_kernels, sections 3 'The kernel in Triton' and 4 'From this "
+        "kernel to nanoserve.kernels.flash_attention')")

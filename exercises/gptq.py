@@ -1,4 +1,5 @@
-"""Exercise 9: GPTQ's column loop with error feedback, first naive (OBS with an explicit inverse), then fast.
+"""Exercise 9: GPTQ's column loop with error feedback, first naive (OBS with an explicit inverse),
+then fast.
 
 Your versions of nanoserve/quant/gptq.py's `gptq_naive` and `gptq_quantize`, with the same names and
 signatures. Taught in notebooks/05_rtn_gptq.ipynb, sections 4 ("Error feedback: from Optimal Brain
@@ -37,7 +38,8 @@ from nanoserve.quant.rtn import (  # noqa: F401
 
 
 # ----------------------------------------------------------------------------- exercise 9
-def gptq_naive(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = True,
+def gptq_naive(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: int = 128,
+               sym: bool = True,
                percdamp: float = 0.01, act_order: bool = False) -> QuantizedWeight:
     """GPTQ of W [N, K] given the Hessian H [K, K] of its inputs, one column at a time (O(K³)).
 
@@ -50,15 +52,16 @@ def gptq_naive(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: int 
     Returns a QuantizedWeight (codes in the original column order, scales and zeros [N, G] in
     group order, g_idx as described at the top of this file)."""
     raise NotImplementedError(
-        "Exercise 9.1: the set-up at the top of this file, then Hinv = torch.linalg.inv(damped H); loop over "
-        "columns: new grid when j % gs == 0, codes = round_to_codes(W[:, j:j+1], scale, zero, maxq), "
-        "err = (W[:, j] − ŵ_j) / Hinv[j, j], W[:, j:] −= err ⊗ Hinv[j, j:], eliminate j from Hinv; then codes back "
-        "to the original order and g_idx "
-        "(roughly 25 lines; see notebooks/05_rtn_gptq, section 4, 'Error feedback: from Optimal Brain Surgeon "
+        "Exercise 9.1: the set-up at the top of this file, then Hinv = torch.linalg.inv(damped "
+        "H); loop over columns: new grid when j % gs == 0, codes = round_to_codes(W[:, j:j+1], "
+        "scale, zero, maxq), err = (W[:, j] − ŵ_j) / Hinv[j, j], W[:, j:] −= err ⊗ Hinv[j, j:], "
+        "eliminate j from Hinv; then codes back to the original order and g_idx (roughly 25 "
+        "lines; see notebooks/05_rtn_gptq, section 4, 'Error feedback: from Optimal Brain Surgeon "
         "to GPTQ's column loop')")
 
 
-def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = True,
+def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: int = 128,
+                  sym: bool = True,
                   blocksize: int = 128, percdamp: float = 0.01, act_order: bool = False,
                   static_groups: bool = False) -> QuantizedWeight:
     """GPTQ of a weight W [N, K] given its input Hessian H [K, K]; computed in H's dtype.
@@ -73,10 +76,11 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
        before its grid is chosen: add this block's pending errors to them first, so that the result
        does not depend on blocksize.
     static_groups: every group's grid fixed up front from the original (prepared) weights, in the
-    original column order (group = original column // gs), and g_idx = k // gs even under act-order."""
+    original column order (group = original column // gs), and g_idx = k // gs even under
+    act-order."""
     raise NotImplementedError(
-        "Exercise 9.2: gptq_naive's loop with U's rows instead of the eliminated inverses (err = e / U[j, j], "
-        "W1[:, i:] −= err ⊗ U[j, j:] inside the block), blocks of blocksize columns whose errors reach the "
-        "columns after the block in one matmul at its end, groups crossing a block edge brought up to date "
-        "before quant_params, and static_groups "
-        "(roughly 40 lines; see notebooks/05_rtn_gptq, section 5, 'GPTQ's three tricks, and act-order')")
+        "Exercise 9.2: gptq_naive's loop with U's rows instead of the eliminated inverses (err = "
+        "e / U[j, j], W1[:, i:] −= err ⊗ U[j, j:] inside the block), blocks of blocksize columns "
+        "whose errors reach the columns after the block in one matmul at its end, groups crossing "
+        "a block edge brought up to date before quant_params, and static_groups (roughly 40 "
+        "lines; see notebooks/05_rtn_gptq, section 5, 'GPTQ's three tricks, and act-order')")

@@ -1,10 +1,10 @@
 """Exercise 15: quantize a KV block to 8 bits with a scale per token and head, and back.
 
-Your versions of KVQuant.quantize and KVQuant.dequantize from nanoserve/kv/quant.py, with the same names and
-signatures. The class inherits nanoserve's, so `self.storage` (torch.int8, or torch.uint8 holding FP8 bits),
-`self.fp8` (None for int8, else torch.float8_e4m3fn / torch.float8_e5m2) and `self.qmax` (127, 448 or 57344)
-are given, and SCALE_DTYPE (fp16) is imported below. Taught in notebooks/12_kv_cache_quantization.ipynb,
-section 2. Check your work with
+Your versions of KVQuant.quantize and KVQuant.dequantize from nanoserve/kv/quant.py, with the same
+names and signatures. The class inherits nanoserve's, so `self.storage` (torch.int8, or torch.uint8
+holding FP8 bits), `self.fp8` (None for int8, else torch.float8_e4m3fn / torch.float8_e5m2) and
+`self.qmax` (127, 448 or 57344) are given, and SCALE_DTYPE (fp16) is imported below. Taught in
+notebooks/12_kv_cache_quantization.ipynb, section 2. Check your work with
 
     make exercises EX=ex15        # or: .venv/bin/pytest tests/exercises -m ex15 --impl exercises
 """
@@ -19,22 +19,24 @@ from nanoserve.kv.quant import SCALE_DTYPE  # noqa: F401  (the scales' dtype)
 
 class KVQuant(nanoserve.kv.quant.KVQuant):
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [..., D] -> (q [..., D] in self.storage, scale [...] in SCALE_DTYPE) with x ≈ q · scale.
+        """x [..., D] -> (q [..., D] in self.storage, scale [...] in SCALE_DTYPE) with x ≈ q ·
+        scale.
 
-        One scale per row of D values: max|x| / qmax, stored in fp16 and never below 2^-14 (an all-zero row
-        must not divide by 0). Divide by the *stored* (fp16-rounded) scale, so that q · scale is what
-        dequantize gives back. int8: round to nearest, clamp to [-127, 127]. FP8: clamp to [-qmax, qmax],
-        convert to self.fp8, and return its bits viewed as uint8."""
+        One scale per row of D values: max|x| / qmax, stored in fp16 and never below 2^-14 (an
+        all-zero row must not divide by 0). Divide by the *stored* (fp16-rounded) scale, so that q ·
+        scale is what dequantize gives back. int8: round to nearest, clamp to [-127, 127]. FP8:
+        clamp to [-qmax, qmax], convert to self.fp8, and return its bits viewed as uint8."""
         raise NotImplementedError(
-            "Exercise 15.1: amax over the last dim, / qmax, clamp(min=2**-14), .to(fp16); x / scale[..., None] "
-            "(in float32); int8: round, clamp, .to(int8); FP8: clamp, .to(self.fp8).view(torch.uint8) "
-            "(roughly 6 lines; see notebooks/12_kv_cache_quantization, section 2, 'Per token and head')")
+            "Exercise 15.1: amax over the last dim, / qmax, clamp(min=2**-14), .to(fp16); x / "
+            "scale[..., None] (in float32); int8: round, clamp, .to(int8); FP8: clamp, "
+            ".to(self.fp8).view(torch.uint8) (roughly 6 lines; see "
+            "notebooks/12_kv_cache_quantization, section 2, 'Per token and head')")
 
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                    out: torch.Tensor | None = None) -> torch.Tensor:
-        """q [..., D], scale [...] -> q · scale in `dtype` (written into `out` when it is given). FP8 codes
-        arrive as uint8: view them as self.fp8 first."""
+        """q [..., D], scale [...] -> q · scale in `dtype` (written into `out` when it is given).
+        FP8 codes arrive as uint8: view them as self.fp8 first."""
         raise NotImplementedError(
-            "Exercise 15.2: view FP8 bits as self.fp8, convert codes and scales to dtype, torch.mul with the "
-            "scale broadcast over D (out=out) "
-            "(roughly 3 lines; see notebooks/12_kv_cache_quantization, section 2, 'Per token and head')")
+            "Exercise 15.2: view FP8 bits as self.fp8, convert codes and scales to dtype, "
+            "torch.mul with the scale broadcast over D (out=out) (roughly 3 lines; see "
+            "notebooks/12_kv_cache_quantization, section 2, 'Per token and head')")

@@ -39,8 +39,8 @@ def naive_attention(q, k, v, q_positions=None, window: int | None = None):
     float32 and return q's dtype. `window`: pass it on to causal_mask (Exercise 1.3)."""
     raise NotImplementedError(
         "Exercise 1.2: scores = q·kᵀ/√D, mask with causal_mask, softmax over keys, weight v; "
-        "repeat each kv head for its group of query heads first "
-        "(roughly 10 lines; see notebooks/01_engine_core, sections 1 and 3, 'Grouped-query attention')")
+        "repeat each kv head for its group of query heads first (roughly 10 lines; see "
+        "notebooks/01_engine_core, sections 1 and 3, 'Grouped-query attention')")
 
 
 # ----------------------------------------------------------------------------- exercise 2
@@ -52,9 +52,9 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     "default" nothing, "linear" divide every θ_i by scaling["factor"], "llama3" return
     llama3_rope_inv_freq(inv_freq, scaling) (imported above: Llama 3.1's frequency bands)."""
     raise NotImplementedError(
-        "Exercise 2.1: the D/2 frequencies base^(-2i/D) for i = 0, 1, ..., D/2 - 1 (torch.arange(0, D, 2)), "
-        "then the scaling cfg.rope_scaling asks for "
-        "(roughly 10 lines; see notebooks/01_engine_core, section 3, 'RoPE: rotary position embeddings')")
+        "Exercise 2.1: the D/2 frequencies base^(-2i/D) for i = 0, 1, ..., D/2 - 1 "
+        "(torch.arange(0, D, 2)), then the scaling cfg.rope_scaling asks for (roughly 10 lines; "
+        "see notebooks/01_engine_core, section 3, 'RoPE: rotary position embeddings')")
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
@@ -65,16 +65,17 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.d
     Compute the angles in float32 and return cos and sin in `dtype`; the axis of size 1 broadcasts
     over heads. Rows of a batch may sit at different positions (a cache holds different lengths)."""
     raise NotImplementedError(
-        "Exercise 2.2: angles = positions (as float) times inv_freq, one row per token, concatenated "
-        "with themselves to D; then cos and sin, a heads axis, and the dtype "
-        "(roughly 3 lines; see notebooks/01_engine_core, section 3, 'RoPE: rotary position embeddings')")
+        "Exercise 2.2: angles = positions (as float) times inv_freq, one row per token, "
+        "concatenated with themselves to D; then cos and sin, a heads axis, and the dtype "
+        "(roughly 3 lines; see notebooks/01_engine_core, section 3, 'RoPE: rotary position "
+        "embeddings')")
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """[x1, x2] -> [-x2, x1], where x1 and x2 are the first and second halves of the last dim."""
     raise NotImplementedError(
-        "Exercise 2.3: split the last dim into halves x1, x2 and concatenate -x2 then x1 "
-        "(roughly 2 lines; see notebooks/01_engine_core, section 3, 'RoPE: rotary position embeddings')")
+        "Exercise 2.3: split the last dim into halves x1, x2 and concatenate -x2 then x1 (roughly "
+        "2 lines; see notebooks/01_engine_core, section 3, 'RoPE: rotary position embeddings')")
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -86,5 +87,5 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     (x1, x2) -> (x1·cos a − x2·sin a, x2·cos a + x1·sin a). Returns x's shape and dtype.
     """
     raise NotImplementedError(
-        "Exercise 2.4: the 2-D rotation of every pair at once, with rotate_half "
-        "(roughly 1 line; see notebooks/01_engine_core, section 3, 'RoPE: rotary position embeddings')")
+        "Exercise 2.4: the 2-D rotation of every pair at once, with rotate_half (roughly 1 line; "
+        "see notebooks/01_engine_core, section 3, 'RoPE: rotary position embeddings')")

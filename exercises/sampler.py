@@ -19,29 +19,32 @@ from collections.abc import Collection, Sequence
 
 import torch
 
-from nanoserve.engine.sampler import SamplingParams  # sample_next's settings: temperature, top_k, top_p, ...
+# sample_next's settings: temperature, top_k, top_p, ...
+from nanoserve.engine.sampler import SamplingParams
 
 
 def probs_from_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
                       min_p: float = 0.0) -> torch.Tensor:
-    """The distribution sampled from: softmax(logits / T) restricted to the min-p, top-k and top-p sets.
+    """The distribution sampled from: softmax(logits / T) restricted to the min-p, top-k and top-p
+    sets.
 
     logits [..., V] -> probs [..., V] in float32. Tokens outside the kept set get exactly 0.
     In this order: divide by the temperature (> 0; greedy never comes here); min-p (0 = off) drops
-    every token whose probability at this temperature is below min_p × the most likely one's; top-k keeps every
-    token whose logit is ≥ the k-th largest (ties at the k-th are all kept, as in HF and vLLM);
-    softmax; top-p then keeps, going down in probability, each token while the tokens before it
-    hold less than top_p (the one that crosses top_p is kept), and renormalises. top_k = 0 or
+    every token whose probability at this temperature is below min_p × the most likely one's; top-k
+    keeps every token whose logit is ≥ the k-th largest (ties at the k-th are all kept, as in HF and
+    vLLM); softmax; top-p then keeps, going down in probability, each token while the tokens before
+    it hold less than top_p (the one that crosses top_p is kept), and renormalises. top_k = 0 or
     ≥ V and top_p = 1 mean off: they must keep every token, whatever float32 rounding does."""
     raise NotImplementedError(
-        "Exercise 3.1: logits / T; min-p from a softmax of those (p < min_p · p.max → -inf); top-k with "
-        "torch.topk and masked_fill(-inf); softmax; top-p on the "
-        "probabilities sorted in descending order (cumsum minus the token's own probability), the mask "
-        "scattered back to vocabulary order, renormalised "
-        "(roughly 15 lines; see notebooks/01_engine_core, section 5, 'Sampling in one cell')")
+        "Exercise 3.1: logits / T; min-p from a softmax of those (p < min_p · p.max → -inf); "
+        "top-k with torch.topk and masked_fill(-inf); softmax; top-p on the probabilities sorted "
+        "in descending order (cumsum minus the token's own probability), the mask scattered back "
+        "to vocabulary order, renormalised (roughly 15 lines; see notebooks/01_engine_core, "
+        "section 5, 'Sampling in one cell')")
 
 
-def apply_repetition_penalty(logits: torch.Tensor, seen_ids: torch.Tensor, penalty: float) -> torch.Tensor:
+def apply_repetition_penalty(logits: torch.Tensor, seen_ids: torch.Tensor,
+                             penalty: float) -> torch.Tensor:
     """CTRL's rule: for every token already seen, a positive logit is divided by the penalty and a
     negative one multiplied by it (both make it less likely for penalty > 1). logits [V] or [B, V].
 
@@ -49,19 +52,23 @@ def apply_repetition_penalty(logits: torch.Tensor, seen_ids: torch.Tensor, penal
     shares them. Do not modify the input logits in place: the caller still holds them."""
     raise NotImplementedError(
         "Exercise 3.2: a boolean mask of the seen tokens, then torch.where on the logits' sign "
-        "(roughly 6 lines; see notebooks/01_engine_core, section 5, 'Sampling in one cell', and the rule above)")
+        "(roughly 6 lines; see notebooks/01_engine_core, section 5, 'Sampling in one cell', and "
+        "the rule above)")
 
 
-def apply_penalties(logits: torch.Tensor, output_ids: Sequence[int], presence: float, frequency: float) -> torch.Tensor:
-    """OpenAI's presence and frequency penalties on one row of logits [V]: every token t generated so
-    far loses frequency × count(t) + presence (once, if count(t) > 0). Only `output_ids` count, never
-    the prompt. With no output, or both penalties 0, the logits come back unchanged."""
+def apply_penalties(logits: torch.Tensor, output_ids: Sequence[int], presence: float,
+                    frequency: float) -> torch.Tensor:
+    """OpenAI's presence and frequency penalties on one row of logits [V]: every token t generated
+    so far loses frequency × count(t) + presence (once, if count(t) > 0). Only `output_ids` count,
+    never the prompt. With no output, or both penalties 0, the logits come back unchanged."""
     raise NotImplementedError(
-        "Exercise 3.4: counts with torch.bincount(minlength=V), then subtract frequency · counts and "
-        "presence · (counts > 0) (roughly 5 lines; see notebooks/01_engine_core, section 5, 'Beyond top-p')")
+        "Exercise 3.4: counts with torch.bincount(minlength=V), then subtract frequency · counts "
+        "and presence · (counts > 0) (roughly 5 lines; see notebooks/01_engine_core, section 5, "
+        "'Beyond top-p')")
 
 
-def process_logits(logits: torch.Tensor, params: SamplingParams, seen_ids: torch.Tensor | None = None,
+def process_logits(logits: torch.Tensor, params: SamplingParams,
+                   seen_ids: torch.Tensor | None = None,
                    output_ids: Sequence[int] = (), stop_ids: Collection[int] = ()) -> torch.Tensor:
     """What happens to one row's logits [V] before the temperature, in this order:
     1. params.logit_bias {token id: bias} is added;
@@ -72,8 +79,8 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, seen_ids: torch
     Return new logits; the caller's stay as they were."""
     raise NotImplementedError(
         "Exercise 3.5: index_add for the bias, index_fill(-inf) for the banned stop ids, then "
-        "apply_repetition_penalty and apply_penalties (roughly 10 lines; see notebooks/01_engine_core, "
-        "section 5, 'Beyond top-p')")
+        "apply_repetition_penalty and apply_penalties (roughly 10 lines; see "
+        "notebooks/01_engine_core, section 5, 'Beyond top-p')")
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, seen_ids: torch.Tensor | None = None,
@@ -85,5 +92,6 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, seen_ids: torch.Te
     logits and draws no random numbers; otherwise draw one token from probs_from_logits(...,
     params.min_p) with `generator` (None: torch's global one)."""
     raise NotImplementedError(
-        "Exercise 3.3: process_logits, then argmax if greedy, else torch.multinomial over probs_from_logits "
-        "with the generator (roughly 6 lines; see notebooks/01_engine_core, section 5, 'Sampling in one cell')")
+        "Exercise 3.3: process_logits, then argmax if greedy, else torch.multinomial over "
+        "probs_from_logits with the generator (roughly 6 lines; see notebooks/01_engine_core, "
+        "section 5, 'Sampling in one cell')")

@@ -1,12 +1,14 @@
-"""Exercise 6: one step of the continuous scheduler (nanoserve/engine/scheduler.py: Scheduler.schedule and helpers).
+"""Exercise 6: one step of the continuous scheduler (nanoserve/engine/scheduler.py:
+Scheduler.schedule and helpers).
 
-Your versions of parts of nanoserve/engine/scheduler.py, with the same names and signatures. `Scheduler`
-below inherits nanoserve's and overrides only the methods you write; the rest is given and yours
-to call: the queues (`self.waiting`, sorted by `Sequence.sort_key`; `self.running`, in admission
-order), `_enqueue(seq)` (into the waiting queue at its sorted place), `_make_room(seq, index, out)`
-(the preemption loop: give a decoding sequence's new token a slot, calling your `_pick_victim`
-and `_preempt` while the pool is full), `self.config` and the block allocator `self.block_allocator`.
-Taught in notebooks/03_batching.ipynb (sections 2 and 4). Check your work with
+Your versions of parts of nanoserve/engine/scheduler.py, with the same names and signatures.
+`Scheduler` below inherits nanoserve's and overrides only the methods you write; the rest is given
+and yours to call: the queues (`self.waiting`, sorted by `Sequence.sort_key`; `self.running`, in
+admission order), `_enqueue(seq)` (into the waiting queue at its sorted place), `_make_room(seq,
+index, out)` (the preemption loop: give a decoding sequence's new token a slot, calling your
+`_pick_victim` and `_preempt` while the pool is full), `self.config` and the block allocator
+`self.block_allocator`. Taught in notebooks/03_batching.ipynb (sections 2 and 4). Check your work
+with
 
     make exercises EX=ex06        # or: .venv/bin/pytest tests/exercises -m ex06 --impl exercises
 
@@ -33,39 +35,43 @@ class Scheduler(nanoserve.engine.scheduler.Scheduler):
            tokens (a sequence given 0 is left out of this step).
         2. A step that preempted anyone admits nobody: return.
         3. Then waiting sequences from the front of the queue, while budget is left, fewer than
-           `config.max_num_seqs` are running, and `bm.can_allocate(seq)`; with chunked prefill off, a
-           prompt longer than the budget left waits too. An admitted sequence is allocated, leaves
-           `waiting`, becomes RUNNING, joins `running` and computes `_tokens_to_compute` tokens now."""
+           `config.max_num_seqs` are running, and `bm.can_allocate(seq)`; with chunked prefill off,
+           a prompt longer than the budget left waits too. An admitted sequence is allocated, leaves
+           `waiting`, becomes RUNNING, joins `running` and computes `_tokens_to_compute` tokens
+           now."""
         raise NotImplementedError(
-            "Exercise 6.4: out = SchedulerOutput() and budget = config.max_num_batched_tokens; loop i over "
-            "self.running (if seq.needs_slot and not self._make_room(seq, i, out): continue without i += 1), "
-            "out.add(seq, n) for n > 0 and subtract n from the budget; return early if out.preempted; then "
-            "admit from self.waiting[0] with self.block_allocator.allocate while budget, max_num_seqs and "
-            "can_allocate allow "
-            "(roughly 28 lines; see notebooks/03_batching, sections 2 and 4, 'The scheduler step' and "
-            "'Preemption: when the pool runs dry')")
+            "Exercise 6.4: out = SchedulerOutput() and budget = config.max_num_batched_tokens; "
+            "loop i over self.running (if seq.needs_slot and not self._make_room(seq, i, out): "
+            "continue without i += 1), out.add(seq, n) for n > 0 and subtract n from the budget; "
+            "return early if out.preempted; then admit from self.waiting[0] with "
+            "self.block_allocator.allocate while budget, max_num_seqs and can_allocate allow "
+            "(roughly 28 lines; see notebooks/03_batching, sections 2 and 4, 'The scheduler step' "
+            "and 'Preemption: when the pool runs dry')")
 
     def _tokens_to_compute(self, seq: Sequence, budget: int) -> int:
-        """Tokens `seq` computes this step: the ones without KV (len(seq) - num_computed_tokens), at most
-        `budget` with chunked prefill (the rest next step); without it, all of them or, if they do not
-        fit in the budget, none."""
+        """Tokens `seq` computes this step: the ones without KV (len(seq) - num_computed_tokens), at
+        most `budget` with chunked prefill (the rest next step); without it, all of them or, if they
+        do not fit in the budget, none."""
         raise NotImplementedError(
-            "Exercise 6.1: need = len(seq) - seq.num_computed_tokens; with config.enable_chunked_prefill "
-            "return min(need, budget), otherwise need if it fits in the budget else 0 "
-            "(roughly 4 lines; see notebooks/03_batching, section 2, 'The scheduler step', chunked prefill)")
+            "Exercise 6.1: need = len(seq) - seq.num_computed_tokens; with "
+            "config.enable_chunked_prefill return min(need, budget), otherwise need if it fits in "
+            "the budget else 0 (roughly 4 lines; see notebooks/03_batching, section 2, 'The "
+            "scheduler step', chunked prefill)")
 
     def _pick_victim(self, index: int) -> Sequence:
         """The lowest-priority, most recently admitted sequence not yet scheduled in this step."""
         raise NotImplementedError(
-            "Exercise 6.2: among self.running[index:], the one with the largest (priority, position in "
-            "self.running): a larger priority number runs later, a later position was admitted later "
-            "(roughly 2 lines; see notebooks/03_batching, section 4, 'Preemption: when the pool runs dry')")
+            "Exercise 6.2: among self.running[index:], the one with the largest (priority, "
+            "position in self.running): a larger priority number runs later, a later position was "
+            "admitted later (roughly 2 lines; see notebooks/03_batching, section 4, 'Preemption: "
+            "when the pool runs dry')")
 
     def _preempt(self, seq: Sequence) -> None:
-        """Recompute-style preemption: free every block; the tokens stay, the KV will be recomputed."""
+        """Recompute-style preemption: free every block; the tokens stay, the KV will be
+        recomputed."""
         raise NotImplementedError(
-            "Exercise 6.3: take seq out of self.running, self.block_allocator.free(seq) (its KV is dropped: "
-            "num_computed_tokens "
-            "goes to 0), clear seq.needs_slot, count it in seq.num_preemptions and self.num_preemptions, and "
-            "self._enqueue(seq) back into the waiting queue, tokens and all "
-            "(roughly 6 lines; see notebooks/03_batching, section 4, 'Preemption: when the pool runs dry')")
+            "Exercise 6.3: take seq out of self.running, self.block_allocator.free(seq) (its KV "
+            "is dropped: num_computed_tokens goes to 0), clear seq.needs_slot, count it in "
+            "seq.num_preemptions and self.num_preemptions, and self._enqueue(seq) back into the "
+            "waiting queue, tokens and all (roughly 6 lines; see notebooks/03_batching, section "
+            "4, 'Preemption: when the pool runs dry')")

@@ -1,10 +1,12 @@
-"""Exercise 19: tensor parallelism — a column-parallel and a row-parallel linear layer, with the all-reduce.
+"""Exercise 19: tensor parallelism — a column-parallel and a row-parallel linear layer, with the
+all-reduce.
 
-Your versions of `ColumnParallelLinear` and `RowParallelLinear` from nanoserve/parallel/tensor_parallel.py, with
-the same names and signatures. Each is built from the whole nn.Linear and `index`, the output rows (column
-parallel) or input columns (row parallel) of its weight [O, I] that this rank keeps. The tests run your classes
-in 2 gloo processes (torch.distributed is initialized for you: `dist.all_reduce(t)` sums t over the ranks, in
-place). Taught in notebooks/16_tensor_parallel.ipynb, section 2. Check your work with
+Your versions of `ColumnParallelLinear` and `RowParallelLinear` from
+nanoserve/parallel/tensor_parallel.py, with the same names and signatures. Each is built from the
+whole nn.Linear and `index`, the output rows (column parallel) or input columns (row parallel) of
+its weight [O, I] that this rank keeps. The tests run your classes in 2 gloo processes
+(torch.distributed is initialized for you: `dist.all_reduce(t)` sums t over the ranks, in place).
+Taught in notebooks/16_tensor_parallel.ipynb, section 2. Check your work with
 
     make exercises EX=ex19        # or: .venv/bin/pytest tests/exercises -m ex19 --impl exercises
 """
@@ -22,28 +24,31 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, layer: nn.Linear, index: torch.Tensor):
         super().__init__()
         raise NotImplementedError(
-            "Exercise 19.1: keep in_features, out_features = len(index), and as Parameters (requires_grad=False) "
-            "the weight rows layer.weight[index] and the bias entries layer.bias[index] (or None) (roughly 5 "
-            "lines; see notebooks/16_tensor_parallel, section 2, 'Splitting by columns')")
+            "Exercise 19.1: keep in_features, out_features = len(index), and as Parameters "
+            "(requires_grad=False) the weight rows layer.weight[index] and the bias entries "
+            "layer.bias[index] (or None) (roughly 5 lines; see notebooks/16_tensor_parallel, "
+            "section 2, 'Splitting by columns')")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError(
-            "Exercise 19.1: x [..., I] -> this rank's outputs [..., len(index)]: one F.linear, no communication "
-            "(roughly 1 line; see notebooks/16_tensor_parallel, section 2, 'Splitting by columns')")
+            "Exercise 19.1: x [..., I] -> this rank's outputs [..., len(index)]: one F.linear, no "
+            "communication (roughly 1 line; see notebooks/16_tensor_parallel, section 2, "
+            "'Splitting by columns')")
 
 
 class RowParallelLinear(nn.Module):
-    """Columns `index` of a linear's weight: a partial product of this rank's inputs, summed over ranks."""
+    """Columns `index` of a linear's weight: a partial product of this rank's inputs, summed over
+    ranks."""
 
     def __init__(self, layer: nn.Linear, index: torch.Tensor):
         super().__init__()
         raise NotImplementedError(
-            "Exercise 19.2: keep in_features = len(index), out_features, the weight columns layer.weight[:, index] "
-            "and the whole bias (or None) (roughly 5 lines; see notebooks/16_tensor_parallel, section 2, "
-            "'Splitting by rows')")
+            "Exercise 19.2: keep in_features = len(index), out_features, the weight columns "
+            "layer.weight[:, index] and the whole bias (or None) (roughly 5 lines; see "
+            "notebooks/16_tensor_parallel, section 2, 'Splitting by rows')")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError(
-            "Exercise 19.2: x [..., len(index)] -> [..., O]: the partial product, dist.all_reduce it (a sum over "
-            "the ranks), then the bias once (roughly 4 lines; see notebooks/16_tensor_parallel, section 2, "
-            "'Splitting by rows')")
+            "Exercise 19.2: x [..., len(index)] -> [..., O]: the partial product, dist.all_reduce "
+            "it (a sum over the ranks), then the bias once (roughly 4 lines; see "
+            "notebooks/16_tensor_parallel, section 2, 'Splitting by rows')")

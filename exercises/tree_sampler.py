@@ -1,9 +1,9 @@
 """Exercise 18: one forward over a token tree — each node's position and what it may attend to.
 
-Your versions of `tree_positions` and `tree_attention_mask` from nanoserve/spec/tree_sampler.py, with the same
-names and signatures. A tree of n nodes is given by `parents`: parents[0] = −1 (node 0 is the root, the last
-token the target already has), and every other node i has a parent parents[i] < i. Taught in
-notebooks/15_draft_heads.ipynb, section 6. Check your work with
+Your versions of `tree_positions` and `tree_attention_mask` from nanoserve/spec/tree_sampler.py,
+with the same names and signatures. A tree of n nodes is given by `parents`: parents[0] = −1 (node 0
+is the root, the last token the target already has), and every other node i has a parent parents[i]
+< i. Taught in notebooks/15_draft_heads.ipynb, section 6. Check your work with
 
     make exercises EX=ex18        # or: .venv/bin/pytest tests/exercises -m ex18 --impl exercises
 """
@@ -14,17 +14,20 @@ import torch
 
 
 def tree_positions(parents: list[int], root_position: int) -> list[int]:
-    """Each node's position in the sequence: the root's, plus its depth (siblings share a position)."""
+    """Each node's position in the sequence: the root's, plus its depth (siblings share a
+    position)."""
     raise NotImplementedError(
-        "Exercise 18.1: depth[0] = 0 and depth[i] = depth[parents[i]] + 1 (parents come first), then "
-        "root_position + depth[i] for each node (roughly 4 lines; see notebooks/15_draft_heads, section 6, "
-        "'A tree in one forward')")
+        "Exercise 18.1: depth[0] = 0 and depth[i] = depth[parents[i]] + 1 (parents come first), "
+        "then root_position + depth[i] for each node (roughly 4 lines; see "
+        "notebooks/15_draft_heads, section 6, 'A tree in one forward')")
 
 
 def tree_attention_mask(parents: list[int], prefix_len: int) -> torch.Tensor:
-    """bool [n, prefix_len + n]: node i sees the whole prefix, its ancestors and itself — the keys its own
-    path would hold if it were decoded as a chain (what one forward over the tree must reproduce per node)."""
+    """bool [n, prefix_len + n]: node i sees the whole prefix, its ancestors and itself — the keys
+    its own path would hold if it were decoded as a chain (what one forward over the tree must
+    reproduce per node)."""
     raise NotImplementedError(
-        "Exercise 18.2: a False [n, prefix_len + n] mask, the first prefix_len columns True for every node, then "
-        "for node i walk j = i, parents[i], ... down to the root, setting column prefix_len + j (roughly 8 lines; "
-        "see notebooks/15_draft_heads, section 6, 'A tree in one forward')")
+        "Exercise 18.2: a False [n, prefix_len + n] mask, the first prefix_len columns True for "
+        "every node, then for node i walk j = i, parents[i], ... down to the root, setting column "
+        "prefix_len + j (roughly 8 lines; see notebooks/15_draft_heads, section 6, 'A tree in one "
+        "forward')")

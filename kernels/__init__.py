@@ -16,14 +16,16 @@ import torch
 from . import configs
 
 
-def triton_attention_supported(head_dim: int, dtype: torch.dtype, device: torch.device | str) -> str | None:
-    """None where the Triton attention kernels run for this model on `device`, else a one-line reason.
+def triton_attention_supported(head_dim: int, dtype: torch.dtype,
+                               device: torch.device | str) -> str | None:
+    """None where the Triton attention kernels run for this model on `device`, else a one-line
+    reason.
 
     The engine's KV layer calls it to fall back to the torch backend (gather + SDPA). On a GPU they
-    need sm_80 or newer (on sm_75 Triton has no tensor-core tl.dot and no bf16: see kernels/configs.py),
-    head_dim 1 .. 256, fp16, bf16 or fp32, and launch configs within the GPU's shared memory per
-    block. On CPU, Triton's interpreter runs every supported dtype and head dim (slowly). Reads no
-    tensor and imports no Triton.
+    need sm_80 or newer (on sm_75 Triton has no tensor-core tl.dot and no bf16: see
+    kernels/configs.py), head_dim 1 .. 256, fp16, bf16 or fp32, and launch configs within the GPU's
+    shared memory per block. On CPU, Triton's interpreter runs every supported dtype and head dim
+    (slowly). Reads no tensor and imports no Triton.
     """
     return configs.attention_problem(configs.gpu_arch(device), dtype, head_dim)
 
@@ -44,9 +46,9 @@ def check_interpreter(device: torch.device | str) -> None:
 
     if not isinstance(tl.zeros, InterpretedFunction):
         raise RuntimeError(
-            "nanoserve's Triton kernels need Triton's interpreter to run on CPU, but Triton was imported before "
-            "it was switched on: set TRITON_INTERPRET=1 in the environment, or import nanoserve before anything "
-            "that imports triton (torch.compile, torch._dynamo)")
+            "nanoserve's Triton kernels need Triton's interpreter to run on CPU, but Triton was "
+            "imported before it was switched on: set TRITON_INTERPRET=1 in the environment, or "
+            "import nanoserve before anything that imports triton (torch.compile, torch._dynamo)")
     problem = interpreter_version_problem(triton.__version__, numpy.__version__)
     if problem:
         raise RuntimeError(problem)
@@ -56,11 +58,13 @@ def interpreter_version_problem(triton_version: str, numpy_version: str) -> str 
     """Why this Triton cannot interpret our kernels beside this NumPy, or None.
 
     Triton before 3.8 turns a runtime loop bound into a Python int in a way NumPy 2.4 refuses, so
-    every kernel with a `range(runtime_value)` loop fails inside the interpreter (compiled GPU kernels
-    are not affected). Both pins of the project allow the pair, so say it plainly instead."""
+    every kernel with a `range(runtime_value)` loop fails inside the interpreter (compiled GPU
+    kernels are not affected). Both pins of the project allow the pair, so say it plainly
+    instead."""
     version = lambda v: tuple(int(x) for x in v.split("+")[0].split(".")[:2])  # noqa: E731
     if version(triton_version) < (3, 8) and version(numpy_version) >= (2, 4):
-        return (f"Triton {triton_version}'s CPU interpreter cannot run nanoserve's kernels with NumPy {numpy_version} "
-                "(it converts loop bounds in a way NumPy >= 2.4 refuses; Triton 3.8 fixed it): install triton>=3.8, "
-                "or numpy<2.4, or use attention_backend='torch' on CPU")
+        return (f"Triton {triton_version}'s CPU interpreter cannot run nanoserve's kernels with "
+                f"NumPy {numpy_version} (it converts loop bounds in a way NumPy >= 2.4 refuses; "
+                "Triton 3.8 fixed it): install triton>=3.8, or numpy<2.4, or use "
+                "attention_backend='torch' on CPU")
     return None

@@ -28,47 +28,57 @@ def on_host(*tensors: torch.Tensor) -> bool:
 
 
 def can_read_values(*tensors: torch.Tensor) -> bool:
-    """Whether the value checks run: never inside CUDA graph capture; else on the CPU or with debug checks on."""
+    """Whether the value checks run: never inside CUDA graph capture; else on the CPU or with debug
+    checks on."""
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return False
     return DEBUG_CHECKS or on_host(*tensors)
 
 
 def check_tiles(gpu: bool, **tiles: int) -> None:
-    """Tile overrides: powers of two (tl.arange), and ≥ 16 on a GPU, where tl.dot needs every dimension ≥ 16.
+    """Tile overrides: powers of two (tl.arange), and ≥ 16 on a GPU, where tl.dot needs every
+    dimension ≥ 16.
 
     (Triton's interpreter accepts smaller tiles, which keeps tests of ragged edges cheap.)"""
     for name, size in tiles.items():
         if not isinstance(size, int) or size < 1 or size & (size - 1) or (gpu and size < 16):
-            raise ValueError(f"{name} must be a power of two{' ≥ 16 on a GPU (tl.dot)' if gpu else ''}, got {size!r}")
+            raise ValueError(f"{name} must be a power of "
+                             f"two{' ≥ 16 on a GPU (tl.dot)' if gpu else ''}, got {size!r}")
 
 
 def check_window(window, causal: bool = True) -> int:
-    """A sliding window: None (every key) or an int ≥ 1, with causal attention; the kernels' form, 0 for None."""
+    """A sliding window: None (every key) or an int ≥ 1, with causal attention; the kernels' form, 0
+    for None."""
     if window is None:
         return 0
     if type(window) is not int or window < 1:
-        raise ValueError(f"window must be None or an int ≥ 1 (keys each query sees, itself included), got {window!r}")
+        raise ValueError("window must be None or an int ≥ 1 (keys each query sees, itself "
+                         f"included), got {window!r}")
     if not causal:
-        raise ValueError(f"window={window} needs causal=True (a sliding window looks back from each query)")
+        raise ValueError(f"window={window} needs causal=True (a sliding window looks back from "
+                         "each query)")
     return window
 
 
 def check_tree_bits(tree_bits, q, causal: bool) -> None:
-    """A token tree's visibility bits: None, or int64 [total_q] on q's device, with causal attention."""
+    """A token tree's visibility bits: None, or int64 [total_q] on q's device, with causal
+    attention."""
     if tree_bits is None:
         return
     if not causal:
         raise ValueError("tree_bits needs causal=True (a tree's nodes see earlier nodes only)")
-    if not isinstance(tree_bits, torch.Tensor) or tree_bits.dtype != torch.int64 or tree_bits.shape != q.shape[:1] \
+    if not isinstance(tree_bits,
+                      torch.Tensor) or tree_bits.dtype != torch.int64 or tree_bits.shape != q.shape[:1] \
             or tree_bits.device != q.device:
-        raise ValueError(f"tree_bits must be an int64 tensor of shape [{q.shape[0]}] (one entry per query) on "
-                         f"{q.device}, got {getattr(tree_bits, 'dtype', type(tree_bits).__name__)} "
+        raise ValueError(f"tree_bits must be an int64 tensor of shape [{q.shape[0]}] (one entry "
+                         f"per query) on {q.device}, got "
+                         f"{getattr(tree_bits, 'dtype', type(tree_bits).__name__)} "
                          f"{tuple(getattr(tree_bits, 'shape', ()))}")
 
 
 def check_softcap(softcap) -> float:
-    """A soft-cap of the scores (c·tanh(x / c)): None (off) or a positive finite number; the kernels' form (0: off)."""
+    """A soft-cap of the scores (c·tanh(x / c)): None (off) or a positive finite number; the
+    kernels' form (0: off)."""
     if softcap is None:
         return 0.0
     if not isinstance(softcap, (int, float)) or not 0 < softcap < float("inf"):
@@ -77,8 +87,9 @@ def check_softcap(softcap) -> float:
 
 
 def check_block_ids(block_tables, lens, block_size: int, num_blocks: int) -> None:
-    """Value check: every table entry a sequence reads (its first ⌈len / block_size⌉) names a block of the pool.
-    When every entry does, read or not (the engine pads its tables with live ids), one reduction says so."""
+    """Value check: every table entry a sequence reads (its first ⌈len / block_size⌉) names a block
+    of the pool. When every entry does, read or not (the engine pads its tables with live ids), one
+    reduction says so."""
     if block_tables.numel():
         low, high = block_tables.aminmax()
         if bool((low >= 0) & (high < num_blocks)):
@@ -86,12 +97,13 @@ def check_block_ids(block_tables, lens, block_size: int, num_blocks: int) -> Non
     used = (torch.arange(block_tables.shape[1], device=block_tables.device)
             < (lens[:, None] + block_size - 1) // block_size)  # B, max_blocks
     if ((block_tables < 0) | (block_tables >= num_blocks))[used].any():
-        raise ValueError(f"block_tables hold block ids outside 0 .. {num_blocks - 1} within context_lens")
+        raise ValueError(f"block_tables hold block ids outside 0 .. {num_blocks - 1} within "
+                         "context_lens")
 
 
 def check_pools(k_cache, v_cache, k_scale=None, v_scale=None, kv_cache_dtype="auto") -> int:
-    """The pools [num_blocks, block_size, Hkv, D], in the model's dtype or 8-bit with their scales; the kernels'
-    KV_QUANT (kernels/kv_quant.py)."""
+    """The pools [num_blocks, block_size, Hkv, D], in the model's dtype or 8-bit with their scales;
+    the kernels' KV_QUANT (kernels/kv_quant.py)."""
     from .kv_quant import FORMATS, kv_quant_code
 
     quant = kv_quant_code(kv_cache_dtype)
@@ -102,20 +114,21 @@ def check_pools(k_cache, v_cache, k_scale=None, v_scale=None, kv_cache_dtype="au
         raise ValueError("pools must be contiguous in head_dim (stride 1)")
     if quant == 0:
         if k_cache.dtype not in DTYPES or v_cache.dtype != k_cache.dtype:
-            raise ValueError(f"pools must share one of {DTYPES}, got {k_cache.dtype} and {v_cache.dtype}")
+            raise ValueError(f"pools must share one of {DTYPES}, got {k_cache.dtype} and "
+                             f"{v_cache.dtype}")
         if k_scale is not None or v_scale is not None:
-            raise ValueError("k_scale, v_scale belong to a quantized pool: pass kv_cache_dtype (int8, fp8_e4m3, "
-                             "fp8_e5m2)")
+            raise ValueError("k_scale, v_scale belong to a quantized pool: pass kv_cache_dtype "
+                             "(int8, fp8_e4m3, fp8_e5m2)")
         return quant
     storage = FORMATS[kv_cache_dtype].storage
     if k_cache.dtype != storage or v_cache.dtype != storage:
-        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} pools hold {storage}, got {k_cache.dtype} and "
-                         f"{v_cache.dtype}")
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} pools hold {storage}, got "
+                         f"{k_cache.dtype} and {v_cache.dtype}")
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
         if s is None or s.shape != k_cache.shape[:3] or s.dtype != torch.float16 or not s.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous float16 [{', '.join(map(str, k_cache.shape[:3]))}] "
-                             f"(one scale per slot and kv head), got "
-                             f"{None if s is None else (s.dtype, tuple(s.shape))}")
+            raise ValueError(f"{name} must be a contiguous float16 "
+                             f"[{', '.join(map(str, k_cache.shape[:3]))}] (one scale per slot and "
+                             f"kv head), got {None if s is None else (s.dtype, tuple(s.shape))}")
         if s.device != k_cache.device:
             raise ValueError(f"{name} is on {s.device}, the pools on {k_cache.device}")
     return quant
@@ -124,14 +137,15 @@ def check_pools(k_cache, v_cache, k_scale=None, v_scale=None, kv_cache_dtype="au
 def check_tables(block_tables, context_lens, B: int) -> None:
     """A paged read's block tables [B, max_blocks] and context lengths [B], both int32/int64."""
     if block_tables.dim() != 2 or block_tables.shape[0] != B or block_tables.dtype not in INT_DTYPES:
-        raise ValueError(f"block_tables must be int32/int64 [{B}, max_blocks], got {block_tables.dtype} "
-                         f"{tuple(block_tables.shape)}")
+        raise ValueError(f"block_tables must be int32/int64 [{B}, max_blocks], got "
+                         f"{block_tables.dtype} {tuple(block_tables.shape)}")
     if context_lens.shape != (B,) or context_lens.dtype not in INT_DTYPES:
         raise ValueError(f"context_lens must be int32/int64 [{B}], got {context_lens.dtype} "
                          f"{tuple(context_lens.shape)}")
 
 
-def check_paged_attention(q, k_cache, v_cache, block_tables, context_lens, num_splits, max_context=None,
+def check_paged_attention(q, k_cache, v_cache, block_tables, context_lens, num_splits,
+                          max_context=None,
                           k_scale=None, v_scale=None, kv_cache_dtype="auto") -> int:
     """Raise ValueError on inconsistent inputs; return the kernels' KV_QUANT."""
     quant = check_pools(k_cache, v_cache, k_scale, v_scale, kv_cache_dtype)
@@ -154,18 +168,20 @@ def check_paged_attention(q, k_cache, v_cache, block_tables, context_lens, num_s
         return quant
     capacity = block_tables.shape[1] * bs if max_context is None else min(max_context, block_tables.shape[1] * bs)
     if context_lens.min() < 1 or context_lens.max() > capacity:
-        raise ValueError(f"context_lens must lie in 1 .. {capacity} (max_blocks · block_size, and max_context), "
-                         f"got {context_lens.tolist()}")
+        raise ValueError(f"context_lens must lie in 1 .. {capacity} (max_blocks · block_size, and "
+                         f"max_context), got {context_lens.tolist()}")
     check_block_ids(block_tables, context_lens, bs, nb)
     return quant
 
 
-def check_flash_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, block_tables, k_cache, v_cache, context_lens,
-                          max_seqlen_q=None, k_scale=None, v_scale=None, kv_cache_dtype="auto") -> bool:
+def check_flash_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, block_tables, k_cache, v_cache,
+                          context_lens,
+                          max_seqlen_q=None, k_scale=None, v_scale=None,
+                          kv_cache_dtype="auto") -> bool:
     """Raise ValueError on inconsistent inputs; return whether a paged prefix is given."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(f"q, k, v must be [tokens, heads, head_dim]; got {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
+        raise ValueError(f"q, k, v must be [tokens, heads, head_dim]; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
     if k.shape != v.shape:
         raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
     _, H, D = q.shape
@@ -177,67 +193,79 @@ def check_flash_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, block_tables, k_c
     if not 1 <= D <= MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be in 1..{MAX_HEAD_DIM}, got {D}")
     if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v must share one dtype among {DTYPES}; got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise ValueError(f"q, k, v must share one dtype among {DTYPES}; got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}")
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if cu.dim() != 1 or cu.numel() < 1 or cu.dtype not in INT_DTYPES or cu.device != q.device:
-            raise ValueError(f"{name} must be a 1-D int32 tensor [B+1] on {q.device}; got {tuple(cu.shape)} "
-                             f"{cu.dtype} on {cu.device}")
+            raise ValueError(f"{name} must be a 1-D int32 tensor [B+1] on {q.device}; got "
+                             f"{tuple(cu.shape)} {cu.dtype} on {cu.device}")
     B = cu_seqlens_q.numel() - 1
     if cu_seqlens_k.numel() != B + 1:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k give different batch sizes: {B} vs {cu_seqlens_k.numel() - 1}")
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k give different batch sizes: {B} vs "
+                         f"{cu_seqlens_k.numel() - 1}")
     if max_seqlen_q is not None and (not isinstance(max_seqlen_q, int) or max_seqlen_q < 0):
         raise ValueError(f"max_seqlen_q must be an int ≥ 0 or None, got {max_seqlen_q!r}")
     has_prefix = _check_flash_prefix(q, k, B, block_tables, k_cache, v_cache, context_lens, k_scale, v_scale,
                                      kv_cache_dtype)
-    if not can_read_values(cu_seqlens_q, cu_seqlens_k, *((block_tables, context_lens) if has_prefix else ())):
+    if not can_read_values(cu_seqlens_q, cu_seqlens_k,
+                           *((block_tables, context_lens) if has_prefix else ())):
         return has_prefix
-    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
+    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]),
+                            ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
         if cu[0] != 0 or cu[-1] != total or bool((cu[1:] < cu[:-1]).any()):
-            raise ValueError(f"{name} must rise from 0 to {total} (the packed length); got {cu.tolist()}")
+            raise ValueError(f"{name} must rise from 0 to {total} (the packed length); got "
+                             f"{cu.tolist()}")
     if max_seqlen_q is not None and B and max_seqlen_q < int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()):
         raise ValueError(f"max_seqlen_q={max_seqlen_q} is shorter than the longest query sequence: "
                          f"{(cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()}")
     if has_prefix:
         capacity = block_tables.shape[1] * k_cache.shape[1]
         if bool((context_lens < 0).any()) or bool((context_lens > capacity).any()):
-            raise ValueError(f"context_lens must be in 0..{capacity} (max_blocks · block_size); got "
-                             f"{context_lens.tolist()}")
+            raise ValueError(f"context_lens must be in 0..{capacity} (max_blocks · block_size); "
+                             f"got {context_lens.tolist()}")
         check_block_ids(block_tables, context_lens, k_cache.shape[1], k_cache.shape[0])
     return has_prefix
 
 
 def _check_flash_prefix(q, k, B, block_tables, k_cache, v_cache, context_lens, k_scale, v_scale,
                         kv_cache_dtype) -> bool:
-    """Shapes of the optional paged prefix (in q's dtype, or quantized with its scales); whether it is given."""
+    """Shapes of the optional paged prefix (in q's dtype, or quantized with its scales); whether it
+    is given."""
     Hkv, D = k.shape[1:]
     paged = (block_tables, k_cache, v_cache, context_lens)
     if all(t is None for t in paged):
         if kv_cache_dtype != "auto" or k_scale is not None or v_scale is not None:
-            raise ValueError("kv_cache_dtype, k_scale and v_scale describe a paged prefix: pass its pools too")
+            raise ValueError("kv_cache_dtype, k_scale and v_scale describe a paged prefix: pass "
+                             "its pools too")
         return False
     if any(t is None for t in paged):
-        raise ValueError("a paged prefix needs all of block_tables, k_cache, v_cache and context_lens")
+        raise ValueError("a paged prefix needs all of block_tables, k_cache, v_cache and "
+                         "context_lens")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[2:] != (Hkv, D):
         raise ValueError(f"k_cache/v_cache must both be [num_blocks, block_size, {Hkv}, {D}]; got "
                          f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
-    if not check_pools(k_cache, v_cache, k_scale, v_scale, kv_cache_dtype) and k_cache.dtype != q.dtype:
-        raise ValueError(f"k_cache/v_cache dtype must be {q.dtype}; got {k_cache.dtype}, {v_cache.dtype}")
+    if not check_pools(k_cache, v_cache, k_scale, v_scale,
+                       kv_cache_dtype) and k_cache.dtype != q.dtype:
+        raise ValueError(f"k_cache/v_cache dtype must be {q.dtype}; got {k_cache.dtype}, "
+                         f"{v_cache.dtype}")
     check_tables(block_tables, context_lens, B)
     if any(t.device != q.device for t in paged):
         raise ValueError(f"block_tables, k_cache, v_cache, context_lens must be on {q.device}")
     return True
 
 
-def check_dequant_matmul(a, qweight, qzeros, scales, g_idx, bits, split_k, group_size=None) -> tuple[int, int]:
+def check_dequant_matmul(a, qweight, qzeros, scales, g_idx, bits, split_k,
+                         group_size=None) -> tuple[int, int]:
     """Raise ValueError on inconsistent inputs; return (K, N)."""
     if bits != 4:
         raise ValueError(f"dequant_matmul is a 4-bit kernel (W4A16), got bits={bits!r}; "
                          "use dequant_matmul_ref for 2 and 8 bits")
     K, N, _ = check_gptq(qweight, qzeros, scales, g_idx, bits, check_values=can_read_values(g_idx))
     if a.dim() != 2 or a.shape[1] != K:
-        raise ValueError(f"a must be [M, K] = [M, {K}] (K = 8 · qweight rows), got {tuple(a.shape)}")
+        raise ValueError(f"a must be [M, K] = [M, {K}] (K = 8 · qweight rows), got "
+                         f"{tuple(a.shape)}")
     if a.dtype not in DTYPES:
         raise ValueError(f"a must be one of {DTYPES}, got {a.dtype}")
     if a.device != qweight.device:
@@ -247,7 +275,8 @@ def check_dequant_matmul(a, qweight, qzeros, scales, g_idx, bits, split_k, group
     if group_size is not None:
         if not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size must be an int ≥ 1 or None, got {group_size!r}")
-        if can_read_values(g_idx) and not torch.equal(g_idx.long().cpu(), torch.arange(K) // group_size):
-            raise ValueError(f"group_size={group_size} says g_idx is k // {group_size}, but it is not "
-                             "(act-order?): pass group_size=None")
+        if can_read_values(g_idx) and not torch.equal(g_idx.long().cpu(),
+                                                      torch.arange(K) // group_size):
+            raise ValueError(f"group_size={group_size} says g_idx is k // {group_size}, but it is "
+                             "not (act-order?): pass group_size=None")
     return K, N

@@ -38,7 +38,8 @@ from dataclasses import dataclass
 import torch
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Shared memory per block (opt-in maximum), KB. An arch not listed is taken to have the least of sm_80+.
+# Shared memory per block (opt-in maximum), KB. An arch not listed is taken to have the least of
+# sm_80+.
 SMEM_LIMIT_KB = {75: 64, 80: 163, 86: 99, 87: 163, 89: 99, 90: 227, 100: 227, 120: 99}
 DEFAULT_SMEM_LIMIT_KB = 99
 MIN_ATTENTION_ARCH = 80
@@ -52,7 +53,8 @@ class Launch:
     tiles: tuple[int, ...]
     num_warps: int | None = None  # None: the interpreter, which takes neither
     num_stages: int | None = None
-    upcast: bool = False  # no bf16 arithmetic (interpreter, sm_75): tiles become fp32 after their load
+    # no bf16 arithmetic (interpreter, sm_75): tiles become fp32 after their load
+    upcast: bool = False
     smem_kb: int = 0
 
     @property
@@ -65,8 +67,8 @@ class Launch:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages} if self.gpu else {}
 
 
-# tiles: flash (BLOCK_M, BLOCK_N); decode (BLOCK_N,); gemm, gemv and w8a8 (BLOCK_M, BLOCK_N, BLOCK_K);
-# dequantize (BLOCK_K, BLOCK_N)
+# tiles: flash (BLOCK_M, BLOCK_N); decode (BLOCK_N,); gemm, gemv and w8a8 (BLOCK_M, BLOCK_N,
+# BLOCK_K); dequantize (BLOCK_K, BLOCK_N)
 INTERPRETER = {
     "flash": Launch((16, 16), upcast=True),
     "decode": Launch((32,), upcast=True),
@@ -76,13 +78,16 @@ INTERPRETER = {
     "dequantize": Launch((32, 32), upcast=True),
     "w8a8": Launch((16, 32, 32)),  # int8 tiles: the interpreter computes them exactly in integers
 }
-# (family, bytes per element, head_dim padded: 64, 128 or 256) -> Launch. Families: 80 (sm_80+), 90 (sm_90).
+# (family, bytes per element, head_dim padded: 64, 128 or 256) -> Launch. Families: 80 (sm_80+), 90
+# (sm_90).
 FLASH = {
     (80, 2, 64): Launch((128, 64), 8, 2, smem_kb=32),
     (80, 2, 128): Launch((128, 32), 8, 2, smem_kb=48),
     (80, 2, 256): Launch((64, 32), 8, 2, smem_kb=68),
-    (90, 2, 64): Launch((64, 64), 4, 3, smem_kb=56),  # H100-measured: benchmarks/gpu_tune.py, RESULTS.md
-    (90, 2, 128): Launch((128, 128), 8, 2, smem_kb=160),  # its paged-prefix variant spills ~50-110 B
+    # H100-measured: benchmarks/gpu_tune.py, RESULTS.md
+    (90, 2, 64): Launch((64, 64), 4, 3, smem_kb=56),
+    # its paged-prefix variant spills ~50-110 B
+    (90, 2, 128): Launch((128, 128), 8, 2, smem_kb=160),
     (90, 2, 256): Launch((128, 32), 8, 2, smem_kb=128),
     **{(fam, 4, 64): Launch((64, 16), 4, 1, smem_kb=24) for fam in (80, 90)},
     **{(fam, 4, 128): Launch((32, 16), 8, 1, smem_kb=32) for fam in (80, 90)},
@@ -97,14 +102,17 @@ DECODE = {
     (4, 128): Launch((32,), 8, 2, smem_kb=43),
     (4, 256): Launch((32,), 8, 2, smem_kb=83),
 }
-# 8-bit KV pools (kv_cache_dtype int8 / fp8, dequantized in registers: kernels/kv_quant.py) need rows of their
-# own where the ones above spill or outgrow their smem_kb, from the compile matrix (benchmarks/kernels_compile.json):
-# (kernel, family (0 = any), bytes per element, head_dim padded) -> Launch; elsewhere the rows above serve.
+# 8-bit KV pools (kv_cache_dtype int8 / fp8, dequantized in registers: kernels/kv_quant.py) need
+# rows of their own where the ones above spill or outgrow their smem_kb, from the compile matrix
+# (benchmarks/kernels_compile.json): (kernel, family (0 = any), bytes per element, head_dim padded)
+# -> Launch; elsewhere the rows above serve.
 KV8 = {
     ("flash", 80, 2, 64): Launch((128, 32), 8, 2, smem_kb=37),  # the plain (128, 64) spills 88 B
-    ("flash", 80, 2, 128): Launch((64, 32), 4, 2, smem_kb=44),  # (128, 32) w8: 72 KB and 192 B of spills
+    # (128, 32) w8: 72 KB and 192 B of spills
+    ("flash", 80, 2, 128): Launch((64, 32), 4, 2, smem_kb=44),
     ("flash", 80, 2, 256): Launch((64, 16), 8, 2, smem_kb=74),  # (64, 32): 84 KB
-    ("flash", 90, 2, 128): Launch((128, 64), 8, 2, smem_kb=96),  # the plain sm_90 row (128, 128) spills 48-52 B
+    # the plain sm_90 row (128, 128) spills 48-52 B
+    ("flash", 90, 2, 128): Launch((128, 64), 8, 2, smem_kb=96),
     ("decode", 0, 4, 128): Launch((32,), 8, 1, smem_kb=40),  # fp32 with 2 stages spills
     ("decode", 0, 4, 256): Launch((32,), 8, 1, smem_kb=80),
 }
@@ -114,15 +122,18 @@ DEQUANT = {
     ("gemm", 80, 2): Launch((64, 64, 32), 4, 3, smem_kb=33),
     ("gemm", 80, 4): Launch((64, 32, 32), 4, 3, smem_kb=25),
     ("gemv", 75, 0): Launch((16, 64, 64), 4, 2, upcast=True, smem_kb=20),
-    ("gemv", 80, 2): Launch((16, 128, 64), 4, 3, smem_kb=29),  # H100-measured (benchmarks/gpu_tune.py)
+    # H100-measured (benchmarks/gpu_tune.py)
+    ("gemv", 80, 2): Launch((16, 128, 64), 4, 3, smem_kb=29),
     ("gemv", 80, 4): Launch((16, 64, 64), 8, 1, smem_kb=20),
-    # the act-order GEMV (zero and scale gathered row by row): the grouped path's tiles would cost it 98 KB
+    # the act-order GEMV (zero and scale gathered row by row): the grouped path's tiles would cost
+    # it 98 KB
     ("gemv_gather", 75, 0): Launch((16, 64, 64), 4, 2, upcast=True, smem_kb=20),
     ("gemv_gather", 80, 2): Launch((16, 64, 64), 4, 2, smem_kb=50),
     ("gemv_gather", 80, 4): Launch((16, 64, 64), 8, 1, smem_kb=20),
     ("dequantize", 75, 0): Launch((64, 64), 4, 3, upcast=True, smem_kb=16),
     ("dequantize", 80, 0): Launch((64, 64), 4, 3, smem_kb=16),
-    ("w8a8", 80, 0): Launch((64, 128, 64), 4, 3, smem_kb=36),  # kernels/int8_matmul.py: int8 mma, sm_80+
+    # kernels/int8_matmul.py: int8 mma, sm_80+
+    ("w8a8", 80, 0): Launch((64, 128, 64), 4, 3, smem_kb=36),
 }
 
 
@@ -133,7 +144,8 @@ def _capability(index: int) -> int:
 
 
 def gpu_arch(device: torch.device | str) -> int | None:
-    """The compute capability of a CUDA device as one number (sm_86 -> 86); None off CUDA (the interpreter)."""
+    """The compute capability of a CUDA device as one number (sm_86 -> 86); None off CUDA (the
+    interpreter)."""
     device = torch.device(device)
     if device.type != "cuda":
         return None
@@ -150,12 +162,14 @@ def family(arch: int) -> int:
 
 
 def padded_head_dim(head_dim: int) -> int:
-    """The tables' head-dim rows: 64 (any D ≤ 64), 128 or 256, the power of two the kernels pad to."""
+    """The tables' head-dim rows: 64 (any D ≤ 64), 128 or 256, the power of two the kernels pad
+    to."""
     return max(64, 1 << (head_dim - 1).bit_length())
 
 
 def attention_problem(arch: int | None, dtype: torch.dtype, head_dim: int) -> str | None:
-    """Why the Triton attention kernels cannot run (arch None: the interpreter) for these inputs; None if they can."""
+    """Why the Triton attention kernels cannot run (arch None: the interpreter) for these inputs;
+    None if they can."""
     if dtype not in DTYPES:
         return f"the Triton attention kernels take {', '.join(map(str, DTYPES))}, not {dtype}"
     if not 1 <= head_dim <= MAX_HEAD_DIM:
@@ -163,20 +177,24 @@ def attention_problem(arch: int | None, dtype: torch.dtype, head_dim: int) -> st
     if arch is None:
         return None
     if arch < MIN_ATTENTION_ARCH:
-        return (f"sm_{arch}: Triton attention needs sm_{MIN_ATTENTION_ARCH} or newer (below it every tl.dot runs on "
-                "FMA units, flash attention spills, and there is no bf16)")
-    for kernel, launch in (("flash", _flash(arch, dtype, head_dim)), ("decode", _decode(dtype, head_dim))):
+        return (f"sm_{arch}: Triton attention needs sm_{MIN_ATTENTION_ARCH} or newer (below it "
+                "every tl.dot runs on FMA units, flash attention spills, and there is no bf16)")
+    for kernel, launch in (("flash", _flash(arch, dtype, head_dim)),
+                           ("decode", _decode(dtype, head_dim))):
         if launch.smem_kb > smem_limit_kb(arch):
-            return (f"head_dim {head_dim} in {str(dtype).removeprefix('torch.')} needs {launch.smem_kb} KB of shared "
-                    f"memory per block ({kernel}) on sm_{arch} (limit {smem_limit_kb(arch)} KB)")
+            return (f"head_dim {head_dim} in {str(dtype).removeprefix('torch.')} needs "
+                    f"{launch.smem_kb} KB of shared memory per block ({kernel}) on sm_{arch} "
+                    f"(limit {smem_limit_kb(arch)} KB)")
     return None
 
 
-def pick(kernel: str, device: torch.device | str, dtype: torch.dtype, head_dim: int = 0, kv8: bool = False) -> Launch:
-    """The launch of `kernel` ("flash", "decode", "gemm", "gemv", "gemv_gather", "dequantize") on `device`; kv8:
-    attention over an 8-bit KV pool (the KV8 rows, where there is one).
+def pick(kernel: str, device: torch.device | str, dtype: torch.dtype, head_dim: int = 0,
+         kv8: bool = False) -> Launch:
+    """The launch of `kernel` ("flash", "decode", "gemm", "gemv", "gemv_gather", "dequantize") on
+    `device`; kv8: attention over an 8-bit KV pool (the KV8 rows, where there is one).
 
-    ValueError where the kernel cannot run there (attention on sm_75, a row over the GPU's shared memory)."""
+    ValueError where the kernel cannot run there (attention on sm_75, a row over the GPU's shared
+    memory)."""
     arch = gpu_arch(device)
     if arch is None:
         return INTERPRETER[kernel]
@@ -191,8 +209,8 @@ def pick(kernel: str, device: torch.device | str, dtype: torch.dtype, head_dim: 
     fam = 75 if arch < 80 else 80  # the W4A16 rows: sm_90 takes the sm_80 ones
     launch = DEQUANT.get((kernel, fam, 0)) or DEQUANT[(kernel, fam, dtype.itemsize)]
     if launch.smem_kb > smem_limit_kb(arch):
-        raise ValueError(f"{kernel} needs {launch.smem_kb} KB of shared memory per block on sm_{arch} "
-                         f"(limit {smem_limit_kb(arch)} KB)")
+        raise ValueError(f"{kernel} needs {launch.smem_kb} KB of shared memory per block on "
+                         f"sm_{arch} (limit {smem_limit_kb(arch)} KB)")
     return launch
 
 

@@ -15,8 +15,8 @@ vectorize the sums (`-fassociative-math` and the flags it needs; not `-ffast-mat
 also assume no infinities, and the softmax's running max starts at −inf). Libraries are kept in
 `$NANOSERVE_CACHE` (default ~/.cache/nanoserve; a temporary folder where that is read-only), named
 by a digest of the source, the flags and the CPU's feature flags, so an edit or another CPU builds
-afresh. `cpu_kernel_problem()` says why the kernel cannot run here (no compiler, a failed build), and
-the engine then uses the torch backend.
+afresh. `cpu_kernel_problem()` says why the kernel cannot run here (no compiler, a failed build),
+and the engine then uses the torch backend.
 """
 
 from __future__ import annotations
@@ -38,14 +38,17 @@ from .checks import check_paged_attention, check_softcap, check_window
 from .paged_attention import paged_attention_ref
 
 SOURCE = Path(__file__).with_suffix(".c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
+         "-fno-trapping-math",
          "-fno-signed-zeros", "-fassociative-math"]
-__all__ = ["paged_attention_cpu", "paged_attention_cpu_unchecked", "paged_attention_ref", "cpu_kernel_problem",
+__all__ = ["paged_attention_cpu", "paged_attention_cpu_unchecked", "paged_attention_ref",
+           "cpu_kernel_problem",
            "load_library"]
 
 
 def _cpu_flags() -> str:
-    """The CPU's feature flags (what -march=native compiles for), so a library never runs on another CPU."""
+    """The CPU's feature flags (what -march=native compiles for), so a library never runs on another
+    CPU."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -56,8 +59,9 @@ def _cpu_flags() -> str:
 
 
 def _cache_dir() -> Path:
-    """$NANOSERVE_CACHE/cpu_kernels (default ~/.cache/nanoserve/...), or a folder of the user's in the system's
-    temporary directory where that cannot be written (a read-only home in a container)."""
+    """$NANOSERVE_CACHE/cpu_kernels (default ~/.cache/nanoserve/...), or a folder of the user's in
+    the system's temporary directory where that cannot be written (a read-only home in a
+    container)."""
     for root in (os.environ.get("NANOSERVE_CACHE") or Path.home() / ".cache" / "nanoserve",
                  Path(tempfile.gettempdir()) / f"nanoserve-{os.getuid()}"):
         folder = Path(root) / "cpu_kernels"
@@ -78,14 +82,18 @@ def load_library(head_dim: int) -> ctypes.CDLL:
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler: {compiler!r} is not on PATH (set CC to one)")
     flags = [*FLAGS, f"-DHEAD_DIM={head_dim}"]
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *flags, _cpu_flags()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *flags,
+                                    _cpu_flags()]).encode()).hexdigest()[:16]
     path = _cache_dir() / f"paged_decode_d{head_dim}_{key}.so"
     if not path.exists():
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # build aside, then rename: processes may race
+        # build aside, then rename: processes may race
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             built = Path(tmp) / path.name
-            run = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)], capture_output=True, text=True)
+            run = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)],
+                                 capture_output=True, text=True)
             if run.returncode != 0:
-                raise RuntimeError(f"building {SOURCE.name} failed: {' '.join([compiler, *flags])}\n{run.stderr}")
+                raise RuntimeError(f"building {SOURCE.name} failed: "
+                                   f"{' '.join([compiler, *flags])}\n{run.stderr}")
             os.replace(built, path)
     lib = ctypes.CDLL(str(path))
     i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -96,7 +104,8 @@ def load_library(head_dim: int) -> ctypes.CDLL:
 
 @cache
 def cpu_kernel_problem(head_dim: int) -> str | None:
-    """None where the C kernel builds and loads for this head dim on this machine, else why not (one line)."""
+    """None where the C kernel builds and loads for this head dim on this machine, else why not (one
+    line)."""
     if platform.system() != "Linux":
         return f"the C attention kernel is built for Linux only, not {platform.system()}"
     try:
@@ -111,23 +120,28 @@ def paged_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, sm_scal
     """Decode attention over paged K/V on the CPU, float32; the arguments of `paged_attention`.
 
     q [B, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks] and
-    context_lens [B] (int64 is used as is, int32 converted); returns out [B, H, D]. Sequence b sees keys
-    0 .. context_lens[b] − 1 (its `window` newest only, with a sliding window); scores × sm_scale (default
-    1/√D), soft-capped to softcap·tanh(x / softcap) when given. The C kernel trusts every index, so the
-    shapes, the lengths and the block ids it will read are checked here, on the host, before it runs."""
-    check_paged_attention(q, k_cache, v_cache, block_tables, context_lens, 1)  # shapes; the block ids read
+    context_lens [B] (int64 is used as is, int32 converted); returns out [B, H, D]. Sequence b sees
+    keys 0 .. context_lens[b] − 1 (its `window` newest only, with a sliding window); scores ×
+    sm_scale (default 1/√D), soft-capped to softcap·tanh(x / softcap) when given. The C kernel
+    trusts every index, so the shapes, the lengths and the block ids it will read are checked here,
+    on the host, before it runs."""
+    # shapes; the block ids read
+    check_paged_attention(q, k_cache, v_cache, block_tables, context_lens, 1)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype != torch.float32 or t.device.type != "cpu" or (t is not q and not t.is_contiguous()):
-            raise ValueError(f"paged_attention_cpu reads float32 pools in place on the CPU; {name} is {t.dtype} "
-                             f"on {t.device}{'' if t.is_contiguous() else ', not contiguous'}")
-    return paged_attention_cpu_unchecked(q, k_cache, v_cache, block_tables.long(), context_lens.long(), sm_scale,
+            raise ValueError(f"paged_attention_cpu reads float32 pools in place on the CPU; {name} "
+                             f"is {t.dtype} on "
+                             f"{t.device}{'' if t.is_contiguous() else ', not contiguous'}")
+    return paged_attention_cpu_unchecked(q, k_cache, v_cache, block_tables.long(),
+                                         context_lens.long(), sm_scale,
                                          check_window(window), check_softcap(softcap))
 
 
-def paged_attention_cpu_unchecked(q, k_cache, v_cache, block_tables, context_lens, sm_scale, window: int,
+def paged_attention_cpu_unchecked(q, k_cache, v_cache, block_tables, context_lens, sm_scale,
+                                  window: int,
                                   softcap: float) -> torch.Tensor:
-    """`paged_attention_cpu` on inputs already checked (the CPU backend checks a step's tables once, not per
-    layer): int64 tables, window and softcap in the kernel's form (0: off)."""
+    """`paged_attention_cpu` on inputs already checked (the CPU backend checks a step's tables once,
+    not per layer): int64 tables, window and softcap in the kernel's form (0: off)."""
     B, H, D = q.shape
     block_size, Hkv = k_cache.shape[1:3]
     tables, lens = block_tables.contiguous(), context_lens.contiguous()
@@ -137,9 +151,10 @@ def paged_attention_cpu_unchecked(q, k_cache, v_cache, block_tables, context_len
         return out
     scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
     failed = load_library(D).paged_decode_attention(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+        out.data_ptr(),
         B, tables.shape[1], H, Hkv, block_size, scale, window, softcap, torch.get_num_threads())
     if failed:
-        raise MemoryError(f"paged_attention_cpu: a thread could not allocate its {tables.shape[1] * block_size} "
-                          f"scores per head")
+        raise MemoryError("paged_attention_cpu: a thread could not allocate its "
+                          f"{tables.shape[1] * block_size} scores per head")
     return out

@@ -71,15 +71,17 @@ GEMV_MAX_M = 16  # M ≤ this: split-K GEMV (all rows in one tile of 16)
 TORCH_MIN_M = 64  # on CUDA, M ≥ this: dequantize + torch.matmul
 MIN_TILES_PER_SPLIT = 4  # choose_split_k: a split must have work enough to pay for the second pass
 MAX_SPLIT_K = 16
-# (BLOCK_M, BLOCK_N, BLOCK_K) of the GEMV in the interpreter and on a GPU (every GPU row of configs.DEQUANT):
-# choose_split_k counts tiles of the GPU's
+# (BLOCK_M, BLOCK_N, BLOCK_K) of the GEMV in the interpreter and on a GPU (every GPU row of
+# configs.DEQUANT): choose_split_k counts tiles of the GPU's
 _GEMV_TILES = {False: INTERPRETER["gemv"].tiles, True: DEQUANT[("gemv", 80, 2)].tiles}
 
 
 # ----------------------------------------------------------------------------- the reference
-def dequant_matmul_ref(a: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+def dequant_matmul_ref(a: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
+                       scales: torch.Tensor,
                        g_idx: torch.Tensor, bits: int = 4) -> torch.Tensor:
-    """Plain torch: W = dequantize_gptq(...) [N, K] in fp32, C = A · Wᵀ in fp32, cast to A's dtype."""
+    """Plain torch: W = dequantize_gptq(...) [N, K] in fp32, C = A · Wᵀ in fp32, cast to A's
+    dtype."""
     w = dequantize_gptq(qweight, qzeros, scales, g_idx, bits)  # N, K
     return (a.float() @ w.t()).to(a.dtype)  # M, N
 
@@ -107,7 +109,8 @@ def _dequant_gemm_kernel(
         if UPCAST:
             a = a.to(tl.float32)
         acc += dot_tile(a, QW, QZ, S, G_IDX, start, offs_k, offs_n, k_mask, n_mask, K, stride_qk, stride_qn,
-                         stride_zg, stride_zn, stride_sg, stride_sn, BLOCK_K, BLOCK_N, GROUP_SIZE)  # BLOCK_M, BLOCK_N
+                         # BLOCK_M, BLOCK_N
+                         stride_zg, stride_zn, stride_sg, stride_sn, BLOCK_K, BLOCK_N, GROUP_SIZE)
     c_ptrs = C + rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -136,7 +139,8 @@ def _dequant_gemv_kernel(
         if UPCAST:
             a = a.to(tl.float32)
         acc += dot_tile(a, QW, QZ, S, G_IDX, start, offs_k, offs_n, k_mask, n_mask, K, stride_qk, stride_qn,
-                         stride_zg, stride_zn, stride_sg, stride_sn, BLOCK_K, BLOCK_N, GROUP_SIZE)  # BLOCK_M, BLOCK_N
+                         # BLOCK_M, BLOCK_N
+                         stride_zg, stride_zn, stride_sg, stride_sn, BLOCK_K, BLOCK_N, GROUP_SIZE)
     p_ptrs = P + split * stride_ps + offs_m[:, None] * stride_pm + offs_n[None, :] * stride_pn
     tl.store(p_ptrs, acc.to(P.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -152,14 +156,17 @@ def _dequantize_kernel(
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # BLOCK_N   output columns
     k_mask, n_mask = offs_k < K, offs_n < N
     w = dequant_tile(QW, QZ, S, G_IDX, offs_k, offs_n, k_mask, n_mask,
-                      stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn)  # BLOCK_K, BLOCK_N
+                      # BLOCK_K, BLOCK_N
+                      stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn)
     # W is [N, K] (nn.Linear's layout): the [K, N] tile is stored transposed, through the strides
-    w_ptrs = W + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk  # BLOCK_K, BLOCK_N
+    # BLOCK_K, BLOCK_N
+    w_ptrs = W + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk
     tl.store(w_ptrs, w.to(W.dtype.element_ty), mask=k_mask[:, None] & n_mask[None, :])
 
 
 # ----------------------------------------------------------------------------- the wrappers
-def dequant_matmul(a: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+def dequant_matmul(a: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
+                   scales: torch.Tensor,
                    g_idx: torch.Tensor, bits: int = 4, *, split_k: int | None = None,
                    group_size: int | None = None) -> torch.Tensor:
     """C [M, N] = A [M, K] · W, W [K, N] dequantized on the fly from GPTQ v1 4-bit tensors.
@@ -167,22 +174,25 @@ def dequant_matmul(a: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
     qweight int32 [K/8, N], qzeros int32 [G, N/8] (zero − 1), scales [G, N], g_idx [K] (int32/int64,
     any assignment of rows to groups: act-order works). A is fp16, bf16 or fp32; C has its dtype.
     M ≤ 16: split-K GEMV (split_k: None = `choose_split_k`); larger M: the tiled GEMM, or on CUDA
-    with M ≥ 64 dequantize + torch.matmul. `group_size`: the caller's word that g_idx is k // group_size
-    (no act-order), so a tile of BLOCK_K rows has one zero and scale row (`grouped_codes`); checked
-    against g_idx where its values can be read without a host sync (CPU), ignored when BLOCK_K does not
-    divide it.
+    with M ≥ 64 dequantize + torch.matmul. `group_size`: the caller's word that g_idx is k //
+    group_size (no act-order), so a tile of BLOCK_K rows has one zero and scale row
+    (`grouped_codes`); checked against g_idx where its values can be read without a host sync (CPU),
+    ignored when BLOCK_K does not divide it.
     """
     K, N = check_dequant_matmul(a, qweight, qzeros, scales, g_idx, bits, split_k, group_size)
     M = a.shape[0]
     if M <= GEMV_MAX_M:
         return _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k, group_size)
-    if a.is_cuda and M >= TORCH_MIN_M:  # cuBLAS does the matmul; the cost is in the module docstring
-        # dequantize_int4: dequantize_gptq's values bit for bit, in one pass and without its host-synced g_idx check
+    # cuBLAS does the matmul; the cost is in the module docstring
+    if a.is_cuda and M >= TORCH_MIN_M:
+        # dequantize_int4: dequantize_gptq's values bit for bit, in one pass and without its
+        # host-synced g_idx check
         return a @ dequantize_int4(qweight, qzeros, scales, g_idx, dtype=a.dtype).t()  # M, N
     return _launch_gemm(a, qweight, qzeros, scales, g_idx, K, N, group_size)
 
 
-def dequant_gemm(a, qweight, qzeros, scales, g_idx, bits: int = 4, *, group_size: int | None = None) -> torch.Tensor:
+def dequant_gemm(a, qweight, qzeros, scales, g_idx, bits: int = 4, *,
+                 group_size: int | None = None) -> torch.Tensor:
     """The tiled GEMM kernel alone, for any M (no torch fallback); arguments as `dequant_matmul`."""
     K, N = check_dequant_matmul(a, qweight, qzeros, scales, g_idx, bits, None, group_size)
     return _launch_gemm(a, qweight, qzeros, scales, g_idx, K, N, group_size)
@@ -198,25 +208,29 @@ def dequant_gemv(a, qweight, qzeros, scales, g_idx, bits: int = 4, *, split_k: i
 
 
 def _group_constexpr(group_size: int | None, launch) -> int:
-    """GROUP_SIZE for the kernels: the group size where every tile of BLOCK_K rows lies in one group, else 0
-    (the row-by-row gather of `dequant_tile`). Not on sm_75 (a GPU launch that upcasts): there the grouped
-    tile's integer codes beside their fp32 copy spill 160-600 B (benchmarks/kernels_compile.json)."""
+    """GROUP_SIZE for the kernels: the group size where every tile of BLOCK_K rows lies in one
+    group, else 0 (the row-by-row gather of `dequant_tile`). Not on sm_75 (a GPU launch that
+    upcasts): there the grouped tile's integer codes beside their fp32 copy spill 160-600 B
+    (benchmarks/kernels_compile.json)."""
     block_k = launch.tiles[-1]
     if launch.gpu and launch.upcast:
         return 0
     return group_size if group_size and group_size % block_k == 0 else 0
 
 
-def dequantize_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
+def dequantize_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                    g_idx: torch.Tensor,
                     *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """W [N, K] from GPTQ v1 4-bit tensors, in one Triton kernel: packing.dequantize_gptq(..., bits=4, dtype=dtype).
+    """W [N, K] from GPTQ v1 4-bit tensors, in one Triton kernel: packing.dequantize_gptq(...,
+    bits=4, dtype=dtype).
 
-    W[n, k] = (code[n, k] − zero[n, g_idx[k]]) · scale[n, g_idx[k]], one fp32 product (exact for fp16
-    scales) rounded once to `dtype`, so the result equals dequantize_gptq's bit for bit. Arguments as
-    `dequant_matmul` (any g_idx: act-order works). Why a kernel: dequantize_gptq is several torch
-    passes over [N, K] tensors (unpack, subtract, gather, multiply, cast); this reads the packed
-    tensors once and writes W once, the dequantize step of "dequantize + cuBLAS" for large M. It is
-    also the reference of exercise 11 (exercises/dequant_matmul.py, notebooks/07_int4_kernel section 3).
+    W[n, k] = (code[n, k] − zero[n, g_idx[k]]) · scale[n, g_idx[k]], one fp32 product (exact for
+    fp16 scales) rounded once to `dtype`, so the result equals dequantize_gptq's bit for bit.
+    Arguments as `dequant_matmul` (any g_idx: act-order works). Why a kernel: dequantize_gptq is
+    several torch passes over [N, K] tensors (unpack, subtract, gather, multiply, cast); this reads
+    the packed tensors once and writes W once, the dequantize step of "dequantize + cuBLAS" for
+    large M. It is also the reference of exercise 11 (exercises/dequant_matmul.py,
+    notebooks/07_int4_kernel section 3).
     """
     K, N, _ = check_gptq(qweight, qzeros, scales, g_idx, 4, check_values=can_read_values(g_idx))
     if dtype not in DTYPES:
@@ -238,7 +252,8 @@ def dequantize_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.T
     return w.to(dtype)  # N, K   a no-op unless the interpreter wrote fp32 for bf16
 
 
-def choose_split_k(n: int, k: int, num_sms: int | None = None, tiles: tuple[int, int, int] | None = None) -> int:
+def choose_split_k(n: int, k: int, num_sms: int | None = None,
+                   tiles: tuple[int, int, int] | None = None) -> int:
     """How many K splits fill the GPU at M ≤ 16: ⌈4 · num_sms / N-tiles⌉, capped.
 
     Four programs per SM keep enough loads in flight for a memory-bound GEMV (a guess, untuned).
@@ -277,7 +292,8 @@ def _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k, group_size=No
     M = a.shape[0]
     launch = pick("gemv", a.device, a.dtype)
     group = _group_constexpr(group_size, launch)
-    if not group:  # the gather path has a row of its own (the grouped path's tiles cost it 3× the shared memory)
+    # the gather path has a row of its own (the grouped path's tiles cost it 3× the shared memory)
+    if not group:
         launch = pick("gemv_gather", a.device, a.dtype)
     block_m, block_n, block_k = launch.tiles
     if M == 0 or N == 0:

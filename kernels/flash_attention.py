@@ -29,10 +29,11 @@ query tile starts past its sequence's end returns at once.
 tokens of Lk: query i sits at position Lk − Lq + i and sees keys 0..Lk − Lq + i. With Lq = Lk
 that is ordinary causal attention; with Lq < Lk the new tokens see everything before them.
 A query that sees no key (only when Lq > Lk) gets output 0. A sliding window w hides keys more than
-w − 1 back too (both loops start at the tile's first visible key). A soft-cap c maps x to c·tanh(x / c).
-**Token trees** (speculative verification, nanoserve/spec/tree_sampler.py): `tree_bits` [total_q] gives
-each query the new keys it may see, bit j for new key j (its ancestors and itself), on top of causality;
-−1 (every bit) for a row that is a plain chain. The prefix is seen whole, as before.
+w − 1 back too (both loops start at the tile's first visible key). A soft-cap c maps x to c·tanh(x /
+c). **Token trees** (speculative verification, nanoserve/spec/tree_sampler.py): `tree_bits`
+[total_q] gives each query the new keys it may see, bit j for new key j (its ancestors and itself),
+on top of causality; −1 (every bit) for a row that is a plain chain. The prefix is seen whole, as
+before.
 
 **Paged prefix** (chunked prefill, prefix-cache hits). With `block_tables`, `k_cache`,
 `v_cache` and `context_lens`, sequence b first has `context_lens[b]` = P tokens already in the
@@ -41,7 +42,8 @@ offset t % block_size: nanoserve/kv/cache.py), then its Lk new keys at positions
 Two loops over key tiles share one online softmax: the prefix, each key row gathered through the
 block table, then the new keys. Masked loads never touch a slot past P, so whatever sits in unused
 blocks (the tests fill them with NaN) cannot leak in. A quantized pool (8-bit codes with one scale
-per token and kv head, nanoserve/kv/quant.py) is dequantized tile by tile in registers (kv_quant.py).
+per token and kv head, nanoserve/kv/quant.py) is dequantized tile by tile in registers
+(kv_quant.py).
 
 **GQA.** H query heads share Hkv kv heads: query head h reads kv head h // (H // Hkv).
 
@@ -50,8 +52,9 @@ without building or applying a mask (loop 2a); only the diagonal tiles are maske
 head_dim rounded up to a power of two (≥ 16, as tl.dot needs); when they are equal the head-dim mask
 is a constant (`EVEN_D`), so K / V loads stay 16 bytes wide. On an H100 the two took d 64 from 0.45×
 to 0.73× SDPA-flash (benchmarks/RESULTS.md). Triton notes (docs/ARCHITECTURE.md): in the interpreter
-tiles become fp32 after their load (`UPCAST`: no bf16 arithmetic there); on a GPU q·kᵀ and p·v run in
-the input dtype on tensor cores with fp32 accumulation, fp32 as IEEE (no silent TF32). Tiles, warps and
+tiles become fp32 after their load (`UPCAST`: no bf16 arithmetic there); on a GPU q·kᵀ and p·v run
+in the input dtype on tensor cores with fp32 accumulation, fp32 as IEEE (no silent TF32). Tiles,
+warps and
 stages: kernels/configs.py. Taught in notebooks/04_attention_kernels.ipynb (exercise 7).
 """
 
@@ -119,43 +122,53 @@ def _flash_attention_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # BLOCK_M     running max (log2 units)
+    # BLOCK_M     running max (log2 units)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # BLOCK_M     running denominator
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # BLOCK_M, BLOCK_D running numerator
 
     # ---- loop 1: the cached prefix, keys at positions 0..P-1, gathered through the block table
     if HAS_PREFIX:
         p_hi = P
-        if CAUSAL:  # the tile's last query sees prefix keys up to position P + Lk - Lq + start_m + BLOCK_M - 1
+        # the tile's last query sees prefix keys up to position P + Lk - Lq + start_m + BLOCK_M - 1
+        if CAUSAL:
             p_hi = tl.minimum(P, P + Lk - Lq + start_m + BLOCK_M)
         for start_n in range(first, p_hi, BLOCK_N):
             t = start_n + offs_n  # BLOCK_N     token index = position within the prefix
             n_ok = t < P  # BLOCK_N
             blk = tl.load(block_tables + b * stride_bt_b + (t // page_size) * stride_bt_i,
-                          mask=n_ok, other=0).to(tl.int64)  # BLOCK_N     physical block of each token
+                          # BLOCK_N     physical block of each token
+                          mask=n_ok, other=0).to(tl.int64)
             off = t % page_size  # BLOCK_N     offset inside the block
-            scale_at = (blk * page_size + off) * (H // group) + kvh  # BLOCK_N   a quantized pool's scales
+            # BLOCK_N   a quantized pool's scales
+            scale_at = (blk * page_size + off) * (H // group) + kvh
             kT = load_kv_tile(K_cache + blk[None, :] * stride_kcb + off[None, :] * stride_kcs + kvh * stride_kch
                               + offs_d[:, None] * stride_kcd, d_ok[:, None] & n_ok[None, :],
-                              K_scale + scale_at[None, :], n_ok[None, :], KV_QUANT, q.dtype)  # BLOCK_D, BLOCK_N
+                              # BLOCK_D, BLOCK_N
+                              K_scale + scale_at[None, :], n_ok[None, :], KV_QUANT, q.dtype)
             v = load_kv_tile(V_cache + blk[:, None] * stride_vcb + off[:, None] * stride_vcs + kvh * stride_vch
                              + offs_d[None, :] * stride_vcd, n_ok[:, None] & d_ok[None, :],
-                             V_scale + scale_at[:, None], n_ok[:, None], KV_QUANT, q.dtype)  # BLOCK_N, BLOCK_D
+                             # BLOCK_N, BLOCK_D
+                             V_scale + scale_at[:, None], n_ok[:, None], KV_QUANT, q.dtype)
             valid = n_ok[None, :] & m_ok[:, None]  # BLOCK_M, BLOCK_N
-            if CAUSAL:  # bites where queries sit inside the prefix: Lq > Lk, or all keys paged (Lk = 0)
+            # bites where queries sit inside the prefix: Lq > Lk, or all keys paged (Lk = 0)
+            if CAUSAL:
                 valid = valid & (t[None, :] <= q_pos[:, None])
             if window > 0:
                 valid = valid & (t[None, :] > q_pos[:, None] - window)
-            m_i, l_i, acc = online_softmax_step(q, kT, v, valid, m_i, l_i, acc, qk_scale, SOFTCAP, UPCAST, True)
+            m_i, l_i, acc = online_softmax_step(q, kT, v, valid, m_i, l_i, acc, qk_scale, SOFTCAP,
+                                                UPCAST, True)
 
     # ---- loop 2: this step's new keys, at positions P..P+Lk-1
     lo = tl.maximum(first - P, 0)
     hi = Lk
     if CAUSAL:  # the tile's last query sees new keys up to Lk - Lq + (start_m + BLOCK_M - 1)
         hi = tl.minimum(Lk, Lk - Lq + start_m + BLOCK_M)
-    # 2a: whole key tiles every query of this tile sees (no window; causal: up to the first query's position)
+    # 2a: whole key tiles every query of this tile sees (no window; causal: up to the first query's
+    # position)
     full = lo
-    if window == 0 and not TREE:  # (a tree's queries see only some earlier keys: every tile is masked)
+    # (a tree's queries see only some earlier keys: every tile is masked)
+    if window == 0 and not TREE:
         seen_by_all = Lk
         if CAUSAL:
             seen_by_all = tl.minimum(Lk, Lk - Lq + start_m + 1)
@@ -166,7 +179,8 @@ def _flash_attention_kernel(
                      mask=d_ok[:, None], other=0.0)  # BLOCK_D, BLOCK_N
         v = tl.load(V + rows[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :] * stride_vd,
                     mask=d_ok[None, :], other=0.0)  # BLOCK_N, BLOCK_D
-        m_i, l_i, acc = online_softmax_step(q, kT, v, None, m_i, l_i, acc, qk_scale, SOFTCAP, UPCAST, False)
+        m_i, l_i, acc = online_softmax_step(q, kT, v, None, m_i, l_i, acc, qk_scale, SOFTCAP,
+                                            UPCAST, False)
     # 2b: the diagonal tiles (and a ragged end, or every tile under a window or of a tree), masked
     if TREE:  # each query's visible new keys, one bit per key (−1: all of them, a chain)
         bits = tl.load(tree_bits + q_start + offs_m, mask=m_ok, other=0)  # BLOCK_M (int64)
@@ -183,9 +197,11 @@ def _flash_attention_kernel(
             valid = valid & ((P + j)[None, :] <= q_pos[:, None])
         if window > 0:
             valid = valid & ((P + j)[None, :] > q_pos[:, None] - window)
-        if TREE:  # key j visible only where its bit is set (a shift past 63 reads bit 63: set only in −1)
+        # key j visible only where its bit is set (a shift past 63 reads bit 63: set only in −1)
+        if TREE:
             valid = valid & (((bits[:, None] >> tl.minimum(j, 63)[None, :]) & 1) != 0)
-        m_i, l_i, acc = online_softmax_step(q, kT, v, valid, m_i, l_i, acc, qk_scale, SOFTCAP, UPCAST, True)
+        m_i, l_i, acc = online_softmax_step(q, kT, v, valid, m_i, l_i, acc, qk_scale, SOFTCAP,
+                                            UPCAST, True)
 
     # A row that saw no key has l = 0 and acc = 0: output 0, not 0/0.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # BLOCK_M, BLOCK_D
@@ -207,17 +223,19 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     tree_bits: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over packed sequences.  q [total_q, H, D]; k, v [total_k, Hkv, D] -> [total_q, H, D].
 
-    cu_seqlens_q/k [B+1]: cumulative lengths (sequence b is rows cu[b]:cu[b+1]). causal: bottom-right
-    aligned (query i of Lq sits at position P + Lk − Lq + i). sm_scale defaults to 1/√D. Optional paged
+    cu_seqlens_q/k [B+1]: cumulative lengths (sequence b is rows cu[b]:cu[b+1]). causal:
+    bottom-right aligned (query i of Lq sits at position P + Lk − Lq + i). sm_scale defaults to
+    1/√D. Optional paged
     prefix: block_tables [B, max_blocks], k_cache/v_cache [num_blocks, block_size, Hkv, D],
     context_lens [B] (P, cached tokens per sequence, read before the new keys). block_m/block_n
     override the tile sizes of kernels/configs.py (powers of two, ≥ 16 on a GPU). max_seqlen_q: the
     longest query sequence, or any bound above it, known on the host (sizes the grid; None reads it
-    from cu_seqlens_q, a host sync on a GPU). window: a sliding window (with causal), each query sees
-    its `window` newest keys only (None: all). softcap: scores x -> softcap·tanh(x / softcap) (None: off).
-    kv_cache_dtype "int8" / "fp8_e4m3" / "fp8_e5m2": the prefix pools hold 8-bit codes and k_scale, v_scale
-    [num_blocks, block_size, Hkv] their fp16 scales (nanoserve/kv/quant.py), dequantized as they are read.
-    tree_bits [total_q] (int64, with causal): bit j of a query's entry set = it sees new key j of its sequence.
+    from cu_seqlens_q, a host sync on a GPU). window: a sliding window (with causal), each query
+    sees its `window` newest keys only (None: all). softcap: scores x -> softcap·tanh(x / softcap)
+    (None: off). kv_cache_dtype "int8" / "fp8_e4m3" / "fp8_e5m2": the prefix pools hold 8-bit codes
+    and k_scale, v_scale [num_blocks, block_size, Hkv] their fp16 scales (nanoserve/kv/quant.py),
+    dequantized as they are read. tree_bits [total_q] (int64, with causal): bit j of a query's entry
+    set = it sees new key j of its sequence.
     """
     window, softcap = check_window(window, causal), check_softcap(softcap)
     check_tree_bits(tree_bits, q, causal)
@@ -255,15 +273,18 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kc_strides = kc.stride() if has_prefix else (0, 0, 0, 0)
     vc_strides = vc.stride() if has_prefix else (0, 0, 0, 0)
 
-    grid = (triton.cdiv(max_seqlen_q, block_m), B * H)  # programs past a sequence's end return at once
+    # programs past a sequence's end return at once
+    grid = (triton.cdiv(max_seqlen_q, block_m), B * H)
     _flash_attention_kernel[grid](
         q, k, v, out, cu_q, cu_k, bt, kc, vc, k_scale, v_scale, ctx, bits,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         *bt_strides, *kc_strides, *vc_strides,
         sm_scale * math.log2(math.e), H, H // Hkv, D, page_size, window,
-        SOFTCAP=softcap, CAUSAL=bool(causal), HAS_PREFIX=has_prefix, UPCAST=launch.upcast, KV_QUANT=quant,
+        SOFTCAP=softcap, CAUSAL=bool(causal), HAS_PREFIX=has_prefix, UPCAST=launch.upcast,
+        KV_QUANT=quant,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
-        EVEN_D=D == max(16, triton.next_power_of_2(D)), TREE=tree_bits is not None, **launch.options(),
+        EVEN_D=D == max(16, triton.next_power_of_2(D)), TREE=tree_bits is not None,
+        **launch.options(),
     )
     return out
 

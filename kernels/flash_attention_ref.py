@@ -1,8 +1,9 @@
-"""`flash_attention` (flash_attention.py) in plain torch: one sequence at a time, the whole score matrix, fp32.
+"""`flash_attention` (flash_attention.py) in plain torch: one sequence at a time, the whole score
+matrix, fp32.
 
-The reference the kernel is tested against (tests/test_kernels_flash.py, exercise 7): the same arguments, the
-same masks — bottom-right causal, a sliding window, a soft-cap, a paged prefix read through the block table,
-and a token tree's `tree_bits` — written as directly as torch allows.
+The reference the kernel is tested against (tests/test_kernels_flash.py, exercise 7): the same
+arguments, the same masks — bottom-right causal, a sliding window, a soft-cap, a paged prefix read
+through the block table, and a token tree's `tree_bits` — written as directly as torch allows.
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ from .checks import check_flash_attention
 def flash_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                         causal: bool = True, sm_scale: float | None = None,
-                        block_tables: torch.Tensor | None = None, k_cache: torch.Tensor | None = None,
-                        v_cache: torch.Tensor | None = None, context_lens: torch.Tensor | None = None,
+                        block_tables: torch.Tensor | None = None,
+                        k_cache: torch.Tensor | None = None,
+                        v_cache: torch.Tensor | None = None,
+                        context_lens: torch.Tensor | None = None,
                         window: int | None = None, softcap: float | None = None,
                         tree_bits: torch.Tensor | None = None) -> torch.Tensor:
-    """`flash_attention` in plain torch: one sequence at a time, the full score matrix, fp32 math."""
+    """`flash_attention` in plain torch: one sequence at a time, the full score matrix, fp32
+    math."""
     has_prefix = check_flash_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, block_tables, k_cache, v_cache,
                                        context_lens)
     H, D = q.shape[1:]
@@ -33,7 +37,8 @@ def flash_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         qb = q[cu_q[b]:cu_q[b + 1]].float()  # Lq, H, D
         kb = k[cu_k[b]:cu_k[b + 1]].float()  # Lk, Hkv, D
         vb = v[cu_k[b]:cu_k[b + 1]].float()  # Lk, Hkv, D
-        if has_prefix:  # gather the P cached tokens through the block table, then put the new ones after
+        # gather the P cached tokens through the block table, then put the new ones after
+        if has_prefix:
             bs = k_cache.shape[1]
             t = torch.arange(int(context_lens[b]), device=q.device)  # P
             slots = block_tables[b, t // bs].long() * bs + t % bs  # P
@@ -51,11 +56,13 @@ def flash_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             hidden = k_pos[None, :] > q_pos[:, None]  # Lq, S
             if window:
                 hidden |= k_pos[None, :] <= q_pos[:, None] - window
-            if tree_bits is not None:  # new key j (at S − Lk + j) hidden unless bit j of the query's entry is set
+            # new key j (at S − Lk + j) hidden unless bit j of the query's entry is set
+            if tree_bits is not None:
                 j = torch.arange(Lk, device=q.device).clamp(max=63)  # Lk
                 bits = tree_bits[cu_q[b]:cu_q[b + 1]]  # Lq
                 hidden[:, S - Lk:] |= ((bits[:, None] >> j[None, :]) & 1) == 0
             scores = scores.masked_fill(hidden, float("-inf"))
-        probs = scores.softmax(dim=-1).nan_to_num(0.0)  # H, Lq, S   (a row with no visible key -> 0)
+        # H, Lq, S   (a row with no visible key -> 0)
+        probs = scores.softmax(dim=-1).nan_to_num(0.0)
         out[cu_q[b]:cu_q[b + 1]] = torch.einsum("hts,shd->thd", probs, vb).to(q.dtype)  # Lq, H, D
     return out

@@ -1,20 +1,21 @@
 """Reading a W4A16 weight tile inside a Triton kernel: the two ways kernels/dequant_matmul.py uses.
 
-The GPTQ v1 layout (nanoserve/quant/packing.py): qweight int32 [K/8, N] (8 codes per word, packed along
-K), qzeros int32 [G, N/8] (zero − 1), scales [G, N], g_idx [K]; W[k, n] = (code − zero[g_idx[k]]) ·
-scale[g_idx[k]].
+The GPTQ v1 layout (nanoserve/quant/packing.py): qweight int32 [K/8, N] (8 codes per word, packed
+along K), qzeros int32 [G, N/8] (zero − 1), scales [G, N], g_idx [K]; W[k, n] = (code −
+zero[g_idx[k]]) · scale[g_idx[k]].
 
-- **Grouped** (`grouped_codes`), for g_idx = k // group_size (RTN, AWQ, most GPTQ checkpoints): a tile of
-  BLOCK_K rows lies in one group when BLOCK_K divides group_size. Each word is loaded once
-  ([BLOCK_K/8, BLOCK_N]) and its 8 codes are shifted out along a new axis; one zero row and one scale
-  row serve the tile, and the scale multiplies the dot's result rather than every weight.
-- **Gathered** (`dequant_tile`), for any g_idx (act-order: neighbouring rows in different groups): row k
-  loads the word k // 8 (each word 8 times: the cache serves the repeats), and its zero and scale are
-  gathered row by row through g_idx. One scale row per tile would be wrong there (the tests' negative
-  control shows how wrong).
+- **Grouped** (`grouped_codes`), for g_idx = k // group_size (RTN, AWQ, most GPTQ checkpoints): a
+  tile of BLOCK_K rows lies in one group when BLOCK_K divides group_size. Each word is loaded once
+  ([BLOCK_K/8, BLOCK_N]) and its 8 codes are shifted out along a new axis; one zero row and one
+  scale row serve the tile, and the scale multiplies the dot's result rather than every weight.
+- **Gathered** (`dequant_tile`), for any g_idx (act-order: neighbouring rows in different groups):
+  row k loads the word k // 8 (each word 8 times: the cache serves the repeats), and its zero and
+  scale are gathered row by row through g_idx. One scale row per tile would be wrong there (the
+  tests' negative control shows how wrong).
 
-`dot_tile` is a [BLOCK_M, BLOCK_K] activation tile times the weight tile, read either way (GROUP_SIZE
-> 0: grouped). On an H100 the gathered read made a 4096² GEMV 12× slower than the grouped one.
+`dot_tile` is a [BLOCK_M, BLOCK_K] activation tile times the weight tile, read either way
+(GROUP_SIZE > 0: grouped). On an H100 the gathered read made a 4096² GEMV 12× slower than the
+grouped one.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def dequant_tile(QW, QZ, S, G_IDX, offs_k, offs_n, k_mask, n_mask,
                      mask=mask, other=0)  # BLOCK_K, BLOCK_N
     zeros = ((zwords >> ((offs_n % 8) * 4)[None, :]) & 0xF) + 1  # v1 stores zero − 1
     scales = tl.load(S + g[:, None] * stride_sg + offs_n[None, :] * stride_sn,
-                     mask=mask, other=0.0).to(tl.float32)  # BLOCK_K, BLOCK_N   0 outside: w = 0 there
+                     # BLOCK_K, BLOCK_N   0 outside: w = 0 there
+                     mask=mask, other=0.0).to(tl.float32)
     return (codes - zeros).to(tl.float32) * scales
 
 
@@ -44,22 +46,29 @@ def dequant_tile(QW, QZ, S, G_IDX, offs_k, offs_n, k_mask, n_mask,
 def grouped_codes(QW, QZ, S, start, offs_n, n_mask, K,
                    stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn,
                    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SIZE: tl.constexpr):
-    """(code − zero) [BLOCK_K, BLOCK_N] as integers and the tile's scale row [BLOCK_N], for rows start ..
-    start + BLOCK_K that all lie in group start // GROUP_SIZE (no act-order; BLOCK_K divides GROUP_SIZE).
+    """(code − zero) [BLOCK_K, BLOCK_N] as integers and the tile's scale row [BLOCK_N], for rows
+    start .. start + BLOCK_K that all lie in group start // GROUP_SIZE (no act-order; BLOCK_K
+    divides GROUP_SIZE).
 
-    Each word is loaded once, [BLOCK_K / 8, BLOCK_N], and its 8 codes are shifted out along a new middle
-    axis: [BLOCK_K / 8, 8, BLOCK_N], whose rows, read in order, are k = 8 · word + nibble. One zero row and
-    one scale row serve the whole tile, so W = (code − zero) · scale leaves the scale for after the dot."""
+    Each word is loaded once, [BLOCK_K / 8, BLOCK_N], and its 8 codes are shifted out along a new
+    middle
+    axis: [BLOCK_K / 8, 8, BLOCK_N], whose rows, read in order, are k = 8 · word + nibble. One zero
+    row and one scale row serve the whole tile, so W = (code − zero) · scale leaves the scale for
+    after the dot."""
     offs_w = start // 8 + tl.arange(0, BLOCK_K // 8)  # BLOCK_K / 8   words along K
     words = tl.load(QW + offs_w[:, None] * stride_qk + offs_n[None, :] * stride_qn,
-                    mask=(offs_w < K // 8)[:, None] & n_mask[None, :], other=0)  # BLOCK_K / 8, BLOCK_N
+                    # BLOCK_K / 8, BLOCK_N
+                    mask=(offs_w < K // 8)[:, None] & n_mask[None, :], other=0)
     shifts = tl.arange(0, 8) * 4  # 8
     codes = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # BLOCK_K / 8, 8, BLOCK_N
-    codes = tl.reshape(codes, (BLOCK_K, BLOCK_N))  # BLOCK_K, BLOCK_N   row 8·w + j: word w, nibble j
+    # BLOCK_K, BLOCK_N   row 8·w + j: word w, nibble j
+    codes = tl.reshape(codes, (BLOCK_K, BLOCK_N))
     g = start // GROUP_SIZE
-    zwords = tl.load(QZ + g * stride_zg + (offs_n // 8) * stride_zn, mask=n_mask, other=0)  # BLOCK_N
+    # BLOCK_N
+    zwords = tl.load(QZ + g * stride_zg + (offs_n // 8) * stride_zn, mask=n_mask, other=0)
     zeros = ((zwords >> ((offs_n % 8) * 4)) & 0xF) + 1  # v1 stores zero − 1
-    scales = tl.load(S + g * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)  # BLOCK_N
+    # BLOCK_N
+    scales = tl.load(S + g * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)
     return codes - zeros[None, :], scales
 
 
@@ -70,10 +79,12 @@ def dot_tile(a, QW, QZ, S, G_IDX, start, offs_k, offs_n, k_mask, n_mask, K,
     """a [BLOCK_M, BLOCK_K] · W[offs_k, offs_n] in fp32, W read one of the two ways above."""
     if GROUP_SIZE > 0:  # one group per tile: integer codes into the dot, the scale after it
         q, scale = grouped_codes(QW, QZ, S, start, offs_n, n_mask, K, stride_qk, stride_qn, stride_zg,
-                                  stride_zn, stride_sg, stride_sn, BLOCK_K, BLOCK_N, GROUP_SIZE)  # [BK, BN], [BN]
+                                  # [BK, BN], [BN]
+                                  stride_zn, stride_sg, stride_sn, BLOCK_K, BLOCK_N, GROUP_SIZE)
         out = tl.dot(a, q.to(a.dtype), input_precision="ieee") * scale[None, :]  # BLOCK_M, BLOCK_N
     else:  # any g_idx (act-order): zero and scale gathered row by row
         w = dequant_tile(QW, QZ, S, G_IDX, offs_k, offs_n, k_mask, n_mask,
-                          stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn)  # BLOCK_K, BLOCK_N
+                          # BLOCK_K, BLOCK_N
+                          stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn)
         out = tl.dot(a, w.to(a.dtype), input_precision="ieee")  # BLOCK_M, BLOCK_N
     return out

@@ -2,14 +2,14 @@
 
     C[m, n] = (Σ_k A[m, k] · W[n, k]) · s_a[m] · s_w[n]  (+ bias[n])
 
-A [M, K] int8 holds the activations quantized per token (row scales s_a [M]), W [N, K] int8 the weights per
-output channel (s_w [N]); nanoserve/quant/int8.py has the quantizers and the math. The scales sit outside
-the sum, so the loop over K is a pure integer GEMM — `tl.dot` on int8 tiles with an int32 accumulator,
-int8 tensor cores on sm_80+ (twice fp16's rate) — and the scales, the bias and the cast to the output
-dtype happen once per output tile, in registers (the *epilogue*), where `torch._int_mm` writes the int32
-matrix to memory and scales it in a second pass. Every partial sum is exact (|q| ≤ 127: K < 133,000).
-`w8a8_matmul_ref` is the same in plain torch. Tiles and warps: kernels/configs.py (row "w8a8").
-Taught in notebooks/13_w8a8.ipynb.
+A [M, K] int8 holds the activations quantized per token (row scales s_a [M]), W [N, K] int8 the
+weights per output channel (s_w [N]); nanoserve/quant/int8.py has the quantizers and the math. The
+scales sit outside the sum, so the loop over K is a pure integer GEMM — `tl.dot` on int8 tiles with
+an int32 accumulator, int8 tensor cores on sm_80+ (twice fp16's rate) — and the scales, the bias and
+the cast to the output dtype happen once per output tile, in registers (the *epilogue*), where
+`torch._int_mm` writes the int32 matrix to memory and scales it in a second pass. Every partial sum
+is exact (|q| ≤ 127: K < 133,000). `w8a8_matmul_ref` is the same in plain torch. Tiles and warps:
+kernels/configs.py (row "w8a8"). Taught in notebooks/13_w8a8.ipynb.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from .configs import DTYPES, gpu_arch, pick
 
 
 def w8a8_matmul_ref(a, scale_a, w, scale_w, bias=None, out_dtype=torch.float32) -> torch.Tensor:
-    """Plain torch: the exact int32 product (via float64), times the row and column scales (fp32), + bias."""
+    """Plain torch: the exact int32 product (via float64), times the row and column scales (fp32), +
+    bias."""
     acc = (a.double() @ w.double().T).float()  # M, N   exact integers
     c = acc * scale_a.float()[:, None] * scale_w.float()[None, :]
     return (c if bias is None else c + bias.float()).to(out_dtype)
@@ -44,7 +45,8 @@ def _w8a8_kernel(
         a = tl.load(A + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak,
                     mask=m_mask[:, None] & k_mask[None, :], other=0)  # BLOCK_M, BLOCK_K   int8
         w = tl.load(W + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk,
-                    mask=k_mask[:, None] & n_mask[None, :], other=0)  # BLOCK_K, BLOCK_N   int8 (Wᵀ's tile)
+                    # BLOCK_K, BLOCK_N   int8 (Wᵀ's tile)
+                    mask=k_mask[:, None] & n_mask[None, :], other=0)
         acc = tl.dot(a, w, acc, out_dtype=tl.int32)  # exact
     # the epilogue: scales, bias and the cast, once per tile
     s_a = tl.load(SA + offs_m, mask=m_mask, other=0.0)  # BLOCK_M   fp32
@@ -57,10 +59,11 @@ def _w8a8_kernel(
 
 
 def w8a8_matmul(a, scale_a, w, scale_w, bias=None, out_dtype=torch.float32) -> torch.Tensor:
-    """C [M, N] in out_dtype = (a [M, K] int8 · w [N, K]ᵀ int8) · scale_a [M] · scale_w [N] (fp32) + bias [N]."""
+    """C [M, N] in out_dtype = (a [M, K] int8 · w [N, K]ᵀ int8) · scale_a [M] · scale_w [N] (fp32) +
+    bias [N]."""
     if a.dtype != torch.int8 or w.dtype != torch.int8 or a.dim() != 2 or w.dim() != 2 or a.shape[1] != w.shape[1]:
-        raise ValueError(f"a [M, K] and w [N, K] must be int8 with one K, got {a.dtype} {tuple(a.shape)} and "
-                         f"{w.dtype} {tuple(w.shape)}")
+        raise ValueError(f"a [M, K] and w [N, K] must be int8 with one K, got {a.dtype} "
+                         f"{tuple(a.shape)} and {w.dtype} {tuple(w.shape)}")
     M, K = a.shape
     N = w.shape[0]
     if scale_a.shape != (M,) or scale_w.shape != (N,) or scale_a.dtype != torch.float32 \
@@ -75,7 +78,8 @@ def w8a8_matmul(a, scale_a, w, scale_w, bias=None, out_dtype=torch.float32) -> t
         raise ValueError("a, w, the scales and the bias must be on one device")
     arch = gpu_arch(a.device)
     if arch is not None and arch < 80:
-        raise ValueError(f"sm_{arch}: the int8 GEMM needs sm_80 or newer (int8 tensor cores through tl.dot)")
+        raise ValueError(f"sm_{arch}: the int8 GEMM needs sm_80 or newer (int8 tensor cores "
+                         "through tl.dot)")
     launch = pick("w8a8", a.device, out_dtype)
     BM, BN, BK = launch.tiles
     c = torch.empty(M, N, dtype=out_dtype, device=a.device)

@@ -1,27 +1,30 @@
-"""8-bit KV blocks inside the kernels: quantized as `store_kv` writes a token, dequantized in registers as
-attention reads a tile.
+"""8-bit KV blocks inside the kernels: quantized as `store_kv` writes a token, dequantized in
+registers as attention reads a tile.
 
-The formats, and the scale granularity (one fp16 scale per token and kv head, over its D values), are
-nanoserve/kv/quant.py's; its `KVQuant.quantize` / `dequantize`, built on torch's own int8 and float8 dtypes,
-are the plain-torch reference these functions match bit for bit (tests/test_kernels_kv_quant.py). A kernel
-takes `KV_QUANT` as a compile-time constant — NONE (0) for a pool in the model's dtype, else INT8, E4M3 or
-E5M2 below — so the unquantized kernel is the kernel it always was.
+The formats, and the scale granularity (one fp16 scale per token and kv head, over its D values),
+are nanoserve/kv/quant.py's; its `KVQuant.quantize` / `dequantize`, built on torch's own int8 and
+float8 dtypes, are the plain-torch reference these functions match bit for bit
+(tests/test_kernels_kv_quant.py). A kernel takes `KV_QUANT` as a compile-time constant — NONE (0)
+for a pool in the model's dtype, else INT8, E4M3 or E5M2 below — so the unquantized kernel is the
+kernel it always was.
 
-**Rounding exactly as torch does.** x / s uses `tl.math.div_rn`, the IEEE-rounded division of torch's `/`
-(Triton's plain `/` is an approximate division on a GPU). int8 rounds half to even, as torch.round: Triton's
-interpreter has no `rint`, so `rint` below adds and subtracts 1.5·2²³ — a number whose ulp is 1, so the fp32
-adder itself rounds y to an integer (ties to even, the IEEE default), and the subtraction is exact.
+**Rounding exactly as torch does.** x / s uses `tl.math.div_rn`, the IEEE-rounded division of
+torch's `/` (Triton's plain `/` is an approximate division on a GPU). int8 rounds half to even, as
+torch.round: Triton's interpreter has no `rint`, so `rint` below adds and subtracts 1.5·2²³ — a
+number whose ulp is 1, so the fp32 adder itself rounds y to an integer (ties to even, the IEEE
+default), and the subtraction is exact.
 
-**FP8 without FP8 instructions.** An e5m2 number is the top byte of an fp16 number (the same 5-bit exponent,
-bias 15, and 2 of its 10 mantissa bits). An e4m3 number (bias 7, 3 mantissa bits) is an fp16 number's sign,
-low 4 exponent bits and top 3 mantissa bits, off by 2⁸ (the biases differ by 8). So decoding is a shift, a
-bitcast to fp16 and, for e4m3, × 256: exact, subnormals included, on any GPU (sm_80 has no FP8 conversion
-instruction) and in the interpreter. Encoding first rounds y onto the format's grid: with e = ⌊log₂|y|⌋ read
-from the fp32 exponent bits (never below the smallest normal exponent, under which the grid is even: the
-subnormals), the spacing is 2^(e − mantissa bits), and rint(y / spacing) · spacing is y rounded to nearest
-even, a value the format holds exactly — so the way out through fp16 is exact too. (The interpreter's own
-fp32 → fp8 cast does not round to nearest: this path is also what makes the kernels testable on a CPU.)
-Taught in notebooks/12_kv_cache_quantization.ipynb.
+**FP8 without FP8 instructions.** An e5m2 number is the top byte of an fp16 number (the same 5-bit
+exponent, bias 15, and 2 of its 10 mantissa bits). An e4m3 number (bias 7, 3 mantissa bits) is an
+fp16 number's sign, low 4 exponent bits and top 3 mantissa bits, off by 2⁸ (the biases differ by 8).
+So decoding is a shift, a bitcast to fp16 and, for e4m3, × 256: exact, subnormals included, on any
+GPU (sm_80 has no FP8 conversion instruction) and in the interpreter. Encoding first rounds y onto
+the format's grid: with e = ⌊log₂|y|⌋ read from the fp32 exponent bits (never below the smallest
+normal exponent, under which the grid is even: the subnormals), the spacing is 2^(e − mantissa
+bits), and rint(y / spacing) · spacing is y rounded to nearest even, a value the format holds
+exactly — so the way out through fp16 is exact too. (The interpreter's own fp32 → fp8 cast does not
+round to nearest: this path is also what makes the kernels testable on a CPU.) Taught in
+notebooks/12_kv_cache_quantization.ipynb.
 """
 
 from __future__ import annotations
@@ -33,15 +36,18 @@ from ..kv.quant import FORMATS, KV_CACHE_DTYPES, MIN_SCALE
 
 # the kernels' KV_QUANT, by name: the jit code tests these constants, never bare numbers
 NONE, INT8, E4M3, E5M2 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
-KV_QUANT_CODES = {"auto": NONE.value, "int8": INT8.value, "fp8_e4m3": E4M3.value, "fp8_e5m2": E5M2.value}
+KV_QUANT_CODES = {"auto": NONE.value, "int8": INT8.value, "fp8_e4m3": E4M3.value,
+                  "fp8_e5m2": E5M2.value}
 assert set(KV_QUANT_CODES) == set(KV_CACHE_DTYPES)
-TINY = tl.constexpr(MIN_SCALE)  # the smallest scale, 2⁻¹⁴ (an all-zero head keeps a normal fp16 scale)
+# the smallest scale, 2⁻¹⁴ (an all-zero head keeps a normal fp16 scale)
+TINY = tl.constexpr(MIN_SCALE)
 
 
 def kv_quant_code(kv_cache_dtype) -> int:
     """The kernels' KV_QUANT for a `kv_cache_dtype` name."""
     if kv_cache_dtype not in KV_QUANT_CODES:
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                         f"{kv_cache_dtype!r}")
     return KV_QUANT_CODES[kv_cache_dtype]
 
 
@@ -64,16 +70,20 @@ def _pow2(e):
 
 @triton.jit
 def _round_to_grid(y, MANT: tl.constexpr, EMIN: tl.constexpr):
-    """fp32 y rounded to the nearest number with MANT mantissa bits and exponent ≥ EMIN, ties to even."""
-    e = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # ⌊log₂|y|⌋ (a normal y; 0 and subnormals: −127)
+    """fp32 y rounded to the nearest number with MANT mantissa bits and exponent ≥ EMIN, ties to
+    even."""
+    # ⌊log₂|y|⌋ (a normal y; 0 and subnormals: −127)
+    e = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     e = tl.maximum(e, EMIN)  # below the smallest normal, the grid's spacing stays 2^(EMIN − MANT)
     return rint(y * _pow2(MANT - e)) * _pow2(e - MANT)
 
 
 @triton.jit
 def fp8_encode(y, KV_QUANT: tl.constexpr):
-    """fp32 y, already within the format's range, -> its FP8 bits (uint8), rounded to nearest even."""
-    sign = (y.to(tl.int32, bitcast=True) >> 24) & 0x80  # y's sign bit, −0 included (torch keeps it too)
+    """fp32 y, already within the format's range, -> its FP8 bits (uint8), rounded to nearest
+    even."""
+    # y's sign bit, −0 included (torch keeps it too)
+    sign = (y.to(tl.int32, bitcast=True) >> 24) & 0x80
     a = tl.abs(y)
     if KV_QUANT == E4M3:  # as fp16 the value · 2⁻⁸; keep its 4 exponent and 3 mantissa bits
         h = (_round_to_grid(a, 3, -6) * 0.00390625).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
@@ -88,7 +98,8 @@ def fp8_encode(y, KV_QUANT: tl.constexpr):
 def fp8_decode(bits, KV_QUANT: tl.constexpr):
     """FP8 bits (uint8) -> their value in fp32, exactly."""
     b = bits.to(tl.int32)
-    if KV_QUANT == E4M3:  # sign to bit 15, exponent and mantissa to bits 13..7 of an fp16, then · 2⁸
+    # sign to bit 15, exponent and mantissa to bits 13..7 of an fp16, then · 2⁸
+    if KV_QUANT == E4M3:
         h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
         x = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
     else:  # e5m2: the top byte of an fp16
@@ -98,9 +109,11 @@ def fp8_decode(bits, KV_QUANT: tl.constexpr):
 
 @triton.jit
 def quantize_rows(x, KV_QUANT: tl.constexpr, QMAX: tl.constexpr):
-    """x [R, D] fp32 (padding columns 0) -> codes [R, D] (int8, or FP8 bits in uint8) and scales [R] (fp16).
+    """x [R, D] fp32 (padding columns 0) -> codes [R, D] (int8, or FP8 bits in uint8) and scales [R]
+    (fp16).
 
-    kv/quant.py's `quantize`: s = max(max|x| / QMAX, 2⁻¹⁴) rounded to fp16, codes = x / s rounded."""
+    kv/quant.py's `quantize`: s = max(max|x| / QMAX, 2⁻¹⁴) rounded to fp16, codes = x / s
+    rounded."""
     amax = tl.max(tl.abs(x), axis=1)  # R
     scale = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32)), TINY).to(tl.float16)  # R
     y = tl.math.div_rn(x, scale.to(tl.float32)[:, None])  # R, D
@@ -114,9 +127,9 @@ def quantize_rows(x, KV_QUANT: tl.constexpr, QMAX: tl.constexpr):
 
 @triton.jit
 def load_kv_tile(ptrs, mask, scale_ptrs, scale_mask, KV_QUANT: tl.constexpr, dtype: tl.constexpr):
-    """A tile of K or V from a pool, in `dtype`: as stored (KV_QUANT 0), or its 8-bit codes dequantized here, in
-    registers — codes · scale, both in `dtype` as kv/quant.py's `dequantize`, one scale per token (scale_ptrs
-    broadcast against ptrs). Masked positions read 0."""
+    """A tile of K or V from a pool, in `dtype`: as stored (KV_QUANT 0), or its 8-bit codes
+    dequantized here, in registers — codes · scale, both in `dtype` as kv/quant.py's `dequantize`,
+    one scale per token (scale_ptrs broadcast against ptrs). Masked positions read 0."""
     x = tl.load(ptrs, mask=mask, other=0)
     if KV_QUANT != NONE:
         scale = tl.load(scale_ptrs, mask=scale_mask, other=0.0)

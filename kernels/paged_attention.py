@@ -23,15 +23,16 @@ group as the rows of a [G_PAD, D] tile, so every K/V tile is loaded once per gro
 times, and q·kᵀ, p·v are real matrix products (tl.dot; G_PAD = G rounded up to ≥ 16, the
 smallest tl.dot a GPU accepts; padding rows have q = 0 and are never stored).
 
-**Split-KV** (Flash-Decoding, Dao et al. 2023: kernels/split_kv.py). With few sequences, B·Hkv programs
-leave most of a GPU idle, so the context is cut into `num_splits` ranges of whole tiles, grid (B, Hkv,
-num_splits): each split writes its partial output, normalised over its own keys, and their log-sum-exp, and
-`merge_splits` combines them exactly. With num_splits = 1 the single partial is the answer, written to `out`.
+**Split-KV** (Flash-Decoding, Dao et al. 2023: kernels/split_kv.py). With few sequences, B·Hkv
+programs leave most of a GPU idle, so the context is cut into `num_splits` ranges of whole tiles,
+grid (B, Hkv, num_splits): each split writes its partial output, normalised over its own keys, and
+their log-sum-exp, and `merge_splits` combines them exactly. With num_splits = 1 the single partial
+is the answer, written to `out`.
 
-**Quantized pools** (`kv_cache_dtype` int8 / fp8_e4m3 / fp8_e5m2, nanoserve/kv/quant.py): K and V hold 8-bit
-codes, `k_scale`/`v_scale` [num_blocks, block_size, Hkv] one fp16 scale per token and kv head. Each tile is
-dequantized in registers as it is loaded (kernels/kv_quant.py: codes · scale, in q's dtype); no
-full-precision copy of the cache exists anywhere.
+**Quantized pools** (`kv_cache_dtype` int8 / fp8_e4m3 / fp8_e5m2, nanoserve/kv/quant.py): K and V
+hold 8-bit codes, `k_scale`/`v_scale` [num_blocks, block_size, Hkv] one fp16 scale per token and kv
+head. Each tile is dequantized in registers as it is loaded (kernels/kv_quant.py: codes · scale, in
+q's dtype); no full-precision copy of the cache exists anywhere.
 
 **Precision.** On a GPU, q·kᵀ and p·v run in the input dtype on tensor cores with fp32
 accumulation (p is rounded to fp16/bf16 for the second product, as in FlashAttention), and fp32
@@ -60,8 +61,8 @@ from .split_kv import choose_num_splits, merge_splits
 # ----------------------------------------------------------------------------- the reference
 def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, sm_scale=None, window=None,
                         softcap=None) -> torch.Tensor:
-    """Plain torch, one sequence at a time: gather its keys through the block table (the `window` newest
-    only, with a sliding window), softmax, sum values."""
+    """Plain torch, one sequence at a time: gather its keys through the block table (the `window`
+    newest only, with a sliding window), softmax, sum values."""
     B, H, D = q.shape
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
     scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
@@ -96,7 +97,8 @@ def _paged_decode_kernel(
     first = 0  # the first key the query sees: 0, or with a sliding window, ctx − window
     if window > 0:
         first = tl.maximum(ctx - window, 0)
-    split_len = tl.cdiv(tl.cdiv(ctx - first, tl.num_programs(2)), BLOCK_N) * BLOCK_N  # whole tiles per split
+    # whole tiles per split
+    split_len = tl.cdiv(tl.cdiv(ctx - first, tl.num_programs(2)), BLOCK_N) * BLOCK_N
     lo = first + split * split_len
     hi = tl.minimum(lo + split_len, ctx)  # lo ≥ hi: an empty split, the loop below never runs
 
@@ -117,10 +119,13 @@ def _paged_decode_kernel(
     for start in range(lo, hi, BLOCK_N):
         pos = start + offs_n  # BLOCK_N   token positions in the sequence
         n_mask = pos < hi
-        blk = tl.load(block_tables + b * stride_bt + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        blk = tl.load(block_tables + b * stride_bt + pos // BLOCK_SIZE, mask=n_mask,
+                      other=0).to(tl.int64)
         off = pos % BLOCK_SIZE
-        kv_mask = n_mask[:, None] & d_mask[None, :]  # masked slots are never read: NaN there cannot leak
-        scale_at = (blk * BLOCK_SIZE + off) * n_kv_heads + kvh  # BLOCK_N   a quantized pool's scale of each key
+        # masked slots are never read: NaN there cannot leak
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        # BLOCK_N   a quantized pool's scale of each key
+        scale_at = (blk * BLOCK_SIZE + off) * n_kv_heads + kvh
         k = load_kv_tile(K_cache + blk[:, None] * stride_kcb + off[:, None] * stride_kcs + kvh * stride_kch
                          + offs_d[None, :], kv_mask, K_scale + scale_at[:, None], n_mask[:, None],
                          KV_QUANT, q.dtype)  # BLOCK_N, D_PAD
@@ -130,7 +135,8 @@ def _paged_decode_kernel(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        # scale · log2 e, so exp2 below is exp; applied to the fp32 scores, not to q (no extra rounding)
+        # scale · log2 e, so exp2 below is exp; applied to the fp32 scores, not to q (no extra
+        # rounding)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # G_PAD, BLOCK_N
         if SOFTCAP > 0:  # compile-time: without a cap, the kernel it always was
             s = softcap_scores(s, SOFTCAP)
@@ -139,32 +145,40 @@ def _paged_decode_kernel(
         alpha = tl.exp2(m - m_new)  # G_PAD   rescales what came before
         p = tl.exp2(s - m_new[:, None])  # G_PAD, BLOCK_N
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")  # G_PAD, D_PAD
+        # G_PAD, D_PAD
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m = m_new
 
     nonempty = l > 0
     l_safe = tl.where(nonempty, l, 1.0)
     out = acc / l_safe[:, None]  # G_PAD, D_PAD   an empty split leaves 0 here
-    lse = tl.where(nonempty, m * 0.6931471805599453 + tl.log(l_safe), float("-inf"))  # G_PAD, natural log
+    # G_PAD, natural log
+    lse = tl.where(nonempty, m * 0.6931471805599453 + tl.log(l_safe), float("-inf"))
     o_ptrs = Out + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
     tl.store(Lse + b * stride_lb + heads * stride_lh + split, lse, mask=row_mask)
 
 
 # ----------------------------------------------------------------------------- the wrappers
-def paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, sm_scale=None, num_splits=1,
-                          *, out=None, max_context=None, window=None, softcap=None, k_scale=None, v_scale=None,
+def paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, sm_scale=None,
+                          num_splits=1,
+                          *, out=None, max_context=None, window=None, softcap=None, k_scale=None,
+                          v_scale=None,
                           kv_cache_dtype="auto"):
-    """The first phase alone: partial outputs [B, H, num_splits, D] and their log-sum-exps [B, H, num_splits] (fp32).
+    """The first phase alone: partial outputs [B, H, num_splits, D] and their log-sum-exps [B, H,
+    num_splits] (fp32).
 
     With `out` ([B, H, D]) and num_splits = 1, the single partial is written straight to it instead.
-    max_context: a bound on context_lens known on the host (see `paged_attention`), checked with the values.
+    max_context: a bound on context_lens known on the host (see `paged_attention`), checked with the
+    values.
     """
-    quant = check_paged_attention(q, k_cache, v_cache, block_tables, context_lens, num_splits, max_context,
+    quant = check_paged_attention(q, k_cache, v_cache, block_tables, context_lens, num_splits,
+                                  max_context,
                                   k_scale, v_scale, kv_cache_dtype)
     window, softcap = check_window(window), check_softcap(softcap)
     if out is not None and (num_splits != 1 or out.shape != q.shape or out.stride(-1) != 1):
-        raise ValueError("out= is for num_splits = 1 only, and must be shaped like q, contiguous in head_dim")
+        raise ValueError("out= is for num_splits = 1 only, and must be shaped like q, contiguous "
+                         "in head_dim")
     B, H, D = q.shape
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
     launch = pick("decode", q.device, q.dtype, D, kv8=bool(quant))
@@ -185,15 +199,19 @@ def paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, sm_sc
         block_tables.stride(0),
         *part_strides, lse.stride(0), lse.stride(1),
         scale * 1.4426950408889634, D, Hkv, window,  # · log2 e
-        SOFTCAP=softcap, BLOCK_SIZE=bs, GROUP=H // Hkv, G_PAD=max(16, triton.next_power_of_2(H // Hkv)),
-        D_PAD=max(16, triton.next_power_of_2(D)), BLOCK_N=launch.tiles[0], UPCAST=launch.upcast, KV_QUANT=quant,
+        SOFTCAP=softcap, BLOCK_SIZE=bs, GROUP=H // Hkv,
+        G_PAD=max(16, triton.next_power_of_2(H // Hkv)),
+        D_PAD=max(16, triton.next_power_of_2(D)), BLOCK_N=launch.tiles[0], UPCAST=launch.upcast,
+        KV_QUANT=quant,
         **launch.options(),
     )
     return part, lse
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, context_lens, sm_scale=None, num_splits: int | None = 1,
-                    *, max_context: int | None = None, window: int | None = None, softcap: float | None = None,
+def paged_attention(q, k_cache, v_cache, block_tables, context_lens, sm_scale=None,
+                    num_splits: int | None = 1,
+                    *, max_context: int | None = None, window: int | None = None,
+                    softcap: float | None = None,
                     k_scale=None, v_scale=None, kv_cache_dtype: str = "auto") -> torch.Tensor:
     """Decode attention over paged K/V.
 
@@ -206,7 +224,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, sm_scale=No
     window, each query sees its `window` newest keys only (None: all). softcap: scores x ->
     softcap·tanh(x / softcap) before the softmax (None: off). kv_cache_dtype "int8" / "fp8_e4m3" /
     "fp8_e5m2": the pools hold 8-bit codes (int8, or FP8 bits in uint8) and k_scale, v_scale
-    [num_blocks, block_size, Hkv] their fp16 scales (nanoserve/kv/quant.py), dequantized as they are read.
+    [num_blocks, block_size, Hkv] their fp16 scales (nanoserve/kv/quant.py), dequantized as they are
+    read.
     """
     kv = dict(k_scale=k_scale, v_scale=v_scale, kv_cache_dtype=kv_cache_dtype)
     if num_splits is None:

@@ -1,4 +1,5 @@
-"""Split-KV (Flash-Decoding, Dao et al. 2023): how many splits fill a GPU, and the exact merge of their partials.
+"""Split-KV (Flash-Decoding, Dao et al. 2023): how many splits fill a GPU, and the exact merge of
+their partials.
 
 Decode (kernels/paged_attention.py) has only B·Hkv programs: with a small
 batch most of a GPU's SMs would sit idle while a few programs walk long contexts. So the
@@ -24,10 +25,13 @@ import triton.language as tl
 
 from .configs import INTERPRETER
 
-BLOCK_N = INTERPRETER["decode"].tiles[0]  # key positions per tile in the interpreter (GPU: configs.DECODE)
-MIN_TILES_PER_SPLIT = 4  # choose_num_splits: a split must have work enough (4 · 32 keys) to pay for the merge
+# key positions per tile in the interpreter (GPU: configs.DECODE)
+BLOCK_N = INTERPRETER["decode"].tiles[0]
+# choose_num_splits: a split must have work enough (4 · 32 keys) to pay for the merge
+MIN_TILES_PER_SPLIT = 4
 MAX_SPLITS = 64
-WAVES = 2  # choose_num_splits fills the GPU twice: on an H100, batch 1 at 32k context, 2 waves took 0.068 ms,
+# choose_num_splits fills the GPU twice: on an H100, batch 1 at 32k context, 2 waves took 0.068 ms,
+WAVES = 2
 # 1 wave 0.086, 4 and 8 waves 0.067-0.068 (benchmarks/gpu_tune.py, RESULTS.md)
 
 
@@ -50,14 +54,16 @@ def _merge_splits_kernel(
     offs_s = tl.arange(0, S_PAD)
     offs_d = tl.arange(0, D_PAD)
     s_mask = offs_s < num_splits
-    lse = tl.load(Lse + b * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"))  # S_PAD
+    # S_PAD
+    lse = tl.load(Lse + b * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
     w = tl.exp(lse - tl.max(lse, axis=0))  # S_PAD   the max is finite (split 0 is never empty)
     w = w / tl.sum(w, axis=0)  # = exp(lse_s − logsumexp lse); empty splits get exactly 0
     mask = s_mask[:, None] & (offs_d[None, :] < head_dim)
     part = tl.load(Part + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
                    mask=mask, other=0.0)  # S_PAD, D_PAD
     out = tl.sum(w[:, None] * part, axis=0)  # D_PAD
-    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=offs_d < head_dim)
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty),
+             mask=offs_d < head_dim)
 
 
 # ----------------------------------------------------------------------------- the wrappers
@@ -77,16 +83,18 @@ def merge_splits(partial_out, partial_lse, out_dtype=torch.float32) -> torch.Ten
     return out
 
 
-def choose_num_splits(batch: int, num_heads: int, max_context: int | None, num_sms: int | None = None) -> int:
+def choose_num_splits(batch: int, num_heads: int, max_context: int | None,
+                      num_sms: int | None = None) -> int:
     """How many KV splits fill the GPU: S = ⌈WAVES · num_sms / (batch · num_heads)⌉, capped.
 
     batch · num_heads is the number of programs without splitting; pass the number of *kv* heads,
     since one program serves a whole GQA group. One wave of num_sms programs gives every SM one
     program, but a program reads its tiles one after another: measured, a second wave (more loads in
-    flight per SM) was 1.26× faster at 32k context and further waves bought nothing. Caps: each split
-    keeps ≥ MIN_TILES_PER_SPLIT tiles of BLOCK_N keys (a split shorter than that costs more in launch
-    and merge than it saves; None = the longest context is unknown: no such cap), and at most
-    MAX_SPLITS. num_sms = None reads it from the current CUDA device; on CPU the answer is 1. Reads no
+    flight per SM) was 1.26× faster at 32k context and further waves bought nothing. Caps: each
+    split keeps ≥ MIN_TILES_PER_SPLIT tiles of BLOCK_N keys (a split shorter than that costs more in
+    launch and merge than it saves; None = the longest context is unknown: no such cap), and at most
+    MAX_SPLITS. num_sms = None reads it from the current CUDA device; on CPU the answer is 1. Reads
+    no
     tensor: no host sync.
     """
     if num_sms is None:
@@ -95,5 +103,6 @@ def choose_num_splits(batch: int, num_heads: int, max_context: int | None, num_s
         num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     programs = max(1, batch * num_heads)
     fill = -(-WAVES * num_sms // programs)  # ⌈WAVES · num_sms / programs⌉
-    by_length = MAX_SPLITS if max_context is None else max(1, -(-max_context // BLOCK_N) // MIN_TILES_PER_SPLIT)
+    by_length = MAX_SPLITS if max_context is None else max(1,
+                                                           -(-max_context // BLOCK_N) // MIN_TILES_PER_SPLIT)
     return max(1, min(fill, by_length, MAX_SPLITS))

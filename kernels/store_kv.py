@@ -63,7 +63,9 @@ def _store_kv_kernel(
     if KV_QUANT == 0:
         tl.store(kc, k, mask=mask)  # bit copy: no arithmetic, so bf16 is fine in the interpreter
         tl.store(vc, v, mask=mask)
-    else:  # 8 bits per value and one scale per head, at slot · Hkv + head in the [.., block_size, Hkv] scales
+    # 8 bits per value and one scale per head, at slot · Hkv + head in the [.., block_size, Hkv]
+    # scales
+    else:
         k_codes, k_s = quantize_rows(k.to(tl.float32), KV_QUANT, QMAX)  # H_PAD, D_PAD; H_PAD
         v_codes, v_s = quantize_rows(v.to(tl.float32), KV_QUANT, QMAX)
         tl.store(kc, k_codes, mask=mask)
@@ -72,21 +74,24 @@ def _store_kv_kernel(
         tl.store(V_scale + slot * n_kv_heads + offs_h, v_s, mask=offs_h < n_kv_heads)
 
 
-def store_kv(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=None, kv_cache_dtype="auto") -> None:
+def store_kv(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=None,
+             kv_cache_dtype="auto") -> None:
     """Write k, v [N, Hkv, D] into the pools [num_blocks, block_size, Hkv, D] at `slot_mapping` [N].
 
-    kv_cache_dtype "int8" / "fp8_e4m3" / "fp8_e5m2": quantize them first, codes into the pools (int8, or
-    FP8 bits in uint8) and one fp16 scale per token and kv head into k_scale, v_scale [num_blocks, block_size, Hkv].
+    kv_cache_dtype "int8" / "fp8_e4m3" / "fp8_e5m2": quantize them first, codes into the pools
+    (int8, or FP8 bits in uint8) and one fp16 scale per token and kv head into k_scale, v_scale
+    [num_blocks, block_size, Hkv].
     """
     quant = check_pools(k_cache, v_cache, k_scale, v_scale, kv_cache_dtype)
     nb, bs, Hkv, D = k_cache.shape
     if k.shape != v.shape or k.dim() != 3 or k.shape[1:] != (Hkv, D):
-        raise ValueError(f"k, v must be [N, {Hkv}, {D}] like the pools, got {tuple(k.shape)} and {tuple(v.shape)}")
+        raise ValueError(f"k, v must be [N, {Hkv}, {D}] like the pools, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
     if k.dtype != v.dtype or (k.dtype != k_cache.dtype and not quant) or k.dtype not in DTYPES:
         raise ValueError(f"k, v dtypes {k.dtype}, {v.dtype} differ from the pools' {k_cache.dtype}")
     if slot_mapping.shape != (k.shape[0],) or slot_mapping.dtype not in INT_DTYPES:
-        raise ValueError(f"slot_mapping must be int32/int64 [{k.shape[0]}], got {slot_mapping.dtype} "
-                         f"{tuple(slot_mapping.shape)}")
+        raise ValueError(f"slot_mapping must be int32/int64 [{k.shape[0]}], got "
+                         f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
     if can_read_values(slot_mapping) and slot_mapping.numel() and (
             slot_mapping.min() < -1 or slot_mapping.max() >= nb * bs):
         raise ValueError(f"slot_mapping holds slots outside −1 .. {nb * bs - 1}")
@@ -100,6 +105,7 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=None
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         Hkv, D,
-        BLOCK_SIZE=bs, H_PAD=triton.next_power_of_2(Hkv), D_PAD=triton.next_power_of_2(D), KV_QUANT=quant,
+        BLOCK_SIZE=bs, H_PAD=triton.next_power_of_2(Hkv), D_PAD=triton.next_power_of_2(D),
+        KV_QUANT=quant,
         QMAX=qmax(kv_cache_dtype) if quant else 0.0,
     )

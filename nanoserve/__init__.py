@@ -31,9 +31,9 @@ import torch
 # (torch._dynamo) — so as early as possible: here.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    # A CPU engine streams every weight from memory each step: torch's allocator puts tensors of ≥ 2 MB on
-    # 2 MB pages when this is set (read at its first allocation, so also as early as possible; a process
-    # that sets it to 0 keeps 4 KiB pages). Why and how much: engine/cpu_allocator.py.
+    # A CPU engine streams every weight from memory each step: torch's allocator puts tensors of ≥ 2
+    # MB on 2 MB pages when this is set (read at its first allocation, so also as early as possible;
+    # a process that sets it to 0 keeps 4 KiB pages). Why and how much: engine/cpu_allocator.py.
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 # every extension attached to the core's extension points (nanoserve/extensions.py)

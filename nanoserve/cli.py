@@ -7,7 +7,8 @@
     nanoserve serve --model demo [--host 127.0.0.1 --port 8000 --api-key KEY --max-waiting N --lora-modules N=P]
     nanoserve bench serve --url http://127.0.0.1:8000/v1 --rates 1 4 16 [--out FILE.json]
 
-Text streams to stdout (pipe it), statistics to stderr; bad input prints `nanoserve: error: ...`, exits 2.
+Text streams to stdout (pipe it), statistics to stderr; bad input prints `nanoserve: error: ...`,
+exits 2.
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="nanoserve", description="An educational LLM inference engine.")
+    ap = argparse.ArgumentParser(prog="nanoserve",
+                                 description="An educational LLM inference engine.")
     sub = ap.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text from a prompt (streams to stdout)")
@@ -102,24 +104,29 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="perplexity of a model on a text file (sliding window)")
     add_engine_args(e, LOAD_ARGS)
     e.add_argument("--text", required=True, help="a UTF-8 text file")
-    e.add_argument("--context", type=int, help="window length in tokens (default: the model's context)")
+    e.add_argument("--context", type=int,
+                   help="window length in tokens (default: the model's context)")
     e.add_argument("--stride", type=int, help="tokens scored per window (default: context // 2)")
     e.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens of the file")
 
-    b = sub.add_parser("bench", help="benchmark static / dynamic / continuous batching (and HF generate)")
+    b = sub.add_parser("bench",
+                       help="benchmark static / dynamic / continuous batching (and HF generate)")
     b.add_argument("workload", choices=["throughput", "latency", "speculative", "serve"],
-                   help="speculative: the target alone vs speculative decoding, γ = 1..8, T = 0 and 1; "
-                        "serve: Poisson load on a running server (--url)")
+                   help="speculative: the target alone vs speculative decoding, γ = 1..8, T = 0 "
+                        "and 1; serve: Poisson load on a running server (--url)")
     b.add_argument("--model", default="demo", help=MODEL_HELP)
     b.add_argument("--speculative-model", help="speculative: the draft model (default demo-draft)")
     b.add_argument("--num-requests", type=int)
     b.add_argument("--batch-size", type=int, default=16, help="static/dynamic batch size")
     b.add_argument("--max-wait-ms", type=float, default=20.0, help="dynamic batching's wait")
-    b.add_argument("--rates", type=float, nargs="+", default=[2.0, 8.0, 32.0], help="latency: requests/s")
-    b.add_argument("--no-hf", action="store_true", help="throughput: skip the HF transformers baseline")
+    b.add_argument("--rates", type=float, nargs="+", default=[2.0, 8.0, 32.0],
+                   help="latency: requests/s")
+    b.add_argument("--no-hf", action="store_true",
+                   help="throughput: skip the HF transformers baseline")
     b.add_argument("--out", help="save the results as JSON here")
     b.add_argument("--url", default="http://127.0.0.1:8000/v1", help="serve: the server's /v1 root")
-    b.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY") or None, help="serve: the server's key")
+    b.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY") or None,
+                   help="serve: the server's key")
     b.add_argument("--input-len", type=int, nargs=2, default=[8, 64], metavar=("MIN", "MAX"),
                    help="serve: prompt tokens, uniform in [MIN, MAX]")
     b.add_argument("--output-len", type=int, nargs=2, default=[8, 64], metavar=("MIN", "MAX"),
@@ -127,24 +134,32 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--slo-ttft-ms", type=float, help="serve: goodput's time-to-first-token SLO")
     b.add_argument("--slo-tpot-ms", type=float, help="serve: goodput's time-per-output-token SLO")
 
-    q = sub.add_parser("quantize", help="quantize a model's linears (RTN, GPTQ, AWQ; W8A8 int8, SmoothQuant, FP8), "
-                                        "save in the GPTQ or compressed-tensors format")
+    q = sub.add_parser("quantize",
+                       help="quantize a model's linears (RTN, GPTQ, AWQ; W8A8 int8, SmoothQuant, "
+                            "FP8), save in the GPTQ or compressed-tensors format")
     add_engine_args(q, LOAD_ARGS)
-    q.add_argument("--method", choices=["rtn", "gptq", "awq", "int8", "smoothquant", "fp8"], default="gptq",
-                   help="int8: W8A8 (per-channel weights, per-token activations); smoothquant: the same after "
-                        "SmoothQuant's smoothing (needs --calib); fp8: W8A8-FP8. These three write compressed-tensors")
+    q.add_argument("--method", choices=["rtn", "gptq", "awq", "int8", "smoothquant", "fp8"],
+                   default="gptq",
+                   help="int8: W8A8 (per-channel weights, per-token activations); smoothquant: "
+                        "the same after SmoothQuant's smoothing (needs --calib); fp8: W8A8-FP8. "
+                        "These three write compressed-tensors")
     q.add_argument("--format", choices=["gptq", "compressed-tensors"],
                    help="checkpoint format of the 4-bit methods (default gptq)")
-    q.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant's migration strength α in [0, 1]")
+    q.add_argument("--alpha", type=float, default=0.5,
+                   help="SmoothQuant's migration strength α in [0, 1]")
     q.add_argument("--bits", type=int, default=4, help="2..8 (the GPTQ format stores 2, 3, 4 or 8)")
-    q.add_argument("--group-size", type=int, default=128, help="weights per (scale, zero); -1 = one group per row")
-    q.add_argument("--asym", action="store_true", help="asymmetric grid (zero points per group; default symmetric)")
-    q.add_argument("--act-order", action="store_true", help="GPTQ: quantize columns by decreasing activation energy")
+    q.add_argument("--group-size", type=int, default=128,
+                   help="weights per (scale, zero); -1 = one group per row")
+    q.add_argument("--asym", action="store_true",
+                   help="asymmetric grid (zero points per group; default symmetric)")
+    q.add_argument("--act-order", action="store_true",
+                   help="GPTQ: quantize columns by decreasing activation energy")
     q.add_argument("--calib", help="calibration text file (GPTQ and AWQ need one)")
     q.add_argument("--nsamples", type=int, default=32, help="calibration windows")
     q.add_argument("--seqlen", type=int, help="tokens per window (default: min(context, 512))")
     q.add_argument("--seed", type=int, default=0, help="which windows of the calibration text")
-    q.add_argument("--out", required=True, help="output directory (config.json + model.safetensors)")
+    q.add_argument("--out", required=True,
+                   help="output directory (config.json + model.safetensors)")
 
     v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)")
     add_engine_args(v)
@@ -154,11 +169,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on every route but /health and "
                         "/metrics (default: $NANOSERVE_API_KEY, else none)")
     v.add_argument("--served-model-name", help="the model name clients send (default: --model)")
-    v.add_argument("--chat-template", help="a Jinja chat template file (default: the model's own, if any)")
-    v.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", help="PEFT LoRA adapters served beside it")
+    v.add_argument("--chat-template",
+                   help="a Jinja chat template file (default: the model's own, if any)")
+    v.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
+                   help="PEFT LoRA adapters served beside it")
     v.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
                    help="largest request body accepted (default 4 MiB); larger ones get 413")
-    v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    v.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
     limits = ServerLimits()
     v.add_argument("--max-prompts-per-request", type=int, default=limits.max_prompts_per_request,
                    help="prompts in one completions batch (default %(default)s)")
@@ -188,10 +206,12 @@ def cmd_generate(args) -> None:
     elapsed = time.perf_counter() - start
     sys.stdout.write("\n")
     spec = out[1].outputs[0].spec_stats if n_out else None
-    spec_note = (f" speculative: acceptance={spec.acceptance_rate:.2f} tokens/step={spec.tokens_per_step:.2f}"
+    spec_note = (f" speculative: acceptance={spec.acceptance_rate:.2f} "
+                 f"tokens/step={spec.tokens_per_step:.2f}"
                  if spec is not None and spec.num_steps else "")
-    print(f"[nanoserve] model={args.model} device={llm.device} dtype={str(llm.dtype).removeprefix('torch.')} "
-          f"prompt_tokens={n_prompt} generated_tokens={n_out} time={elapsed:.2f}s "
+    print(f"[nanoserve] model={args.model} device={llm.device} "
+          f"dtype={str(llm.dtype).removeprefix('torch.')} prompt_tokens={n_prompt} "
+          f"generated_tokens={n_out} time={elapsed:.2f}s "
           f"tokens/s={n_out / elapsed:.1f}{spec_note}", file=sys.stderr)
 
 
@@ -201,7 +221,8 @@ def cmd_eval(args) -> None:
 
     text = read_text(args.text)  # check the file before loading the model
     model, cfg, tok = load_model(args.model, dtype=args.dtype, device=args.device)
-    res = perplexity(model, tok, text, context=args.context, stride=args.stride, max_tokens=args.max_tokens)
+    res = perplexity(model, tok, text, context=args.context, stride=args.stride,
+                     max_tokens=args.max_tokens)
     print(res.table())
 
 
@@ -212,8 +233,10 @@ def cmd_bench(args) -> None:
         from .tools.bench_serve import bench_serve, format_bench_serve
 
         print(format_bench_serve(bench_serve(
-            url=args.url, rates=tuple(args.rates), n=args.num_requests or 32, in_range=tuple(args.input_len),
-            out_range=tuple(args.output_len), slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
+            url=args.url, rates=tuple(args.rates), n=args.num_requests or 32,
+            in_range=tuple(args.input_len),
+            out_range=tuple(args.output_len), slo_ttft_ms=args.slo_ttft_ms,
+            slo_tpot_ms=args.slo_tpot_ms,
             api_key=args.api_key, out=args.out)))
         return
     if args.workload == "speculative":
@@ -221,7 +244,8 @@ def cmd_bench(args) -> None:
             model=args.model, draft=args.speculative_model or "demo-draft", out=args.out,
             **({"n": args.num_requests} if args.num_requests else {}))))
         return
-    common = dict(model=args.model, batch_size=args.batch_size, max_wait_ms=args.max_wait_ms, out=args.out)
+    common = dict(model=args.model, batch_size=args.batch_size, max_wait_ms=args.max_wait_ms,
+                  out=args.out)
     if args.num_requests:
         common["n"] = args.num_requests
     if args.workload == "throughput":
@@ -234,7 +258,12 @@ def cmd_quantize(args) -> None:
     from .models.loader import load_model
     from .quant.model import QuantizeConfig, calibration_ids, quantize_model
     from .quant.online import quantize_on_load
-    from .quant.save import check_compressed_target, replace_linears, save_compressed, save_quantized
+    from .quant.save import (
+        check_compressed_target,
+        replace_linears,
+        save_compressed,
+        save_quantized,
+    )
     from .quant.smoothquant import smooth_model
     from .tools.evaluate import read_text
 
@@ -245,42 +274,52 @@ def cmd_quantize(args) -> None:
     if w8 or args.format == "compressed-tensors":
         check_compressed_target(cfg)  # before the (long) quantization, not after
     seqlen = args.seqlen or min(cfg.max_position_embeddings, 512)
-    calib = calibration_ids(tok, text, args.nsamples, seqlen, args.seed) if text is not None else None
+    calib = calibration_ids(tok, text, args.nsamples, seqlen,
+                            args.seed) if text is not None else None
     start = time.perf_counter()
     if w8:
         if args.method == "smoothquant":
             smooth_model(model, calib, args.alpha)
         names = quantize_on_load(model, "fp8" if args.method == "fp8" else "int8")
         out = save_compressed(model, args.out, tokenizer_from=args.model)
-        print(f"[nanoserve] {args.method}: {len(names)} linears in {time.perf_counter() - start:.1f}s; saved to {out}",
+        print(f"[nanoserve] {args.method}: {len(names)} linears in "
+              f"{time.perf_counter() - start:.1f}s; saved to {out}",
               file=sys.stderr)
         return
-    config = QuantizeConfig(method=args.method, bits=args.bits, group_size=args.group_size, sym=not args.asym,
+    config = QuantizeConfig(method=args.method, bits=args.bits, group_size=args.group_size,
+                            sym=not args.asym,
                             act_order=args.act_order)
     result = quantize_model(model, calib, config)
     if args.format == "compressed-tensors":
-        out = save_compressed(replace_linears(model, result.qweights), args.out, tokenizer_from=args.model)
+        out = save_compressed(replace_linears(model, result.qweights), args.out,
+                              tokenizer_from=args.model)
     else:
         out = save_quantized(model, result, args.out, tokenizer_from=args.model)
-    print(f"[nanoserve] {args.method} {args.bits}-bit g{args.group_size}: {len(result.qweights)} linears in "
-          f"{time.perf_counter() - start:.1f}s; block output errors "
-          f"{', '.join(f'{e:.2e}' for e in result.block_errors) or '(no calibration)'}; saved to {out}",
+    print(f"[nanoserve] {args.method} {args.bits}-bit g{args.group_size}: {len(result.qweights)} "
+          f"linears in {time.perf_counter() - start:.1f}s; block output errors "
+          f"{', '.join(f'{e:.2e}' for e in result.block_errors) or '(no calibration)'}; saved to "
+          f"{out}",
           file=sys.stderr)
 
 
 def _check_quantize_args(args, w8: bool) -> None:
-    """Every flag of `quantize` either applies to the method or is refused by name, before any model loads."""
+    """Every flag of `quantize` either applies to the method or is refused by name, before any model
+    loads."""
     if w8:
-        unused = [flag for flag, used in (("--bits", args.bits != 4), ("--group-size", args.group_size != 128),
-                                          ("--asym", args.asym), ("--act-order", args.act_order)) if used]
+        unused = [flag for flag,
+                  used in (("--bits", args.bits != 4), ("--group-size", args.group_size != 128),
+                                          ("--asym", args.asym),
+                           ("--act-order", args.act_order)) if used]
         if unused or args.format == "gptq":
-            raise NanoserveError(f"--method {args.method} is 8-bit, per channel, saved as compressed-tensors: "
-                                 f"{', '.join(unused) or '--format gptq'} does not apply to it")
+            raise NanoserveError(f"--method {args.method} is 8-bit, per channel, saved as "
+                                 f"compressed-tensors: {', '.join(unused) or '--format gptq'} does "
+                                 "not apply to it")
     elif args.format == "compressed-tensors" and (args.bits != 4 or args.act_order):
         raise NanoserveError("--format compressed-tensors writes 4-bit groups in order: not --bits "
                              f"{args.bits}{' with --act-order' if args.act_order else ''}")
     if (args.alpha != 0.5 and args.method != "smoothquant") or not 0 <= args.alpha <= 1:
-        raise NanoserveError(f"--alpha {args.alpha}: SmoothQuant's α, in [0, 1], for --method smoothquant only")
+        raise NanoserveError(f"--alpha {args.alpha}: SmoothQuant's α, in [0, 1], for --method "
+                             "smoothquant only")
     if args.method not in ("rtn", "int8", "fp8") and not args.calib:
         raise NanoserveError(f"--method {args.method} needs --calib FILE (text to calibrate on)")
 

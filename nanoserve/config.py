@@ -1,9 +1,9 @@
 """Every setting of an engine: one small validated dataclass per concern, in vLLM's names.
 
     EngineConfig
-        load                LoadConfig: which model, its dtype and device, 8-bit linears, eager or graphs
-        cache               CacheConfig: the paged KV pool (block size, size, K/V dtype, attention backend)
-        scheduler           SchedulerConfig: sequences and tokens per step, the waiting queue's bound
+        load                LoadConfig: which model, dtype and device, 8-bit linears, eager/graphs
+        cache               CacheConfig: the paged KV pool (block size, size, K/V dtype, backend)
+        scheduler           SchedulerConfig: sequences and tokens per step, the waiting queue
         parallel            ParallelConfig: tensor- or pipeline-parallel ranks
         speculative         SpeculativeConfig, or None: no speculative decoding
         lora                LoRAConfig, or None: no per-request adapters
@@ -26,11 +26,14 @@ from dataclasses import dataclass, field, fields, replace
 
 from .errors import ConfigError, NanoserveError
 
-QUANTIZATION_METHODS = ("fp8", "int8", "llm.int8")  # quant/online.py: 8-bit linears made as they load
+# quant/online.py: 8-bit linears made as they load
+QUANTIZATION_METHODS = ("fp8", "int8", "llm.int8")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")  # kv/quant.py
 ATTENTION_BACKENDS = ("torch", "triton", "cpu")  # kv/: gather + SDPA, nanoserve.kernels, C decode
-SPECULATIVE_METHODS = ("draft", "ngram", "medusa", "eagle")  # spec/proposers.py, medusa.py, eagle.py
-MAX_SPECULATIVE_TOKENS = 16  # γ beyond this almost never pays: α^γ is tiny (it bounds test sizes too)
+# spec/proposers.py, medusa.py, eagle.py
+SPECULATIVE_METHODS = ("draft", "ngram", "medusa", "eagle")
+# γ beyond this almost never pays: α^γ is tiny (it bounds test sizes too)
+MAX_SPECULATIVE_TOKENS = 16
 # Medusa's speculative_tree="default": 8 candidates to depth 3 (3 heads): the first head's top 2;
 # after its best, the second head's top 2, after its second best, the second head's best; after the
 # best pair, the third head's top 2; after (0, 1), its best
@@ -67,7 +70,8 @@ def check_block_size(block_size: int) -> None:
 class LoadConfig:
     """Which model, in what precision, on which device, and how its forward runs."""
 
-    model: str = "demo"  # a shipped name (demo), a checkpoint directory, a llama2.c .bin or a hub id
+    # a shipped name (demo), a checkpoint directory, a llama2.c .bin or a hub id
+    model: str = "demo"
     dtype: object = None  # "float32", "bfloat16", a torch.dtype; None: the device's default
     device: str | None = None  # "cpu", "cuda", "cuda:N"; None: cuda when available
     quantization: str | None = None  # make a float checkpoint's linears 8-bit as they load
@@ -85,7 +89,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     kv_cache_memory: int | None = None  # bytes for the pool; None: 8 full-context sequences
     num_blocks: int | None = None  # the pool's size in blocks, overriding kv_cache_memory
-    kv_cache_dtype: str = "auto"  # auto: the model's dtype; else 8 bits with a scale per token and head
+    # auto: the model's dtype; else 8 bits with a scale per token and head
+    kv_cache_dtype: str = "auto"
     attention_backend: str | None = None  # None: triton on CUDA, cpu on the CPU, where they serve
 
     def __post_init__(self):
@@ -114,8 +119,9 @@ class SchedulerConfig:
         """The rule that needs the model: without chunked prefill, a whole prompt fits one step."""
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
             raise NanoserveError(
-                f"max_num_batched_tokens={self.max_num_batched_tokens} must be ≥ the context length "
-                f"{max_model_len} when chunked prefill is off (a whole prompt must fit in one step)")
+                f"max_num_batched_tokens={self.max_num_batched_tokens} must be ≥ the context "
+                f"length {max_model_len} when chunked prefill is off (a whole prompt must fit in "
+                "one step)")
 
 
 @dataclass(frozen=True)
@@ -153,6 +159,13 @@ class ParallelConfig:
         return f"{name}={self.world_size}"
 
 
+def _as_path(choice):
+    """A path given as a list reads as the tuple it stands for; anything else is checked as is."""
+    if isinstance(choice, list):
+        return tuple(choice)
+    return choice
+
+
 def check_tree_choices(choices) -> list[tuple[int, ...]] | None:
     """Medusa's tree as paths of top-k indices, checked and sorted (shorter first): each non-empty,
     of indices ≥ 0, listed once, its parent path listed too, at most MAX_SPECULATIVE_TOKENS in all.
@@ -160,15 +173,16 @@ def check_tree_choices(choices) -> list[tuple[int, ...]] | None:
     if choices is None:
         return None
     if isinstance(choices, (str, bytes)) or not hasattr(choices, "__iter__"):
-        raise NanoserveError(f"speculative_tree must be a list of paths such as [(0,), (1,), (0, 0)] "
-                             f"or 'default', got {choices!r}")
-    paths = [tuple(c) if isinstance(c, (list, tuple)) else c for c in choices]
+        raise NanoserveError("speculative_tree must be a list of paths such as "
+                             f"[(0,), (1,), (0, 0)] or 'default', got {choices!r}")
+    paths = [_as_path(c) for c in choices]
     for c in paths:
         if not isinstance(c, tuple) or not c or not all(_is_index(i) for i in c):
             raise NanoserveError(f"speculative_tree: each path must be a non-empty tuple of top-k "
                                  f"indices ≥ 0, got {c!r}")
         if len(c) > 1 and c[:-1] not in paths:
-            raise NanoserveError(f"speculative_tree: path {c} is listed without its parent path {c[:-1]}")
+            raise NanoserveError(f"speculative_tree: path {c} is listed without its parent path "
+                                 f"{c[:-1]}")
     if len(set(paths)) != len(paths):
         raise NanoserveError("speculative_tree lists a path twice")
     if not 1 <= len(paths) <= MAX_SPECULATIVE_TOKENS:
@@ -194,7 +208,8 @@ class SpeculativeConfig:
     probe_interval: int = 16  # plain steps between probes of a switched-off sample
     ngram_max: int = 3  # n-gram lookup: longest and shortest suffix to match
     ngram_min: int = 1
-    cost: float | None = None  # c pinned (v = 1, nothing timed); None: measured (spec/controller.py)
+    # c pinned (v = 1, nothing timed); None: measured (spec/controller.py)
+    cost: float | None = None
     tree: list[tuple[int, ...]] | None = None  # Medusa: top-k paths; None: a chain
 
     def __post_init__(self):
@@ -219,8 +234,9 @@ class SpeculativeConfig:
         if not 0 <= self.min_acceptance < 1:
             raise NanoserveError(f"min_acceptance={self.min_acceptance!r} must be in [0, 1)")
         if self.tree is not None and self.method != "medusa":
-            raise NanoserveError(f"speculative_tree is for speculative='medusa' (its heads' top-k "
-                                 f"candidates), not {self.method!r}, whose proposer drafts one chain")
+            raise NanoserveError("speculative_tree is for speculative='medusa' (its heads' top-k "
+                                 f"candidates), not {self.method!r}, whose proposer drafts one "
+                                 "chain")
         c = self.cost
         finite = isinstance(c, (int, float)) and not isinstance(c, bool) and 0 <= c < float("inf")
         if c is not None and not finite:
@@ -442,10 +458,12 @@ ENGINE_ARGS: dict[str, EngineArg] = {
                               "triton on CUDA, cpu on the CPU, where they serve)",
                               choices=ATTENTION_BACKENDS),
     "max_num_seqs": _arg("scheduler", "max_num_seqs", "sequences in one forward"),
-    "max_num_batched_tokens": _arg("scheduler", "max_num_batched_tokens", "new tokens in one forward"),
+    "max_num_batched_tokens": _arg("scheduler", "max_num_batched_tokens",
+                                   "new tokens in one forward"),
     "enable_chunked_prefill": _arg("scheduler", "enable_chunked_prefill",
                                    "split long prompts over steps, beside the decodes"),
-    "max_waiting": _arg("scheduler", "max_waiting", "waiting-queue bound: beyond it requests get 429"),
+    "max_waiting": _arg("scheduler", "max_waiting",
+                        "waiting-queue bound: beyond it requests get 429"),
     "tensor_parallel_size": _arg("parallel", "tensor_parallel_size",
                                  "ranks every layer is split over (workers)"),
     "pipeline_parallel_size": _arg("parallel", "pipeline_parallel_size",
@@ -453,7 +471,8 @@ ENGINE_ARGS: dict[str, EngineArg] = {
     "speculative": _arg("speculative", "method", "the proposer (ngram: prompt lookup)",
                         choices=SPECULATIVE_METHODS),
     "speculative_model": _arg("speculative", "draft_model",
-                              "a draft model (e.g. demo-draft), or the Medusa / EAGLE heads' directory"),
+                              "a draft model (e.g. demo-draft), or the Medusa / EAGLE heads' "
+                              "directory"),
     "num_speculative_tokens": _arg("speculative", "num_speculative_tokens",
                                    f"γ, draft tokens per step (1..{MAX_SPECULATIVE_TOKENS})"),
     "speculative_adaptive": _arg("speculative", "adaptive",
@@ -471,7 +490,8 @@ ENGINE_ARGS: dict[str, EngineArg] = {
     "grammar_compile_timeout": _arg("structured_outputs", "compile_timeout_s",
                                     "seconds a constraint may take to compile"),
     "grammar_mask_budget_ms": _arg("structured_outputs", "mask_budget_ms",
-                                   "CPU ms one row's grammar mask may take; over it, the request fails"),
+                                   "CPU ms one row's grammar mask may take; over it, the request "
+                                   "fails"),
 }
 
 

@@ -57,7 +57,8 @@ def is_fatal(error: BaseException) -> bool:
     """
     if isinstance(error, (EngineStateError, AssertionError, MemoryError)):
         return True
-    accelerator_error = getattr(torch, "AcceleratorError", None)  # torch >= 2.8 raises it for CUDA faults
+    # torch >= 2.8 raises it for CUDA faults
+    accelerator_error = getattr(torch, "AcceleratorError", None)
     if accelerator_error is not None and isinstance(error, accelerator_error):
         return True
     return isinstance(error, RuntimeError) and "CUDA error" in str(error)

@@ -17,10 +17,12 @@ before anything else can make an engine.
     speculative         spec/spec_decode.py           build_spec_decoder(config, engine): LLMEngine;
                                                       its SpecDecoder drafts before each forward and
                                                       verifies after it
-    token_trees         spec/tree_sampler.py          tree_positions, tree_mask, packed_ancestor_bits:
-                                                      ModelRunner.prepare (Medusa's token trees)
+    token_trees         spec/tree_sampler.py          tree_positions, tree_mask,
+                                                      packed_ancestor_bits: ModelRunner.prepare
+                                                      (Medusa's token trees)
     structured_outputs  engine/structured_output.py   GrammarCompiler: InputProcessor compiles a
-                                                      request's grammar; the engine asks it for masks
+                                                      request's grammar; the engine asks it
+                                                      for masks
     cuda_graphs         engine/cuda_graph.py          CudaGraphRunner: ModelRunner.use_cuda_graphs
     cpu_runtime         models/onednn.py,             use_onednn_linears, advise_on_allocator:
                         engine/cpu_allocator.py       ModelRunner, on the CPU

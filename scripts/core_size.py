@@ -52,17 +52,19 @@ CORE = [
     ("nanoserve.engine.llm", "LLM: the offline façade"),
 ]
 # What the core leans on without being taught in notebooks 00-03: file formats and helpers.
-# (Model families beyond GPT-2 and Llama's plain block, and checkpoint formats, are support too, until
-# they become subclasses of their own: issue 42's next step.)
+# (Model families beyond GPT-2 and Llama's plain block, and checkpoint formats, are support too,
+# until they become subclasses of their own: issue 42's next step.)
 SUPPORT = ["nanoserve.tokenizers", "nanoserve.models.hf_config", "nanoserve.models.hf_fields",
            "nanoserve.models.moe", "nanoserve.models.fused", "nanoserve.models.llama2c",
            "nanoserve.models.hf_export"]
 # The packages and modules that attach to the core (each named by its prefix).
 EXTENSIONS = [
-    "nanoserve.spec", "nanoserve.lora", "nanoserve.parallel", "nanoserve.quant", "nanoserve.serving",
+    "nanoserve.spec", "nanoserve.lora", "nanoserve.parallel", "nanoserve.quant",
+    "nanoserve.serving",
     "nanoserve.tools", "nanoserve.engine.structured_output", "nanoserve.engine.grammar_limits",
     "nanoserve.engine.cuda_graph", "nanoserve.engine.cpu_allocator", "nanoserve.kv.triton_backend",
-    "nanoserve.kv.cpu_backend", "nanoserve.kv.quant", "nanoserve.kv.in_place", "nanoserve.extensions",
+    "nanoserve.kv.cpu_backend", "nanoserve.kv.quant", "nanoserve.kv.in_place",
+    "nanoserve.extensions",
     "nanoserve.models.onednn", "nanoserve.kernels",
 ]
 
@@ -168,7 +170,8 @@ def report() -> str:
     edges = core_to_extension_edges()
     rows += [f"  {'core':38} {core_total:5}  lines of code in {len(CORE)} files",
              f"  {'package':38} {total:5}  lines of code in {len(package_files())} files",
-             f"  core share {core_total / total:.0%}; extensions and support {1 - core_total / total:.0%}",
+             f"  core share {core_total / total:.0%}; extensions and support "
+             f"{1 - core_total / total:.0%}",
              f"  imports from the core into an extension: {len(edges)} (--edges lists them)"]
     return "The core, in reading order (scripts/core_size.py):\n" + "\n".join(rows)
 

@@ -44,7 +44,8 @@ def cases():
          [LONG], greedy),
         ("backend torch", dict(attention_backend="torch"), PROMPTS, greedy),
         ("backend cpu", dict(attention_backend="cpu"), PROMPTS, greedy),
-        ("backend triton", dict(attention_backend="triton"), PROMPTS[:2], dict(greedy, max_tokens=4)),
+        ("backend triton", dict(attention_backend="triton"), PROMPTS[:2],
+         dict(greedy, max_tokens=4)),
         ("tp=2", dict(tensor_parallel_size=2), PROMPTS[:2], dict(greedy, max_tokens=8)),
         ("pp=2", dict(pipeline_parallel_size=2), PROMPTS[:2], dict(greedy, max_tokens=8)),
     ]
@@ -78,7 +79,8 @@ def _logprobs(rows) -> list | None:
         if row is None:
             plain.append(None)
             continue
-        plain.append(sorted((int(t), float(getattr(lp, "logprob", lp)).hex()) for t, lp in row.items()))
+        plain.append(sorted((int(t), float(getattr(lp, "logprob", lp)).hex()) for t,
+                            lp in row.items()))
     return plain
 
 

@@ -1,7 +1,8 @@
-"""Shared test fixtures and options: tiny random HF checkpoints, threads, Triton interpreter, --impl.
+"""Shared test fixtures and options: tiny random HF checkpoints, threads, Triton interpreter,
+--impl.
 
-Plain helpers (paths to ../shared, the HF configs, synthetic quantization data) live in testdata.py and
-chi2.py, imported by name: two conftest.py files exist (this one and tests/exercises/), so
+Plain helpers (paths to ../shared, the HF configs, synthetic quantization data) live in testdata.py
+and chi2.py, imported by name: two conftest.py files exist (this one and tests/exercises/), so
 `from conftest import ...` would be ambiguous.
 """
 
@@ -24,7 +25,8 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 @pytest.fixture
 def one_thread():
     """For tests of thousands of tiny tensor ops (samplers, column loops): a second thread only adds
-    wake-up latency, 10× and more on a busy machine. Use with `pytest.mark.usefixtures("one_thread")`."""
+    wake-up latency, 10× and more on a busy machine. Use with
+    `pytest.mark.usefixtures("one_thread")`."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -32,18 +34,20 @@ def one_thread():
 
 from testdata import hf_configs  # noqa: E402
 
-# --------------------------------------------------------------------------- exercises (tests/exercises)
+# --------------------------------------------------------------------------- exercises
+# (tests/exercises)
 IMPLS = ("reference", "exercises")
 
 
 def pytest_addoption(parser):
     # here, not in tests/exercises/conftest.py: pytest reads options only from the root conftest
     parser.addoption("--impl", choices=IMPLS, default=os.environ.get("NANOSERVE_IMPL", "reference"),
-                     help="what tests/exercises check: the reference (nanoserve) or your code in exercises/ "
-                          "(default: $NANOSERVE_IMPL, else reference)")
+                     help="what tests/exercises check: the reference (nanoserve) or your code in "
+                          "exercises/ (default: $NANOSERVE_IMPL, else reference)")
     parser.addoption("--expect-stubs", action="store_true",
-                     help="CI: exercises/ holds the untouched stubs, so every exercise test must fail with "
-                          "NotImplementedError (strict xfail: a test that passes on a stub proves nothing)")
+                     help="CI: exercises/ holds the untouched stubs, so every exercise test must "
+                          "fail with NotImplementedError (strict xfail: a test that passes on a "
+                          "stub proves nothing)")
 
 
 # --------------------------------------------------------------------------- tiny HF checkpoints
@@ -64,8 +68,9 @@ def hf_checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def self_distilled():
-    """(demo LLM, ids [160, 64]): sequences the demo wrote itself (tools/train_medusa.self_distill_data), the
-    training data of the draft heads (the first 128) and their held-out set (the rest)."""
+    """(demo LLM, ids [160, 64]): sequences the demo wrote itself
+    (tools/train_medusa.self_distill_data), the training data of the draft heads (the first 128) and
+    their held-out set (the rest)."""
     from nanoserve import LLM
     from nanoserve.tools.train_medusa import self_distill_data
 
@@ -75,8 +80,9 @@ def self_distilled():
 
 @pytest.fixture(scope="session")
 def medusa_trained(tmp_path_factory, self_distilled):
-    """(heads dir, demo LLM, held-out ids, trained heads): 3 Medusa heads trained 300 steps on 128 sequences the
-    demo wrote itself (tools/train_medusa.py); shared by tests/test_medusa.py and tests/test_medusa_tree.py."""
+    """(heads dir, demo LLM, held-out ids, trained heads): 3 Medusa heads trained 300 steps on 128
+    sequences the demo wrote itself (tools/train_medusa.py); shared by tests/test_medusa.py and
+    tests/test_medusa_tree.py."""
     from nanoserve.spec.medusa import save_medusa
     from nanoserve.tools.train_medusa import train_medusa
 
@@ -88,8 +94,8 @@ def medusa_trained(tmp_path_factory, self_distilled):
 
 @pytest.fixture(scope="session")
 def eagle_trained(tmp_path_factory, self_distilled):
-    """(head dir, demo LLM, held-out ids, trained head): EAGLE's head trained 200 steps on the same 128 sequences
-    (tools/train_eagle.py); tests/test_eagle.py."""
+    """(head dir, demo LLM, held-out ids, trained head): EAGLE's head trained 200 steps on the same
+    128 sequences (tools/train_eagle.py); tests/test_eagle.py."""
     from nanoserve.spec.eagle import save_eagle
     from nanoserve.tools.train_eagle import train_eagle
 

@@ -36,7 +36,8 @@ class LiveServer:
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
+                                       daemon=True)
         self.thread.start()
         _wait_for(lambda: self.server.started, "the server to start")
         self.url = f"http://127.0.0.1:{self.port}/v1"
@@ -46,7 +47,8 @@ class LiveServer:
         return self.app.state.engine
 
     def client(self, **kw):
-        return openai.OpenAI(base_url=self.url, api_key=kw.pop("api_key", KEY), max_retries=0, timeout=DEADLINE, **kw)
+        return openai.OpenAI(base_url=self.url, api_key=kw.pop("api_key", KEY), max_retries=0,
+                             timeout=DEADLINE, **kw)
 
     def aclient(self):
         return openai.AsyncOpenAI(base_url=self.url, api_key=KEY, max_retries=0, timeout=DEADLINE)
@@ -73,13 +75,15 @@ def _pool_whole(engine: AsyncLLMEngine) -> bool:
 def demo_chat_model(path: Path) -> Path:
     """The demo model copied to `path`, with a chat template added (the shipped one has none)."""
     shutil.copytree(resolve_model_path("demo"), path)
-    config = json.loads((path / "tokenizer_config.json").read_text())  # the shipped one, for HF tools
+    # the shipped one, for HF tools
+    config = json.loads((path / "tokenizer_config.json").read_text())
     (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
     return path
 
 
 # ----------------------------------------------------------------------------- raw HTTP
-def _http(port: int, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+def _http(port: int, method: str, path: str, body: bytes | None = None,
+          headers: dict | None = None):
     """One request over a plain socket: (status, headers, body bytes)."""
     with socket.create_connection(("127.0.0.1", port), timeout=DEADLINE) as s:
         s.sendall(_request_bytes(method, path, body, headers))
@@ -99,7 +103,8 @@ def _request_bytes(method, path, body=None, headers=None) -> bytes:
             "Content-Type": "application/json", **(headers or {})}
     if body is not None:
         hdrs["Content-Length"] = str(len(body))
-    head = f"{method} {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in hdrs.items() if v is not None)
+    head = f"{method} {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k,
+                                                     v in hdrs.items() if v is not None)
     return head.encode() + b"\r\n" + (body or b"")
 
 
@@ -122,7 +127,8 @@ def _post(port, path, obj, headers=None):
 
 class StepGate:
     """Hold the engine's steps at will: once `hold()` is called, each step waits for a permit
-    (`release(k)` lets k more steps run). Tests then count steps instead of assuming how fast one is."""
+    (`release(k)` lets k more steps run). Tests then count steps instead of assuming how fast one
+    is."""
 
     def __init__(self, srv: LiveServer, monkeypatch):
         self.engine = srv.engine

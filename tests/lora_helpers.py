@@ -1,5 +1,5 @@
-"""PEFT adapters for the LoRA tests: made by PEFT itself on a copy of a tiny HF model, A and B random
-(PEFT's init leaves B = 0, an update that changes nothing), saved with `save_pretrained`."""
+"""PEFT adapters for the LoRA tests: made by PEFT itself on a copy of a tiny HF model, A and B
+random (PEFT's init leaves B = 0, an update that changes nothing), saved with `save_pretrained`."""
 
 from __future__ import annotations
 
@@ -7,12 +7,14 @@ import copy
 
 import torch
 
-TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"], "llama-gqa": ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"],
+TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"],
+           "llama-gqa": ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"],
            "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
 
 
 def make_peft_adapter(hf, out_dir, targets, seed=0, **config):
-    """A PEFT LoRA adapter on a copy of `hf`, A and B random; returns (the PEFT model, its directory)."""
+    """A PEFT LoRA adapter on a copy of `hf`, A and B random; returns (the PEFT model, its
+    directory)."""
     import peft
 
     config = {"r": 4, "lora_alpha": 8, "target_modules": targets, **config}

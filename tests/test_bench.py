@@ -26,7 +26,8 @@ def test_poisson_arrivals_have_the_requested_rate():
 
 
 def test_throughput_end_to_end_on_a_tiny_model(hf_checkpoints, tmp_path):
-    res = bench.throughput(model=str(hf_checkpoints["gpt2"][0]), n=6, in_range=(2, 6), out_range=(2, 5),
+    res = bench.throughput(model=str(hf_checkpoints["gpt2"][0]), n=6, in_range=(2, 6),
+                           out_range=(2, 5),
                            batch_size=3, hf=True, out=str(tmp_path / "t.json"))
     s = res["strategies"]
     assert set(s) == {"static", "dynamic", "continuous", "hf_generate"}
@@ -36,7 +37,8 @@ def test_throughput_end_to_end_on_a_tiny_model(hf_checkpoints, tmp_path):
 
 
 def test_attention_benchmark_script_runs_in_smoke_mode(tmp_path):
-    """benchmarks/bench_attention.py is for GPUs; its --smoke mode (tiny shapes, interpreter) keeps it from rotting."""
+    """benchmarks/bench_attention.py is for GPUs; its --smoke mode (tiny shapes, interpreter) keeps
+    it from rotting."""
     import json
     import subprocess
     import sys
@@ -44,7 +46,8 @@ def test_attention_benchmark_script_runs_in_smoke_mode(tmp_path):
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_attention.py"
     out = tmp_path / "att.json"
-    proc = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(out)], capture_output=True,
+    proc = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(out)],
+                          capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads(out.read_text())
@@ -74,15 +77,16 @@ def run_quick(script: str, tmp_path, timeout: int = 240) -> tuple[dict, str]:
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / script
     out = tmp_path / "out.json"
-    proc = subprocess.run([sys.executable, str(path), "--quick", "--out", str(out)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, str(path), "--quick", "--out", str(out)],
+                          capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stdout
 
 
 def test_sliding_window_benchmark_quick_mode(tmp_path):
-    """bench_sliding_window.py --quick: both engines give the same tokens, the freed one holds fewer blocks and no
-    sequence more than ⌈window / block_size⌉ + 1."""
+    """bench_sliding_window.py --quick: both engines give the same tokens, the freed one holds fewer
+    blocks and no sequence more than ⌈window / block_size⌉ + 1."""
     res, stdout = run_quick("bench_sliding_window.py", tmp_path)
     freed, kept = res["engines"]["freed"], res["engines"]["kept"]
     assert res["same_tokens"] and freed["blocks_held"] < kept["blocks_held"]
@@ -91,8 +95,8 @@ def test_sliding_window_benchmark_quick_mode(tmp_path):
 
 
 def test_structured_outputs_benchmark_quick_mode(tmp_path):
-    """bench_structured.py --quick runs both ways and records the mask's time inside the constrained steps
-    (no speed is asserted: tests never depend on speed)."""
+    """bench_structured.py --quick runs both ways and records the mask's time inside the constrained
+    steps (no speed is asserted: tests never depend on speed)."""
     pytest.importorskip("llguidance")
     res, stdout = run_quick("bench_structured.py", tmp_path)
     row = res["models"]["demo (vocab 257)"]
@@ -102,8 +106,9 @@ def test_structured_outputs_benchmark_quick_mode(tmp_path):
 
 @pytest.mark.shared
 def test_kv_quant_benchmark_quick_mode(tmp_path):
-    """bench_kv_quant.py --quick: every mode scores the held-out text and runs the capacity workload; a
-    quantized pool holds more blocks in the same bytes (no speed or quality is asserted here)."""
+    """bench_kv_quant.py --quick: every mode scores the held-out text and runs the capacity
+    workload; a quantized pool holds more blocks in the same bytes (no speed or quality is asserted
+    here)."""
     res, _ = run_quick("bench_kv_quant.py", tmp_path, timeout=600)
     assert set(res["quality"]["demo"]) == {"auto", "int8", "fp8_e4m3", "fp8_e5m2"}
     cap = res["capacity"]

@@ -17,7 +17,8 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_peers.py"
 
 def test_bench_peers_quick_mode_writes_the_results_json(tmp_path):
     out = tmp_path / "peers.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out)], capture_output=True,
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out)],
+                          capture_output=True,
                           text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -46,7 +47,8 @@ def test_bench_step_time_quick_mode_adds_its_series(tmp_path):
     script = SCRIPT.parent / "bench_step_time.py"
     for label in ("first", "second"):  # a second run adds its series beside the first
         proc = subprocess.run([sys.executable, str(script), "--quick", "--label", label, "--out", str(out),
-                               "--cache-dir", str(tmp_path / "cache")], capture_output=True, text=True, timeout=240)
+                               "--cache-dir", str(tmp_path / "cache")], capture_output=True,
+                              text=True, timeout=240)
         assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert set(res["series"]) == {"first", "second"}
@@ -55,13 +57,15 @@ def test_bench_step_time_quick_mode_adds_its_series(tmp_path):
         assert [(p["sweep"], p["batch"], p["context"]) for p in s["points"]] == [
             ("batch", 1, 8), ("batch", 3, 8), ("context", 2, 8), ("context", 2, 16)]
         for p in s["points"]:
-            assert p["steps"] == res["k"] and p["step_ms"] > 0  # exactly K decode steps after the prefill
+            # exactly K decode steps after the prefill
+            assert p["steps"] == res["k"] and p["step_ms"] > 0
 
 
 def test_bench_lora_quick_mode_times_every_config(tmp_path):
     out = tmp_path / "lora.json"
     proc = subprocess.run([sys.executable, str(SCRIPT.parent / "bench_lora.py"), "--quick", "--out", str(out),
-                           "--cache-dir", str(tmp_path / "cache")], capture_output=True, text=True, timeout=240)
+                           "--cache-dir", str(tmp_path / "cache")], capture_output=True, text=True,
+                          timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert [(p["config"], p["batch"]) for p in res["points"]] == [
@@ -82,14 +86,16 @@ def test_bench_spec_methods_quick_mode_runs_every_proposer(tmp_path):
     methods = ("draft model", "n-gram", "Medusa", "EAGLE", "Medusa tree")
     assert [r["engine"] for r in res["rows"]] == ["target alone"] + [
         f"{m}, {c}" for m in methods for c in ("γ = 3", "controller")]
-    assert all(r["same_tokens_as_target"] for r in res["rows"])  # greedy: every proposer keeps the target's tokens
+    # greedy: every proposer keeps the target's tokens
+    assert all(r["same_tokens_as_target"] for r in res["rows"])
     assert res["rows"][1]["spec_steps"] > 0 and "Medusa, γ = 3" in proc.stdout
 
 
 def test_bench_tp_quick_mode_counts_what_it_exchanges(tmp_path):
     out = tmp_path / "tp.json"
     proc = subprocess.run([sys.executable, str(SCRIPT.parent / "bench_tp.py"), "--quick", "--out", str(out),
-                           "--cache-dir", str(tmp_path / "cache")], capture_output=True, text=True, timeout=240)
+                           "--cache-dir", str(tmp_path / "cache")], capture_output=True, text=True,
+                          timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [(r["tp"], r["tokens"]) for r in rows] == [(1, 1), (1, 8), (2, 1), (2, 8)]
@@ -100,7 +106,8 @@ def test_bench_tp_quick_mode_counts_what_it_exchanges(tmp_path):
 
 def test_bench_tp_engine_quick_mode_runs_every_split(tmp_path):
     out = tmp_path / "tp_engine.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT.parent / "bench_tp_engine.py"), "--quick", "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(SCRIPT.parent / "bench_tp_engine.py"), "--quick",
+                           "--out", str(out)],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]

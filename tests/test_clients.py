@@ -1,12 +1,12 @@
 """Real client libraries against `nanoserve serve` on loopback: lm-evaluation-harness, LangChain and
-LiteLLM. They are not dependencies of nanoserve or of its test extra: `make test-clients` installs them
-into .venv-clients (which sees .venv's packages) when the package index answers and runs this file
-there; in .venv each test skips on its import.
+LiteLLM. They are not dependencies of nanoserve or of its test extra: `make test-clients` installs
+them into .venv-clients (which sees .venv's packages) when the package index answers and runs this
+file there; in .venv each test skips on its import.
 
 lm-eval is the strongest check: a local multiple-choice task (the end of a line of Shakespeare among
-four, built from ../shared) scored through the server's echo + logprobs (`local-completions`, tokenizing
-through /tokenize) gives the same per-choice log-likelihoods and the same accuracy as lm-eval's own
-`hf` backend running transformers on the same checkpoint.
+four, built from ../shared) scored through the server's echo + logprobs (`local-completions`,
+tokenizing through /tokenize) gives the same per-choice log-likelihoods and the same accuracy as
+lm-eval's own `hf` backend running transformers on the same checkpoint.
 """
 
 from __future__ import annotations
@@ -41,10 +41,12 @@ def server(checkpoint):
     srv.stop()
 
 
-# ----------------------------------------------------------------------------- lm-evaluation-harness
+# -----------------------------------------------------------------------------
+# lm-evaluation-harness
 def _line_end_task(folder) -> str:
-    """A multiple-choice task file with local data: the first half of a line from the validation part of
-    tinyshakespeare, and four candidate second halves (its own and three other lines'), 40 docs, seed 0."""
+    """A multiple-choice task file with local data: the first half of a line from the validation
+    part of tinyshakespeare, and four candidate second halves (its own and three other lines'), 40
+    docs, seed 0."""
     text = shared_path("corpora", "tinyshakespeare", "input.txt").read_text(encoding="utf-8")
     lines = [ln for ln in text[int(len(text) * 0.9):].split("\n") if 24 <= len(ln) <= 60]
     rng = random.Random(0)
@@ -54,7 +56,8 @@ def _line_end_task(folder) -> str:
         others = [ln[len(ln) // 2:] for ln in rng.sample(lines, 3)]
         choices = [lines[i][cut:]] + others
         rng.shuffle(choices)
-        docs.append({"context": lines[i][:cut], "choices": choices, "label": choices.index(lines[i][cut:])})
+        docs.append({"context": lines[i][:cut], "choices": choices,
+                     "label": choices.index(lines[i][cut:])})
     data = folder / "line_end.jsonl"
     data.write_text("".join(json.dumps(d) + "\n" for d in docs), encoding="utf-8")
     (folder / "line_end.yaml").write_text(
@@ -78,26 +81,31 @@ def test_lm_eval_through_the_server_equals_lm_eval_on_transformers(server, check
     runs = {}
     for backend, args in [
         ("hf", {"pretrained": str(checkpoint), "dtype": "float32", "device": "cpu"}),
-        ("local-completions", {"model": MODEL, "base_url": f"{server.url}/completions", "num_concurrent": 1,
+        ("local-completions",
+         {"model": MODEL, "base_url": f"{server.url}/completions", "num_concurrent": 1,
                                "max_retries": 1, "tokenizer_backend": "auto"}),
     ]:
-        out = lm_eval.simple_evaluate(model=backend, model_args=args, tasks=[task], task_manager=manager,
+        out = lm_eval.simple_evaluate(model=backend, model_args=args, tasks=[task],
+                                      task_manager=manager,
                                       log_samples=True, batch_size=1)
         samples = sorted(out["samples"][task], key=lambda s: s["doc_id"])
         res = out["results"][task]
-        runs[backend] = (res["acc,none"], res["acc_norm,none"], [[r[0] for r in s["filtered_resps"]] for s in samples])
+        runs[backend] = (res["acc,none"], res["acc_norm,none"],
+                         [[r[0] for r in s["filtered_resps"]] for s in samples])
     (acc_hf, norm_hf, ll_hf), (acc_ns, norm_ns, ll_ns) = runs["hf"], runs["local-completions"]
     print(f"lm-eval line-end task, {N_DOCS} docs: hf acc {acc_hf} acc_norm {norm_hf}; "
           f"nanoserve acc {acc_ns} acc_norm {norm_ns}")
     assert (acc_ns, norm_ns) == (acc_hf, norm_hf)  # the same accuracies ...
     assert norm_hf > 0.25 + 0.15  # ... of a model that reads the text (chance: 0.25)
-    assert len(ll_ns) == N_DOCS and max(abs(a - b) for d, e in zip(ll_hf, ll_ns) for a, b in zip(d, e)) < 1e-3
+    assert len(ll_ns) == N_DOCS and max(abs(a - b) for d, e in zip(ll_hf, ll_ns) for a,
+                                        b in zip(d, e)) < 1e-3
 
 
 # ----------------------------------------------------------------------------- LangChain, LiteLLM
 def test_langchain_chat_and_completion_with_logprobs(server):
     lc = pytest.importorskip("langchain_openai")
-    chat = lc.ChatOpenAI(model=MODEL, base_url=server.url, api_key="none", temperature=0, max_tokens=5,
+    chat = lc.ChatOpenAI(model=MODEL, base_url=server.url, api_key="none", temperature=0,
+                         max_tokens=5,
                          logprobs=True, top_logprobs=2)
     msg = chat.invoke("Who is there?")
     content = msg.response_metadata["logprobs"]["content"]
@@ -111,6 +119,7 @@ def test_litellm_completion_with_extras(server, monkeypatch):
     monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch from the network
     litellm = pytest.importorskip("litellm")
     resp = litellm.completion(model=f"openai/{MODEL}", api_base=server.url, api_key="none",
-                              messages=[{"role": "user", "content": "Who is there?"}], max_tokens=6, temperature=0,
+                              messages=[{"role": "user", "content": "Who is there?"}], max_tokens=6,
+                              temperature=0,
                               logprobs=True, top_logprobs=2, presence_penalty=0.5, seed=1)
     assert resp.choices[0].logprobs is not None and resp.usage.completion_tokens >= 1

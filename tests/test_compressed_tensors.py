@@ -1,10 +1,12 @@
-"""compressed-tensors checkpoints against the real library (issue 24; compressed-tensors is a test extra only).
+"""compressed-tensors checkpoints against the real library (issue 24; compressed-tensors is a test
+extra only).
 
-Read: the library itself quantizes and compresses a tiny random Llama (its `calculate_qparams` sets the scales,
-`ModelCompressor` packs and writes) in each scheme nanoserve reads; nanoserve loads the directory and its
-dequantized weights equal, bit for bit, those transformers decompresses (`CompressedTensorsConfig(dequantize=
-True)`), and its logits match transformers'. Write: nanoserve's own W4A16 (symmetric and asymmetric), W8A8 and
-FP8 models saved as compressed-tensors load in transformers with the same weights and logits. Negative
+Read: the library itself quantizes and compresses a tiny random Llama (its `calculate_qparams` sets
+the scales, `ModelCompressor` packs and writes) in each scheme nanoserve reads; nanoserve loads the
+directory and its dequantized weights equal, bit for bit, those transformers decompresses
+(`CompressedTensorsConfig(dequantize= True)`), and its logits match transformers'. Write:
+nanoserve's own W4A16 (symmetric and asymmetric), W8A8 and FP8 models saved as compressed-tensors
+load in transformers with the same weights and logits. Negative
 controls: zero points read along the wrong axis, or without their +8 offset, miss."""
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ WEIGHT_ONLY = {"w4a16_sym", "w4a16_asym", "fp8_weight_only"}
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=257, max_position_embeddings=128,
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=257,
+                                   max_position_embeddings=128,
                                    tie_word_embeddings=False)
     path = tmp_path_factory.mktemp("ct") / "float"
     tiny_hf_checkpoint(cfg, path, seed=3)
@@ -41,11 +45,16 @@ def tiny(tmp_path_factory):
 
 
 def _scheme(name):
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme, preset_name_to_scheme
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationScheme,
+        preset_name_to_scheme,
+    )
 
     if name.startswith("w4a16"):
         return QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
-            num_bits=4, type="int", symmetric=name.endswith("sym") and not name.endswith("asym"), strategy="group",
+            num_bits=4, type="int", symmetric=name.endswith("sym") and not name.endswith("asym"),
+            strategy="group",
             group_size=32))
     if name in ("w8a8", "fp8_dynamic"):
         return preset_name_to_scheme({"w8a8": "W8A8", "fp8_dynamic": "FP8_DYNAMIC"}[name], ["Linear"])
@@ -58,20 +67,28 @@ def _scheme(name):
 
 @torch.no_grad()
 def _library_checkpoint(src, name, out):
-    """What llmcompressor's minmax path writes, with compressed-tensors alone: scales from calculate_qparams."""
+    """What llmcompressor's minmax path writes, with compressed-tensors alone: scales from
+    calculate_qparams."""
     from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, apply_quantization_config
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        QuantizationStatus,
+        apply_quantization_config,
+    )
     from compressed_tensors.quantization.utils import calculate_qparams
 
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": _scheme(name)}, ignore=["lm_head"]))
+    apply_quantization_config(model,
+                              QuantizationConfig(config_groups={"group_0": _scheme(name)},
+                                                 ignore=["lm_head"]))
     for mod in model.modules():
         if not hasattr(mod, "quantization_scheme"):
             continue
         args, w = mod.quantization_scheme.weights, mod.weight.float()
         if args.strategy == "group":
             w = w.unflatten(-1, (-1, args.group_size))
-        keep = args.strategy == "channel"  # [N, 1] per channel, [N, K/g] per group, one value per tensor
+        # [N, 1] per channel, [N, K/g] per group, one value per tensor
+        keep = args.strategy == "channel"
         mn, mx = (w.amin(), w.amax()) if args.strategy == "tensor" else (w.amin(-1, keepdim=keep),
                                                                           w.amax(-1, keepdim=keep))
         scale, zp = calculate_qparams(mn, mx, args)
@@ -89,7 +106,8 @@ def _library_checkpoint(src, name, out):
 def _transformers_dense(path):
     """transformers' own decompression: every quantized weight dequantized, a plain float model."""
     return transformers.AutoModelForCausalLM.from_pretrained(
-        path, quantization_config=transformers.CompressedTensorsConfig(dequantize=True), dtype=torch.float32).eval()
+        path, quantization_config=transformers.CompressedTensorsConfig(dequantize=True),
+        dtype=torch.float32).eval()
 
 
 def _dequantized(module) -> torch.Tensor:
@@ -116,8 +134,11 @@ def test_checkpoints_the_library_writes_load_with_its_weights(tiny, tmp_path, na
     x = _ids()
     if name in WEIGHT_ONLY:  # the same weights, float activations: the same model
         torch.testing.assert_close(ours(x), dense(x).logits, atol=1e-4, rtol=1e-4)
-    else:  # 8-bit activations: transformers fake-quantizes them per token as we do; FP8 the same grid (measured:
-        # equal), int8 absmax / 127.5 over [-128, 127] where we (and vLLM's kernel) use absmax / 127 (measured 0.006)
+    # 8-bit activations: transformers fake-quantizes them per token as we do; FP8 the same grid
+    # (measured:
+    else:
+        # equal), int8 absmax / 127.5 over [-128, 127] where we (and vLLM's kernel) use absmax / 127
+        # (measured 0.006)
         theirs = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(x).logits
         assert (ours(x) - theirs).abs().max() < (0.01 if name == "w8a8" else 1e-5)
 
@@ -127,7 +148,8 @@ def test_checkpoints_the_library_writes_load_with_its_weights(tiny, tmp_path, na
 def test_our_checkpoints_load_in_transformers(tiny, tmp_path, name):
     model, _, _ = load_model(tiny)
     if name.startswith("w4"):
-        res = quantize_model(model, None, QuantizeConfig(method="rtn", group_size=32, sym=name == "w4a16_sym"),
+        res = quantize_model(model, None,
+                             QuantizeConfig(method="rtn", group_size=32, sym=name == "w4a16_sym"),
                              progress=False)
         replace_linears(model, res.qweights)
     else:
@@ -136,7 +158,8 @@ def test_our_checkpoints_load_in_transformers(tiny, tmp_path, name):
     dense = _transformers_dense(out)
     for n, m in model.named_modules():
         if isinstance(m, (QuantLinear, W8A8Linear, FP8Linear)):
-            torch.testing.assert_close(dense.get_submodule(n).weight.float(), _dequantized(m).float(), atol=0,
+            torch.testing.assert_close(dense.get_submodule(n).weight.float(),
+                                       _dequantized(m).float(), atol=0,
                                        rtol=0, msg=n)
     x = _ids()
     reloaded = load_model(out)[0]
@@ -162,7 +185,8 @@ def test_negative_controls_zero_points_on_the_wrong_axis_or_without_the_offset(t
     dequant = lambda zeros: ((codes - zeros.repeat_interleave(K // G, 1)) * scale.repeat_interleave(K // G, 1))  # noqa: E731
     assert torch.equal(dequant(right), want)
     assert not torch.allclose(dequant(right - 8), want)  # the +8 offset forgotten
-    wrong_axis = unpack_int4(t[f"{name}.weight_zero_point"], G * 8)[:, :G]  # packed along G: garbage
+    # packed along G: garbage
+    wrong_axis = unpack_int4(t[f"{name}.weight_zero_point"], G * 8)[:, :G]
     wrong = torch.zeros(N, G, dtype=torch.int64)
     wrong[: wrong_axis.shape[0]] = wrong_axis
     assert not torch.allclose(dequant(wrong), want)
@@ -178,7 +202,8 @@ def test_unsupported_schemes_are_refused_by_name(tiny, tmp_path):
     cfg = json.loads((bad / "config.json").read_text())
     cfg["quantization_config"]["config_groups"]["group_0"]["input_activations"]["dynamic"] = False
     (bad / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match="compressed-tensors scheme not supported: format='int-quantized'"):
+    with pytest.raises(CheckpointError,
+                       match="compressed-tensors scheme not supported: format='int-quantized'"):
         load_model(bad)
     cfg["quantization_config"]["quantization_status"] = "frozen"
     (bad / "config.json").write_text(json.dumps(cfg))

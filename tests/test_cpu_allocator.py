@@ -1,8 +1,10 @@
-"""engine/cpu_allocator.py: which malloc the process runs on, read from its memory map, and the one log line.
+"""engine/cpu_allocator.py: which malloc the process runs on, read from its memory map, and the one
+log line.
 
 The claim it logs (page faults on big fresh tensors under glibc) is a speed figure, measured in
-benchmarks/RESULTS.md, not here: tests never depend on speed. What is tested is the detection, with a
-negative control (the same process without the preload reads glibc), and that the advice is given once.
+benchmarks/RESULTS.md, not here: tests never depend on speed. What is tested is the detection, with
+a negative control (the same process without the preload reads glibc), and that the advice is given
+once.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ def test_glibc_without_a_preload():
     assert _probe({"LD_PRELOAD": ""}) == "glibc"
 
 
-@pytest.mark.skipif(not glob.glob("/usr/lib/*/libtcmalloc_minimal.so.4"), reason="no tcmalloc on this machine")
+@pytest.mark.skipif(not glob.glob("/usr/lib/*/libtcmalloc_minimal.so.4"),
+                    reason="no tcmalloc on this machine")
 def test_tcmalloc_when_preloaded():
     assert _probe({"LD_PRELOAD": glob.glob("/usr/lib/*/libtcmalloc_minimal.so.4")[0]}) == "tcmalloc"
 
@@ -55,19 +58,23 @@ HUGE = ("import nanoserve, torch; from nanoserve.engine.cpu_allocator import hug
         "x = torch.ones(64 << 20); print(huge_page_bytes())")
 
 
-@pytest.mark.skipif(cpu_allocator.thp_mode() not in ("always", "madvise") or cpu_allocator.huge_page_bytes() is None,
+@pytest.mark.skipif(cpu_allocator.thp_mode() not in ("always",
+                                                     "madvise") or cpu_allocator.huge_page_bytes() is None,
                     reason="no transparent huge pages to ask for on this machine")
 def test_importing_nanoserve_puts_big_cpu_tensors_on_huge_pages():
-    """nanoserve sets THP_MEM_ALLOC_ENABLE=1 on import (unless set): a 256 MB tensor made after lands on 2 MB
-    pages; control: a process that set it to 0 keeps 4 KiB pages (in `madvise` mode nothing else asks)."""
+    """nanoserve sets THP_MEM_ALLOC_ENABLE=1 on import (unless set): a 256 MB tensor made after
+    lands on 2 MB pages; control: a process that set it to 0 keeps 4 KiB pages (in `madvise` mode
+    nothing else asks)."""
     import os
 
     env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
     run = lambda extra: int(subprocess.run([sys.executable, "-c", HUGE], capture_output=True, text=True,  # noqa: E731
                                            env={**env, **extra}, check=True).stdout.split()[-1])
-    if run({"THP_MEM_ALLOC_ENABLE": "1"}) == 0:  # asked outright and given none: the machine's doing
-        pytest.skip("the kernel gave no transparent huge page to a process that asked for them (its memory "
-                    "too fragmented, or a container's limit): nothing here to tell the setting by")
+    # asked outright and given none: the machine's doing
+    if run({"THP_MEM_ALLOC_ENABLE": "1"}) == 0:
+        pytest.skip("the kernel gave no transparent huge page to a process that asked for them "
+                    "(its memory too fragmented, or a container's limit): nothing here to tell "
+                    "the setting by")
     assert run({}) >= 2 << 20
     if cpu_allocator.thp_mode() == "madvise":
         assert run({"THP_MEM_ALLOC_ENABLE": "0"}) == 0
@@ -76,7 +83,8 @@ def test_importing_nanoserve_puts_big_cpu_tensors_on_huge_pages():
 def test_the_huge_page_advice_names_the_setting(monkeypatch, caplog):
     monkeypatch.setattr(cpu_allocator, "malloc_library", lambda: "tcmalloc")
     monkeypatch.setattr(cpu_allocator, "thp_mode", lambda: "madvise")
-    for pages, largest, said in ((0, 8 << 20, True), (4 << 20, 8 << 20, False), (0, 1 << 20, False)):
+    for pages, largest, said in ((0, 8 << 20, True), (4 << 20, 8 << 20, False),
+                                 (0, 1 << 20, False)):
         monkeypatch.setattr(cpu_allocator, "_ADVISED", False)
         monkeypatch.setattr(cpu_allocator, "huge_page_bytes", lambda p=pages: p)
         caplog.clear()

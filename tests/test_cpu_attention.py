@@ -1,11 +1,13 @@
-"""The CPU attention backend: a C kernel (kernels/cpu_paged_attention.c) for decode over the paged pool.
+"""The CPU attention backend: a C kernel (kernels/cpu_paged_attention.c) for decode over the paged
+pool.
 
-The kernel is checked against `paged_attention_ref` (plain torch, one sequence at a time) over head dims,
-GQA groups, block sizes, sliding windows and soft-caps, with every slot it must not read poisoned with NaN;
-then the backend end to end against the torch backend (gather + SDPA): logits step by step on tiny random
-HF-shaped models, and greedy tokens through the engine with chunked prefill and prefix-cache hits.
-Negative controls: the kernel given one key too few per row, and a block table with two blocks swapped,
-miss the reference by far. Where no compiler builds the kernel, the default falls back to torch, saying why.
+The kernel is checked against `paged_attention_ref` (plain torch, one sequence at a time) over head
+dims, GQA groups, block sizes, sliding windows and soft-caps, with every slot it must not read
+poisoned with NaN; then the backend end to end against the torch backend (gather + SDPA): logits
+step by step on tiny random HF-shaped models, and greedy tokens through the engine with chunked
+prefill and prefix-cache hits. Negative controls: the kernel given one key too few per row, and a
+block table with two blocks swapped, miss the reference by far. Where no compiler builds the kernel,
+the default falls back to torch, saying why.
 """
 
 from __future__ import annotations
@@ -13,18 +15,24 @@ from __future__ import annotations
 import pytest
 import torch
 from nanoserve.kernels import cpu_paged_attention as cpa
-from nanoserve.kernels.cpu_paged_attention import cpu_kernel_problem, paged_attention_cpu, paged_attention_ref
+from nanoserve.kernels.cpu_paged_attention import (
+    cpu_kernel_problem,
+    paged_attention_cpu,
+    paged_attention_ref,
+)
 from test_attention_backend import CASES, _step_logits
 
 from nanoserve import LLM, NanoserveError, SamplingParams
 from nanoserve.kv.cache import resolve_attention_backend
 from nanoserve.models.loader import load_model
 
-pytestmark = pytest.mark.skipif(cpu_kernel_problem(64) is not None, reason=f"C kernel: {cpu_kernel_problem(64)}")
+pytestmark = pytest.mark.skipif(cpu_kernel_problem(64) is not None,
+                                reason=f"C kernel: {cpu_kernel_problem(64)}")
 
 
 def _paged_case(seed, B, H, Hkv, D, block_size, max_blocks, window=None):
-    """Pools with every slot no row may read set to NaN, scattered block tables, ragged context lengths."""
+    """Pools with every slot no row may read set to NaN, scattered block tables, ragged context
+    lengths."""
     g = torch.Generator().manual_seed(seed)
     num_blocks = B * max_blocks + 3
     k = torch.full((num_blocks, block_size, Hkv, D), float("nan"))
@@ -54,7 +62,8 @@ def test_kernel_matches_the_reference(D, H, Hkv, block_size, window, softcap):
     want = paged_attention_ref(q, k, v, tables, lens, 0.3, window=window, softcap=softcap)
     assert torch.isfinite(got).all()
     assert (got - want).abs().max().item() <= 1e-5
-    assert torch.equal(got, paged_attention_cpu(q, k, v, tables.int(), lens.int(), 0.3, window=window,
+    assert torch.equal(got,
+                       paged_attention_cpu(q, k, v, tables.int(), lens.int(), 0.3, window=window,
                                                 softcap=softcap))  # int32 tables: the same call
 
 
@@ -64,10 +73,12 @@ def test_negative_controls_one_key_short_and_swapped_blocks_miss():
     want = paged_attention_ref(q, k, v, tables, lens)
     short = paged_attention_cpu(q, k, v, tables, (lens - 1).clamp(min=1))
     assert (short - want).abs().max().item() > 1e-2
-    swapped = tables.clone()  # (attention is blind to the order of the keys it sees: a window shows the swap)
+    # (attention is blind to the order of the keys it sees: a window shows the swap)
+    swapped = tables.clone()
     swapped[0, [0, -1]] = swapped[0, [-1, 0]]  # row 0 fills its table: both blocks hold its keys
     windowed = paged_attention_ref(q, k, v, tables, lens, window=6)
-    assert (paged_attention_cpu(q, k, v, swapped, lens, window=6) - windowed)[0].abs().max().item() > 1e-2
+    assert (paged_attention_cpu(q, k, v, swapped, lens,
+                                window=6) - windowed)[0].abs().max().item() > 1e-2
 
 
 def test_bad_inputs_are_named_before_the_kernel_runs():
@@ -76,13 +87,15 @@ def test_bad_inputs_are_named_before_the_kernel_runs():
         paged_attention_cpu(q, k, v, tables + k.shape[0], lens)
     with pytest.raises(ValueError, match=r"context_lens must lie in 1 \.\. 12"):
         paged_attention_cpu(q, k, v, tables, lens * 0)
-    with pytest.raises(ValueError, match="float32 pools in place on the CPU; q is torch.bfloat16 on cpu"):
+    with pytest.raises(ValueError,
+                       match="float32 pools in place on the CPU; q is torch.bfloat16 on cpu"):
         paged_attention_cpu(q.bfloat16(), k.bfloat16(), v.bfloat16(), tables, lens)
     with pytest.raises(ValueError, match="v_cache .* not contiguous"):
         paged_attention_cpu(q, k, v.transpose(0, 1).contiguous().transpose(0, 1), tables, lens)
     with pytest.raises(ValueError, match="window must be None or an int"):
         paged_attention_cpu(q, k, v, tables, lens, window=0)
-    assert paged_attention_cpu(q[:0], k, v, tables[:0], lens[:0]).shape == (0, 4, 64)  # no sequence: no call
+    # no sequence: no call
+    assert paged_attention_cpu(q[:0], k, v, tables[:0], lens[:0]).shape == (0, 4, 64)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -97,7 +110,8 @@ def test_backend_logits_match_torch(hf_checkpoints, case):
 
 @pytest.mark.parametrize("case", ["llama-gqa", "gemma2"])
 def test_backend_engine_same_tokens(hf_checkpoints, case):
-    """Greedy generations: chunked prefill (8 tokens a step), a prefix-cache hit, decodes across blocks."""
+    """Greedy generations: chunked prefill (8 tokens a step), a prefix-cache hit, decodes across
+    blocks."""
     path = str(hf_checkpoints[case][0])
     prompts = [list(range(5, 24)), [40, 41, 42], [7] * 9]
     params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
@@ -113,13 +127,16 @@ def test_backend_engine_same_tokens(hf_checkpoints, case):
 
 def test_default_on_the_cpu_and_the_fallback_without_a_compiler(monkeypatch, caplog, tmp_path):
     assert resolve_attention_backend(None, "cpu", 64, torch.float32) == "cpu"
-    assert resolve_attention_backend(None, "cpu", 64, torch.bfloat16) == "torch"  # the kernel is float32 only
-    with pytest.raises(NanoserveError, match="'cpu' cannot serve this model here: the C decode kernel computes in "
-                                             "float32, and the model is torch.bfloat16; use 'torch'"):
+    # the kernel is float32 only
+    assert resolve_attention_backend(None, "cpu", 64, torch.bfloat16) == "torch"
+    with pytest.raises(NanoserveError,
+                       match="'cpu' cannot serve this model here: the C decode kernel computes in "
+                             "float32, and the model is torch.bfloat16; use 'torch'"):
         resolve_attention_backend("cpu", "cpu", 64, torch.bfloat16)
     with pytest.raises(NanoserveError, match="it runs on the CPU, and this model is on CUDA"):
         resolve_attention_backend("cpu", "cuda", 64, torch.float32)
-    monkeypatch.setattr(cpa, "cpu_kernel_problem", cpa.cpu_kernel_problem.__wrapped__)  # no cached answers
+    # no cached answers
+    monkeypatch.setattr(cpa, "cpu_kernel_problem", cpa.cpu_kernel_problem.__wrapped__)
     monkeypatch.setattr(cpa, "load_library", cpa.load_library.__wrapped__)
     monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path))  # nothing built before is found
     for cc, reason in (("no-such-cc", "no C compiler: 'no-such-cc' is not on PATH"),

@@ -33,8 +33,8 @@ def test_bucket_ladder(per_doubling):
 
 
 def _decode_case(lens, num_blocks=128, H=2, D=8, seed=0):
-    """A pool holding rows of `lens` tokens (the last one written this step), their keys also kept in
-    logical order by the test itself: (cache, view inputs, q, new k/v, per-row logical K/V)."""
+    """A pool holding rows of `lens` tokens (the last one written this step), their keys also kept
+    in logical order by the test itself: (cache, view inputs, q, new k/v, per-row logical K/V)."""
     g = torch.Generator().manual_seed(seed)
     cfg = gpt2_config("gpt2", n_layers=1, hidden_size=H * D, n_heads=H, vocab_size=16)
     cache = PagedKVCache(cfg, num_blocks, BS)
@@ -47,7 +47,8 @@ def _decode_case(lens, num_blocks=128, H=2, D=8, seed=0):
         k, v = torch.randn(n, H, D, generator=g), torch.randn(n, H, D, generator=g)
         for j in range(n - 1):  # the cached tokens; the last one arrives with the step
             cache.k[0, table[j // BS], j % BS], cache.v[0, table[j // BS], j % BS] = k[j], v[j]
-        if (n - 1) % BS == 0:  # its first slot is this step's token: the view zeroes the fresh block
+        # its first slot is this step's token: the view zeroes the fresh block
+        if (n - 1) % BS == 0:
             cache.k[0, table[-1]] = cache.v[0, table[-1]] = 0
         else:  # unused slots of a partly filled block hold zeros (written at its first token)
             cache.k[0, table[-1], (n - 1) % BS:] = cache.v[0, table[-1], (n - 1) % BS:] = 0
@@ -55,7 +56,8 @@ def _decode_case(lens, num_blocks=128, H=2, D=8, seed=0):
         logical.append((k, v))
     M = max(map(len, tables))
     block_tables = torch.tensor([t + [t[0]] * (M - len(t)) for t in tables])
-    slot = torch.tensor([[t[(n - 1) // BS] * BS + (n - 1) % BS] for t, n in zip(tables, lens)])  # B, 1
+    # B, 1
+    slot = torch.tensor([[t[(n - 1) // BS] * BS + (n - 1) % BS] for t, n in zip(tables, lens)])
     q = torch.randn(len(lens), 1, H, D, generator=g)
     k_new = torch.stack([k[-1:] for k, _ in logical])  # B, 1, H, D
     v_new = torch.stack([v[-1:] for _, v in logical])
@@ -77,18 +79,22 @@ def test_bucketed_attention_equals_attention_per_row(monkeypatch, per_doubling):
         torch.testing.assert_close(out[i:i + 1], ref, rtol=1e-5, atol=1e-5)
     # negative control: a bucket one block short drops each of its rows' last block
     short = [(rows, n - 1) for rows, n in view.meta.buckets if n > 1]
-    meta = dataclasses.replace(view.meta, buckets=short + [(rows, n) for rows, n in view.meta.buckets if n == 1])
+    meta = dataclasses.replace(view.meta,
+                               buckets=short + [(rows, n) for rows,
+                                                n in view.meta.buckets if n == 1])
     bad = cache.bind(meta).attention(0, q, k_new, v_new, pos)
     assert not torch.allclose(bad, out, rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.parametrize("window", [None, 3])
 def test_prefills_from_scratch_attend_without_the_gather(monkeypatch, window):
-    """Rows with nothing cached attend over their own new k, v (no gather from the pool): the same as the
-    gathered path and as attention written out per row, right-padded rows of several lengths."""
+    """Rows with nothing cached attend over their own new k, v (no gather from the pool): the same
+    as the gathered path and as attention written out per row, right-padded rows of several
+    lengths."""
     H, D, lens = 2, 8, [7, 3, 5, 1]
     g = torch.Generator().manual_seed(4)
-    cache = PagedKVCache(gpt2_config("gpt2", n_layers=1, hidden_size=H * D, n_heads=H, vocab_size=16), 64, BS)
+    cache = PagedKVCache(gpt2_config("gpt2", n_layers=1, hidden_size=H * D, n_heads=H,
+                                     vocab_size=16), 64, BS)
     B, T, start = len(lens), max(lens), 0
     tables, slots = [], []
     for n in lens:
@@ -110,7 +116,8 @@ def test_prefills_from_scratch_attend_without_the_gather(monkeypatch, window):
         want = naive_attention(q[i:i + 1, :n], k[i:i + 1, :n], v[i:i + 1, :n], pos[i:i + 1, :n], window)
         torch.testing.assert_close(out[i:i + 1, :n], want, rtol=1e-5, atol=1e-5)
     # control: one row with a token cached before this step is not a prefill from scratch
-    assert not cache.view(torch.tensor(slots), torch.tensor(tables), torch.tensor(lens) + torch.tensor(
+    assert not cache.view(torch.tensor(slots), torch.tensor(tables),
+                          torch.tensor(lens) + torch.tensor(
         [0, 0, 1, 0])).meta.no_prefix
 
 
@@ -123,7 +130,8 @@ def test_gather_workspace_is_reused_and_grown():
     assert c.shape[0] >= a.shape[0] + 1  # grown
 
 
-needs_onednn = pytest.mark.skipif(onednn_unavailable(torch.device("cpu"), torch.float32) is not None,
+needs_onednn = pytest.mark.skipif(onednn_unavailable(torch.device("cpu"),
+                                                     torch.float32) is not None,
                                   reason="no oneDNN linear op in this torch build")
 
 
@@ -146,8 +154,9 @@ def test_onednn_linear_is_fp32_exact(shape):
 
 @needs_onednn
 def test_the_packed_weight_follows_in_place_changes():
-    """The layer computes with a prepacked copy of its weight: a copy_ into the weight (a LoRA merge,
-    a quantizer's dequantized weights) must reach the output, and the copy must not be remade per call."""
+    """The layer computes with a prepacked copy of its weight: a copy_ into the weight (a LoRA
+    merge, a quantizer's dequantized weights) must reach the output, and the copy must not be remade
+    per call."""
     g = torch.Generator().manual_seed(2)
     lin = OneDNNLinear.from_linear(nn.Linear(48, 300))
     x = torch.randn(5, 48, generator=g)
@@ -166,8 +175,9 @@ def test_the_packed_weight_follows_in_place_changes():
 @needs_onednn
 @pytest.mark.parametrize("act", ["gelu_new", "gelu"])
 def test_the_gelu_post_op_equals_gelu_after_the_linear(act, monkeypatch):
-    """forward_gelu (oneDNN's GELU post-op) against ACTIVATION_FNS[act] after F.linear, as close as the
-    float64 reference allows; GPT-2's MLP takes it on a CPU model (counted), and the model's output stays."""
+    """forward_gelu (oneDNN's GELU post-op) against ACTIVATION_FNS[act] after F.linear, as close as
+    the float64 reference allows; GPT-2's MLP takes it on a CPU model (counted), and the model's
+    output stays."""
     from nanoserve.models import build_model
     from nanoserve.models.layers import ACTIVATION_FNS
 
@@ -189,7 +199,8 @@ def test_the_gelu_post_op_equals_gelu_after_the_linear(act, monkeypatch):
         before = model(ids)
         use_onednn_linears(model)
         calls, fused_gelu = [], OneDNNLinear.forward_gelu
-        monkeypatch.setattr(OneDNNLinear, "forward_gelu", lambda self, x, a: calls.append(a) or fused_gelu(self, x, a))
+        monkeypatch.setattr(OneDNNLinear, "forward_gelu", lambda self, x,
+                            a: calls.append(a) or fused_gelu(self, x, a))
         torch.testing.assert_close(model(ids), before, rtol=1e-5, atol=1e-5)
     assert calls == ["gelu_new", "gelu_new"]  # one per layer
 
@@ -235,11 +246,13 @@ def test_forward_groups_bound_prefill_padding():
     rng = random.Random(0)
     for _ in range(200):
         num_new = [rng.choice([1, 1, 1, rng.randint(2, 300)]) for _ in range(rng.randint(1, 40))]
-        num_logits = [n if n > 1 and rng.random() < 0.1 else 1 for n in num_new]  # a few verifications
+        # a few verifications
+        num_logits = [n if n > 1 and rng.random() < 0.1 else 1 for n in num_new]
         groups = forward_groups(num_new, num_logits)
         assert sorted(i for g in groups for i in g) == list(range(len(num_new)))  # each row once
         kinds = [{(num_new[i] == 1, num_logits[i] > 1) for i in g} for g in groups]
-        assert all(len(k) == 1 for k in kinds)  # decodes, verifications, prefills never share a forward
+        # decodes, verifications, prefills never share a forward
+        assert all(len(k) == 1 for k in kinds)
         assert sum(k == {(True, False)} for k in kinds) <= 1  # all decodes in one forward
         for g in groups:
             if len(g) > 1 and num_logits[g[0]] == 1 and num_new[g[0]] > 1:  # a prefill forward
@@ -256,7 +269,8 @@ def test_run_returns_each_rows_logits_whatever_the_forward_order():
     from nanoserve.engine.sequence import Sequence
 
     engine = LLMEngine.from_kwargs("demo", enable_prefix_caching=False)
-    seqs = [Sequence(list(range(1, 1 + n))) for n in (8, 10, 9)]  # one prefill forward, not in length order
+    # one prefill forward, not in length order
+    seqs = [Sequence(list(range(1, 1 + n))) for n in (8, 10, 9)]
     for s in seqs:
         engine.block_allocator.allocate(s)
     num_new = [len(s) for s in seqs]
@@ -265,5 +279,6 @@ def test_run_returns_each_rows_logits_whatever_the_forward_order():
     assert forward_groups(num_new, [1, 1, 1]) == [[1, 2, 0]]  # one forward, longest first
     forward = engine.runner.run(seqs, num_new)  # B, V
     backward = engine.runner.run(seqs[::-1], num_new[::-1])
-    assert torch.equal(forward, backward.flip(0))  # the same forwards, rows back in each caller's order
+    # the same forwards, rows back in each caller's order
+    assert torch.equal(forward, backward.flip(0))
     assert not torch.equal(forward, backward)  # control: the rows' logits do differ

@@ -30,7 +30,8 @@ def _decode_step(backend: str, rows: int):
     """An engine after its prefill, and the prepared inputs of its first decode step."""
     engine = LLMEngine.from_kwargs("demo", attention_backend=backend, block_size=4, num_blocks=96)
     for i in range(rows):
-        engine.add_request("ROMEO:" * (i + 1), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        engine.add_request("ROMEO:" * (i + 1),
+                           SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     engine.step()  # the prefill (and the first tokens)
     sched = engine.scheduler.schedule()
     assert sched.num_new == [1] * rows
@@ -69,9 +70,11 @@ def test_fill_pads_and_keeps_the_addresses():
     buf.block_tables.fill_(7)  # stale values from an earlier step
     buf.fill(inputs, 4)
     after = buf.meta(4)
-    assert [t.data_ptr() for t in (after.slot_mapping, after.block_tables, after.context_lens, after.dst)] == before
+    assert [t.data_ptr() for t in (after.slot_mapping, after.block_tables, after.context_lens,
+                                   after.dst)] == before
     M = inputs.meta.block_tables.shape[1]
-    assert torch.equal(buf.block_tables[:2, :M], inputs.meta.block_tables) and (buf.block_tables[:2, M:] == 0).all()
+    assert torch.equal(buf.block_tables[:2, :M],
+                       inputs.meta.block_tables) and (buf.block_tables[:2, M:] == 0).all()
     assert buf.slot_mapping[2:].eq(-1).all() and buf.context_lens[2:].eq(1).all() and buf.block_tables[2:].eq(0).all()
     assert torch.equal(after.dst, buf.slot_mapping[:4].flatten())
 

@@ -1,5 +1,6 @@
 """The shipped demo pair: loads and generates offline from the package alone, and the numbers on
-its model cards are recomputed from ../shared (validation loss within 1 %, acceptance within 0.02)."""
+its model cards are recomputed from ../shared (validation loss within 1 %, acceptance within
+0.02)."""
 
 from __future__ import annotations
 
@@ -25,14 +26,16 @@ def test_shipped_models_are_small_and_complete():
     total = 0
     for name in ("demo", "demo-draft"):
         files = {p.name for p in (ASSETS / name).iterdir()}
-        assert {"config.json", "model.safetensors", "tokenizer.tiktoken", "README.md", "card.json"} <= files
+        assert {"config.json", "model.safetensors", "tokenizer.tiktoken", "README.md",
+                "card.json"} <= files
         total += sum(p.stat().st_size for p in (ASSETS / name).iterdir())
     assert total <= MAX_BYTES
     assert _card("demo")["parameters"] >= 10 * _card("demo-draft")["parameters"]
 
 
 def test_demo_generates_offline_without_shared(tmp_path):
-    """A fresh interpreter, cwd far from the repo, no network, no ../shared on any path it is told."""
+    """A fresh interpreter, cwd far from the repo, no network, no ../shared on any path it is
+    told."""
     code = ("from nanoserve import LLM, SamplingParams; llm = LLM('demo'); "
             "print(llm.generate('ROMEO:', SamplingParams(temperature=0, max_tokens=40))[0].text)")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "NO_PROXY": "*", "http_proxy": "http://127.0.0.1:9",
@@ -63,7 +66,8 @@ def test_validation_loss_matches_the_card():
 
     text = val_text(shared_path("corpora", "tinyshakespeare", "input.txt"))
     model, _, tok = load_model("demo")
-    res = perplexity(model, tok, text, context=VAL_CONTEXT, stride=VAL_STRIDE, batch_size=16, progress=False)
+    res = perplexity(model, tok, text, context=VAL_CONTEXT, stride=VAL_STRIDE, batch_size=16,
+                     progress=False)
     card = _card("demo")["val_loss_nats_per_byte"]
     assert res.nats_per_byte == pytest.approx(card, rel=0.01)
     assert res.nats_per_byte <= 1.60  # the issue's goal

@@ -36,7 +36,8 @@ def test_the_triton_backend_falls_back_to_torch_where_its_kernels_cannot_serve(m
     from nanoserve.kv.cache import resolve_attention_backend
 
     reason = "sm_75: Triton attention needs sm_80 or newer"
-    monkeypatch.setattr(kernels, "triton_attention_supported", lambda head_dim, dtype, device: reason)
+    monkeypatch.setattr(kernels, "triton_attention_supported", lambda head_dim, dtype,
+                        device: reason)
     with caplog.at_level("WARNING", logger="nanoserve"):
         assert resolve_attention_backend(None, CUDA, 64, torch.float16) == "torch"
     assert reason in caplog.text
@@ -45,7 +46,8 @@ def test_the_triton_backend_falls_back_to_torch_where_its_kernels_cannot_serve(m
     assert resolve_attention_backend("torch", CUDA, 64, torch.float16) == "torch"
     monkeypatch.setattr(kernels, "triton_attention_supported", lambda head_dim, dtype, device: None)
     assert resolve_attention_backend(None, CUDA, 64, torch.float16) == "triton"
-    assert resolve_attention_backend(None, "cpu", 64, torch.bfloat16) == "torch"  # (the CPU's own: test_cpu_attention)
+    # (the CPU's own: test_cpu_attention)
+    assert resolve_attention_backend(None, "cpu", 64, torch.bfloat16) == "torch"
 
 
 def test_the_kernels_name_what_they_cannot_serve():

@@ -1,11 +1,13 @@
-"""EAGLE's draft head (nanoserve/spec/eagle.py, eagle_proposer.py, tools/train_eagle.py) in the engine.
+"""EAGLE's draft head (nanoserve/spec/eagle.py, eagle_proposer.py, tools/train_eagle.py) in the
+engine.
 
-The oracles are outside the head: the target alone (greedy tokens and logprobs, token for token), and at T > 0
-the target's exact joint law of its first three tokens computed from its logits (χ², 1,500 seeded requests).
-Greedy equality holds on the torch and cpu backends, batch 4, block size 4, under preemption, with prefix-cache
-hits (whose positions have no features here: the head drafts from the rest) and n = 2 forks. The trained head
-accepts more than Medusa's chain; controls: the head fed zero features accepts far less (it reads the target's
-features), and keeping the head's sampled drafts without the min(1, p/q) test breaks the law.
+The oracles are outside the head: the target alone (greedy tokens and logprobs, token for token),
+and at T > 0 the target's exact joint law of its first three tokens computed from its logits (χ²,
+1,500 seeded requests). Greedy equality holds on the torch and cpu backends, batch 4, block size 4,
+under preemption, with prefix-cache hits (whose positions have no features here: the head drafts
+from the rest) and n = 2 forks. The trained head accepts more than Medusa's chain; controls: the
+head fed zero features accepts far less (it reads the target's features), and keeping the head's
+sampled drafts without the min(1, p/q) test breaks the law.
 """
 
 from __future__ import annotations
@@ -23,13 +25,15 @@ from nanoserve.spec.eagle import load_eagle
 from nanoserve.spec.eagle_proposer import EagleProposer
 from nanoserve.tools.train_eagle import eagle_accuracy, init_head
 
-PROMPTS = ["ROMEO:\nWhat light through yonder", "To be, or not to be", "First Citizen:\nBefore we proceed any further,",
+PROMPTS = ["ROMEO:\nWhat light through yonder", "To be, or not to be",
+           "First Citizen:\nBefore we proceed any further,",
            "KING"]
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=0)
 
 
 def _llm(head, gamma=3, **kw) -> LLM:
-    return LLM("demo", block_size=4, speculative="eagle", speculative_model=str(head), num_speculative_tokens=gamma,
+    return LLM("demo", block_size=4, speculative="eagle", speculative_model=str(head),
+               num_speculative_tokens=gamma,
                speculative_adaptive=False, **kw)
 
 
@@ -55,18 +59,21 @@ def test_greedy_equals_the_target_alone_and_accepts_more_than_medusa(eagle_train
     want = LLM("demo", block_size=4, attention_backend=backend).generate(PROMPTS, GREEDY, use_tqdm=False)
     outs = _llm(eagle_trained[0], attention_backend=backend).generate(PROMPTS, GREEDY, use_tqdm=False)
     _check_equal(outs, want)
-    medusa = LLM("demo", block_size=4, speculative="medusa", speculative_model=str(medusa_trained[0]),
+    medusa = LLM("demo", block_size=4, speculative="medusa",
+                 speculative_model=str(medusa_trained[0]),
                  num_speculative_tokens=3, speculative_adaptive=False, attention_backend=backend)
     chain = _tokens_per_step(medusa.generate(PROMPTS, GREEDY, use_tqdm=False))
     assert _tokens_per_step(outs) > max(1.8, chain), (_tokens_per_step(outs), chain)
 
 
 def test_preemption_prefix_hits_and_forks(eagle_trained):
-    """A 40-block pool (preemption); a prompt whose prefix is in the cache (those positions have no features
-    here: the head drafts from the rest); n = 2 (a fork's prompt features are its parent's): still the target's
-    tokens, and every block and every feature let go of at the end."""
+    """A 40-block pool (preemption); a prompt whose prefix is in the cache (those positions have no
+    features
+    here: the head drafts from the rest); n = 2 (a fork's prompt features are its parent's): still
+    the target's tokens, and every block and every feature let go of at the end."""
     one, llm = LLM("demo", block_size=4, num_blocks=40), _llm(eagle_trained[0], num_blocks=40)
-    _check_equal(llm.generate(PROMPTS, GREEDY, use_tqdm=False), one.generate(PROMPTS, GREEDY, use_tqdm=False))
+    _check_equal(llm.generate(PROMPTS, GREEDY, use_tqdm=False),
+                 one.generate(PROMPTS, GREEDY, use_tqdm=False))
     assert llm.engine.scheduler.num_preemptions > 0
     longer = [PROMPTS[2] + " hear me speak."]
     hit = llm.generate(longer, GREEDY, use_tqdm=False)
@@ -107,15 +114,20 @@ def test_training_learns_the_targets_next_token(eagle_trained):
 def test_sampling_keeps_the_targets_joint_law(eagle_trained, monkeypatch, accept_all):
     settings = dict(temperature=1.0, top_k=3, max_tokens=4, ignore_eos=True)
     law = _joint_law3(eagle_trained[1], "ROMEO:\n", SamplingParams(**settings))
-    if accept_all:  # the control: the head's drafts kept without the min(1, p/q) test (the bonus from p)
+    # the control: the head's drafts kept without the min(1, p/q) test (the bonus from p)
+    if accept_all:
         def keep(draft, q, p, generator=None):
-            return draft.tolist() + [int(torch.multinomial(p[len(draft)].double(), 1, generator=generator))], len(draft)
+            return draft.tolist() + [int(torch.multinomial(p[len(draft)].double(), 1,
+                                                           generator=generator))], len(draft)
         monkeypatch.setattr("nanoserve.spec.spec_decode.rejection_sample", keep)
-    llm = _llm(eagle_trained[0], gamma=2, max_num_seqs=128, max_num_batched_tokens=4096)  # budget: every row
+    # budget: every row
+    llm = _llm(eagle_trained[0], gamma=2, max_num_seqs=128, max_num_batched_tokens=4096)
     n = 1500
-    outs = llm.generate(["ROMEO:\n"] * n, [SamplingParams(**{**settings, "seed": s}) for s in range(n)],
+    outs = llm.generate(["ROMEO:\n"] * n,
+                        [SamplingParams(**{**settings, "seed": s}) for s in range(n)],
                         use_tqdm=False)
-    assert sum(o.outputs[0].spec_stats.num_draft_tokens for o in outs) > 0.9 * 2 * n  # tokens 2, 3 from drafts
+    # tokens 2, 3 from drafts
+    assert sum(o.outputs[0].spec_stats.num_draft_tokens for o in outs) > 0.9 * 2 * n
     triples = [tuple(o.outputs[0].token_ids[:3]) for o in outs]
     cells = sorted(law)
     counts = torch.tensor([sum(1 for t in triples if t == c) for c in cells], dtype=torch.float64)

@@ -31,19 +31,24 @@ def test_logits_equal_full_forward(llm, hf_checkpoints):
 def test_seed_reproduces_and_differs(llm):
     p = SamplingParams(temperature=1.0, top_k=50, max_tokens=24, seed=7, ignore_eos=True)
     a, b = llm.generate([[1, 2, 3]], p)[0], llm.generate([[1, 2, 3]], p)[0]
-    c = llm.generate([[1, 2, 3]], SamplingParams(temperature=1.0, top_k=50, max_tokens=24, seed=8, ignore_eos=True))[0]
+    c = llm.generate([[1, 2, 3]],
+                     SamplingParams(temperature=1.0, top_k=50, max_tokens=24, seed=8,
+                                    ignore_eos=True))[0]
     assert a.token_ids == b.token_ids
     assert a.token_ids != c.token_ids
 
 
 def test_stop_token_ids_and_eos(llm):
-    greedy = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+    greedy = llm.generate([[1, 2, 3]],
+                          SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
     stop_at = greedy.token_ids[5]
     first = greedy.token_ids.index(stop_at)
-    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_at]))[0]
+    out = llm.generate([[1, 2, 3]],
+                       SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_at]))[0]
     assert out.finish_reason == "stop"
     assert out.token_ids == greedy.token_ids[:first + 1]  # the stop id is reported, not decoded
-    assert out.text == llm.tokenizer.decode([1, 2, 3] + greedy.token_ids[:first])[len(llm.tokenizer.decode([1, 2, 3])):]
+    assert out.text == llm.tokenizer.decode([1, 2,
+                                             3] + greedy.token_ids[:first])[len(llm.tokenizer.decode([1, 2, 3])):]
 
 
 def test_stop_string_truncates_text():
@@ -82,7 +87,8 @@ def test_context_limit_finishes_with_length(llm):
 
 
 def test_text_prompt_and_several_prompts(llm):
-    outs = llm.generate(["Hi", "there"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    outs = llm.generate(["Hi", "there"],
+                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert [len(o.token_ids) for o in outs] == [4, 4]
     assert outs[0].prompt == "Hi" and outs[0].prompt_token_ids == list(b"Hi")
     assert outs[0].ttft is not None and outs[0].e2e_latency >= outs[0].ttft
@@ -90,8 +96,10 @@ def test_text_prompt_and_several_prompts(llm):
 
 def test_cli_generate_streams_text_to_stdout_and_stats_to_stderr(hf_checkpoints):
     path = hf_checkpoints["gpt2"][0]
-    r = subprocess.run([sys.executable, "-m", "nanoserve", "generate", "--model", str(path), "--prompt", "ab",
-                        "--max-tokens", "5", "--temperature", "0"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "nanoserve", "generate", "--model", str(path),
+                        "--prompt", "ab",
+                        "--max-tokens", "5", "--temperature", "0"], capture_output=True, text=True,
+                       timeout=120)
     assert r.returncode == 0, r.stderr
     llm = LLM(str(path), dtype="float32")
     expected = llm.generate("ab", SamplingParams(temperature=0, max_tokens=5))[0].text

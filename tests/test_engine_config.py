@@ -1,5 +1,5 @@
-"""EngineConfig (nanoserve/config.py): flat keyword arguments sorted into one validated dataclass per
-concern, the same table behind LLM(...), LLMEngine.from_kwargs and the `nanoserve` command."""
+"""EngineConfig (nanoserve/config.py): flat keyword arguments sorted into one validated dataclass
+per concern, the same table behind LLM(...), LLMEngine.from_kwargs and the `nanoserve` command."""
 
 from __future__ import annotations
 
@@ -67,7 +67,8 @@ def test_an_unknown_keyword_is_refused_with_the_closest_names(kwargs, match):
     (dict(attention_backend="flash"), r"attention_backend='flash'; allowed: None .*torch, triton"),
     (dict(quantization="int4"), r"quantization='int4'; allowed: None .*fp8"),
     (dict(tensor_parallel_size=2, pipeline_parallel_size=2), r"one kind of split at a time"),
-    (dict(tensor_parallel_size=2, speculative="ngram"), r"speculative decoding is not supported with"),
+    (dict(tensor_parallel_size=2, speculative="ngram"),
+     r"speculative decoding is not supported with"),
     (dict(pipeline_parallel_size=2, enable_lora=True), r"enable_lora is not supported with"),
     (dict(grammar_limits={"max_bytes": 1}), r"grammar_limits must be a GrammarLimits, got dict"),
 ])
@@ -77,7 +78,8 @@ def test_a_bad_setting_is_refused_by_name_before_any_model_loads(kwargs, match):
 
 
 def test_a_section_of_the_wrong_type_is_refused():
-    with pytest.raises(ConfigError, match="EngineConfig.scheduler must be a SchedulerConfig, got dict"):
+    with pytest.raises(ConfigError,
+                       match="EngineConfig.scheduler must be a SchedulerConfig, got dict"):
         EngineConfig(scheduler={"max_num_seqs": 4})
 
 

@@ -45,13 +45,15 @@ def test_missing_path():
 
 
 def test_directory_that_is_not_a_checkpoint(tmp_path):
-    with pytest.raises(CheckpointError, match="is not a checkpoint: expected a directory with config.json"):
+    with pytest.raises(CheckpointError,
+                       match="is not a checkpoint: expected a directory with config.json"):
         LLM(str(tmp_path))
 
 
 def test_unsupported_architecture(ckpt):
     _edit_config(ckpt, architectures=["BertForMaskedLM"])
-    with pytest.raises(ConfigError, match=r"unsupported architecture 'BertForMaskedLM'; supported: .*LlamaForCausalLM"):
+    with pytest.raises(ConfigError,
+                       match=r"unsupported architecture 'BertForMaskedLM'; supported: .*LlamaForCausalLM"):
         LLM(str(ckpt))
 
 
@@ -85,7 +87,8 @@ def test_tensor_with_wrong_shape_is_named(ckpt):
     key = "model.layers.1.self_attn.k_proj.weight"
     tensors[key] = torch.zeros(7, tensors[key].shape[1])
     save_file(tensors, ckpt / "model.safetensors")
-    with pytest.raises(CheckpointError, match=rf"tensor '{key}' has shape \(7, 72\), expected \(24, 72\)"):
+    with pytest.raises(CheckpointError,
+                       match=rf"tensor '{key}' has shape \(7, 72\), expected \(24, 72\)"):
         LLM(str(ckpt))
 
 
@@ -108,7 +111,8 @@ def test_truncated_llama2c_file(tmp_path, hf_checkpoints):
 
 def test_hub_id_offline_fails_fast_and_clearly():
     start = time.perf_counter()
-    with pytest.raises(CheckpointError, match="could not download 'no-such-org/no-such-model'|needs `pip install"):
+    with pytest.raises(CheckpointError,
+                       match="could not download 'no-such-org/no-such-model'|needs `pip install"):
         LLM("no-such-org/no-such-model")
     assert time.perf_counter() - start < 60
 
@@ -137,12 +141,14 @@ def test_empty_prompt(llm):
 
 
 def test_prompt_longer_than_context_gives_both_lengths(llm):
-    with pytest.raises(NanoserveError, match="prompt has 300 tokens but the model's context is 256"):
+    with pytest.raises(NanoserveError,
+                       match="prompt has 300 tokens but the model's context is 256"):
         llm.generate("x" * 300)
 
 
 def test_token_ids_outside_vocabulary(llm):
-    with pytest.raises(NanoserveError, match=r"token id 257 is outside the vocabulary; allowed ids are 0..256"):
+    with pytest.raises(NanoserveError,
+                       match=r"token id 257 is outside the vocabulary; allowed ids are 0..256"):
         llm.generate([[1, 257]])
     with pytest.raises(NanoserveError, match="token id -1 is outside"):
         llm.logits([-1])
@@ -169,16 +175,19 @@ def test_bad_sampling_params(kwargs, match):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "nanoserve", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "nanoserve", *args], capture_output=True,
+                          text=True, timeout=120)
 
 
 @pytest.mark.parametrize("args,match", [
     (["generate", "--model", "/no/such/dir", "--prompt", "hi"], "not found"),
     (["generate", "--model", "{gpt2}", "--prompt", ""], "prompt is empty"),
     (["generate", "--model", "{gpt2}", "--prompt", "hi", "--max-tokens", "0"], "max_tokens=0"),
-    (["generate", "--model", "{gpt2}", "--prompt", "hi", "--temperature", "-1"], "temperature=-1.0"),
+    (["generate", "--model", "{gpt2}", "--prompt", "hi", "--temperature", "-1"],
+     "temperature=-1.0"),
     (["generate", "--model", "{gpt2}", "--prompt", "hi", "--top-p", "2"], "top_p=2.0"),
-    (["generate", "--model", "{gpt2}", "--prompt", "hi", "--dtype", "int3"], "unknown dtype 'int3'"),
+    (["generate", "--model", "{gpt2}", "--prompt", "hi", "--dtype", "int3"],
+     "unknown dtype 'int3'"),
     (["eval", "--model", "{gpt2}", "--text", "/no/such/file.txt"], "does not exist"),
 ])
 def test_cli_prints_one_line_and_exits_2(hf_checkpoints, args, match):
@@ -186,13 +195,16 @@ def test_cli_prints_one_line_and_exits_2(hf_checkpoints, args, match):
     r = _cli(*args)
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("nanoserve: error:") and match in lines[0], r.stderr
+    assert len(lines) == 1 and lines[0].startswith("nanoserve: "
+                                                   "error:") and match in lines[0], r.stderr
     assert "Traceback" not in r.stderr
 
 
 def test_a_pytorch_model_bin_file_path_names_its_directory(tmp_path, hf_checkpoints):
     src = hf_checkpoints["gpt2"][0]
     shutil.copytree(src, tmp_path / "m")
-    (tmp_path / "m" / "pytorch_model.bin").write_bytes(b"")  # not a llama2.c file, whatever its suffix
-    with pytest.raises(CheckpointError, match="is one file of an HF checkpoint; pass its directory"):
+    # not a llama2.c file, whatever its suffix
+    (tmp_path / "m" / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(CheckpointError,
+                       match="is one file of an HF checkpoint; pass its directory"):
         LLM(str(tmp_path / "m" / "pytorch_model.bin"))

@@ -20,7 +20,8 @@ def test_every_token_scored_exactly_once(n, budget, data, add_bos):
     scored = []
     for begin, end, first in plan_windows(n, budget, stride, add_bos):
         assert end - begin <= budget and begin <= first <= end
-        assert first >= begin + (0 if add_bos else 1)  # a target always has its prediction in the window
+        # a target always has its prediction in the window
+        assert first >= begin + (0 if add_bos else 1)
         scored += range(first, end)
     assert scored == list(range(0 if add_bos else 1, n))
 

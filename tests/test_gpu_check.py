@@ -1,5 +1,6 @@
-"""benchmarks/gpu_check.py (`make gpu-check`) is for a GPU machine; its --dry-run runs every figure end to
-end on CPU with tiny shapes (Triton interpreter), so the script cannot rot between GPU sessions.
+"""benchmarks/gpu_check.py (`make gpu-check`) is for a GPU machine; its --dry-run runs every figure
+end to end on CPU with tiny shapes (Triton interpreter), so the script cannot rot between GPU
+sessions.
 
 It is run as a script in a subprocess, as the GPU machine runs it (benchmarks/ is not a package)."""
 
@@ -21,7 +22,8 @@ FIGURES = "abcdefgh"
 
 def _run(*args, timeout=240):
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
+                          timeout=timeout,
                           env=env)
 
 
@@ -51,10 +53,12 @@ def test_dry_run_measures_every_figure(tmp_path):
     assert figs["b"]["rows"] and all(_positive(r["ours_tflops"], r["sdpa_tflops"], r["ratio"])
                                      for r in figs["b"]["rows"])
     c = figs["c"]
-    assert _positive(*(r["ratio"] for r in c["paged_decode"]), *(r["split_ms"] for r in c["split_kv"]))
+    assert _positive(*(r["ratio"] for r in c["paged_decode"]),
+                     *(r["split_ms"] for r in c["split_kv"]))
     assert c["split_kv"][0]["growth_vs_first"] == 1.0
     for r in figs["d"]["rows"]:
-        assert _positive(r["cublas_fp16_us"], r["w4a16_us"], r["gemm_kernel_us"]) and r["rel_error"] < 1e-2
+        assert _positive(r["cublas_fp16_us"], r["w4a16_us"],
+                         r["gemm_kernel_us"]) and r["rel_error"] < 1e-2
     assert {r["kernel"] for r in figs["d"]["rows"]} == {"gemv", "gemm"}
     e = figs["e"]
     eager = e["rows"][0]
@@ -71,16 +75,19 @@ def test_dry_run_measures_every_figure(tmp_path):
     assert _positive(full["tok_s"], int4["tok_s"], g["int4_speedup"])
     h = figs["h"]["rows"]
     assert [r["pair"].split()[0] for r in h] == ["random", "random", "demo"]
-    for r in h:  # the adaptive row may never speculate: its measured costs can switch the draft off at once
+    # the adaptive row may never speculate: its measured costs can switch the draft off at once
+    for r in h:
         assert _positive(r["speedup"]) and (r["adaptive"] or r["num_steps"] > 0)
         if r["num_steps"]:
             assert 0 <= r["alpha"] <= 1 and 1 <= r["tokens_per_step"] <= r["gamma"] + 1
-    assert all(col in proc.stdout for col in ("ours_tflops", "w4a16_us", "achieved_tbps", "tokens_per_step"))
+    assert all(col in proc.stdout for col in ("ours_tflops", "w4a16_us", "achieved_tbps",
+                                              "tokens_per_step"))
     assert "8 of 8 figures ok" in proc.stdout
 
 
 def test_isolated_figures_and_the_time_limit(tmp_path):
-    """On a GPU each figure runs in its own process; the run stops starting figures at --time-limit."""
+    """On a GPU each figure runs in its own process; the run stops starting figures at
+    --time-limit."""
     out = tmp_path / "iso.json"
     proc = _run("--dry-run", "--isolate", "--only", "d", "--out", str(out))
     res = json.loads(out.read_text())
@@ -98,7 +105,8 @@ def test_unknown_figure_is_refused():
     assert proc.returncode == 2 and "unknown figure 'z'" in proc.stderr
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="checks the refusal on a machine without CUDA")
 def test_without_cuda_it_says_it_needs_one(tmp_path):
     proc = _run("--out", str(tmp_path / "x.json"), timeout=60)
     assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr and "--dry-run" in proc.stderr
@@ -131,6 +139,7 @@ def test_peak_bandwidth_table():
     assert peak_bandwidth("NVIDIA A100-SXM4-40GB")[0] == 1.56
     assert peak_bandwidth("NVIDIA L4")[0] == 0.3 and peak_bandwidth("NVIDIA A10")[0] == 0.6
     assert peak_bandwidth("Tesla T4")[0] == 0.32
-    for unknown in ("NVIDIA L40S", "NVIDIA A100X", "NVIDIA GH200 480GB", "NVIDIA H100 NVL", "NVIDIA RTX 4090"):
+    for unknown in ("NVIDIA L40S", "NVIDIA A100X", "NVIDIA GH200 480GB", "NVIDIA H100 NVL",
+                    "NVIDIA RTX 4090"):
         peak, note = peak_bandwidth(unknown)
         assert peak is None and note.startswith("unknown"), unknown

@@ -55,7 +55,8 @@ def test_held_compiles_hold_nothing_else_and_time_out_by_name(monkeypatch):
             t.start()
         _wait_for(lambda: len(started) == 2, "both pool threads to hold a compile")
         # while every pool thread is held: the rest of the server is not
-        plain = _post(srv.port, "/v1/completions", {"model": "demo", "prompt": "a", "max_tokens": 5})
+        plain = _post(srv.port, "/v1/completions",
+                      {"model": "demo", "prompt": "a", "max_tokens": 5})
         assert plain[0] == 200 and plain[2]["usage"]["completion_tokens"] == 5
         assert _post(srv.port, "/tokenize", {"prompt": "hello"})[0] == 200
         for t in asks:
@@ -72,7 +73,8 @@ def test_held_compiles_hold_nothing_else_and_time_out_by_name(monkeypatch):
         gate.set()
     compiler = srv.engine.engine.inputs.grammars
     _wait_for(lambda: compiler.num_cached == 2, "the two held compiles to finish")
-    assert sorted(started) == sorted(held)  # one compile each (the held ones: 7 requests, 2 compiles)
+    # one compile each (the held ones: 7 requests, 2 compiles)
+    assert sorted(started) == sorted(held)
     for regex in REGEXES:  # cached now, or (the dropped one) compiled now: served
         body = {"model": "demo", "prompt": "a", "max_tokens": 3, "guided_regex": regex}
         status, _, answer = _post(srv.port, "/v1/completions", body)

@@ -178,7 +178,8 @@ HAS_VALUE = {
     "draft-4 tuple items": (
         {"$schema": "http://json-schema.org/draft-04/schema#", "type": "object",
          "properties": {"t": {"type": "array", "items": [{"type": "integer"}]},
-                                          "u": {"$ref": "#/properties/t/items/0"}}, "required": ["u"]},
+                                          "u": {"$ref": "#/properties/t/items/0"}},
+         "required": ["u"]},
         {"u": 1}),
     "required by a pattern": (
         {"type": "object", "patternProperties": {"^a$": {"type": "string"}},
@@ -354,8 +355,8 @@ def test_the_cache_keeps_what_its_bytes_hold_counted_at_the_lexers_largest():
     ("regex", "\\x{2013}" * 6),
 ])
 def test_malformed_constraints_are_grammar_errors_never_crashes(kind, value):
-    """Whatever a client sends, the check ends in a GrammarError (a 400) or passes; never a TypeError
-    or ValueError that a server would answer with a 500."""
+    """Whatever a client sends, the check ends in a GrammarError (a 400) or passes; never a
+    TypeError or ValueError that a server would answer with a 500."""
     try:
         check_constraint(kind, value, GrammarLimits())
     except GrammarError:

@@ -1,5 +1,6 @@
-"""`greedy_argmax` (engine/sampler.py) against torch.argmax and torch.amax, its reference: the same index
-for every row, ties and NaN included, and the engine's greedy sampler with it (NaN rows still flagged)."""
+"""`greedy_argmax` (engine/sampler.py) against torch.argmax and torch.amax, its reference: the same
+index for every row, ties and NaN included, and the engine's greedy sampler with it (NaN rows still
+flagged)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ from nanoserve.engine.sampler import SamplingParams, greedy_argmax, sample_batch
 
 
 def _rows(V: int, seed: int) -> torch.Tensor:
-    """Rows with what breaks a chunked argmax: ties across chunks, the maximum at either end or on a chunk
-    boundary, a row all −inf, a row with NaN, plain noise."""
+    """Rows with what breaks a chunked argmax: ties across chunks, the maximum at either end or on a
+    chunk boundary, a row all −inf, a row with NaN, plain noise."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(12, V, generator=g)
-    x[0] = torch.randint(0, 3, (V,), generator=g).float()  # many ties of the maximum, in every chunk
+    # many ties of the maximum, in every chunk
+    x[0] = torch.randint(0, 3, (V,), generator=g).float()
     x[1, -1] = 50.0  # at the very end (in the shorter last chunk)
     x[2, 0] = 50.0
     x[3, min(511, V - 2)], x[3, min(512, V - 1)] = 50.0, 50.0  # on a chunk boundary, tied
@@ -36,8 +38,9 @@ def test_greedy_argmax_equals_torch_argmax(V, chunk):
 
 
 def test_the_ties_tell_first_from_last():
-    """Control: on these rows, taking the *last* maximum (a chunked argmax that scans its chunks from the
-    end, say) gives other indices than torch.argmax, so the test above would see a wrong tie rule."""
+    """Control: on these rows, taking the *last* maximum (a chunked argmax that scans its chunks
+    from the end, say) gives other indices than torch.argmax, so the test above would see a wrong
+    tie rule."""
     x = _rows(50257, 0)
     last = x.shape[1] - 1 - x.flip(-1).argmax(-1)
     assert not torch.equal(last, x.argmax(-1))

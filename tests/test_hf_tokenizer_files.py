@@ -1,6 +1,7 @@
 """tiktoken -> HF tokenizer.json (tokenizers/hf_files.py), held to the outside reference: HF
-`transformers.AutoTokenizer` loading the written files gives nanoserve's ids on a corpus, for the demo
-models' byte tokenizer and for GPT-2's 50k merges; the shipped demo files are what the writer writes."""
+`transformers.AutoTokenizer` loading the written files gives nanoserve's ids on a corpus, for the
+demo models' byte tokenizer and for GPT-2's 50k merges; the shipped demo files are what the writer
+writes."""
 
 from __future__ import annotations
 
@@ -10,7 +11,12 @@ import pytest
 from testdata import shared_path
 
 from nanoserve.models.loader import resolve_model_path
-from nanoserve.tokenizers import byte_level_tokenizer, gpt2_tokenizer, load_tokenizer, save_hf_tokenizer
+from nanoserve.tokenizers import (
+    byte_level_tokenizer,
+    gpt2_tokenizer,
+    load_tokenizer,
+    save_hf_tokenizer,
+)
 from nanoserve.tokenizers.hf_files import tokenizer_json
 
 transformers = pytest.importorskip("transformers")
@@ -19,7 +25,8 @@ PROBE = "Hello, World! it's 2024: 3.14 ünïcödé 日本語 🦙🦙  \t\n\n x\
 
 
 def _texts() -> list[str]:
-    text = shared_path("corpora", "tinyshakespeare", "input.txt").read_text(encoding="utf-8")[:200_000]
+    text = shared_path("corpora", "tinyshakespeare",
+                       "input.txt").read_text(encoding="utf-8")[:200_000]
     return text.split("\n\n") + [PROBE, PROBE * 3, " leading", "trailing  ", ""]
 
 
@@ -33,13 +40,15 @@ def _mismatches(ours, hf, texts) -> int:
 
 @pytest.mark.shared
 def test_gpt2_written_as_tokenizer_json_equals_tiktoken(tmp_path):
-    """50k merges derived from ranks: every paragraph of tinyshakespeare tokenizes the same in HF."""
+    """50k merges derived from ranks: every paragraph of tinyshakespeare tokenizes the same in
+    HF."""
     ours = gpt2_tokenizer(shared_path("models", "gpt2-tokenizer"))
     save_hf_tokenizer(ours, tmp_path, 1024)
     hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
     texts = _texts()
     assert len(texts) > 1000 and _mismatches(ours, hf, texts) == 0
-    assert hf.eos_token == "<|endoftext|>" and hf.encode("<|endoftext|>", add_special_tokens=False) == [50256]
+    assert hf.eos_token == "<|endoftext|>" and hf.encode("<|endoftext|>",
+                                                         add_special_tokens=False) == [50256]
     back = load_tokenizer(tmp_path)  # our own reader, the round trip
     assert all(back.encode(t) == ours.encode(t) for t in texts[:200])
 
@@ -58,7 +67,8 @@ def test_negative_control_a_reordered_merge_list_is_caught(tmp_path):
 
 @pytest.mark.parametrize("model", ["demo", "demo-draft"])
 def test_the_demo_models_ship_an_hf_tokenizer(model, tmp_path):
-    """AutoTokenizer on the shipped folder gives the demo's ids; the shipped files are the writer's output."""
+    """AutoTokenizer on the shipped folder gives the demo's ids; the shipped files are the writer's
+    output."""
     folder = resolve_model_path(model)
     hf = transformers.AutoTokenizer.from_pretrained(folder)
     ours = byte_level_tokenizer()

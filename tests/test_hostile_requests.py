@@ -50,7 +50,8 @@ class ServerProcess:
         self.port = free_port()
         self.log = tmp / f"server-{self.port}.log"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "nanoserve", "serve", "--model", "demo", "--port", str(self.port),
+            [sys.executable, "-m", "nanoserve", "serve", "--model", "demo", "--port",
+             str(self.port),
              "--api-key", KEY, "--chat-template", str(template), "--log-level", "warning", *flags],
             stdout=subprocess.DEVNULL, stderr=self.log.open("w"))
         end = time.monotonic() + DEADLINE
@@ -125,8 +126,8 @@ class HealthProbe:
 
 
 class Bystander:
-    """A greedy stream of TOKENS tokens in a thread: the arrival time of each chunk; `first` is set at
-    the first one (an attack is sent then, so it runs while the stream does)."""
+    """A greedy stream of TOKENS tokens in a thread: the arrival time of each chunk; `first` is set
+    at the first one (an attack is sent then, so it runs while the stream does)."""
 
     TOKENS = 30
 
@@ -176,23 +177,30 @@ def tool(parameters: dict) -> dict:
 
 # ----------------------------------------------------------------------------- every attack, a 400
 ATTACKS = {  # name: (path, body, what the 400 must say)
-    "3,000 chained Lark rules": ("/v1/completions", completion(guided_grammar=CHAIN), "max_rules=1000"),
-    "a regex of 999,000 a's, n=4": ("/v1/completions", completion(guided_regex="(a{1000}){999}", n=4),
+    "3,000 chained Lark rules": ("/v1/completions", completion(guided_grammar=CHAIN),
+                                 "max_rules=1000"),
+    "a regex of 999,000 a's, n=4": ("/v1/completions",
+                                    completion(guided_regex="(a{1000}){999}", n=4),
                                     "max_regex_size=10000"),
     "one choice of a million bytes": ("/v1/completions", completion(guided_choice=["a" * 10**6]),
                                       "max_bytes=65536"),
-    "an object requiring itself": ("/v1/completions", completion(guided_json=RECURSIVE), "no finite value"),
+    "an object requiring itself": ("/v1/completions", completion(guided_json=RECURSIVE),
+                                   "no finite value"),
     "two arrays requiring each other": ("/v1/completions", completion(guided_json={"$defs": {
         "a": {"type": "array", "items": {"$ref": "#/$defs/b"}, "minItems": 1},
         "b": {"type": "array", "items": {"$ref": "#/$defs/a"}, "minItems": 1}}, "$ref": "#/$defs/a"}),
         "no finite value"),
     "a -> b -> a": ("/v1/completions", completion(guided_json={"$defs": {"a": {"$ref": "#/$defs/b"},
                                                                          "b": {"$ref": "#/$defs/a"}},
-                                                               "$ref": "#/$defs/a"}), "no finite value"),
+                                                               "$ref": "#/$defs/a"}),
+                    "no finite value"),
     "a tool whose parameters require themselves": (
-        "/v1/chat/completions", chat(tools=[tool(RECURSIVE)], tool_choice="required"), "no finite value"),
-    "start: start": ("/v1/completions", completion(guided_grammar="start: start"), "admits no output"),
-    "start: a, a: a": ("/v1/completions", completion(guided_grammar="start: a\na: a"), "admits no output"),
+        "/v1/chat/completions", chat(tools=[tool(RECURSIVE)], tool_choice="required"),
+        "no finite value"),
+    "start: start": ("/v1/completions", completion(guided_grammar="start: start"),
+                     "admits no output"),
+    "start: a, a: a": ("/v1/completions", completion(guided_grammar="start: a\na: a"),
+                       "admits no output"),
     "logit_bias key ²": ("/v1/completions", completion(logit_bias={"²": 1}), "is not a token id"),
     "logit_bias key ①": ("/v1/completions", completion(logit_bias={"①": 1}), "is not a token id"),
     "logit_bias key of 5,000 digits": ("/v1/completions", completion(logit_bias={"9" * 5000: 1}),
@@ -203,13 +211,17 @@ ATTACKS = {  # name: (path, body, what the 400 must say)
     "64 prompts of 100 tokens": ("/v1/completions", completion(prompt=["ab" * 50] * 64),
                                  "max_prompt_tokens_per_request=4096"),
     "17 chat messages": ("/v1/chat/completions",
-                         chat(messages=[{"role": "user", "content": "a"}] * 17), "max_chat_messages=16"),
-    "tokenize 3.9 MB": ("/tokenize", {"prompt": "ab " * 1_300_000}, "max_prompt_tokens_per_request=4096"),
-    "tokenize 3.9 MB with strings": ("/tokenize", {"prompt": "ab " * 1_300_000, "return_token_strs": True},
+                         chat(messages=[{"role": "user", "content": "a"}] * 17),
+                         "max_chat_messages=16"),
+    "tokenize 3.9 MB": ("/tokenize", {"prompt": "ab " * 1_300_000},
+                        "max_prompt_tokens_per_request=4096"),
+    "tokenize 3.9 MB with strings": ("/tokenize",
+                                     {"prompt": "ab " * 1_300_000, "return_token_strs": True},
                                      "max_prompt_tokens_per_request=4096"),
     "tokenize 17 messages": ("/tokenize", {"messages": [{"role": "user", "content": "a"}] * 17},
                              "max_chat_messages=16"),
-    "detokenize 5,000 ids": ("/detokenize", {"tokens": [65] * 5000}, "max_prompt_tokens_per_request=4096"),
+    "detokenize 5,000 ids": ("/detokenize", {"tokens": [65] * 5000},
+                             "max_prompt_tokens_per_request=4096"),
 }
 
 
@@ -221,9 +233,9 @@ def gap_alone(server) -> float:
 
 @pytest.mark.parametrize("name", ATTACKS)
 def test_each_attack_is_a_400_naming_its_limit_and_health_answers_throughout(server, gap_alone, name):
-    """The attack's 400, /health within HEALTH_BOUND throughout, and a bystander stream that goes on:
-    all its tokens, its largest gap within the larger of HEALTH_BOUND and 20× its gap alone (a ratio
-    to the same stream on the same machine, not a speed)."""
+    """The attack's 400, /health within HEALTH_BOUND throughout, and a bystander stream that goes
+    on: all its tokens, its largest gap within the larger of HEALTH_BOUND and 20× its gap alone (a
+    ratio to the same stream on the same machine, not a speed)."""
     path, body, says = ATTACKS[name]
     bystander = Bystander(server)
     assert bystander.first.wait(DEADLINE)
@@ -239,19 +251,23 @@ def test_each_attack_is_a_400_naming_its_limit_and_health_answers_throughout(ser
 
 def test_requests_under_the_limits_are_served(server):
     """The controls of the batch and tokenizer limits: at the limits, the same requests succeed."""
-    status, answer = server.request("POST", "/v1/completions", completion(prompt=["a"] * 64, max_tokens=1))
+    status, answer = server.request("POST", "/v1/completions",
+                                    completion(prompt=["a"] * 64, max_tokens=1))
     assert status == 200 and len(answer["choices"]) == 64
     status, answer = server.request("POST", "/tokenize", {"prompt": "ab " * 1300})
     assert status == 200 and answer["count"] <= 4096 and len(answer["tokens"]) == answer["count"]
     status, answer = server.request("POST", "/v1/completions",
                                     completion(guided_json={"type": "object", "properties": {
-                                        "a": {"type": "integer"}}, "required": ["a"]}, max_tokens=20))
+                                        "a": {"type": "integer"}}, "required": ["a"]},
+                                               max_tokens=20))
     assert status == 200 and answer["choices"][0]["text"].startswith('{"a": ')
     # a tool whose parameters use their own $defs (rebased under the tool-call wrapper)
     params = {"$defs": {"n": {"enum": [1, 2]}}, "type": "object",
-              "properties": {"x": {"$ref": "#/$defs/n"}}, "required": ["x"], "additionalProperties": False}
+              "properties": {"x": {"$ref": "#/$defs/n"}}, "required": ["x"],
+              "additionalProperties": False}
     status, answer = server.request("POST", "/v1/chat/completions",
-                                    chat(tools=[tool(params)], tool_choice="required", max_tokens=40,
+                                    chat(tools=[tool(params)], tool_choice="required",
+                                         max_tokens=40,
                                          parallel_tool_calls=False))
     assert status == 200, answer
     call = answer["choices"][0]["message"]["tool_calls"][0]["function"]
@@ -274,7 +290,8 @@ SCHEMAS = st.recursive(
     st.fixed_dictionaries({"type": st.sampled_from(["string", "integer", "number", "boolean", "null"])}),
     lambda inner: st.one_of(
         st.fixed_dictionaries({"type": st.just("array"), "items": inner},
-                              optional={"minItems": st.integers(0, 3), "maxItems": st.integers(0, 3)}),
+                              optional={"minItems": st.integers(0, 3),
+                                        "maxItems": st.integers(0, 3)}),
         st.fixed_dictionaries({"type": st.just("object"),
                                "properties": st.dictionaries(st.sampled_from("abcd"), inner, max_size=3)},
                               optional={"required": st.lists(st.sampled_from("abcde"), max_size=3)}),
@@ -291,7 +308,8 @@ CONSTRAINTS = st.one_of(
     st.builds(lambda r: {"guided_regex": r}, REGEX_TEXT),
     st.builds(lambda g: {"guided_grammar": g}, LARK_TEXT),
     st.builds(lambda c: {"guided_choice": c}, st.lists(st.text(max_size=8), max_size=4)),
-    st.builds(lambda s: {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}},
+    st.builds(lambda s: {"response_format": {"type": "json_schema",
+                                             "json_schema": {"name": "x", "schema": s}}},
               SCHEMAS),
 )
 
@@ -336,7 +354,8 @@ def test_a_mask_over_its_budget_fails_alone_and_sigterm_cuts_what_is_in_flight(t
         stream = conn.getresponse()
         assert stream.status == 200 and stream.readline().startswith(b"data: ")  # tokens flow
         srv.proc.send_signal(signal.SIGTERM)
-        assert srv.proc.wait(timeout=DEADLINE) in (0, -signal.SIGTERM)  # uvicorn re-raises it at exit
+        # uvicorn re-raises it at exit
+        assert srv.proc.wait(timeout=DEADLINE) in (0, -signal.SIGTERM)
         try:
             rest = stream.read()
         except http.client.IncompleteRead as cut:  # the chunked body ends mid-way

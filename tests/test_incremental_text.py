@@ -22,9 +22,11 @@ def _tokenizers():
 
 
 def _stream(tok, rng: random.Random, n: int) -> list[int]:
-    text = "".join(rng.choice(["héllo", " wörld", "🦙", " 日本語", "\n\n", "a", " the", "ß", "  x"]) for _ in range(n))
+    text = "".join(rng.choice(["héllo", " wörld", "🦙", " 日本語", "\n\n", "a", " the", "ß",
+                               "  x"]) for _ in range(n))
     ids = tok.encode(text)
-    if rng.random() < 0.5:  # also ids no encoder would produce (e.g. bytes that never complete a character)
+    # also ids no encoder would produce (e.g. bytes that never complete a character)
+    if rng.random() < 0.5:
         ids = [rng.randrange(tok.vocab_size) if rng.random() < 0.2 else t for t in ids]
     return ids
 
@@ -52,7 +54,8 @@ def test_stop_strings_cut_at_their_first_occurrence(seed):
     rng = random.Random(seed)
     out = _stream(tok, rng, 30)
     full = tok.decode(out)
-    stop = full[len(full) // 2: len(full) // 2 + 5]  # a stop string somewhere in the middle, spanning tokens
+    # a stop string somewhere in the middle, spanning tokens
+    stop = full[len(full) // 2: len(full) // 2 + 5]
     inc, deltas, hit = IncrementalText(tok, [stop, "never there"], []), [], False
     for t in out:
         delta, hit = inc.add(t)
@@ -63,7 +66,8 @@ def test_stop_strings_cut_at_their_first_occurrence(seed):
 
 
 def test_the_window_matters_negative_control():
-    """Without ids in front of the new ones, SentencePiece drops each continuation's leading space."""
+    """Without ids in front of the new ones, SentencePiece drops each continuation's leading
+    space."""
 
     class NoWindow(IncrementalText):
         WINDOW = 0

@@ -144,7 +144,8 @@ def test_a_failed_forward_fails_its_batch_and_the_engine_serves_on(solo):
 
 
 def test_a_failed_draft_forward_fails_the_speculating_requests_only(solo):
-    engine = LLMEngine.from_kwargs("demo", speculative="ngram", num_speculative_tokens=3, speculative_adaptive=False)
+    engine = LLMEngine.from_kwargs("demo", speculative="ngram", num_speculative_tokens=3,
+                                   speculative_adaptive=False)
     propose, in_failed_batch = engine.spec.propose_and_extend, set()
 
     def faulty(rows, *rest):
@@ -156,12 +157,14 @@ def test_a_failed_draft_forward_fails_the_speculating_requests_only(solo):
     engine.spec.propose_and_extend = faulty
     done = _drive(engine)
     failed = {rid for rid, out in done.items() if out.error is not None}
-    assert failed == in_failed_batch and "bad" in failed  # the requests drafting in that one forward
+    # the requests drafting in that one forward
+    assert failed == in_failed_batch and "bad" in failed
     assert all("fault while drafting" in done[rid].error for rid in failed)
     assert all(done[rid].token_ids == solo[rid] for rid in set(done) - failed)
     assert engine.block_allocator.num_free_blocks() == engine.block_allocator.num_blocks
     engine.spec.propose_and_extend = propose
-    assert {rid: out.token_ids for rid, out in _drive(engine).items()} == solo  # the engine serves on
+    # the engine serves on
+    assert {rid: out.token_ids for rid, out in _drive(engine).items()} == solo
 
 
 def test_broken_shared_state_stops_the_engine():
@@ -169,7 +172,8 @@ def test_broken_shared_state_stops_the_engine():
     engine.add_request("ROMEO:", GREEDY, request_id="a")
     engine.step()
     seq = engine.requests["a"].samples[0].seq
-    engine.block_allocator.free(seq)  # the pool now believes these blocks are free while seq uses them
+    # the pool now believes these blocks are free while seq uses them
+    engine.block_allocator.free(seq)
     seq.block_table = [0]
     with pytest.raises(EngineStateError):
         while engine.has_unfinished_requests():
@@ -183,7 +187,8 @@ def test_a_running_sequence_with_nothing_to_compute_is_an_error_not_a_hang():
     seq = engine.requests["a"].samples[0].seq
     seq.needs_slot = False  # as a step that sampled a token but forgot to ask for its slot
     seq.num_computed_tokens = len(seq)
-    with pytest.raises(EngineStateError, match=rf"sequence {seq.seq_id} of request 'a' is running with all"):
+    with pytest.raises(EngineStateError,
+                       match=rf"sequence {seq.seq_id} of request 'a' is running with all"):
         engine.step()
 
 
@@ -199,7 +204,8 @@ def test_hang_negative_control_without_the_guard_steps_make_no_progress(monkeypa
     assert [engine.step() for _ in range(3)] == [[], [], []] and engine.has_unfinished_requests()
 
 
-# ----------------------------------------------------------------------------- LLM.generate's params
+# ----------------------------------------------------------------------------- LLM.generate's
+# params
 def test_generate_takes_one_params_per_prompt_as_vllm_does(solo):
     llm = LLM("demo")
     short = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)

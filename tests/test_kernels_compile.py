@@ -1,4 +1,5 @@
-"""The compile matrix: every kernel compiled for sm_75/80/86/89/90 by Triton's GPU compiler, without a GPU.
+"""The compile matrix: every kernel compiled for sm_75/80/86/89/90 by Triton's GPU compiler, without
+a GPU.
 
 docs/TESTING.md §D. benchmarks/bench_kernels_compile.py calls each launcher as if its tensors were
 on sm_<arch> and compiles the kernel call it would make (its tiles, warps, stages, constexprs),
@@ -35,7 +36,8 @@ def _cuda_backend() -> bool:
     return "nvidia" in backends
 
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not _cuda_backend(), reason="this Triton has no CUDA compiler")]
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not _cuda_backend(), reason="this Triton has no CUDA compiler")]
 
 
 @pytest.fixture(scope="module")
@@ -73,39 +75,45 @@ def test_the_engine_configs_are_all_in_the_matrix(compiled):
         for dt in DTYPES:
             for D in (64, 128, 256):
                 for kernel in ("flash_attention", "paged_decode"):
-                    assert _rows(result, arch=arch, dtype=dt, head_dim=D, kernel=kernel, status="ok"), (arch, dt, D)
-            assert {r["gqa"] for r in _rows(result, arch=arch, dtype=dt, kernel="paged_decode")} == {1, 4, 8}
+                    assert _rows(result, arch=arch, dtype=dt, head_dim=D, kernel=kernel,
+                                 status="ok"), (arch, dt, D)
+            assert {r["gqa"] for r in _rows(result, arch=arch, dtype=dt,
+                                            kernel="paged_decode")} == {1, 4, 8}
             for kernel in ("store_kv", "dequant_gemm", "dequant_gemv", "dequantize", "w8a8"):
                 assert _rows(result, arch=arch, dtype=dt, kernel=kernel, status="ok"), (arch, dt, kernel)
         assert _rows(result, arch=arch, kernel="merge_splits", status="ok")
-    # sm_75: attention refused (the engine falls back to torch), the W4A16 kernels compiled in every dtype
+    # sm_75: attention refused (the engine falls back to torch), the W4A16 kernels compiled in every
+    # dtype
     refused = _rows(result, arch=75, case="attention")
     assert len(refused) == 9 and all(r["status"] == "unsupported" and "sm_80" in r["reason"] for r in refused)
     assert not _rows(result, arch=75, kernel="flash_attention")
-    assert {r["dtype"] for r in _rows(result, arch=75, kernel="dequant_gemv", status="ok")} == set(DTYPES)
+    assert {r["dtype"] for r in _rows(result, arch=75, kernel="dequant_gemv",
+                                      status="ok")} == set(DTYPES)
 
 
 def test_8bit_kv_pools_compile_for_every_gpu_without_spills(compiled):
-    """Quantized by store_kv and dequantized in registers by flash and decode (kernels/kv_quant.py): no FP8
-    instruction is needed, so every sm_80+ GPU compiles all three formats; in fp16/bf16 (the KV8 rows of
-    kernels/configs.py where the plain rows spilled) nothing spills but 4 bytes in two sm_80 decode rows (at
-    96 and 168 registers: a ptxas quirk, not register pressure)."""
+    """Quantized by store_kv and dequantized in registers by flash and decode (kernels/kv_quant.py):
+    no FP8 instruction is needed, so every sm_80+ GPU compiles all three formats; in fp16/bf16 (the
+    KV8 rows of kernels/configs.py where the plain rows spilled) nothing spills but 4 bytes in two
+    sm_80 decode rows (at 96 and 168 registers: a ptxas quirk, not register pressure)."""
     _, result = compiled
     for arch in GPUS:
         for kv in ("int8", "fp8_e4m3", "fp8_e5m2"):
             for kernel in ("flash_attention", "paged_decode", "store_kv"):
-                assert _rows(result, arch=arch, dtype="fp16", head_dim=128, kernel=kernel, variant=f"{kv} KV",
+                assert _rows(result, arch=arch, dtype="fp16", head_dim=128, kernel=kernel,
+                             variant=f"{kv} KV",
                              status="ok"), (arch, kv, kernel)
     half = [r for r in result["rows"] if r["variant"].endswith(" KV") and r["dtype"] != "fp32"]
     assert len(half) >= 4 * 20 and all(r["spill_bytes"] <= 4 for r in half), [r for r in half if r["spill_bytes"] > 4]
 
 
 def test_dots_run_in_the_input_dtype_and_fp32_without_tf32(compiled):
-    """fp16/bf16: tensor cores in that dtype on sm_80+ (decode no longer upcasts); fp32: IEEE (FMA), never TF32;
-    the W8A8 GEMM: int8 (s8) tensor cores."""
+    """fp16/bf16: tensor cores in that dtype on sm_80+ (decode no longer upcasts); fp32: IEEE (FMA),
+    never TF32; the W8A8 GEMM: int8 (s8) tensor cores."""
     _, result = compiled
     dots = [r for r in result["rows"] if r.get("dot", "-") != "-"]
-    assert {r["kernel"] for r in dots} == {"flash_attention", "paged_decode", "dequant_gemm", "dequant_gemv", "w8a8"}
+    assert {r["kernel"] for r in dots} == {"flash_attention", "paged_decode", "dequant_gemm",
+                                           "dequant_gemv", "w8a8"}
     ptx_type = {"fp16": "f16", "bf16": "bf16"}
     for r in dots:
         if r["kernel"] == "w8a8":  # int8 × int8 on int8 tensor cores, whatever the output dtype
@@ -117,7 +125,8 @@ def test_dots_run_in_the_input_dtype_and_fp32_without_tf32(compiled):
 
 
 def test_the_control_is_reported_over_the_limit(compiled):
-    """The old fp32 head_dim-128 flash tiles (64×64, 4 warps, 2 stages) need ~112 KB; sm_86 has 99."""
+    """The old fp32 head_dim-128 flash tiles (64×64, 4 warps, 2 stages) need ~112 KB; sm_86 has
+    99."""
     _, result = compiled
     [control] = [r for r in result["rows"] if r["variant"].startswith("control")]
     assert control["arch"] == 86 and control["config"] == "64×64 w4 s2"
@@ -125,13 +134,17 @@ def test_the_control_is_reported_over_the_limit(compiled):
 
 
 def test_the_committed_table_is_current(compiled):
-    """benchmarks/kernels_compile.json is what this Triton compiles today: rerun the script after changing a kernel."""
+    """benchmarks/kernels_compile.json is what this Triton compiles today: rerun the script after
+    changing a kernel."""
     _, result = compiled
     committed = json.loads(COMMITTED.read_text())
     if committed["triton"] != result["triton"]:
-        pytest.skip(f"the committed table is for Triton {committed['triton']}, this is {result['triton']}")
-    fields = ("arch", "dtype", "head_dim", "gqa", "case", "variant", "kernel", "config", "smem_bytes", "regs",
+        pytest.skip(f"the committed table is for Triton {committed['triton']}, this is "
+                    f"{result['triton']}")
+    fields = ("arch", "dtype", "head_dim", "gqa", "case", "variant", "kernel", "config",
+              "smem_bytes", "regs",
               "spill_bytes", "status")
     key = lambda r: tuple(r.get(f) for f in fields)  # noqa: E731
     assert [key(r) for r in committed["rows"]] == [key(r) for r in result["rows"]], (
-        "benchmarks/kernels_compile.json is stale: run .venv/bin/python benchmarks/bench_kernels_compile.py")
+        "benchmarks/kernels_compile.json is stale: run .venv/bin/python "
+        "benchmarks/bench_kernels_compile.py")

@@ -21,7 +21,8 @@ from nanoserve.kernels import split_kv as spk
 from nanoserve.kernels import store_kv as sk
 from torch.overrides import TorchFunctionMode
 
-SYNCS = {"item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__", "__index__",
+SYNCS = {"item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__",
+         "__index__",
          "__format__", "__repr__", "equal", "allclose", "unique"}
 
 
@@ -36,7 +37,8 @@ class RecordSyncs(TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", str(func))
         to_host = name == "to" and any(str(a) == "cpu" for a in (*args[1:], *kwargs.values()))
-        mask_index = name == "__getitem__" and isinstance(args[1], torch.Tensor) and args[1].dtype == torch.bool
+        mask_index = name == "__getitem__" and isinstance(args[1],
+                                                          torch.Tensor) and args[1].dtype == torch.bool
         if name in SYNCS or to_host or mask_index:
             self.calls.append(name)
         return func(*args, **kwargs)
@@ -59,8 +61,10 @@ def gpu(monkeypatch):
     monkeypatch.setattr(checks, "on_host", lambda *tensors: False)
     monkeypatch.setattr(checks, "DEBUG_CHECKS", False)
     fakes = {}
-    for module, name in ((fa, "_flash_attention_kernel"), (pa, "_paged_decode_kernel"), (spk, "_merge_splits_kernel"),
-                         (sk, "_store_kv_kernel"), (dm, "_dequant_gemm_kernel"), (dm, "_dequant_gemv_kernel"),
+    for module, name in ((fa, "_flash_attention_kernel"), (pa, "_paged_decode_kernel"),
+                         (spk, "_merge_splits_kernel"),
+                         (sk, "_store_kv_kernel"), (dm, "_dequant_gemm_kernel"),
+                         (dm, "_dequant_gemv_kernel"),
                          (dm, "_dequantize_kernel")):
         fakes[name] = FakeKernel()
         monkeypatch.setattr(module, name, fakes[name])
@@ -68,7 +72,8 @@ def gpu(monkeypatch):
 
 
 def _attention_inputs(bad=False):
-    """Small paged-attention inputs; bad=True puts a block id past the pool and a length past the table."""
+    """Small paged-attention inputs; bad=True puts a block id past the pool and a length past the
+    table."""
     q, k = torch.randn(5, 4, 64), torch.randn(5, 2, 64)  # tokens, heads, D
     cu = torch.tensor([0, 2, 5], dtype=torch.int32)
     pool = torch.randn(6, 8, 2, 64)  # num_blocks, block_size, Hkv, D
@@ -80,7 +85,8 @@ def _attention_inputs(bad=False):
 def _gptq(bad=False):
     K = N = 256
     g_idx = torch.arange(K, dtype=torch.int32) // 128 + (5 if bad else 0)
-    return dict(qweight=torch.zeros(K // 8, N, dtype=torch.int32), qzeros=torch.zeros(2, N // 8, dtype=torch.int32),
+    return dict(qweight=torch.zeros(K // 8, N, dtype=torch.int32),
+                qzeros=torch.zeros(2, N // 8, dtype=torch.int32),
                 scales=torch.ones(2, N), g_idx=g_idx)
 
 
@@ -106,12 +112,14 @@ def test_launchers_make_no_host_sync_on_a_gpu(gpu):
     grid, kwargs = gpu["_flash_attention_kernel"].launches[0]
     want = configs.FLASH[(90, 4, 64)]  # sm_90, fp32, head_dim 64
     assert (kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs["num_warps"]) == (*want.tiles, want.num_warps)
-    assert not kwargs["UPCAST"] and grid == (1, 2 * 4)  # max_seqlen_q = 3 queries: one tile per (sequence, head)
+    # max_seqlen_q = 3 queries: one tile per (sequence, head)
+    assert not kwargs["UPCAST"] and grid == (1, 2 * 4)
 
 
 def test_value_checks_are_skipped_on_a_gpu_and_run_with_debug_checks(gpu, monkeypatch):
     with RecordSyncs() as rec:
-        _launch_all(bad=True)  # out-of-range values pass unseen: checking them would cost a sync per call
+        # out-of-range values pass unseen: checking them would cost a sync per call
+        _launch_all(bad=True)
     assert rec.calls == []
     monkeypatch.setattr(checks, "DEBUG_CHECKS", True)
     with RecordSyncs() as rec:
@@ -119,12 +127,16 @@ def test_value_checks_are_skipped_on_a_gpu_and_run_with_debug_checks(gpu, monkey
     assert rec.calls  # the checks ran, and read values
     q, k, cu, pool, table, lens = _attention_inputs(bad=True)
     cases = {
-        "context_lens must be in": lambda: fa.flash_attention(q, k, k, cu, cu, True, None, table, pool, pool, lens,
+        "context_lens must be "
+        "in": lambda: fa.flash_attention(q, k, k, cu, cu, True, None, table, pool, pool, lens,
                                                               max_seqlen_q=3),
         "max_seqlen_q=2 is shorter": lambda: fa.flash_attention(q, k, k, cu, cu, max_seqlen_q=2),
-        "context_lens must lie": lambda: pa.paged_attention(q[:2], pool, pool, table, lens, num_splits=1),
-        "block ids outside": lambda: pa.paged_attention(q[:2], pool, pool, table, lens.clamp(max=16), num_splits=1),
-        "max_context": lambda: pa.paged_attention(q[:2], pool, pool, table, lens.clamp(max=16), max_context=15),
+        "context_lens must "
+        "lie": lambda: pa.paged_attention(q[:2], pool, pool, table, lens, num_splits=1),
+        "block ids outside": lambda: pa.paged_attention(q[:2], pool, pool, table,
+                                                        lens.clamp(max=16), num_splits=1),
+        "max_context": lambda: pa.paged_attention(q[:2], pool, pool, table, lens.clamp(max=16),
+                                                  max_context=15),
         "slot_mapping holds": lambda: sk.store_kv(k[:1], k[:1], pool, pool, torch.tensor([1000])),
         "g_idx must hold": lambda: dm.dequant_matmul(torch.randn(1, 256), **_gptq(bad=True)),
     }
@@ -134,7 +146,8 @@ def test_value_checks_are_skipped_on_a_gpu_and_run_with_debug_checks(gpu, monkey
 
 
 def test_without_host_bounds_the_launchers_read_them(gpu):
-    """max_seqlen_q / max_context not given: the one documented sync each, to size the grid or the splits."""
+    """max_seqlen_q / max_context not given: the one documented sync each, to size the grid or the
+    splits."""
     q, k, cu, pool, table, lens = _attention_inputs()
     for call in (lambda: fa.flash_attention(q, k, k, cu, cu),
                  lambda: pa.paged_attention(q[:2], pool, pool, table, lens, num_splits=None)):
@@ -187,18 +200,20 @@ def test_sm75_falls_back_to_torch_attention_and_upcasts_the_w4a16_kernels(monkey
 
 
 def test_unsupported_inputs_are_named():
-    assert triton_attention_supported(128, torch.bfloat16, "cpu") is None  # the interpreter runs everything
+    # the interpreter runs everything
+    assert triton_attention_supported(128, torch.bfloat16, "cpu") is None
     assert "head_dim 1 .. 256, got 512" in triton_attention_supported(512, torch.float16, "cpu")
     assert "not torch.float64" in triton_attention_supported(64, torch.float64, "cpu")
 
 
 def test_a_row_over_the_gpus_shared_memory_is_refused(monkeypatch):
-    """The guard behind the tables: a GPU with less shared memory than a row needs gets a reason, not a launch
-    failure."""
+    """The guard behind the tables: a GPU with less shared memory than a row needs gets a reason,
+    not a launch failure."""
     monkeypatch.setattr(configs, "gpu_arch", lambda device: 86)
     monkeypatch.setitem(configs.SMEM_LIMIT_KB, 86, 40)
     assert triton_attention_supported(128, torch.float16, "cuda") == (
-        "head_dim 128 in float16 needs 48 KB of shared memory per block (flash) on sm_86 (limit 40 KB)")
+        "head_dim 128 in float16 needs 48 KB of shared memory per block (flash) on sm_86 (limit "
+        "40 KB)")
     with pytest.raises(ValueError, match="needs 50 KB of shared memory"):
         configs.pick("gemv_gather", "cuda", torch.float16)
 
@@ -207,5 +222,6 @@ def test_families_and_padded_head_dims():
     assert [configs.family(a) for a in (75, 80, 86, 89, 90, 100, 120)] == [75, 80, 80, 80, 90, 80, 80]
     assert [configs.padded_head_dim(d) for d in (1, 64, 65, 80, 128, 129, 256)] == [64, 64, 128, 128, 128, 256, 256]
     assert configs.smem_limit_kb(121) == configs.DEFAULT_SMEM_LIMIT_KB
-    # choose_split_k counts the tiles of the GEMV launch it is given; without one, the sm_80+ 16-bit row's
+    # choose_split_k counts the tiles of the GEMV launch it is given; without one, the sm_80+ 16-bit
+    # row's
     assert dm._GEMV_TILES[True] == configs.DEQUANT[("gemv", 80, 2)].tiles

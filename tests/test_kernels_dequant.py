@@ -1,10 +1,12 @@
-"""Fused W4A16 dequant-matmul against dequantize-then-matmul and an independent oracle (docs/TESTING.md §C).
+"""Fused W4A16 dequant-matmul against dequantize-then-matmul and an independent oracle
+(docs/TESTING.md §C).
 
 The weights are packed here, with plain integer arithmetic (not through nanoserve/quant/packing.py),
 and the oracle is A · Wᵀ in fp64 with W built from the same integer codes; the module's reference
 (`dequant_matmul_ref`) goes through packing.dequantize_gptq. Error: mean |C − C_ref| / mean |C_ref|
-< 1e-3 (docs/TESTING.md), for M ∈ {1, 2, 3, 8, 16, 33, 64, 128} (GEMV up to 16, the tiled GEMM above),
-K and N on and off the interpreter's 32-wide tiles, groups 32 / 64 / 128, act-order g_idx. Negative
+< 1e-3 (docs/TESTING.md), for M ∈ {1, 2, 3, 8, 16, 33, 64, 128} (GEMV up to 16, the tiled GEMM
+above), K and N on and off the interpreter's 32-wide tiles, groups 32 / 64 / 128, act-order g_idx.
+Negative
 controls: a wrong g_idx and zeros stored without v1's − 1 must miss by far. `dequantize_int4`, the
 kernel that writes W out, must equal packing.dequantize_gptq and the fp64 W bit for bit (exact: a
 code difference times an fp16 scale fits fp32). Runs in Triton's interpreter without CUDA (conftest
@@ -26,8 +28,10 @@ from nanoserve.kernels.dequant_matmul import (
 
 from nanoserve.quant.packing import dequantize_gptq
 
-TOL = 1e-3  # docs/TESTING.md §C; fp32 in the interpreter lands near 1e-7 (only the summation order differs)
-# (K, N, group, act-order): on the 32-wide tiles; both off them, last group partial; group wider than a tile
+# docs/TESTING.md §C; fp32 in the interpreter lands near 1e-7 (only the summation order differs)
+TOL = 1e-3
+# (K, N, group, act-order): on the 32-wide tiles; both off them, last group partial; group wider
+# than a tile
 SHAPES = [(128, 64, 32, False), (200, 72, 64, True), (320, 40, 128, True)]
 
 
@@ -52,7 +56,8 @@ def _gptq_case(K, N, group, act_order, seed=0, v1_offset=True):
     w = (codes - zeros[:, g_idx]).double() * scales[:, g_idx].double()  # N, K
     tensors = {
         "qweight": _pack_words(codes).t().contiguous(),  # K/8, N   packed along K
-        "qzeros": _pack_words((zeros - 1 if v1_offset else zeros).t()),  # G, N/8   v1 stores zero − 1
+        # G, N/8   v1 stores zero − 1
+        "qzeros": _pack_words((zeros - 1 if v1_offset else zeros).t()),
         "scales": scales.t().contiguous(),  # G, N
         "g_idx": g_idx.to(torch.int32),  # K
     }
@@ -90,7 +95,8 @@ def test_fp16_activations(M):
     assert _rel(c, a.double() @ w.t()) < TOL
 
 
-@pytest.mark.parametrize("split_k", [2, 3, 16])  # 3 divides no tile count; 16 > the 10 tiles of K = 320
+# 3 divides no tile count; 16 > the 10 tiles of K = 320
+@pytest.mark.parametrize("split_k", [2, 3, 16])
 def test_split_k_matches_one_split(split_k):
     tensors, w = _gptq_case(320, 40, 128, True, seed=5)
     a = _activations(3, 320)
@@ -117,7 +123,8 @@ def test_strided_activations():
 
 # ----------------------------------------------------------------------------- negative controls
 def test_wrong_g_idx_is_caught():
-    """Act-order weights read with the plain k // group assignment: most rows get another group's scale."""
+    """Act-order weights read with the plain k // group assignment: most rows get another group's
+    scale."""
     tensors, w = _gptq_case(200, 72, 32, True, seed=7)
     a = _activations(8, 200)
     want = a.double() @ w.t()
@@ -127,22 +134,28 @@ def test_wrong_g_idx_is_caught():
 
 
 def test_zeros_without_v1_offset_are_caught():
-    """Zeros stored as the real zero (AWQ's convention): the kernel adds 1 and shifts every weight by a scale."""
+    """Zeros stored as the real zero (AWQ's convention): the kernel adds 1 and shifts every weight
+    by a scale."""
     tensors, w = _gptq_case(128, 64, 32, False, v1_offset=False)
     a = _activations(3, 128)
     assert _rel(dequant_matmul(a, **tensors), a.double() @ w.t()) > 0.1
 
 
-# ----------------------------------------------------------------------------- dequantize_int4: W written out
-@pytest.mark.parametrize("K, N, group, act_order", [*SHAPES, (64, 8, 64, False), (96, 48, 32, True)])
+# ----------------------------------------------------------------------------- dequantize_int4: W
+# written out
+@pytest.mark.parametrize("K, N, group, act_order",
+                         [*SHAPES, (64, 8, 64, False), (96, 48, 32, True)])
 def test_dequantize_int4_equals_dequantize_gptq_bitwise(K, N, group, act_order):
-    """fp32 W [N, K], bit for bit: (code − zero) · fp16 scale is exact in fp32, on both sides and in the fp64 oracle.
+    """fp32 W [N, K], bit for bit: (code − zero) · fp16 scale is exact in fp32, on both sides and in
+    the fp64 oracle.
 
-    Shapes: on the interpreter's 32 × 32 tiles, off them (K = 200, N = 72 or 40: masked edges), one program
-    (N = 8), groups 32 / 64 / 128, plain and act-order g_idx; random codes put bit 31 in many qweight words.
+    Shapes: on the interpreter's 32 × 32 tiles, off them (K = 200, N = 72 or 40: masked edges), one
+    program (N = 8), groups 32 / 64 / 128, plain and act-order g_idx; random codes put bit 31 in
+    many qweight words.
     """
     tensors, w = _gptq_case(K, N, group, act_order, seed=K + N)
-    assert (tensors["qweight"] < 0).any()  # sign-bit words: >> sign-extends them, the mask must drop it
+    # sign-bit words: >> sign-extends them, the mask must drop it
+    assert (tensors["qweight"] < 0).any()
     out = dequantize_int4(**tensors)  # N, K
     assert out.shape == (N, K) and out.dtype == torch.float32
     assert torch.equal(out, dequantize_gptq(**tensors, bits=4))
@@ -151,24 +164,28 @@ def test_dequantize_int4_equals_dequantize_gptq_bitwise(K, N, group, act_order):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_dequantize_int4_half_dtypes(dtype):
-    """One fp32 product rounded once to dtype, as dequantize_gptq(..., dtype=dtype) does (bf16: see the wrapper)."""
+    """One fp32 product rounded once to dtype, as dequantize_gptq(..., dtype=dtype) does (bf16: see
+    the wrapper)."""
     tensors, _ = _gptq_case(200, 72, 64, True, seed=9)
     out = dequantize_int4(**tensors, dtype=dtype)  # N, K
     assert out.dtype == dtype and torch.equal(out, dequantize_gptq(**tensors, bits=4, dtype=dtype))
 
 
 def test_dequantize_int4_strided_views():
-    """Column slices of wider tensors (non-contiguous qweight, qzeros, scales): the kernel reads through strides."""
+    """Column slices of wider tensors (non-contiguous qweight, qzeros, scales): the kernel reads
+    through strides."""
     tensors, _ = _gptq_case(128, 80, 32, True, seed=10)
     views = dict(tensors, qweight=tensors["qweight"][:, :40], qzeros=tensors["qzeros"][:, :5],
-                 scales=tensors["scales"].float()[:, :40])  # K/8, 40 | G, 5 | G, 40   (fp32 scales too)
+                 # K/8, 40 | G, 5 | G, 40   (fp32 scales too)
+                 scales=tensors["scales"].float()[:, :40])
     assert not views["qweight"].is_contiguous()
     want = dequantize_gptq(**{k: v.contiguous() for k, v in views.items()}, bits=4)  # 40, K
     assert torch.equal(dequantize_int4(**views), want)
 
 
 def test_dequantize_int4_wrong_g_idx_is_caught():
-    """Negative control: act-order weights read with groups k // group_size come out wrong almost everywhere."""
+    """Negative control: act-order weights read with groups k // group_size come out wrong almost
+    everywhere."""
     tensors, w = _gptq_case(200, 72, 32, True, seed=7)
     plain = dict(tensors, g_idx=torch.arange(200, dtype=torch.int32) // 32)
     assert (dequantize_int4(**plain).double() != w).float().mean() > 0.5
@@ -188,7 +205,8 @@ def test_dequantize_int4_validation():
             dequantize_int4(**kwargs)
 
 
-# ----------------------------------------------------------------------------- validation, heuristic
+# ----------------------------------------------------------------------------- validation,
+# heuristic
 def test_validation_errors():
     tensors, _ = _gptq_case(128, 64, 32, False)
     a = _activations(2, 128)
@@ -214,8 +232,10 @@ def test_validation_errors():
 def test_choose_split_k():
     if not torch.cuda.is_available():
         assert choose_split_k(4096, 4096) == 1
-    assert choose_split_k(8192, 8192, num_sms=132) == 9  # ⌈4 · 132 / 64 N-tiles of 128⌉; 128 K-tiles allow 32
-    assert choose_split_k(4096, 4096, num_sms=132) == 16  # ⌈4 · 132 / 32⌉ = 17, but 64 K-tiles allow 16
+    # ⌈4 · 132 / 64 N-tiles of 128⌉; 128 K-tiles allow 32
+    assert choose_split_k(8192, 8192, num_sms=132) == 9
+    # ⌈4 · 132 / 32⌉ = 17, but 64 K-tiles allow 16
+    assert choose_split_k(4096, 4096, num_sms=132) == 16
     assert choose_split_k(4096, 256, num_sms=132) == 1  # 4 K-tiles: one split
     assert choose_split_k(64, 1 << 16, num_sms=132) == 16  # capped at MAX_SPLIT_K
 
@@ -223,10 +243,13 @@ def test_choose_split_k():
 # ----------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype,tol", [(torch.float16, 1e-3), (torch.bfloat16, 4e-3), (torch.float32, 1e-4)])
+@pytest.mark.parametrize("dtype,tol",
+                         [(torch.float16, 1e-3), (torch.bfloat16, 4e-3), (torch.float32, 1e-4)])
 def test_compiled_kernels_on_cuda(dtype, tol):
-    """bf16 rounds each dequantized weight to 8 mantissa bits (~1e-3 relative on C): a wider bound."""
-    for act_order in (True, False):  # act-order: the row-by-row gather; sorted groups: the grouped path too
+    """bf16 rounds each dequantized weight to 8 mantissa bits (~1e-3 relative on C): a wider
+    bound."""
+    # act-order: the row-by-row gather; sorted groups: the grouped path too
+    for act_order in (True, False):
         tensors, w = _gptq_case(4096, 1000, 128, act_order, seed=8)
         tensors = {k: v.cuda() for k, v in tensors.items()}
         groups = [None] if act_order else [None, 128]
@@ -234,7 +257,8 @@ def test_compiled_kernels_on_cuda(dtype, tol):
             a = _activations(M, 4096, dtype).cuda()
             want = (a.double() @ w.cuda().t()).float()  # M, N
             for gs in groups:
-                for c in (dequant_matmul(a, **tensors, group_size=gs), dequant_gemm(a, **tensors, group_size=gs)):
+                for c in (dequant_matmul(a, **tensors, group_size=gs),
+                          dequant_gemm(a, **tensors, group_size=gs)):
                     assert c.dtype == dtype and _rel(c, want) < tol
                 if M <= 16:
                     for split_k in (1, 5):
@@ -245,7 +269,8 @@ def test_compiled_kernels_on_cuda(dtype, tol):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_compiled_dequantize_int4_on_cuda(dtype):
-    """The compiled kernel rounds fp32 to dtype on the GPU (round to nearest even, as torch): bitwise again."""
+    """The compiled kernel rounds fp32 to dtype on the GPU (round to nearest even, as torch):
+    bitwise again."""
     tensors, _ = _gptq_case(4096, 1000, 128, True, seed=8)
     tensors = {k: v.cuda() for k, v in tensors.items()}
     out = dequantize_int4(**tensors, dtype=dtype)  # N, K
@@ -255,8 +280,9 @@ def test_compiled_dequantize_int4_on_cuda(dtype):
 
 @pytest.mark.parametrize("K,N,group", [(256, 96, 64), (192, 40, 32), (320, 72, 64)])
 def test_grouped_path_matches_the_reference(K, N, group):
-    """group_size= (sorted groups: one zero and scale row per tile, the scale applied after the dot) computes
-    what the row-by-row path does, for the GEMV (with split-K) and the GEMM, ragged K and N included."""
+    """group_size= (sorted groups: one zero and scale row per tile, the scale applied after the dot)
+    computes what the row-by-row path does, for the GEMV (with split-K) and the GEMM, ragged K and N
+    included."""
     tensors, w = _gptq_case(K, N, group, False, seed=3)
     for M in (1, 5, 20):
         a = _activations(M, K)
@@ -268,8 +294,9 @@ def test_grouped_path_matches_the_reference(K, N, group):
 
 
 def test_grouped_path_refuses_act_order_and_a_wrong_promise_is_wrong():
-    """group_size= is a promise about g_idx: on CPU it is checked (act-order is refused by name). The negative
-    control bypasses the check and shows what the promise buys when false: one scale row per tile is wrong."""
+    """group_size= is a promise about g_idx: on CPU it is checked (act-order is refused by name).
+    The negative control bypasses the check and shows what the promise buys when false: one scale
+    row per tile is wrong."""
     tensors, w = _gptq_case(256, 64, 32, True, seed=4)
     a = _activations(3, 256)
     with pytest.raises(ValueError, match="act-order"):
@@ -282,8 +309,8 @@ def test_grouped_path_refuses_act_order_and_a_wrong_promise_is_wrong():
 
 
 def test_quant_linear_takes_the_grouped_path_only_for_sorted_groups():
-    """QuantLinear looks at its g_idx once: sorted groups -> the kernels' group_size; act-order -> None (the
-    gather path). A state dict loaded later (a new g_idx) is looked at again."""
+    """QuantLinear looks at its g_idx once: sorted groups -> the kernels' group_size; act-order ->
+    None (the gather path). A state dict loaded later (a new g_idx) is looked at again."""
     from nanoserve.quant.qlinear import QuantLinear
 
     layer = QuantLinear(256, 64, 4, 64, bias=False)

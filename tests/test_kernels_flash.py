@@ -44,7 +44,8 @@ def _paged_prefix(prefix_lens, Hkv, D, block_size, dtype=torch.float32, seed=1, 
     blocks, table padding) stay NaN, so any read past the prefix poisons the output.
     """
     g = torch.Generator().manual_seed(seed)
-    max_blocks = max(1, max(-(-p // block_size) for p in prefix_lens) + 1)  # +1: a padding entry per row
+    # +1: a padding entry per row
+    max_blocks = max(1, max(-(-p // block_size) for p in prefix_lens) + 1)
     num_blocks = 4 * len(prefix_lens) * max_blocks  # a pool larger than needed
     k_cache = torch.full((num_blocks, block_size, Hkv, D), float("nan"))  # num_blocks, bs, Hkv, D
     v_cache = torch.full((num_blocks, block_size, Hkv, D), float("nan"))
@@ -60,13 +61,14 @@ def _paged_prefix(prefix_lens, Hkv, D, block_size, dtype=torch.float32, seed=1, 
         v_cache.view(-1, Hkv, D)[slots] = pv
         prefixes.append((pk.to(dtype), pv.to(dtype)))
     ctx = torch.tensor(prefix_lens, dtype=torch.int32)  # B
-    return (k_cache.to(device, dtype), v_cache.to(device, dtype), block_tables.to(device), ctx.to(device),
+    return (k_cache.to(device, dtype), v_cache.to(device, dtype), block_tables.to(device),
+            ctx.to(device),
             prefixes)
 
 
 def _sdpa_oracle(q, k, v, cu_q, cu_k, causal, prefixes=None, gqa_repeat=None, window=None):
-    """Per sequence F.scaled_dot_product_attention in fp32 with a bottom-right causal mask (and a sliding window:
-    key j hidden from the query at p when j ≤ p − window)."""
+    """Per sequence F.scaled_dot_product_attention in fp32 with a bottom-right causal mask (and a
+    sliding window: key j hidden from the query at p when j ≤ p − window)."""
     out = torch.zeros(q.shape, dtype=torch.float32)  # total_q, H, D
     cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
     H, Hkv = q.shape[1], k.shape[1]
@@ -87,14 +89,16 @@ def _sdpa_oracle(q, k, v, cu_q, cu_k, causal, prefixes=None, gqa_repeat=None, wi
             mask = torch.arange(S)[None, :] <= torch.arange(S - Lq, S)[:, None]  # Lq, S
             if window:
                 mask &= torch.arange(S)[None, :] > torch.arange(S - Lq, S)[:, None] - window
-        o = F.scaled_dot_product_attention(qb.transpose(0, 1), kb.transpose(0, 1), vb.transpose(0, 1),
+        o = F.scaled_dot_product_attention(qb.transpose(0, 1), kb.transpose(0, 1),
+                                           vb.transpose(0, 1),
                                            attn_mask=mask, enable_gqa=kb.shape[1] != H)  # H, Lq, D
         out[cu_q[b]:cu_q[b + 1]] = o.transpose(0, 1)  # Lq, H, D
     return out
 
 
 def _err(a: torch.Tensor, b: torch.Tensor, scaled: bool = False) -> float:
-    """max |a - b| in fp32 (divided by 1 + |b| when scaled); NaN anywhere gives NaN, failing every `err <= tol`."""
+    """max |a - b| in fp32 (divided by 1 + |b| when scaled); NaN anywhere gives NaN, failing every
+    `err <= tol`."""
     diff = (a.float().cpu() - b.float().cpu()).abs()
     if scaled:
         diff = diff / (1 + b.float().cpu().abs())
@@ -121,8 +125,9 @@ def test_packed_varlen_fp32(causal, group, D):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("D", [64, 128])
 def test_half_precision_inputs(dtype, D):
-    """fp16: atol 1e-2 (measured ~1e-3). bf16 keeps 8 mantissa bits, so an output near 4 can differ by
-    one ulp, 1.6e-2, on rounding alone; scaled by 1 + |expected| one ulp is < 2^-7 (measured ~5e-3)."""
+    """fp16: atol 1e-2 (measured ~1e-3). bf16 keeps 8 mantissa bits, so an output near 4 can differ
+    by one ulp, 1.6e-2, on rounding alone; scaled by 1 + |expected| one ulp is < 2^-7 (measured
+    ~5e-3)."""
     q, k, v, cu_q, cu_k = _packed([7, 33], [7, 33], 4, 2, D, dtype=dtype, seed=D)
     out = flash_attention(q, k, v, cu_q, cu_k)  # total, H, D
     assert out.dtype == dtype
@@ -146,7 +151,8 @@ def test_bottom_right_alignment():
 
 @pytest.mark.parametrize("prefix_lens", [None, [5, 3]])
 def test_more_queries_than_keys_gives_zero_rows(prefix_lens):
-    """Lq > P + Lk: query i sits at position P + Lk - Lq + i, negative for the first rows, which see no key.
+    """Lq > P + Lk: query i sits at position P + Lk - Lq + i, negative for the first rows, which see
+    no key.
 
     With a prefix, the next rows see only part of it: the causal mask applies to prefix keys too.
     """
@@ -163,13 +169,15 @@ def test_more_queries_than_keys_gives_zero_rows(prefix_lens):
 
 
 def test_strided_views_and_odd_head_dim():
-    """q, k, v as views into one fused qkv buffer (non-contiguous), head_dim 80 (BLOCK_D 128, masked).
+    """q, k, v as views into one fused qkv buffer (non-contiguous), head_dim 80 (BLOCK_D 128,
+    masked).
 
     The buffer's columns 80..127 hold NaN: a load that forgets the head-dim mask poisons the output.
     """
     H, Hkv, D = 4, 2, 80
     qkv = torch.full((sum(LENS), H + 2 * Hkv, 128), float("nan"))  # total, H+2Hkv, 128
-    qkv[..., :D] = torch.randn(sum(LENS), H + 2 * Hkv, D, generator=torch.Generator().manual_seed(5))
+    qkv[..., :D] = torch.randn(sum(LENS), H + 2 * Hkv, D,
+                               generator=torch.Generator().manual_seed(5))
     q, k, v = qkv[..., :D].split([H, Hkv, Hkv], dim=1)  # total, H|Hkv|Hkv, D
     cu = _cu(LENS)
     assert not q.is_contiguous()
@@ -197,7 +205,8 @@ def test_paged_prefix(causal, block_size, group, D):
     kc, vc, bt, ctx, prefixes = _paged_prefix(prefix_lens, Hkv, D, block_size)
     out = flash_attention(q, k, v, cu_q, cu_k, causal, None, bt, kc, vc, ctx)  # total_q, H, D
     assert torch.isfinite(out).all()  # nothing read from a poisoned slot
-    assert _err(out, flash_attention_ref(q, k, v, cu_q, cu_k, causal, None, bt, kc, vc, ctx)) <= FP32_TOL
+    assert _err(out,
+                flash_attention_ref(q, k, v, cu_q, cu_k, causal, None, bt, kc, vc, ctx)) <= FP32_TOL
     assert _err(out, _sdpa_oracle(q, k, v, cu_q, cu_k, causal, prefixes)) <= FP32_TOL
 
 
@@ -211,30 +220,37 @@ def test_paged_prefix_fp16_wide_tiles():
 
 
 def test_prefix_equals_packing_it_with_the_new_tokens():
-    """Chunked prefill is exact: prefix-from-cache + new == the whole sequence attended in one call."""
+    """Chunked prefill is exact: prefix-from-cache + new == the whole sequence attended in one
+    call."""
     P, T, Hkv, D = 19, 14, 2, 64
     kc, vc, bt, ctx, prefixes = _paged_prefix([P], Hkv, D, block_size=8)
     q, k, v, cu_q, cu_k = _packed([T], [T], 4, Hkv, D, seed=8)
     chunked = flash_attention(q, k, v, cu_q, cu_k, True, None, bt, kc, vc, ctx)  # T, H, D
     k_all, v_all = torch.cat([prefixes[0][0], k]), torch.cat([prefixes[0][1], v])  # P+T, Hkv, D
-    whole = flash_attention(q, k_all, v_all, cu_q, _cu([P + T]))  # T, H, D (bottom-right: last T of P+T)
+    # T, H, D (bottom-right: last T of P+T)
+    whole = flash_attention(q, k_all, v_all, cu_q, _cu([P + T]))
     assert _err(chunked, whole) <= FP32_TOL
 
 
-@pytest.mark.parametrize("window", [1, 3, 4, 9, 64])  # one key; under, at and over a block; past every length
+# one key; under, at and over a block; past every length
+@pytest.mark.parametrize("window", [1, 3, 4, 9, 64])
 def test_sliding_window_with_paged_prefix(window):
-    """Each query sees its `window` newest keys, across the prefix and the new tokens. Blocks wholly before
-    the first query's window are NaN (the engine frees them): both loops must start past them."""
+    """Each query sees its `window` newest keys, across the prefix and the new tokens. Blocks wholly
+    before the first query's window are NaN (the engine frees them): both loops must start past
+    them."""
     prefix_lens, new_lens, bs = [0, 3, 4, 13, 21], [5, 1, 17, 8, 2], 4
     q, k, v, cu_q, cu_k = _packed(new_lens, new_lens, 4, 2, 64, seed=5)
     kc, vc, bt, ctx, prefixes = _paged_prefix(prefix_lens, 2, 64, bs)
     want = _sdpa_oracle(q, k, v, cu_q, cu_k, True, prefixes, window=window)
     for b, P in enumerate(prefix_lens):
-        kc[bt[b, :max(P - window + 1, 0) // bs].long()] = float("nan")  # before the first query's window
+        # before the first query's window
+        kc[bt[b, :max(P - window + 1, 0) // bs].long()] = float("nan")
     out = flash_attention(q, k, v, cu_q, cu_k, True, None, bt, kc, vc, ctx, window=window)
     assert _err(out, want) <= FP32_TOL
-    assert _err(flash_attention_ref(q, k, v, cu_q, cu_k, True, None, bt, kc, vc, ctx, window=window), want) <= FP32_TOL
-    if window < 9:  # negative control: without the window the kernel reads the freed blocks (NaN) or too far back
+    assert _err(flash_attention_ref(q, k, v, cu_q, cu_k, True, None, bt, kc, vc, ctx,
+                                    window=window), want) <= FP32_TOL
+    # negative control: without the window the kernel reads the freed blocks (NaN) or too far back
+    if window < 9:
         assert _wrong(_err(flash_attention(q, k, v, cu_q, cu_k, True, None, bt, kc, vc, ctx), want))
     with pytest.raises(ValueError, match="window=3 needs causal=True"):
         flash_attention(q, k, v, cu_q, cu_k, False, window=3)
@@ -242,15 +258,17 @@ def test_sliding_window_with_paged_prefix(window):
 
 @pytest.mark.parametrize("softcap", [0.5, 50.0])
 def test_soft_capped_scores_with_paged_prefix(softcap):
-    """Gemma 2: scores x -> c·tanh(x / c), with a custom scale and a window; checked against the reference and
-    against SDPA given the capped scores as an additive mask (q·k·0 + capped scores: an oracle with no tanh of ours).
-    Negative control: the uncapped kernel differs."""
+    """Gemma 2: scores x -> c·tanh(x / c), with a custom scale and a window; checked against the
+    reference and against SDPA given the capped scores as an additive mask (q·k·0 + capped scores:
+    an oracle with no tanh of ours). Negative control: the uncapped kernel differs."""
     prefix_lens, new_lens, bs = [0, 5, 13], [6, 1, 9], 4
     q, k, v, cu_q, cu_k = _packed(new_lens, new_lens, 4, 2, 64, seed=9)
     q = q * 4
     kc, vc, bt, ctx, prefixes = _paged_prefix(prefix_lens, 2, 64, bs)
-    out = flash_attention(q, k, v, cu_q, cu_k, True, 0.2, bt, kc, vc, ctx, window=7, softcap=softcap)
-    want = flash_attention_ref(q, k, v, cu_q, cu_k, True, 0.2, bt, kc, vc, ctx, window=7, softcap=softcap)
+    out = flash_attention(q, k, v, cu_q, cu_k, True, 0.2, bt, kc, vc, ctx, window=7,
+                          softcap=softcap)
+    want = flash_attention_ref(q, k, v, cu_q, cu_k, True, 0.2, bt, kc, vc, ctx, window=7,
+                               softcap=softcap)
     assert _err(out, want) <= FP32_TOL
     for b, (P, n) in enumerate(zip(prefix_lens, new_lens)):  # the oracle: SDPA over capped scores
         qb = q[cu_q[b]:cu_q[b + 1]].float().transpose(0, 1)  # H, n, D
@@ -274,11 +292,13 @@ def test_negative_control_missing_causal_mask():
 
 @pytest.mark.parametrize("delta", [-1, 1])
 def test_negative_control_off_by_one_prefix(delta):
-    """context_lens off by one: one key too few (drops a real key) or one too many (reads a poisoned slot)."""
+    """context_lens off by one: one key too few (drops a real key) or one too many (reads a poisoned
+    slot)."""
     prefix_lens = [7, 8, 9]
     q, k, v, cu_q, cu_k = _packed([3, 5, 2], [3, 5, 2], 2, 1, 64, seed=10)
     kc, vc, bt, ctx, prefixes = _paged_prefix(prefix_lens, 1, 64, block_size=8)
-    wrong = flash_attention(q, k, v, cu_q, cu_k, True, None, bt, kc, vc, ctx + delta)  # total_q, H, D
+    # total_q, H, D
+    wrong = flash_attention(q, k, v, cu_q, cu_k, True, None, bt, kc, vc, ctx + delta)
     assert _wrong(_err(wrong, _sdpa_oracle(q, k, v, cu_q, cu_k, True, prefixes)))
 
 
@@ -316,11 +336,13 @@ def _valid_args():
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda a: a.update(k=a["k"][:, :1].repeat(1, 3, 1), v=a["v"][:, :1].repeat(1, 3, 1)), "multiple of kv heads"),
+    (lambda a: a.update(k=a["k"][:, :1].repeat(1, 3, 1), v=a["v"][:, :1].repeat(1, 3, 1)),
+     "multiple of kv heads"),
     (lambda a: a.update(q=a["q"].half()), "share one dtype"),
     (lambda a: a.update(q=a["q"][None]), r"\[tokens, heads, head_dim\]"),
     (lambda a: a.update(v=a["v"][:, :, :8]), "shapes differ"),
-    (lambda a: a.update(cu_seqlens_q=torch.tensor([0, 3, 6], dtype=torch.int32)), "rise from 0 to 7"),
+    (lambda a: a.update(cu_seqlens_q=torch.tensor([0, 3, 6], dtype=torch.int32)),
+     "rise from 0 to 7"),
     (lambda a: a.update(cu_seqlens_k=a["cu_seqlens_k"].float()), "int32"),
     (lambda a: a.update(block_tables=torch.zeros(2, 1, dtype=torch.int32)), "needs all of"),
 ])
@@ -335,7 +357,8 @@ def test_validation_prefix_longer_than_table():
     args = _valid_args()
     kc, vc, bt, ctx, _ = _paged_prefix([3, 4], 2, 16, block_size=4)
     with pytest.raises(ValueError, match="context_lens"):
-        flash_attention(**args, block_tables=bt, k_cache=kc, v_cache=vc, context_lens=ctx + bt.shape[1] * 4)
+        flash_attention(**args, block_tables=bt, k_cache=kc, v_cache=vc,
+                        context_lens=ctx + bt.shape[1] * 4)
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -343,13 +366,18 @@ def test_validation_prefix_longer_than_table():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("block_m, block_n", [(64, 64), (128, 64)])
 def test_gpu_bf16_large_tiles(block_m, block_n):
-    """Compiled kernel, bf16 (tensor-core dots, p rounded to bf16 before p·v), long packed sequences."""
+    """Compiled kernel, bf16 (tensor-core dots, p rounded to bf16 before p·v), long packed
+    sequences."""
     lens, prefix_lens = [1, 100, 257, 513], [0, 15, 16, 300]
-    q, k, v, cu_q, cu_k = _packed(lens, lens, 8, 2, 128, dtype=torch.bfloat16, seed=13, device="cuda")
-    kc, vc, bt, ctx, prefixes = _paged_prefix(prefix_lens, 2, 128, block_size=16, dtype=torch.bfloat16,
+    q, k, v, cu_q, cu_k = _packed(lens, lens, 8, 2, 128, dtype=torch.bfloat16, seed=13,
+                                  device="cuda")
+    kc, vc, bt, ctx, prefixes = _paged_prefix(prefix_lens, 2, 128, block_size=16,
+                                              dtype=torch.bfloat16,
                                               device="cuda")
     for kw in ({}, dict(block_tables=bt, k_cache=kc, v_cache=vc, context_lens=ctx)):
-        out = flash_attention(q, k, v, cu_q, cu_k, block_m=block_m, block_n=block_n, **kw)  # total, H, D
+        # total, H, D
+        out = flash_attention(q, k, v, cu_q, cu_k, block_m=block_m, block_n=block_n, **kw)
         torch.cuda.synchronize()
         assert _err(out, flash_attention_ref(q, k, v, cu_q, cu_k, **kw), scaled=True) <= 2e-2
-        assert _err(out, _sdpa_oracle(q, k, v, cu_q, cu_k, True, prefixes if kw else None), scaled=True) <= 2e-2
+        assert _err(out, _sdpa_oracle(q, k, v, cu_q, cu_k, True, prefixes if kw else None),
+                    scaled=True) <= 2e-2

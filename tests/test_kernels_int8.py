@@ -1,9 +1,11 @@
-"""The W8A8 int8 GEMM kernel (kernels/int8_matmul.py) against exact integer arithmetic (docs/TESTING.md §D).
+"""The W8A8 int8 GEMM kernel (kernels/int8_matmul.py) against exact integer arithmetic
+(docs/TESTING.md §D).
 
-The int32 accumulation is exact, so the kernel must equal the float64 reference bit for bit before the
-scales (compared after them with fp32 rounding only); ragged M, N, K cross every tile edge; the bias and the
-output dtypes go through the epilogue. Negative control: a kernel whose scales were swapped (per column
-applied per row) misses by far. Runs in Triton's interpreter without CUDA; the GPU test is marked."""
+The int32 accumulation is exact, so the kernel must equal the float64 reference bit for bit before
+the scales (compared after them with fp32 rounding only); ragged M, N, K cross every tile edge; the
+bias and the output dtypes go through the epilogue. Negative control: a kernel whose scales were
+swapped (per column applied per row) misses by far. Runs in Triton's interpreter without CUDA; the
+GPU test is marked."""
 
 from __future__ import annotations
 
@@ -34,8 +36,10 @@ def test_int8_gemm_equals_integer_arithmetic(shape, with_bias):
     torch.testing.assert_close(got, w8a8_matmul_ref(a, sa, w, sw, bias), atol=0, rtol=1e-6)
     small = sa * 1e-3  # keeps every output inside fp16's range
     want = exact.float() * small[:, None] * sw[None, :] + (0 if bias is None else bias)
-    for dtype, ulp in ((torch.float16, 2.0 ** -10), (torch.bfloat16, 2.0 ** -7)):  # one cast, at the end
-        torch.testing.assert_close(w8a8_matmul(a, small, w, sw, bias, dtype).float(), want, atol=1e-5, rtol=ulp)
+    # one cast, at the end
+    for dtype, ulp in ((torch.float16, 2.0 ** -10), (torch.bfloat16, 2.0 ** -7)):
+        torch.testing.assert_close(w8a8_matmul(a, small, w, sw, bias, dtype).float(), want,
+                                   atol=1e-5, rtol=ulp)
 
 
 def test_negative_control_swapped_scales_miss():
@@ -59,7 +63,8 @@ def test_bad_inputs_are_refused_by_name():
 def test_int8_gemm_and_w8a8_linear_on_cuda():
     for M in (1, 16, 100):
         a, sa, w, sw, bias = (t.cuda() for t in _operands(M, 4096, 512))
-        torch.testing.assert_close(w8a8_matmul(a, sa, w, sw, bias), w8a8_matmul_ref(a, sa, w, sw, bias),
+        torch.testing.assert_close(w8a8_matmul(a, sa, w, sw, bias),
+                                   w8a8_matmul_ref(a, sa, w, sw, bias),
                                    atol=1e-3, rtol=1e-5)
     lin = torch.nn.Linear(256, 128).cuda().to(torch.bfloat16)
     q = W8A8Linear.from_linear(lin)

@@ -1,9 +1,10 @@
-"""kernels/lora_bgmv.py: each row's LoRA adapter added to the base output (Punica's BGMV), in Triton's
-interpreter here (the GPU compile matrix compiles it for sm_80..90), against two references: the kernel
-file's own `lora_bgmv_ref` (gather per row) and nanoserve/lora/batched.py's segmented `lora_segmented`
-(one pair of matmuls per adapter), which were proven against the single-adapter layer. Ragged shapes
-(in, out, R not multiples of the tiles), rows without an adapter left exactly as they were, slots out of
-range refused. Negative control: rows with and without an adapter swapped miss by far.
+"""kernels/lora_bgmv.py: each row's LoRA adapter added to the base output (Punica's BGMV), in
+Triton's interpreter here (the GPU compile matrix compiles it for sm_80..90), against two
+references: the kernel file's own `lora_bgmv_ref` (gather per row) and nanoserve/lora/batched.py's
+segmented `lora_segmented` (one pair of matmuls per adapter), which were proven against the
+single-adapter layer. Ragged shapes (in, out, R not multiples of the tiles), rows without an adapter
+left exactly as they were, slots out of range refused. Negative control: rows with and without an
+adapter swapped miss by far.
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ def test_kernel_matches_both_references(N, IN, OUT, S, R, block_k, block_o):
     assert (got - want).abs().max().item() <= 1e-4
     none = slots < 0
     assert torch.equal(got[none], y[none])  # rows without an adapter: untouched, bit for bit
-    flipped = torch.where(slots >= 0, -1, 0)  # the control: adapter rows without, the others with slot 0
-    assert (lora_bgmv(x, A, B, flipped, y.clone(), block_k=block_k, block_o=block_o) - want).abs().max() > 1e-2
+    # the control: adapter rows without, the others with slot 0
+    flipped = torch.where(slots >= 0, -1, 0)
+    assert (lora_bgmv(x, A, B, flipped, y.clone(), block_k=block_k,
+                      block_o=block_o) - want).abs().max() > 1e-2
 
 
 def test_bad_inputs_are_named():
@@ -58,7 +61,8 @@ def test_bad_inputs_are_named():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_kernel_on_a_gpu(dtype):
-    """The compiled kernel (not the interpreter) against the reference, at a decode batch's shape."""
+    """The compiled kernel (not the interpreter) against the reference, at a decode batch's
+    shape."""
     x, A, B, slots, y = (t.cuda() for t in _case(2, 64, 4096, 4096, 8, 16, dtype))
     want = y.float() + lora_bgmv_ref(x, A, B, slots).float()
     got = lora_bgmv(x, A, B, slots, y.clone()).float()

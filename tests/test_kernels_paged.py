@@ -17,7 +17,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from nanoserve.kernels.paged_attention import paged_attention, paged_attention_ref, paged_attention_split
+from nanoserve.kernels.paged_attention import (
+    paged_attention,
+    paged_attention_ref,
+    paged_attention_split,
+)
 from nanoserve.kernels.split_kv import BLOCK_N, choose_num_splits, merge_splits, merge_splits_ref
 from nanoserve.kernels.store_kv import store_kv, store_kv_ref
 
@@ -28,14 +32,16 @@ H = 4  # query heads
 
 
 def _paged_cache(lens, n_kv_heads, head_dim, dtype=torch.float32, index_dtype=torch.int32, seed=0, n_heads=H):
-    """q and NaN-poisoned pools holding random K/V for `lens` tokens per sequence at random blocks."""
+    """q and NaN-poisoned pools holding random K/V for `lens` tokens per sequence at random
+    blocks."""
     g = torch.Generator().manual_seed(seed)
     need = [-(-n // BS) for n in lens]
     width = max(need) + 1  # one padding column at least
     pool = max(POOL, 2 * sum(need))  # at least half the pool stays unused (NaN)
     perm = torch.randperm(pool, generator=g)
     used, spare = perm[: sum(need)].split(need), perm[sum(need):]  # spare blocks stay NaN
-    table = spare[torch.randint(len(spare), (len(lens), width), generator=g)]  # padding → poisoned blocks
+    # padding → poisoned blocks
+    table = spare[torch.randint(len(spare), (len(lens), width), generator=g)]
     for b, blocks in enumerate(used):
         table[b, : len(blocks)] = blocks
     k_cache = torch.full((pool, BS, n_kv_heads, head_dim), float("nan"), dtype=dtype)
@@ -50,7 +56,8 @@ def _paged_cache(lens, n_kv_heads, head_dim, dtype=torch.float32, index_dtype=to
 
 
 def _sdpa_oracle(q, k_cache, v_cache, table, lens, scale=None, window=None):
-    """Gather each sequence's K/V in logical order (its `window` newest only), then SDPA with enable_gqa (fp32)."""
+    """Gather each sequence's K/V in logical order (its `window` newest only), then SDPA with
+    enable_gqa (fp32)."""
     out = []
     for b, n in enumerate(lens.tolist()):
         pos = torch.arange(max(n - window, 0) if window else 0, n)
@@ -58,7 +65,8 @@ def _sdpa_oracle(q, k_cache, v_cache, table, lens, scale=None, window=None):
         k = k_cache.flatten(0, 1)[slots].float().transpose(0, 1)[None]  # 1, Hkv, n, D
         v = v_cache.flatten(0, 1)[slots].float().transpose(0, 1)[None]  # 1, Hkv, n, D
         qb = q[b].float()[None, :, None]  # 1, H, 1, D
-        out.append(F.scaled_dot_product_attention(qb, k, v, scale=scale, enable_gqa=True)[0, :, 0])  # H, D
+        # H, D
+        out.append(F.scaled_dot_product_attention(qb, k, v, scale=scale, enable_gqa=True)[0, :, 0])
     return torch.stack(out)  # B, H, D
 
 
@@ -70,7 +78,8 @@ def _err(a, b):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n_kv_heads,head_dim", [(2, 64), (3, 12)])
 def test_store_kv_writes_real_tokens_only(dtype, n_kv_heads, head_dim):
-    pools = [torch.full((POOL, BS, n_kv_heads, head_dim), float("nan"), dtype=dtype) for _ in range(4)]
+    pools = [torch.full((POOL, BS, n_kv_heads, head_dim), float("nan"),
+                        dtype=dtype) for _ in range(4)]
     slots = torch.tensor([17, -1, 3, 200, -1, 511, 64])  # −1: padding
     k = torch.randn(len(slots), n_kv_heads, head_dim).to(dtype)
     v = torch.randn(len(slots), n_kv_heads, head_dim).to(dtype)
@@ -99,7 +108,8 @@ def test_paged_attention_fp32_matches_sdpa(group, head_dim):
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_paged_attention_fp16_int64_tables(head_dim):
-    q, kc, vc, table, lens = _paged_cache(LENS, 2, head_dim, dtype=torch.float16, index_dtype=torch.int64)
+    q, kc, vc, table, lens = _paged_cache(LENS, 2, head_dim, dtype=torch.float16,
+                                          index_dtype=torch.int64)
     want = _sdpa_oracle(q, kc, vc, table, lens)
     out = paged_attention(q, kc, vc, table, lens, num_splits=3)
     assert out.dtype == torch.float16
@@ -115,7 +125,8 @@ def test_odd_head_dim_and_group_with_custom_scale():
 
 
 # ----------------------------------------------------------------------------- split-KV
-@pytest.mark.parametrize("num_splits", [1, 3, 16])  # 3 divides no length; 16 > the 4 tiles of 100 keys
+# 3 divides no length; 16 > the 4 tiles of 100 keys
+@pytest.mark.parametrize("num_splits", [1, 3, 16])
 def test_split_kv_matches_sdpa_and_one_split(num_splits):
     q, kc, vc, table, lens = _paged_cache(LENS, 2, 64, seed=7)
     want = _sdpa_oracle(q, kc, vc, table, lens)
@@ -137,15 +148,18 @@ def test_split_kv_matches_sdpa_and_one_split(num_splits):
     assert _err(merge_splits(part, lse), out) <= 1e-6
 
 
-@pytest.mark.parametrize("window", [1, 5, BS, 3 * BS + 1, 200])  # one key; inside a page; a page; > every length
+# one key; inside a page; a page; > every length
+@pytest.mark.parametrize("window", [1, 5, BS, 3 * BS + 1, 200])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_sliding_window_reads_only_the_window(window, num_splits):
-    """Each query sees its `window` newest keys. The blocks wholly before the window are NaN (the engine
-    gives them back to the pool, another sequence may write them), so reading one would show."""
+    """Each query sees its `window` newest keys. The blocks wholly before the window are NaN (the
+    engine gives them back to the pool, another sequence may write them), so reading one would
+    show."""
     q, kc, vc, table, lens = _paged_cache(LENS, 2, 64, seed=11)
     want = _sdpa_oracle(q, kc, vc, table, lens, window=window)
     for b, n in enumerate(LENS):
-        kc[table[b, :max(n - window, 0) // BS].long()] = float("nan")  # freed: before the window's first block
+        # freed: before the window's first block
+        kc[table[b, :max(n - window, 0) // BS].long()] = float("nan")
     out = paged_attention(q, kc, vc, table, lens, num_splits=num_splits, window=window)
     assert _err(out, want) <= 1e-4
     assert _err(paged_attention_ref(q, kc, vc, table, lens, window=window), want) <= 1e-5
@@ -155,20 +169,22 @@ def test_sliding_window_reads_only_the_window(window, num_splits):
 
 @pytest.mark.parametrize("softcap", [0.5, 5.0, 50.0])
 def test_soft_capped_scores(softcap):
-    """Gemma 2: scores x -> c·tanh(x / c) before the softmax, with its own scale and a window; the oracle
-    caps scores it computed itself. Negative control: the uncapped kernel differs."""
+    """Gemma 2: scores x -> c·tanh(x / c) before the softmax, with its own scale and a window; the
+    oracle caps scores it computed itself. Negative control: the uncapped kernel differs."""
     q, kc, vc, table, lens = _paged_cache(LENS, 2, 64, seed=13)
     q = q * 4  # scores of several units, where the cap bends them
     want = []
     for b, n in enumerate(LENS):
         pos = torch.arange(max(n - 9, 0), n)
         slots = table[b, pos // BS].long() * BS + pos % BS
-        k, v = (c.flatten(0, 1)[slots].float().repeat_interleave(2, dim=1) for c in (kc, vc))  # L, H, D
+        # L, H, D
+        k, v = (c.flatten(0, 1)[slots].float().repeat_interleave(2, dim=1) for c in (kc, vc))
         x = torch.einsum("hd,lhd->hl", q[b].float(), k) * 0.2
         want.append(torch.einsum("hl,lhd->hd", (softcap * torch.tanh(x / softcap)).softmax(-1), v))
     want = torch.stack(want)  # B, H, D
     for splits in (1, 3):
-        out = paged_attention(q, kc, vc, table, lens, sm_scale=0.2, num_splits=splits, window=9, softcap=softcap)
+        out = paged_attention(q, kc, vc, table, lens, sm_scale=0.2, num_splits=splits, window=9,
+                              softcap=softcap)
         assert _err(out, want) <= 1e-4
     assert _err(paged_attention(q, kc, vc, table, lens, sm_scale=0.2, window=9), want) > 1e-3
 
@@ -205,7 +221,8 @@ def test_merge_without_lse_weights_is_caught():
     assert _err(merge_splits(part, lse), want) <= 1e-4
 
 
-# ----------------------------------------------------------------------------- validation, heuristic
+# ----------------------------------------------------------------------------- validation,
+# heuristic
 def test_validation_errors():
     q, kc, vc, table, lens = _paged_cache([5, 9], 2, 64)
     args = (q, kc, vc, table, lens)
@@ -215,7 +232,8 @@ def test_validation_errors():
         "dtype": (q.half(), kc, vc, table, lens),
         "block_tables must be": (q, kc, vc, table.float(), lens),
         "context_lens must be int": (q, kc, vc, table, lens[:1]),
-        r"context_lens must lie in 1 \.\. 24": (q, kc, vc, table, torch.tensor([5, 25], dtype=torch.int32)),
+        r"context_lens must lie in 1 \.\. 24": (q, kc, vc, table,
+                                                torch.tensor([5, 25], dtype=torch.int32)),
         "context_lens must lie": (q, kc, vc, table, torch.tensor([0, 9], dtype=torch.int32)),
         "block ids outside": (q, kc, vc, torch.where(table == table[1, 1], POOL, table), lens),
         "k_cache, v_cache": (q, kc, vc[:, :4], table, lens),
@@ -235,8 +253,10 @@ def test_choose_num_splits():
     if not torch.cuda.is_available():
         assert choose_num_splits(1, 8, 4096) == 1  # CPU: no SMs to fill
     assert choose_num_splits(1, 8, 32768, num_sms=132) == 33  # ⌈2 · 132 / 8⌉: two waves of programs
-    assert choose_num_splits(1, 8, 4096, num_sms=132) == 32  # by length: 4096 / 32 keys / 4 tiles a split
-    assert choose_num_splits(64, 8, 4096, num_sms=132) == 1  # 512 programs already fill 132 SMs twice
+    # by length: 4096 / 32 keys / 4 tiles a split
+    assert choose_num_splits(1, 8, 4096, num_sms=132) == 32
+    # 512 programs already fill 132 SMs twice
+    assert choose_num_splits(64, 8, 4096, num_sms=132) == 1
     assert choose_num_splits(1, 8, 256, num_sms=132) == 2  # 8 tiles: ≥ 4 tiles per split
     assert choose_num_splits(1, 1, 1 << 20, num_sms=132) == 64  # capped
 
@@ -261,7 +281,8 @@ def test_bf16_on_cuda():
 
 @pytest.mark.parametrize("triton_version, numpy_version, bad", [
     ("3.6.0", "2.4.6", True), ("3.4.0", "2.4.0", True),  # their interpreter breaks on NumPy >= 2.4
-    ("3.6.0", "2.3.5", False), ("3.8.0", "2.4.6", False), ("3.9.0", "2.4.6", False), ("3.10.0+git1", "3.0.0", False),
+    ("3.6.0", "2.3.5", False), ("3.8.0", "2.4.6", False), ("3.9.0", "2.4.6", False),
+    ("3.10.0+git1", "3.0.0", False),
 ])
 def test_an_interpreter_that_cannot_run_the_kernels_is_named(triton_version, numpy_version, bad):
     from nanoserve.kernels import interpreter_version_problem

@@ -1,4 +1,5 @@
-"""The core imports no extension; extensions attach at the named points (nanoserve/extension_points.py).
+"""The core imports no extension; extensions attach at the named points
+(nanoserve/extension_points.py).
 
 scripts/core_size.py holds the map (which modules are the core, which are extensions) and reads the
 imports of every module the core reaches with Python's own parser: statements at any depth, the
@@ -61,7 +62,8 @@ def test_an_added_import_of_an_extension_is_found(module, line, edge):  # the co
 
 def test_a_parent_package_counts():  # importing kv.cache runs kv/__init__.py first
     read = _with_extra_import("nanoserve.kv", "from .triton_backend import TritonCacheView")
-    assert ("nanoserve.kv", "nanoserve.kv.triton_backend") in core_size.core_to_extension_edges(read)
+    assert ("nanoserve.kv",
+            "nanoserve.kv.triton_backend") in core_size.core_to_extension_edges(read)
 
 
 def test_the_map_names_real_modules_and_places_every_module():
@@ -94,7 +96,8 @@ def test_an_unknown_or_empty_point_is_an_error_that_names_it(monkeypatch):
 
 
 def test_the_core_size_report_runs():
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "core_size.py")], capture_output=True,
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "core_size.py")],
+                         capture_output=True,
                          text=True, check=True).stdout
     assert "nanoserve/engine/llm_engine.py" in out
     assert "imports from the core into an extension: 0" in out

@@ -1,9 +1,10 @@
-"""nanoserve/lora/batched.py: several adapters in one forward, by segments (SGMV), by gathering (BGMV) and by
-the Triton kernel (kernels/lora_bgmv.py).
+"""nanoserve/lora/batched.py: several adapters in one forward, by segments (SGMV), by gathering
+(BGMV) and by the Triton kernel (kernels/lora_bgmv.py).
 
-The oracle is the single-adapter path (LoRALinear, itself proven against PEFT in test_lora.py) run row by
-row, each row with its own adapter or none. Adapters of ranks 2, 4 and 8 share slots of rank 8 (zero
-padding must change nothing). Negative control: the same rows with their slots shifted by one miss by far.
+The oracle is the single-adapter path (LoRALinear, itself proven against PEFT in test_lora.py) run
+row by row, each row with its own adapter or none. Adapters of ranks 2, 4 and 8 share slots of rank
+8 (zero padding must change nothing). Negative control: the same rows with their slots shifted by
+one miss by far.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def test_a_mixed_batch_equals_each_row_under_its_own_adapter(how):
     layer.set_slots(slots, sorted({s for s in slots.tolist() if s >= 0}))
     want = _row_by_row(base, adapters, x, slots)
     assert (layer(x) - want).abs().max().item() <= 1e-4
-    layer.set_slots(slots.roll(1), sorted({s for s in slots.tolist() if s >= 0}))  # the control: shifted slots
+    # the control: shifted slots
+    layer.set_slots(slots.roll(1), sorted({s for s in slots.tolist() if s >= 0}))
     assert (layer(x) - want).abs().max().item() > 1e-2
 
 

@@ -1,7 +1,8 @@
-"""The server's LoRA adapters (vLLM's `--lora-modules name=path`): a request's `model` field picks the
-adapter, /v1/models lists them beside the base model, an unknown name is a 404 naming what is served.
-What a request under an adapter returns equals the offline engine's output under the same adapter (itself
-proven against PEFT in test_lora_serving.py); the control: the base model's answer differs.
+"""The server's LoRA adapters (vLLM's `--lora-modules name=path`): a request's `model` field picks
+the adapter, /v1/models lists them beside the base model, an unknown name is a 404 naming what is
+served. What a request under an adapter returns equals the offline engine's output under the same
+adapter (itself proven against PEFT in test_lora_serving.py); the control: the base model's answer
+differs.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def adapters(tmp_path_factory):
 
     hf = GPT2LMHeadModel.from_pretrained(resolve_model_path("demo")).eval()
     root = tmp_path_factory.mktemp("lora")
-    return {f"a{k}": str(make_peft_adapter(hf, root / f"a{k}", ["c_attn", "c_fc"], seed=k, lora_alpha=16)[1])
+    return {f"a{k}": str(make_peft_adapter(hf, root / f"a{k}", ["c_attn", "c_fc"], seed=k,
+                                           lora_alpha=16)[1])
             for k in (1, 2)}
 
 
@@ -57,14 +59,17 @@ def test_a_requests_model_field_picks_its_adapter(adapters):
     offline = LLM("demo", enable_lora=True, max_loras=2, max_lora_rank=8)
     params = SamplingParams(temperature=0, max_tokens=12)
     for name in ("a1", "a2"):
-        want = offline.generate([PROMPT], params, use_tqdm=False, lora_request=loras[name])[0].outputs[0].text
+        want = offline.generate([PROMPT], params, use_tqdm=False,
+                                lora_request=loras[name])[0].outputs[0].text
         assert texts[name] == want
         assert texts[name] != texts["demo"]  # the control: the adapter changes the answer
 
 
-@pytest.mark.parametrize("spec,msg", [(["a1"], "give each adapter as name=path"), (["=p"], "name=path"),
+@pytest.mark.parametrize("spec,msg",
+                         [(["a1"], "give each adapter as name=path"), (["=p"], "name=path"),
                                       (["a=p", "a=q"], "'a' is given twice")])
 def test_lora_modules_are_parsed_or_refused(spec, msg):
     with pytest.raises(NanoserveError, match=msg):
         parse_lora_modules(spec)
-    assert [(r.lora_name, r.lora_int_id) for r in parse_lora_modules(["x=/a", "y=/b"]).values()] == [("x", 1), ("y", 2)]
+    assert [(r.lora_name,
+             r.lora_int_id) for r in parse_lora_modules(["x=/a", "y=/b"]).values()] == [("x", 1), ("y", 2)]

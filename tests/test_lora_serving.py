@@ -1,11 +1,12 @@
 """Per-request LoRA adapters in the engine (nanoserve/lora/serving.py), against PEFT itself.
 
-Four PEFT adapters (different targets, ranks 4 and 8 in slots of rank 8) and the base model mixed in one
-`generate`: each request's greedy tokens must equal PEFT's model for its adapter (HF's for the base). With
-two slots for four adapters the scheduler admits at most two adapters at a time, evicts and reloads, and a
-base request behind a blocked adapter request still starts at once. The prefix cache keys on the adapter:
-the same prompt under another adapter is a miss (negative control: a key without the adapter hits, and its
-logprobs miss PEFT's). Bad adapters are refused with their reason before anything is queued.
+Four PEFT adapters (different targets, ranks 4 and 8 in slots of rank 8) and the base model mixed in
+one `generate`: each request's greedy tokens must equal PEFT's model for its adapter (HF's for the
+base). With two slots for four adapters the scheduler admits at most two adapters at a time, evicts
+and reloads, and a base request behind a blocked adapter request still starts at once. The prefix
+cache keys on the adapter: the same prompt under another adapter is a miss (negative control: a key
+without the adapter hits, and its logprobs miss PEFT's). Bad adapters are refused with their reason
+before anything is queued.
 """
 
 from __future__ import annotations
@@ -26,21 +27,24 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0
 
 @torch.no_grad()
 def _logprob_error(model, prompt: list[int], out) -> float:
-    """How far the engine's logprob of each generated token is from `model`'s (an HF or PEFT model, scoring
-    prompt + those tokens in one forward): max |Δ| over the tokens."""
+    """How far the engine's logprob of each generated token is from `model`'s (an HF or PEFT model,
+    scoring prompt + those tokens in one forward): max |Δ| over the tokens."""
     tokens = list(out.outputs[0].token_ids)
     ref = torch.log_softmax(model(torch.tensor([prompt + tokens])).logits[0].double(), -1)  # T, V
     got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]
-    return max(abs(g - ref[len(prompt) - 1 + j, t].item()) for j, (g, t) in enumerate(zip(got, tokens)))
+    return max(abs(g - ref[len(prompt) - 1 + j, t].item()) for j,
+               (g, t) in enumerate(zip(got, tokens)))
 
 
 def _four_adapters(hf, tmp_path, case):
-    """{id: PEFT model}, [LoRARequest]: adapter k targets its own subset of the layers, rank 4 or 8."""
+    """{id: PEFT model}, [LoRARequest]: adapter k targets its own subset of the layers, rank 4 or
+    8."""
     models, reqs = {}, []
     targets = TARGETS[case]
     subsets = {1: targets, 2: targets[:1], 3: targets[1:], 4: targets[::2]}
     for k, subset in subsets.items():
-        model, path = make_peft_adapter(hf, tmp_path / f"a{k}", subset, seed=10 + k, r=4 * (1 + k % 2), lora_alpha=8)
+        model, path = make_peft_adapter(hf, tmp_path / f"a{k}", subset, seed=10 + k,
+                                        r=4 * (1 + k % 2), lora_alpha=8)
         models[k] = model
         reqs.append(LoRARequest(f"adapter-{k}", k, str(path)))
     return models, reqs
@@ -54,16 +58,22 @@ def test_a_batch_mixing_four_adapters_and_the_base_equals_peft_request_by_reques
     models, reqs = _four_adapters(hf, tmp_path, case)
     prompts = [IDS[i:] + IDS[:i] for i in range(10)]
     which = [1, 2, 3, 4, 0, 2, 1, 0, 4, 3]  # adapter id per prompt, 0: the base
-    llm = LLM(str(path), dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=8, block_size=4)
-    llm.engine.runner.lora.method = method  # None: the engine's choice (segmented here); the kernel: interpreted
-    outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=[reqs[w - 1] if w else None for w in which])
+    llm = LLM(str(path), dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=8,
+              block_size=4)
+    # None: the engine's choice (segmented here); the kernel: interpreted
+    llm.engine.runner.lora.method = method
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False,
+                        lora_request=[reqs[w - 1] if w else None for w in which])
     for i, (p, w, out) in enumerate(zip(prompts, which, outs)):
-        assert out.outputs[0].token_ids == hf_greedy(models[w] if w else hf, p, GREEDY.max_tokens), (i, w)
+        assert out.outputs[0].token_ids == hf_greedy(models[w] if w else hf, p,
+                                                     GREEDY.max_tokens), (i, w)
         assert _logprob_error(models[w] if w else hf, p, out) <= 1e-4, (i, w)
         if w:  # the control: a row computed under the wrong adapter (here: none) would miss by far
             assert _logprob_error(hf, p, out) > 1e-2, (i, w)
-    one = llm.generate([IDS], GREEDY, use_tqdm=False, lora_request=reqs[0])[0]  # a step of one row, then:
-    with torch.no_grad():  # a forward outside the engine is the base model's, not that step's adapter's
+    # a step of one row, then:
+    one = llm.generate([IDS], GREEDY, use_tqdm=False, lora_request=reqs[0])[0]
+    # a forward outside the engine is the base model's, not that step's adapter's
+    with torch.no_grad():
         base = torch.log_softmax(hf(torch.tensor([IDS])).logits[0].double(), -1)
     assert (torch.log_softmax(llm.logits(IDS).double(), -1) - base).abs().max().item() <= 1e-4
     assert _logprob_error(models[1], IDS, one) <= 1e-4
@@ -76,7 +86,8 @@ def test_two_slots_four_adapters_the_scheduler_keeps_at_most_two_running(hf_chec
     engine, manager = llm.engine, llm.engine.runner.lora
     order = [1, 2, 3, 0, 4, 1, 0, 3]
     prompts = [IDS[i:] + IDS[:i] for i in range(len(order))]
-    rids = [engine.add_request(p, GREEDY, lora_request=reqs[w - 1] if w else None) for p, w in zip(prompts, order)]
+    rids = [engine.add_request(p, GREEDY, lora_request=reqs[w - 1] if w else None) for p,
+            w in zip(prompts, order)]
     outs, steps = {}, 0
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -84,23 +95,28 @@ def test_two_slots_four_adapters_the_scheduler_keeps_at_most_two_running(hf_chec
                 outs[out.request_id] = out
         running = {s.lora_int_id for s in engine.scheduler.running} - {0}
         assert len(running) <= 2 and len(manager.slot_of) <= 2
-        if steps == 0:  # adapter 3 waits for a slot; the base request behind it does not wait for adapter 3
+        # adapter 3 waits for a slot; the base request behind it does not wait for adapter 3
+        if steps == 0:
             assert {s.request_id for s in engine.scheduler.running} >= {rids[0], rids[1], rids[3]}
             assert rids[2] not in {s.request_id for s in engine.scheduler.running}
         steps += 1
     assert manager.loads >= 4  # every adapter had a slot at some point, some after an eviction
     for rid, p, w in zip(rids, prompts, order):
-        assert outs[rid].outputs[0].token_ids == hf_greedy(models[w] if w else hf, p, GREEDY.max_tokens)
+        assert outs[rid].outputs[0].token_ids == hf_greedy(models[w] if w else hf, p,
+                                                           GREEDY.max_tokens)
         assert _logprob_error(models[w] if w else hf, p, outs[rid]) <= 1e-4
 
 
 def test_preempted_requests_come_back_under_their_adapters(hf_checkpoints, tmp_path):
     path, hf = hf_checkpoints["llama-gqa"]
     models, reqs = _four_adapters(hf, tmp_path, "llama-gqa")
-    # 9 blocks of 4 tokens; three 12-token prompts growing to 20 need 15: some are preempted and recomputed
-    llm = LLM(str(path), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8, block_size=4, num_blocks=9)
+    # 9 blocks of 4 tokens; three 12-token prompts growing to 20 need 15: some are preempted and
+    # recomputed
+    llm = LLM(str(path), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8,
+              block_size=4, num_blocks=9)
     prompts, which = [IDS, IDS[3:] + IDS[:3], IDS[6:] + IDS[:6]], [1, 2, 0]
-    outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=[reqs[w - 1] if w else None for w in which])
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False,
+                        lora_request=[reqs[w - 1] if w else None for w in which])
     assert llm.engine.scheduler.num_preemptions > 0
     for p, w, out in zip(prompts, which, outs):
         assert _logprob_error(models[w] if w else hf, p, out) <= 1e-4, w
@@ -114,12 +130,15 @@ def _first_logprob(llm, prompt, lora_request):
 
 
 @pytest.mark.parametrize("adapter_in_key", [True, False])
-def test_the_prefix_cache_keys_on_the_adapter(hf_checkpoints, tmp_path, monkeypatch, adapter_in_key):
+def test_the_prefix_cache_keys_on_the_adapter(hf_checkpoints, tmp_path, monkeypatch,
+                                              adapter_in_key):
     path, hf = hf_checkpoints["llama-gqa"]
     models, reqs = _four_adapters(hf, tmp_path, "llama-gqa")
-    if not adapter_in_key:  # the negative control: block 0 of every sequence hangs from the same root
+    # the negative control: block 0 of every sequence hangs from the same root
+    if not adapter_in_key:
         monkeypatch.setattr("nanoserve.engine.block_allocator.prefix_root", lambda seq: None)
-    llm = LLM(str(path), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8, block_size=4)
+    llm = LLM(str(path), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8,
+              block_size=4)
     prompt = IDS  # 12 tokens: two full blocks of 4 may be prefix hits
     want = {}
     for k in (1, 2):
@@ -134,7 +153,8 @@ def test_the_prefix_cache_keys_on_the_adapter(hf_checkpoints, tmp_path, monkeypa
     else:  # adapter 1's KV served adapter 2's prompt: a hit, and the wrong numbers
         assert cached == 8
         assert abs(logprob - want[2][token].item()) > 1e-3
-    token, logprob, cached = _first_logprob(llm, prompt, reqs[0])  # adapter 1 again: its own blocks are hits
+    # adapter 1 again: its own blocks are hits
+    token, logprob, cached = _first_logprob(llm, prompt, reqs[0])
     assert cached == 8
     if adapter_in_key:
         assert abs(logprob - want[1][token].item()) <= 1e-4
@@ -149,8 +169,10 @@ def test_bad_adapters_are_refused_before_anything_is_queued(hf_checkpoints, tmp_
         plain.generate([IDS], GREEDY, lora_request=LoRARequest("a", 1, str(a4)))
     llm = LLM(str(path), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8)
     cases = [(LoRARequest("big", 2, str(a16)), NanoserveError, "r=16, above max_lora_rank=8"),
-             (LoRARequest("zero", 0, str(a4)), NanoserveError, "lora_int_id=0 must be an integer ≥ 1"),
-             (LoRARequest("gone", 3, str(tmp_path / "missing")), CheckpointError, "adapter_config.json is missing"),
+             (LoRARequest("zero", 0, str(a4)), NanoserveError,
+              "lora_int_id=0 must be an integer ≥ 1"),
+             (LoRARequest("gone", 3, str(tmp_path / "missing")), CheckpointError,
+              "adapter_config.json is missing"),
              ("a4", NanoserveError, "must be a LoRARequest")]
     for req, err, msg in cases:
         with pytest.raises(err, match=msg):
@@ -186,10 +208,14 @@ def test_one_slot_per_batch_row_equals_one_per_token_row():
 def test_on_cuda_the_kernel_serves_the_mixed_batch_and_graphs_step_aside(hf_checkpoints, tmp_path):
     path, hf = hf_checkpoints["llama-gqa"]
     models, reqs = _four_adapters(hf, tmp_path, "llama-gqa")
-    llm = LLM(str(path), dtype="float32", device="cuda", enable_lora=True, max_loras=4, max_lora_rank=8)
-    assert "LoRA" in llm.engine.cuda_graphs_off  # slots change per step, layers are wrapped as adapters arrive
+    llm = LLM(str(path), dtype="float32", device="cuda", enable_lora=True, max_loras=4,
+              max_lora_rank=8)
+    # slots change per step, layers are wrapped as adapters arrive
+    assert "LoRA" in llm.engine.cuda_graphs_off
     prompts, which = [IDS[i:] + IDS[:i] for i in range(5)], [1, 2, 3, 4, 0]
-    outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=[reqs[w - 1] if w else None for w in which])
-    assert {layer.method for layer in llm.engine.runner.lora.layers.values()} == {"kernel"}  # kernels/lora_bgmv.py
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False,
+                        lora_request=[reqs[w - 1] if w else None for w in which])
+    # kernels/lora_bgmv.py
+    assert {layer.method for layer in llm.engine.runner.lora.layers.values()} == {"kernel"}
     for p, w, out in zip(prompts, which, outs):
         assert _logprob_error(models[w] if w else hf, p, out) <= 1e-3, w

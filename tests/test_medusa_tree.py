@@ -1,14 +1,15 @@
 """Medusa's token tree in the engine (speculative_tree: spec/tree_sampler.py and its tree_mask,
 spec_decode.SpecDecoder._accept_tree), on the demo model with conftest's trained heads.
 
-Greedy: the output equals the target's own greedy output token for token (γ = 1 and 3, batch > 1, block size 4,
-preemption, n = 2, prefix-cache hits; the torch, cpu and triton backends), with more tokens accepted per step
-than the chain of top-1 drafts, and with accepted paths that leave the first branch (so the K/V move ran).
-The logprob of every emitted token equals the target's own at that position (to 1e-4): each accepted node was
-scored seeing its ancestors only. Controls: a causal mask in place of the tree mask, and a K/V move that does
-nothing, each break that equality.
-T > 0: the joint law of the first three tokens through the public API is the target's, by χ² (the second and
-third come from one tree verification); the control — always accept the first child — fails it.
+Greedy: the output equals the target's own greedy output token for token (γ = 1 and 3, batch > 1,
+block size 4, preemption, n = 2, prefix-cache hits; the torch, cpu and triton backends), with more
+tokens accepted per step than the chain of top-1 drafts, and with accepted paths that leave the
+first branch (so the K/V move ran). The logprob of every emitted token equals the target's own at
+that position (to 1e-4): each accepted node was scored seeing its ancestors only. Controls: a causal
+mask in place of the tree mask, and a K/V move that does nothing, each break that equality.
+T > 0: the joint law of the first three tokens through the public API is the target's, by χ² (the
+second and third come from one tree verification); the control — always accept the first child —
+fails it.
 """
 
 from __future__ import annotations
@@ -24,13 +25,15 @@ from nanoserve.kv.cache import PagedKVCache
 from nanoserve.spec import tree_sampler
 from nanoserve.spec.tree_sampler import DEFAULT_TREE
 
-PROMPTS = ["ROMEO:\nWhat light through yonder", "To be, or not to be", "First Citizen:\nBefore we proceed any further,",
+PROMPTS = ["ROMEO:\nWhat light through yonder", "To be, or not to be",
+           "First Citizen:\nBefore we proceed any further,",
            "KING"]
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=0)
 
 
 def _llm(heads, tree="default", gamma=3, **kw) -> LLM:
-    return LLM("demo", block_size=4, speculative="medusa", speculative_model=str(heads), num_speculative_tokens=gamma,
+    return LLM("demo", block_size=4, speculative="medusa", speculative_model=str(heads),
+               num_speculative_tokens=gamma,
                speculative_adaptive=False, speculative_tree=tree, attention_backend="torch", **kw)
 
 
@@ -80,8 +83,9 @@ def test_greedy_tree_equals_target_alone_and_accepts_more_than_the_chain(medusa_
 
 @pytest.mark.parametrize("backend", ["triton", "cpu"])
 def test_greedy_tree_on_the_other_backends(medusa_trained, plain, moves, backend):
-    """The Triton kernels read the tree as bits per query (flash_attention's tree_bits; interpreted here); the
-    cpu backend (the CPU default) verifies through the torch path. Both equal the target alone."""
+    """The Triton kernels read the tree as bits per query (flash_attention's tree_bits; interpreted
+    here); the cpu backend (the CPU default) verifies through the torch path. Both equal the target
+    alone."""
     llm = LLM("demo", block_size=4, speculative="medusa", speculative_model=str(medusa_trained[0]),
               num_speculative_tokens=3, speculative_adaptive=False, speculative_tree="default",
               attention_backend=backend)
@@ -100,10 +104,12 @@ def test_tree_with_preemption_samples_and_prefix_hits(medusa_trained, plain):
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to be too small"
     _check_equal(outs, plain, prompts)
-    two = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, n=2, ignore_eos=True),
+    two = llm.generate(PROMPTS[0],
+                       SamplingParams(temperature=0, max_tokens=12, n=2, ignore_eos=True),
                        use_tqdm=False)[0]
     assert [c.token_ids for c in two.outputs] == [plain[PROMPTS[0]][0][:12]] * 2
-    bm = llm.engine.block_allocator  # every block back, the bookkeeping whole, the Medusa state let go of
+    # every block back, the bookkeeping whole, the Medusa state let go of
+    bm = llm.engine.block_allocator
     assert bm.num_free_blocks() == bm.num_blocks and not llm.engine.spec.proposer.hidden
     bm.check_invariants()
 
@@ -120,7 +126,8 @@ def test_copy_slots_moves_every_layers_keys_values_and_scales(kv_cache_dtype):
     for p in pools:
         p.copy_(torch.randint(-100, 100, p.shape).to(p.dtype))
     before = [p.clone().view(p.shape[0], 16, *p.shape[3:]) for p in pools]  # layers, slots, ...
-    cache.copy_slots([5, 9], [1, 2])  # node 4 of a tree rooted at slot 1 accepted first, then node 8
+    # node 4 of a tree rooted at slot 1 accepted first, then node 8
+    cache.copy_slots([5, 9], [1, 2])
     assert len(pools) == (4 if kv_cache_dtype == "int8" else 2)
     for p, old in zip(pools, before):
         now = p.view_as(old)
@@ -131,9 +138,11 @@ def test_copy_slots_moves_every_layers_keys_values_and_scales(kv_cache_dtype):
 
 @pytest.mark.parametrize("broken", ["causal mask", "no K/V move"])
 def test_controls_break_the_equality(medusa_trained, plain, monkeypatch, broken):
-    if broken == "causal mask":  # every tree row treated as a chain: a node sees its siblings' branches
+    # every tree row treated as a chain: a node sees its siblings' branches
+    if broken == "causal mask":
         real = tree_sampler.tree_mask
-        monkeypatch.setattr(tree_sampler, "tree_mask", lambda trees, *a: real([None] * len(trees), *a))
+        monkeypatch.setattr(tree_sampler, "tree_mask", lambda trees,
+                            *a: real([None] * len(trees), *a))
     else:
         monkeypatch.setattr(PagedKVCache, "copy_slots", lambda self, src, dst: None)
     outs = _llm(medusa_trained[0]).generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -147,7 +156,8 @@ def test_tree_settings_are_checked_by_name(medusa_trained):
         LLM("demo", speculative="ngram", speculative_tree="default")
     with pytest.raises(NanoserveError, match="speculative_tree needs speculative=<method>"):
         LLM("demo", speculative_tree="default")
-    for bad, match in [([(0, 0)], "without its parent path"), ([(0,), (0,)], "twice"), ([()], "non-empty"),
+    for bad, match in [([(0, 0)], "without its parent path"), ([(0,), (0,)], "twice"),
+                       ([()], "non-empty"),
                        ([(-1,)], "indices ≥ 0"), ("wide", "list of paths"), ([(0,)] * 0, "1..16")]:
         with pytest.raises(NanoserveError, match=match):
             LLM("demo", speculative="medusa", speculative_model=heads, speculative_tree=bad)
@@ -170,7 +180,8 @@ def _joint_law3(llm: LLM, prompt: str, params: SamplingParams) -> dict[tuple[int
     for _ in range(3):
         grown = {}
         for prefix, p in law.items():
-            probs = probs_from_logits(llm.logits(ids + list(prefix))[-1:], params.temperature, params.top_k,
+            probs = probs_from_logits(llm.logits(ids + list(prefix))[-1:], params.temperature,
+                                      params.top_k,
                                       params.top_p)[0].double()
             for x in probs.nonzero().flatten().tolist():
                 grown[prefix + (x,)] = p * probs[x].item()
@@ -182,9 +193,11 @@ def _joint_law3(llm: LLM, prompt: str, params: SamplingParams) -> dict[tuple[int
 def test_sampling_keeps_the_targets_joint_law(medusa_trained, monkeypatch, first_child):
     settings = dict(temperature=1.0, top_k=3, max_tokens=4, ignore_eos=True)
     law = _joint_law3(medusa_trained[1], "ROMEO:\n", SamplingParams(**settings))
-    if first_child:  # the control: accept the first child at every node, then draw the bonus token from p
+    # the control: accept the first child at every node, then draw the bonus token from p
+    if first_child:
         def first(parents, tokens, p, q, generator=None):
-            kids = [[c for c in range(1, len(parents)) if parents[c] == u] for u in range(len(parents))]
+            kids = [[c for c in range(1,
+                                      len(parents)) if parents[c] == u] for u in range(len(parents))]
             u, out, path = 0, [], []
             while kids[u]:
                 u = kids[u][0]
@@ -192,12 +205,15 @@ def test_sampling_keeps_the_targets_joint_law(medusa_trained, monkeypatch, first
                 path.append(u)
             return out + [int(torch.multinomial(p[u].double(), 1, generator=generator))], path
         monkeypatch.setattr("nanoserve.spec.spec_decode.tree_rejection_sample", first)
-    llm = _llm(medusa_trained[0], gamma=2, max_num_seqs=128, max_num_batched_tokens=4096)  # budget: every row
+    # budget: every row
+    llm = _llm(medusa_trained[0], gamma=2, max_num_seqs=128, max_num_batched_tokens=4096)
     n = 3000
-    outs = llm.generate(["ROMEO:\n"] * n, [SamplingParams(**{**settings, "seed": s}) for s in range(n)],
+    outs = llm.generate(["ROMEO:\n"] * n,
+                        [SamplingParams(**{**settings, "seed": s}) for s in range(n)],
                         use_tqdm=False)
     stats = [o.outputs[0].spec_stats for o in outs]
-    assert sum(s.num_draft_tokens for s in stats if s) > 0.9 * 5 * n  # token 2 (and 3) from a 5-node tree
+    # token 2 (and 3) from a 5-node tree
+    assert sum(s.num_draft_tokens for s in stats if s) > 0.9 * 5 * n
     triples = [tuple(o.outputs[0].token_ids[:3]) for o in outs]
     cells = sorted(law)
     counts = torch.tensor([sum(1 for t in triples if t == c) for c in cells], dtype=torch.float64)

@@ -23,7 +23,8 @@ from nanoserve.tools.metrics import MetricsSummary, RequestMetrics, percentile, 
 
 def trace() -> list[RequestMetrics]:
     return [
-        RequestMetrics(0.0, [1.0, 1.5, 2.5, 3.0], prompt_tokens=8, first_scheduled_time=0.25, finish_time=3.5),
+        RequestMetrics(0.0, [1.0, 1.5, 2.5, 3.0], prompt_tokens=8, first_scheduled_time=0.25,
+                       finish_time=3.5),
         RequestMetrics(1.0, [1.5, 2.0, 2.25], prompt_tokens=4, first_scheduled_time=1.0),
         RequestMetrics(2.0, [4.0], prompt_tokens=12, first_scheduled_time=3.0, finish_time=4.0),
     ]
@@ -46,16 +47,19 @@ def test_per_request_latencies_by_hand():
 
 
 def test_tpot_is_not_e2e_over_n_nor_mean_itl():
-    """Negative control: the usual wrong TPOTs give different numbers on R0, so the test above can tell."""
+    """Negative control: the usual wrong TPOTs give different numbers on R0, so the test above can
+    tell."""
     r0 = trace()[0]
     expected = 2.5 / 3  # (E2E − TTFT) / (n − 1)
     assert r0.tpot == pytest.approx(expected)
-    assert expected != pytest.approx(r0.e2e / r0.output_tokens)  # 0.875: counts the prefill in every token
+    # 0.875: counts the prefill in every token
+    assert expected != pytest.approx(r0.e2e / r0.output_tokens)
     assert expected != pytest.approx(sum(r0.itls) / len(r0.itls))  # 0.667: misses the gap t_n → f
 
 
 def test_from_output_is_duck_typed():
-    out = SimpleNamespace(arrival_time=1.0, token_times=(1.5, 2.0), prompt_token_ids=[5, 6, 7], finish_time=2.5)
+    out = SimpleNamespace(arrival_time=1.0, token_times=(1.5, 2.0), prompt_token_ids=[5, 6, 7],
+                          finish_time=2.5)
     m = RequestMetrics.from_output(out)  # no first_scheduled_time attribute
     assert (m.prompt_tokens, m.output_tokens, m.queue_time, m.e2e) == (3, 2, None, 1.5)
     out.first_scheduled_time = 1.25
@@ -66,8 +70,10 @@ def test_from_output_is_duck_typed():
     dict(arrival_time=0.0, token_times=[], prompt_tokens=1),  # no output token
     dict(arrival_time=0.0, token_times=[2.0, 1.0], prompt_tokens=1),  # tokens out of order
     dict(arrival_time=3.0, token_times=[2.0], prompt_tokens=1),  # token before arrival
-    dict(arrival_time=0.0, token_times=[1.0], prompt_tokens=1, first_scheduled_time=2.0),  # scheduled after token
-    dict(arrival_time=0.0, token_times=[1.0], prompt_tokens=1, finish_time=0.5),  # finished before last token
+    # scheduled after token
+    dict(arrival_time=0.0, token_times=[1.0], prompt_tokens=1, first_scheduled_time=2.0),
+    # finished before last token
+    dict(arrival_time=0.0, token_times=[1.0], prompt_tokens=1, finish_time=0.5),
     dict(arrival_time=0.0, token_times=[1.0], prompt_tokens=-1),
 ])
 def test_bad_request_times_are_rejected(kwargs):
@@ -91,7 +97,8 @@ def test_percentile_matches_numpy():
              [rng.uniform(-5, 5) for _ in range(37)]]
     for values in lists:
         for q in (0, 1, 10, 25, 50, 62.5, 90, 99, 100):
-            assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)), rel=1e-12, abs=1e-12)
+            assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)),
+                                                          rel=1e-12, abs=1e-12)
 
 
 @pytest.mark.parametrize("values, q", [([], 50), ([1.0], -1), ([1.0], 100.5)])
@@ -131,7 +138,8 @@ def test_summary_explicit_duration():
 
 def test_goodput_counts_requests_meeting_slos():
     # per request (TTFT, TPOT): R0 (1.0, 0.833), R1 (0.5, 0.375), R2 (2.0, none); duration 4 s
-    assert summarize(trace(), slo_ttft=1.0, slo_tpot=0.5).goodput == 1 / 4  # R1 only (R0: TPOT, R2: TTFT)
+    # R1 only (R0: TPOT, R2: TTFT)
+    assert summarize(trace(), slo_ttft=1.0, slo_tpot=0.5).goodput == 1 / 4
     assert summarize(trace(), slo_ttft=1.0).goodput == 2 / 4  # R0 (TTFT = SLO counts) and R1
     assert summarize(trace(), slo_tpot=0.5).goodput == 2 / 4  # R1, and R2 with no TPOT to break
     assert summarize(trace(), slo_ttft=0.1, slo_tpot=0.1).goodput == 0.0
@@ -166,4 +174,5 @@ def test_table_and_as_dict():
     assert d["ttft"]["p50"] == 1.0 and d["goodput"] == 0.5 and d["num_requests"] == 3
     assert MetricsSummary(**d) == s
     one = summarize([RequestMetrics(0.0, [0.5], prompt_tokens=1)])
-    assert "-" in one.table() and json.dumps(one.as_dict(), allow_nan=False)  # None stats print as "-"
+    # None stats print as "-"
+    assert "-" in one.table() and json.dumps(one.as_dict(), allow_nan=False)

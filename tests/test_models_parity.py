@@ -1,4 +1,5 @@
-"""Model parity with HF transformers (an implementation nobody here wrote) on tiny random checkpoints.
+"""Model parity with HF transformers (an implementation nobody here wrote) on tiny random
+checkpoints.
 
 Tolerance: 1e-4 max |Δ| on fp32 logits (docs/TESTING.md §A); the two implementations differ only in
 the order of floating-point operations, which on these sizes moves logits by ~1e-6.
@@ -47,7 +48,8 @@ def test_no_cache_equals_cache(hf_checkpoints, name):
     with torch.no_grad():
         full = model(ids)
         cache = KVCache(cfg, 2, 24)
-        parts = [model(ids[:, :5], cache=cache)] + [model(ids[:, t:t + 1], cache=cache) for t in range(5, 24)]
+        parts = [model(ids[:, :5], cache=cache)] + [model(ids[:, t:t + 1],
+                                                          cache=cache) for t in range(5, 24)]
     assert torch.allclose(torch.cat(parts, dim=1), full, atol=1e-5, rtol=0)
 
 
@@ -59,7 +61,8 @@ def test_greedy_64_tokens_match_hf_generate(hf_checkpoints, name):
     llm = LLM(str(path), dtype="float32", device="cpu")
     prompt = [3, 17, 42, 5, 99, 7]
     with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=64, min_new_tokens=64, do_sample=False,
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=64, min_new_tokens=64,
+                          do_sample=False,
                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))[0]
     assert out.token_ids == ref

@@ -1,5 +1,5 @@
-"""Mixture of experts (nanoserve/models/moe.py): the grouped form against the per-token loop, the router
-against transformers' own, and MoE models through the engine.
+"""Mixture of experts (nanoserve/models/moe.py): the grouped form against the per-token loop, the
+router against transformers' own, and MoE models through the engine.
 
 Oracles: the per-token reference loop (the formula as written), transformers' MixtralSparseMoeBlock
 and Qwen3MoeSparseMoeBlock given the same weights, and HF generate (test_models_parity runs the
@@ -20,8 +20,10 @@ from nanoserve.models.moe import SparseMoeBlock, moe_reference
 
 
 def _cfg(**kw) -> ModelConfig:
-    return ModelConfig(arch="llama", vocab_size=10, hidden_size=32, n_layers=1, n_heads=4, n_kv_heads=4,
-                       intermediate_size=48, max_position_embeddings=64, **{"num_experts": 6, "num_experts_per_tok": 2,
+    return ModelConfig(arch="llama", vocab_size=10, hidden_size=32, n_layers=1, n_heads=4,
+                       n_kv_heads=4,
+                       intermediate_size=48, max_position_embeddings=64,
+                       **{"num_experts": 6, "num_experts_per_tok": 2,
                                                                             **kw})
 
 
@@ -44,14 +46,16 @@ def test_grouped_by_expert_equals_the_per_token_loop(top_k, renormalize):
 
 
 def test_experts_nobody_chose_are_skipped_and_counted():
-    """A router that sends every token to experts 0 and 1: the others never run (and the sum is unchanged)."""
+    """A router that sends every token to experts 0 and 1: the others never run (and the sum is
+    unchanged)."""
     block = _block()
     with torch.no_grad():
         block.gate.weight.zero_()
         block.gate.weight[:2] = 5.0  # experts 0 and 1 win for inputs with a positive sum
         x = torch.rand(2, 5, 32)
         calls = []
-        hooks = [e.register_forward_hook(lambda m, a, o, i=i: calls.append(i)) for i, e in enumerate(block.experts)]
+        hooks = [e.register_forward_hook(lambda m, a, o, i=i: calls.append(i)) for i,
+                 e in enumerate(block.experts)]
         out = block(x)
         for h in hooks:
             h.remove()
@@ -62,7 +66,8 @@ def test_experts_nobody_chose_are_skipped_and_counted():
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_router_and_experts_match_transformers_block(family):
     """Our block given the weights of transformers' sparse MoE block computes what it computes."""
-    ours = _block(norm_topk_prob=family == "mixtral")  # Mixtral always renormalises; this Qwen3-MoE does not
+    # Mixtral always renormalises; this Qwen3-MoE does not
+    ours = _block(norm_topk_prob=family == "mixtral")
     hf = hf_moe_block_like(ours, family)
     with torch.no_grad():
         x = torch.randn(2, 9, 32)
@@ -77,8 +82,9 @@ def test_router_and_experts_match_transformers_block(family):
 
 
 def test_moe_models_run_through_the_engine_and_quantize_with_rtn_only(hf_checkpoints, tmp_path):
-    """Continuous batching and prefix caching on Qwen3-MoE; RTN int4 experts reload to the same logits;
-    GPTQ and AWQ are refused by name (an expert sees only the calibration tokens routed to it)."""
+    """Continuous batching and prefix caching on Qwen3-MoE; RTN int4 experts reload to the same
+    logits; GPTQ and AWQ are refused by name (an expert sees only the calibration tokens routed to
+    it)."""
     from nanoserve.models.loader import load_model
     from nanoserve.quant.model import QuantizeConfig, quantize_model
     from nanoserve.quant.save import replace_linears, save_quantized
@@ -94,8 +100,10 @@ def test_moe_models_run_through_the_engine_and_quantize_with_rtn_only(hf_checkpo
     model, cfg, _ = load_model(path, dtype="float32", device="cpu")
     calib = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     for method in ("gptq", "awq"):
-        with pytest.raises(NanoserveError, match=f"method='{method}' on a mixture-of-experts model"):
-            quantize_model(model, calib, QuantizeConfig(method=method, group_size=16), progress=False)
+        with pytest.raises(NanoserveError,
+                           match=f"method='{method}' on a mixture-of-experts model"):
+            quantize_model(model, calib, QuantizeConfig(method=method, group_size=16),
+                           progress=False)
     res = quantize_model(model, None, QuantizeConfig(method="rtn", group_size=16), progress=False)
     assert any(".mlp.experts.5.down_proj" in k for k in res.qweights) and not any(".mlp.gate" == k[-9:]
                                                                                    for k in res.qweights)

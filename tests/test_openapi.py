@@ -37,7 +37,8 @@ from nanoserve.serving.server import create_app  # noqa: E402
 def srv(tmp_path_factory):
     path = demo_chat_model(tmp_path_factory.mktemp("openapi") / "demo-chat")
     core = poisoned_engine(str(path))
-    server = LiveServer(create_app(AsyncLLMEngine(core), "demo", api_key=KEY, max_body_bytes=32 * 1024,
+    server = LiveServer(create_app(AsyncLLMEngine(core), "demo", api_key=KEY,
+                                   max_body_bytes=32 * 1024,
                                    chat_template=load_chat_template(path, core.tokenizer)))
     yield server
     server.stop()
@@ -72,7 +73,8 @@ def check(spec: dict, path: str, method: str, reply: tuple) -> None:
 
 
 def _completion(srv, spec, body: dict, path="/v1/completions", headers=None) -> tuple:
-    reply = _http(srv.port, "POST", path, json.dumps(body).encode() if isinstance(body, dict) else body, headers)
+    reply = _http(srv.port, "POST", path,
+                  json.dumps(body).encode() if isinstance(body, dict) else body, headers)
     check(spec, path, "post", reply)
     return reply
 
@@ -92,7 +94,8 @@ def test_real_responses_match_the_document(srv, spec):
     plain = {"model": "demo", "prompt": "ROMEO:", "max_tokens": 4}
     assert _completion(srv, spec, plain)[0] == 200
     usage = {"include_usage": True}
-    assert _completion(srv, spec, {**plain, "n": 2, "stream": True, "stream_options": usage})[0] == 200
+    assert _completion(srv, spec,
+                       {**plain, "n": 2, "stream": True, "stream_options": usage})[0] == 200
     assert _completion(srv, spec, {**plain, "prompt": ["a", "b"], "stream": True})[0] == 200
     assert _completion(srv, spec, chat, "/v1/chat/completions")[0] == 200
     assert _completion(srv, spec, {**chat, "stream": True}, "/v1/chat/completions")[0] == 200
@@ -102,7 +105,8 @@ def test_real_responses_match_the_document(srv, spec):
     assert _completion(srv, spec, plain, headers={"Authorization": None})[0] == 401
     assert _completion(srv, spec, {**plain, "prompt": "x" * 40_000})[0] == 413
     assert _completion(srv, spec, {**plain, "prompt": POISON})[0] == 500
-    assert _completion(srv, spec, {**plain, "prompt": POISON, "stream": True})[0] == 200  # an error event
+    # an error event
+    assert _completion(srv, spec, {**plain, "prompt": POISON, "stream": True})[0] == 200
     for path in ("/v1/models", "/health", "/metrics"):
         reply = _http(srv.port, "GET", path)
         assert reply[0] == 200
@@ -116,14 +120,18 @@ def test_real_responses_match_the_document(srv, spec):
     chat_lp = {**chat, "logprobs": True, "top_logprobs": 2}
     assert _completion(srv, spec, chat_lp, "/v1/chat/completions")[0] == 200
     assert _completion(srv, spec, {**chat_lp, "stream": True}, "/v1/chat/completions")[0] == 200
-    named = {**chat, "tools": [_TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}}, "max_tokens": 12}
+    named = {**chat, "tools": [_TOOL],
+             "tool_choice": {"type": "function", "function": {"name": "f"}}, "max_tokens": 12}
     assert _completion(srv, spec, named, "/v1/chat/completions")[0] == 200
     assert _completion(srv, spec, {**named, "stream": True}, "/v1/chat/completions")[0] == 200
-    for path, body, status in [("/tokenize", {"prompt": "Hi"}, 200), ("/tokenize", {"messages": chat["messages"]}, 200),
-                               ("/detokenize", {"tokens": [72, 105]}, 200), ("/detokenize", {"tokens": [-1]}, 400),
+    for path, body, status in [("/tokenize", {"prompt": "Hi"}, 200),
+                               ("/tokenize", {"messages": chat["messages"]}, 200),
+                               ("/detokenize", {"tokens": [72, 105]}, 200),
+                               ("/detokenize", {"tokens": [-1]}, 400),
                                ("/tokenize", {"prompt": "Hi", "model": "x"}, 404)]:
         assert _completion(srv, spec, body, path)[0] == status
-    for path, status in [("/tokenizer_info", 200), ("/v1/models/{name}", 200), ("/v1/models/{name}", 404)]:
+    for path, status in [("/tokenizer_info", 200), ("/v1/models/{name}", 200),
+                         ("/v1/models/{name}", 404)]:
         real = path.replace("{name}", "demo" if status == 200 else "gpt-4")
         reply = _http(srv.port, "GET", real)
         assert reply[0] == status
@@ -134,9 +142,11 @@ def test_a_dead_engine_is_documented_503(spec, monkeypatch):
     core = poisoned_engine()
     server = LiveServer(create_app(AsyncLLMEngine(core), "demo"))
     try:
-        monkeypatch.setattr(core, "step", lambda: (_ for _ in ()).throw(AssertionError("broken bookkeeping")))
+        monkeypatch.setattr(core, "step",
+                            lambda: (_ for _ in ()).throw(AssertionError("broken bookkeeping")))
         _post(server.port, "/v1/completions", {"model": "demo", "prompt": "a", "max_tokens": 2})
-        reply = _http(server.port, "POST", "/v1/completions", json.dumps({"model": "demo", "prompt": "a"}).encode())
+        reply = _http(server.port, "POST", "/v1/completions",
+                      json.dumps({"model": "demo", "prompt": "a"}).encode())
         assert reply[0] == 503
         check(spec, "/v1/completions", "post", reply)
         check(spec, "/health", "get", _http(server.port, "GET", "/health"))
@@ -152,7 +162,8 @@ def test_validator_negative_controls(spec):
     body = json.dumps(ok).encode()
     check(spec, "/v1/completions", "post", (200, {"content-type": "application/json"}, body))
     json_reply = lambda obj: (200, {"content-type": "application/json"}, json.dumps(obj).encode())  # noqa: E731
-    for bad in ({**ok, "extra": 1}, {**ok, "choices": [{**ok["choices"][0], "finish_reason": "abort"}]}):
+    for bad in ({**ok, "extra": 1},
+                {**ok, "choices": [{**ok["choices"][0], "finish_reason": "abort"}]}):
         with pytest.raises(jsonschema.ValidationError):
             check(spec, "/v1/completions", "post", json_reply(bad))
     with pytest.raises(AssertionError, match="not in"):
@@ -166,17 +177,22 @@ _ANY = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats
                  st.text(max_size=8), st.lists(st.integers(-3, 600), max_size=4))
 FIELDS = {
     "prompt": st.one_of(st.text(max_size=30), st.just("\ud800 lone surrogate"),
-                        st.lists(st.integers(-2, 300), max_size=6), st.lists(st.text(max_size=5), max_size=3),
+                        st.lists(st.integers(-2, 300), max_size=6),
+                        st.lists(st.text(max_size=5), max_size=3),
                         st.lists(st.lists(st.integers(0, 256), max_size=3), max_size=2), _ANY),
-    "max_tokens": st.one_of(st.integers(-2, 4), _ANY), "n": st.one_of(st.integers(0, 3), st.just(10**9), _ANY),
-    "temperature": st.one_of(st.floats(0, 3), st.just(1e-300), _ANY), "top_p": st.one_of(st.floats(0, 1.5), _ANY),
-    "top_k": st.one_of(st.integers(-2, 300), _ANY), "seed": st.one_of(st.integers(-2**64, 2**65), _ANY),
+    "max_tokens": st.one_of(st.integers(-2, 4), _ANY),
+    "n": st.one_of(st.integers(0, 3), st.just(10**9), _ANY),
+    "temperature": st.one_of(st.floats(0, 3), st.just(1e-300), _ANY),
+    "top_p": st.one_of(st.floats(0, 1.5), _ANY),
+    "top_k": st.one_of(st.integers(-2, 300), _ANY),
+    "seed": st.one_of(st.integers(-2**64, 2**65), _ANY),
     "repetition_penalty": st.one_of(st.floats(0, 1e40), st.just(1e-300), _ANY),
     "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=3), _ANY),
     "stream": st.one_of(st.booleans(), _ANY), "ignore_eos": st.one_of(st.booleans(), _ANY),
     "logprobs": st.one_of(st.integers(-1, 22), _ANY), "echo": st.one_of(st.booleans(), _ANY),
     "stream_options": st.one_of(st.none(), st.fixed_dictionaries({"include_usage": _ANY}), _ANY),
-    "min_tokens": st.one_of(st.integers(-1, 6), _ANY), "min_p": st.one_of(st.floats(-0.5, 1.5), _ANY),
+    "min_tokens": st.one_of(st.integers(-1, 6), _ANY),
+    "min_p": st.one_of(st.floats(-0.5, 1.5), _ANY),
     "presence_penalty": st.one_of(st.floats(-3, 3), _ANY), "frequency_penalty": _ANY,
     "logit_bias": st.one_of(st.dictionaries(st.sampled_from(["0", "65", "256", "300", "-1", "x"]),
                                             st.one_of(st.floats(-150, 150), _ANY), max_size=3), _ANY),
@@ -195,22 +211,27 @@ FIELDS = {
 }
 
 
-STATUSES: list[int] = []  # what the fuzzers got, to check they reach the engine and not only the validator
+# what the fuzzers got, to check they reach the engine and not only the validator
+STATUSES: list[int] = []
 
 
 def _mutated(valid: dict, fields: dict):
-    """A valid body with 0-3 of `fields` set to fuzzed values (most bodies reach the engine, some do not)."""
+    """A valid body with 0-3 of `fields` set to fuzzed values (most bodies reach the engine, some do
+    not)."""
     changes = st.lists(st.sampled_from(sorted(fields)), max_size=3, unique=True).flatmap(
         lambda keys: st.fixed_dictionaries({k: fields[k] for k in keys}))
     return st.tuples(st.fixed_dictionaries(valid), changes).map(lambda t: {**t[0], **t[1]})
 
 
-VALID_COMPLETION = {"model": st.sampled_from(["demo"] * 9 + ["other"]), "max_tokens": st.integers(1, 4),
-                    "prompt": st.one_of(st.text(min_size=1, max_size=20), st.lists(st.integers(0, 256), min_size=1,
+VALID_COMPLETION = {"model": st.sampled_from(["demo"] * 9 + ["other"]),
+                    "max_tokens": st.integers(1, 4),
+                    "prompt": st.one_of(st.text(min_size=1, max_size=20),
+                                        st.lists(st.integers(0, 256), min_size=1,
                                                                                     max_size=6))}
 
 
-@settings(max_examples=120, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@settings(max_examples=120, deadline=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
 @given(body=_mutated(VALID_COMPLETION, FIELDS))
 def test_fuzzed_bodies_never_get_a_5xx_and_always_match_the_document(srv, spec, body):
     if body.get("stream") is True and body.get("max_tokens") not in range(1, 5):
@@ -225,25 +246,34 @@ def test_fuzzed_bodies_never_get_a_5xx_and_always_match_the_document(srv, spec, 
 
 _MESSAGE = st.one_of(
     st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "developer"]),
-                           "content": st.one_of(st.text(max_size=20), st.lists(st.fixed_dictionaries(
-                               {"type": st.sampled_from(["text", "image_url"]), "text": st.text(max_size=5)}),
+                           "content": st.one_of(st.text(max_size=20),
+                                                st.lists(st.fixed_dictionaries(
+                               {"type": st.sampled_from(["text", "image_url"]),
+                                "text": st.text(max_size=5)}),
                                max_size=2))}),
     st.fixed_dictionaries({"role": _ANY, "content": _ANY}), _ANY)
 
 
 VALID_CHAT = {"model": st.just("demo"), "max_tokens": st.integers(1, 3),
               "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]),
-                                                          "content": st.text(max_size=20)}), min_size=1, max_size=3)}
-_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+                                                          "content": st.text(max_size=20)}),
+                                   min_size=1, max_size=3)}
+_TOOL = {"type": "function",
+         "function": {"name": "f", "parameters": {"type": "object", "properties": {
     "x": {"type": "integer"}}, "required": ["x"]}}}
-CHAT_FIELDS = {"messages": st.one_of(st.lists(_MESSAGE, max_size=3), _ANY), "max_tokens": FIELDS["max_tokens"],
-               "max_completion_tokens": _ANY, "stream": FIELDS["stream"], "n": FIELDS["n"], "seed": FIELDS["seed"],
+CHAT_FIELDS = {"messages": st.one_of(st.lists(_MESSAGE, max_size=3), _ANY),
+               "max_tokens": FIELDS["max_tokens"],
+               "max_completion_tokens": _ANY, "stream": FIELDS["stream"], "n": FIELDS["n"],
+               "seed": FIELDS["seed"],
                "temperature": FIELDS["temperature"], "prompt": _ANY,
                "tools": st.one_of(st.just([_TOOL]), st.lists(_ANY, max_size=2), _ANY),
                "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required", "maybe",
-                                                         {"type": "function", "function": {"name": "f"}},
-                                                         {"type": "function", "function": {"name": "g"}}]), _ANY),
-               "logprobs": st.one_of(st.booleans(), _ANY), "top_logprobs": st.one_of(st.integers(-1, 22), _ANY),
+                                                         {"type": "function",
+                                                          "function": {"name": "f"}},
+                                                         {"type": "function",
+                                                          "function": {"name": "g"}}]), _ANY),
+               "logprobs": st.one_of(st.booleans(), _ANY),
+               "top_logprobs": st.one_of(st.integers(-1, 22), _ANY),
                "response_format": FIELDS["response_format"], "add_generation_prompt": _ANY,
                "chat_template_kwargs": st.one_of(st.fixed_dictionaries({"messages": _ANY}), _ANY)}
 

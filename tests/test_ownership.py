@@ -1,11 +1,13 @@
-"""The layout's rules (docs/ARCHITECTURE.md, "Who owns what"), checked so that they cannot drift back.
+"""The layout's rules (docs/ARCHITECTURE.md, "Who owns what"), checked so that they cannot drift
+back.
 
 1. One owner for a sequence's state. While real workloads run (the continuous engine with n > 1,
    prefix hits, preemption and both kinds of speculation; the static and dynamic batchers), every
    write to a `Sequence` — an attribute set, or a change to its token list or block table — is
    recorded with the module that made it. Only the scheduler, the block allocator it drives, and
    the Sequence's own constructor may write; the model runner is pure.
-2. The scheduler, the allocator and the sequence import no torch (the scheduler never touches tensors).
+2. The scheduler, the allocator and the sequence import no torch (the scheduler never touches
+   tensors).
 3. No import cycle between nanoserve's modules, no private name imported across modules.
 4. A docstring on every public class and method of the engine path. (Files are split by meaning, not
    held under a line count: the old 300-line rule squeezed code to fit.)
@@ -26,12 +28,15 @@ from nanoserve.engine.sequence import Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "nanoserve"
-OWNERS = {"nanoserve.engine.scheduler", "nanoserve.engine.block_allocator", "nanoserve.engine.sequence"}
-STATE = {"token_ids", "num_prompt_tokens", "block_table", "num_cached_tokens", "num_computed_tokens", "status",
+OWNERS = {"nanoserve.engine.scheduler", "nanoserve.engine.block_allocator",
+          "nanoserve.engine.sequence"}
+STATE = {"token_ids", "num_prompt_tokens", "block_table", "num_cached_tokens",
+         "num_computed_tokens", "status",
          "needs_slot", "num_preemptions"}
 
 
-# ----------------------------------------------------------------------------- 1. who writes sequences
+# ----------------------------------------------------------------------------- 1. who writes
+# sequences
 class _Watched(list):
     """A sequence's token list or block table that reports every change to `_record`."""
 
@@ -41,7 +46,8 @@ class _Watched(list):
             return getattr(list, name)(self, *args)
         return method
 
-    for _name in ("append", "extend", "insert", "pop", "remove", "clear", "__setitem__", "__delitem__", "__iadd__"):
+    for _name in ("append", "extend", "insert", "pop", "remove", "clear", "__setitem__",
+                  "__delitem__", "__iadd__"):
         locals()[_name] = _change(_name)
     del _name
 
@@ -83,14 +89,17 @@ def test_only_the_scheduler_and_the_allocator_write_sequence_state(monkeypatch):
     from nanoserve.tools.batching import DynamicBatcher, StaticBatcher
 
     with recording(monkeypatch) as writes:
-        outputs = run(None)  # the golden workload: n > 1, prefix hits, preemption, draft and n-gram speculation
+        # the golden workload: n > 1, prefix hits, preemption, draft and n-gram speculation
+        outputs = run(None)
         llm = LLM("demo")
         prompts = ["ROMEO:", "JULIET:", "KING:"]
-        StaticBatcher(llm.engine, batch_size=2).generate(prompts, SamplingParams(temperature=0, max_tokens=9))
+        StaticBatcher(llm.engine, batch_size=2).generate(prompts,
+                                                         SamplingParams(temperature=0, max_tokens=9))
         DynamicBatcher(llm.engine, max_batch_size=2).generate(prompts, SamplingParams(seed=1, max_tokens=9))
     assert outputs["preemption_count"] > 0
     writers = _writers(writes)
-    assert {"nanoserve.engine.scheduler", "nanoserve.engine.block_allocator"} <= set(writers)  # it saw writes
+    # it saw writes
+    assert {"nanoserve.engine.scheduler", "nanoserve.engine.block_allocator"} <= set(writers)
     assert set(writers) <= OWNERS, {m: f for m, f in writers.items() if m not in OWNERS}
     assert "num_computed_tokens" in writers["nanoserve.engine.scheduler"]
 
@@ -98,7 +107,8 @@ def test_only_the_scheduler_and_the_allocator_write_sequence_state(monkeypatch):
 def test_ownership_negative_control_a_write_from_the_model_runner_is_caught(monkeypatch):
     """The old model runner advanced num_computed_tokens itself: such a write is reported."""
     old_runner = {"__name__": "nanoserve.engine.model_runner"}
-    exec("def forward_done(seq, m):\n    seq.num_computed_tokens += m\n    seq.token_ids.pop()\n", old_runner)
+    exec("def forward_done(seq, m):\n    seq.num_computed_tokens += m\n    "
+         "seq.token_ids.pop()\n", old_runner)
     with recording(monkeypatch) as writes:
         seq = Sequence([1, 2, 3])
         writes.clear()  # the constructor's own writes
@@ -106,14 +116,16 @@ def test_ownership_negative_control_a_write_from_the_model_runner_is_caught(monk
     assert _writers(writes) == {"nanoserve.engine.model_runner": {"num_computed_tokens", "token_ids"}}
 
 
-# ----------------------------------------------------------------------------- 2-4. imports, sizes, docstrings
+# ----------------------------------------------------------------------------- 2-4. imports, sizes,
+# docstrings
 def _modules() -> dict[str, Path]:
     """Dotted name -> file, for nanoserve (kernels installs as nanoserve.kernels)."""
     out = {}
     for base, prefix in ((PACKAGE, "nanoserve"), (ROOT / "kernels", "nanoserve.kernels")):
         for path in base.rglob("*.py"):
             parts = list(path.relative_to(base).with_suffix("").parts)
-            name = ".".join([prefix, *parts[:-1]] + ([] if parts[-1] == "__init__" else [parts[-1]]))
+            name = ".".join([prefix,
+                             *parts[:-1]] + ([] if parts[-1] == "__init__" else [parts[-1]]))
             out[name] = path
     return out
 
@@ -176,7 +188,8 @@ def test_cycle_negative_control():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
-@pytest.mark.parametrize("module", ["nanoserve.engine.scheduler", "nanoserve.engine.block_allocator",
+@pytest.mark.parametrize("module",
+                         ["nanoserve.engine.scheduler", "nanoserve.engine.block_allocator",
                                     "nanoserve.engine.sequence"])
 def test_the_bookkeeping_imports_no_torch(module):
     path = _modules()[module]
@@ -186,7 +199,8 @@ def test_the_bookkeeping_imports_no_torch(module):
 
 def test_no_private_name_is_imported_across_modules():
     bad = [f"{name}: from {module} import {n}" for name, path in _modules().items()
-           for module, names in _imports(name, path, top_level_only=False) if module.startswith("nanoserve")
+           for module,
+           names in _imports(name, path, top_level_only=False) if module.startswith("nanoserve")
            for n in names if n.startswith("_") and not n.startswith("__")]
     assert not bad, bad
 
@@ -209,8 +223,9 @@ def _listed_packages() -> set[str]:
 
 
 def test_every_subpackage_is_listed_for_installation():
-    """pyproject.toml lists packages by name: a folder missing from the list is left out of a built wheel (an
-    editable install, as the tests use, still finds it). Control: the list without nanoserve.parallel misses it."""
+    """pyproject.toml lists packages by name: a folder missing from the list is left out of a built
+    wheel (an editable install, as the tests use, still finds it). Control: the list without
+    nanoserve.parallel misses it."""
     folders = {"nanoserve." + p.parent.name for p in PACKAGE.glob("*/__init__.py")} | {"nanoserve", "nanoserve.kernels"}
     assert folders - _listed_packages() == set()
     assert folders - (_listed_packages() - {"nanoserve.parallel"}) == {"nanoserve.parallel"}

@@ -1,5 +1,6 @@
-"""The paged-KV block allocator (nanoserve/engine/block_allocator.py): unit tests, a hypothesis property test over
-random operation sequences, and negative controls — mutant allocators the same checks must reject.
+"""The paged-KV block allocator (nanoserve/engine/block_allocator.py): unit tests, a hypothesis
+property test over random operation sequences, and negative controls — mutant allocators the same
+checks must reject.
 
 The property test simulates the KV cache alongside the allocator: every slot remembers the token
 prefix whose KV was written into it, and a slot of a freshly taken block holds nothing (None) until
@@ -7,10 +8,10 @@ a simulated forward writes it. A prefix hit that hands out another prefix's KV (
 yet), a write into a shared block without copy-on-write, or a lost copy all leave a slot whose
 prefix is wrong.
 
-Simulating the engine means following the protocol of nanoserve/engine/block_allocator.py: after `allocate` and
-after every `append_token` + `append_slot`, the forward writes the new tokens' KV, and only then
-does `mark_computed` register the full blocks among the first `num_computed_tokens` tokens in the
-prefix cache (`compute` below).
+Simulating the engine means following the protocol of nanoserve/engine/block_allocator.py: after
+`allocate` and after every `append_token` + `append_slot`, the forward writes the new tokens' KV,
+and only then does `mark_computed` register the full blocks among the first `num_computed_tokens`
+tokens in the prefix cache (`compute` below).
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ def sealed(alloc: BlockAllocator, seq: Sequence) -> list[bool]:
     return [alloc.blocks[bid].hash is not None for bid in seq.block_table]
 
 
-# --------------------------------------------------------------------------- mutants (negative controls)
+# --------------------------------------------------------------------------- mutants (negative
+# controls)
 class OverAllocates(BlockAllocator):
     def blocks_needed(self, num_tokens):
         return num_tokens // self.block_size + 1  # off by one when num_tokens % block_size == 0
@@ -110,7 +112,8 @@ class ForkWithoutRefs(BlockAllocator):
 
 
 class SealsAtAllocate(BlockAllocator):
-    """The old protocol: full blocks registered when allocated or filled, before their KV is written."""
+    """The old protocol: full blocks registered when allocated or filled, before their KV is
+    written."""
 
     def allocate(self, seq):
         super().allocate(seq)
@@ -159,13 +162,17 @@ def test_names_and_sizes():
 
 
 def test_num_blocks_for_budget():
-    cfg = ModelConfig(arch="llama", vocab_size=32, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
+    cfg = ModelConfig(arch="llama", vocab_size=32, hidden_size=64, n_layers=2, n_heads=4,
+                      n_kv_heads=2,
                       intermediate_size=128, max_position_embeddings=64)
-    per_block = 2 * 2 * 16 * 2 * 16 * 2  # K and V, layers, block_size, kv heads, head_dim, fp16 bytes = 4096
+    # K and V, layers, block_size, kv heads, head_dim, fp16 bytes = 4096
+    per_block = 2 * 2 * 16 * 2 * 16 * 2
     assert num_blocks_for_budget(cfg, 10 * per_block + 5, 16, torch.float16) == 10
     assert num_blocks_for_budget(cfg, 10 * per_block, 16, torch.float32) == 5
-    assert num_blocks_for_budget(cfg, 4 * per_block, 16, torch.float16) == 4  # exactly one 64-token sequence
-    with pytest.raises(NanoserveError, match=r"12288 bytes .*needs 4 blocks of 4096 bytes = 16384 bytes"):
+    # exactly one 64-token sequence
+    assert num_blocks_for_budget(cfg, 4 * per_block, 16, torch.float16) == 4
+    with pytest.raises(NanoserveError,
+                       match=r"12288 bytes .*needs 4 blocks of 4096 bytes = 16384 bytes"):
         num_blocks_for_budget(cfg, 3 * per_block, 16, torch.float16)
     with pytest.raises(NanoserveError, match="itemsize"):
         num_blocks_for_budget(cfg, 10 * per_block, 16, "float16")
@@ -173,7 +180,8 @@ def test_num_blocks_for_budget():
         num_blocks_for_budget(cfg, 10 * per_block, 10, torch.float16)
 
 
-# --------------------------------------------------------------------------- allocate / append / free
+# --------------------------------------------------------------------------- allocate / append /
+# free
 def check_allocate_and_free(cls, n):
     alloc = cls(8, BS)
     seq = seq_of(distinct(n))
@@ -186,7 +194,8 @@ def check_allocate_and_free(cls, n):
     assert seq.num_cached_tokens == seq.num_computed_tokens == 0
     alloc.check_invariants()
     compute(alloc, seq)
-    assert sealed(alloc, seq) == [i < n // BS for i in range(len(table))], "exactly the full blocks are cached"
+    assert sealed(alloc,
+                  seq) == [i < n // BS for i in range(len(table))], "exactly the full blocks are cached"
     alloc.free(seq)
     assert seq.block_table == [] and alloc.num_free_blocks() == 8 and len(alloc.evictable) == n // BS
     assert all(b.ref_count == 0 for b in alloc.blocks)
@@ -211,14 +220,17 @@ def test_append_across_block_boundaries(start):
         seq.append_token(7)
         assert alloc.can_append(seq)
         assert alloc.append_slot(seq) is None
-        assert sealed(alloc, seq) == [i < (len(seq) - 1) // BS for i in range(len(seq.block_table))], \
+        assert sealed(alloc,
+                      seq) == [i < (len(seq) - 1) // BS for i in range(len(seq.block_table))], \
             "a block filled by append_slot is cached only once its last token is computed"
         compute(alloc, seq)
         assert sealed(alloc, seq) == [i < len(seq) // BS for i in range(len(seq.block_table))]
         assert seq.block_table[:len(before)] == before
         assert len(seq.block_table) == len(before) + starts_block == ceil_div(len(seq), BS)
-        assert alloc.slot_mapping(seq, len(seq) - 1, len(seq)) == [seq.block_table[-1] * BS + (len(seq) - 1) % BS]
-        assert alloc.append_slot(seq) is None and len(seq.block_table) == ceil_div(len(seq), BS)  # idempotent
+        assert alloc.slot_mapping(seq, len(seq) - 1,
+                                  len(seq)) == [seq.block_table[-1] * BS + (len(seq) - 1) % BS]
+        # idempotent
+        assert alloc.append_slot(seq) is None and len(seq.block_table) == ceil_div(len(seq), BS)
         alloc.check_invariants()
 
 
@@ -228,7 +240,8 @@ def test_can_append_is_exact_and_append_slot_misuse():
     with pytest.raises(RuntimeError, match="no blocks"):
         alloc.can_append(seq)
     alloc.allocate(seq)  # both blocks used, the second one partial
-    while len(seq) < 2 * BS:  # up to and including the token that fills the last block: no block needed
+    # up to and including the token that fills the last block: no block needed
+    while len(seq) < 2 * BS:
         seq.append_token(1)
         assert alloc.can_append(seq) and alloc.append_slot(seq) is None
     seq.append_token(1)
@@ -245,7 +258,8 @@ def test_can_append_is_exact_and_append_slot_misuse():
     child = seq_of(parent.token_ids)
     shared.fork(parent, child)
     child.append_token(1)
-    assert not shared.can_append(child)  # lands in the shared partial block: copy-on-write needs a block
+    # lands in the shared partial block: copy-on-write needs a block
+    assert not shared.can_append(child)
     with pytest.raises(IndexError, match=r"\[0, 9\)"):
         alloc.slot_mapping(seq, 0, 9)
 
@@ -260,13 +274,15 @@ def check_fork_and_copy_on_write(cls):
     alloc.fork(parent, child)
     assert child.num_computed_tokens == len(child)
     full, partial = parent.block_table
-    assert child.block_table == [full, partial] and alloc.blocks[full].ref_count == alloc.blocks[partial].ref_count == 2
+    assert child.block_table == [full,
+                                 partial] and alloc.blocks[full].ref_count == alloc.blocks[partial].ref_count == 2
     child.append_token(1)
     assert alloc.can_append(child)
     cow = alloc.append_slot(child)
     assert cow is not None, "a write into a shared block must copy it first"
     assert cow == (partial, child.block_table[1]) and cow[1] not in (full, partial)
-    assert child.block_table[0] == full and alloc.blocks[full].ref_count == 2  # full blocks stay shared
+    # full blocks stay shared
+    assert child.block_table[0] == full and alloc.blocks[full].ref_count == 2
     assert alloc.blocks[partial].ref_count == alloc.blocks[cow[1]].ref_count == 1
     compute(alloc, child)
     parent.append_token(2)
@@ -320,11 +336,13 @@ def check_prefix_hits(cls):
     alloc.allocate(c)
     assert c.num_cached_tokens == 2 * BS and c.block_table[:2] == a.block_table[:2]
     compute(alloc, c)
-    d = seq_of(Z + Y + Z + [0])  # chained hashes: equal later blocks behind a different first block miss
+    # chained hashes: equal later blocks behind a different first block miss
+    d = seq_of(Z + Y + Z + [0])
     alloc.allocate(d)
     assert d.num_cached_tokens == 0 and not set(d.block_table) & set(a.block_table)
     compute(alloc, d)
-    assert (alloc.stats.hits, alloc.stats.misses) == (5, 4 + 1 + 2 + 4)  # misses: a 4, b 1, c 2, d 4
+    # misses: a 4, b 1, c 2, d 4
+    assert (alloc.stats.hits, alloc.stats.misses) == (5, 4 + 1 + 2 + 4)
     assert alloc.stats.hit_rate == pytest.approx(5 / 16)
     a_table = a.block_table
     for s in (a, b, c, d):
@@ -354,7 +372,8 @@ def test_prefix_caching_off():
 
 
 def check_last_token_is_computed(cls):
-    """A prompt that is entirely cached still leaves its last block (and so its last token) to compute."""
+    """A prompt that is entirely cached still leaves its last block (and so its last token) to
+    compute."""
     alloc = cls(8, BS)
     a = seq_of(X + Y)
     alloc.allocate(a)
@@ -387,7 +406,8 @@ def check_collisions_are_harmless(cls):
     assert c.num_cached_tokens == BS and c.block_table[0] == a.block_table[0]
     assert len(set(c.block_table)) == 3
     compute(alloc, c)
-    d = seq_of(X + Y + [0])  # block 0 hits; block 1's hash is taken by block 0, so it is a miss, not a wrong hit
+    # block 0 hits; block 1's hash is taken by block 0, so it is a miss, not a wrong hit
+    d = seq_of(X + Y + [0])
     alloc.allocate(d)
     assert d.num_cached_tokens == BS and d.block_table[1] != a.block_table[0]
     for s in (a, b, c, d):
@@ -407,16 +427,19 @@ def check_lru_eviction(cls):
     assert a.block_table == [0, 1, 2]
     compute(alloc, a)
     y_hash = alloc.blocks[1].hash
-    alloc.free(a)  # tail first: 2 (partial, uncached), then 1, then 0 (cached, evictable in that order)
+    # tail first: 2 (partial, uncached), then 1, then 0 (cached, evictable in that order)
+    alloc.free(a)
     assert list(alloc.free_block_ids) == [3, 4, 2] and list(alloc.evictable) == [1, 0]
     b = seq_of(distinct(4 * BS))
     alloc.allocate(b)
-    assert b.block_table == [3, 4, 2, 1], "uncached blocks first, then the least recently freed cached block"
+    assert b.block_table == [3, 4, 2,
+                             1], "uncached blocks first, then the least recently freed cached block"
     compute(alloc, b)
     assert y_hash not in alloc.hash_to_block and alloc.blocks[0].hash in alloc.hash_to_block
     alloc.free(b)
     assert list(alloc.evictable) == [0, 1, 2, 4, 3]
-    c = seq_of(X + [0])  # a's first block survived eviction; b's tail (block 1, freed first) goes next
+    # a's first block survived eviction; b's tail (block 1, freed first) goes next
+    c = seq_of(X + [0])
     alloc.allocate(c)
     assert c.num_cached_tokens == BS and c.block_table == [0, 1]
     alloc.check_invariants()
@@ -451,11 +474,13 @@ def test_pool_too_small_errors_name_the_numbers():
     assert not alloc.can_allocate(b)
     with pytest.raises(NanoserveError, match=r"8 tokens need 2 new blocks .* only 1 of 4 are free"):
         alloc.allocate(b)
-    assert b.block_table == [] and alloc.num_free_blocks() == 1  # a refused allocation changes nothing
+    # a refused allocation changes nothing
+    assert b.block_table == [] and alloc.num_free_blocks() == 1
     alloc.check_invariants()
     too_long = seq_of(distinct(4 * BS + 1, 300))
     for call in (alloc.can_allocate, alloc.allocate):
-        with pytest.raises(NanoserveError, match=r"17 tokens, needing 5 blocks of 4, .* 4 blocks in total; "
+        with pytest.raises(NanoserveError,
+                           match=r"17 tokens, needing 5 blocks of 4, .* 4 blocks in total; "
                                                  r"allowed: 1 to 16 tokens"):
             call(too_long)
     with pytest.raises(NanoserveError, match="has 0 tokens"):
@@ -476,9 +501,11 @@ def test_reset_prefix_cache():
     alloc.check_invariants()
 
 
-# --------------------------------------------------------------------------- only computed blocks are cached
+# --------------------------------------------------------------------------- only computed blocks
+# are cached
 def check_uncomputed_blocks_are_not_hits(cls):
-    """A block enters the prefix cache only after `mark_computed`: until then no other sequence may hit it."""
+    """A block enters the prefix cache only after `mark_computed`: until then no other sequence may
+    hit it."""
     alloc = cls(16, BS)
     a = seq_of(X + Y + Z + [0])
     alloc.allocate(a)  # allocated, KV not yet written
@@ -491,9 +518,11 @@ def check_uncomputed_blocks_are_not_hits(cls):
     c = seq_of(a.token_ids)
     alloc.allocate(c)
     assert c.num_cached_tokens == 3 * BS and c.block_table[:3] == a.block_table[:3]
-    compute(alloc, b)  # b computed the same blocks: a's registration is kept, b's blocks are unregistered twins
+    # b computed the same blocks: a's registration is kept, b's blocks are unregistered twins
+    compute(alloc, b)
     assert [alloc.hash_to_block[alloc.blocks[bid].hash] for bid in b.block_table[:3]] == a.block_table[:3]
-    # Decode: a block filled by append_slot is a hit only after the forward that writes its last token.
+    # Decode: a block filled by append_slot is a hit only after the forward that writes its last
+    # token.
     d = seq_of(distinct(BS - 1))
     alloc.allocate(d)
     compute(alloc, d)
@@ -516,7 +545,8 @@ def test_uncomputed_blocks_are_not_hits():
 
 
 def check_free_before_compute_caches_nothing(cls):
-    """A sequence aborted or preempted before its forward leaves nothing cached; once computed, it does."""
+    """A sequence aborted or preempted before its forward leaves nothing cached; once computed, it
+    does."""
     alloc = cls(8, BS)
     prompt = X + Y + [0]
     a = seq_of(prompt)
@@ -543,7 +573,8 @@ def test_free_before_compute_caches_nothing():
 
 
 def check_partial_mark_computed(cls):
-    """Chunked prefill: mark_computed registers exactly the full blocks below num_computed_tokens."""
+    """Chunked prefill: mark_computed registers exactly the full blocks below
+    num_computed_tokens."""
     alloc = cls(16, BS)
     a = seq_of(X + Y + Z + [0])  # 13 tokens: 3 full blocks and a partial one
     alloc.allocate(a)
@@ -679,7 +710,8 @@ class Harness:
     def append(self, seq: Sequence, token: int) -> None:
         self.compute(seq)  # the engine decodes only after the whole prompt is computed
         seq.append_token(token)
-        if not self.alloc.can_append(seq):  # then append_slot must fail, and change nothing when it does
+        # then append_slot must fail, and change nothing when it does
+        if not self.alloc.can_append(seq):
             with pytest.raises(RuntimeError, match="in use"):
                 self.alloc.append_slot(seq)
             seq.token_ids.pop()  # the engine would preempt; here the token is dropped
@@ -718,7 +750,8 @@ class Harness:
                     assert block.token_ids == tuple(tokens[i * bs:(i + 1) * bs]), "a cached block's tokens differ"
         for block in alloc.blocks:
             assert block.ref_count == holders[block.block_id], "ref_count != number of live block tables holding it"
-            if block.hash is not None:  # in the prefix cache's bookkeeping: its KV must be there, for its tokens
+            # in the prefix cache's bookkeeping: its KV must be there, for its tokens
+            if block.hash is not None:
                 for off in range(bs):
                     written = self.kv.get(block.block_id * bs + off)
                     assert written is not None and len(written) % bs == (off + 1) % bs \
@@ -732,13 +765,15 @@ class Harness:
         assert self.alloc.num_free_blocks() == self.alloc.num_blocks
 
 
-def make_alloc(cls, block_size: int, num_blocks: int, hash_name: str, caching: bool = True) -> BlockAllocator:
+def make_alloc(cls, block_size: int, num_blocks: int, hash_name: str,
+               caching: bool = True) -> BlockAllocator:
     return cls(num_blocks, block_size, enable_prefix_caching=caching, hash_fn=HASH_FNS[hash_name])
 
 
 tokens_st = st.integers(0, 2)  # a tiny vocabulary, so prefixes and whole blocks repeat
 index_st = st.integers(0, 15)
-chunk_st = st.one_of(st.none(), st.integers(0, 8))  # how much of a new prompt the first forward computes
+# how much of a new prompt the first forward computes
+chunk_st = st.one_of(st.none(), st.integers(0, 8))
 op_st = st.one_of(
     st.tuples(st.just("add"), st.lists(tokens_st, min_size=1, max_size=14), chunk_st),
     st.tuples(st.just("extend"), index_st, st.integers(0, 31), st.lists(tokens_st, max_size=5), chunk_st),
@@ -752,9 +787,11 @@ MIN_OPS, EXAMPLES = 100, 100  # >= 10,000 random operations in total
 
 
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                 HealthCheck.large_base_example])
 @given(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(1, 32),
-       hash_name=st.sampled_from(sorted(HASH_FNS)), caching=st.sampled_from([True, True, True, False]),
+       hash_name=st.sampled_from(sorted(HASH_FNS)),
+       caching=st.sampled_from([True, True, True, False]),
        ops=st.lists(op_st, min_size=MIN_OPS, max_size=MIN_OPS + 30))
 def test_allocator_properties(block_size, num_blocks, hash_name, caching, ops):
     harness = Harness(make_alloc(BlockAllocator, block_size, num_blocks, hash_name, caching))
@@ -779,7 +816,8 @@ def random_ops(rng: random.Random, n: int) -> list[tuple]:
     return [table[rng.choice(kinds)]() for _ in range(n)]
 
 
-def run_random(cls, block_size: int, num_blocks: int, hash_name: str, seeds=range(4), n_ops: int = 300) -> Counter:
+def run_random(cls, block_size: int, num_blocks: int, hash_name: str, seeds=range(4),
+               n_ops: int = 300) -> Counter:
     counts: Counter[str] = Counter()
     for seed in seeds:
         harness = Harness(make_alloc(cls, block_size, num_blocks, hash_name))
@@ -806,15 +844,18 @@ def test_property_harness_reaches_every_path():
     """The random operations really exercise hits, copy-on-write, eviction, refusals, chunked
     prefill and sequences freed before all their tokens are computed."""
     counts = (run_random(BlockAllocator, 2, 12, "python") + run_random(BlockAllocator, 4, 6, "mod3")
-              + run_random(BlockAllocator, 1, 12, "constant"))  # a 12-token pool: prompts too long for it
-    for path in ("hit_blocks", "cow", "fork", "refused", "append_refused", "too_long", "evict_possible", "chunked",
+              # a 12-token pool: prompts too long for it
+              + run_random(BlockAllocator, 1, 12, "constant"))
+    for path in ("hit_blocks", "cow", "fork", "refused", "append_refused", "too_long",
+                 "evict_possible", "chunked",
                  "free_mid_prefill"):
         assert counts[path] > 0, f"random ops never reached {path}: {counts}"
 
 
 # --------------------------------------------------------------------------- negative controls
 @pytest.mark.parametrize("mutant, hash_name, match", [
-    (OverAllocates, "python", "ceil|one new token at a time"),  # or append_slot finds the table too long
+    # or append_slot finds the table too long
+    (OverAllocates, "python", "ceil|one new token at a time"),
     (UnderAllocates, "python", "ceil"),
     (TrustsHash, "constant", "another prefix|appears twice"),
     (TokensOnly, "constant", "another prefix|appears twice"),

@@ -74,7 +74,8 @@ def test_off_by_one_block_index_is_caught(hf_checkpoints):
 # --------------------------------------------------------------------------- through the engine
 @pytest.fixture()
 def engines(hf_checkpoints):
-    """A prefix-caching engine and a cold one on the same checkpoint; both must end with a whole pool."""
+    """A prefix-caching engine and a cold one on the same checkpoint; both must end with a whole
+    pool."""
     path = str(hf_checkpoints["llama-gqa"][0])
     warm = LLM(path, block_size=BS, num_blocks=64)
     cold = LLM(path, block_size=BS, num_blocks=64, enable_prefix_caching=False)

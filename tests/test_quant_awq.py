@@ -41,7 +41,8 @@ def linear(W, bias=None):
 
 
 def awq_weight(W, X_cal, bits=4, group_size=128, sym=False, **kw):
-    """The weight an AWQ-quantized layer effectively computes with, Q(W·s)/s, in fp64; and the result."""
+    """The weight an AWQ-quantized layer effectively computes with, Q(W·s)/s, in fp64; and the
+    result."""
     lin, norm = linear(W), RMSNorm(W.shape[1])
     result = awq_search([lin], X_cal.float(), bits, group_size, sym, **kw)
     apply_awq(norm, [lin], result)
@@ -52,20 +53,24 @@ def awq_weight(W, X_cal, bits=4, group_size=128, sym=False, **kw):
 
 def test_awq_vs_rtn_held_out():
     W, sample = outlier_layer(0)
-    W = W.float().double()                                                   # the fp32 weights an nn.Linear holds
-    X_cal, X_test = sample(4096, 100), sample(4096, 200)                    # T, K   calibration / held-out
+    # the fp32 weights an nn.Linear holds
+    W = W.float().double()
+    # T, K   calibration / held-out
+    X_cal, X_test = sample(4096, 100), sample(4096, 200)
     rtn = rel_error(W, fake_quantize(W, 4, 128, sym=False), X_test)
     W_awq, result = awq_weight(W, X_cal)
     awq = rel_error(W, W_awq, X_test)
     scales_only = rel_error(W, awq_weight(W, X_cal, clip=False)[0], X_test)
     alpha0, res0 = awq_weight(W, X_cal, n_grid=1, clip=False)              # negative control: s = 1
-    print(f"held-out rel. error: RTN {rtn:.4f}, AWQ {awq / rtn:.3f}× (α = {result.alpha}), scales only "
-          f"{scales_only / rtn:.3f}×, α = 0 {rel_error(W, alpha0, X_test) / rtn:.3f}×")
+    print(f"held-out rel. error: RTN {rtn:.4f}, AWQ {awq / rtn:.3f}× (α = {result.alpha}), scales "
+          f"only {scales_only / rtn:.3f}×, α = 0 {rel_error(W, alpha0, X_test) / rtn:.3f}×")
     assert awq <= 0.8 * rtn                                                  # measured 0.651×
     assert scales_only <= 0.8 * rtn                                          # measured 0.679×
     assert res0.alphas == [0.0] and (res0.scales == 1).all()
-    assert torch.equal(alpha0, fake_quantize(W, 4, 128, sym=False))          # α = 0 without clipping is RTN ...
-    assert rel_error(W, alpha0, X_test) > 0.8 * rtn                          # ... and fails the bound
+    # α = 0 without clipping is RTN ...
+    assert torch.equal(alpha0, fake_quantize(W, 4, 128, sym=False))
+    # ... and fails the bound
+    assert rel_error(W, alpha0, X_test) > 0.8 * rtn
     # the α curve: 20 values in [0, 0.95], the chosen α at its minimum
     assert result.alphas == [i / 20 for i in range(20)] and len(result.losses) == 20
     assert result.alpha == result.alphas[result.losses.index(min(result.losses))] > 0
@@ -80,7 +85,8 @@ def test_never_worse_than_rtn_on_calibration(bits, group_size, sym):
     result = awq_search(lins, X.float(), bits, group_size, sym)
     # loss(α = 0) is RTN's calibration loss, computed independently here
     # (in fp64 from the same fp32 weights: only the fp32 accumulation of the search differs)
-    rtn_loss = sum(((X @ (W - fake_quantize(W, bits, group_size, sym)).double().T) ** 2).sum().item() for W in Ws)
+    rtn_loss = sum(((X @ (W - fake_quantize(W, bits, group_size,
+                                            sym)).double().T) ** 2).sum().item() for W in Ws)
     assert result.losses[0] == pytest.approx(rtn_loss, rel=1e-5)
     assert min(result.losses) <= result.losses[0]
     # the full method (scales, then clipping) on the calibration set, layer by layer
@@ -105,21 +111,25 @@ def test_fold_scales_keeps_fp_output(norm):
     if norm == "rmsnorm":
         prev = RMSNorm(k)
     elif norm == "gemma-rmsnorm":
-        prev = RMSNorm(k, unit_offset=True)                                  # scales by 1 + w: w ÷ s would be wrong
+        # scales by 1 + w: w ÷ s would be wrong
+        prev = RMSNorm(k, unit_offset=True)
     elif norm == "layernorm":
         prev = nn.LayerNorm(k)                                               # weight and bias
     else:
-        prev = nn.Linear(192, k)                                             # v -> o: rows and bias of v
+        # v -> o: rows and bias of v
+        prev = nn.Linear(192, k)
     with torch.no_grad():
         prev.weight.add_(0.1 * torch.randn_like(prev.weight))
         if getattr(prev, "bias", None) is not None:
             prev.bias.add_(0.1 * torch.randn_like(prev.bias))
     linears = [nn.Linear(k, 128), nn.Linear(k, 64, bias=False), nn.Linear(k, 128)]
     x = torch.randn(64, prev.weight.shape[-1])                               # T, K_prev
-    s = torch.exp(torch.randn(k))                                            # K   spread like AWQ's (about 0.1 .. 10)
+    # K   spread like AWQ's (about 0.1 .. 10)
+    s = torch.exp(torch.randn(k))
     before = _outputs(prev, linears, x)                                      # T, 320   entries O(1)
     fold_scales(prev, linears, s)
-    assert (_outputs(prev, linears, x) - before).abs().max() <= 1e-5      # exact but for fp32 rounding
+    # exact but for fp32 rounding
+    assert (_outputs(prev, linears, x) - before).abs().max() <= 1e-5
     # negative control: s folded into prev instead of 1/s (prev ×s² relative to the correct fold)
     fold_scales(prev, [], 1 / s**2)
     assert (_outputs(prev, linears, x) - before).abs().max() > 1e-2
@@ -142,13 +152,17 @@ def test_apply_awq_clips_and_otherwise_keeps_output():
     before = _outputs(prev, lins, x_in)
     result = awq_search(lins, X, 4, 64, clip=False)
     assert result.max_vals == [None]
-    apply_awq(prev, lins, result)                                            # no clipping: only folds
-    assert (_outputs(prev, lins, x_in) - before).abs().max() <= 1e-4         # outputs O(10): fp32 rounding
-    clipped = awq_search(lins, X, 4, 64, clip=True)                          # search again on the folded layer
+    # no clipping: only folds
+    apply_awq(prev, lins, result)
+    # outputs O(10): fp32 rounding
+    assert (_outputs(prev, lins, x_in) - before).abs().max() <= 1e-4
+    # search again on the folded layer
+    clipped = awq_search(lins, X, 4, 64, clip=True)
     max_val = clipped.max_vals[0]                                            # N, G
     org_max = lins[0].weight.detach().mul(clipped.scales).abs().view(128, 4, 64).amax(-1)
     assert (max_val <= org_max).all() and (max_val >= 0.55 * org_max * (1 - 1e-6)).all()
-    assert (max_val < org_max).any()                                         # some groups were clipped
+    # some groups were clipped
+    assert (max_val < org_max).any()
     apply_awq(nn.LayerNorm(256), lins, clipped)
     assert (lins[0].weight.abs().view(128, 4, 64) <= max_val[..., None]).all()
 
@@ -160,14 +174,16 @@ def test_search_clip_never_worse_per_group():
     max_val = search_clip(w, X, 4, 64, sym=False)                            # N, G
     xg, wg = X.view(-1, 4, 64), w.view(64, 4, 64)
 
-    def group_err(w_hat):                                                    # N, G   each group's output error
+    # N, G   each group's output error
+    def group_err(w_hat):
         out = torch.einsum("tgc,ngc->ngt", xg, w_hat.view(64, 4, 64))
         return (out - torch.einsum("tgc,ngc->ngt", xg, wg)).pow(2).mean(-1)
 
     clipped = torch.clamp(wg, -max_val[..., None], max_val[..., None]).view(64, 256)
     assert (group_err(fake_quantize(clipped, 4, 64, False)) <= group_err(fake_quantize(w, 4, 64, False))).all()
     # negative control: clipping every group at 0.55 is worse than the search's choice somewhere
-    half = torch.clamp(wg, -0.55 * wg.abs().amax(-1, keepdim=True), 0.55 * wg.abs().amax(-1, keepdim=True))
+    half = torch.clamp(wg, -0.55 * wg.abs().amax(-1, keepdim=True),
+                       0.55 * wg.abs().amax(-1, keepdim=True))
     assert (group_err(fake_quantize(half.view(64, 256), 4, 64, False)).sum()
             > group_err(fake_quantize(clipped, 4, 64, False)).sum())
     # rows are searched 256 at a time: a row's result does not depend on its batch
@@ -203,16 +219,19 @@ def test_bad_inputs_raise():
         fold_scales(nn.Linear(8, 32), [lin], s)
     with pytest.raises(NanoserveError, match="in_features 64"):
         fold_scales(RMSNorm(64), [lin, nn.Linear(32, 8)], s)
-    assert quantize_rtn(lin.weight.detach(), 4, 16).shape == (32, 64)       # the valid call still works
+    # the valid call still works
+    assert quantize_rtn(lin.weight.detach(), 4, 16).shape == (32, 64)
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias", "mistral-window", "qwen3-window", "gemma2", "gemma3",
+@pytest.mark.parametrize("name",
+                         ["llama-gqa", "qwen2-bias", "mistral-window", "qwen3-window", "gemma2", "gemma3",
                                   "smollm3", "olmo2", "phi3"])
 def test_block_groups_fold_exactly_in_every_family(hf_checkpoints, name):
-    """AWQ folds 1/s into the op that feeds each group of linears (quant/model.block_groups). Folding random
-    scales into every group of every block must leave the model's logits unchanged: the right norm per
-    family (Gemma's MLP input is pre_feedforward_layernorm, a (1 + w) norm). Negative control on Gemma:
-    Llama's post_attention_layernorm (there the attention's output norm) changes them."""
+    """AWQ folds 1/s into the op that feeds each group of linears (quant/model.block_groups).
+    Folding random scales into every group of every block must leave the model's logits unchanged:
+    the right norm per family (Gemma's MLP input is pre_feedforward_layernorm, a (1 + w) norm).
+    Negative control on Gemma: Llama's post_attention_layernorm (there the attention's output norm)
+    changes them."""
     from nanoserve.models.loader import load_model
     from nanoserve.quant.model import block_groups, decoder_blocks
 

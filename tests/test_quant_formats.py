@@ -1,10 +1,11 @@
-"""Checkpoint formats (issue 24): GPTQ v2 read, quantize_config.json written, every tokenizer file copied
-whatever its size, errors that name the real problem; compressed-tensors' int4 layout by hand and
-`nanoserve quantize` writing it (tests/test_compressed_tensors.py checks it against the library itself).
+"""Checkpoint formats (issue 24): GPTQ v2 read, quantize_config.json written, every tokenizer file
+copied whatever its size, errors that name the real problem; compressed-tensors' int4 layout by hand
+and `nanoserve quantize` writing it (tests/test_compressed_tensors.py checks it against the library
+itself).
 
-GPTQ v2 (gptqmodel) stores each zero point itself where v1 stores zero − 1; the v2 file here is made from a
-v1 file by adding 1 to every 4-bit field of qzeros nibble by nibble, independently of nanoserve's packing
-code. Negative control: the same v2 tensors declared as v1 give other logits."""
+GPTQ v2 (gptqmodel) stores each zero point itself where v1 stores zero − 1; the v2 file here is made
+from a v1 file by adding 1 to every 4-bit field of qzeros nibble by nibble, independently of
+nanoserve's packing code. Negative control: the same v2 tensors declared as v1 give other logits."""
 
 from __future__ import annotations
 
@@ -27,12 +28,15 @@ def v1_checkpoint(tmp_path_factory):
     model, _, tok = load_model("demo-draft")
     text = shared_path("corpora", "tinyshakespeare", "input.txt").read_text()[:50_000]
     calib = calibration_ids(tok, text, nsamples=4, seqlen=64, seed=0)
-    res = quantize_model(model, calib, QuantizeConfig(method="rtn", group_size=32, sym=False), progress=False)
-    return save_quantized(model, res, tmp_path_factory.mktemp("q") / "v1", tokenizer_from="demo-draft")
+    res = quantize_model(model, calib, QuantizeConfig(method="rtn", group_size=32, sym=False),
+                         progress=False)
+    return save_quantized(model, res, tmp_path_factory.mktemp("q") / "v1",
+                          tokenizer_from="demo-draft")
 
 
 def _plus_one_per_nibble(qzeros: torch.Tensor) -> torch.Tensor:
-    """Each of the eight 4-bit fields of every int32 word + 1 (none overflows: v1 fields hold zero − 1 ≤ 14)."""
+    """Each of the eight 4-bit fields of every int32 word + 1 (none overflows: v1 fields hold zero −
+    1 ≤ 14)."""
     words = qzeros.to(torch.int64) & 0xFFFFFFFF
     out = torch.zeros_like(words)
     for i in range(8):
@@ -45,7 +49,8 @@ def _plus_one_per_nibble(qzeros: torch.Tensor) -> torch.Tensor:
 def _as_v2(v1, out, fmt="gptq_v2"):
     shutil.copytree(v1, out)
     tensors = load_file(str(v1 / "model.safetensors"))
-    save_file({k: _plus_one_per_nibble(t) if k.endswith(".qzeros") else t for k, t in tensors.items()},
+    save_file({k: _plus_one_per_nibble(t) if k.endswith(".qzeros") else t for k,
+               t in tensors.items()},
               str(out / "model.safetensors"))
     cfg = json.loads((out / "config.json").read_text())
     cfg["quantization_config"]["checkpoint_format"] = fmt
@@ -58,7 +63,8 @@ def test_gptq_v2_loads_to_the_v1_model(v1_checkpoint, tmp_path):
     x = torch.randint(0, 257, (2, 30))
     want = load_model(v1_checkpoint)[0](x)
     assert torch.equal(load_model(_as_v2(v1_checkpoint, tmp_path / "v2"))[0](x), want)
-    wrong = load_model(_as_v2(v1_checkpoint, tmp_path / "v2-as-v1", fmt="gptq"))[0](x)  # negative control
+    # negative control
+    wrong = load_model(_as_v2(v1_checkpoint, tmp_path / "v2-as-v1", fmt="gptq"))[0](x)
     assert (wrong - want).abs().max() > 1e-2
 
 
@@ -81,26 +87,33 @@ def test_quantize_config_json_and_the_tokenizer_files(v1_checkpoint, tmp_path):
 
 
 def test_errors_name_the_real_problem(v1_checkpoint, tmp_path):
-    """stories260K's down_proj has K = 172, not a multiple of 8: the error says so, not 'use sym=True'."""
+    """stories260K's down_proj has K = 172, not a multiple of 8: the error says so, not 'use
+    sym=True'."""
     model, _, _ = load_model(shared_path("models", "stories260K", "stories260K.bin"))
-    res = quantize_model(model, None, QuantizeConfig(method="rtn", group_size=-1, sym=True), progress=False)
+    res = quantize_model(model, None, QuantizeConfig(method="rtn", group_size=-1, sym=True),
+                         progress=False)
     with pytest.raises(NanoserveError, match="must be multiples of 8") as e:
         save_quantized(model, res, tmp_path / "x")
     assert "sym=True" not in str(e.value)
     bad = _as_v2(v1_checkpoint, tmp_path / "v3", fmt="gptq_v3")
-    with pytest.raises(CheckpointError, match="checkpoint_format='gptq_v3' is not supported; allowed: gptq, gptq_v2"):
+    with pytest.raises(CheckpointError,
+                       match="checkpoint_format='gptq_v3' is not supported; allowed: gptq, "
+                             "gptq_v2"):
         load_model(bad)
 
 
-# ----------------------------------------------------------------------------- compressed-tensors, without the library
+# ----------------------------------------------------------------------------- compressed-tensors,
+# without the library
 def test_int4_nibbles_are_packed_lowest_first_with_the_plus_8_offset():
-    """compressed-tensors' layout, written out by hand: q = −8..7 stored as q + 8, eight per int32, lowest first."""
+    """compressed-tensors' layout, written out by hand: q = −8..7 stored as q + 8, eight per int32,
+    lowest first."""
     from nanoserve.quant.compressed_tensors import pack_int4, unpack_int4
 
     q = torch.arange(-8, 8).repeat(3, 1)  # 3, 16
     words = pack_int4(q + 8)
     assert words.dtype == torch.int32 and words.shape == (3, 2)
-    assert words[0].tolist() == [0x76543210, 0xFEDCBA98 - 2**32]  # the second word's top nibble sets the sign
+    # the second word's top nibble sets the sign
+    assert words[0].tolist() == [0x76543210, 0xFEDCBA98 - 2**32]
     ragged = torch.randint(0, 16, (5, 13))
     assert torch.equal(unpack_int4(pack_int4(ragged), 13), ragged)
 
@@ -116,7 +129,8 @@ def test_a_group_size_that_does_not_divide_k_reads_right():
     scale = torch.rand(N, 2, generator=g) + 0.1  # N, ⌈96 / 64⌉
     parts = _w4_to_gptq("x", pack_int4(q + 8), scale, None, torch.tensor([N, K]),
                         {"strategy": "group", "group_size": gs, "symmetric": True})
-    layer = QuantLinear(K, N, 4, 48, False, torch.float32)  # the loader's group_size guess; g_idx decides
+    # the loader's group_size guess; g_idx decides
+    layer = QuantLinear(K, N, 4, 48, False, torch.float32)
     for key in ("qweight", "qzeros", "scales", "g_idx"):
         getattr(layer, key).copy_(parts[key])
     want = q.float() * scale.repeat_interleave(gs, 1)[:, :K]
@@ -135,21 +149,27 @@ def test_cli_quantize_fp8_and_smoothquant_write_checkpoints_that_load(tmp_path):
 
     text = shared_path("corpora", "tinyshakespeare", "input.txt")
     for method, kind, extra in (("fp8", FP8Linear, []),
-                                ("smoothquant", W8A8Linear, ["--calib", str(text), "--nsamples", "4", "--seqlen", "64",
+                                ("smoothquant", W8A8Linear,
+                                 ["--calib", str(text), "--nsamples", "4", "--seqlen", "64",
                                                              "--alpha", "0.6"])):
         out = tmp_path / method
-        r = subprocess.run([sys.executable, "-m", "nanoserve", "quantize", "--model", "demo-draft", "--method", method,
+        r = subprocess.run([sys.executable, "-m", "nanoserve", "quantize", "--model", "demo-draft",
+                            "--method", method,
                             *extra, "--out", str(out)], capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
         model, _, tok = load_model(out)
         assert tok is not None and sum(isinstance(m, kind) for m in model.modules()) == 2 * 7
         assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == \
             "compressed-tensors"
-    bad = subprocess.run([sys.executable, "-m", "nanoserve", "quantize", "--model", "demo-draft", "--method", "int8",
-                          "--bits", "3", "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=300)
+    bad = subprocess.run([sys.executable, "-m", "nanoserve", "quantize", "--model", "demo-draft",
+                          "--method", "int8",
+                          "--bits", "3", "--out", str(tmp_path / "x")], capture_output=True,
+                         text=True, timeout=300)
     assert bad.returncode != 0 and "--bits does not apply" in bad.stderr
-    gpt2 = subprocess.run([sys.executable, "-m", "nanoserve", "quantize", "--model", "demo", "--method", "fp8",
-                           "--out", str(tmp_path / "y")], capture_output=True, text=True, timeout=300)
+    gpt2 = subprocess.run([sys.executable, "-m", "nanoserve", "quantize", "--model", "demo",
+                           "--method", "fp8",
+                           "--out", str(tmp_path / "y")], capture_output=True, text=True,
+                          timeout=300)
     assert gpt2.returncode != 0 and "Conv1D" in gpt2.stderr
 
 

@@ -20,7 +20,14 @@ from testdata import outlier_layer, rel_error
 from torch import nn
 
 from nanoserve.errors import NanoserveError
-from nanoserve.quant import GPTQ, capture_inputs, gptq_naive, gptq_quantize, quant_params, quantize_rtn
+from nanoserve.quant import (
+    GPTQ,
+    capture_inputs,
+    gptq_naive,
+    gptq_quantize,
+    quant_params,
+    quantize_rtn,
+)
 
 F64 = torch.float64
 
@@ -30,18 +37,21 @@ def hessian(X):
 
 
 def _same(a, b):
-    return (torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales) and torch.equal(a.zeros, b.zeros)
+    return (torch.equal(a.codes, b.codes) and torch.equal(a.scales,
+                                                          b.scales) and torch.equal(a.zeros, b.zeros)
             and torch.equal(a.g_idx, b.g_idx))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
-@pytest.mark.parametrize("bits, group_size, sym", [(4, 128, True), (4, 64, False), (3, -1, True), (8, -1, False)])
+@pytest.mark.parametrize("bits, group_size, sym",
+                         [(4, 128, True), (4, 64, False), (3, -1, True), (8, -1, False)])
 def test_identity_hessian_equals_rtn_bitwise(bits, group_size, sym, dtype):
     W, sample = outlier_layer(1, n=128, k=256)
     W = W.to(dtype)
     for c in (1.0, 3.7):
         H = c * torch.eye(W.shape[1], dtype=dtype)
-        assert _same(gptq_quantize(W, H, bits, group_size, sym), quantize_rtn(W, bits, group_size, sym))
+        assert _same(gptq_quantize(W, H, bits, group_size, sym),
+                     quantize_rtn(W, bits, group_size, sym))
     # negative control: a correlated H feeds errors forward and changes the codes
     assert not _same(gptq_quantize(W, hessian(sample(1024, 1)).to(dtype), bits, group_size, sym),
                      quantize_rtn(W, bits, group_size, sym))
@@ -88,13 +98,17 @@ def test_elimination_is_the_inverse_without_that_column():
 
 def test_layer_output_error_vs_rtn():
     W, sample = outlier_layer(0)
-    X_cal, X_test = sample(4096, 100), sample(4096, 200)                    # T, K   calibration / held-out
+    # T, K   calibration / held-out
+    X_cal, X_test = sample(4096, 100), sample(4096, 200)
     H = hessian(X_cal)
     rtn = rel_error(W, quantize_rtn(W, 4, 128, sym=True).dequantize(), X_test)
     gptq = rel_error(W, gptq_quantize(W, H, 4, 128, sym=True).dequantize(), X_test)
     # negative control: with H's off-diagonal dropped, U is diagonal and no error is fed forward
-    no_feedback = rel_error(W, gptq_quantize(W, torch.diag(torch.diag(H)), 4, 128, sym=True).dequantize(), X_test)
-    print(f"held-out rel. error: RTN {rtn:.4f}, GPTQ {gptq / rtn:.3f}×, no feedback {no_feedback / rtn:.3f}×")
+    no_feedback = rel_error(W,
+                            gptq_quantize(W, torch.diag(torch.diag(H)), 4, 128,
+                                          sym=True).dequantize(), X_test)
+    print(f"held-out rel. error: RTN {rtn:.4f}, GPTQ {gptq / rtn:.3f}×, no feedback "
+          f"{no_feedback / rtn:.3f}×")
     assert gptq <= 0.75 * rtn                                                # measured 0.659×
     assert no_feedback > 0.75 * rtn                                          # measured 1.000×
 
@@ -107,11 +121,14 @@ def test_act_order():
     q = gptq_quantize(W, H, 4, 128, sym=True, act_order=True)
     act = rel_error(W, q.dequantize(), X_test)
     plain = rel_error(W, gptq_quantize(W, H, 4, 128, sym=True).dequantize(), X_test)
-    diag_act = rel_error(W, gptq_quantize(W, torch.diag(torch.diag(H)), 4, 128, act_order=True).dequantize(), X_test)
-    print(f"held-out rel. error: GPTQ + act-order {act / rtn:.3f}× RTN, without act-order {plain / rtn:.3f}×, "
-          f"act-order without feedback {diag_act / rtn:.3f}×")
+    diag_act = rel_error(W,
+                         gptq_quantize(W, torch.diag(torch.diag(H)), 4, 128,
+                                       act_order=True).dequantize(), X_test)
+    print(f"held-out rel. error: GPTQ + act-order {act / rtn:.3f}× RTN, without act-order "
+          f"{plain / rtn:.3f}×, act-order without feedback {diag_act / rtn:.3f}×")
     assert act <= 0.5 * rtn                                                  # measured 0.472×
-    assert plain > 0.5 * rtn and diag_act > 0.5 * rtn                        # negative controls: 0.659×, ~1×
+    # negative controls: 0.659×, ~1×
+    assert plain > 0.5 * rtn and diag_act > 0.5 * rtn
     # g_idx: groups follow the order of decreasing H_jj, each holds exactly group_size columns
     perm = torch.argsort(torch.diag(H), descending=True, stable=True)
     assert torch.equal(q.g_idx[perm].long(), torch.arange(512) // 128)
@@ -128,7 +145,8 @@ def test_static_groups():
     # grids fixed up front from the original weights, groups k // group_size even under act-order
     assert torch.equal(q.scales, rtn_q.scales) and torch.equal(q.zeros, rtn_q.zeros)
     assert torch.equal(q.g_idx, rtn_q.g_idx)
-    assert rel_error(W, q.dequantize(), X_test) <= 0.5 * rel_error(W, rtn_q.dequantize(), X_test)  # measured 0.464×
+    # measured 0.464×
+    assert rel_error(W, q.dequantize(), X_test) <= 0.5 * rel_error(W, rtn_q.dequantize(), X_test)
 
 
 @pytest.mark.parametrize("percdamp", [0.0, 0.01])
@@ -136,12 +154,15 @@ def test_dead_inputs(percdamp):
     # with percdamp = 0 the Cholesky would fail on H_jj = 0 if dead inputs were not given H_jj = 1
     W, sample = outlier_layer(4, n=64, k=128)
     X = sample(1024, 5)
-    X[:, [3, 77]] = 0                                                        # two inputs that never fire
+    # two inputs that never fire
+    X[:, [3, 77]] = 0
     q = gptq_quantize(W, hessian(X), 4, 32, sym=False, percdamp=percdamp)
     W_hat = q.dequantize()
     assert torch.isfinite(W_hat).all()
-    assert (W_hat[:, [3, 77]] == 0).all()                                    # their weights become exact zeros
-    if percdamp > 0:  # undamped, this near-singular H (x = z·A) over-corrects: damping is what makes GPTQ win
+    # their weights become exact zeros
+    assert (W_hat[:, [3, 77]] == 0).all()
+    # undamped, this near-singular H (x = z·A) over-corrects: damping is what makes GPTQ win
+    if percdamp > 0:
         rtn = rel_error(W, quantize_rtn(W, 4, 32, sym=False).dequantize(), X)
         assert rel_error(W, W_hat, X) < rtn
 
@@ -157,11 +178,13 @@ def test_hessian_running_average_and_capture_inputs():
         gptq[name].add_batch(x)
         seen[name].append(x)
 
-    batches = [torch.randn(3, 7, 32, dtype=F64), torch.randn(50, 32, dtype=F64), torch.randn(1, 32, dtype=F64)]
+    batches = [torch.randn(3, 7, 32, dtype=F64), torch.randn(50, 32, dtype=F64),
+               torch.randn(1, 32, dtype=F64)]
     with capture_inputs(layers, add):
         for x in batches:
             model(x)
-    model(batches[0])                                                        # hooks are gone: not seen
+    # hooks are gone: not seen
+    model(batches[0])
     assert [len(v) for v in seen.values()] == [3, 3]
     for name in layers:
         X = torch.cat([x.reshape(-1, x.shape[-1]) for x in seen[name]])      # T, K

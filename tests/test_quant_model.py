@@ -1,4 +1,5 @@
-"""Model-level quantization: the block-by-block driver, QuantLinear, GPTQ-format save / reload, AWQ load.
+"""Model-level quantization: the block-by-block driver, QuantLinear, GPTQ-format save / reload, AWQ
+load.
 
 The layer-level numerics (GPTQ vs RTN, AWQ folding, packing golden vectors) are proven in
 test_quant_{rtn,gptq,awq,packing}.py; here the same pieces run on a whole model (the demo draft,
@@ -95,7 +96,8 @@ def test_gpt2_checkpoint_with_biases_round_trips_to_identical_logits(tmp_path):
     packed = replace_linears(model, res.qweights)
     x = torch.randint(0, 257, (2, 40))
     assert torch.equal(reloaded(x), packed(x))
-    fp16_bias = replace_linears(load_model("demo")[0], res.qweights)  # the negative control: rounded biases
+    # the negative control: rounded biases
+    fp16_bias = replace_linears(load_model("demo")[0], res.qweights)
     for name in res.qweights:
         fp16_bias.get_submodule(name).bias.copy_(model.get_submodule(name).bias.half())
     assert not torch.equal(reloaded(x), fp16_bias(x))
@@ -105,15 +107,18 @@ def test_awq_checkpoint_loads_to_the_same_weights(calib, tmp_path):
     """An AutoAWQ GEMM checkpoint (written here with packing.pack_awq) loads to the same layers as
     packing our codes directly; a zero point of 0 (AWQ can store it, GPTQ v1 cannot) is refused."""
     model, res = _quantized("awq", calib, group_size=32, sym=False)
-    tensors = {k: v.detach().clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    tensors = {k: v.detach().clone() for k,
+               v in model.state_dict().items() if k != "lm_head.weight"}
     for name, qw in res.qweights.items():
         del tensors[f"{name}.weight"]
-        tensors.update({f"{name}.{k}": v for k, v in pack_awq(qw.codes, qw.zeros, qw.scales).items()})
+        tensors.update({f"{name}.{k}": v for k,
+                        v in pack_awq(qw.codes, qw.zeros, qw.scales).items()})
     awq_dir = tmp_path / "awq"
     awq_dir.mkdir()
     save_file(tensors, str(awq_dir / "model.safetensors"))
     cfg = json.loads((_demo_draft_dir() / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm",
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32,
+                                  "version": "gemm",
                                   "zero_point": True}
     (awq_dir / "config.json").write_text(json.dumps(cfg))
     for f in _demo_draft_dir().iterdir():
@@ -168,13 +173,16 @@ def test_bad_quantization_input(calib, tmp_path):
 def test_cli_quantize_then_eval(tmp_path):
     out = tmp_path / "q"
     cmd = [sys.executable, "-m", "nanoserve", "quantize", "--model", "demo-draft", "--method", "gptq",
-           "--group-size", "64", "--calib", str(SHAKESPEARE), "--nsamples", "4", "--seqlen", "64", "--out", str(out)]
+           "--group-size", "64", "--calib", str(SHAKESPEARE), "--nsamples", "4", "--seqlen", "64",
+           "--out", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "saved to" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "nanoserve", "eval", "--model", str(out), "--text", str(SHAKESPEARE),
+    r = subprocess.run([sys.executable, "-m", "nanoserve", "eval", "--model", str(out), "--text",
+                        str(SHAKESPEARE),
                         "--max-tokens", "2000"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    r = subprocess.run([sys.executable, "-m", "nanoserve", "quantize", "--model", "demo-draft", "--method", "gptq",
+    r = subprocess.run([sys.executable, "-m", "nanoserve", "quantize", "--model", "demo-draft",
+                        "--method", "gptq",
                         "--out", str(tmp_path / "y")], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "needs --calib" in r.stderr and "Traceback" not in r.stderr

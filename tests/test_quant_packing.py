@@ -1,4 +1,5 @@
-"""GPTQ v1 and AutoAWQ GEMM packing (docs/TESTING.md §C): golden words, an independent packer, round trips, errors.
+"""GPTQ v1 and AutoAWQ GEMM packing (docs/TESTING.md §C): golden words, an independent packer, round
+trips, errors.
 
 The golden words are written out by hand from the format descriptions: GPTQ codes 0..7 along K
 pack to 0x76543210, AutoAWQ codes 0..7 along N to 0x75316420 (order [0,2,4,6,1,3,5,7]), GPTQ v1
@@ -31,7 +32,8 @@ def _random_unpacked(N, K, group, bits, act_order, seed=0, zero_lo=1):
     g = torch.Generator().manual_seed(seed)
     G = -(-K // group)
     codes = torch.randint(0, 1 << bits, (N, K), generator=g).to(torch.uint8)
-    zeros = torch.randint(zero_lo, (1 << bits) + zero_lo, (N, G), generator=g)  # GPTQ v1: 1 .. 2^bits, AWQ: 0 ..
+    # GPTQ v1: 1 .. 2^bits, AWQ: 0 ..
+    zeros = torch.randint(zero_lo, (1 << bits) + zero_lo, (N, G), generator=g)
     scales = (torch.rand(N, G, generator=g) * 0.1 + 1e-3).half()
     g_idx = torch.arange(K) // group  # K
     if act_order:
@@ -50,33 +52,40 @@ def _dense(codes, zeros, scales, g_idx):
 def test_gptq_golden_codes_along_k(bits, word):
     per = 32 // bits
     N, K = per, 2 * per
-    codes = (torch.arange(K) % (8 if bits == 4 else 4)).repeat(N, 1)  # codes[n, k] = k mod 8 (mod 4 at 2, 8 bits)
+    # codes[n, k] = k mod 8 (mod 4 at 2, 8 bits)
+    codes = (torch.arange(K) % (8 if bits == 4 else 4)).repeat(N, 1)
     zeros, scales = torch.ones(N, 1, dtype=torch.int64), torch.ones(N, 1)
     packed = pack_gptq(codes, zeros, scales, torch.zeros(K, dtype=torch.int32), bits)
     assert packed["qweight"].shape == (2, N) and packed["qweight"].dtype == torch.int32
     assert (packed["qweight"] == _int32(word)).all()
-    got, *_ = unpack_gptq(torch.full((2, N), _int32(word), dtype=torch.int32), packed["qzeros"], packed["scales"],
+    got, *_ = unpack_gptq(torch.full((2, N), _int32(word), dtype=torch.int32), packed["qzeros"],
+                          packed["scales"],
                           packed["g_idx"], bits)
     assert torch.equal(got.long(), codes)
 
 
-@pytest.mark.parametrize("bits,zero,word", [(4, 8, 0x77777777), (2, 2, 0x55555555), (8, 128, 0x7F7F7F7F)])
+@pytest.mark.parametrize("bits,zero,word",
+                         [(4, 8, 0x77777777), (2, 2, 0x55555555), (8, 128, 0x7F7F7F7F)])
 def test_gptq_v1_symmetric_zeros(bits, zero, word):
     """v1 stores zero − 1: the symmetric zero 2^(bits−1) reads 0x77777777 at 4 bits."""
     per = 32 // bits
     N, K, G = 2 * per, per, 3
     codes = torch.zeros(N, K, dtype=torch.uint8)
-    packed = pack_gptq(codes, torch.full((N, G), zero), torch.ones(N, G), torch.zeros(K, dtype=torch.int32), bits)
+    packed = pack_gptq(codes, torch.full((N, G), zero), torch.ones(N, G),
+                       torch.zeros(K, dtype=torch.int32), bits)
     assert packed["qzeros"].shape == (G, 2) and (packed["qzeros"] == _int32(word)).all()
-    _, zeros, _, _ = unpack_gptq(packed["qweight"], torch.full((G, 2), _int32(word), dtype=torch.int32),
+    _, zeros, _, _ = unpack_gptq(packed["qweight"],
+                                 torch.full((G, 2), _int32(word), dtype=torch.int32),
                                  packed["scales"], packed["g_idx"], bits)
     assert (zeros == zero).all()
 
 
 def test_gptq_top_field_sets_the_sign_bit():
     codes = torch.full((8, 8), 15, dtype=torch.uint8)
-    packed = pack_gptq(codes, torch.full((8, 1), 16), torch.ones(8, 1), torch.zeros(8, dtype=torch.int32), 4)
-    assert (packed["qweight"] == -1).all() and (packed["qzeros"] == -1).all()  # 0xFFFFFFFF; zero 16 stored as 15
+    packed = pack_gptq(codes, torch.full((8, 1), 16), torch.ones(8, 1),
+                       torch.zeros(8, dtype=torch.int32), 4)
+    # 0xFFFFFFFF; zero 16 stored as 15
+    assert (packed["qweight"] == -1).all() and (packed["qzeros"] == -1).all()
     assert torch.equal(unpack_gptq(**packed, bits=4)[0], codes)
     assert (dequantize_gptq(**packed, bits=4) == -1).all()  # (15 − 16) · 1
 
@@ -93,17 +102,20 @@ def _awq_golden_holds(pack=pack_awq) -> bool:
 def test_awq_golden_interleave():
     assert _awq_golden_holds()
     words = torch.full((4, 2), 0x75316420, dtype=torch.int32)
-    codes, zeros, _ = unpack_awq(words, words[:1], torch.ones(1, 16, dtype=torch.float16), group_size=4)
+    codes, zeros, _ = unpack_awq(words, words[:1], torch.ones(1, 16, dtype=torch.float16),
+                                 group_size=4)
     assert torch.equal(codes[:, 0].long(), torch.arange(16) % 8) and torch.equal(zeros[:, 0], torch.arange(16) % 8)
 
 
 def test_awq_plain_order_fails_the_golden_test(monkeypatch):
-    """Negative control: without the interleave, codes 0..7 pack to 0x76543210 and the golden test fails."""
+    """Negative control: without the interleave, codes 0..7 pack to 0x76543210 and the golden test
+    fails."""
     monkeypatch.setattr(packing, "AWQ_ORDER", list(range(8)))
     assert not _awq_golden_holds()
 
 
-# ----------------------------------------------------------------------------- an independent packer
+# ----------------------------------------------------------------------------- an independent
+# packer
 def _python_word(values, bits) -> int:
     """values[i] in field i, with Python ints."""
     word = 0
@@ -120,7 +132,8 @@ def test_gptq_matches_python_packer(bits):
     N, K = codes.shape
     want_qw = [[_python_word(codes[n, r * per:(r + 1) * per].tolist(), bits) for n in range(N)]
                for r in range(K // per)]
-    want_qz = [[_python_word((zeros[c * per:(c + 1) * per, g] - 1).tolist(), bits) for c in range(N // per)]
+    want_qz = [[_python_word((zeros[c * per:(c + 1) * per, g] - 1).tolist(),
+                             bits) for c in range(N // per)]
                for g in range(zeros.shape[1])]
     assert packed["qweight"].tolist() == want_qw
     assert packed["qzeros"].tolist() == want_qz
@@ -131,8 +144,10 @@ def test_awq_matches_python_packer():
     codes, zeros, scales, _ = _random_unpacked(16, 24, 8, 4, act_order=False, seed=3, zero_lo=0)
     packed = pack_awq(codes, zeros, scales)
     order = [0, 2, 4, 6, 1, 3, 5, 7]
-    want_qw = [[_python_word([codes[8 * c + j, k] for j in order], 4) for c in range(2)] for k in range(24)]
-    want_qz = [[_python_word([zeros[8 * c + j, g] for j in order], 4) for c in range(2)] for g in range(3)]
+    want_qw = [[_python_word([codes[8 * c + j, k] for j in order],
+                             4) for c in range(2)] for k in range(24)]
+    want_qz = [[_python_word([zeros[8 * c + j, g] for j in order],
+                             4) for c in range(2)] for g in range(3)]
     assert packed["qweight"].tolist() == want_qw and packed["qzeros"].tolist() == want_qz
 
 
@@ -147,14 +162,16 @@ def test_gptq_round_trip_and_dequantize(bits, act_order):
     assert got[0].dtype == torch.uint8 and torch.equal(got[0], codes)
     assert torch.equal(got[1].long(), zeros) and torch.equal(got[2], scales) and torch.equal(got[3], g_idx)
     w = dequantize_gptq(**packed, bits=bits)
-    assert w.dtype == torch.float32 and torch.equal(w.double(), _dense(codes, zeros, scales, g_idx))  # exact
+    # exact
+    assert w.dtype == torch.float32 and torch.equal(w.double(), _dense(codes, zeros, scales, g_idx))
 
 
 def test_awq_round_trip_and_dequantize():
     codes, zeros, scales, _ = _random_unpacked(40, 100, 32, 4, act_order=False, seed=5, zero_lo=0)
     packed = pack_awq(codes, zeros, scales)
     back = unpack_awq(packed["qweight"], packed["qzeros"], packed["scales"], group_size=32)
-    assert torch.equal(back[0], codes) and torch.equal(back[1].long(), zeros) and torch.equal(back[2], scales)
+    assert torch.equal(back[0], codes) and torch.equal(back[1].long(),
+                                                       zeros) and torch.equal(back[2], scales)
     w = dequantize_awq(packed["qweight"], packed["qzeros"], packed["scales"], group_size=32)
     assert torch.equal(w.double(), _dense(codes, zeros, scales, torch.arange(100) // 32))
 

@@ -1,4 +1,5 @@
-"""Round-to-nearest (nanoserve/quant/rtn.py): the grid convention, error bounds, code ranges, bad inputs.
+"""Round-to-nearest (nanoserve/quant/rtn.py): the grid convention, error bounds, code ranges, bad
+inputs.
 
 Oracles: the bound |W − Ŵ| ≤ scale/2 that any correct rounding meets (a floor instead of a round,
 or a wrong zero point, breaks it); hand-computed grids for the AutoGPTQ convention; the
@@ -34,7 +35,8 @@ def test_error_bound_and_code_range(bits, sym):
     assert 0 <= int(q.zeros.min()) and int(q.zeros.max()) <= maxq
     if sym:
         assert (q.zeros == 2 ** (bits - 1)).all()
-    # each weight moves by at most half a step; 1e-4 of slack covers fp32 rounding of w / scale · scale
+    # each weight moves by at most half a step; 1e-4 of slack covers fp32 rounding of w / scale ·
+    # scale
     step = q.scales[:, q.g_idx.long()]                                       # N, K
     assert ((w - q.dequantize()).abs() <= step / 2 * (1 + 1e-4)).all()
     # negative control: rounding down instead of to nearest breaks the bound
@@ -48,26 +50,31 @@ def test_int8_per_channel_error_is_small():
     q = quantize_rtn(w, bits=8, group_size=-1, sym=True)
     assert q.scales.shape == (N, 1) and (q.g_idx == 0).all()
     rel = ((w - q.dequantize()).norm() / w.norm()).item()
-    # step = 2·max|w|/255 ≈ 0.03σ for 512 Gaussian weights, so rms error ≈ step/√12 ≈ 0.009σ; measured 0.0075
+    # step = 2·max|w|/255 ≈ 0.03σ for 512 Gaussian weights, so rms error ≈ step/√12 ≈ 0.009σ;
+    # measured 0.0075
     assert rel < 0.01
     # negative control: 4 bits per channel is 16× coarser
     assert ((w - fake_quantize(w, 4, -1)).norm() / w.norm()).item() > 0.1
 
 
 def test_grid_convention_by_hand():
-    # asymmetric 2-bit: xmin −1, xmax 1 -> scale (1 − (−1)) / 3, zero round(1 / (2/3)) = round(1.5) = 2
+    # asymmetric 2-bit: xmin −1, xmax 1 -> scale (1 − (−1)) / 3, zero round(1 / (2/3)) = round(1.5)
+    # = 2
     w = torch.tensor([[-1.0, 0.25, 0.5, 1.0]])
     scales, zeros = quant_params(w, bits=2, sym=False)
     assert torch.allclose(scales, torch.tensor([2 / 3])) and zeros.tolist() == [2]
     q = quantize_rtn(w, bits=2, group_size=-1, sym=False)
-    # round(−1.5) = −2 (half to even) -> 0; round(0.375) -> 2; round(0.75) = 1 -> 3; round(1.5) = 2 -> 4, clamped to 3
+    # round(−1.5) = −2 (half to even) -> 0; round(0.375) -> 2; round(0.75) = 1 -> 3; round(1.5) = 2
+    # -> 4, clamped to 3
     assert q.codes.tolist() == [[0, 2, 3, 3]]
-    # symmetric 4-bit: amax 1 -> scale 2/15, zero 8; +amax is 7.5 steps, rounds to 8 -> code 16, clamped to 15
+    # symmetric 4-bit: amax 1 -> scale 2/15, zero 8; +amax is 7.5 steps, rounds to 8 -> code 16,
+    # clamped to 15
     w = torch.tensor([[-0.5, 0.25, 1.0, 0.0]])
     q = quantize_rtn(w, bits=4, group_size=-1, sym=True)
     assert torch.allclose(q.scales, torch.tensor([[2 / 15]])) and q.zeros.tolist() == [[8]]
     assert q.codes.tolist() == [[4, 10, 15, 8]]
-    # the range always contains 0: an all-positive group gets xmin = 0, so zero = 0 (asym) and w = 0 stays exact
+    # the range always contains 0: an all-positive group gets xmin = 0, so zero = 0 (asym) and w = 0
+    # stays exact
     scales, zeros = quant_params(torch.tensor([[0.5, 1.0, 2.0]]), bits=4, sym=False)
     assert torch.allclose(scales, torch.tensor([2 / 15])) and zeros.tolist() == [0]
     # an all-zero group gets range [−1, 1] (never a zero scale) and dequantizes to exact zeros
@@ -79,7 +86,8 @@ def test_dequantize_follows_g_idx():
     q = quantize_rtn(_weight(2), bits=4, group_size=128)
     manual = (q.codes.float() - q.zeros.repeat_interleave(128, 1)) * q.scales.repeat_interleave(128, 1)
     assert torch.equal(q.dequantize(), manual)
-    # a permuted grouping (as act-order produces) must be followed, not assumed to be k // group_size
+    # a permuted grouping (as act-order produces) must be followed, not assumed to be k //
+    # group_size
     g_idx = q.g_idx[torch.randperm(K, generator=torch.Generator().manual_seed(0))]
     p = QuantizedWeight(q.codes, q.zeros, q.scales, g_idx, q.bits, q.group_size, q.sym)
     manual = (q.codes.float() - q.zeros[:, g_idx.long()]) * q.scales[:, g_idx.long()]
@@ -99,7 +107,8 @@ def test_dtypes():
     (dict(bits=1), "bits must be an integer from 2 to 8.*got 1"),
     (dict(bits=9), "bits must be .*got 9"),
     (dict(bits=4.0), "bits must be .*got 4.0"),
-    (dict(group_size=100), "group_size must be -1 .* divisor of the weight's 512 input columns.*got 100"),
+    (dict(group_size=100),
+     "group_size must be -1 .* divisor of the weight's 512 input columns.*got 100"),
     (dict(group_size=0), "group_size .*got 0"),
     (dict(group_size=-2), "group_size .*got -2"),
 ])

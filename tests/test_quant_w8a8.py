@@ -24,7 +24,8 @@ from nanoserve.quant.smoothquant import smooth_model, smoothing_factors
 
 
 def _outlier_input(seed=0, tokens=24, k=96, features=(5, 40), size=30.0):
-    """Activations near 1 with a few outlier features, as LLM.int8 describes them (same columns in every token)."""
+    """Activations near 1 with a few outlier features, as LLM.int8 describes them (same columns in
+    every token)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, k, generator=g)
     x[:, list(features)] *= size
@@ -68,18 +69,20 @@ def test_llm_int8_fast_path_equals_the_feature_by_feature_reference():
 
 @torch.no_grad()
 def test_outlier_features_ruin_naive_w8a8_and_llm_int8_and_smoothing_fix_it():
-    """Negative control: naive per-token int8 on outlier features errs far more than LLM.int8 or a smoothed
-    layer; on the same layer without outliers all three are close."""
+    """Negative control: naive per-token int8 on outlier features errs far more than LLM.int8 or a
+    smoothed layer; on the same layer without outliers all three are close."""
     lin, x = _linear(), _outlier_input(features=(5,), size=60.0)
     ref = lin(x)
     err = lambda y: ((y - ref).norm() / ref.norm()).item()  # noqa: E731
     naive, mixed = err(W8A8Linear.from_linear(lin)(x)), err(LLMInt8Linear.from_linear(lin)(x))
-    s = smoothing_factors(x.abs().amax(0), [lin.weight], alpha=0.5)  # fold 1/s into x by hand, s into W
+    # fold 1/s into x by hand, s into W
+    s = smoothing_factors(x.abs().amax(0), [lin.weight], alpha=0.5)
     smoothed = nn.Linear(96, 40)
     smoothed.weight.copy_(lin.weight * s[None, :])
     smoothed.bias.copy_(lin.bias)
     smooth = err(W8A8Linear.from_linear(smoothed)(x / s))
-    assert naive > 3 * mixed and naive > 3 * smooth, (naive, mixed, smooth)  # 0.022 vs 0.0047 and 0.0038
+    # 0.022 vs 0.0047 and 0.0038
+    assert naive > 3 * mixed and naive > 3 * smooth, (naive, mixed, smooth)
     plain = torch.randn(24, 96, generator=torch.Generator().manual_seed(3))
     ref = lin(plain)
     assert err(W8A8Linear.from_linear(lin)(plain)) < 0.02
@@ -91,7 +94,8 @@ def test_smoothing_factors_balance_the_ranges_at_alpha_half():
     x_max, w_max = (x / s).abs().amax(0), (lin.weight.detach() * s).abs().amax(0)
     torch.testing.assert_close(x_max, w_max, rtol=1e-4, atol=1e-6)  # max|X'_k| = max|W'_k|
     torch.testing.assert_close(smoothing_factors(x.abs().amax(0), [lin.weight], 0.0),
-                               1 / lin.weight.detach().abs().amax(0))  # α = 0: X untouched up to 1/max|W|
+                               # α = 0: X untouched up to 1/max|W|
+                               1 / lin.weight.detach().abs().amax(0))
     with pytest.raises(NanoserveError, match="alpha must lie in"):
         smoothing_factors(x.abs().amax(0), [lin.weight], 1.5)
 
@@ -105,7 +109,8 @@ def test_smoothing_leaves_the_float_model_unchanged(model, hf_checkpoints):
     before = m(ids)
     factors = smooth_model(m, ids, alpha=0.5)
     assert factors and all((s != 1).any() for s in factors.values())  # something really moved
-    torch.testing.assert_close(m(ids), before, atol=1e-5, rtol=1e-5)  # the issue's bound; measured ≤ 6e-6
+    # the issue's bound; measured ≤ 6e-6
+    torch.testing.assert_close(m(ids), before, atol=1e-5, rtol=1e-5)
     names = quantize_linears(m, W8A8Linear.from_linear)
     assert names and all(isinstance(m.get_submodule(n), W8A8Linear) for n in names)
 
@@ -116,8 +121,10 @@ def test_smoothing_leaves_the_float_model_unchanged(model, hf_checkpoints):
 def test_fp8_linear_codes_are_torch_float8_and_the_cpu_path_dequantizes(per_channel, activations):
     lin, x = _linear(), torch.randn(2, 5, 96)
     q = FP8Linear.from_linear(lin, "channel" if per_channel else "tensor", activations)
-    s = lin.weight.abs().amax(-1, keepdim=True) if per_channel else lin.weight.abs().amax().reshape(1, 1)
-    assert torch.equal(q.weight.view(torch.uint8), (lin.weight / (s / 448)).to(FP8).view(torch.uint8))
+    s = lin.weight.abs().amax(-1,
+                              keepdim=True) if per_channel else lin.weight.abs().amax().reshape(1, 1)
+    assert torch.equal(q.weight.view(torch.uint8),
+                       (lin.weight / (s / 448)).to(FP8).view(torch.uint8))
     x2 = x.reshape(-1, 96)
     if activations:
         xq, xs = quantize_fp8(x2, per_row=True)
@@ -133,7 +140,8 @@ def test_the_engine_quantizes_on_load(quantization):
     plain = LLM("demo").generate(["ROMEO:"], params, use_tqdm=False)[0]
     llm = LLM("demo", quantization=quantization)
     kinds = {type(m).__name__ for m in llm.model.modules()}
-    assert {"fp8": "FP8Linear", "int8": "W8A8Linear", "llm.int8": "LLMInt8Linear"}[quantization] in kinds
+    assert {"fp8": "FP8Linear", "int8": "W8A8Linear",
+            "llm.int8": "LLMInt8Linear"}[quantization] in kinds
     out = llm.generate(["ROMEO:"], params, use_tqdm=False)[0]
     agree = sum(a == b for a, b in zip(out.outputs[0].token_ids, plain.outputs[0].token_ids))
     assert agree >= 20, (quantization, out.text, plain.text)  # measured 24 of 24 for all three
@@ -145,11 +153,13 @@ def test_the_cli_offers_every_method_the_engine_takes():
     from nanoserve.quant.online import QUANTIZERS
 
     assert ENGINE_ARGS["quantization"].choices == QUANTIZATION_METHODS == tuple(QUANTIZERS)
-    assert build_parser().parse_args(["serve", "--quantization", "llm.int8"]).quantization == "llm.int8"
+    assert build_parser().parse_args(["serve", "--quantization",
+                                      "llm.int8"]).quantization == "llm.int8"
 
 
 def test_bad_quantization_settings_are_refused_by_name(tmp_path):
-    with pytest.raises(NanoserveError, match=r"quantization='int4'; allowed: None .*fp8, int8, llm.int8"):
+    with pytest.raises(NanoserveError,
+                       match=r"quantization='int4'; allowed: None .*fp8, int8, llm.int8"):
         LLM("demo", quantization="int4")
     with pytest.raises(ValueError, match="threshold must be > 0"):
         LLMInt8Linear.from_linear(_linear(), threshold=0)
@@ -165,7 +175,8 @@ def test_bad_quantization_settings_are_refused_by_name(tmp_path):
 
     llm_int8 = load_model("demo-draft")[0]
     quantize_on_load(llm_int8, "llm.int8")
-    with pytest.raises(NanoserveError, match=r"one scheme of .* this model has \['LLMInt8Linear'\]"):
+    with pytest.raises(NanoserveError,
+                       match=r"one scheme of .* this model has \['LLMInt8Linear'\]"):
         save_compressed(llm_int8, tmp_path / "x")
     model, cfg, tok = load_model("demo")
     with pytest.raises(NanoserveError, match="calibration ids must be an integer tensor"):
@@ -177,7 +188,8 @@ def test_bad_quantization_settings_are_refused_by_name(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @torch.no_grad()
 def test_fp8_and_int8_on_cuda():
-    """sm_89+: FP8 × FP8 through torch._scaled_mm; any GPU: int8 through torch._int_mm (padded under 17 rows)."""
+    """sm_89+: FP8 × FP8 through torch._scaled_mm; any GPU: int8 through torch._int_mm (padded under
+    17 rows)."""
     lin = _linear().cuda().to(torch.bfloat16)
     for M in (1, 40):
         x = torch.randn(M, 96, device="cuda", dtype=torch.bfloat16)

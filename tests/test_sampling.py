@@ -1,12 +1,13 @@
 """Tests for nanoserve.engine.sampler, checked against laws and references the module did not write.
 
 * Goodness of fit: `sample_next` draws, counted over a fixed 16-token logits vector, against the
-  intended law computed here in float64 from the definitions (softmax(logits / T), top-k, the smallest
-  top-p set, renormalise). Pearson χ², fail at p < 1e-4 (docs/TESTING.md). Negative controls draw from
-  deliberately wrong laws (temperature ignored, top-k or top-p off by one token, the top-p mask left in
-  sorted order, top-p before top-k) and must fail the same statistic.
+  intended law computed here in float64 from the definitions (softmax(logits / T), top-k, the
+  smallest top-p set, renormalise). Pearson χ², fail at p < 1e-4 (docs/TESTING.md). Negative
+  controls draw from deliberately wrong laws (temperature ignored, top-k or top-p off by one token,
+  the top-p mask left in sorted order, top-p before top-k) and must fail the same statistic.
 * Truncation properties with hypothesis: nothing outside the top-k / top-p set, kept mass sums to 1.
-* HF `transformers` as an outside oracle: Temperature / TopK / TopP warpers and the repetition penalty.
+* HF `transformers` as an outside oracle: Temperature / TopK / TopP warpers and the repetition
+  penalty.
 * Greedy, seeding (private generators untouched by the global RNG) and SamplingParams validation.
 """
 
@@ -40,16 +41,20 @@ P_FAIL = 1e-4  # docs/TESTING.md: fail a goodness-of-fit test at p < 1e-4
 N_DRAWS = 20_000
 
 # Large, small and negative logits, shuffled so that no kept set is a prefix of the vocabulary.
-LOGITS = torch.tensor([0.3, 2.6, -1.8, 1.4, -0.4, 3.1, 0.0, -3.2, 1.9, -0.9, 0.7, 2.2, -2.5, 1.0, -1.3, 0.45])
+LOGITS = torch.tensor([0.3, 2.6, -1.8, 1.4, -0.4, 3.1, 0.0, -3.2, 1.9, -0.9, 0.7, 2.2, -2.5, 1.0,
+                       -1.3, 0.45])
 V = LOGITS.numel()
 
 
-# --------------------------------------------------------------------------- reference law (float64)
+# --------------------------------------------------------------------------- reference law
+# (float64)
 def kept_sets(logits, temperature: float, top_k: int,
               top_p: float) -> tuple[list[int], list[int], list[float]]:
-    """(top-k set, final kept set, softmax(logits / T) over the top-k set), written from the definitions.
+    """(top-k set, final kept set, softmax(logits / T) over the top-k set), written from the
+    definitions.
 
-    Sets are lists of token ids, most likely first. Ties at the k-th logit are all kept (as HF and vLLM do).
+    Sets are lists of token ids, most likely first. Ties at the k-th logit are all kept (as HF and
+    vLLM do).
     """
     x = [float(v) / temperature for v in logits]
     order = sorted(range(len(x)), key=lambda i: -x[i])
@@ -75,7 +80,8 @@ def kept_sets(logits, temperature: float, top_k: int,
 def intended_probs(logits, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     _, kept, q = kept_sets(logits, temperature, top_k, top_p)
     mass = math.fsum(q[i] for i in kept)
-    return torch.tensor([q[i] / mass if i in kept else 0.0 for i in range(len(q))], dtype=torch.float64)
+    return torch.tensor([q[i] / mass if i in kept else 0.0 for i in range(len(q))],
+                        dtype=torch.float64)
 
 
 # --------------------------------------------------------------------------- Pearson χ²
@@ -117,7 +123,8 @@ def _mutant_law(kind: str, temperature: float, top_k: int, top_p: float) -> torc
             kept = kept[:-1]
         elif kind == "top-p keeps one token too many":
             kept = after_k[: len(kept) + 1]
-        elif kind == "top-p mask left in sorted order":  # the mask is not scattered back to vocabulary ids
+        # the mask is not scattered back to vocabulary ids
+        elif kind == "top-p mask left in sorted order":
             kept = list(range(len(kept)))
         else:
             raise ValueError(kind)
@@ -132,7 +139,8 @@ MUTANTS = {
     "top_k5": ["top-k keeps k+1", "top-k keeps k-1"],
     "top_p0.8": ["top-p drops the crossing token", "top-p keeps one token too many",
                  "top-p mask left in sorted order"],
-    "T1.5_top_k10_top_p0.9": ["top-p before top-k", "top-p drops the crossing token", "top-k keeps k-1",
+    "T1.5_top_k10_top_p0.9": ["top-p before top-k", "top-p drops the crossing token",
+                              "top-k keeps k-1",
                               "temperature ignored"],
 }
 
@@ -165,25 +173,31 @@ def test_sample_next_matches_intended_law_chi2(name):
         wrong = _mutant_law(kind, temperature, top_k, top_p)
         assert not torch.allclose(wrong, intended), kind
         g = torch.Generator().manual_seed(99 + i)
-        wrong_counts = torch.bincount(torch.multinomial(wrong, N_DRAWS, replacement=True, generator=g),
+        wrong_counts = torch.bincount(torch.multinomial(wrong, N_DRAWS, replacement=True,
+                                                        generator=g),
                                       minlength=V)
         chi2_w, df_w, p_w = goodness_of_fit(wrong_counts, intended)
         assert p_w < P_FAIL, f"{name}: mutant {kind!r} not rejected: χ² = {chi2_w:.1f}, p = {p_w:.2e}"
 
 
 def test_temperature_mutant_is_rejected_with_same_support():
-    """Power where the support cannot give a bug away: T = 0.7 vs the T = 1 law, both full support."""
+    """Power where the support cannot give a bug away: T = 0.7 vs the T = 1 law, both full
+    support."""
     intended = intended_probs(LOGITS, 0.7)
     wrong = intended_probs(LOGITS, 1.0)
     assert torch.equal(intended > 0, wrong > 0)
     g = torch.Generator().manual_seed(7)
-    counts = torch.bincount(torch.multinomial(wrong, N_DRAWS, replacement=True, generator=g), minlength=V)
+    counts = torch.bincount(torch.multinomial(wrong, N_DRAWS, replacement=True, generator=g),
+                            minlength=V)
     assert goodness_of_fit(counts, intended)[2] < P_FAIL
 
 
-# --------------------------------------------------------------------------- 2. truncation properties
-def check_truncation(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, probs: torch.Tensor):
-    """Assert that probs is softmax(logits / T) truncated to a valid top-k / top-p set and renormalised.
+# --------------------------------------------------------------------------- 2. truncation
+# properties
+def check_truncation(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                     probs: torch.Tensor):
+    """Assert that probs is softmax(logits / T) truncated to a valid top-k / top-p set and
+    renormalised.
 
     Robust to ties: among tokens of equal probability any choice is allowed.
     """
@@ -235,7 +249,8 @@ def test_truncation_check_rejects_wrong_probs():
     unnormalised = probs.masked_fill(good == 0, 0.0)
     with pytest.raises(AssertionError, match="sum to 1"):
         check_truncation(logits, 1.0, 5, 0.8, unnormalised)
-    # filtered logits set to a large negative number instead of -inf: dropped tokens keep a little mass
+    # filtered logits set to a large negative number instead of -inf: dropped tokens keep a little
+    # mass
     soft = torch.softmax(logits.masked_fill(good == 0, -30.0), -1)
     assert (soft > 0).all()
     with pytest.raises(AssertionError, match="top-k set"):
@@ -258,11 +273,13 @@ def test_batched_probs_match_rows():
     batch = torch.randn(4, 50, generator=g) * 3
     probs = probs_from_logits(batch, 0.8, 7, 0.6)
     for row in range(4):
-        torch.testing.assert_close(probs[row], probs_from_logits(batch[row], 0.8, 7, 0.6), atol=1e-7, rtol=0)
+        torch.testing.assert_close(probs[row], probs_from_logits(batch[row], 0.8, 7, 0.6),
+                                   atol=1e-7, rtol=0)
         check_truncation(batch[row], 0.8, 7, 0.6, probs[row])
 
 
-# --------------------------------------------------------------------------- 3. HF as an outside oracle
+# --------------------------------------------------------------------------- 3. HF as an outside
+# oracle
 def hf_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
              top_p_first: bool = False) -> torch.Tensor:
     """HF's sampling warpers in generate()'s order: temperature, top-k, top-p."""
@@ -297,7 +314,8 @@ def test_probs_match_hf_warpers():
 
 
 def test_hf_comparison_has_power():
-    """Negative controls: top-p applied before top-k, or dropping the crossing token, disagrees with HF."""
+    """Negative controls: top-p applied before top-k, or dropping the crossing token, disagrees with
+    HF."""
     order_diffs = crossing_diffs = 0
     for i, (vocab, temperature, top_k, top_p) in enumerate(HF_GRID):
         logits = _hf_logits(i, vocab)
@@ -336,12 +354,15 @@ def test_repetition_penalty_matches_hf(penalty):
     assert torch.equal(logits, before), "the input logits were modified in place"
     unseen = torch.ones(40, dtype=torch.bool)
     unseen[seen] = False
-    assert torch.equal(apply_repetition_penalty(logits, seen, penalty)[:, unseen], logits[:, unseen])
-    assert torch.equal(apply_repetition_penalty(logits, torch.tensor([], dtype=torch.long), penalty), logits)
+    assert torch.equal(apply_repetition_penalty(logits, seen, penalty)[:, unseen],
+                       logits[:, unseen])
+    assert torch.equal(apply_repetition_penalty(logits, torch.tensor([], dtype=torch.long),
+                                                penalty), logits)
 
 
 def test_repetition_penalty_comparison_has_power():
-    """Negative control: 'always divide by the penalty' (wrong for negative logits) differs from HF."""
+    """Negative control: 'always divide by the penalty' (wrong for negative logits) differs from
+    HF."""
     logits, seen = _penalty_inputs()
     naive = logits.clone()
     naive[:, seen] = naive[:, seen] / 1.3
@@ -355,7 +376,8 @@ def test_greedy_is_argmax_deterministic_and_consumes_no_randomness():
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(100, generator=g)
     best = int(logits.argmax())
-    for params in (SamplingParams(temperature=0), SamplingParams(temperature=0, top_k=3, top_p=0.2)):
+    for params in (SamplingParams(temperature=0),
+                   SamplingParams(temperature=0, top_k=3, top_p=0.2)):
         global_state = torch.get_rng_state()
         gen = make_generator(42)
         gen_state = gen.get_state()
@@ -364,7 +386,8 @@ def test_greedy_is_argmax_deterministic_and_consumes_no_randomness():
         picks.add(sample_next(logits, params))
         assert picks == {best}
         assert torch.equal(gen.get_state(), gen_state), "greedy consumed the private generator"
-        assert torch.equal(torch.get_rng_state(), global_state), "greedy consumed the global generator"
+        assert torch.equal(torch.get_rng_state(),
+                           global_state), "greedy consumed the global generator"
 
 
 @pytest.mark.parametrize(
@@ -373,7 +396,8 @@ def test_greedy_is_argmax_deterministic_and_consumes_no_randomness():
         ([0.5, 2.0, -1.0, 1.8], [1], 1.3, 3),  # 2.0 / 1.3 = 1.54 < 1.8
         ([0.5, 2.0, -1.0, 1.8], [1], 1.05, 1),  # 2.0 / 1.05 = 1.90 > 1.8
         ([-0.5, -0.6, -3.0, -0.9], [0, 0], 1.3, 1),  # -0.5 · 1.3 = -0.65 < -0.6
-        ([-0.5, -0.6, -3.0, -0.9], [1, 3], 0.7, 1),  # penalty < 1 favours seen tokens: -0.6 · 0.7 = -0.42
+        # penalty < 1 favours seen tokens: -0.6 · 0.7 = -0.42
+        ([-0.5, -0.6, -3.0, -0.9], [1, 3], 0.7, 1),
         ([1.0, 1.5, 0.2, 1.2], [], 2.0, 1),  # nothing seen
     ],
 )
@@ -430,7 +454,8 @@ def test_seeded_generator_ignores_global_rng_use():
 
 
 def test_global_rng_interleaving_negative_control():
-    """The isolation test has power: unseeded draws (global RNG) do change when global RNG use interleaves."""
+    """The isolation test has power: unseeded draws (global RNG) do change when global RNG use
+    interleaves."""
     torch.manual_seed(2024)
     plain = _draws(None)
     torch.manual_seed(2024)
@@ -439,7 +464,8 @@ def test_global_rng_interleaving_negative_control():
     assert _draws(None, between=lambda i: torch.rand(7)) != plain
 
 
-# --------------------------------------------------------------------------- 6. SamplingParams validation
+# --------------------------------------------------------------------------- 6. SamplingParams
+# validation
 @pytest.mark.parametrize(
     ("kwargs", "field", "allowed"),
     [
@@ -488,7 +514,8 @@ def test_sampling_params_accepts_edges():
     SamplingParams(top_p=1.0, top_k=10**6, temperature=100, seed=0, stop_token_ids=[0])
     SamplingParams(top_p=1e-9, repetition_penalty=5.0)
     SamplingParams(seed=-(2**63)), SamplingParams(seed=2**63 - 1), SamplingParams(seed=2**63 - 3, n=3)
-    SamplingParams(top_p=torch.finfo(torch.float32).tiny, repetition_penalty=torch.finfo(torch.float32).tiny)
+    SamplingParams(top_p=torch.finfo(torch.float32).tiny,
+                   repetition_penalty=torch.finfo(torch.float32).tiny)
     assert SamplingParams(stop="x").stop == ["x"]
     assert SamplingParams(stop="</s>").stop == ["</s>"]  # one string, not its characters
     assert SamplingParams(stop=["a", "b"]).stop == ["a", "b"]
@@ -496,7 +523,8 @@ def test_sampling_params_accepts_edges():
     assert SamplingParams().stop is not SamplingParams().stop  # no shared mutable default
 
 
-# --------------------------------------------------------------------------- 7. no NaN from finite logits
+# --------------------------------------------------------------------------- 7. no NaN from finite
+# logits
 F32 = torch.finfo(torch.float32)
 
 
@@ -536,12 +564,14 @@ _EXTREME = st.one_of(st.floats(-F32.max, F32.max, allow_nan=False, allow_infinit
 )
 def test_finite_logits_never_give_nan_whatever_the_valid_settings(logits, temperature, top_k, top_p, penalty,
                                                                   n_seen):
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=penalty)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
+                            repetition_penalty=penalty)
     t = torch.tensor(logits)
     probs = _sampled_law(t, params, torch.arange(min(n_seen, len(logits))))
     assert torch.isfinite(probs).all() and (probs >= 0).all(), probs
     assert abs(probs.sum().item() - 1) < 1e-4
-    sample_next(t, params, torch.arange(min(n_seen, len(logits))), make_generator(0))  # draws without error
+    # draws without error
+    sample_next(t, params, torch.arange(min(n_seen, len(logits))), make_generator(0))
 
 
 @pytest.mark.parametrize("logits, temperature, top_p, penalty", [
@@ -555,7 +585,8 @@ def test_no_nan_negative_control_the_old_sampler_gives_nan(logits, temperature, 
     x = apply_repetition_penalty(t, seen, penalty)
     assert torch.isnan(_old_probs_from_logits(x, temperature, 0, top_p)).any()  # the bug, shown
     probs = probs_from_logits(x, temperature, 0, top_p)
-    assert torch.isfinite(probs).all() and abs(probs.sum().item() - 1) < 1e-6  # the sampler alone copes
+    # the sampler alone copes
+    assert torch.isfinite(probs).all() and abs(probs.sum().item() - 1) < 1e-6
 
 
 # --------------------------------------------------------------------------- 8. the batched sampler
@@ -563,11 +594,14 @@ def _mixed_rows(vocab: int, n: int, seed: int):
     """n rows of logits with every kind of setting, seeded rows and a global-RNG row among them."""
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(n, vocab, generator=g) * 4
-    kinds = [dict(temperature=0), dict(temperature=0.8, seed=1), dict(top_k=5, seed=2), dict(top_p=0.7, seed=3),
-             dict(top_k=7, top_p=0.9, temperature=1.3, seed=4), dict(repetition_penalty=1.4, seed=5),
+    kinds = [dict(temperature=0), dict(temperature=0.8, seed=1), dict(top_k=5, seed=2),
+             dict(top_p=0.7, seed=3),
+             dict(top_k=7, top_p=0.9, temperature=1.3, seed=4),
+             dict(repetition_penalty=1.4, seed=5),
              dict(temperature=0, repetition_penalty=2.0), dict(temperature=0.5)]
     params = [SamplingParams(**kinds[i % len(kinds)]) for i in range(n)]
-    seen = [torch.randint(0, vocab, (6,), generator=g) if p.repetition_penalty != 1.0 else None for p in params]
+    seen = [torch.randint(0, vocab, (6,),
+                          generator=g) if p.repetition_penalty != 1.0 else None for p in params]
     return logits, params, seen
 
 
@@ -593,7 +627,8 @@ def test_batched_sampler_flags_nan_rows_and_still_draws_the_others():
     torch.manual_seed(0)
     tokens, nan = sample_batch(logits, params, seen, [make_generator(p.seed) for p in params])
     assert nan == [i == 3 for i in range(8)]
-    assert [t for i, t in enumerate(tokens) if i != 3] == [t for i, t in enumerate(expected) if i != 3]
+    assert [t for i, t in enumerate(tokens) if i != 3] == [t for i,
+                                                           t in enumerate(expected) if i != 3]
 
 
 def test_batched_sampler_negative_control_one_generator_for_all_rows_differs():
@@ -602,5 +637,6 @@ def test_batched_sampler_negative_control_one_generator_for_all_rows_differs():
     expected = _per_row(logits, params, seen, 1)
     shared = make_generator(1)
     torch.manual_seed(1)
-    tokens, _ = sample_batch(logits, params, seen, [shared if p.seed is not None else None for p in params])
+    tokens, _ = sample_batch(logits, params, seen,
+                             [shared if p.seed is not None else None for p in params])
     assert tokens != expected

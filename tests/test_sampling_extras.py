@@ -1,6 +1,7 @@
-"""vLLM's sampling extras (engine/sampling_params.py): min-p, presence / frequency penalties, logit_bias,
-min_tokens, include_stop_str_in_output — against HF transformers' logits processors where HF has one,
-against OpenAI's written formula where it does not, and end to end through the engine."""
+"""vLLM's sampling extras (engine/sampling_params.py): min-p, presence / frequency penalties,
+logit_bias, min_tokens, include_stop_str_in_output — against HF transformers' logits processors
+where HF has one, against OpenAI's written formula where it does not, and end to end through the
+engine."""
 
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ transformers = pytest.importorskip("transformers")
 
 
 def test_min_p_equals_transformers():
-    """probs_from_logits(T, min_p) keeps exactly the tokens HF's TemperatureLogitsWarper + MinPLogitsWarper keep,
-    with the same renormalised probabilities."""
+    """probs_from_logits(T, min_p) keeps exactly the tokens HF's TemperatureLogitsWarper +
+    MinPLogitsWarper keep, with the same renormalised probabilities."""
     from transformers.generation.logits_process import MinPLogitsWarper, TemperatureLogitsWarper
 
     torch.manual_seed(0)
@@ -42,20 +43,25 @@ def test_min_p_equals_transformers():
 
 
 def test_min_tokens_equals_transformers():
-    """The stop tokens are banned exactly while fewer than min_tokens are out (HF's MinNewTokensLength)."""
+    """The stop tokens are banned exactly while fewer than min_tokens are out (HF's
+    MinNewTokensLength)."""
     from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
 
     torch.manual_seed(1)
     logits, prompt, eos = torch.randn(50), [5, 6, 7], [3, 9]
     for generated in range(6):
         out_ids = list(range(10, 10 + generated))
-        hf = MinNewTokensLengthLogitsProcessor(len(prompt), 4, eos)(torch.tensor([prompt + out_ids]), logits[None])[0]
-        ours = process_logits(logits, SamplingParams(min_tokens=4, max_tokens=8), output_ids=out_ids, stop_ids={3, 9})
+        hf = MinNewTokensLengthLogitsProcessor(len(prompt), 4,
+                                               eos)(torch.tensor([prompt + out_ids]),
+                                                    logits[None])[0]
+        ours = process_logits(logits, SamplingParams(min_tokens=4, max_tokens=8),
+                              output_ids=out_ids, stop_ids={3, 9})
         assert torch.equal(ours, hf), generated
 
 
 def test_presence_and_frequency_penalties_follow_openai_formula():
-    """OpenAI: mu[j] − c[j]·frequency − [c[j] > 0]·presence, c counting generated tokens only (not the prompt)."""
+    """OpenAI: mu[j] − c[j]·frequency − [c[j] > 0]·presence, c counting generated tokens only (not
+    the prompt)."""
     torch.manual_seed(2)
     logits = torch.randn(40)
     output = [3, 3, 3, 7, 11, 3, 7]
@@ -64,9 +70,11 @@ def test_presence_and_frequency_penalties_follow_openai_formula():
     expected = logits.clone()
     for j, c in counts.items():
         expected[j] -= c * 0.3 + 0.5
-    ours = process_logits(logits, params, seen_ids=torch.tensor([1, 2, 3]), output_ids=output)  # prompt ids ignored
+    # prompt ids ignored
+    ours = process_logits(logits, params, seen_ids=torch.tensor([1, 2, 3]), output_ids=output)
     torch.testing.assert_close(ours, expected)
-    assert torch.equal(process_logits(logits, SamplingParams(), output_ids=output), logits)  # control: off
+    # control: off
+    assert torch.equal(process_logits(logits, SamplingParams(), output_ids=output), logits)
 
 
 def test_logit_bias_adds_to_the_logits():
@@ -79,7 +87,8 @@ def test_sample_batch_equals_sample_next_with_extras():
     """Row by row, the batched sampler draws exactly what sample_next draws, extras included."""
     torch.manual_seed(3)
     logits = torch.randn(5, 64)
-    params = [SamplingParams(temperature=0.9, min_p=0.1, seed=1), SamplingParams(temperature=0, logit_bias={5: 9}),
+    params = [SamplingParams(temperature=0.9, min_p=0.1, seed=1),
+              SamplingParams(temperature=0, logit_bias={5: 9}),
               SamplingParams(temperature=1.2, frequency_penalty=1.5, presence_penalty=-0.5, seed=2),
               SamplingParams(temperature=0.8, min_tokens=3, max_tokens=9, top_k=10, seed=3),
               SamplingParams(temperature=1.0, repetition_penalty=1.3, top_p=0.8, seed=4)]
@@ -88,7 +97,8 @@ def test_sample_batch_equals_sample_next_with_extras():
     stops = [{0}, {0}, {0}, {60, 61, 62}, {0}]
     gens = lambda: [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params]  # noqa: E731
     batch, _ = sample_batch(logits, params, seen, gens(), outputs, stops)
-    single = [sample_next(logits[i], p, seen[i], g, outputs[i], stops[i]) for i, (p, g) in enumerate(zip(params,
+    single = [sample_next(logits[i], p, seen[i], g, outputs[i], stops[i]) for i,
+              (p, g) in enumerate(zip(params,
                                                                                                           gens()))]
     assert batch == single
     assert batch[1] == 5
@@ -100,13 +110,16 @@ def llm():
 
 
 def test_min_tokens_and_stop_strings_end_to_end(llm):
-    """With EOS made certain by a bias, the request stops at once — unless min_tokens holds it back."""
+    """With EOS made certain by a bias, the request stops at once — unless min_tokens holds it
+    back."""
     eos = llm.engine.tokenizer.eos_id
     assert eos is not None
     bias = {eos: 100}
     out = llm.generate(["ROMEO:"], SamplingParams(temperature=0, logit_bias=bias, max_tokens=20))[0]
     assert out.token_ids == [eos] and out.finish_reason == "stop"  # the control
-    out = llm.generate(["ROMEO:"], SamplingParams(temperature=0, logit_bias=bias, min_tokens=5, max_tokens=20))[0]
+    out = llm.generate(["ROMEO:"],
+                       SamplingParams(temperature=0, logit_bias=bias, min_tokens=5,
+                                      max_tokens=20))[0]
     assert len(out.token_ids) == 6 and out.token_ids[-1] == eos and eos not in out.token_ids[:5]
 
 
@@ -121,22 +134,29 @@ def test_include_stop_str_in_output(llm):
 
 
 def test_stop_strings_wait_for_min_tokens(llm):
-    plain = llm.generate(["ROMEO:"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
+    plain = llm.generate(["ROMEO:"],
+                         SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
     stop = plain.text[:3]  # hit by the first few tokens
-    early = llm.generate(["ROMEO:"], SamplingParams(temperature=0, max_tokens=30, stop=[stop], ignore_eos=True))[0]
-    late = llm.generate(["ROMEO:"], SamplingParams(temperature=0, max_tokens=30, stop=[stop], ignore_eos=True,
+    early = llm.generate(["ROMEO:"],
+                         SamplingParams(temperature=0, max_tokens=30, stop=[stop],
+                                        ignore_eos=True))[0]
+    late = llm.generate(["ROMEO:"],
+                        SamplingParams(temperature=0, max_tokens=30, stop=[stop], ignore_eos=True,
                                                    min_tokens=20))[0]
     assert len(early.token_ids) < 20 <= len(late.token_ids)
 
 
 def test_logit_bias_outside_the_vocabulary_is_refused(llm):
-    with pytest.raises(NanoserveError, match="logit_bias: token id 999999 is outside the vocabulary"):
+    with pytest.raises(NanoserveError,
+                       match="logit_bias: token id 999999 is outside the vocabulary"):
         llm.generate(["x"], SamplingParams(logit_bias={999999: 1.0}))
 
 
 @pytest.mark.parametrize("kw,field", [
-    (dict(min_p=1.5), "min_p"), (dict(min_p=-0.1), "min_p"), (dict(presence_penalty=2.5), "presence_penalty"),
-    (dict(frequency_penalty=float("nan")), "frequency_penalty"), (dict(logit_bias={1: 101}), "logit_bias"),
+    (dict(min_p=1.5), "min_p"), (dict(min_p=-0.1), "min_p"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=float("nan")), "frequency_penalty"),
+    (dict(logit_bias={1: 101}), "logit_bias"),
     (dict(logit_bias={-1: 1}), "logit_bias"), (dict(logit_bias={"a": 1}), "logit_bias"),
     (dict(min_tokens=10, max_tokens=5), "min_tokens"), (dict(min_tokens=-1), "min_tokens")])
 def test_bad_extras_are_refused_by_name(kw, field):
@@ -145,10 +165,15 @@ def test_bad_extras_are_refused_by_name(kw, field):
 
 
 def test_stop_strings_are_looked_for_from_the_min_tokens_th_token(llm):
-    """vLLM checks stop strings once len(output) >= min_tokens: a stop string the 2nd token completes stops a
-    min_tokens=2 request right there (a check from the 3rd token on would miss it for good)."""
-    plain = llm.generate(["ROMEO:"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].text
-    i = next(i for i in range(1, len(plain)) if plain[i] not in plain[:i])  # a char not seen before it
-    out = llm.generate(["ROMEO:"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[plain[i]],
+    """vLLM checks stop strings once len(output) >= min_tokens: a stop string the 2nd token
+    completes stops a min_tokens=2 request right there (a check from the 3rd token on would miss it
+    for good)."""
+    plain = llm.generate(["ROMEO:"],
+                         SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].text
+    # a char not seen before it
+    i = next(i for i in range(1, len(plain)) if plain[i] not in plain[:i])
+    out = llm.generate(["ROMEO:"],
+                       SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                      stop=[plain[i]],
                                                   min_tokens=i + 1))[0]
     assert len(out.token_ids) == i + 1 and out.text == plain[:i] and out.finish_reason == "stop"

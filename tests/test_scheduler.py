@@ -18,8 +18,10 @@ BS = 4
 
 def _workload(n=64, seed=0, shared_prefix=()):
     rng = random.Random(seed)
-    prompts = [list(shared_prefix) + [rng.randrange(1, 256) for _ in range(rng.randint(1, 40))] for _ in range(n)]
-    params = [SamplingParams(temperature=0, max_tokens=rng.randint(1, 24), ignore_eos=True) for _ in range(n)]
+    prompts = [list(shared_prefix) + [rng.randrange(1,
+                                                    256) for _ in range(rng.randint(1, 40))] for _ in range(n)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(1, 24),
+                             ignore_eos=True) for _ in range(n)]
     return prompts, params
 
 
@@ -56,7 +58,8 @@ def _run_batched(engine: LLMEngine, prompts, params):
 @pytest.mark.parametrize("chunked", [True, False])
 def test_batched_equals_alone(path, reference, chunked):
     prompts, params = _workload()
-    engine = LLMEngine.from_kwargs(path, block_size=BS, num_blocks=512, max_num_seqs=16, max_num_batched_tokens=256,
+    engine = LLMEngine.from_kwargs(path, block_size=BS, num_blocks=512, max_num_seqs=16,
+                                   max_num_batched_tokens=256,
                        enable_chunked_prefill=chunked, enable_prefix_caching=False)
     got, max_batch = _run_batched(engine, prompts, params)
     assert max_batch > 8  # it really batched
@@ -65,7 +68,8 @@ def test_batched_equals_alone(path, reference, chunked):
 
 def test_small_pool_preempts_and_still_equals_alone(path, reference):
     prompts, params = _workload(seed=1)
-    engine = LLMEngine.from_kwargs(path, block_size=BS, num_blocks=40, max_num_seqs=32, max_num_batched_tokens=64,
+    engine = LLMEngine.from_kwargs(path, block_size=BS, num_blocks=40, max_num_seqs=32,
+                                   max_num_batched_tokens=64,
                        enable_prefix_caching=False)
     got, _ = _run_batched(engine, prompts, params)
     assert engine.scheduler.num_preemptions > 0, "the pool was meant to be too small"
@@ -98,8 +102,10 @@ def test_prefix_caching_in_a_batch_equals_alone(path, reference):
 
 def test_abort_mid_generation_frees_every_block(path):
     engine = LLMEngine.from_kwargs(path, block_size=BS, num_blocks=128)
-    keep = engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
-    gone = engine.add_request(list(range(5, 30)), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    keep = engine.add_request([1, 2, 3],
+                              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    gone = engine.add_request(list(range(5, 30)),
+                              SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
     for _ in range(5):
         engine.step()
     engine.abort_request(gone)
@@ -137,7 +143,8 @@ def test_full_waiting_queue_rejects_instead_of_growing(path):
     ({"max_num_seqs": 0}, "max_num_seqs=0 must be an integer ≥ 1"),
     ({"max_num_batched_tokens": -4}, "max_num_batched_tokens=-4"),
     ({"max_waiting": 0}, "max_waiting=0"),
-    ({"enable_chunked_prefill": False, "max_num_batched_tokens": 64}, "must be ≥ the context length 256"),
+    ({"enable_chunked_prefill": False, "max_num_batched_tokens": 64},
+     "must be ≥ the context length 256"),
 ])
 def test_bad_scheduler_settings_fail_at_construction(path, kwargs, match):
     with pytest.raises(NanoserveError, match=match):
@@ -148,7 +155,8 @@ def test_timestamps_feed_the_metrics(path):
     from nanoserve.tools.metrics import RequestMetrics, summarize
 
     llm = LLM(path, block_size=BS, num_blocks=128)
-    outs = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    outs = llm.generate([[1, 2, 3], [4, 5]],
+                        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     ms = [RequestMetrics.from_output(o) for o in outs]
     for m in ms:
         assert len(m.token_times) == 6 and m.ttft >= 0 and m.queue_time >= 0
@@ -160,7 +168,8 @@ def test_preemption_without_recompute_is_caught(path, reference):
     """Negative control: resuming a preempted sequence as if its KV were still there (no recompute)
     must break the equality above."""
     prompts, params = _workload(seed=1)
-    engine = LLMEngine.from_kwargs(path, block_size=BS, num_blocks=40, max_num_seqs=32, max_num_batched_tokens=64,
+    engine = LLMEngine.from_kwargs(path, block_size=BS, num_blocks=40, max_num_seqs=32,
+                                   max_num_batched_tokens=64,
                        enable_prefix_caching=False)
     bm = engine.block_allocator
     allocate = bm.allocate
@@ -208,7 +217,9 @@ def test_async_engine_serves_concurrent_consumers_and_aborts_the_abandoned(path)
         return last.token_ids
 
     async def abandon(prompt):
-        async for out in aengine.generate(prompt, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)):
+        async for out in aengine.generate(prompt,
+                                          SamplingParams(temperature=0, max_tokens=100,
+                                                         ignore_eos=True)):
             if len(out.token_ids) >= 2:
                 break  # the client goes away
 
@@ -243,7 +254,8 @@ def test_enqueue_compares_log_n_keys_and_keeps_the_order(monkeypatch):
 
     monkeypatch.setattr(Sequence, "sort_key", property(counted))
     rng, n = random.Random(0), 4000
-    seqs = [Sequence([1], priority=rng.choice([0, 0, 0, 1, -1]), arrival_time=float(i)) for i in range(n)]
+    seqs = [Sequence([1], priority=rng.choice([0, 0, 0, 1, -1]),
+                     arrival_time=float(i)) for i in range(n)]
 
     def fill() -> list:
         s = Scheduler(SchedulerConfig(), BlockAllocator(8, BS), max_model_len=64)

@@ -72,7 +72,8 @@ PROMPTS = ["ROMEO:", "First Citizen:\nWe are accounted poor citizens", [72, 101,
 def test_greedy_completion_equals_llm_generate_with_usage(server, reference, prompt):
     params = SamplingParams(temperature=0, max_tokens=24)
     want = reference.generate([prompt], params)[0]
-    got = server.client().completions.create(model="demo-chat", prompt=prompt, max_tokens=24, temperature=0)
+    got = server.client().completions.create(model="demo-chat", prompt=prompt, max_tokens=24,
+                                             temperature=0)
     assert got.choices[0].text == want.text
     assert got.choices[0].finish_reason == want.finish_reason
     assert got.usage.prompt_tokens == len(reference.encode_prompt(prompt))
@@ -82,7 +83,8 @@ def test_greedy_completion_equals_llm_generate_with_usage(server, reference, pro
 
 def test_streamed_completion_equals_llm_generate(server, reference):
     want = reference.generate(["JULIET:"], SamplingParams(temperature=0, max_tokens=30))[0]
-    stream = server.client().completions.create(model="demo-chat", prompt="JULIET:", max_tokens=30, temperature=0,
+    stream = server.client().completions.create(model="demo-chat", prompt="JULIET:", max_tokens=30,
+                                                temperature=0,
                                                 stream=True, stream_options={"include_usage": True})
     chunks = list(stream)
     text = "".join(c.choices[0].text for c in chunks if c.choices)
@@ -94,14 +96,16 @@ def test_streamed_completion_equals_llm_generate(server, reference):
 
 
 def test_include_usage_puts_usage_on_exactly_one_chunk(server):
-    chunks = list(server.client().completions.create(model="demo-chat", prompt="KING:", max_tokens=6, stream=True,
+    chunks = list(server.client().completions.create(model="demo-chat", prompt="KING:",
+                                                     max_tokens=6, stream=True,
                                                      stream_options={"include_usage": True}))
     with_usage = [c for c in chunks if c.usage is not None]
     assert len(with_usage) == 1 and with_usage[0] is chunks[-1] and chunks[-1].choices == []
 
 
 def test_streamed_n_and_batched_prompts_equal_the_plain_response(server):
-    kw = dict(model="demo-chat", prompt=["ROMEO:", "JULIET:"], max_tokens=12, temperature=0.9, seed=5, n=2)
+    kw = dict(model="demo-chat", prompt=["ROMEO:", "JULIET:"], max_tokens=12, temperature=0.9,
+              seed=5, n=2)
     plain = server.client().completions.create(**kw)
     texts: dict[int, str] = {}
     reasons: dict[int, str] = {}
@@ -116,20 +120,23 @@ def test_streamed_n_and_batched_prompts_equal_the_plain_response(server):
 
 def test_stream_is_server_sent_events_ending_with_done(server):
     status, hdrs, body = _http(server.port, "POST", "/v1/completions", json.dumps(
-        {"model": "demo-chat", "prompt": "ROMEO:", "max_tokens": 5, "temperature": 0, "stream": True}).encode())
+        {"model": "demo-chat", "prompt": "ROMEO:", "max_tokens": 5, "temperature": 0,
+         "stream": True}).encode())
     assert status == 200 and hdrs["content-type"].startswith("text/event-stream")
     events = [e for e in body.decode().split("\n\n") if e]
     assert all(e.startswith("data: ") for e in events)
     assert events[-1] == "data: [DONE]"
     chunks = [json.loads(e[6:]) for e in events[:-1]]
     assert all(c["object"] == "text_completion" for c in chunks)
-    assert chunks[-1]["usage"]["completion_tokens"] == 5  # usage rides on the chunk that ends the stream
+    # usage rides on the chunk that ends the stream
+    assert chunks[-1]["usage"]["completion_tokens"] == 5
 
 
 def test_seeded_samples_and_n_equal_llm_generate(server, reference):
     params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=20, seed=7, n=3)
     want = reference.generate(["KING:"], params)[0]
-    got = server.client().completions.create(model="demo-chat", prompt="KING:", max_tokens=20, temperature=0.9,
+    got = server.client().completions.create(model="demo-chat", prompt="KING:", max_tokens=20,
+                                             temperature=0.9,
                                              top_p=0.95, seed=7, n=3)
     assert [c.index for c in got.choices] == [0, 1, 2]
     assert [c.text for c in got.choices] == [o.text for o in want.outputs]
@@ -140,7 +147,8 @@ def test_seeded_samples_and_n_equal_llm_generate(server, reference):
 def test_stop_strings_and_batched_prompts(server, reference):
     params = SamplingParams(temperature=0, max_tokens=40, stop=[" matter", "xyz"])
     want = reference.generate(["ROMEO:\n", "JULIET:\n"], params)
-    got = server.client().completions.create(model="demo-chat", prompt=["ROMEO:\n", "JULIET:\n"], max_tokens=40,
+    got = server.client().completions.create(model="demo-chat", prompt=["ROMEO:\n", "JULIET:\n"],
+                                             max_tokens=40,
                                              temperature=0, stop=[" matter", "xyz"])
     assert [c.index for c in got.choices] == [0, 1]
     assert [c.text for c in got.choices] == [w.text for w in want]
@@ -148,25 +156,31 @@ def test_stop_strings_and_batched_prompts(server, reference):
 
 
 def test_streamed_text_with_stop_strings_equals_the_plain_response(server, reference):
-    """Text that could still turn into a stop string is held back, never sent and then taken back."""
-    kw = dict(model="demo-chat", prompt="ROMEO:\n", max_tokens=40, temperature=0, stop=[" the state", " matter"])
+    """Text that could still turn into a stop string is held back, never sent and then taken
+    back."""
+    kw = dict(model="demo-chat", prompt="ROMEO:\n", max_tokens=40, temperature=0,
+              stop=[" the state", " matter"])
     plain = server.client().completions.create(**kw)
     streamed = "".join(c.choices[0].text for c in server.client().completions.create(**kw, stream=True))
-    want = reference.generate([kw["prompt"]], SamplingParams(temperature=0, max_tokens=40, stop=kw["stop"]))[0]
+    want = reference.generate([kw["prompt"]],
+                              SamplingParams(temperature=0, max_tokens=40, stop=kw["stop"]))[0]
     assert streamed == plain.choices[0].text == want.text and want.finish_reason == "stop"
 
 
 def test_chat_completion_equals_llm_generate_on_the_template(server, reference, chat_model):
-    messages = [{"role": "system", "content": "Speak as Romeo."}, {"role": "user", "content": "Who goes there?"}]
+    messages = [{"role": "system", "content": "Speak as Romeo."},
+                {"role": "user", "content": "Who goes there?"}]
     ids = load_chat_template(chat_model, reference.tokenizer).encode(messages, reference.tokenizer)
     assert ids.count(256) == 3  # the special token became its id, not the bytes of "<|endoftext|>"
     want = reference.generate([ids], SamplingParams(temperature=0, max_tokens=25))[0]
     client = server.client()
-    got = client.chat.completions.create(model="demo-chat", messages=messages, max_tokens=25, temperature=0)
+    got = client.chat.completions.create(model="demo-chat", messages=messages, max_tokens=25,
+                                         temperature=0)
     assert got.choices[0].message.role == "assistant"
     assert got.choices[0].message.content == want.text
     assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(ids), len(want.token_ids))
-    chunks = list(client.chat.completions.create(model="demo-chat", messages=messages, max_tokens=25, temperature=0,
+    chunks = list(client.chat.completions.create(model="demo-chat", messages=messages,
+                                                 max_tokens=25, temperature=0,
                                                  stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
@@ -180,13 +194,15 @@ def test_models_and_health(server):
     assert status == 200 and json.loads(body) == {"status": "ok"}
 
 
-# ----------------------------------------------------------------------------- load and cancellation
+# ----------------------------------------------------------------------------- load and
+# cancellation
 def test_64_concurrent_streams_finish_and_the_pool_is_whole(server):
     lengths = [8 + (i * 7) % 40 for i in range(64)]  # 8..47 tokens each
 
     async def one(client, i):
         stream = await client.completions.create(
-            model="demo-chat", prompt=f"Citizen {i}:", max_tokens=lengths[i], temperature=0.8, seed=i, stream=True,
+            model="demo-chat", prompt=f"Citizen {i}:", max_tokens=lengths[i], temperature=0.8,
+            seed=i, stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
         pieces, usage = 0, None
         async for chunk in stream:
@@ -205,14 +221,16 @@ def test_64_concurrent_streams_finish_and_the_pool_is_whole(server):
     results = asyncio.run(main())
     assert [tokens for _, tokens in results] == lengths
     assert [pieces for pieces, _ in results] == lengths  # every token streamed as its own chunk
-    assert server.engine.num_steps - before < sum(lengths) / 4  # they were batched, not served one by one
+    # they were batched, not served one by one
+    assert server.engine.num_steps - before < sum(lengths) / 4
     _wait_for(lambda: _pool_whole(server.engine), "the pool to be whole", timeout=10)
     server.engine.engine.block_allocator.check_invariants()
 
 
 def _hang_up_held(server, monkeypatch) -> tuple[StepGate, str]:
     """Stream, read two events, hold the engine, hang up, and wait until the server has seen it
-    (the request's consumer is gone). Steps are then released one by one: nothing depends on speed."""
+    (the request's consumer is gone). Steps are then released one by one: nothing depends on
+    speed."""
     _wait_for(lambda: _pool_whole(server.engine), "an idle server", timeout=30)
     gate = StepGate(server, monkeypatch)
     body = json.dumps({"model": "demo-chat", "prompt": "ROMEO:", "max_tokens": 120, "stream": True,
@@ -226,7 +244,8 @@ def _hang_up_held(server, monkeypatch) -> tuple[StepGate, str]:
             seen += chunk
         rid = next(iter(server.engine.engine.requests))
         gate.hold()  # from here each step waits for a permit (a step already running finishes)
-    _wait_for(lambda: rid not in server.engine._queues, "the server to notice the hang-up", timeout=30)
+    _wait_for(lambda: rid not in server.engine._queues, "the server to notice the "
+                                                        "hang-up", timeout=30)
     return gate, rid
 
 
@@ -262,7 +281,8 @@ def test_client_disconnect_while_waiting_for_a_plain_response_aborts(server):
     aborted = ("nanoserve_request_finished_total", (("finish_reason", "abort"),))
     before = _scrape(server.port).get(aborted, 0)
     core = server.engine.engine
-    body = json.dumps({"model": "demo-chat", "prompt": "ROMEO:", "max_tokens": 120, "ignore_eos": True}).encode()
+    body = json.dumps({"model": "demo-chat", "prompt": "ROMEO:", "max_tokens": 120,
+                       "ignore_eos": True}).encode()
     with socket.create_connection(("127.0.0.1", server.port), timeout=DEADLINE) as s:
         s.sendall(_request_bytes("POST", "/v1/completions", body))
         _wait_for(lambda: core.requests, "the request to start", timeout=30)
@@ -289,16 +309,19 @@ def test_malformed_json_is_400_with_an_openai_error_body(server):
     ({"top_p": "high"}, "field 'top_p'"),
     ({"max_tokens": 0}, "max_tokens=0"),
     ({"n": 0}, "n=0"),
-    ({"stream_options": {"include_usage": True}}, "stream_options is only allowed with stream=true"),
+    ({"stream_options": {"include_usage": True}},
+     "stream_options is only allowed with stream=true"),
 ])
 def test_bad_fields_are_400_naming_them(server, extra, says):
-    status, _, body = _post(server.port, "/v1/completions", {"model": "demo-chat", "prompt": "Hi", **extra})
+    status, _, body = _post(server.port, "/v1/completions",
+                            {"model": "demo-chat", "prompt": "Hi", **extra})
     assert status == 400, body
     assert says in body["error"]["message"]
 
 
 def test_no_op_values_of_unimplemented_fields_are_accepted(server):
-    got = server.client().completions.create(model="demo-chat", prompt="Hi", max_tokens=2, frequency_penalty=0,
+    got = server.client().completions.create(model="demo-chat", prompt="Hi", max_tokens=2,
+                                             frequency_penalty=0,
                                              presence_penalty=0.0, logprobs=None, echo=False)
     assert got.usage.completion_tokens == 2
 
@@ -321,7 +344,8 @@ def test_missing_required_fields_and_wrong_model(server):
 
 def test_api_key_is_required_on_v1_only(server):
     with pytest.raises(openai.AuthenticationError):
-        server.client(api_key="wrong").completions.create(model="demo-chat", prompt="Hi", max_tokens=2)
+        server.client(api_key="wrong").completions.create(model="demo-chat", prompt="Hi",
+                                                          max_tokens=2)
     status, _, body = _post(server.port, "/v1/completions", {"model": "demo-chat", "prompt": "Hi"},
                             headers={"Authorization": None})
     assert status == 401 and body["error"]["code"] == "invalid_api_key"
@@ -330,17 +354,20 @@ def test_api_key_is_required_on_v1_only(server):
 
 
 def test_the_key_is_checked_before_the_body_is_read(server):
-    status, _, body = _post(server.port, "/v1/completions", b'{"not json', headers={"Authorization": None})
+    status, _, body = _post(server.port, "/v1/completions", b'{"not json',
+                            headers={"Authorization": None})
     assert status == 401 and body["error"]["type"] == "authentication_error"
 
 
 def test_unknown_routes_are_404_with_an_openai_body_and_one_metric_label(server):
-    before = _scrape(server.port).get(("nanoserve_http_requests_total", (("endpoint", "other"), ("status", "404"))), 0)
+    before = _scrape(server.port).get(("nanoserve_http_requests_total",
+                                       (("endpoint", "other"), ("status", "404"))), 0)
     for path in ("/v1/embeddings", "/nope-1", "/nope-2"):
         status, _, data = _http(server.port, "GET", path)
         assert status == 404 and json.loads(data)["error"]["message"].startswith(f"GET {path}")
     after = _scrape(server.port)
-    assert after[("nanoserve_http_requests_total", (("endpoint", "other"), ("status", "404")))] == before + 3
+    assert after[("nanoserve_http_requests_total",
+                  (("endpoint", "other"), ("status", "404")))] == before + 3
     assert not any("nope" in str(labels) for _, labels in after)
 
 
@@ -354,7 +381,8 @@ def small_server():
 
 
 def _paused(srv: LiveServer, monkeypatch) -> threading.Event:
-    """Hold every engine step until the returned event is set: requests queue up deterministically."""
+    """Hold every engine step until the returned event is set: requests queue up
+    deterministically."""
     go = threading.Event()
     step = srv.engine._step
 
@@ -370,13 +398,15 @@ def test_full_queue_is_429_with_retry_after(small_server, monkeypatch):
     srv = small_server
     _wait_for(lambda: _pool_whole(srv.engine), "an idle server", timeout=30)
     go = _paused(srv, monkeypatch)
-    long = json.dumps({"model": "demo", "prompt": "A", "max_tokens": 120, "ignore_eos": True, "stream": True}).encode()
+    long = json.dumps({"model": "demo", "prompt": "A", "max_tokens": 120, "ignore_eos": True,
+                       "stream": True}).encode()
     try:
         with socket.create_connection(("127.0.0.1", srv.port), timeout=DEADLINE) as waiting:
             waiting.sendall(_request_bytes("POST", "/v1/completions", long))
             _wait_for(lambda: len(srv.engine.engine.scheduler.waiting) + srv.engine.num_pending == 1,
                       "the first request to take the one waiting slot", timeout=30)
-            status, hdrs, body = _post(srv.port, "/v1/completions", {"model": "demo", "prompt": "B"})
+            status, hdrs, body = _post(srv.port, "/v1/completions",
+                                       {"model": "demo", "prompt": "B"})
             go.set()
     finally:
         go.set()
@@ -386,10 +416,12 @@ def test_full_queue_is_429_with_retry_after(small_server, monkeypatch):
 
 
 def test_a_refused_batch_leaves_nothing_behind(small_server):
-    """Two prompts, one waiting slot: the first is queued, the second refused, and the first undone."""
+    """Two prompts, one waiting slot: the first is queued, the second refused, and the first
+    undone."""
     srv = small_server
     _wait_for(lambda: _pool_whole(srv.engine), "an idle server", timeout=30)
-    status, _, body = _post(srv.port, "/v1/completions", {"model": "demo", "prompt": ["a", "b"], "max_tokens": 4})
+    status, _, body = _post(srv.port, "/v1/completions",
+                            {"model": "demo", "prompt": ["a", "b"], "max_tokens": 4})
     assert status == 429
     assert srv.engine._queues == {} and srv.engine.num_pending == 0 and _pool_whole(srv.engine)
 
@@ -414,8 +446,10 @@ def test_metrics_parse_and_count_what_was_sent(small_server):
     before = _scrape(srv.port)
     client = openai.OpenAI(base_url=srv.url, api_key="none", max_retries=0, timeout=DEADLINE)
     lengths = [3, 5, 9]
-    prompt = list(range(65, 105))  # 40 token ids: 3 blocks of 16, of which 2 full blocks can be prefix hits
-    outs = [client.completions.create(model="demo", prompt=prompt, max_tokens=k, extra_body={"ignore_eos": True})
+    # 40 token ids: 3 blocks of 16, of which 2 full blocks can be prefix hits
+    prompt = list(range(65, 105))
+    outs = [client.completions.create(model="demo", prompt=prompt, max_tokens=k,
+                                      extra_body={"ignore_eos": True})
             for k in lengths]
     for bad in ({"temperature": -1}, {"foo": 1}):
         assert _post(srv.port, "/v1/completions", {"model": "demo", "prompt": "x", **bad})[0] == 400
@@ -430,9 +464,12 @@ def test_metrics_parse_and_count_what_was_sent(small_server):
     assert d("nanoserve_time_to_first_token_seconds_count") == 3
     assert d("nanoserve_e2e_request_latency_seconds_count") == 3
     assert d("nanoserve_inter_token_latency_seconds_count") == sum(k - 1 for k in lengths)
-    assert after[("nanoserve_num_requests_running", ())] == 0 and after[("nanoserve_num_requests_waiting", ())] == 0
-    assert after[("nanoserve_kv_cache_blocks_free", ())] == after[("nanoserve_kv_cache_blocks_total", ())] == 64
-    # each request looks up its 3 blocks; the 2nd and 3rd find the first 2 cached (the last one is always computed)
+    assert after[("nanoserve_num_requests_running",
+                  ())] == 0 and after[("nanoserve_num_requests_waiting", ())] == 0
+    assert after[("nanoserve_kv_cache_blocks_free",
+                  ())] == after[("nanoserve_kv_cache_blocks_total", ())] == 64
+    # each request looks up its 3 blocks; the 2nd and 3rd find the first 2 cached (the last one is
+    # always computed)
     assert d("nanoserve_prefix_cache_queries_total") == 9 and d("nanoserve_prefix_cache_hits_total") == 4
     hits, queries = (after[(f"nanoserve_prefix_cache_{k}_total", ())] for k in ("hits", "queries"))
     assert after[("nanoserve_prefix_cache_hit_rate", ())] == pytest.approx(hits / queries)
@@ -448,7 +485,8 @@ def test_metrics_show_speculative_acceptance_when_enabled():
         m = _scrape(srv.port)
         drafted, accepted = m[("nanoserve_spec_decode_draft_tokens_total", ())], m[
             ("nanoserve_spec_decode_accepted_tokens_total", ())]
-        assert drafted > 0 and m[("nanoserve_spec_decode_acceptance_rate", ())] == pytest.approx(accepted / drafted)
+        assert drafted > 0 and m[("nanoserve_spec_decode_acceptance_rate",
+                                  ())] == pytest.approx(accepted / drafted)
     finally:
         srv.stop()
 
@@ -460,27 +498,34 @@ def test_a_failed_engine_answers_500_then_503_and_health_stays_503(monkeypatch):
         def broken():
             raise RuntimeError("boom")
         monkeypatch.setattr(core, "step", broken)
-        status, _, body = _post(srv.port, "/v1/completions", {"model": "demo", "prompt": "Hi", "max_tokens": 3})
+        status, _, body = _post(srv.port, "/v1/completions",
+                                {"model": "demo", "prompt": "Hi", "max_tokens": 3})
         assert status == 500 and body["error"]["type"] == "server_error" and "boom" in body["error"]["message"]
         assert _http(srv.port, "GET", "/health")[0] == 503
-        status, _, body = _post(srv.port, "/v1/completions", {"model": "demo", "prompt": "Hi", "max_tokens": 3})
+        status, _, body = _post(srv.port, "/v1/completions",
+                                {"model": "demo", "prompt": "Hi", "max_tokens": 3})
         assert status == 503 and body["error"]["code"] == "engine_unavailable"
-        assert _http(srv.port, "GET", "/health")[0] == 503  # a new request does not revive a broken engine
+        # a new request does not revive a broken engine
+        assert _http(srv.port, "GET", "/health")[0] == 503
         m = _scrape(srv.port)
         for code in ("500", "503"):
-            assert m[("nanoserve_http_requests_total", (("endpoint", "/v1/completions"), ("status", code)))] == 1
+            assert m[("nanoserve_http_requests_total",
+                      (("endpoint", "/v1/completions"), ("status", code)))] == 1
     finally:
         srv.stop()
 
 
-# ----------------------------------------------------------------------------- the CLI, a real process
+# ----------------------------------------------------------------------------- the CLI, a real
+# process
 def test_nanoserve_serve_cli_answers_the_openai_client_and_stops_on_sigint(reference):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     exe = Path(sys.executable).with_name("nanoserve")
-    proc = subprocess.Popen([str(exe), "serve", "--model", "demo", "--port", str(port), "--log-level", "warning"],
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "NANOSERVE_API_KEY": ""})
+    proc = subprocess.Popen([str(exe), "serve", "--model", "demo", "--port", str(port),
+                             "--log-level", "warning"],
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "NANOSERVE_API_KEY": ""})
     try:
         def up():
             assert proc.poll() is None, proc.stderr.read()
@@ -489,7 +534,8 @@ def test_nanoserve_serve_cli_answers_the_openai_client_and_stops_on_sigint(refer
             except OSError:
                 return False
         _wait_for(up, "nanoserve serve to answer /health", timeout=DEADLINE, interval=0.2)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                               max_retries=0, timeout=60)
         got = client.completions.create(model="demo", prompt="ROMEO:", max_tokens=12, temperature=0)
         want = LLM("demo").generate(["ROMEO:"], SamplingParams(temperature=0, max_tokens=12))[0]
         assert got.choices[0].text == want.text
@@ -516,13 +562,15 @@ def test_bench_serve_counts_every_token_it_asked_for(server, tmp_path):
     from nanoserve.tools.bench_serve import SAFE_VOCAB, bench_serve, format_bench_serve
 
     out = tmp_path / "serve.json"
-    res = bench_serve(server.url, rates=(50.0,), n=8, in_range=(4, 12), out_range=(4, 12), slo_ttft_ms=60_000,
+    res = bench_serve(server.url, rates=(50.0,), n=8, in_range=(4, 12), out_range=(4, 12),
+                      slo_ttft_ms=60_000,
                       slo_tpot_ms=60_000, api_key=KEY, out=str(out))
     row = res["results"]["50.0"]
     assert row["failed"] == 0 and row["num_requests"] == 8
     _, params = make_workload(8, (4, 12), (4, 12), SAFE_VOCAB, 0)
     assert row["output_throughput"] * row["duration"] == pytest.approx(sum(p.max_tokens for p in params))
-    assert row["goodput"] == pytest.approx(row["request_throughput"])  # SLOs of a minute: every request is good
+    # SLOs of a minute: every request is good
+    assert row["goodput"] == pytest.approx(row["request_throughput"])
     assert 0 < row["ttft"]["p50"] <= row["ttft"]["p99"] and row["itl"]["p50"] > 0
     assert json.loads(out.read_text())["results"]["50.0"]["num_requests"] == 8
     assert "50.0" in format_bench_serve(res)

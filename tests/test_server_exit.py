@@ -1,10 +1,11 @@
 """`nanoserve serve` whose engine dies stops by itself (nanoserve/serving/server.py, serve).
 
-The real command in a subprocess, with its model split over 2 processes (--pipeline-parallel-size 2): it
-serves; its worker is killed; the request that finds the dead worker gets a 500 naming the rank; then the
-server finishes what is in flight and exits with status 1, its last words naming the error — where a server
-left up would answer 503 forever. Every wait reads the server's own output or waits on its exit (deadlines, no
-sleeps). The in-process behaviour (500, then 503 and /health 503) is tests/test_tensor_parallel_engine.py's.
+The real command in a subprocess, with its model split over 2 processes (--pipeline-parallel-size
+2): it serves; its worker is killed; the request that finds the dead worker gets a 500 naming the
+rank; then the server finishes what is in flight and exits with status 1, its last words naming the
+error — where a server left up would answer 503 forever. Every wait reads the server's own output or
+waits on its exit (deadlines, no sleeps). The in-process behaviour (500, then 503 and /health 503)
+is tests/test_tensor_parallel_engine.py's.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ DEADLINE = 180  # seconds: no wait here is longer
 
 
 def _read_until(proc: subprocess.Popen, needle: str, seen: list[str]) -> None:
-    """The server's stderr, line by line, until a line holds `needle` (fails at the deadline or at its exit)."""
+    """The server's stderr, line by line, until a line holds `needle` (fails at the deadline or at
+    its exit)."""
     end = time.monotonic() + DEADLINE
     while True:
         ready, _, _ = select.select([proc.stderr], [], [], max(0.0, end - time.monotonic()))
@@ -47,19 +49,23 @@ def _children(pid: int) -> list[int]:
 def test_the_server_exits_by_itself_when_its_engine_dies():
     pytest.importorskip("uvicorn")
     port, seen = free_port(), []
-    proc = subprocess.Popen([sys.executable, "-m", "nanoserve", "serve", "--model", "demo", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "nanoserve", "serve", "--model", "demo",
+                             "--port", str(port),
                              "--pipeline-parallel-size", "2", "--log-level", "info"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         _read_until(proc, "Uvicorn running on", seen)
-        body = json.dumps({"model": "demo", "prompt": "ROMEO:", "max_tokens": 4, "temperature": 0}).encode()
+        body = json.dumps({"model": "demo", "prompt": "ROMEO:", "max_tokens": 4,
+                           "temperature": 0}).encode()
         ask = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(ask, timeout=DEADLINE) as answer:
                 assert answer.status == 200
-        except urllib.error.HTTPError as e:  # say what the server said (its answer and its log so far)
-            raise AssertionError(f"first request: {e.code} {e.read().decode()[:2000]}\n{''.join(seen)[-3000:]}") from e
+        # say what the server said (its answer and its log so far)
+        except urllib.error.HTTPError as e:
+            raise AssertionError(f"first request: {e.code} "
+                                 f"{e.read().decode()[:2000]}\n{''.join(seen)[-3000:]}") from e
         workers = [p for p in _children(proc.pid) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()
                    and b"resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes()]
         assert len(workers) == 1, workers

@@ -41,26 +41,31 @@ from nanoserve.serving.server import create_app  # noqa: E402
 
 @pytest.fixture(scope="module")
 def srv():
-    server = LiveServer(create_app(AsyncLLMEngine(poisoned_engine()), "demo", max_body_bytes=64 * 1024))
+    server = LiveServer(create_app(AsyncLLMEngine(poisoned_engine()), "demo",
+                                   max_body_bytes=64 * 1024))
     yield server
     server.stop()
 
 
 def _ok_afterwards(srv) -> None:
     """A normal request and /health succeed, and every block is back in the pool."""
-    status, _, body = _post(srv.port, "/v1/completions", {"model": "demo", "prompt": "ROMEO:", "max_tokens": 3})
+    status, _, body = _post(srv.port, "/v1/completions",
+                            {"model": "demo", "prompt": "ROMEO:", "max_tokens": 3})
     assert status == 200 and body["usage"]["completion_tokens"] == 3, body
     assert _http(srv.port, "GET", "/health")[0] == 200
     _wait_for(lambda: _pool_whole(srv.engine), "the pool to be whole", timeout=30)
     srv.engine.engine.block_allocator.check_invariants()
 
 
-# ----------------------------------------------------------------------------- the bodies from the issue
+# ----------------------------------------------------------------------------- the bodies from the
+# issue
 @pytest.mark.parametrize("body, says", [
-    ({"prompt": "a", "max_tokens": 3, "n": 2, "seed": 18446744073709551615}, "seed=18446744073709551615"),
+    ({"prompt": "a", "max_tokens": 3, "n": 2, "seed": 18446744073709551615},
+     "seed=18446744073709551615"),
     ({"prompt": "a", "max_tokens": 3, "n": 2, "seed": 2**63 - 1}, "n=2"),
     ({"prompt": "hi", "max_tokens": 3, "top_p": 1e-300}, "top_p=1e-300"),
-    ({"prompt": "aaaa", "max_tokens": 5, "repetition_penalty": 1e-300}, "repetition_penalty=1e-300"),
+    ({"prompt": "aaaa", "max_tokens": 5, "repetition_penalty": 1e-300},
+     "repetition_penalty=1e-300"),
     ({"prompt": "a", "seed": 2**64}, "seed=18446744073709551616"),
     ({"prompt": "a", "seed": -2**63 - 1}, "seed=-9223372036854775809"),
     ({"prompt": "a", "max_tokens": "5"}, "field 'max_tokens'"),
@@ -90,11 +95,13 @@ def _read_stream(port: int, body: dict, into: dict) -> None:
 
 
 def _poison_beside_a_stream(srv, monkeypatch, poison_stream: bool = False) -> dict:
-    """Stream A runs; the engine is held while a POISON request joins; then both run in one batch."""
+    """Stream A runs; the engine is held while a POISON request joins; then both run in one
+    batch."""
     _wait_for(lambda: _pool_whole(srv.engine), "an idle server", timeout=30)
     gate = StepGate(srv, monkeypatch)
     a: dict = {}
-    body_a = {"model": "demo", "prompt": "ROMEO:", "max_tokens": 40, "ignore_eos": True, "stream": True,
+    body_a = {"model": "demo", "prompt": "ROMEO:", "max_tokens": 40, "ignore_eos": True,
+              "stream": True,
               "temperature": 0}
     ta = threading.Thread(target=_read_stream, args=(srv.port, body_a, a))
     ta.start()
@@ -109,7 +116,8 @@ def _poison_beside_a_stream(srv, monkeypatch, poison_stream: bool = False) -> di
     else:
         tb = threading.Thread(target=lambda: b.update(reply=_post(srv.port, "/v1/completions", body_b)))
     tb.start()
-    _wait_for(lambda: srv.engine.num_pending + len(core.scheduler.waiting) >= 1, "the POISON request to queue")
+    _wait_for(lambda: srv.engine.num_pending + len(core.scheduler.waiting) >= 1,
+              "the POISON request to queue")
     gate.open()
     tb.join(DEADLINE)
     ta.join(DEADLINE)
@@ -125,7 +133,9 @@ def _isolated(outcome: dict, expected_a: str) -> bool:
 
 @pytest.fixture(scope="module")
 def expected_a() -> str:
-    return LLM("demo").generate("ROMEO:", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].text
+    return LLM("demo").generate("ROMEO:",
+                                SamplingParams(temperature=0, max_tokens=40,
+                                               ignore_eos=True))[0].text
 
 
 def test_a_fault_in_one_row_is_a_500_for_that_request_alone(srv, monkeypatch, expected_a):
@@ -170,7 +180,8 @@ def _raw(port: int, head: bytes, body_pieces=()) -> bytes:
         for piece in body_pieces:
             s.sendall(piece)
         data = b""
-        while chunk := s.recv(65536):  # a reset here means the server closed before reading our body
+        # a reset here means the server closed before reading our body
+        while chunk := s.recv(65536):
             data += chunk
     return data
 
@@ -178,15 +189,19 @@ def _raw(port: int, head: bytes, body_pieces=()) -> bytes:
 def test_a_chunked_body_is_counted_as_it_arrives(srv):
     piece = b" " * 8192
     head = _request_bytes("POST", "/v1/completions", None, {"Transfer-Encoding": "chunked"})
-    chunks = [b"%x\r\n%s\r\n" % (len(piece), piece)] * 10 + [b"0\r\n\r\n"]  # 80 KB, no Content-Length
+    # 80 KB, no Content-Length
+    chunks = [b"%x\r\n%s\r\n" % (len(piece), piece)] * 10 + [b"0\r\n\r\n"]
     data = _raw(srv.port, head, chunks)
-    # the size is exact when the last chunk arrived with the one that crossed the limit, else "more than N"
-    assert data.startswith(b"HTTP/1.1 413") and re.search(rb"body is (more than \d+|81920) bytes", data), data[:400]
+    # the size is exact when the last chunk arrived with the one that crossed the limit, else "more
+    # than N"
+    assert data.startswith(b"HTTP/1.1 413") and re.search(rb"body is (more than \d+|81920) bytes",
+                                                          data), data[:400]
     _ok_afterwards(srv)
 
 
 def test_a_client_expecting_100_continue_is_refused_before_it_sends(srv):
-    head = _request_bytes("POST", "/v1/completions", None, {"Content-Length": str(10 << 20), "Expect": "100-continue"})
+    head = _request_bytes("POST", "/v1/completions", None,
+                          {"Content-Length": str(10 << 20), "Expect": "100-continue"})
     data = _raw(srv.port, head)  # the 10 MB body is never sent: the answer comes first
     assert data.startswith(b"HTTP/1.1 413") and b"10485760 bytes" in data, data[:300]
 

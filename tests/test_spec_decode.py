@@ -17,7 +17,8 @@ import torch
 from nanoserve import LLM, NanoserveError, SamplingParams
 from nanoserve.spec.spec_decode import SpecDecoder
 
-PROMPTS = ["ROMEO:\nWhat light through yonder", "To be, or not to be", "First Citizen:\nBefore we proceed any further,",
+PROMPTS = ["ROMEO:\nWhat light through yonder", "To be, or not to be",
+           "First Citizen:\nBefore we proceed any further,",
            "KING"]
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
@@ -64,7 +65,8 @@ def test_greedy_draft_model_equals_target_alone(plain, gamma):
 
 @pytest.mark.parametrize("gamma", [1, 3, 5])
 def test_greedy_ngram_equals_target_alone(plain, gamma):
-    llm = LLM("demo", block_size=4, speculative="ngram", num_speculative_tokens=gamma, speculative_adaptive=False)
+    llm = LLM("demo", block_size=4, speculative="ngram", num_speculative_tokens=gamma,
+              speculative_adaptive=False)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert {p: o.token_ids for p, o in zip(PROMPTS, outs)} == plain
     _whole(llm)
@@ -78,17 +80,20 @@ def test_draft_identical_to_target_is_always_accepted():
     out = llm.generate(["ROMEO:"], params, use_tqdm=False)[0]
     s = out.outputs[0].spec_stats
     assert s.num_accepted_tokens == s.num_draft_tokens  # α = 1
-    assert s.num_steps == 4 and s.tokens_per_step == gamma + 1  # the first token is plain, then 4 × (γ + 1)
+    # the first token is plain, then 4 × (γ + 1)
+    assert s.num_steps == 4 and s.tokens_per_step == gamma + 1
     _whole(llm)
 
 
 def test_sampling_is_seeded_and_blocks_return():
-    """With the controller's cost pinned (speculative_cost), γ follows α alone, so a seed fixes the tokens; the
-    measured default lets the machine's speed choose γ, and with it which random draws a sample consumes."""
+    """With the controller's cost pinned (speculative_cost), γ follows α alone, so a seed fixes the
+    tokens; the measured default lets the machine's speed choose γ, and with it which random draws a
+    sample consumes."""
     params = SamplingParams(temperature=0.8, top_k=40, max_tokens=30, seed=7, ignore_eos=True)
     runs = []
     for _ in range(2):
-        llm = LLM("demo", block_size=4, speculative_model="demo-draft", num_speculative_tokens=4, speculative_cost=0.1)
+        llm = LLM("demo", block_size=4, speculative_model="demo-draft", num_speculative_tokens=4,
+                  speculative_cost=0.1)
         runs.append([o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)])
         _whole(llm)
     assert runs[0] == runs[1]
@@ -103,14 +108,16 @@ def test_preemption_and_n_samples_with_speculation(plain):
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to be too small"
     assert {p: o.token_ids for p, o in zip(PROMPTS, outs)} == plain
-    two = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, n=2, ignore_eos=True),
+    two = llm.generate(PROMPTS[0],
+                       SamplingParams(temperature=0, max_tokens=12, n=2, ignore_eos=True),
                        use_tqdm=False)[0]
     assert [c.token_ids for c in two.outputs] == [plain[PROMPTS[0]][:12]] * 2
     _whole(llm)
 
 
 def test_abort_mid_generation_frees_both_pools():
-    llm = LLM("demo", block_size=4, speculative_model="demo-draft", num_speculative_tokens=4, speculative_cost=0.1)
+    llm = LLM("demo", block_size=4, speculative_model="demo-draft", num_speculative_tokens=4,
+              speculative_cost=0.1)
     e = llm.engine
     rid = e.add_request("ROMEO:", SamplingParams(max_tokens=60, ignore_eos=True))
     e.add_request("JULIET:", SamplingParams(max_tokens=8, ignore_eos=True))
@@ -143,8 +150,9 @@ def test_adaptive_gamma_switches_a_useless_draft_off(hf_checkpoints):
     """Greedy, the demo model with a tiny random model as the draft (α ≈ 0, cheap): it ends up
     speculating on few steps — the switch-off, with rare probes. The demo pair (α ≈ 0.5–0.6, a
     draft 11× smaller) keeps speculating on (nearly) every step. The target as its own draft has
-    α = 1 but costs as much as the target: no γ pays, so it is switched off too. The costs are pinned
-    (c = 0.1, 0.1, 1: what the parameter ratios say) so the choices depend on α alone, not on speed."""
+    α = 1 but costs as much as the target: no γ pays, so it is switched off too. The costs are
+    pinned (c = 0.1, 0.1, 1: what the parameter ratios say) so the choices depend on α alone, not on
+    speed."""
     path, other = str(hf_checkpoints["gpt2"][0]), str(hf_checkpoints["llama-mha"][0])
     params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
 
@@ -153,22 +161,29 @@ def test_adaptive_gamma_switches_a_useless_draft_off(hf_checkpoints):
         _whole(llm)
         return out.spec_stats
 
-    bad = stats(LLM("demo", speculative_model=other, num_speculative_tokens=4, speculative_cost=0.1), "ROMEO:\n")
-    assert bad.acceptance_rate < 0.2 and bad.num_steps < 16  # of 80 tokens: mostly plain steps once α is seen to be low
-    good = stats(LLM("demo", speculative_model="demo-draft", num_speculative_tokens=4, speculative_cost=0.1),
+    bad = stats(LLM("demo", speculative_model=other, num_speculative_tokens=4,
+                    speculative_cost=0.1), "ROMEO:\n")
+    # of 80 tokens: mostly plain steps once α is seen to be low
+    assert bad.acceptance_rate < 0.2 and bad.num_steps < 16
+    good = stats(LLM("demo", speculative_model="demo-draft", num_speculative_tokens=4,
+                     speculative_cost=0.1),
                  "ROMEO:\n")
-    assert good.acceptance_rate > 0.4 and good.num_emitted_tokens >= 70  # ≥ 70 of 80 tokens from speculative steps
-    itself = stats(LLM(path, speculative_model=path, num_speculative_tokens=4, speculative_cost=1.0), [1, 2, 3])
+    # ≥ 70 of 80 tokens from speculative steps
+    assert good.acceptance_rate > 0.4 and good.num_emitted_tokens >= 70
+    itself = stats(LLM(path, speculative_model=path, num_speculative_tokens=4,
+                       speculative_cost=1.0), [1, 2, 3])
     assert itself.acceptance_rate == 1.0 and itself.num_emitted_tokens < 30
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(speculative_model="demo-draft", num_speculative_tokens=0), r"num_speculative_tokens=0 must be an integer"),
+    (dict(speculative_model="demo-draft", num_speculative_tokens=0),
+     r"num_speculative_tokens=0 must be an integer"),
     (dict(speculative_model="demo-draft", num_speculative_tokens=17), r"num_speculative_tokens=17"),
     (dict(speculative="lookahead"), r"speculative='lookahead'; allowed: draft, ngram, medusa"),
     (dict(speculative="draft"), r"needs speculative_model"),
     (dict(speculative_model="/nonexistent/draft"), r"could not be loaded"),
-    (dict(speculative_model="demo-draft", speculative_cost=-1), r"speculative_cost=-1 must be a finite number ≥ 0"),
+    (dict(speculative_model="demo-draft", speculative_cost=-1),
+     r"speculative_cost=-1 must be a finite number ≥ 0"),
     (dict(speculative_model="demo-draft", speculative_cost="fast"), r"speculative_cost='fast'"),
 ])
 def test_bad_speculative_settings(kwargs, match):
@@ -191,13 +206,16 @@ def _stories260k():
 
 
 def test_spec_stats_are_consistent():
-    llm = LLM("demo", speculative_model="demo-draft", num_speculative_tokens=3, speculative_adaptive=False)
-    out = llm.generate("ROMEO:", SamplingParams(temperature=1.0, max_tokens=40, seed=1, ignore_eos=True),
+    llm = LLM("demo", speculative_model="demo-draft", num_speculative_tokens=3,
+              speculative_adaptive=False)
+    out = llm.generate("ROMEO:",
+                       SamplingParams(temperature=1.0, max_tokens=40, seed=1, ignore_eos=True),
                        use_tqdm=False)[0]
     s = out.outputs[0].spec_stats
     assert s.num_emitted_tokens == s.num_accepted_tokens + s.num_steps  # each step: accepted + 1
     assert s.num_emitted_tokens <= len(out.token_ids)
-    assert torch.isclose(torch.tensor(s.acceptance_rate), torch.tensor(s.num_accepted_tokens / s.num_draft_tokens))
+    assert torch.isclose(torch.tensor(s.acceptance_rate),
+                         torch.tensor(s.num_accepted_tokens / s.num_draft_tokens))
 
 
 def test_cli_generate_with_a_draft_model_matches_plain_greedy():
@@ -205,13 +223,17 @@ def test_cli_generate_with_a_draft_model_matches_plain_greedy():
     import sys
 
     def run(*extra):
-        r = subprocess.run([sys.executable, "-m", "nanoserve", "generate", "--prompt", "ROMEO:", "--max-tokens", "24",
-                            "--temperature", "0", *extra], capture_output=True, text=True, timeout=300)
+        r = subprocess.run([sys.executable, "-m", "nanoserve", "generate", "--prompt", "ROMEO:",
+                            "--max-tokens", "24",
+                            "--temperature", "0", *extra], capture_output=True, text=True,
+                           timeout=300)
         assert r.returncode == 0, r.stderr
         return r
 
     spec = run("--speculative-model", "demo-draft", "--num-speculative-tokens", "3")
     assert spec.stdout == run().stdout and "tokens/step=" in spec.stderr
-    bad = subprocess.run([sys.executable, "-m", "nanoserve", "generate", "--prompt", "x", "--speculative-model",
-                          "demo-draft", "--num-speculative-tokens", "0"], capture_output=True, text=True, timeout=300)
+    bad = subprocess.run([sys.executable, "-m", "nanoserve", "generate", "--prompt", "x",
+                          "--speculative-model",
+                          "demo-draft", "--num-speculative-tokens", "0"], capture_output=True,
+                         text=True, timeout=300)
     assert bad.returncode == 2 and "num_speculative_tokens=0" in bad.stderr and "Traceback" not in bad.stderr

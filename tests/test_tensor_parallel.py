@@ -1,12 +1,13 @@
-"""Tensor parallelism (nanoserve/parallel/): a model split over 2 (or 4) gloo processes on this CPU must compute
-what one process computes.
+"""Tensor parallelism (nanoserve/parallel/): a model split over 2 (or 4) gloo processes on this CPU
+must compute what one process computes.
 
-Oracle: the same checkpoint in one process (itself proven against transformers in test_models_parity.py).
-Logits within 1e-5 (fp32; the all-reduces sum the rows' partial products in another order) and 64 greedy
-tokens identical, on GPT-2 (fused qkv, biases, tied and vocabulary-padded: 257 ids over 2 ranks), a GQA Llama
-(untied head), Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms) over 4 ranks, which has 2 KV heads: each rank
-keeps a replica of the one its query heads share. Negative control: a row-parallel layer that skips its
-all-reduce. Refused by name: heads not divisible by the ranks, OLMo 2's whole-projection q/k norm, MoE.
+Oracle: the same checkpoint in one process (itself proven against transformers in
+test_models_parity.py). Logits within 1e-5 (fp32; the all-reduces sum the rows' partial products in
+another order) and 64 greedy tokens identical, on GPT-2 (fused qkv, biases, tied and
+vocabulary-padded: 257 ids over 2 ranks), a GQA Llama (untied head), Qwen2 (q/k/v biases), Qwen3
+(per-head q/k norms) over 4 ranks, which has 2 KV heads: each rank keeps a replica of the one its
+query heads share. Negative control: a row-parallel layer that skips its all-reduce. Refused by
+name: heads not divisible by the ranks, OLMo 2's whole-projection q/k norm, MoE.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from nanoserve.parallel.tensor_parallel import tp_unsupported
 IDS = [5, 17, 99, 3, 42, 8, 77, 1, 64, 23, 11, 90]
 
 
-@pytest.mark.parametrize("case,world", [("gpt2", 2), ("llama-gqa", 2), ("qwen2-bias", 2), ("qwen3-window", 4)])
+@pytest.mark.parametrize("case,world",
+                         [("gpt2", 2), ("llama-gqa", 2), ("qwen2-bias", 2), ("qwen3-window", 4)])
 def test_split_logits_equal_one_process(hf_checkpoints, case, world):
     path = hf_checkpoints[case][0]
     want = LLM(str(path), dtype="float32").logits(IDS)
@@ -36,8 +38,10 @@ def test_split_greedy_tokens_equal_one_process(hf_checkpoints):
     path = hf_checkpoints["llama-gqa"][0]
     from nanoserve import SamplingParams
 
-    want = LLM(str(path), dtype="float32").generate([IDS], SamplingParams(temperature=0, max_tokens=64,
-                                                                          ignore_eos=True), use_tqdm=False)
+    want = LLM(str(path), dtype="float32").generate([IDS],
+                                                    SamplingParams(temperature=0, max_tokens=64,
+                                                                          ignore_eos=True),
+                                                    use_tqdm=False)
     assert tp_greedy(path, IDS, 64, 2) == want[0].outputs[0].token_ids
 
 
@@ -47,7 +51,8 @@ class _NoAllReduce(tensor_parallel.RowParallelLinear):
         return y if self.bias is None else y + self.bias
 
 
-def _shard_without_all_reduce(model, rank, world_size):  # (module level: the spawned ranks import it by name)
+# (module level: the spawned ranks import it by name)
+def _shard_without_all_reduce(model, rank, world_size):
     tensor_parallel.shard_model(model, rank, world_size)
     for m in model.modules():
         if isinstance(m, tensor_parallel.RowParallelLinear):
@@ -77,7 +82,8 @@ def test_a_quantized_model_is_refused_before_any_weight_is_split(hf_checkpoints)
         tensor_parallel.shard_model(model, 0, 2)
 
 
-def _rank_with_exit_hook(rank, world_size, folder):  # (module level: the spawned ranks import it by name)
+# (module level: the spawned ranks import it by name)
+def _rank_with_exit_hook(rank, world_size, folder):
     import atexit
     from pathlib import Path
 
@@ -86,13 +92,15 @@ def _rank_with_exit_hook(rank, world_size, folder):  # (module level: the spawne
     t = torch.ones(3)
     dist.all_reduce(t)  # a collective, as every sharded forward makes
     Path(folder, f"ran{rank}").write_text(str(t.tolist()))
-    atexit.register(lambda: Path(folder, f"finalized{rank}").write_text("Python shut down normally"))
+    atexit.register(lambda: Path(folder,
+                                 f"finalized{rank}").write_text("Python shut down normally"))
 
 
 def test_finished_ranks_skip_the_interpreters_shutdown(tmp_path):
-    """launch.spawn_ranks ends a rank that returned with os._exit: a gloo thread still freeing its last work's
-    tensors at shutdown aborts the process (SIGABRT after the work is done: launch.exit_without_finalizing).
-    The rank's work ran (its file, the all-reduced sum) and its atexit hook did not: no shutdown happened."""
+    """launch.spawn_ranks ends a rank that returned with os._exit: a gloo thread still freeing its
+    last work's tensors at shutdown aborts the process (SIGABRT after the work is done:
+    launch.exit_without_finalizing). The rank's work ran (its file, the all-reduced sum) and its
+    atexit hook did not: no shutdown happened."""
     from nanoserve.parallel.launch import spawn_ranks
 
     spawn_ranks(_rank_with_exit_hook, 2, str(tmp_path))
@@ -102,22 +110,25 @@ def test_finished_ranks_skip_the_interpreters_shutdown(tmp_path):
 
 @pytest.fixture(scope="module")
 def gptq_gpt2(hf_checkpoints, tmp_path_factory):
-    """The tiny GPT-2, 4-bit GPTQ (round-to-nearest codes, groups of 8) saved as a GPTQ checkpoint: {group: dir}."""
+    """The tiny GPT-2, 4-bit GPTQ (round-to-nearest codes, groups of 8) saved as a GPTQ checkpoint:
+    {group: dir}."""
     from nanoserve.quant.model import QuantizeConfig, quantize_model
     from nanoserve.quant.save import save_quantized
 
     src, out = hf_checkpoints["gpt2"][0], {}
     for group in (8, 16):
         model = LLM(str(src), dtype="float32").model
-        res = quantize_model(model, None, QuantizeConfig(method="rtn", group_size=group), progress=False)
-        out[group] = save_quantized(model, res, tmp_path_factory.mktemp(f"gptq{group}"), tokenizer_from=str(src))
+        res = quantize_model(model, None, QuantizeConfig(method="rtn", group_size=group),
+                             progress=False)
+        out[group] = save_quantized(model, res, tmp_path_factory.mktemp(f"gptq{group}"),
+                                    tokenizer_from=str(src))
     return out
 
 
 def test_a_gptq_model_splits_by_its_codes(gptq_gpt2):
-    """Each shard's Ŵ is exactly its slice of the whole layer's Ŵ (columns: any outputs; rows: whole groups), and
-    the split model's logits over 2 processes equal one process's; the engine over 2 ranks gives its tokens, and so
-    does the engine in 2 pipeline stages."""
+    """Each shard's Ŵ is exactly its slice of the whole layer's Ŵ (columns: any outputs; rows: whole
+    groups), and the split model's logits over 2 processes equal one process's; the engine over 2
+    ranks gives its tokens, and so does the engine in 2 pipeline stages."""
     from nanoserve.parallel.quant_shard import column_shard, row_shard
     from nanoserve.quant.qlinear import QuantLinear
 
@@ -125,7 +136,8 @@ def test_a_gptq_model_splits_by_its_codes(gptq_gpt2):
     attn = model.transformer.h[0].attn
     assert isinstance(attn.c_attn, QuantLinear)
     whole_in, whole_out = attn.c_attn.dequantize(), attn.c_proj.dequantize()  # [3C, C], [C, C]
-    outputs = torch.tensor([0, 5, 13, 47, 96, 100, 101, 143])  # any outputs (8: the zeros' packing word)
+    # any outputs (8: the zeros' packing word)
+    outputs = torch.tensor([0, 5, 13, 47, 96, 100, 101, 143])
     assert torch.equal(column_shard(attn.c_attn, outputs).dequantize(), whole_in[outputs])
     inputs = torch.arange(24, 48)  # rank 1 of 2: groups 3..5 of 8 inputs
     assert torch.equal(row_shard(attn.c_proj, inputs).dequantize(), whole_out[:, inputs])
@@ -135,12 +147,14 @@ def test_a_gptq_model_splits_by_its_codes(gptq_gpt2):
     from nanoserve import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    one = LLM(str(gptq_gpt2[8]), dtype="float32").generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids
+    one = LLM(str(gptq_gpt2[8]), dtype="float32").generate([ids], params,
+                                                           use_tqdm=False)[0].outputs[0].token_ids
     split = LLM(str(gptq_gpt2[8]), dtype="float32", tensor_parallel_size=2)
     assert split.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids == one
     del split
     gc.collect()  # (its workers stopped: the next engine starts a group of its own)
-    staged = LLM(str(gptq_gpt2[8]), dtype="float32", pipeline_parallel_size=2)  # whole quantized blocks per stage
+    # whole quantized blocks per stage
+    staged = LLM(str(gptq_gpt2[8]), dtype="float32", pipeline_parallel_size=2)
     assert staged.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids == one
     assert torch.allclose(staged.logits(ids), want, rtol=1e-5, atol=1e-5)
     del staged
@@ -148,7 +162,9 @@ def test_a_gptq_model_splits_by_its_codes(gptq_gpt2):
 
 
 def test_a_quantized_split_inside_a_group_is_refused_by_name(gptq_gpt2):
-    """48 inputs in groups of 16 do not split into 2 whole numbers of groups: refused before anything is split."""
+    """48 inputs in groups of 16 do not split into 2 whole numbers of groups: refused before
+    anything is split."""
     model = LLM(str(gptq_gpt2[16]), dtype="float32").model
-    with pytest.raises(NanoserveError, match="quantized c_proj cannot be split: its 48 inputs in groups of 16"):
+    with pytest.raises(NanoserveError,
+                       match="quantized c_proj cannot be split: its 48 inputs in groups of 16"):
         tensor_parallel.shard_model(model, 0, 2)

@@ -1,13 +1,15 @@
-"""The tensor-parallel engine (nanoserve/parallel/workers.py): LLM(model, tensor_parallel_size=N) on gloo, CPU.
+"""The tensor-parallel engine (nanoserve/parallel/workers.py): LLM(model, tensor_parallel_size=N) on
+gloo, CPU.
 
-The oracle is the same engine on one process (itself proven against HF transformers elsewhere): greedy tokens
-equal and logprobs within 1e-4, under continuous batching with prefix-cache hits, preemption (a pool too small),
-n = 2 samples (copy-on-write block copies, sent to the workers) — on GPT-2, a GQA Llama, and a Qwen3 with a
-sliding window over 4 ranks (2 KV heads for 4 ranks: replicated). `LLM.logits` equals within 1e-5.
-Failure and shutdown: a killed worker makes the next step fail with an error naming it, within the group's
-timeout, and the engine's group is gone (a new engine can start); no worker outlives its engine (collected,
-or its process killed or interrupted). Refusals are checked by name. The negative control (a rank's all-reduce
-left out) is tests/test_tensor_parallel.py's.
+The oracle is the same engine on one process (itself proven against HF transformers elsewhere):
+greedy tokens equal and logprobs within 1e-4, under continuous batching with prefix-cache hits,
+preemption (a pool too small), n = 2 samples (copy-on-write block copies, sent to the workers) — on
+GPT-2, a GQA Llama, and a Qwen3 with a sliding window over 4 ranks (2 KV heads for 4 ranks:
+replicated). `LLM.logits` equals within 1e-5. Failure and shutdown: a killed worker makes the next
+step fail with an error naming it, within the group's timeout, and the engine's group is gone (a new
+engine can start); no worker outlives its engine (collected, or its process killed or interrupted).
+Refusals are checked by name. The negative control (a rank's all-reduce left out) is
+tests/test_tensor_parallel.py's.
 """
 
 from __future__ import annotations
@@ -27,13 +29,15 @@ import torch
 from nanoserve import LLM, NanoserveError, SamplingParams
 from nanoserve.parallel.workers import WorkerGroupError
 
-PROMPTS = [[5, 17, 99, 3, 42, 8, 77, 1, 64], [5, 17, 99, 3, 42, 8, 77, 1, 64, 23, 11], [90, 4, 33, 2, 18, 7]]
+PROMPTS = [[5, 17, 99, 3, 42, 8, 77, 1, 64], [5, 17, 99, 3, 42, 8, 77, 1, 64, 23, 11],
+           [90, 4, 33, 2, 18, 7]]
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=0)
 
 
 @pytest.fixture(autouse=True)
 def _one_group_at_a_time():
-    """Each test's engines are collected after it (their workers stopped), so the next may start its own group."""
+    """Each test's engines are collected after it (their workers stopped), so the next may start its
+    own group."""
     yield
     gc.collect()
     assert not torch.distributed.is_initialized(), "a tensor-parallel engine outlived its test"
@@ -42,7 +46,8 @@ def _one_group_at_a_time():
 def _run(llm: LLM, prompts=PROMPTS, params=GREEDY):
     outs = llm.generate(prompts, params, use_tqdm=False)
     tokens = [[c.token_ids for c in o.outputs] for o in outs]
-    lps = [torch.tensor([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]) for o in outs for c in o.outputs
+    lps = [torch.tensor([lp[t].logprob for t,
+                         lp in zip(c.token_ids, c.logprobs)]) for o in outs for c in o.outputs
            if c.logprobs is not None]
     return tokens, lps
 
@@ -56,7 +61,8 @@ def _workers_gone(procs) -> bool:
 @pytest.mark.parametrize("case,world", [("gpt2", 2), ("llama-gqa", 2), ("qwen3-window", 4)])
 def test_split_engine_equals_one_process(hf_checkpoints, case, world):
     path = str(hf_checkpoints[case][0])
-    kw = dict(dtype="float32", block_size=4, num_blocks=24, max_num_seqs=4)  # too few blocks: preemption
+    # too few blocks: preemption
+    kw = dict(dtype="float32", block_size=4, num_blocks=24, max_num_seqs=4)
     one = LLM(path, **kw)
     want_tokens, want_lps = _run(one)
     llm = LLM(path, tensor_parallel_size=world, **kw)
@@ -64,10 +70,12 @@ def test_split_engine_equals_one_process(hf_checkpoints, case, world):
     assert got_tokens == want_tokens
     assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(got_lps, want_lps))
     assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.block_allocator.num_blocks == 24
-    two = SamplingParams(temperature=0, max_tokens=12, n=2, ignore_eos=True)  # forks: copy-on-write copies
+    # forks: copy-on-write copies
+    two = SamplingParams(temperature=0, max_tokens=12, n=2, ignore_eos=True)
     assert _run(llm, PROMPTS[:1], two)[0] == _run(one, PROMPTS[:1], two)[0]
     assert torch.allclose(llm.logits(PROMPTS[1]), one.logits(PROMPTS[1]), atol=1e-5, rtol=1e-5)
-    assert llm.engine.runner.kv.k.shape[3] == max(1, one.config.n_kv_heads // world)  # each rank: its KV heads
+    # each rank: its KV heads
+    assert llm.engine.runner.kv.k.shape[3] == max(1, one.config.n_kv_heads // world)
     procs = llm.engine.workers.procs
     del llm
     gc.collect()
@@ -80,7 +88,8 @@ def test_a_killed_worker_fails_the_engine_by_name_and_nothing_hangs(hf_checkpoin
     worker = llm.engine.workers.procs[0]
     worker.kill()
     worker.join()
-    with pytest.raises(WorkerGroupError, match=r"tensor-parallel group failed: rank 1 \(exit code -9\)"):
+    with pytest.raises(WorkerGroupError,
+                       match=r"tensor-parallel group failed: rank 1 \(exit code -9\)"):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert not torch.distributed.is_initialized()  # the group is gone: another engine may start
     again = LLM(path, dtype="float32", tensor_parallel_size=2)
@@ -89,8 +98,8 @@ def test_a_killed_worker_fails_the_engine_by_name_and_nothing_hangs(hf_checkpoin
 
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGINT"])
 def test_no_worker_outlives_its_process(hf_checkpoints, tmp_path, how):
-    """rank 0's process killed (its workers see their next receive fail) or interrupted (Ctrl-C: the exit handler
-    stops them): every worker process ends."""
+    """rank 0's process killed (its workers see their next receive fail) or interrupted (Ctrl-C: the
+    exit handler stops them): every worker process ends."""
     script = tmp_path / "rank0.py"
     script.write_text(textwrap.dedent(f"""
         import signal, sys, threading
@@ -124,9 +133,12 @@ def test_what_the_split_engine_does_not_run_is_refused_by_name(hf_checkpoints):
     path = str(hf_checkpoints["gpt2"][0])
     for kw, match in [(dict(tensor_parallel_size=0), "must be an integer ≥ 1"),
                       (dict(tensor_parallel_size="2"), "must be an integer ≥ 1"),
-                      (dict(tensor_parallel_size=2, speculative="ngram"), "speculative decoding is not supported"),
-                      (dict(tensor_parallel_size=2, enable_lora=True), "enable_lora is not supported"),
-                      (dict(tensor_parallel_size=3), "not possible for this model: n_heads=4 is not divisible by 3")]:
+                      (dict(tensor_parallel_size=2, speculative="ngram"),
+                       "speculative decoding is not supported"),
+                      (dict(tensor_parallel_size=2, enable_lora=True),
+                       "enable_lora is not supported"),
+                      (dict(tensor_parallel_size=3),
+                       "not possible for this model: n_heads=4 is not divisible by 3")]:
         with pytest.raises(NanoserveError, match=match):
             LLM(path, dtype="float32", **kw)
     first = LLM(path, dtype="float32", tensor_parallel_size=2)
@@ -136,8 +148,9 @@ def test_what_the_split_engine_does_not_run_is_refused_by_name(hf_checkpoints):
 
 
 def test_the_server_on_a_split_engine_answers_then_503_once_a_worker_died():
-    """`nanoserve serve --tensor-parallel-size 2` serves as one process does; a dead worker fails the step that
-    finds it (500, the error naming the rank), then the engine is down: every request and /health answer 503."""
+    """`nanoserve serve --tensor-parallel-size 2` serves as one process does; a dead worker fails
+    the step that finds it (500, the error naming the rank), then the engine is down: every request
+    and /health answer 503."""
     import urllib.error
     import urllib.request
 
@@ -152,7 +165,8 @@ def test_the_server_on_a_split_engine_answers_then_503_once_a_worker_died():
     srv = LiveServer(create_app(AsyncLLMEngine(core), "demo"))
     try:
         client = openai.OpenAI(base_url=srv.url, api_key="none", max_retries=0, timeout=DEADLINE)
-        got = client.completions.create(model="demo", prompt="ROMEO:", max_tokens=12, temperature=0).choices[0].text
+        got = client.completions.create(model="demo", prompt="ROMEO:", max_tokens=12,
+                                        temperature=0).choices[0].text
         assert got == LLM("demo").generate("ROMEO:", SamplingParams(temperature=0, max_tokens=12),
                                            use_tqdm=False)[0].outputs[0].text
         core.workers.procs[0].kill()
@@ -160,7 +174,8 @@ def test_the_server_on_a_split_engine_answers_then_503_once_a_worker_died():
         with pytest.raises(openai.InternalServerError, match=r"rank 1 \(exit code -9\)"):
             client.completions.create(model="demo", prompt="ROMEO:", max_tokens=4)
         body = json.dumps({"model": "demo", "prompt": "ROMEO:", "max_tokens": 4}).encode()
-        for path, data in (("/v1/completions", body), ("/health", None)):  # new connections (a 500 closed the last)
+        # new connections (a 500 closed the last)
+        for path, data in (("/v1/completions", body), ("/health", None)):
             req = urllib.request.Request(f"http://127.0.0.1:{srv.port}{path}", data=data,
                                          headers={"Content-Type": "application/json"})
             with pytest.raises(urllib.error.HTTPError) as answer:
@@ -173,14 +188,15 @@ def test_the_server_on_a_split_engine_answers_then_503_once_a_worker_died():
 
 def test_a_quantized_model_is_refused_before_any_worker_starts(hf_checkpoints):
     with pytest.raises(NanoserveError, match="splits float nn.Linear layers, not a"):
-        LLM(str(hf_checkpoints["gpt2"][0]), dtype="float32", quantization="int8", tensor_parallel_size=2)
+        LLM(str(hf_checkpoints["gpt2"][0]), dtype="float32", quantization="int8",
+            tensor_parallel_size=2)
     assert not torch.distributed.is_initialized()
 
 
 def test_torchrun_launches_every_rank_and_rank_0_serves(hf_checkpoints, tmp_path, monkeypatch):
-    """`torchrun --nproc-per-node 2 script.py`: both ranks run the script; rank 1 never returns from LLM(...) (it
-    follows rank 0, then exits), rank 0 generates, and its tokens are one process's. A launch of another size
-    than tensor_parallel_size is refused by name."""
+    """`torchrun --nproc-per-node 2 script.py`: both ranks run the script; rank 1 never returns from
+    LLM(...) (it follows rank 0, then exits), rank 0 generates, and its tokens are one process's. A
+    launch of another size than tensor_parallel_size is refused by name."""
     from nanoserve.parallel.launch import free_port
 
     path = str(hf_checkpoints["llama-gqa"][0])
@@ -193,12 +209,14 @@ def test_torchrun_launches_every_rank_and_rank_0_serves(hf_checkpoints, tmp_path
         open({str(out)!r}, "w").write(json.dumps([o.outputs[0].token_ids for o in outs]))
     """))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", str(free_port()), str(script)], capture_output=True, text=True, timeout=300)
+                           "--master-port", str(free_port()), str(script)], capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     assert json.loads(out.read_text()) == [o.outputs[0].token_ids for o in LLM(path, dtype="float32").generate(
         PROMPTS, params, use_tqdm=False)]
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "3")
-    with pytest.raises(NanoserveError, match="tensor_parallel_size=2 but the launcher started WORLD_SIZE=3"):
+    with pytest.raises(NanoserveError,
+                       match="tensor_parallel_size=2 but the launcher started WORLD_SIZE=3"):
         LLM(path, dtype="float32", tensor_parallel_size=2)

@@ -2,13 +2,13 @@
 
 * llama.cpp's tokenizer vectors (46 inputs each) for GPT-2 and Llama-2 (both tokenizer.model and
   llama2.c's tokenizer.bin), and stories260K's greedy golden tokens/text for tok512.bin.
-* The HF ``tokenizers`` library on byte-level BPE tokenizer.json files built here, offline: tiny trained
-  vocabularies under each supported pre-tokenizer layout, and GPT-2's real vocabulary.
+* The HF ``tokenizers`` library on byte-level BPE tokenizer.json files built here, offline: tiny
+  trained vocabularies under each supported pre-tokenizer layout, and GPT-2's real vocabulary.
 * tiktoken's own GPT-2 loader for the ranks we build from encoder.json + vocab.bpe.
 
-Negative controls show the checks can fail: a SentencePiece BPE that breaks ties rightmost or merges the
-lowest score first misses llama.cpp vectors, and a tokenizer.json whose ids are out of merge order (which
-tiktoken would encode differently) is rejected.
+Negative controls show the checks can fail: a SentencePiece BPE that breaks ties rightmost or merges
+the lowest score first misses llama.cpp vectors, and a tokenizer.json whose ids are out of merge
+order (which tiktoken would encode differently) is rejected.
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ UNICODE_TEXTS = [
 
 
 def llama_cpp_vectors(name: str) -> list[tuple[str, list[int]]]:
-    """llama.cpp's (input, expected ids) pairs: inputs end with a separator line, ids are one line each."""
+    """llama.cpp's (input, expected ids) pairs: inputs end with a separator line, ids are one line
+    each."""
     folder = shared_path("models", "tokenizer-tests")
     inputs = (
         (folder / f"ggml-vocab-{name}.gguf.inp").read_bytes().decode("utf-8").split("\n__ggml_vocab_test__\n")
@@ -66,8 +67,10 @@ def llama_cpp_vectors(name: str) -> list[tuple[str, list[int]]]:
     return [(text, [int(x) for x in line.split()]) for text, line in zip(inputs, lines)]
 
 
-def mismatches(tokenizer: Tokenizer, vectors: list[tuple[str, list[int]]]) -> list[tuple[str, list[int]]]:
-    return [(text, tokenizer.encode(text)) for text, ids in vectors if tokenizer.encode(text) != ids]
+def mismatches(tokenizer: Tokenizer,
+               vectors: list[tuple[str, list[int]]]) -> list[tuple[str, list[int]]]:
+    return [(text, tokenizer.encode(text)) for text,
+            ids in vectors if tokenizer.encode(text) != ids]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -91,7 +94,8 @@ def tok512() -> SentencePieceTokenizer:
 
 
 def _pseudo_corpus(n: int = 1000, seed: int = 0) -> list[str]:
-    """Sentences of made-up words (Latin, accented, CJK, emoji, numbers, contractions) to train tiny BPEs."""
+    """Sentences of made-up words (Latin, accented, CJK, emoji, numbers, contractions) to train tiny
+    BPEs."""
     rng = random.Random(seed)
     syllables = ["ka", "lo", "mi", "ne", "su", "ta", "ri", "ön", "çe", "東", "京", "🦙", "the", "and", "ing"]
     extras = ["don't", "I'll", "WE'RE", "3.14", "2024", "12345", "—", "!!", "...", "\n", "  ", "\t"]
@@ -100,10 +104,12 @@ def _pseudo_corpus(n: int = 1000, seed: int = 0) -> list[str]:
 
 
 def _sample_texts(seed: int = 1) -> list[str]:
-    """Strings to compare encoders on: random mixes of letters, digits, whitespace runs, unicode, emoji."""
+    """Strings to compare encoders on: random mixes of letters, digits, whitespace runs, unicode,
+    emoji."""
     rng = random.Random(seed)
     pool = list("abcdeXYZ   \t\n\r0123456789'.,!?-_<|>") + [
-        "é", "ü", "東", "🦙", "👍🏽", "\u0301", "ﬁ", "½", "\u00a0", "\u3000", "'s", "'LL", "<|endoftext|>",
+        "é", "ü", "東", "🦙", "👍🏽", "\u0301", "ﬁ", "½", "\u00a0", "\u3000", "'s", "'LL",
+        "<|endoftext|>",
     ]  # fmt: skip
     random_texts = ["".join(rng.choice(pool) for _ in range(rng.randint(0, 40))) for _ in range(250)]
     return random_texts + _pseudo_corpus(60, seed=seed) + UNICODE_TEXTS
@@ -113,7 +119,8 @@ SAMPLES = _sample_texts()
 
 
 def _train_hf(pre_tokenizer, normalizer=None, vocab_size: int = 1000) -> HFTokenizer:
-    """A tiny byte-level BPE trained by the HF tokenizers library (ids: specials, 256 bytes, merges)."""
+    """A tiny byte-level BPE trained by the HF tokenizers library (ids: specials, 256 bytes,
+    merges)."""
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizer
     if normalizer is not None:
@@ -131,14 +138,16 @@ def _train_hf(pre_tokenizer, normalizer=None, vocab_size: int = 1000) -> HFToken
 
 def _llama3_pre_tokenizer():
     split = pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated", invert=False)
-    return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return pre_tokenizers.Sequence([split,
+                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
 HF_LAYOUTS = {
     "gpt2-bytelevel": lambda: (pre_tokenizers.ByteLevel(add_prefix_space=False), None),
     "llama3-split": lambda: (_llama3_pre_tokenizer(), None),
     "smollm-digits": lambda: (
-        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel()]),
+        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                 pre_tokenizers.ByteLevel()]),
         None,
     ),
     "qwen2-nfc": lambda: (_llama3_pre_tokenizer(), normalizers.NFC()),
@@ -203,10 +212,10 @@ def test_gpt2_decode_inverts_encode_on_vectors(gpt2: TiktokenTokenizer) -> None:
 
 
 def test_llama2_decode_inverts_encode_on_vectors(llama2: SentencePieceTokenizer) -> None:
-    # sp.decode(sp.encode(x)) can differ from x in its leading space: encode puts one "▁" in front (the
-    # dummy prefix) and decode drops one leading space. With Llama-2's identity normalizer that restores
-    # x exactly, also for inputs that start with spaces, so all 46 must round-trip. (A model that removes
-    # extra whitespace would lose spaces; none is among the references.)
+    # sp.decode(sp.encode(x)) can differ from x in its leading space: encode puts one "▁" in front
+    # (the dummy prefix) and decode drops one leading space. With Llama-2's identity normalizer that
+    # restores x exactly, also for inputs that start with spaces, so all 46 must round-trip. (A
+    # model that removes extra whitespace would lose spaces; none is among the references.)
     for text, ids in llama_cpp_vectors("llama-spm"):
         assert llama2.decode(ids) == text
 
@@ -215,7 +224,8 @@ def test_model_and_bin_files_give_the_same_tokenizer() -> None:
     model = load_tokenizer(shared_path("models", "llama2-tokenizer", "tokenizer.model"))
     binary = load_tokenizer(shared_path("models", "llama2-tokenizer", "tokenizer.bin"))
     assert model.pieces[3:] == binary.pieces[3:] and model.scores == binary.scores
-    text = shared_path("corpora", "tinystories", "tinystories_val_sample.txt").read_text("utf-8")[:3000]
+    text = shared_path("corpora", "tinystories",
+                       "tinystories_val_sample.txt").read_text("utf-8")[:3000]
     assert model.encode(text) == binary.encode(text)
 
 
@@ -234,16 +244,19 @@ class LowestScoreFirst(SentencePieceTokenizer):
 
 
 @pytest.mark.parametrize("mutant", [RightmostTies, LowestScoreFirst])
-def test_wrong_merge_order_fails_llama_cpp_vectors(mutant: type, llama2: SentencePieceTokenizer) -> None:
+def test_wrong_merge_order_fails_llama_cpp_vectors(mutant: type,
+                                                   llama2: SentencePieceTokenizer) -> None:
     wrong = mutant.__new__(mutant)
     wrong.__dict__.update(llama2.__dict__)
     assert mismatches(wrong, llama_cpp_vectors("llama-spm"))
 
 
 def test_tok512_reproduces_stories260k_golden(tok512: SentencePieceTokenizer) -> None:
-    golden = json.loads(shared_path("models", "stories260K", "greedy_golden.json").read_text("utf-8"))
+    golden = json.loads(shared_path("models", "stories260K",
+                                    "greedy_golden.json").read_text("utf-8"))
     assert tok512.decode(golden["tokens"]) == golden["text"]
-    # The model's greedy output is also the canonical tokenization of its text (256 tokens incl. BOS).
+    # The model's greedy output is also the canonical tokenization of its text (256 tokens incl.
+    # BOS).
     assert tok512.encode(golden["text"], bos=True) == golden["tokens"]
 
 
@@ -260,7 +273,8 @@ def test_tok512_round_trips_tinystories(tok512: SentencePieceTokenizer) -> None:
         assert tok512.decode(tok512.encode(sentence)) == sentence
 
 
-def test_gpt2_ranks_match_tiktoken_loader(gpt2: TiktokenTokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gpt2_ranks_match_tiktoken_loader(gpt2: TiktokenTokenizer,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")  # tiktoken caches local files by path otherwise
     folder = shared_path("models", "gpt2-tokenizer")
     reference = tiktoken.load.data_gym_to_mergeable_bpe_ranks(
@@ -287,7 +301,8 @@ def test_trained_tokenizer_json_matches_hf(layout: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("pre_tokenizer", ["gpt2", "llama3"])
-def test_gpt2_tokenizer_json_matches_hf(pre_tokenizer: str, tmp_path: Path, gpt2: TiktokenTokenizer) -> None:
+def test_gpt2_tokenizer_json_matches_hf(pre_tokenizer: str, tmp_path: Path,
+                                        gpt2: TiktokenTokenizer) -> None:
     layout = (
         pre_tokenizers.ByteLevel(add_prefix_space=False)
         if pre_tokenizer == "gpt2"
@@ -307,7 +322,8 @@ def test_special_token_text_is_ordinary_text(trained_hf, gpt2: TiktokenTokenizer
     for text in ["<|endoftext|>", "a<|endoftext|>b <pad>"]:
         assert ours.encode(text) == _hf_ids(hf, text)
         assert ours.eos_id not in ours.encode(text)
-        hf.encode_special_tokens = False  # HF's default: special-token text becomes the special token
+        # HF's default: special-token text becomes the special token
+        hf.encode_special_tokens = False
         assert hf.token_to_id("<|endoftext|>") in hf.encode(text, add_special_tokens=False).ids
     assert gpt2.encode("<|endoftext|>") == gpt2.encoding.encode_ordinary("<|endoftext|>")
     assert 50256 not in gpt2.encode("<|endoftext|>")
@@ -317,7 +333,8 @@ def test_special_token_text_is_ordinary_text(trained_hf, gpt2: TiktokenTokenizer
 def test_string_merges_format_loads_the_same(trained_hf, tmp_path: Path) -> None:
     hf, ours = trained_hf
     spec = json.loads(hf.to_str())
-    spec["model"]["merges"] = [" ".join(pair) for pair in spec["model"]["merges"]]  # pre-0.20 layout
+    # pre-0.20 layout
+    spec["model"]["merges"] = [" ".join(pair) for pair in spec["model"]["merges"]]
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
     other = load_tokenizer(tmp_path / "tokenizer.json")
     assert all(other.encode(text) == ours.encode(text) for text in SAMPLES[:50])
@@ -329,7 +346,8 @@ def test_tokenizer_config_sets_bos_and_eos(trained_hf, tmp_path: Path) -> None:
     config = tmp_path / "tokenizer_config.json"
     config.write_text(json.dumps({"bos_token": {"content": "<pad>"}, "eos_token": "<|endoftext|>"}))
     tokenizer = load_tokenizer(tmp_path)
-    assert (tokenizer.bos_id, tokenizer.eos_id) == (hf.token_to_id("<pad>"), hf.token_to_id("<|endoftext|>"))
+    assert (tokenizer.bos_id, tokenizer.eos_id) == (hf.token_to_id("<pad>"),
+                                                    hf.token_to_id("<|endoftext|>"))
     config.write_text(json.dumps({"bos_token": None, "eos_token": "<pad>"}))
     tokenizer = load_tokenizer(tmp_path)
     assert (tokenizer.bos_id, tokenizer.eos_id) == (None, hf.token_to_id("<pad>"))
@@ -341,7 +359,8 @@ def test_tokenizer_config_sets_bos_and_eos(trained_hf, tmp_path: Path) -> None:
 
 
 def _competing_merges(merges: list[list[str]]) -> tuple[int, str]:
-    """First k where merges k, k+1 overlap (a b, b c) and are independent, and a text where both apply."""
+    """First k where merges k, k+1 overlap (a b, b c) and are independent, and a text where both
+    apply."""
     for k in range(len(merges) - 1):
         (a, b), (c, d) = merges[k], merges[k + 1]
         if a + b in (c, d):
@@ -359,14 +378,16 @@ def test_ids_out_of_merge_order_are_rejected(trained_hf, tmp_path: Path) -> None
     vocab, merges = spec["model"]["vocab"], spec["model"]["merges"]
     k, text = _competing_merges(merges)
     made = ["".join(merges[k]), "".join(merges[k + 1])]
-    vocab[made[0]], vocab[made[1]] = vocab[made[1]], vocab[made[0]]  # HF still works: merges decide order
+    # HF still works: merges decide order
+    vocab[made[0]], vocab[made[1]] = vocab[made[1]], vocab[made[0]]
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
     with pytest.raises(TokenizerError, match=f"merge #{k + 1} .*breaks merge order"):
         load_tokenizer(tmp_path)
     # The check matters: tiktoken run on those ranks anyway merges in the other order than HF does.
     swapped = HFTokenizer.from_file(str(tmp_path / "tokenizer.json"))
     ranks = {tk.token_bytes(token, "test"): i for token, i in vocab.items() if i > 1}
-    encoding = tiktoken.Encoding("swapped", pat_str=tk.GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={})
+    encoding = tiktoken.Encoding("swapped", pat_str=tk.GPT2_PATTERN, mergeable_ranks=ranks,
+                                 special_tokens={})
     assert encoding.encode_ordinary(text) != _hf_ids(swapped, text)
 
 
@@ -380,7 +401,8 @@ def _drop_byte(spec: dict) -> None:
 
 def _literal_split(spec: dict) -> None:
     split = {"type": "Split", "pattern": {"String": "a"}, "behavior": "Isolated", "invert": False}
-    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                  "use_regex": False}
     spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [split, byte_level]}
 
 
@@ -405,7 +427,8 @@ def test_tiktoken_incompatible_tokenizer_json_is_rejected(
 def test_non_byte_level_tokenizer_json_is_rejected(tmp_path: Path) -> None:
     hf = HFTokenizer(models.BPE(unk_token="[UNK]"))
     hf.pre_tokenizer = pre_tokenizers.Whitespace()
-    hf.train_from_iterator(_pseudo_corpus(50), trainers.BpeTrainer(vocab_size=200, show_progress=False))
+    hf.train_from_iterator(_pseudo_corpus(50),
+                           trainers.BpeTrainer(vocab_size=200, show_progress=False))
     _save(hf, tmp_path)
     with pytest.raises(TokenizerError, match="not byte-level"):
         load_tokenizer(tmp_path)
@@ -446,7 +469,8 @@ def test_unicode_round_trip_and_streamed_bytes(any_tokenizer: Tokenizer) -> None
             assert streamed == text.encode()
 
 
-def test_cut_utf8_decodes_with_replacement(gpt2: TiktokenTokenizer, tok512: SentencePieceTokenizer) -> None:
+def test_cut_utf8_decodes_with_replacement(gpt2: TiktokenTokenizer,
+                                           tok512: SentencePieceTokenizer) -> None:
     ids = tok512.encode("🦙")  # not in the 512 vocab: four byte-fallback tokens
     assert [tok512.pieces[i] for i in ids] == ["▁", "<0xF0>", "<0x9F>", "<0xA6>", "<0x99>"]
     assert tok512.decode(ids[:3]) == "\ufffd"
@@ -474,7 +498,8 @@ def test_save_tiktoken_then_load(kind: str, tmp_path: Path) -> None:
     elif kind == "gpt2":
         original = gpt2_tokenizer(shared_path("models", "gpt2-tokenizer"))
     else:
-        original = load_tokenizer(_save(_train_hf(HF_LAYOUTS["smollm-digits"]()[0]), tmp_path / "hf"))
+        original = load_tokenizer(_save(_train_hf(HF_LAYOUTS["smollm-digits"]()[0]),
+                                        tmp_path / "hf"))
         assert original.presplit
     saved = save_tiktoken(original, tmp_path / "saved")
     assert sorted(p.name for p in saved.iterdir()) == ["tiktoken_config.json", "tokenizer.tiktoken"]
@@ -489,7 +514,8 @@ def test_save_tiktoken_then_load(kind: str, tmp_path: Path) -> None:
     assert loaded.decode([original.eos_id]) == "<|endoftext|>"
 
 
-def test_save_tiktoken_rejects_sentencepiece(tok512: SentencePieceTokenizer, tmp_path: Path) -> None:
+def test_save_tiktoken_rejects_sentencepiece(tok512: SentencePieceTokenizer,
+                                             tmp_path: Path) -> None:
     with pytest.raises(TokenizerError, match="SentencePiece"):
         save_tiktoken(tok512, tmp_path)
 
@@ -517,7 +543,8 @@ def _pb(field: int, value: int | bytes | float) -> bytes:
     return _pb_varint(field << 3) + _pb_varint(value % (1 << 64))
 
 
-def _model_proto(pieces: list[tuple[str, float, int]], trainer: bytes, normalizer: bytes = b"") -> bytes:
+def _model_proto(pieces: list[tuple[str, float, int]], trainer: bytes,
+                 normalizer: bytes = b"") -> bytes:
     body = b"".join(
         _pb(1, _pb(1, p.encode()) + _pb(2, s) + (_pb(3, t) if t != 1 else b"")) for p, s, t in pieces
     )
@@ -542,11 +569,14 @@ def test_hand_made_model_proto(tmp_path: Path) -> None:
     tokenizer = load_tokenizer(tmp_path)
     assert (tokenizer.vocab_size, tokenizer.bos_id, tokenizer.eos_id, tokenizer.unk_id) == (10, 0, None, 2)
     assert not tokenizer.byte_fallback and tokenizer.remove_extra_whitespaces
-    # "ab" (-2) merges before "▁a" (-4); then "▁"+"ab" -> "▁ab". Extra spaces go; unknowns "xy" -> one <unk>.
+    # "ab" (-2) merges before "▁a" (-4); then "▁"+"ab" -> "▁ab". Extra spaces go; unknowns "xy" ->
+    # one <unk>.
     assert tokenizer.encode("  ab   xy<sep>a ") == [8, 4, 2, 3, 5]
     assert tokenizer.decode([0, 8, 4, 2, 3, 5]) == "ab <sep>a"
-    # A HF Llama-2 folder: a SentencePiece-style tokenizer.json beside the tokenizer.model; the model wins.
-    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE"}, "pre_tokenizer": None}))
+    # A HF Llama-2 folder: a SentencePiece-style tokenizer.json beside the tokenizer.model; the
+    # model wins.
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE"},
+                                                         "pre_tokenizer": None}))
     assert isinstance(load_tokenizer(tmp_path), SentencePieceTokenizer)
     path.write_bytes(_model_proto(pieces, _pb(3, 1)))
     with pytest.raises(TokenizerError, match="UNIGRAM"):
@@ -597,7 +627,8 @@ def test_vocabulary_hole_and_bad_files(tmp_path: Path) -> None:
         load_tokenizer(tmp_path)  # tok*.bin comes before tokenizer.tiktoken
 
 
-def test_gpt2_by_name_fails_clearly_offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_gpt2_by_name_fails_clearly_offline(monkeypatch: pytest.MonkeyPatch,
+                                            tmp_path: Path) -> None:
     monkeypatch.chdir(tmp_path)  # no ./gpt2 directory here
 
     def refuse(name: str) -> None:

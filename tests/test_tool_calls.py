@@ -1,7 +1,8 @@
-"""Chat with tools (serving/tool_calls.py): histories with tool calls and tool results rendered through the
-chat template exactly as transformers' apply_chat_template renders them (the outside reference); a named
-or required tool_choice constrains the output to the functions' schemas (jsonschema validates the
-arguments); tool_choice auto parses Hermes-style <tool_call> blocks; bad tool fields are 400s."""
+"""Chat with tools (serving/tool_calls.py): histories with tool calls and tool results rendered
+through the chat template exactly as transformers' apply_chat_template renders them (the outside
+reference); a named or required tool_choice constrains the output to the functions' schemas
+(jsonschema validates the arguments); tool_choice auto parses Hermes-style <tool_call> blocks; bad
+tool fields are 400s."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ from nanoserve.serving.chat import load_chat_template  # noqa: E402
 from nanoserve.serving.server import create_app  # noqa: E402
 
 MODEL = "demo-tools"
-# A Hermes-style template (the layout of Qwen2.5's, in the demo's byte vocabulary): tools in a system turn,
-# the assistant's calls as <tool_call> JSON, tool results in their own turns.
+# A Hermes-style template (the layout of Qwen2.5's, in the demo's byte vocabulary): tools in a
+# system turn, the assistant's calls as <tool_call> JSON, tool results in their own turns.
 TEMPLATE = (
     "{%- if tools %}<|endoftext|>system:\nYou may call these functions:\n"
     "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n"
@@ -35,18 +36,22 @@ TEMPLATE = (
     '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}</tool_call>'
     "{%- endfor %}\n{%- endfor %}"
     "{%- if add_generation_prompt %}<|endoftext|>assistant:\n{%- endif %}")
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+WEATHER = {"type": "function",
+           "function": {"name": "get_weather", "description": "The weather in a city",
                                             "parameters": {"type": "object", "properties": {
                                                 "city": {"type": "string", "maxLength": 12},
                                                 "unit": {"enum": ["celsius", "fahrenheit"]}},
-                                                "required": ["city", "unit"], "additionalProperties": False}}}
+                                                "required": ["city", "unit"],
+                                                           "additionalProperties": False}}}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}}, "required": ["zone"],
+    "type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}},
+    "required": ["zone"],
     "additionalProperties": False}}}
 HISTORY = [
     {"role": "system", "content": "You are a herald."},
     {"role": "user", "content": "Weather in Verona?"},
-    {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+    {"role": "assistant", "content": None,
+     "tool_calls": [{"id": "call_1", "type": "function", "function": {
         "name": "get_weather", "arguments": '{"city": "Verona", "unit": "celsius"}'}}]},
     {"role": "tool", "tool_call_id": "call_1", "content": "{\"temp\": 21}"},
     {"role": "assistant", "content": "Fair, 21 degrees."},
@@ -56,8 +61,8 @@ HISTORY = [
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    """A tiny random GPT-2 with the demo's byte tokenizer and a 2,048-token context (tool lists are long;
-    the demo's context is 128), with the template in its tokenizer_config.json."""
+    """A tiny random GPT-2 with the demo's byte tokenizer and a 2,048-token context (tool lists are
+    long; the demo's context is 128), with the template in its tokenizer_config.json."""
     import torch
     import transformers
 
@@ -76,26 +81,31 @@ def checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(checkpoint):
     core = LLMEngine.from_kwargs(str(checkpoint), num_blocks=256)
-    srv = LiveServer(create_app(AsyncLLMEngine(core), MODEL, chat_template=load_chat_template(checkpoint,
+    srv = LiveServer(create_app(AsyncLLMEngine(core), MODEL,
+                                chat_template=load_chat_template(checkpoint,
                                                                                               core.tokenizer)))
     yield srv
     srv.stop()
 
 
 def test_rendering_with_tools_equals_transformers(checkpoint):
-    """The same template, messages and tools through transformers' apply_chat_template give the same text."""
+    """The same template, messages and tools through transformers' apply_chat_template give the same
+    text."""
     transformers = pytest.importorskip("transformers")
     hf = transformers.AutoTokenizer.from_pretrained(checkpoint)
     ours = load_chat_template(checkpoint)
     messages = tool_calls.for_template(HISTORY)
     for tools in ([WEATHER, TIME], None):
-        want = hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        want = hf.apply_chat_template(messages, tools=tools, tokenize=False,
+                                      add_generation_prompt=True)
         assert ours.render(messages, True, None, tools) == want
-    assert "<tool_call>" in want and '"city": "Verona"' in want  # the history's call, arguments as an object
+    # the history's call, arguments as an object
+    assert "<tool_call>" in want and '"city": "Verona"' in want
 
 
 def _chat(server, **body):
-    status, _, got = _post(server.port, "/v1/chat/completions", {"model": MODEL, "messages": HISTORY,
+    status, _, got = _post(server.port, "/v1/chat/completions",
+                           {"model": MODEL, "messages": HISTORY,
                                                                   "max_tokens": 60, **body})
     assert status == 200, got
     return got["choices"][0]
@@ -109,15 +119,17 @@ def test_named_tool_choice_returns_a_call_with_valid_arguments(server):
         (call,) = choice["message"]["tool_calls"]
         assert call["type"] == "function" and call["function"]["name"] == "get_weather"
         assert call["id"].startswith("call_")
-        jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
+        jsonschema.validate(json.loads(call["function"]["arguments"]),
+                            WEATHER["function"]["parameters"])
 
 
 def test_named_tool_call_streamed_in_pieces(server):
-    """OpenAI's streamed shape: the id and name first, the arguments in pieces; joined, they equal the
-    non-streamed call's (same seed)."""
+    """OpenAI's streamed shape: the id and name first, the arguments in pieces; joined, they equal
+    the non-streamed call's (same seed)."""
     client = server.client(api_key="none")
     named = {"type": "function", "function": {"name": "get_weather"}}
-    kw = dict(model=MODEL, messages=HISTORY, max_tokens=60, tools=[WEATHER, TIME], tool_choice=named, seed=7,
+    kw = dict(model=MODEL, messages=HISTORY, max_tokens=60, tools=[WEATHER, TIME],
+              tool_choice=named, seed=7,
               temperature=1.0)
     whole = client.chat.completions.create(**kw).choices[0].message.tool_calls[0]
     chunks = [c for c in client.chat.completions.create(stream=True, **kw) if c.choices]
@@ -130,19 +142,24 @@ def test_named_tool_call_streamed_in_pieces(server):
 def test_required_tool_choice_returns_calls_of_listed_functions(server):
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
     for seed in range(5):
-        choice = _chat(server, tools=[WEATHER, TIME], temperature=1.0, seed=seed, tool_choice="required",
+        choice = _chat(server, tools=[WEATHER, TIME], temperature=1.0, seed=seed,
+                       tool_choice="required",
                        parallel_tool_calls=False, max_tokens=120)
         assert choice["finish_reason"] == "tool_calls" and choice["message"]["tool_calls"]
         for call in choice["message"]["tool_calls"]:
-            jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
+            jsonschema.validate(json.loads(call["function"]["arguments"]),
+                                schemas[call["function"]["name"]])
 
 
 def test_auto_parses_hermes_tool_call_blocks(server):
-    """The model is steered into a <tool_call> block (a regex constraint) and the server parses it out."""
+    """The model is steered into a <tool_call> block (a regex constraint) and the server parses it
+    out."""
     block = r'Let me check\. <tool_call>\{"name": "get_time", "arguments": \{"zone": "CET"\}\}</tool_call>'
-    choice = _chat(server, tools=[WEATHER, TIME], tool_choice="auto", guided_regex=block, max_tokens=120)
+    choice = _chat(server, tools=[WEATHER, TIME], tool_choice="auto", guided_regex=block,
+                   max_tokens=120)
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me check."
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in choice["message"]["tool_calls"]
+    assert [(c["function"]["name"],
+             json.loads(c["function"]["arguments"])) for c in choice["message"]["tool_calls"]
             ] == [("get_time", {"zone": "CET"})]
     plain = _chat(server, tools=[WEATHER, TIME], tool_choice="none", guided_regex=block, max_tokens=120)  # no parse
     assert plain["finish_reason"] == "stop" and "tool_calls" not in plain["message"]
@@ -151,7 +168,8 @@ def test_auto_parses_hermes_tool_call_blocks(server):
 def test_extract_unit():
     text = 'a <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call> b <tool_call>{"name": "g"}</tool_call>'
     content, calls = tool_calls.extract(text, None, "auto", hermes=True)
-    assert content == "a  b" and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+    assert content == "a  b" and [(c["function"]["name"],
+                                   c["function"]["arguments"]) for c in calls] == [
         ("f", '{"x": 1}'), ("g", "{}")]
     assert tool_calls.extract("<tool_call>{broken</tool_call>", None, "auto", True) == (
         "<tool_call>{broken</tool_call>", [])
@@ -165,14 +183,17 @@ def test_extract_unit():
     ({"tools": [{"type": "function"}]}, "tools[0]"),
     ({"tool_choice": "required"}, "needs tools"),
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice='sometimes'"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": "get_weather"}}, "allowed are"),
-    ({"tools": [WEATHER], "tool_choice": "required", "stream": True}, "stream=true with tool calls parsed"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": "get_weather"}},
+     "allowed are"),
+    ({"tools": [WEATHER], "tool_choice": "required", "stream": True},
+     "stream=true with tool calls parsed"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
      "already constrains"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "tool_call_id"),
     ({"messages": [{"role": "user", "content": None}]}, "content may be null only"),
 ])
 def test_bad_tool_fields_are_400(server, body, says):
-    status, _, got = _post(server.port, "/v1/chat/completions", {"model": MODEL, "messages": HISTORY,
+    status, _, got = _post(server.port, "/v1/chat/completions",
+                           {"model": MODEL, "messages": HISTORY,
                                                                   "max_tokens": 4, **body})
     assert status == 400 and says in got["error"]["message"], got

@@ -40,7 +40,8 @@ def test_distillation_lowers_kl_to_the_teacher(corpus):
     from dataclasses import replace
 
     student_tc = replace(student_tc, steps=30, seed=5)
-    untrained, _ = train(student_cfg, replace(student_tc, steps=1, lr=1e-9, warmup=1), corpus, progress=False)
+    untrained, _ = train(student_cfg, replace(student_tc, steps=1, lr=1e-9, warmup=1), corpus,
+                         progress=False)
     student, log = train(student_cfg, student_tc, corpus, teacher=teacher, progress=False)
     from nanoserve.tools.train import load_bytes
 
@@ -54,4 +55,5 @@ def test_lr_schedule_warms_up_then_decays_to_min():
     _, tc = PRESETS["demo"]
     assert lr_at(0, tc) < lr_at(tc.warmup - 1, tc) == pytest.approx(tc.lr)
     assert lr_at(tc.steps, tc) == pytest.approx(tc.min_lr)
-    assert lr_at(tc.warmup + (tc.steps - tc.warmup) // 2, tc) == pytest.approx((tc.lr + tc.min_lr) / 2)
+    assert lr_at(tc.warmup + (tc.steps - tc.warmup) // 2,
+                 tc) == pytest.approx((tc.lr + tc.min_lr) / 2)

@@ -1,11 +1,11 @@
 """Tree verification keeps the target's law (nanoserve/spec/tree_sampler.py), checked from outside.
 
-The target and the draft are Markov chains over V = 4 tokens (tables P and Q: the law of the next token given
-the last), so every 3-token continuation has an exact probability P[s, a]·P[a, b]·P[b, c]. A generation step
-builds a two-level tree from the last token (2 candidates, each with 2 of its own: drawn from Q, or chosen as
-Q's top 2), verifies it with the target's laws at every node, and keeps going until 3 tokens are out. χ² over
-the 64 cells; mutants (no residual between candidates; a residual ∝ |r − q|) must fail.
-Greedy verification must give the target's argmax chain.
+The target and the draft are Markov chains over V = 4 tokens (tables P and Q: the law of the next
+token given the last), so every 3-token continuation has an exact probability P[s, a]·P[a, b]·P[b,
+c]. A generation step builds a two-level tree from the last token (2 candidates, each with 2 of its
+own: drawn from Q, or chosen as Q's top 2), verifies it with the target's laws at every node, and
+keeps going until 3 tokens are out. χ² over the 64 cells; mutants (no residual between candidates; a
+residual ∝ |r − q|) must fail. Greedy verification must give the target's argmax chain.
 """
 
 from __future__ import annotations
@@ -23,12 +23,14 @@ V, START, LENGTH = 4, 0, 3
 def _chains(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     P = torch.softmax(2 * torch.randn(V, V, generator=g, dtype=torch.float64), -1)  # V, V   target
-    Q = torch.softmax(2 * torch.randn(V, V, generator=g, dtype=torch.float64), -1)  # V, V   a different draft
+    # V, V   a different draft
+    Q = torch.softmax(2 * torch.randn(V, V, generator=g, dtype=torch.float64), -1)
     return P, Q
 
 
 def _tree(last: int, Q: torch.Tensor, sampled: bool, g: torch.Generator):
-    """Root (the last token), 2 children, 2 grandchildren under each: (parents, tokens, q per node)."""
+    """Root (the last token), 2 children, 2 grandchildren under each: (parents, tokens, q per
+    node)."""
     def pick(law):
         return torch.multinomial(law, 2, replacement=True, generator=g).tolist() if sampled else \
             law.topk(2).indices.tolist()
@@ -53,7 +55,8 @@ def _generate(P, Q, sampled: bool, n: int, seed: int) -> torch.Tensor:
         out = []
         while len(out) < LENGTH:
             parents, tokens, q = _tree(out[-1] if out else START, Q, sampled, g)
-            p = P[tokens]  # n, V   the target's law after each node (a Markov chain: given its token)
+            # n, V   the target's law after each node (a Markov chain: given its token)
+            p = P[tokens]
             emitted, _ = tree_rejection_sample(parents, tokens, p, q, g)
             out += emitted
         a, b, c = out[:LENGTH]
@@ -114,9 +117,10 @@ def test_children_and_bad_parents():
 
 
 def test_tree_attention_over_one_forward_equals_each_path_alone():
-    """Scoring a tree in one attention call with `tree_attention_mask` gives every node the output it would
-    get as the last token of its own path (prefix, ancestors, itself), computed alone by SDPA. Control: the
-    causal mask a chain would use lets siblings see each other and changes the outputs."""
+    """Scoring a tree in one attention call with `tree_attention_mask` gives every node the output
+    it would get as the last token of its own path (prefix, ancestors, itself), computed alone by
+    SDPA. Control: the causal mask a chain would use lets siblings see each other and changes the
+    outputs."""
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     from nanoserve.spec.tree_sampler import tree_attention_mask, tree_positions
@@ -126,7 +130,8 @@ def test_tree_attention_over_one_forward_equals_each_path_alone():
     g = torch.Generator().manual_seed(0)
     n, d = len(parents), 16
     q = torch.randn(n, d, generator=g, dtype=torch.float64)  # the tree's queries
-    k, v = (torch.randn(prefix + n, d, generator=g, dtype=torch.float64) for _ in range(2))  # prefix + tree keys
+    # prefix + tree keys
+    k, v = (torch.randn(prefix + n, d, generator=g, dtype=torch.float64) for _ in range(2))
     mask = tree_attention_mask(parents, prefix)
     together = sdpa(q[None], k[None], v[None], attn_mask=mask[None])[0]  # n, d
     for i in range(n):

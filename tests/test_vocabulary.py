@@ -34,12 +34,17 @@ def test_a_checkpoint_without_tokenizer_loads_and_takes_token_ids(no_tokenizer):
     out = llm.generate(IDS, GREEDY)[0]
     assert out.token_ids == demo.generate(IDS, GREEDY)[0].token_ids and out.text == ""
     assert (llm.logits(IDS) == demo.logits(IDS)).all()
-    with pytest.raises(NanoserveError, match="loaded without a tokenizer .* must be lists of token ids"):
+    with pytest.raises(NanoserveError,
+                       match="loaded without a tokenizer .* must be lists of token ids"):
         llm.generate("ROMEO:", GREEDY)
     with pytest.raises(NanoserveError, match="stop strings need a tokenizer"):
         llm.generate(IDS, SamplingParams(stop=["\n"]))
-    assert llm.generate(IDS, SamplingParams(temperature=0, max_tokens=50, stop_token_ids=[10]))[0].finish_reason \
-        == demo.generate(IDS, SamplingParams(temperature=0, max_tokens=50, stop_token_ids=[10]))[0].finish_reason
+    assert llm.generate(IDS,
+                        SamplingParams(temperature=0, max_tokens=50,
+                                       stop_token_ids=[10]))[0].finish_reason \
+        == demo.generate(IDS,
+                         SamplingParams(temperature=0, max_tokens=50,
+                                        stop_token_ids=[10]))[0].finish_reason
 
 
 def test_the_server_answers_token_ids_and_refuses_text_without_a_tokenizer(no_tokenizer):
@@ -54,7 +59,8 @@ def test_the_server_answers_token_ids_and_refuses_text_without_a_tokenizer(no_to
     try:
         status, _, body = _post(srv.port, "/v1/completions", {"model": "w", "prompt": "ROMEO:"})
         assert status == 400 and "without a tokenizer" in body["error"]["message"]
-        status, _, body = _post(srv.port, "/v1/completions", {"model": "w", "prompt": IDS, "max_tokens": 3})
+        status, _, body = _post(srv.port, "/v1/completions",
+                                {"model": "w", "prompt": IDS, "max_tokens": 3})
         assert status == 200 and body["usage"]["completion_tokens"] == 3 and body["choices"][0]["text"] == ""
     finally:
         srv.stop()
@@ -83,8 +89,10 @@ def test_a_padded_embedding_never_samples_ids_the_tokenizer_cannot_decode(padded
     llm = LLM(str(padded))
     assert llm.engine.inputs.usable_vocab_size == 257
     outs = llm.generate(["ab", "cd", "ef"], SamplingParams(max_tokens=48, seed=0, ignore_eos=True))
-    assert all(max(o.token_ids) < 257 and len(o.token_ids) == 48 for o in outs)  # 3/4 of the mass was above
-    with pytest.raises(NanoserveError, match=r"token id 500 is outside the vocabulary; allowed ids are 0..256"):
+    # 3/4 of the mass was above
+    assert all(max(o.token_ids) < 257 and len(o.token_ids) == 48 for o in outs)
+    with pytest.raises(NanoserveError,
+                       match=r"token id 500 is outside the vocabulary; allowed ids are 0..256"):
         llm.generate([1, 500], GREEDY)
 
 

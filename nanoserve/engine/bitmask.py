@@ -19,8 +19,8 @@ def apply_row_bitmasks(logits: torch.Tensor, bitmasks: list) -> torch.Tensor:
         return logits
     R, V = logits.shape
     allowed = unpack_bitmask(torch.cat([bitmasks[i] for i in rows]), V)  # S, V (host)
-    # a matcher in an error state allows nothing: leave its row free rather than let an all -inf row break
-    # the batch's draw (the token drawn then fails that request alone, in Request.emit)
+    # a matcher in an error state allows nothing: leave its row free rather than let an all -inf row
+    # break the batch's draw (the token drawn then fails that request alone, in Request.emit)
     allowed[~allowed.any(-1)] = True
     if len(rows) < R:  # rows without a grammar allow everything
         full = torch.ones(R, V, dtype=torch.bool)
@@ -33,11 +33,13 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """bitmask [R, W] int32 (on the host) -> allowed [R, V] bool: bit t % 32 of word t // 32, least
     significant first. The words' bytes, least significant first on a little-endian host, unpacked
     by numpy ~6x faster than the equivalent torch.arange(32) shifts for a 50k vocabulary."""
-    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=vocab_size, bitorder="little")  # R, V
+    words = bitmask.numpy().view(np.uint8)
+    bits = np.unpackbits(words, axis=1, count=vocab_size, bitorder="little")  # R, V
     return torch.from_numpy(bits.view(np.bool_))
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """logits [R, V] with every token whose bit is 0 at -inf (a new tensor). bitmask [R, W] int32."""
+    """logits [R, V] with every token whose bit is 0 at -inf (a new tensor). bitmask [R, W]
+    int32."""
     allowed = unpack_bitmask(bitmask, logits.shape[-1])  # R, V
     return torch.where(allowed.to(logits.device), logits, float("-inf"))

@@ -22,14 +22,15 @@ HashFn = Callable[[int | None, tuple[int, ...]], int]
 
 def default_block_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     """Python's tuple hash: fast, and for ints deterministic across processes (PYTHONHASHSEED only
-    salts str/bytes). The first block hashes a 1-tuple rather than `(None, ...)` because `hash(None)`
-    varies between processes before Python 3.12. Collisions cost hits, never correctness."""
+    salts str/bytes). The first block hashes a 1-tuple rather than `(None, ...)` because
+    `hash(None)` varies between processes before Python 3.12. Collisions cost hits, never
+    correctness."""
     return hash((token_ids,) if parent_hash is None else (parent_hash, token_ids))
 
 
 def prefix_root(seq) -> int | None:
-    """What block 0 of a sequence hangs from: None under the base model, −id under LoRA adapter id (a
-    value no block's prefix_id takes: those count from 0)."""
+    """What block 0 of a sequence hangs from: None under the base model, −id under LoRA adapter id
+    (a value no block's prefix_id takes: those count from 0)."""
     if seq.lora_int_id == 0:
         return None
     return -seq.lora_int_id
@@ -50,8 +51,11 @@ class Block:
     parent_prefix_id: int | None = None  # prefix_id of the block before it (None for the first)
 
     def clear(self) -> None:
-        """Forget the block's cached identity (hash, tokens, prefix ids): it matches no prefix now."""
-        self.hash, self.token_ids, self.prefix_id, self.parent_prefix_id = None, (), None, None
+        """Forget the block's cached identity: it matches no prefix now."""
+        self.hash = None
+        self.token_ids = ()
+        self.prefix_id = None
+        self.parent_prefix_id = None
 
 
 @dataclass(slots=True)
@@ -70,30 +74,37 @@ class PrefixCacheStats:
 
 def slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
     """The physical slot of tokens start .. end−1 of a sequence with this block table: token i lives
-    in block block_table[i // block_size] at offset i % block_size (the one formula everyone uses)."""
+    in block block_table[i // block_size] at offset i % block_size (the one formula everyone
+    uses)."""
     return [block_table[i // block_size] * block_size + i % block_size for i in range(start, end)]
 
 
 def check_invariants(alloc) -> None:
     """Raise AssertionError if a BlockAllocator's bookkeeping is inconsistent. Which tables hold
-    which blocks is the caller's knowledge; tests check ref counts against live tables themselves."""
+    which blocks is the caller's knowledge; tests check ref counts against live tables
+    themselves."""
     free = [*alloc.free_block_ids, *alloc.evictable]
     _expect(len(set(free)) == len(free), f"a block is queued as free twice: {sorted(free)}")
     free_set = set(free)
     for b in alloc.blocks:
         _expect(b.ref_count >= 0, f"block {b.block_id} has ref_count {b.ref_count}")
         _expect((b.ref_count == 0) == (b.block_id in free_set),
-                f"block {b.block_id} has ref_count {b.ref_count} but in-free-queue={b.block_id in free_set}")
+                f"block {b.block_id} has ref_count {b.ref_count} but "
+                f"in-free-queue={b.block_id in free_set}")
         cached = b.hash is not None
         _expect(cached == (b.prefix_id is not None) == (len(b.token_ids) == alloc.block_size),
-                f"block {b.block_id}: hash, prefix_id and token_ids disagree on whether it is full and hashed")
+                f"block {b.block_id}: hash, prefix_id and token_ids disagree on whether it is full "
+                "and hashed")
     for bid in alloc.free_block_ids:
         _expect(alloc.blocks[bid].hash is None, f"uncached free block {bid} still has a hash")
     for bid in alloc.evictable:
-        _expect(alloc.hash_to_block.get(alloc.blocks[bid].hash) == bid, f"evictable block {bid} is not registered")
+        _expect(alloc.hash_to_block.get(alloc.blocks[bid].hash) == bid,
+                f"evictable block {bid} is not registered")
     for h, bid in alloc.hash_to_block.items():
-        _expect(alloc.blocks[bid].hash == h, f"hash table entry {h} points to block {bid} whose hash differs")
-    _expect(alloc.enable_prefix_caching or not alloc.hash_to_block, "prefix caching is off but blocks are cached")
+        _expect(alloc.blocks[bid].hash == h,
+                f"hash table entry {h} points to block {bid} whose hash differs")
+    _expect(alloc.enable_prefix_caching or not alloc.hash_to_block,
+            "prefix caching is off but blocks are cached")
 
 
 def _expect(condition: bool, message: str) -> None:

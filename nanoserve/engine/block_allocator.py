@@ -1,4 +1,5 @@
-"""The paged-KV block allocator: which physical block holds which tokens, who shares it, what stays cached.
+"""The paged-KV block allocator: which physical block holds which tokens, who shares it, what stays
+cached.
 
 The KV pool (nanoserve/kv/cache.py) is `num_blocks` blocks of `block_size` token slots. This file
 decides which blocks each `Sequence` gets; it never touches a tensor. Ideas from PagedAttention
@@ -6,7 +7,8 @@ decides which blocks each `Sequence` gets; it never touches a tensor. Ideas from
 
 **Ref counts.** A block is *owned* (ref_count > 0: that many block tables list it) or *free*
 (ref_count 0). Prefix hits and `fork` (SamplingParams(n>1)) make tables share blocks. **Prefix
-caching**: a prompt reuses its longest cached prefix's blocks (block.py: the hash) unless it is `skip_prefix_cache`.
+caching**: a prompt reuses its longest cached prefix's blocks (block.py: the hash) unless it is
+`skip_prefix_cache`.
 
 **Free queue and LRU.** Free blocks wait in `free_block_ids` (nothing cached, FIFO) or `evictable`
 (still in the hash table, least recently freed first). New blocks come from the first queue; only
@@ -39,14 +41,17 @@ class BlockAllocator:
                  hash_fn: HashFn | None = None, sliding_window: int | None = None):
         check_block_size(block_size)
         if type(num_blocks) is not int or num_blocks < 1:
-            raise NanoserveError(f"num_blocks={num_blocks!r} is not allowed; it must be an integer >= 1")
+            raise NanoserveError(f"num_blocks={num_blocks!r} is not allowed; it must be an integer "
+                                 ">= 1")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.sliding_window = sliding_window  # every layer's look-back (ModelConfig.kv_window); None: all
+        # every layer's look-back (ModelConfig.kv_window); None: all
+        self.sliding_window = sliding_window
         self.hash_fn: HashFn = hash_fn or default_block_hash
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: deque[int] = deque(range(num_blocks))  # ref 0, nothing cached; FIFO
-        self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, registered; least recently freed first
+        # ref 0, registered; least recently freed first
+        self.evictable: OrderedDict[int, None] = OrderedDict()
         self.hash_to_block: dict[int, int] = {}
         self.stats = PrefixCacheStats()
         self._prefix_ids = itertools.count()
@@ -81,13 +86,15 @@ class BlockAllocator:
         KV exists (`mark_computed`), so a hit can never read a block another sequence has yet to
         write — not with chunked prefill, and not after an abort or preemption mid-prefill."""
         if seq.block_table:
-            raise EngineStateError(f"sequence {seq.seq_id} already has blocks {seq.block_table}; free it first")
+            raise EngineStateError(f"sequence {seq.seq_id} already has blocks {seq.block_table}; "
+                                   "free it first")
         hits, needed, available = self._plan(seq)
         if needed > available:
             raise NanoserveError(
-                f"cannot allocate sequence {seq.seq_id}: its {len(seq)} tokens need {needed} new blocks "
-                f"({len(hits)} more are prefix-cache hits) but only {available} of {self.num_blocks} are free "
-                f"or evictable; call can_allocate() first and wait for blocks to be freed")
+                f"cannot allocate sequence {seq.seq_id}: its {len(seq)} tokens need {needed} new "
+                f"blocks ({len(hits)} more are prefix-cache hits) but only {available} of "
+                f"{self.num_blocks} are free or evictable; call can_allocate() first and wait for "
+                "blocks to be freed")
         for bid in hits:
             self._share(bid)
         seq.block_table = hits + [self._take_free_block() for _ in range(needed)]
@@ -98,17 +105,20 @@ class BlockAllocator:
     # ------------------------------------------------------------------ decoding
     def can_append(self, seq: Sequence) -> bool:
         """Whether `append_slot(seq)` will find the block it may need, asked once the token is in:
-        a block is needed when the new token starts one or lands in a shared last block (copy-on-write)."""
+        a block is needed when the new token starts one or lands in a shared last block
+        (copy-on-write)."""
         table = self._require_allocated(seq)
-        needs_block = len(table) * self.block_size < len(seq) or self.blocks[table[-1]].ref_count > 1
+        last_block_full = len(table) * self.block_size < len(seq)
+        needs_block = last_block_full or self.blocks[table[-1]].ref_count > 1
         return self.num_free_blocks() >= int(needs_block)
 
     def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
         """Make room for the token just appended (position len(seq) - 1), before its KV is written.
 
-        A token that starts a new block gets a fresh block. A token landing in a last block that other
-        tables share triggers copy-on-write: this sequence moves to a fresh block and `(src, dst)` is
-        returned so the KV cache copies the slots already written; otherwise None. Idempotent."""
+        A token that starts a new block gets a fresh block. A token landing in a last block that
+        other tables share triggers copy-on-write: this sequence moves to a fresh block and `(src,
+        dst)` is returned so the KV cache copies the slots already written; otherwise None.
+        Idempotent."""
         table = self._require_allocated(seq)
         n, bs = len(seq), self.block_size
         if len(table) * bs == n - 1:
@@ -116,8 +126,9 @@ class BlockAllocator:
             return None
         if len(table) == self.blocks_needed(n):
             return self._copy_on_write(table)
-        raise EngineStateError(f"append_slot makes room for one new token at a time: sequence {seq.seq_id} has "
-                               f"{n} tokens but its block table covers {len(table) * bs}")
+        raise EngineStateError("append_slot makes room for one new token at a time: sequence "
+                               f"{seq.seq_id} has {n} tokens but its block table covers "
+                               f"{len(table) * bs}")
 
     def mark_computed(self, seq: Sequence) -> None:
         """Register `seq`'s full blocks whose KV is now written (its first num_computed_tokens) in
@@ -125,59 +136,70 @@ class BlockAllocator:
         if not self.enable_prefix_caching:
             return
         table, n = seq.block_table, min(seq.num_computed_tokens, len(seq)) // self.block_size
-        first = n  # sealed (or given-back) blocks form a leading run: walk back to its end, not from block 0
-        while first > 0 and table[first - 1] != NULL_BLOCK and self.blocks[table[first - 1]].hash is None:
+        # sealed (or given-back) blocks form a leading run: walk back to its end, not from block 0
+        first = n
+        while first > 0 and table[first - 1] != NULL_BLOCK:
+            if self.blocks[table[first - 1]].hash is not None:
+                break
             first -= 1
         for i in range(first, n):
             self._seal(seq, i)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """`child` (same tokens as `parent`) shares every parent block; copy-on-write splits them later."""
+        """`child` (same tokens as `parent`) shares every parent block; copy-on-write splits them
+        later."""
         self._require_allocated(parent)
         if child.block_table or child.token_ids != parent.token_ids:
-            raise EngineStateError(f"fork needs a child with no blocks and the parent's tokens; sequence "
-                                   f"{child.seq_id} has {len(child.block_table)} blocks and {len(child)} tokens")
+            raise EngineStateError("fork needs a child with no blocks and the parent's tokens; "
+                                   f"sequence {child.seq_id} has {len(child.block_table)} blocks "
+                                   f"and {len(child)} tokens")
         for bid in (b for b in parent.block_table if b != NULL_BLOCK):
             self._share(bid)
         child.block_table = list(parent.block_table)
-        child.num_cached_tokens, child.num_computed_tokens = parent.num_cached_tokens, parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.num_computed_tokens = parent.num_computed_tokens
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
-        """Keep only the blocks the first `num_tokens` tokens need; free the rest, last first. Speculation's
-        rollback (the scheduler's `rollback` shortens `seq` first): rejected tokens' slots in a kept block are
-        overwritten later; a dropped block is never a registered prefix block (only full computed ones are)."""
+        """Keep only the blocks the first `num_tokens` tokens need; free the rest, last first.
+        Speculation's rollback (the scheduler's `rollback` shortens `seq` first): rejected tokens'
+        slots in a kept block are overwritten later; a dropped block is never a registered prefix
+        block (only full computed ones are)."""
         table = self._require_allocated(seq)
         keep = self.blocks_needed(num_tokens)
         if keep < 1 or num_tokens < seq.num_computed_tokens:
-            raise EngineStateError(f"truncate({num_tokens}) would drop computed tokens or every block of sequence "
-                                   f"{seq.seq_id} ({seq.num_computed_tokens} computed); free() it instead")
+            raise EngineStateError(f"truncate({num_tokens}) would drop computed tokens or every "
+                                   f"block of sequence {seq.seq_id} ({seq.num_computed_tokens} "
+                                   "computed); free() it instead")
         for bid in reversed(table[keep:]):
             self._unref(bid)
         del table[keep:]
 
     def free(self, seq: Sequence) -> None:
-        """Release `seq`'s blocks, last first (LRU evicts tails before shared heads). A block whose count
-        drops to 0 stays cached (evictable) if registered. Freeing twice is a no-op."""
+        """Release `seq`'s blocks, last first (LRU evicts tails before shared heads). A block whose
+        count drops to 0 stays cached (evictable) if registered. Freeing twice is a no-op."""
         for bid in reversed(seq.block_table):
             if bid == NULL_BLOCK:
                 break  # the leading entries a sliding window already gave back
             if self.blocks[bid].ref_count <= 0:
-                raise EngineStateError(f"block {bid} of sequence {seq.seq_id} is already free (double free?)")
+                raise EngineStateError(f"block {bid} of sequence {seq.seq_id} is already free "
+                                       "(double free?)")
             self._unref(bid)
         seq.block_table = []
         seq.num_cached_tokens = seq.num_computed_tokens = 0
 
     def free_out_of_window(self, seq: Sequence) -> int:
-        """Sliding window w in every layer: give back the blocks no query sees again (entry -> NULL_BLOCK);
-        how many. Queries come at positions ≥ num_computed_tokens and see keys > p − w. Call it once the
-        step's tokens are final (Scheduler.postprocess: after speculation's rollback moved them back)."""
+        """Sliding window w in every layer: give back the blocks no query sees again (entry ->
+        NULL_BLOCK); how many. Queries come at positions ≥ num_computed_tokens and see keys > p − w.
+        Call it once the step's tokens are final (Scheduler.postprocess: after speculation's
+        rollback moved them back)."""
         if self.sliding_window is None:
             return 0
         table = seq.block_table
         oldest_seen = seq.num_computed_tokens - self.sliding_window + 1  # the first key still seen
         i = oldest_seen // self.block_size - 1  # the newest block wholly before it
         freed = 0
-        while i >= 0 and table[i] != NULL_BLOCK:  # newest dead block first, back to the last one freed
+        # newest dead block first, back to the last one freed
+        while i >= 0 and table[i] != NULL_BLOCK:
             self._unref(table[i])
             table[i] = NULL_BLOCK
             freed += 1
@@ -188,12 +210,14 @@ class BlockAllocator:
         """Physical slot `block_id * block_size + offset` of tokens start .. end-1."""
         covered = min(len(seq), len(seq.block_table) * self.block_size)
         if not 0 <= start <= end <= covered:
-            raise IndexError(f"token range [{start}, {end}) is outside sequence {seq.seq_id}'s {covered} "
-                             f"tokens with blocks; allowed: 0 <= start <= end <= {covered}")
+            raise IndexError(f"token range [{start}, {end}) is outside sequence {seq.seq_id}'s "
+                             f"{covered} tokens with blocks; allowed: 0 <= start <= end <= "
+                             f"{covered}")
         return slots(seq.block_table, start, end, self.block_size)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block. Only when no block is in use (as vLLM); returns whether it did."""
+        """Forget every cached block. Only when no block is in use (as vLLM); returns whether it
+        did."""
         if self.num_free_blocks() != self.num_blocks:
             return False
         for bid in self.evictable:
@@ -203,22 +227,27 @@ class BlockAllocator:
         self.hash_to_block.clear()
         return True
 
-    check_invariants = _block.check_invariants  # raise AssertionError if the bookkeeping is inconsistent (block.py)
+    # raise AssertionError if the bookkeeping is inconsistent (block.py)
+    check_invariants = _block.check_invariants
 
     # ------------------------------------------------------------------ internals
     def _check_fits(self, seq: Sequence) -> None:
         n, capacity = len(seq), self.num_blocks * self.block_size
         if not 1 <= n <= capacity:
             raise NanoserveError(
-                f"sequence {seq.seq_id} has {n} tokens, needing {self.blocks_needed(n)} blocks of {self.block_size}, "
-                f"but the KV pool has {self.num_blocks} blocks in total; allowed: 1 to {capacity} tokens")
+                f"sequence {seq.seq_id} has {n} tokens, needing {self.blocks_needed(n)} blocks of "
+                f"{self.block_size}, but the KV pool has {self.num_blocks} blocks in total; "
+                f"allowed: 1 to {capacity} tokens")
 
     def _block_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
         return tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
 
-    def _matches(self, block: Block, tokens: tuple[int, ...], parent: Block | None, root: int | None = None) -> bool:
-        """The exact check behind every hit: same tokens, same prefix before them (for block 0: same root)."""
-        return block.token_ids == tokens and block.parent_prefix_id == (parent.prefix_id if parent else root)
+    def _matches(self, block: Block, tokens: tuple[int, ...], parent: Block | None,
+                 root: int | None = None) -> bool:
+        """The exact check behind every hit: same tokens, same prefix before them (for block 0: same
+        root)."""
+        parent_id = parent.prefix_id if parent else root
+        return block.token_ids == tokens and block.parent_prefix_id == parent_id
 
     def _max_prefix_hits(self, num_tokens: int) -> int:
         """Full blocks before the one holding the last token: that token must be computed."""
@@ -238,14 +267,16 @@ class BlockAllocator:
         return hits
 
     def _plan(self, seq: Sequence) -> tuple[list[int], int, int]:
-        """(prefix hits, fresh blocks needed, blocks available for them): an evictable hit is not available."""
+        """(prefix hits, fresh blocks needed, blocks available for them): an evictable hit is not
+        available."""
         self._check_fits(seq)
         hits = self._prefix_hits(seq)
         idle_hits = sum(self.blocks[bid].ref_count == 0 for bid in hits)
         return hits, self.blocks_needed(len(seq)) - len(hits), self.num_free_blocks() - idle_hits
 
     def _seal(self, seq: Sequence, i: int) -> None:
-        """Hash full block i and register it, unless registered, or its parent is unhashed (a window's: not cached)."""
+        """Hash full block i and register it, unless registered, or its parent is unhashed (a
+        window's: not cached)."""
         block = self.blocks[seq.block_table[i]]
         parent = None  # block i − 1, when there is one and it is still held
         if i > 0 and seq.block_table[i - 1] != NULL_BLOCK:
@@ -270,7 +301,8 @@ class BlockAllocator:
             del self.hash_to_block[self.blocks[bid].hash]
             self.blocks[bid].clear()
         else:
-            raise EngineStateError(f"all {self.num_blocks} KV blocks are in use; check can_allocate/can_append first")
+            raise EngineStateError(f"all {self.num_blocks} KV blocks are in use; check "
+                                   "can_allocate/can_append first")
         self.blocks[bid].ref_count = 1
         return bid
 
@@ -286,8 +318,12 @@ class BlockAllocator:
             self._release(self.blocks[bid])
 
     def _release(self, block: Block) -> None:
-        """ref_count just reached 0: keep it cached if it is (or can become) the registered block."""
-        if block.hash is not None and self.hash_to_block.setdefault(block.hash, block.block_id) == block.block_id:
+        """ref_count just reached 0: keep it cached if it is (or can become) the registered
+        block."""
+        registered = None
+        if block.hash is not None:
+            registered = self.hash_to_block.setdefault(block.hash, block.block_id)
+        if registered == block.block_id:
             self.evictable[block.block_id] = None  # most recently freed at the end
         else:
             block.clear()
@@ -304,6 +340,7 @@ class BlockAllocator:
 
     def _require_allocated(self, seq: Sequence) -> list[int]:
         if not seq.block_table:
-            raise EngineStateError(f"sequence {seq.seq_id} has no blocks; allocate (or fork) it first")
+            raise EngineStateError(f"sequence {seq.seq_id} has no blocks; allocate (or fork) it "
+                                   "first")
         return seq.block_table
 

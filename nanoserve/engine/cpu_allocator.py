@@ -9,18 +9,19 @@ machine of benchmarks/RESULTS.md, that LM head GEMM took 37 ms with glibc and 22
 which keeps freed memory for the next request; a whole 256-row decode step, 102 → 81 ms. (The torch
 backend's gather hit the same wall, which is why the KV cache keeps its gather workspace.)
 
-An allocator is chosen when the process starts (`LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4`),
-not by a library inside it, so the engine only says so once, in the log; vLLM's CPU backend asks for
-tcmalloc the same way, and torch's CPU launcher (`python -m torch.backends.xeon.run_cpu`) preloads
-jemalloc or tcmalloc.
+An allocator is chosen when the process starts
+(`LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4`), not by a library inside it, so
+the engine only says so once, in the log; vLLM's CPU backend asks for tcmalloc the same way, and
+torch's CPU launcher (`python -m torch.backends.xeon.run_cpu`) preloads jemalloc or tcmalloc.
 
 Huge pages. A decode step at one row reads every weight once (GPT-2 6 × 384: 120 MB per token), and
-on 4 KiB pages that is ~30,000 pages a token, each a TLB miss and a page-table walk. With the kernel's
-transparent huge pages in `madvise` mode (the usual default), torch puts a CPU tensor of ≥ 2 MB on 2 MB
-pages when THP_MEM_ALLOC_ENABLE=1 — weights, oneDNN's packed copies, the KV pool. torch reads the
-variable at its first allocation, so nanoserve sets it on import (unless the process set it already);
-measured on the 2-core Xeon of RESULTS.md ("Fifth step"), the single-stream step ran faster with it in
-5 of 5 paired runs (by 3–19 %, fastest runs). `huge_page_bytes` says how much of this process has them.
+on 4 KiB pages that is ~30,000 pages a token, each a TLB miss and a page-table walk. With the
+kernel's transparent huge pages in `madvise` mode (the usual default), torch puts a CPU tensor of ≥
+2 MB on 2 MB pages when THP_MEM_ALLOC_ENABLE=1 — weights, oneDNN's packed copies, the KV pool. torch
+reads the variable at its first allocation, so nanoserve sets it on import (unless the process set
+it already); measured on the 2-core Xeon of RESULTS.md ("Fifth step"), the single-stream step ran
+faster with it in 5 of 5 paired runs (by 3–19 %, fastest runs). `huge_page_bytes` says how much of
+this process has them.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ _ADVISED = False
 
 
 def malloc_library() -> str:
-    """"tcmalloc" or "jemalloc" when one is loaded into this process (Linux: /proc/self/maps), else "glibc"
-    (or "unknown" where the process map cannot be read)."""
+    """"tcmalloc" or "jemalloc" when one is loaded into this process (Linux: /proc/self/maps), else
+    "glibc" (or "unknown" where the process map cannot be read)."""
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
@@ -47,8 +48,9 @@ def malloc_library() -> str:
 
 
 def thp_mode() -> str:
-    """The kernel's transparent huge pages setting: "always", "madvise" (huge pages where a program asks, as
-    torch does with THP_MEM_ALLOC_ENABLE=1), "never", or "unknown" (not Linux, or not readable)."""
+    """The kernel's transparent huge pages setting: "always", "madvise" (huge pages where a program
+    asks, as torch does with THP_MEM_ALLOC_ENABLE=1), "never", or "unknown" (not Linux, or not
+    readable)."""
     try:
         text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
     except OSError:
@@ -57,7 +59,8 @@ def thp_mode() -> str:
 
 
 def huge_page_bytes() -> int | None:
-    """Bytes of this process's memory on transparent huge pages (/proc/self/smaps_rollup), None where unknown."""
+    """Bytes of this process's memory on transparent huge pages (/proc/self/smaps_rollup), None
+    where unknown."""
     try:
         rollup = Path("/proc/self/smaps_rollup").read_text()
     except OSError:
@@ -67,18 +70,21 @@ def huge_page_bytes() -> int | None:
 
 
 def advise_on_allocator(largest_weight_bytes: int = 0) -> None:
-    """Log once per process, at INFO, that a CPU engine under glibc's malloc pays page faults on big tensors,
-    and that its weights (the largest `largest_weight_bytes` long) sit on 4 KiB pages where the kernel could give
-    it huge ones."""
+    """Log once per process, at INFO, that a CPU engine under glibc's malloc pays page faults on big
+    tensors, and that its weights (the largest `largest_weight_bytes` long) sit on 4 KiB pages where
+    the kernel could give it huge ones."""
     global _ADVISED
     if _ADVISED:
         return
     _ADVISED = True
-    if thp_mode() in ("always", "madvise") and largest_weight_bytes >= 4 << 20 and huge_page_bytes() == 0:
-        logger.info("the weights sit on 4 KiB pages: THP_MEM_ALLOC_ENABLE=%r, or a tensor was made before nanoserve "
-                    "was imported. Set THP_MEM_ALLOC_ENABLE=1 before torch's first tensor for 2 MB pages "
+    if thp_mode() in ("always",
+                      "madvise") and largest_weight_bytes >= 4 << 20 and huge_page_bytes() == 0:
+        logger.info("the weights sit on 4 KiB pages: THP_MEM_ALLOC_ENABLE=%r, or a tensor was "
+                    "made before nanoserve was imported. Set THP_MEM_ALLOC_ENABLE=1 before "
+                    "torch's first tensor for 2 MB pages "
                     "(nanoserve/engine/cpu_allocator.py)", os.environ.get("THP_MEM_ALLOC_ENABLE"))
     if malloc_library() == "glibc":
-        logger.info("CPU tensors come from glibc's malloc, which returns blocks over 32 MB to the OS: large "
-                    "batches pay page faults on their logits every step. Preloading tcmalloc or jemalloc "
-                    "(LD_PRELOAD) avoids it (nanoserve/engine/cpu_allocator.py)")
+        logger.info("CPU tensors come from glibc's malloc, which returns blocks over 32 MB to the "
+                    "OS: large batches pay page faults on their logits every step. Preloading "
+                    "tcmalloc or jemalloc (LD_PRELOAD) avoids it "
+                    "(nanoserve/engine/cpu_allocator.py)")

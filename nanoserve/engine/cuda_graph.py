@@ -1,5 +1,5 @@
-"""CUDA graphs for decode steps: capture the decode forward once per batch-size bucket, then replay it
-(what vLLM, nano-vllm and mini-sglang do).
+"""CUDA graphs for decode steps: capture the decode forward once per batch-size bucket, then replay
+it (what vLLM, nano-vllm and mini-sglang do).
 
 **Why.** A decode step at small batch launches a few hundred small kernels (about a dozen per
 layer), and on a GPU the host can take longer to launch them than the device takes to run them:
@@ -44,7 +44,8 @@ class DecodeBuffers:
     """The static inputs of the decode graphs, allocated once for `max_batch` rows of up to
     `max_blocks` blocks; `meta(b)` and the slices below are what a graph of bucket b reads."""
 
-    def __init__(self, max_batch: int, max_blocks: int, max_context: int, device: torch.device | str):
+    def __init__(self, max_batch: int, max_blocks: int, max_context: int,
+                 device: torch.device | str):
         long = dict(dtype=torch.long, device=device)
         self.input_ids = torch.zeros(max_batch, 1, **long)  # Bm, 1
         self.positions = torch.zeros(max_batch, 1, **long)  # Bm, 1
@@ -53,26 +54,32 @@ class DecodeBuffers:
         self.context_lens = torch.ones(max_batch, **long)  # Bm
         self.logit_index = torch.zeros(max_batch, 1, **long)  # Bm, 1: a decode row's only token
         self.rows = torch.arange(max_batch, **long)  # Bm: real-token indices of a full decode batch
-        self.cu_seqlens = torch.arange(max_batch + 1, dtype=torch.int32, device=device)  # unused by decode
+        # unused by decode
+        self.cu_seqlens = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         self.max_context = max_context
 
     def meta(self, b: int) -> AttentionMetadata:
-        """Bucket b's attention metadata: views of the static buffers (their addresses never change)."""
+        """Bucket b's attention metadata: views of the static buffers (their addresses never
+        change)."""
         slots = self.slot_mapping[:b]  # b, 1
-        return AttentionMetadata(slots, self.block_tables[:b], self.context_lens[:b], src=self.rows[:b],
-                                 dst=slots.view(-1), fresh_blocks=self.rows[:0], cu_seqlens=self.cu_seqlens[:b + 1],
-                                 prefix_lens=self.cu_seqlens[:b], max_context=self.max_context, decode=True)
+        return AttentionMetadata(slots, self.block_tables[:b], self.context_lens[:b],
+                                 src=self.rows[:b],
+                                 dst=slots.view(-1), fresh_blocks=self.rows[:0],
+                                 cu_seqlens=self.cu_seqlens[:b + 1],
+                                 prefix_lens=self.cu_seqlens[:b], max_context=self.max_context,
+                                 decode=True)
 
     def fill(self, inputs, b: int) -> int:
-        """Copy one eager decode step's inputs (a ForwardInputs with B ≤ b rows) into the first B rows;
-        rows B..b−1 become padding. Returns B. Device-to-device copies only."""
+        """Copy one eager decode step's inputs (a ForwardInputs with B ≤ b rows) into the first B
+        rows; rows B..b−1 become padding. Returns B. Device-to-device copies only."""
         meta = inputs.meta
         B, M = meta.block_tables.shape
         self.input_ids[:B].copy_(inputs.input_ids)
         self.positions[:B].copy_(inputs.positions)
         self.slot_mapping[:B].copy_(meta.slot_mapping)
         self.block_tables[:B, :M].copy_(meta.block_tables)
-        self.block_tables[:B, M:].zero_()  # never read (past each row's context), but no stale values
+        # never read (past each row's context), but no stale values
+        self.block_tables[:B, M:].zero_()
         self.context_lens[:B].copy_(meta.context_lens)
         self.pad(B, b)
         return B

@@ -55,8 +55,9 @@ class LLM:
         self.runner = e.runner
 
     def _use_lora(self, path: str, merge: bool) -> None:
-        """Merged: W + s·BA in place, so the engine's layers (and CUDA graphs) read the same tensors. Unmerged:
-        the target layers are swapped for LoRALinear ones, and decode CUDA graphs are recorded again."""
+        """Merged: W + s·BA in place, so the engine's layers (and CUDA graphs) read the same
+        tensors. Unmerged: the target layers are swapped for LoRALinear ones, and decode CUDA graphs
+        are recorded again."""
         lora = extension("lora")  # nanoserve/lora/
         e = self.engine
         self.lora = lora.load_lora_adapter(path, e.config)
@@ -73,7 +74,8 @@ class LLM:
         return self.engine.block_allocator
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
-        """The token ids the engine would run for `prompt` (BOS included for Llama-family models)."""
+        """The token ids the engine would run for `prompt` (BOS included for Llama-family
+        models)."""
         return self.engine.inputs.encode_prompt(prompt)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -83,16 +85,19 @@ class LLM:
         scheduled together; outputs come back in the prompts' order. `params`: one SamplingParams
         for every prompt, or a list with one per prompt (as vLLM's). A request that fails inside
         the engine raises RequestFailedError (the others are aborted: generate returns all or none).
-        `lora_request`: a LoRARequest for every prompt, or a list with one (or None) per prompt; the engine
-        must have been made with enable_lora=True (nanoserve/lora/serving.py)."""
+        `lora_request`: a LoRARequest for every prompt, or a list with one (or None) per prompt; the
+        engine must have been made with enable_lora=True (nanoserve/lora/serving.py)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         per_prompt = self._params_per_prompt(params, len(prompts))
-        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        loras = list(lora_request) if isinstance(lora_request,
+                                                 (list, tuple)) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
-            raise NanoserveError(f"got {len(loras)} lora_request for {len(prompts)} prompts; give one, or one each")
+            raise NanoserveError(f"got {len(loras)} lora_request for {len(prompts)} prompts; give "
+                                 "one, or one each")
         # every prompt validated (and tokenized, once; its adapter read) before any compute is spent
-        reqs = [self.engine.new_request(p, sp, lora_request=lr) for p, sp, lr in zip(prompts, per_prompt, loras)]
+        reqs = [self.engine.new_request(p, sp, lora_request=lr) for p, sp,
+                lr in zip(prompts, per_prompt, loras)]
         ids: list[str] = []
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(reqs), desc="generate", unit="req",
@@ -122,13 +127,15 @@ class LLM:
         if params is None or isinstance(params, SamplingParams):
             return [params or SamplingParams()] * n
         if isinstance(params, (str, bytes)) or not isinstance(params, Sequence):
-            raise NanoserveError(f"params must be a SamplingParams or a list of them, one per prompt; "
-                                 f"got {type(params).__name__}")
+            raise NanoserveError("params must be a SamplingParams or a list of them, one per "
+                                 f"prompt; got {type(params).__name__}")
         if len(params) != n:
-            raise NanoserveError(f"got {len(params)} SamplingParams for {n} prompts; give one, or one per prompt")
+            raise NanoserveError(f"got {len(params)} SamplingParams for {n} prompts; give one, or "
+                                 "one per prompt")
         bad = [i for i, p in enumerate(params) if not isinstance(p, SamplingParams)]
         if bad:
-            raise NanoserveError(f"params[{bad[0]}] is a {type(params[bad[0]]).__name__}, not a SamplingParams")
+            raise NanoserveError(f"params[{bad[0]}] is a {type(params[bad[0]]).__name__}, not a "
+                                 "SamplingParams")
         return list(params)
 
     def stream_request(self, prompt: Prompt, params: SamplingParams | None = None
@@ -153,15 +160,19 @@ class LLM:
         """Yield the generated text piece by piece as tokens are produced."""
         params = params or SamplingParams()
         if params.n != 1:
-            raise NanoserveError(f"stream() yields one text; got n={params.n}, use generate() for n > 1")
+            raise NanoserveError(f"stream() yields one text; got n={params.n}, use generate() for "
+                                 "n > 1")
         for delta, _ in self.stream_request(prompt, params):
             if delta:
                 yield delta
 
     @torch.inference_mode()
     def logits(self, token_ids: Sequence[int]) -> torch.Tensor:
-        """Logits [T, vocab] (float32) of one full forward without a cache: for teaching and checks."""
+        """Logits [T, vocab] (float32) of one full forward without a cache: for teaching and
+        checks."""
         ids = self.engine.inputs.check_token_ids(token_ids)
         if len(ids) > self.max_model_len:
-            raise NanoserveError(f"{len(ids)} tokens exceed the model's context of {self.max_model_len}")
-        return self.runner.logits(ids)  # (split over ranks, every rank runs its share: parallel/workers.py)
+            raise NanoserveError(f"{len(ids)} tokens exceed the model's context of "
+                                 f"{self.max_model_len}")
+        # (split over ranks, every rank runs its share: parallel/workers.py)
+        return self.runner.logits(ids)

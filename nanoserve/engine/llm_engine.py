@@ -53,7 +53,8 @@ class EngineStep:
     core, which advances and samples every other row."""
 
     sched: SchedulerOutput
-    done: dict[str, RequestOutput] = field(default_factory=dict)  # advanced or failed, by request id
+    # advanced or failed, by request id
+    done: dict[str, RequestOutput] = field(default_factory=dict)
     num_logits: dict[int, int] = field(default_factory=dict)  # claimed rows: logits each returns
     handlers: dict[int, Callable] = field(default_factory=dict)  # claimed rows: handler(logits)
     trees: list | None = None  # per row, a token tree's parents (None: a chain); None: no trees
@@ -79,8 +80,8 @@ class LLMEngine:
     """Continuous batching over a paged KV cache, set up by one `EngineConfig` (config.py).
 
     KV cache: a pool of `num_blocks` blocks of `block_size` tokens, sized from `kv_cache_memory`
-    bytes when given, else the bytes of 8 full-context sequences in the model's dtype; K/V in that dtype,
-    or 8-bit (`kv_cache_dtype`, kv/quant.py). Prefix caching is on. Scheduling: at most
+    bytes when given, else the bytes of 8 full-context sequences in the model's dtype; K/V in that
+    dtype, or 8-bit (`kv_cache_dtype`, kv/quant.py). Prefix caching is on. Scheduling: at most
     `max_num_seqs` sequences and `max_num_batched_tokens` new tokens per step; chunked prefill on by
     default; `max_waiting` bounds the queue. Attention: `attention_backend` (nanoserve/kv/). On CUDA
     with triton, decode steps replay CUDA graphs unless `enforce_eager` (`cuda_graphs_off` says why
@@ -158,28 +159,36 @@ class LLMEngine:
         return self.scheduler.block_allocator
 
     # ------------------------------------------------------------------ requests
-    def new_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    priority: int = 0, arrival_time: float | None = None, lora_request=None) -> Request:
-        """A validated request, queued nowhere yet (the batchers and the async engine queue it themselves), under
-        `lora_request`'s adapter if given. Reads no scheduler state, so it may run while a step is in flight."""
+    def new_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None,
+                    priority: int = 0, arrival_time: float | None = None,
+                    lora_request=None) -> Request:
+        """A validated request, queued nowhere yet (the batchers and the async engine queue it
+        themselves), under `lora_request`'s adapter if given. Reads no scheduler state, so it may
+        run while a step is in flight."""
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.requests:
             raise NanoserveError(f"request id {rid!r} is already in use")
         return self.inputs.make_request(prompt, params, rid, priority, arrival_time, lora_request)
 
     def enqueue(self, req: Request) -> None:
-        """Queue a request made by `new_request`; QueueFullError (and nothing registered) when full."""
+        """Queue a request made by `new_request`; QueueFullError (and nothing registered) when
+        full."""
         self.scheduler.add(req.samples[0].seq)
         self.requests[req.output.request_id] = req
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None,
                     priority: int = 0, arrival_time: float | None = None, lora_request=None) -> str:
-        """Validate and queue a request; returns its id. NanoserveError for bad input, QueueFullError when full."""
-        self.enqueue(req := self.new_request(prompt, params, request_id, priority, arrival_time, lora_request))
+        """Validate and queue a request; returns its id. NanoserveError for bad input,
+        QueueFullError when full."""
+        req = self.new_request(prompt, params, request_id, priority, arrival_time, lora_request)
+        self.enqueue(req)
         return req.output.request_id
 
     def abort_request(self, request_id: str) -> None:
-        """Stop a request now: its sequences leave the scheduler and their blocks return to the pool."""
+        """Stop a request now: its sequences leave the scheduler and their blocks return to the
+        pool."""
         if (req := self.requests.pop(request_id, None)) is None:
             return
         for s in req.samples:
@@ -199,16 +208,18 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ one iteration
     def step(self) -> list[RequestOutput]:
-        """Schedule → forward → update → sample; the outputs of the requests that advanced (or failed).
+        """Schedule → forward → update → sample; the outputs of the requests that advanced (or
+        failed).
 
-        A fault while handling one request's row fails that request alone; a forward that raises fails
-        every request in it (the fault cannot be pinned to a row); only a fatal error (errors.is_fatal:
-        broken bookkeeping, a device fault) escapes and stops the engine."""
+        A fault while handling one request's row fails that request alone; a forward that raises
+        fails every request in it (the fault cannot be pinned to a row); only a fatal error
+        (errors.is_fatal: broken bookkeeping, a device fault) escapes and stops the engine."""
         step = EngineStep(self.scheduler.schedule())
         self.last_num_seqs = len(step.sched.seqs)
         if not self._prepare(step.sched):
             return []
-        for hook in self.step_hooks:  # e.g. speculation: drafts join their rows (spec/spec_decode.py)
+        # e.g. speculation: drafts join their rows (spec/spec_decode.py)
+        for hook in self.step_hooks:
             hook.before_forward(self, step)
         logits = self.isolated(step.sched.seqs, step.done, self._forward, step)  # [B, V] or per row
         if logits is not None:
@@ -219,7 +230,8 @@ class LLMEngine:
         return self._collect(step.done)
 
     def _prepare(self, sched: SchedulerOutput) -> bool:
-        """Before the forward: copy-on-write copies, first-scheduled times; False when nothing runs."""
+        """Before the forward: copy-on-write copies, first-scheduled times; False when nothing
+        runs."""
         if not sched.seqs:
             return False
         for src, dst in sched.copies:  # before anyone writes into the copies
@@ -277,7 +289,8 @@ class LLMEngine:
                     to_sample: list) -> None:
         req = self.requests[seq.request_id]
         if wants_prompt_logits(req.output.prompt_logprobs, seq):
-            record_prompt_logprobs(req.output.prompt_logprobs, seq, logits, req.params, self.tokenizer)
+            record_prompt_logprobs(req.output.prompt_logprobs, seq, logits, req.params,
+                                   self.tokenizer)
         self.scheduler.advance(seq, num_new)
         if seq.num_computed_tokens < len(seq):
             return  # a prefill chunk: no token to sample yet
@@ -287,11 +300,13 @@ class LLMEngine:
         for sample in samples:
             to_sample.append((req, sample, row))
 
-    def _sample(self, step: EngineStep, logits, to_sample: list[tuple[Request, Sample, int]]) -> None:
+    def _sample(self, step: EngineStep, logits,
+                to_sample: list[tuple[Request, Sample, int]]) -> None:
         """One batched draw for every sample due a token (one device→host transfer), then emit each.
         A failing draw fails every request in it; a failing mask or emit, its own request."""
         bitmasks = self._grammar_masks(to_sample, logits, step.done)  # a failing mask fails its row
-        alive = [i for i, (req, _, _) in enumerate(to_sample) if req.output.request_id in self.requests]
+        alive = [i for i,
+                 (req, _, _) in enumerate(to_sample) if req.output.request_id in self.requests]
         to_sample = [to_sample[i] for i in alive]
         bitmasks = [bitmasks[i] for i in alive]
         if not to_sample:
@@ -326,10 +341,12 @@ class LLMEngine:
         return bitmasks
 
     def _emit(self, req: Request, s: Sample, token: int, has_nan: bool, lp, done: dict) -> None:
-        """One sampled token: into the output (stop conditions, logprobs), then into the sequence."""
+        """One sampled token: into the output (stop conditions, logprobs), then into the
+        sequence."""
         if has_nan:
-            raise RequestFailedError(f"the model produced NaN logits for request {req.output.request_id!r} at "
-                                     f"position {len(s.seq)} (an overflow in {self.dtype}?)")
+            raise RequestFailedError("the model produced NaN logits for request "
+                                     f"{req.output.request_id!r} at position {len(s.seq)} (an "
+                                     f"overflow in {self.dtype}?)")
         finished = req.emit(s, token, lp)
         self.scheduler.postprocess(s.seq, [token], finished)
         done[req.output.request_id] = req.output
@@ -345,9 +362,11 @@ class LLMEngine:
     def _fork(self, req: Request, parent: SequenceState) -> list[Sample]:
         children = []
         for i in range(1, req.params.n):
-            sample = self.inputs.new_sample(req, child := parent.child(i), i)
+            child = parent.child(i)
+            sample = self.inputs.new_sample(req, child, i)
             self.scheduler.fork(parent, child)
-            req.samples.append(sample)  # at once: if a later step of the fork fails, aborting frees it
+            # at once: if a later step of the fork fails, aborting frees it
+            req.samples.append(sample)
             req.output.outputs.append(sample.out)
             children.append(sample)
         return children

@@ -72,21 +72,23 @@ class _Decoder:
         if token_id not in self.memo:
             try:
                 self.memo[token_id] = self.tokenizer.decode([token_id])
-            except NanoserveError:  # an id the vocabulary has no text for: no text, not a failed batch
+            # an id the vocabulary has no text for: no text, not a failed batch
+            except NanoserveError:
                 self.memo[token_id] = None
         return self.memo[token_id]
 
 
 def sampled_logprobs(logits: torch.Tensor, params: Sequence, tokens: Sequence[int],
                      tokenizer=None) -> list[PositionLogprobs | None]:
-    """The entry of each sampled token whose request asks for logprobs (None for the others), from the
-    step's logits [R, V] (before the requests' processing): one transfer for them all."""
+    """The entry of each sampled token whose request asks for logprobs (None for the others), from
+    the step's logits [R, V] (before the requests' processing): one transfer for them all."""
     out: list[PositionLogprobs | None] = [None] * len(tokens)
     for text in (True, False):  # (detokenize=False: no decoded tokens)
         rows = [i for i, p in enumerate(params) if p.logprobs is not None and p.detokenize == text]
         if rows:
             sub = logits if len(rows) == len(tokens) else logits[rows]  # S, V
-            got = compute_logprobs(sub, [tokens[i] for i in rows], [params[i].logprobs for i in rows],
+            got = compute_logprobs(sub, [tokens[i] for i in rows],
+                                   [params[i].logprobs for i in rows],
                                    tokenizer if text else None)
             for i, entry in zip(rows, got):
                 out[i] = entry
@@ -96,23 +98,32 @@ def sampled_logprobs(logits: torch.Tensor, params: Sequence, tokens: Sequence[in
 def wants_prompt_logits(prompt_logprobs: list | None, seq) -> bool:
     """Whether this step's chunk of `seq` must return all its logits: the request asked for prompt
     logprobs, this is its first sample, and some prompt token in reach is not scored yet."""
-    return (prompt_logprobs is not None and seq.sample_index == 0 and len(prompt_logprobs) < seq.num_prompt_tokens
+    if prompt_logprobs is None or seq.sample_index != 0:
+        return False
+    return (len(prompt_logprobs) < seq.num_prompt_tokens
             and seq.num_computed_tokens < seq.num_prompt_tokens)
 
 
-def record_prompt_logprobs(prompt_logprobs: list, seq, logits: torch.Tensor, params, tokenizer=None) -> None:
-    """Append the entries this chunk scores to `prompt_logprobs` (entry i is prompt token i's; entry 0
-    is None), with params.prompt_logprobs top tokens each (decoded unless params.detokenize is False).
-    logits [n, V] are the chunk's, positions start .. start + n − 1 with start = seq.num_computed_tokens
-    before the chunk. A recomputed chunk (after preemption) adds nothing twice."""
+def record_prompt_logprobs(prompt_logprobs: list, seq, logits: torch.Tensor, params,
+                           tokenizer=None) -> None:
+    """Append the entries this chunk scores to `prompt_logprobs` (entry i is prompt token i's; entry
+    0 is None), with params.prompt_logprobs top tokens each (decoded unless params.detokenize is
+    False). logits [n, V] are the chunk's, positions start .. start + n − 1 with start =
+    seq.num_computed_tokens before the chunk. A recomputed chunk (after preemption) adds nothing
+    twice."""
     start, P = seq.num_computed_tokens, seq.num_prompt_tokens
-    logits = logits if logits.dim() == 2 else logits[None]  # a 1-token chunk in a step of single logits: [V]
-    first, last = len(prompt_logprobs), min(start + logits.shape[0], P - 1)  # prompt tokens to score now
+    # a 1-token chunk in a step of single logits: [V]
+    logits = logits if logits.dim() == 2 else logits[None]
+    # prompt tokens to score now
+    first, last = len(prompt_logprobs), min(start + logits.shape[0], P - 1)
     if first > last:
         return
-    if first - 1 < start:  # a bug: the chunk skipped positions (a prefix-cache hit should have been refused)
-        raise RequestFailedError(f"prompt logprobs of request {seq.request_id!r}: position {first - 1} was not "
-                                 f"computed (the chunk starts at {start})")
+    # a bug: the chunk skipped positions (a prefix-cache hit should have been refused)
+    if first - 1 < start:
+        raise RequestFailedError(f"prompt logprobs of request {seq.request_id!r}: position "
+                                 f"{first - 1} was not computed (the chunk starts at {start})")
     rows = logits[first - 1 - start:last - start]  # the logit at position p scores token p + 1
-    ks, tokenizer = [params.prompt_logprobs] * (last + 1 - first), tokenizer if params.detokenize else None
+    ks = [params.prompt_logprobs] * (last + 1 - first)
+    if not params.detokenize:
+        tokenizer = None
     prompt_logprobs += compute_logprobs(rows, seq.token_ids[first:last + 1], ks, tokenizer)

@@ -7,8 +7,9 @@ model:
 
     input_ids, positions  [B, T]   new tokens per row, right-padded to the longest
     slot_mapping          [B, T]   where each new token's K/V goes (−1: padding, not written)
-    block_tables          [B, M]   each row's blocks, padded with its own first block (masked); a block
-                                   given back by a sliding window reads as the row's last (masked too)
+    block_tables          [B, M]   each row's blocks, padded with its own first block (masked);
+                                   a block given back by a sliding window reads as the row's
+                                   last (masked too)
     context_lens          [B]      tokens in the cache once this step's are written
 
 and returns each row's next-token logits (the logits of its last new token). `prepare` builds all
@@ -36,8 +37,10 @@ from ..kv.metadata import AttentionMetadata, host_tensor
 from .block import slots
 from .sequence import NULL_BLOCK, Sequence
 
-PREFILL_SLACK = 1.25  # a prefill forward computes at most this × its real tokens (the rest: padding)
-MAX_VERIFY_LOGITS = 1 + MAX_SPECULATIVE_TOKENS  # a verification row returns at most this many logits
+# a prefill forward computes at most this × its real tokens (the rest: padding)
+PREFILL_SLACK = 1.25
+# a verification row returns at most this many logits
+MAX_VERIFY_LOGITS = 1 + MAX_SPECULATIVE_TOKENS
 
 
 class RowKind(IntEnum):
@@ -106,10 +109,13 @@ class ForwardInputs:
 
 
 class ModelRunner:
-    """The model and its paged KV pool; `run` is one batched forward over the scheduled sequences."""
+    """The model and its paged KV pool; `run` is one batched forward over the scheduled
+    sequences."""
 
-    def __init__(self, model, num_blocks: int, block_size: int, attention_backend: str | None = None,
-                 kv_cache_dtype: str = "auto", lora=None, kv_config=None, kv_layers: range | None = None):
+    def __init__(self, model, num_blocks: int, block_size: int,
+                 attention_backend: str | None = None,
+                 kv_cache_dtype: str = "auto", lora=None, kv_config=None,
+                 kv_layers: range | None = None):
         self.model = model
         self.config = model.config
         cpu_runtime = extension("cpu_runtime")  # models/onednn.py, engine/cpu_allocator.py
@@ -119,15 +125,20 @@ class ModelRunner:
         if self.device.type == "cpu":
             largest = max(t.numel() * t.element_size() for t in model.parameters())
             cpu_runtime.advise_on_allocator(largest)  # glibc's malloc; pages under the weights
-        self.kv = PagedKVCache(kv_config or self.config, num_blocks, block_size, self.dtype, self.device,
+        self.kv = PagedKVCache(kv_config or self.config, num_blocks, block_size, self.dtype,
+                               self.device,
                                attention_backend, kv_cache_dtype=kv_cache_dtype, layers=kv_layers)
-        # (kv_config, kv_layers: one rank's share of the heads, or of the layers: nanoserve/parallel/)
-        self.attention_backend = self.kv.attention_backend  # "torch", "triton" or "cpu" (see nanoserve/kv/)
+        # (kv_config, kv_layers: one rank's share of the heads, or of the layers:
+        # nanoserve/parallel/)
+        # "torch", "triton" or "cpu" (see nanoserve/kv/)
+        self.attention_backend = self.kv.attention_backend
         self.block_size = block_size
         self.graphs = None  # CudaGraphRunner once use_cuda_graphs() ran: decode steps replay graphs
-        self.lora = lora  # a LoRAManager when the engine serves per-request adapters (lora/serving.py)
+        # a LoRAManager when the engine serves per-request adapters (lora/serving.py)
+        self.lora = lora
         # called after each forward with (seqs, num_new, num_logits): what an extension reads of it
-        # (Medusa's and EAGLE's proposers keep the model's hidden states: spec/medusa.py, eagle_proposer.py)
+        # (Medusa's and EAGLE's proposers keep the model's hidden states: spec/medusa.py,
+        # eagle_proposer.py)
         self.after_forward: list[Callable] = []
 
     def use_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> str | None:
@@ -136,13 +147,17 @@ class ModelRunner:
         if self.device.type != "cuda":
             return "CUDA graphs need a CUDA device"
         if self.attention_backend != "triton":
-            return "CUDA graphs need the triton attention backend (the torch one zeroes a varying set of blocks)"
-        if self.lora is not None:  # its layers are wrapped as adapters arrive, and their slots change per step
+            return ("CUDA graphs need the triton attention backend (the torch one zeroes a "
+                    "varying set of blocks)")
+        # its layers are wrapped as adapters arrive, and their slots change per step
+        if self.lora is not None:
             return "per-request LoRA adapters (enable_lora) run eagerly"
         if self.model.keep_hidden:
             return "draft heads read each step's hidden states (Medusa, EAGLE) eagerly"
-        if any(getattr(m, "host_sync", False) for m in self.model.modules()):  # e.g. quant/llm_int8.py
-            return "a layer reads device values on the host every call (LLM.int8's outlier features)"
+        # e.g. quant/llm_int8.py
+        if any(getattr(m, "host_sync", False) for m in self.model.modules()):
+            return ("a layer reads device values on the host every call (LLM.int8's outlier "
+                    "features)")
         self.graphs = extension("cuda_graphs").CudaGraphRunner(self, max_num_seqs, max_model_len)
         self.graphs.capture()
         return None
@@ -150,19 +165,22 @@ class ModelRunner:
     def prepare(self, seqs: list[Sequence], num_new: list[int], num_logits: list[int],
                 trees: list | None = None) -> ForwardInputs:
         """Build the step's tensors on the host, then move them to the device once; row i computes
-        tokens num_computed .. num_computed + num_new[i] − 1 and returns its last num_logits[i] logits.
-        trees[i], when given and not None: row i's new tokens are a token tree (their parents, node 0 the
-        first new token), at positions by depth and each seeing its ancestors only (`tree_mask`)."""
+        tokens num_computed .. num_computed + num_new[i] − 1 and returns its last num_logits[i]
+        logits. trees[i], when given and not None: row i's new tokens are a token tree (their
+        parents, node 0 the first new token), at positions by depth and each seeing its ancestors
+        only (`tree_mask`)."""
         T, bs = max(num_new), self.block_size
         M = max(len(s.block_table) for s in seqs)
         ids, pos, slot_rows, tables, lens = [], [], [], [], []
-        for i, (seq, n) in enumerate(zip(seqs, num_new)):  # Python lists, one tensor each: O(tokens)
+        # Python lists, one tensor each: O(tokens)
+        for i, (seq, n) in enumerate(zip(seqs, num_new)):
             start, pad = seq.num_computed_tokens, T - n
             ids.append(seq.token_ids[start:start + n] + [0] * pad)
             tree = None if trees is None else trees[i]
             row_pos = row_positions(start, n, tree)
             pos.append(row_pos + [row_pos[-1]] * pad)  # padding looks at real keys
-            slot_rows.append(slots(seq.block_table, start, start + n, bs) + [-1] * pad)  # −1: not written
+            # −1: not written
+            slot_rows.append(slots(seq.block_table, start, start + n, bs) + [-1] * pad)
             tables.append(padded_block_table(seq.block_table, M))
             lens.append(start + n)
         B, K = len(seqs), max(num_logits)
@@ -196,10 +214,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, inputs: ForwardInputs) -> torch.Tensor:
-        """The forward itself, on device tensors only: logits [B, K, V] (float32). Nothing in it reads
-        a device value back to the host (tests/test_no_host_sync.py), so a CUDA graph can capture it."""
+        """The forward itself, on device tensors only: logits [B, K, V] (float32). Nothing in it
+        reads a device value back to the host (tests/test_no_host_sync.py), so a CUDA graph can
+        capture it."""
         view = self.kv.bind(inputs.meta)
-        logits = self.model(inputs.input_ids, inputs.positions, cache=view, logit_index=inputs.logit_index)
+        logits = self.model(inputs.input_ids, inputs.positions, cache=view,
+                            logit_index=inputs.logit_index)
         return logits.float()  # B, K, V
 
     @torch.inference_mode()
@@ -224,7 +244,8 @@ class ModelRunner:
         """
         k = num_logits or [1] * len(seqs)
         out: list[torch.Tensor | None] = [None] * len(seqs)
-        full = None  # without num_logits: [B, V], each group's rows copied in at once (not B row views + a cat)
+        # without num_logits: [B, V], each group's rows copied in at once (not B row views + a cat)
+        full = None
         for rows in forward_groups(num_new, k):
             group_seqs = [seqs[i] for i in rows]
             group_new = [num_new[i] for i in rows]
@@ -249,9 +270,12 @@ class ModelRunner:
                 out[i] = row[: k[i]]
         return out if num_logits is not None else full
 
-    def _forward(self, seqs: list[Sequence], num_new: list[int], num_logits: list[int], trees=None) -> torch.Tensor:
-        """logits [B, K, V] of each row's last num_logits new tokens (K = max; shorter rows repeat their last)."""
-        if self.lora is not None:  # each row's adapter into a slot, and each row's slot into the LoRA layers
+    def _forward(self, seqs: list[Sequence], num_new: list[int], num_logits: list[int],
+                 trees=None) -> torch.Tensor:
+        """logits [B, K, V] of each row's last num_logits new tokens (K = max; shorter rows repeat
+        their last)."""
+        # each row's adapter into a slot, and each row's slot into the LoRA layers
+        if self.lora is not None:
             self.lora.set_batch([s.lora_int_id for s in seqs], self.device)
         try:
             logits = self.execute(self.prepare(seqs, num_new, num_logits, trees))

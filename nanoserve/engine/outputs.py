@@ -15,17 +15,20 @@ from .logprobs import PositionLogprobs
 
 @dataclass
 class SpecStats:
-    """Speculative decoding of one sample: verification steps and tokens drafted / accepted / emitted."""
+    """Speculative decoding of one sample: verification steps and tokens drafted / accepted /
+    emitted."""
 
     num_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_emitted_tokens: int = 0
-    num_rejections: int = 0  # steps that ended on a rejected draft (the others accepted all of theirs)
+    # steps that ended on a rejected draft (the others accepted all of theirs)
+    num_rejections: int = 0
 
     @property
     def acceptance_rate(self) -> float | None:
-        """accepted / drafted (drafts after a rejection are never checked and count as not accepted)."""
+        """accepted / drafted (drafts after a rejection are never checked and count as not
+        accepted)."""
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
     @property
@@ -48,24 +51,37 @@ class CompletionOutput:
 
     index: int
     text: str = ""
-    token_ids: list[int] = field(default_factory=list)  # generated ids, a final stop/EOS id included
+    # generated ids, a final stop/EOS id included
+    token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
-    token_times: list[float] = field(default_factory=list)  # when each token was sampled (perf_counter)
+    # when each token was sampled (perf_counter)
+    token_times: list[float] = field(default_factory=list)
     spec_stats: SpecStats | None = None  # with speculative decoding: α, tokens per step
-    logprobs: list[PositionLogprobs] | None = None  # with SamplingParams.logprobs: one per token_ids entry
+    # with SamplingParams.logprobs: one per token_ids entry
+    logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float | None = None  # their sum (with logprobs)
+
+
+def _snapshot_completion(o: CompletionOutput) -> CompletionOutput:
+    """A copy of `o` whose lists and statistics later steps do not change."""
+    logprobs = None if o.logprobs is None else list(o.logprobs)
+    spec_stats = None if o.spec_stats is None else replace(o.spec_stats)
+    return replace(o, token_ids=list(o.token_ids), token_times=list(o.token_times),
+                   logprobs=logprobs, spec_stats=spec_stats)
 
 
 @dataclass
 class RequestOutput:
-    """One request's result (vLLM's name): its prompt, one CompletionOutput per sample, timestamps, error."""
+    """One request's result (vLLM's name): its prompt, one CompletionOutput per sample, timestamps,
+    error."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    prompt_logprobs: list[PositionLogprobs | None] | None = None  # with SamplingParams.prompt_logprobs; [0] is None
+    # with SamplingParams.prompt_logprobs; [0] is None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None  # queue time = first_scheduled_time - arrival_time
     first_token_time: float | None = None
@@ -111,11 +127,11 @@ class RequestOutput:
 
     def snapshot(self) -> RequestOutput:
         """A copy that later steps do not change (the engine keeps growing this object in place)."""
-        outs = [replace(o, token_ids=list(o.token_ids), token_times=list(o.token_times),
-                        logprobs=None if o.logprobs is None else list(o.logprobs),
-                        spec_stats=None if o.spec_stats is None else replace(o.spec_stats)) for o in self.outputs]
-        return replace(self, outputs=outs,
-                       prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs))
+        outs = [_snapshot_completion(o) for o in self.outputs]
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is not None:
+            prompt_logprobs = list(prompt_logprobs)
+        return replace(self, outputs=outs, prompt_logprobs=prompt_logprobs)
 
 
 class IncrementalText:
@@ -132,11 +148,13 @@ class IncrementalText:
 
     WINDOW = 4  # ids decoded in front of the new ones, then cut off again
 
-    def __init__(self, tokenizer, stop: list[str], prompt_ids: Sequence[int] = (), include_stop: bool = False):
+    def __init__(self, tokenizer, stop: list[str], prompt_ids: Sequence[int] = (),
+                 include_stop: bool = False):
         self.tokenizer, self.stop, self.include_stop = tokenizer, stop, include_stop
         self.hold = max((len(s) for s in stop), default=1) - 1
-        # Prompt ids in front of the output: whether a continuation starts with a space can depend on
-        # what precedes it (SentencePiece drops the space of a text's first word, not of a continuation).
+        # Prompt ids in front of the output: whether a continuation starts with a space can depend
+        # on what precedes it (SentencePiece drops the space of a text's first word, not of a
+        # continuation).
         self.ids: list[int] = list(prompt_ids[-self.WINDOW:])
         self.anchor = len(self.ids)  # ids[:anchor] are settled
         self.anchor_text = ""  # the output's text up to the anchor
@@ -152,7 +170,8 @@ class IncrementalText:
         if self.tokenizer is None:
             return "", False
         window = self.ids[max(0, self.anchor - self.WINDOW):self.anchor]
-        tail = self.tokenizer.decode(window + self.ids[self.anchor:])[len(self.tokenizer.decode(window)):]
+        settled = self.tokenizer.decode(window)
+        tail = self.tokenizer.decode(window + self.ids[self.anchor:])[len(settled):]
         full = self.anchor_text + tail
         if not full.endswith("\ufffd"):  # settled: later tokens cannot change this text
             self.anchor, self.anchor_text = len(self.ids), full
@@ -161,7 +180,8 @@ class IncrementalText:
             if at >= 0:
                 self.text = full[:at + len(s) if self.include_stop else at]
                 return self.flush(), True
-        safe = len(full.rstrip("\ufffd")) - self.hold  # text no later token or stop string can change
+        # text no later token or stop string can change
+        safe = len(full.rstrip("\ufffd")) - self.hold
         self.checked, self.text = max(0, safe), full
         if safe <= self.emitted:
             return "", False
@@ -190,10 +210,12 @@ class EngineStats:
 
     @classmethod
     def of(cls, scheduler, num_requests: int) -> EngineStats:
-        """The stats of an engine whose scheduler holds `num_requests` requests (queued or running)."""
+        """The stats of an engine whose scheduler holds `num_requests` requests (queued or
+        running)."""
         waiting = {seq.request_id for seq in scheduler.waiting}
         alloc = scheduler.block_allocator
-        return cls(num_running=num_requests - len(waiting), num_waiting=len(waiting), num_blocks=alloc.num_blocks,
+        return cls(num_running=num_requests - len(waiting), num_waiting=len(waiting),
+                   num_blocks=alloc.num_blocks,
                    num_free_blocks=alloc.num_free_blocks(), prefix_cache_hits=alloc.stats.hits,
                    prefix_cache_queries=alloc.stats.hits + alloc.stats.misses,
                    num_preemptions=scheduler.num_preemptions)

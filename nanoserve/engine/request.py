@@ -47,11 +47,13 @@ class Request:
     max_new: int  # max_tokens, capped by the context
     stop_ids: set[int]
     samples: list[Sample] = field(default_factory=list)
-    grammar: Any = None  # with structured outputs: the compiled grammar's start (shared), copied for each sample
+    # with structured outputs: the compiled grammar's start (shared), copied for each sample
+    grammar: Any = None
 
     def emit(self, s: Sample, token: int, logprobs: PositionLogprobs | None = None) -> bool:
-        """Add a generated token (and, when asked for, its logprobs) to sample `s`'s output; True when
-        a stop condition hit (a stop token, a stop string, max_tokens). Before min_tokens none can."""
+        """Add a generated token (and, when asked for, its logprobs) to sample `s`'s output; True
+        when a stop condition hit (a stop token, a stop string, max_tokens). Before min_tokens none
+        can."""
         now = time.perf_counter()
         if s.seen is not None:
             s.seen = torch.cat([s.seen, torch.tensor([token], device=s.seen.device)])
@@ -59,7 +61,8 @@ class Request:
         out.token_ids.append(token)
         out.token_times.append(now)
         if s.matcher is not None and (not s.matcher.consume_token(token) or s.matcher.is_error()):
-            # the mask allowed it, so the grammar itself broke (a parser limit hit): its request fails
+            # the mask allowed it, so the grammar itself broke (a parser limit hit): its request
+            # fails
             raise GrammarError(f"request {self.output.request_id!r}: token {token} breaks its "
                                f"structured output grammar ({first_line(s.matcher.get_error())})")
         if out.logprobs is not None and logprobs is not None:
@@ -67,7 +70,8 @@ class Request:
             out.cumulative_logprob += logprobs[token].logprob
         if self.output.first_token_time is None:
             self.output.first_token_time = now
-        may_stop = len(out.token_ids) >= self.params.min_tokens  # (stop tokens are banned before: sampler)
+        # (stop tokens are banned before: sampler)
+        may_stop = len(out.token_ids) >= self.params.min_tokens
         if token in self.stop_ids and may_stop:
             out.finish_reason = "stop"
         else:
@@ -95,8 +99,8 @@ class Request:
 
 
 def logit_rows(logits, rows: list[int]) -> torch.Tensor:
-    """The rows of a step's logits that sample, [R, V]: `logits` [B, V], or speculation's ragged list of
-    [1 + γ, V] / [1, V] (their last row each)."""
+    """The rows of a step's logits that sample, [R, V]: `logits` [B, V], or speculation's ragged
+    list of [1 + γ, V] / [1, V] (their last row each)."""
     if not isinstance(logits, torch.Tensor):
         return torch.stack([logits[row][-1] for row in rows])  # R, V
     if rows == list(range(logits.shape[0])):
@@ -106,13 +110,14 @@ def logit_rows(logits, rows: list[int]) -> torch.Tensor:
 
 def draw(logits: torch.Tensor, pairs: list[tuple[Request, Sample]], tokenizer=None,
          bitmasks: list | None = None) -> tuple[list, list, list]:
-    """One token for each (request, sample) pair from its row of logits [R, V], all in one batched draw:
-    each row's allowed-token mask (`bitmasks`, engine/bitmask.py: a structured output's grammar;
-    None for a row without one, or for all), the request's processing and sampling. Returns the
-    tokens, which rows held NaN, and the raw logprobs of the rows that ask for them (from the
+    """One token for each (request, sample) pair from its row of logits [R, V], all in one batched
+    draw: each row's allowed-token mask (`bitmasks`, engine/bitmask.py: a structured output's
+    grammar; None for a row without one, or for all), the request's processing and sampling. Returns
+    the tokens, which rows held NaN, and the raw logprobs of the rows that ask for them (from the
     unmasked logits)."""
     params = [r.params for r, _ in pairs]
     allowed = logits if bitmasks is None else apply_row_bitmasks(logits, bitmasks)
-    tokens, nan = sample_batch(allowed, params, [s.seen for _, s in pairs], [s.generator for _, s in pairs],
+    tokens, nan = sample_batch(allowed, params, [s.seen for _, s in pairs],
+                               [s.generator for _, s in pairs],
                                [s.out.token_ids for _, s in pairs], [r.stop_ids for r, _ in pairs])
     return tokens, nan, sampled_logprobs(logits, params, tokens, tokenizer)

@@ -3,7 +3,8 @@
 `SamplingParams` (sampling_params.py) holds one request's settings. The pipeline, in the order
 vLLM applies it:
 
-    logits ─ logit_bias ─ min_tokens (stop tokens banned) ─ repetition / presence / frequency penalties
+    logits ─ logit_bias ─ min_tokens (stop tokens banned)
+           ─ repetition / presence / frequency penalties
            ─ /temperature ─ min-p ─ top-k ─ top-p ─ softmax ─ draw (seeded)
 
 `process_logits` is the first line (what greedy takes the argmax of), `probs_from_logits` the
@@ -17,7 +18,8 @@ range, and min-p, top-k and top-p always keep the most likely token.
 `probs_from_logits` is the distribution that is actually sampled, exposed so tests (and
 speculative decoding) can use the exact same law. `sample_next` draws one row's token, the way
 to read it; the engine calls `sample_batch`, the same law for every row of a step at once with
-one device→host transfer (a GPU pays dearly for one per row). Taught in notebooks/01_* and notebooks/00_*.
+one device→host transfer (a GPU pays dearly for one per row). Taught in notebooks/01_* and
+notebooks/00_*.
 """
 
 from __future__ import annotations
@@ -28,22 +30,27 @@ import torch
 
 from .sampling_params import SamplingParams
 
-__all__ = ["SamplingParams", "apply_repetition_penalty", "apply_penalties", "process_logits", "probs_from_logits",
-           "probs_from_logits_batch", "sample_next", "sample_batch", "greedy_argmax", "mask_from", "make_generator"]
+__all__ = ["SamplingParams", "apply_repetition_penalty", "apply_penalties", "process_logits",
+           "probs_from_logits",
+           "probs_from_logits_batch", "sample_next", "sample_batch", "greedy_argmax", "mask_from",
+           "make_generator"]
 
 _F32 = torch.finfo(torch.float32)
 ARGMAX_CHUNK = 512  # greedy_argmax's chunk of the vocabulary
 
 
-def greedy_argmax(logits: torch.Tensor, chunk: int = ARGMAX_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits.argmax(-1), logits.amax(-1)) for logits [R, V], the same indices, in about one amax's time.
+def greedy_argmax(logits: torch.Tensor,
+                  chunk: int = ARGMAX_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits.argmax(-1), logits.amax(-1)) for logits [R, V], the same indices, in about one amax's
+    time.
 
     torch's CPU argmax over a row is ~10x slower than its amax (21 ms against 1.8 ms for 256 rows of
     GPT-2's 50,257: benchmarks/RESULTS.md, "Fourth step"). So: the maximum of every chunk of `chunk`
-    columns ([R, V / chunk], one vectorized pass), the first chunk holding the row's maximum (an argmax
-    over ~100 columns), then the argmax inside that chunk alone. The first maximal chunk and the first
-    maximum inside it are the row's first maximum: ties and NaN (which argmax and amax both treat as the
-    largest) resolve as torch.argmax does. The row maxima come free, for the NaN check."""
+    columns ([R, V / chunk], one vectorized pass), the first chunk holding the row's maximum (an
+    argmax over ~100 columns), then the argmax inside that chunk alone. The first maximal chunk and
+    the first maximum inside it are the row's first maximum: ties and NaN (which argmax and amax
+    both treat as the largest) resolve as torch.argmax does. The row maxima come free, for the NaN
+    check."""
     R, V = logits.shape
     n = V // chunk
     if n < 2 or logits.device.type != "cpu":  # (a GPU's argmax is as fast as its amax)
@@ -57,9 +64,11 @@ def greedy_argmax(logits: torch.Tensor, chunk: int = ARGMAX_CHUNK) -> tuple[torc
     return start + logits.gather(1, cols).argmax(-1), maxima.amax(-1)  # R; R
 
 
-def apply_repetition_penalty(logits: torch.Tensor, seen_ids: torch.Tensor, penalty: float) -> torch.Tensor:
+def apply_repetition_penalty(logits: torch.Tensor, seen_ids: torch.Tensor,
+                             penalty: float) -> torch.Tensor:
     """CTRL's rule: for every token already seen, a positive logit is divided by the penalty and a
-    negative one multiplied by it (both make it less likely for penalty > 1). logits [V] or [B, V]."""
+    negative one multiplied by it (both make it less likely for penalty > 1). logits [V] or [B,
+    V]."""
     if penalty == 1.0 or seen_ids.numel() == 0:
         return logits
     seen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
@@ -68,26 +77,33 @@ def apply_repetition_penalty(logits: torch.Tensor, seen_ids: torch.Tensor, penal
     return torch.where(seen, penalized, logits)
 
 
-def apply_penalties(logits: torch.Tensor, output_ids: Sequence[int], presence: float, frequency: float) -> torch.Tensor:
-    """OpenAI's presence and frequency penalties: logit[t] − frequency · count(t) − presence · [count(t) > 0],
-    counting the *generated* tokens only. logits [V]."""
+def apply_penalties(logits: torch.Tensor, output_ids: Sequence[int], presence: float,
+                    frequency: float) -> torch.Tensor:
+    """OpenAI's presence and frequency penalties: logit[t] − frequency · count(t) − presence ·
+    [count(t) > 0], counting the *generated* tokens only. logits [V]."""
     if not output_ids or (presence == 0 and frequency == 0):
         return logits
     V = logits.shape[-1]
-    counts = torch.bincount(torch.tensor(output_ids, device=logits.device), minlength=V)[:V].to(logits.dtype)  # V
+    ids = torch.tensor(output_ids, device=logits.device)
+    counts = torch.bincount(ids, minlength=V)[:V].to(logits.dtype)  # V
     return logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
 
 
-def process_logits(logits: torch.Tensor, params: SamplingParams, seen_ids: torch.Tensor | None = None,
+def process_logits(logits: torch.Tensor, params: SamplingParams,
+                   seen_ids: torch.Tensor | None = None,
                    output_ids: Sequence[int] = (), stop_ids: Collection[int] = ()) -> torch.Tensor:
-    """The settings that reshape one row's logits [V] before temperature, in vLLM's order: logit_bias,
-    min_tokens (the stop tokens get -inf until `output_ids` holds min_tokens), then the repetition
-    penalty (over `seen_ids`: prompt + output) and the presence / frequency penalties (output only)."""
+    """The settings that reshape one row's logits [V] before temperature, in vLLM's order:
+    logit_bias, min_tokens (the stop tokens get -inf until `output_ids` holds min_tokens), then the
+    repetition penalty (over `seen_ids`: prompt + output) and the presence / frequency penalties
+    (output only)."""
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias), device=logits.device)
-        bias = torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+        bias = torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype,
+                            device=logits.device)
         logits = logits.index_add(0, ids, bias)
-    banned = sorted(t for t in stop_ids if t < logits.shape[-1]) if len(output_ids) < params.min_tokens else ()
+    banned = ()
+    if len(output_ids) < params.min_tokens:
+        banned = sorted(t for t in stop_ids if t < logits.shape[-1])
     if banned:
         logits = logits.index_fill(0, torch.tensor(banned, device=logits.device), float("-inf"))
     if seen_ids is not None:
@@ -97,15 +113,17 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, seen_ids: torch
 
 def probs_from_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
                       min_p: float = 0.0) -> torch.Tensor:
-    """The distribution sampled from: softmax(logits / T) restricted to the min-p, top-k and top-p sets.
+    """The distribution sampled from: softmax(logits / T) restricted to the min-p, top-k and top-p
+    sets.
 
     logits [..., V] -> probs [..., V] in float32. Tokens outside the kept set get exactly 0.
     Finite logits give finite probabilities whatever the settings: the scaled logits are clamped
     to float32's finite range (a penalty or a tiny temperature can overflow them to ±inf, and
-    softmax of +inf is NaN), and each filter keeps at least the most likely token. (A NaN logit counts
-    as 0, so a draw still happens; the engine checks for NaN and fails such a request.)
+    softmax of +inf is NaN), and each filter keeps at least the most likely token. (A NaN logit
+    counts as 0, so a draw still happens; the engine checks for NaN and fails such a request.)
     """
-    logits = (logits.float() / temperature).nan_to_num(nan=0.0, posinf=_F32.max, neginf=-_F32.max)  # clamp
+    # clamp
+    logits = (logits.float() / temperature).nan_to_num(nan=0.0, posinf=_F32.max, neginf=-_F32.max)
     if min_p > 0:
         p = logits.softmax(dim=-1)
         logits = logits.masked_fill(p < min_p * p.amax(dim=-1, keepdim=True), float("-inf"))
@@ -117,7 +135,8 @@ def probs_from_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, 
         sorted_p, order = probs.sort(dim=-1, descending=True)
         # drop a token when the tokens strictly more likely than it already reach top_p
         drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= top_p
-        drop_sorted[..., 0] = False  # the most likely token always stays (top_p rounds to 0 otherwise)
+        # the most likely token always stays (top_p rounds to 0 otherwise)
+        drop_sorted[..., 0] = False
         drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
@@ -136,8 +155,10 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, seen_ids: torch.Te
 
 
 @torch.inference_mode()  # (also 2-4x faster on CPU: no autograd bookkeeping on the fresh tensors)
-def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seen: list[torch.Tensor | None],
-                 generators: list[torch.Generator | None], outputs: list[Sequence[int]] | None = None,
+def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
+                 seen: list[torch.Tensor | None],
+                 generators: list[torch.Generator | None],
+                 outputs: list[Sequence[int]] | None = None,
                  stop_ids: list[Collection[int]] | None = None) -> tuple[list[int], list[bool]]:
     """One token for each row of logits [R, V] — row i with params[i], its seen ids (repetition
     penalty), its generated ids and stop ids (min_tokens, presence / frequency penalties) and its
@@ -149,8 +170,9 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seen: list[
     stop_ids = stop_ids or [()] * len(params)
     reshaped = [i for i, p in enumerate(params) if p.reshapes_logits]
     greedy = [i for i, p in enumerate(params) if p.greedy]
-    # R: which rows hold NaN, on the logits as the model gave them (max propagates NaN: one pass, ~10x cheaper than
-    # isnan().any()); when every row is greedy and unchanged, greedy_argmax's maxima below give it
+    # R: which rows hold NaN, on the logits as the model gave them (max propagates NaN: one pass,
+    # ~10x cheaper than isnan().any()); when every row is greedy and unchanged, greedy_argmax's
+    # maxima below give it
     nan = None if len(greedy) == len(params) and not reshaped else logits.amax(-1).isnan()
     if reshaped:
         logits = logits.clone()  # R, V
@@ -168,43 +190,54 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seen: list[
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         sub = logits if len(rows) == len(params) else logits[rows]  # S, V
-        probs = probs_from_logits_batch(sub, *zip(*[(params[i].temperature, params[i].top_k, params[i].top_p,
+        probs = probs_from_logits_batch(sub,
+                                        *zip(*[(params[i].temperature, params[i].top_k,
+                                                params[i].top_p,
                                                      params[i].min_p) for i in rows]))  # S, V
-        drawn = [torch.multinomial(p, 1, generator=generators[i]) for p, i in zip(probs, rows)]  # S × [1]
+        # S × [1]
+        drawn = [torch.multinomial(p, 1, generator=generators[i]) for p, i in zip(probs, rows)]
         tokens = tokens.index_copy(0, torch.tensor(rows, device=logits.device), torch.cat(drawn))
     host = torch.cat([tokens, nan.long()]).tolist()  # the one sync
     R = len(params)
     return host[:R], [bool(b) for b in host[R:]]
 
 
-def probs_from_logits_batch(logits: torch.Tensor, temperatures: Sequence[float], top_ks: Sequence[int],
-                            top_ps: Sequence[float], min_ps: Sequence[float] | None = None) -> torch.Tensor:
+def probs_from_logits_batch(logits: torch.Tensor, temperatures: Sequence[float],
+                            top_ks: Sequence[int],
+                            top_ps: Sequence[float],
+                            min_ps: Sequence[float] | None = None) -> torch.Tensor:
     """`probs_from_logits` with settings per row: logits [S, V] -> probs [S, V]; row i equals
     probs_from_logits(logits[i], temperatures[i], top_ks[i], top_ps[i], min_ps[i]). The settings are
-    host values, so min-p, top-k and top-p touch only the rows that use them, without asking the device."""
+    host values, so min-p, top-k and top-p touch only the rows that use them, without asking the
+    device."""
     dev, V = logits.device, logits.shape[-1]
-    logits = logits.float() / torch.tensor(temperatures, dtype=torch.float32, device=dev)[:, None]  # S, V
-    logits = logits.nan_to_num_(nan=0.0, posinf=_F32.max, neginf=-_F32.max)  # = clamp; a NaN row is flagged
+    # S, V
+    logits = logits.float() / torch.tensor(temperatures, dtype=torch.float32, device=dev)[:, None]
+    # = clamp; a NaN row is flagged
+    logits = logits.nan_to_num_(nan=0.0, posinf=_F32.max, neginf=-_F32.max)
     m_rows = [i for i, m in enumerate(min_ps or ()) if m > 0]
     if m_rows:
         idx = torch.tensor(m_rows, device=dev)
         sub = logits.index_select(0, idx)  # Sm, V
         p = sub.softmax(dim=-1)
-        floor = torch.tensor([[min_ps[i]] for i in m_rows], dtype=torch.float32, device=dev) * p.amax(-1, keepdim=True)
+        floor = torch.tensor([[min_ps[i]] for i in m_rows], dtype=torch.float32,
+                             device=dev) * p.amax(-1, keepdim=True)
         logits = logits.index_copy(0, idx, sub.masked_fill(p < floor, float("-inf")))
     k_rows = [i for i, k in enumerate(top_ks) if 0 < k < V]
     if k_rows:
         idx = torch.tensor(k_rows, device=dev)
         sub = logits.index_select(0, idx)  # Sk, V
         top = sub.topk(max(top_ks[i] for i in k_rows), dim=-1).values  # Sk, kmax
-        kth = top.gather(-1, torch.tensor([[top_ks[i] - 1] for i in k_rows], device=dev))  # Sk, 1: k-th largest
+        # Sk, 1: k-th largest
+        kth = top.gather(-1, torch.tensor([[top_ks[i] - 1] for i in k_rows], device=dev))
         logits = logits.index_copy(0, idx, sub.masked_fill(sub < kth, float("-inf")))
     probs = logits.softmax(dim=-1)  # S, V
     p_rows = [i for i, p in enumerate(top_ps) if p < 1.0]
     if p_rows:
         idx = torch.tensor(p_rows, device=dev)
         sub = probs.index_select(0, idx)  # Sp, V
-        top_p = torch.tensor([[top_ps[i]] for i in p_rows], dtype=torch.float32, device=dev)  # Sp, 1
+        # Sp, 1
+        top_p = torch.tensor([[top_ps[i]] for i in p_rows], dtype=torch.float32, device=dev)
         sorted_p, order = sub.sort(dim=-1, descending=True)
         drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= top_p  # Sp, V
         drop_sorted[..., 0] = False
@@ -218,7 +251,8 @@ def mask_from(logits: torch.Tensor | list[torch.Tensor], first: int):
     vocabulary): [B, V] or a list of [k, V]."""
     if isinstance(logits, list):
         return [mask_from(x, first) for x in logits]
-    return torch.cat([logits[..., :first], torch.full_like(logits[..., first:], float("-inf"))], dim=-1)
+    banned = torch.full_like(logits[..., first:], float("-inf"))
+    return torch.cat([logits[..., :first], banned], dim=-1)
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:

@@ -35,7 +35,8 @@ import torch
 from ..errors import NanoserveError, check, is_int
 
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as OpenAI's and vLLM's seed fields
-MAX_LOGPROBS = 20  # the most top log-probabilities one position returns (OpenAI's and vLLM's default bound)
+# the most top log-probabilities one position returns (OpenAI's and vLLM's default bound)
+MAX_LOGPROBS = 20
 _F32 = torch.finfo(torch.float32)
 
 
@@ -51,8 +52,9 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None  # exactly one of these strings
     grammar: str | None = None  # a Lark grammar
-    # JSON: separators ", " and ": " and no other whitespace (vLLM's field; its default is False, flexible
-    # whitespace, where a small model can spend its whole budget on newlines inside the braces)
+    # JSON: separators ", " and ": " and no other whitespace (vLLM's field; its default is False,
+    # flexible whitespace, where a small model can spend its whole budget on newlines inside the
+    # braces)
     disable_any_whitespace: bool = True
 
     def __post_init__(self) -> None:
@@ -60,16 +62,19 @@ class StructuredOutputsParams:
         if len(set_) != 1:
             raise NanoserveError(f"structured outputs need exactly one of {', '.join(KINDS)}; got "
                                  f"{', '.join(set_) or 'none'}")
-        checks = {"json": isinstance(self.json, (dict, str)), "json_object": self.json_object is True,
+        checks = {"json": isinstance(self.json, (dict, str)),
+                  "json_object": self.json_object is True,
                   "regex": isinstance(self.regex, str) and self.regex != "",
                   "choice": isinstance(self.choice, list) and bool(self.choice)
                   and all(isinstance(c, str) and c for c in self.choice),
                   "grammar": isinstance(self.grammar, str) and self.grammar.strip() != ""}
         if not checks[set_[0]]:
             allowed = {"json": "a JSON schema (object or string)", "json_object": "true",
-                       "regex": "a non-empty string", "choice": "a non-empty list of non-empty strings",
+                       "regex": "a non-empty string",
+                       "choice": "a non-empty list of non-empty strings",
                        "grammar": "a Lark grammar (a non-empty string)"}[set_[0]]
-            raise NanoserveError(f"structured outputs: {set_[0]}={getattr(self, set_[0])!r:.100} must be {allowed}")
+            raise NanoserveError(f"structured outputs: {set_[0]}={getattr(self, set_[0])!r:.100} "
+                                 f"must be {allowed}")
 
     @property
     def kind(self) -> str:
@@ -95,9 +100,11 @@ class SamplingParams:
 
     temperature: float = 1.0  # 0 = greedy
     top_k: int = 0  # keep the k most likely tokens; 0 = off
-    top_p: float = 1.0  # keep the smallest set with probability ≥ top_p (Holtzman et al. 2019); 1 = off
+    # keep the smallest set with probability ≥ top_p (Holtzman et al. 2019); 1 = off
+    top_p: float = 1.0
     min_p: float = 0.0  # keep tokens with p ≥ min_p · max p; 0 = off
-    repetition_penalty: float = 1.0  # CTRL's rule (Keskar et al. 2019), see apply_repetition_penalty
+    # CTRL's rule (Keskar et al. 2019), see apply_repetition_penalty
+    repetition_penalty: float = 1.0
     presence_penalty: float = 0.0  # OpenAI's, on generated tokens; 0 = off
     frequency_penalty: float = 0.0  # OpenAI's, on generated tokens; 0 = off
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
@@ -111,8 +118,10 @@ class SamplingParams:
     n: int = 1  # parallel samples of one prompt (they share the prompt's KV blocks)
     logprobs: int | None = None  # per generated token: its logprob + the top-k's; None = off
     prompt_logprobs: int | None = None  # the same for each prompt token after the first; None = off
-    structured_outputs: StructuredOutputsParams | dict | None = None  # a grammar the output must match
-    detokenize: bool = True  # False: token ids only, no text (nor the logprobs' decoded tokens); vLLM's field
+    # a grammar the output must match
+    structured_outputs: StructuredOutputsParams | dict | None = None
+    # False: token ids only, no text (nor the logprobs' decoded tokens); vLLM's field
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -120,43 +129,59 @@ class SamplingParams:
         check(is_int(self.max_tokens) and self.max_tokens > 0,
                f"max_tokens={self.max_tokens!r} must be an integer ≥ 1")
         check(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
-               f"min_tokens={self.min_tokens!r} must be an integer in [0, max_tokens={self.max_tokens}]")
+               f"min_tokens={self.min_tokens!r} must be an integer in [0, "
+               f"max_tokens={self.max_tokens}]")
         check(is_int(self.n) and self.n >= 1, f"n={self.n!r} must be an integer ≥ 1")
         check(_is_number(self.temperature) and 0 <= self.temperature < float("inf")
                and (self.temperature == 0 or self.temperature >= 1e-6),
                f"temperature={self.temperature!r} must be 0 (greedy) or a finite number ≥ 1e-6")
-        check(is_int(self.top_k) and self.top_k >= 0, f"top_k={self.top_k!r} must be an integer ≥ 0 (0 = off)")
+        check(is_int(self.top_k) and self.top_k >= 0,
+              f"top_k={self.top_k!r} must be an integer ≥ 0 (0 = off)")
         check(_is_number(self.top_p) and _F32.tiny <= self.top_p <= 1,
-               f"top_p={self.top_p!r} must be in (0, 1] and a normal float32 (≥ {_F32.tiny:.3g}); 1 = off")
-        check(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p={self.min_p!r} must be in [0, 1]; 0 = off")
-        check(_is_number(self.repetition_penalty) and _F32.tiny <= self.repetition_penalty <= _F32.max,
+               f"top_p={self.top_p!r} must be in (0, 1] and a normal float32 (≥ {_F32.tiny:.3g}); "
+               "1 = off")
+        check(_is_number(self.min_p) and 0 <= self.min_p <= 1,
+              f"min_p={self.min_p!r} must be in [0, 1]; 0 = off")
+        penalty = self.repetition_penalty
+        check(_is_number(penalty) and _F32.tiny <= penalty <= _F32.max,
                f"repetition_penalty={self.repetition_penalty!r} must be > 0 and a normal float32 "
                f"({_F32.tiny:.3g} to {_F32.max:.3g}); 1 = off")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            check(_is_number(v) and -2 <= v <= 2, f"{name}={v!r} must be a number in [-2, 2]; 0 = off")
+            check(_is_number(v) and -2 <= v <= 2,
+                  f"{name}={v!r} must be a number in [-2, 2]; 0 = off")
         check(isinstance(self.logit_bias, dict) and all(
-            is_int(k) and k >= 0 and _is_number(b) and -100 <= b <= 100 for k, b in self.logit_bias.items()),
-            f"logit_bias={self.logit_bias!r:.200} must map token ids (integers ≥ 0) to numbers in [-100, 100]")
+            is_int(k) and k >= 0 and _is_number(b) and -100 <= b <= 100 for k,
+            b in self.logit_bias.items()),
+            f"logit_bias={self.logit_bias!r:.200} must map token ids (integers ≥ 0) to numbers in "
+            "[-100, 100]")
         check(all(is_int(t) and t >= 0 for t in self.stop_token_ids),
                f"stop_token_ids={self.stop_token_ids!r} must be non-negative integers")
-        check(all(isinstance(s, str) and s for s in self.stop), f"stop={self.stop!r} must be non-empty strings")
-        check(isinstance(self.detokenize, bool), f"detokenize={self.detokenize!r} must be True or False")
-        check(self.detokenize or not self.stop, f"stop={self.stop!r} needs detokenize=True (stop strings are "
+        check(all(isinstance(s, str) and s for s in self.stop),
+              f"stop={self.stop!r} must be non-empty strings")
+        check(isinstance(self.detokenize, bool),
+              f"detokenize={self.detokenize!r} must be True or False")
+        check(self.detokenize or not self.stop,
+              f"stop={self.stop!r} needs detokenize=True (stop strings are "
                                                 "looked for in the text)")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             check(v is None or (is_int(v) and 0 <= v <= MAX_LOGPROBS),
-                   f"{name}={v!r} must be None (off) or an integer in [0, {MAX_LOGPROBS}] (0: only the chosen token's)")
+                   f"{name}={v!r} must be None (off) or an integer in [0, {MAX_LOGPROBS}] (0: only "
+                   "the chosen token's)")
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
-        check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
-               f"structured_outputs={self.structured_outputs!r:.100} must be StructuredOutputsParams or a dict of it")
+        grammar = self.structured_outputs
+        check(grammar is None or isinstance(grammar, StructuredOutputsParams),
+               f"structured_outputs={self.structured_outputs!r:.100} must be "
+               "StructuredOutputsParams or a dict of it")
         check(self.structured_outputs is None or self.min_tokens == 0,
-               "min_tokens cannot be combined with structured_outputs (the grammar decides where the output ends)")
-        check(self.seed is None or (is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1)),
-               f"seed={self.seed!r} must be None or an integer in [{SEED_MIN}, {SEED_MAX} - (n - 1)] "
-               f"(sample i of n={self.n} is seeded seed + i, a signed 64-bit value)")
+               "min_tokens cannot be combined with structured_outputs (the grammar decides where "
+               "the output ends)")
+        seed_ok = is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1)
+        check(self.seed is None or seed_ok,
+               f"seed={self.seed!r} must be None or an integer in [{SEED_MIN}, {SEED_MAX} - (n - "
+               f"1)] (sample i of n={self.n} is seeded seed + i, a signed 64-bit value)")
 
     @property
     def greedy(self) -> bool:
@@ -166,10 +191,12 @@ class SamplingParams:
     @property
     def reshapes_logits(self) -> bool:
         """Whether anything besides temperature / top-k / top-p changes the sampled law: a penalty,
-        a bias, min-p or min_tokens (such rows decode plainly, never speculatively). A grammar does not
+        a bias, min-p or min_tokens (such rows decode plainly, never speculatively). A grammar does
+        not
         count: its mask is applied in the sampler and, per draft position, in verification."""
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0 or self.frequency_penalty != 0
-                or bool(self.logit_bias) or self.min_p > 0 or self.min_tokens > 0)
+        penalties = (self.repetition_penalty != 1.0 or self.presence_penalty != 0
+                     or self.frequency_penalty != 0)
+        return penalties or bool(self.logit_bias) or self.min_p > 0 or self.min_tokens > 0
 
 
 def _is_number(x) -> bool:

@@ -78,8 +78,10 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
-        self.on_finish: list = []  # called with each sequence that leaves for good (speculation drops its state)
-        self.on_preempt: list = []  # called with each sequence preempted (speculation drops its draft cache)
+        # called with each sequence that leaves for good (speculation drops its state)
+        self.on_finish: list = []
+        # called with each sequence preempted (speculation drops its draft cache)
+        self.on_preempt: list = []
 
     # ------------------------------------------------------------------ queue management
     def add(self, seq: Sequence) -> None:
@@ -126,7 +128,8 @@ class Scheduler:
         while j < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[j]
             if seq.lora_int_id not in adapters | {0} and len(adapters) == self.max_loras:
-                j += 1  # its adapter needs a slot that running sequences hold: later; the next may go now
+                # its adapter needs a slot that running sequences hold: later; the next may go now
+                j += 1
                 continue
             if not self.config.enable_chunked_prefill and len(seq) > budget:
                 break  # its whole prompt must fit in one step; wait for a step with more room
@@ -169,7 +172,8 @@ class Scheduler:
         return max(candidates, key=lambda s: (s.priority, self.running.index(s)))
 
     def _preempt(self, seq: Sequence) -> None:
-        """Recompute-style preemption: free every block; the tokens stay, the KV will be recomputed."""
+        """Recompute-style preemption: free every block; the tokens stay, the KV will be
+        recomputed."""
         self.running.remove(seq)
         self.block_allocator.free(seq)
         seq.needs_slot = False
@@ -186,19 +190,22 @@ class Scheduler:
         advance(self.block_allocator, seq, num_tokens)
 
     def postprocess(self, seq: Sequence, new_tokens: list[int], finished: bool) -> None:
-        """Append the tokens sampled for `seq` (or emitted by a speculative step: its accepted drafts,
-        whose K/V exist, then blocks they fill join the prefix cache); a finished sequence leaves the
-        batch and frees its blocks, else its last token waits for a slot (the next schedule)."""
+        """Append the tokens sampled for `seq` (or emitted by a speculative step: its accepted
+        drafts, whose K/V exist, then blocks they fill join the prefix cache); a finished sequence
+        leaves the batch and frees its blocks, else its last token waits for a slot (the next
+        schedule)."""
         seq.token_ids.extend(new_tokens)
         self.block_allocator.mark_computed(seq)
         if finished:
             self.finish(seq)
         else:
-            self.block_allocator.free_out_of_window(seq)  # a sliding-window model: blocks no query sees again
+            # a sliding-window model: blocks no query sees again
+            self.block_allocator.free_out_of_window(seq)
             seq.needs_slot = True
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """A parallel sample (SamplingParams.n): `child` shares parent's blocks and joins the batch."""
+        """A parallel sample (SamplingParams.n): `child` shares parent's blocks and joins the
+        batch."""
         self.block_allocator.fork(parent, child)
         self.add_running(child)
 
@@ -224,19 +231,22 @@ class Scheduler:
         return extend(self.block_allocator, seq, tokens)
 
     def rollback(self, seq: Sequence, num_tokens: int, num_computed: int) -> None:
-        """Keep seq's first `num_tokens` tokens, with K/V valid for the first `num_computed` positions."""
+        """Keep seq's first `num_tokens` tokens, with K/V valid for the first `num_computed`
+        positions."""
         rollback(self.block_allocator, seq, num_tokens, num_computed)
 
 
 # The mechanics shared with the draft model's shadow sequences (spec/proposers.py), which live in
 # their own block pool and are never scheduled: the same writes, so in this file too.
 def advance(block_allocator: BlockAllocator, seq: Sequence, num_tokens: int) -> None:
-    """num_computed_tokens += num_tokens, and full blocks whose K/V now exist join the prefix cache."""
+    """num_computed_tokens += num_tokens, and full blocks whose K/V now exist join the prefix
+    cache."""
     seq.num_computed_tokens += num_tokens
     block_allocator.mark_computed(seq)
 
 
-def extend(block_allocator: BlockAllocator, seq: Sequence, tokens: list[int]) -> tuple[int, list[tuple[int, int]]]:
+def extend(block_allocator: BlockAllocator, seq: Sequence,
+           tokens: list[int]) -> tuple[int, list[tuple[int, int]]]:
     """Append `tokens`, each with a KV slot, stopping early when the pool is full. Returns how many
     were appended and the copy-on-write (src, dst) block copies the KV cache must apply."""
     copies = []
@@ -251,7 +261,8 @@ def extend(block_allocator: BlockAllocator, seq: Sequence, tokens: list[int]) ->
     return len(tokens), copies
 
 
-def rollback(block_allocator: BlockAllocator, seq: Sequence, num_tokens: int, num_computed: int) -> None:
+def rollback(block_allocator: BlockAllocator, seq: Sequence, num_tokens: int,
+             num_computed: int) -> None:
     """Speculation's rollback: keep the first `num_tokens` tokens; K/V is valid for the first
     `num_computed` positions (the verified prefix; it may run past num_tokens when the caller
     re-appends the accepted tokens right after, through `postprocess`). Blocks past num_computed go
@@ -274,6 +285,7 @@ def _check_has_work(seq: Sequence) -> None:
     engine would spin forever; that is broken bookkeeping, so stop loudly instead."""
     if seq.num_computed_tokens >= len(seq):
         raise EngineStateError(
-            f"sequence {seq.seq_id} of request {seq.request_id!r} is running with all {len(seq)} of its tokens "
-            f"computed (num_computed_tokens={seq.num_computed_tokens}) and no new token: no step would ever "
-            "schedule it again (a token was sampled without setting needs_slot?)")
+            f"sequence {seq.seq_id} of request {seq.request_id!r} is running with all {len(seq)} "
+            f"of its tokens computed (num_computed_tokens={seq.num_computed_tokens}) and no new "
+            "token: no step would ever schedule it again (a token was sampled without setting "
+            "needs_slot?)")

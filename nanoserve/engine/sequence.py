@@ -1,4 +1,5 @@
-"""A `Sequence`: one stream of tokens being generated, as the block allocator and the scheduler see it.
+"""A `Sequence`: one stream of tokens being generated, as the block allocator and the scheduler see
+it.
 
 It holds token ids (prompt + generated so far), its block table (which physical KV blocks hold
 its keys and values, in order), and how many of its tokens already have KV in the cache.
@@ -13,11 +14,13 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 _ids = itertools.count()
-NULL_BLOCK = -1  # a block-table entry whose block was given back: it fell out of every layer's sliding window
+# a block-table entry whose block was given back: it fell out of every layer's sliding window
+NULL_BLOCK = -1
 
 
 class SequenceStatus(Enum):
-    """Where a sequence is: waiting (queued, or preempted to recompute), running, finished or aborted."""
+    """Where a sequence is: waiting (queued, or preempted to recompute), running, finished or
+    aborted."""
 
     WAITING = "waiting"
     RUNNING = "running"
@@ -34,7 +37,8 @@ class Sequence:
     token_ids: list[int]
     num_prompt_tokens: int = -1
     seq_id: int = field(default_factory=lambda: next(_ids))
-    block_table: list[int] = field(default_factory=list)  # leading entries may be NULL_BLOCK (sliding window)
+    # leading entries may be NULL_BLOCK (sliding window)
+    block_table: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     num_computed_tokens: int = 0  # tokens whose KV is in the cache (cached or computed)
     status: SequenceStatus = SequenceStatus.WAITING
@@ -43,8 +47,10 @@ class Sequence:
     sample_index: int = 0  # which of a request's n samples this is
     priority: int = 0  # lower runs first (vLLM's convention)
     arrival_time: float = 0.0
-    skip_prefix_cache: bool = False  # never look up the prefix cache (its prompt logprobs need every position)
-    lora_int_id: int = 0  # the LoRA adapter it runs under (0: the base model); part of its prefix-cache key
+    # never look up the prefix cache (its prompt logprobs need every position)
+    skip_prefix_cache: bool = False
+    # the LoRA adapter it runs under (0: the base model); part of its prefix-cache key
+    lora_int_id: int = 0
     needs_slot: bool = False  # a token was appended whose KV has no slot yet (append_slot pending)
     num_preemptions: int = 0
 
@@ -62,10 +68,12 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     def child(self, sample_index: int) -> Sequence:
-        """A new sequence with this one's tokens, request, priority and adapter: sample `sample_index` of the
-        request (n > 1 samples fork after the prefill; its blocks are shared by `BlockAllocator.fork`)."""
+        """A new sequence with this one's tokens, request, priority and adapter: sample
+        `sample_index` of the request (n > 1 samples fork after the prefill; its blocks are shared
+        by `BlockAllocator.fork`)."""
         return Sequence(list(self.token_ids), request_id=self.request_id, sample_index=sample_index,
-                        priority=self.priority, arrival_time=self.arrival_time, lora_int_id=self.lora_int_id)
+                        priority=self.priority, arrival_time=self.arrival_time,
+                        lora_int_id=self.lora_int_id)
 
     def append_token(self, token_id: int) -> None:
         """Add a token (inside nanoserve, only the scheduler calls this; tests and notebooks that

@@ -1,4 +1,5 @@
-"""Structured outputs: a grammar as a token mask (vLLM's `structured_outputs`, OpenAI's `response_format`).
+"""Structured outputs: a grammar as a token mask (vLLM's `structured_outputs`, OpenAI's
+`response_format`).
 
 A request may constrain its output to a JSON schema, any JSON object, a regular expression, one of a
 list of strings, or a Lark grammar (`StructuredOutputsParams`, exactly one). Before each token is
@@ -70,12 +71,14 @@ def _escape(text: str) -> str:
 
 
 class GrammarCompiler:
-    """Builds one matcher per sample for one tokenizer; the llguidance vocabulary is built once, on first use.
+    """Builds one matcher per sample for one tokenizer; the llguidance vocabulary is built once, on
+    first use.
 
     Compiled grammars are kept (the most recently used, as many as `limits.cache_bytes` holds when
-    each is counted at the most its lexer can grow to: `GrammarLimits.cache_entries`) and each request
-    gets a copy: copies share the compiled lexer's caches, so 32 requests under one schema compute their
-    masks ~3x faster than 32 separately compiled matchers (and the compile is paid once).
+    each is counted at the most its lexer can grow to: `GrammarLimits.cache_entries`) and each
+    request gets a copy: copies share the compiled lexer's caches, so 32 requests under one schema
+    compute their masks ~3x faster than 32 separately compiled matchers (and the compile is paid
+    once).
 
     Compiling is a client's program run on the server, so it is bounded (grammar_limits.py): checked
     against `limits` first, then compiled, with its first mask, in a small pool of threads whose
@@ -113,14 +116,16 @@ class GrammarCompiler:
                 try:
                     from llguidance.tiktoken import lltokenizer_from_encoding
                 except ImportError:
-                    raise NanoserveError("structured outputs need llguidance: pip install 'nanoserve[structured]'"
+                    raise NanoserveError("structured outputs need llguidance: pip install "
+                                         "'nanoserve[structured]'"
                                          ) from None
                 encoding = getattr(self.tokenizer, "encoding", None)
                 if encoding is None or self.eos_id is None or getattr(self.tokenizer, "presplit", None) \
                         or getattr(self.tokenizer, "normalization", None):
                     raise NanoserveError(
-                        "structured outputs need a plain tiktoken-backed tokenizer with an EOS token; this model's "
-                        f"({type(self.tokenizer).__name__}) is not one (SentencePiece vocabularies are not supported)")
+                        "structured outputs need a plain tiktoken-backed tokenizer with an EOS "
+                        f"token; this model's ({type(self.tokenizer).__name__}) is not one "
+                        "(SentencePiece vocabularies are not supported)")
                 self._ll_tokenizer = lltokenizer_from_encoding(encoding, n_vocab=self.vocab_size, eos_token=self.eos_id)
             return self._ll_tokenizer
 
@@ -135,13 +140,14 @@ class GrammarCompiler:
         return self.num_cached * self.limits.grammar_bytes_bound()
 
     def matcher(self, params: StructuredOutputsParams):
-        """A fresh matcher at the start of the grammar; NanoserveError when the grammar does not compile."""
+        """A fresh matcher at the start of the grammar; NanoserveError when the grammar does not
+        compile."""
         return self.compile(params).deep_copy()
 
     def compile(self, params: StructuredOutputsParams):
-        """The cached matcher at the grammar's start, shared: never advance it, copy it (`deep_copy`).
-        Waits for the compile at most `limits.compile_timeout_s`; GrammarError past it or over a
-        limit."""
+        """The cached matcher at the grammar's start, shared: never advance it, copy it
+        (`deep_copy`). Waits for the compile at most `limits.compile_timeout_s`; GrammarError past
+        it or over a limit."""
         key, future = self.submit(params)
         try:
             result = future.result(timeout=self.limits.compile_timeout_s)
@@ -300,13 +306,14 @@ class ThreadPool:
 
 
 def token_bitmask(matchers: list, vocab_size: int) -> torch.Tensor:
-    """The allowed tokens of each matcher's next step: int32 [R, ceil(V / 32)], bit t % 32 of word t // 32.
-    (One row after another: llguidance's own thread pool was slower here, its threads competing with
-    torch's for the same cores.)"""
+    """The allowed tokens of each matcher's next step: int32 [R, ceil(V / 32)], bit t % 32 of word t
+    // 32. (One row after another: llguidance's own thread pool was slower here, its threads
+    competing with torch's for the same cores.)"""
     words = (vocab_size + 31) // 32
     out = torch.empty(len(matchers), words, dtype=torch.int32)
     for i, m in enumerate(matchers):
-        m.unsafe_compute_mask_ptr(out[i].data_ptr(), words * 4)  # llguidance writes the words in place
+        # llguidance writes the words in place
+        m.unsafe_compute_mask_ptr(out[i].data_ptr(), words * 4)
     return out
 
 
@@ -328,8 +335,8 @@ def row_bitmask(matcher, vocab_size: int, budget_s: float, request_id: str) -> t
 
 
 def mask_rows(logits: torch.Tensor, matchers: list) -> torch.Tensor:
-    """logits [R, V] with each row that has a matcher (not None) limited to its grammar's next tokens;
-    the same tensor when no row has one. One masked fill for the whole step."""
+    """logits [R, V] with each row that has a matcher (not None) limited to its grammar's next
+    tokens; the same tensor when no row has one. One masked fill for the whole step."""
     return apply_row_bitmasks(logits, matcher_bitmasks(matchers, logits.shape[-1]))
 
 
@@ -345,10 +352,11 @@ def matcher_bitmasks(matchers: list, vocab_size: int) -> list:
 
 
 def mask_verification(matcher, draft_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
-    """Speculative decoding: the verification logits [γ+1, V] of one row, position j limited to the grammar's
-    tokens after drafts 0..j−1. A draft the grammar refuses sits at -inf in its position's row, so
-    verification rejects it (greedy: it is not the argmax; sampling: p(draft) = 0) and resamples from the
-    masked row; the rows after it are never used. The matcher ends where it began (rolled back)."""
+    """Speculative decoding: the verification logits [γ+1, V] of one row, position j limited to the
+    grammar's tokens after drafts 0..j−1. A draft the grammar refuses sits at -inf in its position's
+    row, so verification rejects it (greedy: it is not the argmax; sampling: p(draft) = 0) and
+    resamples from the masked row; the rows after it are never used. The matcher ends where it began
+    (rolled back)."""
     if matcher is None:
         return logits
     steps, consumed = [], 0

@@ -6,12 +6,18 @@
     cpu_backend.py     CpuCacheView: the torch backend, with decode steps in a C kernel that reads in place
     contiguous.py      KVCache: the special case block_table = arange (notebook 01)
 
-Which blocks a sequence owns is the block allocator's business (nanoserve/engine/block_allocator.py);
-this package only stores and reads. The kernels themselves (Triton, and the CPU's C decode kernel) live in
-the top-level kernels/ folder, installed as nanoserve.kernels.
+Which blocks a sequence owns is the block allocator's business
+(nanoserve/engine/block_allocator.py); this package only stores and reads. The kernels themselves
+(Triton, and the CPU's C decode kernel) live in the top-level kernels/ folder, installed as
+nanoserve.kernels.
 """
 
-from .cache import PagedKVCache, kv_bytes_per_token, num_blocks_for_budget, resolve_attention_backend
+from .cache import (
+    PagedKVCache,
+    kv_bytes_per_token,
+    num_blocks_for_budget,
+    resolve_attention_backend,
+)
 from .contiguous import KVCache
 from .torch_backend import CacheView
 

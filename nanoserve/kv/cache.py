@@ -9,7 +9,8 @@ blocks, `[num_blocks, block_size, n_kv_heads, head_dim]`. A sequence's tokens ar
 blocks listed in its *block table*; token i of a sequence lives in block
 `block_table[i // block_size]` at offset `i % block_size`, i.e. in *slot*
 `block_table[i // block_size] * block_size + i % block_size`. Which blocks a sequence gets is
-the block allocator's business (nanoserve/engine/block_allocator.py); this package only stores and reads.
+the block allocator's business (nanoserve/engine/block_allocator.py); this package only stores and
+reads.
 
 Per forward step the engine binds a `CacheView` to an `AttentionMetadata` (metadata.py), built
 on the host: `slot_mapping` [B, T] (where each new token's K/V goes, −1 for padding),
@@ -57,35 +58,42 @@ from .torch_backend import CacheView
 logger = logging.getLogger("nanoserve")
 
 
-def resolve_attention_backend(backend: str | None, device: torch.device | str, head_dim: int | None = None,
+def resolve_attention_backend(backend: str | None, device: torch.device | str,
+                              head_dim: int | None = None,
                               dtype: torch.dtype | None = None) -> str:
-    """None -> the default for the device: on CUDA Triton's kernels where they serve this head_dim and
-    dtype, on the CPU the C decode kernel where it builds and the model computes in float32; else torch,
-    with the reason logged. "triton" or "cpu" where they cannot serve is refused, with the reason."""
+    """None -> the default for the device: on CUDA Triton's kernels where they serve this head_dim
+    and dtype, on the CPU the C decode kernel where it builds and the model computes in float32;
+    else torch, with the reason logged. "triton" or "cpu" where they cannot serve is refused, with
+    the reason."""
     if backend is not None and backend not in ATTENTION_BACKENDS:
-        raise NanoserveError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)} (or None for the "
-                             f"device's default), got {backend!r}")
+        raise NanoserveError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)} "
+                             f"(or None for the device's default), got {backend!r}")
     cuda = torch.device(device).type == "cuda"
     fast = "triton" if cuda else "cpu"  # the device's backend that reads the pool in place
     problem = None
     if backend in (None, fast) and head_dim is not None and dtype is not None:
         problem = extension("attention_backends").in_place_problem(cuda, head_dim, dtype, device)
     if backend == "cpu" and cuda:
-        problem = "it runs on the CPU, and this model is on CUDA (its in-place backend there is 'triton')"
+        problem = ("it runs on the CPU, and this model is on CUDA (its in-place backend there "
+                   "is 'triton')")
     if backend in ("triton", "cpu") and problem:
-        raise NanoserveError(f"attention_backend={backend!r} cannot serve this model here: {problem}; use 'torch'")
+        raise NanoserveError(f"attention_backend={backend!r} cannot serve this model here: "
+                             f"{problem}; use 'torch'")
     if backend is None:
-        if problem and (cuda or dtype == torch.float32):  # (the CPU kernel is float32 only: no news for bf16)
+        # (the CPU kernel is float32 only: no news for bf16)
+        if problem and (cuda or dtype == torch.float32):
             logger.warning("attention backend: torch, not %s: %s", fast, problem)
-        checked = head_dim is not None and dtype is not None  # the CPU kernel is only chosen once checked
+        # the CPU kernel is only chosen once checked
+        checked = head_dim is not None and dtype is not None
         return fast if not problem and (cuda or checked) else "torch"
     return backend
 
 
 class PagedKVCache:
-    """k, v: [n_layers, num_blocks, block_size, n_kv_heads, head_dim]; with a quantized `kv_cache_dtype`,
-    8-bit codes there and fp16 scales in k_scale, v_scale [n_layers, num_blocks, block_size, n_kv_heads].
-    `layers`: the model layers the pool holds (default all; a pipeline stage's pool: its own, parallel/)."""
+    """k, v: [n_layers, num_blocks, block_size, n_kv_heads, head_dim]; with a quantized
+    `kv_cache_dtype`, 8-bit codes there and fp16 scales in k_scale, v_scale [n_layers, num_blocks,
+    block_size, n_kv_heads]. `layers`: the model layers the pool holds (default all; a pipeline
+    stage's pool: its own, parallel/)."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int = 16,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
@@ -104,25 +112,34 @@ class PagedKVCache:
         scales = None
         if self.quant is not None:
             scales = torch.zeros(shape[:-1], dtype=self.quant.scale_dtype, device=device)
-        self.k_scale, self.v_scale = scales, None if scales is None else scales.clone()  # L, nb, bs, Hkv
+        # L, nb, bs, Hkv
+        self.k_scale, self.v_scale = scales, None if scales is None else scales.clone()
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.attention_backend = resolve_attention_backend(attention_backend, device, cfg.head_dim, dtype)
+        self.attention_backend = resolve_attention_backend(attention_backend, device,
+                                                           cfg.head_dim, dtype)
         self.num_kv_splits = num_kv_splits  # triton decode: None = choose_num_splits (1 on CPU)
-        self._gather_k = self._gather_v = torch.empty((0, *shape[2:]), dtype=dtype, device=device)  # workspace
+        # workspace
+        self._gather_k = self._gather_v = torch.empty((0, *shape[2:]), dtype=dtype, device=device)
 
     def gather_buffers(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Two buffers of ≥ num_blocks blocks [n, block_size, Hkv, D] the torch backend gathers K and V
-        into, kept and reused across layers and steps (grown geometrically to the largest gather asked
-        for: the blocks in use plus under 1/16 of padding (metadata.length_buckets), at most doubled)."""
+        """Two buffers of ≥ num_blocks blocks [n, block_size, Hkv, D] the torch backend gathers K
+        and V into, kept and reused across layers and steps (grown geometrically to the largest
+        gather asked
+        for: the blocks in use plus under 1/16 of padding (metadata.length_buckets), at most
+        doubled)."""
         if self._gather_k.shape[0] < num_blocks:
-            n = max(num_blocks, 2 * self._gather_k.shape[0])  # grow geometrically: few reallocations
+            # grow geometrically: few reallocations
+            n = max(num_blocks, 2 * self._gather_k.shape[0])
             self._gather_k = self._gather_v = None  # release the old pair before allocating the new
-            self._gather_k = torch.empty((n, *self.k.shape[2:]), dtype=self.dtype, device=self.k.device)
-            self._gather_v = torch.empty((n, *self.v.shape[2:]), dtype=self.dtype, device=self.v.device)
+            self._gather_k = torch.empty((n, *self.k.shape[2:]), dtype=self.dtype,
+                                         device=self.k.device)
+            self._gather_v = torch.empty((n, *self.v.shape[2:]), dtype=self.dtype,
+                                         device=self.v.device)
         return self._gather_k, self._gather_v
 
     def layer(self, i: int):
-        """Model layer i's K and V pools [num_blocks, block_size, Hkv, D]; quantized, each a (codes, scales) pair."""
+        """Model layer i's K and V pools [num_blocks, block_size, Hkv, D]; quantized, each a (codes,
+        scales) pair."""
         i -= self.first_layer
         if self.quant is None:
             return self.k[i], self.v[i]
@@ -139,9 +156,9 @@ class PagedKVCache:
                 pool[:, dst] = pool[:, src]
 
     def copy_slots(self, src: list[int], dst: list[int]) -> None:
-        """Copy K/V from slots `src` to slots `dst` (block · block_size + offset), in every layer, all at once (every
-        source is read before any destination is written): a verified token tree's accepted path to the positions
-        it now holds (spec_decode.py)."""
+        """Copy K/V from slots `src` to slots `dst` (block · block_size + offset), in every layer,
+        all at once (every source is read before any destination is written): a verified token
+        tree's accepted path to the positions it now holds (spec_decode.py)."""
         s, d = torch.tensor(src, device=self.k.device), torch.tensor(dst, device=self.k.device)
         for pool in (self.k, self.v, self.k_scale, self.v_scale):
             if pool is not None:
@@ -155,22 +172,27 @@ class PagedKVCache:
         return extension("attention_backends").VIEWS[self.attention_backend](self, meta)
 
     def needs_buckets(self, decode: bool) -> bool:
-        """Whether a step's attention gathers K/V by length bucket (metadata.length_buckets): the torch paths."""
+        """Whether a step's attention gathers K/V by length bucket (metadata.length_buckets): the
+        torch paths."""
         if self.attention_backend == "torch":
             return True
         return extension("attention_backends").needs_buckets(self, decode)
 
-    def view(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor) -> CacheView:
+    def view(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+             context_lens: torch.Tensor) -> CacheView:
         """A view from a step's three tensors, for tests and notebooks: it reads them on the host to
-        derive the metadata (the model runner builds the metadata from host values and calls `bind`)."""
-        meta = AttentionMetadata.build(slot_mapping.cpu(), block_tables.cpu(), context_lens.cpu(), self.block_size,
+        derive the metadata (the model runner builds the metadata from host values and calls
+        `bind`)."""
+        meta = AttentionMetadata.build(slot_mapping.cpu(), block_tables.cpu(), context_lens.cpu(),
+                                       self.block_size,
                                        self.attention_backend != "triton")
         return self.bind(meta.to(slot_mapping.device))
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: Any, kv_cache_dtype: str = "auto") -> int:
-    """Bytes of K and V for one token in every layer: 2 · n_layers · n_kv_heads · head_dim · bytes per value
-    (the model dtype's itemsize; quantized, 1 + the scale's share: kv/quant.py), rounded up."""
+    """Bytes of K and V for one token in every layer: 2 · n_layers · n_kv_heads · head_dim · bytes
+    per value (the model dtype's itemsize; quantized, 1 + the scale's share: kv/quant.py), rounded
+    up."""
     value_bytes = kv_element_bytes(kv_cache_dtype, dtype, cfg.head_dim)
     return math.ceil(2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * value_bytes)
 
@@ -189,10 +211,12 @@ def kv_element_bytes(kv_cache_dtype: str, dtype: Any, head_dim: int) -> float:
 
 def num_blocks_for_budget(cfg: ModelConfig, budget_bytes: int | None, block_size: int, dtype: Any,
                           kv_cache_dtype: str = "auto") -> int:
-    """How many KV blocks fit in `budget_bytes`: one block holds `block_size` tokens' K and V in every
-    layer. `dtype` is anything with `.itemsize` (torch.dtype, numpy dtype). The budget must hold at
-    least one sequence of cfg.max_position_embeddings tokens, else nothing long could ever run.
-    None: the engine's default, the bytes of 8 full-context sequences in `dtype` (8-bit K/V fit twice as many)."""
+    """How many KV blocks fit in `budget_bytes`: one block holds `block_size` tokens' K and V in
+    every layer. `dtype` is anything with `.itemsize` (torch.dtype, numpy dtype). The budget must
+    hold at least one sequence of cfg.max_position_embeddings tokens, else nothing long could ever
+    run.
+    None: the engine's default, the bytes of 8 full-context sequences in `dtype` (8-bit K/V fit
+    twice as many)."""
     check_block_size(block_size)
     if budget_bytes is None:
         budget_bytes = 8 * kv_bytes_per_token(cfg, dtype) * cfg.max_position_embeddings
@@ -201,7 +225,8 @@ def num_blocks_for_budget(cfg: ModelConfig, budget_bytes: int | None, block_size
     min_blocks = -(-cfg.max_position_embeddings // block_size)
     if num_blocks < min_blocks:
         raise NanoserveError(
-            f"KV cache budget of {budget_bytes} bytes is too small: one sequence of max_position_embeddings="
-            f"{cfg.max_position_embeddings} tokens needs {min_blocks} blocks of {bytes_per_block} bytes = "
-            f"{min_blocks * bytes_per_block} bytes; allowed: a budget >= {min_blocks * bytes_per_block} bytes")
+            f"KV cache budget of {budget_bytes} bytes is too small: one sequence of "
+            f"max_position_embeddings={cfg.max_position_embeddings} tokens needs {min_blocks} "
+            f"blocks of {bytes_per_block} bytes = {min_blocks * bytes_per_block} bytes; allowed: a "
+            f"budget >= {min_blocks * bytes_per_block} bytes")
     return num_blocks

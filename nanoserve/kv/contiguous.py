@@ -26,12 +26,14 @@ class KVCache:
     """
 
     def __init__(self, cfg: ModelConfig, batch_size: int, max_seq_len: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", block_size: int = 16,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 block_size: int = 16,
                  attention_backend: str | None = "torch", kv_cache_dtype: str = "auto"):
         n = -(-max_seq_len // block_size)  # blocks per row
         self.pool = PagedKVCache(cfg, batch_size * n, block_size, dtype, device, attention_backend,
                                  kv_cache_dtype=kv_cache_dtype)
-        self.block_tables = torch.arange(batch_size * n).view(batch_size, n)  # B, n (on the host: see _bind)
+        # B, n (on the host: see _bind)
+        self.block_tables = torch.arange(batch_size * n).view(batch_size, n)
         self.device = torch.device(device)
         self.batch_size, self.max_seq_len, self.block_size = batch_size, max_seq_len, block_size
         self.length = 0  # tokens cached so far, in every row
@@ -44,9 +46,12 @@ class KVCache:
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         return self._view_for(layer, k.shape[1]).update(layer, k, v)
 
-    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                  window: int | None = None, scale: float | None = None, softcap: float | None = None):
-        return self._view_for(layer, k.shape[1]).attention(layer, q, k, v, positions, window, scale, softcap)
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  positions: torch.Tensor,
+                  window: int | None = None, scale: float | None = None,
+                  softcap: float | None = None):
+        view = self._view_for(layer, k.shape[1])
+        return view.attention(layer, q, k, v, positions, window, scale, softcap)
 
     def _view_for(self, layer: int, T: int) -> CacheView:
         if layer == 0 or self._view is None:
@@ -56,13 +61,16 @@ class KVCache:
     def _bind(self, T: int) -> CacheView:
         start, end = self.length, self.length + T
         if end > self.max_seq_len:
-            raise NanoserveError(f"KV cache overflow: {start} cached + {T} new tokens > max_seq_len={self.max_seq_len}")
+            raise NanoserveError(f"KV cache overflow: {start} cached + {T} new tokens > "
+                                 f"max_seq_len={self.max_seq_len}")
         # built on the host, like the model runner's metadata: the forward then reads nothing back
         slot_mapping = torch.tensor([slots(row, start, end, self.block_size)
                                      for row in self.block_tables.tolist()])  # B, T (host values)
-        used = self.block_tables[:, : -(-end // self.block_size)]  # only the blocks that hold tokens so far
+        # only the blocks that hold tokens so far
+        used = self.block_tables[:, : -(-end // self.block_size)]
         lens = torch.full((self.batch_size,), end)
-        return self.pool.bind(AttentionMetadata.build(slot_mapping, used, lens, self.block_size).to(self.device))
+        return self.pool.bind(AttentionMetadata.build(slot_mapping, used, lens,
+                                                      self.block_size).to(self.device))
 
     def advance(self, n: int) -> None:
         """Called by the model once all layers have written the step's n tokens."""

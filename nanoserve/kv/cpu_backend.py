@@ -19,20 +19,24 @@ from .torch_backend import CacheView
 
 
 class CpuCacheView(CacheView):
-    """The torch backend (CacheView), except that a decode step over a float32 pool runs the C kernel."""
+    """The torch backend (CacheView), except that a decode step over a float32 pool runs the C
+    kernel."""
 
     def __init__(self, cache, meta: AttentionMetadata):
         super().__init__(cache, meta)
         self.in_place = self.reads_in_place(cache, meta.decode)
-        if self.in_place:  # the kernel trusts its indices: check them once per step, here, not per layer
+        # the kernel trusts its indices: check them once per step, here, not per layer
+        if self.in_place:
             from ..kernels.checks import check_block_ids
 
-            self.tables, self.context_lens = meta.block_tables.long(), meta.context_lens.long()  # B, max_blocks; B
+            # B, max_blocks; B
+            self.tables, self.context_lens = meta.block_tables.long(), meta.context_lens.long()
             check_block_ids(self.tables, self.context_lens, cache.block_size, cache.num_blocks)
 
     @staticmethod
     def reads_in_place(cache, decode: bool) -> bool:
-        """Whether a step runs the C kernel over the pool: a decode step over a float32, unquantized pool."""
+        """Whether a step runs the C kernel over the pool: a decode step over a float32, unquantized
+        pool."""
         return decode and cache.quant is None and cache.dtype == torch.float32
 
     def attention(self, layer, q, k, v, positions, window=None, scale=None, softcap=None):

@@ -25,7 +25,8 @@ def in_place_problem(cuda: bool, head_dim: int, dtype: torch.dtype, device) -> s
         return triton_attention_supported(head_dim, dtype, device)
     if dtype != torch.float32:
         return f"the C decode kernel computes in float32, and the model is {dtype}"
-    from ..kernels.cpu_paged_attention import cpu_kernel_problem  # builds the kernel once, or says why not
+    # builds the kernel once, or says why not
+    from ..kernels.cpu_paged_attention import cpu_kernel_problem
 
     return cpu_kernel_problem(head_dim)
 

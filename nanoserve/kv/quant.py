@@ -9,14 +9,15 @@ written (`quantize`), dequantization when attention reads it (`dequantize`).
 a few of the D dimensions are much larger than the rest, in every token — so a scale per channel
 would fit K best; but a channel scale must be fixed before the tokens that share it are written,
 and a paged cache writes one token at a time. A scale per token and head is computed from that
-token alone at write time, needs no calibration, and keeps a token's error independent of the others;
-the outlier channels cost precision in their own token only. Stored in fp16, a scale adds 2 bytes per
-D = 64 or 128 values: the pool holds 2D / (D + 2) ≈ 1.94× (D = 64) the tokens of an fp16 pool, ~3.9×
-of fp32. vLLM's FP8 cache uses one scale per tensor, calibrated offline (`k_scale` in checkpoints) or 1.0;
-FP8 has an exponent, so it tolerates that, but a per-token scale needs no calibration and costs the same
-code path as int8 — one path in both backends. Round-trip bounds (tests/test_kv_quant.py): int8 |error|
-≤ s / 2 = max|x| / 254 per element; FP8 a relative error ≤ 2^-4 (e4m3) or 2^-3 (e5m2) of each value
-above the format's subnormal range. Taught in notebooks/12_*.
+token alone at write time, needs no calibration, and keeps a token's error independent of the
+others; the outlier channels cost precision in their own token only. Stored in fp16, a scale adds 2
+bytes per D = 64 or 128 values: the pool holds 2D / (D + 2) ≈ 1.94× (D = 64) the tokens of an fp16
+pool, ~3.9× of fp32. vLLM's FP8 cache uses one scale per tensor, calibrated offline (`k_scale` in
+checkpoints) or 1.0; FP8 has an exponent, so it tolerates that, but a per-token scale needs no
+calibration and costs the same code path as int8 — one path in both backends. Round-trip bounds
+(tests/test_kv_quant.py): int8 |error| ≤ s / 2 = max|x| / 254 per element; FP8 a relative error ≤
+2^-4 (e4m3) or 2^-3 (e5m2) of each value above the format's subnormal range. Taught in
+notebooks/12_*.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from ..config import KV_CACHE_DTYPES
 from ..errors import NanoserveError
 
 SCALE_DTYPE = torch.float16  # one per (token, head)
-MIN_SCALE = 2.0 ** -14  # fp16's smallest normal: scales never underflow to 0 (an all-zero head stays 0)
+# fp16's smallest normal: scales never underflow to 0 (an all-zero head stays 0)
+MIN_SCALE = 2.0 ** -14
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,8 @@ FORMATS = {"int8": KVQuant("int8", torch.int8, None, 127.0),
 def kv_quant(kv_cache_dtype: str) -> KVQuant | None:
     """The format for a `kv_cache_dtype` name; None for "auto" (the model's dtype, unquantized)."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise NanoserveError(f"kv_cache_dtype={kv_cache_dtype!r}; allowed: {', '.join(KV_CACHE_DTYPES)}")
+        raise NanoserveError(f"kv_cache_dtype={kv_cache_dtype!r}; allowed: "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
     return FORMATS.get(kv_cache_dtype)
 
 

@@ -17,7 +17,8 @@ from .metadata import AttentionMetadata
 
 
 class CacheView:
-    """One forward step's window onto a PagedKVCache: what `model(..., cache=view)` writes and reads.
+    """One forward step's window onto a PagedKVCache: what `model(..., cache=view)` writes and
+    reads.
 
     The torch backend: write, gather into logical order, then SDPA with a causal mask.
     """
@@ -28,72 +29,90 @@ class CacheView:
         self.cache, self.meta = cache, meta
         self.src, self.dst = meta.src, meta.dst  # N: the real tokens' rows in B·T, and their slots
         self.block_tables = meta.block_tables  # B, max_blocks
-        self._groups = None  # per bucket: (rows, their block tables, their positions), made at layer 0
+        # per bucket: (rows, their block tables, their positions), made at layer 0
+        self._groups = None
         # A block receives its first token at offset 0 (tokens are written in order; copy-on-write
         # and prefix-cache blocks arrive with their contents). Zero it then, in every layer: a
         # block's slots past the context then hold zeros, never stale or poisoned memory, so the
         # gathered K/V need no masking of their own (the attention mask hides those slots, and
         # 0 · weight stays 0 where NaN · 0 would not).
         if self.zero_fresh_blocks and len(meta.fresh_blocks):
-            for pool in (cache.k, cache.v, cache.k_scale, cache.v_scale):  # (scales: None unless quantized)
+            # (scales: None unless quantized)
+            for pool in (cache.k, cache.v, cache.k_scale, cache.v_scale):
                 if pool is not None:
                     pool.index_fill_(1, meta.fresh_blocks, 0)
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   positions: torch.Tensor, window: int | None = None, scale: float | None = None,
                   softcap: float | None = None) -> torch.Tensor:
-        """Store this step's k, v [B, T, Hkv, D]; attend q [B, T, H, D] at `positions` over the cache
-        (each query over its `window` newest keys only, when the layer has a sliding window; scores ×
-        `scale`, default 1/√D, and soft-capped at `softcap` when given: layers.attention).
+        """Store this step's k, v [B, T, Hkv, D]; attend q [B, T, H, D] at `positions` over the
+        cache (each query over its `window` newest keys only, when the layer has a sliding window;
+        scores × `scale`, default 1/√D, and soft-capped at `softcap` when given: layers.attention).
 
         Returns [B, T, H, D]. The model's attention layers call this; the backend decides how. Rows
         are gathered by length bucket (metadata.length_buckets), each bucket to its own length."""
-        pool_k, pool_v = self.cache.layer(layer)  # num_blocks, block_size, Hkv, D (+ scales, quantized)
+        # num_blocks, block_size, Hkv, D (+ scales, quantized)
+        pool_k, pool_v = self.cache.layer(layer)
         self._write(pool_k, k)
         self._write(pool_v, v)
         if self.meta.no_prefix and self.meta.attn_mask is None and self.cache.quant is None:
-            # Prefills from scratch: this step's k, v are every key there is (each row's key j at position j;
-            # a padding key sits after its row's real ones, where no real query looks). Nothing to gather.
-            return sdpa_attention(q, k, v, None if window is None else positions, window, scale, softcap)
+            # Prefills from scratch: this step's k, v are every key there is (each row's key j at
+            # position j; a padding key sits after its row's real ones, where no real query looks).
+            # Nothing to gather.
+            window_positions = None if window is None else positions
+            return sdpa_attention(q, k, v, window_positions, window, scale, softcap)
         if window is not None:
             windowed = self._window_tables(window, positions)
-            if windowed is not None:  # gather only the blocks the window reaches, not the whole context
+            # gather only the blocks the window reaches, not the whole context
+            if windowed is not None:
                 tables, offsets = windowed  # B, M_w; B
-                return sdpa_attention(q, *self._gather_kv(pool_k, pool_v, tables), positions - offsets[:, None],
+                return sdpa_attention(q, *self._gather_kv(pool_k, pool_v, tables),
+                                      positions - offsets[:, None],
                                       window, scale, softcap)
-        if self.meta.attn_mask is not None:  # a token tree in some row: its mask spans the longest row's keys
-            return sdpa_attention(q, *self._gather_kv(pool_k, pool_v, self.block_tables), positions, None, scale,
+        # a token tree in some row: its mask spans the longest row's keys
+        if self.meta.attn_mask is not None:
+            return sdpa_attention(q, *self._gather_kv(pool_k, pool_v, self.block_tables), positions,
+                                  None, scale,
                                   softcap, mask=self.meta.attn_mask)
         buckets = self.meta.buckets
         if len(buckets) <= 1:  # one length: every row gathered to the longest, as `update` does
-            return sdpa_attention(q, *self._gather_kv(pool_k, pool_v, self.block_tables), positions, window, scale,
+            return sdpa_attention(q, *self._gather_kv(pool_k, pool_v, self.block_tables), positions,
+                                  window, scale,
                                   softcap)
         if self._groups is None:  # each bucket's tables and positions: the same in every layer
-            self._groups = [(rows, self.block_tables.index_select(0, rows)[:, :num_blocks],  # b, ≤ num_blocks
-                             positions.index_select(0, rows)) for rows, num_blocks in buckets]  # b, T
+            # b, ≤ num_blocks
+            self._groups = [(rows, self.block_tables.index_select(0, rows)[:, :num_blocks],
+                             # b, T
+                             positions.index_select(0, rows)) for rows, num_blocks in buckets]
         out = torch.empty_like(q)  # B, T, H, D
-        for rows, tables, pos in self._groups:  # one bucket's gather is read before the next overwrites it
-            out_b = sdpa_attention(q.index_select(0, rows), *self._gather_kv(pool_k, pool_v, tables), pos,
+        # one bucket's gather is read before the next overwrites it
+        for rows, tables, pos in self._groups:
+            out_b = sdpa_attention(q.index_select(0, rows),
+                                   *self._gather_kv(pool_k, pool_v, tables), pos,
                                    window, scale, softcap)  # b, T, H, D
             out.index_copy_(0, rows, out_b)
         return out
 
     def _window_tables(self, window: int, positions: torch.Tensor):
-        """(tables [B, M_w], offsets [B]) for a sliding window: each row's blocks from the one holding its first
-        visible key (its first query's position − window + 1) on, and that block's first position, by which the
-        keys are shifted (the mask sees relative positions, the same for queries and keys). M_w bounds the
-        blocks any row needs, from host values: no device read. None when that is no fewer than the whole
-        table. Blocks given back by the allocator lie before every row's first block: never gathered."""
+        """(tables [B, M_w], offsets [B]) for a sliding window: each row's blocks from the one
+        holding its first visible key (its first query's position − window + 1) on, and that block's
+        first position, by which the keys are shifted (the mask sees relative positions, the same
+        for queries and keys). M_w bounds the blocks any row needs, from host values: no device
+        read. None when that is no fewer than the whole table. Blocks given back by the allocator
+        lie before every row's first block: never gathered."""
         bs, width = self.cache.block_size, self.block_tables.shape[1]
         M = min(-(-(window - 1 + self.meta.max_query_len) // bs) + 1, width)
         if M >= width:
             return None
-        first = (positions[:, 0] - window + 1).clamp(min=0) // bs  # B   the first block each row reads
-        idx = (first[:, None] + torch.arange(M, device=first.device)).clamp(max=width - 1)  # B, M (past: masked)
+        # B   the first block each row reads
+        first = (positions[:, 0] - window + 1).clamp(min=0) // bs
+        # B, M (past: masked)
+        idx = (first[:, None] + torch.arange(M, device=first.device)).clamp(max=width - 1)
         return self.block_tables.gather(1, idx), first * bs
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """Write this step's k, v [B, T, Hkv, D] into their slots; return every sequence's [B, S, Hkv, D]."""
+        """Write this step's k, v [B, T, Hkv, D] into their slots; return every sequence's [B, S,
+        Hkv, D]."""
         pool_k, pool_v = self.cache.layer(layer)
         self._write(pool_k, k)
         self._write(pool_v, v)
@@ -101,23 +120,28 @@ class CacheView:
 
     def _gather_kv(self, pool_k: torch.Tensor, pool_v: torch.Tensor, tables: torch.Tensor):
         """`_gather` of K and V into the cache's reused buffers: [b, M · block_size, Hkv, D] views,
-        valid until the next gather (attention reads them at once; `update` hands out fresh ones)."""
+        valid until the next gather (attention reads them at once; `update` hands out fresh
+        ones)."""
         buf_k, buf_v = self.cache.gather_buffers(tables.numel())  # ≥ M·b blocks each
         idx = tables.flatten()
-        k, v = (self._gather_into(pool, idx, buf[:len(idx)]) for pool, buf in ((pool_k, buf_k), (pool_v, buf_v)))
+        k, v = (self._gather_into(pool, idx, buf[:len(idx)]) for pool,
+                buf in ((pool_k, buf_k), (pool_v, buf_v)))
         b, H, D = tables.shape[0], k.shape[2], k.shape[3]
         return k.view(b, -1, H, D), v.view(b, -1, H, D)
 
     def _gather_into(self, pool, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """The blocks `idx` of one pool, in the model's dtype, into `out` [n, block_size, Hkv, D]; a quantized
-        pool ((codes, scales): kv/quant.py) is dequantized on the way, the gather's only full-precision copy."""
+        """The blocks `idx` of one pool, in the model's dtype, into `out` [n, block_size, Hkv, D]; a
+        quantized pool ((codes, scales): kv/quant.py) is dequantized on the way, the gather's only
+        full-precision copy."""
         if not isinstance(pool, tuple):
             return torch.index_select(pool, 0, idx, out=out)
         codes, scales = pool
-        return self.cache.quant.dequantize(codes.index_select(0, idx), scales.index_select(0, idx), out.dtype, out=out)
+        return self.cache.quant.dequantize(codes.index_select(0, idx), scales.index_select(0, idx),
+                                           out.dtype, out=out)
 
     def _write(self, pool, new: torch.Tensor) -> None:
-        """This step's K or V [B, T, Hkv, D] into their slots (quantized first, when the pool is)."""
+        """This step's K or V [B, T, Hkv, D] into their slots (quantized first, when the pool
+        is)."""
         codes, scales = pool if isinstance(pool, tuple) else (pool, None)
         nb, bs, H, D = codes.shape
         rows = new.reshape(-1, H, D)  # B·T, Hkv, D
@@ -129,7 +153,8 @@ class CacheView:
         codes.view(nb * bs, H, D).index_copy_(0, self.dst, rows)
 
     def _gather(self, pool, tables: torch.Tensor) -> torch.Tensor:
-        """Each row's blocks in logical order: tables [b, M] -> [b, M · block_size, Hkv, D] (a fresh tensor)."""
+        """Each row's blocks in logical order: tables [b, M] -> [b, M · block_size, Hkv, D] (a fresh
+        tensor)."""
         codes = pool[0] if isinstance(pool, tuple) else pool
         nb, bs, H, D = codes.shape
         out = torch.empty((tables.numel(), bs, H, D), dtype=self.cache.dtype, device=codes.device)

@@ -3,8 +3,8 @@
 `store_kv` scatters the new K/V into their slots; a decode step runs `paged_attention` over the
 block tables (split-KV when the batch is too small to fill a GPU); a prefill step packs the rows'
 real tokens (`cu_seqlens`) and runs `flash_attention` with the cached prefix read through the
-block tables. A quantized pool (kv_cache_dtype, kv/quant.py) is quantized by `store_kv` and dequantized
-tile by tile inside the attention kernels. Taught in notebooks/04_* and 12_*.
+block tables. A quantized pool (kv_cache_dtype, kv/quant.py) is quantized by `store_kv` and
+dequantized tile by tile inside the attention kernels. Taught in notebooks/04_* and 12_*.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from .torch_backend import CacheView
 
 
 class TritonCacheView(CacheView):
-    """The triton backend: `store_kv`, then `paged_attention` (decode) or `flash_attention` (prefill).
+    """The triton backend: `store_kv`, then `paged_attention` (decode) or `flash_attention`
+    (prefill).
 
     Rows are right-padded to T new tokens (slot −1 = padding). A prefill packs the real tokens of
     all rows back to back — row b's n_b tokens are rows cu_seqlens[b] : cu_seqlens[b+1] — so the
@@ -24,10 +25,11 @@ class TritonCacheView(CacheView):
     (an earlier chunk or a prefix-cache hit), which the kernel reads through the block table.
     The kernels never read a slot past a row's context, so fresh blocks need no zeroing.
 
-    With a quantized pool, a prefill reads this step's keys back from the pool too, like every other key
-    (all of a row's context_lens[b] keys as its prefix, no new keys): attention then sees exactly the
-    values the cache holds, in prefill as in decode, and as the torch backend does. (vLLM attends over
-    a chunk's own keys unquantized: slightly more precise for the prompt, different from what decode sees.)
+    With a quantized pool, a prefill reads this step's keys back from the pool too, like every other
+    key (all of a row's context_lens[b] keys as its prefix, no new keys): attention then sees
+    exactly the values the cache holds, in prefill as in decode, and as the torch backend does.
+    (vLLM attends over a chunk's own keys unquantized: slightly more precise for the prompt,
+    different from what decode sees.)
     """
 
     zero_fresh_blocks = False
@@ -38,20 +40,23 @@ class TritonCacheView(CacheView):
         from ..kernels.split_kv import choose_num_splits  # imports Triton: only for this backend
 
         check_interpreter(meta.slot_mapping.device)
-        if meta.tree_bits is not None and cache.quant is not None:  # spec_decode.check_tree_fits refuses it first
-            raise NotImplementedError("a token tree over a quantized pool: its keys are read back from the pool, "
-                                      "where the kernel applies no tree mask")
+        # spec_decode.check_tree_fits refuses it first
+        if meta.tree_bits is not None and cache.quant is not None:
+            raise NotImplementedError("a token tree over a quantized pool: its keys are read back "
+                                      "from the pool, where the kernel applies no tree mask")
         self.decode = meta.decode  # one new token in every row
         self.cu_seqlens, self.prefix_lens = meta.cu_seqlens, meta.prefix_lens  # B+1, B (int32)
         self.block_tables_i32 = meta.block_tables.to(torch.int32)  # B, max_blocks
         self.context_lens_i32 = meta.context_lens.to(torch.int32)  # B
         self.quantized = cache.quant is not None
-        if self.quantized and not self.decode:  # a prefill reads every key from the pool: no new keys per row
+        # a prefill reads every key from the pool: no new keys per row
+        if self.quantized and not self.decode:
             self.no_new_keys = torch.zeros_like(self.cu_seqlens)  # B+1
         self.num_splits = cache.num_kv_splits
         if self.num_splits is None:  # from host values: choosing must not read the device
             B = meta.slot_mapping.shape[0]
-            self.num_splits = choose_num_splits(B, cache.k.shape[3], meta.max_context) if self.decode else 1
+            self.num_splits = choose_num_splits(B, cache.k.shape[3],
+                                                meta.max_context) if self.decode else 1
 
     def attention(self, layer, q, k, v, positions, window=None, scale=None, softcap=None):
         from ..kernels.flash_attention import flash_attention
@@ -61,7 +66,8 @@ class TritonCacheView(CacheView):
         B, T, H, D = q.shape
         Hkv = k.shape[2]
         k_cache, v_cache = self.cache.layer(layer)  # num_blocks, block_size, Hkv, D
-        kv = {}  # a quantized pool's format and scales [num_blocks, block_size, Hkv], for the kernels
+        # a quantized pool's format and scales [num_blocks, block_size, Hkv], for the kernels
+        kv = {}
         if self.quantized:
             (k_cache, k_scale), (v_cache, v_scale) = k_cache, v_cache
             kv = dict(kv_cache_dtype=self.cache.kv_cache_dtype, k_scale=k_scale, v_scale=v_scale)
@@ -69,16 +75,21 @@ class TritonCacheView(CacheView):
         v_new = v.reshape(B * T, Hkv, D).index_select(0, self.src)  # N, Hkv, D
         store_kv(k_new, v_new, k_cache, v_cache, self.dst, **kv)
         if self.decode:  # each row's query sees its context_lens[b] keys, its own just stored
-            out = paged_attention(q[:, 0], k_cache, v_cache, self.block_tables_i32, self.context_lens_i32,
-                                  sm_scale=scale, num_splits=self.num_splits, window=window, softcap=softcap, **kv)
+            out = paged_attention(q[:, 0], k_cache, v_cache, self.block_tables_i32,
+                                  self.context_lens_i32,
+                                  sm_scale=scale, num_splits=self.num_splits, window=window,
+                                  softcap=softcap, **kv)
             return out[:, None]  # B, 1, H, D
         q_new = q.reshape(B * T, H, D).index_select(0, self.src)  # N, H, D
-        new_keys = (k_new, v_new, self.cu_seqlens, self.prefix_lens)  # the prefix, then this step's keys
+        # the prefix, then this step's keys
+        new_keys = (k_new, v_new, self.cu_seqlens, self.prefix_lens)
         if self.quantized:  # every key from the pool (class docstring)
             new_keys = (k_new[:0], v_new[:0], self.no_new_keys, self.context_lens_i32)
         k_step, v_step, cu_k, prefix = new_keys
-        out_new = flash_attention(q_new, k_step, v_step, self.cu_seqlens, cu_k, causal=True, sm_scale=scale,
-                                  block_tables=self.block_tables_i32, k_cache=k_cache, v_cache=v_cache,
+        out_new = flash_attention(q_new, k_step, v_step, self.cu_seqlens, cu_k, causal=True,
+                                  sm_scale=scale,
+                                  block_tables=self.block_tables_i32, k_cache=k_cache,
+                                  v_cache=v_cache,
                                   context_lens=prefix, max_seqlen_q=self.meta.max_query_len,
                                   window=window, softcap=softcap, tree_bits=self.meta.tree_bits, **kv)  # N, H, D
         out = q.new_zeros(B * T, H, D)  # padding rows get zeros (their logits are never read)

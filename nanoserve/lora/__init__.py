@@ -6,8 +6,8 @@
     serving.py   LoRARequest, LoRAManager: per-request adapters in the engine (slots filled and evicted LRU)
 
 `LLM(model, lora=PATH)` merges one adapter at load; `lora_merge=False` applies it beside each target
-(what a quantized base needs). `LLM(model, enable_lora=True).generate(prompts, lora_request=...)` serves
-each request under its own adapter, several in one batch.
+(what a quantized base needs). `LLM(model, enable_lora=True).generate(prompts, lora_request=...)`
+serves each request under its own adapter, several in one batch.
 """
 
 from .adapter import LoRAAdapter, load_lora_adapter, merge_lora, target_modules, unmerge_lora
@@ -15,6 +15,8 @@ from .batched import MultiLoRALinear, lora_gathered, lora_segmented
 from .layer import LoRALinear, apply_lora, remove_lora
 from .serving import LoRAManager, LoRARequest
 
-__all__ = ["LoRAAdapter", "load_lora_adapter", "merge_lora", "unmerge_lora", "target_modules", "LoRALinear",
-           "apply_lora", "remove_lora", "MultiLoRALinear", "lora_segmented", "lora_gathered", "LoRARequest",
+__all__ = ["LoRAAdapter", "load_lora_adapter", "merge_lora", "unmerge_lora", "target_modules",
+           "LoRALinear",
+           "apply_lora", "remove_lora", "MultiLoRALinear", "lora_segmented", "lora_gathered",
+           "LoRARequest",
            "LoRAManager"]

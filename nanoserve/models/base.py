@@ -13,14 +13,17 @@ from torch import nn
 
 class CausalLM(nn.Module):
     config: object
-    keep_hidden = False  # keep the LM head's input as `last_hidden`: True [B, K, C] where the logits are (Medusa's
-    # heads read it: spec/medusa.py), "all" [B, T, C] at every position (EAGLE's head: spec/eagle_proposer.py)
+    # keep the LM head's input as `last_hidden`: True [B, K, C] where the logits are (Medusa's
+    keep_hidden = False
+    # heads read it: spec/medusa.py), "all" [B, T, C] at every position (EAGLE's head:
+    # spec/eagle_proposer.py)
 
     def embed_and_blocks(self, input_ids, positions, cache):  # pragma: no cover - per family
         raise NotImplementedError
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                cache=None, last_only: bool = False, logit_index: torch.Tensor | None = None) -> torch.Tensor:
+                cache=None, last_only: bool = False,
+                logit_index: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, V]; or [B, 1, V] at the last position (last_only) or
         at position logit_index[b] of each row (ragged batches: only the logits that are sampled);
         a logit_index [B, K] gives [B, K, V] (speculative verification needs several per row).
@@ -37,16 +40,21 @@ class CausalLM(nn.Module):
             cache.advance(T)
         return self.head(h, logit_index, last_only)
 
-    def head(self, h: torch.Tensor, logit_index: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
-        """The LM head over the final hidden states h [B, T, C] (after the final norm), where forward's
-        logit_index / last_only say (a pipeline's last stage calls it on its own: parallel/pipeline.py)."""
+    def head(self, h: torch.Tensor, logit_index: torch.Tensor | None = None,
+             last_only: bool = False) -> torch.Tensor:
+        """The LM head over the final hidden states h [B, T, C] (after the final norm), where
+        forward's logit_index / last_only say (a pipeline's last stage calls it on its own:
+        parallel/pipeline.py)."""
         if self.keep_hidden == "all":
             self.last_hidden = h
         if logit_index is not None and h.shape[1] == 1 and logit_index.shape[1:] in ((), (1,)):
             pass  # one position (a decode step), and so one valid index, 0: the logits are h's
         elif logit_index is not None:
             rows = torch.arange(h.shape[0], device=h.device)
-            h = h[rows, logit_index][:, None] if logit_index.dim() == 1 else h[rows[:, None], logit_index]  # B, K, C
+            if logit_index.dim() == 1:
+                h = h[rows, logit_index][:, None]  # B, 1, C
+            else:
+                h = h[rows[:, None], logit_index]  # B, K, C
         elif last_only:
             h = h[:, -1:]
         if self.keep_hidden is True:
@@ -57,4 +65,5 @@ class CausalLM(nn.Module):
         """The LM head on features h [..., C] -> logits [..., V] (and Gemma 2's soft-cap)."""
         logits = self.lm_head(h)
         cap = getattr(self.config, "final_softcap", None)
-        return logits if cap is None else cap * torch.tanh(logits / cap)  # Gemma 2: logits in (−cap, cap)
+        # Gemma 2: logits in (−cap, cap)
+        return logits if cap is None else cap * torch.tanh(logits / cap)

@@ -40,37 +40,48 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     dtype: str | None = None  # the dtype the checkpoint was saved in, if it says
     mlp_bias: bool = False  # Llama only
-    hidden_act: str | None = None  # the MLP's activation by transformers' name; None: gelu_new / silu
+    # the MLP's activation by transformers' name; None: gelu_new / silu
+    hidden_act: str | None = None
     # GPT-2 only: scores × 1/√head_dim (False: unscaled), and in layer i also × 1/(i+1)
     scale_attn_weights: bool = True
     scale_attn_by_inverse_layer_idx: bool = False
-    # Llama family variants (hf_config.py says which family sets which): sliding windows (Mistral, Qwen2/3,
-    # Gemma, SmolLM3, Phi-3), q/k norms, NoPE, partial RoPE, experts, block layouts, soft-caps
+    # Llama family variants (hf_config.py says which family sets which): sliding windows (Mistral,
+    # Qwen2/3, Gemma, SmolLM3, Phi-3), q/k norms, NoPE, partial RoPE, experts, block layouts,
+    # soft-caps
     sliding_window: int | None = None  # keys a query sees in a sliding layer, its own included
-    layer_types: list[str] | None = None  # per layer, one of LAYER_TYPES; None: every layer slides if windowed
-    # RMSNorm of q and k before RoPE: "per_head" (one head_dim weight for every head: Qwen3, Gemma 3) or
-    # "whole" (over the whole q and k projections, before they split into heads: OLMo 2); None: no norm
+    # per layer, one of LAYER_TYPES; None: every layer slides if windowed
+    layer_types: list[str] | None = None
+    # RMSNorm of q and k before RoPE: "per_head" (one head_dim weight for every head: Qwen3, Gemma
+    # 3) or "whole" (over the whole q and k projections, before they split into heads: OLMo 2);
+    # None: no norm
     qk_norm: str | None = None
-    no_rope_layers: list[int] | None = None  # layers that apply no RoPE at all (SmolLM3's "NoPE" layers)
-    partial_rotary_factor: float = 1.0  # RoPE rotates the first head_dim · this dims of each head (Phi-4-mini)
+    # layers that apply no RoPE at all (SmolLM3's "NoPE" layers)
+    no_rope_layers: list[int] | None = None
+    # RoPE rotates the first head_dim · this dims of each head (Phi-4-mini)
+    partial_rotary_factor: float = 1.0
     # mixture of experts (Mixtral, Qwen3-MoE: moe.py); num_experts 0: a dense MLP in every layer
     num_experts: int = 0
     num_experts_per_tok: int = 0  # k: experts each token runs
     moe_intermediate_size: int | None = None  # each expert's width; None: intermediate_size
     norm_topk_prob: bool = True  # renormalise the k router probabilities to sum to 1
-    moe_every: int = 1  # experts in layers i with (i + 1) % moe_every == 0 (Qwen3-MoE's decoder_sparse_step)
+    # experts in layers i with (i + 1) % moe_every == 0 (Qwen3-MoE's decoder_sparse_step)
+    moe_every: int = 1
     mlp_only_layers: list[int] | None = None  # layers that keep a dense MLP (Qwen3-MoE)
-    # "pre_norm": x + f(norm(x)) (Llama); "sandwich": x + norm(f(norm(x))) (Gemma); "post_norm": x + norm(f(x))
-    # (OLMo 2); f is the attention, then the MLP
+    # "pre_norm": x + f(norm(x)) (Llama); "sandwich": x + norm(f(norm(x))) (Gemma); "post_norm": x +
+    # norm(f(x)) (OLMo 2); f is the attention, then the MLP
     block: str = "pre_norm"
     norm_unit_offset: bool = False  # RMSNorm scales by (1 + w), not w (Gemma)
-    norm_scale_fp32: bool = False  # RMSNorm multiplies by w in float32, then rounds (OLMo 2); Llama rounds first
+    # RMSNorm multiplies by w in float32, then rounds (OLMo 2); Llama rounds first
+    norm_scale_fp32: bool = False
     embed_scale: bool = False  # token embeddings × √hidden_size (Gemma)
-    attn_scale: float | None = None  # scores × attn_scale (Gemma: query_pre_attn_scalar^−½); None: 1/√head_dim
+    # scores × attn_scale (Gemma: query_pre_attn_scalar^−½); None: 1/√head_dim
+    attn_scale: float | None = None
     attn_softcap: float | None = None  # scores -> c·tanh(scores / c) before the softmax (Gemma 2)
     final_softcap: float | None = None  # logits -> c·tanh(logits / c) (Gemma 2)
-    local_rope_theta: float | None = None  # the RoPE base of sliding layers, without scaling (Gemma 3)
-    # the HF model type the config was read from (save_checkpoint writes it back); None: built in code
+    # the RoPE base of sliding layers, without scaling (Gemma 3)
+    local_rope_theta: float | None = None
+    # the HF model type the config was read from (save_checkpoint writes it back); None: built in
+    # code
     hf_model_type: str | None = None
 
     def __post_init__(self) -> None:
@@ -79,10 +90,13 @@ class ModelConfig:
         if self.hidden_act is None:
             self.hidden_act = "gelu_new" if self.arch == "gpt2" else "silu"
         if self.hidden_act not in ACTIVATIONS:
-            raise ConfigError(f"unsupported activation {self.hidden_act!r}; supported: {', '.join(ACTIVATIONS)}")
-        if self.arch == "llama" and (not self.scale_attn_weights or self.scale_attn_by_inverse_layer_idx):
-            raise ConfigError("scale_attn_weights=False and scale_attn_by_inverse_layer_idx=True are GPT-2 options; "
-                              "supported for Llama: the defaults (scores × 1/√head_dim)")
+            raise ConfigError(f"unsupported activation {self.hidden_act!r}; supported: "
+                              f"{', '.join(ACTIVATIONS)}")
+        gpt2_scaling = not self.scale_attn_weights or self.scale_attn_by_inverse_layer_idx
+        if self.arch == "llama" and gpt2_scaling:
+            raise ConfigError("scale_attn_weights=False and scale_attn_by_inverse_layer_idx=True "
+                              "are GPT-2 options; supported for Llama: the defaults (scores × "
+                              "1/√head_dim)")
         for name in ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads",
                      "intermediate_size", "max_position_embeddings"):
             value = getattr(self, name)
@@ -90,65 +104,88 @@ class ModelConfig:
                 raise ConfigError(f"config field {name}={value!r} must be a positive integer")
         if self.head_dim_override is None and self.hidden_size % self.n_heads:
             raise ConfigError(
-                f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.n_heads}")
+                f"hidden_size={self.hidden_size} is not divisible by "
+                f"num_attention_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(
-                f"num_attention_heads={self.n_heads} is not a multiple of num_key_value_heads={self.n_kv_heads}")
+                f"num_attention_heads={self.n_heads} is not a multiple of "
+                f"num_key_value_heads={self.n_kv_heads}")
         self._check_llama_family()
-        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts or self.moe_every < 1:
-            raise ConfigError(f"num_experts_per_tok={self.num_experts_per_tok} must lie in 1..num_experts="
-                              f"{self.num_experts}, and decoder_sparse_step={self.moe_every} be ≥ 1")
+        bad_top_k = self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts
+        if bad_top_k or self.moe_every < 1:
+            raise ConfigError(f"num_experts_per_tok={self.num_experts_per_tok} must lie in "
+                              f"1..num_experts={self.num_experts}, and "
+                              f"decoder_sparse_step={self.moe_every} be ≥ 1")
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
-            raise ConfigError(f"partial_rotary_factor={self.partial_rotary_factor!r} must give an even number of "
-                              f"rotated dims in (0, head_dim={self.head_dim}]")
-        if rope_type == "longrope" and len(self.rope_scaling.get("short_factor") or []) != self.rotary_dim // 2:
-            raise ConfigError(f"longrope short_factor must hold rotary_dim / 2 = {self.rotary_dim // 2} numbers, got "
+            raise ConfigError(f"partial_rotary_factor={self.partial_rotary_factor!r} must give an "
+                              f"even number of rotated dims in (0, head_dim={self.head_dim}]")
+        short_factor = []
+        if rope_type == "longrope":
+            short_factor = self.rope_scaling.get("short_factor") or []
+        if rope_type == "longrope" and len(short_factor) != self.rotary_dim // 2:
+            raise ConfigError("longrope short_factor must hold rotary_dim / 2 = "
+                              f"{self.rotary_dim // 2} numbers, got "
                               f"{self.rope_scaling.get('short_factor')!r}")
         if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ConfigError(f"unsupported rope scaling {rope_type!r} (config field rope_parameters, or rope_scaling "
-                              f"in transformers 4); supported: {SUPPORTED_ROPE_TYPES}")
+            raise ConfigError(f"unsupported rope scaling {rope_type!r} (config field "
+                              "rope_parameters, or rope_scaling in transformers 4); supported: "
+                              f"{SUPPORTED_ROPE_TYPES}")
 
     def _check_llama_family(self) -> None:
-        """The Llama family's variant fields (windows, norms, caps, RoPE, experts): in range, not on GPT-2."""
-        llama_only = dict(sliding_window=None, layer_types=None, qk_norm=None, no_rope_layers=None, block="pre_norm",
-                          partial_rotary_factor=1.0, num_experts=0, norm_unit_offset=False, norm_scale_fp32=False,
+        """The Llama family's variant fields (windows, norms, caps, RoPE, experts): in range, not on
+        GPT-2."""
+        llama_only = dict(sliding_window=None, layer_types=None, qk_norm=None, no_rope_layers=None,
+                          block="pre_norm",
+                          partial_rotary_factor=1.0, num_experts=0, norm_unit_offset=False,
+                          norm_scale_fp32=False,
                           embed_scale=False, attn_scale=None, attn_softcap=None, final_softcap=None,
                           local_rope_theta=None)
         if self.arch == "gpt2" and any(getattr(self, k) != v for k, v in llama_only.items()):
             raise ConfigError(f"{', '.join(llama_only)} are Llama-family options; GPT-2 has none")
         if self.block not in ("pre_norm", "sandwich", "post_norm"):
-            raise ConfigError(f"block={self.block!r} is not a decoder layout; supported: 'pre_norm', 'sandwich', "
-                              "'post_norm'")
+            raise ConfigError(f"block={self.block!r} is not a decoder layout; supported: "
+                              "'pre_norm', 'sandwich', 'post_norm'")
         if self.qk_norm not in (None, "per_head", "whole"):
             raise ConfigError(f"qk_norm={self.qk_norm!r}; supported: None, 'per_head', 'whole'")
         if any(i not in range(self.n_layers) for i in self.no_rope_layers or []):
-            raise ConfigError(f"no_rope_layers={self.no_rope_layers!r} must list layer indices 0..{self.n_layers - 1}")
+            raise ConfigError(f"no_rope_layers={self.no_rope_layers!r} must list layer indices "
+                              f"0..{self.n_layers - 1}")
         for name in ("attn_scale", "attn_softcap", "final_softcap", "local_rope_theta"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, (int, float)) or not 0 < value < float("inf")):
+            if value is not None and (not isinstance(value,
+                                                     (int, float)) or not 0 < value < float("inf")):
                 raise ConfigError(f"{name}={value!r} must be a positive finite number or None")
         w = self.sliding_window
         if w is not None and (type(w) is not int or w < 1):
-            raise ConfigError(f"sliding_window={w!r} must be a positive integer or None (no window)")
+            raise ConfigError(f"sliding_window={w!r} must be a positive integer or None (no "
+                              "window)")
         if self.layer_types is not None:
-            if len(self.layer_types) != self.n_layers or any(t not in LAYER_TYPES for t in self.layer_types):
-                raise ConfigError(f"layer_types={self.layer_types!r} must list one of {LAYER_TYPES} per layer "
-                                  f"({self.n_layers} layers)")
+            wrong_length = len(self.layer_types) != self.n_layers
+            if wrong_length or any(t not in LAYER_TYPES for t in self.layer_types):
+                raise ConfigError(f"layer_types={self.layer_types!r} must list one of "
+                                  f"{LAYER_TYPES} per layer ({self.n_layers} layers)")
             if w is None and "sliding_attention" in self.layer_types:
-                raise ConfigError("layer_types has sliding_attention layers but sliding_window is None")
+                raise ConfigError("layer_types has sliding_attention layers but sliding_window is "
+                                  "None")
 
     def layer_window(self, layer: int) -> int | None:
-        """The sliding window of `layer` (a query at p sees keys p − w + 1 .. p), or None: the whole context."""
-        if self.sliding_window is None or (self.layer_types and self.layer_types[layer] != "sliding_attention"):
+        """The sliding window of `layer` (a query at p sees keys p − w + 1 .. p), or None: the whole
+        context."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types and self.layer_types[layer] != "sliding_attention":
             return None
         return self.sliding_window
 
     @property
     def kv_window(self) -> int | None:
-        """How far back every layer looks: the window when all layers slide (Mistral), else None. Only then
-        can a sequence's oldest KV blocks be given back (BlockAllocator.free_out_of_window)."""
-        if self.sliding_window is None or (self.layer_types and "full_attention" in self.layer_types):
+        """How far back every layer looks: the window when all layers slide (Mistral), else None.
+        Only then can a sequence's oldest KV blocks be given back
+        (BlockAllocator.free_out_of_window)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types and "full_attention" in self.layer_types:
             return None
         return self.sliding_window
 
@@ -166,8 +203,12 @@ class ModelConfig:
 
     def num_parameters(self) -> int:
         """Parameter count (embeddings counted once when tied), for model cards and benchmarks."""
-        d, f, L, V = self.hidden_size, self.intermediate_size, self.n_layers, self.vocab_size
-        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        d = self.hidden_size
+        f = self.intermediate_size
+        L = self.n_layers
+        V = self.vocab_size
+        q = self.n_heads * self.head_dim
+        kv = self.n_kv_heads * self.head_dim
         if self.arch == "gpt2":
             per_layer = 4 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
             total = V * d + self.max_position_embeddings * d + L * per_layer + 2 * d
@@ -177,8 +218,10 @@ class ModelConfig:
             attn += {None: 0, "per_head": 2 * self.head_dim, "whole": q + kv}[self.qk_norm]
             norms = (4 if self.block == "sandwich" else 2) * d
             mlp = 3 * d * f + (2 * f + d) * self.mlp_bias
-            if self.num_experts:  # (every layer counted as sparse: an upper bound with Qwen3-MoE's dense layers)
-                mlp = self.num_experts * 3 * d * (self.moe_intermediate_size or f) + d * self.num_experts
+            # (every layer counted as sparse: an upper bound with Qwen3-MoE's dense layers)
+            if self.num_experts:
+                expert = 3 * d * (self.moe_intermediate_size or f)
+                mlp = self.num_experts * expert + d * self.num_experts  # experts and the router
             per_layer = norms + attn + mlp
             total = V * d + L * per_layer + d
         return total + (0 if self.tie_word_embeddings else V * d)
@@ -186,7 +229,8 @@ class ModelConfig:
     # ------------------------------------------------------------------ HF config.json
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
-        """Build from a Hugging Face config.json dictionary (transformers 4.x or 5.x): hf_config.py."""
+        """Build from a Hugging Face config.json dictionary (transformers 4.x or 5.x):
+        hf_config.py."""
         from .hf_config import config_from_hf
 
         return config_from_hf(cfg)
@@ -250,7 +294,9 @@ def yarn_rope_inv_freq(base: float, dim: int, scaling: dict[str, Any]):
     if scaling.get("truncate", True):
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)  # D/2
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / ((high - low) or 0.001)).clamp(0, 1)
+    # D/2
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32,
+                          device="cpu") - low) / ((high - low) or 0.001)).clamp(0, 1)
     keep = 1 - ramp  # 1: extrapolate (high frequencies), 0: interpolate
     return (1 / (factor * pos_freqs)) * (1 - keep) + (1 / pos_freqs) * keep

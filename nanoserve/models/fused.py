@@ -23,7 +23,8 @@ def _parts(cfg: ModelConfig, fused: str) -> list[tuple[str, int]]:
     if fused == "self_attn.qkv_proj":
         q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         return [("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)]
-    return [("mlp.gate_proj", cfg.intermediate_size), ("mlp.up_proj", cfg.intermediate_size)]  # gate first
+    # gate first
+    return [("mlp.gate_proj", cfg.intermediate_size), ("mlp.up_proj", cfg.intermediate_size)]
 
 
 def split_fused(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -44,9 +45,11 @@ def split_fused(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str,
 
 
 def fuse(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The inverse of `split_fused` for a Phi-3 state dict: q/k/v and gate/up stacked back into one each."""
+    """The inverse of `split_fused` for a Phi-3 state dict: q/k/v and gate/up stacked back into one
+    each."""
     out = dict(state)
-    for key in [k for k in state if k.endswith(("self_attn.q_proj.weight", "mlp.gate_proj.weight"))]:
+    for key in [k for k in state if k.endswith(("self_attn.q_proj.weight",
+                                                "mlp.gate_proj.weight"))]:
         prefix = key.rsplit(".", 3)[0]  # model.layers.N
         fused = "self_attn.qkv_proj" if "self_attn" in key else "mlp.gate_up_proj"
         names = [f"{prefix}.{name}.weight" for name, _ in _parts(cfg, fused)]

@@ -24,22 +24,25 @@ class GPT2Attention(nn.Module):
         self.c_attn = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)  # fused q, k, v
         self.c_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
         # Every attention backend (SDPA, the cache's torch and Triton paths) multiplies scores by
-        # 1/√D. GPT-2 configs may want no scaling or an extra 1/(layer + 1); (s·q)·k/√D = (q·k)·s/√D,
-        # so scaling q by s gives any such factor without touching the backends.
+        # 1/√D. GPT-2 configs may want no scaling or an extra 1/(layer + 1); (s·q)·k/√D =
+        # (q·k)·s/√D, so scaling q by s gives any such factor without touching the backends.
         self.q_scale = 1.0 if cfg.scale_attn_weights else math.sqrt(self.head_dim)
         if cfg.scale_attn_by_inverse_layer_idx:
             self.q_scale /= layer_idx + 1
 
     def forward(self, x, positions, cache):
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).view(B, T, 3, self.n_heads, self.head_dim).unbind(2)  # each B, T, H, D
+        # each B, T, H, D
+        q, k, v = self.c_attn(x).view(B, T, 3, self.n_heads, self.head_dim).unbind(2)
         if self.q_scale != 1.0:
             q = q * self.q_scale
         if cache is None:  # the T tokens attend causally among themselves
             y = attention(q, k, v)  # B, T, H, D
-        else:  # the cache stores k, v and attends over everything cached (its backend: torch or Triton)
+        # the cache stores k, v and attends over everything cached (its backend: torch or Triton)
+        else:
             y = cache.attention(self.layer_idx, q, k, v, positions)  # B, T, H, D
-        return self.c_proj(y.reshape(B, T, -1))  # (-1: H·D, which tensor parallelism makes a share of C)
+        # (-1: H·D, which tensor parallelism makes a share of C)
+        return self.c_proj(y.reshape(B, T, -1))
 
 
 class GPT2MLP(nn.Module):
@@ -47,7 +50,8 @@ class GPT2MLP(nn.Module):
         super().__init__()
         self.c_fc = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
         self.c_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
-        self.act = ACTIVATION_FNS[cfg.hidden_act]  # GPT-2's own: "gelu_new", GELU's tanh approximation
+        # GPT-2's own: "gelu_new", GELU's tanh approximation
+        self.act = ACTIVATION_FNS[cfg.hidden_act]
         self.hidden_act = cfg.hidden_act
 
     def forward(self, x):
@@ -88,7 +92,8 @@ class GPT2Transformer(nn.Module):
         return self.wte(input_ids) + self.wpe(positions)  # B, T, C
 
     def blocks(self, x, positions, cache):
-        """The blocks this module holds (all of them; a pipeline stage's share: parallel/pipeline.py)."""
+        """The blocks this module holds (all of them; a pipeline stage's share:
+        parallel/pipeline.py)."""
         for block in self.h:
             x = block(x, positions, cache)
         return x
@@ -106,7 +111,8 @@ class GPT2LMHeadModel(CausalLM):
         self.tie_weights()
 
     def tie_weights(self):
-        """Share the token embedding with the LM head when the config says so (again after .to_empty())."""
+        """Share the token embedding with the LM head when the config says so (again after
+        .to_empty())."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.transformer.wte.weight
 

@@ -1,4 +1,5 @@
-"""Reading Hugging Face `config.json`: the HF dictionary -> `ModelConfig` (hf_export.py writes it back).
+"""Reading Hugging Face `config.json`: the HF dictionary -> `ModelConfig` (hf_export.py writes it
+back).
 
 Each HF model class reads its config its own way: Qwen2 always has q/k/v biases whatever
 `attention_bias` says, Qwen3 puts `attention_bias` on o_proj too and normalises q and k per head,
@@ -17,7 +18,8 @@ from ..errors import ConfigError
 from .config import LAYER_TYPES, ModelConfig
 from .hf_fields import check_hf_fields
 
-# HF `architectures[0]` -> the HF model type whose code nanoserve mirrors (its row in hf_fields.HF_FIELDS).
+# HF `architectures[0]` -> the HF model type whose code nanoserve mirrors (its row in
+# hf_fields.HF_FIELDS).
 SUPPORTED_ARCHITECTURES = {
     "GPT2LMHeadModel": "gpt2",
     "GPT2Model": "gpt2",
@@ -25,48 +27,60 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",  # Llama block + a sliding window in every layer (when set)
     "Qwen2ForCausalLM": "qwen2",  # Llama block + q/k/v bias (+ a window from max_window_layers on)
     "Qwen3ForCausalLM": "qwen3",  # Llama block + per-head RMSNorm of q and k before RoPE
-    "Gemma2ForCausalLM": "gemma2",  # sandwich norms, (1 + w) RMSNorm, soft-capping, alternate windows
-    "Gemma3ForCausalLM": "gemma3_text",  # Gemma 2 with q/k norms and a local RoPE base, no attention soft-cap
+    # sandwich norms, (1 + w) RMSNorm, soft-capping, alternate windows
+    "Gemma2ForCausalLM": "gemma2",
+    # Gemma 2 with q/k norms and a local RoPE base, no attention soft-cap
+    "Gemma3ForCausalLM": "gemma3_text",
     "SmolLM3ForCausalLM": "smollm3",  # Llama block; every 4th layer without RoPE ("NoPE")
     "Olmo2ForCausalLM": "olmo2",  # post-norm blocks; RMSNorm over the whole q and k projections
-    "Phi3ForCausalLM": "phi3",  # fused qkv / gate-up weights (split at load), partial RoPE, LongRoPE, a window
+    # fused qkv / gate-up weights (split at load), partial RoPE, LongRoPE, a window
+    "Phi3ForCausalLM": "phi3",
     "MixtralForCausalLM": "mixtral",  # Mistral with a mixture of experts in every layer
-    "Qwen3MoeForCausalLM": "qwen3_moe",  # Qwen3 with a mixture of experts (dense in mlp_only_layers)
+    # Qwen3 with a mixture of experts (dense in mlp_only_layers)
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
-SUPPORTED_MODEL_TYPES = tuple(dict.fromkeys(SUPPORTED_ARCHITECTURES.values()))  # gpt2, llama, mistral, ...
+# gpt2, llama, mistral, ...
+SUPPORTED_MODEL_TYPES = tuple(dict.fromkeys(SUPPORTED_ARCHITECTURES.values()))
 # What a key absent from config.json means, where a family's HF class differs from Llama's defaults.
 _WINDOWED = dict(sliding_window=4096, max_window_layers=28)
-_GEMMA = dict(num_key_value_heads=4, sliding_window=4096, head_dim=256, hidden_activation="gelu_pytorch_tanh",
+_GEMMA = dict(num_key_value_heads=4, sliding_window=4096, head_dim=256,
+              hidden_activation="gelu_pytorch_tanh",
               query_pre_attn_scalar=256, tie_word_embeddings=True)
 TYPE_DEFAULTS = {
     "mistral": dict(num_key_value_heads=8, max_position_embeddings=131072, sliding_window=4096),
-    "mixtral": dict(num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=1e6,
+    "mixtral": dict(num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                    rope_theta=1e6,
                     num_local_experts=8, num_experts_per_tok=2),
     "qwen2": dict(num_key_value_heads=32, max_position_embeddings=32768, **_WINDOWED),
     "qwen3": dict(num_key_value_heads=32, max_position_embeddings=32768, head_dim=128, **_WINDOWED),
     "qwen3_moe": dict(num_key_value_heads=4, max_position_embeddings=32768, sliding_window=4096,
                       num_experts_per_tok=8, moe_intermediate_size=768),  # (num_experts: _experts)
-    "gemma2": dict(max_position_embeddings=8192, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+    "gemma2": dict(max_position_embeddings=8192, attn_logit_softcapping=50.0,
+                   final_logit_softcapping=30.0,
                    **_GEMMA),
     "gemma3_text": dict(max_position_embeddings=131072, rope_theta=1e6, sliding_window_pattern=6, **_GEMMA),
-    "smollm3": dict(num_key_value_heads=4, max_position_embeddings=32768, tie_word_embeddings=True, rope_theta=2e6),
+    "smollm3": dict(num_key_value_heads=4, max_position_embeddings=32768, tie_word_embeddings=True,
+                    rope_theta=2e6),
     "olmo2": dict(rms_norm_eps=1e-5),
-    "phi3": dict(rms_norm_eps=1e-5, max_position_embeddings=4096, original_max_position_embeddings=4096),
+    "phi3": dict(rms_norm_eps=1e-5, max_position_embeddings=4096,
+                 original_max_position_embeddings=4096),
 }
 GEMMA = ("gemma2", "gemma3_text")
 
 
 def hf_model_type(cfg: dict[str, Any]) -> str:
-    """Which HF model code the config names: `architectures[0]` (what transformers instantiates), else
-    `model_type`; anything nanoserve does not run is refused by name."""
+    """Which HF model code the config names: `architectures[0]` (what transformers instantiates),
+    else `model_type`; anything nanoserve does not run is refused by name."""
     archs = cfg.get("architectures") or []
     if archs:
         if archs[0] not in SUPPORTED_ARCHITECTURES:
-            raise ConfigError(f"unsupported architecture {archs[0]!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+            raise ConfigError(f"unsupported architecture {archs[0]!r}; supported: "
+                              f"{sorted(SUPPORTED_ARCHITECTURES)}")
         return SUPPORTED_ARCHITECTURES[archs[0]]
     if cfg.get("model_type") not in SUPPORTED_MODEL_TYPES:
-        raise ConfigError(f"config.json has no 'architectures' and model_type={cfg.get('model_type')!r} is not "
-                          f"supported; supported model types: {sorted(SUPPORTED_MODEL_TYPES)}")
+        raise ConfigError("config.json has no 'architectures' and "
+                          f"model_type={cfg.get('model_type')!r} is not supported; supported model "
+                          f"types: {sorted(SUPPORTED_MODEL_TYPES)}")
     return cfg["model_type"]
 
 
@@ -122,12 +136,14 @@ def _gpt2_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     )
 
 
-def _windows(cfg: dict[str, Any], hf_type: str, n_layers: int) -> tuple[int | None, list[str] | None]:
+def _windows(cfg: dict[str, Any], hf_type: str,
+             n_layers: int) -> tuple[int | None, list[str] | None]:
     """(sliding_window, layer_types) as the HF model code applies them (absent keys: TYPE_DEFAULTS).
 
-    Mistral, Mixtral, Phi-3: `sliding_window` in every layer (null: none). Qwen2/3, SmolLM3: only with
-    `use_sliding_window`, in the layers `layer_types` marks "sliding_attention" or, without it, from
-    max_window_layers on (SmolLM3: its NoPE layers). Gemma: always; every 2nd / 6th layer global."""
+    Mistral, Mixtral, Phi-3: `sliding_window` in every layer (null: none). Qwen2/3, SmolLM3: only
+    with `use_sliding_window`, in the layers `layer_types` marks "sliding_attention" or, without it,
+    from max_window_layers on (SmolLM3: its NoPE layers). Gemma: always; every 2nd / 6th layer
+    global."""
     if hf_type in ("mistral", "phi3", "mixtral"):
         return cfg.get("sliding_window"), None
     if hf_type == "qwen3_moe":  # every layer, when switched on
@@ -135,7 +151,8 @@ def _windows(cfg: dict[str, Any], hf_type: str, n_layers: int) -> tuple[int | No
     if hf_type == "llama":
         return None, None  # a window in a Llama config is refused by check_hf_fields
     types = cfg.get("layer_types")
-    if hf_type == "smollm3" and types is None:  # without layer_types: the window slides in the NoPE layers
+    # without layer_types: the window slides in the NoPE layers
+    if hf_type == "smollm3" and types is None:
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
         nope = _no_rope_layers(cfg, n_layers)
         types = ["sliding_attention" if window is not None and i in nope else "full_attention" for i in range(n_layers)]
@@ -150,21 +167,26 @@ def _windows(cfg: dict[str, Any], hf_type: str, n_layers: int) -> tuple[int | No
                  for i in range(n_layers)]
     bad = [t for t in types if t not in LAYER_TYPES]
     if bad:
-        raise ConfigError(f"{hf_type} config field layer_types has {bad[0]!r}; supported: {', '.join(LAYER_TYPES)}")
-    if window is None and "sliding_attention" in types:  # transformers' attention paths disagree on this one
-        raise ConfigError(f"{hf_type} config lists sliding_attention layers in layer_types with the window switched "
-                          "off (use_sliding_window / sliding_window); supported: both on, or no sliding layers")
+        raise ConfigError(f"{hf_type} config field layer_types has {bad[0]!r}; supported: "
+                          f"{', '.join(LAYER_TYPES)}")
+    # transformers' attention paths disagree on this one
+    if window is None and "sliding_attention" in types:
+        raise ConfigError(f"{hf_type} config lists sliding_attention layers in layer_types with "
+                          "the window switched off (use_sliding_window / sliding_window); "
+                          "supported: both on, or no sliding layers")
     if window is None:
         return None, None
     return int(window), list(types)
 
 
 def _no_rope_layers(cfg: dict[str, Any], n_layers: int) -> list[int]:
-    """SmolLM3: `no_rope_layers` holds 1 where a layer applies RoPE, 0 where not (default: 0 every 4th)."""
+    """SmolLM3: `no_rope_layers` holds 1 where a layer applies RoPE, 0 where not (default: 0 every
+    4th)."""
     flags = cfg.get("no_rope_layers") or [int((i + 1) % cfg.get("no_rope_layer_interval", 4) != 0)
                                           for i in range(n_layers)]
     if len(flags) != n_layers:
-        raise ConfigError(f"smollm3 config field no_rope_layers has {len(flags)} entries for {n_layers} layers")
+        raise ConfigError(f"smollm3 config field no_rope_layers has {len(flags)} entries for "
+                          f"{n_layers} layers")
     return [i for i, uses_rope in enumerate(flags) if not uses_rope]
 
 
@@ -176,22 +198,26 @@ def _rope(cfg: dict[str, Any], hf_type: str) -> tuple[float, dict[str, Any], flo
     params = dict(cfg.get("rope_parameters") or {})
     local = None
     if hf_type == "gemma3_text":
-        if "full_attention" in params:  # (a base absent from either falls back as transformers' own does)
+        # (a base absent from either falls back as transformers' own does)
+        if "full_attention" in params:
             local, params = dict(params.get("sliding_attention") or {}), dict(params["full_attention"])
             local.setdefault("rope_theta", cfg.get("rope_local_base_freq", 10000.0))
         else:
             local = {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
             params = {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta", 1e6)}
         if local.get("rope_type", "default") != "default":
-            raise ConfigError(f"gemma3_text config field rope_parameters.sliding_attention={local!r} is not supported "
-                              "(scaling of the local layers' RoPE); supported: rope_type 'default'")
+            raise ConfigError("gemma3_text config field "
+                              f"rope_parameters.sliding_attention={local!r} is not supported "
+                              "(scaling of the local layers' RoPE); supported: rope_type "
+                              "'default'")
     scaling = dict(cfg.get("rope_scaling") or params)
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     for key in ("rope_theta", "partial_rotary_factor"):
         scaling.pop(key, None)
     if "type" in scaling and "rope_type" not in scaling:  # the oldest spelling
         scaling["rope_type"] = scaling.pop("type")
-    if hf_type == "phi3" and scaling.get("rope_type") in ("su", "yarn"):  # Phi-3's old names of LongRoPE
+    # Phi-3's old names of LongRoPE
+    if hf_type == "phi3" and scaling.get("rope_type") in ("su", "yarn"):
         scaling["rope_type"] = "longrope"
     if scaling.get("rope_type") == "longrope":
         scaling = _longrope(cfg, scaling)
@@ -203,11 +229,12 @@ def _rope(cfg: dict[str, Any], hf_type: str) -> tuple[float, dict[str, Any], flo
 
 
 def _longrope(cfg: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:
-    """Phi-3's LongRoPE: per-frequency factors, `short_factor` while the sequence fits the pretraining
-    context L₀ (original_max_position_embeddings), `long_factor` past it, and cos, sin × attention_factor
-    (default √(1 + ln s / ln L₀), s = max_position_embeddings / L₀). Past L₀, transformers re-rotates
-    every new token with the long factors while the cached keys keep the short ones, so no one result
-    exists to match there: nanoserve keeps the short factors and the context within L₀."""
+    """Phi-3's LongRoPE: per-frequency factors, `short_factor` while the sequence fits the
+    pretraining context L₀ (original_max_position_embeddings), `long_factor` past it, and cos, sin ×
+    attention_factor (default √(1 + ln s / ln L₀), s = max_position_embeddings / L₀). Past L₀,
+    transformers re-rotates every new token with the long factors while the cached keys keep the
+    short ones, so no one result exists to match there: nanoserve keeps the short factors and the
+    context within L₀."""
     # (Phi-3's code reads the top-level field, whatever rope_scaling says)
     original = int(cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
                    or cfg["max_position_embeddings"])
@@ -221,15 +248,17 @@ def _longrope(cfg: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:
 
 
 def _yarn(cfg: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:
-    """YaRN's defaults made explicit: L₀ (the context it stretches from), the factor, and the attention
-    factor 0.1·ln(s) + 1 (or DeepSeek's mscale / mscale_all_dim ratio) that multiplies cos and sin."""
+    """YaRN's defaults made explicit: L₀ (the context it stretches from), the factor, and the
+    attention factor 0.1·ln(s) + 1 (or DeepSeek's mscale / mscale_all_dim ratio) that multiplies cos
+    and sin."""
     original = int(scaling.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 2048))
     factor = scaling.get("factor") or int(cfg.get("max_position_embeddings", 2048)) / original
     ms = lambda scale, m=1: 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0  # noqa: E731
     attention_factor = scaling.get("attention_factor")
     if attention_factor is None:
         mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
-        attention_factor = ms(factor, mscale) / ms(factor, mscale_all_dim) if mscale and mscale_all_dim else ms(factor)
+        attention_factor = ms(factor, mscale) / ms(factor,
+                                                   mscale_all_dim) if mscale and mscale_all_dim else ms(factor)
     return {**scaling, "factor": float(factor), "original_max_position_embeddings": original,
             "attention_factor": float(attention_factor)}
 
@@ -238,7 +267,8 @@ def _llama_from_hf(cfg: dict[str, Any], hf_type: str) -> ModelConfig:
     n_heads, n_layers = int(_need(cfg, "num_attention_heads")), int(_need(cfg, "num_hidden_layers"))
     rope_theta, scaling, local_theta = _rope(cfg, hf_type)
     gemma = hf_type in GEMMA
-    # Which projections have biases, by the HF code of each type (hf_fields.py lists what each reads).
+    # Which projections have biases, by the HF code of each type (hf_fields.py lists what each
+    # reads).
     attention_bias = bool(cfg.get("attention_bias", False)) and hf_type in ("llama", "qwen3", "qwen3_moe", "smollm3",
                                                                             "olmo2", *GEMMA)
     window, layer_types = _windows(cfg, hf_type, n_layers)
@@ -250,7 +280,8 @@ def _llama_from_hf(cfg: dict[str, Any], hf_type: str) -> ModelConfig:
         n_heads=n_heads,
         n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
         intermediate_size=int(_need(cfg, "intermediate_size")),
-        max_position_embeddings=min(int(cfg.get("max_position_embeddings", 2048)),  # LongRoPE: within L₀
+        # LongRoPE: within L₀
+        max_position_embeddings=min(int(cfg.get("max_position_embeddings", 2048)),
                                     scaling["original_max_position_embeddings"] if scaling.get("rope_type")
                                     == "longrope" else 1 << 62),
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
@@ -267,17 +298,20 @@ def _llama_from_hf(cfg: dict[str, Any], hf_type: str) -> ModelConfig:
         hidden_act=cfg.get("hidden_activation") if gemma else cfg.get("hidden_act", "silu"),
         sliding_window=window,
         layer_types=layer_types,
-        qk_norm="per_head" if hf_type in ("qwen3", "qwen3_moe", "gemma3_text") else "whole" if hf_type == "olmo2"
+        qk_norm="per_head" if hf_type in ("qwen3", "qwen3_moe",
+                                          "gemma3_text") else "whole" if hf_type == "olmo2"
         else None,
         no_rope_layers=_no_rope_layers(cfg, n_layers) if hf_type == "smollm3" else None,
         partial_rotary_factor=float((cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}).get(
-            "partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) if hf_type == "phi3" else 1.0,
+            "partial_rotary_factor",
+            cfg.get("partial_rotary_factor", 1.0))) if hf_type == "phi3" else 1.0,
         block="sandwich" if gemma else "post_norm" if hf_type == "olmo2" else "pre_norm",
         norm_unit_offset=gemma,
         norm_scale_fp32=hf_type == "olmo2",
         embed_scale=gemma,
         attn_scale=float(cfg["query_pre_attn_scalar"]) ** -0.5 if gemma else None,
-        attn_softcap=cfg.get("attn_logit_softcapping") if hf_type == "gemma2" else None,  # Gemma 3 never applies it
+        # Gemma 3 never applies it
+        attn_softcap=cfg.get("attn_logit_softcapping") if hf_type == "gemma2" else None,
         final_softcap=cfg.get("final_logit_softcapping") if gemma else None,
         local_rope_theta=local_theta,
         hf_model_type=hf_type,
@@ -286,13 +320,16 @@ def _llama_from_hf(cfg: dict[str, Any], hf_type: str) -> ModelConfig:
 
 
 def _experts(cfg: dict[str, Any], hf_type: str) -> dict[str, Any]:
-    """The mixture-of-experts fields (moe.py): Mixtral's in every layer, always renormalised; Qwen3-MoE's where
-    decoder_sparse_step and mlp_only_layers say, renormalised only with norm_topk_prob."""
+    """The mixture-of-experts fields (moe.py): Mixtral's in every layer, always renormalised;
+    Qwen3-MoE's where decoder_sparse_step and mlp_only_layers say, renormalised only with
+    norm_topk_prob."""
     if hf_type not in ("mixtral", "qwen3_moe"):
         return {}
     if hf_type == "mixtral":
-        return dict(num_experts=int(cfg["num_local_experts"]), num_experts_per_tok=int(cfg["num_experts_per_tok"]))
-    return dict(num_experts=int(cfg.get("num_experts", cfg.get("num_local_experts", 128))),  # either spelling
+        return dict(num_experts=int(cfg["num_local_experts"]),
+                    num_experts_per_tok=int(cfg["num_experts_per_tok"]))
+    # either spelling
+    return dict(num_experts=int(cfg.get("num_experts", cfg.get("num_local_experts", 128))),
                 num_experts_per_tok=int(cfg["num_experts_per_tok"]),
                 moe_intermediate_size=int(cfg["moe_intermediate_size"]),
                 norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),

@@ -1,4 +1,5 @@
-"""Writing a Hugging Face `config.json` for a `ModelConfig`, so transformers loads what nanoserve saves.
+"""Writing a Hugging Face `config.json` for a `ModelConfig`, so transformers loads what nanoserve
+saves.
 
 The HF model type is the one the config was read from (`ModelConfig.hf_model_type`); a config built
 in code is a Llama (or a Qwen2, for its q/k/v-bias layout) or a GPT-2. Each type spells some fields
@@ -16,11 +17,13 @@ from ..errors import ConfigError
 from .config import ModelConfig
 from .hf_config import GEMMA, SUPPORTED_ARCHITECTURES, config_from_hf
 
-_NOT_MATH = ("dtype", "hf_model_type", "head_dim_override")  # not the math (head_dim is compared instead)
+# not the math (head_dim is compared instead)
+_NOT_MATH = ("dtype", "hf_model_type", "head_dim_override")
 
 
 def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
-    """The HF config.json dictionary for `cfg`; a ConfigError when no config of its type describes it."""
+    """The HF config.json dictionary for `cfg`; a ConfigError when no config of its type describes
+    it."""
     hf_type = cfg.hf_model_type or ("gpt2" if cfg.arch == "gpt2" else "qwen2" if cfg.qkv_bias and not cfg.o_bias
                                     else "llama")
     out = _gpt2(cfg) if hf_type == "gpt2" else _llama_family(cfg, hf_type)
@@ -28,14 +31,17 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
     differ = [k for k, v in asdict(cfg).items() if k not in _NOT_MATH and getattr(again, k) != v]
     differ += ["head_dim"] * (again.head_dim != cfg.head_dim)
     if differ:
-        raise ConfigError(f"no {hf_type} config.json describes this model: {', '.join(differ)} would read back as "
-                          f"{', '.join(repr(getattr(again, k)) for k in differ)}; transformers could not load it")
+        raise ConfigError(f"no {hf_type} config.json describes this model: {', '.join(differ)} "
+                          "would read back as "
+                          f"{', '.join(repr(getattr(again, k)) for k in differ)}; transformers "
+                          "could not load it")
     return out
 
 
 def _common(cfg: ModelConfig) -> dict[str, Any]:
     eos = cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else cfg.eos_token_ids or None
-    # pad_token_id is not kept (it does not change the logits); null, not a class default outside a tiny vocabulary
+    # pad_token_id is not kept (it does not change the logits); null, not a class default outside a
+    # tiny vocabulary
     return dict(vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_word_embeddings,
                 bos_token_id=cfg.bos_token_id, eos_token_id=eos, pad_token_id=None)
 
@@ -64,12 +70,16 @@ def _llama_family(cfg: ModelConfig, hf_type: str) -> dict[str, Any]:
     elif hf_type in ("mistral", "phi3", "mixtral"):
         out["sliding_window"] = cfg.sliding_window
         if hf_type == "phi3":
-            out.update(partial_rotary_factor=cfg.partial_rotary_factor, original_max_position_embeddings=(
-                cfg.rope_scaling or {}).get("original_max_position_embeddings", cfg.max_position_embeddings))
+            out.update(partial_rotary_factor=cfg.partial_rotary_factor,
+                       original_max_position_embeddings=(
+                cfg.rope_scaling or {}).get("original_max_position_embeddings",
+                                            cfg.max_position_embeddings))
     elif hf_type == "qwen3_moe":
-        out.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window)
+        out.update(use_sliding_window=cfg.sliding_window is not None,
+                   sliding_window=cfg.sliding_window)
     elif hf_type in ("qwen2", "qwen3", "smollm3"):
-        out.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
+        out.update(use_sliding_window=cfg.sliding_window is not None,
+                   sliding_window=cfg.sliding_window,
                    layer_types=types)
         if hf_type != "smollm3":
             out["max_window_layers"] = types.index("sliding_attention") if cfg.sliding_window else cfg.n_layers
@@ -79,14 +89,18 @@ def _llama_family(cfg: ModelConfig, hf_type: str) -> dict[str, Any]:
         out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok)
     elif hf_type == "qwen3_moe":
         out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
-                   moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
+                   moe_intermediate_size=cfg.moe_intermediate_size,
+                   norm_topk_prob=cfg.norm_topk_prob,
                    decoder_sparse_step=cfg.moe_every, mlp_only_layers=cfg.mlp_only_layers or [])
     elif hf_type in GEMMA:
-        out.update(hidden_activation=out.pop("hidden_act"), query_pre_attn_scalar=round((cfg.attn_scale or 1) ** -2),
-                   attn_logit_softcapping=cfg.attn_softcap, final_logit_softcapping=cfg.final_softcap,
+        out.update(hidden_activation=out.pop("hidden_act"),
+                   query_pre_attn_scalar=round((cfg.attn_scale or 1) ** -2),
+                   attn_logit_softcapping=cfg.attn_softcap,
+                   final_logit_softcapping=cfg.final_softcap,
                    sliding_window=cfg.sliding_window or 4096, layer_types=types)
         if hf_type == "gemma3_text":
-            full = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": out.pop("rope_theta")}
+            full = {"rope_type": "default", **(cfg.rope_scaling or {}),
+                    "rope_theta": out.pop("rope_theta")}
             out.pop("rope_scaling", None)
             out["rope_parameters"] = {"full_attention": full, "sliding_attention": {
                 "rope_type": "default", "rope_theta": cfg.local_rope_theta or full["rope_theta"]}}

@@ -29,11 +29,12 @@ def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(1.702 * x)
 
 
-# transformers' ACT2FN names (hf_fields.ACTIVATIONS) -> the function. Several names are one function:
-# HF keeps separate spellings for separate implementations of the same math.
+# transformers' ACT2FN names (hf_fields.ACTIVATIONS) -> the function. Several names are one
+# function: HF keeps separate spellings for separate implementations of the same math.
 ACTIVATION_FNS = {
     "gelu": F.gelu, "gelu_python": F.gelu,  # exact: x·Φ(x), Φ the normal CDF (by erf)
-    "gelu_new": gelu_tanh, "gelu_pytorch_tanh": gelu_tanh, "gelu_python_tanh": gelu_tanh, "gelu_fast": gelu_tanh,
+    "gelu_new": gelu_tanh, "gelu_pytorch_tanh": gelu_tanh, "gelu_python_tanh": gelu_tanh,
+    "gelu_fast": gelu_tanh,
     "quick_gelu": quick_gelu,
     "relu": F.relu,
     "silu": F.silu, "swish": F.silu,  # x·σ(x)
@@ -43,11 +44,13 @@ ACTIVATION_FNS = {
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x²) + eps) * w   (Zhang & Sennrich 2019), computed in float32.
 
-    unit_offset (Gemma): y = x / sqrt(mean(x²) + eps) * (1 + w), so w = 0 is the identity scale. With it
-    or scale_fp32 (OLMo 2), the product is taken in float32 before rounding to x's dtype; Llama rounds
-    first, then scales (the same in float32; in bf16 about a quarter of the values differ by an ulp)."""
+    unit_offset (Gemma): y = x / sqrt(mean(x²) + eps) * (1 + w), so w = 0 is the identity scale.
+    With it or scale_fp32 (OLMo 2), the product is taken in float32 before rounding to x's dtype;
+    Llama rounds first, then scales (the same in float32; in bf16 about a quarter of the values
+    differ by an ulp)."""
 
-    def __init__(self, dim: int, eps: float = 1e-6, unit_offset: bool = False, scale_fp32: bool = False):
+    def __init__(self, dim: int, eps: float = 1e-6, unit_offset: bool = False,
+                 scale_fp32: bool = False):
         super().__init__()
         self.eps, self.unit_offset, self.scale_fp32 = eps, unit_offset, scale_fp32 or unit_offset
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
@@ -63,10 +66,11 @@ class RMSNorm(nn.Module):
 
 # ----------------------------------------------------------------------------- RoPE
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """θ_i = base^(-2i/d) for i < d/2 (Su et al. 2021), with the config's scaling applied. d is the rotated
-    part of a head (cfg.rotary_dim: all of it but in Phi-4-mini's partial RoPE)."""
+    """θ_i = base^(-2i/d) for i < d/2 (Su et al. 2021), with the config's scaling applied. d is the
+    rotated part of a head (cfg.rotary_dim: all of it but in Phi-4-mini's partial RoPE)."""
     d = cfg.rotary_dim
-    # Built on the CPU explicitly, so a model constructed on the "meta" device still gets real values.
+    # Built on the CPU explicitly, so a model constructed on the "meta" device still gets real
+    # values.
     exps = torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d
     inv_freq = 1.0 / (cfg.rope_theta ** exps)  # D/2
     scaling = cfg.rope_scaling or {}
@@ -75,16 +79,20 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         inv_freq = inv_freq / scaling["factor"]
     elif kind == "llama3":
         inv_freq = llama3_rope_inv_freq(inv_freq, scaling)
-    elif kind == "longrope":  # Phi-3: a factor per frequency (the short ones: the context stays in the original)
-        inv_freq = inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float32, device="cpu")
+    # Phi-3: a factor per frequency (the short ones: the context stays in the original)
+    elif kind == "longrope":
+        inv_freq = inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float32,
+                                           device="cpu")
     elif kind == "yarn":
         inv_freq = yarn_rope_inv_freq(cfg.rope_theta, d, scaling)
-    # "dynamic" (NTK) changes the base only past max_position_embeddings, which nanoserve never reaches
+    # "dynamic" (NTK) changes the base only past max_position_embeddings, which nanoserve never
+    # reaches
     return inv_freq
 
 
 def rope_attention_factor(cfg: ModelConfig) -> float:
-    """What cos and sin are multiplied by: LongRoPE's and YaRN's attention factor (read with the config); else 1."""
+    """What cos and sin are multiplied by: LongRoPE's and YaRN's attention factor (read with the
+    config); else 1."""
     return (cfg.rope_scaling or {}).get("attention_factor", 1.0)
 
 
@@ -115,8 +123,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 # ----------------------------------------------------------------------------- attention
 def causal_mask(q_positions: torch.Tensor, kv_len: int, window: int | None = None) -> torch.Tensor:
-    """Boolean mask [B, 1, T, S]: query at absolute position p sees keys at positions 0..p, or with a
-    sliding window w only the w newest of them, p − w + 1 .. p (Mistral; HF's `kv_idx > q_idx − w`)."""
+    """Boolean mask [B, 1, T, S]: query at absolute position p sees keys at positions 0..p, or with
+    a sliding window w only the w newest of them, p − w + 1 .. p (Mistral; HF's `kv_idx > q_idx −
+    w`)."""
     k_positions = torch.arange(kv_len, device=q_positions.device)[None, None, :]  # 1, 1, S
     p = q_positions[:, :, None]  # B, T, 1
     visible = k_positions <= p
@@ -136,7 +145,8 @@ def naive_attention(q, k, v, q_positions=None, window: int | None = None):
     return reference_attention(q, k, v, q_positions, window)
 
 
-def reference_attention(q, k, v, q_positions=None, window: int | None = None, scale: float | None = None,
+def reference_attention(q, k, v, q_positions=None, window: int | None = None,
+                        scale: float | None = None,
                         softcap: float | None = None, mask: torch.Tensor | None = None):
     """`naive_attention` with every option the model families use, written out in float32:
     `scale` multiplies the scores instead of 1/√D; `softcap` c maps them to c·tanh(scores / c)
@@ -178,6 +188,8 @@ def attention(q, k, v, q_positions=None, window: int | None = None, scale: float
     else:
         if q_positions is None:
             q_positions = torch.arange(q.shape[2], device=q.device).expand(q.shape[0], -1)  # B, T
-        visible = causal_mask(q_positions, k.shape[2], window) if mask is None else mask[:, None]  # B, 1, T, S
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=gqa)
+        # B, 1, T, S
+        visible = causal_mask(q_positions, k.shape[2], window) if mask is None else mask[:, None]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale,
+                                             enable_gqa=gqa)
     return out.transpose(1, 2)  # B, T, H, D

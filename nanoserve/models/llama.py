@@ -6,7 +6,8 @@ shrinks the KV cache by that factor), a SwiGLU MLP, and a tied or untied LM head
 follow the HF checkpoints so weights load by name. What the other families change is a config
 field each (hf_config.py): Qwen2's q/k/v biases; Mistral's and Qwen2/3's sliding window (a layer
 attends to its `window` newest keys only: `cfg.layer_window`); Qwen3's RMSNorm over each head of
-q and k before RoPE (`qk_norm`), which keeps attention logits from growing. Taught in notebooks/01_*.
+q and k before RoPE (`qk_norm`), which keeps attention logits from growing. Taught in
+notebooks/01_*.
 """
 
 from __future__ import annotations
@@ -35,16 +36,21 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        d, q_dim, kv_dim = cfg.hidden_size, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        d = cfg.hidden_size
+        q_dim = cfg.n_heads * cfg.head_dim
+        kv_dim = cfg.n_kv_heads * cfg.head_dim
         self.q_proj = nn.Linear(d, q_dim, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(d, kv_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(d, kv_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q_dim, d, bias=cfg.o_bias)
         self.window = cfg.layer_window(layer_idx)  # None: the whole context
-        self.scale, self.softcap = cfg.attn_scale, cfg.attn_softcap  # None, None: scores · 1/√D, uncapped
+        # None, None: scores · 1/√D, uncapped
+        self.scale, self.softcap = cfg.attn_scale, cfg.attn_softcap
         self.qk_norm = cfg.qk_norm
-        if cfg.qk_norm:  # per head: one head_dim weight shared by every head; whole: one weight per q/k channel
-            q_width, k_width = (cfg.head_dim, cfg.head_dim) if cfg.qk_norm == "per_head" else (q_dim, kv_dim)
+        # per head: one head_dim weight shared by every head; whole: one weight per q/k channel
+        if cfg.qk_norm:
+            q_width, k_width = (cfg.head_dim,
+                                cfg.head_dim) if cfg.qk_norm == "per_head" else (q_dim, kv_dim)
             self.q_norm = RMSNorm(q_width, cfg.norm_eps, cfg.norm_unit_offset, cfg.norm_scale_fp32)
             self.k_norm = RMSNorm(k_width, cfg.norm_eps, cfg.norm_unit_offset, cfg.norm_scale_fp32)
 
@@ -63,13 +69,15 @@ class LlamaAttention(nn.Module):
         how = dict(window=self.window, scale=self.scale, softcap=self.softcap)
         if cache is None:  # the T tokens attend causally among themselves
             y = attention(q, k, v, **how)  # B, T, H, D
-        else:  # the cache stores k, v and attends over what is cached (its backend: torch or Triton)
+        # the cache stores k, v and attends over what is cached (its backend: torch or Triton)
+        else:
             y = cache.attention(self.layer_idx, q, k, v, positions, **how)  # B, T, H, D
         return self.o_proj(y.reshape(B, T, -1))
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU (Shazeer 2020): down(silu(gate(x)) * up(x)); the config may name another activation."""
+    """SwiGLU (Shazeer 2020): down(silu(gate(x)) * up(x)); the config may name another
+    activation."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -160,13 +168,16 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         layer_class = DECODER_LAYERS[cfg.block]
         self.layers = nn.ModuleList(layer_class(cfg, i) for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_unit_offset, cfg.norm_scale_fp32)
-        self.embed_scale = cfg.hidden_size ** 0.5 if cfg.embed_scale else None  # Gemma: embeddings × √d
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_unit_offset,
+                            cfg.norm_scale_fp32)
+        # Gemma: embeddings × √d
+        self.embed_scale = cfg.hidden_size ** 0.5 if cfg.embed_scale else None
         # Kept in float32 whatever the model dtype (not buffers, so .to(bf16) cannot round them).
         self.inv_freq = {"global": rope_inv_freq(cfg)}  # D/2 each
         self.attention_factor = rope_attention_factor(cfg)
         if cfg.local_rope_theta:  # Gemma 3's sliding layers: their own base, no scaling
-            self.inv_freq["local"] = rope_inv_freq(replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=None))
+            local = replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=None)
+            self.inv_freq["local"] = rope_inv_freq(local)
 
     def embed(self, input_ids, positions):
         x = self.embed_tokens(input_ids)  # B, T, C
@@ -178,11 +189,14 @@ class LlamaModel(nn.Module):
         return self.norm(self.blocks(self.embed(input_ids, positions), positions, cache))
 
     def blocks(self, x, positions, cache):
-        """The layers this module holds (all of them; a pipeline stage's share: parallel/pipeline.py)."""
+        """The layers this module holds (all of them; a pipeline stage's share:
+        parallel/pipeline.py)."""
         if self.inv_freq["global"].device != x.device:
             self.inv_freq = {k: f.to(x.device) for k, f in self.inv_freq.items()}
-        rope = {k: rope_cos_sin(f, positions, x.dtype) for k, f in self.inv_freq.items()}  # once for all layers
-        if self.attention_factor != 1.0:  # LongRoPE / YaRN scale cos and sin (so every q·k by its square); not
+        # once for all layers
+        rope = {k: rope_cos_sin(f, positions, x.dtype) for k, f in self.inv_freq.items()}
+        # LongRoPE / YaRN scale cos and sin (so every q·k by its square); not
+        if self.attention_factor != 1.0:
             cos, sin = rope["global"]  # Gemma 3's local RoPE, which has no scaling of its own
             rope["global"] = (cos * self.attention_factor, sin * self.attention_factor)
         rope["none"] = (None, None)
@@ -200,7 +214,8 @@ class LlamaForCausalLM(CausalLM):
         self.tie_weights()
 
     def tie_weights(self):
-        """Share the token embedding with the LM head when the config says so (again after .to_empty())."""
+        """Share the token embedding with the LM head when the config says so (again after
+        .to_empty())."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

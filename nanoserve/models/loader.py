@@ -33,7 +33,8 @@ from .llama2c import read_llama2c
 from .moe import MIXTRAL_NAMES, rename
 
 ASSETS = Path(__file__).parents[1] / "assets"
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+          "fp16": torch.float16,
           "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 # GPT-2 projections that OpenAI stored as Conv1D, i.e. weight [in, out].
 _CONV1D = re.compile(r"\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")
@@ -66,7 +67,8 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         return torch.bfloat16 if _cuda_has_bf16(device) else torch.float16
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
-            raise NanoserveError(f"unsupported dtype {dtype}; supported: float32, float16, bfloat16")
+            raise NanoserveError(f"unsupported dtype {dtype}; supported: float32, float16, "
+                                 "bfloat16")
         resolved = dtype
     elif dtype not in DTYPES:
         raise NanoserveError(f"unknown dtype {dtype!r}; supported: {sorted(DTYPES)}")
@@ -74,8 +76,8 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         resolved = DTYPES[dtype]
     if resolved == torch.bfloat16 and device.type == "cuda" and not _cuda_has_bf16(device):
         name = torch.cuda.get_device_name(device)
-        raise NanoserveError(f"dtype bfloat16 is not supported natively by {name} (compute capability below 8.0); "
-                             "use float16 or float32")
+        raise NanoserveError(f"dtype bfloat16 is not supported natively by {name} (compute "
+                             "capability below 8.0); use float16 or float32")
     return resolved
 
 
@@ -96,8 +98,8 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
         return _download_from_hub(name)
     shipped = sorted(p.name for p in ASSETS.glob("*") if (p / "config.json").is_file())
     raise CheckpointError(
-        f"model {name!r} not found: not a local path, a shipped model ({', '.join(shipped) or 'none'}) "
-        "or a hub id of the form 'org/name'")
+        f"model {name!r} not found: not a local path, a shipped model "
+        f"({', '.join(shipped) or 'none'}) or a hub id of the form 'org/name'")
 
 
 def _download_from_hub(repo_id: str) -> Path:
@@ -111,7 +113,9 @@ def _download_from_hub(repo_id: str) -> Path:
     os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "10")
     try:
         local = huggingface_hub.snapshot_download(
-            repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "vocab.bpe"])
+            repo_id,
+            allow_patterns=["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken",
+                            "vocab.bpe"])
     except Exception as e:  # offline, unknown repo, gated model: all end the same way for the user
         raise CheckpointError(
             f"could not download {repo_id!r} from the Hugging Face hub ({type(e).__name__}); "
@@ -125,8 +129,10 @@ def load_model(name_or_path, dtype=None, device=None):
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     path = resolve_model_path(name_or_path)
-    if path.is_file() and path.name.startswith("pytorch_model") and (path.parent / "config.json").is_file():
-        raise CheckpointError(f"{path} is one file of an HF checkpoint; pass its directory {path.parent}")
+    one_shard = path.is_file() and path.name.startswith("pytorch_model")
+    if one_shard and (path.parent / "config.json").is_file():
+        raise CheckpointError(f"{path} is one file of an HF checkpoint; pass its directory "
+                              f"{path.parent}")
     if path.is_file() and path.suffix == ".bin":
         cfg, tensors = read_llama2c(path)
         tok_dir, quantization = path.parent, None
@@ -137,10 +143,11 @@ def load_model(name_or_path, dtype=None, device=None):
         tok_dir = path
     else:
         raise CheckpointError(
-            f"{path} is not a checkpoint: expected a directory with config.json + model.safetensors "
-            "(or pytorch_model.bin), or a llama2.c .bin file")
+            f"{path} is not a checkpoint: expected a directory with config.json + "
+            "model.safetensors (or pytorch_model.bin), or a llama2.c .bin file")
     model = build_from_tensors(cfg, tensors, torch_dtype, dev, quantization)
-    # No tokenizer beside the weights is allowed (vLLM's skip_tokenizer_init): prompts are then token ids.
+    # No tokenizer beside the weights is allowed (vLLM's skip_tokenizer_init): prompts are then
+    # token ids.
     tokenizer = load_tokenizer(tok_dir) if has_tokenizer(tok_dir) else None
     check_vocabulary(cfg, tokenizer, tok_dir)
     return model, cfg, tokenizer
@@ -154,13 +161,14 @@ def check_vocabulary(cfg: ModelConfig, tokenizer, where: Path) -> None:
         return
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ConfigError(
-            f"the tokenizer in {where} has {tokenizer.vocab_size} token ids but the model's vocab_size is "
-            f"{cfg.vocab_size}: ids {cfg.vocab_size}..{tokenizer.vocab_size - 1} have no embedding; "
-            "is this the model's own tokenizer?")
+            f"the tokenizer in {where} has {tokenizer.vocab_size} token ids but the model's "
+            f"vocab_size is {cfg.vocab_size}: ids {cfg.vocab_size}..{tokenizer.vocab_size - 1} "
+            "have no embedding; is this the model's own tokenizer?")
     for name in ("bos_id", "eos_id"):
         value = getattr(tokenizer, name)
         if value is not None and value >= cfg.vocab_size:
-            raise ConfigError(f"the tokenizer's {name}={value} is outside the model's vocab_size={cfg.vocab_size}")
+            raise ConfigError(f"the tokenizer's {name}={value} is outside the model's "
+                              f"vocab_size={cfg.vocab_size}")
 
 
 def read_hf_config(path: Path) -> ModelConfig:
@@ -172,8 +180,10 @@ def read_hf_config(path: Path) -> ModelConfig:
 
 
 def read_weights_dir(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a (possibly sharded) checkpoint, by name: safetensors when there, else pytorch_model.bin."""
-    for stem, read in (("model.safetensors", _read_safetensors), ("pytorch_model.bin", _read_torch_bin)):
+    """All tensors of a (possibly sharded) checkpoint, by name: safetensors when there, else
+    pytorch_model.bin."""
+    for stem, read in (("model.safetensors", _read_safetensors),
+                       ("pytorch_model.bin", _read_torch_bin)):
         index = path / f"{stem}.index.json"
         if index.is_file():
             try:
@@ -207,15 +217,18 @@ def _read_torch_bin(file: Path) -> dict[str, torch.Tensor]:
     # and plain containers only, which is all a state dict holds.
     try:
         state = torch.load(file, weights_only=True, map_location="cpu")
-    except Exception as e:  # truncated zip, not a torch file, or a pickle that holds more than weights
-        raise CheckpointError(f"{file} cannot be read as a state dict with torch.load(weights_only=True): "
-                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    # truncated zip, not a torch file, or a pickle that holds more than weights
+    except Exception as e:
+        raise CheckpointError(f"{file} cannot be read as a state dict with "
+                              f"torch.load(weights_only=True): {type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}") from e
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(f"{file} holds a {type(state).__name__}, not a state dict of tensors")
     return state
 
 
-def normalize_hf_names(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def normalize_hf_names(cfg: ModelConfig,
+                       tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Map checkpoint names/layouts onto our module names ([out, in] Linear weights)."""
     out = {}
     for key, t in tensors.items():
@@ -227,7 +240,8 @@ def normalize_hf_names(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> di
             if _CONV1D.search(key) and t.ndim == 2:
                 t = t.t()
         if cfg.hf_model_type == "mixtral":
-            key = rename(key, MIXTRAL_NAMES)  # block_sparse_moe.experts.i.w1 -> mlp.experts.i.gate_proj, ...
+            # block_sparse_moe.experts.i.w1 -> mlp.experts.i.gate_proj, ...
+            key = rename(key, MIXTRAL_NAMES)
         out[key] = t
     return split_fused(cfg, out) if cfg.hf_model_type == "phi3" else out
 
@@ -249,11 +263,13 @@ def build_from_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype
         layers = quant.quantized_layers(tensors, quantization)
         quant.install_quant_linears(model, layers, dtype, device)
         quantized = set(layers)
-    expected = {k: v for k, v in model.state_dict().items() if k.rpartition(".")[0] not in quantized}
+    expected = {k: v for k,
+                v in model.state_dict().items() if k.rpartition(".")[0] not in quantized}
     tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     missing = [k for k in expected if k not in tensors and k not in tied]
     if missing:
-        raise CheckpointError(f"checkpoint is missing tensor {missing[0]!r} ({len(missing)} missing in all)")
+        raise CheckpointError(f"checkpoint is missing tensor {missing[0]!r} ({len(missing)} "
+                              "missing in all)")
     with torch.no_grad():
         for key, param in expected.items():
             if key in tied and key not in tensors:
@@ -261,7 +277,8 @@ def build_from_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype
             src = tensors[key]
             if tuple(src.shape) != tuple(param.shape):
                 raise CheckpointError(
-                    f"tensor {key!r} has shape {tuple(src.shape)}, expected {tuple(param.shape)} from config.json")
+                    f"tensor {key!r} has shape {tuple(src.shape)}, expected {tuple(param.shape)} "
+                    "from config.json")
             param.copy_(src.to(device=device, dtype=dtype))
     return model.eval()
 
@@ -281,7 +298,8 @@ def save_checkpoint(model: CausalLM, directory: str | os.PathLike,
     replaced = replaced or {}
     state = {}
     for key, t in model.state_dict().items():
-        if (key == "lm_head.weight" and cfg.tie_word_embeddings) or key.rpartition(".")[0] in replaced:
+        tied = key == "lm_head.weight" and cfg.tie_word_embeddings
+        if tied or key.rpartition(".")[0] in replaced:
             continue
         if cfg.arch == "gpt2" and _CONV1D.search(key):
             t = t.t()

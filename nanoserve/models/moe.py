@@ -22,7 +22,8 @@ from .config import ModelConfig
 
 
 class Expert(nn.Module):
-    """One expert: a gated MLP, down(act(gate(x)) · up(x)) (Mixtral's checkpoints name them w1, w3, w2)."""
+    """One expert: a gated MLP, down(act(gate(x)) · up(x)) (Mixtral's checkpoints name them w1, w3,
+    w2)."""
 
     def __init__(self, cfg: ModelConfig, act):
         super().__init__()
@@ -57,7 +58,8 @@ class SparseMoeBlock(nn.Module):
         weights, experts = self.route(x)  # N, k
         out = torch.zeros_like(x)  # N, C
         for e in experts.unique().tolist():  # only the experts some token chose
-            tokens, slot = (experts == e).nonzero(as_tuple=True)  # n_e each: which tokens, which of their k
+            # n_e each: which tokens, which of their k
+            tokens, slot = (experts == e).nonzero(as_tuple=True)
             y = self.experts[e](x.index_select(0, tokens)) * weights[tokens, slot, None]  # n_e, C
             out.index_add_(0, tokens, y)
         return out.view(shape)
@@ -67,21 +69,25 @@ def moe_reference(block: SparseMoeBlock, x: torch.Tensor) -> torch.Tensor:
     """The same sum token by token: for each token, its k experts, each weighted. x [..., C]."""
     flat = x.reshape(-1, x.shape[-1])
     weights, experts = block.route(flat)
-    out = torch.stack([sum(w * block.experts[int(e)](t[None])[0] for w, e in zip(weights[i], experts[i]))
+    out = torch.stack([sum(w * block.experts[int(e)](t[None])[0] for w,
+                           e in zip(weights[i], experts[i]))
                        for i, t in enumerate(flat)])
     return out.view(x.shape)
 
 
 def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
-    """Whether `layer` has experts: Qwen3-MoE may keep dense MLPs in `mlp_only_layers` and between sparse steps."""
+    """Whether `layer` has experts: Qwen3-MoE may keep dense MLPs in `mlp_only_layers` and between
+    sparse steps."""
     return cfg.num_experts > 0 and layer not in (cfg.mlp_only_layers or []) and (layer + 1) % cfg.moe_every == 0
 
 
-MIXTRAL_NAMES = {"block_sparse_moe.": "mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
+MIXTRAL_NAMES = {"block_sparse_moe.": "mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.",
+                 ".w2.": ".down_proj."}
 
 
 def rename(key: str, table: dict[str, str], reverse: bool = False) -> str:
-    """A checkpoint name in nanoserve's spelling (or back, with reverse): Mixtral's w1/w3/w2 experts."""
+    """A checkpoint name in nanoserve's spelling (or back, with reverse): Mixtral's w1/w3/w2
+    experts."""
     for theirs, ours in table.items():
         key = key.replace(ours, theirs) if reverse else key.replace(theirs, ours)
     return key

@@ -22,11 +22,11 @@ and 1 does not help. The cost: a second copy of every linear's weight (the plain
 for the state dict, tied embeddings, LoRA merges and quantization). The copy is remade when the
 weight changes in place (keyed by its storage and autograd version counter, which copy_ bumps).
 
-GELU as a post-op. `forward_gelu` asks oneDNN for act(x @ Wᵀ + b) in one call: the GELU is applied to
-each output as the GEMM writes it, instead of a second pass over the [rows, 4C] activations. GPT-2's
-up-projection with its GELU costs 23–29 % less at ≥ 16 rows (float32; benchmarks/RESULTS.md, "Fourth
-step"); the difference from F.gelu after F.linear is ~2e-7. Float32 only: in bfloat16 the fused GELU acts
-on the float32 sum before rounding, where HF rounds first (~1e-2 apart).
+GELU as a post-op. `forward_gelu` asks oneDNN for act(x @ Wᵀ + b) in one call: the GELU is applied
+to each output as the GEMM writes it, instead of a second pass over the [rows, 4C] activations.
+GPT-2's up-projection with its GELU costs 23–29 % less at ≥ 16 rows (float32; benchmarks/RESULTS.md,
+"Fourth step"); the difference from F.gelu after F.linear is ~2e-7. Float32 only: in bfloat16 the
+fused GELU acts on the float32 sum before rounding, where HF rounds first (~1e-2 apart).
 
 A few rows: MKL, on Intel processors. A decode step with one sequence multiplies one row by each
 weight. On an Intel Xeon, oneDNN's fixed cost per call and its reading speed on small weights lose
@@ -76,14 +76,17 @@ def cpu_vendor() -> str:
 
 
 def gemv_max_rows(vendor: str) -> int:
-    """How many rows go to MKL's GEMV (F.linear), not oneDNN, on this vendor's processors (above)."""
+    """How many rows go to MKL's GEMV (F.linear), not oneDNN, on this vendor's processors
+    (above)."""
     return 3 if vendor == "GenuineIntel" else 0
 
 
 GEMV_MAX_BYTES = 32 << 20  # a float32 weight under 32 MB ...
 GEMV_MAX_ROWS = gemv_max_rows(cpu_vendor())  # ... with up to this many rows: MKL (see above)
-GELU_POST_OPS = {"gelu": "none", "gelu_python": "none",  # HF's activation name -> oneDNN's GELU algorithm
-                 "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_python_tanh": "tanh", "gelu_fast": "tanh"}
+# HF's activation name -> oneDNN's GELU algorithm
+GELU_POST_OPS = {"gelu": "none", "gelu_python": "none",
+                 "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_python_tanh": "tanh",
+                 "gelu_fast": "tanh"}
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -112,18 +115,21 @@ class OneDNNLinear(nn.Linear):
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = layer.in_features, layer.out_features
-        new.weight, new.bias = layer.weight, layer.bias  # the same Parameters: tied weights stay tied
+        # the same Parameters: tied weights stay tied
+        new.weight, new.bias = layer.weight, layer.bias
         new._packed, new._packed_key = None, None
         return new
 
     def gemv(self, x: torch.Tensor) -> bool:
-        """Whether x holds so few rows that MKL (F.linear) computes them faster than oneDNN (see above)."""
+        """Whether x holds so few rows that MKL (F.linear) computes them faster than oneDNN (see
+        above)."""
         w = self.weight
         return (x.numel() <= GEMV_MAX_ROWS * self.in_features and w.dtype == torch.float32
                 and w.numel() * 4 < GEMV_MAX_BYTES)
 
     def packed_weight(self) -> torch.Tensor:
-        """The weight in oneDNN's blocked layout (an opaque mkldnn tensor), remade when it changed."""
+        """The weight in oneDNN's blocked layout (an opaque mkldnn tensor), remade when it
+        changed."""
         w = self.weight
         key = (w.data_ptr(), w._version, w.dtype)
         if self._packed_key != key:
@@ -140,12 +146,13 @@ class OneDNNLinear(nn.Linear):
         return onednn_linear(x, self.packed_weight(), self.bias)
 
     def fuses_gelu(self, hidden_act: str) -> bool:
-        """Whether `forward_gelu` can stand for ACTIVATION_FNS[hidden_act](self(x)) (float32, a GELU)."""
+        """Whether `forward_gelu` can stand for ACTIVATION_FNS[hidden_act](self(x)) (float32, a
+        GELU)."""
         return hidden_act in GELU_POST_OPS and self.weight.dtype == torch.float32
 
     def forward_gelu(self, x: torch.Tensor, hidden_act: str) -> torch.Tensor:
-        """GELU(x @ Wᵀ + b) in one oneDNN call (a post-op; see above; a few rows: F.linear, then F.gelu). Only where
-        `fuses_gelu`."""
+        """GELU(x @ Wᵀ + b) in one oneDNN call (a post-op; see above; a few rows: F.linear, then
+        F.gelu). Only where `fuses_gelu`."""
         approximate = GELU_POST_OPS[hidden_act]
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             return F.gelu(F.linear(x, self.weight, self.bias), approximate=approximate)
@@ -177,7 +184,8 @@ def onednn_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
 
 def use_onednn_linears(model: nn.Module) -> str | None:
     """Swap every plain nn.Linear of `model` (not subclasses such as quantized layers) for a
-    OneDNNLinear over the same parameters. Returns None when done, else why not (nothing changed)."""
+    OneDNNLinear over the same parameters. Returns None when done, else why not (nothing
+    changed)."""
     p = next(model.parameters())
     why = onednn_unavailable(p.device, p.dtype)
     if why is not None:

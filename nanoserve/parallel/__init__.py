@@ -1,4 +1,5 @@
-"""Beyond one device: tensor and pipeline parallelism on torch.distributed (gloo on CPU, NCCL on CUDA).
+"""Beyond one device: tensor and pipeline parallelism on torch.distributed (gloo on CPU, NCCL on
+CUDA).
 
     config.py            ParallelConfig: tensor_parallel_size, pipeline_parallel_size (one kind at a time)
     tensor_parallel.py   column- and row-parallel linears, the vocabulary split, shard_model
@@ -15,13 +16,14 @@ split engine (refused by name). Several nodes: launch every rank with torchrun (
 """
 
 from .tensor_parallel import (
-                              ColumnParallelLinear,
-                              ParallelLMHead,
-                              RowParallelLinear,
-                              VocabParallelEmbedding,
-                              shard_model,
-                              tp_unsupported,
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    shard_model,
+    tp_unsupported,
 )
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ParallelLMHead", "shard_model",
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ParallelLMHead",
+           "shard_model",
            "tp_unsupported"]

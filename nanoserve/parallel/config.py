@@ -6,8 +6,8 @@ names), and where a rank learns its place: torchrun's environment.
     pipeline_parallel_size=N   the stack of blocks split into N stages (parallel/pipeline.py); each rank holds
                                its stage's blocks and their KV layers, activations pass from stage to stage
 
-One kind of split at a time: both > 1 (vLLM's TP × PP grid) is refused by name, as is what the split engine
-does not run yet (speculative decoding, LoRA adapters).
+One kind of split at a time: both > 1 (vLLM's TP × PP grid) is refused by name, as is what the split
+engine does not run yet (speculative decoding, LoRA adapters).
 """
 
 from __future__ import annotations
@@ -30,11 +30,12 @@ def pin_rank_device(parallel: ParallelConfig) -> None:
 
 
 def torchrun_rank(parallel: ParallelConfig) -> int | None:
-    """This process's rank when torchrun (or any launcher setting RANK and WORLD_SIZE) started the ranks; None
-    when it did not (the engine then spawns its workers). A launch of another size is refused by name."""
+    """This process's rank when torchrun (or any launcher setting RANK and WORLD_SIZE) started the
+    ranks; None when it did not (the engine then spawns its workers). A launch of another size is
+    refused by name."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return None
     if int(os.environ["WORLD_SIZE"]) != parallel.world_size:
-        raise NanoserveError(f"{parallel.size_name} but the launcher started WORLD_SIZE={os.environ['WORLD_SIZE']} "
-                             "processes; they must be equal")
+        raise NanoserveError(f"{parallel.size_name} but the launcher started "
+                             f"WORLD_SIZE={os.environ['WORLD_SIZE']} processes; they must be equal")
     return int(os.environ["RANK"])

@@ -1,13 +1,15 @@
-"""Running a sharded model on N processes of this machine, with gloo (CPU) — what the tests and the notebook do.
+"""Running a sharded model on N processes of this machine, with gloo (CPU) — what the tests and the
+notebook do.
 
     tp_forward(path, ids, world_size)          logits [T, V] of one forward of `ids`, the model split N ways
     tp_greedy(path, ids, n, world_size)        n greedy tokens, each from a full forward (no KV cache)
     spawn_ranks(fn, world_size, *args)         fn(rank, world_size, *args) on each rank of a fresh gloo group
 
-Each spawns `world_size` processes (torch.multiprocessing), which join one gloo process group over a local
-TCP port, load the checkpoint, keep their share (tensor_parallel.shard_model) and run the same forward; rank 0
-writes the result to a file the caller reads. One torch thread per process: the ranks share the cores.
-The engine's own workers (a scheduler on rank 0, the others following its steps) are workers.py's.
+Each spawns `world_size` processes (torch.multiprocessing), which join one gloo process group over a
+local TCP port, load the checkpoint, keep their share (tensor_parallel.shard_model) and run the same
+forward; rank 0 writes the result to a file the caller reads. One torch thread per process: the
+ranks share the cores. The engine's own workers (a scheduler on rank 0, the others following its
+steps) are workers.py's.
 """
 
 from __future__ import annotations
@@ -31,17 +33,21 @@ def free_port() -> int:
 
 
 def spawn_ranks(fn, world_size: int, *args, threads: int = 1) -> None:
-    """Run fn(rank, world_size, *args) in `world_size` new processes joined in one gloo process group; return
-    when every rank has finished (torch.multiprocessing raises if one raised or died). `fn` must be a
-    module-level function (it is pickled by name); it reports back through files, as the callers here do."""
+    """Run fn(rank, world_size, *args) in `world_size` new processes joined in one gloo process
+    group; return when every rank has finished (torch.multiprocessing raises if one raised or died).
+    `fn` must be a module-level function (it is pickled by name); it reports back through files, as
+    the callers here do."""
     mp.spawn(_rank_main, args=(fn, world_size, free_port(), threads, args), nprocs=world_size, join=True)
 
 
 def _rank_main(rank: int, fn, world_size: int, port: int, threads: int, args: tuple) -> None:
-    """One rank's life: join the group, run `fn`, wait for the others, leave the group, end the process."""
+    """One rank's life: join the group, run `fn`, wait for the others, leave the group, end the
+    process."""
     torch.set_num_threads(threads)  # the ranks share the machine's cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=120))  # a rank left waiting on a dead one fails, not hangs
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size,
+                            # a rank left waiting on a dead one fails, not hangs
+                            timeout=timedelta(seconds=120))
     try:
         fn(rank, world_size, *args)
         dist.barrier()  # nobody tears the group down while another rank still talks to it
@@ -53,18 +59,20 @@ def _rank_main(rank: int, fn, world_size: int, port: int, threads: int, args: tu
 def exit_without_finalizing() -> None:
     """End a finished rank's process here, skipping the interpreter's shutdown.
 
-    A gloo worker thread can still be dropping its last collective's work object when the rank returns; the
-    work holds tensors, freeing one takes the GIL, and a thread that asks for the GIL while Python finalizes
-    is stopped by force, which in C++ ends in std::terminate: the rank dies by SIGABRT after its job is done
-    (CI saw it; here, 3 runs in 19 of a loop on a busy 2-core machine; the C++ stack is in issue 27's note).
-    Everything is written and the group destroyed by now, so skipping the shutdown loses nothing. Only the
-    success path leaves this way: a rank that raised exits through torch's error report."""
+    A gloo worker thread can still be dropping its last collective's work object when the rank
+    returns; the work holds tensors, freeing one takes the GIL, and a thread that asks for the GIL
+    while Python finalizes is stopped by force, which in C++ ends in std::terminate: the rank dies
+    by SIGABRT after its job is done (CI saw it; here, 3 runs in 19 of a loop on a busy 2-core
+    machine; the C++ stack is in issue 27's note). Everything is written and the group destroyed by
+    now, so skipping the shutdown loses nothing. Only the success path leaves this way: a rank that
+    raised exits through torch's error report."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
 
 
-def _forward_rank(rank: int, world_size: int, path: str, ids: list[int], steps: int, out: str, shard) -> None:
+def _forward_rank(rank: int, world_size: int, path: str, ids: list[int], steps: int, out: str,
+                  shard) -> None:
     from ..models.loader import load_model
     from .tensor_parallel import shard_model
 
@@ -87,8 +95,9 @@ def _run(path, ids, steps: int, world_size: int, shard) -> dict:
 
 
 def tp_forward(path, ids: list[int], world_size: int, shard=None) -> torch.Tensor:
-    """Logits [T, V] (float32) of `ids` with the model split over `world_size` gloo processes; `shard(model, rank,
-    world_size)`: how each rank takes its share (default tensor_parallel.shard_model; a module-level function)."""
+    """Logits [T, V] (float32) of `ids` with the model split over `world_size` gloo processes;
+    `shard(model, rank, world_size)`: how each rank takes its share (default
+    tensor_parallel.shard_model; a module-level function)."""
     return _run(path, ids, 0, world_size, shard)["logits"]
 
 

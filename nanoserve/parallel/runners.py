@@ -1,4 +1,5 @@
-"""Each rank's share of the model and its model runner, and rank 0's runner that sends every step first.
+"""Each rank's share of the model and its model runner, and rank 0's runner that sends every step
+first.
 
     split_for_rank(net, parallel, rank)     the loaded model reduced to the rank's share, in place: its slice of
                                             every layer (tensor) or its stage's blocks (pipeline)
@@ -21,7 +22,8 @@ from .tensor_parallel import check_shardable, shard_model
 
 @dataclasses.dataclass
 class StepRow:
-    """What a worker's ModelRunner.prepare reads of a sequence for one forward: its new tokens, by position."""
+    """What a worker's ModelRunner.prepare reads of a sequence for one forward: its new tokens, by
+    position."""
 
     seq_id: int
     num_computed_tokens: int
@@ -31,7 +33,8 @@ class StepRow:
 
 
 class _Window:
-    """The tokens a step computes, indexed by their positions in the sequence (prepare slices [start:start + n])."""
+    """The tokens a step computes, indexed by their positions in the sequence (prepare slices
+    [start:start + n])."""
 
     def __init__(self, start: int, tokens: list[int]):
         self.start, self.tokens = start, tokens
@@ -55,20 +58,24 @@ def split_for_rank(net, parallel: ParallelConfig, rank: int) -> None:
         keep_stage(net, rank, parallel.world_size)
 
 
-def rank_runner(net, parallel: ParallelConfig, rank: int, num_layers: int, num_blocks: int, block_size: int,
+def rank_runner(net, parallel: ParallelConfig, rank: int, num_layers: int, num_blocks: int,
+                block_size: int,
                 attention_backend, kv_cache_dtype: str, lora=None) -> ModelRunner:
     """`num_layers`: the whole model's (a pipeline stage's model holds fewer)."""
     if parallel.kind == "pipeline":
-        return PipelineRunner(net, rank, parallel.world_size, num_layers, num_blocks, block_size, attention_backend,
+        return PipelineRunner(net, rank, parallel.world_size, num_layers, num_blocks, block_size,
+                              attention_backend,
                               kv_cache_dtype)
-    kv_config = dataclasses.replace(net.config, n_kv_heads=max(1, net.config.n_kv_heads // parallel.world_size))
+    kv_config = dataclasses.replace(net.config,
+                                    n_kv_heads=max(1, net.config.n_kv_heads // parallel.world_size))
     return ModelRunner(net, num_blocks, block_size, attention_backend, kv_cache_dtype, lora,
-                       kv_config=kv_config)  # (its share of the KV heads; replicated when fewer than the ranks)
+                       # (its share of the KV heads; replicated when fewer than the ranks)
+                       kv_config=kv_config)
 
 
 class LeaderRunner:
-    """Rank 0's model runner: `runner` (its own share), with every forward and every change to the KV pools
-    sent to the workers first. Everything else is read from `runner`."""
+    """Rank 0's model runner: `runner` (its own share), with every forward and every change to the
+    KV pools sent to the workers first. Everything else is read from `runner`."""
 
     def __init__(self, group, runner: ModelRunner):
         self.group, self.runner = group, runner
@@ -88,13 +95,15 @@ class LeaderRunner:
         return f"{self.group.parallel.kind} parallelism runs eagerly (its steps are sent to the workers first)"
 
     def logits(self, ids: list[int]):
-        """Logits [T, V] of one full forward without a cache, every rank running its share (LLM.logits)."""
+        """Logits [T, V] of one full forward without a cache, every rank running its share
+        (LLM.logits)."""
         self.group.send("logits", list(ids))
         return self.group.guard(self.runner.logits, ids)
 
 
 class _SentCache:
-    """Rank 0's KV pool: the block and slot copies are sent to the workers too; everything else is the pool's."""
+    """Rank 0's KV pool: the block and slot copies are sent to the workers too; everything else is
+    the pool's."""
 
     def __init__(self, cache, group):
         self._cache, self._group = cache, group

@@ -1,29 +1,31 @@
-"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019; vLLM's layers and names): one model over N ranks.
+"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019; vLLM's layers and names): one model over N
+ranks.
 
-A linear layer y = x Wᵀ splits two ways. **By columns** (its outputs): rank r holds rows r·O/N..(r+1)·O/N of
-W [O, I] and computes that slice of y from the whole x; nothing to exchange. **By rows** (its inputs): rank
-r holds columns r·I/N.. of W and computes a partial y from its slice of x; the partial results are summed
-across ranks (one all-reduce), and the bias is added once, after. A transformer block needs exactly two
-all-reduces: q, k, v and gate, up are column-parallel (each rank its attention heads, its share of the MLP),
-o and down are row-parallel, and what flows between them stays local:
+A linear layer y = x Wᵀ splits two ways. **By columns** (its outputs): rank r holds rows
+r·O/N..(r+1)·O/N of W [O, I] and computes that slice of y from the whole x; nothing to exchange.
+**By rows** (its inputs): rank r holds columns r·I/N.. of W and computes a partial y from its slice
+of x; the partial results are summed across ranks (one all-reduce), and the bias is added once,
+after. A transformer block needs exactly two all-reduces: q, k, v and gate, up are column-parallel
+(each rank its attention heads, its share of the MLP), o and down are row-parallel, and what flows
+between them stays local:
 
     x ─┬─ q,k,v (column: H/N heads) ─ attention on those heads ─ o (row) ─ all-reduce ─ + x
        └─ gate, up (column: I/N) ── act(gate)·up ───────────── down (row) ─ all-reduce ─ + x
 
-The vocabulary splits too: each rank embeds the ids in its ⌈V/N⌉ share (others give 0; an all-reduce sums
-the rows) and computes its share of the logits (an all-gather joins them; the padding up to N·⌈V/N⌉ rows
-is zeros, its logits dropped). With fewer KV heads than ranks
+The vocabulary splits too: each rank embeds the ids in its ⌈V/N⌉ share (others give 0; an all-reduce
+sums the rows) and computes its share of the logits (an all-gather joins them; the padding up to
+N·⌈V/N⌉ rows is zeros, its logits dropped). With fewer KV heads than ranks
 (GQA), each rank keeps the one KV head its query heads share: KV heads are replicated, as vLLM does.
 
     ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ParallelLMHead
     shard_model(model, rank, world_size)   a loaded GPT-2 or Llama-family model, in place, to rank's share
     tp_unsupported(config, world_size)     why a model cannot be sharded N ways (None when it can)
 
-All-reduces go through `torch.distributed` (gloo on CPU, NCCL on CUDA); `shard_model` needs its process
-group initialized. What would be computed wrongly is refused by name: heads or the MLP not divisible by N,
-a whole-projection q/k norm (OLMo 2: its variance spans every head), mixture-of-experts blocks, 8-bit and
-adapter-wrapped linears. GPTQ / AWQ layers (QuantLinear) split by their codes (quant_shard.py): by outputs
-freely, by inputs along whole groups only.
+All-reduces go through `torch.distributed` (gloo on CPU, NCCL on CUDA); `shard_model` needs its
+process group initialized. What would be computed wrongly is refused by name: heads or the MLP not
+divisible by N, a whole-projection q/k norm (OLMo 2: its variance spans every head),
+mixture-of-experts blocks, 8-bit and adapter-wrapped linears. GPTQ / AWQ layers (QuantLinear) split
+by their codes (quant_shard.py): by outputs freely, by inputs along whole groups only.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ from ..quant.qlinear import QuantLinear
 
 
 def _rows(t: torch.Tensor, start: int, size: int) -> torch.Tensor:
-    """Rows start..start+size of t, zero rows past its end (the vocabulary padded to a multiple of N)."""
+    """Rows start..start+size of t, zero rows past its end (the vocabulary padded to a multiple of
+    N)."""
     out = t.new_zeros(size, *t.shape[1:])
     have = max(0, min(size, t.shape[0] - start))
     out[:have] = t[start:start + have]
@@ -60,7 +63,8 @@ def _row(layer: nn.Module, index: torch.Tensor) -> nn.Module:
     return RowParallelQuantLinear(layer, index) if isinstance(layer, QuantLinear) else RowParallelLinear(layer, index)
 
 
-ROW_PARALLEL = ("c_proj", "o_proj", "down_proj")  # split by inputs (GPT-2's attention and MLP c_proj both)
+# split by inputs (GPT-2's attention and MLP c_proj both)
+ROW_PARALLEL = ("c_proj", "o_proj", "down_proj")
 
 
 def _check_splittable(layer: nn.Module, name: str, world_size: int) -> None:
@@ -70,16 +74,19 @@ def _check_splittable(layer: nn.Module, name: str, world_size: int) -> None:
 
         problem = (row_split_problem if name in ROW_PARALLEL else column_split_problem)(layer, world_size)
         if problem:
-            raise NanoserveError(f"tensor_parallel_size={world_size}: the quantized {name} cannot be split: {problem}")
+            raise NanoserveError(f"tensor_parallel_size={world_size}: the quantized {name} cannot "
+                                 f"be split: {problem}")
         return
     _check_float_linear(layer)
 
 
 def _check_float_linear(layer: nn.Module) -> None:
-    """Only a float nn.Linear's weight is split here: an int8/int4 layer's codes and scales split otherwise."""
+    """Only a float nn.Linear's weight is split here: an int8/int4 layer's codes and scales split
+    otherwise."""
     if not isinstance(layer, nn.Linear) or not layer.weight.is_floating_point():
-        raise NanoserveError(f"tensor parallelism splits float nn.Linear layers, not a {type(layer).__name__}: "
-                             "8-bit (or adapter-wrapped) linears are not split yet; GPTQ / AWQ layers are")
+        raise NanoserveError("tensor parallelism splits float nn.Linear layers, not a "
+                             f"{type(layer).__name__}: 8-bit (or adapter-wrapped) linears are not "
+                             "split yet; GPTQ / AWQ layers are")
 
 
 class ColumnParallelLinear(nn.Module):
@@ -89,7 +96,8 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         _check_float_linear(layer)
         self.in_features, self.out_features = layer.in_features, len(index)
-        self.weight = nn.Parameter(layer.weight.detach()[index].clone(), requires_grad=False)  # O/N, I
+        # O/N, I
+        self.weight = nn.Parameter(layer.weight.detach()[index].clone(), requires_grad=False)
         self.bias = None if layer.bias is None else nn.Parameter(layer.bias.detach()[index].clone(),
                                                                  requires_grad=False)
 
@@ -98,13 +106,15 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """Columns `index` of a linear's weight: a partial product of this rank's inputs, summed over ranks."""
+    """Columns `index` of a linear's weight: a partial product of this rank's inputs, summed over
+    ranks."""
 
     def __init__(self, layer: nn.Linear, index: torch.Tensor):
         super().__init__()
         _check_float_linear(layer)
         self.in_features, self.out_features = len(index), layer.out_features
-        self.weight = nn.Parameter(layer.weight.detach()[:, index].clone(), requires_grad=False)  # O, I/N
+        # O, I/N
+        self.weight = nn.Parameter(layer.weight.detach()[:, index].clone(), requires_grad=False)
         self.bias = None if layer.bias is None else nn.Parameter(layer.bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., I/N] -> [..., O]
@@ -114,12 +124,14 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rows start..start+n of the embedding: ids outside them embed to 0 here, and the all-reduce fills them in."""
+    """Rows start..start+n of the embedding: ids outside them embed to 0 here, and the all-reduce
+    fills them in."""
 
     def __init__(self, emb: nn.Embedding, start: int, n: int):
         super().__init__()
         self.start, self.n = start, n
-        self.weight = nn.Parameter(_rows(emb.weight.detach(), start, n), requires_grad=False)  # V/N, C
+        # V/N, C
+        self.weight = nn.Parameter(_rows(emb.weight.detach(), start, n), requires_grad=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [B, T] -> [B, T, C]
         local = ids - self.start
@@ -134,7 +146,8 @@ class ParallelLMHead(nn.Module):
 
     def __init__(self, weight: torch.Tensor, world_size: int, vocab_size: int):
         super().__init__()
-        self.weight, self.world_size, self.vocab_size = weight, world_size, vocab_size  # ⌈V/N⌉, C (tied: shared)
+        # ⌈V/N⌉, C (tied: shared)
+        self.weight, self.world_size, self.vocab_size = weight, world_size, vocab_size
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # [..., C] -> [..., V]
         local = F.linear(h, self.weight).contiguous()
@@ -145,12 +158,14 @@ class ParallelLMHead(nn.Module):
 
 def tp_unsupported(cfg, world_size: int) -> str | None:
     """Why `cfg` cannot be split `world_size` ways, or None."""
-    checks = [(cfg.n_heads % world_size == 0, f"n_heads={cfg.n_heads} is not divisible by {world_size}"),
+    checks = [(cfg.n_heads % world_size == 0,
+               f"n_heads={cfg.n_heads} is not divisible by {world_size}"),
               (cfg.n_kv_heads % world_size == 0 or world_size % cfg.n_kv_heads == 0,
                f"n_kv_heads={cfg.n_kv_heads} neither divides nor is divided by {world_size}"),
               (cfg.intermediate_size % world_size == 0,
                f"intermediate_size={cfg.intermediate_size} is not divisible by {world_size}"),
-              (getattr(cfg, "qk_norm", None) != "whole", "a q/k norm over the whole projection (OLMo 2) spans "
+              (getattr(cfg, "qk_norm", None) != "whole",
+               "a q/k norm over the whole projection (OLMo 2) spans "
                "every head"),
               (not getattr(cfg, "num_experts", 0), "mixture-of-experts blocks are not sharded yet")]
     return next((why for ok, why in checks if not ok), None)
@@ -162,12 +177,15 @@ def _heads(head_dim: int, first: int, count: int) -> torch.Tensor:
 
 
 def check_shardable(model: nn.Module, world_size: int) -> None:
-    """Raise, by name, what keeps `model` from being split `world_size` ways (before anything is split)."""
+    """Raise, by name, what keeps `model` from being split `world_size` ways (before anything is
+    split)."""
     why = tp_unsupported(model.config, world_size)
     if why is not None:
-        raise NanoserveError(f"tensor_parallel_size={world_size} is not possible for this model: {why}")
+        raise NanoserveError(f"tensor_parallel_size={world_size} is not possible for this model: "
+                             f"{why}")
     for module in model.modules():  # every layer to split checked before the first one is
-        for name in ("c_attn", "c_proj", "c_fc", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+        for name in ("c_attn", "c_proj", "c_fc", "q_proj", "k_proj", "v_proj", "o_proj",
+                     "gate_proj", "up_proj",
                      "down_proj"):
             if hasattr(module, name):
                 _check_splittable(getattr(module, name), name, world_size)
@@ -210,7 +228,8 @@ def shard_model(model: nn.Module, rank: int, world_size: int) -> nn.Module:
 
 def _shard_vocab(model: nn.Module, rank: int, world_size: int) -> None:
     V = model.config.vocab_size
-    n = -(-V // world_size)  # rows per rank: the vocabulary padded up to a multiple of N (as vLLM pads it)
+    # rows per rank: the vocabulary padded up to a multiple of N (as vLLM pads it)
+    n = -(-V // world_size)
     start = rank * n
     holder, attr = (model.transformer, "wte") if hasattr(model, "transformer") else (model.model, "embed_tokens")
     emb = VocabParallelEmbedding(getattr(holder, attr), start, n)

@@ -1,4 +1,5 @@
-"""nanoserve.quant: weight-only quantization of linear layers (int8, int4, int3) and the formats that store it.
+"""nanoserve.quant: weight-only quantization of linear layers (int8, int4, int3) and the formats
+that store it.
 
 Weight-only quantization stores each weight matrix W [N, K] of a linear layer as small integer
 codes plus a float scale and an integer zero point per group of weights, and computes with
@@ -39,7 +40,9 @@ from .gptq import GPTQ, capture_inputs, gptq_naive, gptq_quantize, inverse_hessi
 from .rtn import QuantizedWeight, fake_quantize, quant_params, quantize_rtn, round_to_codes
 
 __all__ = [
-    "AWQResult", "GPTQ", "QuantizedWeight", "activation_scale", "apply_awq", "apply_clip", "awq_search",
-    "capture_inputs", "fake_quantize", "fold_scales", "gptq_naive", "gptq_quantize", "inverse_hessian_cholesky",
+    "AWQResult", "GPTQ", "QuantizedWeight", "activation_scale", "apply_awq", "apply_clip",
+    "awq_search",
+    "capture_inputs", "fake_quantize", "fold_scales", "gptq_naive", "gptq_quantize",
+    "inverse_hessian_cholesky",
     "quant_params", "quantize_rtn", "round_to_codes", "scaled_loss", "search_clip", "search_scales",
 ]

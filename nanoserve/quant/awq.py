@@ -30,7 +30,8 @@ weights can buy a finer grid for all the others. The reference code skips clippi
 Flow for one group: `result = awq_search(linears, x, ...)` (reads only), then
 `apply_awq(prev, linears, result)` (folds the scales, clamps the weights: the fp model changes
 only by the clipping), then `quantize_rtn(linear.weight, ...)` for each linear. The loss uses
-the quantizer of rtn.py, so the grid searched is the grid stored. Taught in notebooks/06_awq.ipynb (exercise 10).
+the quantizer of rtn.py, so the grid searched is the grid stored. Taught in notebooks/06_awq.ipynb
+(exercise 10).
 """
 
 from __future__ import annotations
@@ -49,11 +50,13 @@ from .rtn import check_bits, check_group_size, fake_quantize
 class AWQResult:
     """What the search chose for one group of linears sharing an input."""
 
-    scales: torch.Tensor                  # K      s: fold 1/s into the previous op, s into the linears
+    # K      s: fold 1/s into the previous op, s into the linears
+    scales: torch.Tensor
     alpha: float                          # the exponent that gave `scales`
     alphas: list[float]                   # the grid searched ...
     losses: list[float]                   # ... and the calibration loss at each α (the α curve)
-    max_vals: list[torch.Tensor | None]   # per linear: N, G clip thresholds for W·s (None: no clipping)
+    # per linear: N, G clip thresholds for W·s (None: no clipping)
+    max_vals: list[torch.Tensor | None]
     group_size: int                       # the grouping max_vals refer to
 
 
@@ -63,10 +66,12 @@ def _inputs(x: torch.Tensor, linears: Sequence[nn.Linear]) -> torch.Tensor:
     k = linears[0].in_features
     for lin in linears:
         if not isinstance(lin, nn.Linear) or lin.in_features != k:
-            raise NanoserveError(f"a group's layers must be nn.Linear with the same in_features ({k}); got "
-                                 f"{type(lin).__name__} with {getattr(lin, 'in_features', '?')}")
+            raise NanoserveError("a group's layers must be nn.Linear with the same in_features "
+                                 f"({k}); got {type(lin).__name__} with "
+                                 f"{getattr(lin, 'in_features', '?')}")
     if x.shape[-1] != k:
-        raise NanoserveError(f"inputs must have the layers' {k} input features in the last dim, got {tuple(x.shape)}")
+        raise NanoserveError(f"inputs must have the layers' {k} input features in the last dim, "
+                             f"got {tuple(x.shape)}")
     return x.detach().reshape(-1, k).float()                                   # T, K
 
 
@@ -75,23 +80,31 @@ def activation_scale(x: torch.Tensor) -> torch.Tensor:
     return x.detach().abs().reshape(-1, x.shape[-1]).float().mean(0)
 
 
-def scaled_loss(linears: Sequence[nn.Linear], x: torch.Tensor, s: torch.Tensor, bits: int, group_size: int,
+def scaled_loss(linears: Sequence[nn.Linear], x: torch.Tensor, s: torch.Tensor, bits: int,
+                group_size: int,
                 sym: bool) -> float:
-    """Σ ‖W X − Q(W·diag(s)) (X / s)‖² over the linears; x [T, K] (the product is taken as (W − Q(W·s)/s) X)."""
+    """Σ ‖W X − Q(W·diag(s)) (X / s)‖² over the linears; x [T, K] (the product is taken as (W −
+    Q(W·s)/s) X)."""
     loss = torch.zeros((), dtype=torch.float64, device=x.device)
     for lin in linears:
         w = lin.weight.detach().float()                                          # N, K
-        w_hat = fake_quantize(w * s, bits, group_size, sym) / s                  # N, K   effective weight
-        for chunk in x.split(8192):  # bounded memory: T·N outputs at once would not fit for a real model
+        # N, K   effective weight
+        w_hat = fake_quantize(w * s, bits, group_size, sym) / s
+        # bounded memory: T·N outputs at once would not fit for a real model
+        for chunk in x.split(8192):
             loss += (chunk @ (w - w_hat).T).pow(2).sum()                         # T', N -> scalar
     return loss.item()
 
 
-def search_scales(linears: Sequence[nn.Linear], x: torch.Tensor, bits: int = 4, group_size: int = 128,
-                  sym: bool = False, n_grid: int = 20) -> tuple[torch.Tensor, float, list[float], list[float]]:
-    """Grid search of α over {0, 1/n_grid, ..., (n_grid−1)/n_grid}. Returns (s, α, alphas, losses)."""
+def search_scales(linears: Sequence[nn.Linear], x: torch.Tensor, bits: int = 4,
+                  group_size: int = 128,
+                  sym: bool = False,
+                  n_grid: int = 20) -> tuple[torch.Tensor, float, list[float], list[float]]:
+    """Grid search of α over {0, 1/n_grid, ..., (n_grid−1)/n_grid}. Returns (s, α, alphas,
+    losses)."""
     if isinstance(n_grid, bool) or not isinstance(n_grid, int) or n_grid < 1:
-        raise NanoserveError(f"n_grid must be a positive integer (α grid size; 1 = only α = 0), got {n_grid!r}")
+        raise NanoserveError("n_grid must be a positive integer (α grid size; 1 = only α = 0), "
+                             f"got {n_grid!r}")
     x = _inputs(x, linears)                                                      # T, K
     x_mean = activation_scale(x)                                                 # K
     alphas, losses = [i / n_grid for i in range(n_grid)], []
@@ -106,9 +119,12 @@ def search_scales(linears: Sequence[nn.Linear], x: torch.Tensor, bits: int = 4, 
     return best[1], best[2], alphas, losses
 
 
-def search_clip(w: torch.Tensor, x: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = False,
-                n_grid: int = 20, max_shrink: float = 0.5, n_sample_token: int = 512) -> torch.Tensor:
-    """Per (row, group) of w [N, K], the clip threshold r·max|w| minimizing that group's output error.
+def search_clip(w: torch.Tensor, x: torch.Tensor, bits: int = 4, group_size: int = 128,
+                sym: bool = False,
+                n_grid: int = 20, max_shrink: float = 0.5,
+                n_sample_token: int = 512) -> torch.Tensor:
+    """Per (row, group) of w [N, K], the clip threshold r·max|w| minimizing that group's output
+    error.
 
     r runs over 1, 1 − 1/n_grid, ... down to 1 − (max_shrink·n_grid − 1)/n_grid (1.0 ... 0.55).
     x: [..., K], subsampled to about n_sample_token tokens. Returns max_val [N, G].
@@ -120,13 +136,16 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, bits: int = 4, group_size: int
     xg = x.reshape(x.shape[0], k // gs, gs)                                      # T, G, gs
     ratios = [1 - i / n_grid for i in range(int(max_shrink * n_grid))]
     # rows are independent: 256 at a time keeps the [rows, G, T] outputs small
-    return torch.cat([_clip_rows(rows, xg, ratios, bits, gs, sym) for rows in w.detach().float().split(256)])
+    return torch.cat([_clip_rows(rows, xg, ratios, bits, gs,
+                                 sym) for rows in w.detach().float().split(256)])
 
 
-def _clip_rows(w: torch.Tensor, xg: torch.Tensor, ratios: list[float], bits: int, gs: int, sym: bool) -> torch.Tensor:
+def _clip_rows(w: torch.Tensor, xg: torch.Tensor, ratios: list[float], bits: int, gs: int,
+               sym: bool) -> torch.Tensor:
     n, k = w.shape
     wg = w.reshape(n, k // gs, gs)                                               # N, G, gs
-    org_out = torch.einsum("tgc,ngc->ngt", xg, wg)                               # N, G, T   each group's share
+    # N, G, T   each group's share
+    org_out = torch.einsum("tgc,ngc->ngt", xg, wg)
     org_max = wg.abs().amax(-1)                                                  # N, G
     best_max, min_err = org_max.clone(), torch.full_like(org_max, float("inf"))
     for r in ratios:
@@ -141,7 +160,8 @@ def _clip_rows(w: torch.Tensor, xg: torch.Tensor, ratios: list[float], bits: int
 
 def awq_search(linears: Sequence[nn.Linear], x: torch.Tensor, bits: int = 4, group_size: int = 128,
                sym: bool = False, n_grid: int = 20, clip: bool = True) -> AWQResult:
-    """Scale search, then (if clip) clip search on the scaled weights W·s with the scaled inputs X/s.
+    """Scale search, then (if clip) clip search on the scaled weights W·s with the scaled inputs
+    X/s.
 
     linears: the layers that all read x [..., K]. Reads the weights, changes nothing.
     """
@@ -149,9 +169,11 @@ def awq_search(linears: Sequence[nn.Linear], x: torch.Tensor, bits: int = 4, gro
     x = _inputs(x, linears)                                                      # T, K
     check_group_size(group_size, x.shape[1])
     s, alpha, alphas, losses = search_scales(linears, x, bits, group_size, sym, n_grid)
-    max_vals = [search_clip(lin.weight.detach().float() * s, x / s, bits, group_size, sym) if clip else None
+    max_vals = [search_clip(lin.weight.detach().float() * s, x / s, bits, group_size,
+                            sym) if clip else None
                 for lin in linears]
-    return AWQResult(scales=s, alpha=alpha, alphas=alphas, losses=losses, max_vals=max_vals, group_size=group_size)
+    return AWQResult(scales=s, alpha=alpha, alphas=alphas, losses=losses, max_vals=max_vals,
+                     group_size=group_size)
 
 
 @torch.no_grad()
@@ -159,31 +181,37 @@ def fold_scales(prev: nn.Module, linears: Sequence[nn.Linear], s: torch.Tensor) 
     """Divide prev's outputs by s and multiply the linears' input columns by s, in place.
 
     prev: the op producing the linears' common input — a norm with a per-channel weight (RMSNorm,
-    LayerNorm: weight and bias ÷ s; Gemma's (1 + w) RMSNorm: 1 + w ÷ s) or an nn.Linear (rows of weight and
-    bias ÷ s). Every consumer
+    LayerNorm: weight and bias ÷ s; Gemma's (1 + w) RMSNorm: 1 + w ÷ s) or an nn.Linear (rows of
+    weight and bias ÷ s). Every consumer
     of prev's output must be in `linears`, or it would see x / s. Exact up to float rounding.
     """
     k = s.numel()
     for lin in linears:
         if not isinstance(lin, nn.Linear) or lin.in_features != k:
-            raise NanoserveError(f"scales have {k} channels; every layer to scale must be an nn.Linear with "
-                                 f"in_features {k}, got {type(lin).__name__} {getattr(lin, 'in_features', '?')}")
+            raise NanoserveError(f"scales have {k} channels; every layer to scale must be an "
+                                 f"nn.Linear with in_features {k}, got {type(lin).__name__} "
+                                 f"{getattr(lin, 'in_features', '?')}")
     if isinstance(prev, nn.Linear):
         if prev.out_features != k:
-            raise NanoserveError(f"the previous linear has {prev.out_features} outputs, the scales {k} channels")
-        prev.weight.div_(s.to(prev.weight.dtype)[:, None])                       # K, K_prev   rows ÷ s
+            raise NanoserveError(f"the previous linear has {prev.out_features} outputs, the scales "
+                                 f"{k} channels")
+        # K, K_prev   rows ÷ s
+        prev.weight.div_(s.to(prev.weight.dtype)[:, None])
     elif isinstance(getattr(prev, "weight", None), torch.Tensor) and prev.weight.shape == (k,):
-        if getattr(prev, "unit_offset", False):  # scales by (1 + w): the new w' has 1 + w' = (1 + w) / s
+        # scales by (1 + w): the new w' has 1 + w' = (1 + w) / s
+        if getattr(prev, "unit_offset", False):
             prev.weight.copy_((1 + prev.weight) / s.to(prev.weight.dtype) - 1)  # K
         else:
             prev.weight.div_(s.to(prev.weight.dtype))                            # K
     else:
-        raise NanoserveError(f"cannot fold scales into {type(prev).__name__}: need an nn.Linear with {k} outputs or "
-                             f"a norm with a per-channel weight of shape ({k},)")
+        raise NanoserveError(f"cannot fold scales into {type(prev).__name__}: need an nn.Linear "
+                             f"with {k} outputs or a norm with a per-channel weight of shape "
+                             f"({k},)")
     if getattr(prev, "bias", None) is not None:
         prev.bias.div_(s.to(prev.bias.dtype))
     for lin in linears:
-        lin.weight.mul_(s.to(lin.weight.dtype)[None, :])                         # N, K   columns × s
+        # N, K   columns × s
+        lin.weight.mul_(s.to(lin.weight.dtype)[None, :])
 
 
 @torch.no_grad()

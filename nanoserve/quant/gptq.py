@@ -58,7 +58,14 @@ import torch
 from torch import nn
 
 from ..errors import NanoserveError
-from .rtn import QuantizedWeight, check_bits, check_group_size, check_weight, quant_params, round_to_codes
+from .rtn import (
+    QuantizedWeight,
+    check_bits,
+    check_group_size,
+    check_weight,
+    quant_params,
+    round_to_codes,
+)
 
 
 class GPTQ:
@@ -80,8 +87,8 @@ class GPTQ:
         """x: [..., K], inputs of the layer; every leading index is one calibration token."""
         k = self.H.shape[0]
         if x.shape[-1] != k:
-            raise NanoserveError(f"inputs must have the layer's {k} input features in the last dim, "
-                                 f"got shape {tuple(x.shape)}")
+            raise NanoserveError(f"inputs must have the layer's {k} input features in the last "
+                                 f"dim, got shape {tuple(x.shape)}")
         x = x.detach().reshape(-1, k).to(self.H.dtype)                        # T, K
         t = x.shape[0]
         # running average: H_n = (n_old / n) H_old + 2/n · Σ x xᵀ over the new tokens
@@ -91,15 +98,18 @@ class GPTQ:
         self.H += x.T @ x                                                     # K, K
 
     def quantize(self, bits: int = 4, group_size: int = 128, sym: bool = True, blocksize: int = 128,
-                 percdamp: float = 0.01, act_order: bool = False, static_groups: bool = False) -> QuantizedWeight:
+                 percdamp: float = 0.01, act_order: bool = False,
+                 static_groups: bool = False) -> QuantizedWeight:
         if self.nsamples == 0:
-            raise NanoserveError("GPTQ has no calibration inputs: call add_batch(x) with the layer's inputs first")
+            raise NanoserveError("GPTQ has no calibration inputs: call add_batch(x) with the "
+                                 "layer's inputs first")
         return gptq_quantize(self.weight, self.H, bits, group_size, sym, blocksize, percdamp, act_order,
                              static_groups)
 
 
 @contextmanager
-def capture_inputs(modules: Mapping[str, nn.Module], fn: Callable[[str, torch.Tensor], None]) -> Iterator[None]:
+def capture_inputs(modules: Mapping[str, nn.Module],
+                   fn: Callable[[str, torch.Tensor], None]) -> Iterator[None]:
     """Inside the with-block, every forward of modules[name] first calls fn(name, its input).
 
     e.g. `with capture_inputs(linears, lambda name, x: gptq[name].add_batch(x)): block(hidden)`.
@@ -121,7 +131,8 @@ def _check_hessian(H: torch.Tensor, k: int, percdamp: float) -> None:
     if not torch.isfinite(H).all():
         raise NanoserveError("H has non-finite entries: check the calibration inputs for inf/nan")
     if not 0 <= percdamp < 1:
-        raise NanoserveError(f"percdamp must be in [0, 1) (a fraction of H's mean diagonal), got {percdamp!r}")
+        raise NanoserveError("percdamp must be in [0, 1) (a fraction of H's mean diagonal), got "
+                             f"{percdamp!r}")
 
 
 def _prepare(W: torch.Tensor, H: torch.Tensor, act_order: bool):
@@ -131,7 +142,8 @@ def _prepare(W: torch.Tensor, H: torch.Tensor, act_order: bool):
     H[dead, dead] = 1
     W[:, dead] = 0
     k = W.shape[1]
-    perm = torch.argsort(torch.diag(H), descending=True, stable=True) if act_order else torch.arange(k)
+    perm = torch.argsort(torch.diag(H), descending=True,
+                         stable=True) if act_order else torch.arange(k)
     return W, H, perm.to(W.device)
 
 
@@ -142,8 +154,8 @@ def inverse_hessian_cholesky(H: torch.Tensor, percdamp: float = 0.01) -> torch.T
     H = H + damp * torch.eye(k, dtype=H.dtype, device=H.device)              # K, K
     L, info = torch.linalg.cholesky_ex(H)
     if info.item() != 0:
-        raise NanoserveError(f"the damped Hessian is not positive definite (percdamp={percdamp}); raise percdamp "
-                             f"or calibrate on more tokens")
+        raise NanoserveError(f"the damped Hessian is not positive definite (percdamp={percdamp}); "
+                             "raise percdamp or calibrate on more tokens")
     return torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)      # K, K
 
 
@@ -154,12 +166,14 @@ def _finish(Q, scales, zeros, perm, group_size, gs, bits, sym, static_groups) ->
     if static_groups:
         g_idx = torch.arange(k, device=Q.device) // gs
     else:
-        g_idx = (torch.arange(k, device=Q.device) // gs)[invperm]             # group = position in order // gs
+        # group = position in order // gs
+        g_idx = (torch.arange(k, device=Q.device) // gs)[invperm]
     return QuantizedWeight(codes=Q[:, invperm].to(torch.uint8), zeros=zeros, scales=scales,
                            g_idx=g_idx.to(torch.int32), bits=bits, group_size=group_size, sym=sym)
 
 
-def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = True,
+def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: int = 128,
+                  sym: bool = True,
                   blocksize: int = 128, percdamp: float = 0.01, act_order: bool = False,
                   static_groups: bool = False) -> QuantizedWeight:
     """GPTQ of a weight W [N, K] given its input Hessian H [K, K]; computed in H's dtype."""
@@ -169,7 +183,8 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
     gs = check_group_size(group_size, k)
     _check_hessian(H, k, percdamp)
     if isinstance(blocksize, bool) or not isinstance(blocksize, int) or blocksize < 1:
-        raise NanoserveError(f"blocksize must be a positive integer (columns per lazy batch), got {blocksize!r}")
+        raise NanoserveError("blocksize must be a positive integer (columns per lazy batch), got "
+                             f"{blocksize!r}")
 
     W, H, perm = _prepare(W, H, act_order)
     if static_groups:  # every group's grid from the original weights, in the original column order
@@ -177,8 +192,10 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
         static_scales, static_zeros = s.reshape(n, -1), z.reshape(n, -1)      # N, G
     W, H = W[:, perm], H[perm][:, perm]
     U = inverse_hessian_cholesky(H, percdamp)                                 # K, K
-    order = perm.tolist()                                                     # original column of position j
-    Q = torch.zeros_like(W)                                                   # N, K codes, in processing order
+    # original column of position j
+    order = perm.tolist()
+    # N, K codes, in processing order
+    Q = torch.zeros_like(W)
     scales, zeros = [], []
 
     for i1 in range(0, k, blocksize):
@@ -193,7 +210,8 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
                 scale, zero = static_scales[:, g], static_zeros[:, g]
             elif j % gs == 0:
                 cols = W1[:, i:i + gs]                                        # N, ≤gs   up to date
-                if j + gs > i2:  # the group runs past this block: apply the block's pending errors to it
+                # the group runs past this block: apply the block's pending errors to it
+                if j + gs > i2:
                     rest = W[:, i2:j + gs] - Err1[:, :i] @ U[i1:j, i2:j + gs]
                     cols = torch.cat([cols, rest], dim=1)                     # N, gs
                 scale, zero = quant_params(cols, bits, sym)                   # N
@@ -205,7 +223,8 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
             err = (w - (q - zero.to(w.dtype)) * scale) / U1[i, i]             # N
             W1[:, i:] -= err[:, None] * U1[i, i:][None, :]                    # N, B−i
             Err1[:, i] = err
-        W[:, i2:] -= Err1 @ U[i1:i2, i2:]                                     # N, K−i2   the lazy batch update
+        # N, K−i2   the lazy batch update
+        W[:, i2:] -= Err1 @ U[i1:i2, i2:]
 
     if static_groups:
         scales, zeros = static_scales, static_zeros
@@ -214,7 +233,8 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
     return _finish(Q, scales, zeros, perm, group_size, gs, bits, sym, static_groups)
 
 
-def gptq_naive(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = True,
+def gptq_naive(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: int = 128,
+               sym: bool = True,
                percdamp: float = 0.01, act_order: bool = False) -> QuantizedWeight:
     """The reference: one column at a time, with the explicit inverse H_F⁻¹ updated by elimination.
 
@@ -229,7 +249,8 @@ def gptq_naive(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: int 
     W, H, perm = _prepare(W, H, act_order)
     W, H = W[:, perm], H[perm][:, perm]
     damp = percdamp * torch.mean(torch.diag(H))
-    Hinv = torch.linalg.inv(H + damp * torch.eye(k, dtype=H.dtype, device=H.device))  # K, K = H_F⁻¹, F = all
+    # K, K = H_F⁻¹, F = all
+    Hinv = torch.linalg.inv(H + damp * torch.eye(k, dtype=H.dtype, device=H.device))
     Q = torch.zeros_like(W)
     scales, zeros = [], []
     for j in range(k):
@@ -241,5 +262,6 @@ def gptq_naive(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: int 
         d = Hinv[j, j]
         err = (W[:, j] - (Q[:, j] - zero.to(W.dtype)) * scale) / d            # N
         W[:, j:] -= err[:, None] * Hinv[j, j:][None, :]                       # N, K−j   OBS update
-        Hinv -= Hinv[:, j:j + 1] @ Hinv[j:j + 1, :] / d                       # K, K   eliminate column j
+        # K, K   eliminate column j
+        Hinv -= Hinv[:, j:j + 1] @ Hinv[j:j + 1, :] / d
     return _finish(Q, torch.stack(scales, 1), torch.stack(zeros, 1), perm, group_size, gs, bits, sym, False)

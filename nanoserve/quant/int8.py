@@ -14,11 +14,11 @@ The weak point is the activation grid: one outlier feature of 60 in a row of val
 s_x = 60/127 and rounds the rest to a handful of levels — what LLM.int8 (llm_int8.py) computes apart
 and SmoothQuant (smoothquant.py) moves into the weights.
 
-On a CUDA GPU (sm_80+) the layer runs kernels/int8_matmul.py, the integer GEMM with the scales applied in its
-epilogue. Elsewhere `int8_mm` multiplies with `torch._int_mm` (int8 × int8 → int32 on CPU; on CUDA it needs
-more than 16 rows and K, N multiples of 8, so a decode-sized batch is padded to 17 rows); `int8_mm_ref` is the
-exact integer reference (float64 holds every partial sum: |q| ≤ 127, K < 2^38). Taught in
-notebooks/13_w8a8.ipynb.
+On a CUDA GPU (sm_80+) the layer runs kernels/int8_matmul.py, the integer GEMM with the scales
+applied in its epilogue. Elsewhere `int8_mm` multiplies with `torch._int_mm` (int8 × int8 → int32 on
+CPU; on CUDA it needs more than 16 rows and K, N multiples of 8, so a decode-sized batch is padded
+to 17 rows); `int8_mm_ref` is the exact integer reference (float64 holds every partial sum: |q| ≤
+127, K < 2^38). Taught in notebooks/13_w8a8.ipynb.
 """
 
 from __future__ import annotations
@@ -32,20 +32,22 @@ MIN_SCALE = 1e-8  # an all-zero row keeps a finite scale (its codes are 0)
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8, one scale per row: x [..., K] -> q int8 [..., K], s fp32 [...] (a row: a token of an
-    activation, or an output channel of a weight)."""
+    """Symmetric int8, one scale per row: x [..., K] -> q int8 [..., K], s fp32 [...] (a row: a
+    token of an activation, or an output channel of a weight)."""
     s = (x.detach().abs().amax(-1).float() / QMAX).clamp(min=MIN_SCALE)  # ...
     q = (x.float() / s[..., None]).round().clamp(-QMAX, QMAX).to(torch.int8)
     return q, s
 
 
 def int8_mm_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Exact integer product of int8 a [M, K] and int8 b [N, K]: int32 [M, N] = a · bᵀ (via float64, exact)."""
+    """Exact integer product of int8 a [M, K] and int8 b [N, K]: int32 [M, N] = a · bᵀ (via float64,
+    exact)."""
     return (a.double() @ b.double().T).to(torch.int32)
 
 
 def int8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """int8 a [M, K] · int8 b [N, K]ᵀ -> int32 [M, N], with torch._int_mm (exactly `int8_mm_ref`)."""
+    """int8 a [M, K] · int8 b [N, K]ᵀ -> int32 [M, N], with torch._int_mm (exactly
+    `int8_mm_ref`)."""
     M, K = a.shape
     if a.device.type == "cuda":
         N = b.shape[0]
@@ -62,18 +64,21 @@ def fused_kernel(device: torch.device) -> bool:
 
 
 class W8A8Linear(nn.Module):
-    """y = x · Wᵀ + b with W int8 per output channel and x quantized to int8 per token at every call."""
+    """y = x · Wᵀ + b with W int8 per output channel and x quantized to int8 per token at every
+    call."""
 
     host_sync = False  # whether a forward reads device values on the host (no CUDA graph then)
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         if weight.dtype != torch.int8 or weight.dim() != 2:
-            raise ValueError(f"weight must be int8 [N, K], got {weight.dtype} {tuple(weight.shape)}")
+            raise ValueError(f"weight must be int8 [N, K], got {weight.dtype} "
+                             f"{tuple(weight.shape)}")
         self.out_features, self.in_features = weight.shape
         if weight_scale.numel() != self.out_features or (bias is not None and bias.shape != (self.out_features,)):
-            raise ValueError(f"weight_scale must hold one scale per output channel ({self.out_features}) and bias "
-                             f"be [{self.out_features}], got {tuple(weight_scale.shape)} and "
+            raise ValueError("weight_scale must hold one scale per output channel "
+                             f"({self.out_features}) and bias be [{self.out_features}], got "
+                             f"{tuple(weight_scale.shape)} and "
                              f"{None if bias is None else tuple(bias.shape)}")
         self.register_buffer("weight", weight)  # N, K int8
         self.register_buffer("weight_scale", weight_scale.float().reshape(-1))  # N fp32
@@ -85,7 +90,8 @@ class W8A8Linear(nn.Module):
         return cls(q, s, None if linear.bias is None else linear.bias.detach().clone(), **kwargs)
 
     def scaled_product(self, xq: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
-        """The int8 GEMM of per-token codes xq [T, K] (scales xs [T]) with the weights, rescaled: fp32 [T, N]."""
+        """The int8 GEMM of per-token codes xq [T, K] (scales xs [T]) with the weights, rescaled:
+        fp32 [T, N]."""
         return int8_mm(xq, self.weight).float() * xs[:, None] * self.weight_scale[None, :]
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -94,7 +100,8 @@ class W8A8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         xq, xs = quantize_int8(x.reshape(-1, self.in_features))  # T, K int8; T
-        if fused_kernel(x.device):  # the Triton GEMM: scales, bias and cast in its epilogue, one pass
+        # the Triton GEMM: scales, bias and cast in its epilogue, one pass
+        if fused_kernel(x.device):
             from ..kernels.int8_matmul import w8a8_matmul
 
             y = w8a8_matmul(xq, xs, self.weight, self.weight_scale, self.bias, x.dtype)  # T, N

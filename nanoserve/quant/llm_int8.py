@@ -26,7 +26,8 @@ THRESHOLD = 6.0  # the paper's and bitsandbytes' default
 
 
 class LLMInt8Linear(W8A8Linear):
-    """y = x · Wᵀ + b by LLM.int8's decomposition; W held in int8, one scale per output row (as W8A8Linear)."""
+    """y = x · Wᵀ + b by LLM.int8's decomposition; W held in int8, one scale per output row (as
+    W8A8Linear)."""
 
     host_sync = True  # the outlier columns are found on the host at every call (no CUDA graph)
 
@@ -34,9 +35,11 @@ class LLMInt8Linear(W8A8Linear):
                  threshold: float = THRESHOLD):
         super().__init__(weight, weight_scale, bias)
         if not threshold > 0:
-            raise ValueError(f"threshold must be > 0 (|x| above it makes a feature an outlier), got {threshold!r}")
+            raise ValueError("threshold must be > 0 (|x| above it makes a feature an outlier), "
+                             f"got {threshold!r}")
         self.threshold = float(threshold)
-        self.last_outliers = 0  # features computed in float by the last call (for the notebook's counts)
+        # features computed in float by the last call (for the notebook's counts)
+        self.last_outliers = 0
 
     def outlier_features(self, x: torch.Tensor) -> torch.Tensor:
         """The columns of x [T, K] with any |value| above the threshold: indices [n_outliers]."""
@@ -47,10 +50,13 @@ class LLMInt8Linear(W8A8Linear):
         x2 = x.reshape(-1, self.in_features)  # T, K
         cols = self.outlier_features(x2)  # n_out
         self.last_outliers = cols.numel()
-        regular = x2.index_fill(1, cols, 0)  # T, K   the outlier columns zeroed: the int8 GEMM skips them
-        y = self.scaled_product(*quantize_int8(regular))  # T, N   (token scales from the regular features alone)
+        # T, K   the outlier columns zeroed: the int8 GEMM skips them
+        regular = x2.index_fill(1, cols, 0)
+        # T, N   (token scales from the regular features alone)
+        y = self.scaled_product(*quantize_int8(regular))
         if cols.numel():
-            w_out = self.weight.index_select(1, cols).float() * self.weight_scale[:, None]  # N, n_out
+            # N, n_out
+            w_out = self.weight.index_select(1, cols).float() * self.weight_scale[:, None]
             y = y + x2.index_select(1, cols).float() @ w_out.T  # T, N   the outliers, in float
         if self.bias is not None:
             y = y + self.bias.float()
@@ -62,13 +68,15 @@ class LLMInt8Linear(W8A8Linear):
 
 
 def llm_int8_ref(layer: LLMInt8Linear, x: torch.Tensor) -> torch.Tensor:
-    """The decomposition written out in float64, one input feature at a time: each feature's contribution
-    x_k · w_k, taken from the float inputs where k is an outlier, else from their int8 codes."""
+    """The decomposition written out in float64, one input feature at a time: each feature's
+    contribution x_k · w_k, taken from the float inputs where k is an outlier, else from their int8
+    codes."""
     x2 = x.reshape(-1, layer.in_features).double()  # T, K
     outlier = (x2.abs() > layer.threshold).any(0)  # K
     regular = torch.where(outlier[None, :], 0.0, x2)
     s = (regular.abs().amax(1) / 127).clamp(min=1e-8)  # T   per-token scale of the regular features
-    xq = torch.where(outlier[None, :], x2, (regular / s[:, None]).round().clamp(-127, 127) * s[:, None])
+    xq = torch.where(outlier[None, :], x2,
+                     (regular / s[:, None]).round().clamp(-127, 127) * s[:, None])
     w = layer.weight.double() * layer.weight_scale.double()[:, None]  # N, K
     y = sum(xq[:, k:k + 1] * w[:, k][None, :] for k in range(layer.in_features))  # T, N
     y = y if layer.bias is None else y + layer.bias.double()

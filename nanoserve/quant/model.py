@@ -49,19 +49,22 @@ class QuantizeConfig:
     method: str = "gptq"
     bits: int = 4
     group_size: int = 128      # −1: one group per output row (the usual int8 setting)
-    sym: bool = True           # symmetric grid (zero = 2^(bits−1)); GPTQ v1 checkpoints need it or zeros ≥ 1
+    # symmetric grid (zero = 2^(bits−1)); GPTQ v1 checkpoints need it or zeros ≥ 1
+    sym: bool = True
     act_order: bool = False    # GPTQ desc_act
     damp: float = 0.01         # GPTQ percdamp
     blocksize: int = 128       # GPTQ lazy-batch width
 
     def __post_init__(self):
         if self.method not in METHODS:
-            raise NanoserveError(f"method={self.method!r} is not a quantization method; allowed: {', '.join(METHODS)}")
+            raise NanoserveError(f"method={self.method!r} is not a quantization method; allowed: "
+                                 f"{', '.join(METHODS)}")
         check_bits(self.bits)
-        if self.group_size != -1 and (isinstance(self.group_size, bool) or not isinstance(self.group_size, int)
+        if self.group_size != -1 and (isinstance(self.group_size,
+                                                 bool) or not isinstance(self.group_size, int)
                                       or self.group_size < 1):
-            raise NanoserveError(f"group_size must be -1 (per row) or a positive int such as 32, 64, 128, "
-                                 f"got {self.group_size!r}")
+            raise NanoserveError("group_size must be -1 (per row) or a positive int such as 32, "
+                                 f"64, 128, got {self.group_size!r}")
         if self.act_order and self.method != "gptq":
             raise NanoserveError("act_order (desc_act) is a GPTQ option; it does not apply to "
                                  f"method={self.method!r}")
@@ -69,7 +72,8 @@ class QuantizeConfig:
     def hf_config(self) -> dict:
         """The quantization_config block of config.json (AutoGPTQ / transformers naming)."""
         return {"quant_method": "gptq", "bits": self.bits, "group_size": self.group_size,
-                "desc_act": self.act_order, "sym": self.sym, "damp_percent": self.damp, "true_sequential": True,
+                "desc_act": self.act_order, "sym": self.sym, "damp_percent": self.damp,
+                "true_sequential": True,
                 "checkpoint_format": "gptq", "quantizer": f"nanoserve-{self.method}"}
 
 
@@ -83,10 +87,13 @@ class LayerReport:
 @dataclass
 class QuantizeResult:
     config: QuantizeConfig
-    qweights: dict[str, QuantizedWeight]                  # full module name → codes, zeros, scales, g_idx
+    # full module name → codes, zeros, scales, g_idx
+    qweights: dict[str, QuantizedWeight]
     layers: list[LayerReport] = field(default_factory=list)
-    block_errors: list[float] = field(default_factory=list)  # per block: ‖y_q − y‖² / ‖y‖² on calibration
-    awq_alphas: dict[str, float] = field(default_factory=dict)  # AWQ: the α chosen per group (first linear)
+    # per block: ‖y_q − y‖² / ‖y‖² on calibration
+    block_errors: list[float] = field(default_factory=list)
+    # AWQ: the α chosen per group (first linear)
+    awq_alphas: dict[str, float] = field(default_factory=dict)
 
 
 class _Stop(Exception):
@@ -103,26 +110,31 @@ def decoder_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     raise NanoserveError(f"quantization supports gpt2 and llama models, not {arch!r}")
 
 
-def block_groups(model: nn.Module, block: nn.Module | None = None) -> list[tuple[str | None, list[str]]]:
+def block_groups(model: nn.Module,
+                 block: nn.Module | None = None) -> list[tuple[str | None, list[str]]]:
     """Per block, in execution order: (the op producing the input, the linears reading it).
 
     The first element is where AWQ folds 1/s (None: nothing it can fold into, e.g. a GELU or the
-    attention output of a fused c_attn; AWQ then only clips). A mixture-of-experts `block` lists each
-    expert's linears (the router stays in float, as vLLM keeps it)."""
+    attention output of a fused c_attn; AWQ then only clips). A mixture-of-experts `block` lists
+    each expert's linears (the router stays in float, as vLLM keeps it)."""
     cfg = model.config
     if cfg.arch == "gpt2":
-        return [("ln_1", ["attn.c_attn"]), (None, ["attn.c_proj"]), ("ln_2", ["mlp.c_fc"]), (None, ["mlp.c_proj"])]
+        return [("ln_1", ["attn.c_attn"]), (None, ["attn.c_proj"]), ("ln_2", ["mlp.c_fc"]),
+                (None, ["mlp.c_proj"])]
     # v → o only when v's outputs line up one-to-one with o's inputs (no GQA sharing)
     v_to_o = "self_attn.v_proj" if cfg.n_kv_heads == cfg.n_heads else None
-    # the norms feeding the attention and the MLP: Gemma's sandwich names the MLP's pre_feedforward_layernorm;
-    # OLMo 2's post-norm blocks feed both the raw residual stream (nothing to fold into: AWQ only clips)
+    # the norms feeding the attention and the MLP: Gemma's sandwich names the MLP's
+    # pre_feedforward_layernorm; OLMo 2's post-norm blocks feed both the raw residual stream
+    # (nothing to fold into: AWQ only clips)
     attn_norm, mlp_norm = {"pre_norm": ("input_layernorm", "post_attention_layernorm"),
                            "sandwich": ("input_layernorm", "pre_feedforward_layernorm"),
                            "post_norm": (None, None)}[cfg.block]
-    attn = [(attn_norm, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]), (v_to_o, ["self_attn.o_proj"])]
+    attn = [(attn_norm, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
+            (v_to_o, ["self_attn.o_proj"])]
     if block is not None and hasattr(block.mlp, "experts"):
         return attn + [g for e in range(len(block.mlp.experts)) for g in (
-            (None, [f"mlp.experts.{e}.gate_proj", f"mlp.experts.{e}.up_proj"]), (None, [f"mlp.experts.{e}.down_proj"]))]
+            (None, [f"mlp.experts.{e}.gate_proj", f"mlp.experts.{e}.up_proj"]),
+            (None, [f"mlp.experts.{e}.down_proj"]))]
     return attn + [(mlp_norm, ["mlp.gate_proj", "mlp.up_proj"]), ("mlp.up_proj", ["mlp.down_proj"])]
 
 
@@ -131,7 +143,8 @@ def _group_size(group_size: int, k: int) -> int:
 
 
 @torch.no_grad()
-def block_inputs(model: nn.Module, block: nn.Module, calib: torch.Tensor, batch_size: int) -> list[tuple]:
+def block_inputs(model: nn.Module, block: nn.Module, calib: torch.Tensor,
+                 batch_size: int) -> list[tuple]:
     """Block 0's positional arguments for each calibration batch (hidden states first)."""
     captured = []
 
@@ -164,17 +177,20 @@ def quantize_model(model: nn.Module, calib: torch.Tensor | None, config: Quantiz
     block errors and accepts None).
     """
     if config.method != "rtn" and calib is None:
-        raise NanoserveError(f"{config.method} needs calibration text: pass token ids [n_samples, seqlen]")
+        raise NanoserveError(f"{config.method} needs calibration text: pass token ids [n_samples, "
+                             "seqlen]")
     if calib is not None and (calib.dim() != 2 or calib.shape[0] == 0 or calib.dtype not in (torch.int32, torch.int64)):
         raise NanoserveError(f"calibration ids must be an integer tensor [n_samples, seqlen], got "
                              f"{calib.dtype} {tuple(calib.shape)}")
     if getattr(model.config, "num_experts", 0) and config.method != "rtn":
-        raise NanoserveError(f"method={config.method!r} on a mixture-of-experts model is not supported: each expert "
-                             "sees only the calibration tokens routed to it, maybe none; supported: method='rtn'")
+        raise NanoserveError(f"method={config.method!r} on a mixture-of-experts model is not "
+                             "supported: each expert sees only the calibration tokens routed to "
+                             "it, maybe none; supported: method='rtn'")
     prefix, blocks = decoder_blocks(model)
     device = next(model.parameters()).device
     result = QuantizeResult(config=config, qweights={})
-    inputs = block_inputs(model, blocks[0], calib.to(device), batch_size) if calib is not None else None
+    inputs = block_inputs(model, blocks[0], calib.to(device),
+                          batch_size) if calib is not None else None
     bar = tqdm(total=sum(len(n) for b in blocks for _, n in block_groups(model, b)),
                desc=f"{config.method} {config.bits}-bit", unit="layer", disable=not progress)
     for i, block in enumerate(blocks):
@@ -193,7 +209,8 @@ def quantize_model(model: nn.Module, calib: torch.Tensor | None, config: Quantiz
                 N, K = lin.weight.shape
                 gs = _group_size(config.group_size, K)
                 if config.method == "gptq":
-                    qw = stats[n].quantize(config.bits, gs, config.sym, config.blocksize, config.damp, config.act_order)
+                    qw = stats[n].quantize(config.bits, gs, config.sym, config.blocksize,
+                                           config.damp, config.act_order)
                 else:
                     qw = quantize_rtn(lin.weight, config.bits, gs, config.sym)
                 lin.weight.copy_(qw.dequantize().to(lin.weight.dtype))
@@ -209,7 +226,8 @@ def quantize_model(model: nn.Module, calib: torch.Tensor | None, config: Quantiz
     return result
 
 
-def _awq_block(block: nn.Module, groups: Sequence[tuple[str | None, list[str]]], inputs: list[tuple],
+def _awq_block(block: nn.Module, groups: Sequence[tuple[str | None, list[str]]],
+               inputs: list[tuple],
                config: QuantizeConfig, result: QuantizeResult, prefix: str) -> None:
     """Search and apply AWQ scales and clipping for each group of one block (weights stay float)."""
     for prev, names in groups:
@@ -217,7 +235,8 @@ def _awq_block(block: nn.Module, groups: Sequence[tuple[str | None, list[str]]],
         K = lins[0].in_features
         gs = _group_size(config.group_size, K)
         xs = []
-        with capture_inputs({names[0]: lins[0]}, lambda n, x, xs=xs, K=K: xs.append(x.reshape(-1, K))):
+        with capture_inputs({names[0]: lins[0]}, lambda n, x, xs=xs,
+                            K=K: xs.append(x.reshape(-1, K))):
             run_block(block, inputs)
         x = torch.cat(xs)                                                    # T, K
         # q and k feed attention scores, which clipping hurts (the reference code skips them)
@@ -231,14 +250,17 @@ def _awq_block(block: nn.Module, groups: Sequence[tuple[str | None, list[str]]],
                 apply_clip(lin, search_clip(lin.weight.float(), x, config.bits, gs, config.sym), gs)
 
 
-def calibration_ids(tokenizer, text: str, nsamples: int = 32, seqlen: int = 128, seed: int = 0) -> torch.Tensor:
-    """[nsamples, seqlen] token ids: windows of `text` at random offsets (seeded), as GPTQ's and AWQ's
-    reference code draw them from their calibration sets."""
+def calibration_ids(tokenizer, text: str, nsamples: int = 32, seqlen: int = 128,
+                    seed: int = 0) -> torch.Tensor:
+    """[nsamples, seqlen] token ids: windows of `text` at random offsets (seeded), as GPTQ's and
+    AWQ's reference code draw them from their calibration sets."""
     if nsamples < 1 or seqlen < 2:
-        raise NanoserveError(f"need nsamples ≥ 1 and seqlen ≥ 2, got nsamples={nsamples}, seqlen={seqlen}")
+        raise NanoserveError(f"need nsamples ≥ 1 and seqlen ≥ 2, got nsamples={nsamples}, "
+                             f"seqlen={seqlen}")
     ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
     if len(ids) <= seqlen:
-        raise NanoserveError(f"the calibration text has {len(ids)} tokens; windows of seqlen={seqlen} need more")
+        raise NanoserveError(f"the calibration text has {len(ids)} tokens; windows of "
+                             f"seqlen={seqlen} need more")
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, len(ids) - seqlen, (nsamples,), generator=g)
     return torch.stack([ids[s:s + seqlen] for s in starts.tolist()])  # nsamples, seqlen

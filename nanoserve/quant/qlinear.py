@@ -13,7 +13,8 @@ checkpoints, so a layer loads from and saves to one without renaming.
   torch on every device (the kernel is 4-bit only).
 
 Dequantizing per call costs time, not memory: W lives only for the duration of the matmul.
-`to_linear()` gives the equivalent float `nn.Linear` (for comparisons). Taught in notebooks/07_int4_kernel.ipynb.
+`to_linear()` gives the equivalent float `nn.Linear` (for comparisons). Taught in
+notebooks/07_int4_kernel.ipynb.
 """
 
 from __future__ import annotations
@@ -32,29 +33,35 @@ class QuantLinear(nn.Module):
                  dtype: torch.dtype = torch.float16, device: torch.device | str = "cpu"):
         super().__init__()
         if bits not in GPTQ_BITS:
-            raise ValueError(f"bits={bits} is not supported by the GPTQ format; allowed: {GPTQ_BITS}")
+            raise ValueError(f"bits={bits} is not supported by the GPTQ format; allowed: "
+                             f"{GPTQ_BITS}")
         gs = in_features if group_size in (-1, None) else group_size
         if gs < 1 or in_features % (32 // bits):
-            raise ValueError(f"in_features={in_features} must be a multiple of {32 // bits} for {bits}-bit packing")
+            raise ValueError(f"in_features={in_features} must be a multiple of {32 // bits} for "
+                             f"{bits}-bit packing")
         self.in_features, self.out_features, self.bits, self.group_size = in_features, out_features, bits, gs
         G = -(-in_features // gs)  # groups along K
         kw = dict(device=device)
-        self.register_buffer("qweight", torch.zeros(in_features * bits // 32, out_features, dtype=torch.int32, **kw))
-        self.register_buffer("qzeros", torch.zeros(G, -(-out_features * bits // 32), dtype=torch.int32, **kw))
+        self.register_buffer("qweight",
+                             torch.zeros(in_features * bits // 32, out_features, dtype=torch.int32, **kw))
+        self.register_buffer("qzeros",
+                             torch.zeros(G, -(-out_features * bits // 32), dtype=torch.int32, **kw))
         self.register_buffer("scales", torch.zeros(G, out_features, dtype=dtype, **kw))
         self.register_buffer("g_idx", (torch.arange(in_features, **kw) // gs).to(torch.int32))
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, **kw) if bias else None)
-        self._sorted_groups: bool | None = None  # g_idx == k // group_size (no act-order); None: not looked yet
+        # g_idx == k // group_size (no act-order); None: not looked yet
+        self._sorted_groups: bool | None = None
 
     def _load_from_state_dict(self, *args, **kwargs):
         self._sorted_groups = None  # a new g_idx: look again
         super()._load_from_state_dict(*args, **kwargs)
 
     def kernel_group_size(self) -> int | None:
-        """group_size for the W4A16 kernel when g_idx is k // group_size (one scale row per tile), else None.
+        """group_size for the W4A16 kernel when g_idx is k // group_size (one scale row per tile),
+        else None.
 
-        Reading g_idx is a host sync, done once (at the first forward, before any CUDA graph is captured);
-        during a capture, a layer not looked at yet takes the general act-order path."""
+        Reading g_idx is a host sync, done once (at the first forward, before any CUDA graph is
+        captured); during a capture, a layer not looked at yet takes the general act-order path."""
         if self._sorted_groups is None:
             if self.g_idx.is_cuda and torch.cuda.is_current_stream_capturing():
                 return None
@@ -63,8 +70,10 @@ class QuantLinear(nn.Module):
         return self.group_size if self._sorted_groups else None
 
     @classmethod
-    def from_quantized(cls, qw, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float16) -> QuantLinear:
-        """From a quantizer's result (codes [N, K], zeros / scales [N, G], g_idx [K]; see rtn.QuantizedWeight)."""
+    def from_quantized(cls, qw, bias: torch.Tensor | None = None,
+                       dtype: torch.dtype = torch.float16) -> QuantLinear:
+        """From a quantizer's result (codes [N, K], zeros / scales [N, G], g_idx [K]; see
+        rtn.QuantizedWeight)."""
         N, K = qw.codes.shape
         layer = cls(K, N, qw.bits, qw.group_size, bias is not None, dtype, qw.codes.device)
         packed = pack_gptq(qw.codes, qw.zeros, qw.scales, qw.g_idx, qw.bits)
@@ -77,7 +86,8 @@ class QuantLinear(nn.Module):
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Ŵ [N, K] in `dtype` (default: the scales' dtype)."""
-        w = dequantize_gptq(self.qweight, self.qzeros, self.scales, self.g_idx, self.bits)  # N, K fp32
+        # N, K fp32
+        w = dequantize_gptq(self.qweight, self.qzeros, self.scales, self.g_idx, self.bits)
         return w.to(dtype or self.scales.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -102,5 +112,6 @@ class QuantLinear(nn.Module):
         return lin
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
-                f"group_size={self.group_size}, act_order={bool((self.g_idx.diff() < 0).any())}")
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bits={self.bits}, group_size={self.group_size}, "
+                f"act_order={bool((self.g_idx.diff() < 0).any())}")

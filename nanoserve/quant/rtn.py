@@ -26,7 +26,8 @@ the range; we use amax for every group.)
 
 Codes are stored unpacked here, one uint8 per weight in nn.Linear layout [N, K] (out × in);
 packing.py packs them 8 to an int32. `g_idx[k]` names the group of input column k: k // group_size
-for RTN, a permuted grouping for GPTQ with act-order. Taught in notebooks/05_rtn_gptq.ipynb (exercise 8).
+for RTN, a permuted grouping for GPTQ with act-order. Taught in notebooks/05_rtn_gptq.ipynb
+(exercise 8).
 """
 
 from __future__ import annotations
@@ -56,9 +57,11 @@ class QuantizedWeight:
         n, k = self.codes.shape
         g = self.scales.shape[1]
         if self.zeros.shape != (n, g) or self.scales.shape != (n, g) or self.g_idx.shape != (k,):
-            raise NanoserveError(f"inconsistent QuantizedWeight shapes: codes {tuple(self.codes.shape)}, zeros "
-                                 f"{tuple(self.zeros.shape)}, scales {tuple(self.scales.shape)}, g_idx "
-                                 f"{tuple(self.g_idx.shape)}; need codes [N, K], zeros and scales [N, G], g_idx [K]")
+            raise NanoserveError("inconsistent QuantizedWeight shapes: codes "
+                                 f"{tuple(self.codes.shape)}, zeros {tuple(self.zeros.shape)}, "
+                                 f"scales {tuple(self.scales.shape)}, g_idx "
+                                 f"{tuple(self.g_idx.shape)}; need codes [N, K], zeros and scales "
+                                 "[N, G], g_idx [K]")
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -74,8 +77,8 @@ class QuantizedWeight:
 def check_bits(bits: int) -> int:
     """bits must be an int in 2..8; returns maxq = 2^bits − 1."""
     if isinstance(bits, bool) or not isinstance(bits, int) or not MIN_BITS <= bits <= MAX_BITS:
-        raise NanoserveError(f"bits must be an integer from {MIN_BITS} to {MAX_BITS} (8 = int8, 4 = int4, "
-                             f"3 = int3), got {bits!r}")
+        raise NanoserveError(f"bits must be an integer from {MIN_BITS} to {MAX_BITS} (8 = int8, 4 "
+                             f"= int4, 3 = int3), got {bits!r}")
     return 2**bits - 1
 
 
@@ -83,9 +86,11 @@ def check_group_size(group_size: int, k: int) -> int:
     """−1 (or K) = per-channel; otherwise a positive divisor of K. Returns the effective size."""
     if group_size == -1:
         return k
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0 or k % group_size:
-        raise NanoserveError(f"group_size must be -1 (one group per row) or a positive divisor of the weight's "
-                             f"{k} input columns (e.g. 32, 64, 128), got {group_size!r}")
+    if isinstance(group_size, bool) or not isinstance(group_size,
+                                                      int) or group_size <= 0 or k % group_size:
+        raise NanoserveError("group_size must be -1 (one group per row) or a positive divisor of "
+                             f"the weight's {k} input columns (e.g. 32, 64, 128), got "
+                             f"{group_size!r}")
     return group_size
 
 
@@ -93,12 +98,14 @@ def check_weight(w: torch.Tensor) -> torch.Tensor:
     """A finite, floating, 2-D [N, K] weight, returned in fp32 (fp64 stays fp64)."""
     if not isinstance(w, torch.Tensor) or w.dim() != 2:
         shape = tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__
-        raise NanoserveError(f"weight must be a 2-D tensor [out_features, in_features] (nn.Linear layout), got {shape}")
+        raise NanoserveError("weight must be a 2-D tensor [out_features, in_features] (nn.Linear "
+                             f"layout), got {shape}")
     if not w.is_floating_point():
         raise NanoserveError(f"weight must be a floating-point tensor, got dtype {w.dtype}")
     if not torch.isfinite(w).all():
         bad = (~torch.isfinite(w)).nonzero()[0].tolist()
-        raise NanoserveError(f"weight must be finite, found {w[bad[0], bad[1]].item()} at [{bad[0]}, {bad[1]}]")
+        raise NanoserveError(f"weight must be finite, found {w[bad[0], bad[1]].item()} at "
+                             f"[{bad[0]}, {bad[1]}]")
     # fp16/bf16 would round w / scale coarsely; compute in fp32 and let the packer cast the scales
     return w.detach() if w.dtype == torch.float64 else w.detach().float()
 
@@ -122,12 +129,14 @@ def quant_params(w: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, t
     return scales, zeros.to(torch.int32)
 
 
-def round_to_codes(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, maxq: int) -> torch.Tensor:
+def round_to_codes(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                   maxq: int) -> torch.Tensor:
     """Codes of w [rows, cols] on the grid of (scales, zeros) [rows], as floats holding integers."""
     return torch.clamp(torch.round(w / scales[:, None]) + zeros[:, None].to(w.dtype), 0, maxq)
 
 
-def quantize_rtn(w: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = True) -> QuantizedWeight:
+def quantize_rtn(w: torch.Tensor, bits: int = 4, group_size: int = 128,
+                 sym: bool = True) -> QuantizedWeight:
     """Round each weight to the nearest point of its group's grid. w: [N, K] (nn.Linear layout)."""
     w = check_weight(w)
     maxq = check_bits(bits)
@@ -138,9 +147,11 @@ def quantize_rtn(w: torch.Tensor, bits: int = 4, group_size: int = 128, sym: boo
     codes = round_to_codes(groups, scales, zeros, maxq)               # N·G, gs
     g_idx = torch.arange(k, dtype=torch.int32, device=w.device) // gs
     return QuantizedWeight(codes=codes.reshape(n, k).to(torch.uint8), zeros=zeros.reshape(n, -1),
-                           scales=scales.reshape(n, -1), g_idx=g_idx, bits=bits, group_size=group_size, sym=sym)
+                           scales=scales.reshape(n, -1), g_idx=g_idx, bits=bits,
+                           group_size=group_size, sym=sym)
 
 
-def fake_quantize(w: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = True) -> torch.Tensor:
+def fake_quantize(w: torch.Tensor, bits: int = 4, group_size: int = 128,
+                  sym: bool = True) -> torch.Tensor:
     """Ŵ = dequantize(quantize_rtn(w)), in w's dtype: the error RTN makes, as a float weight."""
     return quantize_rtn(w, bits, group_size, sym).dequantize().to(w.dtype)

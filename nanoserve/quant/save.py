@@ -1,4 +1,5 @@
-"""Saving a quantized model in the GPTQ (v1) or compressed-tensors format, so that other tools load it too.
+"""Saving a quantized model in the GPTQ (v1) or compressed-tensors format, so that other tools load
+it too.
 
 A GPTQ checkpoint is an ordinary HF directory (config.json + model.safetensors) where each
 quantized linear `<name>.weight` is replaced by `<name>.qweight / .qzeros / .scales / .g_idx`
@@ -26,18 +27,21 @@ from .packing import pack_gptq
 from .qlinear import QuantLinear
 
 
-def replace_linears(model: nn.Module, qweights: dict, dtype: torch.dtype | None = None) -> nn.Module:
+def replace_linears(model: nn.Module, qweights: dict,
+                    dtype: torch.dtype | None = None) -> nn.Module:
     """Swap each nn.Linear named in `qweights` (name → QuantizedWeight) for a packed QuantLinear."""
     for name, qw in qweights.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         lin = getattr(parent, child)
         if not isinstance(lin, nn.Linear):
-            raise NanoserveError(f"{name} is a {type(lin).__name__}, not an nn.Linear; it cannot be quantized")
+            raise NanoserveError(f"{name} is a {type(lin).__name__}, not an nn.Linear; it cannot "
+                                 "be quantized")
         try:
             q = QuantLinear.from_quantized(qw, lin.bias, dtype or lin.weight.dtype)
         except ValueError as e:
-            raise NanoserveError(f"{name} [{lin.out_features}, {lin.in_features}] cannot be packed: {e}") from e
+            raise NanoserveError(f"{name} [{lin.out_features}, {lin.in_features}] cannot be "
+                                 f"packed: {e}") from e
         setattr(parent, child, q)
     return model
 
@@ -51,18 +55,20 @@ def save_quantized(model: nn.Module, result: QuantizeResult, directory: str | os
     (transformers + a GPTQ backend, vLLM) load the result."""
     odd = [r.name for r in result.layers if r.group_size != result.config.group_size]
     if odd:
-        raise NanoserveError(f"the GPTQ format has one group size per model; {odd[0]} (and {len(odd) - 1} more) "
-                             f"fell back to one group per row because its width is not a multiple of "
-                             f"group_size={result.config.group_size}; pick a group size that divides every "
-                             f"layer's input width, or -1")
+        raise NanoserveError(f"the GPTQ format has one group size per model; {odd[0]} (and "
+                             f"{len(odd) - 1} more) fell back to one group per row because its "
+                             f"width is not a multiple of group_size={result.config.group_size}; "
+                             "pick a group size that divides every layer's input width, or -1")
     replaced = {}
     for name, qw in result.qweights.items():
         try:
             replaced[name] = pack_gptq(qw.codes, qw.zeros, qw.scales, qw.g_idx, qw.bits)
         except ValueError as e:
-            hint = (" Quantize with sym=True (zero points are then 2^(bits-1))" if not result.config.sym
+            hint = (" Quantize with sym=True (zero points are then "
+                    "2^(bits-1))" if not result.config.sym
                     and "zero" in str(e) else "")
-            raise NanoserveError(f"{name} cannot be written in the GPTQ v1 format: {e}.{hint}") from e
+            raise NanoserveError(f"{name} cannot be written in the GPTQ v1 format: "
+                                 f"{e}.{hint}") from e
         bias = model.get_submodule(name).bias
         if bias is not None:
             # the model's own dtype: GPTQ readers cast it anyway, and fp16 here would make the reloaded
@@ -70,7 +76,8 @@ def save_quantized(model: nn.Module, result: QuantizeResult, directory: str | os
             replaced[name]["bias"] = bias.detach()
     out = save_checkpoint(model, directory, replaced, result.config.hf_config())
     # AutoGPTQ reads its settings from quantize_config.json, not from config.json
-    (out / "quantize_config.json").write_text(json.dumps(quantize_config(result.config), indent=2) + "\n")
+    (out / "quantize_config.json").write_text(json.dumps(quantize_config(result.config),
+                                                         indent=2) + "\n")
     if tokenizer_from is not None:
         _copy_tokenizer(tokenizer_from, out)
     return out
@@ -78,8 +85,9 @@ def save_quantized(model: nn.Module, result: QuantizeResult, directory: str | os
 
 def save_compressed(model: nn.Module, directory: str | os.PathLike,
                     tokenizer_from: str | os.PathLike | None = None) -> Path:
-    """Write a model whose block linears are 8-bit (W8A8Linear, FP8Linear) or 4-bit QuantLinears in the
-    compressed-tensors format (compressed_tensors.py): llmcompressor's, which vLLM and transformers read."""
+    """Write a model whose block linears are 8-bit (W8A8Linear, FP8Linear) or 4-bit QuantLinears in
+    the compressed-tensors format (compressed_tensors.py): llmcompressor's, which vLLM and
+    transformers read."""
     check_compressed_target(model.config)
     replaced, qcfg = compressed_tensors.tensors_and_config(model)
     out = save_checkpoint(model, directory, replaced, qcfg)
@@ -89,29 +97,37 @@ def save_compressed(model: nn.Module, directory: str | os.PathLike,
 
 
 def check_compressed_target(cfg) -> None:
-    """compressed-tensors names the layers it leaves float by their HF names, and transformers reads the file
-    as it is: refuse the models whose HF layout differs from nanoserve's (before any quantization runs)."""
+    """compressed-tensors names the layers it leaves float by their HF names, and transformers reads
+    the file as it is: refuse the models whose HF layout differs from nanoserve's (before any
+    quantization runs)."""
     if cfg.arch == "gpt2":
-        raise NanoserveError("compressed-tensors quantizes nn.Linear modules; transformers' GPT-2 has Conv1D layers, "
-                             "so its checkpoint would not load: save GPT-2 in the GPTQ format")
+        raise NanoserveError("compressed-tensors quantizes nn.Linear modules; transformers' GPT-2 "
+                             "has Conv1D layers, so its checkpoint would not load: save GPT-2 in "
+                             "the GPTQ format")
     if cfg.hf_model_type in ("phi3", "mixtral") or getattr(cfg, "num_experts", 0):
-        raise NanoserveError(f"writing compressed-tensors for model_type={cfg.hf_model_type!r} is not supported: its "
-                             "HF layout (fused or renamed layers, experts) differs from nanoserve's")
+        raise NanoserveError(f"writing compressed-tensors for model_type={cfg.hf_model_type!r} is "
+                             "not supported: its HF layout (fused or renamed layers, experts) "
+                             "differs from nanoserve's")
 
 
 def quantize_config(config) -> dict:
-    """AutoGPTQ's quantize_config.json for a QuantizeConfig (the same settings as config.json's block)."""
+    """AutoGPTQ's quantize_config.json for a QuantizeConfig (the same settings as config.json's
+    block)."""
     return {"bits": config.bits, "group_size": config.group_size, "damp_percent": config.damp,
-            "desc_act": config.act_order, "static_groups": False, "sym": config.sym, "true_sequential": True,
+            "desc_act": config.act_order, "static_groups": False, "sym": config.sym,
+            "true_sequential": True,
             "model_name_or_path": None, "model_file_base_name": "model", "quant_method": "gptq",
             "checkpoint_format": "gptq"}
 
 
-# the files a tokenizer (and a chat template) may live in: copied by name, whatever their size (a Llama-2
-# tokenizer.json is 3.6 MB); never the weights (a llama2.c checkpoint is a .bin too, but not tok*.bin)
+# the files a tokenizer (and a chat template) may live in: copied by name, whatever their size (a
+# Llama-2 tokenizer.json is 3.6 MB); never the weights (a llama2.c checkpoint is a .bin too, but not
+# tok*.bin)
 TOKENIZER_FILES = ("tokenizer*.json", "tokenizer*.model", "tokenizer*.bin", "tokenizer*.tiktoken", "tok*.bin",
-                   "tiktoken_config.json", "vocab.json", "merges.txt", "encoder.json", "vocab.bpe", "vocab.txt",
-                   "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "tiktoken_config.json", "vocab.json", "merges.txt", "encoder.json", "vocab.bpe",
+                   "vocab.txt",
+                   "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+                   "chat_template.json",
                    "generation_config.json")
 
 

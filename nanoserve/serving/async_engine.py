@@ -27,9 +27,9 @@ A consumer that stops iterating (a client that disconnected) aborts its request;
 applied before the next step, which frees its blocks. A request that fails inside a step (the
 engine already freed its blocks) raises `RequestFailedError` in its own consumer only; an error
 that escapes `step()` is fatal by construction (errors.is_fatal), so every consumer gets it and
-the engine takes no more requests (`on_fatal` tells whoever asked, e.g. the server, which then exits).
-vLLM's AsyncLLMEngine has this shape (requests and aborts queued, applied between steps); it later moved the
-engine to its own process. Taught in notebooks/09_*.
+the engine takes no more requests (`on_fatal` tells whoever asked, e.g. the server, which then
+exits). vLLM's AsyncLLMEngine has this shape (requests and aborts queued, applied between steps); it
+later moved the engine to its own process. Taught in notebooks/09_*.
 """
 
 from __future__ import annotations
@@ -55,19 +55,23 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, step_in_thread: bool = True):
         self.engine = engine
         self._queues: dict[str, asyncio.Queue] = {}  # request id → its consumer's outputs
-        self._new: dict[str, Request] = {}  # validated requests (by id) waiting for a gap between steps
+        # validated requests (by id) waiting for a gap between steps
+        self._new: dict[str, Request] = {}
         self._aborts: set[str] = set()
         self._ids = itertools.count()
         self._executor = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-step")
                           if step_in_thread else None)
         self._loop_task: asyncio.Task | None = None
         self._stepping = False  # a step is running on the worker thread: leave the engine alone
-        self.error: BaseException | None = None  # a step failed: the engine may be inconsistent, serve no more
-        self.on_fatal: list = []  # called with that error once every consumer has it (a server exits: serve())
+        # a step failed: the engine may be inconsistent, serve no more
+        self.error: BaseException | None = None
+        # called with that error once every consumer has it (a server exits: serve())
+        self.on_fatal: list = []
         self.num_steps = 0  # steps run so far (tests count how many steps an abort takes)
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None,
                     priority: int = 0) -> tuple[str, asyncio.Queue]:
         """Validate and queue a request (entering the engine at the next gap between steps).
 
@@ -79,8 +83,8 @@ class AsyncLLMEngine:
         return self.submit(self.engine.new_request(prompt, params, rid, priority))
 
     def submit(self, req: Request) -> tuple[str, asyncio.Queue]:
-        """Queue a request made by `LLMEngine.new_request` (which may run on any thread); returns its
-        id and the queue its outputs arrive on. Must be called from the event loop."""
+        """Queue a request made by `LLMEngine.new_request` (which may run on any thread); returns
+        its id and the queue its outputs arrive on. Must be called from the event loop."""
         self._check_alive()
         rid = req.output.request_id
         if rid in self._queues:
@@ -88,7 +92,8 @@ class AsyncLLMEngine:
         limit = self.engine.scheduler.config.max_waiting
         waiting = len(self.engine.scheduler.waiting) + len(self._new)
         if limit is not None and waiting >= limit:
-            raise QueueFullError(f"the waiting queue is full ({waiting} requests, max_waiting={limit}); retry later")
+            raise QueueFullError(f"the waiting queue is full ({waiting} requests, "
+                                 f"max_waiting={limit}); retry later")
         self._new[rid] = req
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
@@ -98,10 +103,11 @@ class AsyncLLMEngine:
 
     def _check_alive(self) -> None:
         if self.error is not None:
-            raise EngineDeadError(f"the engine failed earlier ({type(self.error).__name__}: {self.error}) and "
-                                  "takes no more requests; restart the server")
+            raise EngineDeadError(f"the engine failed earlier ({type(self.error).__name__}: "
+                                  f"{self.error}) and takes no more requests; restart the server")
 
-    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None,
+                       request_id: str | None = None,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield the request's output (a snapshot) each step it advances; the last one is finished.
 
@@ -118,9 +124,11 @@ class AsyncLLMEngine:
                 out = await queue.get()
                 if isinstance(out, BaseException):
                     raise out
-                if out.error is not None:  # this request alone failed inside a step; the engine goes on
+                # this request alone failed inside a step; the engine goes on
+                if out.error is not None:
                     finished = True
-                    if out.error_is_bad_input:  # its grammar went over a limit: the client's to mend
+                    # its grammar went over a limit: the client's to mend
+                    if out.error_is_bad_input:
                         raise NanoserveError(f"request {rid} failed: {out.error}")
                     raise RequestFailedError(f"request {rid} failed inside the engine: {out.error}")
                 finished = out.finished
@@ -142,12 +150,14 @@ class AsyncLLMEngine:
 
     @property
     def num_pending(self) -> int:
-        """Requests accepted but not yet in the engine (they enter at the next gap between steps)."""
+        """Requests accepted but not yet in the engine (they enter at the next gap between
+        steps)."""
         return len(self._new)
 
     @property
     def errored(self) -> bool:
-        """A step failed (every consumer got the error) and no request is taken since: report unhealthy."""
+        """A step failed (every consumer got the error) and no request is taken since: report
+        unhealthy."""
         return self.error is not None
 
     # ------------------------------------------------------------------ the loop
@@ -173,8 +183,10 @@ class AsyncLLMEngine:
                 continue
             try:
                 outs = await self._step_async()
-            except Exception as e:  # shared state broke (step() keeps per-request faults to their request):
-                self.error = e      # every consumer gets the error, no one new is let in; a server reports 503
+            # shared state broke (step() keeps per-request faults to their request):
+            except Exception as e:
+                # every consumer gets the error, no one new is let in; a server reports 503
+                self.error = e
                 for rid in list(self._queues):
                     self._deliver(rid, e)
                 for callback in self.on_fatal:

@@ -58,7 +58,8 @@ class ChatTemplate:
             raise NanoserveError(f"the chat template does not parse: {e}") from e
         self.source, self.bos_token, self.eos_token = source, bos_token, eos_token
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, kwargs: dict | None = None,
+    def render(self, messages: list[dict], add_generation_prompt: bool = True,
+               kwargs: dict | None = None,
                tools: list[dict] | None = None) -> str:
         """The template rendered; `kwargs` are extra variables (vLLM's chat_template_kwargs, e.g.
         enable_thinking), which cannot replace the ones set here; `tools` (function definitions) are
@@ -67,15 +68,20 @@ class ChatTemplate:
 
         check_messages(messages)
         kwargs = kwargs or {}
-        taken = sorted({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"} & set(kwargs))
+        taken = sorted({"messages", "add_generation_prompt", "bos_token", "eos_token",
+                        "tools"} & set(kwargs))
         if taken:
-            raise NanoserveError(f"chat_template_kwargs may not set {', '.join(taken)} (set by the request itself)")
+            raise NanoserveError(f"chat_template_kwargs may not set {', '.join(taken)} (set by the "
+                                 "request itself)")
         try:
             if tools is not None:
                 kwargs = {**kwargs, "tools": tools}
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
-        except jinja2.TemplateError as e:  # raise_exception() in the template: e.g. roles out of order
+            return self.template.render(messages=messages,
+                                        add_generation_prompt=add_generation_prompt,
+                                        bos_token=self.bos_token or "",
+                                        eos_token=self.eos_token or "", **kwargs)
+        # raise_exception() in the template: e.g. roles out of order
+        except jinja2.TemplateError as e:
             raise NanoserveError(f"the model's chat template rejected the messages: {e}") from e
 
     def encode(self, messages: list[dict], tokenizer: Tokenizer, add_generation_prompt: bool = True,
@@ -84,7 +90,8 @@ class ChatTemplate:
         if tokenizer is None:
             raise NanoserveError("chat needs a tokenizer and this model was loaded without one; "
                                  "use /v1/completions with token-id prompts")
-        return encode_with_special_tokens(self.render(messages, add_generation_prompt, kwargs, tools), tokenizer)
+        return encode_with_special_tokens(self.render(messages, add_generation_prompt, kwargs,
+                                                      tools), tokenizer)
 
 
 def encode_with_special_tokens(text: str, tokenizer: Tokenizer) -> list[int]:
@@ -116,12 +123,14 @@ def check_messages(messages: object) -> None:
         calls = isinstance(m, dict) and m.get("role") == "assistant" and bool(m.get("tool_calls"))
         if not isinstance(m, dict) or m.get("role") not in ROLES or not (
                 isinstance(m.get("content"), str) or (calls and m.get("content") is None)):
-            raise NanoserveError(f"messages[{i}] must have a role in {ROLES} and a string content (null only "
-                                 f"beside an assistant's tool_calls), got {m!r:.200}")
+            raise NanoserveError(f"messages[{i}] must have a role in {ROLES} and a string content "
+                                 f"(null only beside an assistant's tool_calls), got {m!r:.200}")
 
 
-def load_chat_template(model: str | os.PathLike, tokenizer: Tokenizer | None = None) -> ChatTemplate | None:
-    """The chat template stored with a model (name, HF directory or .bin file); None if it has none."""
+def load_chat_template(model: str | os.PathLike,
+                       tokenizer: Tokenizer | None = None) -> ChatTemplate | None:
+    """The chat template stored with a model (name, HF directory or .bin file); None if it has
+    none."""
     path = resolve_model_path(model)
     folder = path if path.is_dir() else path.parent
     config = _read_json(folder / "tokenizer_config.json")
@@ -138,19 +147,22 @@ def load_chat_template(model: str | os.PathLike, tokenizer: Tokenizer | None = N
                         _token_text(config.get("eos_token"), tokenizer, "eos_id"))
 
 
-def read_chat_template_file(path: str | os.PathLike, tokenizer: Tokenizer | None = None) -> ChatTemplate:
+def read_chat_template_file(path: str | os.PathLike,
+                            tokenizer: Tokenizer | None = None) -> ChatTemplate:
     """A template given on its own (`nanoserve serve --chat-template FILE`)."""
     try:
         source = Path(path).read_text(encoding="utf-8")
     except OSError as e:
-        raise NanoserveError(f"cannot read the chat template {str(path)!r}: {e.strerror or e}") from None
+        raise NanoserveError(f"cannot read the chat template {str(path)!r}: "
+                             f"{e.strerror or e}") from None
     specials = {i: t for t, i in (tokenizer.special_tokens if tokenizer else {}).items()}
     return ChatTemplate(source, specials.get(getattr(tokenizer, "bos_id", None)),
                         specials.get(getattr(tokenizer, "eos_id", None)))
 
 
 def _token_text(value, tokenizer: Tokenizer | None, id_attr: str) -> str | None:
-    """tokenizer_config's "bos_token"/"eos_token" (a string or {"content": ...}), else the tokenizer's own."""
+    """tokenizer_config's "bos_token"/"eos_token" (a string or {"content": ...}), else the
+    tokenizer's own."""
     if isinstance(value, dict):
         value = value.get("content")
     if isinstance(value, str):

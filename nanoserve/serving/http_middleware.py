@@ -18,7 +18,8 @@ from fastapi.responses import JSONResponse
 from . import openai_api as api
 from .metrics import ServerMetrics
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
+             "/tokenize",
              "/detokenize", "/tokenizer_info")
 
 
@@ -68,7 +69,8 @@ class RequireKey:
         if self.expected is not None and guarded:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
-                body = api.error_body("missing or invalid API key: send the header 'Authorization: Bearer <key>'",
+                body = api.error_body("missing or invalid API key: send the header "
+                                      "'Authorization: Bearer <key>'",
                                       "authentication_error", "invalid_api_key")
                 return await JSONResponse(body, status_code=401)(scope, receive, send)
         await self.app(scope, receive, send)
@@ -87,7 +89,8 @@ class LimitBody:
     Refusing politely takes care: a client that is still sending when the server closes gets a TCP
     reset instead of the 413 (most HTTP clients send the whole body before reading). So the rest of
     the body is read and dropped first, up to `DRAIN_FACTOR` × the limit; a client that sent
-    `Expect: 100-continue` (curl does, for big bodies) has sent nothing yet and is answered at once."""
+    `Expect: 100-continue` (curl does, for big bodies) has sent nothing yet and is answered at
+    once."""
 
     DRAIN_FACTOR = 16
 
@@ -101,11 +104,13 @@ class LimitBody:
         declared = headers.get(b"content-length")
         if declared is not None and not declared.isdigit():
             return await self._refuse(scope, receive, send, 400,
-                                      f"Content-Length {declared.decode('latin-1')!r} is not a number of bytes")
+                                      f"Content-Length {declared.decode('latin-1')!r} is not a "
+                                      "number of bytes")
         if declared is not None and int(declared) > self.max_bytes:
             if headers.get(b"expect", b"").lower() != b"100-continue":
                 await self._drain(receive, int(declared))
-            return await self._refuse(scope, receive, send, 413, self._too_large(f"{int(declared)} bytes"))
+            return await self._refuse(scope, receive, send, 413,
+                                      self._too_large(f"{int(declared)} bytes"))
         pieces, size = [], 0
         while True:
             message = await receive()
@@ -116,7 +121,8 @@ class LimitBody:
             if size > self.max_bytes:
                 more = message.get("more_body", False) and await self._drain(receive, size)
                 return await self._refuse(scope, receive, send, 413,
-                                          self._too_large(f"{'more than ' if more else ''}{size} bytes"))
+                                          self._too_large(f"{'more than ' if more else ''}{size} "
+                                                          "bytes"))
             if not message.get("more_body"):
                 break
         body, replayed = b"".join(pieces), False
@@ -149,5 +155,6 @@ class LimitBody:
 
     @staticmethod
     async def _refuse(scope, receive, send, status: int, message: str) -> None:
-        body = api.error_body(message, "invalid_request_error", "request_too_large" if status == 413 else None)
+        body = api.error_body(message, "invalid_request_error",
+                              "request_too_large" if status == 413 else None)
         await JSONResponse(body, status_code=status, headers={"Connection": "close"})(scope, receive, send)

@@ -4,8 +4,8 @@ Two kinds, as vLLM has them:
 - **events**, counted as they happen: HTTP requests by endpoint and status code; finished
   requests by finish reason; prompt and generated tokens; latency histograms observed when a
   request finishes, from the engine's own timestamps (TTFT = first token − arrival, every
-  inter-token gap, E2E = finish − arrival: the definitions of nanoserve/tools/metrics.py); speculative
-  decoding's drafted and accepted tokens.
+  inter-token gap, E2E = finish − arrival: the definitions of nanoserve/tools/metrics.py);
+  speculative decoding's drafted and accepted tokens.
 - **state**, read from the engine at scrape time (a custom collector, so a value is never stale):
   running and waiting requests, KV blocks total / free and the usage fraction, prefix-cache
   queries and hits (block lookups; hit rate = hits / queries), preemptions, and the speculative
@@ -31,20 +31,25 @@ class ServerMetrics:
     def __init__(self, engine: LLMEngine, pending=lambda: 0):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.http_requests = Counter("nanoserve_http_requests", "HTTP requests by endpoint and status code",
+        self.http_requests = Counter("nanoserve_http_requests",
+                                     "HTTP requests by endpoint and status code",
                                      ["endpoint", "status"], registry=r)
-        self.finished = Counter("nanoserve_request_finished", "Finished requests by finish reason (per choice)",
+        self.finished = Counter("nanoserve_request_finished",
+                                "Finished requests by finish reason (per choice)",
                                 ["finish_reason"], registry=r)
-        self.prompt_tokens = Counter("nanoserve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.prompt_tokens = Counter("nanoserve_prompt_tokens",
+                                     "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("nanoserve_generation_tokens", "Generated tokens", registry=r)
         self.ttft = Histogram("nanoserve_time_to_first_token_seconds", "Time to first token",
                               buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("nanoserve_inter_token_latency_seconds", "Time between consecutive output tokens",
+        self.itl = Histogram("nanoserve_inter_token_latency_seconds",
+                             "Time between consecutive output tokens",
                              buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram("nanoserve_e2e_request_latency_seconds", "Arrival to finish",
                              buckets=LATENCY_BUCKETS, registry=r)
         self.spec_draft = Counter("nanoserve_spec_decode_draft_tokens", "Draft tokens proposed", registry=r)
-        self.spec_accepted = Counter("nanoserve_spec_decode_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.spec_accepted = Counter("nanoserve_spec_decode_accepted_tokens",
+                                     "Draft tokens accepted", registry=r)
         self.spec_totals = [0, 0]  # drafted, accepted: for the acceptance-rate gauge
         self.registry.register(_EngineCollector(engine, pending, self))
 
@@ -78,28 +83,35 @@ class _EngineCollector:
 
     def collect(self):
         s = self.engine.stats()
-        gauges = [("nanoserve_num_requests_running", "Requests in the running batch", s.num_running),
+        gauges = [("nanoserve_num_requests_running", "Requests in the running batch",
+                   s.num_running),
                   ("nanoserve_num_requests_waiting", "Requests waiting to be scheduled",
                    s.num_waiting + self.pending()),
                   ("nanoserve_kv_cache_blocks_total", "KV cache blocks in the pool", s.num_blocks),
-                  ("nanoserve_kv_cache_blocks_free", "KV cache blocks no sequence holds", s.num_free_blocks),
+                  ("nanoserve_kv_cache_blocks_free", "KV cache blocks no sequence holds",
+                   s.num_free_blocks),
                   ("nanoserve_kv_cache_usage_ratio", "Fraction of KV blocks in use",
                    1 - s.num_free_blocks / s.num_blocks),
                   ("nanoserve_prefix_cache_hit_rate", "Prefix-cache block hits / lookups",
                    s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0),
                   ("nanoserve_grammar_cache_entries", "Compiled structured-output grammars kept",
                    self.engine.inputs.grammars.num_cached),
-                  ("nanoserve_grammar_cache_bytes_bound", "The most the kept grammars can hold (bytes)",
+                  ("nanoserve_grammar_cache_bytes_bound",
+                   "The most the kept grammars can hold (bytes)",
                    self.engine.inputs.grammars.cached_bytes_bound)]
         if self.engine.spec is not None:
             drafted, accepted = self.metrics.spec_totals
-            gauges.append(("nanoserve_spec_decode_acceptance_rate", "Accepted / drafted tokens of finished requests",
+            gauges.append(("nanoserve_spec_decode_acceptance_rate",
+                           "Accepted / drafted tokens of finished requests",
                            accepted / drafted if drafted else 0.0))
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
-        for name, doc, value in [("nanoserve_prefix_cache_queries", "Prompt blocks looked up in the prefix cache",
+        for name, doc, value in [("nanoserve_prefix_cache_queries",
+                                  "Prompt blocks looked up in the prefix cache",
                                   s.prefix_cache_queries),
-                                 ("nanoserve_prefix_cache_hits", "Prompt blocks found in the prefix cache",
+                                 ("nanoserve_prefix_cache_hits",
+                                  "Prompt blocks found in the prefix cache",
                                   s.prefix_cache_hits),
-                                 ("nanoserve_num_preemptions", "Sequences preempted so far", s.num_preemptions)]:
+                                 ("nanoserve_num_preemptions", "Sequences preempted so far",
+                                  s.num_preemptions)]:
             yield CounterMetricFamily(name, doc, value=value)

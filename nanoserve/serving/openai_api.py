@@ -50,7 +50,8 @@ from .openai_responses import (
 )
 
 __all__ = ["BaseRequest", "CompletionRequest", "StreamOptions", "NO_OP_VALUES", "chat_chunk",
-           "chat_logprobs", "chat_response", "completion_chunk", "completion_logprobs", "completion_response",
+           "chat_logprobs", "chat_response", "completion_chunk", "completion_logprobs",
+           "completion_response",
            "echo_text", "error_body", "finish_reason", "new_id", "now", "usage", "usage_chunk"]
 
 # OpenAI fields we accept only at the value that means "off"
@@ -94,7 +95,8 @@ class BaseRequest(BaseModel):
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     prompt_logprobs: int | None = None
-    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_*
+    # fields
     response_format: dict | None = None
     structured_outputs: dict | None = None
     guided_json: dict | str | None = None
@@ -115,9 +117,9 @@ class BaseRequest(BaseModel):
                if k in set_fields and getattr(self, k, None) not in allowed]
         if bad:
             one = len(bad) == 1
-            raise NanoserveError(f"unsupported field{'' if one else 's'} {', '.join(bad)}: nanoserve does not "
-                                 f"implement {'it' if one else 'them'} (leave {'it' if one else 'them'} unset, "
-                                 "or at the default)")
+            raise NanoserveError(f"unsupported field{'' if one else 's'} {', '.join(bad)}: "
+                                 f"nanoserve does not implement {'it' if one else 'them'} (leave "
+                                 f"{'it' if one else 'them'} unset, or at the default)")
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """The request's SamplingParams (SamplingParams raises NanoserveError on bad values)."""
@@ -127,9 +129,11 @@ class BaseRequest(BaseModel):
         max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
         kw = dict(temperature=1.0 if self.temperature is None else self.temperature,
                   top_p=1.0 if self.top_p is None else self.top_p,
-                  top_k=0 if self.top_k in (None, -1) else self.top_k,  # vLLM's -1 = off, like our 0
+                  # vLLM's -1 = off, like our 0
+                  top_k=0 if self.top_k in (None, -1) else self.top_k,
                   min_p=self.min_p or 0.0, presence_penalty=self.presence_penalty or 0.0,
-                  frequency_penalty=self.frequency_penalty or 0.0, logit_bias=_token_keys(self.logit_bias),
+                  frequency_penalty=self.frequency_penalty or 0.0,
+                  logit_bias=_token_keys(self.logit_bias),
                   repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                   max_tokens=max_tokens, min_tokens=self.min_tokens, n=self.n, seed=self.seed,
                   ignore_eos=self.ignore_eos, stop_token_ids=list(self.stop_token_ids or ()),
@@ -140,16 +144,20 @@ class BaseRequest(BaseModel):
         return SamplingParams(**kw)
 
     def token_logprobs(self) -> int | None:
-        """How many top logprobs per generated token (None: none at all); each endpoint spells it its way."""
+        """How many top logprobs per generated token (None: none at all); each endpoint spells it
+        its way."""
         raise NotImplementedError
 
     def constraint(self) -> StructuredOutputsParams | None:
-        """The one structured-output constraint the body asks for, however it is spelled; None for none."""
-        given = {k: getattr(self, k) for k in ("response_format", "structured_outputs", "guided_json",
+        """The one structured-output constraint the body asks for, however it is spelled; None for
+        none."""
+        given = {k: getattr(self, k) for k in ("response_format", "structured_outputs",
+                                               "guided_json",
                                                "guided_regex", "guided_choice", "guided_grammar")
                  if getattr(self, k) is not None and getattr(self, k) != {"type": "text"}}
         if len(given) > 1:
-            raise NanoserveError(f"give one structured-output constraint, not {len(given)} ({', '.join(given)})")
+            raise NanoserveError(f"give one structured-output constraint, not {len(given)} "
+                                 f"({', '.join(given)})")
         if not given:
             return None
         (field, value), = given.items()
@@ -169,8 +177,8 @@ def _checked_keys(value: dict, field: str, allowed: tuple) -> dict:
 
 
 def _response_format(value: dict) -> dict:
-    """OpenAI's response_format: {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name",
-    "schema", "strict", "description"}} (or {"type": "text"}, no constraint)."""
+    """OpenAI's response_format: {"type": "json_object"} or {"type": "json_schema", "json_schema":
+    {"name", "schema", "strict", "description"}} (or {"type": "text"}, no constraint)."""
     kind = value.get("type")
     if kind == "json_object":
         _checked_keys(value, "response_format", ("type",))
@@ -179,10 +187,13 @@ def _response_format(value: dict) -> dict:
         _checked_keys(value, "response_format", ("type", "json_schema"))
         spec = value.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-            raise NanoserveError('response_format.json_schema must be an object {"name": ..., "schema": {...}}')
-        _checked_keys(spec, "response_format.json_schema", ("name", "schema", "strict", "description"))
+            raise NanoserveError('response_format.json_schema must be an object {"name": ..., '
+                                 '"schema": {...}}')
+        _checked_keys(spec, "response_format.json_schema",
+                      ("name", "schema", "strict", "description"))
         return {"json": spec.get("schema", {})}
-    raise NanoserveError(f"response_format.type={kind!r}: allowed are 'text', 'json_object', 'json_schema'")
+    raise NanoserveError(f"response_format.type={kind!r}: allowed are 'text', 'json_object', "
+                         "'json_schema'")
 
 
 TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,18}")  # ASCII digits (str.isdigit also takes "²" and "①")
@@ -213,9 +224,11 @@ class CompletionRequest(BaseRequest):
         params = super().sampling_params(default_max_tokens)
         if self.echo and self.logprobs is not None:
             if self.prompt_logprobs not in (None, self.logprobs):
-                raise NanoserveError(f"echo with logprobs={self.logprobs} returns the prompt's logprobs at that k; "
-                                     f"prompt_logprobs={self.prompt_logprobs} contradicts it")
-            params.prompt_logprobs = self.logprobs  # echo: the prompt tokens' logprobs too (legacy format)
+                raise NanoserveError(f"echo with logprobs={self.logprobs} returns the prompt's "
+                                     f"logprobs at that k; prompt_logprobs={self.prompt_logprobs} "
+                                     "contradicts it")
+            # echo: the prompt tokens' logprobs too (legacy format)
+            params.prompt_logprobs = self.logprobs
         return params
 
     def prompts(self) -> list[str | list[int]]:
@@ -224,5 +237,6 @@ class CompletionRequest(BaseRequest):
         if isinstance(p, str) or (p and isinstance(p[0], int)):
             return [p]
         if not p:
-            raise NanoserveError("prompt is empty; give a string, a list of token ids, or a list of either")
+            raise NanoserveError("prompt is empty; give a string, a list of token ids, or a list "
+                                 "of either")
         return list(p)

@@ -1,6 +1,6 @@
-"""Chat-completion request bodies: messages (text, the assistant's tool calls, tool results), tools and
-tool_choice (tool_calls.py), logprobs, and vLLM's template options; the fields both endpoints share
-are openai_api.BaseRequest's.
+"""Chat-completion request bodies: messages (text, the assistant's tool calls, tool results), tools
+and tool_choice (tool_calls.py), logprobs, and vLLM's template options; the fields both endpoints
+share are openai_api.BaseRequest's.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ class ChatMessage(BaseModel):
         if v is None or isinstance(v, str):
             return v
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in v):
-            raise ValueError('content parts must all be {"type": "text", "text": ...}; nanoserve serves text only')
+            raise ValueError('content parts must all be {"type": "text", "text": ...}; nanoserve '
+                             'serves text only')
         return "".join(p["text"] for p in v)
 
     @model_validator(mode="after")
@@ -76,7 +77,8 @@ class ChatCompletionRequest(BaseRequest):
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False  # each generated token's logprob ...
     top_logprobs: int | None = None  # ... and the top k (0 to 20), only with logprobs
-    add_generation_prompt: bool = True  # vLLM's: end the rendered prompt with the assistant's header
+    # vLLM's: end the rendered prompt with the assistant's header
+    add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the template
 
     def token_logprobs(self) -> int | None:
@@ -90,7 +92,8 @@ class ChatCompletionRequest(BaseRequest):
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         if self.max_completion_tokens is not None:
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
-                raise NanoserveError("give max_tokens or max_completion_tokens, not two different values")
+                raise NanoserveError("give max_tokens or max_completion_tokens, not two different "
+                                     "values")
             self.max_tokens = self.max_completion_tokens
         return super().sampling_params(default_max_tokens)
 
@@ -105,13 +108,15 @@ class ChatCompletionRequest(BaseRequest):
         if mode is None:
             return own
         if own is not None:
-            raise NanoserveError(f"tool_choice={self.tool_choice!r:.60} already constrains the output; "
-                                 "drop response_format / structured_outputs")
+            raise NanoserveError(f"tool_choice={self.tool_choice!r:.60} already constrains the "
+                                 "output; drop response_format / structured_outputs")
         return StructuredOutputsParams(json=schema)
 
     def template_options(self) -> dict:
-        """ChatTemplate.encode's options: add_generation_prompt, chat_template_kwargs (vLLM's), tools."""
-        return {"add_generation_prompt": self.add_generation_prompt, "kwargs": self.chat_template_kwargs,
+        """ChatTemplate.encode's options: add_generation_prompt, chat_template_kwargs (vLLM's),
+        tools."""
+        return {"add_generation_prompt": self.add_generation_prompt,
+                "kwargs": self.chat_template_kwargs,
                 "tools": self.tools or None}
 
     def message_dicts(self) -> list[dict]:

@@ -44,10 +44,12 @@ def echo_text(out: RequestOutput, tokenizer) -> str:
     return tokenizer.decode(out.prompt_token_ids) if tokenizer is not None else ""
 
 
-def legacy(entries: Sequence[dict | None], token_ids: Sequence[int], tokenizer, offset: int = 0) -> dict:
-    """Completions' shape for tokens `token_ids` with their entries (None: no logprob, the first prompt
-    token); `offset` is where the first token's text starts in the choice's text."""
-    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+def legacy(entries: Sequence[dict | None], token_ids: Sequence[int], tokenizer,
+           offset: int = 0) -> dict:
+    """Completions' shape for tokens `token_ids` with their entries (None: no logprob, the first
+    prompt token); `offset` is where the first token's text starts in the choice's text."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                            "text_offset": []}
     for entry, token in zip(entries, token_ids):
         text = _text(None if entry is None else entry[token], token, tokenizer)
         out["tokens"].append(text)
@@ -61,8 +63,8 @@ def legacy(entries: Sequence[dict | None], token_ids: Sequence[int], tokenizer, 
 
 def completion_logprobs(out: RequestOutput, c: CompletionOutput, start: int, echo: bool, tokenizer,
                         offset: int) -> dict | None:
-    """A choice's logprobs for its tokens from `start` on (a stream sends them in pieces), the prompt's
-    first when echoing; None when the request did not ask for logprobs."""
+    """A choice's logprobs for its tokens from `start` on (a stream sends them in pieces), the
+    prompt's first when echoing; None when the request did not ask for logprobs."""
     if c.logprobs is None:
         return None
     entries, ids = list(c.logprobs[start:]), list(c.token_ids[start:])
@@ -77,19 +79,22 @@ def _chat_token(lp: Logprob, token: int, tokenizer) -> dict:
 
 
 def chat_logprobs(c: CompletionOutput, start: int, k: int, tokenizer) -> dict | None:
-    """Chat's shape for a choice's tokens from `start` on; k = top_logprobs. None without logprobs."""
+    """Chat's shape for a choice's tokens from `start` on; k = top_logprobs. None without
+    logprobs."""
     if c.logprobs is None:
         return None
     content = []
     for entry, token in zip(c.logprobs[start:], c.token_ids[start:]):
-        top = sorted(((t, lp) for t, lp in entry.items() if len(entry) <= k or t != token), key=lambda x: x[1].rank)
+        top = sorted(((t, lp) for t, lp in entry.items() if len(entry) <= k or t != token),
+                     key=lambda x: x[1].rank)
         content.append({**_chat_token(entry[token], token, tokenizer),
                         "top_logprobs": [_chat_token(lp, t, tokenizer) for t, lp in top[:k]]})
     return {"content": content, "refusal": None}
 
 
 def prompt_logprobs_json(entries: Sequence[dict | None]) -> list:
-    """vLLM's `prompt_logprobs` field: per prompt token None (the first) or {token id: {logprob, rank,
-    decoded_token}}, ids as JSON keys (strings)."""
-    return [None if e is None else {str(t): {"logprob": _value(lp), "rank": lp.rank, "decoded_token": lp.decoded_token}
+    """vLLM's `prompt_logprobs` field: per prompt token None (the first) or {token id: {logprob,
+    rank, decoded_token}}, ids as JSON keys (strings)."""
+    return [None if e is None else {str(t): {"logprob": _value(lp), "rank": lp.rank,
+                                             "decoded_token": lp.decoded_token}
                                     for t, lp in e.items()} for e in entries]

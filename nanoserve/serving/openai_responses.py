@@ -1,6 +1,6 @@
-"""The JSON the server answers with, as OpenAI shapes it: completion and chat responses, their stream
-chunks, `usage`, and the error object. Plain dicts (openai_schema.py documents them as schemas);
-logprobs come from openai_logprobs.py. Re-exported by openai_api.py.
+"""The JSON the server answers with, as OpenAI shapes it: completion and chat responses, their
+stream chunks, `usage`, and the error object. Plain dicts (openai_schema.py documents them as
+schemas); logprobs come from openai_logprobs.py. Re-exported by openai_api.py.
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ def new_id(prefix: str) -> str:
 
 
 def usage(outs: list[RequestOutput]) -> dict:
-    """Prompt tokens once per prompt, completion tokens of every sample (a final EOS included), and the
-    prompt tokens the prefix cache served (`prompt_tokens_details.cached_tokens`)."""
+    """Prompt tokens once per prompt, completion tokens of every sample (a final EOS included), and
+    the prompt tokens the prefix cache served (`prompt_tokens_details.cached_tokens`)."""
     prompt = sum(len(o.prompt_token_ids) for o in outs)
     completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)}}
 
 
@@ -29,11 +30,12 @@ def finish_reason(reason: str | None) -> str | None:
     return None if reason is None else ("length" if reason == "length" else "stop")
 
 
-def completion_response(rid: str, model: str, created: int, outs: list[RequestOutput], echo: bool = False,
+def completion_response(rid: str, model: str, created: int, outs: list[RequestOutput],
+                        echo: bool = False,
                         tokenizer=None, prompt_logprobs: bool = False) -> dict:
-    """`outs`: one finished RequestOutput per prompt, in prompt order; choice index = prompt · n + sample.
-    With `echo` each choice's text (and logprobs) starts with its prompt's; with `prompt_logprobs` (vLLM's
-    field) each choice carries them too."""
+    """`outs`: one finished RequestOutput per prompt, in prompt order; choice index = prompt · n +
+    sample. With `echo` each choice's text (and logprobs) starts with its prompt's; with
+    `prompt_logprobs` (vLLM's field) each choice carries them too."""
     n, choices = len(outs[0].outputs), []
     for i, o in enumerate(outs):
         prefix = echo_text(o, tokenizer) if echo else ""
@@ -41,40 +43,48 @@ def completion_response(rid: str, model: str, created: int, outs: list[RequestOu
         choices += [{"index": i * n + c.index, "text": prefix + c.text,
                      "logprobs": completion_logprobs(o, c, 0, echo, tokenizer, 0),
                      "finish_reason": finish_reason(c.finish_reason), **extra} for c in o.outputs]
-    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": choices,
             "usage": usage(outs)}
 
 
 def chat_response(rid: str, model: str, created: int, out: RequestOutput, top_logprobs: int = 0,
                   tokenizer=None, calls=None) -> dict:
-    """`calls(text) -> (content, tool_calls)` parses each choice's text for tool calls (tool_calls.py); the
-    prompt's logprobs (vLLM's `prompt_logprobs`) ride at the top level when the request asked for them."""
+    """`calls(text) -> (content, tool_calls)` parses each choice's text for tool calls
+    (tool_calls.py); the prompt's logprobs (vLLM's `prompt_logprobs`) ride at the top level when the
+    request asked for them."""
     choices = []
     for c in out.outputs:
         content, found = calls(c.text) if calls is not None else (c.text, [])
-        message = {"role": "assistant", "content": content, **({"tool_calls": found} if found else {})}
+        message = {"role": "assistant", "content": content,
+                   **({"tool_calls": found} if found else {})}
         reason = "tool_calls" if found and c.finish_reason != "length" else finish_reason(c.finish_reason)
-        choices.append({"index": c.index, "message": message, "logprobs": chat_logprobs(c, 0, top_logprobs, tokenizer),
+        choices.append({"index": c.index, "message": message,
+                        "logprobs": chat_logprobs(c, 0, top_logprobs, tokenizer),
                         "finish_reason": reason})
     extra = {} if out.prompt_logprobs is None else {"prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)}
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices,
             "usage": usage([out]), **extra}
 
 
 def completion_chunk(rid: str, model: str, created: int, index: int, text: str, reason: str | None,
                      logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(reason)}]}
+            "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                         "finish_reason": finish_reason(reason)}]}
 
 
 def chat_chunk(rid: str, model: str, created: int, index: int, delta: dict, reason: str | None,
                logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason(reason)}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                         "finish_reason": finish_reason(reason)}]}
 
 
 def usage_chunk(rid: str, model: str, created: int, obj: str, outs: list[RequestOutput]) -> dict:
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage(outs)}
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+            "usage": usage(outs)}
 
 
 def error_body(message: str, type_: str = "invalid_request_error", code: str | int | None = None,

@@ -204,8 +204,8 @@ class TokenizerInfo(_Doc):
 
 
 ERRORS = {
-    400: "a bad body: invalid JSON, a wrong type, an unknown or unsupported field, a value out of range, "
-         "a prompt longer than the context",
+    400: "a bad body: invalid JSON, a wrong type, an unknown or unsupported field, a value out of "
+         "range, a prompt longer than the context",
     401: "a missing or wrong API key (only when the server has one)",
     404: "an unknown model name",
     413: "a body larger than the server's --max-body-bytes",
@@ -214,9 +214,9 @@ ERRORS = {
     503: "the engine stopped after a fatal error; restart the server",
 }
 _GENERATION = (400, 401, 404, 413, 429, 500, 503)
-SSE_NOTE = ("with stream=true: server-sent events, one `data: <JSON>` per step in which a choice advanced, then "
-            "`data: [DONE]`; x-sse-data is the schema of each JSON (an error after the stream began is an "
-            "ErrorResponse event)")
+SSE_NOTE = ("with stream=true: server-sent events, one `data: <JSON>` per step in which a choice "
+            "advanced, then `data: [DONE]`; x-sse-data is the schema of each JSON (an error after "
+            "the stream began is an ErrorResponse event)")
 # (path, method) -> (the 200 body's model or media type, the stream chunk's model, error statuses)
 ROUTES: dict[tuple[str, str], tuple[type[BaseModel] | str, type[BaseModel] | None, tuple[int, ...]]] = {
     ("/v1/completions", "post"): (CompletionResponse, CompletionChunk, _GENERATION),
@@ -240,7 +240,8 @@ def _json(model: type[BaseModel]) -> dict:
 
 
 def document_responses(app) -> None:
-    """Replace FastAPI's generated responses in app.openapi() with the ones the server really gives."""
+    """Replace FastAPI's generated responses in app.openapi() with the ones the server really
+    gives."""
     generate = app.openapi
 
     def openapi() -> dict:
@@ -250,7 +251,8 @@ def document_responses(app) -> None:
         schemas = spec.setdefault("components", {}).setdefault("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):  # the 422 nobody sends
             schemas.pop(name, None)
-        models = [ErrorResponse, CompletionResponse, CompletionChunk, ChatCompletionResponse, ChatCompletionChunk,
+        models = [ErrorResponse, CompletionResponse, CompletionChunk, ChatCompletionResponse,
+                  ChatCompletionChunk,
                   ModelList, ModelCard, Health, Tokens, Detokenized, TokenizerInfo]
         for model in models:
             schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
@@ -262,11 +264,13 @@ def document_responses(app) -> None:
             else:
                 content = _json(ok)
             if chunk is not None:
-                content["text/event-stream"] = {"schema": {"type": "string", "description": SSE_NOTE},
+                content["text/event-stream"] = {"schema": {"type": "string",
+                                                           "description": SSE_NOTE},
                                                 "x-sse-data": {"oneOf": [_ref(chunk), _ref(ErrorResponse)]}}
             responses = {"200": {"description": "OK", "content": content}}
             for status in errors:
-                responses[str(status)] = {"description": ERRORS[status], "content": _json(ErrorResponse)}
+                responses[str(status)] = {"description": ERRORS[status],
+                                          "content": _json(ErrorResponse)}
             spec["paths"][path][method]["responses"] = responses
         app.openapi_schema = spec
         return spec

@@ -26,8 +26,9 @@ Failure is part of the interface, and /openapi.json documents it (openai_schema.
 - a full waiting queue (`--max-waiting`) → 429 with Retry-After; nothing is queued;
 - a request that fails inside the engine → 500 (or an error event in its stream) for it alone:
   its blocks go back, other requests and /health go on (errors.py draws the line);
-- an error that breaks shared state (errors.is_fatal) → /health and every later request 503; `serve` then stops
-  once the responses in flight are out and exits with status 1, as vLLM's server does (a supervisor restarts it);
+- an error that breaks shared state (errors.is_fatal) → /health and every later request 503; `serve`
+  then stops once the responses in flight are out and exits with status 1, as vLLM's server does (a
+  supervisor restarts it);
 - a client that disconnects — mid-stream, or while waiting for a plain response — aborts its
   request, which leaves the engine and frees its KV blocks before the next step.
 
@@ -76,9 +77,9 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
                chat_template: ChatTemplate | None = None, retry_after: int = 1,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, loras: dict | None = None,
                limits: ServerLimits | None = None) -> CountStatus:
-    """The ASGI app serving `engine` under `model_name`, and each LoRARequest of `loras` under its name (a
-    request's `model` picks one, as vLLM's --lora-modules); run it with uvicorn (see `serve`).
-    `limits`: what one request may ask for (limits.py)."""
+    """The ASGI app serving `engine` under `model_name`, and each LoRARequest of `loras` under its
+    name (a request's `model` picks one, as vLLM's --lora-modules); run it with uvicorn (see
+    `serve`). `limits`: what one request may ask for (limits.py)."""
     core, loras = engine.engine, loras or {}
     limits = limits or ServerLimits()
     metrics = ServerMetrics(core, pending=lambda: engine.num_pending)
@@ -91,11 +92,14 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
     app = FastAPI(title="nanoserve", lifespan=lifespan)
     app.state.engine, app.state.metrics = engine, metrics
     app.add_middleware(LimitBody, max_bytes=max_body_bytes)
-    app.add_middleware(RequireKey, api_key=api_key)  # outside LimitBody: no key, no body read at all
+    # outside LimitBody: no key, no body read at all
+    app.add_middleware(RequireKey, api_key=api_key)
 
     # ------------------------------------------------------------------ errors
-    def error(status: int, message: str, type_="invalid_request_error", code=None, headers=None) -> JSONResponse:
-        return JSONResponse(api.error_body(message, type_, code), status_code=status, headers=headers)
+    def error(status: int, message: str, type_="invalid_request_error", code=None,
+              headers=None) -> JSONResponse:
+        return JSONResponse(api.error_body(message, type_, code), status_code=status,
+                            headers=headers)
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
@@ -108,11 +112,13 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
     @app.exception_handler(NanoserveError)
     async def _bad_value(request, e: NanoserveError):
         if isinstance(e, QueueFullError):
-            return error(429, str(e), "rate_limit_error", "queue_full", {"Retry-After": str(retry_after)})
+            return error(429, str(e), "rate_limit_error", "queue_full",
+                         {"Retry-After": str(retry_after)})
         return error(400, str(e))
 
     @app.exception_handler(ClientGone)
-    async def _gone(request, e: ClientGone):  # nobody reads it: the client left, its requests were aborted
+    # nobody reads it: the client left, its requests were aborted
+    async def _gone(request, e: ClientGone):
         return error(499, str(e))
 
     @app.exception_handler(RequestFailedError)
@@ -125,17 +131,21 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
 
     @app.exception_handler(HTTPException)
     async def _http(request, e: HTTPException):  # unknown routes and methods, in OpenAI's shape too
-        return error(e.status_code, f"{request.method} {request.url.path}: {e.detail}", code=e.status_code)
+        return error(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
+                     code=e.status_code)
 
     @app.exception_handler(Exception)
-    async def _bug(request, e: Exception):  # logged by uvicorn with its traceback; the client gets JSON
+    # logged by uvicorn with its traceback; the client gets JSON
+    async def _bug(request, e: Exception):
         return error(500, f"internal error: {type(e).__name__}: {e}", "server_error")
 
     def check_model(name: str):
-        """The LoRARequest that `name` serves under, None for the base model; 404 for any other name."""
+        """The LoRARequest that `name` serves under, None for the base model; 404 for any other
+        name."""
         if name != model_name and name not in loras:
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
-                                f"{', '.join(map(repr, [model_name, *loras]))}", code="model_not_found")
+                                f"{', '.join(map(repr, [model_name, *loras]))}",
+                           code="model_not_found")
         return loras.get(name)
 
     # ------------------------------------------------------------------ plain endpoints
@@ -151,7 +161,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
 
     def card(name: str) -> dict:  # an adapter names the base model as its parent (vLLM's card)
         return {"id": name, "object": "model", "created": api.now(), "owned_by": "nanoserve",
-                "max_model_len": core.max_model_len, **({"parent": model_name} if name in loras else {})}
+                "max_model_len": core.max_model_len,
+                **({"parent": model_name} if name in loras else {})}
 
     @app.get("/v1/models")
     async def models():
@@ -166,11 +177,12 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
 
     # ------------------------------------------------------------------ generation
     async def add_all(prompts: list, params, rid: str, chat_messages: list[dict] | None = None,
-                      template_options: dict | None = None, lora=None) -> list[AsyncIterator[RequestOutput]]:
-        """Queue every prompt or none. Tokenizing and validating run in a worker thread (a 4 MB prompt
-        takes a second to tokenize, and the event loop must keep serving /health and the streams);
-        queueing runs here on the loop, and undoes the queued ones if one is refused. The batch's
-        size is bounded before any prompt is tokenized, its tokens as each one is."""
+                      template_options: dict | None = None,
+                      lora=None) -> list[AsyncIterator[RequestOutput]]:
+        """Queue every prompt or none. Tokenizing and validating run in a worker thread (a 4 MB
+        prompt takes a second to tokenize, and the event loop must keep serving /health and the
+        streams); queueing runs here on the loop, and undoes the queued ones if one is refused. The
+        batch's size is bounded before any prompt is tokenized, its tokens as each one is."""
         if chat_messages is not None:
             limits.check_messages(len(chat_messages))
         limits.check_prompts(len(prompts))
@@ -200,22 +212,28 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
 
     @app.post("/v1/completions")
     async def completions(body: api.CompletionRequest, request: Request):
-        lora, answered_as = check_model(body.model), body.model  # the name answered: the one asked for
+        # the name answered: the one asked for
+        lora, answered_as = check_model(body.model), body.model
         params = body.sampling_params(COMPLETION_DEFAULT_MAX_TOKENS)
         rid, created = api.new_id("cmpl"), api.now()
         if body.prompt_logprobs is not None and body.stream:
-            raise APIError(400, "prompt_logprobs with stream=true is not supported; use stream=false (or echo with "
-                                "logprobs, which streams the prompt's logprobs in the first chunk)")
+            raise APIError(400,
+                           "prompt_logprobs with stream=true is not supported; use stream=false "
+                           "(or echo with logprobs, which streams the prompt's logprobs in the "
+                           "first chunk)")
         streams = await add_all(body.prompts(), params, rid, lora=lora)
         tok = core.tokenizer
         if body.stream:
             def chunk(index, delta, reason, first, out, c, chars, tokens):
                 echo = body.echo and first  # the prompt (and its logprobs) lead the first chunk
                 prefix = api.echo_text(out, tok) if body.echo else ""
-                lps = api.completion_logprobs(out, c, tokens, echo, tok, 0 if echo else len(prefix) + chars)
-                return api.completion_chunk(rid, answered_as, created, index, (prefix if echo else "") + delta,
+                lps = api.completion_logprobs(out, c, tokens, echo, tok,
+                                              0 if echo else len(prefix) + chars)
+                return api.completion_chunk(rid, answered_as, created, index,
+                                            (prefix if echo else "") + delta,
                                             reason, lps)
-            return sse(streams, params.n, chunk, body.stream_options, rid, answered_as, created, "text_completion",
+            return sse(streams, params.n, chunk, body.stream_options, rid, answered_as, created,
+                       "text_completion",
                         metrics)
         outs = await collect(streams, request, metrics)
         return api.completion_response(rid, answered_as, created, outs, body.echo, tok,
@@ -223,22 +241,30 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        lora, answered_as = check_model(body.model), body.model  # (an adapter's name, or the model's)
+        # (an adapter's name, or the model's)
+        lora, answered_as = check_model(body.model), body.model
         if chat_template is None:
-            raise APIError(400, f"the model {model_name!r} has no chat template, so it cannot serve chat "
-                                "completions; use /v1/completions, or start the server with --chat-template FILE",
+            raise APIError(400,
+                           f"the model {model_name!r} has no chat template, so it cannot serve "
+                           "chat completions; use /v1/completions, or start the server with "
+                           "--chat-template FILE",
                            code="no_chat_template")
         params = body.sampling_params(core.max_model_len)  # the engine stops at the context's end
         rid, created = api.new_id("chatcmpl"), api.now()
-        mode, _ = body.tool_mode()  # tool calls: constrained (named, required) or parsed (auto), tool_calls.py
+        # tool calls: constrained (named, required) or parsed (auto), tool_calls.py
+        mode, _ = body.tool_mode()
         hermes = bool(body.tools) and body.tool_choice != "none" and "<tool_call>" in chat_template.source
-        calls = (lambda text: tool_calls.extract(text, mode, body.tool_choice, hermes, body.parallel_tool_calls)
+        calls = (lambda text: tool_calls.extract(text, mode, body.tool_choice, hermes,
+                                                 body.parallel_tool_calls)
                  ) if mode or hermes else None
         if body.prompt_logprobs is not None and body.stream:
-            raise APIError(400, "prompt_logprobs with stream=true is not supported; use stream=false")
+            raise APIError(400,
+                           "prompt_logprobs with stream=true is not supported; use stream=false")
         if calls is not None and body.stream and mode != "named":
-            raise APIError(400, "stream=true with tool calls parsed from the whole output (tool_choice required, "
-                                "or auto with a tool-calling template) is not supported; set stream=false")
+            raise APIError(400,
+                           "stream=true with tool calls parsed from the whole output (tool_choice "
+                           "required, or auto with a tool-calling template) is not supported; set "
+                           "stream=false")
         streams = await add_all([], params, rid, body.message_dicts(), body.template_options(), lora)
         k, tok = params.logprobs or 0, core.tokenizer
         if body.stream:
@@ -247,10 +273,13 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
             def chunk(index, delta, reason, first, out, c, chars, tokens):
                 if mode == "named":
                     name = body.tool_choice["function"]["name"]
-                    d = tool_calls.named_delta(first, delta, name, ids.setdefault(index, tool_calls.call_id()))
+                    d = tool_calls.named_delta(first, delta, name,
+                                               ids.setdefault(index, tool_calls.call_id()))
                 else:
-                    d = {"role": "assistant", "content": delta} if first else ({"content": delta} if delta else {})
-                ch = api.chat_chunk(rid, answered_as, created, index, d, reason, api.chat_logprobs(c, tokens, k, tok))
+                    d = {"role": "assistant",
+                         "content": delta} if first else ({"content": delta} if delta else {})
+                ch = api.chat_chunk(rid, answered_as, created, index, d, reason,
+                                    api.chat_logprobs(c, tokens, k, tok))
                 if mode == "named" and reason == "stop":
                     ch["choices"][0]["finish_reason"] = "tool_calls"
                 return ch
@@ -259,7 +288,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
         outs = await collect(streams, request, metrics)
         return api.chat_response(rid, answered_as, created, outs[0], k, tok, calls)
 
-    document_responses(app)  # /openapi.json: 400 (not 422), 401/404/413/429/500/503, SSE and text/plain
+    # /openapi.json: 400 (not 422), 401/404/413/429/500/503, SSE and text/plain
+    document_responses(app)
     # outermost, around FastAPI's own error middleware, so that its 500s are counted too
     return CountStatus(app, metrics)
 
@@ -270,7 +300,8 @@ def validation_message(errors: list[dict]) -> str:
     for e in errors[:5]:
         loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
         if e.get("type") == "json_invalid":
-            parts.append(f"the request body is not valid JSON ({e.get('ctx', {}).get('error', e.get('msg'))})")
+            parts.append("the request body is not valid JSON "
+                         f"({e.get('ctx', {}).get('error', e.get('msg'))})")
         elif e.get("type") == "extra_forbidden":
             parts.append(f"unknown field {loc!r}: nanoserve does not implement it")
         elif e.get("type") == "missing":
@@ -281,12 +312,15 @@ def validation_message(errors: list[dict]) -> str:
 
 
 # ----------------------------------------------------------------------------- running it
-def serve(model: str = "demo", host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          served_model_name: str | None = None, chat_template: str | None = None, log_level: str = "info",
+def serve(model: str = "demo", host: str = "127.0.0.1", port: int = 8000,
+          api_key: str | None = None,
+          served_model_name: str | None = None, chat_template: str | None = None,
+          log_level: str = "info",
           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, lora_modules: list[str] | None = None,
           limits: ServerLimits | None = None, **engine_kwargs) -> None:
-    """Load the model and serve it until interrupted, or until the engine fails (then SystemExit, status 1);
-    what `nanoserve serve` runs. `lora_modules`: name=path of each LoRA adapter, read before the server starts."""
+    """Load the model and serve it until interrupted, or until the engine fails (then SystemExit,
+    status 1); what `nanoserve serve` runs. `lora_modules`: name=path of each LoRA adapter, read
+    before the server starts."""
     import uvicorn
 
     from ..engine.llm_engine import LLMEngine
@@ -305,16 +339,18 @@ def serve(model: str = "demo", host: str = "127.0.0.1", port: int = 8000, api_ke
     app = create_app(engine := AsyncLLMEngine(core), served_model_name or str(model), api_key, template,
                      max_body_bytes=max_body_bytes, loras=loras, limits=limits)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
-        print(f"[nanoserve] warning: serving on {host} without --api-key: anyone who can reach it can use it",
+        print(f"[nanoserve] warning: serving on {host} without --api-key: anyone who can reach it "
+              "can use it",
               file=sys.stderr)
     print(f"[nanoserve] serving {served_model_name or model} on http://{host}:{port}/v1 "
           f"(chat: {'yes' if template else 'no template'}; device {core.device})", file=sys.stderr)
     # SIGTERM: responses in flight get shutdown_grace_s to finish, then are cut; the engine stops
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                            timeout_graceful_shutdown=limits.shutdown_grace_s))
-    engine.on_fatal.append(lambda e: setattr(server, "should_exit", True))  # finish what is in flight, then stop
+    # finish what is in flight, then stop
+    engine.on_fatal.append(lambda e: setattr(server, "should_exit", True))
     with suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn shuts down gracefully, then raises it again
         server.run()
     if engine.error is not None:  # exit status 1 (SystemExit with a message), as vLLM's server
-        raise SystemExit(f"[nanoserve] the engine failed ({type(engine.error).__name__}: {engine.error}); "
-                         "the server stopped")
+        raise SystemExit(f"[nanoserve] the engine failed ({type(engine.error).__name__}: "
+                         f"{engine.error}); the server stopped")

@@ -20,11 +20,13 @@ from .metrics import ServerMetrics
 
 
 class ClientGone(Exception):
-    """The client closed the connection before its plain response was ready (the request is aborted)."""
+    """The client closed the connection before its plain response was ready (the request is
+    aborted)."""
 
 
 async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from several requests as they come; leaving early cancels (aborts) all."""
+    """(prompt index, output) from several requests as they come; leaving early cancels (aborts)
+    all."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i, stream):
@@ -47,7 +49,8 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
                 yield i, item
     finally:
         for t in tasks:
-            t.cancel()  # a pump still running is a request still in the engine: cancelling aborts it
+            # a pump still running is a request still in the engine: cancelling aborts it
+            t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
@@ -79,11 +82,12 @@ async def collect(streams, request: Request, metrics: ServerMetrics) -> list[Req
     return [last[i] for i in range(len(streams))]
 
 
-def sse(streams, n: int, chunk, options: api.StreamOptions | None, rid: str, model: str, created: int,
+def sse(streams, n: int, chunk, options: api.StreamOptions | None, rid: str, model: str,
+        created: int,
          obj: str, metrics: ServerMetrics) -> StreamingResponse:
     """Server-sent events: `data: {chunk}` per step with new tokens per choice, then `data: [DONE]`.
-    chunk(index, new text, finish reason, first?, the RequestOutput, the choice, chars and tokens sent
-    before) builds one choice's chunk (its logprobs are those of the tokens after `tokens`)."""
+    chunk(index, new text, finish reason, first?, the RequestOutput, the choice, chars and tokens
+    sent before) builds one choice's chunk (its logprobs are those of the tokens after `tokens`)."""
     include_usage = options is not None and options.include_usage
     continuous = options is not None and options.continuous_usage_stats
 
@@ -100,20 +104,24 @@ def sse(streams, n: int, chunk, options: api.StreamOptions | None, rid: str, mod
                     ended = tokens < 0  # the choice's final chunk was sent
                     if ended or (len(c.token_ids) == tokens and not c.finish_reason):
                         continue
-                    chunks.append(chunk(i * n + c.index, c.text[chars:], c.finish_reason, (i, c.index) not in sent,
+                    chunks.append(chunk(i * n + c.index, c.text[chars:], c.finish_reason,
+                                        (i, c.index) not in sent,
                                         out, c, chars, tokens))
                     sent[(i, c.index)] = (len(c.text), -1 if c.finish_reason else len(c.token_ids))
                 if continuous:
                     for ch in chunks:
                         ch["usage"] = api.usage(list(last.values()))
-                if done and chunks and not include_usage:  # with include_usage, only OpenAI's final chunk has it
+                # with include_usage, only OpenAI's final chunk has it
+                if done and chunks and not include_usage:
                     chunks[-1]["usage"] = api.usage([last[j] for j in range(len(streams))])
                 for ch in chunks:
                     yield f"data: {json.dumps(ch, ensure_ascii=False)}\n\n"
             if include_usage:
-                usage = api.usage_chunk(rid, model, created, obj, [last[j] for j in range(len(streams))])
+                usage = api.usage_chunk(rid, model, created, obj,
+                                        [last[j] for j in range(len(streams))])
                 yield f"data: {json.dumps(usage)}\n\n"
-        except Exception as e:  # after the stream began: the queue filled meanwhile (rare), or the engine broke
+        # after the stream began: the queue filled meanwhile (rare), or the engine broke
+        except Exception as e:
             kind = "invalid_request_error" if isinstance(e, NanoserveError) else "server_error"
             yield f"data: {json.dumps(api.error_body(str(e), kind))}\n\n"
         finally:
@@ -121,4 +129,5 @@ def sse(streams, n: int, chunk, options: api.StreamOptions | None, rid: str, mod
                 metrics.observe(out)
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})

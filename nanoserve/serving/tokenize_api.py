@@ -8,9 +8,9 @@
 
 lm-evaluation-harness checks for /tokenizer_info and /tokenize and, when both answer, tokenizes
 through them (its "remote" tokenizer). A prompt is encoded exactly as /v1/completions encodes it:
-special-token text ("<|endoftext|>") stays ordinary text (a prompt cannot inject control tokens), and
-`add_special_tokens` adds BOS where the model's prompts start with it; `messages` go through the chat
-template as /v1/chat/completions renders them (its special tokens as their ids).
+special-token text ("<|endoftext|>") stays ordinary text (a prompt cannot inject control tokens),
+and `add_special_tokens` adds BOS where the model's prompts start with it; `messages` go through the
+chat template as /v1/chat/completions renders them (its special tokens as their ids).
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ def add_tokenizer_routes(app, core, chat_template, check_model, limits: ServerLi
             raise NanoserveError("give exactly one of prompt (text) and messages (a chat)")
         if body.messages is not None:
             if chat_template is None:
-                raise NanoserveError("messages need a chat template and this model has none; send prompt")
+                raise NanoserveError("messages need a chat template and this model has none; send "
+                                     "prompt")
             limits.check_messages(len(body.messages))
 
         def work() -> Response:

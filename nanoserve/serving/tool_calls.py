@@ -1,23 +1,25 @@
 """Tool (function) calling in chat completions, the way OpenAI's API and vLLM do it.
 
-The request lists `tools` (each a function: name, description, JSON-schema `parameters`); earlier turns
-may hold the assistant's `tool_calls` and `role: "tool"` results. All of it reaches the model only
-through its chat template, which receives `tools` as a variable and the messages as they are (an
-argument string parsed to an object, as templates expect) — the way transformers' apply_chat_template
-renders them. What the model writes back becomes `tool_calls` by `tool_choice`:
+The request lists `tools` (each a function: name, description, JSON-schema `parameters`); earlier
+turns may hold the assistant's `tool_calls` and `role: "tool"` results. All of it reaches the model
+only through its chat template, which receives `tools` as a variable and the messages as they are
+(an argument string parsed to an object, as templates expect) — the way transformers'
+apply_chat_template renders them. What the model writes back becomes `tool_calls` by `tool_choice`:
 
 - `"none"`: plain text, nothing parsed;
 - `"auto"`: the text is parsed for calls in the format the model was trained on. Implemented: the
-  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks of Hermes-style templates (Qwen2.5,
-  Qwen3, SmolLM3, Hermes), recognised by the template's source; other templates give text only;
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks of Hermes-style templates
+  (Qwen2.5, Qwen3, SmolLM3, Hermes), recognised by the template's source; other templates give text
+  only;
 - a named function: the output is *constrained* to that function's parameters schema (structured
   outputs), so it always parses: it becomes the call's `arguments`;
-- `"required"`: constrained to a JSON array of one or more {"name", "parameters"} objects, one of the
-  listed functions each (one only with parallel_tool_calls=false).
+- `"required"`: constrained to a JSON array of one or more {"name", "parameters"} objects, one of
+  the listed functions each (one only with parallel_tool_calls=false).
 
-A choice with calls has finish_reason "tool_calls" and `content` null (or the text around the calls).
-Streamed, a named function's arguments arrive in pieces (`named_delta`); "required" and a parsed "auto"
-need the whole text first, so the server refuses stream=true for them. Taught in notebooks/11_*.
+A choice with calls has finish_reason "tool_calls" and `content` null (or the text around the
+calls). Streamed, a named function's arguments arrive in pieces (`named_delta`); "required" and a
+parsed "auto" need the whole text first, so the server refuses stream=true for them. Taught in
+notebooks/11_*.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
 def functions(tools: list[dict] | None) -> dict[str, dict]:
-    """{name: parameters schema} of the request's tools, each checked: {"type": "function", "function": {...}}."""
+    """{name: parameters schema} of the request's tools, each checked: {"type": "function",
+    "function": {...}}."""
     out = {}
     for i, tool in enumerate(tools or []):
         fn = tool.get("function") if isinstance(tool, dict) else None
@@ -47,9 +50,10 @@ def functions(tools: list[dict] | None) -> dict[str, dict]:
     return out
 
 
-def forced(tools: list[dict] | None, tool_choice, parallel: bool | None) -> tuple[str | None, dict | None]:
-    """(mode, JSON schema the output must match): ("named", its parameters), ("required", an array of
-    calls), or (None, None) for "none" / "auto" / no tools."""
+def forced(tools: list[dict] | None, tool_choice,
+           parallel: bool | None) -> tuple[str | None, dict | None]:
+    """(mode, JSON schema the output must match): ("named", its parameters), ("required", an array
+    of calls), or (None, None) for "none" / "auto" / no tools."""
     fns = functions(tools)
     if tool_choice in (None, "none", "auto"):
         return None, None
@@ -71,8 +75,8 @@ def forced(tools: list[dict] | None, tool_choice, parallel: bool | None) -> tupl
         raise NanoserveError(f"tool_choice={tool_choice!r:.120}: allowed are 'none', 'auto', 'required' or "
                              '{"type": "function", "function": {"name": ...}}')
     if name not in fns:
-        raise NanoserveError(f"tool_choice names the function {name!r}, which is not among the tools "
-                             f"({', '.join(fns)})")
+        raise NanoserveError(f"tool_choice names the function {name!r}, which is not among the "
+                             f"tools ({', '.join(fns)})")
     return "named", fns[name]
 
 
@@ -97,7 +101,8 @@ def rebase_refs(schema: dict, base: str) -> dict:
 
 
 def for_template(messages: list[dict]) -> list[dict]:
-    """Messages as chat templates expect them: a tool call's `arguments` string parsed to an object."""
+    """Messages as chat templates expect them: a tool call's `arguments` string parsed to an
+    object."""
     out = []
     for m in messages:
         if m.get("tool_calls"):
@@ -119,7 +124,8 @@ def named_delta(first: bool, text: str, name: str, call_id: str) -> dict:
     """A stream's delta for a named tool_choice: the call's id and name first, then its arguments in
     pieces (OpenAI's streamed tool_calls shape)."""
     if first:
-        call = {"index": 0, "id": call_id, "type": "function", "function": {"name": name, "arguments": text}}
+        call = {"index": 0, "id": call_id, "type": "function",
+                "function": {"name": name, "arguments": text}}
         return {"role": "assistant", "content": None, "tool_calls": [call]}
     return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
 
@@ -135,7 +141,8 @@ def _call(name: str, arguments) -> dict:
 
 def extract(text: str, mode: str | None, tool_choice, hermes: bool, parallel: bool | None = None
             ) -> tuple[str | None, list[dict]]:
-    """(content, tool_calls) of one choice's text; with parallel=False, parsed calls past the first are dropped."""
+    """(content, tool_calls) of one choice's text; with parallel=False, parsed calls past the first
+    are dropped."""
     if mode == "named":
         return None, [_call(tool_choice["function"]["name"], text)]
     if mode == "required":

@@ -1,4 +1,5 @@
-"""Speculative decoding: draft γ tokens cheaply, verify them in one target forward, keep the target's law.
+"""Speculative decoding: draft γ tokens cheaply, verify them in one target forward, keep the
+target's law.
 
     rejection_sampler.py  the algorithm: accept with min(1, p/q), resample from the residual, the exact law
     proposers.py          where drafts come from: n-gram lookup, a draft model with its own paged cache

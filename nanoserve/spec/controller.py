@@ -1,7 +1,9 @@
-"""The adaptive speculative controller: each sample's γ, from its acceptance rate and measured costs.
+"""The adaptive speculative controller: each sample's γ, from its acceptance rate and measured
+costs.
 
 `SpecController` keeps, per sample, an estimate of α and the γ that maximises the expected speedup
-E(α, γ) / cost(γ); `StepCosts` is its clock: what speculating costs, measured on the engine's own steps.
+E(α, γ) / cost(γ); `StepCosts` is its clock: what speculating costs, measured on the engine's own
+steps.
 
 A speculative step of γ drafts costs γ draft forwards and one verification (the target scoring γ + 1
 tokens), against one plain decode step that emits one token. In units of a plain step:
@@ -12,30 +14,32 @@ tokens), against one plain decode step that emits one token. In units of a plain
 `one_call` is True and c is that call),
 
 and the expected speedup of a sample is E(γ) / cost(γ), E the expected tokens per verification. E is
-not taken from one acceptance rate α (rejection_sampler.expected_tokens_per_step: every draft kept with the
-same chance, independently): measured, the later drafts of Medusa's heads are kept far more often once
-the earlier ones were (the text is predictable there), and one α put E(3) at 1.42 tokens where the heads
-made 1.60. So the controller keeps one rate per draft position, α_i = P(draft i kept | drafts 1..i−1 kept)
-— a tree's depth i, for a token tree — and E(γ) = 1 + Σ_{i ≤ γ} α_1·…·α_i (`expected_tokens`).
+not taken from one acceptance rate α (rejection_sampler.expected_tokens_per_step: every draft kept
+with the same chance, independently): measured, the later drafts of Medusa's heads are kept far more
+often once the earlier ones were (the text is predictable there), and one α put E(3) at 1.42 tokens
+where the heads made 1.60. So the controller keeps one rate per draft position, α_i = P(draft i kept
+| drafts 1..i−1 kept) — a tree's depth i, for a token tree — and E(γ) = 1 + Σ_{i ≤ γ} α_1·…·α_i
+(`expected_tokens`).
 Neither cost ratio is known ahead:
 
 - c is not the draft/target parameter ratio. On a CPU a tiny draft's forward is dominated by fixed
-  per-layer overheads (measured 0.5–0.7 of the demo target's step for a draft 11× smaller); on a GPU a
-  draft's step costs its launches, and the 28M-parameter draft of a 1B target cost 3.4 target steps
-  when the target ran CUDA graphs and the draft did not (benchmarks/RESULTS.md, the GPU pass).
-- v is not 1. Verifying γ + 1 tokens costs more than decoding 1 on a CPU (more compute), and on a GPU a
-  verification is no pure decode, so it ran eagerly: 5× a graphed decode step.
+  per-layer overheads (measured 0.5–0.7 of the demo target's step for a draft 11× smaller); on a GPU
+  a draft's step costs its launches, and the 28M-parameter draft of a 1B target cost 3.4 target
+  steps when the target ran CUDA graphs and the draft did not (benchmarks/RESULTS.md, the GPU pass).
+- v is not 1. Verifying γ + 1 tokens costs more than decoding 1 on a CPU (more compute), and on a
+  GPU a verification is no pure decode, so it ran eagerly: 5× a graphed decode step.
 
-So `StepCosts` times them: the engine reports each pure-decode step's seconds (verification or plain)
-and each draft forward's; exponential moving averages (weight 0.2) smooth them. Plain steps happen when
-samples are switched off; while everyone speculates, every `recalibrate_every` steps one step runs
-plainly so that the plain step's time stays current (the cost of measuring: at most one step's
-speculation in 100). Before the first measurements the prior holds: c = the parameter ratio, v = 1.
+So `StepCosts` times them: the engine reports each pure-decode step's seconds (verification or
+plain) and each draft forward's; exponential moving averages (weight 0.2) smooth them. Plain steps
+happen when samples are switched off; while everyone speculates, every `recalibrate_every` steps one
+step runs plainly so that the plain step's time stays current (the cost of measuring: at most one
+step's speculation in 100). Before the first measurements the prior holds: c = the parameter ratio,
+v = 1.
 
-`pinned` (LLM(..., speculative_cost=c)) fixes c and v = 1 and times nothing: the controller's choices,
-and so a seeded sample at T > 0, then do not depend on the machine's speed. Measured choices change which
-random draws a seeded request consumes, never the law of its tokens (the rejection sampler is exact for
-every γ), and never greedy output.
+`pinned` (LLM(..., speculative_cost=c)) fixes c and v = 1 and times nothing: the controller's
+choices, and so a seeded sample at T > 0, then do not depend on the machine's speed. Measured
+choices change which random draws a seeded request consumes, never the law of its tokens (the
+rejection sampler is exact for every γ), and never greedy output.
 """
 
 from __future__ import annotations
@@ -49,15 +53,18 @@ from ..engine.sequence import Sequence
 EMA_WEIGHT = 0.2  # a new step's weight: about 5 steps of memory
 PROBE_BUDGET = 0.03  # a switched-off sample's probes may cost this share of its plain steps
 ALPHA_PRIOR = 0.8  # the first sample's α at every position before any verification
-ALPHA_MEMORY = 8  # a position's α averages about its last 8 outcomes (an exponential moving average)
+# a position's α averages about its last 8 outcomes (an exponential moving average)
+ALPHA_MEMORY = 8
 MAX_PROBE_INTERVAL = 1024  # the longest wait between probes, after failed probes doubled it
 
 
 class StepCosts:
-    def __init__(self, prior_draft_cost: float, pinned: float | None = None, recalibrate_every: int = 100,
+    def __init__(self, prior_draft_cost: float, pinned: float | None = None,
+                 recalibrate_every: int = 100,
                  one_call: bool = False):
         self.prior, self.pinned, self.recalibrate_every = prior_draft_cost, pinned, recalibrate_every
-        self.one_call = one_call  # the proposer drafts γ tokens in one call (n-gram, Medusa), not γ forwards
+        # the proposer drafts γ tokens in one call (n-gram, Medusa), not γ forwards
+        self.one_call = one_call
         self.draft_s: float | None = None  # seconds per draft forward (EMA)
         self.verify_s: float | None = None  # seconds per verification step (EMA)
         self.plain_s: float | None = None  # seconds per plain decode step (EMA)
@@ -82,7 +89,8 @@ class StepCosts:
         return self.verify_s / self.plain_s
 
     def step_cost(self, gamma: int) -> float:
-        """A speculative step of γ drafts, in plain steps: v + c·γ, or v + c for a one-call proposer (1 for γ = 0)."""
+        """A speculative step of γ drafts, in plain steps: v + c·γ, or v + c for a one-call proposer
+        (1 for γ = 0)."""
         return 1.0 if gamma == 0 else self.verify_cost() + self.draft_cost() * (1 if self.one_call else gamma)
 
     def wants_plain_step(self) -> bool:
@@ -90,7 +98,8 @@ class StepCosts:
         return self.measuring and (self.plain_s is None or self.steps_since_plain >= self.recalibrate_every)
 
     def record_draft(self, seconds: float, forwards: int) -> None:
-        """`forwards` batched draft forwards took `seconds` (0 forwards: n-gram lookup, recorded as one)."""
+        """`forwards` batched draft forwards took `seconds` (0 forwards: n-gram lookup, recorded as
+        one)."""
         if self.measuring:
             self.draft_s = _ema(self.draft_s, seconds / max(1, forwards))
 
@@ -106,7 +115,8 @@ class StepCosts:
             self.steps_since_plain = 0
 
     def as_dict(self) -> dict:
-        return {"draft_cost": self.draft_cost(), "verify_cost": self.verify_cost(), "measured": self.measuring,
+        return {"draft_cost": self.draft_cost(), "verify_cost": self.verify_cost(),
+                "measured": self.measuring,
                 "draft_s": self.draft_s, "verify_s": self.verify_s, "plain_s": self.plain_s}
 
 
@@ -115,8 +125,9 @@ def _ema(old: float | None, new: float) -> float:
 
 
 def expected_tokens(alphas: list[float], gamma: int) -> float:
-    """E[tokens per verification] of γ drafts kept with conditional rates α_1.., stopping at the first rejection,
-    plus the bonus token: 1 + α_1 + α_1·α_2 + … + α_1·…·α_γ (= (1 − α^(γ+1)) / (1 − α) when every α_i = α)."""
+    """E[tokens per verification] of γ drafts kept with conditional rates α_1.., stopping at the
+    first rejection, plus the bonus token: 1 + α_1 + α_1·α_2 + … + α_1·…·α_γ (= (1 − α^(γ+1)) / (1 −
+    α) when every α_i = α)."""
     total, kept = 1.0, 1.0
     for a in alphas[:gamma]:
         kept *= a
@@ -127,26 +138,32 @@ def expected_tokens(alphas: list[float], gamma: int) -> float:
 @dataclass
 class SampleState:
     gamma: int
-    alphas: list[float] = field(default_factory=list)  # α_i per draft position (conditional), from observation
-    # (the first position's α decides the switch-off: a sample whose first draft is rarely kept stops)
+    # α_i per draft position (conditional), from observation
+    alphas: list[float] = field(default_factory=list)
+    # (the first position's α decides the switch-off: a sample whose first draft is rarely kept
+    # stops)
     plain_steps: int = 0  # consecutive steps without speculation (switched off)
     probing: bool = False  # this verification is a switched-off sample's probe
     stats: SpecStats = field(default_factory=SpecStats)
 
 
 class SpecController:
-    """γ per sample. A new sample starts from the engine's running α (every verification feeds it), so once a
-    draft has shown itself useless the next request does not pay to find out again. When no γ is expected to
-    pay (α below `min_acceptance`, or every E(α, γ) / cost(γ) ≤ 1) the sample decodes plainly and probes with
-    γ = 1 after `probe_every` plain steps (at first `probe_interval`; each failed probe doubles it, up to
-    MAX_PROBE_INTERVAL, one that switches its sample back on resets it), and never more often than keeps a
-    probe's extra cost within PROBE_BUDGET of the wait."""
+    """γ per sample. A new sample starts from the engine's running α (every verification feeds it),
+    so once a draft has shown itself useless the next request does not pay to find out again. When
+    no γ is expected to pay (α below `min_acceptance`, or every E(α, γ) / cost(γ) ≤ 1) the sample
+    decodes plainly and probes with γ = 1 after `probe_every` plain steps (at first
+    `probe_interval`; each failed probe doubles it, up to MAX_PROBE_INTERVAL, one that switches its
+    sample back on resets it), and never more often than keeps a probe's extra cost within
+    PROBE_BUDGET of the wait."""
 
     def __init__(self, config, prior_draft_cost: float, one_call: bool = False):
         self.config = config  # nanoserve.config.SpeculativeConfig
-        self.costs = StepCosts(prior_draft_cost, config.cost, one_call=one_call)  # c and v: measured, or pinned
-        self.alphas = [ALPHA_PRIOR] * config.num_speculative_tokens  # the engine's running α_i: a new sample's start
-        self.probe_every = config.probe_interval  # plain steps between a switched-off sample's probes
+        # c and v: measured, or pinned
+        self.costs = StepCosts(prior_draft_cost, config.cost, one_call=one_call)
+        # the engine's running α_i: a new sample's start
+        self.alphas = [ALPHA_PRIOR] * config.num_speculative_tokens
+        # plain steps between a switched-off sample's probes
+        self.probe_every = config.probe_interval
         self.states: dict[int, SampleState] = {}
 
     def state(self, seq: Sequence) -> SampleState:
@@ -160,13 +177,16 @@ class SpecController:
     def wants_plain_step(self) -> bool:
         return self.config.adaptive and self.costs.wants_plain_step()  # a fixed γ needs no clock
 
-    def choose_gamma(self, seq: Sequence, params: SamplingParams, tokens_left: int, max_model_len: int) -> int:
+    def choose_gamma(self, seq: Sequence, params: SamplingParams, tokens_left: int,
+                     max_model_len: int) -> int:
         """This step's γ for a decoding sample (0 = decode plainly)."""
-        if params.reshapes_logits:  # a penalty, bias, min-p or min_tokens: the law is not the draft's to check
+        # a penalty, bias, min-p or min_tokens: the law is not the draft's to check
+        if params.reshapes_logits:
             return 0
         st = self.state(seq)
         gamma, probe = st.gamma, False
-        if gamma == 0:  # switched off: probe with γ = 1 now and then, its extra cost ≤ PROBE_BUDGET of the wait
+        # switched off: probe with γ = 1 now and then, its extra cost ≤ PROBE_BUDGET of the wait
+        if gamma == 0:
             st.plain_steps += 1
             if st.plain_steps < max(self.probe_every, (self.costs.step_cost(1) - 1) / PROBE_BUDGET):
                 return 0
@@ -177,13 +197,15 @@ class SpecController:
         return gamma
 
     def observe(self, st: SampleState, drafted: int, accepted: int) -> None:
-        """A verification of `drafted` positions (a chain's drafts, a tree's depth) that kept `accepted`: the α_i
-        of the positions it tested updated (the sample's and the engine's), then γ."""
+        """A verification of `drafted` positions (a chain's drafts, a tree's depth) that kept
+        `accepted`: the α_i of the positions it tested updated (the sample's and the engine's), then
+        γ."""
         if drafted == 0:
             return
-        # Position i's draft is a coin tossed only when drafts 1..i−1 were kept: the positions tested are the
-        # accepted ones (heads) and the first rejection (tails), if any. The drafts after a rejection were
-        # never tested: counting them as failures would underestimate every α.
+        # Position i's draft is a coin tossed only when drafts 1..i−1 were kept: the positions
+        # tested are the accepted ones (heads) and the first rejection (tails), if any. The drafts
+        # after a rejection were never tested: counting them as failures would underestimate every
+        # α.
         if not st.alphas:
             st.alphas = list(self.alphas)
         for i in range(min(drafted, accepted + 1)):
@@ -192,13 +214,15 @@ class SpecController:
             self.alphas[i] += (kept - self.alphas[i]) / ALPHA_MEMORY
         if self.config.adaptive:
             st.gamma = self.best_gamma(st.alphas)
-        if st.probing:  # a failed probe: wait twice as long next time; a good one: back to the start
+        # a failed probe: wait twice as long next time; a good one: back to the start
+        if st.probing:
             st.probing = False
             self.probe_every = (min(2 * self.probe_every, MAX_PROBE_INTERVAL) if st.gamma == 0
                                 else self.config.probe_interval)
 
     def best_gamma(self, alphas: list[float]) -> int:
-        """argmax over γ of E(γ) / cost(γ); 0 when α_1 < min_acceptance or no γ beats plain decoding."""
+        """argmax over γ of E(γ) / cost(γ); 0 when α_1 < min_acceptance or no γ beats plain
+        decoding."""
         if alphas[0] < self.config.min_acceptance:
             return 0
         best, best_gain = 0, 1.0

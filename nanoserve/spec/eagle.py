@@ -1,9 +1,10 @@
 """EAGLE's draft head (Li et al. 2024): draft autoregressively at the level of features, not tokens.
 
-The target's feature f_t — its last hidden state, the LM head's input — determines its distribution of token
-t + 1. EAGLE trains one small decoder layer to predict the *next feature*: from f_t and the embedding of token
-t + 1 (the token the target drew from f_t: which branch was taken) it predicts f̂_{t+1}, and the target's own
-LM head turns f̂_{t+1} into the draft distribution of token t + 2. Drafting feeds its own outputs back:
+The target's feature f_t — its last hidden state, the LM head's input — determines its distribution
+of token t + 1. EAGLE trains one small decoder layer to predict the *next feature*: from f_t and the
+embedding of token t + 1 (the token the target drew from f_t: which branch was taken) it predicts
+f̂_{t+1}, and the target's own LM head turns f̂_{t+1} into the draft distribution of token t + 2.
+Drafting feeds its own outputs back:
 
     (f_{m-1}, x_m)  → f̂_m     → d_1 ~ LM(f̂_m)          the last real feature and the last real token
     (f̂_m,    d_1)  → f̂_{m+1} → d_2 ~ LM(f̂_{m+1})  ... γ drafts, one call of the head each
@@ -16,9 +17,10 @@ LM head turns f̂_{t+1} into the draft distribution of token t + 2. Drafting fee
                   "layers.0.post_attention_layernorm.weight")
     EagleProposer the engine's proposer (eagle_proposer.py)
 
-Drafts are sampled from the head's distributions at the request's temperature / top-k / top-p (q: what the
-rejection sampler needs, so at T > 0 the target's law is kept exactly), or its argmax when greedy. Training:
-tools/train_eagle.py (features regressed with smooth L1, the LM head's distribution of the next token matched).
+Drafts are sampled from the head's distributions at the request's temperature / top-k / top-p (q:
+what the rejection sampler needs, so at T > 0 the target's law is kept exactly), or its argmax when
+greedy. Training: tools/train_eagle.py (features regressed with smooth L1, the LM head's
+distribution of the next token matched).
 """
 
 from __future__ import annotations
@@ -54,26 +56,31 @@ class RMSNorm(nn.Module):
 
 
 class EagleHead(nn.Module):
-    """fc over (feature, embedding), then one decoder layer: `forward(feats, embeds, positions, past)` -> the
-    predicted next features, and the layer's keys and values of these positions (the caller keeps them)."""
+    """fc over (feature, embedding), then one decoder layer: `forward(feats, embeds, positions,
+    past)` -> the predicted next features, and the layer's keys and values of these positions (the
+    caller keeps them)."""
 
-    def __init__(self, hidden: int, num_heads: int, intermediate: int, vocab: int, rope_theta: float = 10000.0):
+    def __init__(self, hidden: int, num_heads: int, intermediate: int, vocab: int,
+                 rope_theta: float = 10000.0):
         super().__init__()
         self.hidden, self.num_heads, self.intermediate, self.vocab = hidden, num_heads, intermediate, vocab
         self.rope_theta, self.head_dim = rope_theta, hidden // num_heads
         self.fc = nn.Linear(2 * hidden, hidden)
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(hidden, hidden, bias=False) for _ in range(4))
         self.post_attention_layernorm = RMSNorm(hidden)
-        self.gate_proj, self.up_proj = (nn.Linear(hidden, intermediate, bias=False) for _ in range(2))
+        self.gate_proj, self.up_proj = (nn.Linear(hidden, intermediate,
+                                                  bias=False) for _ in range(2))
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        D = self.head_dim  # (RoPE's frequencies: a float32 constant, not a weight; moved with the input)
+        # (RoPE's frequencies: a float32 constant, not a weight; moved with the input)
+        D = self.head_dim
         self.inv_freq = 1.0 / rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D)  # D/2
 
     def forward(self, feats: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
                 past: tuple[torch.Tensor, torch.Tensor] | None = None):
-        """feats, embeds [..., T, C] at `positions` [T] (one sequence's consecutive positions; a leading batch
-        dimension in training, where there is no past); past: the cache (K, V) [P, H, D] of the positions
-        before. Returns (f̂ [..., T, C], (k, v) [..., T, H, D] of these T positions)."""
+        """feats, embeds [..., T, C] at `positions` [T] (one sequence's consecutive positions; a
+        leading batch dimension in training, where there is no past); past: the cache (K, V) [P, H,
+        D] of the positions before. Returns (f̂ [..., T, C], (k, v) [..., T, H, D] of these T
+        positions)."""
         x = self.fc(torch.cat([feats, embeds], -1))  # ..., T, C
         *lead, T, C = x.shape
         H, D = self.num_heads, self.head_dim
@@ -85,8 +92,10 @@ class EagleHead(nn.Module):
         if past is not None:
             keys, values = torch.cat([past[0], k]), torch.cat([past[1], v])  # P + T, H, D
         P = keys.shape[-3] - T
-        causal = torch.ones(T, P + T, dtype=torch.bool, device=x.device).tril(P)  # query i sees keys ≤ P + i
-        y = F.scaled_dot_product_attention(q.transpose(-3, -2), keys.transpose(-3, -2), values.transpose(-3, -2),
+        # query i sees keys ≤ P + i
+        causal = torch.ones(T, P + T, dtype=torch.bool, device=x.device).tril(P)
+        y = F.scaled_dot_product_attention(q.transpose(-3, -2), keys.transpose(-3, -2),
+                                           values.transpose(-3, -2),
                                            attn_mask=causal)  # ..., H, T, D
         h = x + self.o_proj(y.transpose(-3, -2).reshape(*lead, T, C))
         n = self.post_attention_layernorm(h)
@@ -94,21 +103,27 @@ class EagleHead(nn.Module):
 
     def eagle_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights under EAGLE's names."""
-        names = {"fc": "fc", "q_proj": "layers.0.self_attn.q_proj", "k_proj": "layers.0.self_attn.k_proj",
+        names = {"fc": "fc", "q_proj": "layers.0.self_attn.q_proj",
+                 "k_proj": "layers.0.self_attn.k_proj",
                  "v_proj": "layers.0.self_attn.v_proj", "o_proj": "layers.0.self_attn.o_proj",
-                 "post_attention_layernorm": "layers.0.post_attention_layernorm", "gate_proj": "layers.0.mlp.gate_proj",
+                 "post_attention_layernorm": "layers.0.post_attention_layernorm",
+                 "gate_proj": "layers.0.mlp.gate_proj",
                  "up_proj": "layers.0.mlp.up_proj", "down_proj": "layers.0.mlp.down_proj"}
-        return {f"{names[k.split('.')[0]]}.{k.split('.', 1)[1]}": v for k, v in self.state_dict().items()}
+        return {f"{names[k.split('.')[0]]}.{k.split('.', 1)[1]}": v for k,
+                v in self.state_dict().items()}
 
 
 def save_eagle(head: EagleHead, path: str | Path, base_model: str = "") -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config = {"architectures": ["EagleHead"], "hidden_size": head.hidden, "num_attention_heads": head.num_heads,
-              "intermediate_size": head.intermediate, "vocab_size": head.vocab, "rope_theta": head.rope_theta,
+    config = {"architectures": ["EagleHead"], "hidden_size": head.hidden,
+              "num_attention_heads": head.num_heads,
+              "intermediate_size": head.intermediate, "vocab_size": head.vocab,
+              "rope_theta": head.rope_theta,
               "base_model_name_or_path": base_model}
     (path / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
-    save_file({k: v.detach().contiguous().cpu() for k, v in head.eagle_state_dict().items()}, str(path / WEIGHTS))
+    save_file({k: v.detach().contiguous().cpu() for k, v in head.eagle_state_dict().items()},
+              str(path / WEIGHTS))
     return path
 
 
@@ -120,18 +135,23 @@ def load_eagle(path: str | Path, hidden: int, vocab: int, device=None, dtype=Non
             raise CheckpointError(f"{path} holds no EAGLE head: {f} is missing")
     cfg = json.loads((path / CONFIG).read_text())
     if (cfg.get("hidden_size"), cfg.get("vocab_size")) != (hidden, vocab):
-        raise CheckpointError(f"{path}: the EAGLE head is for hidden_size={cfg.get('hidden_size')}, vocab_size="
-                              f"{cfg.get('vocab_size')}; the target has {hidden} and {vocab}: another model's")
+        raise CheckpointError(f"{path}: the EAGLE head is for "
+                              f"hidden_size={cfg.get('hidden_size')}, "
+                              f"vocab_size={cfg.get('vocab_size')}; the target has {hidden} and "
+                              f"{vocab}: another model's")
     heads = cfg.get("num_attention_heads")
     if not isinstance(heads, int) or heads < 1 or hidden % heads:
-        raise CheckpointError(f"{path / CONFIG}: num_attention_heads={heads!r} must divide hidden_size={hidden}")
+        raise CheckpointError(f"{path / CONFIG}: num_attention_heads={heads!r} must divide "
+                              f"hidden_size={hidden}")
     head = EagleHead(hidden, heads, int(cfg.get("intermediate_size", 4 * hidden)), vocab,
                      float(cfg.get("rope_theta", 10000.0)))
-    ours = {v: k for k, v in zip(head.state_dict(), head.eagle_state_dict())}  # EAGLE's name -> ours
+    # EAGLE's name -> ours
+    ours = {v: k for k, v in zip(head.state_dict(), head.eagle_state_dict())}
     state = load_file(str(path / WEIGHTS))
     missing, unexpected = sorted(set(ours) - set(state)), sorted(set(state) - set(ours))
     if missing or unexpected:
-        raise CheckpointError(f"{path / WEIGHTS}: tensors missing {missing[:3]} or unexpected {unexpected[:3]}")
+        raise CheckpointError(f"{path / WEIGHTS}: tensors missing {missing[:3]} or unexpected "
+                              f"{unexpected[:3]}")
     head.load_state_dict({ours[k]: v for k, v in state.items()})
     return head.to(device=device, dtype=dtype).eval()
 

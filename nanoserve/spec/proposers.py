@@ -28,22 +28,22 @@ from .rejection_sampler import check_gamma
 
 
 class DraftProposer(Protocol):
-    """A draft model, per sequence (the engine's proposers in nanoserve/spec_decode.py do the same for a
-    batch of rows at once)."""
+    """A draft model, per sequence (the engine's proposers in nanoserve/spec_decode.py do the same
+    for a batch of rows at once)."""
 
     def propose(self, token_ids: list[int], k: int,
                 generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor | None]:
-        """Up to k tokens continuing token_ids: draft_ids (0 ≤ k' ≤ k of them) and q [k', V], row i the
-        law x_i was drawn from given token_ids + x_1..x_{i-1}; None when deterministic (greedy). An
-        n-gram proposal is the q = None case: (NgramProposer.propose(token_ids, k), None)."""
+        """Up to k tokens continuing token_ids: draft_ids (0 ≤ k' ≤ k of them) and q [k', V], row i
+        the law x_i was drawn from given token_ids + x_1..x_{i-1}; None when deterministic (greedy).
+        An n-gram proposal is the q = None case: (NgramProposer.propose(token_ids, k), None)."""
         ...
 
 
 @dataclass
 class NgramProposer:
-    """Prompt lookup decoding: guess that the text repeats itself. Take the sequence's last n tokens,
-    find their most recent earlier occurrence, and propose the tokens that followed it. Longer
-    matches are tried first (n = max_n down to min_n): they predict better. No model, so q is
+    """Prompt lookup decoding: guess that the text repeats itself. Take the sequence's last n
+    tokens, find their most recent earlier occurrence, and propose the tokens that followed it.
+    Longer matches are tried first (n = max_n down to min_n): they predict better. No model, so q is
     one-hot (`rejection_sample(..., q=None, ...)`). A linear scan, O(len · n) per call."""
 
     max_n: int = 3
@@ -56,14 +56,16 @@ class NgramProposer:
         check_gamma(self.num_speculative_tokens, "num_speculative_tokens")
 
     def propose(self, token_ids: Sequence[int], k: int | None = None) -> list[int]:
-        """Up to k (default γ) tokens; fewer when the match sits near the end, none without a match."""
+        """Up to k (default γ) tokens; fewer when the match sits near the end, none without a
+        match."""
         k = self.num_speculative_tokens if k is None else k
         check(is_int(k) and k >= 0, f"k={k!r} must be an integer ≥ 0")
         tokens = list(token_ids)
         length = len(tokens)
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             suffix = tokens[length - n:]
-            for start in range(length - n - 1, -1, -1):  # most recent first; the suffix itself excluded
+            # most recent first; the suffix itself excluded
+            for start in range(length - n - 1, -1, -1):
                 if tokens[start:start + n] == suffix:
                     return tokens[start + n:start + n + k]
         return []
@@ -80,13 +82,14 @@ class DraftModelProposer:
         self.runner = ModelRunner(model, num_blocks, block_size, attention_backend)
         self.block_allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching=False)
         self.seqs: dict[int, SequenceState] = {}  # target seq_id -> draft sequence
-        self.timings: list[tuple[float, int]] = []  # the last propose's forwards: (seconds, most new tokens of a row)
+        # the last propose's forwards: (seconds, most new tokens of a row)
+        self.timings: list[tuple[float, int]] = []
 
     def propose(self, rows: list[tuple[SequenceState, int, SamplingParams, torch.Generator | None]],
                 matchers: list | None = None):
         """rows: (target sequence, γ, params, generator) -> per row (draft ids, q [γ, V] or None).
-        Each draft step is one batched forward and one batched draw (one device→host transfer). A row
-        with a grammar's matcher drafts under its mask (q is then the masked law, which is what
+        Each draft step is one batched forward and one batched draw (one device→host transfer). A
+        row with a grammar's matcher drafts under its mask (q is then the masked law, which is what
         verification needs), walking the matcher along its drafts and rolling it back at the end."""
         matchers = matchers or [None] * len(rows)
         walked = [0] * len(rows)  # drafts each matcher consumed
@@ -106,7 +109,8 @@ class DraftModelProposer:
                 advance(self.block_allocator, d, n)
             logits = mask_rows(logits, [matchers[i] for i, _ in active])  # structured outputs
             tokens = self._draw(logits, [rows[i] for i, _ in active], [qs[i] for i, _ in active])
-            self.timings.append((time.perf_counter() - start, max(num_new)))  # the draw synced: the forward is done
+            # the draw synced: the forward is done
+            self.timings.append((time.perf_counter() - start, max(num_new)))
             still = []
             for (i, d), token in zip(active, tokens):
                 drafts[i].append(token)
@@ -127,10 +131,13 @@ class DraftModelProposer:
         tokens = logits.argmax(-1)  # A
         sampled = [j for j, (_, _, params, _) in enumerate(rows) if not params.greedy]
         if sampled:
-            q = probs_from_logits_batch(logits[sampled], *zip(*[(rows[j][2].temperature, rows[j][2].top_k,
+            q = probs_from_logits_batch(logits[sampled],
+                                        *zip(*[(rows[j][2].temperature, rows[j][2].top_k,
                                                                    rows[j][2].top_p) for j in sampled]))  # S, V
-            drawn = [torch.multinomial(q[m], 1, generator=rows[j][3]) for m, j in enumerate(sampled)]
-            tokens = tokens.index_put((torch.tensor(sampled, device=logits.device),), torch.cat(drawn))
+            drawn = [torch.multinomial(q[m], 1, generator=rows[j][3]) for m,
+                     j in enumerate(sampled)]
+            tokens = tokens.index_put((torch.tensor(sampled, device=logits.device),),
+                                      torch.cat(drawn))
             for m, j in enumerate(sampled):
                 qs[j].append(q[m])
         return tokens.tolist()
@@ -171,7 +178,8 @@ class DraftModelProposer:
 class NgramDraft:
     """Prompt lookup decoding: no second model, q is one-hot."""
 
-    one_call = True  # one lookup gives all γ drafts (spec/controller.py: a step costs v + c, not v + c·γ)
+    # one lookup gives all γ drafts (spec/controller.py: a step costs v + c, not v + c·γ)
+    one_call = True
 
     def __init__(self, max_n: int, min_n: int):
         self.proposer = NgramProposer(max_n=max_n, min_n=min_n)

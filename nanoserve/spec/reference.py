@@ -1,7 +1,8 @@
 """The speculative decoding loop for one sequence, with models given as callables: the algorithm
 of rejection_sampler.py end to end (draft γ, verify in one call, accept, roll back), small enough
-to read in one sitting and to test against the exact law on toy Markov chains (tests and notebook 08).
-The engine runs the same steps batched over paged caches (spec_decode.py). Taught in notebooks/08_*.
+to read in one sitting and to test against the exact law on toy Markov chains (tests and notebook
+08). The engine runs the same steps batched over paged caches (spec_decode.py). Taught in
+notebooks/08_*.
 """
 
 from __future__ import annotations
@@ -13,12 +14,19 @@ import torch
 
 from ..engine.sampler import probs_from_logits
 from ..errors import check, is_int
-from .rejection_sampler import check_gamma, exponential_noise, greedy_verify, rejection_sample, sample_by_noise
+from .rejection_sampler import (
+    check_gamma,
+    exponential_noise,
+    greedy_verify,
+    rejection_sample,
+    sample_by_noise,
+)
 
 
 @dataclass
 class SpeculativeOutput:
-    token_ids: list[int] = field(default_factory=list)  # generated tokens (prompt excluded), max_tokens of them
+    # generated tokens (prompt excluded), max_tokens of them
+    token_ids: list[int] = field(default_factory=list)
     num_accepted: list[int] = field(default_factory=list)  # per target call: draft tokens accepted
     num_drafted: list[int] = field(default_factory=list)  # per target call: draft tokens proposed
 
@@ -33,8 +41,8 @@ class SpeculativeOutput:
 
     @property
     def acceptance_rate(self) -> float:
-        """α̂ = accepted / (accepted + rejected): drafts after a rejection were never tested. (vLLM's
-        "draft acceptance rate" divides by all drafted tokens instead, which is lower.)"""
+        """α̂ = accepted / (accepted + rejected): drafts after a rejection were never tested.
+        (vLLM's "draft acceptance rate" divides by all drafted tokens instead, which is lower.)"""
         rejected = sum(a < d for a, d in zip(self.num_accepted, self.num_drafted))
         tested = sum(self.num_accepted) + rejected
         return sum(self.num_accepted) / tested if tested else float("nan")
@@ -54,8 +62,10 @@ def speculative_generate(target_step: Callable[[list[int], list[int]], torch.Ten
     `greedy_verify`. Generates exactly max_tokens tokens (a last step's surplus is cut off).
     """
     check_gamma(gamma, "gamma")
-    check(is_int(max_tokens) and max_tokens >= 1, f"max_tokens={max_tokens!r} must be an integer ≥ 1")
-    check(temperature == 0 or temperature >= 1e-6, f"temperature={temperature!r} must be 0 (greedy) or ≥ 1e-6")
+    check(is_int(max_tokens) and max_tokens >= 1,
+          f"max_tokens={max_tokens!r} must be an integer ≥ 1")
+    check(temperature == 0 or temperature >= 1e-6,
+          f"temperature={temperature!r} must be 0 (greedy) or ≥ 1e-6")
     check(len(prompt) >= 1, "the prompt must hold at least one token")
     greedy = temperature == 0
     seq = list(prompt)  # the accepted tokens: what the target has seen and verified
@@ -70,7 +80,8 @@ def speculative_generate(target_step: Callable[[list[int], list[int]], torch.Ten
                 token = int(logits.argmax())
             else:
                 q = probs_from_logits(logits, temperature, top_k, top_p)  # V
-                token = int(sample_by_noise(q, exponential_noise(q.shape, generator, q.dtype, q.device)))
+                token = int(sample_by_noise(q,
+                                            exponential_noise(q.shape, generator, q.dtype, q.device)))
                 q_rows.append(q)
             draft.append(token)
             draft_state.append(token)
@@ -82,7 +93,8 @@ def speculative_generate(target_step: Callable[[list[int], list[int]], torch.Ten
         else:
             p = probs_from_logits(logits, temperature, top_k, top_p)  # γ+1, V
             new, accepted = rejection_sample(draft_ids, torch.stack(q_rows), p, generator)
-        # 3. Roll back: the draft's state forgets its rejected guesses, then sees the new last token.
+        # 3. Roll back: the draft's state forgets its rejected guesses, then sees the new last
+        # token.
         del draft_state[len(seq) + accepted:]
         seq += new
         draft_state.append(new[-1])

@@ -45,14 +45,16 @@ import torch.nn.functional as F
 from ..config import MAX_SPECULATIVE_TOKENS
 from ..errors import check, is_int
 
-PAD_TOKEN_ID = -1  # fills the unused tail of rejection_sample_batch's output rows (vLLM's placeholder)
+# fills the unused tail of rejection_sample_batch's output rows (vLLM's placeholder)
+PAD_TOKEN_ID = -1
 
 Generators = torch.Generator | Sequence[torch.Generator | None] | None
 
 
 # --------------------------------------------------------------------------- the one-step law
 def acceptance_rate(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """β = Σ_x min(p, q)(x) = 1 − TV(p, q): the chance a draft token from q is accepted. [..., V] -> [...]"""
+    """β = Σ_x min(p, q)(x) = 1 − TV(p, q): the chance a draft token from q is accepted. [..., V] ->
+    [...]"""
     return torch.minimum(p, q).sum(-1)
 
 
@@ -77,8 +79,10 @@ def _acceptance_probability(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tenso
 def speculative_law(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """The exact law of the token one step emits at a position, in float64, built from the same
     acceptance rule and residual the samplers use. p, q [..., V] -> [..., V]; equals p when p and q
-    are distributions (the proof in the module docstring; tests/test_speculative_core.py checks it)."""
-    check(p.shape == q.shape, f"p and q must have the same shape, got {tuple(p.shape)} and {tuple(q.shape)}")
+    are distributions (the proof in the module docstring; tests/test_speculative_core.py checks
+    it)."""
+    check(p.shape == q.shape,
+          f"p and q must have the same shape, got {tuple(p.shape)} and {tuple(q.shape)}")
     p, q = p.double(), q.double()
     accepted = q * _acceptance_probability(p, q)  # ..., V: draw x from q, keep it = min(p, q)
     rejected = (q - accepted).sum(-1, keepdim=True)  # ..., 1: 1 − β
@@ -101,8 +105,10 @@ def rejection_sample(draft_ids: torch.Tensor, q: torch.Tensor | None, p: torch.T
     gamma, vocab = _check_draft(draft_ids, q, p)
     if q is None:
         q = F.one_hot(draft_ids, vocab).to(p.dtype)  # γ, V
-    u = torch.rand(gamma, generator=generator, dtype=p.dtype, device=p.device)  # γ: one coin per draft token
-    noise = exponential_noise((vocab,), generator, p.dtype, p.device)  # V: for the one token drawn from a law
+    # γ: one coin per draft token
+    u = torch.rand(gamma, generator=generator, dtype=p.dtype, device=p.device)
+    # V: for the one token drawn from a law
+    noise = exponential_noise((vocab,), generator, p.dtype, p.device)
     pos = torch.arange(gamma, device=p.device)
     keep = _acceptance_probability(p[pos, draft_ids], q[pos, draft_ids])  # γ
     tokens: list[int] = []
@@ -110,7 +116,8 @@ def rejection_sample(draft_ids: torch.Tensor, q: torch.Tensor | None, p: torch.T
         if not u[i] < keep[i]:  # rejected: the residual replaces x_i, later drafts are discarded
             return tokens + [int(sample_by_noise(residual_distribution(p[i], q[i]), noise))], i
         tokens.append(int(draft_ids[i]))
-    return tokens + [int(sample_by_noise(p[gamma], noise))], gamma  # all kept: a bonus token from p[γ]
+    # all kept: a bonus token from p[γ]
+    return tokens + [int(sample_by_noise(p[gamma], noise))], gamma
 
 
 def rejection_sample_batch(draft_ids: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor,
@@ -137,8 +144,10 @@ def rejection_sample_batch(draft_ids: torch.Tensor, q: torch.Tensor | None, p: t
     vocab, dev = p.shape[-1], p.device
     if q is not None:
         check(q.shape == (batch, gamma, vocab),
-               f"q must be [B, γ, V] = [{batch}, {gamma}, {vocab}] (same vocabulary as p), got {tuple(q.shape)}")
-    n = torch.full((batch,), gamma) if num_draft_tokens is None else torch.as_tensor(num_draft_tokens)
+               f"q must be [B, γ, V] = [{batch}, {gamma}, {vocab}] (same vocabulary as p), got "
+               f"{tuple(q.shape)}")
+    n = torch.full((batch,),
+                   gamma) if num_draft_tokens is None else torch.as_tensor(num_draft_tokens)
     n = n.to(dev, torch.long)
     check(n.shape == (batch,) and bool(((n >= 0) & (n <= gamma)).all()),
            f"num_draft_tokens must be {batch} integers in 0..{gamma}, got {n.tolist()}")
@@ -152,8 +161,10 @@ def rejection_sample_batch(draft_ids: torch.Tensor, q: torch.Tensor | None, p: t
     _check_proposed(q_x[valid])
     u, noise = _draw(n, gamma, vocab, generator, p.dtype, dev)  # B, γ and B, V
     kept = (u < _acceptance_probability(p_x, q_x)) & valid  # B, γ
-    num_accepted = kept.long().cumprod(-1).sum(-1)  # B: the accepted prefix ends at the first rejection
-    k, last = num_accepted, num_accepted.clamp(max=gamma - 1)  # B, B: the decisive position (clamped for q)
+    # B: the accepted prefix ends at the first rejection
+    num_accepted = kept.long().cumprod(-1).sum(-1)
+    # B, B: the decisive position (clamped for q)
+    k, last = num_accepted, num_accepted.clamp(max=gamma - 1)
 
     p_k = p[rows, k]  # B, V: the target where the step ends (a rejection, or the bonus position)
     q_k = F.one_hot(ids[rows, last], vocab).to(p.dtype) if q is None else q[rows, last]  # B, V
@@ -183,7 +194,8 @@ def greedy_verify(draft_ids: torch.Tensor, p_or_logits: torch.Tensor) -> tuple[l
 
 
 # --------------------------------------------------------------------------- sampling helpers
-def exponential_noise(shape: tuple[int, ...], generator: torch.Generator | None, dtype, device) -> torch.Tensor:
+def exponential_noise(shape: tuple[int, ...], generator: torch.Generator | None, dtype,
+                      device) -> torch.Tensor:
     e = torch.empty(shape, dtype=dtype, device=device).exponential_(generator=generator)
     return e.clamp_min(torch.finfo(dtype).tiny)  # exponential_ may return exactly 0 (rate ~2^-24)
 
@@ -213,8 +225,8 @@ def _draw(n: torch.Tensor, gamma: int, vocab: int, generator: Generators, dtype,
 
 
 def expected_tokens_per_step(alpha: float, gamma: int) -> float:
-    """E[tokens per target call] = Σ_{i=0}^{γ} α^i = (1 − α^(γ+1)) / (1 − α) when each draft token is
-    accepted with probability α independently (Leviathan et al. 2023, eq. 1); γ + 1 at α = 1."""
+    """E[tokens per target call] = Σ_{i=0}^{γ} α^i = (1 − α^(γ+1)) / (1 − α) when each draft token
+    is accepted with probability α independently (Leviathan et al. 2023, eq. 1); γ + 1 at α = 1."""
     check(isinstance(alpha, (int, float)) and 0 <= alpha <= 1, f"alpha={alpha!r} must be in [0, 1]")
     check_gamma(gamma, "gamma")
     return float(gamma + 1) if alpha == 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
@@ -228,23 +240,30 @@ def check_gamma(gamma, name: str) -> None:
 
 def _check_proposed(q_x: torch.Tensor) -> None:
     check(bool((q_x > 0).all()), "a draft token has q(x) = 0: the draft cannot have proposed it "
-                                  "(pass the law the token was sampled from, or q=None for deterministic drafts)")
+                                 "(pass the law the token was sampled from, or q=None for "
+                                 "deterministic drafts)")
 
 
-def _check_draft(draft_ids: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor) -> tuple[int, int]:
+def _check_draft(draft_ids: torch.Tensor, q: torch.Tensor | None,
+                 p: torch.Tensor) -> tuple[int, int]:
     """Shapes of one sequence's verification inputs -> (γ, V)."""
     check(draft_ids.dim() == 1 and not draft_ids.is_floating_point(),
-           f"draft_ids must be a 1-D integer tensor, got {draft_ids.dtype} of shape {tuple(draft_ids.shape)}")
+           f"draft_ids must be a 1-D integer tensor, got {draft_ids.dtype} of shape "
+           f"{tuple(draft_ids.shape)}")
     gamma = draft_ids.shape[0]
-    check(gamma <= MAX_SPECULATIVE_TOKENS, f"{gamma} draft tokens; at most {MAX_SPECULATIVE_TOKENS} are allowed")
+    check(gamma <= MAX_SPECULATIVE_TOKENS,
+          f"{gamma} draft tokens; at most {MAX_SPECULATIVE_TOKENS} are allowed")
     check(p.dim() == 2 and p.shape[0] == gamma + 1,
-           f"the target must give γ+1 = {gamma + 1} rows [γ+1, V] for {gamma} draft tokens, got {tuple(p.shape)}")
+           f"the target must give γ+1 = {gamma + 1} rows [γ+1, V] for {gamma} draft tokens, got "
+           f"{tuple(p.shape)}")
     vocab = p.shape[1]
-    check(bool(((draft_ids >= 0) & (draft_ids < vocab)).all()), f"draft token ids must be in 0..{vocab - 1}, "
+    check(bool(((draft_ids >= 0) & (draft_ids < vocab)).all()),
+          f"draft token ids must be in 0..{vocab - 1}, "
                                                                   f"got {draft_ids.tolist()}")
     if q is not None:
         check(q.dim() == 2 and q.shape[0] == gamma,
                f"q must be [γ, V] with γ = {gamma} draft rows, got {tuple(q.shape)}")
-        check(q.shape[1] == vocab, f"q and p must share the vocabulary, got V = {q.shape[1]} and {vocab}")
+        check(q.shape[1] == vocab,
+              f"q and p must share the vocabulary, got V = {q.shape[1]} and {vocab}")
         _check_proposed(q[torch.arange(gamma, device=q.device), draft_ids])
     return gamma, vocab

@@ -1,7 +1,7 @@
 """Speculative decoding inside the continuous engine: propose, verify in one forward, roll back.
 
-nanoserve/spec/rejection_sampler.py holds the algorithm (the rejection sampler, the n-gram proposer, a
-reference loop over toy models). This file runs it on the engine's real pieces, batched across
+nanoserve/spec/rejection_sampler.py holds the algorithm (the rejection sampler, the n-gram proposer,
+a reference loop over toy models). This file runs it on the engine's real pieces, batched across
 requests, in each `LLMEngine.step()`:
 
 1. **Which rows.** A row that is decoding (its only new token is its last one) may speculate;
@@ -25,8 +25,8 @@ requests, in each `LLMEngine.step()`:
    rejected one by a draw from normalize(max(p − q, 0)), and adds a bonus token from p_{γ+1} when
    all were kept: between 1 and γ + 1 tokens, distributed exactly as the target alone would
    sample them. Greedy requests use `greedy_verify` (the target's argmax, token for token).
-   A tree is verified the same way in one forward: its nodes sit at the root's position + their depth
-   and each sees only its ancestors (ModelRunner's `tree_mask`); the walk down the tree
+   A tree is verified the same way in one forward: its nodes sit at the root's position + their
+   depth and each sees only its ancestors (ModelRunner's `tree_mask`); the walk down the tree
    (tree_sampler.py) keeps the target's law, and the accepted path's K/V moves to the slots right
    after the root (`PagedKVCache.copy_slots`) before the roll back keeps them.
 5. **Roll back.** Rejected drafts leave the sequence; `num_computed_tokens` drops to the kept
@@ -34,13 +34,14 @@ requests, in each `LLMEngine.step()`:
    (`BlockAllocator.truncate`) — before `mark_computed`, so no block holding a rejected token's
    K/V ever becomes a prefix-cache entry. The draft cache rolls back the same way.
 
-**Adaptive γ and the switch-off** (per sample; spec/controller.py). With acceptance rate α the expected
-tokens per verification are E(γ) = (1 − α^(γ+1)) / (1 − α) (Leviathan et al. 2023), at a cost of v + c·γ
-plain decode steps: c a draft forward, v the verification, each *measured* on this engine's own steps
-(the parameter ratio and v = 1 until then, or `speculative_cost=c` to pin them and keep seeded outputs
-independent of the machine's speed). After each verification α is re-estimated (an exponential moving
-average) and the next γ is the one maximising E(γ) / (v + c·γ). When no γ is expected to pay, the sample
-decodes plainly and probes now and then — so a useless draft costs a few per cent, not every step.
+**Adaptive γ and the switch-off** (per sample; spec/controller.py). With acceptance rate α the
+expected tokens per verification are E(γ) = (1 − α^(γ+1)) / (1 − α) (Leviathan et al. 2023), at a
+cost of v + c·γ plain decode steps: c a draft forward, v the verification, each *measured* on this
+engine's own steps (the parameter ratio and v = 1 until then, or `speculative_cost=c` to pin them
+and keep seeded outputs independent of the machine's speed). After each verification α is
+re-estimated (an exponential moving average) and the next γ is the one maximising E(γ) / (v + c·γ).
+When no γ is expected to pay, the sample decodes plainly and probes now and then — so a useless
+draft costs a few per cent, not every step.
 
 Requests whose law is more than temperature / top-k / top-p — a penalty (p depends on every
 earlier token, drafts included, which the one-forward verification does not model), a logit bias,
@@ -78,8 +79,10 @@ class Proposal:
     draft_ids: list[int]
     q: torch.Tensor | None  # [γ, V] draft distributions; None: deterministic (greedy / n-gram)
     start_len: int  # the sequence's length before the drafts were appended
-    parents: list[int] | None = None  # a token tree's (node 0: the last token; the drafts are nodes 1..); None: a chain
-    logit_rows: list[int] | None = None  # set by accept: the verification's rows the emitted tokens were drawn from
+    # a token tree's (node 0: the last token; the drafts are nodes 1..); None: a chain
+    parents: list[int] | None = None
+    # set by accept: the verification's rows the emitted tokens were drawn from
+    logit_rows: list[int] | None = None
 
 
 class SpecDecoder:
@@ -87,15 +90,21 @@ class SpecDecoder:
     target's forward accept and roll back. Owned by LLMEngine; `proposer` is a DraftModelProposer or
     NgramDraft. The target's sequences change only through the target's `scheduler`."""
 
-    def __init__(self, config: SpeculativeConfig, proposer, scheduler: Scheduler, max_model_len: int,
+    def __init__(self, config: SpeculativeConfig, proposer, scheduler: Scheduler,
+                 max_model_len: int,
                  cost: float = 0.0, kv=None):
         self.config, self.proposer, self.scheduler, self.max_model_len = config, proposer, scheduler, max_model_len
         self.kv = kv  # the target's PagedKVCache: a verified tree's accepted path moves within it
-        # γ per sample (cost: c's prior, the parameter ratio); n-gram lookup and Medusa draft γ tokens in one call
-        self.controller = SpecController(config, cost, one_call=getattr(proposer, "one_call", False))
-        self.pure_decode = False  # whether the planned step has decoding rows only (its time is recorded)
-        self.copies: list[tuple[int, int]] = []  # copy-on-write block copies from the last extension
-        scheduler.on_finish.append(self.free)  # a sequence that finishes (or is aborted) lets go of its state here
+        # γ per sample (cost: c's prior, the parameter ratio); n-gram lookup and Medusa draft γ
+        # tokens in one call
+        self.controller = SpecController(config, cost,
+                                         one_call=getattr(proposer, "one_call", False))
+        # whether the planned step has decoding rows only (its time is recorded)
+        self.pure_decode = False
+        # copy-on-write block copies from the last extension
+        self.copies: list[tuple[int, int]] = []
+        # a sequence that finishes (or is aborted) lets go of its state here
+        scheduler.on_finish.append(self.free)
         scheduler.on_preempt.append(self.drop_draft)  # recomputed later: its draft cache too
         self._step_start = 0.0  # when the step's forward began (after drafting), for record_step
         self._drafts: dict = {}  # the step's {row: Proposal}
@@ -128,8 +137,8 @@ class SpecDecoder:
         grammar, if any), roll back, and emit the kept tokens like any step's."""
         seq = proposal.seq
         if bool(logits.isnan().any()):
-            raise RequestFailedError(f"the model produced NaN logits for request {seq.request_id!r} "
-                                     "while verifying its drafts")
+            raise RequestFailedError("the model produced NaN logits for request "
+                                     f"{seq.request_id!r} while verifying its drafts")
         req = engine.requests[seq.request_id]
         sample = req.samples[seq.sample_index]
         masked = engine.inputs.grammars.mask_verification(sample.matcher, proposal.draft_ids, logits)
@@ -146,10 +155,12 @@ class SpecDecoder:
 
     # ------------------------------------------------------------------ one step
     def plan(self, sched, requests: dict, budget: int) -> list[tuple]:
-        """The rows that speculate this step: (row, seq, γ, params, generator, grammar matcher or None) for
-        each decoding row with a γ ≥ 1 that the step's leftover token budget can still pay for; none when the
-        controller's clock wants a plain step timed (controller.StepCosts.wants_plain_step)."""
-        self.pure_decode = all(n == 1 and s.num_computed_tokens + 1 == len(s) for s, n in zip(sched.seqs,
+        """The rows that speculate this step: (row, seq, γ, params, generator, grammar matcher or
+        None) for each decoding row with a γ ≥ 1 that the step's leftover token budget can still pay
+        for; none when the controller's clock wants a plain step timed
+        (controller.StepCosts.wants_plain_step)."""
+        self.pure_decode = all(n == 1 and s.num_computed_tokens + 1 == len(s) for s,
+                               n in zip(sched.seqs,
                                                                                             sched.num_new))
         if self.controller.wants_plain_step():
             return []
@@ -163,7 +174,8 @@ class SpecDecoder:
             s = req.samples[seq.sample_index]
             left = req.max_new - len(s.out.token_ids)
             gamma = min(self.controller.choose_gamma(seq, req.params, left, self.max_model_len), budget)
-            while gamma > 0 and (self.tree_size(gamma, s.matcher) > budget  # a tree's nodes are its tokens
+            # a tree's nodes are its tokens
+            while gamma > 0 and (self.tree_size(gamma, s.matcher) > budget
                                  or len(seq) + self.tree_size(gamma, s.matcher) > self.max_model_len):
                 gamma -= 1
             if gamma > 0:
@@ -173,14 +185,16 @@ class SpecDecoder:
         return rows
 
     def tree_kwargs(self, proposals: dict, num_rows: int) -> dict:
-        """ModelRunner.run's `trees` for a step's {row: Proposal}: given only when some row holds a token tree."""
+        """ModelRunner.run's `trees` for a step's {row: Proposal}: given only when some row holds a
+        token tree."""
         if all(p.parents is None for p in proposals.values()):
             return {}
         return {"trees": [proposals[i].parents if i in proposals else None for i in range(num_rows)]}
 
     def tree_size(self, gamma: int, matcher=None) -> int:
-        """The tokens a row drafts at depth γ: γ for a chain, the tree's paths of length ≤ γ for a tree (a
-        row under a grammar drafts a chain: its masks follow one path, spec_decode's mask_verification)."""
+        """The tokens a row drafts at depth γ: γ for a chain, the tree's paths of length ≤ γ for a
+        tree (a row under a grammar drafts a chain: its masks follow one path, spec_decode's
+        mask_verification)."""
         if self.config.tree is None or matcher is not None:
             return gamma
         return sum(len(c) <= gamma for c in self.config.tree)
@@ -200,20 +214,24 @@ class SpecDecoder:
         return proposals
 
     def propose_and_extend(self, rows, matchers: list | None = None) -> list[Proposal]:
-        """rows: (seq, γ, params, generator) with γ ≥ 1, and per row its grammar's matcher (structured
-        outputs) or None. Drafts, then appends them to each target sequence with KV slots (copy-on-write
-        copies go to `copies`); returns what to verify. A proposal may hold fewer drafts than asked
-        (n-gram without a match, a full pool), even none."""
+        """rows: (seq, γ, params, generator) with γ ≥ 1, and per row its grammar's matcher
+        (structured outputs) or None. Drafts, then appends them to each target sequence with KV
+        slots (copy-on-write copies go to `copies`); returns what to verify. A proposal may hold
+        fewer drafts than asked (n-gram without a match, a full pool), even none."""
         proposals, self.copies = [], []
         drafted = self.proposer.propose(rows, matchers)
         for (seq, gamma, params, gen), (draft_ids, q, *tree) in zip(rows, drafted):
-            start, limit = len(seq), len(draft_ids) if tree else gamma  # a tree's nodes: as many as it has
-            kept, copies = self.scheduler.extend(seq, draft_ids[:limit])  # stops early when the pool is full
+            # a tree's nodes: as many as it has
+            start, limit = len(seq), len(draft_ids) if tree else gamma
+            # stops early when the pool is full
+            kept, copies = self.scheduler.extend(seq, draft_ids[:limit])
             self.copies += copies
             if kept == 0:  # nothing to verify, so no accept() will roll the draft back: do it now
                 self.proposer.rollback(seq, start)
-            parents = tree[0][:kept + 1] if tree else None  # parents come first: any first nodes form a tree
-            proposals.append(Proposal(seq, params, gen, draft_ids[:kept], None if q is None else q[:kept], start,
+            # parents come first: any first nodes form a tree
+            parents = tree[0][:kept + 1] if tree else None
+            proposals.append(Proposal(seq, params, gen, draft_ids[:kept],
+                                      None if q is None else q[:kept], start,
                                       parents))
         return proposals
 
@@ -221,7 +239,8 @@ class SpecDecoder:
         """logits [γ+1, V] of the verification -> the 1..γ+1 tokens to emit. Rolls the sequence back
         (through the scheduler) to its tokens before the drafts, with K/V computed through the last
         accepted draft; the caller emits the returned tokens like sampled ones (stop checks, then
-        Scheduler.postprocess), the last of which, as after any decode step, still needs its slot."""
+        Scheduler.postprocess), the last of which, as after any decode step, still needs its
+        slot."""
         seq, params, gamma = prop.seq, prop.params, len(prop.draft_ids)
         if prop.parents is not None:
             tokens, accepted = self._accept_tree(prop, logits)
@@ -230,26 +249,30 @@ class SpecDecoder:
             if params.greedy:
                 tokens, accepted = greedy_verify(draft, logits)
             else:
-                p = probs_from_logits(logits, params.temperature, params.top_k, params.top_p)  # γ+1, V
+                # γ+1, V
+                p = probs_from_logits(logits, params.temperature, params.top_k, params.top_p)
                 tokens, accepted = rejection_sample(draft, prop.q, p, prop.generator)
             prop.logit_rows = list(range(len(tokens)))
             self.proposer.rollback(seq, prop.start_len + accepted)
         # Positions start_len − 1 (the old last token) .. start_len − 1 + accepted hold valid K/V.
         self.scheduler.rollback(seq, prop.start_len, prop.start_len + accepted)
-        depth = gamma if prop.parents is None else max(tree_positions(prop.parents, 0))  # positions drafted
+        # positions drafted
+        depth = gamma if prop.parents is None else max(tree_positions(prop.parents, 0))
         st = self.controller.state(seq)
         st.stats.num_steps += 1
         st.stats.num_draft_tokens += gamma  # (a tree's: its nodes)
         st.stats.num_accepted_tokens += accepted
         st.stats.num_emitted_tokens += len(tokens)
-        st.stats.num_rejections += accepted < depth  # (a tree's: a path that stopped short of its depth)
+        # (a tree's: a path that stopped short of its depth)
+        st.stats.num_rejections += accepted < depth
         self.controller.observe(st, depth, accepted)
         return tokens
 
     def _accept_tree(self, prop: Proposal, logits: torch.Tensor) -> tuple[list[int], int]:
-        """A token tree's verification (tree_sampler.py): the emitted tokens and how many nodes were accepted.
-        The accepted path's K/V moves to the positions right after the root (node i sat at root + i), where the
-        scheduler's rollback then keeps it; every other node's slot is let go of."""
+        """A token tree's verification (tree_sampler.py): the emitted tokens and how many nodes were
+        accepted. The accepted path's K/V moves to the positions right after the root (node i sat at
+        root + i), where the scheduler's rollback then keeps it; every other node's slot is let go
+        of."""
         seq, params, parents = prop.seq, prop.params, prop.parents
         root = prop.start_len - 1  # the old last token's index: node i's token is at root + i
         nodes = [seq.token_ids[root]] + prop.draft_ids
@@ -257,10 +280,12 @@ class SpecDecoder:
             tokens, path = tree_greedy_verify(parents, nodes, logits)
         else:
             p = probs_from_logits(logits, params.temperature, params.top_k, params.top_p)  # n, V
-            tokens, path = tree_rejection_sample(parents, nodes, p, [None] * len(parents), prop.generator)
+            tokens, path = tree_rejection_sample(parents, nodes, p, [None] * len(parents),
+                                                 prop.generator)
         bs, table = self.kv.block_size, seq.block_table
         slot = lambda i: table[i // bs] * bs + i % bs  # noqa: E731  (a token index's K/V slot)
-        moves = [(slot(root + node), slot(root + j)) for j, node in enumerate(path, start=1) if node != j]
+        moves = [(slot(root + node), slot(root + j)) for j,
+                 node in enumerate(path, start=1) if node != j]
         if moves:
             self.kv.copy_slots([s for s, _ in moves], [d for _, d in moves])
         prop.logit_rows = [0] + path[:len(tokens) - 1]  # token j was drawn at the node before it
@@ -268,23 +293,27 @@ class SpecDecoder:
         return tokens, len(path)
 
     def _record_draft(self, seconds: float, gamma: int) -> None:
-        """A draft model's forwards as it timed them, leaving out a new row's prompt (a one-off catch-up, not
-        what a speculative step costs); n-gram lookup: the whole proposal, as one forward."""
+        """A draft model's forwards as it timed them, leaving out a new row's prompt (a one-off
+        catch-up, not what a speculative step costs); n-gram lookup: the whole proposal, as one
+        forward."""
         timings = getattr(self.proposer, "timings", None)
         if timings is None:
             self.controller.costs.record_draft(seconds, 1)
             return
-        steady = [t for t, most_new in timings if most_new <= self.config.num_speculative_tokens + 1]
+        steady = [t for t,
+                  most_new in timings if most_new <= self.config.num_speculative_tokens + 1]
         if steady:
             self.controller.costs.record_draft(sum(steady), len(steady))
 
     def record_step(self, drafts: dict, seconds: float) -> None:
-        """The engine's forward, accept and sample of the planned step took `seconds`: timed if it decoded only."""
+        """The engine's forward, accept and sample of the planned step took `seconds`: timed if it
+        decoded only."""
         if self.pure_decode and self.config.adaptive:
             self.controller.costs.record_step(bool(drafts), seconds)
 
     def drop_draft(self, seq: Sequence) -> None:
-        """A preempted sequence will be recomputed: its draft state goes (the controller's stays)."""
+        """A preempted sequence will be recomputed: its draft state goes (the controller's
+        stays)."""
         self.proposer.free(seq)
 
     def free(self, seq: Sequence) -> None:
@@ -301,26 +330,30 @@ def build_spec_decoder(cfg: SpeculativeConfig, engine) -> SpecDecoder:
     (one vocabulary, one tokenizer, its own paged KV pool of the target's size)."""
     max_len, kv = engine.max_model_len, engine.runner.kv
     if cfg.method == "ngram":
-        proposer, cost = NgramDraft(cfg.ngram_max, cfg.ngram_min), 0.0  # no model: drafting is ~free
+        # no model: drafting is ~free
+        proposer, cost = NgramDraft(cfg.ngram_max, cfg.ngram_min), 0.0
     elif cfg.method in ("medusa", "eagle"):  # heads on the target's own hidden states
         proposer, cost = head_proposer(cfg, engine)
     else:
         try:
-            draft, dcfg, dtok = load_model(cfg.draft_model, dtype=engine.dtype, device=engine.device)
+            draft, dcfg, dtok = load_model(cfg.draft_model, dtype=engine.dtype,
+                                           device=engine.device)
         except NanoserveError as e:
-            raise NanoserveError(f"speculative model {cfg.draft_model!r} could not be loaded: {e}") from e
+            raise NanoserveError(f"speculative model {cfg.draft_model!r} could not be loaded: "
+                                 f"{e}") from e
         if dcfg.vocab_size != engine.config.vocab_size:
-            raise NanoserveError(f"the draft model's vocabulary ({dcfg.vocab_size} tokens) differs from the "
-                                 f"target's ({engine.config.vocab_size}); speculative decoding needs one shared "
-                                 "tokenizer")
+            raise NanoserveError(f"the draft model's vocabulary ({dcfg.vocab_size} tokens) differs "
+                                 f"from the target's ({engine.config.vocab_size}); speculative "
+                                 "decoding needs one shared tokenizer")
         probe = "Speculative decoding needs one shared tokenizer: ÀÉ 123 !?"
         tok = engine.tokenizer
         if dtok is not None and tok is not None and dtok.encode(probe) != tok.encode(probe):
-            raise NanoserveError("the draft model's tokenizer encodes text differently from the target's; "
-                                 "speculative decoding needs one shared tokenizer")
+            raise NanoserveError("the draft model's tokenizer encodes text differently from the "
+                                 "target's; speculative decoding needs one shared tokenizer")
         max_len = min(max_len, dcfg.max_position_embeddings)
         proposer = DraftModelProposer(draft, kv.num_blocks, kv.block_size, engine.attention_backend)
-        if engine.cuda_graphs_off is None:  # the target replays decode graphs: the draft's decode steps do too
+        # the target replays decode graphs: the draft's decode steps do too
+        if engine.cuda_graphs_off is None:
             proposer.runner.use_cuda_graphs(engine.scheduler.config.max_num_seqs, max_len)
         cost = sum(p.numel() for p in draft.parameters()) / sum(p.numel() for p in engine.model.parameters())
     return SpecDecoder(cfg, proposer, engine.scheduler, max_len, cost, kv)

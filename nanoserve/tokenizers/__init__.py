@@ -19,7 +19,9 @@ from .sentencepiece import SentencePieceTokenizer, sentencepiece_tokenizer
 from .tiktoken_file import save_tiktoken, tiktoken_file_tokenizer
 from .tokenizer_json import hf_tokenizer
 
-__all__ = ["RECOGNISED_FILES", "SentencePieceTokenizer", "TiktokenTokenizer", "Tokenizer", "TokenizerError",
-           "byte_level_tokenizer", "gpt2_tokenizer", "has_tokenizer", "hf_tokenizer", "llama2c_tokenizer",
+__all__ = ["RECOGNISED_FILES", "SentencePieceTokenizer", "TiktokenTokenizer", "Tokenizer",
+           "TokenizerError",
+           "byte_level_tokenizer", "gpt2_tokenizer", "has_tokenizer", "hf_tokenizer",
+           "llama2c_tokenizer",
            "load_tokenizer", "save_hf_tokenizer", "save_tiktoken", "sentencepiece_tokenizer",
            "tiktoken_file_tokenizer", "tiktoken_named"]

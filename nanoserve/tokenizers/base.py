@@ -3,22 +3,25 @@ the id checks, the file readers, and the constants of the formats.
 
 Two engines cover the vocabulary formats that checkpoints ship with:
 
-* **tiktoken** (Rust, fast) runs every *byte-level* BPE (bpe.py): GPT-2's ``encoder.json`` + ``vocab.bpe``,
-  HF ``tokenizer.json`` files of the GPT-2 / Llama-3 / Qwen2 / SmolLM family (tokenizer_json.py),
-  ``tokenizer.tiktoken`` files (tiktoken_file.py), and the 257-token byte tokenizer of our demo models.
+* **tiktoken** (Rust, fast) runs every *byte-level* BPE (bpe.py): GPT-2's ``encoder.json`` +
+  ``vocab.bpe``, HF ``tokenizer.json`` files of the GPT-2 / Llama-3 / Qwen2 / SmolLM family
+  (tokenizer_json.py), ``tokenizer.tiktoken`` files (tiktoken_file.py), and the 257-token byte
+  tokenizer of our demo models.
 * A small pure-Python **SentencePiece BPE** (sentencepiece.py) runs Llama-2 style vocabularies
   (``tokenizer.model`` protobufs, read by protobuf.py; llama2.c ``tokenizer.bin`` / ``tok512.bin``,
-  llama2c.py; and SentencePiece-style ``tokenizer.json`` files — Llama-2's, Mistral's Metaspace — where
-  `MergesTokenizer` ranks pairs by the file's merge list, as HF does). There a merge is chosen by the
-  *score* of the merged piece over unicode characters (or its rank), with byte fallback for unknown
+  llama2c.py; and SentencePiece-style ``tokenizer.json`` files — Llama-2's, Mistral's Metaspace —
+  where `MergesTokenizer` ranks pairs by the file's merge list, as HF does). There a merge is chosen
+  by the *score* of the merged piece over unicode characters (or its rank), with byte fallback for
+  unknown
   characters: tiktoken's rank-over-bytes BPE cannot express that exactly.
 
-Both engines have the members of :class:`Tokenizer`; :func:`load_tokenizer` (load.py) picks one by the
-files it finds. ``encode`` never parses special-token text (``"<|endoftext|>"`` in a prompt is ordinary
-text), so a prompt cannot inject control tokens; ``bos=True`` prepends the BOS id instead.
+Both engines have the members of :class:`Tokenizer`; :func:`load_tokenizer` (load.py) picks one by
+the files it finds. ``encode`` never parses special-token text (``"<|endoftext|>"`` in a prompt is
+ordinary text), so a prompt cannot inject control tokens; ``bos=True`` prepends the BOS id instead.
 
-Tests (tests/test_tokenizer.py) hold both engines to outside references: llama.cpp's tokenizer vectors for
-GPT-2 and Llama-2, and the HF ``tokenizers`` library on tokenizer.json files built offline.
+Tests (tests/test_tokenizer.py) hold both engines to outside references: llama.cpp's tokenizer
+vectors for GPT-2 and Llama-2, and the HF ``tokenizers`` library on tokenizer.json files built
+offline.
 """
 
 from __future__ import annotations
@@ -92,7 +95,8 @@ def check_ids(ids: Iterable[int], vocab_size: int) -> list[int]:
 def check_special_ids(vocab_size: int, **ids: int | None) -> None:
     for name, value in ids.items():
         if value is not None and not 0 <= value < vocab_size:
-            raise TokenizerError(f"{name}={value} is outside the vocabulary (vocab_size={vocab_size})")
+            raise TokenizerError(f"{name}={value} is outside the vocabulary "
+                                 f"(vocab_size={vocab_size})")
 
 
 def prepend_bos(ids: list[int], bos: bool, bos_id: int | None) -> list[int]:
@@ -108,7 +112,8 @@ def read_bytes(path: Path) -> bytes:
     try:
         return path.read_bytes()
     except OSError as e:
-        raise TokenizerError(f"cannot read tokenizer file {str(path)!r}: {e.strerror or e}") from None
+        raise TokenizerError(f"cannot read tokenizer file {str(path)!r}: "
+                             f"{e.strerror or e}") from None
 
 
 def read_text(path: Path) -> str:

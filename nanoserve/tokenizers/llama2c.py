@@ -15,9 +15,10 @@ from .sentencepiece import SentencePieceTokenizer
 def llama2c_tokenizer(path: str | os.PathLike) -> SentencePieceTokenizer:
     """A llama2.c ``tokenizer.bin`` / ``tok512.bin``: the pieces and scores of a SentencePiece BPE.
 
-    Layout (little-endian): int32 max_token_length, then per token float32 score, int32 length, bytes.
-    Spaces are stored as " " (not "▁"); types are implied: ids 0/1/2 are <unk>/<s>/</s>, ``<0xXX>`` pieces
-    are bytes, the rest normal. llama2.c adds the dummy prefix, as Llama-2's model does.
+    Layout (little-endian): int32 max_token_length, then per token float32 score, int32 length,
+    bytes. Spaces are stored as " " (not "▁"); types are implied: ids 0/1/2 are <unk>/<s>/</s>,
+    ``<0xXX>`` pieces are bytes, the rest normal. llama2.c adds the dummy prefix, as Llama-2's model
+    does.
     """
     path = Path(path)
     data = read_bytes(path)
@@ -46,7 +47,8 @@ def llama2c_tokenizer(path: str | os.PathLike) -> SentencePieceTokenizer:
         pos += length
     if len(pieces) < 3:
         raise TokenizerError(f"{path}: {len(pieces)} tokens; ids 0/1/2 must be <unk>/<s>/</s>")
-    types = [UNKNOWN, CONTROL, CONTROL] + [BYTE if BYTE_PIECE.fullmatch(p) else NORMAL for p in pieces[3:]]
+    types = [UNKNOWN, CONTROL,
+             CONTROL] + [BYTE if BYTE_PIECE.fullmatch(p) else NORMAL for p in pieces[3:]]
     pieces = [p.replace(" ", SPACE) if t == NORMAL else p for p, t in zip(pieces, types)]
     byte_fallback = types.count(BYTE) == 256
     return SentencePieceTokenizer(pieces, scores, types, byte_fallback=byte_fallback)

@@ -16,18 +16,23 @@ from .tokenizer_json import hf_tokenizer
 
 
 def has_tokenizer(directory: str | os.PathLike) -> bool:
-    """Whether `directory` holds any of RECOGNISED_FILES (a checkpoint may come without a tokenizer)."""
+    """Whether `directory` holds any of RECOGNISED_FILES (a checkpoint may come without a
+    tokenizer)."""
     p = Path(directory)
-    names = ("tokenizer.json", "encoder.json", "tokenizer.model", "tokenizer.bin", "tokenizer.tiktoken")
+    names = ("tokenizer.json", "encoder.json", "tokenizer.model", "tokenizer.bin",
+             "tokenizer.tiktoken")
     return p.is_dir() and (any((p / n).is_file() for n in names) or any(p.glob("tok*.bin")))
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """The tokenizer in `path`: a directory (first found of RECOGNISED_FILES, in that order) or one file.
+    """The tokenizer in `path`: a directory (first found of RECOGNISED_FILES, in that order) or one
+    file.
 
-    A tokenizer.json that is not byte-level gives way to a tokenizer.model beside it (HF Llama-2 folders).
+    A tokenizer.json that is not byte-level gives way to a tokenizer.model beside it (HF Llama-2
+    folders).
 
-    The bare name "gpt2", when no such path exists, asks tiktoken's registry (needs the network once).
+    The bare name "gpt2", when no such path exists, asks tiktoken's registry (needs the network
+    once).
     """
     p = Path(path)
     if str(path) == "gpt2" and not p.exists():
@@ -43,8 +48,8 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         try:
             return hf_tokenizer(p / "tokenizer.json")
         except TokenizerError:
-            # HF Llama-2 folders ship a SentencePiece-style tokenizer.json (not byte-level) next to the
-            # tokenizer.model it was converted from: that file is the authoritative one.
+            # HF Llama-2 folders ship a SentencePiece-style tokenizer.json (not byte-level) next to
+            # the tokenizer.model it was converted from: that file is the authoritative one.
             if not (p / "tokenizer.model").is_file():
                 raise
     if (p / "encoder.json").is_file() and (p / "vocab.bpe").is_file():
@@ -77,5 +82,6 @@ def _load_file(path: Path) -> Tokenizer:
         return tiktoken_file_tokenizer(path)
     raise TokenizerError(
         f"{str(path)!r}: unknown tokenizer file type; recognised: {', '.join(RECOGNISED_FILES)} "
-        "(any *.json is read as a HF tokenizer.json, any *.model as SentencePiece, any *.bin as llama2.c)"
+        "(any *.json is read as a HF tokenizer.json, any *.model as SentencePiece, any *.bin as "
+        "llama2.c)"
     )

@@ -24,8 +24,8 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
 def proto_fields(data: bytes) -> Iterator[tuple[int, int | bytes]]:
     """(field number, value) for each field of one protobuf message, in order.
 
-    Wire type 0 (varint) gives an int; 1 (fixed64), 2 (length-delimited: strings, bytes, sub-messages)
-    and 5 (fixed32: float) give the raw bytes. That is all ModelProto uses.
+    Wire type 0 (varint) gives an int; 1 (fixed64), 2 (length-delimited: strings, bytes,
+    sub-messages) and 5 (fixed32: float) give the raw bytes. That is all ModelProto uses.
     """
     pos = 0
     while pos < len(data):

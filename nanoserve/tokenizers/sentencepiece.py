@@ -36,12 +36,13 @@ from .protobuf import int32, proto_fields
 class SentencePieceTokenizer:
     """SentencePiece's BPE encoder, in pure Python.
 
-    encode: spaces become "▁" and a "▁" is put in front (``add_dummy_prefix``); the text is split into
-    characters; then, repeatedly, the adjacent pair whose concatenation is the highest-scoring vocabulary
-    piece is merged (leftmost on ties). Characters left outside the vocabulary become one ``<0xXX>`` token
-    per UTF-8 byte (``byte_fallback``) or ``unk_id``. decode: "▁" -> " ", byte tokens -> their byte,
-    control and unknown tokens -> nothing, and (like ``sp.decode``) the one space that the dummy prefix
-    put at the start is dropped. ``decode_bytes`` keeps that space, so that it concatenates over a stream.
+    encode: spaces become "▁" and a "▁" is put in front (``add_dummy_prefix``); the text is split
+    into characters; then, repeatedly, the adjacent pair whose concatenation is the highest-scoring
+    vocabulary piece is merged (leftmost on ties). Characters left outside the vocabulary become one
+    ``<0xXX>`` token per UTF-8 byte (``byte_fallback``) or ``unk_id``. decode: "▁" -> " ", byte
+    tokens -> their byte, control and unknown tokens -> nothing, and (like ``sp.decode``) the one
+    space that the dummy prefix put at the start is dropped. ``decode_bytes`` keeps that space, so
+    that it concatenates over a stream.
     """
 
     def __init__(
@@ -58,7 +59,8 @@ class SentencePieceTokenizer:
         byte_fallback: bool = True,
     ) -> None:
         if not len(pieces) == len(scores) == len(types):
-            raise TokenizerError(f"{len(pieces)} pieces, {len(scores)} scores and {len(types)} types differ")
+            raise TokenizerError(f"{len(pieces)} pieces, {len(scores)} scores and {len(types)} "
+                                 "types differ")
         self.pieces, self.scores, self.types = list(pieces), list(scores), list(types)
         self.vocab_size = len(self.pieces)
         check_special_ids(self.vocab_size, unk_id=unk_id, bos_id=bos_id, eos_id=eos_id)
@@ -66,7 +68,8 @@ class SentencePieceTokenizer:
         self.add_dummy_prefix = add_dummy_prefix
         self.remove_extra_whitespaces = remove_extra_whitespaces
         kinds = list(zip(self.pieces, self.types))
-        self._merge_score = {p: s for p, s, t in zip(self.pieces, self.scores, self.types) if t == NORMAL}
+        self._merge_score = {p: s for p, s,
+                             t in zip(self.pieces, self.scores, self.types) if t == NORMAL}
         self._piece_id: dict[str, int] = {}
         for i, (piece, kind) in enumerate(kinds):
             if kind in (NORMAL, USER_DEFINED, UNUSED):
@@ -75,7 +78,8 @@ class SentencePieceTokenizer:
         self.byte_fallback = byte_fallback
         if byte_fallback and sorted(self._byte_id) != list(range(256)):
             raise TokenizerError(
-                f"byte_fallback needs 256 <0xXX> byte pieces, this vocabulary has {len(self._byte_id)}"
+                "byte_fallback needs 256 <0xXX> byte pieces, this vocabulary has "
+                f"{len(self._byte_id)}"
             )
         if not byte_fallback and unk_id is None:
             raise TokenizerError("a SentencePiece vocabulary without byte_fallback needs an unk_id")
@@ -84,7 +88,8 @@ class SentencePieceTokenizer:
         self._bytes = [_piece_surface(p, t) for p, t in kinds]
 
     def encode(self, text: str, bos: bool = False) -> list[int]:
-        """Token ids of `text` (what ``sp.encode(text)`` gives); special-token text is ordinary text."""
+        """Token ids of `text` (what ``sp.encode(text)`` gives); special-token text is ordinary
+        text."""
         check_text(text)
         ids: list[int] = []
         for symbol in self._segment(self._normalize(text)):
@@ -93,13 +98,15 @@ class SentencePieceTokenizer:
                 ids.append(token)
             elif self.byte_fallback:
                 ids.extend(self._byte_id[b] for b in symbol.encode("utf-8"))
-            elif not (ids and ids[-1] == self.unk_id):  # SentencePiece merges a run of unknowns into one
+            # SentencePiece merges a run of unknowns into one
+            elif not (ids and ids[-1] == self.unk_id):
                 ids.append(self.unk_id)
         return prepend_bos(ids, bos, self.bos_id)
 
     @functools.cached_property
     def special_tokens(self) -> dict[str, int]:
-        """Text → id of the control tokens (<s>, </s>, ...), which encode() never produces from text."""
+        """Text → id of the control tokens (<s>, </s>, ...), which encode() never produces from
+        text."""
         return {p: i for i, (p, t) in enumerate(zip(self.pieces, self.types)) if t == CONTROL and p}
 
     def _normalize(self, text: str) -> str:
@@ -111,7 +118,8 @@ class SentencePieceTokenizer:
         return SPACE + text if self.add_dummy_prefix else text
 
     def _segment(self, text: str) -> list[str]:
-        """The merged symbols of `text`; user-defined pieces are matched first and never merged further."""
+        """The merged symbols of `text`; user-defined pieces are matched first and never merged
+        further."""
         if self._user_re is None:
             return self._bpe(list(text))
         symbols, start = [], 0
@@ -121,12 +129,14 @@ class SentencePieceTokenizer:
         return symbols + self._bpe(list(text[start:]))
 
     def _pair_priority(self, rank: float, position: int) -> tuple[float, int]:
-        """Heap key of a candidate merge: the smallest rank first, then the leftmost (smallest key pops first)."""
+        """Heap key of a candidate merge: the smallest rank first, then the leftmost (smallest key
+        pops first)."""
         return (rank, position)
 
     def _pair_rank(self, left: str, right: str) -> float | None:
-        """How early the pair merges (smaller first), or None if it never does: here, the merged piece's
-        score, negated (SentencePiece); `MergesTokenizer` ranks pairs by a merge list (HF's BPE)."""
+        """How early the pair merges (smaller first), or None if it never does: here, the merged
+        piece's score, negated (SentencePiece); `MergesTokenizer` ranks pairs by a merge list (HF's
+        BPE)."""
         score = self._merge_score.get(left + right)
         return None if score is None else -score
 
@@ -134,8 +144,9 @@ class SentencePieceTokenizer:
         """Merge adjacent symbols, best pair first, until no adjacent pair forms a mergeable piece.
 
         The symbols form a linked list (prev/next indices); candidate pairs wait in a heap keyed by
-        `_pair_priority` and are dropped on pop when a merge has since changed either side (lazy deletion).
-        Each merged symbol keeps the position of its left part, which is what the tie-break compares.
+        `_pair_priority` and are dropped on pop when a merge has since changed either side (lazy
+        deletion). Each merged symbol keeps the position of its left part, which is what the
+        tie-break compares.
         """
         n = len(symbols)
         symbols = list(symbols)
@@ -149,7 +160,9 @@ class SentencePieceTokenizer:
                 return
             rank = self._pair_rank(symbols[left], symbols[right])
             if rank is not None:
-                heapq.heappush(heap, (self._pair_priority(rank, left), left, symbols[left] + symbols[right]))
+                heapq.heappush(heap,
+                               (self._pair_priority(rank, left), left,
+                                symbols[left] + symbols[right]))
 
         for i in range(n - 1):
             push(i)
@@ -157,7 +170,8 @@ class SentencePieceTokenizer:
             _, left, merged = heapq.heappop(heap)
             right = next_[left]
             if not symbols[left] or right == -1 or symbols[left] + symbols[right] != merged:
-                continue  # stale: one side was merged into something else after this pair was pushed
+                # stale: one side was merged into something else after this pair was pushed
+                continue
             symbols[left], symbols[right] = merged, ""
             next_[left] = next_[right]
             if next_[right] != -1:
@@ -171,7 +185,8 @@ class SentencePieceTokenizer:
         return b"".join(self._bytes[i] for i in check_ids(ids, self.vocab_size))
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Text of the tokens as ``sp.decode`` gives it: without the leading space of the dummy prefix."""
+        """Text of the tokens as ``sp.decode`` gives it: without the leading space of the dummy
+        prefix."""
         ids = check_ids(ids, self.vocab_size)
         text = self.decode_bytes(ids).decode("utf-8", errors="replace")
         if self.add_dummy_prefix or self.remove_extra_whitespaces:
@@ -182,16 +197,20 @@ class SentencePieceTokenizer:
 
 
 class MergesTokenizer(SentencePieceTokenizer):
-    """The same BPE over unicode characters with byte fallback, but a pair merges by its rank in a merge
-    list, as HF's BPE does: what a Llama-2 / Mistral ``tokenizer.json`` holds (tokenizer_json.py reads it).
-    split=True: the Metaspace pre-tokenizer's split, each word from a "▁" on, merged on its own."""
+    """The same BPE over unicode characters with byte fallback, but a pair merges by its rank in a
+    merge list, as HF's BPE does: what a Llama-2 / Mistral ``tokenizer.json`` holds
+    (tokenizer_json.py reads it). split=True: the Metaspace pre-tokenizer's split, each word from a
+    "▁" on, merged on its own."""
 
-    def __init__(self, pieces: Sequence[str], types: Sequence[int], merges: Sequence[tuple[str, str]], *,
+    def __init__(self, pieces: Sequence[str], types: Sequence[int],
+                 merges: Sequence[tuple[str, str]], *,
                  split: bool = False, prefix_if_missing: bool = False, **kwargs) -> None:
         super().__init__(pieces, [0.0] * len(pieces), types, **kwargs)
-        self._ranks = {pair: rank for rank, pair in reversed(list(enumerate(merges)))}  # the first listing wins
+        # the first listing wins
+        self._ranks = {pair: rank for rank, pair in reversed(list(enumerate(merges)))}
         self.split = split  # Metaspace(split=True): each "▁"-led word is merged on its own
-        self.prefix_if_missing = prefix_if_missing  # Metaspace: no "▁" prefix on a text that already starts with one
+        # Metaspace: no "▁" prefix on a text that already starts with one
+        self.prefix_if_missing = prefix_if_missing
 
     def _pair_rank(self, left: str, right: str) -> float | None:
         return self._ranks.get((left, right))
@@ -251,11 +270,13 @@ def sentencepiece_tokenizer(path: str | os.PathLike) -> SentencePieceTokenizer:
     model_type = trainer.get(3, 1)
     if model_type != 2:
         kind = {1: "UNIGRAM", 3: "WORD", 4: "CHAR"}.get(model_type, str(model_type))
-        raise TokenizerError(f"{path}: SentencePiece model type {kind}; only BPE models are supported")
+        raise TokenizerError(f"{path}: SentencePiece model type {kind}; only BPE models are "
+                             "supported")
     if normalizer.get(2) or not normalizer.get(5, 1):
         name = normalizer.get(1, b"?").decode("utf-8", "replace")
         raise TokenizerError(
-            f"{path}: normalizer {name!r} rewrites text with its own rules; only 'identity' is supported"
+            f"{path}: normalizer {name!r} rewrites text with its own rules; only 'identity' is "
+            "supported"
         )
     ids = {
         key: int32(trainer.get(field, default))

@@ -15,21 +15,24 @@ from .bpe import TiktokenTokenizer, make_encoding
 
 
 def save_tiktoken(tokenizer: TiktokenTokenizer, directory: str | os.PathLike) -> Path:
-    """Write `tokenizer` as ``tokenizer.tiktoken`` + ``tiktoken_config.json`` in `directory`; return the dir.
+    """Write `tokenizer` as ``tokenizer.tiktoken`` + ``tiktoken_config.json`` in `directory`; return
+    the dir.
 
     :func:`load_tokenizer` reads it back (e.g. the demo byte tokenizer saved next to a checkpoint).
     """
     if not isinstance(tokenizer, TiktokenTokenizer):
         raise TokenizerError(
-            f"save_tiktoken needs a tiktoken-backed tokenizer, got {type(tokenizer).__name__} (SentencePiece "
-            "score-based merges have no tiktoken form)"
+            f"save_tiktoken needs a tiktoken-backed tokenizer, got {type(tokenizer).__name__} "
+            "(SentencePiece score-based merges have no tiktoken form)"
         )
     encoding = tokenizer.encoding
     special_names = {i: name for name, i in encoding._special_tokens.items()}
-    config: dict[str, Any] = {"pat_str": encoding._pat_str, "special_tokens": encoding._special_tokens}
+    config: dict[str, Any] = {"pat_str": encoding._pat_str,
+                              "special_tokens": encoding._special_tokens}
     for key, token in (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id)):
         if token is not None and token not in special_names:
-            raise TokenizerError(f"save_tiktoken: {key} id {token} is not a special token, so it has no name")
+            raise TokenizerError(f"save_tiktoken: {key} id {token} is not a special token, so it "
+                                 "has no name")
         config[key] = special_names.get(token)
     for key in ("normalization", "presplit", "add_prefix_space"):
         if getattr(tokenizer, key):
@@ -39,12 +42,14 @@ def save_tiktoken(tokenizer: TiktokenTokenizer, directory: str | os.PathLike) ->
     ranks = sorted(encoding._mergeable_ranks.items(), key=lambda item: item[1])
     lines = [f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in ranks]
     (directory / "tokenizer.tiktoken").write_text("".join(lines), encoding="ascii")
-    (directory / "tiktoken_config.json").write_text(json.dumps(config, indent=1) + "\n", encoding="utf-8")
+    (directory / "tiktoken_config.json").write_text(json.dumps(config, indent=1) + "\n",
+                                                    encoding="utf-8")
     return directory
 
 
 def tiktoken_file_tokenizer(path: str | os.PathLike) -> TiktokenTokenizer:
-    """A ``tokenizer.tiktoken`` file and the ``tiktoken_config.json`` beside it (if absent: GPT-2's regex)."""
+    """A ``tokenizer.tiktoken`` file and the ``tiktoken_config.json`` beside it (if absent: GPT-2's
+    regex)."""
     path = Path(path)
     ranks = {}
     for n, line in enumerate(read_text(path).splitlines(), start=1):
@@ -54,7 +59,8 @@ def tiktoken_file_tokenizer(path: str | os.PathLike) -> TiktokenTokenizer:
             token, rank = line.split()
             ranks[base64.b64decode(token, validate=True)] = int(rank)
         except ValueError:
-            raise TokenizerError(f"{path}:{n}: expected 'base64-token rank', got {line[:60]!r}") from None
+            raise TokenizerError(f"{path}:{n}: expected 'base64-token rank', got "
+                                 f"{line[:60]!r}") from None
     config_path = path.with_name("tiktoken_config.json")
     config = read_json(config_path) if config_path.is_file() else {}
     specials = config.get("special_tokens") or {}

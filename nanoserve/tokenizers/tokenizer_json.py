@@ -1,6 +1,7 @@
-"""HF ``tokenizer.json``: byte-level BPE converted to tiktoken's mergeable ranks, with the pre-tokenizer's
-split regex and normalizer reproduced; or, for the SentencePiece-style files of Llama-2 and Mistral ("▁" for
-spaces, byte fallback), sentencepiece.py's BPE with the file's merge ranks (`MergesTokenizer`).
+"""HF ``tokenizer.json``: byte-level BPE converted to tiktoken's mergeable ranks, with the
+pre-tokenizer's split regex and normalizer reproduced; or, for the SentencePiece-style files of
+Llama-2 and Mistral ("▁" for spaces, byte fallback), sentencepiece.py's BPE with the file's merge
+ranks (`MergesTokenizer`).
 """
 
 from __future__ import annotations
@@ -30,17 +31,20 @@ from .sentencepiece import MergesTokenizer
 
 
 def hf_tokenizer(path: str | os.PathLike) -> TiktokenTokenizer | MergesTokenizer:
-    """A HF ``tokenizer.json`` byte-level BPE, converted to tiktoken ranks; or a SentencePiece-style one (Llama-2,
+    """A HF ``tokenizer.json`` byte-level BPE, converted to tiktoken ranks; or a SentencePiece-style
+    one (Llama-2,
     Mistral: "▁" for spaces, byte fallback), read by `_merges_tokenizer`.
 
-    Supported pre-tokenizers: ``ByteLevel`` (GPT-2 regex); ``Sequence[Split(regex), ByteLevel(use_regex=
-    False)]`` (Llama-3, Qwen2); either one after a ``Digits`` or ``Split`` step (SmolLM); normalizers: none
-    or one unicode form (NFC ...). All added tokens become special tokens; like every nanoserve tokenizer,
-    encode() treats their text as ordinary text (HF would match non-special added tokens in the text).
-    BOS / EOS come from ``tokenizer_config.json`` beside the file, else from common token names.
+    Supported pre-tokenizers: ``ByteLevel`` (GPT-2 regex); ``Sequence[Split(regex),
+    ByteLevel(use_regex= False)]`` (Llama-3, Qwen2); either one after a ``Digits`` or ``Split`` step
+    (SmolLM); normalizers: none or one unicode form (NFC ...). All added tokens become special
+    tokens; like every nanoserve tokenizer, encode() treats their text as ordinary text (HF would
+    match non-special added tokens in the text). BOS / EOS come from ``tokenizer_config.json``
+    beside the file, else from common token names.
 
-    Known gap: HF merges only listed pairs, tiktoken any pair that forms a token; `bpe_ranks` rejects the
-    vocabularies where that can matter in ways we can check, and the tests compare with HF directly.
+    Known gap: HF merges only listed pairs, tiktoken any pair that forms a token; `bpe_ranks`
+    rejects the vocabularies where that can matter in ways we can check, and the tests compare with
+    HF directly.
     """
     path = Path(path)
     spec = read_json(path)
@@ -52,11 +56,14 @@ def hf_tokenizer(path: str | os.PathLike) -> TiktokenTokenizer | MergesTokenizer
         )
     for key in ("continuing_subword_prefix", "end_of_word_suffix", "dropout"):
         if model.get(key):
-            raise TokenizerError(f"{path}: BPE option {key}={model[key]!r} is not supported (must be null)")
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model.get("merges") or []]
+            raise TokenizerError(f"{path}: BPE option {key}={model[key]!r} is not supported (must "
+                                 "be null)")
+    merges = [tuple(m.split(" ")) if isinstance(m,
+                                                str) else tuple(m) for m in model.get("merges") or []]
     added = {t["content"]: t["id"] for t in spec.get("added_tokens") or []}
     vocab = model.get("vocab") or {}
-    names = {**vocab, **added}  # vocab keys are byte-level strings: equal to the text for printable ASCII
+    # vocab keys are byte-level strings: equal to the text for printable ASCII
+    names = {**vocab, **added}
     config_path = path.with_name("tokenizer_config.json")
     config = read_json(config_path) if config_path.is_file() else {}
     bos_id = _special_id(config, "bos_token", BOS_NAMES, names, config_path)
@@ -80,31 +87,36 @@ def hf_tokenizer(path: str | os.PathLike) -> TiktokenTokenizer | MergesTokenizer
 
 
 def _sentencepiece_style(spec: dict) -> bool:
-    """Whether a tokenizer.json is a converted SentencePiece BPE: byte fallback, a Metaspace pre-tokenizer, or
-    the "▁"-writing normalizer of Llama-2's files."""
+    """Whether a tokenizer.json is a converted SentencePiece BPE: byte fallback, a Metaspace
+    pre-tokenizer, or the "▁"-writing normalizer of Llama-2's files."""
     pre, norm = spec.get("pre_tokenizer") or {}, json.dumps(spec.get("normalizer"))
     return bool(spec["model"].get("byte_fallback")) or pre.get("type") == "Metaspace" or SPACE in norm
 
 
 def _merges_tokenizer(path: Path, spec: dict, names: dict[str, int], merges: list[tuple[str, str]],
                       bos_id: int | None, eos_id: int | None) -> MergesTokenizer:
-    """A SentencePiece-style tokenizer.json: spaces written "▁" (a normalizer Prepend("▁") + Replace(" ", "▁"), or
-    a Metaspace pre-tokenizer), BPE over characters by merge rank, byte fallback to <0xXX> pieces."""
+    """A SentencePiece-style tokenizer.json: spaces written "▁" (a normalizer Prepend("▁") +
+    Replace(" ", "▁"), or a Metaspace pre-tokenizer), BPE over characters by merge rank, byte
+    fallback to <0xXX> pieces."""
     model, norm, pre = spec["model"], spec.get("normalizer"), spec.get("pre_tokenizer")
-    steps = (norm.get("normalizers") or []) if isinstance(norm, dict) and norm.get("type") == "Sequence" else \
+    steps = (norm.get("normalizers") or []) if isinstance(norm,
+                                                          dict) and norm.get("type") == "Sequence" else \
         [norm] if norm else []
-    kinds = [(st.get("type"), st.get("prepend"), (st.get("pattern") or {}).get("String"), st.get("content"))
+    kinds = [(st.get("type"), st.get("prepend"), (st.get("pattern") or {}).get("String"),
+              st.get("content"))
              for st in steps]
     if kinds not in ([], [("Prepend", SPACE, None, None), ("Replace", None, " ", SPACE)]):
-        raise TokenizerError(f"{path}: normalizer {norm!r} is not supported with a SentencePiece-style vocabulary; "
-                             "allowed: null, or Prepend('▁') then Replace(' ', '▁')")
+        raise TokenizerError(f"{path}: normalizer {norm!r} is not supported with a "
+                             "SentencePiece-style vocabulary; allowed: null, or Prepend('▁') then "
+                             "Replace(' ', '▁')")
     if pre is not None and (pre.get("type") != "Metaspace" or pre.get("replacement", SPACE) != SPACE or kinds):
-        raise TokenizerError(f"{path}: pre_tokenizer {pre!r} is not supported here; allowed: null (after the "
-                             "'▁' normalizer), or Metaspace('▁')")
+        raise TokenizerError(f"{path}: pre_tokenizer {pre!r} is not supported here; allowed: null "
+                             "(after the '▁' normalizer), or Metaspace('▁')")
     if pre is None:  # Llama-2's normalizer: "▁" before every text
         prefix = bool(kinds)
     else:  # Metaspace: prepend_scheme, or in older files add_prefix_space
-        prefix = pre.get("prepend_scheme", "always" if pre.get("add_prefix_space", True) else "never") != "never"
+        prefix = pre.get("prepend_scheme",
+                         "always" if pre.get("add_prefix_space", True) else "never") != "never"
     special = {t["content"] for t in spec.get("added_tokens") or [] if t.get("special")}
     pieces = [""] * (max(names.values()) + 1)
     for piece, i in names.items():
@@ -112,21 +124,24 @@ def _merges_tokenizer(path: Path, spec: dict, names: dict[str, int], merges: lis
     unk = model.get("unk_token")
     types = [BYTE if BYTE_PIECE.fullmatch(p) else UNKNOWN if p == unk else CONTROL if p in special else NORMAL
              for p in pieces]
-    return MergesTokenizer(pieces, types, merges, split=bool((pre or {}).get("split", False)), unk_id=names.get(unk),
-                           bos_id=bos_id, eos_id=eos_id, add_dummy_prefix=prefix, prefix_if_missing=pre is not None,
+    return MergesTokenizer(pieces, types, merges, split=bool((pre or {}).get("split", False)),
+                           unk_id=names.get(unk),
+                           bos_id=bos_id, eos_id=eos_id, add_dummy_prefix=prefix,
+                           prefix_if_missing=pre is not None,
                            byte_fallback=bool(model.get("byte_fallback")))
 
 
 def _hf_pre_tokenizer(spec: dict | None, where: Path) -> tuple[str, str | None, bool]:
-    """(tiktoken regex, presplit regex or None, add_prefix_space) for a tokenizer.json pre_tokenizer."""
+    """(tiktoken regex, presplit regex or None, add_prefix_space) for a tokenizer.json
+    pre_tokenizer."""
     if spec and spec.get("type") == "Sequence":
         steps = list(spec.get("pretokenizers") or [])
     else:
         steps = [spec] if spec else []
     if not steps or steps[-1].get("type") != "ByteLevel":
         raise TokenizerError(
-            f"{where}: pre_tokenizer {spec!r} is not byte-level; supported: ByteLevel, or a Sequence ending "
-            "in ByteLevel (after at most a Split and a Split/Digits step)"
+            f"{where}: pre_tokenizer {spec!r} is not byte-level; supported: ByteLevel, or a "
+            "Sequence ending in ByteLevel (after at most a Split and a Split/Digits step)"
         )
     byte_level = steps.pop()
     if byte_level.get("use_regex", True):
@@ -134,7 +149,8 @@ def _hf_pre_tokenizer(spec: dict | None, where: Path) -> tuple[str, str | None, 
     elif steps and steps[-1].get("type") == "Split":
         pat_str = _split_regex(steps.pop(), where)
     else:
-        raise TokenizerError(f"{where}: ByteLevel(use_regex=false) must follow a Split pre-tokenizer")
+        raise TokenizerError(f"{where}: ByteLevel(use_regex=false) must follow a Split "
+                             "pre-tokenizer")
     if len(steps) > 1:
         raise TokenizerError(
             f"{where}: {len(steps) + 1} splitting steps before ByteLevel; at most 2 are supported"
@@ -149,8 +165,8 @@ def _split_regex(step: dict, where: Path) -> str:
         return r"\p{N}" if step.get("individual_digits") else r"\p{N}+"
     if step.get("type") != "Split" or step.get("behavior") != "Isolated" or step.get("invert"):
         raise TokenizerError(
-            f"{where}: pre-tokenizer step {step!r} is not supported; allowed: Split(behavior=Isolated, "
-            "invert=false), Digits"
+            f"{where}: pre-tokenizer step {step!r} is not supported; allowed: "
+            "Split(behavior=Isolated, invert=false), Digits"
         )
     pattern = step.get("pattern") or {}
     if "Regex" in pattern:
@@ -177,7 +193,8 @@ def _hf_normalizer(spec: dict | None, where: Path) -> str | None:
 def _special_id(
     config: dict, key: str, fallbacks: tuple[str, ...], names: dict[str, int], where: Path
 ) -> int | None:
-    """The id of config[key] (a token string or {"content": ...}); without the key, the first known name."""
+    """The id of config[key] (a token string or {"content": ...}); without the key, the first known
+    name."""
     if key not in config:
         return next((names[n] for n in fallbacks if n in names), None)
     value = config[key]

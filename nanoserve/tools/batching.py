@@ -34,7 +34,8 @@ def _params_list(params, n: int) -> list[SamplingParams]:
     if params is None or isinstance(params, SamplingParams):
         return [params or SamplingParams()] * n
     if len(params) != n:
-        raise NanoserveError(f"got {len(params)} SamplingParams for {n} prompts; give one, or one per prompt")
+        raise NanoserveError(f"got {len(params)} SamplingParams for {n} prompts; give one, or one "
+                             "per prompt")
     return list(params)
 
 
@@ -42,7 +43,8 @@ def _arrivals(arrivals, n: int) -> list[float]:
     if arrivals is None:
         return [0.0] * n
     if len(arrivals) != n or any(a < 0 for a in arrivals) or list(arrivals) != sorted(arrivals):
-        raise NanoserveError("arrivals must be one non-negative, non-decreasing offset (seconds) per prompt")
+        raise NanoserveError("arrivals must be one non-negative, non-decreasing offset (seconds) "
+                             "per prompt")
     return list(arrivals)
 
 
@@ -62,10 +64,11 @@ class _RunToCompletion:
     def _requests(self, prompts, params, arrivals, t0) -> list[Request]:
         ps = _params_list(params, len(prompts))
         if any(p.n != 1 for p in ps):
-            raise NanoserveError("static and dynamic batching run n=1 requests; use the continuous engine for n > 1")
+            raise NanoserveError("static and dynamic batching run n=1 requests; use the "
+                                 "continuous engine for n > 1")
         if any(p.prompt_logprobs is not None for p in ps):
-            raise NanoserveError("static and dynamic batching do not score prompts (prompt_logprobs); use the "
-                                 "continuous engine")
+            raise NanoserveError("static and dynamic batching do not score prompts "
+                                 "(prompt_logprobs); use the continuous engine")
         return [self.engine.new_request(p, q, arrival_time=t0 + a)
                 for p, q, a in zip(prompts, ps, _arrivals(arrivals, len(prompts)))]
 
@@ -80,13 +83,15 @@ class _RunToCompletion:
         try:
             for seq in seqs:
                 if not alloc.can_allocate(seq):
-                    raise NanoserveError(f"the KV pool ({alloc.num_blocks} blocks) cannot hold this batch of "
-                                         f"{len(seqs)} requests; use smaller batches or a larger cache")
+                    raise NanoserveError(f"the KV pool ({alloc.num_blocks} blocks) cannot hold "
+                                         f"this batch of {len(seqs)} requests; use smaller batches "
+                                         "or a larger cache")
                 alloc.allocate(seq)
             now = time.perf_counter()
             for r in reqs:
                 r.output.first_scheduled_time = now
-            num_new = [len(s) - s.num_computed_tokens for s in seqs]  # prefill, padded to the longest
+            # prefill, padded to the longest
+            num_new = [len(s) - s.num_computed_tokens for s in seqs]
             while any(not r.samples[0].out.finish_reason for r in reqs):
                 logits = runner.run(seqs, num_new)  # B, V
                 rows = [i for i, r in enumerate(reqs) if not r.samples[0].out.finish_reason]
@@ -99,9 +104,11 @@ class _RunToCompletion:
                 for i, s, token, lp in zip(rows, samples, tokens, lps):
                     if reqs[i].emit(s, token, lp):
                         reqs[i].output.finish_time = time.perf_counter()
-                        ride_along(seqs[i])  # recompute its last computed position each step from now on
+                        # recompute its last computed position each step from now on
+                        ride_along(seqs[i])
                     elif extend(alloc, seqs[i], [token])[0] != 1:
-                        raise NanoserveError(f"the KV pool ({alloc.num_blocks} blocks) ran out during a batch")
+                        raise NanoserveError(f"the KV pool ({alloc.num_blocks} blocks) ran out "
+                                             "during a batch")
                 num_new = [1] * len(seqs)
         finally:
             for seq in seqs:
@@ -115,7 +122,8 @@ class StaticBatcher(_RunToCompletion):
             raise NanoserveError(f"batch_size={batch_size!r} must be an integer ≥ 1")
         self.batch_size = batch_size
 
-    def generate(self, prompts: Sequence[Prompt], params=None, arrivals=None) -> list[RequestOutput]:
+    def generate(self, prompts: Sequence[Prompt], params=None,
+                 arrivals=None) -> list[RequestOutput]:
         t0 = time.perf_counter()
         reqs = self._requests(prompts, params, arrivals, t0)
         for i in range(0, len(reqs), self.batch_size):
@@ -134,7 +142,8 @@ class DynamicBatcher(_RunToCompletion):
             raise NanoserveError(f"max_wait_ms={max_wait_ms!r} must be ≥ 0")
         self.max_batch_size, self.max_wait = max_batch_size, max_wait_ms / 1e3
 
-    def generate(self, prompts: Sequence[Prompt], params=None, arrivals=None) -> list[RequestOutput]:
+    def generate(self, prompts: Sequence[Prompt], params=None,
+                 arrivals=None) -> list[RequestOutput]:
         t0 = time.perf_counter()
         reqs = self._requests(prompts, params, arrivals, t0)
         pending = list(reqs)
@@ -163,7 +172,8 @@ class ContinuousBatcher:
         self.engine = engine
         self.batch_sizes: list[int] = []  # sequences in each forward
 
-    def generate(self, prompts: Sequence[Prompt], params=None, arrivals=None) -> list[RequestOutput]:
+    def generate(self, prompts: Sequence[Prompt], params=None,
+                 arrivals=None) -> list[RequestOutput]:
         e = self.engine
         t0 = time.perf_counter()
         ps, offs = _params_list(params, len(prompts)), _arrivals(arrivals, len(prompts))

@@ -1,4 +1,5 @@
-"""Benchmarks of the batching strategies: `nanoserve bench throughput` and `nanoserve bench latency`.
+"""Benchmarks of the batching strategies: `nanoserve bench throughput` and `nanoserve bench
+latency`.
 
 throughput — offline: every request arrives at t = 0. The nano-vllm workload is 256 requests
     with input and output lengths U[100, 1024]; on a CPU with the 128-byte-context demo model we
@@ -37,11 +38,13 @@ from .batching import ContinuousBatcher, DynamicBatcher, StaticBatcher
 from .metrics import RequestMetrics, summarize
 
 
-def make_workload(n: int, in_range: tuple[int, int], out_range: tuple[int, int], vocab: int, seed: int = 0):
+def make_workload(n: int, in_range: tuple[int, int], out_range: tuple[int, int], vocab: int,
+                  seed: int = 0):
     """Random token prompts and per-request output lengths, reproducible from the seed."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(*in_range))] for _ in range(n)]
-    params = [SamplingParams(temperature=0, max_tokens=rng.randint(*out_range), ignore_eos=True) for _ in range(n)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(*out_range),
+                             ignore_eos=True) for _ in range(n)]
     return prompts, params
 
 
@@ -67,12 +70,14 @@ def _engine(model: str, batch_size: int) -> LLMEngine:
 
 def _check_lengths(engine: LLMEngine, in_range, out_range) -> None:
     if in_range[1] + out_range[1] > engine.max_model_len:
-        raise NanoserveError(f"input up to {in_range[1]} + output up to {out_range[1]} tokens exceeds the model's "
-                             f"context of {engine.max_model_len}; choose shorter lengths")
+        raise NanoserveError(f"input up to {in_range[1]} + output up to {out_range[1]} tokens "
+                             f"exceeds the model's context of {engine.max_model_len}; choose "
+                             "shorter lengths")
 
 
 def _batchers(engine: LLMEngine, batch_size: int, max_wait_ms: float):
-    return {"static": StaticBatcher(engine, batch_size), "dynamic": DynamicBatcher(engine, batch_size, max_wait_ms),
+    return {"static": StaticBatcher(engine, batch_size),
+            "dynamic": DynamicBatcher(engine, batch_size, max_wait_ms),
             "continuous": ContinuousBatcher(engine)}
 
 
@@ -102,7 +107,8 @@ def hf_generate_throughput(model_path: Path, prompts, params, batch_sizes=(8, 16
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
             new = max(p.max_tokens for p in ps)
             with torch.inference_mode():
-                hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                            do_sample=False,
                             pad_token_id=0)
             n_out += sum(p.max_tokens for p in ps)  # tokens past a request's own length are waste
             slots += len(batch) * (width + new)  # token positions the padded batch computes
@@ -110,16 +116,19 @@ def hf_generate_throughput(model_path: Path, prompts, params, batch_sizes=(8, 16
         useful = n_out + sum(len(p) for p in prompts)
         run = {"batch_size": bs, "duration": elapsed, "output_throughput": n_out / elapsed,
                "total_throughput": useful / elapsed,
-               # > 1: padding and finished rows. Where a token costs the same in any batch (a compute-bound
-               # CPU), removing them is all batching can win: continuous / HF ≲ this ratio.
+               # > 1: padding and finished rows. Where a token costs the same in any batch (a
+               # compute-bound CPU), removing them is all batching can win: continuous / HF ≲ this
+               # ratio.
                "computed_per_useful_token": slots / useful}
         if best is None or run["output_throughput"] > best["output_throughput"]:
             best = run
     return best
 
 
-def throughput(model: str = "demo", n: int = 64, in_range=(8, 64), out_range=(8, 64), batch_size: int = 16,
-               max_wait_ms: float = 20.0, hf: bool = True, seed: int = 0, out: str | None = None) -> dict:
+def throughput(model: str = "demo", n: int = 64, in_range=(8, 64), out_range=(8, 64),
+               batch_size: int = 16,
+               max_wait_ms: float = 20.0, hf: bool = True, seed: int = 0,
+               out: str | None = None) -> dict:
     engine = _engine(model, batch_size)
     _check_lengths(engine, in_range, out_range)
     prompts, params = make_workload(n, in_range, out_range, engine.config.vocab_size, seed)
@@ -136,26 +145,32 @@ def throughput(model: str = "demo", n: int = 64, in_range=(8, 64), out_range=(8,
     return _finish(res, out)
 
 
-def latency(model: str = "demo", n: int = 48, rates=(2.0, 8.0, 32.0), in_range=(8, 64), out_range=(8, 64),
-            batch_size: int = 16, max_wait_ms: float = 20.0, seed: int = 0, out: str | None = None) -> dict:
+def latency(model: str = "demo", n: int = 48, rates=(2.0, 8.0, 32.0), in_range=(8, 64),
+            out_range=(8, 64),
+            batch_size: int = 16, max_wait_ms: float = 20.0, seed: int = 0,
+            out: str | None = None) -> dict:
     engine = _engine(model, batch_size)
     _check_lengths(engine, in_range, out_range)
     prompts, params = make_workload(n, in_range, out_range, engine.config.vocab_size, seed)
-    res = {"benchmark": "latency", "model": model, "requests": n, "rates": list(rates), "batch_size": batch_size,
+    res = {"benchmark": "latency", "model": model, "requests": n, "rates": list(rates),
+           "batch_size": batch_size,
            "max_wait_ms": max_wait_ms, "results": {}}
     for rate in rates:
         arrivals = poisson_arrivals(n, rate, seed)
         res["results"][str(rate)] = {name: _summary(b.generate(prompts, params, arrivals=arrivals), prompts)
-                                     for name, b in _batchers(engine, batch_size, max_wait_ms).items()}
+                                     for name,
+                                     b in _batchers(engine, batch_size, max_wait_ms).items()}
     return _finish(res, out)
 
 
-SPEC_PROMPTS = ("ROMEO:\n", "JULIET:\nO Romeo, Romeo", "First Citizen:\nBefore we proceed any further",
+SPEC_PROMPTS = ("ROMEO:\n", "JULIET:\nO Romeo, Romeo",
+                "First Citizen:\nBefore we proceed any further",
                 "KING HENRY:\n", "MENENIUS:\nWhat work's, my countrymen", "DUKE VINCENTIO:\n")
 
 
 def text_table(rows: list[dict], cols: list[str]) -> str:
-    """`rows` as a right-aligned text table of `cols` (floats with 3 decimals, None as —), for the benchmarks."""
+    """`rows` as a right-aligned text table of `cols` (floats with 3 decimals, None as —), for the
+    benchmarks."""
     fmt = lambda v: "—" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
     widths = [max(len(c), *(len(fmt(r[c])) for r in rows)) for c in cols]
     return "\n".join(["  ".join(c.rjust(w) for c, w in zip(cols, widths))]
@@ -163,7 +178,8 @@ def text_table(rows: list[dict], cols: list[str]) -> str:
 
 
 def _timed_generate(llm, prompts, params, repeats: int = 2) -> tuple[float, list]:
-    """Best of `repeats` wall times (this machine is shared and noisy) for the prompts one at a time."""
+    """Best of `repeats` wall times (this machine is shared and noisy) for the prompts one at a
+    time."""
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -173,17 +189,20 @@ def _timed_generate(llm, prompts, params, repeats: int = 2) -> tuple[float, list
 
 
 def _spec_row(outs, seconds: float, base_seconds: float, gamma: int) -> dict:
-    """Totals over the requests; `draft_cost` is c in "a speculative step costs (1 + γc) target steps",
-    solved from the wall times (what a draft forward really costs here, overheads included)."""
+    """Totals over the requests; `draft_cost` is c in "a speculative step costs (1 + γc) target
+    steps", solved from the wall times (what a draft forward really costs here, overheads
+    included)."""
     from ..spec.rejection_sampler import expected_tokens_per_step
 
     stats = [o.spec_stats for o in outs if o.spec_stats is not None]
     tot = {k: sum(getattr(s, k) for s in stats) for k in
-           ("num_steps", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens", "num_rejections")}
+           ("num_steps", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens",
+            "num_rejections")}
     checked = tot["num_accepted_tokens"] + tot["num_rejections"]
     alpha = tot["num_accepted_tokens"] / checked if checked else None
     n_out = sum(len(o.token_ids) for o in outs)
-    plain_steps = n_out - tot["num_emitted_tokens"]  # tokens from plain decode steps (e.g. the first one)
+    # tokens from plain decode steps (e.g. the first one)
+    plain_steps = n_out - tot["num_emitted_tokens"]
     step = base_seconds / n_out  # one target decode step (the baseline generates the same count)
     draft_cost = ((seconds / step - plain_steps) / tot["num_steps"] - 1) / gamma if tot["num_steps"] else None
     return {"gamma": gamma, **tot, "alpha": alpha,
@@ -194,7 +213,8 @@ def _spec_row(outs, seconds: float, base_seconds: float, gamma: int) -> dict:
 
 
 def speculative(model: str = "demo", draft: str = "demo-draft", n: int = 4, max_tokens: int = 64,
-                gammas=tuple(range(1, 9)), temperatures=(0.0, 1.0), seed: int = 0, out: str | None = None) -> dict:
+                gammas=tuple(range(1, 9)), temperatures=(0.0, 1.0), seed: int = 0,
+                out: str | None = None) -> dict:
     """Target alone vs speculative decoding (draft model, γ = 1..8; n-gram lookup), batch 1."""
     from ..engine.llm import LLM
 
@@ -202,7 +222,8 @@ def speculative(model: str = "demo", draft: str = "demo-draft", n: int = 4, max_
         raise NanoserveError(f"n={n} prompts: allowed 1..{len(SPEC_PROMPTS)}")
     prompts = list(SPEC_PROMPTS[:n])
     target = LLM(model)
-    res = {"benchmark": "speculative", "model": model, "draft": draft, "prompts": prompts, "max_tokens": max_tokens,
+    res = {"benchmark": "speculative", "model": model, "draft": draft, "prompts": prompts,
+           "max_tokens": max_tokens,
            "batch_size": 1, "results": {}}
     for temp in temperatures:
         params = SamplingParams(temperature=temp, max_tokens=max_tokens, ignore_eos=True, seed=seed)
@@ -210,24 +231,30 @@ def speculative(model: str = "demo", draft: str = "demo-draft", n: int = 4, max_
         base, _ = _timed_generate(target, prompts, params)
         rows = []
         for gamma in gammas:
-            llm = LLM(model, speculative_model=draft, num_speculative_tokens=gamma, speculative_adaptive=False)
+            llm = LLM(model, speculative_model=draft, num_speculative_tokens=gamma,
+                      speculative_adaptive=False)
             _timed_generate(llm, prompts[:1], params)
             seconds, outs = _timed_generate(llm, prompts, params)
             rows.append(_spec_row(outs, seconds, base, gamma))
         res["results"][str(temp)] = {"target_seconds": base, "draft_model": rows}
-    # n-gram prompt lookup: the prompt holds a passage, then asks for it again (an "edit this text" task)
+    # n-gram prompt lookup: the prompt holds a passage, then asks for it again (an "edit this text"
+    # task)
     greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    passage = target.generate([SPEC_PROMPTS[0]], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
+    passage = target.generate([SPEC_PROMPTS[0]],
+                              SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
                               use_tqdm=False)[0].outputs[0].text
-    greedy = SamplingParams(temperature=0, max_tokens=min(max_tokens, 48), ignore_eos=True)  # fits a 128 context
+    # fits a 128 context
+    greedy = SamplingParams(temperature=0, max_tokens=min(max_tokens, 48), ignore_eos=True)
     repeat = [SPEC_PROMPTS[0] + passage + "\n\n" + SPEC_PROMPTS[0]]
     base, _ = _timed_generate(target, repeat, greedy)
     ngram = []
     for gamma in (2, 4, 8):
-        llm = LLM(model, speculative="ngram", num_speculative_tokens=gamma, speculative_adaptive=False)
+        llm = LLM(model, speculative="ngram", num_speculative_tokens=gamma,
+                  speculative_adaptive=False)
         seconds, outs = _timed_generate(llm, repeat, greedy)
         ngram.append(_spec_row(outs, seconds, base, gamma))
-    res["ngram"] = {"prompt_tokens": len(target.encode_prompt(repeat[0])), "target_seconds": base, "rows": ngram}
+    res["ngram"] = {"prompt_tokens": len(target.encode_prompt(repeat[0])), "target_seconds": base,
+                    "rows": ngram}
     return _finish(res, out)
 
 
@@ -242,13 +269,15 @@ def format_speculative(res: dict) -> str:
         lines += [f"temperature {temp} (target alone: {by['target_seconds']:.2f} s)", head]
         lines += [row(r) for r in by["draft_model"]]
     ng = res["ngram"]
-    lines += [f"n-gram prompt lookup, greedy, a {ng['prompt_tokens']}-token prompt that repeats a passage "
-              f"(target alone: {ng['target_seconds']:.2f} s)", head] + [row(r) for r in ng["rows"]]
+    lines += [f"n-gram prompt lookup, greedy, a {ng['prompt_tokens']}-token prompt that repeats a "
+              f"passage (target alone: {ng['target_seconds']:.2f} "
+              "s)", head] + [row(r) for r in ng["rows"]]
     return "\n".join(lines)
 
 
 def _finish(res: dict, out: str | None) -> dict:
-    res.update(date=date.today().isoformat(), device=f"CPU ({platform.machine()}), {torch.get_num_threads()} threads",
+    res.update(date=date.today().isoformat(),
+               device=f"CPU ({platform.machine()}), {torch.get_num_threads()} threads",
                torch=torch.__version__)
     if out:
         Path(out).write_text(json.dumps(res, indent=2) + "\n")
@@ -267,13 +296,16 @@ def format_throughput(res: dict) -> str:
         rows.append(f"continuous / HF output throughput: "
                     f"{res['strategies']['continuous']['output_throughput'] / hf['output_throughput']:.2f}x")
         if "computed_per_useful_token" in hf:
-            rows.append(f"HF (batch {hf['batch_size']}) computes {hf['computed_per_useful_token']:.2f} token "
-                        f"positions per useful token (padding, finished rows)")
+            rows.append(f"HF (batch {hf['batch_size']}) computes "
+                        f"{hf['computed_per_useful_token']:.2f} token positions per useful token "
+                        "(padding, finished rows)")
     return "\n".join(rows)
 
 
 def format_latency(res: dict) -> str:
-    rows = [f"{'rate':>6} {'strategy':<12}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'E2E p99':>10}  (ms)"]
+    rows = [f"{'rate':>6} "
+            f"{'strategy':<12}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'E2E p99':>10}  "
+            "(ms)"]
     for rate, by in res["results"].items():
         for name, s in by.items():
             f = lambda d, k: "-" if d is None or d.get(k) is None else f"{d[k] * 1e3:.0f}"  # noqa: E731

@@ -31,7 +31,8 @@ from .metrics import RequestMetrics, summarize
 SAFE_VOCAB = 256  # prompt token ids below this exist in every vocabulary we serve
 
 
-async def _one(client, model: str, prompt: list[int], max_tokens: int, delay: float, timeout: float):
+async def _one(client, model: str, prompt: list[int], max_tokens: int, delay: float,
+               timeout: float):
     """Send one streamed request after `delay` seconds; its RequestMetrics, or the error's text."""
     await asyncio.sleep(delay)
     sent = time.perf_counter()
@@ -39,8 +40,10 @@ async def _one(client, model: str, prompt: list[int], max_tokens: int, delay: fl
     usage = None
     try:
         stream = await client.completions.create(
-            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True, timeout=timeout,
-            stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True})
+            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+            timeout=timeout,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+            extra_body={"ignore_eos": True})
         async for chunk in stream:
             now = time.perf_counter()
             if chunk.usage is not None:
@@ -58,27 +61,33 @@ async def _run_rate(client, model, prompts, params, rate, seed, timeout) -> tupl
     arrivals = poisson_arrivals(len(prompts), rate, seed)
     results = await asyncio.gather(*[_one(client, model, p, sp.max_tokens, t, timeout)
                                      for p, sp, t in zip(prompts, params, arrivals)])
-    return [r for r in results if isinstance(r, RequestMetrics)], [r for r in results if isinstance(r, str)]
+    return [r for r in results if isinstance(r,
+                                             RequestMetrics)], [r for r in results if isinstance(r, str)]
 
 
 def bench_serve(url: str = "http://127.0.0.1:8000/v1", rates=(1.0, 4.0, 16.0), n: int = 32,
                 in_range=(8, 64), out_range=(8, 64), slo_ttft_ms: float | None = None,
-                slo_tpot_ms: float | None = None, api_key: str | None = None, model: str | None = None,
+                slo_tpot_ms: float | None = None, api_key: str | None = None,
+                model: str | None = None,
                 seed: int = 0, timeout: float = 300.0, out: str | None = None) -> dict:
     """Run every rate against the server at `url` (its /v1 root); returns (and saves) the results.
     Inside a running event loop (a notebook), `await bench_serve_async(...)` instead."""
-    return asyncio.run(bench_serve_async(url, rates, n, in_range, out_range, slo_ttft_ms, slo_tpot_ms, api_key,
+    return asyncio.run(bench_serve_async(url, rates, n, in_range, out_range, slo_ttft_ms,
+                                         slo_tpot_ms, api_key,
                                          model, seed, timeout, out))
 
 
-async def bench_serve_async(url: str = "http://127.0.0.1:8000/v1", rates=(1.0, 4.0, 16.0), n: int = 32,
+async def bench_serve_async(url: str = "http://127.0.0.1:8000/v1", rates=(1.0, 4.0, 16.0),
+                            n: int = 32,
                             in_range=(8, 64), out_range=(8, 64), slo_ttft_ms: float | None = None,
-                            slo_tpot_ms: float | None = None, api_key: str | None = None, model: str | None = None,
+                            slo_tpot_ms: float | None = None, api_key: str | None = None,
+                            model: str | None = None,
                             seed: int = 0, timeout: float = 300.0, out: str | None = None) -> dict:
     try:
         from openai import AsyncOpenAI
     except ImportError as e:
-        raise NanoserveError("bench serve needs the openai client: pip install 'nanoserve[serve]'") from e
+        raise NanoserveError("bench serve needs the openai client: pip install "
+                             "'nanoserve[serve]'") from e
     if not rates or any(r <= 0 for r in rates):
         raise NanoserveError(f"rates must be positive requests/s, got {list(rates)}")
     prompts, params = make_workload(n, in_range, out_range, SAFE_VOCAB, seed)
@@ -87,22 +96,27 @@ async def bench_serve_async(url: str = "http://127.0.0.1:8000/v1", rates=(1.0, 4
         try:
             name = model or (await client.models.list()).data[0].id
         except Exception as e:
-            raise NanoserveError(f"no OpenAI-compatible server answers at {url}: {type(e).__name__}: {e}") from e
-        res = {"benchmark": "serve", "url": url, "model": name, "requests": n, "input_len": list(in_range),
-               "output_len": list(out_range), "slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms, "results": {}}
+            raise NanoserveError(f"no OpenAI-compatible server answers at {url}: "
+                                 f"{type(e).__name__}: {e}") from e
+        res = {"benchmark": "serve", "url": url, "model": name, "requests": n,
+               "input_len": list(in_range),
+               "output_len": list(out_range), "slo_ttft_ms": slo_ttft_ms,
+               "slo_tpot_ms": slo_tpot_ms, "results": {}}
         for rate in rates:
             start = time.perf_counter()
             ok, failed = await _run_rate(client, name, prompts, params, rate, seed, timeout)
             duration = time.perf_counter() - start
             row = {"failed": len(failed), "errors": sorted(set(failed))[:5]}
             if ok:
-                s = summarize(ok, duration=duration, slo_ttft=None if slo_ttft_ms is None else slo_ttft_ms / 1e3,
+                s = summarize(ok, duration=duration,
+                              slo_ttft=None if slo_ttft_ms is None else slo_ttft_ms / 1e3,
                               slo_tpot=None if slo_tpot_ms is None else slo_tpot_ms / 1e3)
                 row.update(s.as_dict())
             res["results"][str(rate)] = row
     finally:
         await client.close()
-    res.update(date=date.today().isoformat(), client=f"{platform.machine()}, Python {platform.python_version()}")
+    res.update(date=date.today().isoformat(),
+               client=f"{platform.machine()}, Python {platform.python_version()}")
     if out:
         Path(out).write_text(json.dumps(res, indent=2) + "\n")
     return res

@@ -53,8 +53,10 @@ class PerplexityResult:
 
     def as_dict(self) -> dict:
         return dict(nats_per_token=self.nats_per_token, nats_per_byte=self.nats_per_byte,
-                    bits_per_byte=self.bits_per_byte, perplexity=self.perplexity, n_tokens=self.n_tokens,
-                    n_bytes=self.n_bytes, n_windows=self.n_windows, context=self.context, stride=self.stride)
+                    bits_per_byte=self.bits_per_byte, perplexity=self.perplexity,
+                    n_tokens=self.n_tokens,
+                    n_bytes=self.n_bytes, n_windows=self.n_windows, context=self.context,
+                    stride=self.stride)
 
     def table(self) -> str:
         return "\n".join(f"{k:>15}: {v:.4f}" if isinstance(v, float) else f"{k:>15}: {v}"
@@ -73,7 +75,8 @@ def read_text(path: str | Path) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise NanoserveError(
-            f"text file {str(p)!r} is not UTF-8 (invalid byte at offset {e.start}); convert it to UTF-8 first") from e
+            f"text file {str(p)!r} is not UTF-8 (invalid byte at offset {e.start}); convert it to "
+            "UTF-8 first") from e
 
 
 @torch.inference_mode()
@@ -92,13 +95,15 @@ def perplexity(model, tokenizer, text: str, context: int | None = None, stride: 
     context = context or cfg.max_position_embeddings
     if not 2 <= context <= cfg.max_position_embeddings:
         raise NanoserveError(
-            f"context={context} is outside 2..{cfg.max_position_embeddings} (the model's context length)")
+            f"context={context} is outside 2..{cfg.max_position_embeddings} (the model's context "
+            "length)")
     budget = context - add_bos  # text tokens per window
     max_stride = budget if add_bos else budget - 1  # without BOS a target needs one token before it
     stride = stride or max(1, budget // 2)
     if not 1 <= stride <= max_stride:
         raise NanoserveError(f"stride={stride} must be in 1..{max_stride} for context={context} "
-                             f"({'a BOS plus' if add_bos else 'one token of history before'} the scored tokens)")
+                             f"({'a BOS plus' if add_bos else 'one token of history before'} the "
+                             "scored tokens)")
     ids = tokenizer.encode(text)
     if max_tokens:
         ids = ids[:max_tokens]
@@ -125,7 +130,8 @@ def perplexity(model, tokenizer, text: str, context: int | None = None, stride: 
 
 
 def plan_windows(n: int, budget: int, stride: int, add_bos: bool) -> list[tuple[int, int, int]]:
-    """(begin, end, first scored index) per window; every index 1..n-1 (0..n-1 with BOS) scored once.
+    """(begin, end, first scored index) per window; every index 1..n-1 (0..n-1 with BOS) scored
+    once.
 
     Targets are scored in consecutive chunks of `stride`; each chunk's window reaches back as
     far as the budget allows, so a chunk's first target always has its prediction inside it.
@@ -144,7 +150,8 @@ def _same_length(batch):
 
 
 @torch.inference_mode()
-def acceptance_stats(target, draft, ids: list[int], context: int = 256, max_windows: int = 32) -> dict:
+def acceptance_stats(target, draft, ids: list[int], context: int = 256,
+                     max_windows: int = 32) -> dict:
     """How often a draft's proposals would be accepted by the target (speculative decoding).
 
     Over held-out positions (non-overlapping windows of `ids`): at temperature 1,

@@ -65,9 +65,10 @@ class RequestMetrics:
         times += [] if self.finish_time is None else [self.finish_time]
         if any(later < earlier for earlier, later in zip(times, times[1:])):
             raise NanoserveError(
-                "request times must satisfy arrival ≤ first_scheduled ≤ token_times (non-decreasing) ≤ finish, "
-                f"got arrival={self.arrival_time}, first_scheduled={self.first_scheduled_time}, "
-                f"token_times={self.token_times}, finish={self.finish_time}"
+                "request times must satisfy arrival ≤ first_scheduled ≤ token_times "
+                f"(non-decreasing) ≤ finish, got arrival={self.arrival_time}, "
+                f"first_scheduled={self.first_scheduled_time}, token_times={self.token_times}, "
+                f"finish={self.finish_time}"
             )
 
     @classmethod
@@ -105,7 +106,8 @@ class RequestMetrics:
 
     @property
     def tpot(self) -> float | None:
-        """(E2E − TTFT) / (n − 1); None for a single output token, which has no 'per token after the first'."""
+        """(E2E − TTFT) / (n − 1); None for a single output token, which has no 'per token after the
+        first'."""
         n = self.output_tokens
         return None if n < 2 else (self.e2e - self.ttft) / (n - 1)
 
@@ -134,7 +136,8 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def _stats(values: Sequence[float]) -> dict[str, float | None]:
-    """mean / p50 / p90 / p99 of values; all None when there are none (e.g. TPOT when every n = 1)."""
+    """mean / p50 / p90 / p99 of values; all None when there are none (e.g. TPOT when every n =
+    1)."""
     if not values:
         return dict.fromkeys(STATS)
     return {"mean": sum(values) / len(values), "p50": percentile(values, 50),
@@ -143,14 +146,16 @@ def _stats(values: Sequence[float]) -> dict[str, float | None]:
 
 @dataclass
 class MetricsSummary:
-    """A run's throughputs (per second) and latency statistics (seconds), see the module docstring."""
+    """A run's throughputs (per second) and latency statistics (seconds), see the module
+    docstring."""
 
     num_requests: int
     duration: float  # seconds
     output_throughput: float  # output tok/s
     total_throughput: float  # (prompt + output) tok/s
     request_throughput: float  # req/s
-    ttft: dict[str, float | None] = field(default_factory=dict)  # each: {"mean", "p50", "p90", "p99"}
+    # each: {"mean", "p50", "p90", "p99"}
+    ttft: dict[str, float | None] = field(default_factory=dict)
     tpot: dict[str, float | None] = field(default_factory=dict)
     itl: dict[str, float | None] = field(default_factory=dict)
     e2e: dict[str, float | None] = field(default_factory=dict)

@@ -57,27 +57,32 @@ class TrainConfig:
 # The shipped pair. Sized for a 2-core CPU (see the model cards for time and loss).
 PRESETS: dict[str, tuple[ModelConfig, TrainConfig]] = {
     "demo": (
-        ModelConfig(arch="gpt2", vocab_size=BYTE_VOCAB, hidden_size=256, n_layers=6, n_heads=4, n_kv_heads=4,
+        ModelConfig(arch="gpt2", vocab_size=BYTE_VOCAB, hidden_size=256, n_layers=6, n_heads=4,
+                    n_kv_heads=4,
                     intermediate_size=1024, max_position_embeddings=256, eos_token_ids=[256]),
         TrainConfig(steps=3000, batch_size=32, block_size=128, lr=2e-3),
     ),
     "demo-draft": (
-        ModelConfig(arch="llama", vocab_size=BYTE_VOCAB, hidden_size=128, n_layers=2, n_heads=4, n_kv_heads=2,
+        ModelConfig(arch="llama", vocab_size=BYTE_VOCAB, hidden_size=128, n_layers=2, n_heads=4,
+                    n_kv_heads=2,
                     intermediate_size=384, max_position_embeddings=256, norm_eps=1e-5,
                     tie_word_embeddings=True, eos_token_ids=[256]),
         TrainConfig(steps=1500, batch_size=32, block_size=128, lr=3e-3),
     ),
     # a few seconds; for tests and the notebook
     "tiny": (
-        ModelConfig(arch="gpt2", vocab_size=BYTE_VOCAB, hidden_size=32, n_layers=1, n_heads=2, n_kv_heads=2,
+        ModelConfig(arch="gpt2", vocab_size=BYTE_VOCAB, hidden_size=32, n_layers=1, n_heads=2,
+                    n_kv_heads=2,
                     intermediate_size=64, max_position_embeddings=64, eos_token_ids=[256]),
-        TrainConfig(steps=40, batch_size=8, block_size=32, lr=3e-3, warmup=5, eval_interval=20, eval_batches=4),
+        TrainConfig(steps=40, batch_size=8, block_size=32, lr=3e-3, warmup=5, eval_interval=20,
+                    eval_batches=4),
     ),
 }
 
 
 def load_bytes(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """Byte ids of a text file, split 90 % train / 10 % validation (the usual tinyshakespeare split)."""
+    """Byte ids of a text file, split 90 % train / 10 % validation (the usual tinyshakespeare
+    split)."""
     data = Path(path).read_bytes()
     if len(data) < 1000:
         raise NanoserveError(f"{path} has {len(data)} bytes; training needs at least 1000")
@@ -123,7 +128,8 @@ def trim_context(model, n: int):
     cfg.max_position_embeddings = n
     if cfg.arch == "gpt2":
         wpe = model.transformer.wpe
-        model.transformer.wpe = torch.nn.Embedding(n, wpe.embedding_dim, _weight=wpe.weight.data[:n].clone())
+        model.transformer.wpe = torch.nn.Embedding(n, wpe.embedding_dim,
+                                                   _weight=wpe.weight.data[:n].clone())
     return model
 
 
@@ -134,7 +140,8 @@ def loss_fn(model, x, y, teacher=None, alpha: float = 1.0) -> torch.Tensor:
         return ce
     with torch.no_grad():
         p_log = F.log_softmax(teacher(x).float(), dim=-1)  # B, T, V
-    kl = F.kl_div(F.log_softmax(logits, dim=-1), p_log, log_target=True, reduction="none").sum(-1).mean()
+    kl = F.kl_div(F.log_softmax(logits, dim=-1), p_log, log_target=True,
+                  reduction="none").sum(-1).mean()
     return alpha * kl + (1 - alpha) * ce
 
 
@@ -156,9 +163,11 @@ def estimate(model, data, tc: TrainConfig, teacher=None) -> dict[str, float]:
     return out
 
 
-def train(model_cfg: ModelConfig, tc: TrainConfig, data_path: str | Path, out_dir: str | Path | None = None,
+def train(model_cfg: ModelConfig, tc: TrainConfig, data_path: str | Path,
+          out_dir: str | Path | None = None,
           teacher=None, progress: bool = True) -> tuple[torch.nn.Module, dict]:
-    """Train (or distill, when `teacher` is given) a model on byte-level data; return it and a log."""
+    """Train (or distill, when `teacher` is given) a model on byte-level data; return it and a
+    log."""
     if tc.threads:
         torch.set_num_threads(tc.threads)
     torch.set_flush_denormal(True)  # tiny gradients as denormals slow CPU matmuls ~50x
@@ -170,7 +179,8 @@ def train(model_cfg: ModelConfig, tc: TrainConfig, data_path: str | Path, out_di
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=tc.lr, betas=(0.9, 0.99))
+                             {"params": no_decay, "weight_decay": 0.0}], lr=tc.lr,
+                            betas=(0.9, 0.99))
     gen = torch.Generator().manual_seed(tc.seed)
     log: dict = {"evals": [], "train_config": asdict(tc), "model_config": model_cfg.to_dict()}
     t0 = time.perf_counter()
@@ -198,13 +208,15 @@ def train(model_cfg: ModelConfig, tc: TrainConfig, data_path: str | Path, out_di
     if out_dir is not None:
         save_checkpoint(model, out_dir)
         save_tiktoken(byte_level_tokenizer(), out_dir)
-        save_hf_tokenizer(byte_level_tokenizer(), out_dir, model.config.max_position_embeddings)  # for HF tools
+        # for HF tools
+        save_hf_tokenizer(byte_level_tokenizer(), out_dir, model.config.max_position_embeddings)
         (Path(out_dir) / "train_log.json").write_text(json.dumps(log, indent=2) + "\n")
     return model, log
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="demo")
     ap.add_argument("--data", required=True, help="a UTF-8 text file (tinyshakespeare's input.txt)")
     ap.add_argument("--out", help="output directory (default: nanoserve/assets/<preset>)")
@@ -214,7 +226,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int)
     args = ap.parse_args(argv)
     model_cfg, tc = PRESETS[args.preset]
-    tc = replace(tc, threads=args.threads, **{k: v for k, v in (("steps", args.steps), ("seed", args.seed)) if v})
+    tc = replace(tc, threads=args.threads,
+                 **{k: v for k, v in (("steps", args.steps), ("seed", args.seed)) if v})
     teacher = None
     if args.teacher:
         teacher, _, _ = load_model(args.teacher, dtype="float32", device="cpu")

@@ -4,12 +4,13 @@
 
 The data is the model's own text: sequences it samples (temperature 1, seeded) from short random
 prompts, so no dataset is needed and the heads learn what the model says, which is what they must
-guess while it decodes (Medusa-2's self-distillation; Cai et al. 2024). The model runs once over all of
-it without a cache; its last hidden states h_t (the LM head's input) are kept, and head i (0-based)
-is trained by cross-entropy to give token t + 2 + i from h_t, with the model frozen. Each head starts
-as the model's own LM head after a residual block whose weight is zero, i.e. (nearly) guessing token t + 1
-again: the untrained baseline the tests compare against. AdamW, a fixed seed; ~25 s for the demo's defaults
-on 2 CPU cores (sampling the data included).
+guess while it decodes (Medusa-2's self-distillation; Cai et al. 2024). The model runs once over all
+of it without a cache; its last hidden states h_t (the LM head's input) are kept, and head i
+(0-based) is trained by cross-entropy to give token t + 2 + i from h_t, with the model frozen. Each
+head starts as the model's own LM head after a residual block whose weight is zero, i.e. (nearly)
+guessing token t + 1
+again: the untrained baseline the tests compare against. AdamW, a fixed seed; ~25 s for the demo's
+defaults on 2 CPU cores (sampling the data included).
 """
 
 from __future__ import annotations
@@ -52,13 +53,15 @@ def head_losses(heads: MedusaHeads, h: torch.Tensor, ids: torch.Tensor) -> torch
     losses = []
     for i in range(heads.num_heads):
         shift = 2 + i
-        losses.append(F.cross_entropy(logits[:, :-shift, i].flatten(0, 1), ids[:, shift:].flatten()))
+        losses.append(F.cross_entropy(logits[:, :-shift, i].flatten(0, 1),
+                                      ids[:, shift:].flatten()))
     return torch.stack(losses)
 
 
 @torch.no_grad()
 def head_accuracy(heads: MedusaHeads, h: torch.Tensor, ids: torch.Tensor) -> list[float]:
-    """Top-1 accuracy of each head on (h, ids): how often its first guess is the token it predicts."""
+    """Top-1 accuracy of each head on (h, ids): how often its first guess is the token it
+    predicts."""
     logits = heads(h)
     return [(logits[:, :-(2 + i), i].argmax(-1) == ids[:, 2 + i:]).float().mean().item()
             for i in range(heads.num_heads)]
@@ -69,7 +72,8 @@ def init_heads(model, num_heads: int, num_layers: int = 1) -> MedusaHeads:
     heads = MedusaHeads(cfg.hidden_size, cfg.vocab_size, num_heads, num_layers)
     with torch.no_grad():
         for head in heads.heads:
-            head[-1].weight.copy_(model.lm_head.weight.float())  # start from the model's own LM head
+            # start from the model's own LM head
+            head[-1].weight.copy_(model.lm_head.weight.float())
     return heads
 
 
@@ -95,7 +99,8 @@ def train_medusa(model, ids: torch.Tensor, num_heads: int = 3, steps: int = 400,
 def main() -> None:
     from ..engine.llm import LLM
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="demo")
     ap.add_argument("--out", required=True)
     ap.add_argument("--heads", type=int, default=3)
@@ -113,8 +118,8 @@ def main() -> None:
     before = head_accuracy(init_heads(llm.model, args.heads), h, held_out)
     after = head_accuracy(heads, h, held_out)
     save_medusa(heads, args.out, args.model)
-    print(f"held-out top-1 accuracy per head: untrained {[round(a, 3) for a in before]}, "
-          f"trained {[round(a, 3) for a in after]}; {time.perf_counter() - t0:.1f} s; saved {args.out}")
+    print(f"held-out top-1 accuracy per head: untrained {[round(a, 3) for a in before]}, trained "
+          f"{[round(a, 3) for a in after]}; {time.perf_counter() - t0:.1f} s; saved {args.out}")
 
 
 if __name__ == "__main__":

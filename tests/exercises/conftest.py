@@ -6,10 +6,11 @@
     NANOSERVE_IMPL=exercises pytest ...       # --impl by environment
     NANOSERVE_EXERCISES=/tmp/solved pytest tests/exercises --impl exercises   # stubs from another folder
 
-Each test file names the two modules it compares, `REFERENCE = "nanoserve.engine.block_allocator"` and
-`EXERCISE = "block_allocator"` (exercises/block_allocator.py), and its tests take the `impl` fixture: the module under
-test. Tests that take no `impl` check the tests themselves (known-wrong variants must fail them,
-stubs must mirror the reference's signatures); they run with the reference only.
+Each test file names the two modules it compares, `REFERENCE = "nanoserve.engine.block_allocator"`
+and `EXERCISE = "block_allocator"` (exercises/block_allocator.py), and its tests take the `impl`
+fixture: the module under test. Tests that take no `impl` check the tests themselves (known-wrong
+variants must fail them, stubs must mirror the reference's signatures); they run with the reference
+only.
 
 CI proves the tests in both directions: against the reference they must pass, and against the
 untouched stubs (`--impl exercises --expect-stubs`) every `impl` test is a strict xfail on
@@ -26,7 +27,8 @@ from pathlib import Path
 
 import pytest
 
-# NANOSERVE_EXERCISES points elsewhere, e.g. at a copy with solutions filled in (to check a stub is solvable)
+# NANOSERVE_EXERCISES points elsewhere, e.g. at a copy with solutions filled in (to check a stub is
+# solvable)
 EXERCISES = Path(os.environ.get("NANOSERVE_EXERCISES") or Path(__file__).resolve().parents[2] / "exercises")
 
 
@@ -52,7 +54,8 @@ def reference_module(test_module):
 
 @pytest.fixture(scope="session")
 def exercise_loader():
-    """load_exercise, for tests that read the stubs themselves (conftest is not importable by name)."""
+    """load_exercise, for tests that read the stubs themselves (conftest is not importable by
+    name)."""
     return load_exercise
 
 
@@ -71,10 +74,12 @@ def pytest_collection_modifyitems(config, items):
             continue
         if "impl" not in item.fixturenames:
             if learner:
-                item.add_marker(pytest.mark.skip(reason="checks the tests themselves; runs with --impl reference"))
+                item.add_marker(pytest.mark.skip(reason="checks the tests themselves; runs with "
+                                                        "--impl reference"))
         elif config.getoption("--expect-stubs"):
             item.add_marker(pytest.mark.xfail(raises=NotImplementedError, strict=True,
-                                              reason="an untouched stub must raise NotImplementedError"))
+                                              reason="an untouched stub must raise "
+                                                     "NotImplementedError"))
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -1,5 +1,5 @@
-"""Exercise 1: causal attention with a KV cache, and a sliding window (nanoserve/models/layers.py: causal_mask,
-naive_attention).
+"""Exercise 1: causal attention with a KV cache, and a sliding window (nanoserve/models/layers.py:
+causal_mask, naive_attention).
 
 Oracles: a truth table written by hand, and torch's scaled_dot_product_attention (not our code).
 The decode tests are the KV-cache contract: queries at positions p..p+T-1 over keys 0..p+T-1 must
@@ -39,7 +39,8 @@ def _sdpa(q, k, v, mask=None):
     return out.transpose(1, 2)
 
 
-# ----------------------------------------------------------------------------- checks (shared with the mutants)
+# ----------------------------------------------------------------------------- checks (shared with
+# the mutants)
 def check_mask_truth_table(impl):
     m = impl.causal_mask(torch.tensor([[0, 2], [3, 4]]), 5)
     assert m.shape == (2, 1, 2, 5) and m.dtype == torch.bool
@@ -61,12 +62,14 @@ def check_decode_with_cache_equals_full(impl, H=6, Hkv=2):
     full = _sdpa(q, k, v)
     rows = [impl.naive_attention(q[:, :4], k[:, :4], v[:, :4], torch.arange(4).expand(2, 4))]
     for t in range(4, 7):
-        rows.append(impl.naive_attention(q[:, t:t + 1], k[:, :t + 1], v[:, :t + 1], torch.full((2, 1), t)))
+        rows.append(impl.naive_attention(q[:, t:t + 1], k[:, :t + 1], v[:, :t + 1],
+                                         torch.full((2, 1), t)))
     assert (torch.cat(rows, dim=1) - full).abs().max() < 1e-5
 
 
 def check_ragged_positions(impl):
-    """Rows of one batch at different positions over one key tensor (padding after each row's keys)."""
+    """Rows of one batch at different positions over one key tensor (padding after each row's
+    keys)."""
     q, k, v = _qkv(B=2, T=2, H=2, Hkv=2)
     k, v = (torch.cat([t, t, t, t], dim=1) for t in (k, v))  # S = 8
     pos = torch.tensor([[3, 4], [6, 7]])
@@ -162,21 +165,29 @@ def _mask(compare, window_edge=lambda kpos, qpos, w: kpos > qpos - w):
 NO_MASK = _mask(lambda kpos, qpos: torch.ones_like(kpos <= qpos))
 STRICT = _mask(lambda kpos, qpos: kpos < qpos)  # off by one: a query does not see itself
 RIGHT = _mask(lambda kpos, qpos: kpos <= qpos)
-FROM_ZERO = _mask(lambda kpos, qpos: kpos <= qpos - qpos[:, :1])  # forgets the cache: positions restart at 0
-WIDE = _mask(lambda kpos, qpos: kpos <= qpos, lambda kpos, qpos, w: kpos >= qpos - w)  # window + 1 keys
-NO_WINDOW = _mask(lambda kpos, qpos: kpos <= qpos, lambda kpos, qpos, w: kpos >= 0)  # the window ignored
+# forgets the cache: positions restart at 0
+FROM_ZERO = _mask(lambda kpos, qpos: kpos <= qpos - qpos[:, :1])
+# window + 1 keys
+WIDE = _mask(lambda kpos, qpos: kpos <= qpos, lambda kpos, qpos, w: kpos >= qpos - w)
+# the window ignored
+NO_WINDOW = _mask(lambda kpos, qpos: kpos <= qpos, lambda kpos, qpos, w: kpos >= 0)
 WRONG = {
     "no causal mask": (SimpleNamespace(causal_mask=NO_MASK, naive_attention=_attention(NO_MASK)),
                        [check_mask_truth_table, check_prefill_equals_sdpa]),
-    "mask off by one (no self)": (SimpleNamespace(causal_mask=STRICT, naive_attention=_attention(STRICT)),
+    "mask off by one (no self)": (SimpleNamespace(causal_mask=STRICT,
+                                                  naive_attention=_attention(STRICT)),
                                   [check_mask_truth_table, check_prefill_equals_sdpa]),
-    "positions relative to the chunk": (SimpleNamespace(causal_mask=FROM_ZERO, naive_attention=_attention(FROM_ZERO)),
-                                        [check_decode_with_cache_equals_full, check_ragged_positions]),
-    "GQA heads tiled, not grouped": (SimpleNamespace(causal_mask=RIGHT, naive_attention=_attention(RIGHT, "tile")),
+    "positions relative to the chunk": (SimpleNamespace(causal_mask=FROM_ZERO,
+                                                        naive_attention=_attention(FROM_ZERO)),
+                                        [check_decode_with_cache_equals_full,
+                                         check_ragged_positions]),
+    "GQA heads tiled, not grouped": (SimpleNamespace(causal_mask=RIGHT,
+                                                     naive_attention=_attention(RIGHT, "tile")),
                                      [check_decode_with_cache_equals_full]),
     "window one key too wide": (SimpleNamespace(causal_mask=WIDE, naive_attention=_attention(WIDE)),
                                 [check_window_truth_table, check_window_attention_equals_sdpa]),
-    "window ignored": (SimpleNamespace(causal_mask=NO_WINDOW, naive_attention=_attention(NO_WINDOW)),
+    "window ignored": (SimpleNamespace(causal_mask=NO_WINDOW,
+                                       naive_attention=_attention(NO_WINDOW)),
                        [check_window_truth_table, check_window_attention_equals_sdpa]),
 }
 
@@ -192,7 +203,8 @@ def test_ex01_known_wrong_variants_fail(name):
 def test_ex01_the_checks_pass_on_a_right_variant_built_the_same_way():
     """The mutants differ from this one in exactly one place, so their failures are that place's."""
     right = SimpleNamespace(causal_mask=RIGHT, naive_attention=_attention(RIGHT))
-    for check in (check_mask_truth_table, check_prefill_equals_sdpa, check_decode_with_cache_equals_full,
+    for check in (check_mask_truth_table, check_prefill_equals_sdpa,
+                  check_decode_with_cache_equals_full,
                   check_ragged_positions, check_dtype_kept, check_window_truth_table,
                   check_window_attention_equals_sdpa):
         check(right)

@@ -1,13 +1,13 @@
-"""Exercise 2: rotary position embeddings (nanoserve/models/layers.py: rope_inv_freq, rope_cos_sin, rotate_half,
-apply_rope).
+"""Exercise 2: rotary position embeddings (nanoserve/models/layers.py: rope_inv_freq, rope_cos_sin,
+rotate_half, apply_rope).
 
 Oracles: Hugging Face transformers' own Llama rotary code (LlamaRotaryEmbedding, rotate_half,
-apply_rotary_pos_emb; not our code), small cases worked by hand, and two properties of a rotation: it keeps
-a vector's norm, and the score q·k of a query at m and a key at n depends on m − n only.
+apply_rotary_pos_emb; not our code), small cases worked by hand, and two properties of a rotation:
+it keeps a vector's norm, and the score q·k of a query at m and a key at n depends on m − n only.
 
-The properties are not enough on their own. Three of the known-wrong variants below (neighbour pairs, the sin
-sign flipped, positions off by one) are rotations too and keep both properties; only the comparison with the
-layout HF checkpoints were trained with catches them.
+The properties are not enough on their own. Three of the known-wrong variants below (neighbour
+pairs, the sin sign flipped, positions off by one) are rotations too and keep both properties; only
+the comparison with the layout HF checkpoints were trained with catches them.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ EXERCISE = "layers"
 pytestmark = pytest.mark.ex02
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 64}  # short original context: all three of llama3's bands are used
+          # short original context: all three of llama3's bands are used
+          "original_max_position_embeddings": 64}
 # name: (head_dim, rope_theta, rope_scaling)
 CASES = {
     "default": (16, 10000.0, None),
@@ -41,11 +42,14 @@ CASES = {
 def _configs(case: str) -> tuple[ModelConfig, LlamaRotaryEmbedding]:
     """nanoserve's ModelConfig and HF's rotary module for the same model (4 heads, 2 kv heads)."""
     head_dim, theta, scaling = CASES[case]
-    cfg = ModelConfig(arch="llama", vocab_size=32, hidden_size=4 * head_dim, n_layers=1, n_heads=4, n_kv_heads=2,
+    cfg = ModelConfig(arch="llama", vocab_size=32, hidden_size=4 * head_dim, n_layers=1, n_heads=4,
+                      n_kv_heads=2,
                       intermediate_size=16, max_position_embeddings=512, rope_theta=theta,
                       rope_scaling=dict(scaling) if scaling else None)
-    hf = LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
-                     max_position_embeddings=512, rope_theta=theta, rope_scaling=dict(scaling) if scaling else None)
+    hf = LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=head_dim,
+                     max_position_embeddings=512, rope_theta=theta,
+                     rope_scaling=dict(scaling) if scaling else None)
     return cfg, LlamaRotaryEmbedding(hf)
 
 
@@ -63,7 +67,8 @@ def _randn(*shape, seed=0):
 POSITIONS = torch.stack([torch.arange(0, 7), torch.arange(250, 257)])  # B=2, T=7
 
 
-# ----------------------------------------------------------------------------- checks (shared with the mutants)
+# ----------------------------------------------------------------------------- checks (shared with
+# the mutants)
 def check_inv_freq_by_hand(impl):
     cfg, _ = _configs("default")  # D = 16, base 10000: θ_i = 10000^(-i/8)
     inv_freq = impl.rope_inv_freq(cfg)
@@ -85,13 +90,18 @@ def check_cos_sin_matches_hf(impl):
         cos, sin = impl.rope_cos_sin(rotary.inv_freq, POSITIONS, torch.float32)
         hf_cos, hf_sin = _hf_cos_sin(rotary, POSITIONS)
         assert cos.shape == sin.shape == (2, 7, 1, cfg.head_dim)
-        # float32 angles near 256 rad carry rounding ~1e-5: allow that much, and nothing like one position (~1)
+        # float32 angles near 256 rad carry rounding ~1e-5: allow that much, and nothing like one
+        # position (~1)
         torch.testing.assert_close(cos, hf_cos, rtol=0, atol=5e-5)
         torch.testing.assert_close(sin, hf_sin, rtol=0, atol=5e-5)
-    # by hand: position 0 is no rotation; position 1 turns pair i by θ_i, and pairs (i, i + D/2) share it
-    cos, sin = impl.rope_cos_sin(torch.tensor([1.0, 0.5]), torch.tensor([[0, 1]]), torch.float32)  # D = 4
-    torch.testing.assert_close(cos[0, :, 0], torch.tensor([[1.0] * 4, [math.cos(1), math.cos(0.5)] * 2]))
-    torch.testing.assert_close(sin[0, :, 0], torch.tensor([[0.0] * 4, [math.sin(1), math.sin(0.5)] * 2]))
+    # by hand: position 0 is no rotation; position 1 turns pair i by θ_i, and pairs (i, i + D/2)
+    # share it
+    # D = 4
+    cos, sin = impl.rope_cos_sin(torch.tensor([1.0, 0.5]), torch.tensor([[0, 1]]), torch.float32)
+    torch.testing.assert_close(cos[0, :, 0],
+                               torch.tensor([[1.0] * 4, [math.cos(1), math.cos(0.5)] * 2]))
+    torch.testing.assert_close(sin[0, :, 0],
+                               torch.tensor([[0.0] * 4, [math.sin(1), math.sin(0.5)] * 2]))
 
 
 def check_cos_sin_dtype(impl):
@@ -105,7 +115,8 @@ def check_cos_sin_dtype(impl):
 
 
 def check_rotate_half(impl):
-    assert torch.equal(impl.rotate_half(torch.tensor([1.0, 2, 3, 4, 5, 6])), torch.tensor([-4.0, -5, -6, 1, 2, 3]))
+    assert torch.equal(impl.rotate_half(torch.tensor([1.0, 2, 3, 4, 5, 6])),
+                       torch.tensor([-4.0, -5, -6, 1, 2, 3]))
     x = _randn(2, 3, 4, 16)
     assert torch.equal(impl.rotate_half(x), hf_rotate_half(x))
 
@@ -132,7 +143,8 @@ def check_apply_rope_half_precision(impl):
 
 
 def check_end_to_end_matches_hf(impl):
-    """Your three functions together against HF's pipeline: queries with 4 heads, keys with 2 (GQA), ragged rows."""
+    """Your three functions together against HF's pipeline: queries with 4 heads, keys with 2 (GQA),
+    ragged rows."""
     for case in ("default", "llama3"):
         cfg, rotary = _configs(case)
         D = cfg.head_dim
@@ -218,7 +230,8 @@ def _rope(pairs="half", sin_sign=1, position_offset=0, negate=True):
     def rope_cos_sin(inv_freq, positions, dtype):
         angles = (positions + position_offset)[..., None].float() * inv_freq  # B, T, D/2
         if pairs == "half":
-            angles = torch.cat((angles, angles), dim=-1)  # B, T, D: [a_0 .. a_{D/2-1}, a_0 .. a_{D/2-1}]
+            # B, T, D: [a_0 .. a_{D/2-1}, a_0 .. a_{D/2-1}]
+            angles = torch.cat((angles, angles), dim=-1)
         else:  # wrong for HF checkpoints: [a_0, a_0, a_1, a_1, ...] for pairs (2i, 2i+1)
             angles = angles.repeat_interleave(2, dim=-1)
         return angles.cos().to(dtype)[:, :, None], angles.sin().to(dtype)[:, :, None]
@@ -234,7 +247,8 @@ def _rope(pairs="half", sin_sign=1, position_offset=0, negate=True):
     def apply_rope(x, cos, sin):
         return x * cos + sin_sign * rotate_half(x) * sin
 
-    return SimpleNamespace(rope_inv_freq=_inv_freq, rope_cos_sin=rope_cos_sin, rotate_half=rotate_half,
+    return SimpleNamespace(rope_inv_freq=_inv_freq, rope_cos_sin=rope_cos_sin,
+                           rotate_half=rotate_half,
                            apply_rope=apply_rope)
 
 
@@ -243,10 +257,13 @@ WRONG = {
                                                       [check_rotate_half, check_cos_sin_matches_hf,
                                                        check_end_to_end_matches_hf]),
     "sin sign flipped (rotates backwards)": (_rope(sin_sign=-1),
-                                             [check_apply_rope_matches_hf, check_end_to_end_matches_hf]),
-    "positions off by one": (_rope(position_offset=1), [check_cos_sin_matches_hf, check_end_to_end_matches_hf]),
+                                             [check_apply_rope_matches_hf,
+                                              check_end_to_end_matches_hf]),
+    "positions off by one": (_rope(position_offset=1),
+                             [check_cos_sin_matches_hf, check_end_to_end_matches_hf]),
     "rotate_half without the minus (not a rotation)": (_rope(negate=False),
-                                                       [check_rotate_half, check_apply_rope_matches_hf,
+                                                       [check_rotate_half,
+                                                        check_apply_rope_matches_hf,
                                                         check_rotation_properties]),
 }
 
@@ -260,8 +277,10 @@ def test_ex02_known_wrong_variants_fail(name):
 
 
 def test_ex02_properties_alone_would_accept_the_wrong_layouts():
-    """Why HF is the oracle: neighbour pairs, the backwards rotation and shifted positions are rotations too."""
-    for name in ("neighbour pairs (2i, 2i+1), llama2.c's layout", "sin sign flipped (rotates backwards)",
+    """Why HF is the oracle: neighbour pairs, the backwards rotation and shifted positions are
+    rotations too."""
+    for name in ("neighbour pairs (2i, 2i+1), llama2.c's layout",
+                 "sin sign flipped (rotates backwards)",
                  "positions off by one"):
         check_rotation_properties(WRONG[name][0])
 
@@ -272,6 +291,8 @@ def test_ex02_the_checks_pass_on_a_right_variant_built_the_same_way():
     check_inv_freq_by_hand(right)
     for case in CASES:
         check_inv_freq_matches_hf(right, case)
-    for check in (check_cos_sin_matches_hf, check_cos_sin_dtype, check_rotate_half, check_apply_rope_matches_hf,
-                  check_apply_rope_half_precision, check_end_to_end_matches_hf, check_rotation_properties):
+    for check in (check_cos_sin_matches_hf, check_cos_sin_dtype, check_rotate_half,
+                  check_apply_rope_matches_hf,
+                  check_apply_rope_half_precision, check_end_to_end_matches_hf,
+                  check_rotation_properties):
         check(right)

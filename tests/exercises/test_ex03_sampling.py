@@ -1,11 +1,12 @@
-"""Exercise 3: from logits to a token (nanoserve/engine/sampler.py: probs_from_logits, apply_repetition_penalty,
-apply_penalties, process_logits, sample_next).
+"""Exercise 3: from logits to a token (nanoserve/engine/sampler.py: probs_from_logits,
+apply_repetition_penalty, apply_penalties, process_logits, sample_next).
 
 Oracles: Hugging Face transformers' logits processors (TemperatureLogitsWarper, TopKLogitsWarper,
-TopPLogitsWarper, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, MinNewTokensLengthLogitsProcessor;
-not our code), OpenAI's written definition of the presence / frequency penalties, distributions worked out by hand on
-probabilities we chose (0.1, 0.4, 0.2, 0.3), the law written from the definitions in float64, and for
-sample_next a Pearson χ² test on seeded draws (fail at p < 1e-4, docs/TESTING.md).
+TopPLogitsWarper, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+MinNewTokensLengthLogitsProcessor; not our code), OpenAI's written definition of the presence /
+frequency penalties, distributions worked out by hand on probabilities we chose (0.1, 0.4, 0.2,
+0.3), the law written from the definitions in float64, and for sample_next a Pearson χ² test on
+seeded draws (fail at p < 1e-4, docs/TESTING.md).
 """
 
 from __future__ import annotations
@@ -39,10 +40,13 @@ def _randn(*shape, seed=0, scale=1.0):
     return scale * torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-# ----------------------------------------------------------------------------- the law, from the definitions
-def intended_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """softmax(logits / T) over the top-k set (ties at the k-th logit kept), then the top-p nucleus: going down in
-    probability, a token is kept while the tokens before it hold less than top_p. Float64, logits [V] -> [V]."""
+# ----------------------------------------------------------------------------- the law, from the
+# definitions
+def intended_probs(logits: torch.Tensor, temperature: float, top_k: int = 0,
+                   top_p: float = 1.0) -> torch.Tensor:
+    """softmax(logits / T) over the top-k set (ties at the k-th logit kept), then the top-p nucleus:
+    going down in probability, a token is kept while the tokens before it hold less than top_p.
+    Float64, logits [V] -> [V]."""
     z = [float(v) / temperature for v in logits]
     order = sorted(range(len(z)), key=lambda i: -z[i])
     kept = order
@@ -60,11 +64,13 @@ def intended_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top
             mass += weight[i] / total
         kept = nucleus
     total = math.fsum(weight[i] for i in kept)
-    return torch.tensor([weight[i] / total if i in kept else 0.0 for i in range(len(z))], dtype=torch.float64)
+    return torch.tensor([weight[i] / total if i in kept else 0.0 for i in range(len(z))],
+                        dtype=torch.float64)
 
 
 def hf_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """HF's warpers in generate()'s order (temperature, top-k, top-p), then a softmax. logits [V] -> [V]."""
+    """HF's warpers in generate()'s order (temperature, top-k, top-p), then a softmax. logits [V] ->
+    [V]."""
     scores, ids = logits[None].clone(), torch.zeros(1, 1, dtype=torch.long)
     scores = TemperatureLogitsWarper(temperature)(ids, scores)
     if top_k:
@@ -76,7 +82,8 @@ def hf_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float)
 
 
 
-# ----------------------------------------------------------------------------- checks (shared with the mutants)
+# ----------------------------------------------------------------------------- checks (shared with
+# the mutants)
 CHOSEN = torch.tensor([0.1, 0.4, 0.2, 0.3])
 LOGITS4 = CHOSEN.log()  # softmax(LOGITS4) is CHOSEN; mixed signs once shifted below
 SQRT = (CHOSEN.sqrt() / CHOSEN.sqrt().sum()).tolist()  # the law at temperature 2
@@ -85,7 +92,8 @@ BY_HAND = {
     (1.0, 0, 1.0): [0.1, 0.4, 0.2, 0.3],
     (1.0, 2, 1.0): [0, 4 / 7, 0, 3 / 7],
     (1.0, 3, 1.0): [0, 4 / 9, 2 / 9, 3 / 9],
-    (1.0, 0, 0.65): [0, 4 / 7, 0, 3 / 7],  # 0.4 < 0.65: keep the next, 0.3 (it crosses); 0.7 ≥ 0.65: stop
+    # 0.4 < 0.65: keep the next, 0.3 (it crosses); 0.7 ≥ 0.65: stop
+    (1.0, 0, 0.65): [0, 4 / 7, 0, 3 / 7],
     (1.0, 0, 0.75): [0, 4 / 9, 2 / 9, 3 / 9],
     (1.0, 0, 0.35): [0, 1, 0, 0],  # the first token already crosses 0.35
     (1.0, 2, 0.5): [0, 1, 0, 0],  # top-k first: 4/7 ≥ 0.5 (top-p first would keep 0.4 and 0.3)
@@ -93,12 +101,14 @@ BY_HAND = {
     (0.5, 0, 0.5): [0, 1, 0, 0],  # 16/30 ≥ 0.5 (at T = 1 the nucleus would hold 0.4 and 0.3)
     (0.5, 2, 0.9): [0, 16 / 25, 0, 9 / 25],
     (2.0, 0, 1.0): SQRT,  # T = 2 takes square roots
-    (2.0, 0, 0.5): [0, SQRT[1] / (SQRT[1] + SQRT[3]), 0, SQRT[3] / (SQRT[1] + SQRT[3])],  # 0.33 < 0.5, then 0.28
+    # 0.33 < 0.5, then 0.28
+    (2.0, 0, 0.5): [0, SQRT[1] / (SQRT[1] + SQRT[3]), 0, SQRT[3] / (SQRT[1] + SQRT[3])],
 }
 
 
 def check_by_hand(impl):
-    for shift in (0.0, 1.7):  # softmax ignores a shift: the same laws with positive and negative logits
+    # softmax ignores a shift: the same laws with positive and negative logits
+    for shift in (0.0, 1.7):
         for (temperature, top_k, top_p), want in BY_HAND.items():
             probs = impl.probs_from_logits(LOGITS4 + shift, temperature, top_k, top_p)
             assert probs.dtype == torch.float32
@@ -126,21 +136,25 @@ def check_ties(impl):
     for k in (2, 3, 4):
         want = torch.tensor([0.0, *torch.tensor([3.0, 2, 2, 2]).softmax(-1).tolist(), 0.0])
         torch.testing.assert_close(impl.probs_from_logits(logits, 1.0, k), want, rtol=0, atol=1e-6)
-        assert torch.equal(impl.probs_from_logits(logits, 1.0, k) > 0, hf_probs(logits, 1.0, k, 1.0) > 0)
+        assert torch.equal(impl.probs_from_logits(logits, 1.0, k) > 0,
+                           hf_probs(logits, 1.0, k, 1.0) > 0)
     torch.testing.assert_close(impl.probs_from_logits(torch.tensor([3.0, -1, 3]), 1.0, 1),
                                torch.tensor([0.5, 0.0, 0.5]), rtol=0, atol=1e-6)
-    # top-p among equal probabilities: any 3 of 4 tokens at 1/4 (the 3rd starts at 0.5 < 0.6, the 4th at 0.75)
+    # top-p among equal probabilities: any 3 of 4 tokens at 1/4 (the 3rd starts at 0.5 < 0.6, the
+    # 4th at 0.75)
     probs = impl.probs_from_logits(torch.zeros(4), 1.0, 0, 0.6)
     assert int((probs > 0).sum()) == 3
     torch.testing.assert_close(probs[probs > 0], torch.full((3,), 1 / 3), rtol=0, atol=1e-6)
 
 
 def check_off_switches(impl):
-    """top_k = 0, top_k ≥ V and top_p = 1 keep every token, even where float32's cumulative sum reaches 1 early."""
+    """top_k = 0, top_k ≥ V and top_p = 1 keep every token, even where float32's cumulative sum
+    reaches 1 early."""
     logits = _randn(1000, seed=0, scale=6.0)
     plain = (logits / 0.9).softmax(-1)
     ranked = plain.sort(descending=True).values
-    assert int(((ranked.cumsum(-1) - ranked) >= 1.0).sum()) > 100  # a rounding trap: see the docstring
+    # a rounding trap: see the docstring
+    assert int(((ranked.cumsum(-1) - ranked) >= 1.0).sum()) > 100
     for top_k, top_p in ((0, 1.0), (1000, 1.0), (1005, 1.0)):
         probs = impl.probs_from_logits(logits, 0.9, top_k, top_p)
         assert bool((probs > 0).all()), f"top_k={top_k} top_p={top_p} dropped tokens"
@@ -176,28 +190,34 @@ def check_penalty_matches_hf(impl):
             torch.testing.assert_close(impl.apply_repetition_penalty(logits[row], seen, penalty), want,
                                        rtol=1e-6, atol=0)
         want = hf(seen[None].expand(2, -1), logits.clone())  # [B, V], one history for every row
-        torch.testing.assert_close(impl.apply_repetition_penalty(logits, seen, penalty), want, rtol=1e-6, atol=0)
+        torch.testing.assert_close(impl.apply_repetition_penalty(logits, seen, penalty), want,
+                                   rtol=1e-6, atol=0)
         assert torch.equal(logits, before), "the input logits were modified in place"
     nothing_seen = impl.apply_repetition_penalty(logits, torch.tensor([], dtype=torch.long), 1.3)
     assert torch.equal(nothing_seen, logits)
 
 
 def check_greedy(impl):
-    """Temperature 0: the argmax after the penalty, whatever top_k / top_p say, and no random numbers drawn."""
+    """Temperature 0: the argmax after the penalty, whatever top_k / top_p say, and no random
+    numbers drawn."""
     logits = _randn(100, seed=5)
-    for params in (SamplingParams(temperature=0), SamplingParams(temperature=0, top_k=3, top_p=0.2)):
+    for params in (SamplingParams(temperature=0),
+                   SamplingParams(temperature=0, top_k=3, top_p=0.2)):
         gen = torch.Generator().manual_seed(42)
         gen_state, global_state = gen.get_state(), torch.get_rng_state()
-        picks = {impl.sample_next(logits, params, generator=gen) for _ in range(5)} | {impl.sample_next(logits, params)}
+        picks = {impl.sample_next(logits, params,
+                                  generator=gen) for _ in range(5)} | {impl.sample_next(logits, params)}
         assert picks == {int(logits.argmax())}
         assert torch.equal(gen.get_state(), gen_state), "greedy drew from the request's generator"
-        assert torch.equal(torch.get_rng_state(), global_state), "greedy drew from torch's global generator"
+        assert torch.equal(torch.get_rng_state(),
+                           global_state), "greedy drew from torch's global generator"
     # (logits, seen, penalty) -> the greedy token, by hand
     for values, seen, penalty, want in [
         ([0.5, 2.0, -1.0, 1.8], [1], 1.3, 3),  # 2.0 / 1.3 = 1.54 < 1.8
         ([0.5, 2.0, -1.0, 1.8], [1], 1.05, 1),  # 2.0 / 1.05 = 1.90 > 1.8
         ([-0.5, -0.6, -3.0, -0.9], [0, 0], 1.3, 1),  # -0.5 · 1.3 = -0.65 < -0.6
-        ([-0.5, -0.6, -3.0, -0.9], [1, 3], 0.7, 1),  # penalty < 1 favours seen tokens: -0.6 · 0.7 = -0.42
+        # penalty < 1 favours seen tokens: -0.6 · 0.7 = -0.42
+        ([-0.5, -0.6, -3.0, -0.9], [1, 3], 0.7, 1),
     ]:
         params = SamplingParams(temperature=0, repetition_penalty=penalty)
         got = impl.sample_next(torch.tensor(values), params, seen_ids=torch.tensor(seen))
@@ -206,12 +226,14 @@ def check_greedy(impl):
 
 
 SAMPLED = SamplingParams(temperature=0.8, top_k=9, top_p=0.95, repetition_penalty=1.5)
-SAMPLED_LOGITS = torch.tensor([0.3, 2.6, -1.8, 1.4, -0.4, 3.1, 0.0, -3.2, 1.9, -0.9, 0.7, 2.2, -2.5, 1.0, -1.3, 0.45])
+SAMPLED_LOGITS = torch.tensor([0.3, 2.6, -1.8, 1.4, -0.4, 3.1, 0.0, -3.2, 1.9, -0.9, 0.7, 2.2, -2.5,
+                               1.0, -1.3, 0.45])
 SAMPLED_SEEN = torch.tensor([5, 5, 9, 13])  # 3.1 -> 2.07, -0.9 -> -1.35, 1.0 -> 0.67
 
 
 def check_sampling_law(impl):
-    """Seeded draws follow the law (penalty, then T / top-k / top-p), reproducibly, on the request's generator."""
+    """Seeded draws follow the law (penalty, then T / top-k / top-p), reproducibly, on the request's
+    generator."""
     seen = set(SAMPLED_SEEN.tolist())
     penalized = torch.tensor([(v / 1.5 if v > 0 else v * 1.5) if i in seen else v
                               for i, v in enumerate(SAMPLED_LOGITS.tolist())])
@@ -219,28 +241,35 @@ def check_sampling_law(impl):
     gen = torch.Generator().manual_seed(1234)
     global_state = torch.get_rng_state()
     draws = [impl.sample_next(SAMPLED_LOGITS, SAMPLED, SAMPLED_SEEN, gen) for _ in range(N_DRAWS)]
-    assert torch.equal(torch.get_rng_state(), global_state), "a seeded draw used torch's global generator"
+    assert torch.equal(torch.get_rng_state(),
+                       global_state), "a seeded draw used torch's global generator"
     assert all(type(d) is int for d in draws[:10])
     chi2, dof, pvalue = goodness_of_fit(torch.bincount(torch.tensor(draws), minlength=16), law)
     assert pvalue >= P_FAIL, f"χ² = {chi2:.1f} with {dof} dof, p = {pvalue:.2e}"
     again = torch.Generator().manual_seed(1234)
-    assert [impl.sample_next(SAMPLED_LOGITS, SAMPLED, SAMPLED_SEEN, again) for _ in range(50)] == draws[:50]
+    assert [impl.sample_next(SAMPLED_LOGITS, SAMPLED, SAMPLED_SEEN,
+                             again) for _ in range(50)] == draws[:50]
 
 
 def check_min_p_matches_hf(impl):
-    """min-p at temperature T keeps exactly what HF's TemperatureLogitsWarper + MinPLogitsWarper keep."""
+    """min-p at temperature T keeps exactly what HF's TemperatureLogitsWarper + MinPLogitsWarper
+    keep."""
     for i, (T, m) in enumerate([(1.0, 0.05), (0.6, 0.2), (1.8, 0.1), (1.0, 1.0), (0.9, 0.0)]):
         logits = _randn(300, seed=40 + i, scale=3.0)
         ids = torch.zeros(1, 1, dtype=torch.long)
-        want = MinPLogitsWarper(m)(ids, TemperatureLogitsWarper(T)(ids, logits[None].clone()))[0].softmax(-1) \
+        want = MinPLogitsWarper(m)(ids,
+                                   TemperatureLogitsWarper(T)(ids, logits[None].clone()))[0].softmax(-1) \
             if m > 0 else (logits / T).softmax(-1)
         probs = impl.probs_from_logits(logits, T, 0, 1.0, m)
         assert torch.equal(probs > 0, want > 0), f"kept sets differ at T={T} min_p={m}"
         torch.testing.assert_close(probs, want, rtol=0, atol=1e-6)
-    # by hand: CHOSEN at T = 1 with min_p = 0.6 keeps p ≥ 0.24: 0.4 and 0.3; at T = 0.5 (16:9) both stay
-    torch.testing.assert_close(impl.probs_from_logits(LOGITS4, 1.0, 0, 1.0, 0.6), torch.tensor([0, 4 / 7, 0, 3 / 7]),
+    # by hand: CHOSEN at T = 1 with min_p = 0.6 keeps p ≥ 0.24: 0.4 and 0.3; at T = 0.5 (16:9) both
+    # stay
+    torch.testing.assert_close(impl.probs_from_logits(LOGITS4, 1.0, 0, 1.0, 0.6),
+                               torch.tensor([0, 4 / 7, 0, 3 / 7]),
                                rtol=0, atol=1e-6)
-    torch.testing.assert_close(impl.probs_from_logits(LOGITS4, 2.0, 0, 1.0, 0.6),  # sqrt: 0.63 0.45 0.55 / 0.63
+    # sqrt: 0.63 0.45 0.55 / 0.63
+    torch.testing.assert_close(impl.probs_from_logits(LOGITS4, 2.0, 0, 1.0, 0.6),
                                torch.tensor([0, SQRT[1], SQRT[2], SQRT[3]]) / sum(SQRT[1:]), rtol=0, atol=1e-6)
 
 
@@ -254,24 +283,33 @@ def check_penalties_formula(impl):
         want[j] -= c * 0.4 + 0.7
     torch.testing.assert_close(impl.apply_penalties(logits, output, 0.7, 0.4), want, rtol=0, atol=1e-6)
     torch.testing.assert_close(impl.apply_penalties(logits, output, -0.5, 0.0),
-                               logits + 0.5 * torch.isin(torch.arange(30), torch.tensor(output)), rtol=0, atol=1e-6)
+                               logits + 0.5 * torch.isin(torch.arange(30), torch.tensor(output)),
+                               rtol=0, atol=1e-6)
     assert torch.equal(impl.apply_penalties(logits, [], 0.7, 0.4), logits)
     assert torch.equal(logits, before), "the input logits were modified in place"
 
 
 def check_process_logits(impl):
-    """The order (bias, then min_tokens, then the penalties) worked out by hand, and min_tokens against HF."""
+    """The order (bias, then min_tokens, then the penalties) worked out by hand, and min_tokens
+    against HF."""
     logits = torch.tensor([1.0, 2.0, -1.0, 0.5, 3.0])
-    params = SamplingParams(logit_bias={0: -2.0, 4: 1.0}, repetition_penalty=2.0, frequency_penalty=0.5)
+    params = SamplingParams(logit_bias={0: -2.0, 4: 1.0}, repetition_penalty=2.0,
+                            frequency_penalty=0.5)
     got = impl.process_logits(logits, params, seen_ids=torch.tensor([0, 3]), output_ids=[3, 3])
-    # token 0: 1 − 2 = −1, seen: × 2 → −2;  token 3: 0.5 / 2 = 0.25, twice out: − 1 → −0.75;  token 4: 3 + 1 = 4
+    # token 0: 1 − 2 = −1, seen: × 2 → −2;  token 3: 0.5 / 2 = 0.25, twice out: − 1 → −0.75;  token
+    # 4: 3 + 1 = 4
     torch.testing.assert_close(got, torch.tensor([-2.0, 2.0, -1.0, -0.75, 4.0]), rtol=0, atol=1e-6)
-    assert torch.equal(logits, torch.tensor([1.0, 2.0, -1.0, 0.5, 3.0])), "the input logits were modified in place"
+    assert torch.equal(logits,
+                       torch.tensor([1.0, 2.0, -1.0, 0.5,
+                                     3.0])), "the input logits were modified in place"
     row, prompt = _randn(50, seed=8), [5, 6, 7]
     for generated in range(6):
         out_ids = list(range(10, 10 + generated))
-        hf = MinNewTokensLengthLogitsProcessor(len(prompt), 4, [3, 9])(torch.tensor([prompt + out_ids]), row[None])[0]
-        ours = impl.process_logits(row, SamplingParams(min_tokens=4, max_tokens=8), output_ids=out_ids,
+        hf = MinNewTokensLengthLogitsProcessor(len(prompt), 4,
+                                               [3, 9])(torch.tensor([prompt + out_ids]),
+                                                       row[None])[0]
+        ours = impl.process_logits(row, SamplingParams(min_tokens=4, max_tokens=8),
+                                   output_ids=out_ids,
                                    stop_ids={3, 9, 99})  # 99 is past the vocabulary: ignored
         assert torch.equal(ours, hf), f"min_tokens with {generated} tokens out"
 
@@ -322,7 +360,8 @@ def test_ex03_5_process_logits_order_and_min_tokens(impl):
 
 
 # ----------------------------------------------------------------------------- known-wrong variants
-def _sampler(top_k_extra=0, keep_crossing=True, temperature_first=True, penalty_rule="ctrl", min_p_at_t1=False,
+def _sampler(top_k_extra=0, keep_crossing=True, temperature_first=True, penalty_rule="ctrl",
+             min_p_at_t1=False,
              count_prompt=False, presence_per_count=False, bias_last=False):
     """A sampler; the arguments put one bug each in a known place."""
     def probs_from_logits(logits, temperature, top_k=0, top_p=1.0, min_p=0.0):
@@ -331,7 +370,8 @@ def _sampler(top_k_extra=0, keep_crossing=True, temperature_first=True, penalty_
         chooser = scaled if temperature_first else logits  # wrong: the kept sets chosen at T = 1
         keep = torch.ones_like(logits, dtype=torch.bool)
         if min_p > 0:
-            p = (logits if min_p_at_t1 else scaled).softmax(-1)  # wrong: min-p judged before the temperature
+            # wrong: min-p judged before the temperature
+            p = (logits if min_p_at_t1 else scaled).softmax(-1)
             keep = p >= min_p * p.amax(-1, keepdim=True)
         k = top_k + top_k_extra if top_k else 0
         if k and k < logits.shape[-1]:
@@ -339,7 +379,8 @@ def _sampler(top_k_extra=0, keep_crossing=True, temperature_first=True, penalty_
                 chooser.masked_fill(~keep, float("-inf")), k, dim=-1).values[..., -1:])
         if top_p < 1.0:
             ranked, order = chooser.masked_fill(~keep, float("-inf")).softmax(-1).sort(dim=-1, descending=True)
-            before = ranked.cumsum(-1) - (ranked if keep_crossing else 0)  # wrong: the crossing token counts too
+            # wrong: the crossing token counts too
+            before = ranked.cumsum(-1) - (ranked if keep_crossing else 0)
             keep_sorted = before < top_p
             keep = keep & keep_sorted.scatter(-1, order, keep_sorted)
         return scaled.masked_fill(~keep, float("-inf")).softmax(-1)
@@ -356,8 +397,10 @@ def _sampler(top_k_extra=0, keep_crossing=True, temperature_first=True, penalty_
     def apply_penalties(logits, output_ids, presence, frequency):
         if not output_ids:
             return logits
-        counts = torch.bincount(torch.tensor(list(output_ids)), minlength=logits.shape[-1])[:logits.shape[-1]].float()
-        present = counts if presence_per_count else (counts > 0).float()  # wrong: presence grows with the count
+        counts = torch.bincount(torch.tensor(list(output_ids)),
+                                minlength=logits.shape[-1])[:logits.shape[-1]].float()
+        # wrong: presence grows with the count
+        present = counts if presence_per_count else (counts > 0).float()
         return logits - frequency * counts - presence * present
 
     def process_logits(logits, params, seen_ids=None, output_ids=(), stop_ids=()):
@@ -380,20 +423,27 @@ def _sampler(top_k_extra=0, keep_crossing=True, temperature_first=True, penalty_
         logits = process_logits(logits, params, seen_ids, output_ids, stop_ids)
         if params.temperature == 0:
             return int(logits.argmax())
-        probs = probs_from_logits(logits, params.temperature, params.top_k, params.top_p, params.min_p)
+        probs = probs_from_logits(logits, params.temperature, params.top_k, params.top_p,
+                                  params.min_p)
         return int(torch.multinomial(probs, 1, generator=generator))
 
-    return SimpleNamespace(probs_from_logits=probs_from_logits, apply_repetition_penalty=apply_repetition_penalty,
-                           apply_penalties=apply_penalties, process_logits=process_logits, sample_next=sample_next)
+    return SimpleNamespace(probs_from_logits=probs_from_logits,
+                           apply_repetition_penalty=apply_repetition_penalty,
+                           apply_penalties=apply_penalties, process_logits=process_logits,
+                           sample_next=sample_next)
 
 
 WRONG = {
-    "top-p drops the token that crosses top_p": (_sampler(keep_crossing=False), [check_by_hand, check_matches_hf]),
+    "top-p drops the token that crosses top_p": (_sampler(keep_crossing=False),
+                                                 [check_by_hand, check_matches_hf]),
     "top-k keeps k + 1": (_sampler(top_k_extra=1), [check_by_hand, check_matches_hf]),
-    "temperature applied after top-k / top-p": (_sampler(temperature_first=False), [check_by_hand, check_matches_hf]),
-    "repetition penalty always divides": (_sampler(penalty_rule="divide"), [check_penalty_matches_hf, check_greedy]),
+    "temperature applied after top-k / top-p": (_sampler(temperature_first=False),
+                                                [check_by_hand, check_matches_hf]),
+    "repetition penalty always divides": (_sampler(penalty_rule="divide"),
+                                          [check_penalty_matches_hf, check_greedy]),
     "min-p judged before the temperature": (_sampler(min_p_at_t1=True), [check_min_p_matches_hf]),
-    "presence penalty grows with the count": (_sampler(presence_per_count=True), [check_penalties_formula]),
+    "presence penalty grows with the count": (_sampler(presence_per_count=True),
+                                              [check_penalties_formula]),
     "presence / frequency count the prompt": (_sampler(count_prompt=True), [check_process_logits]),
     "logit_bias after the penalties": (_sampler(bias_last=True), [check_process_logits]),
 }
@@ -410,7 +460,9 @@ def test_ex03_known_wrong_variants_fail(name):
 def test_ex03_the_checks_pass_on_a_right_variant_built_the_same_way():
     """The mutants differ from this one in exactly one place, so their failures are that place's."""
     right = _sampler()
-    for check in (check_by_hand, check_matches_hf, check_ties, check_off_switches, check_batches_and_dtypes,
-                  check_penalty_matches_hf, check_greedy, check_sampling_law, check_min_p_matches_hf,
+    for check in (check_by_hand, check_matches_hf, check_ties, check_off_switches,
+                  check_batches_and_dtypes,
+                  check_penalty_matches_hf, check_greedy, check_sampling_law,
+                  check_min_p_matches_hf,
                   check_penalties_formula, check_process_logits):
         check(right)

@@ -42,7 +42,8 @@ def ceil_div(a: int, b: int) -> int:
 
 
 def compute(alloc, seq) -> None:
-    """The engine's forward: every token of `seq` now has KV, so its full blocks may become prefix hits."""
+    """The engine's forward: every token of `seq` now has KV, so its full blocks may become prefix
+    hits."""
     seq.num_computed_tokens = len(seq)
     alloc.mark_computed(seq)
 
@@ -60,7 +61,8 @@ def check_tables(alloc, live) -> None:
     assert alloc.num_free_blocks() == alloc.num_blocks - len(held)
 
 
-# ----------------------------------------------------------------------------- checks (shared with the mutants)
+# ----------------------------------------------------------------------------- checks (shared with
+# the mutants)
 def check_allocate_exact_tables(impl):
     """Lengths 1, bs-1, bs, bs+1 on a fresh pool: the blocks come in free-queue order."""
     for n, want in [(1, [0]), (BS - 1, [0]), (BS, [0]), (BS + 1, [0, 1]), (3 * BS, [0, 1, 2])]:
@@ -145,7 +147,8 @@ def check_free(impl):
         live.remove(seq)
         check_tables(alloc, live)
     assert alloc.num_free_blocks() == alloc.num_blocks and all(blk.ref_count == 0 for blk in alloc.blocks)
-    assert list(alloc.evictable) == [1, 0], "a's cached blocks X (0) and Y (1) are evictable, tail freed first"
+    assert list(alloc.evictable) == [1,
+                                     0], "a's cached blocks X (0) and Y (1) are evictable, tail freed first"
 
 
 def check_fork_and_copy_on_write(impl):
@@ -164,7 +167,8 @@ def check_fork_and_copy_on_write(impl):
     child.append_token(1)
     assert alloc.can_append(child)
     cow = alloc.append_slot(child)
-    assert cow == (partial, 2), f"copy-on-write returned {cow}: expected (src={partial}, dst=the next free block 2)"
+    assert cow == (partial,
+                   2), f"copy-on-write returned {cow}: expected (src={partial}, dst=the next free block 2)"
     assert child.block_table == [full, 2] and parent.block_table == [full, partial]
     check_tables(alloc, [parent, child])
     parent.append_token(2)
@@ -182,13 +186,15 @@ def check_random_operations(impl, seed, num_ops=120):
     rng = random.Random(seed)
     alloc = allocator(impl, num_blocks=12)
     live: list[Sequence] = []
-    kv: dict[int, tuple[int, ...] | None] = {}  # slot -> the prefix whose KV it holds (None: nothing yet)
+    # slot -> the prefix whose KV it holds (None: nothing yet)
+    kv: dict[int, tuple[int, ...] | None] = {}
 
     def slots(seq, start, end):
         return [seq.block_table[i // BS] * BS + i % BS for i in range(start, end)]
 
     def forward(seq):  # writes only into blocks this table holds alone: shared blocks are read-only
-        for pos, slot in enumerate(slots(seq, seq.num_computed_tokens, len(seq)), seq.num_computed_tokens):
+        for pos, slot in enumerate(slots(seq, seq.num_computed_tokens, len(seq)),
+                                   seq.num_computed_tokens):
             assert alloc.blocks[slot // BS].ref_count == 1, f"seed {seed}: a write into shared block {slot // BS}"
             kv[slot] = tuple(seq.token_ids[:pos + 1])
         compute(alloc, seq)
@@ -355,15 +361,18 @@ def _share_by_hand(self, bid):  # wrong: a hit sitting in the evictable queue st
 
 
 WRONG = {
-    "hits shared by hand (left in the evictable queue)": (_variant(allocate=_allocate(_share_by_hand)),
-                                                         [check_allocate_prefix_hits, check_random_runs]),
+    "hits shared by hand (left in the evictable "
+    "queue)": (_variant(allocate=_allocate(_share_by_hand)),
+                                                         [check_allocate_prefix_hits,
+                                                          check_random_runs]),
     "new block when the token fills one (off by one)": (
         _variant(append_slot=_append_slot(lambda covered, n: covered == n)),
         [check_append_across_block_boundaries, check_random_runs]),
     "append_slot never copies on write": (_variant(append_slot=_never_copies),
                                           [check_fork_and_copy_on_write, check_random_runs]),
     "free forgets to decrement shared blocks": (_variant(free=_free(shared_too=False)),
-                                                [check_free, check_fork_and_copy_on_write, check_random_runs]),
+                                                [check_free, check_fork_and_copy_on_write,
+                                                 check_random_runs]),
     "fork without ref-count increments": (_variant(fork=_fork(references=0)),
                                           [check_fork_and_copy_on_write, check_random_runs]),
 }
@@ -380,6 +389,7 @@ def test_ex04_known_wrong_variants_fail(name):
 def test_ex04_the_checks_pass_on_a_right_variant_built_the_same_way():
     """The mutants differ from this one in exactly one place, so their failures are that place's."""
     right = _variant()
-    for check in (check_allocate_exact_tables, check_allocate_prefix_hits, check_append_across_block_boundaries,
+    for check in (check_allocate_exact_tables, check_allocate_prefix_hits,
+                  check_append_across_block_boundaries,
                   check_free, check_fork_and_copy_on_write, check_random_runs):
         check(right)

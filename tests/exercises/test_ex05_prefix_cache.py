@@ -1,5 +1,5 @@
-"""Exercise 5: prefix-cache hashing and lookup (nanoserve/engine/block_allocator.py: default_block_hash,
-BlockAllocator._prefix_hits).
+"""Exercise 5: prefix-cache hashing and lookup (nanoserve/engine/block_allocator.py:
+default_block_hash, BlockAllocator._prefix_hits).
 
 Oracles: hand-worked prompts made of whole blocks (X, Y, Z, W), whose hits are known without the
 code; a hash function that collides on every block (a constant), under which only the exact check
@@ -30,21 +30,24 @@ EX04 = ("allocate", "append_slot", "free", "fork")
 HASH_FNS = {
     "nanoserve's": None,
     # frequent collisions
-    "mod 3": lambda parent, tokens: nanoserve.engine.block_allocator.default_block_hash(parent, tokens) % 3,
+    "mod 3": lambda parent,
+    tokens: nanoserve.engine.block_allocator.default_block_hash(parent, tokens) % 3,
     "constant": lambda parent, tokens: 7,  # every block collides with every other
 }
 
 
 def allocator(impl, num_blocks=16, given=EX04, **kwargs):
-    """impl's BlockAllocator with the methods in `given` (exercise 4's by default) taken from nanoserve,
-    so that exercise 5 can be done first. The inherited constructor's default hash_fn is nanoserve's."""
+    """impl's BlockAllocator with the methods in `given` (exercise 4's by default) taken from
+    nanoserve, so that exercise 5 can be done first. The inherited constructor's default hash_fn is
+    nanoserve's."""
     ref = nanoserve.engine.block_allocator.BlockAllocator
     cls = type("Allocator", (impl.BlockAllocator,), {name: getattr(ref, name) for name in given})
     return cls(num_blocks, BS, **kwargs)
 
 
 def compute(alloc, seq) -> None:
-    """The engine's forward: every token of `seq` now has KV; mark_computed registers its full blocks."""
+    """The engine's forward: every token of `seq` now has KV; mark_computed registers its full
+    blocks."""
     seq.num_computed_tokens = len(seq)
     alloc.mark_computed(seq)
 
@@ -65,7 +68,8 @@ def chain(hash_fn, tokens) -> list[int]:
     return hashes
 
 
-# ----------------------------------------------------------------------------- checks (shared with the mutants)
+# ----------------------------------------------------------------------------- checks (shared with
+# the mutants)
 def check_hash_is_a_deterministic_int(impl):
     h = impl.default_block_hash
     for parent in (None, 0, 12345, -(2 ** 62)):
@@ -84,7 +88,8 @@ def check_hash_chains(impl):
     assert a[:2] == b[:2] and a[2] != b[2]
     assert a[1] != c[1] and a[2] != c[2], "Y and Z after W must not hash like Y and Z after X"
     parents = [None, 0, 1, 2, 99, 2 ** 40, *a]
-    assert len({h(p, tuple(Y)) for p in parents}) == len(parents), "the hash must depend on the parent"
+    assert len({h(p,
+                  tuple(Y)) for p in parents}) == len(parents), "the hash must depend on the parent"
 
 
 def check_hash_in_the_allocator(impl):
@@ -129,7 +134,8 @@ def check_hits_stop_at_the_first_miss(impl):
     alloc.allocate(b)
     assert b.num_cached_tokens == 2 * BS and b.block_table[:2] == a.block_table[:2], \
         f"{b.num_cached_tokens // BS} hits: X and Y hit, W misses, and Z after X·Y·W is not cached"
-    d = Sequence(X + W + Y + [0])  # X hits; W misses; Y after X·W is not Y after X, whatever the lookup's parent
+    # X hits; W misses; Y after X·W is not Y after X, whatever the lookup's parent
+    d = Sequence(X + W + Y + [0])
     alloc.allocate(d)
     assert d.num_cached_tokens == BS, f"{d.num_cached_tokens // BS} hits: only X is cached with this prefix"
     assert d.block_table[0] == a.block_table[0] and not set(d.block_table[1:]) & set(a.block_table)
@@ -156,7 +162,8 @@ def check_collisions_are_harmless(impl):
     a = admit(alloc, X + Y + [0])  # X registered under 7; Y collides and is not registered
     for prompt, hits in [(Y + X + [0], 0),  # same hash as X, other tokens
                          (X + X + [0], 1),  # block 1 has X's tokens, but not X's prefix
-                         (X + Y + [0], 1)]:  # block 1's hash is taken by X: a miss, never a wrong hit
+                         # block 1's hash is taken by X: a miss, never a wrong hit
+                         (X + Y + [0], 1)]:
         seq = Sequence(prompt)
         alloc.allocate(seq)
         assert seq.num_cached_tokens == hits * BS, f"{prompt}: {seq.num_cached_tokens // BS} hits, expected {hits}"
@@ -167,7 +174,8 @@ def check_collisions_are_harmless(impl):
 
 def check_random_prompts(impl, hash_name, seeds=range(8)):
     """Random prompts from four blocks, computed in chunks, decoded and freed, against the model of
-    the module docstring (exact hit counts with nanoserve's hash, at most those with a colliding one)."""
+    the module docstring (exact hit counts with nanoserve's hash, at most those with a colliding
+    one)."""
     for seed in seeds:
         _random_run(impl, hash_name, seed)
 
@@ -177,10 +185,12 @@ def _random_run(impl, hash_name, seed, num_ops=80):
     alloc = allocator(impl, num_blocks=512, hash_fn=HASH_FNS[hash_name])
     live: list[Sequence] = []
     kv: dict[int, tuple[int, ...] | None] = {}  # slot -> the prefix whose KV it holds
-    computed: set[tuple[int, ...]] = set()  # prefixes, ending at a block boundary, some forward computed
+    # prefixes, ending at a block boundary, some forward computed
+    computed: set[tuple[int, ...]] = set()
 
     def forward(seq, upto):
-        for pos, slot in enumerate(alloc.slot_mapping(seq, seq.num_computed_tokens, upto), seq.num_computed_tokens):
+        for pos, slot in enumerate(alloc.slot_mapping(seq, seq.num_computed_tokens, upto),
+                                   seq.num_computed_tokens):
             kv[slot] = tuple(seq.token_ids[:pos + 1])
         seq.num_computed_tokens = upto
         alloc.mark_computed(seq)
@@ -287,24 +297,30 @@ RIGHT_LOOKUP = _lookup()
 
 
 def _variant(key=RIGHT_KEY, lookup=RIGHT_LOOKUP):
-    cls = type("Variant", (nanoserve.engine.block_allocator.BlockAllocator,), {"_prefix_hits": lookup})
+    cls = type("Variant", (nanoserve.engine.block_allocator.BlockAllocator,),
+               {"_prefix_hits": lookup})
     return SimpleNamespace(default_block_hash=_hash(key), BlockAllocator=cls)
 
 
 HASH_CHECKS = [check_hash_is_a_deterministic_int, check_hash_chains, check_hash_in_the_allocator]
-LOOKUP_CHECKS = [check_identical_prompt_reuses_blocks, check_hits_stop_at_the_first_miss, check_never_the_last_block,
+LOOKUP_CHECKS = [check_identical_prompt_reuses_blocks, check_hits_stop_at_the_first_miss,
+                 check_never_the_last_block,
                  check_collisions_are_harmless, check_random_runs]
 WRONG = {
     "hash ignoring the parent": (_variant(key=lambda parent, tokens: tokens),
                                  [check_hash_chains, check_hash_in_the_allocator]),
-    "hash blind to token order": (_variant(key=lambda parent, tokens: (parent, tuple(sorted(tokens)))),
+    "hash blind to token order": (_variant(key=lambda parent,
+                                           tokens: (parent, tuple(sorted(tokens)))),
                                   [check_hash_is_a_deterministic_int]),
     "lookup not stopping at the first miss": (_variant(lookup=_lookup(at_miss="skip")),
-                                              [check_hits_stop_at_the_first_miss, check_random_runs]),
-    "lookup that can return the last block": (_variant(lookup=_lookup(max_hits=lambda self, n: n // self.block_size)),
+                                              [check_hits_stop_at_the_first_miss,
+                                               check_random_runs]),
+    "lookup that can return the last "
+    "block": (_variant(lookup=_lookup(max_hits=lambda self, n: n // self.block_size)),
                                               [check_never_the_last_block, check_random_runs]),
     "lookup trusting the hash (no exact check)": (_variant(lookup=_lookup(exact=False)),
-                                                  [check_collisions_are_harmless, check_random_runs]),
+                                                  [check_collisions_are_harmless,
+                                                   check_random_runs]),
 }
 
 

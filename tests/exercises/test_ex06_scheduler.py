@@ -1,5 +1,5 @@
-"""Exercise 6: one continuous-scheduler step (nanoserve/engine/scheduler.py: Scheduler.schedule, _tokens_to_compute,
-_pick_victim, _preempt).
+"""Exercise 6: one continuous-scheduler step (nanoserve/engine/scheduler.py: Scheduler.schedule,
+_tokens_to_compute, _pick_victim, _preempt).
 
 No model is needed: the scheduler never touches tensors. `Engine` below plays LLMEngine.step's
 bookkeeping by hand (each scheduled sequence computes its tokens; one that reaches its end gets a
@@ -32,8 +32,10 @@ BS = 4
 
 def make(impl, num_blocks=64, budget=16, max_seqs=8, chunked=True, max_model_len=64):
     """impl's Scheduler over a fresh pool (prefix caching off: every prompt block is computed)."""
-    config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked)
-    return impl.Scheduler(config, BlockAllocator(num_blocks, BS, enable_prefix_caching=False), max_model_len)
+    config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                             enable_chunked_prefill=chunked)
+    return impl.Scheduler(config, BlockAllocator(num_blocks, BS, enable_prefix_caching=False),
+                          max_model_len)
 
 
 class Engine:
@@ -47,7 +49,8 @@ class Engine:
         self.steps = 0
 
     def add(self, name, prompt_len, max_tokens, priority=0):
-        seq = Sequence([7] * prompt_len, request_id=name, arrival_time=float(len(self.by_name)), priority=priority)
+        seq = Sequence([7] * prompt_len, request_id=name, arrival_time=float(len(self.by_name)),
+                       priority=priority)
         self.left[seq], self.by_name[name] = max_tokens, seq
         self.sched.add(seq)
         return seq
@@ -72,7 +75,8 @@ class Engine:
         alloc = self.block_allocator
         assert sum(len(s.block_table) for s in sched.running) == alloc.num_blocks - alloc.num_free_blocks(), \
             "the running sequences' blocks and the free count disagree"
-        return [(s.request_id, n) for s, n in zip(out.seqs, out.num_new)], [s.request_id for s in out.preempted]
+        return [(s.request_id, n) for s,
+                n in zip(out.seqs, out.num_new)], [s.request_id for s in out.preempted]
 
     def run(self, max_steps):
         while self.sched.has_unfinished():
@@ -116,7 +120,8 @@ def check_step(sched, out, running_before):
             f"{head.request_id} could have been admitted with {left} tokens of budget left"
 
 
-# ----------------------------------------------------------------------------- checks (shared with the mutants)
+# ----------------------------------------------------------------------------- checks (shared with
+# the mutants)
 def check_tokens_to_compute(impl):
     for chunked, budget, computed, want in [
             (True, 4, 3, 4), (True, 7, 3, 7), (True, 8, 3, 7), (True, 1, 9, 1), (True, 16, 0, 10),
@@ -139,7 +144,8 @@ def check_pick_victim(impl):
 
 def check_preempt(impl):
     sched = make(impl, num_blocks=8)
-    a, b, late = (Sequence(list(range(n)), arrival_time=t) for n, t in [(6, 0.0), (5, 1.0), (3, 5.0)])
+    a, b, late = (Sequence(list(range(n)), arrival_time=t) for n,
+                  t in [(6, 0.0), (5, 1.0), (3, 5.0)])
     for seq in (a, b):
         sched.block_allocator.allocate(seq)
         seq.num_computed_tokens = len(seq)
@@ -148,7 +154,8 @@ def check_preempt(impl):
     a.append_token(9)
     a.needs_slot = True
     sched._preempt(a)
-    assert sched.running == [b] and sched.waiting == [a, late], "back to the waiting queue, in arrival order"
+    assert sched.running == [b] and sched.waiting == [a,
+                                                      late], "back to the waiting queue, in arrival order"
     assert a.status == SequenceStatus.WAITING and len(a) == 7, "the tokens stay (prompt + generated)"
     assert a.block_table == [] and a.num_computed_tokens == 0, "recompute: the blocks and the KV are dropped"
     assert not a.needs_slot and a.num_preemptions == 1 == sched.num_preemptions
@@ -166,7 +173,8 @@ def check_plans(engine, want):
 
 
 def check_budget_and_running_first(impl):
-    """16 tokens and 3 sequences per step: A and B's chunk fill step 1; running ones go first; D waits for a seat."""
+    """16 tokens and 3 sequences per step: A and B's chunk fill step 1; running ones go first; D
+    waits for a seat."""
     engine = Engine(make(impl, budget=16, max_seqs=3))
     for name, prompt, out in [("A", 7, 3), ("B", 23, 2), ("C", 5, 2), ("D", 4, 2)]:
         engine.add(name, prompt, out)
@@ -211,8 +219,8 @@ def check_preemption(impl):
 
 
 def check_priority(impl):
-    """Waiting sequences start in (priority, arrival) order; the victim is the lowest priority, then the newest
-    (possibly the sequence that needs the block: then the next one still runs)."""
+    """Waiting sequences start in (priority, arrival) order; the victim is the lowest priority, then
+    the newest (possibly the sequence that needs the block: then the next one still runs)."""
     engine = Engine(make(impl, max_seqs=1))
     for name, prio in [("p5", 5), ("p0", 0), ("p3", 3), ("p1", 1)]:
         engine.add(name, 2, 1, priority=prio)
@@ -224,14 +232,16 @@ def check_priority(impl):
     check_plans(engine, [([("R", 3), ("L", 3)], [])])
     engine.add("N", 3, 2, priority=1)  # arrives later, with a higher priority than L
     check_plans(engine, [([("R", 1), ("L", 1), ("N", 3)], []),
-                         ([("R", 1), ("N", 1)], ["L"])])  # R needs a block: L, not the newer N, gives way
+                         # R needs a block: L, not the newer N, gives way
+                         ([("R", 1), ("N", 1)], ["L"])])
     engine.run(max_steps=30)
     engine = Engine(make(impl, num_blocks=2, budget=16))
     engine.add("L", 3, 3, priority=2)
     check_plans(engine, [([("L", 3)], [])])
     engine.add("H", 3, 2, priority=0)
     check_plans(engine, [([("L", 1), ("H", 3)], []),
-                         ([("H", 1)], ["L"])])  # L needs a block and is the victim itself: H, next in line, still runs
+                         # L needs a block and is the victim itself: H, next in line, still runs
+                         ([("H", 1)], ["L"])])
     engine.run(max_steps=30)
 
 
@@ -243,12 +253,15 @@ def check_random_workloads(impl, seeds=range(30)):
         rng = random.Random(seed)
         chunked = seed % 4 != 3
         budget = rng.choice([4, 8, 16, 32]) if chunked else 32
-        specs = [(f"r{i}", rng.randint(1, 20), rng.randint(1, 10), rng.randint(0, 2))  # name, prompt, output, priority
+        # name, prompt, output, priority
+        specs = [(f"r{i}", rng.randint(1, 20), rng.randint(1, 10), rng.randint(0, 2))
                  for i in range(rng.randint(4, 12))]
         longest = max(prompt + out for _, prompt, out, _ in specs)
         num_blocks = -(-longest // BS) + rng.randint(0, 6)
-        engine = Engine(make(impl, num_blocks, budget, rng.randint(1, 6), chunked, max_model_len=32))
-        arrivals = [0] * (len(specs) // 2) + [rng.randrange(10) for _ in specs[len(specs) // 2:]]  # at which step
+        engine = Engine(make(impl, num_blocks, budget, rng.randint(1, 6), chunked,
+                             max_model_len=32))
+        # at which step
+        arrivals = [0] * (len(specs) // 2) + [rng.randrange(10) for _ in specs[len(specs) // 2:]]
         for step in range(10):
             for when, spec in zip(arrivals, specs):
                 if when == step:
@@ -363,20 +376,24 @@ RIGHT = {"schedule": _schedule(), "_tokens_to_compute": _tokens_to_compute(slack
 
 def _variant(**wrong):
     """nanoserve's scheduler with the four methods above, right unless overridden."""
-    return SimpleNamespace(Scheduler=type("Variant", (nanoserve.engine.scheduler.Scheduler,), {**RIGHT, **wrong}))
+    return SimpleNamespace(Scheduler=type("Variant", (nanoserve.engine.scheduler.Scheduler,),
+                                          {**RIGHT, **wrong}))
 
 
 WRONG = {
     "preemption without recompute (keeps its blocks and KV)": (
-        _variant(_preempt=_preempt(recompute=False)), [check_preempt, check_preemption, check_random_workloads]),
+        _variant(_preempt=_preempt(recompute=False)),
+        [check_preempt, check_preemption, check_random_workloads]),
     "budget overrun by one": (_variant(_tokens_to_compute=_tokens_to_compute(slack=1)),
-                              [check_tokens_to_compute, check_budget_and_running_first, check_chunked_prefill,
+                              [check_tokens_to_compute, check_budget_and_running_first,
+                               check_chunked_prefill,
                                check_random_workloads]),
     "victim = the oldest, not the newest": (
         _variant(_pick_victim=_pick_victim(lambda priority, position: (priority, -position))),
         [check_pick_victim, check_preemption]),
     "victim = the newest, whatever its priority": (
-        _variant(_pick_victim=_pick_victim(lambda priority, position: position)), [check_pick_victim, check_priority]),
+        _variant(_pick_victim=_pick_victim(lambda priority, position: position)),
+        [check_pick_victim, check_priority]),
     "schedule skips the next sequence after one preempts itself": (
         _variant(schedule=_schedule(after_self_preemption="advance")), [check_priority]),
     "schedule admits in a step that preempted": (
@@ -395,6 +412,7 @@ def test_ex06_known_wrong_variants_fail(name):
 def test_ex06_the_checks_pass_on_a_right_variant_built_the_same_way():
     """The mutants differ from this one in exactly one place, so their failures are that place's."""
     right = _variant()
-    for check in (check_tokens_to_compute, check_pick_victim, check_preempt, check_budget_and_running_first,
+    for check in (check_tokens_to_compute, check_pick_victim, check_preempt,
+                  check_budget_and_running_first,
                   check_chunked_prefill, check_preemption, check_priority, check_random_workloads):
         check(right)

@@ -1,11 +1,11 @@
-"""Exercise 8: RTN quantize / dequantize (nanoserve/quant/rtn.py: quant_params, round_to_codes, quantize_rtn,
-QuantizedWeight.dequantize).
+"""Exercise 8: RTN quantize / dequantize (nanoserve/quant/rtn.py: quant_params, round_to_codes,
+quantize_rtn, QuantizedWeight.dequantize).
 
 Oracles: grids, codes and dequantized weights worked out by hand on tiny tensors (asymmetric and
-symmetric, a group of zeros, groups with no negative or no positive value, int8 per channel, int4 and
-int3 group-wise, a permuted g_idx), and the bound |w − ŵ| ≤ scale / 2 that rounding to the nearest
-point of a grid containing the group's range must meet. Hand values avoid exact rounding ties except
-where every tie-breaking rule gives the same code.
+symmetric, a group of zeros, groups with no negative or no positive value, int8 per channel, int4
+and int3 group-wise, a permuted g_idx), and the bound |w − ŵ| ≤ scale / 2 that rounding to the
+nearest point of a grid containing the group's range must meet. Hand values avoid exact rounding
+ties except where every tie-breaking rule gives the same code.
 """
 
 from __future__ import annotations
@@ -24,21 +24,25 @@ ROWS = [[-1.0, 0.25, 0.5, 2.0],    # mixed signs
         [0.5, 1.0, 2.0, 1.5],      # no negative value: the range is widened down to 0
         [-3.0, -1.0, -0.5, -2.0],  # no positive value: widened up to 0
         [0.0, 0.0, 0.0, 0.0],      # all zeros: range [−1, 1], never a zero scale
-        [-0.7, 0.1, 0.3, 0.5]]     # −xmin / scale = 8.75: the zero point must be rounded, not truncated
+        # −xmin / scale = 8.75: the zero point must be rounded, not truncated
+        [-0.7, 0.1, 0.3, 0.5]]
 
 
 def _close(a, b):
     return torch.allclose(a, torch.tensor(b, dtype=a.dtype), rtol=1e-6, atol=0)
 
 
-# ----------------------------------------------------------------------------- checks (shared with the mutants)
+# ----------------------------------------------------------------------------- checks (shared with
+# the mutants)
 def check_grid_by_hand(impl):
     w = torch.tensor(ROWS)                                                     # 5 groups of 4
     scales, zeros = impl.quant_params(w, bits=4, sym=False)
-    assert scales.shape == zeros.shape == (5,) and scales.dtype == torch.float32 and zeros.dtype == torch.int32
+    assert scales.shape == zeros.shape == (5,
+                                           ) and scales.dtype == torch.float32 and zeros.dtype == torch.int32
     # asymmetric: scale = (xmax − xmin) / 15, zero = round(−xmin / scale)
     assert _close(scales, [3 / 15, 2 / 15, 3 / 15, 2 / 15, 1.2 / 15])
-    # the zero group's −xmin / scale = 1 / (2/15) = 7.5 exactly, which fp32 computes as 7.4999995: 7 or 8 is right
+    # the zero group's −xmin / scale = 1 / (2/15) = 7.5 exactly, which fp32 computes as 7.4999995: 7
+    # or 8 is right
     assert zeros.tolist()[:3] + zeros.tolist()[4:] == [5, 0, 15, 9] and zeros[3] in (7, 8)
     # symmetric: scale = 2·amax / 15, zero 8 for every group
     scales, zeros = impl.quant_params(w, bits=4, sym=True)
@@ -46,10 +50,13 @@ def check_grid_by_hand(impl):
     assert zeros.tolist() == [8] * 5
     # other widths, fp64 stays fp64: int8 (zero 128 when symmetric), int3 (zero 4), int2
     w = torch.tensor([[-1.0, 0.0, 1.55, 0.3]], dtype=torch.float64)
-    for bits, sym, scale, zero in [(8, False, 2.55 / 255, 100), (8, True, 3.1 / 255, 128), (3, False, 2.55 / 7, 3),
-                                   (3, True, 3.1 / 7, 4), (2, False, 2.55 / 3, 1), (2, True, 3.1 / 3, 2)]:
+    for bits, sym, scale, zero in [(8, False, 2.55 / 255, 100), (8, True, 3.1 / 255, 128),
+                                   (3, False, 2.55 / 7, 3),
+                                   (3, True, 3.1 / 7, 4), (2, False, 2.55 / 3, 1),
+                                   (2, True, 3.1 / 3, 2)]:
         scales, zeros = impl.quant_params(w, bits, sym)
-        assert scales.dtype == torch.float64 and _close(scales, [scale]) and zeros.tolist() == [zero], (bits, sym)
+        assert scales.dtype == torch.float64 and _close(scales,
+                                                        [scale]) and zeros.tolist() == [zero], (bits, sym)
 
 
 def check_round_to_codes_by_hand(impl):
@@ -61,22 +68,28 @@ def check_round_to_codes_by_hand(impl):
     # row 1: w / 0.5 = 0, 0.4, 1.6, 2.2, 6, −0.8 -> round + 0, clamped
     assert codes.dtype == torch.float32 and codes.shape == (2, 6)
     assert codes.tolist() == [[0, 3, 4, 5, 6, 15], [0, 0, 2, 2, 6, 0]]
-    assert impl.round_to_codes(w, scales, zeros, 7)[0].tolist() == [0, 3, 4, 5, 6, 7]   # maxq is the top
+    # maxq is the top
+    assert impl.round_to_codes(w, scales, zeros, 7)[0].tolist() == [0, 3, 4, 5, 6, 7]
 
 
 def check_quantize_rtn_by_hand(impl):
     w = torch.tensor([[-0.9, 0.25, 0.45, 2.0, 0.5, 0.9, 2.0, 1.5],
-                      [0.0, 0.0, 0.0, 0.0, -0.7, 0.1, 0.3, 0.8]])             # N 2, K 8, groups of 4
-    # asymmetric: group (0, 0) scale 2.9/15, zero round(0.9 / scale) = round(4.66) = 5, codes round(w / scale) + 5
+                      # N 2, K 8, groups of 4
+                      [0.0, 0.0, 0.0, 0.0, -0.7, 0.1, 0.3, 0.8]])
+    # asymmetric: group (0, 0) scale 2.9/15, zero round(0.9 / scale) = round(4.66) = 5, codes
+    # round(w / scale) + 5
     q = impl.quantize_rtn(w, bits=4, group_size=4, sym=False)
-    assert isinstance(q, impl.QuantizedWeight)                                 # your class, so your dequantize
+    # your class, so your dequantize
+    assert isinstance(q, impl.QuantizedWeight)
     assert (q.bits, q.group_size, q.sym) == (4, 4, False)
     assert q.codes.dtype == torch.uint8 and q.zeros.dtype == torch.int32 and q.g_idx.dtype == torch.int32
     assert q.g_idx.tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
     assert _close(q.scales, [[2.9 / 15, 2 / 15], [2 / 15, 1.5 / 15]])
-    assert q.zeros[0].tolist() == [5, 0] and q.zeros[1, 1] == 7 and q.zeros[1, 0] in (7, 8)   # 7.5 in fp32: see above
+    # 7.5 in fp32: see above
+    assert q.zeros[0].tolist() == [5, 0] and q.zeros[1, 1] == 7 and q.zeros[1, 0] in (7, 8)
     assert q.codes[0].tolist() == [0, 6, 7, 15, 4, 7, 15, 11] and q.codes[1, 4:].tolist() == [0, 8, 10, 15]
-    assert (q.codes[1, :4] == q.zeros[1, 0]).all()                             # the zero group: every code is the zero
+    # the zero group: every code is the zero
+    assert (q.codes[1, :4] == q.zeros[1, 0]).all()
     # symmetric: zero 8; +amax is 7.5 steps, rounds up to code 16, clamped to 15
     q = impl.quantize_rtn(w, bits=4, group_size=4, sym=True)
     assert _close(q.scales, [[4 / 15, 4 / 15], [2 / 15, 1.6 / 15]]) and q.zeros.tolist() == [[8, 8], [8, 8]]
@@ -86,31 +99,39 @@ def check_quantize_rtn_by_hand(impl):
     q = impl.quantize_rtn(w, bits=8, group_size=-1, sym=False)
     assert q.scales.shape == (2, 1) and q.g_idx.tolist() == [0, 0, 0, 0] and q.group_size == -1
     assert _close(q.scales, [[2.55 / 255], [0.4 / 255]]) and q.zeros.tolist() == [[100], [0]]
-    assert q.codes.tolist() == [[0, 100, 255, 130], [64, 159, 191, 255]]   # row 1: w · 255/0.4, rounded
+    # row 1: w · 255/0.4, rounded
+    assert q.codes.tolist() == [[0, 100, 255, 130], [64, 159, 191, 255]]
 
 
 def check_dequantize_by_hand(impl):
-    # g_idx permuted (as GPTQ's act-order leaves it): column k reads group g_idx[k], not k // group_size
+    # g_idx permuted (as GPTQ's act-order leaves it): column k reads group g_idx[k], not k //
+    # group_size
     codes = torch.tensor([[0, 15, 8, 3], [5, 0, 3, 4]], dtype=torch.uint8)
     zeros = torch.tensor([[8, 0], [2, 1]], dtype=torch.int32)
     g_idx = torch.tensor([1, 0, 0, 1], dtype=torch.int32)
     for dtype in (torch.float32, torch.float64):
         scales = torch.tensor([[0.5, 0.25], [1.0, 2.0]], dtype=dtype)
-        w = impl.QuantizedWeight(codes=codes, zeros=zeros, scales=scales, g_idx=g_idx, bits=4, group_size=2,
+        w = impl.QuantizedWeight(codes=codes, zeros=zeros, scales=scales, g_idx=g_idx, bits=4,
+                                 group_size=2,
                                  sym=False).dequantize()
         assert w.dtype == dtype
-        # (0 − 0)·0.25, (15 − 8)·0.5, (8 − 8)·0.5, (3 − 0)·0.25;  (5 − 1)·2, (0 − 2)·1, (3 − 2)·1, (4 − 1)·2
+        # (0 − 0)·0.25, (15 − 8)·0.5, (8 − 8)·0.5, (3 − 0)·0.25;  (5 − 1)·2, (0 − 2)·1, (3 − 2)·1,
+        # (4 − 1)·2
         assert w.tolist() == [[0.0, 3.5, 0.0, 0.75], [8.0, -2.0, 1.0, 6.0]]
 
 
 def check_round_trip_error(impl):
-    """Random weights with every kind of group: |w − ŵ| ≤ scale/2, codes and zeros in range, 0 stays 0."""
+    """Random weights with every kind of group: |w − ŵ| ≤ scale/2, codes and zeros in range, 0 stays
+    0."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(8, 64, generator=g)                                        # N, K
     w[0, :32] = 0                                                              # groups of zeros
-    w[1, :32] = w[1, :32].abs()                                                # groups with no negative value
-    w[2, 32:] = -w[2, 32:].abs()                                               # ... and no positive value
-    w[3, 5::7] = 0                                                             # zeros among other values
+    # groups with no negative value
+    w[1, :32] = w[1, :32].abs()
+    # ... and no positive value
+    w[2, 32:] = -w[2, 32:].abs()
+    # zeros among other values
+    w[3, 5::7] = 0
     for bits, group_size in [(8, -1), (4, 16), (4, 64), (3, 32), (2, 16)]:
         gs = 64 if group_size == -1 else group_size
         maxq = 2**bits - 1
@@ -125,7 +146,8 @@ def check_round_trip_error(impl):
             w_hat = q.dequantize()                                             # N, K
             step = q.scales.repeat_interleave(gs, dim=1)                       # N, K
             assert ((w - w_hat).abs() <= step / 2 * (1 + 1e-4)).all(), (bits, group_size, sym)
-            assert (w_hat[w == 0] == 0).all(), (bits, group_size, sym)         # zero is on every grid
+            # zero is on every grid
+            assert (w_hat[w == 0] == 0).all(), (bits, group_size, sym)
     q64 = impl.quantize_rtn(w.double(), 4, 16, False)
     assert q64.scales.dtype == torch.float64 and q64.dequantize().dtype == torch.float64
 
@@ -184,7 +206,8 @@ def _rtn(widen=True, sym_zero=lambda maxq: (maxq + 1) // 2, round_zero=True, fol
         if sym:
             zeros = torch.full_like(scales, sym_zero(maxq))
         else:
-            zeros = torch.round(-xmin / scales) if round_zero else -xmin / scales   # wrong: the cast truncates
+            # wrong: the cast truncates
+            zeros = torch.round(-xmin / scales) if round_zero else -xmin / scales
         return scales, zeros.to(torch.int32)
 
     def round_to_codes(w, scales, zeros, maxq):
@@ -197,10 +220,12 @@ def _rtn(widen=True, sym_zero=lambda maxq: (maxq + 1) // 2, round_zero=True, fol
         groups = w.reshape(n * (k // gs), gs)
         scales, zeros = quant_params(groups, bits, sym)
         codes = round_to_codes(groups, scales, zeros, 2**bits - 1)
-        return Quantized(codes.reshape(n, k).to(torch.uint8), zeros.reshape(n, -1), scales.reshape(n, -1),
+        return Quantized(codes.reshape(n, k).to(torch.uint8), zeros.reshape(n, -1),
+                         scales.reshape(n, -1),
                          torch.arange(k, dtype=torch.int32) // gs, bits, group_size, sym)
 
-    return SimpleNamespace(quant_params=quant_params, round_to_codes=round_to_codes, quantize_rtn=quantize_rtn,
+    return SimpleNamespace(quant_params=quant_params, round_to_codes=round_to_codes,
+                           quantize_rtn=quantize_rtn,
                            QuantizedWeight=Quantized)
 
 
@@ -209,7 +234,8 @@ WRONG = {
     "zero point truncated, not rounded": (_rtn(round_zero=False), GRID_CHECKS),
     "symmetric zero 7 instead of 8": (_rtn(sym_zero=lambda maxq: maxq // 2), GRID_CHECKS),
     "range not widened to contain 0": (_rtn(widen=False), GRID_CHECKS),
-    "dequantize assumes g_idx = k // group_size": (_rtn(follow_g_idx=False), [check_dequantize_by_hand]),
+    "dequantize assumes g_idx = k // group_size": (_rtn(follow_g_idx=False),
+                                                   [check_dequantize_by_hand]),
 }
 
 

@@ -1,4 +1,5 @@
-"""Exercise 9: GPTQ's column loop with error feedback (nanoserve/quant/gptq.py: gptq_naive, gptq_quantize).
+"""Exercise 9: GPTQ's column loop with error feedback (nanoserve/quant/gptq.py: gptq_naive,
+gptq_quantize).
 
 Oracles, none of them GPTQ's own loop:
 - H = c·I has no correlations to feed errors through: GPTQ must be RTN, bit for bit;
@@ -8,8 +9,9 @@ Oracles, none of them GPTQ's own loop:
   and column j's code is that W_j rounded on its group's grid, the grid chosen from W_F when the
   group starts. This is what the column loop computes incrementally;
 - the layer's loss does not change when H is scaled, so neither may the result;
-- quality on a layer with correlated inputs and 1 % outlier channels ×20 (docs/TESTING.md §C): held-out
-  output error GPTQ ≤ 0.75 × RTN (measured 0.659×), act-order ≤ 0.5 × RTN (measured 0.472×).
+- quality on a layer with correlated inputs and 1 % outlier channels ×20 (docs/TESTING.md §C):
+  held-out output error GPTQ ≤ 0.75 × RTN (measured 0.659×), act-order ≤ 0.5 × RTN (measured
+  0.472×).
 The fast version must match the naive one (1e-8) and not depend on its block size (1e-12), fp64.
 Exactness checks use the asymmetric grid: on the symmetric grid a weight at −amax sits on an exact
 rounding tie (−7.5 steps), which float noise may break either way.
@@ -46,11 +48,13 @@ def _small(seed=3, n=48, k=64, tokens=512):
 
 
 def _same(a, b):
-    return (torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales) and torch.equal(a.zeros, b.zeros)
+    return (torch.equal(a.codes, b.codes) and torch.equal(a.scales,
+                                                          b.scales) and torch.equal(a.zeros, b.zeros)
             and torch.equal(a.g_idx, b.g_idx))
 
 
-# ----------------------------------------------------------------------------- checks (shared with the mutants)
+# ----------------------------------------------------------------------------- checks (shared with
+# the mutants)
 def check_identity_hessian_is_rtn(gptq):
     W = outlier_layer(1, n=32, k=128)[0]
     for dtype in (torch.float32, F64):
@@ -62,13 +66,15 @@ def check_identity_hessian_is_rtn(gptq):
 
 
 def check_least_squares_feedback(gptq, act_order=False, static_groups=False, percdamp=0.01):
-    """Each code is its column's least-squares optimum rounded, given the columns rounded before it."""
+    """Each code is its column's least-squares optimum rounded, given the columns rounded before
+    it."""
     W, H = _small()
     bits, gs = 4, 16
     kw = {"static_groups": True} if static_groups else {}
     q = gptq(W, H, bits, gs, False, percdamp=percdamp, act_order=act_order, **kw)
     n, k = W.shape
-    perm = torch.argsort(H.diagonal(), descending=True, stable=True) if act_order else torch.arange(k)
+    perm = torch.argsort(H.diagonal(), descending=True,
+                         stable=True) if act_order else torch.arange(k)
     assert q.codes.shape == (n, k) and q.codes.dtype == torch.uint8 and q.g_idx.dtype == torch.int32
     if static_groups:   # grids from the original weights, groups in the original column order
         rtn = quantize_rtn(W, bits, gs, False)
@@ -78,15 +84,19 @@ def check_least_squares_feedback(gptq, act_order=False, static_groups=False, per
         assert torch.equal(q.g_idx[perm].long(), torch.arange(k) // gs)
     Hd = H + percdamp * H.diagonal().mean() * torch.eye(k, dtype=F64)         # K, K   damped
     W0, Hd = W[:, perm], Hd[perm][:, perm]                                     # processing order
-    gp = q.g_idx[perm].long()                                                  # K   group of each position
+    # K   group of each position
+    gp = q.g_idx[perm].long()
     codes = q.codes[:, perm].to(F64)                                           # N, K
     scale, zero = q.scales[:, gp], q.zeros[:, gp].to(F64)                      # N, K
-    W_hat = (codes - zero) * scale                                             # N, K   the rounded columns
+    # N, K   the rounded columns
+    W_hat = (codes - zero) * scale
     for j in range(k):
-        delta = W0[:, :j] - W_hat[:, :j]                                       # N, j   errors already made
+        # N, j   errors already made
+        delta = W0[:, :j] - W_hat[:, :j]
         W_free = W0[:, j:] + torch.linalg.solve(Hd[j:, j:], Hd[j:, :j] @ delta.T).T   # N, K−j
         if j % gs == 0 and not static_groups:
-            s, z = quant_params(W_free[:, :gs], bits, False)                  # the grid from the updated group
+            # the grid from the updated group
+            s, z = quant_params(W_free[:, :gs], bits, False)
             assert (q.scales[:, j // gs] - s).abs().max() <= 1e-9 * s.abs().max(), f"grid of group {j // gs}"
             assert torch.equal(q.zeros[:, j // gs], z), f"zeros of group {j // gs}"
         want = round_to_codes(W_free[:, :1], scale[:, j], zero[:, j], 15)[:, 0]   # N
@@ -98,7 +108,8 @@ def check_hessian_scale_does_not_matter(gptq):
     ref = gptq(W, H, 4, 16, False)
     for c in (4.0, 0.01):
         q = gptq(W, c * H, 4, 16, False)
-        assert torch.equal(q.codes, ref.codes) and (q.dequantize() - ref.dequantize()).abs().max() <= 1e-12, c
+        assert torch.equal(q.codes,
+                           ref.codes) and (q.dequantize() - ref.dequantize()).abs().max() <= 1e-12, c
 
 
 def check_dead_inputs(gptq):
@@ -117,7 +128,8 @@ def check_fast_equals_naive(impl):
         for act_order in (False, True):
             naive = impl.gptq_naive(W, H, bits, group_size, False, act_order=act_order)
             for blocksize in (24, 7):
-                fast = impl.gptq_quantize(W, H, bits, group_size, False, blocksize=blocksize, act_order=act_order)
+                fast = impl.gptq_quantize(W, H, bits, group_size, False, blocksize=blocksize,
+                                          act_order=act_order)
                 assert torch.equal(fast.codes, naive.codes) and torch.equal(fast.zeros, naive.zeros)
                 assert torch.equal(fast.g_idx, naive.g_idx)
                 assert (fast.scales - naive.scales).abs().max() <= 1e-8
@@ -136,7 +148,8 @@ def check_blocksize_invariance(gptq_quantize):
 
 @functools.cache
 def _outlier_case():
-    """The layer of docs/TESTING.md §C: W [256, 512]; H from 4096 calibration tokens, errors on 4096 others."""
+    """The layer of docs/TESTING.md §C: W [256, 512]; H from 4096 calibration tokens, errors on 4096
+    others."""
     W, sample = outlier_layer(0)
     X_cal, X_test = sample(4096, 100), sample(4096, 200)
     return W, hessian(X_cal), X_test, rel_error(W, quantize_rtn(W, 4, 128, sym=True).dequantize(), X_test)
@@ -145,9 +158,11 @@ def _outlier_case():
 def check_beats_rtn(gptq):
     W, H, X_test, rtn = _outlier_case()
     plain = rel_error(W, gptq(W, H, 4, 128, True).dequantize(), X_test)
-    assert plain <= 0.75 * rtn, f"GPTQ {plain / rtn:.3f}× RTN's held-out error"            # measured 0.659×
+    # measured 0.659×
+    assert plain <= 0.75 * rtn, f"GPTQ {plain / rtn:.3f}× RTN's held-out error"
     act = rel_error(W, gptq(W, H, 4, 128, True, act_order=True).dequantize(), X_test)
-    assert act <= 0.5 * rtn, f"GPTQ + act-order {act / rtn:.3f}× RTN's held-out error"    # measured 0.472×
+    # measured 0.472×
+    assert act <= 0.5 * rtn, f"GPTQ + act-order {act / rtn:.3f}× RTN's held-out error"
 
 
 # ----------------------------------------------------------------------------- the tests
@@ -200,7 +215,8 @@ def test_ex09_2_beats_rtn_on_outlier_inputs(impl):
 
 # ----------------------------------------------------------------------------- known-wrong variants
 def _gptq(divide=True, side="free", g_idx="original"):
-    """The column loop with the rows of U (no lazy blocks), as notebook 05 writes it; one flaw at a time."""
+    """The column loop with the rows of U (no lazy blocks), as notebook 05 writes it; one flaw at a
+    time."""
     def gptq(W, H, bits=4, group_size=128, sym=True, blocksize=128, percdamp=0.01, act_order=False,
              static_groups=False):
         W, H = W.to(H.dtype).clone(), H.clone()                                # N, K and K, K
@@ -209,7 +225,8 @@ def _gptq(divide=True, side="free", g_idx="original"):
         dead = H.diagonal() == 0
         H[dead, dead] = 1
         W[:, dead] = 0
-        perm = torch.argsort(H.diagonal(), descending=True, stable=True) if act_order else torch.arange(k)
+        perm = torch.argsort(H.diagonal(), descending=True,
+                             stable=True) if act_order else torch.arange(k)
         if static_groups:
             s, z = quant_params(W.reshape(-1, gs), bits, sym)
             static = s.reshape(n, -1), z.reshape(n, -1)                        # N, G each
@@ -237,8 +254,10 @@ def _gptq(divide=True, side="free", g_idx="original"):
             scales, zeros, groups = static[0], static[1], torch.arange(k) // gs
         else:
             scales, zeros = torch.stack(scales, 1), torch.stack(zeros, 1)
-            groups = torch.arange(k) // gs                                     # group of each position
-            groups = groups[invperm] if g_idx == "original" else groups        # wrong: left in processing order
+            # group of each position
+            groups = torch.arange(k) // gs
+            # wrong: left in processing order
+            groups = groups[invperm] if g_idx == "original" else groups
         return QuantizedWeight(Q[:, invperm].to(torch.uint8), zeros, scales, groups.to(torch.int32), bits,
                                group_size, sym)
 
@@ -252,11 +271,14 @@ def _least_squares_with_act_order(gptq):
     check_least_squares_feedback(gptq, act_order=True)
 
 
-WRONG = {   # measured held-out error, plain / act-order: 0.934× / 0.914×, 1.000× / 1.013×, 0.659× / 1.888× RTN
+# measured held-out error, plain / act-order: 0.934× / 0.914×, 1.000× / 1.013×, 0.659× / 1.888× RTN
+WRONG = {
     "error not divided by the diagonal": (_gptq(divide=False), [check_least_squares_feedback,
                                                                 check_hessian_scale_does_not_matter, check_beats_rtn]),
-    "error fed to the quantized columns": (_gptq(side="done"), [check_least_squares_feedback, check_beats_rtn]),
-    "act-order g_idx left in processing order": (_gptq(g_idx="processing"), [_least_squares_with_act_order,
+    "error fed to the quantized columns": (_gptq(side="done"),
+                                           [check_least_squares_feedback, check_beats_rtn]),
+    "act-order g_idx left in processing order": (_gptq(g_idx="processing"),
+                                                 [_least_squares_with_act_order,
                                                                              check_beats_rtn]),
 }
 

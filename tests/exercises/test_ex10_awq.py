@@ -1,12 +1,14 @@
-"""Exercise 10: AWQ's scale search (nanoserve/quant/awq.py: scaled_loss, search_scales, fold_scales).
+"""Exercise 10: AWQ's scale search (nanoserve/quant/awq.py: scaled_loss, search_scales,
+fold_scales).
 
 Oracles: the loss evaluated directly in fp64 as the paper writes it, ‖X Wᵀ − (X / s) Q(W·diag(s))ᵀ‖²
 summed over the linears sharing X, with Q the RTN grid of exercise 8; the α grid and the scales
 s(α) = mean|x|^α / √(max·min) written out here; the α curve's minimum; and the layer's output,
 which folding 1/s into the previous op and s into the linears must leave unchanged (≤ 1e-5, fp32).
-Quality (docs/TESTING.md §C): on a layer with correlated inputs and 1 % outlier channels ×20, the held-out
-output error with AWQ's scales is ≤ 0.8 × RTN's (measured 0.679×, α = 0.3; int4 g128 asymmetric),
-and AWQ is never worse than RTN on the calibration set (α = 0 is RTN and is on the grid).
+Quality (docs/TESTING.md §C): on a layer with correlated inputs and 1 % outlier channels ×20, the
+held-out output error with AWQ's scales is ≤ 0.8 × RTN's (measured 0.679×, α = 0.3; int4 g128
+asymmetric), and AWQ is never worse than RTN on the calibration set (α = 0 is RTN and is on the
+grid).
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ def _group(seed=5, sizes=(48, 32), k=128, tokens=512):
 
 
 def direct_loss(linears, x, s, bits, group_size, sym):
-    """Σ ‖X Wᵀ − (X / s) Q(W·diag(s))ᵀ‖² in fp64; Q of the fp32 product W·s, as the scaled layer stores it."""
+    """Σ ‖X Wᵀ − (X / s) Q(W·diag(s))ᵀ‖² in fp64; Q of the fp32 product W·s, as the scaled layer
+    stores it."""
     X, total = x.double(), 0.0
     for lin in linears:
         W = lin.weight.detach()                                               # N, K   fp32
@@ -60,12 +63,14 @@ def scales_at(x, alpha):
     return s / (s.max() * s.min()).sqrt()
 
 
-# ----------------------------------------------------------------------------- checks (shared with the mutants)
+# ----------------------------------------------------------------------------- checks (shared with
+# the mutants)
 def check_scaled_loss(impl):
     linears, x = _group()
     g = torch.Generator().manual_seed(0)
     for bits, group_size, sym in [(4, 32, False), (3, 64, True), (4, -1, False)]:
-        for s in (torch.ones(128), torch.exp(0.5 * torch.randn(128, generator=g))):   # s = 1 is RTN's loss
+        # s = 1 is RTN's loss
+        for s in (torch.ones(128), torch.exp(0.5 * torch.randn(128, generator=g))):
             loss = impl.scaled_loss(linears, x, s, bits, group_size, sym)
             assert isinstance(loss, float)
             assert loss == pytest.approx(direct_loss(linears, x, s, bits, group_size, sym), rel=1e-4)
@@ -75,10 +80,13 @@ def check_search_scales(impl):
     linears, x = _group()
     for bits, group_size, sym, n_grid in [(4, 32, False, 20), (3, 64, True, 8)]:
         s, alpha, alphas, losses = impl.search_scales(linears, x, bits, group_size, sym, n_grid)
-        assert alphas == [i / n_grid for i in range(n_grid)]                    # 0 .. (n−1)/n: 1.0 is not on it
+        # 0 .. (n−1)/n: 1.0 is not on it
+        assert alphas == [i / n_grid for i in range(n_grid)]
         assert len(losses) == n_grid
-        for a, loss in zip(alphas, losses):                                   # the α curve, point by point
-            assert loss == pytest.approx(direct_loss(linears, x, scales_at(x, a), bits, group_size, sym), rel=1e-4)
+        # the α curve, point by point
+        for a, loss in zip(alphas, losses):
+            assert loss == pytest.approx(direct_loss(linears, x, scales_at(x, a), bits, group_size,
+                                                     sym), rel=1e-4)
         assert alpha == alphas[losses.index(min(losses))]                     # the first minimum
         assert s.shape == (128,) and torch.allclose(s, scales_at(x, alpha), rtol=1e-6, atol=0)
         assert float(s.max() * s.min()) == pytest.approx(1.0, rel=1e-5)       # centred in log space
@@ -91,7 +99,8 @@ def check_search_scales(impl):
 
 @functools.cache
 def _outlier_case():
-    """The layer of docs/TESTING.md §C, W [256, 512] (fp32 values), 4096 calibration and 4096 held-out tokens."""
+    """The layer of docs/TESTING.md §C, W [256, 512] (fp32 values), 4096 calibration and 4096
+    held-out tokens."""
     W, sample = outlier_layer(0)
     W = W.float().double()
     X_cal, X_test = sample(4096, 100), sample(4096, 200)
@@ -102,7 +111,8 @@ def _outlier_case():
 def check_beats_rtn(impl):
     W, X_cal, X_test, rtn_cal, rtn_test = _outlier_case()
     s = impl.search_scales([linear(W.float())], X_cal.float(), 4, 128, False)[0].double()
-    W_awq = fake_quantize(W * s, 4, 128, sym=False) / s                      # N, K   what the AWQ layer computes with
+    # N, K   what the AWQ layer computes with
+    W_awq = fake_quantize(W * s, 4, 128, sym=False) / s
     assert rel_error(W, W_awq, X_cal) <= rtn_cal
     held_out = rel_error(W, W_awq, X_test)
     assert held_out <= 0.8 * rtn_test, f"AWQ's scales: {held_out / rtn_test:.3f}× RTN's held-out error"
@@ -118,20 +128,24 @@ def check_fold_scales(impl):
     k = 96
     for kind in ("rmsnorm", "layernorm", "linear"):
         torch.manual_seed(0)
-        prev = {"rmsnorm": RMSNorm(k), "layernorm": nn.LayerNorm(k), "linear": nn.Linear(80, k)}[kind]
+        prev = {"rmsnorm": RMSNorm(k), "layernorm": nn.LayerNorm(k),
+                "linear": nn.Linear(80, k)}[kind]
         with torch.no_grad():
             for p in prev.parameters():
                 p.add_(0.1 * torch.randn_like(p))
         linears = [nn.Linear(k, 64), nn.Linear(k, 32, bias=False), nn.Linear(k, 48)]
         x = torch.randn(32, prev.weight.shape[-1])                            # T, K_prev
         s = torch.exp(torch.randn(k))                                         # K   about 0.1 .. 10
-        before = _outputs(prev, linears, x)                                   # T, 144   entries O(1)
+        # T, 144   entries O(1)
+        before = _outputs(prev, linears, x)
         weights = [lin.weight.detach().clone() for lin in linears]
         assert impl.fold_scales(prev, linears, s) is None
-        assert (_outputs(prev, linears, x) - before).abs().max() <= 1e-5, kind   # fp32 rounding only
+        # fp32 rounding only
+        assert (_outputs(prev, linears, x) - before).abs().max() <= 1e-5, kind
         for lin, w in zip(linears, weights):
             assert torch.allclose(lin.weight, w * s, rtol=1e-6, atol=0), kind  # columns × s
-    with pytest.raises(NanoserveError):                                       # GELU(x) / s ≠ GELU(x / s)
+    # GELU(x) / s ≠ GELU(x / s)
+    with pytest.raises(NanoserveError):
         impl.fold_scales(nn.GELU(), [nn.Linear(k, 8)], torch.ones(k))
 
 
@@ -159,7 +173,8 @@ def _awq(normalise=True, divide_x=True, grid="open", fold_bias=True):
         for lin in linears:
             w = lin.weight.detach().float()                                   # N, K
             q = fake_quantize(w * s, bits, group_size, sym)                   # N, K
-            w_eff = q / s if divide_x else q   # wrong: the layer would compute Q(W·s) x, inputs not divided
+            # wrong: the layer would compute Q(W·s) x, inputs not divided
+            w_eff = q / s if divide_x else q
             loss += (x @ (w - w_eff).T).double().pow(2).sum().item()
         return loss
 
@@ -184,7 +199,8 @@ def _awq(normalise=True, divide_x=True, grid="open", fold_bias=True):
     def fold_scales(prev, linears, s):
         if isinstance(prev, nn.Linear):
             prev.weight.div_(s[:, None])                                      # K, K_prev   rows
-        elif isinstance(getattr(prev, "weight", None), torch.Tensor) and prev.weight.shape == s.shape:
+        elif isinstance(getattr(prev, "weight", None),
+                        torch.Tensor) and prev.weight.shape == s.shape:
             prev.weight.div_(s)                                               # K
         else:
             raise NanoserveError(f"cannot fold scales into {type(prev).__name__}")
@@ -193,12 +209,14 @@ def _awq(normalise=True, divide_x=True, grid="open", fold_bias=True):
         for lin in linears:
             lin.weight.mul_(s[None, :])                                       # N, K   columns
 
-    return SimpleNamespace(scaled_loss=scaled_loss, search_scales=search_scales, fold_scales=fold_scales)
+    return SimpleNamespace(scaled_loss=scaled_loss, search_scales=search_scales,
+                           fold_scales=fold_scales)
 
 
 WRONG = {   # held-out error with "inputs not divided": 1.000× RTN (it picks α = 0)
     "scales not normalised": (_awq(normalise=False), [check_search_scales]),
-    "s applied to W, inputs not divided": (_awq(divide_x=False), [check_scaled_loss, check_search_scales,
+    "s applied to W, inputs not divided": (_awq(divide_x=False),
+                                           [check_scaled_loss, check_search_scales,
                                                                    check_beats_rtn]),
     "alpha grid 0 .. 1 inclusive": (_awq(grid="closed"), [check_search_scales]),
     "previous op's bias not divided": (_awq(fold_bias=False), [check_fold_scales]),

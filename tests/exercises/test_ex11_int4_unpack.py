@@ -1,10 +1,12 @@
-"""Exercise 11: unpacking int4 in a Triton kernel (nanoserve/kernels/dequant_matmul.py: dequantize_int4).
+"""Exercise 11: unpacking int4 in a Triton kernel (nanoserve/kernels/dequant_matmul.py:
+dequantize_int4).
 
-Oracles: golden words written by hand (GPTQ codes 0..7 along K pack to 0x76543210; symmetric v1 zeros
-read 0x77777777, docs/TESTING.md §C) with their fields read by Python's unbounded ints (no sign extension
-there), and for random weights W built here in fp64 from the integer codes, without nanoserve, beside
-packing.dequantize_gptq. Every comparison is bitwise: (code − zero) times an fp16 scale is exact in fp32.
-The known-wrong variants at the end are one small Triton kernel whose flags switch one bug on each.
+Oracles: golden words written by hand (GPTQ codes 0..7 along K pack to 0x76543210; symmetric v1
+zeros read 0x77777777, docs/TESTING.md §C) with their fields read by Python's unbounded ints (no
+sign extension there), and for random weights W built here in fp64 from the integer codes, without
+nanoserve, beside packing.dequantize_gptq. Every comparison is bitwise: (code − zero) times an fp16
+scale is exact in fp32. The known-wrong variants at the end are one small Triton kernel whose flags
+switch one bug on each.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ pytestmark = pytest.mark.ex11
 
 def _int32(words: list[list[int]]) -> torch.Tensor:
     """Unsigned 32-bit words → the int32 tensor holding the same bits (bit 31 set: negative)."""
-    return torch.tensor([[w - (1 << 32) if w >= 1 << 31 else w for w in row] for row in words], dtype=torch.int32)
+    return torch.tensor([[w - (1 << 32) if w >= 1 << 31 else w for w in row] for row in words],
+                        dtype=torch.int32)
 
 
 def _fields(word: int) -> list[int]:
@@ -42,7 +45,8 @@ def _pack(x: torch.Tensor) -> torch.Tensor:
 
 
 def _weights(K, N, group, act_order, seed=0):
-    """GPTQ v1 tensors for random codes 0..15 and zeros 1..16 (16 is stored as 15: bit 31 in qzeros), and W in fp64."""
+    """GPTQ v1 tensors for random codes 0..15 and zeros 1..16 (16 is stored as 15: bit 31 in
+    qzeros), and W in fp64."""
     g = torch.Generator().manual_seed(seed)
     G = -(-K // group)
     codes = torch.randint(0, 16, (N, K), generator=g)  # N, K
@@ -59,12 +63,15 @@ def _weights(K, N, group, act_order, seed=0):
     return tensors, w
 
 
-# ----------------------------------------------------------------------------- checks (shared with the variants)
+# ----------------------------------------------------------------------------- checks (shared with
+# the variants)
 def check_golden_codes(impl):
-    """qweight words 0x76543210: row k of every column holds code k % 8. Zero 1 (stored 0) and scale 1: W = code − 1."""
+    """qweight words 0x76543210: row k of every column holds code k % 8. Zero 1 (stored 0) and scale
+    1: W = code − 1."""
     qweight = _int32([[0x76543210] * 8] * 2)  # K/8 = 2, N = 8
     qzeros = torch.zeros(1, 1, dtype=torch.int32)  # G = 1, N/8 = 1
-    W = impl.dequantize_int4(qweight, qzeros, torch.ones(1, 8, dtype=torch.float16), torch.zeros(16, dtype=torch.int32))
+    W = impl.dequantize_int4(qweight, qzeros, torch.ones(1, 8, dtype=torch.float16),
+                             torch.zeros(16, dtype=torch.int32))
     assert W.shape == (8, 16) and W.dtype == torch.float32
     assert torch.equal(W, (torch.arange(16) % 8 - 1).float().expand(8, 16))
 
@@ -73,21 +80,24 @@ WORDS = [0xFEDCBA98, 0xFFFFFFFF, 0x80000000, 0x7FFFFFFF, 0x0F0F0F0F, 0xF0F0F0F0,
 
 
 def check_sign_bit_words(impl):
-    """Words with bit 31 set are negative int32s, and >> copies the sign bit down: the mask must remove it.
+    """Words with bit 31 set are negative int32s, and >> copies the sign bit down: the mask must
+    remove it.
 
-    Column n holds WORDS[n] in row-word 0 and WORDS[7 - n] in row-word 1; 0xFEDCBA98 holds codes 8..15.
+    Column n holds WORDS[n] in row-word 0 and WORDS[7 - n] in row-word 1; 0xFEDCBA98 holds codes
+    8..15.
     """
     assert _fields(0xFEDCBA98) == list(range(8, 16))
     qweight = _int32([WORDS, WORDS[::-1]])  # K/8 = 2, N = 8   six of the eight words negative
-    W = impl.dequantize_int4(qweight, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 8, dtype=torch.float16),
+    W = impl.dequantize_int4(qweight, torch.zeros(1, 1, dtype=torch.int32),
+                             torch.ones(1, 8, dtype=torch.float16),
                              torch.zeros(16, dtype=torch.int32))  # N, K   zero 1, scale 1
     want = torch.tensor([_fields(WORDS[n]) + _fields(WORDS[7 - n]) for n in range(8)]) - 1  # N, K
     assert torch.equal(W, want.float())
 
 
 def check_v1_zeros(impl):
-    """Zeros are packed along N and stored as zero − 1: 0x77777777 reads 8 for columns 0..7, 0xFEDCBA98
-    (a negative word) reads 9..16 for columns 8..15. Codes k % 8, scales (n + 1) / 4."""
+    """Zeros are packed along N and stored as zero − 1: 0x77777777 reads 8 for columns 0..7,
+    0xFEDCBA98 (a negative word) reads 9..16 for columns 8..15. Codes k % 8, scales (n + 1) / 4."""
     qweight = _int32([[0x76543210] * 16])  # K/8 = 1, N = 16
     qzeros = _int32([[0x77777777, 0xFEDCBA98]])  # G = 1, N/8 = 2
     scales = ((torch.arange(16) + 1) / 4).half()[None]  # 1, N   exact in fp16
@@ -98,9 +108,11 @@ def check_v1_zeros(impl):
 
 
 def check_round_trip(impl, K=200, N=72, group=64, act_order=False, dtype=torch.float32, seed=0):
-    """Random weights, bitwise: against the fp64 W built from the codes, and packing.dequantize_gptq."""
+    """Random weights, bitwise: against the fp64 W built from the codes, and
+    packing.dequantize_gptq."""
     tensors, w = _weights(K, N, group, act_order, seed)
-    assert (tensors["qweight"] < 0).any() and (tensors["qzeros"] < 0).any()  # sign bits on both sides
+    # sign bits on both sides
+    assert (tensors["qweight"] < 0).any() and (tensors["qzeros"] < 0).any()
     out = impl.dequantize_int4(**tensors, dtype=dtype)  # N, K
     assert out.shape == (N, K) and out.dtype == dtype
     assert torch.equal(out, dequantize_gptq(**tensors, bits=4, dtype=dtype))
@@ -108,7 +120,8 @@ def check_round_trip(impl, K=200, N=72, group=64, act_order=False, dtype=torch.f
 
 
 def check_act_order(impl):
-    """Groups of 32 assigned to the rows in a random order: neighbouring rows of a tile use different groups."""
+    """Groups of 32 assigned to the rows in a random order: neighbouring rows of a tile use
+    different groups."""
     check_round_trip(impl, K=200, N=72, group=32, act_order=True, seed=1)
 
 
@@ -142,28 +155,34 @@ def test_ex11_3_half_precision_output(impl):
 # ----------------------------------------------------------------------------- known-wrong variants
 @triton.jit
 def _variant_kernel(QW, QZ, S, G_IDX, W, N, K, group_size,
-                    FIELD: tl.constexpr, PLUS_ONE: tl.constexpr, GROUPS: tl.constexpr, BLOCK: tl.constexpr):
-    # W [N, K] fp32 from contiguous GPTQ v1 tensors, one program per [BLOCK, BLOCK] tile of W in [K, N]
+                    FIELD: tl.constexpr, PLUS_ONE: tl.constexpr, GROUPS: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    # W [N, K] fp32 from contiguous GPTQ v1 tensors, one program per [BLOCK, BLOCK] tile of W in [K,
+    # N]
     offs_k = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # BLOCK
     offs_n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # BLOCK
     mask = (offs_k < K)[:, None] & (offs_n < N)[None, :]  # BLOCK, BLOCK
-    words = tl.load(QW + (offs_k // 8)[:, None] * N + offs_n[None, :], mask=mask, other=0)  # BLOCK, BLOCK
+    # BLOCK, BLOCK
+    words = tl.load(QW + (offs_k // 8)[:, None] * N + offs_n[None, :], mask=mask, other=0)
     shift = ((offs_k % 8) * 4)[:, None]  # BLOCK, 1
     if FIELD == "mask":
         codes = (words >> shift) & 0xF
     elif FIELD == "no mask":  # the higher fields, and the copies of the sign bit, stay
         codes = words >> shift
-    else:  # "shl, sar": move the field to the top bits and shift back down, which sign-extends codes 8..15
+    # "shl, sar": move the field to the top bits and shift back down, which sign-extends codes 8..15
+    else:
         codes = (words << (28 - shift)) >> 28
     if GROUPS == "g_idx":
         g = tl.load(G_IDX + offs_k, mask=offs_k < K, other=0)  # BLOCK
     else:  # "k // group_size": right for plain groups only
         g = offs_k // group_size
-    zwords = tl.load(QZ + g[:, None] * (N // 8) + (offs_n // 8)[None, :], mask=mask, other=0)  # BLOCK, BLOCK
+    # BLOCK, BLOCK
+    zwords = tl.load(QZ + g[:, None] * (N // 8) + (offs_n // 8)[None, :], mask=mask, other=0)
     zeros = (zwords >> ((offs_n % 8) * 4)[None, :]) & 0xF
     if PLUS_ONE:
         zeros = zeros + 1
-    scales = tl.load(S + g[:, None] * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)  # BLOCK, BLOCK
+    # BLOCK, BLOCK
+    scales = tl.load(S + g[:, None] * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(W + offs_n[None, :] * K + offs_k[:, None], (codes - zeros).to(tl.float32) * scales, mask=mask)
 
 
@@ -173,7 +192,8 @@ def _variant(field="mask", plus_one=True, groups="g_idx"):
         w = torch.empty(N, K)  # N, K
         group_size = int(torch.bincount(g_idx.long()).max())  # the size of the largest group
         _variant_kernel[(triton.cdiv(K, 32), triton.cdiv(N, 32))](
-            qweight.contiguous(), qzeros.contiguous(), scales.contiguous(), g_idx.contiguous(), w, N, K, group_size,
+            qweight.contiguous(), qzeros.contiguous(), scales.contiguous(), g_idx.contiguous(), w,
+            N, K, group_size,
             FIELD=field, PLUS_ONE=plus_one, GROUPS=groups, BLOCK=32)
         return w.to(dtype)
     return SimpleNamespace(dequantize_int4=dequantize_int4)
@@ -186,7 +206,8 @@ WRONG = {
                                                            [check_sign_bit_words, check_round_trip]),
     "zero without v1's + 1": (_variant(plus_one=False), [check_v1_zeros, check_round_trip]),
     # passes check_round_trip with plain groups: only act-order shows it
-    "group from k // group_size, not g_idx": (_variant(groups="k // group_size"), [check_act_order]),
+    "group from k // group_size, not g_idx": (_variant(groups="k // group_size"),
+                                              [check_act_order]),
 }
 
 
@@ -201,6 +222,7 @@ def test_ex11_known_wrong_variants_fail(name):
 def test_ex11_the_checks_pass_on_a_right_variant_built_the_same_way():
     """The variants differ from this one in one flag each, so their failures are that flag's."""
     right = _variant()
-    for check in (check_golden_codes, check_sign_bit_words, check_v1_zeros, check_round_trip, check_act_order):
+    for check in (check_golden_codes, check_sign_bit_words, check_v1_zeros, check_round_trip,
+                  check_act_order):
         check(right)
     check_round_trip(right, 96, 48, 32, act_order=True, dtype=torch.float16, seed=2)

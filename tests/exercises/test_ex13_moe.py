@@ -1,10 +1,11 @@
-"""Exercise 13: top-k expert routing (nanoserve/models/moe.py: SparseMoeBlock.route, SparseMoeBlock.forward).
+"""Exercise 13: top-k expert routing (nanoserve/models/moe.py: SparseMoeBlock.route,
+SparseMoeBlock.forward).
 
-Oracles: the routing rule written here from its definition (softmax, top k, renormalise), a per-token
-loop written here (each token through its k experts, one at a time), and transformers' own
-MixtralSparseMoeBlock with the same weights. Known-wrong variants at the end: softmax over the k chosen
-logits only (equal to the right rule only when renormalising), never renormalising, weights crossed
-between a token's slots, and every token sent to its first expert only.
+Oracles: the routing rule written here from its definition (softmax, top k, renormalise), a
+per-token loop written here (each token through its k experts, one at a time), and transformers' own
+MixtralSparseMoeBlock with the same weights. Known-wrong variants at the end: softmax over the k
+chosen logits only (equal to the right rule only when renormalising), never renormalising, weights
+crossed between a token's slots, and every token sent to its first expert only.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ def _block(impl, top_k=2, renormalize=True, E=6, seed=0):
     from nanoserve.models.config import ModelConfig
     from nanoserve.models.layers import ACTIVATION_FNS
 
-    cfg = ModelConfig(arch="llama", vocab_size=10, hidden_size=16, n_layers=1, n_heads=2, n_kv_heads=2,
-                      intermediate_size=24, max_position_embeddings=32, num_experts=E, num_experts_per_tok=top_k,
+    cfg = ModelConfig(arch="llama", vocab_size=10, hidden_size=16, n_layers=1, n_heads=2,
+                      n_kv_heads=2,
+                      intermediate_size=24, max_position_embeddings=32, num_experts=E,
+                      num_experts_per_tok=top_k,
                       norm_topk_prob=renormalize)
     torch.manual_seed(seed)
     block = impl.SparseMoeBlock(cfg, ACTIVATION_FNS["silu"])
@@ -46,7 +49,8 @@ def _per_token(block, x):
     return torch.stack(out).view(x.shape)
 
 
-# ----------------------------------------------------------------------------- checks (shared with the mutants)
+# ----------------------------------------------------------------------------- checks (shared with
+# the mutants)
 def check_route(impl, block=None):
     for renormalize in (True, False):
         b = block or _block(impl, top_k=3, renormalize=renormalize)
@@ -88,7 +92,8 @@ def check_each_chosen_expert_runs_once(impl):
         _, ids = block.route(x.reshape(-1, 16))
         block(x)
     chosen = {int(e): int((ids == e).sum()) for e in ids.unique()}
-    assert sorted(calls) == sorted(chosen.items())  # one call per chosen expert, on exactly its tokens
+    # one call per chosen expert, on exactly its tokens
+    assert sorted(calls) == sorted(chosen.items())
 
 
 # ----------------------------------------------------------------------------- the tests
@@ -142,12 +147,16 @@ def _variant(route_rule="right", combine="right"):
 
 WRONG = {
     "softmax over the k chosen logits": (_variant(route_rule="softmax of the k chosen"),
-                                         [check_route, lambda i: check_forward_equals_the_per_token_loop(i, 2)]),
-    "never renormalise": (_variant(route_rule="never renormalise"), [check_route, check_matches_transformers_mixtral]),
+                                         [check_route,
+                                          lambda i: check_forward_equals_the_per_token_loop(i, 2)]),
+    "never renormalise": (_variant(route_rule="never renormalise"),
+                          [check_route, check_matches_transformers_mixtral]),
     "weights crossed between slots": (_variant(combine="weights crossed"),
-                                      [check_forward_equals_the_per_token_loop, check_matches_transformers_mixtral]),
+                                      [check_forward_equals_the_per_token_loop,
+                                       check_matches_transformers_mixtral]),
     "every token to its first expert": (_variant(combine="first expert only"),
-                                        [check_forward_equals_the_per_token_loop, check_each_chosen_expert_runs_once]),
+                                        [check_forward_equals_the_per_token_loop,
+                                         check_each_chosen_expert_runs_once]),
 }
 
 
@@ -161,6 +170,7 @@ def test_ex13_known_wrong_variants_fail(name):
 
 def test_ex13_the_checks_pass_on_a_right_variant_built_the_same_way():
     right = _variant()
-    for check in (check_route, check_forward_equals_the_per_token_loop, check_matches_transformers_mixtral,
+    for check in (check_route, check_forward_equals_the_per_token_loop,
+                  check_matches_transformers_mixtral,
                   check_each_chosen_expert_runs_once):
         check(right)

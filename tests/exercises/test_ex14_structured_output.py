@@ -3,9 +3,9 @@ mask_verification).
 
 Oracles: a bit-by-bit unpacking written here with Python integers (not torch's shifts), and Python's
 `regex` module with partial matching, which decides by itself which bytes may follow a prefix of a
-regex — independent of llguidance, which computes the masks the code applies. Known-wrong variants at
-the end: the bits of each word read from the most significant end, a sign test instead of a bit test,
-masks one position late in verification, and a matcher left advanced after verification.
+regex — independent of llguidance, which computes the masks the code applies. Known-wrong variants
+at the end: the bits of each word read from the most significant end, a sign test instead of a bit
+test, masks one position late in verification, and a matcher left advanced after verification.
 """
 
 from __future__ import annotations
@@ -18,7 +18,11 @@ import torch
 
 pytest.importorskip("llguidance")
 
-from nanoserve.engine.structured_output import GrammarCompiler, StructuredOutputsParams, token_bitmask  # noqa: E402
+from nanoserve.engine.structured_output import (  # noqa: E402
+    GrammarCompiler,
+    StructuredOutputsParams,
+    token_bitmask,
+)
 from nanoserve.tokenizers import byte_level_tokenizer  # noqa: E402
 
 REFERENCE = "nanoserve.engine.structured_output"
@@ -35,21 +39,25 @@ def _bits_by_hand(bitmask: torch.Tensor, vocab: int) -> list[list[bool]]:
 
 
 def _allowed_by_regex(prefix: str) -> list[bool]:
-    ok = [t < 256 and regex.fullmatch(PATTERN, prefix + chr(t), partial=True) is not None for t in range(V)]
+    ok = [t < 256 and regex.fullmatch(PATTERN, prefix + chr(t),
+                                      partial=True) is not None for t in range(V)]
     ok[256] = regex.fullmatch(PATTERN, prefix) is not None  # EOS once the text is complete
     return ok
 
 
 def _matcher():
-    return GrammarCompiler(byte_level_tokenizer(), V, 256).matcher(StructuredOutputsParams(regex=PATTERN))
+    return GrammarCompiler(byte_level_tokenizer(), V,
+                           256).matcher(StructuredOutputsParams(regex=PATTERN))
 
 
-# ----------------------------------------------------------------------------- checks (shared with the mutants)
+# ----------------------------------------------------------------------------- checks (shared with
+# the mutants)
 def check_apply_bitmask(impl):
     g = torch.Generator().manual_seed(0)
     for vocab in (5, 32, 33, 64, 257):
         W = (vocab + 31) // 32
-        bitmask = torch.randint(-2**31, 2**31, (3, W), generator=g, dtype=torch.int64).to(torch.int32)
+        bitmask = torch.randint(-2**31, 2**31, (3, W), generator=g,
+                                dtype=torch.int64).to(torch.int32)
         bitmask[0, 0] = -1  # every bit set, bit 31 included
         bitmask[1, -1] = 1 << 0  # one low bit
         logits = torch.randn(3, vocab, generator=g)
@@ -75,12 +83,14 @@ def check_verification(impl):
     assert matcher.consume_tokens([ord("a"), ord("b")])
     logits = torch.zeros(5, V)
     for drafts, prefixes in [("cd1", ["ab", "abc", "abcd", "abcd1"]),  # all legal
-                             ("cx1", ["ab", "abc", "abc", "abc"])]:  # 'x' refused: later rows as at the refusal
+                             # 'x' refused: later rows as at the refusal
+                             ("cx1", ["ab", "abc", "abc", "abc"])]:
         out = impl.mask_verification(matcher, [ord(c) for c in drafts], logits[:len(drafts) + 1])
         for j, prefix in enumerate(prefixes):
             assert (out[j] == 0).tolist() == _allowed_by_regex(prefix), (drafts, j)
         # the matcher ends where it began: the next token is judged after "ab"
-        assert (impl.apply_bitmask(torch.zeros(1, V), token_bitmask([matcher], V))[0] == 0).tolist() == \
+        assert (impl.apply_bitmask(torch.zeros(1, V),
+                                   token_bitmask([matcher], V))[0] == 0).tolist() == \
             _allowed_by_regex("ab"), "the matcher was not rolled back"
     assert impl.mask_verification(None, [1, 2], logits[:3]) is logits[:3] or torch.equal(
         impl.mask_verification(None, [1, 2], logits[:3]), logits[:3])
@@ -106,7 +116,8 @@ def _variant(msb_first=False, sign_test=False, late=False, no_rollback=False):
         if msb_first:  # wrong: bit 0 read as the most significant
             bits = 31 - bits
         words = bitmask[:, :, None]
-        allowed = ((words >> bits) & 1).bool() if not sign_test else ((words >> bits) > 0)  # wrong: sign
+        # wrong: sign
+        allowed = ((words >> bits) & 1).bool() if not sign_test else ((words >> bits) > 0)
         allowed = allowed.flatten(1)[:, :logits.shape[-1]]
         return logits.masked_fill(~allowed, float("-inf"))
 
@@ -115,7 +126,8 @@ def _variant(msb_first=False, sign_test=False, late=False, no_rollback=False):
             return logits
         steps, consumed = [], 0
         for j in range(len(draft_ids) + 1):
-            if late and j < len(draft_ids) and matcher.try_consume_tokens([draft_ids[j]]) == 1:  # wrong: mask after
+            # wrong: mask after
+            if late and j < len(draft_ids) and matcher.try_consume_tokens([draft_ids[j]]) == 1:
                 consumed += 1
                 steps.append(token_bitmask([matcher], logits.shape[-1]))
                 continue

@@ -1,10 +1,11 @@
 """Exercise 15: KV-cache quantization (nanoserve/kv/quant.py: KVQuant.quantize, KVQuant.dequantize).
 
-Oracles: the formats' own definitions — int8 rounds to the nearest step of the stored scale (error ≤ half a
-step), FP8 keeps every value above its smallest normal within half a unit in the last place (2^-4 relative
-for e4m3, 2^-3 for e5m2) — checked per element on K/V with an outlier channel; and torch's own float8
-conversion, which decides the FP8 bits. Known-wrong variants at the end: truncation instead of rounding,
-a scale per channel over the tokens (the wrong axis), division by the unrounded scale, and no clamp.
+Oracles: the formats' own definitions — int8 rounds to the nearest step of the stored scale (error ≤
+half a step), FP8 keeps every value above its smallest normal within half a unit in the last place
+(2^-4 relative for e4m3, 2^-3 for e5m2) — checked per element on K/V with an outlier channel; and
+torch's own float8 conversion, which decides the FP8 bits. Known-wrong variants at the end:
+truncation instead of rounding, a scale per channel over the tokens (the wrong axis), division by
+the unrounded scale, and no clamp.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ REL = {"fp8_e4m3": 2.0 ** -4, "fp8_e5m2": 2.0 ** -3}
 
 
 def _formats(impl):
-    return {name: impl.KVQuant(q.name, q.storage, q.fp8, q.qmax) for name, q in reference.FORMATS.items()}
+    return {name: impl.KVQuant(q.name, q.storage, q.fp8, q.qmax) for name,
+            q in reference.FORMATS.items()}
 
 
 def _kv(seed=0):
@@ -36,7 +38,8 @@ def _kv(seed=0):
     return x
 
 
-# ----------------------------------------------------------------------------- checks (shared with the mutants)
+# ----------------------------------------------------------------------------- checks (shared with
+# the mutants)
 def check_shapes_and_dtypes(impl):
     x = _kv()
     for name, q in _formats(impl).items():
@@ -58,7 +61,8 @@ def check_bounds(impl):
         s = scale.float()[..., None]
         if name == "int8":
             assert (err <= 0.5 * s * (1 + 1e-3)).all(), "int8: more than half a step"
-            assert (s <= x.abs().amax(-1, keepdim=True) / 127 * (1 + 1e-3) + 2.0 ** -14).all(), "int8: scale too big"
+            assert (s <= x.abs().amax(-1,
+                                      keepdim=True) / 127 * (1 + 1e-3) + 2.0 ** -14).all(), "int8: scale too big"
         else:
             normal = x.abs() >= MIN_NORMAL[name] * s
             assert (err[normal] <= REL[name] * x.abs()[normal] * (1 + 1e-3)).all(), f"{name}: relative bound"
@@ -92,7 +96,8 @@ def test_ex15_2_fp8_codes_are_torchs_conversion(impl):
 def _variant(truncate=False, wrong_axis=False, unrounded=False, no_clamp=False):
     class KVQuant(reference.KVQuant):
         def quantize(self, x):
-            amax = x.abs().amax(0, keepdim=True).expand_as(x)[..., 0] if wrong_axis else x.abs().amax(-1)
+            amax = x.abs().amax(0,
+                                keepdim=True).expand_as(x)[..., 0] if wrong_axis else x.abs().amax(-1)
             exact = (amax.float() / self.qmax).clamp(min=2.0 ** -14)
             scale = exact.to(torch.float16)
             y = x.float() / (exact if unrounded else scale.float())[..., None]

@@ -1,10 +1,11 @@
 """Exercise 16: SmoothQuant (nanoserve/quant/smoothquant.py: smoothing_factors, smooth_model).
 
-Oracles outside the code under test: the formula's defining property — at α = 0.5 the smoothed input and
-weight have the same maximum per channel, √(max|X_k| · max|W_k|) — checked on a layer and, measured with
-hooks, on every smoothed group of a real model (demo-draft, a Llama); α = 0 and α = 1 as limits; and the
-model's logits, which smoothing must not change. Known-wrong variants at the end: α and 1 − α swapped,
-the weight maximum of the group's first linear only, and 1/s folded the wrong way (multiplied).
+Oracles outside the code under test: the formula's defining property — at α = 0.5 the smoothed input
+and weight have the same maximum per channel, √(max|X_k| · max|W_k|) — checked on a layer and,
+measured with hooks, on every smoothed group of a real model (demo-draft, a Llama); α = 0 and α = 1
+as limits; and the model's logits, which smoothing must not change. Known-wrong variants at the end:
+α and 1 − α swapped, the weight maximum of the group's first linear only, and 1/s folded the wrong
+way (multiplied).
 """
 
 from __future__ import annotations
@@ -31,17 +32,20 @@ def _layer(seed=0):
     act_max = torch.rand(48, generator=g) * 2 + 0.1
     act_max[[3, 30]] = 40.0  # two outlier channels
     act_max[7] = 0.0  # a channel that never fires: clamped, not a division by zero
-    return act_max, [torch.randn(16, 48, generator=g), torch.randn(24, 48, generator=g) * 3]  # the second dominates
+    # the second dominates
+    return act_max, [torch.randn(16, 48, generator=g), torch.randn(24, 48, generator=g) * 3]
 
 
-# ----------------------------------------------------------------------------- checks (shared with the mutants)
+# ----------------------------------------------------------------------------- checks (shared with
+# the mutants)
 def check_factors(impl):
     act_max, weights = _layer()
     w_max = torch.maximum(weights[0].abs().amax(0), weights[1].abs().amax(0))  # 48
     s = impl.smoothing_factors(act_max, weights, 0.5)
     assert s.shape == (48,) and torch.isfinite(s).all() and (s > 0).all()
     live = act_max > 0
-    torch.testing.assert_close((act_max / s)[live], (w_max * s)[live], rtol=1e-4, atol=0)  # balanced at α = 0.5
+    # balanced at α = 0.5
+    torch.testing.assert_close((act_max / s)[live], (w_max * s)[live], rtol=1e-4, atol=0)
     torch.testing.assert_close(impl.smoothing_factors(act_max, weights, 1.0)[live], act_max[live])
     torch.testing.assert_close(impl.smoothing_factors(act_max, weights, 0.0), 1 / w_max)
     with pytest.raises(NanoserveError, match="alpha"):
@@ -72,15 +76,19 @@ def check_smooth_model(impl):
     model, calib = _model_and_calib()
     prefix, blocks = decoder_blocks(model)
     groups = {f"{prefix}.{i}.{names[0]}": (names, [b.get_submodule(n) for n in names])
-              for i, b in enumerate(blocks) for prev, names in block_groups(model, b) if prev is not None}
-    prevs = {prev for prev, _ in block_groups(model, blocks[0])}  # e.g. mlp.up_proj, whose rows down_proj's s divides
+              for i, b in enumerate(blocks) for prev,
+              names in block_groups(model, b) if prev is not None}
+    # e.g. mlp.up_proj, whose rows down_proj's s divides
+    prevs = {prev for prev, _ in block_groups(model, blocks[0])}
     before, logits = _input_maxima(model, calib, groups), model(calib)
     factors = impl.smooth_model(model, calib, alpha=0.5)
-    torch.testing.assert_close(model(calib), logits, atol=1e-4, rtol=1e-5)  # the float model is unchanged
+    # the float model is unchanged
+    torch.testing.assert_close(model(calib), logits, atol=1e-4, rtol=1e-5)
     assert set(factors) == set(groups)
     after = _input_maxima(model, calib, groups)
     for name, (names, lins) in groups.items():
-        torch.testing.assert_close(after[name], before[name] / factors[name], rtol=1e-4, atol=1e-6)  # X' = X / s
+        # X' = X / s
+        torch.testing.assert_close(after[name], before[name] / factors[name], rtol=1e-4, atol=1e-6)
         if not prevs & set(names):  # no later fold touched these weights: balanced at α = 0.5
             w_max = torch.stack([lin.weight.abs().amax(0) for lin in lins]).amax(0)  # K
             torch.testing.assert_close(after[name], w_max, rtol=2e-3, atol=1e-5)
@@ -119,7 +127,8 @@ def _variant(swap_alpha=False, first_only=False, fold_wrong=False):
                 if prev is None:
                     continue
                 lins = [block.get_submodule(n) for n in names]
-                s = smoothing_factors(maxima[f"{prefix}.{i}.{names[0]}"], [lin.weight for lin in lins], alpha)
+                s = smoothing_factors(maxima[f"{prefix}.{i}.{names[0]}"],
+                                      [lin.weight for lin in lins], alpha)
                 fold_scales(block.get_submodule(prev), lins, 1 / s if fold_wrong else s)
                 out[f"{prefix}.{i}.{names[0]}"] = s
         return out
@@ -129,8 +138,10 @@ def _variant(swap_alpha=False, first_only=False, fold_wrong=False):
 
 WRONG = {
     "α and 1 − α swapped": (_variant(swap_alpha=True), [check_factors]),  # (at α = 0.5 they agree)
-    "the first linear's weights only": (_variant(first_only=True), [check_factors, check_smooth_model]),
-    "1/s folded into the weights, s into the norm": (_variant(fold_wrong=True), [check_smooth_model]),
+    "the first linear's weights only": (_variant(first_only=True),
+                                        [check_factors, check_smooth_model]),
+    "1/s folded into the weights, s into the norm": (_variant(fold_wrong=True),
+                                                     [check_smooth_model]),
 }
 
 

@@ -1,10 +1,12 @@
-"""Exercise 17: many LoRA adapters in one batch (nanoserve/lora/batched.py: lora_segmented, lora_gathered).
+"""Exercise 17: many LoRA adapters in one batch (nanoserve/lora/batched.py: lora_segmented,
+lora_gathered).
 
-The oracle is outside the functions under test: each row computed alone, x·Aₛᵀ·Bₛᵀ with its own adapter's
-unpadded A and B (the single-adapter form that tests/test_lora.py proves against PEFT), zero for a row
-without one. Adapters of ranks 2, 4 and 8 share slots of rank 8 (their padding must change nothing), and
-the two ways must agree with each other. Known-wrong variants at the end: a row of slot −1 given adapter 0's
-update (clamped, not masked), B's factor left out of a segment, and adapters whose slots were shifted.
+The oracle is outside the functions under test: each row computed alone, x·Aₛᵀ·Bₛᵀ with its own
+adapter's unpadded A and B (the single-adapter form that tests/test_lora.py proves against PEFT),
+zero for a row without one. Adapters of ranks 2, 4 and 8 share slots of rank 8 (their padding must
+change nothing), and the two ways must agree with each other. Known-wrong variants at the end: a row
+of slot −1 given adapter 0's update (clamped, not masked), B's factor left out of a segment, and
+adapters whose slots were shifted.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ def check_segmented(impl):
     got = impl.lora_segmented(x, A, B, slots, [0, 1, 2, 3])
     assert got.shape == (11, OUT)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    assert torch.equal(impl.lora_segmented(x, A, B, slots, [])[0], torch.zeros(OUT))  # nothing present: zeros
+    # nothing present: zeros
+    assert torch.equal(impl.lora_segmented(x, A, B, slots, [])[0], torch.zeros(OUT))
 
 
 def check_gathered(impl):
@@ -80,9 +83,11 @@ def _shifted(x, A, B, slots, present=None):
 
 
 WRONG = {
-    "slot −1 clamped to adapter 0, not masked": (SimpleNamespace(lora_gathered=_clamped_not_masked), check_gathered),
+    "slot −1 clamped to adapter 0, not masked": (SimpleNamespace(lora_gathered=_clamped_not_masked),
+                                                 check_gathered),
     "B left out of each segment": (SimpleNamespace(lora_segmented=_without_b), check_segmented),
-    "the slots' adapters shifted by one": (SimpleNamespace(lora_segmented=_shifted, lora_gathered=_shifted),
+    "the slots' adapters shifted by one": (SimpleNamespace(lora_segmented=_shifted,
+                                                           lora_gathered=_shifted),
                                            check_gathered),
 }
 

@@ -1,11 +1,13 @@
-"""Exercise 18: one forward over a token tree (nanoserve/spec/tree_sampler.py: tree_positions, tree_attention_mask).
+"""Exercise 18: one forward over a token tree (nanoserve/spec/tree_sampler.py: tree_positions,
+tree_attention_mask).
 
-The oracle is outside the functions under test: SDPA over the whole tree with the mask must give, for every
-node, exactly what SDPA gives that node alone over the prefix and its own path as a chain (the path found by
-walking `parents`, independently of the mask), and a position must be what the node would have in that
-chain. Trees: a chain, a star, Medusa's full top-2 tree, and random trees. Known-wrong variants at the end: a
-causal mask over node order (siblings see each other), a mask without the prefix, one without the node
-itself, positions in node order instead of by depth, and depth counted from 1.
+The oracle is outside the functions under test: SDPA over the whole tree with the mask must give,
+for every node, exactly what SDPA gives that node alone over the prefix and its own path as a chain
+(the path found by walking `parents`, independently of the mask), and a position must be what the
+node would have in that chain. Trees: a chain, a star, Medusa's full top-2 tree, and random trees.
+Known-wrong variants at the end: a causal mask over node order (siblings see each other), a mask
+without the prefix, one without the node itself, positions in node order instead of by depth, and
+depth counted from 1.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ def _random_tree(n: int, seed: int) -> list[int]:
     return [-1] + [rng.randrange(i) for i in range(1, n)]
 
 
-TREES = {"chain": [-1, 0, 1, 2, 3], "star": [-1, 0, 0, 0, 0], "medusa top-2": [-1, 0, 0, 1, 1, 2, 2],
+TREES = {"chain": [-1, 0, 1, 2, 3], "star": [-1, 0, 0, 0, 0],
+         "medusa top-2": [-1, 0, 0, 1, 1, 2, 2],
          "random 12": _random_tree(12, 0), "random 20": _random_tree(20, 1)}
 
 
@@ -51,7 +54,8 @@ def check_mask(impl):
         for i in range(n):
             keys = list(range(P)) + [P + j for j in tree_path(parents, i)]
             alone = F.scaled_dot_product_attention(q[:, :, i:i + 1], k[:, :, keys], v[:, :, keys])
-            torch.testing.assert_close(tree[:, :, i:i + 1], alone, rtol=1e-5, atol=1e-6, msg=f"{name}, node {i}")
+            torch.testing.assert_close(tree[:, :, i:i + 1], alone, rtol=1e-5, atol=1e-6,
+                                       msg=f"{name}, node {i}")
     assert impl.tree_attention_mask([-1], 0).tolist() == [[True]]  # the root alone, no prefix
 
 
@@ -66,7 +70,8 @@ def test_ex18_2_mask(impl):
 # ----------------------------------------------------------------------------- known-wrong variants
 def _causal(parents, prefix_len):
     n = len(parents)
-    return torch.cat([torch.ones(n, prefix_len, dtype=torch.bool), torch.ones(n, n, dtype=torch.bool).tril()], 1)
+    return torch.cat([torch.ones(n, prefix_len, dtype=torch.bool),
+                      torch.ones(n, n, dtype=torch.bool).tril()], 1)
 
 
 def _no_prefix(parents, prefix_len):
@@ -77,7 +82,8 @@ def _no_prefix(parents, prefix_len):
 
 def _no_self(parents, prefix_len):
     mask = reference.tree_attention_mask(parents, prefix_len)
-    mask[1:, prefix_len:].fill_diagonal_(False)  # the root still sees itself: the others would see only ancestors
+    # the root still sees itself: the others would see only ancestors
+    mask[1:, prefix_len:].fill_diagonal_(False)
     return mask
 
 
@@ -85,7 +91,8 @@ WRONG = {
     "a causal mask over node order": (SimpleNamespace(tree_attention_mask=_causal), check_mask),
     "the prefix left out": (SimpleNamespace(tree_attention_mask=_no_prefix), check_mask),
     "a node not seeing itself": (SimpleNamespace(tree_attention_mask=_no_self), check_mask),
-    "positions in node order": (SimpleNamespace(tree_positions=lambda p, r: [r + i for i in range(len(p))]),
+    "positions in node order": (SimpleNamespace(tree_positions=lambda p,
+                                                r: [r + i for i in range(len(p))]),
                                 check_positions),
     "depth counted from 1": (SimpleNamespace(tree_positions=lambda p, r: [x + 1 for x in
                                                                           reference.tree_positions(p, r)]),

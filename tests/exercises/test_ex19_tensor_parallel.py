@@ -1,11 +1,13 @@
-"""Exercise 19: tensor parallelism (nanoserve/parallel/tensor_parallel.py: ColumnParallelLinear, RowParallelLinear).
+"""Exercise 19: tensor parallelism (nanoserve/parallel/tensor_parallel.py: ColumnParallelLinear,
+RowParallelLinear).
 
-Run in 2 gloo processes, as the real thing: an MLP y = W₂ᵀ·GELU(W₁ᵀx + b₁) + b₂ whose first layer is split by
-columns (each rank its half of the hidden units) and whose second is split by rows (each rank the matching
-half of its inputs, the partial products summed by the all-reduce). The oracle is outside the classes: the
-same two nn.Linear layers, whole, in one process. Also each class alone: a column-parallel layer gives its
-rank's slice of the whole layer's outputs. Known-wrong variants at the end: the all-reduce left out, the bias
-added on every rank, and the weight split along the wrong axis.
+Run in 2 gloo processes, as the real thing: an MLP y = W₂ᵀ·GELU(W₁ᵀx + b₁) + b₂ whose first layer is
+split by columns (each rank its half of the hidden units) and whose second is split by rows (each
+rank the matching half of its inputs, the partial products summed by the all-reduce). The oracle is
+outside the classes: the same two nn.Linear layers, whole, in one process. Also each class alone: a
+column-parallel layer gives its rank's slice of the whole layer's outputs. Known-wrong variants at
+the end: the all-reduce left out, the bias added on every rank, and the weight split along the wrong
+axis.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ def _layers():
 
 
 def _load(name: str, file: str | None):
-    """The module under test, in a spawned rank: nanoserve's by name, the learner's from its file."""
+    """The module under test, in a spawned rank: nanoserve's by name, the learner's from its
+    file."""
     if file is None or name.startswith("nanoserve"):
         return importlib.import_module(name)
     spec = importlib.util.spec_from_file_location(name, file)
@@ -58,7 +61,8 @@ def _rank(rank, world, name, file, variant, out):
         with torch.no_grad():
             mine = col(x)  # 5, HIDDEN/2
             y = row(F.gelu(mine))  # 5, OUT
-        res = {"mine": mine.tolist(), "y": y.tolist(), "shapes": [col.out_features, row.in_features]}
+        res = {"mine": mine.tolist(), "y": y.tolist(),
+               "shapes": [col.out_features, row.in_features]}
     except NotImplementedError as e:
         res = {"not_implemented": str(e)}
     except Exception as e:  # a shape error, say: reported as a failed check, with its message

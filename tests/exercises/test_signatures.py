@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).parent
-EXERCISES = HERE.parents[1] / "exercises"  # the stubs as committed (not NANOSERVE_EXERCISES: those are solved)
+# the stubs as committed (not NANOSERVE_EXERCISES: those are solved)
+EXERCISES = HERE.parents[1] / "exercises"
 HINT = re.compile(r"^Exercise (\d+)\.(\d+): .+ \(roughly \d+ lines?; see notebooks/\d\d_\w+, sections? .+\)$", re.S)
 
 
@@ -54,24 +55,26 @@ def _stubbed_functions(module):
 
 
 @pytest.mark.parametrize("test_file, reference, exercise", PAIRS, ids=[p[0] for p in PAIRS])
-def test_stub_names_and_signatures_match_the_reference(test_file, reference, exercise, exercise_loader):
+def test_stub_names_and_signatures_match_the_reference(test_file, reference, exercise,
+                                                       exercise_loader):
     stub, ref = exercise_loader(exercise), importlib.import_module(reference)
     found = list(_stubbed_functions(stub))
     assert found, f"exercises/{exercise}.py defines no function to implement"
     for qualname, fn, path in found:
         target = ref
         for part in path:
-            assert hasattr(target, part), f"exercises/{exercise}.py defines {qualname}, which {reference} does not have"
+            assert hasattr(target,
+                           part), f"exercises/{exercise}.py defines {qualname}, which {reference} does not have"
             target = getattr(target, part)
         assert _params(inspect.signature(fn)) == _params(inspect.signature(target)), (
-            f"{qualname}: the stub's signature {inspect.signature(fn)} differs from the reference's "
-            f"{inspect.signature(target)}")
+            f"{qualname}: the stub's signature {inspect.signature(fn)} differs from the "
+            f"reference's {inspect.signature(target)}")
 
 
 @pytest.mark.parametrize("test_file, reference, exercise", PAIRS, ids=[p[0] for p in PAIRS])
 def test_every_stub_body_raises_a_hint(test_file, reference, exercise):
-    """Each function a stub defines raises NotImplementedError("Exercise N.M: ... (roughly K lines; see
-    notebooks/NN_..., section ...)"), and the exercise number is the test file's."""
+    """Each function a stub defines raises NotImplementedError("Exercise N.M: ... (roughly K lines;
+    see notebooks/NN_..., section ...)"), and the exercise number is the test file's."""
     number = int(re.match(r"test_ex(\d+)", test_file).group(1))
     tree = ast.parse((EXERCISES / f"{exercise}.py").read_text())
     functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
@@ -85,7 +88,8 @@ def test_every_stub_body_raises_a_hint(test_file, reference, exercise):
         assert m, f"{fn.name}: the hint {message!r} does not read 'Exercise N.M: ... (roughly K lines; see " \
                   "notebooks/NN_name, section ...)'"
         hints[fn.name] = (int(m.group(1)), int(m.group(2)))
-    numbers = {n for n, _ in hints.values()}  # a stub file may hold two exercises (layers.py: 1 and 2)
+    # a stub file may hold two exercises (layers.py: 1 and 2)
+    numbers = {n for n, _ in hints.values()}
     assert number in numbers, f"{test_file} tests exercise {number}; exercises/{exercise}.py has {sorted(numbers)}"
     for notebook in re.findall(r"notebooks/(\d\d_\w+)", (EXERCISES / f"{exercise}.py").read_text()):
         assert (EXERCISES.parent / "notebooks" / f"{notebook}.ipynb").is_file(), f"no notebook {notebook}"
