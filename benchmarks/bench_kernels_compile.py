@@ -99,15 +99,13 @@ def compile_call(fn, args, kwargs, arch: int) -> dict:
 def dot_units(ptx: str) -> str:
     """What the kernel's tl.dot became: tensor-core instructions and their input type ("mma f16",
     "wgmma bf16", "mma tf32"), or "fma" (no tensor-core instruction in the PTX)."""
-    found = sorted({f"{op} {a}" for op,
-                    a in re.findall(r"\b(wgmma|mma)\.[\w.]*?\.[fs]32\.(f16|bf16|tf32|s8)\.", ptx)})
+    found = sorted({f"{op} {a}" for op, a in re.findall(r"\b(wgmma|mma)\.[\w.]*?\.[fs]32\.(f16|bf16|tf32|s8)\.", ptx)})
     return ", ".join(found) or "fma"
 
 
 def describe(kwargs: dict) -> str:
     """The launch config of a recorded call: its tile constexprs, warps, stages."""
-    tiles = "×".join(str(v) for k,
-                     v in kwargs.items() if k.startswith("BLOCK_") and k not in ("BLOCK_SIZE", "BLOCK_D"))
+    tiles = "×".join(str(v) for k, v in kwargs.items() if k.startswith("BLOCK_") and k not in ("BLOCK_SIZE", "BLOCK_D"))
     # Triton's defaults: 4, 3
     return f"{tiles or '-'} w{kwargs.get('num_warps', 4)} s{kwargs.get('num_stages', 3)}"
 

@@ -71,8 +71,7 @@ def quality(model: str, p: dict) -> dict:
         tokens = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
         if mode == "auto":
             ref_tokens = tokens
-        row["greedy_agreement"] = sum(a == b for t, r in zip(tokens, ref_tokens) for a,
-                                      b in zip(t, r)) / sum(
+        row["greedy_agreement"] = sum(a == b for t, r in zip(tokens, ref_tokens) for a, b in zip(t, r)) / sum(
             len(r) for r in ref_tokens)
         res[mode] = row
     for row in res.values():

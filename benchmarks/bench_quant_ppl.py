@@ -120,8 +120,7 @@ def main() -> None:
            "device": f"CPU ({platform.machine()}), {torch.get_num_threads()} threads",
            "torch": torch.__version__,
            "command": "python benchmarks/bench_quant_ppl.py " + " ".join(
-               f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k,
-               v in vars(args).items() if v),
+               f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(args).items() if v),
            "results": [run(m, args.nsamples, args.seqlen, args.seeds) for m in args.models]}
     print_table(out)
     if args.out:

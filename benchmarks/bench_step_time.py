@@ -67,8 +67,8 @@ def nanoserve_point(path, batch, context, k, threads, lora_requests=None, setup=
     eng, vocab = llm.engine, llm.engine.config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=1 + k, ignore_eos=True)
     loras = lora_requests or [None] * batch
-    ids = [eng.add_request(p, params, lora_request=r) for p,
-           r in zip(prompts_for(batch, context, vocab), loras)]
+    ids = [eng.add_request(p, params,
+                           lora_request=r) for p, r in zip(prompts_for(batch, context, vocab), loras)]
     if setup is not None:
         setup(llm)
     made = lambda: min(len(eng.requests[i].output.outputs[0].token_ids) for i in ids)  # noqa: E731

@@ -230,8 +230,7 @@ def main() -> int:
         Path(args.out).write_text(json.dumps(res, indent=1, default=str) + "\n")
         print(f"\n== {name} ({res['parts'][name]['seconds']:.0f} s)")
         for r in res["parts"][name].get("rows", []):
-            print("  " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k,
-                                   v in r.items()))
+            print("  " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
         if "error" in res["parts"][name]:
             print(res["parts"][name]["traceback"])
     return 0

@@ -306,8 +306,8 @@ def _check_quantize_args(args, w8: bool) -> None:
     """Every flag of `quantize` either applies to the method or is refused by name, before any model
     loads."""
     if w8:
-        unused = [flag for flag,
-                  used in (("--bits", args.bits != 4), ("--group-size", args.group_size != 128),
+        unused = [flag for flag, used in (("--bits", args.bits != 4),
+                                          ("--group-size", args.group_size != 128),
                                           ("--asym", args.asym),
                            ("--act-order", args.act_order)) if used]
         if unused or args.format == "gptq":

@@ -79,8 +79,8 @@ def _logprobs(rows) -> list | None:
         if row is None:
             plain.append(None)
             continue
-        plain.append(sorted((int(t), float(getattr(lp, "logprob", lp)).hex()) for t,
-                            lp in row.items()))
+        plain.append(sorted((int(t),
+                             float(getattr(lp, "logprob", lp)).hex()) for t, lp in row.items()))
     return plain
 
 

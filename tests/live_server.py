@@ -103,8 +103,7 @@ def _request_bytes(method, path, body=None, headers=None) -> bytes:
             "Content-Type": "application/json", **(headers or {})}
     if body is not None:
         hdrs["Content-Length"] = str(len(body))
-    head = f"{method} {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k,
-                                                     v in hdrs.items() if v is not None)
+    head = f"{method} {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in hdrs.items() if v is not None)
     return head.encode() + b"\r\n" + (body or b"")
 
 

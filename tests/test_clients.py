@@ -97,8 +97,7 @@ def test_lm_eval_through_the_server_equals_lm_eval_on_transformers(server, check
           f"nanoserve acc {acc_ns} acc_norm {norm_ns}")
     assert (acc_ns, norm_ns) == (acc_hf, norm_hf)  # the same accuracies ...
     assert norm_hf > 0.25 + 0.15  # ... of a model that reads the text (chance: 0.25)
-    assert len(ll_ns) == N_DOCS and max(abs(a - b) for d, e in zip(ll_hf, ll_ns) for a,
-                                        b in zip(d, e)) < 1e-3
+    assert len(ll_ns) == N_DOCS and max(abs(a - b) for d, e in zip(ll_hf, ll_ns) for a, b in zip(d, e)) < 1e-3
 
 
 # ----------------------------------------------------------------------------- LangChain, LiteLLM

@@ -478,8 +478,7 @@ def test_every_field_that_matters_has_a_case(hf_type):
     for case in MATCHED + REFUSED:
         if case[1] == hf_type:
             exercised |= set(case[2]) | set(case[3])
-    missing = sorted(name for name,
-                     f in HF_FIELDS[hf_type].items() if f.kind != INERT and name not in exercised)
+    missing = sorted(name for name, f in HF_FIELDS[hf_type].items() if f.kind != INERT and name not in exercised)
     assert not missing, f"{hf_type} fields with no test case: {missing}"
 
 

@@ -80,8 +80,8 @@ def test_bucketed_attention_equals_attention_per_row(monkeypatch, per_doubling):
     # negative control: a bucket one block short drops each of its rows' last block
     short = [(rows, n - 1) for rows, n in view.meta.buckets if n > 1]
     meta = dataclasses.replace(view.meta,
-                               buckets=short + [(rows, n) for rows,
-                                                n in view.meta.buckets if n == 1])
+                               buckets=short + [(rows,
+                                                 n) for rows, n in view.meta.buckets if n == 1])
     bad = cache.bind(meta).attention(0, q, k_new, v_new, pos)
     assert not torch.allclose(bad, out, rtol=1e-3, atol=1e-3)
 

@@ -55,8 +55,7 @@ def test_sampled_and_prompt_logprobs_equal_a_full_forward(llm):
     assert len(c.logprobs) == len(gen) == 12
     errs += [check_entry(c.logprobs[i], t, ref[P - 1 + i], 3) for i, t in enumerate(gen)]
     assert max(errs) <= TOL
-    assert c.cumulative_logprob == pytest.approx(sum(c.logprobs[i][t].logprob for i,
-                                                     t in enumerate(gen)))
+    assert c.cumulative_logprob == pytest.approx(sum(c.logprobs[i][t].logprob for i, t in enumerate(gen)))
     assert c.logprobs[0][gen[0]].decoded_token == llm.engine.tokenizer.decode([gen[0]])
 
 
@@ -77,8 +76,8 @@ def test_logprobs_match_hf_transformers(hf_checkpoints):
         out.outputs[0].logprobs, out.token_ids))]
     # two implementations: float order differs (tests/test_models_parity.py)
     assert max(errs) <= 1e-4
-    assert all(e[t].rank == 1 for e,
-               t in zip(out.outputs[0].logprobs, out.token_ids)), "greedy = rank 1"
+    assert all(e[t].rank == 1 for e, t in zip(out.outputs[0].logprobs,
+                                              out.token_ids)), "greedy = rank 1"
 
 
 def test_logprobs_are_raw_whatever_the_sampling_settings(llm):
@@ -99,8 +98,7 @@ def test_logprob_zero_returns_only_the_chosen_token(llm):
     out = llm.generate([PROMPT],
                        SamplingParams(temperature=0, max_tokens=3, logprobs=0,
                                       prompt_logprobs=0))[0]
-    assert all(len(e) == 1 and next(iter(e)) == t for e,
-               t in zip(out.outputs[0].logprobs, out.token_ids))
+    assert all(len(e) == 1 and next(iter(e)) == t for e, t in zip(out.outputs[0].logprobs, out.token_ids))
     assert all(len(e) == 1 for e in out.prompt_logprobs[1:])
 
 
@@ -184,10 +182,8 @@ def test_compute_logprobs_negative_control():
     tokens = [1, 2, 3, 4]
     right = compute_logprobs(logits, tokens, [3] * 4)
     shifted = compute_logprobs(logits.roll(1, 0), tokens, [3] * 4)
-    assert max(abs(e[t].logprob - ref[i, t].item()) for i,
-               (e, t) in enumerate(zip(right, tokens))) <= 1e-6
-    assert max(abs(e[t].logprob - ref[i, t].item()) for i,
-               (e, t) in enumerate(zip(shifted, tokens))) > 0.1
+    assert max(abs(e[t].logprob - ref[i, t].item()) for i, (e, t) in enumerate(zip(right, tokens))) <= 1e-6
+    assert max(abs(e[t].logprob - ref[i, t].item()) for i, (e, t) in enumerate(zip(shifted, tokens))) > 0.1
 
 
 @pytest.mark.parametrize("field,value",

@@ -32,8 +32,7 @@ def _logprob_error(model, prompt: list[int], out) -> float:
     tokens = list(out.outputs[0].token_ids)
     ref = torch.log_softmax(model(torch.tensor([prompt + tokens])).logits[0].double(), -1)  # T, V
     got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]
-    return max(abs(g - ref[len(prompt) - 1 + j, t].item()) for j,
-               (g, t) in enumerate(zip(got, tokens)))
+    return max(abs(g - ref[len(prompt) - 1 + j, t].item()) for j, (g, t) in enumerate(zip(got, tokens)))
 
 
 def _four_adapters(hf, tmp_path, case):
@@ -86,8 +85,8 @@ def test_two_slots_four_adapters_the_scheduler_keeps_at_most_two_running(hf_chec
     engine, manager = llm.engine, llm.engine.runner.lora
     order = [1, 2, 3, 0, 4, 1, 0, 3]
     prompts = [IDS[i:] + IDS[:i] for i in range(len(order))]
-    rids = [engine.add_request(p, GREEDY, lora_request=reqs[w - 1] if w else None) for p,
-            w in zip(prompts, order)]
+    rids = [engine.add_request(p, GREEDY,
+                               lora_request=reqs[w - 1] if w else None) for p, w in zip(prompts, order)]
     outs, steps = {}, 0
     while engine.has_unfinished_requests():
         for out in engine.step():

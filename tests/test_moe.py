@@ -54,8 +54,8 @@ def test_experts_nobody_chose_are_skipped_and_counted():
         block.gate.weight[:2] = 5.0  # experts 0 and 1 win for inputs with a positive sum
         x = torch.rand(2, 5, 32)
         calls = []
-        hooks = [e.register_forward_hook(lambda m, a, o, i=i: calls.append(i)) for i,
-                 e in enumerate(block.experts)]
+        hooks = [e.register_forward_hook(lambda m, a, o,
+                                         i=i: calls.append(i)) for i, e in enumerate(block.experts)]
         out = block(x)
         for h in hooks:
             h.remove()

@@ -199,8 +199,8 @@ def test_the_bookkeeping_imports_no_torch(module):
 
 def test_no_private_name_is_imported_across_modules():
     bad = [f"{name}: from {module} import {n}" for name, path in _modules().items()
-           for module,
-           names in _imports(name, path, top_level_only=False) if module.startswith("nanoserve")
+           for module, names in _imports(name, path,
+                                         top_level_only=False) if module.startswith("nanoserve")
            for n in names if n.startswith("_") and not n.startswith("__")]
     assert not bad, bad
 

@@ -49,8 +49,7 @@ def _plus_one_per_nibble(qzeros: torch.Tensor) -> torch.Tensor:
 def _as_v2(v1, out, fmt="gptq_v2"):
     shutil.copytree(v1, out)
     tensors = load_file(str(v1 / "model.safetensors"))
-    save_file({k: _plus_one_per_nibble(t) if k.endswith(".qzeros") else t for k,
-               t in tensors.items()},
+    save_file({k: _plus_one_per_nibble(t) if k.endswith(".qzeros") else t for k, t in tensors.items()},
               str(out / "model.safetensors"))
     cfg = json.loads((out / "config.json").read_text())
     cfg["quantization_config"]["checkpoint_format"] = fmt

@@ -107,12 +107,10 @@ def test_awq_checkpoint_loads_to_the_same_weights(calib, tmp_path):
     """An AutoAWQ GEMM checkpoint (written here with packing.pack_awq) loads to the same layers as
     packing our codes directly; a zero point of 0 (AWQ can store it, GPTQ v1 cannot) is refused."""
     model, res = _quantized("awq", calib, group_size=32, sym=False)
-    tensors = {k: v.detach().clone() for k,
-               v in model.state_dict().items() if k != "lm_head.weight"}
+    tensors = {k: v.detach().clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     for name, qw in res.qweights.items():
         del tensors[f"{name}.weight"]
-        tensors.update({f"{name}.{k}": v for k,
-                        v in pack_awq(qw.codes, qw.zeros, qw.scales).items()})
+        tensors.update({f"{name}.{k}": v for k, v in pack_awq(qw.codes, qw.zeros, qw.scales).items()})
     awq_dir = tmp_path / "awq"
     awq_dir.mkdir()
     save_file(tensors, str(awq_dir / "model.safetensors"))

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -20,6 +21,7 @@ import torch
 from chi2 import goodness_of_fit
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sampling_reference import reference_probs, reference_sample
 from transformers.generation.logits_process import (
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
@@ -32,6 +34,7 @@ from nanoserve.engine.sampler import (
     apply_repetition_penalty,
     make_generator,
     probs_from_logits,
+    probs_from_logits_batch,
     sample_batch,
     sample_next,
 )
@@ -273,9 +276,36 @@ def test_batched_probs_match_rows():
     batch = torch.randn(4, 50, generator=g) * 3
     probs = probs_from_logits(batch, 0.8, 7, 0.6)
     for row in range(4):
-        torch.testing.assert_close(probs[row], probs_from_logits(batch[row], 0.8, 7, 0.6),
-                                   atol=1e-7, rtol=0)
+        assert torch.equal(probs[row], reference_probs(batch[row], 0.8, 7, 0.6))
         check_truncation(batch[row], 0.8, 7, 0.6, probs[row])
+
+
+@pytest.mark.parametrize("vocab", [7, 300])
+def test_probs_equal_the_written_out_law_bit_for_bit(vocab):
+    """The engine's batched law, per row settings, against tests/sampling_reference.py's row-by-row
+    law: every combination of temperature, top-k, top-p and min-p, huge logits included."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(3, vocab, generator=g) * 4
+    logits[2] *= 1e30  # overflows when scaled: the clamp must act the same way
+    grid = list(itertools.product((0.05, 1.0, 3.0), (0, 1, 5, vocab + 1), (1.0, 0.9, 1e-9),
+                                  (0.0, 0.1, 0.9)))
+    rows = [(logits[i % 3], setting) for i, setting in enumerate(grid)]
+    batch = torch.stack([row for row, _ in rows])
+    settings = list(zip(*[setting for _, setting in rows]))
+    probs = probs_from_logits_batch(batch, *settings)
+    for i, (row, setting) in enumerate(rows):
+        assert torch.equal(probs[i], reference_probs(row, *setting)), setting
+
+
+def test_bit_for_bit_comparison_has_power():
+    """Negative control: the reference with top-p applied before top-k is a different law, and
+    the comparison above sees it."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(300, generator=g) * 4
+    right = reference_probs(logits, 1.0, 20, 0.5)
+    wrong = reference_probs(logits, 1.0, 0, 0.5)
+    assert not torch.equal(right, wrong)
+    assert torch.equal(probs_from_logits(logits, 1.0, 20, 0.5), right)
 
 
 # --------------------------------------------------------------------------- 3. HF as an outside
@@ -600,18 +630,30 @@ def _mixed_rows(vocab: int, n: int, seed: int):
              dict(repetition_penalty=1.4, seed=5),
              dict(temperature=0, repetition_penalty=2.0), dict(temperature=0.5)]
     params = [SamplingParams(**kinds[i % len(kinds)]) for i in range(n)]
-    seen = [torch.randint(0, vocab, (6,),
-                          generator=g) if p.repetition_penalty != 1.0 else None for p in params]
+    seen = []
+    for p in params:
+        ids = None
+        if p.repetition_penalty != 1.0:
+            ids = torch.randint(0, vocab, (6,), generator=g)
+        seen.append(ids)
     return logits, params, seen
 
 
-def _per_row(logits, params, seen, seed):
+def _per_row(logits, params, seen, seed, sample=reference_sample):
+    """Row by row with the written-out law (tests/sampling_reference.py)."""
     torch.manual_seed(seed)  # the unseeded rows share torch's global stream, in row order
-    return [sample_next(x, p, s, make_generator(p.seed)) for x, p, s in zip(logits, params, seen)]
+    return [sample(x, p, s, make_generator(p.seed)) for x, p, s in zip(logits, params, seen)]
+
+
+def test_sample_next_is_the_written_out_law_on_one_row():
+    for seed in range(3):
+        logits, params, seen = _mixed_rows(257, 16, seed)
+        assert _per_row(logits, params, seen, seed, sample_next) == _per_row(logits, params, seen,
+                                                                             seed)
 
 
 @pytest.mark.parametrize("vocab, n", [(3, 8), (40, 13), (257, 64)])
-def test_batched_sampler_draws_what_sample_next_draws_row_by_row(vocab, n):
+def test_batched_sampler_draws_what_the_written_out_law_draws_row_by_row(vocab, n):
     for seed in range(5):
         logits, params, seen = _mixed_rows(vocab, n, seed)
         expected = _per_row(logits, params, seen, seed)
@@ -627,8 +669,8 @@ def test_batched_sampler_flags_nan_rows_and_still_draws_the_others():
     torch.manual_seed(0)
     tokens, nan = sample_batch(logits, params, seen, [make_generator(p.seed) for p in params])
     assert nan == [i == 3 for i in range(8)]
-    assert [t for i, t in enumerate(tokens) if i != 3] == [t for i,
-                                                           t in enumerate(expected) if i != 3]
+    del tokens[3], expected[3]
+    assert tokens == expected
 
 
 def test_batched_sampler_negative_control_one_generator_for_all_rows_differs():

@@ -9,15 +9,16 @@ from collections import Counter
 
 import pytest
 import torch
+from sampling_reference import reference_sample
 
 from nanoserve import LLM
 from nanoserve.engine.sampler import (
     SamplingParams,
+    make_generator,
     probs_from_logits,
     probs_from_logits_batch,
     process_logits,
     sample_batch,
-    sample_next,
 )
 from nanoserve.errors import NanoserveError
 
@@ -36,8 +37,16 @@ def test_min_p_equals_transformers():
         ours = probs_from_logits(logits, T, min_p=m)
         assert torch.equal(ours > 0, hf > 0)
         torch.testing.assert_close(ours, hf, atol=1e-6, rtol=1e-5)
-        batch = probs_from_logits_batch(logits, [T] * 6, [0] * 6, [1.0] * 6, [m] * 6)
-        torch.testing.assert_close(batch, ours, atol=0, rtol=0)
+    # per-row settings: each row of one batch against HF with that row's setting
+    settings = [(1.0, 0.05), (0.7, 0.2), (1.5, 0.01), (1.0, 1.0), (0.7, 0.0), (1.2, 0.5)]
+    temperatures = [T for T, _ in settings]
+    min_ps = [m for _, m in settings]
+    batch = probs_from_logits_batch(logits, temperatures, [0] * 6, [1.0] * 6, min_ps)
+    for row, (T, m) in enumerate(settings):
+        one = logits[row:row + 1].clone()
+        hf = MinPLogitsWarper(m)(None, TemperatureLogitsWarper(T)(None, one)).softmax(-1)[0]
+        assert torch.equal(batch[row] > 0, hf > 0)
+        torch.testing.assert_close(batch[row], hf, atol=1e-6, rtol=1e-5)
     # the control: min-p off keeps every token
     assert (probs_from_logits(logits, 1.0) > 0).all()
 
@@ -83,8 +92,9 @@ def test_logit_bias_adds_to_the_logits():
     assert ours[2] == 5.0 and ours[7] == -100 and ours.count_nonzero() == 2
 
 
-def test_sample_batch_equals_sample_next_with_extras():
-    """Row by row, the batched sampler draws exactly what sample_next draws, extras included."""
+def test_sample_batch_draws_the_written_out_law_with_extras():
+    """Row by row, the batched sampler draws exactly what the written-out law
+    (tests/sampling_reference.py) draws, extras included."""
     torch.manual_seed(3)
     logits = torch.randn(5, 64)
     params = [SamplingParams(temperature=0.9, min_p=0.1, seed=1),
@@ -95,11 +105,13 @@ def test_sample_batch_equals_sample_next_with_extras():
     outputs = [[1, 2], [], [4, 4, 4, 5], [6], [7, 8]]
     seen = [None, None, None, None, torch.tensor([0, 7, 8])]
     stops = [{0}, {0}, {0}, {60, 61, 62}, {0}]
-    gens = lambda: [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params]  # noqa: E731
-    batch, _ = sample_batch(logits, params, seen, gens(), outputs, stops)
-    single = [sample_next(logits[i], p, seen[i], g, outputs[i], stops[i]) for i,
-              (p, g) in enumerate(zip(params,
-                                                                                                          gens()))]
+
+    def generators():
+        return [make_generator(p.seed) for p in params]
+
+    batch, _ = sample_batch(logits, params, seen, generators(), outputs, stops)
+    rows = zip(logits, params, seen, generators(), outputs, stops)
+    single = [reference_sample(*row) for row in rows]
     assert batch == single
     assert batch[1] == 5
 

@@ -57,8 +57,7 @@ def test_completion_logprobs_equal_the_python_api(server, ref):
     lp = got.choices[0].logprobs
     assert len(lp.tokens) == len(want.token_ids) == 6
     assert lp.tokens == [ref.engine.tokenizer.decode([t]) for t in want.token_ids]
-    assert lp.token_logprobs == pytest.approx([e[t].logprob for e,
-                                               t in zip(want.outputs[0].logprobs, want.token_ids)],
+    assert lp.token_logprobs == pytest.approx([e[t].logprob for e, t in zip(want.outputs[0].logprobs, want.token_ids)],
                                               abs=1e-6)
     assert all(len(top) in (2, 3) and max(top.values()) == lp.token_logprobs[i] for i, top in
                enumerate(lp.top_logprobs))  # greedy: the chosen token is the most likely

@@ -69,8 +69,8 @@ def llama_cpp_vectors(name: str) -> list[tuple[str, list[int]]]:
 
 def mismatches(tokenizer: Tokenizer,
                vectors: list[tuple[str, list[int]]]) -> list[tuple[str, list[int]]]:
-    return [(text, tokenizer.encode(text)) for text,
-            ids in vectors if tokenizer.encode(text) != ids]
+    return [(text,
+             tokenizer.encode(text)) for text, ids in vectors if tokenizer.encode(text) != ids]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -546,7 +546,8 @@ def _pb(field: int, value: int | bytes | float) -> bytes:
 def _model_proto(pieces: list[tuple[str, float, int]], trainer: bytes,
                  normalizer: bytes = b"") -> bytes:
     body = b"".join(
-        _pb(1, _pb(1, p.encode()) + _pb(2, s) + (_pb(3, t) if t != 1 else b"")) for p, s, t in pieces
+        _pb(1,
+            _pb(1, p.encode()) + _pb(2, s) + (_pb(3, t) if t != 1 else b"")) for p, s, t in pieces
     )
     return body + _pb(2, trainer) + (_pb(3, normalizer) if normalizer else b"")
 

@@ -11,7 +11,7 @@ step is in flight (the server validates in a worker thread). Taught in notebooks
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections import abc
 
 import torch
 
@@ -20,7 +20,7 @@ from ..extension_points import extension
 from .outputs import CompletionOutput, IncrementalText, RequestOutput
 from .request import Prompt, Request, Sample
 from .sampler import SamplingParams, make_generator
-from .sequence import Sequence as SequenceState
+from .sequence import Sequence
 
 
 class InputProcessor:
@@ -68,7 +68,7 @@ class InputProcessor:
                 "new token")
         return ids
 
-    def check_token_ids(self, token_ids: Sequence[int]) -> list[int]:
+    def check_token_ids(self, token_ids: abc.Sequence[int]) -> list[int]:
         """The ids as ints, each a token the model embeds and the tokenizer decodes."""
         ids = [int(t) for t in token_ids]
         if not ids:
@@ -116,7 +116,7 @@ class InputProcessor:
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         # prompt logprobs need every prompt position's logits: such a request never reads the prefix
         # cache
-        seq = SequenceState(prompt_ids, request_id=request_id, priority=priority,
+        seq = Sequence(prompt_ids, request_id=request_id, priority=priority,
                             arrival_time=arrival,
                             skip_prefix_cache=params.prompt_logprobs is not None,
                             lora_int_id=0 if lora_request is None else lora_request.lora_int_id)
@@ -132,7 +132,7 @@ class InputProcessor:
         out.outputs = [req.samples[0].out]
         return req
 
-    def new_sample(self, req: Request, seq: SequenceState, i: int) -> Sample:
+    def new_sample(self, req: Request, seq: Sequence, i: int) -> Sample:
         """Sample i of a request: its sequence, its random stream (seed + i), its text."""
         p = req.params
         seed = None if p.seed is None else p.seed + i  # sample i of n == a single run with seed + i

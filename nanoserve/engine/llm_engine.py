@@ -37,8 +37,7 @@ from .outputs import EngineStats, RequestOutput
 from .request import Prompt, Request, Sample, draw, logit_rows
 from .sampler import SamplingParams, mask_from
 from .scheduler import Scheduler, SchedulerOutput
-from .sequence import Sequence as SequenceState
-from .sequence import SequenceStatus
+from .sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger("nanoserve")
 __all__ = ["LLMEngine", "EngineStats", "EngineStep", "StepHook"]
@@ -260,7 +259,7 @@ class LLMEngine:
             logits = mask_from(logits, self.inputs.usable_vocab_size)
         return logits
 
-    def _logits_wanted(self, row: int, seq: SequenceState, num_new: int, step: EngineStep) -> int:
+    def _logits_wanted(self, row: int, seq: Sequence, num_new: int, step: EngineStep) -> int:
         """How many of a row's last positions return logits: what a step hook that claimed the row
         asked for; all of a prompt chunk scoring its prompt (prompt logprobs); else one."""
         if row in step.num_logits:
@@ -285,7 +284,7 @@ class LLMEngine:
                               logits[row], to_sample)
         return to_sample
 
-    def _update_row(self, seq: SequenceState, row: int, num_new: int, logits: torch.Tensor,
+    def _update_row(self, seq: Sequence, row: int, num_new: int, logits: torch.Tensor,
                     to_sample: list) -> None:
         req = self.requests[seq.request_id]
         if wants_prompt_logits(req.output.prompt_logprobs, seq):
@@ -305,8 +304,8 @@ class LLMEngine:
         """One batched draw for every sample due a token (one device→host transfer), then emit each.
         A failing draw fails every request in it; a failing mask or emit, its own request."""
         bitmasks = self._grammar_masks(to_sample, logits, step.done)  # a failing mask fails its row
-        alive = [i for i,
-                 (req, _, _) in enumerate(to_sample) if req.output.request_id in self.requests]
+        alive = [i for i, (req, _,
+                           _) in enumerate(to_sample) if req.output.request_id in self.requests]
         to_sample = [to_sample[i] for i in alive]
         bitmasks = [bitmasks[i] for i in alive]
         if not to_sample:
@@ -359,7 +358,7 @@ class LLMEngine:
         return list(done.values())
 
     # ------------------------------------------------------------------ forks, faults
-    def _fork(self, req: Request, parent: SequenceState) -> list[Sample]:
+    def _fork(self, req: Request, parent: Sequence) -> list[Sample]:
         children = []
         for i in range(1, req.params.n):
             child = parent.child(i)
@@ -371,7 +370,7 @@ class LLMEngine:
             children.append(sample)
         return children
 
-    def isolated(self, seqs: list[SequenceState], done: dict, fn, *args):
+    def isolated(self, seqs: list[Sequence], done: dict, fn, *args):
         """fn(*args), a fault in it kept to the requests of `seqs`: on a non-fatal error they fail
         (their outputs go into `done`) and None is returned; the rest of the step goes on."""
         try:

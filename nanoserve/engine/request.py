@@ -10,7 +10,7 @@ stop conditions, timestamps. The token joins the sample's *sequence* through the
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections import abc
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,16 +21,16 @@ from .bitmask import apply_row_bitmasks
 from .logprobs import PositionLogprobs, sampled_logprobs
 from .outputs import CompletionOutput, IncrementalText, RequestOutput
 from .sampler import SamplingParams, sample_batch
-from .sequence import Sequence as SequenceState
+from .sequence import Sequence
 
-Prompt = str | Sequence[int]
+Prompt = str | abc.Sequence[int]
 
 
 @dataclass(eq=False)
 class Sample:
     """Decoding state of one sample: its sequence (token ids, blocks), random stream and text."""
 
-    seq: SequenceState
+    seq: Sequence
     generator: torch.Generator | None
     text: IncrementalText
     out: CompletionOutput

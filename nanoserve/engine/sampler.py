@@ -15,11 +15,12 @@ i of n uses seed + i, so seeds live in the signed 64-bit range with room for n.
 The sampler cannot turn finite logits into NaN: scaled logits are clamped to float32's finite
 range, and min-p, top-k and top-p always keep the most likely token.
 
-`probs_from_logits` is the distribution that is actually sampled, exposed so tests (and
-speculative decoding) can use the exact same law. `sample_next` draws one row's token, the way
-to read it; the engine calls `sample_batch`, the same law for every row of a step at once with
-one device→host transfer (a GPU pays dearly for one per row). Taught in notebooks/01_* and
-notebooks/00_*.
+There is one sampling path, batched: `sample_batch` draws a token for every row of a step with
+one device→host transfer (a GPU pays dearly for one per row), and `probs_from_logits_batch` is
+the law it draws from, settings per row. `sample_next` and `probs_from_logits` are the same
+functions on a batch of one (speculative decoding verifies against exactly that law). The law
+written out for one row, plainly, is tests/sampling_reference.py, the tests' reference (notebook
+00's hand-over writes it inline too, for temperature and top-k, and checks this file against it).
 """
 
 from __future__ import annotations
@@ -31,9 +32,8 @@ import torch
 from .sampling_params import SamplingParams
 
 __all__ = ["SamplingParams", "apply_repetition_penalty", "apply_penalties", "process_logits",
-           "probs_from_logits",
-           "probs_from_logits_batch", "sample_next", "sample_batch", "greedy_argmax", "mask_from",
-           "make_generator"]
+           "probs_from_logits", "probs_from_logits_batch", "sample_next", "sample_batch",
+           "greedy_argmax", "mask_from", "make_generator"]
 
 _F32 = torch.finfo(torch.float32)
 ARGMAX_CHUNK = 512  # greedy_argmax's chunk of the vocabulary
@@ -113,45 +113,25 @@ def process_logits(logits: torch.Tensor, params: SamplingParams,
 
 def probs_from_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
                       min_p: float = 0.0) -> torch.Tensor:
-    """The distribution sampled from: softmax(logits / T) restricted to the min-p, top-k and top-p
-    sets.
+    """The distribution sampled from, with one setting for every row: softmax(logits / T)
+    restricted to the min-p, top-k and top-p sets. logits [..., V] -> probs [..., V], float32.
 
-    logits [..., V] -> probs [..., V] in float32. Tokens outside the kept set get exactly 0.
-    Finite logits give finite probabilities whatever the settings: the scaled logits are clamped
-    to float32's finite range (a penalty or a tiny temperature can overflow them to ±inf, and
-    softmax of +inf is NaN), and each filter keeps at least the most likely token. (A NaN logit
-    counts as 0, so a draw still happens; the engine checks for NaN and fails such a request.)
-    """
-    # clamp
-    logits = (logits.float() / temperature).nan_to_num(nan=0.0, posinf=_F32.max, neginf=-_F32.max)
-    if min_p > 0:
-        p = logits.softmax(dim=-1)
-        logits = logits.masked_fill(p < min_p * p.amax(dim=-1, keepdim=True), float("-inf"))
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # ..., 1
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = logits.softmax(dim=-1)
-    if top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        # drop a token when the tokens strictly more likely than it already reach top_p
-        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= top_p
-        # the most likely token always stays (top_p rounds to 0 otherwise)
-        drop_sorted[..., 0] = False
-        drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
-        probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+    The batched law (`probs_from_logits_batch`) with the same settings in every row: one law, so
+    what speculative decoding verifies against is what the engine draws from."""
+    rows = logits.reshape(-1, logits.shape[-1])  # R, V
+    R = rows.shape[0]
+    probs = probs_from_logits_batch(rows, [temperature] * R, [top_k] * R, [top_p] * R, [min_p] * R)
+    return probs.reshape(logits.shape)
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, seen_ids: torch.Tensor | None = None,
                 generator: torch.Generator | None = None, output_ids: Sequence[int] = (),
                 stop_ids: Collection[int] = ()) -> int:
-    """One token id from one position's logits [V] (`output_ids`: the tokens generated so far)."""
-    logits = process_logits(logits, params, seen_ids, output_ids, stop_ids)
-    if params.greedy:
-        return int(logits.argmax())
-    probs = probs_from_logits(logits, params.temperature, params.top_k, params.top_p, params.min_p)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """One token id from one position's logits [V] (`output_ids`: the tokens generated so far):
+    `sample_batch` on a batch of one."""
+    tokens, _ = sample_batch(logits[None], [params], [seen_ids], [generator], [output_ids],
+                             [stop_ids])
+    return tokens[0]
 
 
 @torch.inference_mode()  # (also 2-4x faster on CPU: no autograd bookkeeping on the fresh tensors)
@@ -164,8 +144,8 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
     penalty), its generated ids and stop ids (min_tokens, presence / frequency penalties) and its
     generator — with one device→host transfer for the whole batch (`sample_next` per row would cost
     one each). Returns the tokens and which rows held a NaN (their token means nothing: the engine
-    fails those requests). Draw for draw equal to `sample_next` on each row: the same law, and each
-    seeded row draws from its own generator (tests/test_sampling.py)."""
+    fails those requests). Each seeded row draws from its own generator, so a row's draws do not
+    depend on its neighbours (tests/test_sampling.py holds it to the written-out law)."""
     outputs = outputs or [()] * len(params)
     stop_ids = stop_ids or [()] * len(params)
     reshaped = [i for i, p in enumerate(params) if p.reshapes_logits]
@@ -190,10 +170,10 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         sub = logits if len(rows) == len(params) else logits[rows]  # S, V
-        probs = probs_from_logits_batch(sub,
-                                        *zip(*[(params[i].temperature, params[i].top_k,
-                                                params[i].top_p,
-                                                     params[i].min_p) for i in rows]))  # S, V
+        chosen = [params[i] for i in rows]
+        probs = probs_from_logits_batch(sub, [p.temperature for p in chosen],
+                                        [p.top_k for p in chosen], [p.top_p for p in chosen],
+                                        [p.min_p for p in chosen])  # S, V
         # S × [1]
         drawn = [torch.multinomial(p, 1, generator=generators[i]) for p, i in zip(probs, rows)]
         tokens = tokens.index_copy(0, torch.tensor(rows, device=logits.device), torch.cat(drawn))

@@ -150,9 +150,8 @@ class SamplingParams:
             v = getattr(self, name)
             check(_is_number(v) and -2 <= v <= 2,
                   f"{name}={v!r} must be a number in [-2, 2]; 0 = off")
-        check(isinstance(self.logit_bias, dict) and all(
-            is_int(k) and k >= 0 and _is_number(b) and -100 <= b <= 100 for k,
-            b in self.logit_bias.items()),
+        biases = self.logit_bias
+        check(isinstance(biases, dict) and all(_is_bias(k, b) for k, b in biases.items()),
             f"logit_bias={self.logit_bias!r:.200} must map token ids (integers ≥ 0) to numbers in "
             "[-100, 100]")
         check(all(is_int(t) and t >= 0 for t in self.stop_token_ids),
@@ -197,6 +196,11 @@ class SamplingParams:
         penalties = (self.repetition_penalty != 1.0 or self.presence_penalty != 0
                      or self.frequency_penalty != 0)
         return penalties or bool(self.logit_bias) or self.min_p > 0 or self.min_tokens > 0
+
+
+def _is_bias(token_id, bias) -> bool:
+    """One logit_bias entry: a token id ≥ 0 and a number in [-100, 100] (OpenAI's range)."""
+    return is_int(token_id) and token_id >= 0 and _is_number(bias) and -100 <= bias <= 100
 
 
 def _is_number(x) -> bool:

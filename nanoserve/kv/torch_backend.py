@@ -124,8 +124,8 @@ class CacheView:
         ones)."""
         buf_k, buf_v = self.cache.gather_buffers(tables.numel())  # ≥ M·b blocks each
         idx = tables.flatten()
-        k, v = (self._gather_into(pool, idx, buf[:len(idx)]) for pool,
-                buf in ((pool_k, buf_k), (pool_v, buf_v)))
+        k = self._gather_into(pool_k, idx, buf_k[:len(idx)])
+        v = self._gather_into(pool_v, idx, buf_v[:len(idx)])
         b, H, D = tables.shape[0], k.shape[2], k.shape[3]
         return k.view(b, -1, H, D), v.view(b, -1, H, D)
 

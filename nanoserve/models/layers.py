@@ -1,10 +1,9 @@
 """Building blocks shared by the GPT-2 and Llama models: activations, norms, RoPE and attention.
 
 Attention comes twice: `naive_attention` spells out softmax(QKᵀ/√d + mask)·V for reading,
-`attention` calls torch's fused `scaled_dot_product_attention` for speed; a test checks they
-agree. Both take queries at explicit absolute positions, so one function serves the prompt
-(prefill, many queries) and each generated token (decode, one query over the cache).
-Taught in notebooks/01_*.
+`attention` calls torch's fused `scaled_dot_product_attention` for speed; a test checks they agree.
+Both take queries at explicit absolute positions, so one function serves the prompt (prefill, many
+queries) and each generated token (decode, one query over the cache). Taught in notebooks/01_*.
 """
 
 from __future__ import annotations

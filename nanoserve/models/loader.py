@@ -263,8 +263,8 @@ def build_from_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype
         layers = quant.quantized_layers(tensors, quantization)
         quant.install_quant_linears(model, layers, dtype, device)
         quantized = set(layers)
-    expected = {k: v for k,
-                v in model.state_dict().items() if k.rpartition(".")[0] not in quantized}
+    expected = {k: v for k, v in model.state_dict().items()
+                if k.rpartition(".")[0] not in quantized}
     tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     missing = [k for k in expected if k not in tensors and k not in tied]
     if missing:

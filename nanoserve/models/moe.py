@@ -69,8 +69,7 @@ def moe_reference(block: SparseMoeBlock, x: torch.Tensor) -> torch.Tensor:
     """The same sum token by token: for each token, its k experts, each weighted. x [..., C]."""
     flat = x.reshape(-1, x.shape[-1])
     weights, experts = block.route(flat)
-    out = torch.stack([sum(w * block.experts[int(e)](t[None])[0] for w,
-                           e in zip(weights[i], experts[i]))
+    out = torch.stack([sum(w * block.experts[int(e)](t[None])[0] for w, e in zip(weights[i], experts[i]))
                        for i, t in enumerate(flat)])
     return out.view(x.shape)
 

@@ -123,8 +123,8 @@ class WorkerGroup:
                 for p in self.procs:
                     if p.sentinel in ready:  # its exit can be reaped: join waits for that)
                         p.join()
-            dead = [f"rank {i + 1} (exit code {p.exitcode})" for i,
-                    p in enumerate(self.procs) if not p.is_alive()]
+            dead = [f"rank {i + 1} (exit code "
+                    f"{p.exitcode})" for i, p in enumerate(self.procs) if not p.is_alive()]
             self.shutdown()
             raise WorkerGroupError(f"the {self.parallel.kind}-parallel group failed: "
                                    f"{', '.join(dead) or 'no worker died'}; {type(e).__name__}: "

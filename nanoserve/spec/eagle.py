@@ -109,8 +109,7 @@ class EagleHead(nn.Module):
                  "post_attention_layernorm": "layers.0.post_attention_layernorm",
                  "gate_proj": "layers.0.mlp.gate_proj",
                  "up_proj": "layers.0.mlp.up_proj", "down_proj": "layers.0.mlp.down_proj"}
-        return {f"{names[k.split('.')[0]]}.{k.split('.', 1)[1]}": v for k,
-                v in self.state_dict().items()}
+        return {f"{names[k.split('.')[0]]}.{k.split('.', 1)[1]}": v for k, v in self.state_dict().items()}
 
 
 def save_eagle(head: EagleHead, path: str | Path, base_model: str = "") -> Path:

@@ -11,7 +11,7 @@ Taught in notebooks/08_*.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections import abc
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -21,7 +21,7 @@ from ..engine.block_allocator import BlockAllocator
 from ..engine.model_runner import ModelRunner
 from ..engine.sampler import SamplingParams, probs_from_logits_batch
 from ..engine.scheduler import advance, extend, rollback
-from ..engine.sequence import Sequence as SequenceState
+from ..engine.sequence import Sequence
 from ..engine.structured_output import mask_rows
 from ..errors import check, is_int
 from .rejection_sampler import check_gamma
@@ -55,7 +55,7 @@ class NgramProposer:
                f"need integers 1 ≤ min_n ≤ max_n, got min_n={self.min_n!r}, max_n={self.max_n!r}")
         check_gamma(self.num_speculative_tokens, "num_speculative_tokens")
 
-    def propose(self, token_ids: Sequence[int], k: int | None = None) -> list[int]:
+    def propose(self, token_ids: abc.Sequence[int], k: int | None = None) -> list[int]:
         """Up to k (default γ) tokens; fewer when the match sits near the end, none without a
         match."""
         k = self.num_speculative_tokens if k is None else k
@@ -81,11 +81,11 @@ class DraftModelProposer:
     def __init__(self, model, num_blocks: int, block_size: int, attention_backend: str | None):
         self.runner = ModelRunner(model, num_blocks, block_size, attention_backend)
         self.block_allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching=False)
-        self.seqs: dict[int, SequenceState] = {}  # target seq_id -> draft sequence
+        self.seqs: dict[int, Sequence] = {}  # target seq_id -> draft sequence
         # the last propose's forwards: (seconds, most new tokens of a row)
         self.timings: list[tuple[float, int]] = []
 
-    def propose(self, rows: list[tuple[SequenceState, int, SamplingParams, torch.Generator | None]],
+    def propose(self, rows: list[tuple[Sequence, int, SamplingParams, torch.Generator | None]],
                 matchers: list | None = None):
         """rows: (target sequence, γ, params, generator) -> per row (draft ids, q [γ, V] or None).
         Each draft step is one batched forward and one batched draw (one device→host transfer). A
@@ -134,19 +134,19 @@ class DraftModelProposer:
             q = probs_from_logits_batch(logits[sampled],
                                         *zip(*[(rows[j][2].temperature, rows[j][2].top_k,
                                                                    rows[j][2].top_p) for j in sampled]))  # S, V
-            drawn = [torch.multinomial(q[m], 1, generator=rows[j][3]) for m,
-                     j in enumerate(sampled)]
+            drawn = [torch.multinomial(q[m], 1,
+                                       generator=rows[j][3]) for m, j in enumerate(sampled)]
             tokens = tokens.index_put((torch.tensor(sampled, device=logits.device),),
                                       torch.cat(drawn))
             for m, j in enumerate(sampled):
                 qs[j].append(q[m])
         return tokens.tolist()
 
-    def _sync(self, seq: SequenceState) -> SequenceState | None:
+    def _sync(self, seq: Sequence) -> Sequence | None:
         """Bring the draft sequence to the target's tokens (K/V of all but the last to compute)."""
         d = self.seqs.get(seq.seq_id)
         if d is None:
-            d = SequenceState(list(seq.token_ids))
+            d = Sequence(list(seq.token_ids))
             if not self.block_allocator.can_allocate(d):
                 return None
             self.block_allocator.allocate(d)
@@ -158,7 +158,7 @@ class DraftModelProposer:
             return None
         return d
 
-    def rollback(self, seq: SequenceState, num_valid: int) -> None:
+    def rollback(self, seq: Sequence, num_valid: int) -> None:
         """Keep the draft's first num_valid tokens (those the target accepted)."""
         d = self.seqs.get(seq.seq_id)
         if d is None:
@@ -169,7 +169,7 @@ class DraftModelProposer:
             return
         rollback(self.block_allocator, d, keep, keep)
 
-    def free(self, seq: SequenceState) -> None:
+    def free(self, seq: Sequence) -> None:
         d = self.seqs.pop(seq.seq_id, None)
         if d is not None:
             self.block_allocator.free(d)
@@ -188,8 +188,8 @@ class NgramDraft:
         """n-gram drafts ignore any grammar: verification rejects the ones outside it."""
         return [(self.proposer.propose(seq.token_ids, gamma), None) for seq, gamma, _, _ in rows]
 
-    def rollback(self, seq: SequenceState, num_valid: int) -> None:
+    def rollback(self, seq: Sequence, num_valid: int) -> None:
         pass
 
-    def free(self, seq: SequenceState) -> None:
+    def free(self, seq: Sequence) -> None:
         pass

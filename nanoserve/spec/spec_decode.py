@@ -159,8 +159,7 @@ class SpecDecoder:
         None) for each decoding row with a γ ≥ 1 that the step's leftover token budget can still pay
         for; none when the controller's clock wants a plain step timed
         (controller.StepCosts.wants_plain_step)."""
-        self.pure_decode = all(n == 1 and s.num_computed_tokens + 1 == len(s) for s,
-                               n in zip(sched.seqs,
+        self.pure_decode = all(n == 1 and s.num_computed_tokens + 1 == len(s) for s, n in zip(sched.seqs,
                                                                                             sched.num_new))
         if self.controller.wants_plain_step():
             return []
@@ -284,8 +283,7 @@ class SpecDecoder:
                                                  prop.generator)
         bs, table = self.kv.block_size, seq.block_table
         slot = lambda i: table[i // bs] * bs + i % bs  # noqa: E731  (a token index's K/V slot)
-        moves = [(slot(root + node), slot(root + j)) for j,
-                 node in enumerate(path, start=1) if node != j]
+        moves = [(slot(root + node), slot(root + j)) for j, node in enumerate(path, start=1) if node != j]
         if moves:
             self.kv.copy_slots([s for s, _ in moves], [d for _, d in moves])
         prop.logit_rows = [0] + path[:len(tokens) - 1]  # token j was drawn at the node before it
@@ -300,8 +298,7 @@ class SpecDecoder:
         if timings is None:
             self.controller.costs.record_draft(seconds, 1)
             return
-        steady = [t for t,
-                  most_new in timings if most_new <= self.config.num_speculative_tokens + 1]
+        steady = [t for t, most_new in timings if most_new <= self.config.num_speculative_tokens + 1]
         if steady:
             self.controller.costs.record_draft(sum(steady), len(steady))
 

@@ -158,8 +158,7 @@ def latency(model: str = "demo", n: int = 48, rates=(2.0, 8.0, 32.0), in_range=(
     for rate in rates:
         arrivals = poisson_arrivals(n, rate, seed)
         res["results"][str(rate)] = {name: _summary(b.generate(prompts, params, arrivals=arrivals), prompts)
-                                     for name,
-                                     b in _batchers(engine, batch_size, max_wait_ms).items()}
+                                     for name, b in _batchers(engine, batch_size, max_wait_ms).items()}
     return _finish(res, out)
 
 

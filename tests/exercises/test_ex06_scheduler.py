@@ -75,8 +75,8 @@ class Engine:
         alloc = self.block_allocator
         assert sum(len(s.block_table) for s in sched.running) == alloc.num_blocks - alloc.num_free_blocks(), \
             "the running sequences' blocks and the free count disagree"
-        return [(s.request_id, n) for s,
-                n in zip(out.seqs, out.num_new)], [s.request_id for s in out.preempted]
+        return [(s.request_id, n) for s, n in zip(out.seqs,
+                                                  out.num_new)], [s.request_id for s in out.preempted]
 
     def run(self, max_steps):
         while self.sched.has_unfinished():
@@ -144,8 +144,7 @@ def check_pick_victim(impl):
 
 def check_preempt(impl):
     sched = make(impl, num_blocks=8)
-    a, b, late = (Sequence(list(range(n)), arrival_time=t) for n,
-                  t in [(6, 0.0), (5, 1.0), (3, 5.0)])
+    a, b, late = (Sequence(list(range(n)), arrival_time=t) for n, t in [(6, 0.0), (5, 1.0), (3, 5.0)])
     for seq in (a, b):
         sched.block_allocator.allocate(seq)
         seq.num_computed_tokens = len(seq)

@@ -26,8 +26,8 @@ REL = {"fp8_e4m3": 2.0 ** -4, "fp8_e5m2": 2.0 ** -3}
 
 
 def _formats(impl):
-    return {name: impl.KVQuant(q.name, q.storage, q.fp8, q.qmax) for name,
-            q in reference.FORMATS.items()}
+    return {name: impl.KVQuant(q.name, q.storage, q.fp8,
+                               q.qmax) for name, q in reference.FORMATS.items()}
 
 
 def _kv(seed=0):

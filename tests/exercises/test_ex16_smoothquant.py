@@ -75,9 +75,11 @@ def _input_maxima(model, calib, groups):
 def check_smooth_model(impl):
     model, calib = _model_and_calib()
     prefix, blocks = decoder_blocks(model)
-    groups = {f"{prefix}.{i}.{names[0]}": (names, [b.get_submodule(n) for n in names])
-              for i, b in enumerate(blocks) for prev,
-              names in block_groups(model, b) if prev is not None}
+    groups = {}
+    for i, b in enumerate(blocks):
+        for prev, names in block_groups(model, b):
+            if prev is not None:
+                groups[f"{prefix}.{i}.{names[0]}"] = (names, [b.get_submodule(n) for n in names])
     # e.g. mlp.up_proj, whose rows down_proj's s divides
     prevs = {prev for prev, _ in block_groups(model, blocks[0])}
     before, logits = _input_maxima(model, calib, groups), model(calib)
