@@ -12,7 +12,8 @@ stores W [K, N] (here as the matmul's right operand, K rows) in four tensors:
 
 **Two ways to read a tile** (kernels/int4_tiles.py): grouped, one zero / scale row per tile, when
 g_idx = k // group_size (`group_size=`, which QuantLinear passes when it holds); gathered row by row
-for act-order. On an H100 a 4096² GEMV took 262 µs gathered (11× fp16 cuBLAS), 22 µs grouped.
+for act-order. Gathering costs a load per row instead of one per tile: on an H100 the gathered
+GEMV was an order of magnitude slower than the grouped one (benchmarks/RESULTS.md).
 
 **Why fuse, and why batch 1 gains most.** At batch 1 a linear does 2 flops per weight it reads:
 far below what a GPU can compute per byte, so its time is the time to read the weights. fp16
@@ -25,10 +26,9 @@ before they meet A, and W exists nowhere in memory.
 **Large M: the torch fallback.** As M grows each weight serves more rows of A and the matmul
 becomes compute-bound, so on CUDA `dequant_matmul` hands M ≥ TORCH_MIN_M (64) to
 `dequantize_int4` + torch.matmul. Every call then first writes an fp16 W: by a roofline
-estimate for an H100 ~2× an fp16 layer at M = 64, ~1.1× at M = 4096. Measured on an H100
-(4096², fp16): 1.9× at M = 64, 1.5× at M = 1024 (benchmarks/RESULTS.md). The tiled GEMM kernel
-was measured only on its act-order (gather) path there (13× cuBLAS at M = 64); its grouped path,
-and so the threshold, are still to be timed against this fallback.
+estimate for an H100 ~2× an fp16 layer at M = 64, ~1.1× at M = 4096; the H100 measurement agrees
+(benchmarks/RESULTS.md). The tiled GEMM kernel was measured only on its act-order (gather) path
+there; its grouped path, and so the threshold, are still to be timed against this fallback.
 
 **Two kernels.**
 - `_dequant_gemm_kernel`, for M > 16: the textbook tiled GEMM. One program per

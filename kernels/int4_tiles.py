@@ -14,8 +14,8 @@ zero[g_idx[k]]) · scale[g_idx[k]].
   tests' negative control shows how wrong).
 
 `dot_tile` is a [BLOCK_M, BLOCK_K] activation tile times the weight tile, read either way
-(GROUP_SIZE > 0: grouped). On an H100 the gathered read made a 4096² GEMV 12× slower than the
-grouped one.
+(GROUP_SIZE > 0: grouped). The gathered read is much the slower of the two (an H100 GEMV:
+benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations

@@ -30,9 +30,9 @@ BLOCK_N = INTERPRETER["decode"].tiles[0]
 # choose_num_splits: a split must have work enough (4 · 32 keys) to pay for the merge
 MIN_TILES_PER_SPLIT = 4
 MAX_SPLITS = 64
-# choose_num_splits fills the GPU twice: on an H100, batch 1 at 32k context, 2 waves took 0.068 ms,
+# choose_num_splits fills the GPU twice: on an H100 at 32k context a second wave paid, more did not
+# (benchmarks/gpu_tune.py; the sweep is in RESULTS.md)
 WAVES = 2
-# 1 wave 0.086, 4 and 8 waves 0.067-0.068 (benchmarks/gpu_tune.py, RESULTS.md)
 
 
 # ----------------------------------------------------------------------------- the reference
@@ -89,8 +89,9 @@ def choose_num_splits(batch: int, num_heads: int, max_context: int | None,
 
     batch · num_heads is the number of programs without splitting; pass the number of *kv* heads,
     since one program serves a whole GQA group. One wave of num_sms programs gives every SM one
-    program, but a program reads its tiles one after another: measured, a second wave (more loads in
-    flight per SM) was 1.26× faster at 32k context and further waves bought nothing. Caps: each
+    program, but a program reads its tiles one after another: a second wave puts more loads in
+    flight per SM, and measured on an H100 it paid at long context while further waves bought
+    nothing (benchmarks/RESULTS.md). Caps: each
     split keeps ≥ MIN_TILES_PER_SPLIT tiles of BLOCK_N keys (a split shorter than that costs more in
     launch and merge than it saves; None = the longest context is unknown: no such cap), and at most
     MAX_SPLITS. num_sms = None reads it from the current CUDA device; on CPU the answer is 1. Reads

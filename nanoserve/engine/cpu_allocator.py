@@ -4,10 +4,11 @@ torch takes a CPU tensor's memory from the C library's malloc. glibc's malloc ha
 than its mmap threshold (at most 32 MB on 64-bit Linux) straight from the operating system, and
 gives it back when the tensor is freed; the next step's tensor of the same size then lands on fresh
 pages, and the OS zeroes each 4 KiB page on its first touch. A step's logits are such a tensor once
-the batch is large: 256 rows × a 50,257-token vocabulary × 4 bytes = 51 MB. Measured on the 2-core
-machine of benchmarks/RESULTS.md, that LM head GEMM took 37 ms with glibc and 22 ms with tcmalloc,
-which keeps freed memory for the next request; a whole 256-row decode step, 102 → 81 ms. (The torch
-backend's gather hit the same wall, which is why the KV cache keeps its gather workspace.)
+the batch is large: 256 rows × a 50,257-token vocabulary × 4 bytes = 51 MB. tcmalloc keeps freed
+memory for the next request, and on the 2-core machine of benchmarks/RESULTS.md it took a large
+share off that LM head GEMM and a visible one off the whole decode step (the figures are there).
+(The torch backend's gather hit the same wall, which is why the KV cache keeps its gather
+workspace.)
 
 An allocator is chosen when the process starts
 (`LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4`), not by a library inside it, so

@@ -44,8 +44,8 @@ def greedy_argmax(logits: torch.Tensor,
     """(logits.argmax(-1), logits.amax(-1)) for logits [R, V], the same indices, in about one amax's
     time.
 
-    torch's CPU argmax over a row is ~10x slower than its amax (21 ms against 1.8 ms for 256 rows of
-    GPT-2's 50,257: benchmarks/RESULTS.md, "Fourth step"). So: the maximum of every chunk of `chunk`
+    torch's CPU argmax over a long row is several times slower than its amax (measured:
+    benchmarks/RESULTS.md, "Fourth step"). So: the maximum of every chunk of `chunk`
     columns ([R, V / chunk], one vectorized pass), the first chunk holding the row's maximum (an
     argmax over ~100 columns), then the argmax inside that chunk alone. The first maximal chunk and
     the first maximum inside it are the row's first maximum: ties and NaN (which argmax and amax
@@ -134,7 +134,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, seen_ids: torch.Te
     return tokens[0]
 
 
-@torch.inference_mode()  # (also 2-4x faster on CPU: no autograd bookkeeping on the fresh tensors)
+@torch.inference_mode()  # (also faster on CPU: no autograd bookkeeping on the fresh tensors)
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
                  seen: list[torch.Tensor | None],
                  generators: list[torch.Generator | None],
@@ -151,7 +151,7 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
     reshaped = [i for i, p in enumerate(params) if p.reshapes_logits]
     greedy = [i for i, p in enumerate(params) if p.greedy]
     # R: which rows hold NaN, on the logits as the model gave them (max propagates NaN: one pass,
-    # ~10x cheaper than isnan().any()); when every row is greedy and unchanged, greedy_argmax's
+    # cheaper than isnan().any()); when every row is greedy and unchanged, greedy_argmax's
     # maxima below give it
     nan = None if len(greedy) == len(params) and not reshaped else logits.amax(-1).isnan()
     if reshaped:

@@ -76,9 +76,9 @@ class GrammarCompiler:
 
     Compiled grammars are kept (the most recently used, as many as `limits.cache_bytes` holds when
     each is counted at the most its lexer can grow to: `GrammarLimits.cache_entries`) and each
-    request gets a copy: copies share the compiled lexer's caches, so 32 requests under one schema
-    compute their masks ~3x faster than 32 separately compiled matchers (and the compile is paid
-    once).
+    request gets a copy: copies share the compiled lexer's caches, so many requests under one
+    schema compute their masks faster than as many separately compiled matchers, and the compile
+    is paid once (measured: benchmarks/RESULTS.md, structured outputs).
 
     Compiling is a client's program run on the server, so it is bounded (grammar_limits.py): checked
     against `limits` first, then compiled, with its first mask, in a small pool of threads whose

@@ -66,8 +66,8 @@ class AttentionMetadata:
         """From the three CPU tensors of a step (the model runner's), every value the backends use
         (the length buckets only with `buckets`: the torch backend reads them, the kernels do not;
         none with a tree's `attn_mask`, which spans the longest row's keys). Derived in Python from
-        the host lists: for a decode step's few rows that is ~4x cheaper than a dozen small tensor
-        ops."""
+        the host lists: for a decode step's few rows that is cheaper than a dozen small tensor ops
+        (benchmarks/RESULTS.md)."""
         B, T = slot_mapping.shape
         rows, lens = slot_mapping.tolist(), context_lens.tolist()  # B × T, B (host values)
         # N
@@ -101,8 +101,8 @@ class AttentionMetadata:
 def host_tensor(values: Iterable[int], shape: tuple[int, ...] | None = None,
                 dtype=torch.long) -> torch.Tensor:
     """A CPU tensor (int64 or int32) of the ints in `values`, flat or in `shape`: a view over a C
-    array (array.array), ~4x faster than torch.tensor on a Python list (~90 ns an element; a step's
-    tables hold thousands at a large batch)."""
+    array (array.array), faster than torch.tensor on a Python list, which converts element by
+    element (a step's tables hold thousands at a large batch; benchmarks/RESULTS.md)."""
     buf = array("q" if dtype == torch.long else "i", values)
     # (it keeps buf alive)
     flat = torch.frombuffer(buf, dtype=dtype) if len(buf) else torch.empty(0, dtype=dtype)

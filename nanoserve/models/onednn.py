@@ -2,10 +2,10 @@
 
 On a CPU nearly all of a step's arithmetic is the linear layers and the LM head. `nn.Linear`
 on CPU calls the BLAS library torch was built with (Intel's MKL in the PyPI wheels); on the
-AMD EPYC this project is measured on, MKL's fp32 GEMM reaches ~180–210 GFLOP/s with 2 threads,
-while oneDNN (also inside torch, the library behind its CPU convolutions) reaches ~430–470 on
-the same shapes, and ~2.5× on the LM head (benchmarks/RESULTS.md, "Where the time goes"). vLLM's
-CPU backend calls oneDNN for the same reason.
+AMD EPYC this project is measured on, oneDNN (also inside torch, the library behind its CPU
+convolutions) runs the same fp32 GEMMs at about twice MKL's rate, more on the LM head
+(benchmarks/RESULTS.md, "Where the time goes"). vLLM's CPU backend calls oneDNN for the same
+reason.
 
     OneDNNLinear        an nn.Linear (same parameters, same state dict) whose forward calls
                         oneDNN's fp32/bf16 matmul, through the op torch's own compiler uses,
@@ -15,24 +15,22 @@ CPU backend calls oneDNN for the same reason.
 
 Prepacking. Given a plain [out, in] weight, oneDNN reorders it into its blocked layout inside every
 call; `_reorder_linear_weight` does it once (vLLM's CPU linears do the same). It pays most where a
-step is a few rows over big weights: the LM head (50257 × 384) at 4 rows, 2.5 → 1.5 ms; GPT-2
-6 × 384's whole decode step at batch 4, 7.0 → 4.4 ms (benchmarks/RESULTS.md, "Third step"). The
-layout is chosen for a batch hint (PACK_ROWS); measured, any hint ≥ 16 serves 1..256 rows alike,
-and 1 does not help. The cost: a second copy of every linear's weight (the plain Parameter stays,
+step is a few rows over big weights, the LM head above all, where the reorder costs as much as
+the product (benchmarks/RESULTS.md, "Third step"). The layout is chosen for a batch hint
+(PACK_ROWS); measured, a hint of 16 or more serves 1..256 rows alike, and 1 does not help. The cost: a second copy of every linear's weight (the plain Parameter stays,
 for the state dict, tied embeddings, LoRA merges and quantization). The copy is remade when the
 weight changes in place (keyed by its storage and autograd version counter, which copy_ bumps).
 
 GELU as a post-op. `forward_gelu` asks oneDNN for act(x @ Wᵀ + b) in one call: the GELU is applied
-to each output as the GEMM writes it, instead of a second pass over the [rows, 4C] activations.
-GPT-2's up-projection with its GELU costs 23–29 % less at ≥ 16 rows (float32; benchmarks/RESULTS.md,
-"Fourth step"); the difference from F.gelu after F.linear is ~2e-7. Float32 only: in bfloat16 the
+to each output as the GEMM writes it, instead of a second pass over the [rows, 4C] activations,
+which pays once a step has a few dozen rows (float32; benchmarks/RESULTS.md, "Fourth step"); the
+difference from F.gelu after F.linear is ~2e-7. Float32 only: in bfloat16 the
 fused GELU acts on the float32 sum before rounding, where HF rounds first (~1e-2 apart).
 
 A few rows: MKL, on Intel processors. A decode step with one sequence multiplies one row by each
 weight. On an Intel Xeon, oneDNN's fixed cost per call and its reading speed on small weights lose
-to MKL's: on GPT-2 6 × 384's layers (0.6–2.4 MB each) F.linear took 19–52 µs where oneDNN took
-32–66, ~0.35 ms of a ~6 ms step over its 24 linears, and likewise at 2 and 3 rows; at 4 rows MKL
-switches to its GEMM and oneDNN is faster again. On the LM heads (50257 × 384, 32000 × 512, 151936 ×
+to MKL's GEMV on layers of a few MB, at 1 to 3 rows; at 4 rows MKL switches to its GEMM and
+oneDNN is faster again. On the LM heads (50257 × 384, 32000 × 512, 151936 ×
 896: tall and narrow) oneDNN reads faster at any row count. On an AMD EPYC the same measurement
 favours oneDNN almost everywhere, most of all at 2 and 3 rows (RESULTS.md has the figures; MKL picks
 its code paths by the processor's vendor, and its fastest ones are Intel's). So the rule is the
@@ -41,8 +39,8 @@ GEMV_MAX_ROWS = 3 rows; elsewhere GEMV_MAX_ROWS = 0 and every shape goes to oneD
 benchmarks/bench_cpu_linear.py, cpu_linear*.json; RESULTS.md, "Fifth step" and "MKL on an AMD
 EPYC"). A vendor, not a timing taken at start-up: the route decides how a product rounds, and a
 model should give the same tokens in every run on one machine. bfloat16 (MKL has no bf16 GEMV) keeps
-oneDNN. The 32 MB line sits between the layers and the heads measured; larger layers (Llama's 4096 ×
-4096, 67 MB) measured within 2 % on the Xeon.
+oneDNN. The 32 MB line sits between the layers and the heads measured; on larger layers (Llama's 4096 ×
+4096) the two measured alike on the Xeon.
 
 The math is the same fp32 (or bf16) GEMM with fp32 accumulation: results differ from MKL's
 only in summation order, ~1e-6 (tests/test_cpu_step_costs.py checks it against a float64 reference,
