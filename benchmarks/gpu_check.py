@@ -121,8 +121,8 @@ def run_isolated(letter: str, args, workdir: Path, budget: float, hard: float) -
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         rc, killed = proc.wait(), True
-    # Ctrl-C: the figure's process group is not in the terminal's, so stop it here
     except BaseException:
+        # Ctrl-C: the figure's process group is not in the terminal's, so stop it here
         os.killpg(proc.pid, signal.SIGKILL)
         raise
     rec = json.loads(out.read_text()) if out.is_file() else {}

@@ -63,9 +63,9 @@ def _store_kv_kernel(
     if KV_QUANT == 0:
         tl.store(kc, k, mask=mask)  # bit copy: no arithmetic, so bf16 is fine in the interpreter
         tl.store(vc, v, mask=mask)
-    # 8 bits per value and one scale per head, at slot · Hkv + head in the [.., block_size, Hkv]
-    # scales
     else:
+        # 8 bits per value and one scale per head, at slot · Hkv + head in the [.., block_size, Hkv]
+        # scales
         k_codes, k_s = quantize_rows(k.to(tl.float32), KV_QUANT, QMAX)  # H_PAD, D_PAD; H_PAD
         v_codes, v_s = quantize_rows(v.to(tl.float32), KV_QUANT, QMAX)
         tl.store(kc, k_codes, mask=mask)

@@ -134,11 +134,10 @@ def test_checkpoints_the_library_writes_load_with_its_weights(tiny, tmp_path, na
     x = _ids()
     if name in WEIGHT_ONLY:  # the same weights, float activations: the same model
         torch.testing.assert_close(ours(x), dense(x).logits, atol=1e-4, rtol=1e-4)
-    # 8-bit activations: transformers fake-quantizes them per token as we do; FP8 the same grid
-    # (measured:
     else:
-        # equal), int8 absmax / 127.5 over [-128, 127] where we (and vLLM's kernel) use absmax / 127
-        # (measured 0.006)
+        # 8-bit activations: transformers fake-quantizes them per token as we do; FP8 the same
+        # grid (measured: equal), int8 absmax / 127.5 over [-128, 127] where we (and vLLM's
+        # kernel) use absmax / 127 (measured 0.006)
         theirs = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(x).logits
         assert (ours(x) - theirs).abs().max() < (0.01 if name == "w8a8" else 1e-5)
 

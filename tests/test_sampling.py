@@ -126,8 +126,8 @@ def _mutant_law(kind: str, temperature: float, top_k: int, top_p: float) -> torc
             kept = kept[:-1]
         elif kind == "top-p keeps one token too many":
             kept = after_k[: len(kept) + 1]
-        # the mask is not scattered back to vocabulary ids
         elif kind == "top-p mask left in sorted order":
+            # the mask is not scattered back to vocabulary ids
             kept = list(range(len(kept)))
         else:
             raise ValueError(kind)

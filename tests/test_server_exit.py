@@ -62,8 +62,8 @@ def test_the_server_exits_by_itself_when_its_engine_dies():
         try:
             with urllib.request.urlopen(ask, timeout=DEADLINE) as answer:
                 assert answer.status == 200
-        # say what the server said (its answer and its log so far)
         except urllib.error.HTTPError as e:
+            # say what the server said (its answer and its log so far)
             raise AssertionError(f"first request: {e.code} "
                                  f"{e.read().decode()[:2000]}\n{''.join(seen)[-3000:]}") from e
         workers = [p for p in _children(proc.pid) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()

@@ -72,8 +72,8 @@ class _Decoder:
         if token_id not in self.memo:
             try:
                 self.memo[token_id] = self.tokenizer.decode([token_id])
-            # an id the vocabulary has no text for: no text, not a failed batch
             except NanoserveError:
+                # an id the vocabulary has no text for: no text, not a failed batch
                 self.memo[token_id] = None
         return self.memo[token_id]
 

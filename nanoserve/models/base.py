@@ -13,10 +13,10 @@ from torch import nn
 
 class CausalLM(nn.Module):
     config: object
-    # keep the LM head's input as `last_hidden`: True [B, K, C] where the logits are (Medusa's
-    keep_hidden = False
-    # heads read it: spec/medusa.py), "all" [B, T, C] at every position (EAGLE's head:
+    # keep the LM head's input as `last_hidden`: True [B, K, C] where the logits are (Medusa's heads
+    # read it: spec/medusa.py), "all" [B, T, C] at every position (EAGLE's head:
     # spec/eagle_proposer.py)
+    keep_hidden = False
 
     def embed_and_blocks(self, input_ids, positions, cache):  # pragma: no cover - per family
         raise NotImplementedError

@@ -38,8 +38,9 @@ class GPT2Attention(nn.Module):
             q = q * self.q_scale
         if cache is None:  # the T tokens attend causally among themselves
             y = attention(q, k, v)  # B, T, H, D
-        # the cache stores k, v and attends over everything cached (its backend: torch or Triton)
         else:
+            # the cache stores k, v and attends over everything cached (its backend: torch or
+            # Triton)
             y = cache.attention(self.layer_idx, q, k, v, positions)  # B, T, H, D
         # (-1: H·D, which tensor parallelism makes a share of C)
         return self.c_proj(y.reshape(B, T, -1))

@@ -78,8 +78,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         inv_freq = inv_freq / scaling["factor"]
     elif kind == "llama3":
         inv_freq = llama3_rope_inv_freq(inv_freq, scaling)
-    # Phi-3: a factor per frequency (the short ones: the context stays in the original)
     elif kind == "longrope":
+        # Phi-3: a factor per frequency (the short ones: the context stays in the original)
         inv_freq = inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float32,
                                            device="cpu")
     elif kind == "yarn":

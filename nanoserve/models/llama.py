@@ -69,8 +69,8 @@ class LlamaAttention(nn.Module):
         how = dict(window=self.window, scale=self.scale, softcap=self.softcap)
         if cache is None:  # the T tokens attend causally among themselves
             y = attention(q, k, v, **how)  # B, T, H, D
-        # the cache stores k, v and attends over what is cached (its backend: torch or Triton)
         else:
+            # the cache stores k, v and attends over what is cached (its backend: torch or Triton)
             y = cache.attention(self.layer_idx, q, k, v, positions, **how)  # B, T, H, D
         return self.o_proj(y.reshape(B, T, -1))
 

@@ -217,8 +217,8 @@ def _read_torch_bin(file: Path) -> dict[str, torch.Tensor]:
     # and plain containers only, which is all a state dict holds.
     try:
         state = torch.load(file, weights_only=True, map_location="cpu")
-    # truncated zip, not a torch file, or a pickle that holds more than weights
     except Exception as e:
+        # truncated zip, not a torch file, or a pickle that holds more than weights
         raise CheckpointError(f"{file} cannot be read as a state dict with "
                               f"torch.load(weights_only=True): {type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''}") from e

@@ -142,8 +142,8 @@ class WorkerGroup:
         if all(p.is_alive() for p in self.procs):
             try:
                 dist.broadcast_object_list([("stop",)], src=0, group=self.control)
-            # the group is already broken: the workers leave on their own, or get killed
             except Exception:
+                # the group is already broken: the workers leave on their own, or get killed
                 pass
         for p in self.procs:
             p.join(timeout=10)

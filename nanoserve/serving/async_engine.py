@@ -183,8 +183,8 @@ class AsyncLLMEngine:
                 continue
             try:
                 outs = await self._step_async()
-            # shared state broke (step() keeps per-request faults to their request):
             except Exception as e:
+                # shared state broke (step() keeps per-request faults to their request):
                 # every consumer gets the error, no one new is let in; a server reports 503
                 self.error = e
                 for rid in list(self._queues):

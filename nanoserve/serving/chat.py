@@ -80,8 +80,8 @@ class ChatTemplate:
                                         add_generation_prompt=add_generation_prompt,
                                         bos_token=self.bos_token or "",
                                         eos_token=self.eos_token or "", **kwargs)
-        # raise_exception() in the template: e.g. roles out of order
         except jinja2.TemplateError as e:
+            # raise_exception() in the template: e.g. roles out of order
             raise NanoserveError(f"the model's chat template rejected the messages: {e}") from e
 
     def encode(self, messages: list[dict], tokenizer: Tokenizer, add_generation_prompt: bool = True,

@@ -120,8 +120,8 @@ def sse(streams, n: int, chunk, options: api.StreamOptions | None, rid: str, mod
                 usage = api.usage_chunk(rid, model, created, obj,
                                         [last[j] for j in range(len(streams))])
                 yield f"data: {json.dumps(usage)}\n\n"
-        # after the stream began: the queue filled meanwhile (rare), or the engine broke
         except Exception as e:
+            # after the stream began: the queue filled meanwhile (rare), or the engine broke
             kind = "invalid_request_error" if isinstance(e, NanoserveError) else "server_error"
             yield f"data: {json.dumps(api.error_body(str(e), kind))}\n\n"
         finally:

@@ -98,8 +98,8 @@ class SentencePieceTokenizer:
                 ids.append(token)
             elif self.byte_fallback:
                 ids.extend(self._byte_id[b] for b in symbol.encode("utf-8"))
-            # SentencePiece merges a run of unknowns into one
             elif not (ids and ids[-1] == self.unk_id):
+                # SentencePiece merges a run of unknowns into one
                 ids.append(self.unk_id)
         return prepend_bos(ids, bos, self.bos_id)
 

@@ -169,8 +169,9 @@ def _variant_kernel(QW, QZ, S, G_IDX, W, N, K, group_size,
         codes = (words >> shift) & 0xF
     elif FIELD == "no mask":  # the higher fields, and the copies of the sign bit, stay
         codes = words >> shift
-    # "shl, sar": move the field to the top bits and shift back down, which sign-extends codes 8..15
     else:
+        # "shl, sar": move the field to the top bits and shift back down, which sign-extends codes
+        # 8..15
         codes = (words << (28 - shift)) >> 28
     if GROUPS == "g_idx":
         g = tl.load(G_IDX + offs_k, mask=offs_k < K, other=0)  # BLOCK
