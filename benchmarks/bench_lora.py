@@ -68,7 +68,7 @@ def distinct_sweep(path: Path, cache: Path, args, res: dict) -> None:
     methods = ("segmented", "gathered", "auto")
     for method in methods:
         def use(llm, method=method):  # auto: the engine's own choice per step (lora/serving.py)
-            llm.engine.runner.lora.method = None if method == "auto" else method
+            llm.engine.inputs.lora.method = None if method == "auto" else method
         for d in ds:
             reqs = [LoRARequest(f"a{i}", i + 1, adapters[i]) for i in range(d)]
             rows = [reqs[i % d] if d else None for i in range(batch)]

@@ -16,7 +16,7 @@ import torch
 from lora_helpers import TARGETS, hf_greedy, make_peft_adapter
 
 from nanoserve import LLM, LoRARequest, SamplingParams
-from nanoserve.errors import CheckpointError, NanoserveError
+from nanoserve.errors import CheckpointError, NanoserveError, RequestFailedError
 from nanoserve.lora.batched import MultiLoRALinear
 
 peft = pytest.importorskip("peft")
@@ -60,7 +60,7 @@ def test_a_batch_mixing_four_adapters_and_the_base_equals_peft_request_by_reques
     llm = LLM(str(path), dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=8,
               block_size=4)
     # None: the engine's choice (segmented here); the kernel: interpreted
-    llm.engine.runner.lora.method = method
+    llm.engine.inputs.lora.method = method
     outs = llm.generate(prompts, GREEDY, use_tqdm=False,
                         lora_request=[reqs[w - 1] if w else None for w in which])
     for i, (p, w, out) in enumerate(zip(prompts, which, outs)):
@@ -82,7 +82,7 @@ def test_two_slots_four_adapters_the_scheduler_keeps_at_most_two_running(hf_chec
     path, hf = hf_checkpoints["llama-gqa"]
     models, reqs = _four_adapters(hf, tmp_path, "llama-gqa")
     llm = LLM(str(path), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8)
-    engine, manager = llm.engine, llm.engine.runner.lora
+    engine, manager = llm.engine, llm.engine.inputs.lora
     order = [1, 2, 3, 0, 4, 1, 0, 3]
     prompts = [IDS[i:] + IDS[:i] for i in range(len(order))]
     rids = [engine.add_request(p, GREEDY,
@@ -215,6 +215,34 @@ def test_on_cuda_the_kernel_serves_the_mixed_batch_and_graphs_step_aside(hf_chec
     outs = llm.generate(prompts, GREEDY, use_tqdm=False,
                         lora_request=[reqs[w - 1] if w else None for w in which])
     # kernels/lora_bgmv.py
-    assert {layer.method for layer in llm.engine.runner.lora.layers.values()} == {"kernel"}
+    assert {layer.method for layer in llm.engine.inputs.lora.layers.values()} == {"kernel"}
     for p, w, out in zip(prompts, which, outs):
         assert _logprob_error(models[w] if w else hf, p, out) <= 1e-3, w
+
+
+def test_a_forward_that_raises_still_clears_every_layers_slots(hf_checkpoints, tmp_path):
+    """LoRA wraps each forward (ModelRunner.around_forward): its slots are cleared whether the
+    forward returned or raised, so a later forward is the base model's. The request of the failed
+    step fails alone; the engine serves the next one under its adapter."""
+    path, hf = hf_checkpoints["gpt2"]
+    models, reqs = _four_adapters(hf, tmp_path, "gpt2")
+    llm = LLM(str(path), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8)
+    engine = llm.engine
+    manager = engine.inputs.lora
+    seen_slots = []
+    real_execute = engine.runner.execute
+
+    def failing_execute(batch):
+        seen_slots.extend(layer.slots for layer in manager.layers.values())
+        raise RuntimeError("a fault inside the forward")
+
+    engine.runner.execute = failing_execute
+    with pytest.raises(RequestFailedError, match="a fault inside the forward"):
+        llm.generate([IDS], GREEDY, use_tqdm=False, lora_request=reqs[0])
+    # control: the slots were set during the forward, so clearing them is what is tested
+    assert len(seen_slots) == len(manager.layers) > 0
+    assert all(slots is not None for slots in seen_slots)
+    assert all(layer.slots is None for layer in manager.layers.values())
+    engine.runner.execute = real_execute
+    again = llm.generate([IDS], GREEDY, use_tqdm=False, lora_request=reqs[0])[0]
+    assert again.outputs[0].token_ids == hf_greedy(models[1], IDS, GREEDY.max_tokens)

@@ -90,8 +90,10 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         per_prompt = self._params_per_prompt(params, len(prompts))
-        loras = list(lora_request) if isinstance(lora_request,
-                                                 (list, tuple)) else [lora_request] * len(prompts)
+        if isinstance(lora_request, (list, tuple)):
+            loras = list(lora_request)
+        else:
+            loras = [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise NanoserveError(f"got {len(loras)} lora_request for {len(prompts)} prompts; give "
                                  "one, or one each")

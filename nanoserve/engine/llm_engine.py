@@ -125,11 +125,13 @@ class LLMEngine:
         max_loras = None if config.lora is None else config.lora.max_loras
         self.scheduler = Scheduler(config.scheduler, allocator, self.max_model_len, max_loras)
         runner_args = (self.model, num_blocks, cache.block_size, cache.attention_backend,
-                       cache.kv_cache_dtype, lora)
+                       cache.kv_cache_dtype)
         if parallel is None:
             self.runner = ModelRunner(*runner_args)
         else:  # rank 0's runner, which tells the other ranks what to run
             self.runner = parallel.make_runner(self.workers, *runner_args)
+        if lora is not None:  # each forward under its rows' adapters
+            self.runner.around_forward.append(lora.batch_context)
         self.attention_backend = self.runner.attention_backend
         self.cuda_graphs_off = "enforce_eager=True"  # why decode steps run eagerly (None: graphs)
         if not load.enforce_eager:

@@ -24,6 +24,7 @@ the caller tells the scheduler what was computed (`Scheduler.advance`). Taught i
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from enum import IntEnum
 from itertools import chain
@@ -114,8 +115,7 @@ class ModelRunner:
 
     def __init__(self, model, num_blocks: int, block_size: int,
                  attention_backend: str | None = None,
-                 kv_cache_dtype: str = "auto", lora=None, kv_config=None,
-                 kv_layers: range | None = None):
+                 kv_cache_dtype: str = "auto", kv_config=None, kv_layers: range | None = None):
         self.model = model
         self.config = model.config
         cpu_runtime = extension("cpu_runtime")  # models/onednn.py, engine/cpu_allocator.py
@@ -125,17 +125,16 @@ class ModelRunner:
         if self.device.type == "cpu":
             largest = max(t.numel() * t.element_size() for t in model.parameters())
             cpu_runtime.advise_on_allocator(largest)  # glibc's malloc; pages under the weights
+        # kv_config, kv_layers: one rank's share of the heads, or of the layers (parallel/)
         self.kv = PagedKVCache(kv_config or self.config, num_blocks, block_size, self.dtype,
-                               self.device,
-                               attention_backend, kv_cache_dtype=kv_cache_dtype, layers=kv_layers)
-        # (kv_config, kv_layers: one rank's share of the heads, or of the layers:
-        # nanoserve/parallel/)
-        # "torch", "triton" or "cpu" (see nanoserve/kv/)
-        self.attention_backend = self.kv.attention_backend
+                               self.device, attention_backend, kv_cache_dtype=kv_cache_dtype,
+                               layers=kv_layers)
+        self.attention_backend = self.kv.attention_backend  # "torch", "triton" or "cpu" (kv/)
         self.block_size = block_size
         self.graphs = None  # CudaGraphRunner once use_cuda_graphs() ran: decode steps replay graphs
-        # a LoRAManager when the engine serves per-request adapters (lora/serving.py)
-        self.lora = lora
+        # context managers each forward runs inside, made from its sequences (the LoRA adapters'
+        # slots, set before and cleared after: lora/serving.py)
+        self.around_forward: list[Callable[[list[Sequence]], AbstractContextManager]] = []
         # called after each forward with (seqs, num_new, num_logits): what an extension reads of it
         # (Medusa's and EAGLE's proposers keep the model's hidden states: spec/medusa.py,
         # eagle_proposer.py)
@@ -149,8 +148,7 @@ class ModelRunner:
         if self.attention_backend != "triton":
             return ("CUDA graphs need the triton attention backend (the torch one zeroes a "
                     "varying set of blocks)")
-        # its layers are wrapped as adapters arrive, and their slots change per step
-        if self.lora is not None:
+        if self.around_forward:  # e.g. LoRA: its layers' slots change per step
             return "per-request LoRA adapters (enable_lora) run eagerly"
         if self.model.keep_hidden:
             return "draft heads read each step's hidden states (Medusa, EAGLE) eagerly"
@@ -274,14 +272,10 @@ class ModelRunner:
                  trees=None) -> torch.Tensor:
         """logits [B, K, V] of each row's last num_logits new tokens (K = max; shorter rows repeat
         their last)."""
-        # each row's adapter into a slot, and each row's slot into the LoRA layers
-        if self.lora is not None:
-            self.lora.set_batch([s.lora_int_id for s in seqs], self.device)
-        try:
+        with ExitStack() as stack:
+            for context in self.around_forward:
+                stack.enter_context(context(seqs))
             logits = self.execute(self.prepare(seqs, num_new, num_logits, trees))
-        finally:
-            if self.lora is not None:
-                self.lora.clear()
         for hook in self.after_forward:
             hook(seqs, num_new, num_logits)
         return logits

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -163,6 +165,17 @@ class LoRAManager:
             for layer in self.layers.values():
                 layer.set_slots(slots, present)
                 layer.method = method
+
+    @contextmanager
+    def batch_context(self, seqs: list) -> Iterator[None]:
+        """A forward of `seqs` under their adapters (ModelRunner.around_forward): `set_batch`
+        before it, `clear` after, whether it returned or raised."""
+        device = next(self.model.parameters()).device
+        self.set_batch([s.lora_int_id for s in seqs], device)
+        try:
+            yield
+        finally:
+            self.clear()
 
     def clear(self) -> None:
         """After a forward: no layer keeps its rows' slots (a later forward outside the engine,

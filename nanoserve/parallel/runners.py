@@ -60,7 +60,7 @@ def split_for_rank(net, parallel: ParallelConfig, rank: int) -> None:
 
 def rank_runner(net, parallel: ParallelConfig, rank: int, num_layers: int, num_blocks: int,
                 block_size: int,
-                attention_backend, kv_cache_dtype: str, lora=None) -> ModelRunner:
+                attention_backend, kv_cache_dtype: str) -> ModelRunner:
     """`num_layers`: the whole model's (a pipeline stage's model holds fewer)."""
     if parallel.kind == "pipeline":
         return PipelineRunner(net, rank, parallel.world_size, num_layers, num_blocks, block_size,
@@ -68,8 +68,8 @@ def rank_runner(net, parallel: ParallelConfig, rank: int, num_layers: int, num_b
                               kv_cache_dtype)
     kv_config = dataclasses.replace(net.config,
                                     n_kv_heads=max(1, net.config.n_kv_heads // parallel.world_size))
-    return ModelRunner(net, num_blocks, block_size, attention_backend, kv_cache_dtype, lora,
-                       # (its share of the KV heads; replicated when fewer than the ranks)
+    # its share of the KV heads (replicated when fewer than the ranks)
+    return ModelRunner(net, num_blocks, block_size, attention_backend, kv_cache_dtype,
                        kv_config=kv_config)
 
 

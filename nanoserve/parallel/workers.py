@@ -218,13 +218,12 @@ def start_workers(engine, parallel: ParallelConfig, model: str) -> WorkerGroup |
 
 
 def make_runner(group: WorkerGroup | None, model, num_blocks: int, block_size: int,
-                attention_backend,
-                kv_cache_dtype: str, lora):
+                attention_backend, kv_cache_dtype: str):
     """The engine's model runner: a plain one, or rank 0's after telling the workers how to build
     theirs."""
     if group is None:
-        return ModelRunner(model, num_blocks, block_size, attention_backend, kv_cache_dtype, lora)
+        return ModelRunner(model, num_blocks, block_size, attention_backend, kv_cache_dtype)
     group.send("setup", num_blocks, block_size, attention_backend, kv_cache_dtype)
-    return LeaderRunner(group,
-                        rank_runner(model, group.parallel, 0, model.config.n_layers, num_blocks, block_size,
-                                           attention_backend, kv_cache_dtype, lora))
+    leader = rank_runner(model, group.parallel, 0, model.config.n_layers, num_blocks, block_size,
+                         attention_backend, kv_cache_dtype)
+    return LeaderRunner(group, leader)
