@@ -1,9 +1,10 @@
 """The online softmax step the attention kernels share, and Gemma 2's soft-capped scores.
 
-FlashAttention's loop (kernels/flash_attention.py) folds one tile of keys at a time into a running
-max m, denominator l and numerator acc, so the [queries, keys] score matrix never exists: with the
-tile's scores s, m' = max(m, rowmax s), l = l·exp(m − m') + rowsum exp(s − m'), acc = acc·exp(m −
-m') + exp(s − m')·v. Scores are in log2 units (the scale · log2 e is folded in), so exp is exp2.
+FlashAttention's loop (kernels/flash_attention.py) and the paged decode kernel
+(kernels/paged_attention.py) fold one tile of keys at a time into a running max m, denominator l
+and numerator acc, so the [queries, keys] score matrix never exists: with the tile's scores s,
+m' = max(m, rowmax s), l = l·exp(m − m') + rowsum exp(s − m'), acc = acc·exp(m − m') +
+exp(s − m')·v. Scores are in log2 units (the scale · log2 e is folded in), so exp is exp2.
 """
 
 from __future__ import annotations

@@ -12,10 +12,11 @@ block `block_tables[b, t // block_size]` at offset `t % block_size`, i.e. in *sl
   the block table, so a tile may straddle pages and the tile size is free of the page size.
   The tiles fold into an *online softmax*, as in kernels/flash_attention.py: per tile of scores
   x, m' = max(m, max x), l = l·exp(m − m') + Σ exp(x − m'), acc = acc·exp(m − m') + exp(x − m')·v,
-  and out = acc / l at the end (m, l, acc in fp32). With a sliding window w (Mistral), the query
+  and out = acc / l at the end (m, l, acc in fp32): the step FlashAttention takes too, one function
+  for both (kernels/online_softmax.py). With a sliding window w (Mistral), the query
   at position len − 1 sees only keys len − w .. len − 1, so the walk simply starts at len − w: the
   blocks before it are never read (the engine may already have given them back to the pool). A
-  soft-cap c (Gemma 2) maps each score x to c·tanh(x / c) first (flash_attention.softcap_scores).
+  soft-cap c (Gemma 2) maps each score x to c·tanh(x / c) first (online_softmax.softcap_scores).
 
 **GQA, one program per group.** H query heads share Hkv kv heads (head h reads kv head
 h // G, G = H // Hkv). A program owns one (sequence, kv head) and all G query heads of its
@@ -54,7 +55,7 @@ import triton.language as tl
 from .checks import check_paged_attention, check_softcap, check_window
 from .configs import pick
 from .kv_quant import load_kv_tile
-from .online_softmax import softcap_scores
+from .online_softmax import online_softmax_step
 from .split_kv import choose_num_splits, merge_splits
 
 
@@ -132,22 +133,10 @@ def _paged_decode_kernel(
         v = load_kv_tile(V_cache + blk[:, None] * stride_vcb + off[:, None] * stride_vcs + kvh * stride_vch
                          + offs_d[None, :], kv_mask, V_scale + scale_at[:, None], n_mask[:, None],
                          KV_QUANT, q.dtype)  # BLOCK_N, D_PAD
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        # scale · log2 e, so exp2 below is exp; applied to the fp32 scores, not to q (no extra
-        # rounding)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # G_PAD, BLOCK_N
-        if SOFTCAP > 0:  # compile-time: without a cap, the kernel it always was
-            s = softcap_scores(s, SOFTCAP)
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every tile holds ≥ 1 real key
-        alpha = tl.exp2(m - m_new)  # G_PAD   rescales what came before
-        p = tl.exp2(s - m_new[:, None])  # G_PAD, BLOCK_N
-        l = l * alpha + tl.sum(p, axis=1)
-        # G_PAD, D_PAD
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m = m_new
+        # the step FlashAttention takes (online_softmax.py), over the G_PAD query heads of the
+        # group: scores scaled by scale · log2 e in fp32, keys past the context masked
+        m, l, acc = online_softmax_step(q, tl.trans(k), v, n_mask[None, :], m, l, acc, qk_scale,
+                                        SOFTCAP, UPCAST, True)
 
     nonempty = l > 0
     l_safe = tl.where(nonempty, l, 1.0)
