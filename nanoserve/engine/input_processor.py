@@ -136,8 +136,9 @@ class InputProcessor:
         """Sample i of a request: its sequence, its random stream (seed + i), its text."""
         p = req.params
         seed = None if p.seed is None else p.seed + i  # sample i of n == a single run with seed + i
-        seen = torch.tensor(seq.token_ids,
-                            device=self.device) if p.repetition_penalty != 1.0 else None
+        seen = None  # the ids a repetition penalty looks at: prompt and output
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(seq.token_ids, device=self.device)
         logprobs = None if p.logprobs is None else []
         out = CompletionOutput(i, logprobs=logprobs,
                                cumulative_logprob=None if logprobs is None else 0.0)

@@ -69,8 +69,8 @@ class KVCache:
         # only the blocks that hold tokens so far
         used = self.block_tables[:, : -(-end // self.block_size)]
         lens = torch.full((self.batch_size,), end)
-        return self.pool.bind(AttentionMetadata.build(slot_mapping, used, lens,
-                                                      self.block_size).to(self.device))
+        meta = AttentionMetadata.build(slot_mapping, used, lens, self.block_size)
+        return self.pool.bind(meta.to(self.device))
 
     def advance(self, n: int) -> None:
         """Called by the model once all layers have written the step's n tokens."""

@@ -74,6 +74,7 @@ class AttentionMetadata:
         src = [i * T + j for i, row in enumerate(rows) for j, slot in enumerate(row) if slot >= 0]
         dst = [slot for row in rows for slot in row if slot >= 0]  # N
         num_new = [sum(slot >= 0 for slot in row) for row in rows]  # B
+        wants_buckets = buckets and attn_mask is None
         return cls(slot_mapping, block_tables, context_lens, host_tensor(src), host_tensor(dst),
                    fresh_blocks=host_tensor([d // block_size for d in dst if d % block_size == 0]),
                    cu_seqlens=host_tensor(accumulate(num_new, initial=0), dtype=torch.int32),
@@ -81,8 +82,7 @@ class AttentionMetadata:
                                            dtype=torch.int32),
                    max_context=max(lens, default=1), decode=T == 1 and len(dst) == B,
                    max_query_len=max(num_new, default=1), no_prefix=lens == num_new,
-                   buckets=length_buckets(lens,
-                                          block_size) if buckets and attn_mask is None else [],
+                   buckets=length_buckets(lens, block_size) if wants_buckets else [],
                    attn_mask=attn_mask, tree_bits=tree_bits)
 
     def to(self, device: torch.device | str) -> AttentionMetadata:
@@ -128,8 +128,7 @@ def length_buckets(context_lens: torch.Tensor | list[int], block_size: int,
     (`bucket_size`): [(rows, blocks)]. A group gathered to its own length wastes < 1/per_doubling of
     it on padding; all rows gathered to the longest waste up to (longest − shortest) / longest (most
     of it, with a long straggler). More buckets mean more, smaller gathers and SDPA calls, yet on
-    the 256-request peer workload 16 per doubling beat 1, 2, 4 and 8 (995, 962, 1096, 1268 → 1355
-    tok/s; RESULTS.md)."""
+    the 256-request peer workload 16 per doubling beat 1, 2, 4 and 8 (benchmarks/RESULTS.md)."""
     # B (host values)
     lens = context_lens.tolist() if isinstance(context_lens, torch.Tensor) else context_lens
     groups: dict[int, list[int]] = {}

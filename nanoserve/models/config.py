@@ -153,8 +153,8 @@ class ModelConfig:
                               f"0..{self.n_layers - 1}")
         for name in ("attn_scale", "attn_softcap", "final_softcap", "local_rope_theta"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value,
-                                                     (int, float)) or not 0 < value < float("inf")):
+            number = isinstance(value, (int, float))
+            if value is not None and (not number or not 0 < value < float("inf")):
                 raise ConfigError(f"{name}={value!r} must be a positive finite number or None")
         w = self.sliding_window
         if w is not None and (type(w) is not int or w < 1):

@@ -49,8 +49,9 @@ class LlamaAttention(nn.Module):
         self.qk_norm = cfg.qk_norm
         # per head: one head_dim weight shared by every head; whole: one weight per q/k channel
         if cfg.qk_norm:
-            q_width, k_width = (cfg.head_dim,
-                                cfg.head_dim) if cfg.qk_norm == "per_head" else (q_dim, kv_dim)
+            q_width, k_width = q_dim, kv_dim  # "whole": the whole projections
+            if cfg.qk_norm == "per_head":
+                q_width = k_width = cfg.head_dim
             self.q_norm = RMSNorm(q_width, cfg.norm_eps, cfg.norm_unit_offset, cfg.norm_scale_fp32)
             self.k_norm = RMSNorm(k_width, cfg.norm_eps, cfg.norm_unit_offset, cfg.norm_scale_fp32)
 
