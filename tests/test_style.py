@@ -10,24 +10,14 @@ Each check runs on the real files and on a snippet that breaks its rule (the neg
 from __future__ import annotations
 
 import ast
-import importlib.util
 import unicodedata
 from pathlib import Path
 
 import pytest
+from test_layering import core_size  # scripts/core_size.py, loaded by path
 
 ROOT = Path(__file__).resolve().parent.parent
 LIMIT = 100
-
-
-def _load_core_size():
-    spec = importlib.util.spec_from_file_location("core_size", ROOT / "scripts" / "core_size.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-core_size = _load_core_size()
 
 
 def core_files() -> list[Path]:
