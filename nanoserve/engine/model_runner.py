@@ -148,8 +148,9 @@ class ModelRunner:
         if self.attention_backend != "triton":
             return ("CUDA graphs need the triton attention backend (the torch one zeroes a "
                     "varying set of blocks)")
-        if self.around_forward:  # e.g. LoRA: its layers' slots change per step
-            return "per-request LoRA adapters (enable_lora) run eagerly"
+        if self.around_forward:  # a graph replays the forward alone, not what wraps it
+            return ("each forward runs inside an extension's context (around_forward: e.g. "
+                    "per-request LoRA adapters, whose slots change per step)")
         if self.model.keep_hidden:
             return "draft heads read each step's hidden states (Medusa, EAGLE) eagerly"
         # e.g. quant/llm_int8.py

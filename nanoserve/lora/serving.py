@@ -63,6 +63,7 @@ class LoRAManager:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise NanoserveError(f"{name}={v!r} must be an integer ≥ 1")
         self.model, self.config, self.dtype = model, config, dtype
+        self.device = next(model.parameters()).device  # where each forward's slot rows go
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         # read from disk, by lora_int_id
         self.adapters: dict[int, tuple[LoRARequest, LoRAAdapter]] = {}
@@ -170,8 +171,7 @@ class LoRAManager:
     def batch_context(self, seqs: list) -> Iterator[None]:
         """A forward of `seqs` under their adapters (ModelRunner.around_forward): `set_batch`
         before it, `clear` after, whether it returned or raised."""
-        device = next(self.model.parameters()).device
-        self.set_batch([s.lora_int_id for s in seqs], device)
+        self.set_batch([s.lora_int_id for s in seqs], self.device)
         try:
             yield
         finally:
