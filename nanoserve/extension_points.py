@@ -26,8 +26,9 @@ before anything else can make an engine.
     cuda_graphs         engine/cuda_graph.py          CudaGraphRunner: ModelRunner.use_cuda_graphs
     cpu_runtime         models/onednn.py,             use_onednn_linears, advise_on_allocator:
                         engine/cpu_allocator.py       ModelRunner, on the CPU
-    attention_backends  kv/in_place.py                VIEWS, in_place_problem, needs_buckets:
-                                                      PagedKVCache (Triton and C kernels)
+    attention_backends  kv/in_place.py                VIEWS, in_place_problem: PagedKVCache
+                                                      (Triton and C kernels; each view builds its
+                                                      own metadata)
     kv_quant            kv/quant.py                   kv_quant, kv_element_bytes: PagedKVCache,
                                                       K/V stored in 8 bits
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import shutil
 import subprocess
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.kv import metadata as md
+from nanoserve.kv.torch_backend import CacheView
+from nanoserve.kv.triton_backend import TritonCacheView
 from nanoserve.models import build_model, onednn
 from nanoserve.models.config import gpt2_config
 from nanoserve.models.onednn import OneDNNLinear, onednn_unavailable
@@ -52,7 +55,7 @@ def test_metadata_from_host_lists_equals_tensor_ops(B, T, seed):
         lens.append(start + n)
     slot_mapping, context_lens = torch.tensor(rows, dtype=torch.long).view(B, T), torch.tensor(lens, dtype=torch.long)
     tables = torch.zeros(B, 3, dtype=torch.long)
-    meta = md.AttentionMetadata.build(slot_mapping, tables, context_lens, bs)
+    meta = build_both(slot_mapping, tables, context_lens, bs)
     want = metadata_by_tensor_ops(slot_mapping, context_lens, bs)
     for name, value in want.items():
         got = getattr(meta, name)
@@ -64,8 +67,19 @@ def test_metadata_from_host_lists_equals_tensor_ops(B, T, seed):
                                                           md.length_buckets(context_lens, bs)]
     # control: a step with one more cached token per row changes what the comparison reads
     if B:
-        other = md.AttentionMetadata.build(slot_mapping, tables, context_lens + 1, bs)
+        other = build_both(slot_mapping, tables, context_lens + 1, bs)
         assert not torch.equal(other.prefix_lens, want["prefix_lens"])
+
+
+def build_both(slot_mapping, tables, context_lens, bs) -> SimpleNamespace:
+    """The torch and the Triton backends' metadata of one step, their fields side by side."""
+    common = md.CommonAttentionMetadata.build(slot_mapping, tables, context_lens)
+    cache = SimpleNamespace(block_size=bs)
+    torch_meta = CacheView.build_metadata(cache, common)
+    triton_meta = TritonCacheView.build_metadata(cache, common)
+    return SimpleNamespace(**vars(triton_meta), **{name: value for name, value in
+                                                   vars(torch_meta).items()
+                                                   if name not in vars(triton_meta)})
 
 
 def test_host_tensor_equals_torch_tensor():

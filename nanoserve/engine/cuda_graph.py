@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kv.metadata import AttentionMetadata
+from ..kv.triton_backend import TritonAttentionMetadata
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -58,16 +58,15 @@ class DecodeBuffers:
         self.cu_seqlens = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         self.max_context = max_context
 
-    def meta(self, b: int) -> AttentionMetadata:
+    def meta(self, b: int) -> TritonAttentionMetadata:
         """Bucket b's attention metadata: views of the static buffers (their addresses never
         change)."""
         slots = self.slot_mapping[:b]  # b, 1
-        return AttentionMetadata(slots, self.block_tables[:b], self.context_lens[:b],
-                                 src=self.rows[:b],
-                                 dst=slots.view(-1), fresh_blocks=self.rows[:0],
-                                 cu_seqlens=self.cu_seqlens[:b + 1],
-                                 prefix_lens=self.cu_seqlens[:b], max_context=self.max_context,
-                                 decode=True)
+        return TritonAttentionMetadata(slots, self.block_tables[:b], self.context_lens[:b],
+                                       cu_seqlens=self.cu_seqlens[:b + 1], src=self.rows[:b],
+                                       dst=slots.view(-1), max_context=self.max_context,
+                                       max_query_len=1, decode=True,
+                                       prefix_lens=self.cu_seqlens[:b])
 
     def fill(self, inputs, b: int) -> int:
         """Copy one eager decode step's inputs (a ForwardInputs with B ≤ b rows) into the first B

@@ -13,7 +13,7 @@ model:
     context_lens          [B]      tokens in the cache once this step's are written
 
 and returns each row's next-token logits (the logits of its last new token). `prepare` builds all
-of it on the host and moves it once (`AttentionMetadata`); `execute` is the forward on device
+of it on the host and moves it once (kv/metadata.py); `execute` is the forward on device
 tensors only, with no read back to the host — what a CUDA graph captures (engine/cuda_graph.py).
 
 It is pure: sequences in, logits out. It reads each sequence's tokens, block table and
@@ -34,7 +34,7 @@ import torch
 from ..config import MAX_SPECULATIVE_TOKENS
 from ..extension_points import extension
 from ..kv.cache import PagedKVCache
-from ..kv.metadata import AttentionMetadata, host_tensor
+from ..kv.metadata import CommonAttentionMetadata, host_tensor
 from .block import slots
 from .sequence import NULL_BLOCK, Sequence
 
@@ -106,7 +106,7 @@ class ForwardInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     logit_index: torch.Tensor
-    meta: AttentionMetadata
+    meta: CommonAttentionMetadata  # the attention backend's own (kv/metadata.py)
 
 
 class ModelRunner:
@@ -190,26 +190,13 @@ class ModelRunner:
         block_tables = host_tensor(flat(tables), (B, M))
         context_lens = host_tensor(lens)  # B
         logit_index = host_tensor(logit_positions(num_new, num_logits, K), (B, K))
-        mask = bits = None  # a token tree's attention (speculative decoding), else causal
-        if trees is not None:
-            mask, bits = self._tree_attention(trees, num_new, context_lens, T, M * bs)
-        decode = T == 1
-        meta = AttentionMetadata.build(slot_mapping, block_tables, context_lens, bs,
-                                       self.kv.needs_buckets(decode), mask, bits)
+        common = CommonAttentionMetadata.build(slot_mapping, block_tables, context_lens)
+        meta = self.kv.build_metadata(common, trees)  # the backend's own (kv/metadata.py)
         return ForwardInputs(self._to_device(input_ids), self._to_device(positions),
                              self._to_device(logit_index), meta.to(self.device))
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, non_blocking=True)
-
-    def _tree_attention(self, trees: list, num_new: list[int], context_lens: torch.Tensor, T: int,
-                        S: int) -> tuple:
-        """(mask, bits) of the rows that are token trees: for the Triton kernel each token's
-        ancestors as bits (N, the real tokens packed), for SDPA a bool mask [B, T, S]."""
-        token_trees = extension("token_trees")  # spec/tree_sampler.py
-        if self.attention_backend == "triton":
-            return None, token_trees.packed_ancestor_bits(trees, num_new)
-        return token_trees.tree_mask(trees, num_new, context_lens, T, S), None
 
     @torch.inference_mode()
     def execute(self, inputs: ForwardInputs) -> torch.Tensor:

@@ -12,10 +12,10 @@ blocks listed in its *block table*; token i of a sequence lives in block
 the block allocator's business (nanoserve/engine/block_allocator.py); this package only stores and
 reads.
 
-Per forward step the engine binds a `CacheView` to an `AttentionMetadata` (metadata.py), built
-on the host: `slot_mapping` [B, T] (where each new token's K/V goes, −1 for padding),
+Per forward step the engine binds a `CacheView` to its backend's attention metadata (metadata.py),
+built on the host: `slot_mapping` [B, T] (where each new token's K/V goes, −1 for padding),
 `block_tables` [B, max_blocks] (each sequence's blocks in logical order), `context_lens` [B]
-(tokens in the cache once this step's are written), and what derives from them.
+(tokens in the cache once this step's are written), and what the backend derives from them.
 The model's attention layers call `view.attention(layer, q, k, v, positions)`: the view owns
 both halves of attention over the cache, writing this step's K/V and attending over everything
 cached, so *how* that happens is the view's choice — the **attention backend**:
@@ -52,7 +52,7 @@ from ..config import ATTENTION_BACKENDS, check_block_size
 from ..errors import NanoserveError
 from ..extension_points import extension
 from ..models.config import ModelConfig
-from .metadata import AttentionMetadata
+from .metadata import CommonAttentionMetadata
 from .torch_backend import CacheView
 
 logger = logging.getLogger("nanoserve")
@@ -165,28 +165,28 @@ class PagedKVCache:
                 flat = pool.view(pool.shape[0], -1, *pool.shape[3:])  # layers, slots, ...
                 flat[:, d] = flat[:, s]
 
-    def bind(self, meta: AttentionMetadata) -> CacheView:
-        """The view one forward writes and reads through: this backend's CacheView over `meta`."""
+    def view_class(self) -> type[CacheView]:
+        """This backend's CacheView class (torch_backend.py, or an extension's: in_place.py)."""
         if self.attention_backend == "torch":
-            return CacheView(self, meta)
-        return extension("attention_backends").VIEWS[self.attention_backend](self, meta)
+            return CacheView
+        return extension("attention_backends").VIEWS[self.attention_backend]
 
-    def needs_buckets(self, decode: bool) -> bool:
-        """Whether a step's attention gathers K/V by length bucket (metadata.length_buckets): the
-        torch paths."""
-        if self.attention_backend == "torch":
-            return True
-        return extension("attention_backends").needs_buckets(self, decode)
+    def build_metadata(self, common: CommonAttentionMetadata, trees: list | None = None):
+        """This backend's attention metadata for a step (its view's `build_metadata`)."""
+        return self.view_class().build_metadata(self, common, trees)
+
+    def bind(self, meta: CommonAttentionMetadata) -> CacheView:
+        """The view one forward writes and reads through: this backend's CacheView over `meta`."""
+        return self.view_class()(self, meta)
 
     def view(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
              context_lens: torch.Tensor) -> CacheView:
         """A view from a step's three tensors, for tests and notebooks: it reads them on the host to
         derive the metadata (the model runner builds the metadata from host values and calls
         `bind`)."""
-        meta = AttentionMetadata.build(slot_mapping.cpu(), block_tables.cpu(), context_lens.cpu(),
-                                       self.block_size,
-                                       self.attention_backend != "triton")
-        return self.bind(meta.to(slot_mapping.device))
+        common = CommonAttentionMetadata.build(slot_mapping.cpu(), block_tables.cpu(),
+                                               context_lens.cpu())
+        return self.bind(self.build_metadata(common).to(slot_mapping.device))
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: Any, kv_cache_dtype: str = "auto") -> int:

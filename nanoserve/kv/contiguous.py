@@ -13,7 +13,7 @@ from ..engine.block import slots
 from ..errors import NanoserveError
 from ..models.config import ModelConfig
 from .cache import PagedKVCache
-from .metadata import AttentionMetadata
+from .metadata import CommonAttentionMetadata
 from .torch_backend import CacheView
 
 
@@ -69,8 +69,8 @@ class KVCache:
         # only the blocks that hold tokens so far
         used = self.block_tables[:, : -(-end // self.block_size)]
         lens = torch.full((self.batch_size,), end)
-        meta = AttentionMetadata.build(slot_mapping, used, lens, self.block_size)
-        return self.pool.bind(meta.to(self.device))
+        common = CommonAttentionMetadata.build(slot_mapping, used, lens)
+        return self.pool.bind(self.pool.build_metadata(common).to(self.device))
 
     def advance(self, n: int) -> None:
         """Called by the model once all layers have written the step's n tokens."""

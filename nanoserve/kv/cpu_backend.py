@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import torch
 
-from .metadata import AttentionMetadata
-from .torch_backend import CacheView
+from .torch_backend import CacheView, TorchAttentionMetadata
 
 
 class CpuCacheView(CacheView):
     """The torch backend (CacheView), except that a decode step over a float32 pool runs the C
     kernel."""
 
-    def __init__(self, cache, meta: AttentionMetadata):
+    def __init__(self, cache, meta: TorchAttentionMetadata):
         super().__init__(cache, meta)
         self.in_place = self.reads_in_place(cache, meta.decode)
         # the kernel trusts its indices: check them once per step, here, not per layer
@@ -38,6 +37,11 @@ class CpuCacheView(CacheView):
         """Whether a step runs the C kernel over the pool: a decode step over a float32, unquantized
         pool."""
         return decode and cache.quant is None and cache.dtype == torch.float32
+
+    @classmethod
+    def gathers_by_bucket(cls, cache, decode: bool) -> bool:
+        """A step the C kernel reads in place gathers nothing (no length buckets to build)."""
+        return not cls.reads_in_place(cache, decode)
 
     def attention(self, layer, q, k, v, positions, window=None, scale=None, softcap=None):
         if not self.in_place:

@@ -4,7 +4,6 @@ kernel on the CPU. kv/cache.py resolves a backend's name and binds its view thro
 
     VIEWS                  backend name -> its CacheView class
     in_place_problem       why the device's in-place backend cannot serve a model, or None
-    needs_buckets          whether a step's attention still gathers K/V by length bucket
 """
 
 from __future__ import annotations
@@ -30,10 +29,3 @@ def in_place_problem(cuda: bool, head_dim: int, dtype: torch.dtype, device) -> s
 
     return cpu_kernel_problem(head_dim)
 
-
-def needs_buckets(cache, decode: bool) -> bool:
-    """Triton reads every step in place; the CPU kernel only a float32 decode step, otherwise its
-    view falls back to the torch path, which gathers by length bucket (metadata.length_buckets)."""
-    if cache.attention_backend == "triton":
-        return False
-    return not CpuCacheView.reads_in_place(cache, decode)

@@ -10,10 +10,41 @@ the copy itself (benchmarks/RESULTS.md, "Where the time goes"). Taught in notebo
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field, replace
+
 import torch
 
+from ..extension_points import extension
 from ..models.layers import attention as sdpa_attention
-from .metadata import AttentionMetadata
+from .metadata import CommonAttentionMetadata, host_tensor, length_buckets
+
+
+@dataclass
+class TorchAttentionMetadata(CommonAttentionMetadata):
+    """The torch backend's metadata: the common part (metadata.py), and
+
+        fresh_blocks  [F]  blocks receiving their first token (offset 0) this step
+        no_prefix     host value: no row has tokens cached before this step (prefills from
+                      scratch)
+        buckets       [(rows, num_blocks)]: rows grouped by the blocks their context needs,
+                      rounded up to a ladder of sizes (metadata.bucket_size; each group is
+                      gathered to its own length, not every row to the longest)
+        attn_mask     [B, T, M·block_size] or None: which gathered keys each new token sees, when a
+                      row holds a token tree (speculative verification; spec/tree_sampler.py)
+                      rather than a run of consecutive positions; None: causal by position
+    """
+
+    fresh_blocks: torch.Tensor
+    no_prefix: bool = False
+    buckets: list[tuple[torch.Tensor, int]] = field(default_factory=list)
+    attn_mask: torch.Tensor | None = None
+
+    def to(self, device: torch.device | str) -> TorchAttentionMetadata:
+        moved = super().to(device)
+        if moved is self:
+            return self
+        buckets = [(rows.to(device, non_blocking=True), n) for rows, n in self.buckets]
+        return replace(moved, buckets=buckets)
 
 
 class CacheView:
@@ -25,7 +56,7 @@ class CacheView:
 
     zero_fresh_blocks = True  # the gather reads whole blocks, so their unused slots must hold zeros
 
-    def __init__(self, cache, meta: AttentionMetadata):
+    def __init__(self, cache, meta: TorchAttentionMetadata):
         self.cache, self.meta = cache, meta
         self.src, self.dst = meta.src, meta.dst  # N: the real tokens' rows in B·T, and their slots
         self.block_tables = meta.block_tables  # B, max_blocks
@@ -41,6 +72,31 @@ class CacheView:
             for pool in (cache.k, cache.v, cache.k_scale, cache.v_scale):
                 if pool is not None:
                     pool.index_fill_(1, meta.fresh_blocks, 0)
+
+    @classmethod
+    def build_metadata(cls, cache, common: CommonAttentionMetadata,
+                       trees: list | None = None) -> TorchAttentionMetadata:
+        """This backend's metadata for a step, from the common part (on the CPU still) and, when
+        some row is a token tree, every row's tree (its parents; None: a chain)."""
+        bs = cache.block_size
+        lens = common.context_lens.tolist()  # B (host values)
+        num_new = common.query_lens()  # B
+        fresh = host_tensor([slot // bs for slot in common.dst.tolist() if slot % bs == 0])
+        mask = None
+        if trees is not None:  # the mask spans the longest row's keys: no buckets
+            T = common.slot_mapping.shape[1]
+            S = common.block_tables.shape[1] * bs
+            mask = extension("token_trees").tree_mask(trees, num_new, common.context_lens, T, S)
+        buckets = []
+        if mask is None and cls.gathers_by_bucket(cache, common.decode):
+            buckets = length_buckets(lens, bs)
+        return TorchAttentionMetadata(**common.as_kwargs(), fresh_blocks=fresh,
+                                      no_prefix=lens == num_new, buckets=buckets, attn_mask=mask)
+
+    @classmethod
+    def gathers_by_bucket(cls, cache, decode: bool) -> bool:
+        """Whether a step's attention gathers K/V by length bucket (metadata.length_buckets)."""
+        return True
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   positions: torch.Tensor, window: int | None = None, scale: float | None = None,

@@ -9,10 +9,27 @@ dequantized tile by tile inside the attention kernels. Taught in notebooks/04_* 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from .metadata import AttentionMetadata
+from ..extension_points import extension
+from .metadata import CommonAttentionMetadata, host_tensor
 from .torch_backend import CacheView
+
+
+@dataclass
+class TritonAttentionMetadata(CommonAttentionMetadata):
+    """The Triton backend's metadata: the common part (metadata.py), and
+
+        prefix_lens  [B] int32  tokens of each row cached before this step
+        tree_bits    [N] int64 or None: which of its row's new tokens each real token sees, bit j
+                     for token j (−1 in a chain row), when some row is a token tree (speculative
+                     verification; spec/tree_sampler.py); None: causal by position
+    """
+
+    prefix_lens: torch.Tensor
+    tree_bits: torch.Tensor | None = None
 
 
 class TritonCacheView(CacheView):
@@ -34,7 +51,20 @@ class TritonCacheView(CacheView):
 
     zero_fresh_blocks = False
 
-    def __init__(self, cache, meta: AttentionMetadata):
+    @classmethod
+    def build_metadata(cls, cache, common: CommonAttentionMetadata,
+                       trees: list | None = None) -> TritonAttentionMetadata:
+        """This backend's metadata for a step, from the common part (on the CPU still) and, when
+        some row is a token tree, every row's tree (its parents; None: a chain)."""
+        num_new = common.query_lens()  # B (host values)
+        lens = common.context_lens.tolist()  # B
+        prefix = host_tensor((n_ctx - n for n_ctx, n in zip(lens, num_new)), dtype=torch.int32)
+        bits = None
+        if trees is not None:
+            bits = extension("token_trees").packed_ancestor_bits(trees, num_new)
+        return TritonAttentionMetadata(**common.as_kwargs(), prefix_lens=prefix, tree_bits=bits)
+
+    def __init__(self, cache, meta: TritonAttentionMetadata):
         super().__init__(cache, meta)
         from ..kernels import check_interpreter
         from ..kernels.split_kv import choose_num_splits  # imports Triton: only for this backend
