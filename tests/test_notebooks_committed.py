@@ -5,6 +5,7 @@ nothing (docs/TESTING.md §E)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -34,3 +35,32 @@ def test_a_stripped_notebook_is_caught():
         if c["cell_type"] == "code":
             c["execution_count"], c["outputs"] = None, []
     assert "execution counts" in _problem(nb)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+# a repository path in a notebook's prose: `nanoserve/engine/scheduler.py`, `docs/ARCHITECTURE.md`
+PATH = re.compile(r"(?<![\w/.])((?:nanoserve|kernels|exercises|benchmarks|docs|tests|scripts)"
+                  r"/[\w/.-]+\.(?:py|md|c|json))")
+
+
+def _missing_paths(nb: dict) -> list[str]:
+    """The repository files a notebook's markdown names that do not exist."""
+    missing = []
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "markdown":
+            missing += [p for p in PATH.findall("".join(cell["source"])) if not (ROOT / p).exists()]
+    return missing
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_the_files_a_notebook_points_at_exist(path):
+    """Hand-over cells point at the package's files (docs/ARCHITECTURE.md's reading order): a file
+    moved or renamed must take the notebook's prose with it."""
+    assert _missing_paths(json.loads(path.read_text())) == []
+
+
+def test_a_moved_file_is_caught():
+    nb = {"cells": [{"cell_type": "markdown",
+                     "source": ["the scheduler: `nanoserve/engine/scheduler.py`, the old one: "
+                                "`nanoserve/engine/old_scheduler.py`"]}]}
+    assert _missing_paths(nb) == ["nanoserve/engine/old_scheduler.py"]
