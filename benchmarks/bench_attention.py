@@ -60,9 +60,11 @@ def random_pool(lens, n_kv, d, block_size, dtype, device, shuffle, gen):
     num_blocks = sum(per_seq)
     k = torch.randn(num_blocks, block_size, n_kv, d, generator=gen, device=device).to(dtype)
     v = torch.randn(num_blocks, block_size, n_kv, d, generator=gen, device=device).to(dtype)
-    order = torch.randperm(num_blocks, generator=gen,
-                           device=device) if shuffle else torch.arange(num_blocks,
-                                                                                                  device=device)
+    order = (
+        torch.randperm(num_blocks, generator=gen, device=device)
+        if shuffle
+        else torch.arange(num_blocks, device=device)
+    )
     tables = torch.zeros(len(lens), max(per_seq), dtype=torch.int32, device=device)
     start = 0
     for b, n in enumerate(per_seq):
@@ -93,11 +95,15 @@ def prefill(args, device, gen):
                 qs, ks, vs = (t.view(B, N, H, d).transpose(1, 2) for t in (q, k, v))  # B, H, N, d
                 if device == "cuda":
                     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                        ref = bench(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True),  # noqa: B023
-                                    args.smoke)
+                        ref = bench(
+                            lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True),  # noqa: B023
+                            args.smoke,
+                        )
                 else:
-                    ref = bench(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True),  # noqa: B023
-                                args.smoke)
+                    ref = bench(
+                        lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True),  # noqa: B023
+                        args.smoke,
+                    )
                 flops = 4 * B * H * N * N * d / 2
                 rows.append(dict(dtype=str(dtype).removeprefix("torch."), d=d, N=N, batch=B, heads=H,
                                  ours_ms=ours, sdpa_ms=ref, ours_tflops=flops / ours / 1e9,
@@ -153,12 +159,20 @@ def kv8_decode(args, device, gen):
     for ctx in ([40] if args.smoke else [1024, 4096, 8192]):
         q = torch.randn(B, H, d, generator=gen, device=device).to(dtype)
         k, v, tables, lens = random_pool([ctx] * B, Hkv, d, 16, dtype, device, True, gen)
-        row = dict(batch=B, heads=H, kv_heads=Hkv, d=d, context=ctx,
-                   bf16_ms=bench(lambda: paged_attention(q, k, v, tables, lens), args.smoke))  # noqa: B023
+        row = dict(
+            batch=B,
+            heads=H,
+            kv_heads=Hkv,
+            d=d,
+            context=ctx,
+            bf16_ms=bench(lambda: paged_attention(q, k, v, tables, lens), args.smoke),  # noqa: B023
+        )
         for name in ("int8", "fp8_e4m3"):
             (kc, ks), (vc, vs) = FORMATS[name].quantize(k), FORMATS[name].quantize(v)
             kv = dict(k_scale=ks, v_scale=vs, kv_cache_dtype=name)
-            row[f"{name}_ms"] = bench(lambda: paged_attention(q, kc, vc, tables, lens, **kv), args.smoke)  # noqa: B023
+            row[f"{name}_ms"] = bench(
+                lambda: paged_attention(q, kc, vc, tables, lens, **kv), args.smoke  # noqa: B023
+            )
             row[f"{name}_speedup"] = row["bf16_ms"] / row[f"{name}_ms"]
         rows.append(row)
     return rows
@@ -206,7 +220,9 @@ def main() -> None:
           ["context", "bf16_ms", "int8_ms", "fp8_e4m3_ms", "int8_speedup", "fp8_e4m3_speedup"])
     if not math.isfinite(sum(r["ratio"] for r in res["prefill"])):
         raise SystemExit("non-finite timing")
-    out = Path(args.out) if args.out else HERE / f"attention_{'smoke' if args.smoke else 'gpu'}.json"
+    out = (
+        Path(args.out) if args.out else HERE / f"attention_{'smoke' if args.smoke else 'gpu'}.json"
+    )
     out.write_text(json.dumps(res, indent=1) + "\n")
     print(f"\nsaved {out}")
 

@@ -108,9 +108,15 @@ def engine_pairs(rounds: int) -> dict:
 
 def cpu_name() -> str:
     info = Path("/proc/cpuinfo")
-    names = [ln.split(":",
-                      1)[1].strip() for ln in info.read_text().splitlines() if ln.startswith("model name")] \
-        if info.exists() else []
+    names = (
+        [
+            ln.split(":", 1)[1].strip()
+            for ln in info.read_text().splitlines()
+            if ln.startswith("model name")
+        ]
+        if info.exists()
+        else []
+    )
     return f"{platform.machine()}, {names[0] if names else platform.processor()}"
 
 
@@ -131,8 +137,10 @@ def main() -> None:
                           "loadavg_before": os.getloadavg()},
               "torch": torch.__version__, "gemv_max_bytes": GEMV_MAX_BYTES, "reps": args.reps,
               "groups": {}}
-    print(f"{'group':<11}{'rows':>5}  {'weight':>12}{'MB':>8}{'MKL µs':>10}{'oneDNN µs':>11}{'MKL GB/s':>10}"
-          f"{'oneDNN GB/s':>13}  faster")
+    print(
+        f"{'group':<11}{'rows':>5}  {'weight':>12}{'MB':>8}{'MKL µs':>10}{'oneDNN µs':>11}{'MKL GB/s':>10}"
+        f"{'oneDNN GB/s':>13}  faster"
+    )
     for group, shapes in GROUPS.items():
         for rows in args.rows:
             res = measure(shapes, rows,
@@ -140,13 +148,18 @@ def main() -> None:
             result["groups"][f"{group}/{rows}"] = res
             for name, d in res.items():
                 faster = "MKL" if d["mkl_us"] < d["onednn_us"] else "oneDNN"
-                print(f"{group:<11}{rows:>5}  {name:>12}{d['weight_mb']:>8.1f}{d['mkl_us']:>10.1f}"
-                      f"{d['onednn_us']:>11.1f}{d['mkl_gb_s']:>10.1f}{d['onednn_gb_s']:>13.1f}  {faster}")
+                print(
+                    f"{group:<11}{rows:>5}  {name:>12}{d['weight_mb']:>8.1f}{d['mkl_us']:>10.1f}"
+                    f"{d['onednn_us']:>11.1f}{d['mkl_gb_s']:>10.1f}{d['onednn_gb_s']:>13.1f}  {faster}"
+                )
     gpt2 = result["groups"].get("gpt2-6x384/1")
     if gpt2 is None:  # (no one-row run: no summary)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         return print(f"saved {args.out}")
-    per_pass = {n: sum(d[f"{n}_us"] * d["calls_per_pass"] for d in gpt2.values()) / 1e3 for n in ("mkl", "onednn")}
+    per_pass = {
+        n: sum(d[f"{n}_us"] * d["calls_per_pass"] for d in gpt2.values()) / 1e3
+        for n in ("mkl", "onednn")
+    }
     # the Intel rule
     rule = sum(d["mkl_us"] if d["weight_mb"] * 1e6 < GEMV_MAX_BYTES else d["onednn_us"]
                for d in gpt2.values() for _ in range(d["calls_per_pass"])) / 1e3

@@ -94,8 +94,12 @@ def main() -> None:
     }
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"{'engine':<12}{'median tok/s':>14}{'runs':>40}")
-    print(f"{'nanoserve':<12}{result['nanoserve_median_tok_s']:>14.1f}{str([round(x, 1) for x in ns]):>40}")
-    print(f"{'HF generate':<12}{result['hf_median_tok_s']:>14.1f}{str([round(x, 1) for x in hs]):>40}")
+    print(
+        f"{'nanoserve':<12}{result['nanoserve_median_tok_s']:>14.1f}{str([round(x, 1) for x in ns]):>40}"
+    )
+    print(
+        f"{'HF generate':<12}{result['hf_median_tok_s']:>14.1f}{str([round(x, 1) for x in hs]):>40}"
+    )
     print(f"ratio nanoserve / HF = {result['ratio']:.2f}x   (saved {args.out})")
 
 

@@ -146,7 +146,9 @@ def main() -> None:
     args = ap.parse_args()
     server = Server(args.tree, args.port)
     rows = {}
-    print(f"{'attack':<34}{'status':>7}{'attack s':>10}{'gap alone':>11}{'gap during':>12}{'/health max':>13}  alive")
+    print(
+        f"{'attack':<34}{'status':>7}{'attack s':>10}{'gap alone':>11}{'gap during':>12}{'/health max':>13}  alive"
+    )
     try:
         for name, (path, body) in attacks().items():
             if server.proc.poll() is not None:

@@ -80,8 +80,12 @@ def compile_call(fn, args, kwargs, arch: int) -> dict:
     spills."""
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
-    bound, specialization, options = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    bound, specialization, options = create_function_from_signature(
+        fn.signature, fn.params, backend
+    )(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(
+        backend, kwargs, bound, specialization, options
+    )
     log = io.StringIO()
     # an empty cache for each kernel: a cache hit would skip ptxas, and with it the registers and
     # spills
@@ -99,13 +103,22 @@ def compile_call(fn, args, kwargs, arch: int) -> dict:
 def dot_units(ptx: str) -> str:
     """What the kernel's tl.dot became: tensor-core instructions and their input type ("mma f16",
     "wgmma bf16", "mma tf32"), or "fma" (no tensor-core instruction in the PTX)."""
-    found = sorted({f"{op} {a}" for op, a in re.findall(r"\b(wgmma|mma)\.[\w.]*?\.[fs]32\.(f16|bf16|tf32|s8)\.", ptx)})
+    found = sorted(
+        {
+            f"{op} {a}"
+            for op, a in re.findall(r"\b(wgmma|mma)\.[\w.]*?\.[fs]32\.(f16|bf16|tf32|s8)\.", ptx)
+        }
+    )
     return ", ".join(found) or "fma"
 
 
 def describe(kwargs: dict) -> str:
     """The launch config of a recorded call: its tile constexprs, warps, stages."""
-    tiles = "×".join(str(v) for k, v in kwargs.items() if k.startswith("BLOCK_") and k not in ("BLOCK_SIZE", "BLOCK_D"))
+    tiles = "×".join(
+        str(v)
+        for k, v in kwargs.items()
+        if k.startswith("BLOCK_") and k not in ("BLOCK_SIZE", "BLOCK_D")
+    )
     # Triton's defaults: 4, 3
     return f"{tiles or '-'} w{kwargs.get('num_warps', 4)} s{kwargs.get('num_stages', 3)}"
 
@@ -119,8 +132,9 @@ def _pool(dtype, D, kv="auto"):
     if kv == "auto":
         return torch.zeros(4, BS, HKV, D, dtype=dtype), {}
     scales = torch.zeros(4, BS, HKV, dtype=torch.float16)
-    return torch.zeros(4, BS, HKV, D, dtype=FORMATS[kv].storage), dict(k_scale=scales, v_scale=scales,
-                                                                      kv_cache_dtype=kv)
+    return torch.zeros(4, BS, HKV, D, dtype=FORMATS[kv].storage), dict(
+        k_scale=scales, v_scale=scales, kv_cache_dtype=kv
+    )
 
 
 def _flash(dtype, D, gqa, extra=None, kv="auto", **tiles):
@@ -257,8 +271,10 @@ def matrix(archs=ARCHS) -> list[tuple[dict, tuple | None]]:
                                             ("gemv", 1, True),
                                             ("gemv", 4, True), ("gemv", 1, False),
                                             ("dequantize", 1, True)):
-                variant = " ".join(([f"split_k {split_k}"] if which == "gemv" else [])
-                                   + ([] if which == "dequantize" else ["g128" if grouped else "act-order"]))
+                variant = " ".join(
+                    ([f"split_k {split_k}"] if which == "gemv" else [])
+                    + ([] if which == "dequantize" else ["g128" if grouped else "act-order"])
+                )
                 row = dict(arch=arch, dtype=dt, head_dim=None, gqa=None, case=which,
                            variant=variant)
                 rows.append((row, (_dequant, dtype, which, split_k, grouped)))

@@ -40,7 +40,9 @@ def texts(model: str, p: dict) -> list:
         text = (SHARED / "corpora" / "tinyshakespeare" / "input.txt").read_text(encoding="utf-8")
         held = text[int(len(text) * 0.9):]
         return [held[i * 127:i * 127 + 127] for i in range(p["windows"])]
-    text = (SHARED / "corpora" / "tinystories" / "tinystories_val_sample.txt").read_text(encoding="utf-8")
+    text = (SHARED / "corpora" / "tinystories" / "tinystories_val_sample.txt").read_text(
+        encoding="utf-8"
+    )
     return [text[i * 500:i * 500 + 500] for i in range(p["windows"])]
 
 
@@ -71,8 +73,9 @@ def quality(model: str, p: dict) -> dict:
         tokens = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
         if mode == "auto":
             ref_tokens = tokens
-        row["greedy_agreement"] = sum(a == b for t, r in zip(tokens, ref_tokens) for a, b in zip(t, r)) / sum(
-            len(r) for r in ref_tokens)
+        row["greedy_agreement"] = sum(
+            a == b for t, r in zip(tokens, ref_tokens) for a, b in zip(t, r)
+        ) / sum(len(r) for r in ref_tokens)
         res[mode] = row
     for row in res.values():
         row["nll_change"] = row["nll"] / res["auto"]["nll"] - 1
@@ -93,7 +96,8 @@ def capacity(p: dict) -> dict:
         engine, rng = llm.engine, random.Random(0)
         total = 0
         for _ in range(p["requests"]):
-            ids, n = [rng.randrange(32, 127) for _ in range(rng.randint(8, 64))], rng.randint(16, 64)
+            ids = [rng.randrange(32, 127) for _ in range(rng.randint(8, 64))]
+            n = rng.randint(16, 64)
             engine.add_request(ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
             total += n
         running, saturated, start = [], [], time.perf_counter()
@@ -130,10 +134,15 @@ def main(argv=None) -> dict:
 
     torch.set_num_threads(args.threads)
     p = QUICK if args.quick else FULL
-    res = dict(date=datetime.now().isoformat(timespec="seconds"),
-               device=f"cpu ({platform.machine()})",
-               threads=args.threads, torch=torch.__version__, workload=p,
-               command="python benchmarks/bench_kv_quant.py" + (" --quick" if args.quick else ""), quality={})
+    res = dict(
+        date=datetime.now().isoformat(timespec="seconds"),
+        device=f"cpu ({platform.machine()})",
+        threads=args.threads,
+        torch=torch.__version__,
+        workload=p,
+        command="python benchmarks/bench_kv_quant.py" + (" --quick" if args.quick else ""),
+        quality={},
+    )
     models = ["demo"]
     stories = SHARED / "models" / "stories260K" / "stories260K.bin"
     if stories.is_file() and not args.quick:

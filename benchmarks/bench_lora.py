@@ -61,7 +61,9 @@ def distinct_sweep(path: Path, cache: Path, args, res: dict) -> None:
     docstring)."""
     from nanoserve import LoRARequest
 
-    batch, context, k, ds = (4, 8, 3, (0, 1, 4)) if args.quick else (32, 128, 16, (0, 1, 2, 4, 8, 16, 32))
+    batch, context, k, ds = (
+        (4, 8, 3, (0, 1, 4)) if args.quick else (32, 128, 16, (0, 1, 2, 4, 8, 16, 32))
+    )
     adapters = [str(make_adapter(path, 8, cache / f"lora-{path.name}-r8-s{i}",
                                  seed=i)) for i in range(max(ds))]
     res["distinct"] = {"batch": batch, "context": context, "k": k, "rank": 8, "points": []}
@@ -79,7 +81,9 @@ def distinct_sweep(path: Path, cache: Path, args, res: dict) -> None:
     print(f"\nbatch of {batch}, d distinct adapters (rank 8): decode step, ms")
     print(f"{'method':<12}" + "".join(f"{'d=' + str(d):>9}" for d in ds))
     for method in methods:
-        row = {p["distinct"]: p["step_ms"] for p in res["distinct"]["points"] if p["method"] == method}
+        row = {
+            p["distinct"]: p["step_ms"] for p in res["distinct"]["points"] if p["method"] == method
+        }
         print(f"{method:<12}" + "".join(f"{row[d]:>9.2f}" for d in ds))
 
 
@@ -98,7 +102,9 @@ def main() -> None:
     cache = Path(args.cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
     path = bench_peers.model_dir("gpt2-tiny" if args.quick else "gpt2-6x384", cache)
-    ranks, batches, context, k = ((4,), (1, 2), 8, 3) if args.quick else ((8, 64), (1, 16, 64), 128, 16)
+    ranks, batches, context, k = (
+        ((4,), (1, 2), 8, 3) if args.quick else ((8, 64), (1, 16, 64), 128, 16)
+    )
     configs = [("base", {})]
     for r in ranks:
         adapter = str(make_adapter(path, r, cache / f"lora-{path.name}-r{r}"))

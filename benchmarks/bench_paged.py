@@ -136,8 +136,10 @@ def prefix_ttft(n=32, length=1024, shared=0.9) -> dict:
             # warm-up (and, with caching, fills the cache)
             llm.generate([prompts[0]], params, use_tqdm=False)
             outs = llm.generate(prompts, params, use_tqdm=False)
-            res["on" if caching else "off"] = {"mean_ttft_s": statistics.mean(o.ttft for o in outs),
-                                               "cached_tokens": statistics.mean(o.num_cached_tokens for o in outs)}
+            res["on" if caching else "off"] = {
+                "mean_ttft_s": statistics.mean(o.ttft for o in outs),
+                "cached_tokens": statistics.mean(o.num_cached_tokens for o in outs),
+            }
     res["speedup"] = res["off"]["mean_ttft_s"] / res["on"]["mean_ttft_s"]
     return res
 

@@ -79,8 +79,9 @@ def malloc_of_this_process() -> str:
     """engine/cpu_allocator.py's `malloc_library` ("glibc", "tcmalloc", ...: LD_PRELOAD changes it),
     loaded from the working tree by path, so that a --nanoserve-rev older than that file is still
     the one imported."""
-    spec = importlib.util.spec_from_file_location("_cpu_allocator",
-                                                  ROOT / "nanoserve" / "engine" / "cpu_allocator.py")
+    spec = importlib.util.spec_from_file_location(
+        "_cpu_allocator", ROOT / "nanoserve" / "engine" / "cpu_allocator.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.malloc_library()
@@ -129,11 +130,13 @@ class Nanoserve:
         t0 = time.perf_counter()
         self.llm = LLM(str(path), dtype="float32", device="cpu", **self.settings)
         eng, step = self.llm.engine, self.llm.engine.step
-        self.settings.update(max_num_batched_tokens=getattr(eng.scheduler.config, "max_num_batched_tokens", None),
-                             attention_backend=getattr(eng, "attention_backend", None),
-                             # or why not
-                             cpu_linear=getattr(eng.runner, "onednn_off", "torch") or "oneDNN",
-                             detokenize=self.detokenize)
+        self.settings.update(
+            max_num_batched_tokens=getattr(eng.scheduler.config, "max_num_batched_tokens", None),
+            attention_backend=getattr(eng, "attention_backend", None),
+            # or why not
+            cpu_linear=getattr(eng.runner, "onednn_off", "torch") or "oneDNN",
+            detokenize=self.detokenize,
+        )
         self.info = {"version": f"{nanoserve.__version__} ({NANOSERVE_REV})",
                      "load_s": time.perf_counter() - t0,
                      "settings": self.settings, "source": str(Path(nanoserve.__file__).parent)}
@@ -210,7 +213,8 @@ def run_workload(wname, w, args, cache, peers) -> dict:
     t_start = time.perf_counter()
     path = model_dir(w["model"], cache)
     cfg = json.loads((path / "config.json").read_text())
-    ctx, (prompts, params) = cfg["n_positions"], make_workload(w["n"], w["inp"], w["out"], cfg["vocab_size"], seed=0)
+    ctx = cfg["n_positions"]
+    (prompts, params) = make_workload(w["n"], w["inp"], w["out"], cfg["vocab_size"], seed=0)
     max_tokens = [p.max_tokens for p in params]
     res = {"model": w["model"], "model_dir": str(path), "requests": w["n"],
            "input_len": list(w["inp"]),
@@ -268,11 +272,15 @@ def run_workload(wname, w, args, cache, peers) -> dict:
     ref = runs["hf_generate"][0]["tokens"]
     for e in engines:
         tps = [o["output_tokens"] / o["seconds"] for o in runs[e.name]]
-        res["engines"][e.name] = {"status": "ok", **e.info, "tok_s": tps,
-                                  "median_tok_s": statistics.median(tps),
-                                  "seconds": [o["seconds"] for o in runs[e.name]],
-                                  "loadavg_1m_after": [o["load"] for o in runs[e.name]],
-                                  "same_tokens_as_hf": sum(map(list.__eq__, runs[e.name][0]["tokens"], ref)) / len(ref)}
+        res["engines"][e.name] = {
+            "status": "ok",
+            **e.info,
+            "tok_s": tps,
+            "median_tok_s": statistics.median(tps),
+            "seconds": [o["seconds"] for o in runs[e.name]],
+            "loadavg_1m_after": [o["load"] for o in runs[e.name]],
+            "same_tokens_as_hf": sum(map(list.__eq__, runs[e.name][0]["tokens"], ref)) / len(ref),
+        }
     ns = res["engines"]["nanoserve"]
     ns["engine_steps"] = [o["engine_steps"] for o in runs["nanoserve"]]
     for d in res["engines"].values():
@@ -283,14 +291,18 @@ def run_workload(wname, w, args, cache, peers) -> dict:
 
 
 def table(result) -> str:
-    lines = [f"{'workload':<10}{'engine':<13}{'median tok/s':>13}{'nanoserve ÷':>13}{'same tok':>10}  runs"]
+    lines = [
+        f"{'workload':<10}{'engine':<13}{'median tok/s':>13}{'nanoserve ÷':>13}{'same tok':>10}  runs"
+    ]
     for wname, w in result["workloads"].items():
         for name, d in w["engines"].items():
             if d["status"] != "ok":
                 lines.append(f"{wname:<10}{name:<13}{'skipped':>13}  {d['reason'][:70]}")
                 continue
-            lines.append(f"{wname:<10}{name:<13}{d['median_tok_s']:>13.1f}{d['nanoserve_over_this']:>12.2f}x"
-                         f"{d['same_tokens_as_hf']:>10.0%}  {', '.join(f'{x:.0f}' for x in d['tok_s'])}")
+            lines.append(
+                f"{wname:<10}{name:<13}{d['median_tok_s']:>13.1f}{d['nanoserve_over_this']:>12.2f}x"
+                f"{d['same_tokens_as_hf']:>10.0%}  {', '.join(f'{x:.0f}' for x in d['tok_s'])}"
+            )
         st = w["engines"]["nanoserve"]["engine_steps"][-1]
         lines.append(f"{'':<10}nanoserve: {st['steps']} steps, {st['step_s']:.1f} s in steps, "
                      f"{1e3 * st['step_s'] / max(st['steps'], 1):.1f} ms/step, mean batch "
@@ -358,7 +370,9 @@ def main() -> None:
               "workloads": {}}
     for wname in args.workloads:
         w = dict((QUICK if args.quick else WORKLOADS)[wname])
-        w["rounds"] = 1 if args.quick else (args.rounds_large if wname == "gpt2-256" else args.rounds)
+        w["rounds"] = (
+            1 if args.quick else (args.rounds_large if wname == "gpt2-256" else args.rounds)
+        )
         print(f"{wname}: {w['n']} requests, in U{list(w['inp'])}, out U{list(w['out'])}, model "
               f"{w['model']}, {w['rounds']} rounds", flush=True)
         result["workloads"][wname] = run_workload(wname, w, args, cache, peers)

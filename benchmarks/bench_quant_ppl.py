@@ -91,12 +91,17 @@ def summarize(rows: dict) -> None:
         setting = "-".join(key.split("-")[-2:])  # w4-g128 of gptq-ao-w4-g128
         rtn = rows.get(f"rtn-{setting}")
         if rtn and not key.startswith("rtn") and rtn["nll"][0] > base:
-            r["rtn_gap_closed_pct"] = [100 * (rtn["nll"][0] - x) / (rtn["nll"][0] - base) for x in r["nll"]]
+            r["rtn_gap_closed_pct"] = [
+                100 * (rtn["nll"][0] - x) / (rtn["nll"][0] - base) for x in r["nll"]
+            ]
 
 
 def _mean_sd(xs: list[float], fmt: str) -> str:
-    return format(xs[0],
-                  fmt) if len(xs) == 1 else f"{statistics.mean(xs):{fmt}} ± {statistics.stdev(xs):{fmt}}"
+    return (
+        format(xs[0], fmt)
+        if len(xs) == 1
+        else f"{statistics.mean(xs):{fmt}} ± {statistics.stdev(xs):{fmt}}"
+    )
 
 
 def main() -> None:
@@ -116,12 +121,18 @@ def main() -> None:
         print_table(out)
         Path(args.table).write_text(json.dumps(out, indent=2) + "\n")
         return
-    out = {"date": date.today().isoformat(),
-           "device": f"CPU ({platform.machine()}), {torch.get_num_threads()} threads",
-           "torch": torch.__version__,
-           "command": "python benchmarks/bench_quant_ppl.py " + " ".join(
-               f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(args).items() if v),
-           "results": [run(m, args.nsamples, args.seqlen, args.seeds) for m in args.models]}
+    out = {
+        "date": date.today().isoformat(),
+        "device": f"CPU ({platform.machine()}), {torch.get_num_threads()} threads",
+        "torch": torch.__version__,
+        "command": "python benchmarks/bench_quant_ppl.py "
+        + " ".join(
+            f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+            for k, v in vars(args).items()
+            if v
+        ),
+        "results": [run(m, args.nsamples, args.seqlen, args.seeds) for m in args.models],
+    }
     print_table(out)
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
@@ -134,7 +145,9 @@ def print_table(out: dict) -> None:
         print(f"  {'setting':<16}{'ppl':>9}{'NLL +%':>16}{'RTN gap closed %':>20}")
         for key, r in res["rows"].items():
             closed = _mean_sd(r["rtn_gap_closed_pct"], ".0f") if "rtn_gap_closed_pct" in r else "-"
-            print(f"  {key:<16}{r['ppl_mean']:>9.4f}{_mean_sd(r['nll_increase_pct'], '.2f'):>16}{closed:>20}")
+            print(
+                f"  {key:<16}{r['ppl_mean']:>9.4f}{_mean_sd(r['nll_increase_pct'], '.2f'):>16}{closed:>20}"
+            )
 
 
 if __name__ == "__main__":

@@ -86,7 +86,9 @@ def generate(llm, p: dict, rng) -> dict:
             if o.finished:
                 outs[o.request_id] = o.outputs[0].token_ids
         most = max(most, bm.num_blocks - bm.num_free_blocks())
-        most_per_seq = max([most_per_seq] + [sum(b >= 0 for b in s.block_table) for s in engine.scheduler.running])
+        most_per_seq = max(
+            [most_per_seq] + [sum(b >= 0 for b in s.block_table) for s in engine.scheduler.running]
+        )
     seconds = time.perf_counter() - start
     return dict(blocks_held=most, blocks_per_seq=most_per_seq, tok_s=p["n"] * p["tokens"] / seconds,
                 tokens=[outs[i] for i in ids])

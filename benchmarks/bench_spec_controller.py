@@ -59,8 +59,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--out", default=str(HERE / "spec_controller_cpu.json"))
     args = ap.parse_args()
-    prompts, params = list(SPEC_PROMPTS[:args.prompts]), SamplingParams(temperature=0, max_tokens=args.max_tokens,
-                                                                         ignore_eos=True)
+    prompts = list(SPEC_PROMPTS[: args.prompts])
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     with tempfile.TemporaryDirectory() as tmp:
         drafts = {"demo-draft": "demo-draft", "useless": str(useless_draft(Path(tmp)))}
         engines = {"target alone": LLM("demo")}
@@ -86,7 +86,9 @@ def main() -> None:
             emitted = sum(s.num_emitted_tokens for s in stats)
             total = sum(len(o.token_ids) for o in outs[name])
             same = [o.token_ids for o in outs[name]] == [o.token_ids for o in outs["target alone"]]
-            costs = llm.engine.spec.controller.costs.as_dict() if llm.engine.spec is not None else {}
+            costs = (
+                llm.engine.spec.controller.costs.as_dict() if llm.engine.spec is not None else {}
+            )
             # per rep: drift cancels
             paired = [t / x for t, x in zip(times["target alone"], times[name])]
             rows.append(dict(engine=name, seconds=statistics.median(times[name]), runs=times[name],

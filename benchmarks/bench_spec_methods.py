@@ -78,8 +78,8 @@ def main() -> None:
     cache = Path(args.cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
     n_prompts, max_tokens, reps = (2, 12, 1) if args.quick else (len(SPEC_PROMPTS), 80, args.reps)
-    prompts, params = list(SPEC_PROMPTS[:n_prompts]), SamplingParams(temperature=0, max_tokens=max_tokens,
-                                                                     ignore_eos=True)
+    prompts = list(SPEC_PROMPTS[:n_prompts])
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     methods = {"draft model": dict(speculative_model="demo-draft"),
                "n-gram": dict(speculative="ngram"),
                "Medusa": dict(speculative="medusa",
@@ -102,7 +102,8 @@ def main() -> None:
     rows = []
     for name in engines:
         stats = [o.spec_stats for o in outs[name] if o.spec_stats is not None]
-        drafted, kept = sum(s.num_draft_tokens for s in stats), sum(s.num_accepted_tokens for s in stats)
+        drafted = sum(s.num_draft_tokens for s in stats)
+        kept = sum(s.num_accepted_tokens for s in stats)
         steps, emitted = sum(s.num_steps for s in stats), sum(s.num_emitted_tokens for s in stats)
         paired = [t / x for t, x in zip(times["target alone"], times[name])]
         rows.append(dict(engine=name, seconds=statistics.median(times[name]),

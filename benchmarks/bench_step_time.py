@@ -67,8 +67,10 @@ def nanoserve_point(path, batch, context, k, threads, lora_requests=None, setup=
     eng, vocab = llm.engine, llm.engine.config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=1 + k, ignore_eos=True)
     loras = lora_requests or [None] * batch
-    ids = [eng.add_request(p, params,
-                           lora_request=r) for p, r in zip(prompts_for(batch, context, vocab), loras)]
+    ids = [
+        eng.add_request(p, params, lora_request=r)
+        for p, r in zip(prompts_for(batch, context, vocab), loras)
+    ]
     if setup is not None:
         setup(llm)
     made = lambda: min(len(eng.requests[i].output.outputs[0].token_ids) for i in ids)  # noqa: E731
@@ -124,7 +126,11 @@ def main() -> None:
     path = bench_peers.model_dir(QUICK["model"] if args.quick else "gpt2-6x384", cache)
     k = QUICK["k"] if args.quick else K
     out = Path(args.out)
-    res = json.loads(out.read_text()) if out.exists() else {"benchmark": "decode step time on CPU", "series": {}}
+    res = (
+        json.loads(out.read_text())
+        if out.exists()
+        else {"benchmark": "decode step time on CPU", "series": {}}
+    )
     res.update(model=str(path.name), k=k, threads=args.threads, cores=os.cpu_count(),
                torch=torch.__version__)
     series = {args.label: {"engine": "nanoserve", "rev": rev,
@@ -132,11 +138,16 @@ def main() -> None:
                            "malloc": bench_peers.malloc_of_this_process()},
               **{p: {"engine": p} for p in args.peers}}
     for name, s in series.items():
-        s.update(date=datetime.now().isoformat(timespec="seconds"),
-                 loadavg_before=os.getloadavg()[0],
-                 command=" ".join(["python", "benchmarks/bench_step_time.py", *sys.argv[1:]]), points=[])
+        s.update(
+            date=datetime.now().isoformat(timespec="seconds"),
+            loadavg_before=os.getloadavg()[0],
+            command=" ".join(["python", "benchmarks/bench_step_time.py", *sys.argv[1:]]),
+            points=[],
+        )
         for sweep, b, c in points(args.quick):
-            backend = {"attention_backend": args.attention_backend} if args.attention_backend else {}
+            backend = (
+                {"attention_backend": args.attention_backend} if args.attention_backend else {}
+            )
             pt = (nanoserve_point(path, b, c, k, args.threads,
                                   **backend) if s["engine"] == "nanoserve"
                   else vllm_point(path, b, c, k, args.threads, cache, args.reps))

@@ -112,12 +112,17 @@ def main(argv=None) -> dict:
 
     torch.set_num_threads(args.threads)
     p = QUICK if args.quick else FULL
-    res = dict(date=datetime.now().isoformat(timespec="seconds"),
-               device=f"cpu ({platform.machine()})",
-               threads=args.threads, torch=torch.__version__,
-               llguidance=llguidance.__version__ if hasattr(
-                   llguidance, "__version__") else "?", workload=p, schema=SCHEMA,
-               command="python benchmarks/bench_structured.py" + (" --quick" if args.quick else ""), models={})
+    res = dict(
+        date=datetime.now().isoformat(timespec="seconds"),
+        device=f"cpu ({platform.machine()})",
+        threads=args.threads,
+        torch=torch.__version__,
+        llguidance=llguidance.__version__ if hasattr(llguidance, "__version__") else "?",
+        workload=p,
+        schema=SCHEMA,
+        command="python benchmarks/bench_structured.py" + (" --quick" if args.quick else ""),
+        models={},
+    )
     with tempfile.TemporaryDirectory() as tmp:
         models = {"demo (vocab 257)": "demo"}
         big = None if args.quick else gpt2_50k(Path(tmp) / "gpt2-50k")

@@ -115,11 +115,15 @@ def main() -> None:
               "date": datetime.now().isoformat(timespec="seconds"), "rows": rows,
               "command": " ".join(["python", "benchmarks/bench_tp.py", *sys.argv[1:]])}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"{'TP':>3}{'T':>6}{'forward ms':>12}{'÷ TP=1':>8}{'comm ms':>9}{'comm B/token (measured)':>25}"
-          f"{'(computed)':>12}")
+    print(
+        f"{'TP':>3}{'T':>6}{'forward ms':>12}{'÷ TP=1':>8}{'comm ms':>9}{'comm B/token (measured)':>25}"
+        f"{'(computed)':>12}"
+    )
     for r in rows:
-        print(f"{r['tp']:>3}{r['tokens']:>6}{r['forward_ms']:>12.2f}{r['forward_ms'] / base[r['tokens']]:>7.2f}×"
-              f"{r['comm_ms']:>9.2f}{r['comm_bytes_per_token_measured']:>25.0f}{r['comm_bytes_per_token_computed']:>12}")
+        print(
+            f"{r['tp']:>3}{r['tokens']:>6}{r['forward_ms']:>12.2f}{r['forward_ms'] / base[r['tokens']]:>7.2f}×"
+            f"{r['comm_ms']:>9.2f}{r['comm_bytes_per_token_measured']:>25.0f}{r['comm_bytes_per_token_computed']:>12}"
+        )
     print(f"saved {args.out}")
 
 

@@ -81,8 +81,12 @@ def write_cards(results: dict) -> None:
         if name == "demo-draft":
             card["acceptance"] = acc
             a1, a0 = acc["alpha"]["1.0"], acc["alpha"]["0"]
-            rows = " | ".join(f"{acc['expected_tokens_per_step']['1.0'][g]:.2f}" for g in range(1, 9))
-            rows0 = " | ".join(f"{acc['expected_tokens_per_step']['0'][g]:.2f}" for g in range(1, 9))
+            rows = " | ".join(
+                f"{acc['expected_tokens_per_step']['1.0'][g]:.2f}" for g in range(1, 9)
+            )
+            rows0 = " | ".join(
+                f"{acc['expected_tokens_per_step']['0'][g]:.2f}" for g in range(1, 9)
+            )
             extra = ("\nDistilled from `demo` (loss = KL(target ‖ draft), α-weight "
                      f"{tc['distill_alpha']}).\nAcceptance against `demo` over "
                      f"{acc['positions']:,} held-out positions: α = {a1:.3f} at temperature 1 (E[Σ "

@@ -73,7 +73,11 @@ class Ctx:
 
     def __init__(self, dry: bool, device: str, workdir: Path, budget: float,
                  save_path: Path | None = None):
-        self.dry, self.device, self.workdir, self.budget, self.save_path = dry, device, workdir, budget, save_path
+        self.dry = dry
+        self.device = device
+        self.workdir = workdir
+        self.budget = budget
+        self.save_path = save_path
         self.start, self.partial = time.perf_counter(), {}
 
     def left(self) -> float:
@@ -127,7 +131,11 @@ def run_isolated(letter: str, args, workdir: Path, budget: float, hard: float) -
         raise
     rec = json.loads(out.read_text()) if out.is_file() else {}
     if killed or rec.get("status", "running") == "running":
-        why = f"killed after {hard:.0f} s (budget {budget:.0f} s)" if killed else f"process exited with {rc}"
+        why = (
+            f"killed after {hard:.0f} s (budget {budget:.0f} s)"
+            if killed
+            else f"process exited with {rc}"
+        )
         rec = {"name": FIGURES[letter][0], **rec, "status": "timeout" if killed else "crashed",
                "seconds": time.perf_counter() - start, "budget_s": budget,
                "error": why + ("; the fields above are what it measured before" if rec else "")}
@@ -154,7 +162,9 @@ def environment(device: str, dry: bool) -> dict:
         env["nanoserve_commit"] = None
     env["source_sha256"] = source_digest()
     if device != "cuda":
-        env["device"] = f"CPU ({platform.machine()}), Triton interpreter" + (" (dry run)" if dry else "")
+        env["device"] = f"CPU ({platform.machine()}), Triton interpreter" + (
+            " (dry run)" if dry else ""
+        )
         return env
     props = torch.cuda.get_device_properties(0)
     env.update(device=torch.cuda.get_device_name(0),
@@ -171,7 +181,9 @@ def environment(device: str, dry: bool) -> dict:
     if not env["driver"]:
         try:
             v = torch._C._cuda_getDriverVersion()
-            env["driver"] = f"supports CUDA {v // 1000}.{v % 1000 // 10} (nvidia-smi gave no driver version)"
+            env["driver"] = (
+                f"supports CUDA {v // 1000}.{v % 1000 // 10} (nvidia-smi gave no driver version)"
+            )
         except (AttributeError, RuntimeError):
             env["driver"] = "unknown (nvidia-smi gave no driver version)"
     return env
@@ -320,8 +332,11 @@ def main(argv=None) -> int:
 
             shutil.rmtree(workdir, ignore_errors=True)
     failed = [k for k, r in res["figures"].items() if r["status"] != "ok" or r.get("ok") is False]
-    print(f"\n{len(res['figures']) - len(failed)} of {len(res['figures'])} figures ok"
-          + (f" (not ok: {', '.join(failed)})" if failed else "") + f" in {res['total_s']:.0f} s; saved {out}")
+    print(
+        f"\n{len(res['figures']) - len(failed)} of {len(res['figures'])} figures ok"
+        + (f" (not ok: {', '.join(failed)})" if failed else "")
+        + f" in {res['total_s']:.0f} s; saved {out}"
+    )
     return 1 if failed else 0
 
 

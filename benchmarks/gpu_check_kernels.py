@@ -68,24 +68,39 @@ def fig_pytest_gpu(ctx) -> dict:
             raise RuntimeError(f"pytest -m gpu ran past its budget of {ctx.budget:.0f} s") from e
         res["output_tail"] = (proc.stdout + proc.stderr)[-3000:]
         if not xml.is_file():
-            hint = " (is pytest installed? pip install pytest)" if "No module named pytest" in proc.stderr else ""
+            hint = (
+                " (is pytest installed? pip install pytest)"
+                if "No module named pytest" in proc.stderr
+                else ""
+            )
             raise RuntimeError(f"pytest exited with {proc.returncode} and wrote no report{hint}: "
                                f"{(proc.stdout + proc.stderr)[-500:]}")
         root = ET.parse(xml).getroot()
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
-    count = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    count = {
+        k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")
+    }
     bad = {"failed": [], "errors": [], "collection_errors": []}
     for case in root.iter("testcase"):
         name = f"{case.get('classname')}::{case.get('name')}"
         if case.find("failure") is not None:
             bad["failed"].append(name)
         elif (err := case.find("error")) is not None:
-            bad["collection_errors" if "collection failure" in (err.get("message") or "") else "errors"].append(name)
-    res["summary"] = [{"passed": count["tests"] - count["failures"] - count["errors"] - count["skipped"],
-                       "failed": len(bad["failed"]), "errors": len(bad["errors"]),
-                       "skipped": count["skipped"],
-                       "collection_errors": len(bad["collection_errors"]),
-                       "returncode": proc.returncode}]
+            bad[
+                "collection_errors"
+                if "collection failure" in (err.get("message") or "")
+                else "errors"
+            ].append(name)
+    res["summary"] = [
+        {
+            "passed": count["tests"] - count["failures"] - count["errors"] - count["skipped"],
+            "failed": len(bad["failed"]),
+            "errors": len(bad["errors"]),
+            "skipped": count["skipped"],
+            "collection_errors": len(bad["collection_errors"]),
+            "returncode": proc.returncode,
+        }
+    ]
     res.update({f"{k}_tests": v for k, v in bad.items()})
     # a module that could not be imported (listed) is the image's missing package, not a failed GPU
     # test; on a GPU the GPU tests must run (skipped ones there would mean they did not see the
@@ -135,7 +150,9 @@ def fig_paged_decode(ctx) -> dict:
         return res
     # issue 23: half the bytes read per decode step
     res["kv8_decode"] = ba.kv8_decode(args, ctx.device, gen)
-    res["kv8_speedup_longest"] = min(res["kv8_decode"][-1][f"{n}_speedup"] for n in ("int8", "fp8_e4m3"))
+    res["kv8_speedup_longest"] = min(
+        res["kv8_decode"][-1][f"{n}_speedup"] for n in ("int8", "fp8_e4m3")
+    )
     return res
 
 
@@ -168,7 +185,9 @@ def fig_w4a16(ctx) -> dict:
     dtype = torch.float32 if ctx.dry else torch.float16
     from gpu_check_models import peak_bandwidth
 
-    peak = peak_bandwidth(torch.cuda.get_device_name()) if ctx.device == "cuda" else (None, "dry run")
+    peak = (
+        peak_bandwidth(torch.cuda.get_device_name()) if ctx.device == "cuda" else (None, "dry run")
+    )
     res = {"group_size": group, "activation_dtype": str(dtype).removeprefix("torch."), "rows": [],
            "peak_tbps": peak[0], "peak_source": peak[1],
            "note": "w4a16_us: dequant_matmul as the engine calls it (M <= 16: split-K GEMV; 16 < "
@@ -193,7 +212,9 @@ def fig_w4a16(ctx) -> dict:
             want = F.linear(a, w).float()
             err = (dequant_matmul(a, **packed,
                                   group_size=group).float() - want).norm() / want.norm()
-            kernel = "gemv" if M <= 16 else ("torch" if M >= 64 and ctx.device == "cuda" else "gemm")
+            kernel = (
+                "gemv" if M <= 16 else ("torch" if M >= 64 and ctx.device == "cuda" else "gemm")
+            )
             res["rows"].append(dict(K=K, N=N, M=M, cublas_fp16_us=1e3 * ref, w4a16_us=1e3 * ours,
                                     kernel=kernel,
                                     act_order_us=1e3 * gather,

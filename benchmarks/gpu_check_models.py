@@ -184,7 +184,11 @@ def hf_throughput(path: Path, prompts, params, batch_sizes, device: str, dtype: 
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path)).to(device=device, dtype=dtype).eval()
+    hf = (
+        transformers.AutoModelForCausalLM.from_pretrained(str(path))
+        .to(device=device, dtype=dtype)
+        .eval()
+    )
     res = {"transformers": transformers.__version__, "runs": [], "best": None}
     with torch.inference_mode():
         hf.generate(torch.tensor([prompts[0][:8]], device=device), max_new_tokens=2,
@@ -223,8 +227,12 @@ def hf_throughput(path: Path, prompts, params, batch_sizes, device: str, dtype: 
                 free()
             if run["batches"]:
                 run["output_tok_s"] = run["output_tokens"] / run["duration_s"]
-                run["total_tok_s"] = (run["output_tokens"] + run["prompt_tokens"]) / run["duration_s"]
-                run["computed_per_useful_token"] = run["slots"] / (run["output_tokens"] + run["prompt_tokens"])
+                run["total_tok_s"] = (run["output_tokens"] + run["prompt_tokens"]) / run[
+                    "duration_s"
+                ]
+                run["computed_per_useful_token"] = run["slots"] / (
+                    run["output_tokens"] + run["prompt_tokens"]
+                )
                 if res["best"] is None or run["output_tok_s"] > res["best"]["output_tok_s"]:
                     res["best"] = run
             res["runs"].append(run)

@@ -76,7 +76,9 @@ def w4a16() -> list[dict]:
             old = configs.DEQUANT[("gemv", 80, 2)]
             for tiles in gemv_tiles:
                 if tiles is not None:
-                    configs.DEQUANT[("gemv", 80, 2)] = configs.Launch(tiles[:3], tiles[3], tiles[4], smem_kb=0)
+                    configs.DEQUANT[("gemv", 80, 2)] = configs.Launch(
+                        tiles[:3], tiles[3], tiles[4], smem_kb=0
+                    )
                 try:
                     out = dm.dequant_matmul(a, qw, qz, s, gi, group_size=128)
                     t = bench(lambda: dm.dequant_matmul(a, qw, qz, s, gi, group_size=128))  # noqa: B023
@@ -110,7 +112,11 @@ def flash() -> list[dict]:
         cu = torch.arange(0, (B + 1) * N, N, dtype=torch.int32, device="cuda")
         qs, ks, vs = (t.view(B, N, H, d).transpose(1, 2) for t in (q, k, v))
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            ref = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(1, 2).reshape(B * N, H, d)
+            ref = (
+                F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+                .transpose(1, 2)
+                .reshape(B * N, H, d)
+            )
             t_ref = bench(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True))  # noqa: B023
         flops = 4 * B * H * N * N * d / 2
         key = (90, 2, d)
@@ -178,14 +184,20 @@ def profile(workdir: Path) -> list[dict]:
             torch.cuda.synchronize()
             wall = time.perf_counter() - start
         events = prof.key_averages()
-        gpu_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+        gpu_us = sum(
+            e.self_device_time_total
+            for e in events
+            if e.device_type == torch.autograd.DeviceType.CUDA
+        )
         launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
                                                              "cudaLaunchKernelExC", "cudaGraphLaunch"))
         top = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CPU),
                      key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
         top_gpu = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
                          key=lambda e: e.self_device_time_total, reverse=True)[:12]
-        host_ops_us = sum(e.self_cpu_time_total for e in events if e.device_type == torch.autograd.DeviceType.CPU)
+        host_ops_us = sum(
+            e.self_cpu_time_total for e in events if e.device_type == torch.autograd.DeviceType.CPU
+        )
         rows.append(dict(mode=mode, steps=steps, wall_ms_per_step=1e3 * wall / steps,
                          gpu_ms_per_step=gpu_us / 1e3 / steps, launches_per_step=launches / steps,
                          host_ops_ms_per_step=host_ops_us / 1e3 / steps,
@@ -230,7 +242,12 @@ def main() -> int:
         Path(args.out).write_text(json.dumps(res, indent=1, default=str) + "\n")
         print(f"\n== {name} ({res['parts'][name]['seconds']:.0f} s)")
         for r in res["parts"][name].get("rows", []):
-            print("  " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+            print(
+                "  "
+                + "  ".join(
+                    f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()
+                )
+            )
         if "error" in res["parts"][name]:
             print(res["parts"][name]["traceback"])
     return 0

@@ -93,7 +93,10 @@ def load(spec):
 
     model_dir, gguf_path = Path(spec["model_dir"]), Path(spec["gguf_path"])
     t0 = time.perf_counter()
-    if not gguf_path.exists() or gguf_path.stat().st_mtime < (model_dir / "model.safetensors").stat().st_mtime:
+    if (
+        not gguf_path.exists()
+        or gguf_path.stat().st_mtime < (model_dir / "model.safetensors").stat().st_mtime
+    ):
         gguf_path.parent.mkdir(parents=True, exist_ok=True)
         convert_gpt2(model_dir, gguf_path)
     n, threads = len(spec["prompts"]), spec["threads"]
@@ -104,7 +107,9 @@ def load(spec):
                     "n_batch": 512,
                     "type_k": f32, "type_v": f32, "logits_all": False}
         engine = llama_cpp.Llama(model_path=str(gguf_path), verbose=False, seed=0, **settings)
-        settings["batching"] = "none: one request at a time (Llama.generate, temp=0: greedy sampler)"
+        settings["batching"] = (
+            "none: one request at a time (Llama.generate, temp=0: greedy sampler)"
+        )
     else:  # the low-level batch API, as llama.cpp's server runs parallel slots
         per_seq = max(len(p) + m for p, m in zip(spec["prompts"], spec["max_tokens"]))
         settings = {"n_ctx": slots * per_seq, "n_seq_max": slots, "kv_unified": False,
@@ -137,7 +142,9 @@ class Batched:
         self.ctx = L.llama_init_from_model(self.model, cp)
         if not self.model or not self.ctx:
             raise RuntimeError(f"llama.cpp could not load {path} with {settings}")
-        self.mem, self.slots, self.n_batch = L.llama_get_memory(self.ctx), settings["n_seq_max"], settings["n_batch"]
+        self.mem = L.llama_get_memory(self.ctx)
+        self.slots = settings["n_seq_max"]
+        self.n_batch = settings["n_batch"]
         self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
         self.batch = L.llama_batch_init(self.n_batch, 0, 1)
 

@@ -67,9 +67,12 @@ def check_tree_bits(tree_bits, q, causal: bool) -> None:
         return
     if not causal:
         raise ValueError("tree_bits needs causal=True (a tree's nodes see earlier nodes only)")
-    if not isinstance(tree_bits,
-                      torch.Tensor) or tree_bits.dtype != torch.int64 or tree_bits.shape != q.shape[:1] \
-            or tree_bits.device != q.device:
+    if (
+        not isinstance(tree_bits, torch.Tensor)
+        or tree_bits.dtype != torch.int64
+        or tree_bits.shape != q.shape[:1]
+        or tree_bits.device != q.device
+    ):
         raise ValueError(f"tree_bits must be an int64 tensor of shape [{q.shape[0]}] (one entry "
                          f"per query) on {q.device}, got "
                          f"{getattr(tree_bits, 'dtype', type(tree_bits).__name__)} "
@@ -125,7 +128,12 @@ def check_pools(k_cache, v_cache, k_scale=None, v_scale=None, kv_cache_dtype="au
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} pools hold {storage}, got "
                          f"{k_cache.dtype} and {v_cache.dtype}")
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if s is None or s.shape != k_cache.shape[:3] or s.dtype != torch.float16 or not s.is_contiguous():
+        if (
+            s is None
+            or s.shape != k_cache.shape[:3]
+            or s.dtype != torch.float16
+            or not s.is_contiguous()
+        ):
             raise ValueError(f"{name} must be a contiguous float16 "
                              f"[{', '.join(map(str, k_cache.shape[:3]))}] (one scale per slot and "
                              f"kv head), got {None if s is None else (s.dtype, tuple(s.shape))}")
@@ -136,7 +144,11 @@ def check_pools(k_cache, v_cache, k_scale=None, v_scale=None, kv_cache_dtype="au
 
 def check_tables(block_tables, context_lens, B: int) -> None:
     """A paged read's block tables [B, max_blocks] and context lengths [B], both int32/int64."""
-    if block_tables.dim() != 2 or block_tables.shape[0] != B or block_tables.dtype not in INT_DTYPES:
+    if (
+        block_tables.dim() != 2
+        or block_tables.shape[0] != B
+        or block_tables.dtype not in INT_DTYPES
+    ):
         raise ValueError(f"block_tables must be int32/int64 [{B}, max_blocks], got "
                          f"{block_tables.dtype} {tuple(block_tables.shape)}")
     if context_lens.shape != (B,) or context_lens.dtype not in INT_DTYPES:
@@ -166,7 +178,11 @@ def check_paged_attention(q, k_cache, v_cache, block_tables, context_lens, num_s
         raise ValueError(f"max_context must be an int ≥ 1 or None, got {max_context!r}")
     if B == 0 or not can_read_values(block_tables, context_lens):
         return quant
-    capacity = block_tables.shape[1] * bs if max_context is None else min(max_context, block_tables.shape[1] * bs)
+    capacity = (
+        block_tables.shape[1] * bs
+        if max_context is None
+        else min(max_context, block_tables.shape[1] * bs)
+    )
     if context_lens.min() < 1 or context_lens.max() > capacity:
         raise ValueError(f"context_lens must lie in 1 .. {capacity} (max_blocks · block_size, and "
                          f"max_context), got {context_lens.tolist()}")
@@ -207,8 +223,9 @@ def check_flash_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, block_tables, k_c
                          f"{cu_seqlens_k.numel() - 1}")
     if max_seqlen_q is not None and (not isinstance(max_seqlen_q, int) or max_seqlen_q < 0):
         raise ValueError(f"max_seqlen_q must be an int ≥ 0 or None, got {max_seqlen_q!r}")
-    has_prefix = _check_flash_prefix(q, k, B, block_tables, k_cache, v_cache, context_lens, k_scale, v_scale,
-                                     kv_cache_dtype)
+    has_prefix = _check_flash_prefix(
+        q, k, B, block_tables, k_cache, v_cache, context_lens, k_scale, v_scale, kv_cache_dtype
+    )
     if not can_read_values(cu_seqlens_q, cu_seqlens_k,
                            *((block_tables, context_lens) if has_prefix else ())):
         return has_prefix
@@ -217,7 +234,11 @@ def check_flash_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, block_tables, k_c
         if cu[0] != 0 or cu[-1] != total or bool((cu[1:] < cu[:-1]).any()):
             raise ValueError(f"{name} must rise from 0 to {total} (the packed length); got "
                              f"{cu.tolist()}")
-    if max_seqlen_q is not None and B and max_seqlen_q < int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()):
+    if (
+        max_seqlen_q is not None
+        and B
+        and max_seqlen_q < int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    ):
         raise ValueError(f"max_seqlen_q={max_seqlen_q} is shorter than the longest query sequence: "
                          f"{(cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()}")
     if has_prefix:

@@ -128,7 +128,11 @@ def paged_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, sm_scal
     # shapes; the block ids read
     check_paged_attention(q, k_cache, v_cache, block_tables, context_lens, 1)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != torch.float32 or t.device.type != "cpu" or (t is not q and not t.is_contiguous()):
+        if (
+            t.dtype != torch.float32
+            or t.device.type != "cpu"
+            or (t is not q and not t.is_contiguous())
+        ):
             raise ValueError(f"paged_attention_cpu reads float32 pools in place on the CPU; {name} "
                              f"is {t.dtype} on "
                              f"{t.device}{'' if t.is_contiguous() else ', not contiguous'}")

@@ -264,7 +264,9 @@ def choose_split_k(n: int, k: int, num_sms: int | None = None,
     if num_sms is None:
         if not torch.cuda.is_available():
             return 1
-        num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        num_sms = torch.cuda.get_device_properties(
+            torch.cuda.current_device()
+        ).multi_processor_count
     _, block_n, block_k = tiles or _GEMV_TILES[True]  # the launch's (BLOCK_M, BLOCK_N, BLOCK_K)
     fill = -(-4 * num_sms // max(1, -(-n // block_n)))
     by_length = max(1, -(-k // block_k) // MIN_TILES_PER_SPLIT)

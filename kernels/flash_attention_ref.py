@@ -26,8 +26,9 @@ def flash_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         tree_bits: torch.Tensor | None = None) -> torch.Tensor:
     """`flash_attention` in plain torch: one sequence at a time, the full score matrix, fp32
     math."""
-    has_prefix = check_flash_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, block_tables, k_cache, v_cache,
-                                       context_lens)
+    has_prefix = check_flash_attention(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, block_tables, k_cache, v_cache, context_lens
+    )
     H, D = q.shape[1:]
     group = H // k.shape[1]
     scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale

@@ -61,7 +61,13 @@ def _w8a8_kernel(
 def w8a8_matmul(a, scale_a, w, scale_w, bias=None, out_dtype=torch.float32) -> torch.Tensor:
     """C [M, N] in out_dtype = (a [M, K] int8 · w [N, K]ᵀ int8) · scale_a [M] · scale_w [N] (fp32) +
     bias [N]."""
-    if a.dtype != torch.int8 or w.dtype != torch.int8 or a.dim() != 2 or w.dim() != 2 or a.shape[1] != w.shape[1]:
+    if (
+        a.dtype != torch.int8
+        or w.dtype != torch.int8
+        or a.dim() != 2
+        or w.dim() != 2
+        or a.shape[1] != w.shape[1]
+    ):
         raise ValueError(f"a [M, K] and w [N, K] must be int8 with one K, got {a.dtype} "
                          f"{tuple(a.shape)} and {w.dtype} {tuple(w.shape)}")
     M, K = a.shape

@@ -86,7 +86,12 @@ def fp8_encode(y, KV_QUANT: tl.constexpr):
     sign = (y.to(tl.int32, bitcast=True) >> 24) & 0x80
     a = tl.abs(y)
     if KV_QUANT == E4M3:  # as fp16 the value · 2⁻⁸; keep its 4 exponent and 3 mantissa bits
-        h = (_round_to_grid(a, 3, -6) * 0.00390625).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+        h = (
+            (_round_to_grid(a, 3, -6) * 0.00390625)
+            .to(tl.float16)
+            .to(tl.int16, bitcast=True)
+            .to(tl.int32)
+        )
         bits = sign | ((h >> 7) & 0x7F)
     else:  # e5m2: the fp16 number's top byte
         h = _round_to_grid(a, 2, -14).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
@@ -115,7 +120,9 @@ def quantize_rows(x, KV_QUANT: tl.constexpr, QMAX: tl.constexpr):
     kv/quant.py's `quantize`: s = max(max|x| / QMAX, 2⁻¹⁴) rounded to fp16, codes = x / s
     rounded."""
     amax = tl.max(tl.abs(x), axis=1)  # R
-    scale = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32)), TINY).to(tl.float16)  # R
+    scale = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32)), TINY).to(
+        tl.float16
+    )  # R
     y = tl.math.div_rn(x, scale.to(tl.float32)[:, None])  # R, D
     y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
     if KV_QUANT == INT8:

@@ -78,13 +78,21 @@ def lora_bgmv(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Te
     N, IN = x.shape if shapes_ok else (0, 0)
     S, R, _ = A.shape if shapes_ok else (0, 0, 0)
     OUT = B.shape[1] if shapes_ok else 0
-    if not shapes_ok or A.shape[2] != IN or tuple(B.shape) != (S, OUT, R) or tuple(y.shape) != (N, OUT):
+    if (
+        not shapes_ok
+        or A.shape[2] != IN
+        or tuple(B.shape) != (S, OUT, R)
+        or tuple(y.shape) != (N, OUT)
+    ):
         raise ValueError("lora_bgmv needs x [N, in], A [S, R, in], B [S, out, R], y [N, out]; got "
                          f"x {tuple(x.shape)}, A {tuple(A.shape)}, B {tuple(B.shape)}, y "
                          f"{tuple(y.shape)}")
     if slots.shape != (N,) or slots.dtype not in INT_DTYPES:
         raise ValueError(f"slots must be int32/int64 [{N}], got {slots.dtype} {tuple(slots.shape)}")
-    if len({t.device for t in (x, A, B, slots, y)}) != 1 or len({x.dtype, A.dtype, B.dtype, y.dtype}) != 1:
+    if (
+        len({t.device for t in (x, A, B, slots, y)}) != 1
+        or len({x.dtype, A.dtype, B.dtype, y.dtype}) != 1
+    ):
         raise ValueError("x, A, B, slots and y must be on one device, and x, A, B, y of one dtype")
     if any(t.stride(-1) != 1 for t in (x, A, B, y)):
         raise ValueError("the last dimension of x, A, B and y must be contiguous")

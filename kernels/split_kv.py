@@ -59,8 +59,11 @@ def _merge_splits_kernel(
     w = tl.exp(lse - tl.max(lse, axis=0))  # S_PAD   the max is finite (split 0 is never empty)
     w = w / tl.sum(w, axis=0)  # = exp(lse_s − logsumexp lse); empty splits get exactly 0
     mask = s_mask[:, None] & (offs_d[None, :] < head_dim)
-    part = tl.load(Part + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
-                   mask=mask, other=0.0)  # S_PAD, D_PAD
+    part = tl.load(
+        Part + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
+        mask=mask,
+        other=0.0,
+    )  # S_PAD, D_PAD
     out = tl.sum(w[:, None] * part, axis=0)  # D_PAD
     tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty),
              mask=offs_d < head_dim)
@@ -101,9 +104,14 @@ def choose_num_splits(batch: int, num_heads: int, max_context: int | None,
     if num_sms is None:
         if not torch.cuda.is_available():
             return 1
-        num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        num_sms = torch.cuda.get_device_properties(
+            torch.cuda.current_device()
+        ).multi_processor_count
     programs = max(1, batch * num_heads)
     fill = -(-WAVES * num_sms // programs)  # ⌈WAVES · num_sms / programs⌉
-    by_length = MAX_SPLITS if max_context is None else max(1,
-                                                           -(-max_context // BLOCK_N) // MIN_TILES_PER_SPLIT)
+    by_length = (
+        MAX_SPLITS
+        if max_context is None
+        else max(1, -(-max_context // BLOCK_N) // MIN_TILES_PER_SPLIT)
+    )
     return max(1, min(fill, by_length, MAX_SPLITS))

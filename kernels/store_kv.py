@@ -56,10 +56,26 @@ def _store_kv_kernel(
     offs_d = tl.arange(0, D_PAD)
     mask = (offs_h[:, None] < n_kv_heads) & (offs_d[None, :] < head_dim)  # H_PAD, D_PAD
     # (padding reads 0: it must not count in a quantized head's max|x|)
-    k = tl.load(K + i * stride_kn + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask, other=0.0)
-    v = tl.load(V + i * stride_vn + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask, other=0.0)
-    kc = K_cache + blk * stride_kcb + off * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :]
-    vc = V_cache + blk * stride_vcb + off * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :]
+    k = tl.load(
+        K + i * stride_kn + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask, other=0.0
+    )
+    v = tl.load(
+        V + i * stride_vn + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask, other=0.0
+    )
+    kc = (
+        K_cache
+        + blk * stride_kcb
+        + off * stride_kcs
+        + offs_h[:, None] * stride_kch
+        + offs_d[None, :]
+    )
+    vc = (
+        V_cache
+        + blk * stride_vcb
+        + off * stride_vcs
+        + offs_h[:, None] * stride_vch
+        + offs_d[None, :]
+    )
     if KV_QUANT == 0:
         tl.store(kc, k, mask=mask)  # bit copy: no arithmetic, so bf16 is fine in the interpreter
         tl.store(vc, v, mask=mask)

@@ -86,25 +86,37 @@ def _run(stories_path: str | None) -> dict:
     spec = LLM("demo", speculative_model="demo-draft", num_speculative_tokens=3,
                speculative_cost=426_752 / 4_837_632)
     out["spec_draft_greedy"] = _ids(spec.generate(PROMPTS, greedy))
-    out["spec_draft_seeded"] = _ids(spec.generate(PROMPTS,
-                                                  SamplingParams(temperature=0.8, seed=4, max_tokens=40)))
+    out["spec_draft_seeded"] = _ids(
+        spec.generate(PROMPTS, SamplingParams(temperature=0.8, seed=4, max_tokens=40))
+    )
     ngram = LLM("demo", speculative="ngram", num_speculative_tokens=4, speculative_cost=0.0)
-    out["spec_ngram_seeded"] = _ids(ngram.generate(PROMPTS,
-                                                   SamplingParams(temperature=0.6, top_k=20, seed=9,
-                                                                          max_tokens=40, ignore_eos=True)))
+    out["spec_ngram_seeded"] = _ids(
+        ngram.generate(
+            PROMPTS,
+            SamplingParams(temperature=0.6, top_k=20, seed=9, max_tokens=40, ignore_eos=True),
+        )
+    )
     if stories_path is not None:
         stories = LLM(stories_path, dtype="float32", device="cpu")
         tale = ["Once upon a time", "The little dog"]
         out["stories_greedy"] = _ids(stories.generate(tale,
                                                       SamplingParams(temperature=0, max_tokens=60)))
-        out["stories_seeded"] = _ids(stories.generate(tale,
-                                                      SamplingParams(temperature=0.9, top_p=0.95, seed=0,
-                                                                           max_tokens=60, n=2)))
+        out["stories_seeded"] = _ids(
+            stories.generate(
+                tale, SamplingParams(temperature=0.9, top_p=0.95, seed=0, max_tokens=60, n=2)
+            )
+        )
     return out
 
 
 if __name__ == "__main__":
-    shared = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K" / "stories260K.bin"
+    shared = (
+        Path(__file__).resolve().parents[2]
+        / "shared"
+        / "models"
+        / "stories260K"
+        / "stories260K.bin"
+    )
     if not shared.exists():
         sys.exit(f"{shared} is missing: the golden set includes stories260K")
     GOLDEN.parent.mkdir(exist_ok=True)

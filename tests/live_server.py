@@ -103,7 +103,9 @@ def _request_bytes(method, path, body=None, headers=None) -> bytes:
             "Content-Type": "application/json", **(headers or {})}
     if body is not None:
         hdrs["Content-Length"] = str(len(body))
-    head = f"{method} {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in hdrs.items() if v is not None)
+    head = f"{method} {path} HTTP/1.1\r\n" + "".join(
+        f"{k}: {v}\r\n" for k, v in hdrs.items() if v is not None
+    )
     return head.encode() + b"\r\n" + (body or b"")
 
 
@@ -150,8 +152,12 @@ class StepGate:
         target = self.engine.num_steps + k
         for _ in range(k):
             self.permits.release()
-        _wait_for(lambda: self.engine.num_steps >= target or not self.engine.engine.has_unfinished_requests(),
-                  f"{k} released steps")
+        _wait_for(
+            lambda: (
+                self.engine.num_steps >= target or not self.engine.engine.has_unfinished_requests()
+            ),
+            f"{k} released steps",
+        )
 
     def open(self) -> None:
         self.holding.clear()

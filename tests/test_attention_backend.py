@@ -157,8 +157,15 @@ def test_triton_backend_engine_same_tokens_on_a_quantized_pool(hf_checkpoints, k
                     kv_cache_dtype=kv_cache_dtype,
                     enable_prefix_caching=False)
         tight = [o.outputs[0].token_ids for o in small.generate(prompts, params, use_tqdm=False)]
-        assert small.engine.scheduler.num_preemptions > 0, "the pool must be small enough to preempt"
-        runs[backend] = (first, hit.outputs[0].token_ids, [c.token_ids for c in forks.outputs], tight)
+        assert small.engine.scheduler.num_preemptions > 0, (
+            "the pool must be small enough to preempt"
+        )
+        runs[backend] = (
+            first,
+            hit.outputs[0].token_ids,
+            [c.token_ids for c in forks.outputs],
+            tight,
+        )
     assert runs["triton"] == runs["torch"]
     first, _, forks, tight = runs["triton"]
     assert forks == [first[1], first[1]] and tight == first
@@ -170,7 +177,9 @@ def test_default_backend_and_bad_name(hf_checkpoints):
 
     # the CPU's default: the C decode kernel where it builds (the Triton interpreter is slow)
     llm = LLM(path)
-    assert llm.engine.attention_backend == ("torch" if cpu_kernel_problem(llm.model.config.head_dim) else "cpu")
+    assert llm.engine.attention_backend == (
+        "torch" if cpu_kernel_problem(llm.model.config.head_dim) else "cpu"
+    )
     with pytest.raises(NanoserveError,
                        match=r"attention_backend='flash'; allowed: None .*torch, triton, cpu"):
         LLM(path, attention_backend="flash")

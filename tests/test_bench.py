@@ -32,7 +32,9 @@ def test_throughput_end_to_end_on_a_tiny_model(hf_checkpoints, tmp_path):
     s = res["strategies"]
     assert set(s) == {"static", "dynamic", "continuous", "hf_generate"}
     for name in ("static", "dynamic", "continuous"):
-        assert s[name]["output_tokens"] == sum(p.max_tokens for p in bench.make_workload(6, (2, 6), (2, 5), 257)[1])
+        assert s[name]["output_tokens"] == sum(
+            p.max_tokens for p in bench.make_workload(6, (2, 6), (2, 5), 257)[1]
+        )
     assert (tmp_path / "t.json").exists() and "continuous / HF" in bench.format_throughput(res)
 
 
@@ -112,4 +114,6 @@ def test_kv_quant_benchmark_quick_mode(tmp_path):
     res, _ = run_quick("bench_kv_quant.py", tmp_path, timeout=600)
     assert set(res["quality"]["demo"]) == {"auto", "int8", "fp8_e4m3", "fp8_e5m2"}
     cap = res["capacity"]
-    assert all(cap[m]["num_blocks"] > cap["auto"]["num_blocks"] for m in ("int8", "fp8_e4m3", "fp8_e5m2"))
+    assert all(
+        cap[m]["num_blocks"] > cap["auto"]["num_blocks"] for m in ("int8", "fp8_e4m3", "fp8_e5m2")
+    )

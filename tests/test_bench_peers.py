@@ -22,19 +22,26 @@ def test_bench_peers_quick_mode_writes_the_results_json(tmp_path):
                           text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
-    assert res["quick"] is True and res["command"].startswith("python benchmarks/bench_peers.py --quick")
+    assert res["quick"] is True and res["command"].startswith(
+        "python benchmarks/bench_peers.py --quick"
+    )
     assert {"torch", "transformers", "python"} <= res["versions"].keys()
     assert {"cpu", "cores", "threads", "loadavg_before", "loadavg_after"} <= res["machine"].keys()
     assert list(res["workloads"]) == ["single", "demo64", "gpt2-256"]
     for name, w in res["workloads"].items():
-        assert w["requests"] >= 1 and w["rounds"] == 1 and w["wall_s"] > 0 and w["output_tokens"] > 0
+        assert (
+            w["requests"] >= 1 and w["rounds"] == 1 and w["wall_s"] > 0 and w["output_tokens"] > 0
+        )
         engines = w["engines"]
         assert set(engines) == {"nanoserve", "hf_generate", "vllm", "llamacpp"}, name
         for peer in ("vllm", "llamacpp"):
             assert engines[peer]["status"] == "skipped" and engines[peer]["reason"], (name, peer)
         for eng in ("nanoserve", "hf_generate"):
             e = engines[eng]
-            assert e["status"] == "ok" and len(e["tok_s"]) == 1 and e["median_tok_s"] > 0, (name, eng)
+            assert e["status"] == "ok" and len(e["tok_s"]) == 1 and e["median_tok_s"] > 0, (
+                name,
+                eng,
+            )
             assert 0 <= e["same_tokens_as_hf"] <= 1 and e["nanoserve_over_this"] > 0
         assert engines["hf_generate"]["same_tokens_as_hf"] == 1  # the reference
         steps = engines["nanoserve"]["engine_steps"]

@@ -65,12 +65,15 @@ def _line_end_task(folder) -> str:
         f"dataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\noutput_type: multiple_choice\n"
         'doc_to_text: "{{context}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: label\ntarget_delimiter: ""\n'
         "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
-        "  - metric: acc_norm\n    aggregation: mean\n    higher_is_better: true\n")
+        "  - metric: acc_norm\n    aggregation: mean\n    higher_is_better: true\n"
+    )
     return "nanoserve_line_end"
 
 
 @pytest.mark.shared
-def test_lm_eval_through_the_server_equals_lm_eval_on_transformers(server, checkpoint, tmp_path, monkeypatch):
+def test_lm_eval_through_the_server_equals_lm_eval_on_transformers(
+    server, checkpoint, tmp_path, monkeypatch
+):
     lm_eval = pytest.importorskip("lm_eval")
     from lm_eval.tasks import TaskManager
 
@@ -97,7 +100,10 @@ def test_lm_eval_through_the_server_equals_lm_eval_on_transformers(server, check
           f"nanoserve acc {acc_ns} acc_norm {norm_ns}")
     assert (acc_ns, norm_ns) == (acc_hf, norm_hf)  # the same accuracies ...
     assert norm_hf > 0.25 + 0.15  # ... of a model that reads the text (chance: 0.25)
-    assert len(ll_ns) == N_DOCS and max(abs(a - b) for d, e in zip(ll_hf, ll_ns) for a, b in zip(d, e)) < 1e-3
+    assert (
+        len(ll_ns) == N_DOCS
+        and max(abs(a - b) for d, e in zip(ll_hf, ll_ns) for a, b in zip(d, e)) < 1e-3
+    )
 
 
 # ----------------------------------------------------------------------------- LangChain, LiteLLM
@@ -108,8 +114,12 @@ def test_langchain_chat_and_completion_with_logprobs(server):
                          logprobs=True, top_logprobs=2)
     msg = chat.invoke("Who is there?")
     content = msg.response_metadata["logprobs"]["content"]
-    assert len(content) == msg.usage_metadata["output_tokens"] and all(len(t["top_logprobs"]) == 2 for t in content)
-    llm = lc.OpenAI(model=MODEL, base_url=server.url, api_key="none", temperature=0, max_tokens=5, logprobs=1)
+    assert len(content) == msg.usage_metadata["output_tokens"] and all(
+        len(t["top_logprobs"]) == 2 for t in content
+    )
+    llm = lc.OpenAI(
+        model=MODEL, base_url=server.url, api_key="none", temperature=0, max_tokens=5, logprobs=1
+    )
     result = llm.generate(["ROMEO:"])
     assert result.generations[0][0].generation_info["logprobs"]["token_logprobs"]
 

@@ -57,9 +57,16 @@ def _scheme(name):
             strategy="group",
             group_size=32))
     if name in ("w8a8", "fp8_dynamic"):
-        return preset_name_to_scheme({"w8a8": "W8A8", "fp8_dynamic": "FP8_DYNAMIC"}[name], ["Linear"])
-    act = None if name == "fp8_weight_only" else QuantizationArgs(num_bits=8, type="float", strategy="token",
-                                                                 symmetric=True, dynamic=True)
+        return preset_name_to_scheme(
+            {"w8a8": "W8A8", "fp8_dynamic": "FP8_DYNAMIC"}[name], ["Linear"]
+        )
+    act = (
+        None
+        if name == "fp8_weight_only"
+        else QuantizationArgs(
+            num_bits=8, type="float", strategy="token", symmetric=True, dynamic=True
+        )
+    )
     return QuantizationScheme(targets=["Linear"], format="float-quantized", input_activations=act, weights=(
         QuantizationArgs(num_bits=8, type="float", symmetric=True,
                          strategy="tensor" if name == "fp8_tensor" else "channel")))
@@ -94,7 +101,9 @@ def _library_checkpoint(src, name, out):
         scale, zp = calculate_qparams(mn, mx, args)
         mod.weight_scale.data = scale.to(mod.weight_scale.dtype).reshape(mod.weight_scale.shape)
         if hasattr(mod, "weight_zero_point"):
-            mod.weight_zero_point.data = zp.to(mod.weight_zero_point.dtype).reshape(mod.weight_zero_point.shape)
+            mod.weight_zero_point.data = zp.to(mod.weight_zero_point.dtype).reshape(
+                mod.weight_zero_point.shape
+            )
         mod.quantization_status = QuantizationStatus.FROZEN
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
@@ -138,7 +147,11 @@ def test_checkpoints_the_library_writes_load_with_its_weights(tiny, tmp_path, na
         # 8-bit activations: transformers fake-quantizes them per token as we do; FP8 the same
         # grid (measured: equal), int8 absmax / 127.5 over [-128, 127] where we (and vLLM's
         # kernel) use absmax / 127 (measured 0.006)
-        theirs = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(x).logits
+        theirs = (
+            transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            .eval()(x)
+            .logits
+        )
         assert (ours(x) - theirs).abs().max() < (0.01 if name == "w8a8" else 1e-5)
 
 
@@ -166,7 +179,11 @@ def test_our_checkpoints_load_in_transformers(tiny, tmp_path, name):
     if name.startswith("w4"):
         torch.testing.assert_close(dense(x).logits, model(x), atol=1e-4, rtol=1e-4)
     else:
-        theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()(x).logits
+        theirs = (
+            transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+            .eval()(x)
+            .logits
+        )
         assert (theirs - model(x)).abs().max() < (0.01 if name == "w8a8" else 1e-5)
 
 
@@ -181,7 +198,9 @@ def test_negative_controls_zero_points_on_the_wrong_axis_or_without_the_offset(t
     want = _transformers_dense(path).get_submodule(name).weight
     G = scale.shape[1]
     right = unpack_int4(t[f"{name}.weight_zero_point"].T, N).T  # N, G   z + 8, packed along N
-    dequant = lambda zeros: ((codes - zeros.repeat_interleave(K // G, 1)) * scale.repeat_interleave(K // G, 1))  # noqa: E731
+    dequant = lambda zeros: (
+        (codes - zeros.repeat_interleave(K // G, 1)) * scale.repeat_interleave(K // G, 1)
+    )
     assert torch.equal(dequant(right), want)
     assert not torch.allclose(dequant(right - 8), want)  # the +8 offset forgotten
     # packed along G: garbage

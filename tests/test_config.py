@@ -20,7 +20,11 @@ def test_transformers_4_and_5_rope_forms_agree():
     v4 = ModelConfig.from_hf({**LLAMA_BASE, "rope_theta": 500000.0, "rope_scaling": dict(SCALING)})
     v5 = ModelConfig.from_hf({**LLAMA_BASE, "rope_parameters": {**SCALING, "rope_theta": 500000.0}})
     assert v4 == v5
-    assert v5.rope_theta == 500000.0 and v5.rope_scaling["rope_type"] == "llama3" and v5.n_kv_heads == 8
+    assert (
+        v5.rope_theta == 500000.0
+        and v5.rope_scaling["rope_type"] == "llama3"
+        and v5.n_kv_heads == 8
+    )
 
 
 def test_default_rope_parameters_mean_no_scaling():

@@ -420,8 +420,13 @@ def test_round_trip_through_to_hf_config_keeps_every_field(tmp_path):
                                                          scale_attn_by_inverse_layer_idx=True), {})
     model, cfg, _ = load_model(path, dtype="float32", device="cpu")
     save_checkpoint(model, tmp_path / "out")
-    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
-    assert (again.config.activation_function, again.config.scale_attn_weights) == ("quick_gelu", False)
+    again = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", attn_implementation="eager"
+    ).eval()
+    assert (again.config.activation_function, again.config.scale_attn_weights) == (
+        "quick_gelu",
+        False,
+    )
     assert max_delta(model, cfg, again) <= TOL
 
 
@@ -442,7 +447,9 @@ def test_round_trip_keeps_the_family_and_its_windows(tmp_path, case_id):
     hf, path = _checkpoint(tmp_path / "in", family, kwargs, edits)
     model, cfg, _ = load_model(path, dtype="float32", device="cpu")
     save_checkpoint(model, tmp_path / "out")
-    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    again = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", attn_implementation="eager"
+    ).eval()
     assert type(again) is type(hf)
     assert max_delta(model, cfg, again) <= TOL
     again_cfg = read_hf_config(tmp_path / "out" / "config.json")
@@ -478,7 +485,9 @@ def test_every_field_that_matters_has_a_case(hf_type):
     for case in MATCHED + REFUSED:
         if case[1] == hf_type:
             exercised |= set(case[2]) | set(case[3])
-    missing = sorted(name for name, f in HF_FIELDS[hf_type].items() if f.kind != INERT and name not in exercised)
+    missing = sorted(
+        name for name, f in HF_FIELDS[hf_type].items() if f.kind != INERT and name not in exercised
+    )
     assert not missing, f"{hf_type} fields with no test case: {missing}"
 
 
@@ -594,7 +603,9 @@ def _as_torch_bin(path, hf, shards):
         part = {k: v.clone() for k, v in list(state.items())[i::shards]}
         torch.save(part, path / file)
         weight_map.update(dict.fromkeys(part, file))
-    (path / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (path / "pytorch_model.bin.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
 
 
 @pytest.mark.parametrize("shards", [1, 3])
@@ -660,7 +671,8 @@ def test_olmo2_norm_rounds_after_its_scale_as_transformers_does(tmp_path):
     theirs = Olmo2RMSNorm(64, eps=1e-5).to(torch.bfloat16)
     with torch.no_grad():
         theirs.weight.copy_(1 + 0.3 * torch.randn(64))
-    ours, llama_order = RMSNorm(64, 1e-5, scale_fp32=True).to(torch.bfloat16), RMSNorm(64, 1e-5).to(torch.bfloat16)
+    ours = RMSNorm(64, 1e-5, scale_fp32=True).to(torch.bfloat16)
+    llama_order = RMSNorm(64, 1e-5).to(torch.bfloat16)
     ours.weight.data.copy_(theirs.weight)
     llama_order.weight.data.copy_(theirs.weight)
     x = torch.randn(32, 64).to(torch.bfloat16)

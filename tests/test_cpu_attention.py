@@ -119,8 +119,10 @@ def test_backend_engine_same_tokens(hf_checkpoints, case):
     for backend in ("torch", "cpu"):
         llm = LLM(path, attention_backend=backend, block_size=4, max_num_batched_tokens=8)
         assert llm.engine.attention_backend == backend
-        runs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts + [prompts[0][:12] + [99]], params,
-                                                                      use_tqdm=False)]
+        runs[backend] = [
+            o.outputs[0].token_ids
+            for o in llm.generate(prompts + [prompts[0][:12] + [99]], params, use_tqdm=False)
+        ]
         assert llm.block_allocator.stats.hits >= 3
     assert runs["cpu"] == runs["torch"]
 

@@ -53,7 +53,8 @@ def test_metadata_from_host_lists_equals_tensor_ops(B, T, seed):
         n, start = 0 if b == 2 else rng.randint(1, T), rng.choice([0, 0, rng.randint(1, 30)])
         rows.append([100 + start + j for j in range(n)] + [-1] * (T - n))
         lens.append(start + n)
-    slot_mapping, context_lens = torch.tensor(rows, dtype=torch.long).view(B, T), torch.tensor(lens, dtype=torch.long)
+    slot_mapping = torch.tensor(rows, dtype=torch.long).view(B, T)
+    context_lens = torch.tensor(lens, dtype=torch.long)
     tables = torch.zeros(B, 3, dtype=torch.long)
     meta = build_both(slot_mapping, tables, context_lens, bs)
     want = metadata_by_tensor_ops(slot_mapping, context_lens, bs)
@@ -236,4 +237,6 @@ def test_the_heads_decode_shortcut_equals_indexing():
         # control: with two positions the index picks one (here the first), not h's last
         h2 = torch.randn(3, 2, 32)
         got = model.head(h2, torch.zeros(3, dtype=torch.long))
-        assert torch.equal(got, model.lm_logits(h2[:, :1])) and not torch.equal(got, model.lm_logits(h2[:, 1:]))
+        assert torch.equal(got, model.lm_logits(h2[:, :1])) and not torch.equal(
+            got, model.lm_logits(h2[:, 1:])
+        )

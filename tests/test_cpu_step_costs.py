@@ -113,7 +113,9 @@ def test_prefills_from_scratch_attend_without_the_gather(monkeypatch, window):
     ref = gathered.attention(0, q, k, v, pos, window)
     for i, n in enumerate(lens):
         torch.testing.assert_close(out[i, :n], ref[i, :n], rtol=1e-5, atol=1e-5)
-        want = naive_attention(q[i:i + 1, :n], k[i:i + 1, :n], v[i:i + 1, :n], pos[i:i + 1, :n], window)
+        want = naive_attention(
+            q[i : i + 1, :n], k[i : i + 1, :n], v[i : i + 1, :n], pos[i : i + 1, :n], window
+        )
         torch.testing.assert_close(out[i:i + 1, :n], want, rtol=1e-5, atol=1e-5)
     # control: one row with a token cached before this step is not a prefill from scratch
     assert not cache.view(torch.tensor(slots), torch.tensor(tables),
@@ -149,7 +151,9 @@ def test_onednn_linear_is_fp32_exact(shape):
         err_plain, err_fast = ((t.double() - ref).abs().max().item() for t in (plain, fast))
         assert err_fast <= max(4 * err_plain, 1e-5)  # as close to float64 as MKL's fp32 GEMM
         # negative control: the same check catches an input rounded to bf16
-        assert (lin(x.bfloat16().float()).double() - ref).abs().max().item() > max(4 * err_plain, 1e-5)
+        assert (lin(x.bfloat16().float()).double() - ref).abs().max().item() > max(
+            4 * err_plain, 1e-5
+        )
 
 
 @needs_onednn
@@ -186,8 +190,11 @@ def test_the_gelu_post_op_equals_gelu_after_the_linear(act, monkeypatch):
     x = torch.randn(6, 48, generator=g) * 2
     with torch.inference_mode():
         ref = ACTIVATION_FNS[act](x.double() @ lin.weight.double().t() + lin.bias.double())
-        plain, fused = ACTIVATION_FNS[act](F.linear(x, lin.weight, lin.bias)), lin.forward_gelu(x, act)
-        assert (fused.double() - ref).abs().max() <= max(4 * (plain.double() - ref).abs().max(), 1e-5)
+        plain = ACTIVATION_FNS[act](F.linear(x, lin.weight, lin.bias))
+        fused = lin.forward_gelu(x, act)
+        assert (fused.double() - ref).abs().max() <= max(
+            4 * (plain.double() - ref).abs().max(), 1e-5
+        )
         # control: the other GELU (tanh against erf) is farther than that
         other = lin.forward_gelu(x, "gelu" if act == "gelu_new" else "gelu_new")
         assert (other.double() - ref).abs().max() > 1e-4

@@ -52,7 +52,9 @@ def test_a_bucket_forward_on_the_static_buffers_equals_the_eager_step():
     # the same rows in a batch of 4 instead of 3: equal up to the matmuls' summation order
     assert static.shape[0] == b and (static[:3] - eager).abs().max() < 1e-4
     slots = inputs.meta.slot_mapping.flatten().tolist()  # the only slots the step may write
-    changed = ((runner.kv.k != pool_k) | (runner.kv.v != pool_v)).any(dim=(0, 3, 4)).flatten().nonzero()
+    changed = (
+        ((runner.kv.k != pool_k) | (runner.kv.v != pool_v)).any(dim=(0, 3, 4)).flatten().nonzero()
+    )
     assert set(changed.flatten().tolist()) <= set(slots)
 
 
@@ -66,7 +68,9 @@ def test_fill_pads_and_keeps_the_addresses():
     engine, inputs = _decode_step("torch", rows=2)
     buf = DecodeBuffers(4, max_blocks=8, max_context=128, device="cpu")
     meta = buf.meta(4)
-    before = [t.data_ptr() for t in (meta.slot_mapping, meta.block_tables, meta.context_lens, meta.dst)]
+    before = [
+        t.data_ptr() for t in (meta.slot_mapping, meta.block_tables, meta.context_lens, meta.dst)
+    ]
     buf.block_tables.fill_(7)  # stale values from an earlier step
     buf.fill(inputs, 4)
     after = buf.meta(4)
@@ -75,7 +79,11 @@ def test_fill_pads_and_keeps_the_addresses():
     M = inputs.meta.block_tables.shape[1]
     assert torch.equal(buf.block_tables[:2, :M],
                        inputs.meta.block_tables) and (buf.block_tables[:2, M:] == 0).all()
-    assert buf.slot_mapping[2:].eq(-1).all() and buf.context_lens[2:].eq(1).all() and buf.block_tables[2:].eq(0).all()
+    assert (
+        buf.slot_mapping[2:].eq(-1).all()
+        and buf.context_lens[2:].eq(1).all()
+        and buf.block_tables[2:].eq(0).all()
+    )
     assert torch.equal(after.dst, buf.slot_mapping[:4].flatten())
 
 

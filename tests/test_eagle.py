@@ -55,9 +55,15 @@ def _tokens_per_step(outs) -> float:
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_greedy_equals_the_target_alone_and_accepts_more_than_medusa(eagle_trained, medusa_trained, backend):
-    want = LLM("demo", block_size=4, attention_backend=backend).generate(PROMPTS, GREEDY, use_tqdm=False)
-    outs = _llm(eagle_trained[0], attention_backend=backend).generate(PROMPTS, GREEDY, use_tqdm=False)
+def test_greedy_equals_the_target_alone_and_accepts_more_than_medusa(
+    eagle_trained, medusa_trained, backend
+):
+    want = LLM("demo", block_size=4, attention_backend=backend).generate(
+        PROMPTS, GREEDY, use_tqdm=False
+    )
+    outs = _llm(eagle_trained[0], attention_backend=backend).generate(
+        PROMPTS, GREEDY, use_tqdm=False
+    )
     _check_equal(outs, want)
     medusa = LLM("demo", block_size=4, speculative="medusa",
                  speculative_model=str(medusa_trained[0]),
@@ -81,8 +87,9 @@ def test_preemption_prefix_hits_and_forks(eagle_trained):
     _check_equal(hit, one.generate(longer, GREEDY, use_tqdm=False))
     two = SamplingParams(temperature=0, max_tokens=20, n=2, ignore_eos=True)
     got = llm.generate(PROMPTS[:1], two, use_tqdm=False)[0]
-    assert [c.token_ids for c in got.outputs] == [c.token_ids for c in one.generate(PROMPTS[:1], two,
-                                                                                   use_tqdm=False)[0].outputs]
+    assert [c.token_ids for c in got.outputs] == [
+        c.token_ids for c in one.generate(PROMPTS[:1], two, use_tqdm=False)[0].outputs
+    ]
     bm = llm.engine.block_allocator
     assert bm.num_free_blocks() == bm.num_blocks and not llm.engine.spec.proposer.features
     assert not llm.engine.spec.proposer.tracks
@@ -141,7 +148,10 @@ def test_sampling_keeps_the_targets_joint_law(eagle_trained, monkeypatch, accept
 
 def test_checkpoints_and_settings_are_checked_by_name(eagle_trained, tmp_path):
     head = eagle_trained[0]
-    assert set(json.loads((head / "config.json").read_text())) >= {"hidden_size", "num_attention_heads"}
+    assert set(json.loads((head / "config.json").read_text())) >= {
+        "hidden_size",
+        "num_attention_heads",
+    }
     with pytest.raises(CheckpointError, match="holds no EAGLE head: config.json is missing"):
         load_eagle(tmp_path, 256, 257)
     with pytest.raises(CheckpointError, match="the target has 384 and 257"):

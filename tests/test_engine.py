@@ -47,8 +47,12 @@ def test_stop_token_ids_and_eos(llm):
                        SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_at]))[0]
     assert out.finish_reason == "stop"
     assert out.token_ids == greedy.token_ids[:first + 1]  # the stop id is reported, not decoded
-    assert out.text == llm.tokenizer.decode([1, 2,
-                                             3] + greedy.token_ids[:first])[len(llm.tokenizer.decode([1, 2, 3])):]
+    assert (
+        out.text
+        == llm.tokenizer.decode([1, 2, 3] + greedy.token_ids[:first])[
+            len(llm.tokenizer.decode([1, 2, 3])) :
+        ]
+    )
 
 
 def test_stop_string_truncates_text():

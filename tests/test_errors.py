@@ -52,8 +52,10 @@ def test_directory_that_is_not_a_checkpoint(tmp_path):
 
 def test_unsupported_architecture(ckpt):
     _edit_config(ckpt, architectures=["BertForMaskedLM"])
-    with pytest.raises(ConfigError,
-                       match=r"unsupported architecture 'BertForMaskedLM'; supported: .*LlamaForCausalLM"):
+    with pytest.raises(
+        ConfigError,
+        match=r"unsupported architecture 'BertForMaskedLM'; supported: .*LlamaForCausalLM",
+    ):
         LLM(str(ckpt))
 
 

@@ -50,7 +50,9 @@ def test_perplexity_equals_direct_sum(hf_checkpoints):
 def test_result_units():
     r = PerplexityResult(nll_sum=20.0, n_tokens=10, n_bytes=40, n_windows=1, context=8, stride=8)
     assert r.nats_per_token == 2.0 and r.nats_per_byte == 0.5
-    assert r.bits_per_byte == pytest.approx(0.5 / math.log(2)) and r.perplexity == pytest.approx(math.e ** 2)
+    assert r.bits_per_byte == pytest.approx(0.5 / math.log(2)) and r.perplexity == pytest.approx(
+        math.e**2
+    )
 
 
 def test_bad_eval_inputs(tmp_path, hf_checkpoints):

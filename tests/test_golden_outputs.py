@@ -28,6 +28,8 @@ def test_every_output_equals_the_recorded_one(outputs):
 def test_the_workload_reaches_what_it_claims(outputs):
     """The cases are not vacuous: prefix hits, preemptions and n samples happened."""
     assert outputs["preemption_count"] > 0
-    assert sum(outputs["prefix_hits_cached_tokens"][3:]) > sum(outputs["prefix_hits_cached_tokens"][:3])
+    assert sum(outputs["prefix_hits_cached_tokens"][3:]) > sum(
+        outputs["prefix_hits_cached_tokens"][:3]
+    )
     assert all(len(samples) == 3 for samples in outputs["n3"])
     assert outputs["spec_draft_greedy"] == outputs["greedy"]  # speculation keeps greedy outputs

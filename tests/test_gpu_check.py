@@ -37,7 +37,9 @@ def test_dry_run_measures_every_figure(tmp_path):
     proc = _run("--dry-run", "--out", str(out))
     elapsed = time.perf_counter() - start
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert elapsed < 120, f"the dry run took {elapsed:.0f} s; it must stay well under a minute on a quiet machine"
+    assert elapsed < 120, (
+        f"the dry run took {elapsed:.0f} s; it must stay well under a minute on a quiet machine"
+    )
     res = json.loads(out.read_text())
     assert res["dry_run"] is True and "--dry-run" in res["command"] and res["date"]
     env = res["environment"]
@@ -45,7 +47,11 @@ def test_dry_run_measures_every_figure(tmp_path):
     figs = res["figures"]
     assert sorted(figs) == list(FIGURES)
     for letter, fig in figs.items():
-        assert fig["status"] == "ok" and fig.get("ok", True), (letter, fig.get("error"), fig.get("traceback"))
+        assert fig["status"] == "ok" and fig.get("ok", True), (
+            letter,
+            fig.get("error"),
+            fig.get("traceback"),
+        )
         assert "error" not in fig and "truncated" not in fig, letter
         assert fig["seconds"] >= 0 and fig["budget_s"] > 0
     a = figs["a"]["summary"][0]
@@ -62,12 +68,18 @@ def test_dry_run_measures_every_figure(tmp_path):
     assert {r["kernel"] for r in figs["d"]["rows"]} == {"gemv", "gemm"}
     e = figs["e"]
     eager = e["rows"][0]
-    assert eager["mode"] == "eager" and "error" not in eager and _positive(eager["tok_s"], eager["weight_gb"])
+    assert (
+        eager["mode"] == "eager"
+        and "error" not in eager
+        and _positive(eager["tok_s"], eager["weight_gb"])
+    )
     assert e["cuda_graphs"] == "available" or e["cuda_graphs"].startswith("not available")
     assert e["peak_tbps"] is None and e["peak_source"].startswith("unknown")
     f = figs["f"]
     ours, hf = f["rows"][0], f["rows"][1]
-    assert ours["complete"] and hf["complete"] and ours["requests"] == hf["requests"] == f["requests"]
+    assert (
+        ours["complete"] and hf["complete"] and ours["requests"] == hf["requests"] == f["requests"]
+    )
     assert ours["output_tokens"] == hf["output_tokens"] > 0 and _positive(f["ratio_vs_hf"])
     g = figs["g"]
     full, int4 = g["rows"]
@@ -91,7 +103,9 @@ def test_isolated_figures_and_the_time_limit(tmp_path):
     out = tmp_path / "iso.json"
     proc = _run("--dry-run", "--isolate", "--only", "d", "--out", str(out))
     res = json.loads(out.read_text())
-    assert proc.returncode == 0 and res["isolated"] is True, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0 and res["isolated"] is True, (
+        proc.stdout[-2000:] + proc.stderr[-2000:]
+    )
     d = res["figures"]["d"]
     assert d["status"] == "ok" and d["rows"] and d["seconds"] > 0, d.get("error")
     proc = _run("--dry-run", "--only", "a", "--time-limit", "1", "--out", str(out), timeout=60)
@@ -127,7 +141,11 @@ def test_a_figure_past_its_hard_limit_is_killed_and_recorded(tmp_path):
     start = time.perf_counter()
     rec = gpu_check.run_isolated("h", args, tmp_path, budget=100, hard=1.0)
     assert time.perf_counter() - start < 30
-    assert rec["status"] == "timeout" and rec["name"] == "speculative" and "killed after 1 s" in rec["error"]
+    assert (
+        rec["status"] == "timeout"
+        and rec["name"] == "speculative"
+        and "killed after 1 s" in rec["error"]
+    )
 
 
 def test_peak_bandwidth_table():

@@ -29,8 +29,13 @@ REGEXES = ["[a-c]{2}x", "[d-f]{2}y", "[g-i]{2}z"]
 
 def test_held_compiles_hold_nothing_else_and_time_out_by_name(monkeypatch):
     limits = GrammarLimits(compile_timeout_s=1.0, compile_threads=2)
-    srv = LiveServer(create_app(AsyncLLMEngine(LLMEngine.from_kwargs("demo", grammar_limits=limits)), "demo",
-                                api_key="sk-test-key"))
+    srv = LiveServer(
+        create_app(
+            AsyncLLMEngine(LLMEngine.from_kwargs("demo", grammar_limits=limits)),
+            "demo",
+            api_key="sk-test-key",
+        )
+    )
     gate, started = threading.Event(), []
     compile_for_real = GrammarCompiler._compile
 

@@ -57,4 +57,6 @@ def test_greedy_sampler_uses_it_and_still_flags_nan():
     params = [SamplingParams(temperature=0 if i % 2 else 1.0, seed=i) for i in range(len(x))]
     x[5] = 0.0
     tokens, nan = sample_batch(x, params, [None] * len(x), [None] * len(x))
-    assert [t for i, t in enumerate(tokens) if i % 2] == x.argmax(-1)[1::2].tolist() and not any(nan)
+    assert [t for i, t in enumerate(tokens) if i % 2] == x.argmax(-1)[1::2].tolist() and not any(
+        nan
+    )

@@ -77,4 +77,6 @@ def test_the_demo_models_ship_an_hf_tokenizer(model, tmp_path):
     save_hf_tokenizer(ours, tmp_path, json.loads((folder / "config.json").read_text()).get(
         "max_position_embeddings", 128))
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        assert (folder / name).read_text() == (tmp_path / name).read_text(), f"{model}/{name} is stale"
+        assert (folder / name).read_text() == (tmp_path / name).read_text(), (
+            f"{model}/{name} is stale"
+        )

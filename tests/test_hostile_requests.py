@@ -168,7 +168,12 @@ def completion(**fields) -> dict:
 
 
 def chat(**fields) -> dict:
-    return {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields}
+    return {
+        "model": "demo",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        **fields,
+    }
 
 
 def tool(parameters: dict) -> dict:
@@ -232,7 +237,9 @@ def gap_alone(server) -> float:
 
 
 @pytest.mark.parametrize("name", ATTACKS)
-def test_each_attack_is_a_400_naming_its_limit_and_health_answers_throughout(server, gap_alone, name):
+def test_each_attack_is_a_400_naming_its_limit_and_health_answers_throughout(
+    server, gap_alone, name
+):
     """The attack's 400, /health within HEALTH_BOUND throughout, and a bystander stream that goes
     on: all its tokens, its largest gap within the larger of HEALTH_BOUND and 20× its gap alone (a
     ratio to the same stream on the same machine, not a speed)."""
@@ -342,7 +349,9 @@ def test_a_mask_over_its_budget_fails_alone_and_sigterm_cuts_what_is_in_flight(t
         plain.start()
         status, answer = srv.request("POST", "/v1/completions", completion(guided_regex="[a-z]+@x"))
         plain.join()
-        assert status == 400 and "GrammarLimits.mask_budget_ms=" in answer["error"]["message"], answer
+        assert status == 400 and "GrammarLimits.mask_budget_ms=" in answer["error"]["message"], (
+            answer
+        )
         assert results["plain"][0] == 200 and results["plain"][1]["usage"]["completion_tokens"] == 8
         free, total = srv.free_blocks()
         assert free == total

@@ -138,7 +138,10 @@ def test_a_failed_forward_fails_its_batch_and_the_engine_serves_on(solo):
 
     engine.runner.run = once
     done = _drive(engine)
-    assert "fault in the batched forward" in done["a"].error and "fault in the batched forward" in done["bad"].error
+    assert (
+        "fault in the batched forward" in done["a"].error
+        and "fault in the batched forward" in done["bad"].error
+    )
     assert done["c"].error is None and done["c"].token_ids == solo["c"]
     assert engine.block_allocator.num_free_blocks() == engine.block_allocator.num_blocks
 

@@ -80,12 +80,18 @@ def test_the_engine_configs_are_all_in_the_matrix(compiled):
             assert {r["gqa"] for r in _rows(result, arch=arch, dtype=dt,
                                             kernel="paged_decode")} == {1, 4, 8}
             for kernel in ("store_kv", "dequant_gemm", "dequant_gemv", "dequantize", "w8a8"):
-                assert _rows(result, arch=arch, dtype=dt, kernel=kernel, status="ok"), (arch, dt, kernel)
+                assert _rows(result, arch=arch, dtype=dt, kernel=kernel, status="ok"), (
+                    arch,
+                    dt,
+                    kernel,
+                )
         assert _rows(result, arch=arch, kernel="merge_splits", status="ok")
     # sm_75: attention refused (the engine falls back to torch), the W4A16 kernels compiled in every
     # dtype
     refused = _rows(result, arch=75, case="attention")
-    assert len(refused) == 9 and all(r["status"] == "unsupported" and "sm_80" in r["reason"] for r in refused)
+    assert len(refused) == 9 and all(
+        r["status"] == "unsupported" and "sm_80" in r["reason"] for r in refused
+    )
     assert not _rows(result, arch=75, kernel="flash_attention")
     assert {r["dtype"] for r in _rows(result, arch=75, kernel="dequant_gemv",
                                       status="ok")} == set(DTYPES)
@@ -104,7 +110,9 @@ def test_8bit_kv_pools_compile_for_every_gpu_without_spills(compiled):
                              variant=f"{kv} KV",
                              status="ok"), (arch, kv, kernel)
     half = [r for r in result["rows"] if r["variant"].endswith(" KV") and r["dtype"] != "fp32"]
-    assert len(half) >= 4 * 20 and all(r["spill_bytes"] <= 4 for r in half), [r for r in half if r["spill_bytes"] > 4]
+    assert len(half) >= 4 * 20 and all(r["spill_bytes"] <= 4 for r in half), [
+        r for r in half if r["spill_bytes"] > 4
+    ]
 
 
 def test_dots_run_in_the_input_dtype_and_fp32_without_tf32(compiled):

@@ -37,8 +37,11 @@ class RecordSyncs(TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", str(func))
         to_host = name == "to" and any(str(a) == "cpu" for a in (*args[1:], *kwargs.values()))
-        mask_index = name == "__getitem__" and isinstance(args[1],
-                                                          torch.Tensor) and args[1].dtype == torch.bool
+        mask_index = (
+            name == "__getitem__"
+            and isinstance(args[1], torch.Tensor)
+            and args[1].dtype == torch.bool
+        )
         if name in SYNCS or to_host or mask_index:
             self.calls.append(name)
         return func(*args, **kwargs)
@@ -111,7 +114,10 @@ def test_launchers_make_no_host_sync_on_a_gpu(gpu):
     assert all(fake.launches for fake in gpu.values())  # every kernel was reached
     grid, kwargs = gpu["_flash_attention_kernel"].launches[0]
     want = configs.FLASH[(90, 4, 64)]  # sm_90, fp32, head_dim 64
-    assert (kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs["num_warps"]) == (*want.tiles, want.num_warps)
+    assert (kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs["num_warps"]) == (
+        *want.tiles,
+        want.num_warps,
+    )
     # max_seqlen_q = 3 queries: one tile per (sequence, head)
     assert not kwargs["UPCAST"] and grid == (1, 2 * 4)
 
@@ -186,7 +192,11 @@ def test_every_engine_config_is_supported_from_sm80(arch, monkeypatch):
             assert triton_attention_supported(head_dim, dtype, "cuda") is None
             for kernel in ("flash", "decode"):
                 launch = configs.pick(kernel, "cuda", dtype, head_dim)
-                assert launch.gpu and min(launch.tiles) >= 16 and launch.smem_kb <= configs.smem_limit_kb(arch)
+                assert (
+                    launch.gpu
+                    and min(launch.tiles) >= 16
+                    and launch.smem_kb <= configs.smem_limit_kb(arch)
+                )
 
 
 def test_sm75_falls_back_to_torch_attention_and_upcasts_the_w4a16_kernels(monkeypatch):

@@ -262,7 +262,10 @@ def test_compiled_kernels_on_cuda(dtype, tol):
                     assert c.dtype == dtype and _rel(c, want) < tol
                 if M <= 16:
                     for split_k in (1, 5):
-                        assert _rel(dequant_gemv(a, **tensors, split_k=split_k, group_size=gs), want) < tol
+                        assert (
+                            _rel(dequant_gemv(a, **tensors, split_k=split_k, group_size=gs), want)
+                            < tol
+                        )
 
 
 @pytest.mark.gpu

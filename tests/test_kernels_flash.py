@@ -24,7 +24,9 @@ LENS = [1, 7, 17, 33]  # no length a multiple of the 16-wide interpreter tile; 3
 
 # ----------------------------------------------------------------------------- helpers
 def _cu(lens: list[int], device="cpu") -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)  # B+1
+    return torch.tensor(
+        [0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device
+    )  # B+1
 
 
 def _packed(lens_q, lens_k, H, Hkv, D, dtype=torch.float32, seed=0, device="cpu"):
@@ -272,14 +274,28 @@ def test_soft_capped_scores_with_paged_prefix(softcap):
     assert _err(out, want) <= FP32_TOL
     for b, (P, n) in enumerate(zip(prefix_lens, new_lens)):  # the oracle: SDPA over capped scores
         qb = q[cu_q[b]:cu_q[b + 1]].float().transpose(0, 1)  # H, n, D
-        kb = torch.cat([prefixes[b][0], k[cu_k[b]:cu_k[b + 1]]]).float().repeat_interleave(2, 1).transpose(0, 1)
-        vb = torch.cat([prefixes[b][1], v[cu_k[b]:cu_k[b + 1]]]).float().repeat_interleave(2, 1).transpose(0, 1)
+        kb = (
+            torch.cat([prefixes[b][0], k[cu_k[b] : cu_k[b + 1]]])
+            .float()
+            .repeat_interleave(2, 1)
+            .transpose(0, 1)
+        )
+        vb = (
+            torch.cat([prefixes[b][1], v[cu_k[b] : cu_k[b + 1]]])
+            .float()
+            .repeat_interleave(2, 1)
+            .transpose(0, 1)
+        )
         x = qb @ kb.transpose(1, 2) * 0.2  # H, n, P + n
         kpos, qpos = torch.arange(P + n)[None, :], torch.arange(P, P + n)[:, None]
-        bias = (softcap * torch.tanh(x / softcap)).masked_fill(~((kpos <= qpos) & (kpos > qpos - 7)), float("-inf"))
+        bias = (softcap * torch.tanh(x / softcap)).masked_fill(
+            ~((kpos <= qpos) & (kpos > qpos - 7)), float("-inf")
+        )
         o = F.scaled_dot_product_attention(qb * 0, kb, vb, attn_mask=bias)  # H, n, D
         assert _err(out[cu_q[b]:cu_q[b + 1]], o.transpose(0, 1)) <= FP32_TOL
-    assert _wrong(_err(flash_attention(q, k, v, cu_q, cu_k, True, 0.2, bt, kc, vc, ctx, window=7), want))
+    assert _wrong(
+        _err(flash_attention(q, k, v, cu_q, cu_k, True, 0.2, bt, kc, vc, ctx, window=7), want)
+    )
 
 
 # ----------------------------------------------------------------------------- negative controls

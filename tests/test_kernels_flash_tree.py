@@ -22,7 +22,11 @@ WIDE = [-1, 0, 0, 0, 1, 1, 2, 3, 3, 4, 5, 6, 7, 8, 9, 12, 15]
 
 
 def _bits(parents: list[int] | None, n: int) -> list[int]:
-    return [-1] * n if parents is None else [sum(1 << j for j in tree_path(parents, i)) for i in range(n)]
+    return (
+        [-1] * n
+        if parents is None
+        else [sum(1 << j for j in tree_path(parents, i)) for i in range(n)]
+    )
 
 
 def _case(H=4, Hkv=2, D=32, block_size=8):

@@ -21,7 +21,13 @@ def _operands(M, K, N, seed=0):
     a = torch.randint(-127, 128, (M, K), generator=g, dtype=torch.int8)
     w = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
     a[0], w[0] = 127, -127  # the largest products
-    return a, torch.rand(M, generator=g) + 0.01, w, torch.rand(N, generator=g) + 0.01, torch.randn(N, generator=g)
+    return (
+        a,
+        torch.rand(M, generator=g) + 0.01,
+        w,
+        torch.rand(N, generator=g) + 0.01,
+        torch.randn(N, generator=g),
+    )
 
 
 @pytest.mark.parametrize("shape", [(1, 7, 5), (17, 100, 33), (40, 256, 70)])

@@ -118,7 +118,9 @@ def _quantized_context(name, lens, hkv=2, d=24, bs=4, seed=0):
 @pytest.mark.parametrize("name", MODES)
 @pytest.mark.parametrize("num_splits,window,softcap",
                          [(1, None, None), (3, None, None), (1, 6, None), (3, 5, 8.0)])
-def test_paged_decode_over_a_quantized_pool_equals_the_dequantized_reference(name, num_splits, window, softcap):
+def test_paged_decode_over_a_quantized_pool_equals_the_dequantized_reference(
+    name, num_splits, window, softcap
+):
     (kc, vc, ks, vs), (kd, vd), table, lens = _quantized_context(name, [1, 3, 4, 5, 19])
     # GQA: 4 query heads on 2 kv heads
     q = torch.randn(5, 4, 24, generator=torch.Generator().manual_seed(1))
@@ -132,7 +134,9 @@ def test_paged_decode_over_a_quantized_pool_equals_the_dequantized_reference(nam
 @pytest.mark.parametrize("name", MODES)
 @pytest.mark.parametrize("new_keys", [True, False])
 @pytest.mark.parametrize("window", [None, 5])
-def test_flash_prefill_over_a_quantized_prefix_equals_the_dequantized_reference(name, new_keys, window):
+def test_flash_prefill_over_a_quantized_prefix_equals_the_dequantized_reference(
+    name, new_keys, window
+):
     """Chunks of 3, 9 and 1 queries after their prefixes; new_keys=False is the engine's path for a
     quantized
     pool: every key, this chunk's too, read back from the pool (context_lens = prefix + chunk, no
@@ -170,7 +174,9 @@ def test_negative_control_scales_one_slot_off_are_caught():
 
 def test_bad_quantized_inputs_are_refused_by_name():
     (kc, vc), (ks, vs) = _pools("int8", poison=False)
-    q, table, lens = torch.randn(1, 4, 24), torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    q = torch.randn(1, 4, 24)
+    table = torch.zeros(1, 2, dtype=torch.int32)
+    lens = torch.ones(1, dtype=torch.int32)
     with pytest.raises(ValueError,
                        match="kv_cache_dtype must be one of auto, int8, fp8_e4m3, fp8_e5m2, got "
                              "'int4'"):
@@ -185,7 +191,9 @@ def test_bad_quantized_inputs_are_refused_by_name():
         store_kv(torch.randn(1, 2, 24), torch.randn(1, 2, 24), kc, vc, torch.zeros(1),
                  kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="k_scale, v_scale belong to a quantized pool"):
-        paged_attention(q, q.new_zeros(40, 4, 2, 24), q.new_zeros(40, 4, 2, 24), table, lens, k_scale=ks)
+        paged_attention(
+            q, q.new_zeros(40, 4, 2, 24), q.new_zeros(40, 4, 2, 24), table, lens, k_scale=ks
+        )
     with pytest.raises(ValueError, match="pools must share one of"):
         paged_attention(q, kc, vc, table, lens)  # int8 codes without kv_cache_dtype
 
@@ -198,9 +206,10 @@ def test_compiled_kernels_on_cuda(name):
     and the fp16 bit paths survive the compiler), and bf16 decode over the pool matches the
     dequantized reference."""
     g = torch.Generator(device="cuda").manual_seed(0)
-    (kc, vc), (ks,
-               vs) = (tuple(t.cuda() for t in pair) for pair in _pools(name, nb=64, bs=16, hkv=8, d=128,
-                                                                          poison=False))
+    (kc, vc), (ks, vs) = (
+        tuple(t.cuda() for t in pair)
+        for pair in _pools(name, nb=64, bs=16, hkv=8, d=128, poison=False)
+    )
     want = [t.clone() for t in (kc, vc, ks, vs)]
     k = torch.randn(700, 8, 128, generator=g, device="cuda", dtype=torch.bfloat16) * 3
     v = torch.randn(700, 8, 128, generator=g, device="cuda", dtype=torch.bfloat16)
@@ -216,5 +225,6 @@ def test_compiled_kernels_on_cuda(name):
     for splits in (1, 4):
         got = paged_attention(q, kc, vc, table, lens, num_splits=splits, k_scale=ks, v_scale=vs,
                               kv_cache_dtype=name)
-        torch.testing.assert_close(got.float(), paged_attention_ref(q, kd, vd, table, lens).float(), atol=2e-2,
-                                   rtol=2e-2)
+        torch.testing.assert_close(
+            got.float(), paged_attention_ref(q, kd, vd, table, lens).float(), atol=2e-2, rtol=2e-2
+        )

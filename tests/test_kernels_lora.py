@@ -35,7 +35,9 @@ def test_kernel_matches_both_references(N, IN, OUT, S, R, block_k, block_o):
     x, A, B, slots, y = _case(0, N, IN, OUT, S, R)
     want = y + lora_bgmv_ref(x, A, B, slots)
     present = sorted({s for s in slots.tolist() if s >= 0})
-    assert torch.allclose(lora_bgmv_ref(x, A, B, slots), lora_segmented(x, A, B, slots, present), atol=1e-4)
+    assert torch.allclose(
+        lora_bgmv_ref(x, A, B, slots), lora_segmented(x, A, B, slots, present), atol=1e-4
+    )
     got = lora_bgmv(x, A, B, slots, y.clone(), block_k=block_k, block_o=block_o)
     assert (got - want).abs().max().item() <= 1e-4
     none = slots < 0

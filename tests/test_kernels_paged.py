@@ -31,7 +31,9 @@ POOL = 64  # blocks in the pool; the batch above uses 18 of them
 H = 4  # query heads
 
 
-def _paged_cache(lens, n_kv_heads, head_dim, dtype=torch.float32, index_dtype=torch.int32, seed=0, n_heads=H):
+def _paged_cache(
+    lens, n_kv_heads, head_dim, dtype=torch.float32, index_dtype=torch.int32, seed=0, n_heads=H
+):
     """q and NaN-poisoned pools holding random K/V for `lens` tokens per sequence at random
     blocks."""
     g = torch.Generator().manual_seed(seed)
@@ -49,8 +51,12 @@ def _paged_cache(lens, n_kv_heads, head_dim, dtype=torch.float32, index_dtype=to
     for b, n in enumerate(lens):
         pos = torch.arange(n)
         slots = table[b, pos // BS] * BS + pos % BS  # n
-        k_cache.view(-1, n_kv_heads, head_dim)[slots] = torch.randn(n, n_kv_heads, head_dim, generator=g).to(dtype)
-        v_cache.view(-1, n_kv_heads, head_dim)[slots] = torch.randn(n, n_kv_heads, head_dim, generator=g).to(dtype)
+        k_cache.view(-1, n_kv_heads, head_dim)[slots] = torch.randn(
+            n, n_kv_heads, head_dim, generator=g
+        ).to(dtype)
+        v_cache.view(-1, n_kv_heads, head_dim)[slots] = torch.randn(
+            n, n_kv_heads, head_dim, generator=g
+        ).to(dtype)
     q = torch.randn(len(lens), n_heads, head_dim, generator=g).to(dtype)  # B, H, D
     return q, k_cache, v_cache, table.to(index_dtype), torch.tensor(lens, dtype=index_dtype)
 

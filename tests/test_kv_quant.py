@@ -38,13 +38,17 @@ def check_bounds(name: str, x: torch.Tensor, codes: torch.Tensor, scale: torch.T
     err = (q.dequantize(codes, scale, torch.float32) - x).abs()
     s = scale.float()[..., None]
     if name == "int8":  # round to nearest: half a step; the step is the stored scale ≈ max|x| / 127
-        assert (err <= 0.5 * s * (1 + 1e-3)).all() and (s <= x.abs().amax(-1, keepdim=True) / 127 * (1 + 1e-3)
-                                                         + 2.0 ** -14).all()
+        assert (err <= 0.5 * s * (1 + 1e-3)).all() and (
+            s <= x.abs().amax(-1, keepdim=True) / 127 * (1 + 1e-3) + 2.0**-14
+        ).all()
     else:
         normal = x.abs() >= MIN_NORMAL[name] * s
         assert (err[normal] <= REL[name] * x.abs()[normal] * (1 + 1e-3)).all()
-        assert (err[~normal] <= MIN_NORMAL[name] * 2.0 ** -(3 if name == "fp8_e4m3" else 2) * s.expand_as(x)[~normal]
-                + 1e-12).all()
+        assert (
+            err[~normal]
+            <= MIN_NORMAL[name] * 2.0 ** -(3 if name == "fp8_e4m3" else 2) * s.expand_as(x)[~normal]
+            + 1e-12
+        ).all()
 
 
 @pytest.mark.parametrize("name", MODES)
@@ -123,7 +127,9 @@ def test_attention_over_a_quantized_pool_equals_attention_over_the_dequantized_k
     B, T, lens = 3, 9, [9, 5, 7]
     q, k, v = (torch.randn(B, T, h, 16, generator=g) * 3 for h in (4, 2, 2))
     tables = torch.tensor([[0, 1, 2], [5, 6, 15], [9, 3, 4]])
-    slots = torch.tensor([[tables[b, t // 4] * 4 + t % 4 if t < lens[b] else -1 for t in range(T)] for b in range(B)])
+    slots = torch.tensor(
+        [[tables[b, t // 4] * 4 + t % 4 if t < lens[b] else -1 for t in range(T)] for b in range(B)]
+    )
     positions = torch.arange(T).expand(B, T)
     view = cache.view(slots, tables, torch.tensor(lens))
     got = view.attention(0, q, k, v, positions)
@@ -202,8 +208,9 @@ def test_the_server_and_the_cli_take_kv_cache_dtype():
                                       "fp8_e4m3"]).kv_cache_dtype == "fp8_e4m3"
     assert build_parser().parse_args(["generate", "--prompt", "x"]).kv_cache_dtype == "auto"
     core = LLMEngine.from_kwargs("demo", kv_cache_dtype="int8")
-    want = LLM("demo", kv_cache_dtype="int8").generate(["ROMEO:"],
-                                                       SamplingParams(temperature=0, max_tokens=12))[0]
+    want = LLM("demo", kv_cache_dtype="int8").generate(
+        ["ROMEO:"], SamplingParams(temperature=0, max_tokens=12)
+    )[0]
     srv = LiveServer(create_app(AsyncLLMEngine(core), "demo"))
     try:
         status, _, body = _post(srv.port, "/v1/completions",

@@ -55,7 +55,9 @@ def test_sampled_and_prompt_logprobs_equal_a_full_forward(llm):
     assert len(c.logprobs) == len(gen) == 12
     errs += [check_entry(c.logprobs[i], t, ref[P - 1 + i], 3) for i, t in enumerate(gen)]
     assert max(errs) <= TOL
-    assert c.cumulative_logprob == pytest.approx(sum(c.logprobs[i][t].logprob for i, t in enumerate(gen)))
+    assert c.cumulative_logprob == pytest.approx(
+        sum(c.logprobs[i][t].logprob for i, t in enumerate(gen))
+    )
     assert c.logprobs[0][gen[0]].decoded_token == llm.engine.tokenizer.decode([gen[0]])
 
 
@@ -71,7 +73,9 @@ def test_logprobs_match_hf_transformers(hf_checkpoints):
     full = prompt + out.token_ids
     with torch.no_grad():
         ref = hf(torch.tensor([full])).logits[0].float().log_softmax(-1)  # T, V
-    errs = [check_entry(out.prompt_logprobs[i], prompt[i], ref[i - 1], 4) for i in range(1, len(prompt))]
+    errs = [
+        check_entry(out.prompt_logprobs[i], prompt[i], ref[i - 1], 4) for i in range(1, len(prompt))
+    ]
     errs += [check_entry(e, t, ref[len(prompt) - 1 + i], 4) for i, (e, t) in enumerate(zip(
         out.outputs[0].logprobs, out.token_ids))]
     # two implementations: float order differs (tests/test_models_parity.py)
@@ -98,7 +102,9 @@ def test_logprob_zero_returns_only_the_chosen_token(llm):
     out = llm.generate([PROMPT],
                        SamplingParams(temperature=0, max_tokens=3, logprobs=0,
                                       prompt_logprobs=0))[0]
-    assert all(len(e) == 1 and next(iter(e)) == t for e, t in zip(out.outputs[0].logprobs, out.token_ids))
+    assert all(
+        len(e) == 1 and next(iter(e)) == t for e, t in zip(out.outputs[0].logprobs, out.token_ids)
+    )
     assert all(len(e) == 1 for e in out.prompt_logprobs[1:])
 
 
@@ -132,7 +138,9 @@ def test_batch_of_mixed_requests_and_n_samples(llm):
     outs = llm.generate(prompts, params)
     assert outs[1].outputs[0].logprobs is None and outs[1].prompt_logprobs is None
     assert outs[2].prompt_logprobs is None and len(outs[2].outputs[0].logprobs) == 5
-    assert len(outs[0].outputs) == 3 and len(outs[0].prompt_logprobs) == len(outs[0].prompt_token_ids)
+    assert len(outs[0].outputs) == 3 and len(outs[0].prompt_logprobs) == len(
+        outs[0].prompt_token_ids
+    )
     for out in (outs[0], outs[2]):
         for c in out.outputs:
             ref = llm.logits(out.prompt_token_ids + c.token_ids).log_softmax(-1)
@@ -166,7 +174,9 @@ def test_logprobs_with_speculative_decoding():
                # pinned: measured costs may switch the draft off on a slow machine
                speculative_cost=0.1)
     out = spec.generate([PROMPT], params)[0]
-    assert out.outputs[0].spec_stats.num_accepted_tokens > 0, "drafts must be accepted for this to test anything"
+    assert out.outputs[0].spec_stats.num_accepted_tokens > 0, (
+        "drafts must be accepted for this to test anything"
+    )
     ref = spec.logits(out.prompt_token_ids + out.token_ids).log_softmax(-1)
     P = len(out.prompt_token_ids)
     assert max(check_entry(e, t, ref[P - 1 + i], 2) for i, (e, t) in enumerate(
@@ -182,8 +192,14 @@ def test_compute_logprobs_negative_control():
     tokens = [1, 2, 3, 4]
     right = compute_logprobs(logits, tokens, [3] * 4)
     shifted = compute_logprobs(logits.roll(1, 0), tokens, [3] * 4)
-    assert max(abs(e[t].logprob - ref[i, t].item()) for i, (e, t) in enumerate(zip(right, tokens))) <= 1e-6
-    assert max(abs(e[t].logprob - ref[i, t].item()) for i, (e, t) in enumerate(zip(shifted, tokens))) > 0.1
+    assert (
+        max(abs(e[t].logprob - ref[i, t].item()) for i, (e, t) in enumerate(zip(right, tokens)))
+        <= 1e-6
+    )
+    assert (
+        max(abs(e[t].logprob - ref[i, t].item()) for i, (e, t) in enumerate(zip(shifted, tokens)))
+        > 0.1
+    )
 
 
 @pytest.mark.parametrize("field,value",
@@ -223,7 +239,9 @@ def test_detokenize_false_keeps_the_ids_and_skips_every_decode(llm, monkeypatch)
     assert got.outputs[0].text == "" and want.outputs[0].text
     for mine, ref in zip(got.outputs[0].logprobs + got.prompt_logprobs[1:],
                          want.outputs[0].logprobs + want.prompt_logprobs[1:]):
-        assert {t: (e.logprob, e.rank) for t, e in mine.items()} == {t: (e.logprob, e.rank) for t, e in ref.items()}
+        assert {t: (e.logprob, e.rank) for t, e in mine.items()} == {
+            t: (e.logprob, e.rank) for t, e in ref.items()
+        }
         assert all(e.decoded_token is None for e in mine.values())
         assert any(e.decoded_token for e in ref.values())
     llm.generate(PROMPT, SamplingParams(**kw), use_tqdm=False)

@@ -49,8 +49,12 @@ def test_adapter_matches_peft_merged_and_not(hf_checkpoints, tmp_path, case, mer
     # the control: the adapter changes the logits by far more
     assert (base - want).abs().max().item() > 1e-2
     with torch.no_grad():
-        hf_tokens = model.generate(torch.tensor([IDS]), max_new_tokens=32, do_sample=False,
-                                   attention_mask=torch.ones(1, len(IDS), dtype=torch.long))[0, len(IDS):].tolist()
+        hf_tokens = model.generate(
+            torch.tensor([IDS]),
+            max_new_tokens=32,
+            do_sample=False,
+            attention_mask=torch.ones(1, len(IDS), dtype=torch.long),
+        )[0, len(IDS) :].tolist()
     from nanoserve import SamplingParams
 
     out = llm.generate([IDS], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
@@ -134,7 +138,9 @@ def test_a_tied_lm_head_is_refused(hf_checkpoints, tmp_path):
         LLM(str(path), dtype="float32", lora=str(adapter))
 
 
-def test_unmerged_on_an_int4_base_equals_merged_on_its_dequantized_weights(hf_checkpoints, tmp_path):
+def test_unmerged_on_an_int4_base_equals_merged_on_its_dequantized_weights(
+    hf_checkpoints, tmp_path
+):
     """QLoRA-style: RTN int4 QuantLinears (no float W to add ΔW to) with the adapter beside them
     equal the float model holding the same dequantized weights with the adapter merged (proven
     against PEFT above)."""

@@ -25,7 +25,9 @@ def _setup(seed=0):
     with torch.no_grad():
         base.weight.copy_(torch.randn(OUT, IN, generator=g))
         base.bias.copy_(torch.randn(OUT, generator=g))
-    adapters = [(torch.randn(r, IN, generator=g), torch.randn(OUT, r, generator=g)) for r in (2, 4, 8)]
+    adapters = [
+        (torch.randn(r, IN, generator=g), torch.randn(OUT, r, generator=g)) for r in (2, 4, 8)
+    ]
     layer = MultiLoRALinear(base, num_slots=4, max_rank=8)
     for slot, (A, B) in enumerate(adapters):
         layer.set_adapter(slot, A, B)
@@ -62,7 +64,9 @@ def test_segmented_and_gathered_agree_and_a_cleared_slot_is_the_base():
     seg = lora_segmented(flat, layer.lora_A, layer.lora_B, slots, [0, 1, 2])
     gat = lora_gathered(flat, layer.lora_A, layer.lora_B, slots)
     assert (seg - gat).abs().max().item() <= 1e-4
-    assert torch.equal(seg[slots < 0], torch.zeros(2, OUT)) and torch.equal(gat[slots < 0], torch.zeros(2, OUT))
+    assert torch.equal(seg[slots < 0], torch.zeros(2, OUT)) and torch.equal(
+        gat[slots < 0], torch.zeros(2, OUT)
+    )
     layer.set_adapter(1, None, None)  # cleared: its rows get the base alone
     layer.set_slots(slots, [0, 2])
     rows = (slots == 1).nonzero().squeeze(1)

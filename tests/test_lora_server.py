@@ -71,5 +71,6 @@ def test_a_requests_model_field_picks_its_adapter(adapters):
 def test_lora_modules_are_parsed_or_refused(spec, msg):
     with pytest.raises(NanoserveError, match=msg):
         parse_lora_modules(spec)
-    assert [(r.lora_name,
-             r.lora_int_id) for r in parse_lora_modules(["x=/a", "y=/b"]).values()] == [("x", 1), ("y", 2)]
+    assert [
+        (r.lora_name, r.lora_int_id) for r in parse_lora_modules(["x=/a", "y=/b"]).values()
+    ] == [("x", 1), ("y", 2)]

@@ -32,7 +32,9 @@ def _logprob_error(model, prompt: list[int], out) -> float:
     tokens = list(out.outputs[0].token_ids)
     ref = torch.log_softmax(model(torch.tensor([prompt + tokens])).logits[0].double(), -1)  # T, V
     got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]
-    return max(abs(g - ref[len(prompt) - 1 + j, t].item()) for j, (g, t) in enumerate(zip(got, tokens)))
+    return max(
+        abs(g - ref[len(prompt) - 1 + j, t].item()) for j, (g, t) in enumerate(zip(got, tokens))
+    )
 
 
 def _four_adapters(hf, tmp_path, case):
@@ -51,8 +53,9 @@ def _four_adapters(hf, tmp_path, case):
 
 @pytest.mark.parametrize("case,method", [("gpt2", None), ("llama-gqa", None), ("gpt2", "gathered"),
                                          ("llama-gqa", "kernel")])
-def test_a_batch_mixing_four_adapters_and_the_base_equals_peft_request_by_request(hf_checkpoints, tmp_path, case,
-                                                                                   method):
+def test_a_batch_mixing_four_adapters_and_the_base_equals_peft_request_by_request(
+    hf_checkpoints, tmp_path, case, method
+):
     path, hf = hf_checkpoints[case]
     models, reqs = _four_adapters(hf, tmp_path, case)
     prompts = [IDS[i:] + IDS[:i] for i in range(10)]
@@ -85,8 +88,10 @@ def test_two_slots_four_adapters_the_scheduler_keeps_at_most_two_running(hf_chec
     engine, manager = llm.engine, llm.engine.inputs.lora
     order = [1, 2, 3, 0, 4, 1, 0, 3]
     prompts = [IDS[i:] + IDS[:i] for i in range(len(order))]
-    rids = [engine.add_request(p, GREEDY,
-                               lora_request=reqs[w - 1] if w else None) for p, w in zip(prompts, order)]
+    rids = [
+        engine.add_request(p, GREEDY, lora_request=reqs[w - 1] if w else None)
+        for p, w in zip(prompts, order)
+    ]
     outs, steps = {}, 0
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -142,7 +147,9 @@ def test_the_prefix_cache_keys_on_the_adapter(hf_checkpoints, tmp_path, monkeypa
     want = {}
     for k in (1, 2):
         with torch.no_grad():
-            want[k] = torch.log_softmax(models[k](torch.tensor([prompt])).logits[0, -1].double(), -1)
+            want[k] = torch.log_softmax(
+                models[k](torch.tensor([prompt])).logits[0, -1].double(), -1
+            )
     _, _, cached = _first_logprob(llm, prompt, reqs[0])
     assert cached == 0
     token, logprob, cached = _first_logprob(llm, prompt, reqs[1])  # the same prompt under adapter 2

@@ -79,7 +79,9 @@ def test_greedy_medusa_equals_target_alone(trained, plain, gamma):
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert {p: o.token_ids for p, o in zip(PROMPTS, outs)} == plain
     stats = [o.outputs[0].spec_stats for o in outs]
-    assert sum(s.num_accepted_tokens for s in stats) > 0.2 * sum(s.num_draft_tokens for s in stats) > 0
+    assert (
+        sum(s.num_accepted_tokens for s in stats) > 0.2 * sum(s.num_draft_tokens for s in stats) > 0
+    )
     assert llm.engine.block_allocator.num_free_blocks() == llm.engine.block_allocator.num_blocks
 
 

@@ -40,7 +40,9 @@ def _llm(heads, tree="default", gamma=3, **kw) -> LLM:
 @pytest.fixture(scope="module")
 def plain():
     """The target alone: {prompt: (token ids, each one's logprob)}."""
-    outs = LLM("demo", block_size=4, attention_backend="torch").generate(PROMPTS, GREEDY, use_tqdm=False)
+    outs = LLM("demo", block_size=4, attention_backend="torch").generate(
+        PROMPTS, GREEDY, use_tqdm=False
+    )
     return {p: _tokens_and_logprobs(o) for p, o in zip(PROMPTS, outs)}
 
 
@@ -70,13 +72,20 @@ def moves(monkeypatch):
 
 
 @pytest.mark.parametrize("gamma", [1, 3])
-def test_greedy_tree_equals_target_alone_and_accepts_more_than_the_chain(medusa_trained, plain, moves, gamma):
+def test_greedy_tree_equals_target_alone_and_accepts_more_than_the_chain(
+    medusa_trained, plain, moves, gamma
+):
     heads = medusa_trained[0]
     outs = _llm(heads, gamma=gamma).generate(PROMPTS, GREEDY, use_tqdm=False)
     _check_equal(outs, plain)
     tree = [o.outputs[0].spec_stats for o in outs]
-    chain = [o.outputs[0].spec_stats for o in _llm(heads, None, gamma).generate(PROMPTS, GREEDY, use_tqdm=False)]
-    per_step = lambda stats: sum(s.num_accepted_tokens for s in stats) / sum(s.num_steps for s in stats)  # noqa: E731
+    chain = [
+        o.outputs[0].spec_stats
+        for o in _llm(heads, None, gamma).generate(PROMPTS, GREEDY, use_tqdm=False)
+    ]
+    per_step = lambda stats: (
+        sum(s.num_accepted_tokens for s in stats) / sum(s.num_steps for s in stats)
+    )
     assert per_step(tree) > per_step(chain) > 0, (per_step(tree), per_step(chain))
     assert moves, "no accepted path left the first branch: the K/V move was never exercised"
 
@@ -196,8 +205,9 @@ def test_sampling_keeps_the_targets_joint_law(medusa_trained, monkeypatch, first
     # the control: accept the first child at every node, then draw the bonus token from p
     if first_child:
         def first(parents, tokens, p, q, generator=None):
-            kids = [[c for c in range(1,
-                                      len(parents)) if parents[c] == u] for u in range(len(parents))]
+            kids = [
+                [c for c in range(1, len(parents)) if parents[c] == u] for u in range(len(parents))
+            ]
             u, out, path = 0, [], []
             while kids[u]:
                 u = kids[u][0]

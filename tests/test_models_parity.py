@@ -77,7 +77,12 @@ def test_parity_test_has_power(hf_checkpoints):
     with torch.no_grad():
         w = attn.q_proj.weight
         D = cfg.head_dim
-        perm = torch.cat([torch.arange(h * D, (h + 1) * D).view(2, D // 2).t().reshape(-1) for h in range(cfg.n_heads)])
+        perm = torch.cat(
+            [
+                torch.arange(h * D, (h + 1) * D).view(2, D // 2).t().reshape(-1)
+                for h in range(cfg.n_heads)
+            ]
+        )
         attn.q_proj.weight.copy_(w[perm])
         ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(2))
         err = (model(ids) - hf(ids).logits).abs().max().item()
@@ -90,7 +95,9 @@ def test_sdpa_attention_equals_naive(T, S, H, Hkv):
     q = torch.randn(2, T, H, 16, generator=g)
     k, v = torch.randn(2, S, Hkv, 16, generator=g), torch.randn(2, S, Hkv, 16, generator=g)
     positions = torch.arange(S - T, S).expand(2, T)
-    assert torch.allclose(attention(q, k, v, positions), naive_attention(q, k, v, positions), atol=1e-5)
+    assert torch.allclose(
+        attention(q, k, v, positions), naive_attention(q, k, v, positions), atol=1e-5
+    )
     if T == S:
         assert torch.allclose(attention(q, k, v), naive_attention(q, k, v), atol=1e-5)
     # the causal mask matters: without it the last-but-one query would see the last key
@@ -111,7 +118,11 @@ def test_half_precision_close_to_fp32(hf_checkpoints, name, dtype):
     with torch.no_grad():
         ref = m32(ids)
         cache = KVCache(cfg, 1, 16, dtype=getattr(torch, dtype))
-        out = torch.cat([m16(ids[:, :6], cache=cache)] + [m16(ids[:, t:t + 1], cache=cache) for t in range(6, 10)], 1)
+        out = torch.cat(
+            [m16(ids[:, :6], cache=cache)]
+            + [m16(ids[:, t : t + 1], cache=cache) for t in range(6, 10)],
+            1,
+        )
     assert (out.float() - ref).abs().max().item() < 0.05
 
 

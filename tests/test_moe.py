@@ -76,8 +76,12 @@ def test_router_and_experts_match_transformers_block(family):
         ours.renormalize = not ours.renormalize  # negative control: the other family's rule
         assert (ours(x) - want).abs().max() > 1e-3
         ours.renormalize = not ours.renormalize
-        lowest = lambda x: (lambda w, e: (w, e))(*ours.gate(x).float().softmax(-1).topk(2, largest=False))  # noqa: E731
-        ours.route = lambda x: tuple(t.to(x.dtype) if t.is_floating_point() else t for t in lowest(x))
+        lowest = lambda x: (lambda w, e: (w, e))(
+            *ours.gate(x).float().softmax(-1).topk(2, largest=False)
+        )
+        ours.route = lambda x: tuple(
+            t.to(x.dtype) if t.is_floating_point() else t for t in lowest(x)
+        )
         assert (ours(x) - want).abs().max() > 1e-3  # negative control: the wrong experts
 
 
@@ -92,8 +96,12 @@ def test_moe_models_run_through_the_engine_and_quantize_with_rtn_only(hf_checkpo
     path = hf_checkpoints["qwen3-moe"][0]
     llm = LLM(str(path), dtype="float32", device="cpu", block_size=4)
     prompts = [[3, 17, 42, 5, 99, 7], [3, 17, 42, 5, 8], list(range(30, 50))]
-    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12,
-                                                                                     ignore_eos=True), use_tqdm=False)]
+    batched = [
+        o.outputs[0].token_ids
+        for o in llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False
+        )
+    ]
     alone = [llm.generate([p], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                           use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     assert batched == alone
@@ -105,8 +113,9 @@ def test_moe_models_run_through_the_engine_and_quantize_with_rtn_only(hf_checkpo
             quantize_model(model, calib, QuantizeConfig(method=method, group_size=16),
                            progress=False)
     res = quantize_model(model, None, QuantizeConfig(method="rtn", group_size=16), progress=False)
-    assert any(".mlp.experts.5.down_proj" in k for k in res.qweights) and not any(".mlp.gate" == k[-9:]
-                                                                                   for k in res.qweights)
+    assert any(".mlp.experts.5.down_proj" in k for k in res.qweights) and not any(
+        ".mlp.gate" == k[-9:] for k in res.qweights
+    )
     out = save_quantized(model, res, tmp_path / "q", tokenizer_from=path)
     reloaded, _, _ = load_model(out, dtype="float32", device="cpu")
     x = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))

@@ -42,10 +42,14 @@ class SyncSpy(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", str(func))
         caller = sys._getframe(1).f_globals.get("__name__", "?")
-        boolean_index = name in ("__getitem__", "__setitem__") and len(args) > 1 and any(
-            isinstance(i,
-                       torch.Tensor) and i.dtype == torch.bool for i in (args[1] if isinstance(args[1], tuple)
-                                                                              else (args[1],)))
+        boolean_index = (
+            name in ("__getitem__", "__setitem__")
+            and len(args) > 1
+            and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                for i in (args[1] if isinstance(args[1], tuple) else (args[1],))
+            )
+        )
         if (name in SYNCS or boolean_index) and not caller.startswith(NOT_OURS):
             self.calls.append((name, caller))
         return func(*args, **(kwargs or {}))

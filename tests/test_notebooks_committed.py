@@ -26,7 +26,9 @@ def _problem(nb: dict) -> str | None:
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_is_committed_executed(path):
     assert len(NOTEBOOKS) == 17
-    assert _problem(json.loads(path.read_text())) is None, f"{path.name}: {_problem(json.loads(path.read_text()))}"
+    assert _problem(json.loads(path.read_text())) is None, (
+        f"{path.name}: {_problem(json.loads(path.read_text()))}"
+    )
 
 
 def test_a_stripped_notebook_is_caught():

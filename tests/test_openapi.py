@@ -59,10 +59,14 @@ def check(spec: dict, path: str, method: str, reply: tuple) -> None:
     """The reply (status, headers, body bytes) is documented for (path, method), body included."""
     status, hdrs, body = reply
     responses = spec["paths"][path][method]["responses"]
-    assert str(status) in responses, f"{method.upper()} {path} answered {status}, not in {sorted(responses)}"
+    assert str(status) in responses, (
+        f"{method.upper()} {path} answered {status}, not in {sorted(responses)}"
+    )
     media = hdrs["content-type"].split(";")[0]
     content = responses[str(status)]["content"]
-    assert media in content, f"{method.upper()} {path} {status} sent {media}, documented {sorted(content)}"
+    assert media in content, (
+        f"{method.upper()} {path} {status} sent {media}, documented {sorted(content)}"
+    )
     if media == "application/json":
         _validate(spec, content[media]["schema"], json.loads(body))
     elif media == "text/event-stream":

@@ -93,9 +93,12 @@ def test_only_the_scheduler_and_the_allocator_write_sequence_state(monkeypatch):
         outputs = run(None)
         llm = LLM("demo")
         prompts = ["ROMEO:", "JULIET:", "KING:"]
-        StaticBatcher(llm.engine, batch_size=2).generate(prompts,
-                                                         SamplingParams(temperature=0, max_tokens=9))
-        DynamicBatcher(llm.engine, max_batch_size=2).generate(prompts, SamplingParams(seed=1, max_tokens=9))
+        StaticBatcher(llm.engine, batch_size=2).generate(
+            prompts, SamplingParams(temperature=0, max_tokens=9)
+        )
+        DynamicBatcher(llm.engine, max_batch_size=2).generate(
+            prompts, SamplingParams(seed=1, max_tokens=9)
+        )
     assert outputs["preemption_count"] > 0
     writers = _writers(writes)
     # it saw writes
@@ -113,7 +116,9 @@ def test_ownership_negative_control_a_write_from_the_model_runner_is_caught(monk
         seq = Sequence([1, 2, 3])
         writes.clear()  # the constructor's own writes
         old_runner["forward_done"](seq, 2)
-    assert _writers(writes) == {"nanoserve.engine.model_runner": {"num_computed_tokens", "token_ids"}}
+    assert _writers(writes) == {
+        "nanoserve.engine.model_runner": {"num_computed_tokens", "token_ids"}
+    }
 
 
 # ----------------------------------------------------------------------------- 2-4. imports, sizes,
@@ -140,7 +145,9 @@ def _imports(name: str, path: Path, top_level_only: bool = True) -> list[tuple[s
         if isinstance(node, ast.Import):
             out += [(a.name, []) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            base = (
+                package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            )
             module = ".".join([*base, *([node.module] if node.module else [])])
             out.append((module, [a.name for a in node.names]))
     return out
@@ -210,8 +217,11 @@ def test_every_public_class_and_method_of_the_engine_has_a_docstring():
     for path in sorted((PACKAGE / "engine").glob("*.py")):
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
-                members = [node] + [m for m in getattr(node, "body", []) if isinstance(m, ast.FunctionDef)
-                                    and not m.name.startswith("_")] * isinstance(node, ast.ClassDef)
+                members = [node] + [
+                    m
+                    for m in getattr(node, "body", [])
+                    if isinstance(m, ast.FunctionDef) and not m.name.startswith("_")
+                ] * isinstance(node, ast.ClassDef)
                 missing += [f"{path.name}:{m.name}" for m in members if not ast.get_docstring(m)]
     assert not missing, missing
 
@@ -219,13 +229,18 @@ def test_every_public_class_and_method_of_the_engine_has_a_docstring():
 def _listed_packages() -> set[str]:
     import tomllib
 
-    return set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    return set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
 
 
 def test_every_subpackage_is_listed_for_installation():
     """pyproject.toml lists packages by name: a folder missing from the list is left out of a built
     wheel (an editable install, as the tests use, still finds it). Control: the list without
     nanoserve.parallel misses it."""
-    folders = {"nanoserve." + p.parent.name for p in PACKAGE.glob("*/__init__.py")} | {"nanoserve", "nanoserve.kernels"}
+    folders = {"nanoserve." + p.parent.name for p in PACKAGE.glob("*/__init__.py")} | {
+        "nanoserve",
+        "nanoserve.kernels",
+    }
     assert folders - _listed_packages() == set()
     assert folders - (_listed_packages() - {"nanoserve.parallel"}) == {"nanoserve.parallel"}

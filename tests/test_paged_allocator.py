@@ -155,7 +155,12 @@ def test_bad_construction_args(num_blocks, block_size, match):
 
 def test_names_and_sizes():
     alloc = BlockAllocator(10, 8)
-    assert (alloc.num_blocks, alloc.block_size, alloc.num_free_blocks(), alloc.usage()) == (10, 8, 10, 0.0)
+    assert (alloc.num_blocks, alloc.block_size, alloc.num_free_blocks(), alloc.usage()) == (
+        10,
+        8,
+        10,
+        0.0,
+    )
     assert [alloc.blocks_needed(n) for n in (0, 1, 7, 8, 9, 16, 17)] == [0, 1, 1, 1, 2, 2, 3]
     with pytest.raises(NanoserveError, match="num_tokens=-1"):
         alloc.blocks_needed(-1)
@@ -194,10 +199,13 @@ def check_allocate_and_free(cls, n):
     assert seq.num_cached_tokens == seq.num_computed_tokens == 0
     alloc.check_invariants()
     compute(alloc, seq)
-    assert sealed(alloc,
-                  seq) == [i < n // BS for i in range(len(table))], "exactly the full blocks are cached"
+    assert sealed(alloc, seq) == [i < n // BS for i in range(len(table))], (
+        "exactly the full blocks are cached"
+    )
     alloc.free(seq)
-    assert seq.block_table == [] and alloc.num_free_blocks() == 8 and len(alloc.evictable) == n // BS
+    assert (
+        seq.block_table == [] and alloc.num_free_blocks() == 8 and len(alloc.evictable) == n // BS
+    )
     assert all(b.ref_count == 0 for b in alloc.blocks)
     alloc.free(seq)  # freeing twice is a no-op
     alloc.check_invariants()
@@ -274,8 +282,10 @@ def check_fork_and_copy_on_write(cls):
     alloc.fork(parent, child)
     assert child.num_computed_tokens == len(child)
     full, partial = parent.block_table
-    assert child.block_table == [full,
-                                 partial] and alloc.blocks[full].ref_count == alloc.blocks[partial].ref_count == 2
+    assert (
+        child.block_table == [full, partial]
+        and alloc.blocks[full].ref_count == alloc.blocks[partial].ref_count == 2
+    )
     child.append_token(1)
     assert alloc.can_append(child)
     cow = alloc.append_slot(child)
@@ -412,7 +422,9 @@ def check_collisions_are_harmless(cls):
     assert d.num_cached_tokens == BS and d.block_table[1] != a.block_table[0]
     for s in (a, b, c, d):
         for i in range(s.num_cached_tokens // BS):
-            assert alloc.blocks[s.block_table[i]].token_ids == tuple(s.token_ids[i * BS:(i + 1) * BS])
+            assert alloc.blocks[s.block_table[i]].token_ids == tuple(
+                s.token_ids[i * BS : (i + 1) * BS]
+            )
     alloc.check_invariants()
 
 
@@ -513,14 +525,18 @@ def check_uncomputed_blocks_are_not_hits(cls):
     b = seq_of(a.token_ids)
     assert alloc.can_allocate(b)
     alloc.allocate(b)
-    assert b.num_cached_tokens == 0 and not set(b.block_table) & set(a.block_table), "hit a block with no KV"
+    assert b.num_cached_tokens == 0 and not set(b.block_table) & set(a.block_table), (
+        "hit a block with no KV"
+    )
     compute(alloc, a)
     c = seq_of(a.token_ids)
     alloc.allocate(c)
     assert c.num_cached_tokens == 3 * BS and c.block_table[:3] == a.block_table[:3]
     # b computed the same blocks: a's registration is kept, b's blocks are unregistered twins
     compute(alloc, b)
-    assert [alloc.hash_to_block[alloc.blocks[bid].hash] for bid in b.block_table[:3]] == a.block_table[:3]
+    assert [
+        alloc.hash_to_block[alloc.blocks[bid].hash] for bid in b.block_table[:3]
+    ] == a.block_table[:3]
     # Decode: a block filled by append_slot is a hit only after the forward that writes its last
     # token.
     d = seq_of(distinct(BS - 1))
@@ -552,7 +568,11 @@ def check_free_before_compute_caches_nothing(cls):
     a = seq_of(prompt)
     alloc.allocate(a)
     alloc.free(a)  # aborted / preempted mid-prefill
-    assert alloc.hash_to_block == {} and not alloc.evictable and all(blk.hash is None for blk in alloc.blocks)
+    assert (
+        alloc.hash_to_block == {}
+        and not alloc.evictable
+        and all(blk.hash is None for blk in alloc.blocks)
+    )
     assert list(alloc.free_block_ids)[-3:] == [2, 1, 0], "its blocks went back as plain free blocks"
     b = seq_of(prompt)
     alloc.allocate(b)
@@ -563,7 +583,9 @@ def check_free_before_compute_caches_nothing(cls):
     assert list(alloc.evictable) == b_table[1::-1]
     c = seq_of(prompt)
     alloc.allocate(c)
-    assert c.num_cached_tokens == 2 * BS and c.block_table[:2] == b_table[:2], "after compute + free it hits"
+    assert c.num_cached_tokens == 2 * BS and c.block_table[:2] == b_table[:2], (
+        "after compute + free it hits"
+    )
     assert (alloc.stats.hits, alloc.stats.misses) == (2, 3 + 3 + 1)
     alloc.check_invariants()
 
@@ -584,7 +606,10 @@ def check_partial_mark_computed(cls):
         probe = seq_of(a.token_ids)
         assert alloc.can_allocate(probe)
         alloc.allocate(probe)
-        assert probe.num_cached_tokens == full * BS and probe.block_table[:full] == a.block_table[:full]
+        assert (
+            probe.num_cached_tokens == full * BS
+            and probe.block_table[:full] == a.block_table[:full]
+        )
         alloc.free(probe)
         alloc.check_invariants()
     alloc.free(a)  # preempted after 9 of 13 tokens: its 2 computed blocks stay cached, nothing else
@@ -640,7 +665,9 @@ class Harness:
         kind, *args = op
         self.counts["ops"] += 1
         # the next new block would evict a cached one:
-        self.counts["evict_possible"] += not self.alloc.free_block_ids and bool(self.alloc.evictable)
+        self.counts["evict_possible"] += not self.alloc.free_block_ids and bool(
+            self.alloc.evictable
+        )
         if kind == "add":
             self.add(list(args[0]), args[1])
         elif not self.live:
@@ -682,9 +709,13 @@ class Harness:
         self.check_table(seq)
         cached = seq.num_cached_tokens
         assert cached % self.bs == 0 and cached < len(seq), f"{cached} cached tokens of {len(seq)}"
-        assert seq.num_computed_tokens == cached, "num_computed_tokens != num_cached_tokens after allocate"
+        assert seq.num_computed_tokens == cached, (
+            "num_computed_tokens != num_cached_tokens after allocate"
+        )
         for pos, slot in enumerate(self.alloc.slot_mapping(seq, 0, cached)):
-            assert self.kv.get(slot) == tuple(tokens[:pos + 1]), "a prefix hit gives KV of another prefix"
+            assert self.kv.get(slot) == tuple(tokens[: pos + 1]), (
+                "a prefix hit gives KV of another prefix"
+            )
         for bid in seq.block_table[cached // self.bs:]:
             self.taken(bid)
         self.live.append(seq)
@@ -743,19 +774,28 @@ class Harness:
             self.check_table(seq)
             holders.update(table)
             for pos, slot in enumerate(alloc.slot_mapping(seq, 0, seq.num_computed_tokens)):
-                assert self.kv.get(slot) == tuple(tokens[:pos + 1]), "a slot holds the KV of another prefix"
+                assert self.kv.get(slot) == tuple(tokens[: pos + 1]), (
+                    "a slot holds the KV of another prefix"
+                )
             for i, bid in enumerate(table):
                 block = alloc.blocks[bid]
                 if block.hash is not None:
-                    assert block.token_ids == tuple(tokens[i * bs:(i + 1) * bs]), "a cached block's tokens differ"
+                    assert block.token_ids == tuple(tokens[i * bs : (i + 1) * bs]), (
+                        "a cached block's tokens differ"
+                    )
         for block in alloc.blocks:
-            assert block.ref_count == holders[block.block_id], "ref_count != number of live block tables holding it"
+            assert block.ref_count == holders[block.block_id], (
+                "ref_count != number of live block tables holding it"
+            )
             # in the prefix cache's bookkeeping: its KV must be there, for its tokens
             if block.hash is not None:
                 for off in range(bs):
                     written = self.kv.get(block.block_id * bs + off)
-                    assert written is not None and len(written) % bs == (off + 1) % bs \
-                        and written[-(off + 1):] == block.token_ids[:off + 1], "a cached block's KV is not written"
+                    assert (
+                        written is not None
+                        and len(written) % bs == (off + 1) % bs
+                        and written[-(off + 1) :] == block.token_ids[: off + 1]
+                    ), "a cached block's KV is not written"
 
     def finish(self) -> None:
         while self.live:
@@ -807,7 +847,13 @@ def random_ops(rng: random.Random, n: int) -> list[tuple]:
     kinds = ["add", "extend", "compute", "append", "append", "fork", "free"]
     table = {
         "add": lambda: ("add", toks(rng.randint(1, 14)), chunk()),
-        "extend": lambda: ("extend", rng.randrange(16), rng.randrange(32), toks(rng.randrange(6)), chunk()),
+        "extend": lambda: (
+            "extend",
+            rng.randrange(16),
+            rng.randrange(32),
+            toks(rng.randrange(6)),
+            chunk(),
+        ),
         "compute": lambda: ("compute", rng.randrange(16), rng.randint(1, 8)),
         "append": lambda: ("append", rng.randrange(16), rng.randrange(3)),
         "fork": lambda: ("fork", rng.randrange(16)),

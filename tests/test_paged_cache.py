@@ -111,7 +111,9 @@ def test_full_prompt_hit_still_computes_the_last_token(engines):
 def test_forced_hash_collision_never_corrupts_output(engines):
     warm, cold = engines
     bm = warm.block_allocator
-    colliding = BlockAllocator(bm.num_blocks, bm.block_size, True, hash_fn=lambda parent, tokens: 42)
+    colliding = BlockAllocator(
+        bm.num_blocks, bm.block_size, True, hash_fn=lambda parent, tokens: 42
+    )
     warm.engine.scheduler.block_allocator = colliding
     a, b = list(range(60, 72)), list(range(80, 92))  # different tokens, same (forced) hashes
     warm.generate([a], GREEDY)
@@ -131,8 +133,12 @@ def test_parallel_samples_share_the_prompt_and_match_single_runs(engines):
     p = SamplingParams(temperature=1.0, max_tokens=10, seed=11, n=3, ignore_eos=True)
     out = warm.generate([prompt], p)[0]
     assert len(out.outputs) == 3
-    singles = [cold.generate([prompt], SamplingParams(temperature=1.0, max_tokens=10, seed=11 + i,
-                                                      ignore_eos=True))[0].token_ids for i in range(3)]
+    singles = [
+        cold.generate(
+            [prompt], SamplingParams(temperature=1.0, max_tokens=10, seed=11 + i, ignore_eos=True)
+        )[0].token_ids
+        for i in range(3)
+    ]
     assert [o.token_ids for o in out.outputs] == singles
     assert len({tuple(s) for s in singles}) == 3  # the samples really diverged
 

@@ -70,7 +70,9 @@ def test_each_stage_needs_its_own_layers_of_the_pool(hf_checkpoints):
     assert _run(llm, PROMPTS[2:])[0] != _run(one, PROMPTS[2:])[0]
 
 
-def test_the_first_stage_starts_the_next_micro_batch_before_the_logits_of_the_last_come_back(hf_checkpoints):
+def test_the_first_stage_starts_the_next_micro_batch_before_the_logits_of_the_last_come_back(
+    hf_checkpoints,
+):
     """GPipe's order within a step: rank 0 computes every part of a forward (sending each on) before
     it waits for the first part's logits — while stage 1 works on part 0, stage 0 works on part
     1."""

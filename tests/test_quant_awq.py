@@ -79,7 +79,8 @@ def test_awq_vs_rtn_held_out():
 @pytest.mark.parametrize("bits, group_size, sym", [(4, 128, False), (4, 64, True), (3, 128, False)])
 def test_never_worse_than_rtn_on_calibration(bits, group_size, sym):
     # a group of three linears reading the same input (q, k, v after a norm)
-    Ws, sample = [outlier_layer(s, n=128, k=256)[0].float() for s in (5, 6, 7)], outlier_layer(5, n=128, k=256)[1]
+    Ws = [outlier_layer(s, n=128, k=256)[0].float() for s in (5, 6, 7)]
+    sample = outlier_layer(5, n=128, k=256)[1]
     X = sample(2048, 8)
     lins = [linear(W) for W in Ws]
     result = awq_search(lins, X.float(), bits, group_size, sym)
@@ -180,7 +181,9 @@ def test_search_clip_never_worse_per_group():
         return (out - torch.einsum("tgc,ngc->ngt", xg, wg)).pow(2).mean(-1)
 
     clipped = torch.clamp(wg, -max_val[..., None], max_val[..., None]).view(64, 256)
-    assert (group_err(fake_quantize(clipped, 4, 64, False)) <= group_err(fake_quantize(w, 4, 64, False))).all()
+    assert (
+        group_err(fake_quantize(clipped, 4, 64, False)) <= group_err(fake_quantize(w, 4, 64, False))
+    ).all()
     # negative control: clipping every group at 0.55 is worse than the search's choice somewhere
     half = torch.clamp(wg, -0.55 * wg.abs().amax(-1, keepdim=True),
                        0.55 * wg.abs().amax(-1, keepdim=True))
@@ -242,7 +245,9 @@ def test_block_groups_fold_exactly_in_every_family(hf_checkpoints, name):
                 if prev is not None:
                     lins = [block.get_submodule(n) for n in names]
                     s = torch.exp(0.5 * torch.randn(lins[0].in_features))
-                    fold_scales(block.get_submodule(swap.get(prev, prev) if swap else prev), lins, s)
+                    fold_scales(
+                        block.get_submodule(swap.get(prev, prev) if swap else prev), lins, s
+                    )
 
     x = torch.randint(0, 257, (2, 20), generator=torch.Generator().manual_seed(0))
     model, _, _ = load_model(hf_checkpoints[name][0], dtype="float32", device="cpu")

@@ -49,8 +49,10 @@ def _plus_one_per_nibble(qzeros: torch.Tensor) -> torch.Tensor:
 def _as_v2(v1, out, fmt="gptq_v2"):
     shutil.copytree(v1, out)
     tensors = load_file(str(v1 / "model.safetensors"))
-    save_file({k: _plus_one_per_nibble(t) if k.endswith(".qzeros") else t for k, t in tensors.items()},
-              str(out / "model.safetensors"))
+    save_file(
+        {k: _plus_one_per_nibble(t) if k.endswith(".qzeros") else t for k, t in tensors.items()},
+        str(out / "model.safetensors"),
+    )
     cfg = json.loads((out / "config.json").read_text())
     cfg["quantization_config"]["checkpoint_format"] = fmt
     (out / "config.json").write_text(json.dumps(cfg))
@@ -81,7 +83,9 @@ def test_quantize_config_json_and_the_tokenizer_files(v1_checkpoint, tmp_path):
     model, _, tok = load_model(src)
     res = quantize_model(model, None, QuantizeConfig(method="rtn", group_size=32), progress=False)
     out = save_quantized(model, res, tmp_path / "q", tokenizer_from=src)
-    assert (out / "tokenizer.json").stat().st_size == (src / "tokenizer.json").stat().st_size > 2 << 20
+    assert (
+        (out / "tokenizer.json").stat().st_size == (src / "tokenizer.json").stat().st_size > 2 << 20
+    )
     assert load_model(out)[2].encode("ROMEO:") == tok.encode("ROMEO:")
 
 
@@ -158,8 +162,10 @@ def test_cli_quantize_fp8_and_smoothquant_write_checkpoints_that_load(tmp_path):
         assert r.returncode == 0, r.stderr[-2000:]
         model, _, tok = load_model(out)
         assert tok is not None and sum(isinstance(m, kind) for m in model.modules()) == 2 * 7
-        assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == \
-            "compressed-tensors"
+        assert (
+            json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"]
+            == "compressed-tensors"
+        )
     bad = subprocess.run([sys.executable, "-m", "nanoserve", "quantize", "--model", "demo-draft",
                           "--method", "int8",
                           "--bits", "3", "--out", str(tmp_path / "x")], capture_output=True,

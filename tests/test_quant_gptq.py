@@ -37,9 +37,12 @@ def hessian(X):
 
 
 def _same(a, b):
-    return (torch.equal(a.codes, b.codes) and torch.equal(a.scales,
-                                                          b.scales) and torch.equal(a.zeros, b.zeros)
-            and torch.equal(a.g_idx, b.g_idx))
+    return (
+        torch.equal(a.codes, b.codes)
+        and torch.equal(a.scales, b.scales)
+        and torch.equal(a.zeros, b.zeros)
+        and torch.equal(a.g_idx, b.g_idx)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
@@ -191,7 +194,9 @@ def test_hessian_running_average_and_capture_inputs():
         assert gptq[name].nsamples == 3 * 7 + 50 + 1 == X.shape[0]
         assert torch.allclose(gptq[name].H, hessian(X), rtol=0, atol=1e-12)
     X = torch.cat([x.reshape(-1, 32) for x in batches])
-    assert torch.equal(seen["fc1"][1], batches[1]) and torch.allclose(gptq["fc1"].H, hessian(X), atol=1e-12)
+    assert torch.equal(seen["fc1"][1], batches[1]) and torch.allclose(
+        gptq["fc1"].H, hessian(X), atol=1e-12
+    )
     assert _same(gptq["fc1"].quantize(4, 16), gptq_quantize(model[0].weight, gptq["fc1"].H, 4, 16))
 
 

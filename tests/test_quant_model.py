@@ -27,7 +27,9 @@ from nanoserve.quant.qlinear import QuantLinear
 from nanoserve.quant.rtn import quantize_rtn
 from nanoserve.quant.save import replace_linears, save_quantized
 
-SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "corpora" / "tinyshakespeare" / "input.txt"
+SHAKESPEARE = (
+    Path(__file__).resolve().parents[2] / "shared" / "corpora" / "tinyshakespeare" / "input.txt"
+)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +64,10 @@ def test_gptq_beats_rtn_block_by_block(calib):
     rtn_model, rtn = _quantized("rtn", calib, group_size=32)
     gptq_model, gptq = _quantized("gptq", calib, group_size=32)
     assert len(gptq.qweights) == 2 * 7  # 2 blocks × (q, k, v, o, gate, up, down)
-    assert all(g < r for g, r in zip(gptq.block_errors, rtn.block_errors)), (gptq.block_errors, rtn.block_errors)
+    assert all(g < r for g, r in zip(gptq.block_errors, rtn.block_errors)), (
+        gptq.block_errors,
+        rtn.block_errors,
+    )
     name, qw = next(iter(gptq.qweights.items()))
     assert torch.equal(gptq_model.get_submodule(name).weight, qw.dequantize().float())
 
@@ -71,7 +76,12 @@ def test_gptq_checkpoint_round_trip_gives_identical_logits(calib, tmp_path):
     model, res = _quantized("gptq", calib, group_size=32, act_order=True)
     out = save_quantized(model, res, tmp_path / "q", tokenizer_from="demo-draft")
     hf = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert hf["quant_method"] == "gptq" and hf["bits"] == 4 and hf["group_size"] == 32 and hf["desc_act"]
+    assert (
+        hf["quant_method"] == "gptq"
+        and hf["bits"] == 4
+        and hf["group_size"] == 32
+        and hf["desc_act"]
+    )
     tensors = load_file(str(out / "model.safetensors"))
     q_proj = "model.layers.0.self_attn.q_proj"
     assert f"{q_proj}.qweight" in tensors and f"{q_proj}.weight" not in tensors
@@ -107,10 +117,14 @@ def test_awq_checkpoint_loads_to_the_same_weights(calib, tmp_path):
     """An AutoAWQ GEMM checkpoint (written here with packing.pack_awq) loads to the same layers as
     packing our codes directly; a zero point of 0 (AWQ can store it, GPTQ v1 cannot) is refused."""
     model, res = _quantized("awq", calib, group_size=32, sym=False)
-    tensors = {k: v.detach().clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    tensors = {
+        k: v.detach().clone() for k, v in model.state_dict().items() if k != "lm_head.weight"
+    }
     for name, qw in res.qweights.items():
         del tensors[f"{name}.weight"]
-        tensors.update({f"{name}.{k}": v for k, v in pack_awq(qw.codes, qw.zeros, qw.scales).items()})
+        tensors.update(
+            {f"{name}.{k}": v for k, v in pack_awq(qw.codes, qw.zeros, qw.scales).items()}
+        )
     awq_dir = tmp_path / "awq"
     awq_dir.mkdir()
     save_file(tensors, str(awq_dir / "model.safetensors"))

@@ -104,7 +104,9 @@ def test_awq_golden_interleave():
     words = torch.full((4, 2), 0x75316420, dtype=torch.int32)
     codes, zeros, _ = unpack_awq(words, words[:1], torch.ones(1, 16, dtype=torch.float16),
                                  group_size=4)
-    assert torch.equal(codes[:, 0].long(), torch.arange(16) % 8) and torch.equal(zeros[:, 0], torch.arange(16) % 8)
+    assert torch.equal(codes[:, 0].long(), torch.arange(16) % 8) and torch.equal(
+        zeros[:, 0], torch.arange(16) % 8
+    )
 
 
 def test_awq_plain_order_fails_the_golden_test(monkeypatch):
@@ -127,7 +129,9 @@ def _python_word(values, bits) -> int:
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_gptq_matches_python_packer(bits):
     per = 32 // bits
-    codes, zeros, scales, g_idx = _random_unpacked(per, 3 * per, per, bits, act_order=True, seed=bits)
+    codes, zeros, scales, g_idx = _random_unpacked(
+        per, 3 * per, per, bits, act_order=True, seed=bits
+    )
     packed = pack_gptq(codes, zeros, scales, g_idx, bits)
     N, K = codes.shape
     want_qw = [[_python_word(codes[n, r * per:(r + 1) * per].tolist(), bits) for n in range(N)]
@@ -157,10 +161,17 @@ def test_awq_matches_python_packer():
 def test_gptq_round_trip_and_dequantize(bits, act_order):
     codes, zeros, scales, g_idx = _random_unpacked(48, 96, 32, bits, act_order, seed=bits)
     packed = pack_gptq(codes, zeros, scales, g_idx, bits)
-    assert packed["qweight"].shape == (96 * bits // 32, 48) and packed["qzeros"].shape == (3, 48 * bits // 32)
+    assert packed["qweight"].shape == (96 * bits // 32, 48) and packed["qzeros"].shape == (
+        3,
+        48 * bits // 32,
+    )
     got = unpack_gptq(packed["qweight"], packed["qzeros"], packed["scales"], packed["g_idx"], bits)
     assert got[0].dtype == torch.uint8 and torch.equal(got[0], codes)
-    assert torch.equal(got[1].long(), zeros) and torch.equal(got[2], scales) and torch.equal(got[3], g_idx)
+    assert (
+        torch.equal(got[1].long(), zeros)
+        and torch.equal(got[2], scales)
+        and torch.equal(got[3], g_idx)
+    )
     w = dequantize_gptq(**packed, bits=bits)
     # exact
     assert w.dtype == torch.float32 and torch.equal(w.double(), _dense(codes, zeros, scales, g_idx))

@@ -84,7 +84,9 @@ def test_grid_convention_by_hand():
 
 def test_dequantize_follows_g_idx():
     q = quantize_rtn(_weight(2), bits=4, group_size=128)
-    manual = (q.codes.float() - q.zeros.repeat_interleave(128, 1)) * q.scales.repeat_interleave(128, 1)
+    manual = (q.codes.float() - q.zeros.repeat_interleave(128, 1)) * q.scales.repeat_interleave(
+        128, 1
+    )
     assert torch.equal(q.dequantize(), manual)
     # a permuted grouping (as act-order produces) must be followed, not assumed to be k //
     # group_size

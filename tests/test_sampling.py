@@ -180,7 +180,9 @@ def test_sample_next_matches_intended_law_chi2(name):
                                                         generator=g),
                                       minlength=V)
         chi2_w, df_w, p_w = goodness_of_fit(wrong_counts, intended)
-        assert p_w < P_FAIL, f"{name}: mutant {kind!r} not rejected: χ² = {chi2_w:.1f}, p = {p_w:.2e}"
+        assert p_w < P_FAIL, (
+            f"{name}: mutant {kind!r} not rejected: χ² = {chi2_w:.1f}, p = {p_w:.2e}"
+        )
 
 
 def test_temperature_mutant_is_rejected_with_same_support():
@@ -325,8 +327,13 @@ def hf_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
     return scores[0]
 
 
-HF_GRID = [(V_, T, k, p) for V_ in (7, 64, 1000) for T in (0.5, 0.8, 1.0, 1.7) for k in (0, 1, 5, 40)
-           for p in (1.0, 0.95, 0.8, 0.5, 0.1)]
+HF_GRID = [
+    (V_, T, k, p)
+    for V_ in (7, 64, 1000)
+    for T in (0.5, 0.8, 1.0, 1.7)
+    for k in (0, 1, 5, 40)
+    for p in (1.0, 0.95, 0.8, 0.5, 0.1)
+]
 
 
 def _hf_logits(i: int, vocab: int) -> torch.Tensor:
@@ -356,8 +363,9 @@ def test_hf_comparison_has_power():
         if top_p < 1.0:
             no_crossing = ours.clone()
             no_crossing[ours == ours[ours > 0].min()] = 0
-            crossing_diffs += not torch.equal(torch.isfinite(hf_probs(logits, temperature, top_k, top_p)),
-                                              no_crossing > 0)
+            crossing_diffs += not torch.equal(
+                torch.isfinite(hf_probs(logits, temperature, top_k, top_p)), no_crossing > 0
+            )
     assert order_diffs >= 10
     assert crossing_diffs == sum(p < 1.0 for *_, p in HF_GRID)
 
@@ -543,7 +551,11 @@ def test_sampling_params_accepts_edges():
     assert SamplingParams(temperature=0.0).greedy and not SamplingParams(temperature=1e-6).greedy
     SamplingParams(top_p=1.0, top_k=10**6, temperature=100, seed=0, stop_token_ids=[0])
     SamplingParams(top_p=1e-9, repetition_penalty=5.0)
-    SamplingParams(seed=-(2**63)), SamplingParams(seed=2**63 - 1), SamplingParams(seed=2**63 - 3, n=3)
+    (
+        SamplingParams(seed=-(2**63)),
+        SamplingParams(seed=2**63 - 1),
+        SamplingParams(seed=2**63 - 3, n=3),
+    )
     SamplingParams(top_p=torch.finfo(torch.float32).tiny,
                    repetition_penalty=torch.finfo(torch.float32).tiny)
     assert SamplingParams(stop="x").stop == ["x"]
@@ -592,8 +604,9 @@ _EXTREME = st.one_of(st.floats(-F32.max, F32.max, allow_nan=False, allow_infinit
     penalty=st.one_of(st.just(F32.tiny), st.just(F32.max), st.floats(F32.tiny, F32.max)),
     n_seen=st.integers(0, 24),
 )
-def test_finite_logits_never_give_nan_whatever_the_valid_settings(logits, temperature, top_k, top_p, penalty,
-                                                                  n_seen):
+def test_finite_logits_never_give_nan_whatever_the_valid_settings(
+    logits, temperature, top_k, top_p, penalty, n_seen
+):
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
                             repetition_penalty=penalty)
     t = torch.tensor(logits)

@@ -142,7 +142,9 @@ def test_include_stop_str_in_output(llm):
     cut = llm.generate(["ROMEO:"], SamplingParams(temperature=0, max_tokens=40, stop=[stop]))[0]
     kept = llm.generate(["ROMEO:"], SamplingParams(temperature=0, max_tokens=40, stop=[stop],
                                                    include_stop_str_in_output=True))[0]
-    assert kept.text == cut.text + stop and plain.startswith(kept.text) and not cut.text.endswith(stop)
+    assert (
+        kept.text == cut.text + stop and plain.startswith(kept.text) and not cut.text.endswith(stop)
+    )
 
 
 def test_stop_strings_wait_for_min_tokens(llm):

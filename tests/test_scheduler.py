@@ -18,8 +18,10 @@ BS = 4
 
 def _workload(n=64, seed=0, shared_prefix=()):
     rng = random.Random(seed)
-    prompts = [list(shared_prefix) + [rng.randrange(1,
-                                                    256) for _ in range(rng.randint(1, 40))] for _ in range(n)]
+    prompts = [
+        list(shared_prefix) + [rng.randrange(1, 256) for _ in range(rng.randint(1, 40))]
+        for _ in range(n)
+    ]
     params = [SamplingParams(temperature=0, max_tokens=rng.randint(1, 24),
                              ignore_eos=True) for _ in range(n)]
     return prompts, params

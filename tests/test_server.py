@@ -161,7 +161,9 @@ def test_streamed_text_with_stop_strings_equals_the_plain_response(server, refer
     kw = dict(model="demo-chat", prompt="ROMEO:\n", max_tokens=40, temperature=0,
               stop=[" the state", " matter"])
     plain = server.client().completions.create(**kw)
-    streamed = "".join(c.choices[0].text for c in server.client().completions.create(**kw, stream=True))
+    streamed = "".join(
+        c.choices[0].text for c in server.client().completions.create(**kw, stream=True)
+    )
     want = reference.generate([kw["prompt"]],
                               SamplingParams(temperature=0, max_tokens=40, stop=kw["stop"]))[0]
     assert streamed == plain.choices[0].text == want.text and want.finish_reason == "stop"
@@ -213,7 +215,9 @@ def test_64_concurrent_streams_finish_and_the_pool_is_whole(server):
     async def main():
         client = server.aclient()
         try:
-            return await asyncio.wait_for(asyncio.gather(*[one(client, i) for i in range(64)]), DEADLINE)
+            return await asyncio.wait_for(
+                asyncio.gather(*[one(client, i) for i in range(64)]), DEADLINE
+            )
         finally:
             await client.close()
 
@@ -298,7 +302,10 @@ def test_malformed_json_is_400_with_an_openai_error_body(server):
     status, _, body = _post(server.port, "/v1/completions", b'{"model": "demo-chat", "prompt": ')
     assert status == 400
     assert set(body["error"]) == {"message", "type", "param", "code"}
-    assert body["error"]["type"] == "invalid_request_error" and "not valid JSON" in body["error"]["message"]
+    assert (
+        body["error"]["type"] == "invalid_request_error"
+        and "not valid JSON" in body["error"]["message"]
+    )
 
 
 @pytest.mark.parametrize("extra, says", [
@@ -403,15 +410,20 @@ def test_full_queue_is_429_with_retry_after(small_server, monkeypatch):
     try:
         with socket.create_connection(("127.0.0.1", srv.port), timeout=DEADLINE) as waiting:
             waiting.sendall(_request_bytes("POST", "/v1/completions", long))
-            _wait_for(lambda: len(srv.engine.engine.scheduler.waiting) + srv.engine.num_pending == 1,
-                      "the first request to take the one waiting slot", timeout=30)
+            _wait_for(
+                lambda: len(srv.engine.engine.scheduler.waiting) + srv.engine.num_pending == 1,
+                "the first request to take the one waiting slot",
+                timeout=30,
+            )
             status, hdrs, body = _post(srv.port, "/v1/completions",
                                        {"model": "demo", "prompt": "B"})
             go.set()
     finally:
         go.set()
     assert status == 429 and hdrs["retry-after"] == "2"
-    assert body["error"]["type"] == "rate_limit_error" and "max_waiting=1" in body["error"]["message"]
+    assert (
+        body["error"]["type"] == "rate_limit_error" and "max_waiting=1" in body["error"]["message"]
+    )
     _wait_for(lambda: _pool_whole(srv.engine), "the hung-up request to be aborted", timeout=30)
 
 
@@ -454,8 +466,12 @@ def test_metrics_parse_and_count_what_was_sent(small_server):
     for bad in ({"temperature": -1}, {"foo": 1}):
         assert _post(srv.port, "/v1/completions", {"model": "demo", "prompt": "x", **bad})[0] == 400
     after = _scrape(srv.port)
-    d = lambda name, **labels: after.get((name, tuple(sorted(labels.items()))), 0) - before.get(  # noqa: E731
-        (name, tuple(sorted(labels.items()))), 0)
+    d = lambda name, **labels: (
+        after.get((name, tuple(sorted(labels.items()))), 0)
+        - before.get(  # noqa: E731
+            (name, tuple(sorted(labels.items()))), 0
+        )
+    )
     assert d("nanoserve_http_requests_total", endpoint="/v1/completions", status="200") == 3
     assert d("nanoserve_http_requests_total", endpoint="/v1/completions", status="400") == 2
     assert d("nanoserve_request_finished_total", finish_reason="length") == 3
@@ -470,7 +486,10 @@ def test_metrics_parse_and_count_what_was_sent(small_server):
                   ())] == after[("nanoserve_kv_cache_blocks_total", ())] == 64
     # each request looks up its 3 blocks; the 2nd and 3rd find the first 2 cached (the last one is
     # always computed)
-    assert d("nanoserve_prefix_cache_queries_total") == 9 and d("nanoserve_prefix_cache_hits_total") == 4
+    assert (
+        d("nanoserve_prefix_cache_queries_total") == 9
+        and d("nanoserve_prefix_cache_hits_total") == 4
+    )
     hits, queries = (after[(f"nanoserve_prefix_cache_{k}_total", ())] for k in ("hits", "queries"))
     assert after[("nanoserve_prefix_cache_hit_rate", ())] == pytest.approx(hits / queries)
 
@@ -500,7 +519,11 @@ def test_a_failed_engine_answers_500_then_503_and_health_stays_503(monkeypatch):
         monkeypatch.setattr(core, "step", broken)
         status, _, body = _post(srv.port, "/v1/completions",
                                 {"model": "demo", "prompt": "Hi", "max_tokens": 3})
-        assert status == 500 and body["error"]["type"] == "server_error" and "boom" in body["error"]["message"]
+        assert (
+            status == 500
+            and body["error"]["type"] == "server_error"
+            and "boom" in body["error"]["message"]
+        )
         assert _http(srv.port, "GET", "/health")[0] == 503
         status, _, body = _post(srv.port, "/v1/completions",
                                 {"model": "demo", "prompt": "Hi", "max_tokens": 3})
@@ -552,8 +575,13 @@ def test_nanoserve_serve_cli_answers_the_openai_client_and_stops_on_sigint(refer
 
 def test_nanoserve_serve_cli_bad_input_is_one_line():
     exe = Path(sys.executable).with_name("nanoserve")
-    r = subprocess.run([str(exe), "serve", "--port", "70000"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and r.stderr.strip() == "nanoserve: error: --port 70000 is not a TCP port (1..65535)"
+    r = subprocess.run(
+        [str(exe), "serve", "--port", "70000"], capture_output=True, text=True, timeout=60
+    )
+    assert (
+        r.returncode == 2
+        and r.stderr.strip() == "nanoserve: error: --port 70000 is not a TCP port (1..65535)"
+    )
 
 
 # ----------------------------------------------------------------------------- bench serve
@@ -568,7 +596,9 @@ def test_bench_serve_counts_every_token_it_asked_for(server, tmp_path):
     row = res["results"]["50.0"]
     assert row["failed"] == 0 and row["num_requests"] == 8
     _, params = make_workload(8, (4, 12), (4, 12), SAFE_VOCAB, 0)
-    assert row["output_throughput"] * row["duration"] == pytest.approx(sum(p.max_tokens for p in params))
+    assert row["output_throughput"] * row["duration"] == pytest.approx(
+        sum(p.max_tokens for p in params)
+    )
     # SLOs of a minute: every request is good
     assert row["goodput"] == pytest.approx(row["request_throughput"])
     assert 0 < row["ttft"]["p50"] <= row["ttft"]["p99"] and row["itl"]["p50"] > 0

@@ -57,8 +57,9 @@ def test_completion_logprobs_equal_the_python_api(server, ref):
     lp = got.choices[0].logprobs
     assert len(lp.tokens) == len(want.token_ids) == 6
     assert lp.tokens == [ref.engine.tokenizer.decode([t]) for t in want.token_ids]
-    assert lp.token_logprobs == pytest.approx([e[t].logprob for e, t in zip(want.outputs[0].logprobs, want.token_ids)],
-                                              abs=1e-6)
+    assert lp.token_logprobs == pytest.approx(
+        [e[t].logprob for e, t in zip(want.outputs[0].logprobs, want.token_ids)], abs=1e-6
+    )
     assert all(len(top) in (2, 3) and max(top.values()) == lp.token_logprobs[i] for i, top in
                enumerate(lp.top_logprobs))  # greedy: the chosen token is the most likely
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
@@ -75,16 +76,18 @@ def test_logprobs_zero_returns_the_chosen_tokens_logprobs(server):
 def test_echo_with_logprobs_scores_the_prompt(server, ref):
     """lm-eval's loglikelihood request: echo, logprobs=1, max_tokens=1, a token-id prompt."""
     ids = ref.encode_prompt(PROMPT)
-    got = server.client().completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0, logprobs=1,
-                                             echo=True)
+    got = server.client().completions.create(
+        model=MODEL, prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True
+    )
     c = got.choices[0]
     full = ids + [ref.generate([ids], SamplingParams(temperature=0, max_tokens=1))[0].token_ids[0]]
     want = _ref_logprobs(ref, full)
     assert c.text.startswith(ref.engine.tokenizer.decode(ids))
     assert len(c.logprobs.token_logprobs) == len(full) and c.logprobs.token_logprobs[0] is None
     assert c.logprobs.top_logprobs[0] is None
-    assert c.logprobs.token_logprobs[1:] == pytest.approx([want[i - 1, full[i]].item() for i in range(1, len(full))],
-                                                          abs=1e-5)
+    assert c.logprobs.token_logprobs[1:] == pytest.approx(
+        [want[i - 1, full[i]].item() for i in range(1, len(full))], abs=1e-5
+    )
     # prompt logprobs bypass the prefix cache
     assert got.usage.prompt_tokens_details.cached_tokens == 0
 
@@ -97,11 +100,26 @@ def test_echo_without_logprobs_and_streamed_echo(server):
     chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, echo=True,
                                             logprobs=1, stream=True))
     text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
-    tokens = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens]
-    offsets = [o for ch in chunks if ch.choices and ch.choices[0].logprobs for o in ch.choices[0].logprobs.text_offset]
+    tokens = [
+        t
+        for ch in chunks
+        if ch.choices and ch.choices[0].logprobs
+        for t in ch.choices[0].logprobs.tokens
+    ]
+    offsets = [
+        o
+        for ch in chunks
+        if ch.choices and ch.choices[0].logprobs
+        for o in ch.choices[0].logprobs.text_offset
+    ]
     assert text == plain.choices[0].text
-    assert tokens == plain.choices[0].logprobs.tokens and offsets == plain.choices[0].logprobs.text_offset
-    bare = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, echo=True)
+    assert (
+        tokens == plain.choices[0].logprobs.tokens
+        and offsets == plain.choices[0].logprobs.text_offset
+    )
+    bare = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, echo=True
+    )
     assert bare.choices[0].text.startswith(PROMPT) and bare.choices[0].logprobs is None
 
 
@@ -125,8 +143,11 @@ def test_vllm_prompt_logprobs_field(server, ref):
     status, _, chat = _post(server.port, "/v1/chat/completions",
                             {"model": MODEL, "messages": CHAT, "max_tokens": 1,
                                                                    "prompt_logprobs": 0})
-    assert status == 200 and chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == \
-        chat["usage"]["prompt_tokens"]
+    assert (
+        status == 200
+        and chat["prompt_logprobs"][0] is None
+        and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    )
     for path, extra in (("/v1/completions", {"prompt": PROMPT}),
                         ("/v1/chat/completions", {"messages": CHAT})):
         status, _, err = _post(server.port, path,
@@ -150,7 +171,12 @@ def test_chat_logprobs_and_top_logprobs(server, ref):
     streamed = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5,
                                               temperature=0,
                                               logprobs=True, top_logprobs=3, stream=True)
-    pieces = [t for ch in streamed if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    pieces = [
+        t
+        for ch in streamed
+        if ch.choices and ch.choices[0].logprobs
+        for t in ch.choices[0].logprobs.content
+    ]
     # (the second run reads the prefix cache:
     assert [t.token for t in pieces] == [t.token for t in content]
     # float order)
@@ -194,7 +220,9 @@ def test_extras_equal_the_python_api(server, ref, fields, kw):
     status, _, got = _post(server.port, "/v1/completions", body)
     assert status == 200, got
     want = ref.generate([PROMPT], SamplingParams(**{"temperature": 0, "max_tokens": 12, **kw}))[0]
-    assert got["choices"][0]["text"] == want.text and got["usage"]["completion_tokens"] == len(want.token_ids)
+    assert got["choices"][0]["text"] == want.text and got["usage"]["completion_tokens"] == len(
+        want.token_ids
+    )
 
 
 def test_include_stop_str_in_output(server, ref):
@@ -211,7 +239,9 @@ def test_cached_tokens_in_usage(server):
     first = server.client().completions.create(model=MODEL, prompt=long, max_tokens=1)
     again = server.client().completions.create(model=MODEL, prompt=long, max_tokens=1)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
-    assert again.usage.prompt_tokens_details.cached_tokens >= 16 * ((first.usage.prompt_tokens - 1) // 16)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16 * (
+        (first.usage.prompt_tokens - 1) // 16
+    )
 
 
 @pytest.mark.parametrize("extra, says", [
@@ -286,7 +316,9 @@ def test_response_format_json_schema_and_json_object(server):
     got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=60, temperature=0,
                                     extra_body={
         "response_format": {"type": "json_object"}})
-    assert got.choices[0].finish_reason == "stop" and isinstance(json.loads(got.choices[0].text), dict), got
+    assert got.choices[0].finish_reason == "stop" and isinstance(
+        json.loads(got.choices[0].text), dict
+    ), got
 
 
 @pytest.mark.parametrize("extra, check", [

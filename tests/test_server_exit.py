@@ -43,7 +43,11 @@ def _read_until(proc: subprocess.Popen, needle: str, seen: list[str]) -> None:
 
 
 def _children(pid: int) -> list[int]:
-    return [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
+    return [
+        int(c)
+        for t in Path(f"/proc/{pid}/task").iterdir()
+        for c in (t / "children").read_text().split()
+    ]
 
 
 def test_the_server_exits_by_itself_when_its_engine_dies():
@@ -66,8 +70,12 @@ def test_the_server_exits_by_itself_when_its_engine_dies():
             # say what the server said (its answer and its log so far)
             raise AssertionError(f"first request: {e.code} "
                                  f"{e.read().decode()[:2000]}\n{''.join(seen)[-3000:]}") from e
-        workers = [p for p in _children(proc.pid) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()
-                   and b"resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes()]
+        workers = [
+            p
+            for p in _children(proc.pid)
+            if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()
+            and b"resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes()
+        ]
         assert len(workers) == 1, workers
         os.kill(workers[0], signal.SIGKILL)
         with pytest.raises(urllib.error.HTTPError) as failed:
@@ -75,7 +83,10 @@ def test_the_server_exits_by_itself_when_its_engine_dies():
         assert failed.value.code == 500 and "rank 1 (exit code -9)" in failed.value.read().decode()
         assert proc.wait(timeout=DEADLINE) == 1
         last_words = "".join(seen) + proc.stderr.read()
-        assert "the engine failed (WorkerGroupError" in last_words and "the server stopped" in last_words
+        assert (
+            "the engine failed (WorkerGroupError" in last_words
+            and "the server stopped" in last_words
+        )
     finally:
         if proc.poll() is None:
             proc.kill()

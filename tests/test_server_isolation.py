@@ -106,15 +106,20 @@ def _poison_beside_a_stream(srv, monkeypatch, poison_stream: bool = False) -> di
     ta = threading.Thread(target=_read_stream, args=(srv.port, body_a, a))
     ta.start()
     core = srv.engine.engine
-    _wait_for(lambda: any(len(r.samples[0].out.token_ids) >= 1 for r in list(core.requests.values())),
-              "stream A's first token", timeout=DEADLINE)
+    _wait_for(
+        lambda: any(len(r.samples[0].out.token_ids) >= 1 for r in list(core.requests.values())),
+        "stream A's first token",
+        timeout=DEADLINE,
+    )
     gate.hold()
     b: dict = {}
     body_b = {"model": "demo", "prompt": POISON, "max_tokens": 5, "stream": poison_stream}
     if poison_stream:
         tb = threading.Thread(target=_read_stream, args=(srv.port, body_b, b))
     else:
-        tb = threading.Thread(target=lambda: b.update(reply=_post(srv.port, "/v1/completions", body_b)))
+        tb = threading.Thread(
+            target=lambda: b.update(reply=_post(srv.port, "/v1/completions", body_b))
+        )
     tb.start()
     _wait_for(lambda: srv.engine.num_pending + len(core.scheduler.waiting) >= 1,
               "the POISON request to queue")
@@ -127,8 +132,12 @@ def _poison_beside_a_stream(srv, monkeypatch, poison_stream: bool = False) -> di
 def _isolated(outcome: dict, expected_a: str) -> bool:
     chunks = [e for e in outcome["a"] if isinstance(e, dict) and "choices" in e]
     text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
-    return (outcome["a"][-1] == "[DONE]" and not any("error" in e for e in outcome["a"] if isinstance(e, dict))
-            and text == expected_a and outcome["health"] == 200)
+    return (
+        outcome["a"][-1] == "[DONE]"
+        and not any("error" in e for e in outcome["a"] if isinstance(e, dict))
+        and text == expected_a
+        and outcome["health"] == 200
+    )
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +156,9 @@ def test_a_fault_in_one_row_is_a_500_for_that_request_alone(srv, monkeypatch, ex
     _ok_afterwards(srv)
 
 
-def test_a_fault_in_a_streamed_row_ends_that_stream_with_an_error_event(srv, monkeypatch, expected_a):
+def test_a_fault_in_a_streamed_row_ends_that_stream_with_an_error_event(
+    srv, monkeypatch, expected_a
+):
     outcome = _poison_beside_a_stream(srv, monkeypatch, poison_stream=True)
     events = outcome["b"]["events"]
     assert events[-1] == "[DONE]" and "injected fault" in events[-2]["error"]["message"], events
@@ -160,7 +171,9 @@ def test_isolation_negative_control_an_escaping_fault_fails_the_check(monkeypatc
     try:
         outcome = _poison_beside_a_stream(server, monkeypatch)
         assert not _isolated(outcome, expected_a)
-        assert outcome["health"] == 503 and any("error" in e for e in outcome["a"] if isinstance(e, dict))
+        assert outcome["health"] == 503 and any(
+            "error" in e for e in outcome["a"] if isinstance(e, dict)
+        )
     finally:
         server.stop()
 
@@ -214,13 +227,20 @@ def test_prompts_are_tokenized_off_the_event_loop_and_health_answers_meanwhile(s
     def held_encode(text, bos=False):
         threads.append(threading.current_thread())
         entered.set()
-        assert health_done.wait(DEADLINE), "/health never answered while a prompt was being tokenized"
+        assert health_done.wait(DEADLINE), (
+            "/health never answered while a prompt was being tokenized"
+        )
         return encode(text, bos=bos)
 
     monkeypatch.setattr(tok, "encode", held_encode)
     reply: dict = {}
-    t = threading.Thread(target=lambda: reply.update(r=_post(srv.port, "/v1/completions",
-                                                             {"model": "demo", "prompt": "slow", "max_tokens": 2})))
+    t = threading.Thread(
+        target=lambda: reply.update(
+            r=_post(
+                srv.port, "/v1/completions", {"model": "demo", "prompt": "slow", "max_tokens": 2}
+            )
+        )
+    )
     t.start()
     assert entered.wait(DEADLINE)
     assert _http(srv.port, "GET", "/health")[0] == 200

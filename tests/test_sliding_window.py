@@ -73,8 +73,11 @@ def test_windowed_gather_equals_the_whole_table(hf_checkpoints, monkeypatch):
         ids = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
         cache = KVCache(cfg, 2, 40, block_size=4)
         with torch.no_grad():
-            return torch.cat([model(ids[:, :13], cache=cache)] + [model(ids[:, t:t + 1], cache=cache)
-                                                                   for t in range(13, 40)], 1)
+            return torch.cat(
+                [model(ids[:, :13], cache=cache)]
+                + [model(ids[:, t : t + 1], cache=cache) for t in range(13, 40)],
+                1,
+            )
 
     windowed = logits()
     monkeypatch.setattr(CacheView, "_window_tables", lambda self, window, positions: None)

@@ -66,7 +66,9 @@ def test_pinned_costs_time_nothing():
     costs.record_step(False, 1.0)
     costs.record_step(True, 100.0)
     costs.record_draft(100.0, 1)
-    assert costs.draft_cost() == 0.25 and costs.verify_cost() == 1.0 and not costs.wants_plain_step()
+    assert (
+        costs.draft_cost() == 0.25 and costs.verify_cost() == 1.0 and not costs.wants_plain_step()
+    )
 
 
 def _controller(draft_s: float, verify_s: float, plain_s: float, **cfg) -> SpecController:

@@ -127,7 +127,9 @@ def test_speculative_law_is_exactly_p(case):
     assert law.dtype == F64
     assert (law - p).abs().max() <= 1e-12, case
     # β from the definition; 1 − β is the chance of a rejection (zero only when p = q)
-    assert float(acceptance_rate(p, q)) == pytest.approx(1 - 0.5 * float((p - q).abs().sum()), abs=1e-15)
+    assert float(acceptance_rate(p, q)) == pytest.approx(
+        1 - 0.5 * float((p - q).abs().sum()), abs=1e-15
+    )
 
 
 @pytest.mark.parametrize("case", [c for c in _law_cases() if c != "p = q"])
@@ -195,7 +197,9 @@ def one_step_counts(p: torch.Tensor, q: torch.Tensor | None, fixed: int | None,
         q_batch = q.float().expand(N_DRAWS, 1, vocab)  # N, 1, V
     p_batch = torch.stack([p, random_dist(vocab, 99)]).float().expand(N_DRAWS, 2, vocab)  # N, 2, V
     out, num_accepted = rejection_sample_batch(draft, q_batch, p_batch, generator=g)  # N, 2 and N
-    return torch.bincount(out[:, 0], minlength=vocab), torch.equal(out[:, 0] == draft[:, 0], num_accepted == 1)
+    return torch.bincount(out[:, 0], minlength=vocab), torch.equal(
+        out[:, 0] == draft[:, 0], num_accepted == 1
+    )
 
 
 @pytest.mark.parametrize("case", list(_mc_cases()))
@@ -243,7 +247,9 @@ def test_one_hot_q_is_the_same_as_q_none():
     draft = torch.tensor([3, 3, 0])
     q = torch.nn.functional.one_hot(draft, 7).float()
     for seed in range(50):
-        assert rejection_sample(draft, q, p, gen(seed)) == rejection_sample(draft, None, p, gen(seed))
+        assert rejection_sample(draft, q, p, gen(seed)) == rejection_sample(
+            draft, None, p, gen(seed)
+        )
 
 
 def test_one_hot_p_reproduces_greedy_verify():
@@ -316,7 +322,9 @@ def joint_law(table: torch.Tensor, start: int, length: int) -> torch.Tensor:
     return torch.tensor(law, dtype=F64)
 
 
-def joint_counts(target_step, draft_step, length: int, gamma: int, temperature: float, n: int, seed: int):
+def joint_counts(
+    target_step, draft_step, length: int, gamma: int, temperature: float, n: int, seed: int
+):
     g = gen(seed)
     counts = torch.zeros(VC ** length, dtype=F64)
     for _ in range(n):
@@ -335,7 +343,9 @@ N_JOINT = {1: 3000, 2: 3000, 3: 3000, 5: 2000}  # 1–2 s per case on one CPU co
 def test_joint_law_of_first_tokens_through_the_loop(gamma, temperature):
     length = gamma + 2  # at least two verifications per sequence
     target_step, draft_step = chain_steps(TARGET, DRAFT)
-    counts = joint_counts(target_step, draft_step, length, gamma, temperature, N_JOINT[gamma], seed=gamma)
+    counts = joint_counts(
+        target_step, draft_step, length, gamma, temperature, N_JOINT[gamma], seed=gamma
+    )
     law = joint_law(tempered(TARGET, temperature), START, length)
     chi2, df, pv = goodness_of_fit(counts, law)
     print(f"\n[joint] γ={gamma} T={temperature} L={length}: χ² = {chi2:.1f}, dof {df}, p = "
@@ -428,8 +438,9 @@ def test_expected_tokens_per_step_formula():
         assert expected_tokens_per_step(1.0, gamma) == gamma + 1
         assert expected_tokens_per_step(0.0, gamma) == 1
         for alpha in (0.1, 0.5, 0.9, 0.999):
-            assert expected_tokens_per_step(alpha,
-                                            gamma) == pytest.approx(sum(alpha ** i for i in range(gamma + 1)))
+            assert expected_tokens_per_step(alpha, gamma) == pytest.approx(
+                sum(alpha**i for i in range(gamma + 1))
+            )
 
 
 # --------------------------------------------------------------------------- 5. identical draft,
@@ -526,7 +537,9 @@ def test_ngram_matches_a_brute_force_reference():
         tokens = [rng.randrange(4) for _ in range(rng.randrange(0, 30))]
         max_n = rng.randint(1, 4)
         min_n, k = rng.randint(1, max_n), rng.randint(0, 6)
-        assert NgramProposer(max_n, min_n).propose(tokens, k) == brute_force_ngram(tokens, k, max_n, min_n)
+        assert NgramProposer(max_n, min_n).propose(tokens, k) == brute_force_ngram(
+            tokens, k, max_n, min_n
+        )
 
 
 # --------------------------------------------------------------------------- bad input

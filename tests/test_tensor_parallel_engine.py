@@ -46,9 +46,12 @@ def _one_group_at_a_time():
 def _run(llm: LLM, prompts=PROMPTS, params=GREEDY):
     outs = llm.generate(prompts, params, use_tqdm=False)
     tokens = [[c.token_ids for c in o.outputs] for o in outs]
-    lps = [torch.tensor([lp[t].logprob for t, lp in zip(c.token_ids,
-                                                        c.logprobs)]) for o in outs for c in o.outputs
-           if c.logprobs is not None]
+    lps = [
+        torch.tensor([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+        for o in outs
+        for c in o.outputs
+        if c.logprobs is not None
+    ]
     return tokens, lps
 
 
@@ -201,20 +204,24 @@ def test_torchrun_launches_every_rank_and_rank_0_serves(hf_checkpoints, tmp_path
 
     path = str(hf_checkpoints["llama-gqa"][0])
     script, out = tmp_path / "script.py", tmp_path / "tokens.json"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import json
         from nanoserve import LLM, SamplingParams
         llm = LLM({path!r}, dtype="float32", tensor_parallel_size=2)
         outs = llm.generate({PROMPTS!r}, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
         open({str(out)!r}, "w").write(json.dumps([o.outputs[0].token_ids for o in outs]))
-    """))
+    """)
+    )
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            "--master-port", str(free_port()), str(script)], capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    assert json.loads(out.read_text()) == [o.outputs[0].token_ids for o in LLM(path, dtype="float32").generate(
-        PROMPTS, params, use_tqdm=False)]
+    assert json.loads(out.read_text()) == [
+        o.outputs[0].token_ids
+        for o in LLM(path, dtype="float32").generate(PROMPTS, params, use_tqdm=False)
+    ]
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(NanoserveError,

@@ -58,7 +58,10 @@ def llama_cpp_vectors(name: str) -> list[tuple[str, list[int]]]:
     each."""
     folder = shared_path("models", "tokenizer-tests")
     inputs = (
-        (folder / f"ggml-vocab-{name}.gguf.inp").read_bytes().decode("utf-8").split("\n__ggml_vocab_test__\n")
+        (folder / f"ggml-vocab-{name}.gguf.inp")
+        .read_bytes()
+        .decode("utf-8")
+        .split("\n__ggml_vocab_test__\n")
     )
     lines = (folder / f"ggml-vocab-{name}.gguf.out").read_bytes().decode("utf-8").split("\n")
     assert inputs[-1] == "" and lines[-1] == ""  # both files end with a terminator, not a 47th case
@@ -99,7 +102,9 @@ def _pseudo_corpus(n: int = 1000, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     syllables = ["ka", "lo", "mi", "ne", "su", "ta", "ri", "ön", "çe", "東", "京", "🦙", "the", "and", "ing"]
     extras = ["don't", "I'll", "WE'RE", "3.14", "2024", "12345", "—", "!!", "...", "\n", "  ", "\t"]
-    words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(400)] + extras
+    words = [
+        "".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(400)
+    ] + extras
     return [" ".join(rng.choice(words) for _ in range(rng.randint(3, 15))) for _ in range(n)]
 
 
@@ -111,7 +116,9 @@ def _sample_texts(seed: int = 1) -> list[str]:
         "é", "ü", "東", "🦙", "👍🏽", "\u0301", "ﬁ", "½", "\u00a0", "\u3000", "'s", "'LL",
         "<|endoftext|>",
     ]  # fmt: skip
-    random_texts = ["".join(rng.choice(pool) for _ in range(rng.randint(0, 40))) for _ in range(250)]
+    random_texts = [
+        "".join(rng.choice(pool) for _ in range(rng.randint(0, 40))) for _ in range(250)
+    ]
     return random_texts + _pseudo_corpus(60, seed=seed) + UNICODE_TEXTS
 
 
@@ -138,8 +145,9 @@ def _train_hf(pre_tokenizer, normalizer=None, vocab_size: int = 1000) -> HFToken
 
 def _llama3_pre_tokenizer():
     split = pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated", invert=False)
-    return pre_tokenizers.Sequence([split,
-                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return pre_tokenizers.Sequence(
+        [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
 
 
 HF_LAYOUTS = {
@@ -166,7 +174,9 @@ def _hf_gpt2(pre_tokenizer) -> HFTokenizer:
     folder = shared_path("models", "gpt2-tokenizer")
     vocab = json.loads((folder / "encoder.json").read_text(encoding="utf-8"))
     merges = [
-        tuple(line.split(" ")) for line in (folder / "vocab.bpe").read_text("utf-8").split("\n")[1:] if line
+        tuple(line.split(" "))
+        for line in (folder / "vocab.bpe").read_text("utf-8").split("\n")[1:]
+        if line
     ]
     hf = HFTokenizer(models.BPE(vocab=vocab, merges=merges))
     hf.pre_tokenizer = pre_tokenizer
@@ -432,7 +442,9 @@ def test_non_byte_level_tokenizer_json_is_rejected(tmp_path: Path) -> None:
     _save(hf, tmp_path)
     with pytest.raises(TokenizerError, match="not byte-level"):
         load_tokenizer(tmp_path)
-    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "WordPiece", "vocab": {}}}))
+    (tmp_path / "tokenizer.json").write_text(
+        json.dumps({"model": {"type": "WordPiece", "vocab": {}}})
+    )
     with pytest.raises(TokenizerError, match="WordPiece"):
         load_tokenizer(tmp_path)
 
@@ -568,7 +580,12 @@ def test_hand_made_model_proto(tmp_path: Path) -> None:
     path = tmp_path / "tokenizer.model"
     path.write_bytes(_model_proto(pieces, trainer))
     tokenizer = load_tokenizer(tmp_path)
-    assert (tokenizer.vocab_size, tokenizer.bos_id, tokenizer.eos_id, tokenizer.unk_id) == (10, 0, None, 2)
+    assert (tokenizer.vocab_size, tokenizer.bos_id, tokenizer.eos_id, tokenizer.unk_id) == (
+        10,
+        0,
+        None,
+        2,
+    )
     assert not tokenizer.byte_fallback and tokenizer.remove_extra_whitespaces
     # "ab" (-2) merges before "▁a" (-4); then "▁"+"ab" -> "▁ab". Extra spaces go; unknowns "xy" ->
     # one <unk>.

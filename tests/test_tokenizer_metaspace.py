@@ -47,7 +47,11 @@ def _train(style: str):
 def _held_out() -> list[str]:
     text = shared_path("corpora", "tinyshakespeare", "input.txt").read_text()[-4000:]
     return [line for line in text.split("\n") if line] + [
-        " naïve café — 東京 🤖  double  spaces\tand tabs", "GONZALO: Zounds!", "  leading spaces", "x"]
+        " naïve café — 東京 🤖  double  spaces\tand tabs",
+        "GONZALO: Zounds!",
+        "  leading spaces",
+        "x",
+    ]
 
 
 @pytest.fixture(scope="module", params=STYLES)

@@ -81,9 +81,13 @@ def checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(checkpoint):
     core = LLMEngine.from_kwargs(str(checkpoint), num_blocks=256)
-    srv = LiveServer(create_app(AsyncLLMEngine(core), MODEL,
-                                chat_template=load_chat_template(checkpoint,
-                                                                                              core.tokenizer)))
+    srv = LiveServer(
+        create_app(
+            AsyncLLMEngine(core),
+            MODEL,
+            chat_template=load_chat_template(checkpoint, core.tokenizer),
+        )
+    )
     yield srv
     srv.stop()
 
@@ -135,7 +139,9 @@ def test_named_tool_call_streamed_in_pieces(server):
     chunks = [c for c in client.chat.completions.create(stream=True, **kw) if c.choices]
     first = chunks[0].choices[0].delta.tool_calls[0]
     assert first.id.startswith("call_") and first.function.name == "get_weather"
-    args = "".join(d.function.arguments for c in chunks for d in (c.choices[0].delta.tool_calls or []))
+    args = "".join(
+        d.function.arguments for c in chunks for d in (c.choices[0].delta.tool_calls or [])
+    )
     assert args == whole.function.arguments and chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
@@ -157,11 +163,15 @@ def test_auto_parses_hermes_tool_call_blocks(server):
     block = r'Let me check\. <tool_call>\{"name": "get_time", "arguments": \{"zone": "CET"\}\}</tool_call>'
     choice = _chat(server, tools=[WEATHER, TIME], tool_choice="auto", guided_regex=block,
                    max_tokens=120)
-    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me check."
+    assert (
+        choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me check."
+    )
     assert [(c["function"]["name"],
              json.loads(c["function"]["arguments"])) for c in choice["message"]["tool_calls"]
             ] == [("get_time", {"zone": "CET"})]
-    plain = _chat(server, tools=[WEATHER, TIME], tool_choice="none", guided_regex=block, max_tokens=120)  # no parse
+    plain = _chat(
+        server, tools=[WEATHER, TIME], tool_choice="none", guided_regex=block, max_tokens=120
+    )  # no parse
     assert plain["finish_reason"] == "stop" and "tool_calls" not in plain["message"]
 
 

@@ -12,7 +12,9 @@ from nanoserve.tools.train import PRESETS, estimate, lr_at, train
 @pytest.fixture()
 def corpus(tmp_path):
     # a small, repetitive English-like corpus: learnable in a few dozen steps
-    words = "the king and the queen rode to the castle while the people sang of war and peace".split()
+    words = (
+        "the king and the queen rode to the castle while the people sang of war and peace".split()
+    )
     g = torch.Generator().manual_seed(0)
     text = " ".join(words[i] for i in torch.randint(len(words), (3000,), generator=g).tolist())
     path = tmp_path / "corpus.txt"

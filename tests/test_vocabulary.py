@@ -61,7 +61,11 @@ def test_the_server_answers_token_ids_and_refuses_text_without_a_tokenizer(no_to
         assert status == 400 and "without a tokenizer" in body["error"]["message"]
         status, _, body = _post(srv.port, "/v1/completions",
                                 {"model": "w", "prompt": IDS, "max_tokens": 3})
-        assert status == 200 and body["usage"]["completion_tokens"] == 3 and body["choices"][0]["text"] == ""
+        assert (
+            status == 200
+            and body["usage"]["completion_tokens"] == 3
+            and body["choices"][0]["text"] == ""
+        )
     finally:
         srv.stop()
 

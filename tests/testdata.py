@@ -21,7 +21,9 @@ def shared_path(*parts: str) -> Path:
     """A path under ../shared: skips the test when it is missing, fails loudly in CI (CI=true)."""
     path = SHARED.joinpath(*parts)
     if not path.exists():
-        message = f"../shared not found: {path} (tests that use the shared models and corpora need it)"
+        message = (
+            f"../shared not found: {path} (tests that use the shared models and corpora need it)"
+        )
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(message)
         pytest.skip(message)

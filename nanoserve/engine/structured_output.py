@@ -120,13 +120,19 @@ class GrammarCompiler:
                                          "'nanoserve[structured]'"
                                          ) from None
                 encoding = getattr(self.tokenizer, "encoding", None)
-                if encoding is None or self.eos_id is None or getattr(self.tokenizer, "presplit", None) \
-                        or getattr(self.tokenizer, "normalization", None):
+                if (
+                    encoding is None
+                    or self.eos_id is None
+                    or getattr(self.tokenizer, "presplit", None)
+                    or getattr(self.tokenizer, "normalization", None)
+                ):
                     raise NanoserveError(
                         "structured outputs need a plain tiktoken-backed tokenizer with an EOS "
                         f"token; this model's ({type(self.tokenizer).__name__}) is not one "
                         "(SentencePiece vocabularies are not supported)")
-                self._ll_tokenizer = lltokenizer_from_encoding(encoding, n_vocab=self.vocab_size, eos_token=self.eos_id)
+                self._ll_tokenizer = lltokenizer_from_encoding(
+                    encoding, n_vocab=self.vocab_size, eos_token=self.eos_id
+                )
             return self._ll_tokenizer
 
     @property

@@ -39,7 +39,9 @@ class KVQuant:
     """One quantized storage format: what the pool holds, and how to get there and back."""
 
     name: str
-    storage: torch.dtype  # the pool's dtype: int8, or uint8 holding FP8 bits (CPU torch cannot scatter float8)
+    storage: (
+        torch.dtype
+    )  # the pool's dtype: int8, or uint8 holding FP8 bits (CPU torch cannot scatter float8)
     fp8: torch.dtype | None  # the FP8 format the bits are, if any
     qmax: float  # the largest magnitude stored
 

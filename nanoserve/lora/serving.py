@@ -81,7 +81,11 @@ class LoRAManager:
         if not isinstance(req, LoRARequest):
             raise NanoserveError(f"lora_request={req!r} must be a LoRARequest(lora_name, "
                                  "lora_int_id, lora_path)")
-        if not isinstance(req.lora_int_id, int) or isinstance(req.lora_int_id, bool) or req.lora_int_id < 1:
+        if (
+            not isinstance(req.lora_int_id, int)
+            or isinstance(req.lora_int_id, bool)
+            or req.lora_int_id < 1
+        ):
             raise NanoserveError(f"lora_int_id={req.lora_int_id!r} must be an integer ≥ 1 (0 is "
                                  "the base model)")
         known = self.adapters.get(req.lora_int_id)

@@ -155,10 +155,16 @@ def _windows(cfg: dict[str, Any], hf_type: str,
     if hf_type == "smollm3" and types is None:
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
         nope = _no_rope_layers(cfg, n_layers)
-        types = ["sliding_attention" if window is not None and i in nope else "full_attention" for i in range(n_layers)]
+        types = [
+            "sliding_attention" if window is not None and i in nope else "full_attention"
+            for i in range(n_layers)
+        ]
     if hf_type in GEMMA:  # a window always; without layer_types, every `pattern`-th layer is global
-        window, pattern = cfg.get("sliding_window"), 2 if hf_type == "gemma2" else cfg["sliding_window_pattern"]
-        types = types or ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
+        window = cfg.get("sliding_window")
+        pattern = 2 if hf_type == "gemma2" else cfg["sliding_window_pattern"]
+        types = types or [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)
+        ]
     else:
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
     if types is None:
@@ -200,7 +206,10 @@ def _rope(cfg: dict[str, Any], hf_type: str) -> tuple[float, dict[str, Any], flo
     if hf_type == "gemma3_text":
         # (a base absent from either falls back as transformers' own does)
         if "full_attention" in params:
-            local, params = dict(params.get("sliding_attention") or {}), dict(params["full_attention"])
+            local, params = (
+                dict(params.get("sliding_attention") or {}),
+                dict(params["full_attention"]),
+            )
             local.setdefault("rope_theta", cfg.get("rope_local_base_freq", 10000.0))
         else:
             local = {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
@@ -236,12 +245,17 @@ def _longrope(cfg: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:
     short ones, so no one result exists to match there: nanoserve keeps the short factors and the
     context within L₀."""
     # (Phi-3's code reads the top-level field, whatever rope_scaling says)
-    original = int(cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
-                   or cfg["max_position_embeddings"])
+    original = int(
+        cfg.get("original_max_position_embeddings")
+        or scaling.get("original_max_position_embeddings")
+        or cfg["max_position_embeddings"]
+    )
     factor = scaling.get("factor") or int(cfg["max_position_embeddings"]) / original
     attention_factor = scaling.get("attention_factor")
     if attention_factor is None:
-        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+        attention_factor = (
+            1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+        )
     return dict(rope_type="longrope", short_factor=list(scaling["short_factor"]),
                 long_factor=list(scaling.get("long_factor") or scaling["short_factor"]),
                 original_max_position_embeddings=original, attention_factor=float(attention_factor))
@@ -251,14 +265,19 @@ def _yarn(cfg: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:
     """YaRN's defaults made explicit: L₀ (the context it stretches from), the factor, and the
     attention factor 0.1·ln(s) + 1 (or DeepSeek's mscale / mscale_all_dim ratio) that multiplies cos
     and sin."""
-    original = int(scaling.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 2048))
+    original = int(
+        scaling.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 2048)
+    )
     factor = scaling.get("factor") or int(cfg.get("max_position_embeddings", 2048)) / original
     ms = lambda scale, m=1: 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0  # noqa: E731
     attention_factor = scaling.get("attention_factor")
     if attention_factor is None:
         mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
-        attention_factor = ms(factor, mscale) / ms(factor,
-                                                   mscale_all_dim) if mscale and mscale_all_dim else ms(factor)
+        attention_factor = (
+            ms(factor, mscale) / ms(factor, mscale_all_dim)
+            if mscale and mscale_all_dim
+            else ms(factor)
+        )
     return {**scaling, "factor": float(factor), "original_max_position_embeddings": original,
             "attention_factor": float(attention_factor)}
 
@@ -269,8 +288,14 @@ def _llama_from_hf(cfg: dict[str, Any], hf_type: str) -> ModelConfig:
     gemma = hf_type in GEMMA
     # Which projections have biases, by the HF code of each type (hf_fields.py lists what each
     # reads).
-    attention_bias = bool(cfg.get("attention_bias", False)) and hf_type in ("llama", "qwen3", "qwen3_moe", "smollm3",
-                                                                            "olmo2", *GEMMA)
+    attention_bias = bool(cfg.get("attention_bias", False)) and hf_type in (
+        "llama",
+        "qwen3",
+        "qwen3_moe",
+        "smollm3",
+        "olmo2",
+        *GEMMA,
+    )
     window, layer_types = _windows(cfg, hf_type, n_layers)
     return ModelConfig(
         arch="llama",

@@ -24,8 +24,9 @@ _NOT_MATH = ("dtype", "hf_model_type", "head_dim_override")
 def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
     """The HF config.json dictionary for `cfg`; a ConfigError when no config of its type describes
     it."""
-    hf_type = cfg.hf_model_type or ("gpt2" if cfg.arch == "gpt2" else "qwen2" if cfg.qkv_bias and not cfg.o_bias
-                                    else "llama")
+    hf_type = cfg.hf_model_type or (
+        "gpt2" if cfg.arch == "gpt2" else "qwen2" if cfg.qkv_bias and not cfg.o_bias else "llama"
+    )
     out = _gpt2(cfg) if hf_type == "gpt2" else _llama_family(cfg, hf_type)
     again = config_from_hf(out)
     differ = [k for k, v in asdict(cfg).items() if k not in _NOT_MATH and getattr(again, k) != v]
@@ -64,7 +65,10 @@ def _llama_family(cfg: ModelConfig, hf_type: str) -> dict[str, Any]:
                attention_bias=cfg.o_bias, mlp_bias=cfg.mlp_bias, **_common(cfg))
     if cfg.rope_scaling:
         out["rope_scaling"] = dict(cfg.rope_scaling)
-    types = cfg.layer_types or ["sliding_attention" if cfg.sliding_window else "full_attention"] * cfg.n_layers
+    types = (
+        cfg.layer_types
+        or ["sliding_attention" if cfg.sliding_window else "full_attention"] * cfg.n_layers
+    )
     if hf_type == "llama":
         out["attention_bias"] = cfg.qkv_bias  # and o: checked on reading back
     elif hf_type in ("mistral", "phi3", "mixtral"):
@@ -82,9 +86,13 @@ def _llama_family(cfg: ModelConfig, hf_type: str) -> dict[str, Any]:
                    sliding_window=cfg.sliding_window,
                    layer_types=types)
         if hf_type != "smollm3":
-            out["max_window_layers"] = types.index("sliding_attention") if cfg.sliding_window else cfg.n_layers
+            out["max_window_layers"] = (
+                types.index("sliding_attention") if cfg.sliding_window else cfg.n_layers
+            )
         else:
-            out["no_rope_layers"] = [int(i not in (cfg.no_rope_layers or [])) for i in range(cfg.n_layers)]
+            out["no_rope_layers"] = [
+                int(i not in (cfg.no_rope_layers or [])) for i in range(cfg.n_layers)
+            ]
     if hf_type == "mixtral":
         out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok)
     elif hf_type == "qwen3_moe":

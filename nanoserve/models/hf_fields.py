@@ -309,9 +309,11 @@ def check_hf_fields(hf_type: str, cfg: dict[str, Any]) -> None:
         return
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if rope.get("partial_rotary_factor", 1.0) != 1.0 and hf_type != "phi3":
-        raise ConfigError(f"{hf_type} config field rope_parameters.partial_rotary_factor="
-                          f"{rope['partial_rotary_factor']!r} is not supported (rotating only part of each "
-                          "head); supported: 1.0")
+        raise ConfigError(
+            f"{hf_type} config field rope_parameters.partial_rotary_factor="
+            f"{rope['partial_rotary_factor']!r} is not supported (rotating only part of each "
+            "head); supported: 1.0"
+        )
     if hf_type == "llama" and (cfg.get("sliding_window") is not None
                                or any(t != "full_attention" for t in cfg.get("layer_types") or [])):
         raise ConfigError(

@@ -65,7 +65,9 @@ def read_llama2c(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         # llama2.c rotates neighbouring pairs (2i, 2i+1); HF rotates (i, i + D/2). Reordering the
         # output rows of wq/wk within each head turns one layout into the other.
         out_dim, in_dim = w.shape
-        return w.view(heads, out_dim // heads // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+        return (
+            w.view(heads, out_dim // heads // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+        )
 
     t = {"model.embed_tokens.weight": raw["tok_emb"], "model.norm.weight": raw["rms_final"]}
     for i in range(L):

@@ -69,15 +69,23 @@ def moe_reference(block: SparseMoeBlock, x: torch.Tensor) -> torch.Tensor:
     """The same sum token by token: for each token, its k experts, each weighted. x [..., C]."""
     flat = x.reshape(-1, x.shape[-1])
     weights, experts = block.route(flat)
-    out = torch.stack([sum(w * block.experts[int(e)](t[None])[0] for w, e in zip(weights[i], experts[i]))
-                       for i, t in enumerate(flat)])
+    out = torch.stack(
+        [
+            sum(w * block.experts[int(e)](t[None])[0] for w, e in zip(weights[i], experts[i]))
+            for i, t in enumerate(flat)
+        ]
+    )
     return out.view(x.shape)
 
 
 def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
     """Whether `layer` has experts: Qwen3-MoE may keep dense MLPs in `mlp_only_layers` and between
     sparse steps."""
-    return cfg.num_experts > 0 and layer not in (cfg.mlp_only_layers or []) and (layer + 1) % cfg.moe_every == 0
+    return (
+        cfg.num_experts > 0
+        and layer not in (cfg.mlp_only_layers or [])
+        and (layer + 1) % cfg.moe_every == 0
+    )
 
 
 MIXTRAL_NAMES = {"block_sparse_moe.": "mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.",

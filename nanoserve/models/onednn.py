@@ -165,7 +165,9 @@ def onednn_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
         return f"device {device.type} (oneDNN serves CPU models)"
     if dtype not in _DTYPES:
         return f"dtype {dtype} (oneDNN's CPU matmul here: float32, bfloat16)"
-    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+    if not torch.backends.mkldnn.is_available() or not hasattr(
+        torch.ops.mkldnn, "_linear_pointwise"
+    ):
         return "this torch build has no oneDNN linear op"
     g = torch.Generator().manual_seed(0)
     x, w, b = (torch.randn(*s, generator=g).to(dtype) for s in ((3, 40), (24, 40), (24,)))

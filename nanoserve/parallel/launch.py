@@ -37,7 +37,9 @@ def spawn_ranks(fn, world_size: int, *args, threads: int = 1) -> None:
     group; return when every rank has finished (torch.multiprocessing raises if one raised or died).
     `fn` must be a module-level function (it is pickled by name); it reports back through files, as
     the callers here do."""
-    mp.spawn(_rank_main, args=(fn, world_size, free_port(), threads, args), nprocs=world_size, join=True)
+    mp.spawn(
+        _rank_main, args=(fn, world_size, free_port(), threads, args), nprocs=world_size, join=True
+    )
 
 
 def _rank_main(rank: int, fn, world_size: int, port: int, threads: int, args: tuple) -> None:

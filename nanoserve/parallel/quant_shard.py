@@ -116,7 +116,11 @@ class RowParallelQuantLinear(nn.Module):
     def __init__(self, layer: QuantLinear, index: torch.Tensor):
         super().__init__()
         self.local = row_shard(layer, index)
-        self.bias = None if layer.bias is None else nn.Parameter(layer.bias.detach().clone(), requires_grad=False)
+        self.bias = (
+            None
+            if layer.bias is None
+            else nn.Parameter(layer.bias.detach().clone(), requires_grad=False)
+        )
         self.in_features, self.out_features = self.local.in_features, self.local.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., I/N] -> [..., O]

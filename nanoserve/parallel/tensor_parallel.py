@@ -52,15 +52,22 @@ def _column(layer: nn.Module, index: torch.Tensor) -> nn.Module:
     """The column-parallel share of a float or a GPTQ / AWQ (QuantLinear) layer."""
     from .quant_shard import ColumnParallelQuantLinear
 
-    return ColumnParallelQuantLinear(layer, index) if isinstance(layer, QuantLinear) else ColumnParallelLinear(
-        layer, index)
+    return (
+        ColumnParallelQuantLinear(layer, index)
+        if isinstance(layer, QuantLinear)
+        else ColumnParallelLinear(layer, index)
+    )
 
 
 def _row(layer: nn.Module, index: torch.Tensor) -> nn.Module:
     """The row-parallel share of a float or a GPTQ / AWQ (QuantLinear) layer."""
     from .quant_shard import RowParallelQuantLinear
 
-    return RowParallelQuantLinear(layer, index) if isinstance(layer, QuantLinear) else RowParallelLinear(layer, index)
+    return (
+        RowParallelQuantLinear(layer, index)
+        if isinstance(layer, QuantLinear)
+        else RowParallelLinear(layer, index)
+    )
 
 
 # split by inputs (GPT-2's attention and MLP c_proj both)
@@ -72,7 +79,9 @@ def _check_splittable(layer: nn.Module, name: str, world_size: int) -> None:
     if isinstance(layer, QuantLinear):
         from .quant_shard import column_split_problem, row_split_problem
 
-        problem = (row_split_problem if name in ROW_PARALLEL else column_split_problem)(layer, world_size)
+        problem = (row_split_problem if name in ROW_PARALLEL else column_split_problem)(
+            layer, world_size
+        )
         if problem:
             raise NanoserveError(f"tensor_parallel_size={world_size}: the quantized {name} cannot "
                                  f"be split: {problem}")
@@ -115,7 +124,11 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = len(index), layer.out_features
         # O, I/N
         self.weight = nn.Parameter(layer.weight.detach()[:, index].clone(), requires_grad=False)
-        self.bias = None if layer.bias is None else nn.Parameter(layer.bias.detach().clone(), requires_grad=False)
+        self.bias = (
+            None
+            if layer.bias is None
+            else nn.Parameter(layer.bias.detach().clone(), requires_grad=False)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., I/N] -> [..., O]
         y = F.linear(x, self.weight)
@@ -198,7 +211,9 @@ def shard_model(model: nn.Module, rank: int, world_size: int) -> nn.Module:
     H, D, N = cfg.n_heads, cfg.head_dim, world_size
     Hl = H // N
     Kl = max(1, cfg.n_kv_heads // N)  # KV heads per rank (replicated when fewer than ranks)
-    k_first = rank * cfg.n_kv_heads // N if cfg.n_kv_heads >= N else (rank * Hl) // (H // cfg.n_kv_heads)
+    k_first = (
+        rank * cfg.n_kv_heads // N if cfg.n_kv_heads >= N else (rank * Hl) // (H // cfg.n_kv_heads)
+    )
     q_idx, kv_idx = _heads(D, rank * Hl, Hl), _heads(D, k_first, Kl)
     inter = cfg.intermediate_size // N
     mlp_idx = torch.arange(rank * inter, (rank + 1) * inter)
@@ -231,10 +246,17 @@ def _shard_vocab(model: nn.Module, rank: int, world_size: int) -> None:
     # rows per rank: the vocabulary padded up to a multiple of N (as vLLM pads it)
     n = -(-V // world_size)
     start = rank * n
-    holder, attr = (model.transformer, "wte") if hasattr(model, "transformer") else (model.model, "embed_tokens")
+    holder, attr = (
+        (model.transformer, "wte")
+        if hasattr(model, "transformer")
+        else (model.model, "embed_tokens")
+    )
     emb = VocabParallelEmbedding(getattr(holder, attr), start, n)
     tied = model.lm_head.weight is getattr(holder, attr).weight
-    head_weight = emb.weight if tied else nn.Parameter(_rows(model.lm_head.weight.detach(), start, n),
-                                                       requires_grad=False)
+    head_weight = (
+        emb.weight
+        if tied
+        else nn.Parameter(_rows(model.lm_head.weight.detach(), start, n), requires_grad=False)
+    )
     setattr(holder, attr, emb)
     model.lm_head = ParallelLMHead(head_weight, world_size, V)

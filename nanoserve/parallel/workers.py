@@ -91,16 +91,28 @@ class WorkerGroup:
         if launched is None:
             ctx, port = mp.get_context("spawn"), free_port()
             init = f"tcp://127.0.0.1:{port}"
-            self.procs = [ctx.Process(target=worker_main,
-                                      args=(r, parallel, init, model, dtype, device, threads),
-                                      daemon=True, name=f"nanoserve-rank{r}") for r in range(1, world_size)]
+            self.procs = [
+                ctx.Process(
+                    target=worker_main,
+                    args=(r, parallel, init, model, dtype, device, threads),
+                    daemon=True,
+                    name=f"nanoserve-rank{r}",
+                )
+                for r in range(1, world_size)
+            ]
             for p in self.procs:
                 p.start()
         self.closed = False
         # (a weak reference: the group can still be collected)
         atexit.register(_shutdown, weakref.ref(self))
-        self.guard(dist.init_process_group, "nccl" if self.cuda else "gloo", init_method=init, rank=0,
-                   world_size=world_size, timeout=TIMEOUT)
+        self.guard(
+            dist.init_process_group,
+            "nccl" if self.cuda else "gloo",
+            init_method=init,
+            rank=0,
+            world_size=world_size,
+            timeout=TIMEOUT,
+        )
         # rank 0's messages (above)
         self.control = self.guard(dist.new_group, backend="gloo", timeout=IDLE)
 
@@ -191,7 +203,9 @@ def worker_main(rank: int, parallel: ParallelConfig, init: str | None, model: st
             op, *args = box[0]
             if op == "stop":
                 break
-            if op == "setup":  # num_blocks, block_size, attention_backend, kv_cache_dtype: known after rank 0 loads
+            if (
+                op == "setup"
+            ):  # num_blocks, block_size, attention_backend, kv_cache_dtype: known after rank 0 loads
                 runner = rank_runner(net, parallel, rank, num_layers, *args)
             elif op == "run":
                 runner.run(*args)

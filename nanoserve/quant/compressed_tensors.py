@@ -175,7 +175,11 @@ def tensors_and_config(model: nn.Module) -> tuple[dict[str, dict[str, torch.Tens
     """Every quantized linear's compressed-tensors tensors (by module name) and the
     quantization_config."""
     dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
-    layers = {n: m for n, m in model.named_modules() if isinstance(m, (QuantLinear, W8A8Linear, FP8Linear))}
+    layers = {
+        n: m
+        for n, m in model.named_modules()
+        if isinstance(m, (QuantLinear, W8A8Linear, FP8Linear))
+    }
     kinds = {type(m) for m in layers.values()}
     # LLM.int8 computes its outliers apart: no such scheme
     if len(kinds) != 1 or kinds & {LLMInt8Linear}:
@@ -190,7 +194,9 @@ def tensors_and_config(model: nn.Module) -> tuple[dict[str, dict[str, torch.Tens
                                       for m in layers.values())
     out = {}
     for name, m in layers.items():
-        out[name] = _w4_tensors(name, m, dtype, sym) if kind is QuantLinear else _w8_tensors(m, dtype)
+        out[name] = (
+            _w4_tensors(name, m, dtype, sym) if kind is QuantLinear else _w8_tensors(m, dtype)
+        )
         if m.bias is not None:
             out[name]["bias"] = m.bias.detach().to(dtype)
     first = next(iter(layers.values()))
@@ -200,7 +206,9 @@ def tensors_and_config(model: nn.Module) -> tuple[dict[str, dict[str, torch.Tens
                                  "group has one")
         fmt, weights, acts = "pack-quantized", _args("int", 4, "group", sym, first.group_size), None
     elif kind is W8A8Linear:
-        fmt, weights, acts = "int-quantized", _args("int", 8, "channel"), _args("int", 8, "token", dynamic=True)
+        fmt = "int-quantized"
+        weights = _args("int", 8, "channel")
+        acts = _args("int", 8, "token", dynamic=True)
     else:
         if len({m.activations for m in layers.values()}) > 1:
             raise NanoserveError("FP8 layers with and without FP8 activations cannot share one "

@@ -89,8 +89,12 @@ class FP8Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)  # T, K
         y = None
-        if self.activations == "token" and scaled_mm_supported(x.device) and self.in_features % 16 == 0 \
-                and self.out_features % 16 == 0:
+        if (
+            self.activations == "token"
+            and scaled_mm_supported(x.device)
+            and self.in_features % 16 == 0
+            and self.out_features % 16 == 0
+        ):
             y = self._scaled_mm(x2)
         # dequantize, multiply in the activations' dtype (FP8 activations: rounded to FP8 and back)
         if y is None:

@@ -264,4 +264,6 @@ def gptq_naive(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: int 
         W[:, j:] -= err[:, None] * Hinv[j, j:][None, :]                       # N, K−j   OBS update
         # K, K   eliminate column j
         Hinv -= Hinv[:, j:j + 1] @ Hinv[j:j + 1, :] / d
-    return _finish(Q, torch.stack(scales, 1), torch.stack(zeros, 1), perm, group_size, gs, bits, sym, False)
+    return _finish(
+        Q, torch.stack(scales, 1), torch.stack(zeros, 1), perm, group_size, gs, bits, sym, False
+    )

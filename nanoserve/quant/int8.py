@@ -75,7 +75,9 @@ class W8A8Linear(nn.Module):
             raise ValueError(f"weight must be int8 [N, K], got {weight.dtype} "
                              f"{tuple(weight.shape)}")
         self.out_features, self.in_features = weight.shape
-        if weight_scale.numel() != self.out_features or (bias is not None and bias.shape != (self.out_features,)):
+        if weight_scale.numel() != self.out_features or (
+            bias is not None and bias.shape != (self.out_features,)
+        ):
             raise ValueError("weight_scale must hold one scale per output channel "
                              f"({self.out_features}) and bias be [{self.out_features}], got "
                              f"{tuple(weight_scale.shape)} and "

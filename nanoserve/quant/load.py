@@ -69,8 +69,11 @@ def quantized_layers(tensors: dict[str, torch.Tensor],
                               "is named *.qweight")
     layers = {}
     for name in names:
-        parts = {p: tensors.pop(f"{name}.{p}") for p in ("qweight", "qzeros", "scales", "g_idx", "bias")
-                 if f"{name}.{p}" in tensors}
+        parts = {
+            p: tensors.pop(f"{name}.{p}")
+            for p in ("qweight", "qzeros", "scales", "g_idx", "bias")
+            if f"{name}.{p}" in tensors
+        }
         if method == "awq":
             gs = int(qcfg.get("group_size", qcfg.get("q_group_size", 128)))
             try:
@@ -137,7 +140,9 @@ def install_quant_linears(model: nn.Module, layers: dict[str, dict], dtype: torc
         K, N = lin.in_features, lin.out_features
         group_size = -(-K // G)
         try:
-            q = QuantLinear(K, N, bits, group_size, lin.bias is not None or "bias" in parts, dtype, device)
+            q = QuantLinear(
+                K, N, bits, group_size, lin.bias is not None or "bias" in parts, dtype, device
+            )
         except ValueError as e:
             raise CheckpointError(f"{name}: {e}") from e
         for key in ("qweight", "qzeros", "scales", "g_idx"):

@@ -179,7 +179,9 @@ def quantize_model(model: nn.Module, calib: torch.Tensor | None, config: Quantiz
     if config.method != "rtn" and calib is None:
         raise NanoserveError(f"{config.method} needs calibration text: pass token ids [n_samples, "
                              "seqlen]")
-    if calib is not None and (calib.dim() != 2 or calib.shape[0] == 0 or calib.dtype not in (torch.int32, torch.int64)):
+    if calib is not None and (
+        calib.dim() != 2 or calib.shape[0] == 0 or calib.dtype not in (torch.int32, torch.int64)
+    ):
         raise NanoserveError(f"calibration ids must be an integer tensor [n_samples, seqlen], got "
                              f"{calib.dtype} {tuple(calib.shape)}")
     if getattr(model.config, "num_experts", 0) and config.method != "rtn":
@@ -220,7 +222,9 @@ def quantize_model(model: nn.Module, calib: torch.Tensor | None, config: Quantiz
         if inputs is not None:
             outs = run_block(block, inputs)
             err = sum(((o - r).float() ** 2).sum().item() for o, r in zip(outs, ref))
-            result.block_errors.append(err / max(sum((r.float() ** 2).sum().item() for r in ref), 1e-30))
+            result.block_errors.append(
+                err / max(sum((r.float() ** 2).sum().item() for r in ref), 1e-30)
+            )
             inputs = [(o, *args[1:]) for o, args in zip(outs, inputs)]
     bar.close()
     return result

@@ -44,7 +44,9 @@ def quantize_on_load(model: nn.Module, quantization: str | None) -> list[str]:
     check_quantization(quantization)
     if quantization is None:
         return []
-    done = next((type(m).__name__ for m in model.modules() if isinstance(m, QUANTIZED_LAYERS)), None)
+    done = next(
+        (type(m).__name__ for m in model.modules() if isinstance(m, QUANTIZED_LAYERS)), None
+    )
     if done is not None:
         raise NanoserveError(f"quantization={quantization!r} quantizes a float checkpoint; this "
                              f"one is already quantized ({done} layers: GPTQ, AWQ or "

@@ -39,11 +39,15 @@ class QuantLinear(nn.Module):
         if gs < 1 or in_features % (32 // bits):
             raise ValueError(f"in_features={in_features} must be a multiple of {32 // bits} for "
                              f"{bits}-bit packing")
-        self.in_features, self.out_features, self.bits, self.group_size = in_features, out_features, bits, gs
+        self.in_features = in_features
+        self.out_features = out_features
+        self.bits = bits
+        self.group_size = gs
         G = -(-in_features // gs)  # groups along K
         kw = dict(device=device)
-        self.register_buffer("qweight",
-                             torch.zeros(in_features * bits // 32, out_features, dtype=torch.int32, **kw))
+        self.register_buffer(
+            "qweight", torch.zeros(in_features * bits // 32, out_features, dtype=torch.int32, **kw)
+        )
         self.register_buffer("qzeros",
                              torch.zeros(G, -(-out_features * bits // 32), dtype=torch.int32, **kw))
         self.register_buffer("scales", torch.zeros(G, out_features, dtype=dtype, **kw))

@@ -39,7 +39,9 @@ def smoothing_factors(act_max: torch.Tensor, weights: Sequence[torch.Tensor],
         raise NanoserveError("alpha must lie in [0, 1] (0: no smoothing, 1: all of it onto the "
                              f"weights), got {alpha!r}")
     w_max = torch.stack([w.detach().abs().amax(0).float() for w in weights]).amax(0)  # K
-    return (act_max.float().clamp(min=MIN) ** alpha / w_max.clamp(min=MIN) ** (1 - alpha)).clamp(min=MIN)
+    return (act_max.float().clamp(min=MIN) ** alpha / w_max.clamp(min=MIN) ** (1 - alpha)).clamp(
+        min=MIN
+    )
 
 
 @torch.no_grad()
@@ -79,7 +81,9 @@ def smooth_model(model: nn.Module, calib: torch.Tensor, alpha: float = 0.5,
             if prev is None:  # nothing with a per-channel weight produces this input: left as it is
                 continue
             lins = [block.get_submodule(n) for n in names]
-            s = smoothing_factors(maxima[f"{prefix}.{i}.{names[0]}"], [lin.weight for lin in lins], alpha)
+            s = smoothing_factors(
+                maxima[f"{prefix}.{i}.{names[0]}"], [lin.weight for lin in lins], alpha
+            )
             fold_scales(block.get_submodule(prev), lins, s)
             factors[f"{prefix}.{i}.{names[0]}"] = s
     return factors

@@ -59,8 +59,11 @@ class AsyncLLMEngine:
         self._new: dict[str, Request] = {}
         self._aborts: set[str] = set()
         self._ids = itertools.count()
-        self._executor = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-step")
-                          if step_in_thread else None)
+        self._executor = (
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-step")
+            if step_in_thread
+            else None
+        )
         self._loop_task: asyncio.Task | None = None
         self._stepping = False  # a step is running on the worker thread: leave the engine alone
         # a step failed: the engine may be inconsistent, serve no more

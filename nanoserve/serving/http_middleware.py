@@ -157,4 +157,6 @@ class LimitBody:
     async def _refuse(scope, receive, send, status: int, message: str) -> None:
         body = api.error_body(message, "invalid_request_error",
                               "request_too_large" if status == 413 else None)
-        await JSONResponse(body, status_code=status, headers={"Connection": "close"})(scope, receive, send)
+        await JSONResponse(body, status_code=status, headers={"Connection": "close"})(
+            scope, receive, send
+        )

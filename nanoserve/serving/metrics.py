@@ -39,7 +39,9 @@ class ServerMetrics:
                                 ["finish_reason"], registry=r)
         self.prompt_tokens = Counter("nanoserve_prompt_tokens",
                                      "Prompt tokens of finished requests", registry=r)
-        self.generation_tokens = Counter("nanoserve_generation_tokens", "Generated tokens", registry=r)
+        self.generation_tokens = Counter(
+            "nanoserve_generation_tokens", "Generated tokens", registry=r
+        )
         self.ttft = Histogram("nanoserve_time_to_first_token_seconds", "Time to first token",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("nanoserve_inter_token_latency_seconds",
@@ -47,7 +49,9 @@ class ServerMetrics:
                              buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram("nanoserve_e2e_request_latency_seconds", "Arrival to finish",
                              buckets=LATENCY_BUCKETS, registry=r)
-        self.spec_draft = Counter("nanoserve_spec_decode_draft_tokens", "Draft tokens proposed", registry=r)
+        self.spec_draft = Counter(
+            "nanoserve_spec_decode_draft_tokens", "Draft tokens proposed", registry=r
+        )
         self.spec_accepted = Counter("nanoserve_spec_decode_accepted_tokens",
                                      "Draft tokens accepted", registry=r)
         self.spec_totals = [0, 0]  # drafted, accepted: for the acceptance-rate gauge

@@ -204,8 +204,10 @@ def _token_keys(bias: dict[str, float] | None) -> dict[int, float]:
     out = {}
     for key, value in (bias or {}).items():
         if TOKEN_ID_KEY.fullmatch(key.strip()) is None:
-            raise NanoserveError(f"logit_bias: key {key!r:.40} is not a token id; keys are token ids "
-                                 'as decimal strings of at most 18 digits, e.g. "50256"')
+            raise NanoserveError(
+                f"logit_bias: key {key!r:.40} is not a token id; keys are token ids "
+                'as decimal strings of at most 18 digits, e.g. "50256"'
+            )
         out[int(key)] = value
     return out
 

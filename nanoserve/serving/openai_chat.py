@@ -44,7 +44,10 @@ class ChatMessage(BaseModel):
         """OpenAI's content parts: only {"type": "text", "text": ...} (no images, audio, files)."""
         if v is None or isinstance(v, str):
             return v
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in v):
+        if not all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in v
+        ):
             raise ValueError('content parts must all be {"type": "text", "text": ...}; nanoserve '
                              'serves text only')
         return "".join(p["text"] for p in v)

@@ -39,7 +39,9 @@ def completion_response(rid: str, model: str, created: int, outs: list[RequestOu
     n, choices = len(outs[0].outputs), []
     for i, o in enumerate(outs):
         prefix = echo_text(o, tokenizer) if echo else ""
-        extra = {"prompt_logprobs": prompt_logprobs_json(o.prompt_logprobs)} if prompt_logprobs else {}
+        extra = (
+            {"prompt_logprobs": prompt_logprobs_json(o.prompt_logprobs)} if prompt_logprobs else {}
+        )
         choices += [{"index": i * n + c.index, "text": prefix + c.text,
                      "logprobs": completion_logprobs(o, c, 0, echo, tokenizer, 0),
                      "finish_reason": finish_reason(c.finish_reason), **extra} for c in o.outputs]
@@ -58,11 +60,19 @@ def chat_response(rid: str, model: str, created: int, out: RequestOutput, top_lo
         content, found = calls(c.text) if calls is not None else (c.text, [])
         message = {"role": "assistant", "content": content,
                    **({"tool_calls": found} if found else {})}
-        reason = "tool_calls" if found and c.finish_reason != "length" else finish_reason(c.finish_reason)
+        reason = (
+            "tool_calls"
+            if found and c.finish_reason != "length"
+            else finish_reason(c.finish_reason)
+        )
         choices.append({"index": c.index, "message": message,
                         "logprobs": chat_logprobs(c, 0, top_logprobs, tokenizer),
                         "finish_reason": reason})
-    extra = {} if out.prompt_logprobs is None else {"prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)}
+    extra = (
+        {}
+        if out.prompt_logprobs is None
+        else {"prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)}
+    )
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": choices,
             "usage": usage([out]), **extra}

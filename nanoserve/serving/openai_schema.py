@@ -264,9 +264,10 @@ def document_responses(app) -> None:
             else:
                 content = _json(ok)
             if chunk is not None:
-                content["text/event-stream"] = {"schema": {"type": "string",
-                                                           "description": SSE_NOTE},
-                                                "x-sse-data": {"oneOf": [_ref(chunk), _ref(ErrorResponse)]}}
+                content["text/event-stream"] = {
+                    "schema": {"type": "string", "description": SSE_NOTE},
+                    "x-sse-data": {"oneOf": [_ref(chunk), _ref(ErrorResponse)]},
+                }
             responses = {"200": {"description": "OK", "content": content}}
             for status in errors:
                 responses[str(status)] = {"description": ERRORS[status],

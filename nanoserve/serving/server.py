@@ -70,7 +70,11 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code=None,
                  headers: dict | None = None):
         super().__init__(message)
-        self.status, self.message, self.type, self.code, self.headers = status, message, type_, code, headers
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.code = code
+        self.headers = headers
 
 
 def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
@@ -253,7 +257,11 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
         rid, created = api.new_id("chatcmpl"), api.now()
         # tool calls: constrained (named, required) or parsed (auto), tool_calls.py
         mode, _ = body.tool_mode()
-        hermes = bool(body.tools) and body.tool_choice != "none" and "<tool_call>" in chat_template.source
+        hermes = (
+            bool(body.tools)
+            and body.tool_choice != "none"
+            and "<tool_call>" in chat_template.source
+        )
         calls = (lambda text: tool_calls.extract(text, mode, body.tool_choice, hermes,
                                                  body.parallel_tool_calls)
                  ) if mode or hermes else None
@@ -265,7 +273,9 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
                            "stream=true with tool calls parsed from the whole output (tool_choice "
                            "required, or auto with a tool-calling template) is not supported; set "
                            "stream=false")
-        streams = await add_all([], params, rid, body.message_dicts(), body.template_options(), lora)
+        streams = await add_all(
+            [], params, rid, body.message_dicts(), body.template_options(), lora
+        )
         k, tok = params.logprobs or 0, core.tokenizer
         if body.stream:
             ids: dict[int, str] = {}  # choice -> its tool call's id (a named tool_choice)

@@ -24,7 +24,9 @@ class ClientGone(Exception):
     aborted)."""
 
 
-async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _merge(
+    streams: list[AsyncIterator[RequestOutput]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, output) from several requests as they come; leaving early cancels (aborts)
     all."""
     queue: asyncio.Queue = asyncio.Queue()

@@ -39,10 +39,17 @@ def functions(tools: list[dict] | None) -> dict[str, dict]:
     out = {}
     for i, tool in enumerate(tools or []):
         fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict) \
-                or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise NanoserveError(f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., "parameters": '
-                                 f'{{...}}}}}}, got {tool!r:.120}')
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type") != "function"
+            or not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+            or not fn["name"]
+        ):
+            raise NanoserveError(
+                f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., "parameters": '
+                f'{{...}}}}}}, got {tool!r:.120}'
+            )
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
             raise NanoserveError(f"tools[{i}].function.parameters must be a JSON schema object")
@@ -72,8 +79,10 @@ def forced(tools: list[dict] | None, tool_choice,
     fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or name is None:
-        raise NanoserveError(f"tool_choice={tool_choice!r:.120}: allowed are 'none', 'auto', 'required' or "
-                             '{"type": "function", "function": {"name": ...}}')
+        raise NanoserveError(
+            f"tool_choice={tool_choice!r:.120}: allowed are 'none', 'auto', 'required' or "
+            '{"type": "function", "function": {"name": ...}}'
+        )
     if name not in fns:
         raise NanoserveError(f"tool_choice names the function {name!r}, which is not among the "
                              f"tools ({', '.join(fns)})")

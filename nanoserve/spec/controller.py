@@ -62,7 +62,9 @@ class StepCosts:
     def __init__(self, prior_draft_cost: float, pinned: float | None = None,
                  recalibrate_every: int = 100,
                  one_call: bool = False):
-        self.prior, self.pinned, self.recalibrate_every = prior_draft_cost, pinned, recalibrate_every
+        self.prior = prior_draft_cost
+        self.pinned = pinned
+        self.recalibrate_every = recalibrate_every
         # the proposer drafts γ tokens in one call (n-gram, Medusa), not γ forwards
         self.one_call = one_call
         self.draft_s: float | None = None  # seconds per draft forward (EMA)
@@ -91,11 +93,17 @@ class StepCosts:
     def step_cost(self, gamma: int) -> float:
         """A speculative step of γ drafts, in plain steps: v + c·γ, or v + c for a one-call proposer
         (1 for γ = 0)."""
-        return 1.0 if gamma == 0 else self.verify_cost() + self.draft_cost() * (1 if self.one_call else gamma)
+        return (
+            1.0
+            if gamma == 0
+            else self.verify_cost() + self.draft_cost() * (1 if self.one_call else gamma)
+        )
 
     def wants_plain_step(self) -> bool:
         """Whether the next decode step should run plainly, to time a plain step."""
-        return self.measuring and (self.plain_s is None or self.steps_since_plain >= self.recalibrate_every)
+        return self.measuring and (
+            self.plain_s is None or self.steps_since_plain >= self.recalibrate_every
+        )
 
     def record_draft(self, seconds: float, forwards: int) -> None:
         """`forwards` batched draft forwards took `seconds` (0 forwards: n-gram lookup, recorded as

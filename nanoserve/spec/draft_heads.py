@@ -29,8 +29,11 @@ def head_proposer(cfg, engine):
         check_tree_fits(cfg.tree, head.num_heads, engine)
         proposer = MedusaProposer(head, engine.runner, cfg.tree)
     if engine.runner.graphs is not None:  # the graphs were recorded without keeping hidden states
-        engine.runner.graphs, engine.cuda_graphs_off = None, f"{cfg.method} heads read each step's hidden states"
-    cost = sum(p.numel() for p in head.parameters()) / sum(p.numel() for p in engine.model.parameters())
+        engine.runner.graphs = None
+        engine.cuda_graphs_off = f"{cfg.method} heads read each step's hidden states"
+    cost = sum(p.numel() for p in head.parameters()) / sum(
+        p.numel() for p in engine.model.parameters()
+    )
     return proposer, cost
 
 

@@ -41,7 +41,8 @@ WEIGHTS, CONFIG = "eagle.safetensors", "config.json"
 def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """x [..., T, H, D] rotated by its positions [T] (the rotate-half form; inv_freq [D/2])."""
     ang = positions.float()[:, None] * inv_freq  # T, D/2
-    cos, sin = torch.cat([ang.cos(), ang.cos()], -1)[:, None], torch.cat([ang.sin(), ang.sin()], -1)[:, None]
+    cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None]
+    sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None]
     x1, x2 = x.float().chunk(2, -1)
     return (x.float() * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
 
@@ -63,10 +64,15 @@ class EagleHead(nn.Module):
     def __init__(self, hidden: int, num_heads: int, intermediate: int, vocab: int,
                  rope_theta: float = 10000.0):
         super().__init__()
-        self.hidden, self.num_heads, self.intermediate, self.vocab = hidden, num_heads, intermediate, vocab
+        self.hidden = hidden
+        self.num_heads = num_heads
+        self.intermediate = intermediate
+        self.vocab = vocab
         self.rope_theta, self.head_dim = rope_theta, hidden // num_heads
         self.fc = nn.Linear(2 * hidden, hidden)
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(hidden, hidden, bias=False) for _ in range(4))
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
+            nn.Linear(hidden, hidden, bias=False) for _ in range(4)
+        )
         self.post_attention_layernorm = RMSNorm(hidden)
         self.gate_proj, self.up_proj = (nn.Linear(hidden, intermediate,
                                                   bias=False) for _ in range(2))
@@ -109,7 +115,10 @@ class EagleHead(nn.Module):
                  "post_attention_layernorm": "layers.0.post_attention_layernorm",
                  "gate_proj": "layers.0.mlp.gate_proj",
                  "up_proj": "layers.0.mlp.up_proj", "down_proj": "layers.0.mlp.down_proj"}
-        return {f"{names[k.split('.')[0]]}.{k.split('.', 1)[1]}": v for k, v in self.state_dict().items()}
+        return {
+            f"{names[k.split('.')[0]]}.{k.split('.', 1)[1]}": v
+            for k, v in self.state_dict().items()
+        }
 
 
 def save_eagle(head: EagleHead, path: str | Path, base_model: str = "") -> Path:

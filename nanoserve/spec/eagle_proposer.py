@@ -146,7 +146,9 @@ class EagleProposer:
             return None
         if not drafted:
             return track.k, track.v
-        return torch.cat([track.k, *(k for k, _ in drafted)]), torch.cat([track.v, *(v for _, v in drafted)])
+        return torch.cat([track.k, *(k for k, _ in drafted)]), torch.cat(
+            [track.v, *(v for _, v in drafted)]
+        )
 
     @staticmethod
     def _draw(logits: torch.Tensor, rows, ids: list[list[int]],
@@ -156,9 +158,12 @@ class EagleProposer:
         tokens = logits.argmax(-1).tolist()
         sampled = [j for j, (_, _, params, _) in enumerate(rows) if not params.greedy]
         if sampled:
-            q = probs_from_logits_batch(logits[sampled],
-                                        *zip(*[(rows[j][2].temperature, rows[j][2].top_k,
-                                                                 rows[j][2].top_p) for j in sampled]))  # S, V
+            q = probs_from_logits_batch(
+                logits[sampled],
+                *zip(
+                    *[(rows[j][2].temperature, rows[j][2].top_k, rows[j][2].top_p) for j in sampled]
+                ),
+            )  # S, V
             for m, j in enumerate(sampled):
                 tokens[j] = int(torch.multinomial(q[m], 1, generator=rows[j][3]))
                 qs[j].append(q[m])

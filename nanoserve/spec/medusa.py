@@ -63,7 +63,10 @@ class MedusaHeads(nn.Module):
 
     def __init__(self, hidden: int, vocab: int, num_heads: int, num_layers: int = 1):
         super().__init__()
-        self.hidden, self.vocab, self.num_heads, self.num_layers = hidden, vocab, num_heads, num_layers
+        self.hidden = hidden
+        self.vocab = vocab
+        self.num_heads = num_heads
+        self.num_layers = num_layers
         self.heads = nn.ModuleList(
             nn.Sequential(*[ResBlock(hidden) for _ in range(num_layers)],
                           nn.Linear(hidden, vocab, bias=False))
@@ -149,15 +152,20 @@ class MedusaProposer:
         if found:
             with torch.inference_mode():
                 scores = self.heads(torch.stack(picked))  # N, k, V
-                best = scores.argmax(-1,
-                                     keepdim=True) if self.top_k == 1 else scores.topk(self.top_k, -1).indices
+                best = (
+                    scores.argmax(-1, keepdim=True)
+                    if self.top_k == 1
+                    else scores.topk(self.top_k, -1).indices
+                )
                 tops = best.tolist()  # N, k, top_k
             for i, top in zip(found, tops):
                 gamma = rows[i][1]
                 if self.tree is None or (matchers and matchers[i] is not None):
                     drafts[i] = ([t[0] for t in top[:gamma]], None)
                 else:
-                    parents, tokens = tree_from_choices([c for c in self.tree if len(c) <= gamma], top)
+                    parents, tokens = tree_from_choices(
+                        [c for c in self.tree if len(c) <= gamma], top
+                    )
                     drafts[i] = (tokens[1:], None, parents)
         return drafts
 

@@ -116,7 +116,11 @@ class DraftModelProposer:
                 drafts[i].append(token)
                 ok = matchers[i] is None or matchers[i].try_consume_tokens([token]) == 1
                 walked[i] += matchers[i] is not None and ok
-                if ok and len(drafts[i]) < rows[i][1] and extend(self.block_allocator, d, [token])[0] == 1:
+                if (
+                    ok
+                    and len(drafts[i]) < rows[i][1]
+                    and extend(self.block_allocator, d, [token])[0] == 1
+                ):
                     still.append((i, d))
             active = still
         for m, n in zip(matchers, walked):
@@ -131,9 +135,12 @@ class DraftModelProposer:
         tokens = logits.argmax(-1)  # A
         sampled = [j for j, (_, _, params, _) in enumerate(rows) if not params.greedy]
         if sampled:
-            q = probs_from_logits_batch(logits[sampled],
-                                        *zip(*[(rows[j][2].temperature, rows[j][2].top_k,
-                                                                   rows[j][2].top_p) for j in sampled]))  # S, V
+            q = probs_from_logits_batch(
+                logits[sampled],
+                *zip(
+                    *[(rows[j][2].temperature, rows[j][2].top_k, rows[j][2].top_p) for j in sampled]
+                ),
+            )  # S, V
             drawn = [torch.multinomial(q[m], 1,
                                        generator=rows[j][3]) for m, j in enumerate(sampled)]
             tokens = tokens.index_put((torch.tensor(sampled, device=logits.device),),

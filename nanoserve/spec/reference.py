@@ -80,8 +80,9 @@ def speculative_generate(target_step: Callable[[list[int], list[int]], torch.Ten
                 token = int(logits.argmax())
             else:
                 q = probs_from_logits(logits, temperature, top_k, top_p)  # V
-                token = int(sample_by_noise(q,
-                                            exponential_noise(q.shape, generator, q.dtype, q.device)))
+                token = int(
+                    sample_by_noise(q, exponential_noise(q.shape, generator, q.dtype, q.device))
+                )
                 q_rows.append(q)
             draft.append(token)
             draft_state.append(token)

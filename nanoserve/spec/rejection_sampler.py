@@ -136,9 +136,13 @@ def rejection_sample_batch(draft_ids: torch.Tensor, q: torch.Tensor | None, p: t
     and the result is `greedy_verify`'s.
     """
     batch, gamma = draft_ids.shape if draft_ids.dim() == 2 else (0, 0)
-    check(draft_ids.dim() == 2 and 1 <= gamma <= MAX_SPECULATIVE_TOKENS and not draft_ids.is_floating_point(),
-           f"draft_ids must be integers [B, γ] with 1 ≤ γ ≤ {MAX_SPECULATIVE_TOKENS}, "
-           f"got {draft_ids.dtype} of shape {tuple(draft_ids.shape)}")
+    check(
+        draft_ids.dim() == 2
+        and 1 <= gamma <= MAX_SPECULATIVE_TOKENS
+        and not draft_ids.is_floating_point(),
+        f"draft_ids must be integers [B, γ] with 1 ≤ γ ≤ {MAX_SPECULATIVE_TOKENS}, "
+        f"got {draft_ids.dtype} of shape {tuple(draft_ids.shape)}",
+    )
     check(p.dim() == 3 and p.shape[:2] == (batch, gamma + 1),
            f"p must be [B, γ+1, V] = [{batch}, {gamma + 1}, V], got {tuple(p.shape)}")
     vocab, dev = p.shape[-1], p.device

@@ -93,7 +93,10 @@ class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, proposer, scheduler: Scheduler,
                  max_model_len: int,
                  cost: float = 0.0, kv=None):
-        self.config, self.proposer, self.scheduler, self.max_model_len = config, proposer, scheduler, max_model_len
+        self.config = config
+        self.proposer = proposer
+        self.scheduler = scheduler
+        self.max_model_len = max_model_len
         self.kv = kv  # the target's PagedKVCache: a verified tree's accepted path moves within it
         # γ per sample (cost: c's prior, the parameter ratio); n-gram lookup and Medusa draft γ
         # tokens in one call
@@ -119,8 +122,9 @@ class SpecDecoder:
         rows = self.plan(step.sched, engine.requests, budget)  # [(row, seq, γ, params, generator)]
         proposals = {}
         if rows:
-            proposals = engine.isolated([r[1] for r in rows], step.done, self.draft, step.sched, rows,
-                                        engine.runner.kv)
+            proposals = engine.isolated(
+                [r[1] for r in rows], step.done, self.draft, step.sched, rows, engine.runner.kv
+            )
             if proposals is None:
                 step.drop_rows_of(engine.requests)
                 proposals = {}
@@ -141,7 +145,9 @@ class SpecDecoder:
                                      f"{seq.request_id!r} while verifying its drafts")
         req = engine.requests[seq.request_id]
         sample = req.samples[seq.sample_index]
-        masked = engine.inputs.grammars.mask_verification(sample.matcher, proposal.draft_ids, logits)
+        masked = engine.inputs.grammars.mask_verification(
+            sample.matcher, proposal.draft_ids, logits
+        )
         tokens = self.accept(proposal, masked)
         lps = sampled_logprobs(logits[proposal.logit_rows], [req.params] * len(tokens), tokens,
                                engine.tokenizer)
@@ -159,8 +165,10 @@ class SpecDecoder:
         None) for each decoding row with a γ ≥ 1 that the step's leftover token budget can still pay
         for; none when the controller's clock wants a plain step timed
         (controller.StepCosts.wants_plain_step)."""
-        self.pure_decode = all(n == 1 and s.num_computed_tokens + 1 == len(s) for s, n in zip(sched.seqs,
-                                                                                            sched.num_new))
+        self.pure_decode = all(
+            n == 1 and s.num_computed_tokens + 1 == len(s)
+            for s, n in zip(sched.seqs, sched.num_new)
+        )
         if self.controller.wants_plain_step():
             return []
         rows = []
@@ -172,10 +180,14 @@ class SpecDecoder:
                 continue  # about to fork its samples: the first token is drawn plainly
             s = req.samples[seq.sample_index]
             left = req.max_new - len(s.out.token_ids)
-            gamma = min(self.controller.choose_gamma(seq, req.params, left, self.max_model_len), budget)
+            gamma = min(
+                self.controller.choose_gamma(seq, req.params, left, self.max_model_len), budget
+            )
             # a tree's nodes are its tokens
-            while gamma > 0 and (self.tree_size(gamma, s.matcher) > budget
-                                 or len(seq) + self.tree_size(gamma, s.matcher) > self.max_model_len):
+            while gamma > 0 and (
+                self.tree_size(gamma, s.matcher) > budget
+                or len(seq) + self.tree_size(gamma, s.matcher) > self.max_model_len
+            ):
                 gamma -= 1
             if gamma > 0:
                 rows.append((i, seq, gamma, req.params, s.generator, s.matcher))
@@ -188,7 +200,9 @@ class SpecDecoder:
         token tree."""
         if all(p.parents is None for p in proposals.values()):
             return {}
-        return {"trees": [proposals[i].parents if i in proposals else None for i in range(num_rows)]}
+        return {
+            "trees": [proposals[i].parents if i in proposals else None for i in range(num_rows)]
+        }
 
     def tree_size(self, gamma: int, matcher=None) -> int:
         """The tokens a row drafts at depth γ: γ for a chain, the tree's paths of length ≤ γ for a
@@ -283,7 +297,9 @@ class SpecDecoder:
                                                  prop.generator)
         bs, table = self.kv.block_size, seq.block_table
         slot = lambda i: table[i // bs] * bs + i % bs  # noqa: E731  (a token index's K/V slot)
-        moves = [(slot(root + node), slot(root + j)) for j, node in enumerate(path, start=1) if node != j]
+        moves = [
+            (slot(root + node), slot(root + j)) for j, node in enumerate(path, start=1) if node != j
+        ]
         if moves:
             self.kv.copy_slots([s for s, _ in moves], [d for _, d in moves])
         prop.logit_rows = [0] + path[:len(tokens) - 1]  # token j was drawn at the node before it
@@ -298,7 +314,9 @@ class SpecDecoder:
         if timings is None:
             self.controller.costs.record_draft(seconds, 1)
             return
-        steady = [t for t, most_new in timings if most_new <= self.config.num_speculative_tokens + 1]
+        steady = [
+            t for t, most_new in timings if most_new <= self.config.num_speculative_tokens + 1
+        ]
         if steady:
             self.controller.costs.record_draft(sum(steady), len(steady))
 
@@ -352,5 +370,7 @@ def build_spec_decoder(cfg: SpeculativeConfig, engine) -> SpecDecoder:
         # the target replays decode graphs: the draft's decode steps do too
         if engine.cuda_graphs_off is None:
             proposer.runner.use_cuda_graphs(engine.scheduler.config.max_num_seqs, max_len)
-        cost = sum(p.numel() for p in draft.parameters()) / sum(p.numel() for p in engine.model.parameters())
+        cost = sum(p.numel() for p in draft.parameters()) / sum(
+            p.numel() for p in engine.model.parameters()
+        )
     return SpecDecoder(cfg, proposer, engine.scheduler, max_len, cost, kv)

@@ -251,7 +251,9 @@ def gpt2_tokenizer(directory: str | os.PathLike) -> TiktokenTokenizer:
     specials = {t: vocab[t] for t in (ENDOFTEXT, "<|startoftext|>") if t in vocab}
     ranks = bpe_ranks(vocab, merges, set(specials.values()), directory / "vocab.bpe")
     eot = specials.get(ENDOFTEXT)
-    return TiktokenTokenizer(make_encoding("gpt2", ranks, GPT2_PATTERN, specials), bos_id=eot, eos_id=eot)
+    return TiktokenTokenizer(
+        make_encoding("gpt2", ranks, GPT2_PATTERN, specials), bos_id=eot, eos_id=eot
+    )
 
 
 def tiktoken_named(name: str = "gpt2") -> TiktokenTokenizer:

@@ -73,7 +73,9 @@ def tiktoken_file_tokenizer(path: str | os.PathLike) -> TiktokenTokenizer:
             )
         ids[key] = specials.get(name) if name is not None else None
     return TiktokenTokenizer(
-        make_encoding(path.parent.name or path.name, ranks, config.get("pat_str", GPT2_PATTERN), specials),
+        make_encoding(
+            path.parent.name or path.name, ranks, config.get("pat_str", GPT2_PATTERN), specials
+        ),
         bos_id=ids["bos_token"],
         eos_id=ids["eos_token"],
         normalization=config.get("normalization"),

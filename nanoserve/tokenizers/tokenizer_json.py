@@ -58,8 +58,9 @@ def hf_tokenizer(path: str | os.PathLike) -> TiktokenTokenizer | MergesTokenizer
         if model.get(key):
             raise TokenizerError(f"{path}: BPE option {key}={model[key]!r} is not supported (must "
                                  "be null)")
-    merges = [tuple(m.split(" ")) if isinstance(m,
-                                                str) else tuple(m) for m in model.get("merges") or []]
+    merges = [
+        tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model.get("merges") or []
+    ]
     added = {t["content"]: t["id"] for t in spec.get("added_tokens") or []}
     vocab = model.get("vocab") or {}
     # vocab keys are byte-level strings: equal to the text for printable ASCII
@@ -74,7 +75,12 @@ def hf_tokenizer(path: str | os.PathLike) -> TiktokenTokenizer | MergesTokenizer
     normalization = _hf_normalizer(spec.get("normalizer"), path)
     ranks = bpe_ranks(vocab, merges, set(added.values()), path)
     encoding = make_encoding(path.parent.name or "tokenizer.json", ranks, pat_str, added)
-    if bos_id is None and "bos_token" not in config and eos_id is not None and eos_id == names.get(ENDOFTEXT):
+    if (
+        bos_id is None
+        and "bos_token" not in config
+        and eos_id is not None
+        and eos_id == names.get(ENDOFTEXT)
+    ):
         bos_id = eos_id  # GPT-2's convention: <|endoftext|> starts and ends documents
     return TiktokenTokenizer(
         encoding,
@@ -90,7 +96,9 @@ def _sentencepiece_style(spec: dict) -> bool:
     """Whether a tokenizer.json is a converted SentencePiece BPE: byte fallback, a Metaspace
     pre-tokenizer, or the "▁"-writing normalizer of Llama-2's files."""
     pre, norm = spec.get("pre_tokenizer") or {}, json.dumps(spec.get("normalizer"))
-    return bool(spec["model"].get("byte_fallback")) or pre.get("type") == "Metaspace" or SPACE in norm
+    return (
+        bool(spec["model"].get("byte_fallback")) or pre.get("type") == "Metaspace" or SPACE in norm
+    )
 
 
 def _merges_tokenizer(path: Path, spec: dict, names: dict[str, int], merges: list[tuple[str, str]],
@@ -99,9 +107,13 @@ def _merges_tokenizer(path: Path, spec: dict, names: dict[str, int], merges: lis
     Replace(" ", "▁"), or a Metaspace pre-tokenizer), BPE over characters by merge rank, byte
     fallback to <0xXX> pieces."""
     model, norm, pre = spec["model"], spec.get("normalizer"), spec.get("pre_tokenizer")
-    steps = (norm.get("normalizers") or []) if isinstance(norm,
-                                                          dict) and norm.get("type") == "Sequence" else \
-        [norm] if norm else []
+    steps = (
+        (norm.get("normalizers") or [])
+        if isinstance(norm, dict) and norm.get("type") == "Sequence"
+        else [norm]
+        if norm
+        else []
+    )
     kinds = [(st.get("type"), st.get("prepend"), (st.get("pattern") or {}).get("String"),
               st.get("content"))
              for st in steps]
@@ -109,7 +121,9 @@ def _merges_tokenizer(path: Path, spec: dict, names: dict[str, int], merges: lis
         raise TokenizerError(f"{path}: normalizer {norm!r} is not supported with a "
                              "SentencePiece-style vocabulary; allowed: null, or Prepend('▁') then "
                              "Replace(' ', '▁')")
-    if pre is not None and (pre.get("type") != "Metaspace" or pre.get("replacement", SPACE) != SPACE or kinds):
+    if pre is not None and (
+        pre.get("type") != "Metaspace" or pre.get("replacement", SPACE) != SPACE or kinds
+    ):
         raise TokenizerError(f"{path}: pre_tokenizer {pre!r} is not supported here; allowed: null "
                              "(after the '▁' normalizer), or Metaspace('▁')")
     if pre is None:  # Llama-2's normalizer: "▁" before every text

@@ -141,7 +141,9 @@ def throughput(model: str = "demo", n: int = 64, in_range=(8, 64), out_range=(8,
     if hf:
         from ..models.loader import resolve_model_path
 
-        res["strategies"]["hf_generate"] = hf_generate_throughput(resolve_model_path(model), prompts, params)
+        res["strategies"]["hf_generate"] = hf_generate_throughput(
+            resolve_model_path(model), prompts, params
+        )
     return _finish(res, out)
 
 
@@ -157,8 +159,10 @@ def latency(model: str = "demo", n: int = 48, rates=(2.0, 8.0, 32.0), in_range=(
            "max_wait_ms": max_wait_ms, "results": {}}
     for rate in rates:
         arrivals = poisson_arrivals(n, rate, seed)
-        res["results"][str(rate)] = {name: _summary(b.generate(prompts, params, arrivals=arrivals), prompts)
-                                     for name, b in _batchers(engine, batch_size, max_wait_ms).items()}
+        res["results"][str(rate)] = {
+            name: _summary(b.generate(prompts, params, arrivals=arrivals), prompts)
+            for name, b in _batchers(engine, batch_size, max_wait_ms).items()
+        }
     return _finish(res, out)
 
 
@@ -203,7 +207,11 @@ def _spec_row(outs, seconds: float, base_seconds: float, gamma: int) -> dict:
     # tokens from plain decode steps (e.g. the first one)
     plain_steps = n_out - tot["num_emitted_tokens"]
     step = base_seconds / n_out  # one target decode step (the baseline generates the same count)
-    draft_cost = ((seconds / step - plain_steps) / tot["num_steps"] - 1) / gamma if tot["num_steps"] else None
+    draft_cost = (
+        ((seconds / step - plain_steps) / tot["num_steps"] - 1) / gamma
+        if tot["num_steps"]
+        else None
+    )
     return {"gamma": gamma, **tot, "alpha": alpha,
             "tokens_per_step": tot["num_emitted_tokens"] / tot["num_steps"] if tot["num_steps"] else None,
             "predicted_tokens_per_step": expected_tokens_per_step(alpha, gamma) if alpha is not None else None,
@@ -260,8 +268,10 @@ def speculative(model: str = "demo", draft: str = "demo-draft", n: int = 4, max_
 def format_speculative(res: dict) -> str:
     def row(r):
         f = lambda v, d=2: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
-        return (f"{r['gamma']:>3}{f(r['alpha']):>7}{f(r['tokens_per_step']):>10}"
-                f"{f(r['predicted_tokens_per_step']):>11}{f(r['speedup']):>9}{f(r['draft_cost']):>14}")
+        return (
+            f"{r['gamma']:>3}{f(r['alpha']):>7}{f(r['tokens_per_step']):>10}"
+            f"{f(r['predicted_tokens_per_step']):>11}{f(r['speedup']):>9}{f(r['draft_cost']):>14}"
+        )
     head = f"{'γ':>3}{'α':>7}{'tok/step':>10}{'predicted':>11}{'speedup':>9}{'draft cost c':>14}"
     lines = [f"speculative decoding, batch 1, {res['model']} with draft {res['draft']}"]
     for temp, by in res["results"].items():
@@ -284,16 +294,22 @@ def _finish(res: dict, out: str | None) -> dict:
 
 
 def format_throughput(res: dict) -> str:
-    rows = [f"{'strategy':<12}{'out tok/s':>10}{'total tok/s':>12}{'TTFT p50 ms':>12}{'TTFT p99 ms':>12}"]
+    rows = [
+        f"{'strategy':<12}{'out tok/s':>10}{'total tok/s':>12}{'TTFT p50 ms':>12}{'TTFT p99 ms':>12}"
+    ]
     for name, s in res["strategies"].items():
         ttft = s.get("ttft") or {}
         p50 = f"{ttft['p50'] * 1e3:.0f}" if ttft.get("p50") is not None else "-"
         p99 = f"{ttft['p99'] * 1e3:.0f}" if ttft.get("p99") is not None else "-"
-        rows.append(f"{name:<12}{s['output_throughput']:>10.1f}{s['total_throughput']:>12.1f}{p50:>12}{p99:>12}")
+        rows.append(
+            f"{name:<12}{s['output_throughput']:>10.1f}{s['total_throughput']:>12.1f}{p50:>12}{p99:>12}"
+        )
     hf = res["strategies"].get("hf_generate")
     if hf:
-        rows.append(f"continuous / HF output throughput: "
-                    f"{res['strategies']['continuous']['output_throughput'] / hf['output_throughput']:.2f}x")
+        rows.append(
+            f"continuous / HF output throughput: "
+            f"{res['strategies']['continuous']['output_throughput'] / hf['output_throughput']:.2f}x"
+        )
         if "computed_per_useful_token" in hf:
             rows.append(f"HF (batch {hf['batch_size']}) computes "
                         f"{hf['computed_per_useful_token']:.2f} token positions per useful token "

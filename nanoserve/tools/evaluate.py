@@ -168,5 +168,7 @@ def acceptance_stats(target, draft, ids: list[int], context: int = 256,
              "0": (p.argmax(-1) == q.argmax(-1)).float().mean().item()}
     out = {"positions": int(x.numel()), "alpha": alpha, "expected_tokens_per_step": {}}
     for temp, a in alpha.items():
-        out["expected_tokens_per_step"][temp] = {g: (1 - a ** (g + 1)) / (1 - a) for g in range(1, 9)}
+        out["expected_tokens_per_step"][temp] = {
+            g: (1 - a ** (g + 1)) / (1 - a) for g in range(1, 9)
+        }
     return out

@@ -102,7 +102,11 @@ class RequestMetrics:
 
     @property
     def queue_time(self) -> float | None:
-        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+        return (
+            None
+            if self.first_scheduled_time is None
+            else self.first_scheduled_time - self.arrival_time
+        )
 
     @property
     def tpot(self) -> float | None:

@@ -84,7 +84,12 @@ def eagle_accuracy(head: EagleHead, model, ids: torch.Tensor) -> float:
     feats = hidden_states(model, ids)
     embeds = token_embedding(model)(ids[:, 1:]).float()
     pred, _ = head(feats[:, :-1], embeds, torch.arange(ids.shape[1] - 1))
-    return (model.lm_logits(pred).argmax(-1) == model.lm_logits(feats[:, 1:]).argmax(-1)).float().mean().item()
+    return (
+        (model.lm_logits(pred).argmax(-1) == model.lm_logits(feats[:, 1:]).argmax(-1))
+        .float()
+        .mean()
+        .item()
+    )
 
 
 def main() -> None:
@@ -104,7 +109,8 @@ def main() -> None:
     ids = self_distill_data(llm, args.seqs + 32, args.length, args.seed)
     train, held_out = ids[: args.seqs], ids[args.seqs:]
     head = train_eagle(llm.model, train, args.steps, seed=args.seed, log=print)
-    before, after = eagle_accuracy(init_head(llm.model), llm.model, held_out), eagle_accuracy(head, llm.model, held_out)
+    before = eagle_accuracy(init_head(llm.model), llm.model, held_out)
+    after = eagle_accuracy(head, llm.model, held_out)
     save_eagle(head, args.out, args.model)
     print(f"held-out agreement with the model's top token: untrained {before:.3f}, trained "
           f"{after:.3f}; {time.perf_counter() - t0:.1f} s; saved {args.out}")

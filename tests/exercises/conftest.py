@@ -29,7 +29,9 @@ import pytest
 
 # NANOSERVE_EXERCISES points elsewhere, e.g. at a copy with solutions filled in (to check a stub is
 # solvable)
-EXERCISES = Path(os.environ.get("NANOSERVE_EXERCISES") or Path(__file__).resolve().parents[2] / "exercises")
+EXERCISES = Path(
+    os.environ.get("NANOSERVE_EXERCISES") or Path(__file__).resolve().parents[2] / "exercises"
+)
 
 
 def load_exercise(name: str):
@@ -87,8 +89,12 @@ def pytest_runtest_makereport(item, call):
     """A stub's NotImplementedError is a to-do, not a crash: show its hint in one line."""
     outcome = yield
     report = outcome.get_result()
-    if (call.excinfo is not None and call.excinfo.errisinstance(NotImplementedError) and report.failed
-            and item.config.getoption("--impl") != "reference"):
+    if (
+        call.excinfo is not None
+        and call.excinfo.errisinstance(NotImplementedError)
+        and report.failed
+        and item.config.getoption("--impl") != "reference"
+    ):
         report.longrepr = f"TODO {call.excinfo.value}"
 
 

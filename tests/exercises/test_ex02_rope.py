@@ -167,12 +167,16 @@ def check_rotation_properties(impl):
 
     x = _randn(2, 7, 3, 16, seed=3)
     cos, sin = impl.rope_cos_sin(inv_freq, POSITIONS, torch.float32)
-    torch.testing.assert_close(impl.apply_rope(x, cos, sin).norm(dim=-1), x.norm(dim=-1), rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        impl.apply_rope(x, cos, sin).norm(dim=-1), x.norm(dim=-1), rtol=1e-5, atol=0
+    )
     q, k = _randn(16, seed=4), _randn(16, seed=5)
     for offset in (0, 3, 40):
         scores = torch.stack([rope_at(q, n + offset) @ rope_at(k, n) for n in (0, 1, 9, 100, 300)])
         assert (scores - scores[0]).abs().max() < 1e-3, f"offset {offset}: scores {scores.tolist()}"
-    assert abs(rope_at(q, 3) @ rope_at(k, 0) - rope_at(q, 0) @ rope_at(k, 0)) > 0.1, "the offset changes nothing"
+    assert abs(rope_at(q, 3) @ rope_at(k, 0) - rope_at(q, 0) @ rope_at(k, 0)) > 0.1, (
+        "the offset changes nothing"
+    )
 
 
 # ----------------------------------------------------------------------------- the tests

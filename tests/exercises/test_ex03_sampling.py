@@ -112,12 +112,22 @@ def check_by_hand(impl):
         for (temperature, top_k, top_p), want in BY_HAND.items():
             probs = impl.probs_from_logits(LOGITS4 + shift, temperature, top_k, top_p)
             assert probs.dtype == torch.float32
-            torch.testing.assert_close(probs, torch.tensor(want, dtype=torch.float32), rtol=0, atol=1e-6,
-                                       msg=f"T={temperature} top_k={top_k} top_p={top_p}")
+            torch.testing.assert_close(
+                probs,
+                torch.tensor(want, dtype=torch.float32),
+                rtol=0,
+                atol=1e-6,
+                msg=f"T={temperature} top_k={top_k} top_p={top_p}",
+            )
 
 
-HF_GRID = [(vocab, t, k, p) for vocab in (5, 50, 1000) for t in (0.6, 1.0, 1.8) for k in (0, 1, 3, 40)
-           for p in (1.0, 0.9, 0.5, 0.05)]
+HF_GRID = [
+    (vocab, t, k, p)
+    for vocab in (5, 50, 1000)
+    for t in (0.6, 1.0, 1.8)
+    for k in (0, 1, 3, 40)
+    for p in (1.0, 0.9, 0.5, 0.05)
+]
 
 
 def check_matches_hf(impl):
@@ -187,8 +197,9 @@ def check_penalty_matches_hf(impl):
         hf = RepetitionPenaltyLogitsProcessor(penalty)
         for row in range(2):  # [V]
             want = hf(seen[None], logits[row][None].clone())[0]
-            torch.testing.assert_close(impl.apply_repetition_penalty(logits[row], seen, penalty), want,
-                                       rtol=1e-6, atol=0)
+            torch.testing.assert_close(
+                impl.apply_repetition_penalty(logits[row], seen, penalty), want, rtol=1e-6, atol=0
+            )
         want = hf(seen[None].expand(2, -1), logits.clone())  # [B, V], one history for every row
         torch.testing.assert_close(impl.apply_repetition_penalty(logits, seen, penalty), want,
                                    rtol=1e-6, atol=0)
@@ -205,8 +216,9 @@ def check_greedy(impl):
                    SamplingParams(temperature=0, top_k=3, top_p=0.2)):
         gen = torch.Generator().manual_seed(42)
         gen_state, global_state = gen.get_state(), torch.get_rng_state()
-        picks = {impl.sample_next(logits, params,
-                                  generator=gen) for _ in range(5)} | {impl.sample_next(logits, params)}
+        picks = {impl.sample_next(logits, params, generator=gen) for _ in range(5)} | {
+            impl.sample_next(logits, params)
+        }
         assert picks == {int(logits.argmax())}
         assert torch.equal(gen.get_state(), gen_state), "greedy drew from the request's generator"
         assert torch.equal(torch.get_rng_state(),
@@ -222,7 +234,9 @@ def check_greedy(impl):
         params = SamplingParams(temperature=0, repetition_penalty=penalty)
         got = impl.sample_next(torch.tensor(values), params, seen_ids=torch.tensor(seen))
         assert type(got) is int and got == want, (values, seen, penalty, got)
-        assert impl.sample_next(torch.tensor(values), params) == max(range(4), key=values.__getitem__)
+        assert impl.sample_next(torch.tensor(values), params) == max(
+            range(4), key=values.__getitem__
+        )
 
 
 SAMPLED = SamplingParams(temperature=0.8, top_k=9, top_p=0.95, repetition_penalty=1.5)
@@ -257,9 +271,13 @@ def check_min_p_matches_hf(impl):
     for i, (T, m) in enumerate([(1.0, 0.05), (0.6, 0.2), (1.8, 0.1), (1.0, 1.0), (0.9, 0.0)]):
         logits = _randn(300, seed=40 + i, scale=3.0)
         ids = torch.zeros(1, 1, dtype=torch.long)
-        want = MinPLogitsWarper(m)(ids,
-                                   TemperatureLogitsWarper(T)(ids, logits[None].clone()))[0].softmax(-1) \
-            if m > 0 else (logits / T).softmax(-1)
+        want = (
+            MinPLogitsWarper(m)(ids, TemperatureLogitsWarper(T)(ids, logits[None].clone()))[
+                0
+            ].softmax(-1)
+            if m > 0
+            else (logits / T).softmax(-1)
+        )
         probs = impl.probs_from_logits(logits, T, 0, 1.0, m)
         assert torch.equal(probs > 0, want > 0), f"kept sets differ at T={T} min_p={m}"
         torch.testing.assert_close(probs, want, rtol=0, atol=1e-6)
@@ -269,8 +287,12 @@ def check_min_p_matches_hf(impl):
                                torch.tensor([0, 4 / 7, 0, 3 / 7]),
                                rtol=0, atol=1e-6)
     # sqrt: 0.63 0.45 0.55 / 0.63
-    torch.testing.assert_close(impl.probs_from_logits(LOGITS4, 2.0, 0, 1.0, 0.6),
-                               torch.tensor([0, SQRT[1], SQRT[2], SQRT[3]]) / sum(SQRT[1:]), rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        impl.probs_from_logits(LOGITS4, 2.0, 0, 1.0, 0.6),
+        torch.tensor([0, SQRT[1], SQRT[2], SQRT[3]]) / sum(SQRT[1:]),
+        rtol=0,
+        atol=1e-6,
+    )
 
 
 def check_penalties_formula(impl):
@@ -281,7 +303,9 @@ def check_penalties_formula(impl):
     want = logits.clone()
     for j, c in {4: 3, 9: 2, 17: 1}.items():
         want[j] -= c * 0.4 + 0.7
-    torch.testing.assert_close(impl.apply_penalties(logits, output, 0.7, 0.4), want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        impl.apply_penalties(logits, output, 0.7, 0.4), want, rtol=0, atol=1e-6
+    )
     torch.testing.assert_close(impl.apply_penalties(logits, output, -0.5, 0.0),
                                logits + 0.5 * torch.isin(torch.arange(30), torch.tensor(output)),
                                rtol=0, atol=1e-6)
@@ -378,7 +402,9 @@ def _sampler(top_k_extra=0, keep_crossing=True, temperature_first=True, penalty_
             keep = keep & (chooser.masked_fill(~keep, float("-inf")) >= torch.topk(
                 chooser.masked_fill(~keep, float("-inf")), k, dim=-1).values[..., -1:])
         if top_p < 1.0:
-            ranked, order = chooser.masked_fill(~keep, float("-inf")).softmax(-1).sort(dim=-1, descending=True)
+            ranked, order = (
+                chooser.masked_fill(~keep, float("-inf")).softmax(-1).sort(dim=-1, descending=True)
+            )
             # wrong: the crossing token counts too
             before = ranked.cumsum(-1) - (ranked if keep_crossing else 0)
             keep_sorted = before < top_p
@@ -415,7 +441,9 @@ def _sampler(top_k_extra=0, keep_crossing=True, temperature_first=True, penalty_
             logits = logits.index_fill(0, torch.tensor(banned, dtype=torch.long), float("-inf"))
         if seen_ids is not None:
             logits = apply_repetition_penalty(logits, seen_ids, params.repetition_penalty)
-        counted = list(output_ids) + (seen_ids.tolist() if count_prompt and seen_ids is not None else [])  # wrong
+        counted = list(output_ids) + (
+            seen_ids.tolist() if count_prompt and seen_ids is not None else []
+        )  # wrong
         logits = apply_penalties(logits, counted, params.presence_penalty, params.frequency_penalty)
         return bias(logits) if bias_last else logits  # wrong: the bias after the penalties
 

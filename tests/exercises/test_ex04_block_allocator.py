@@ -90,7 +90,9 @@ def check_allocate_prefix_hits(impl):
     compute(alloc, a)
     b = Sequence(X + Y + [1])
     alloc.allocate(b)
-    assert b.block_table == a.block_table[:2] + [3], f"table {b.block_table}: two hits, then the next free block"
+    assert b.block_table == a.block_table[:2] + [3], (
+        f"table {b.block_table}: two hits, then the next free block"
+    )
     assert b.num_cached_tokens == b.num_computed_tokens == 2 * BS
     assert (alloc.stats.hits, alloc.stats.misses) == (2, 3 + 1)
     check_tables(alloc, [a, b])
@@ -118,9 +120,13 @@ def check_append_across_block_boundaries(impl):
         assert alloc.append_slot(seq) is None, "no block is shared: nothing to copy"
         starts_block = (len(seq) - 1) % BS == 0
         want = before + [next_free] if starts_block else before
-        assert seq.block_table == want, f"after token {len(seq)}: table {seq.block_table}, expected {want}"
+        assert seq.block_table == want, (
+            f"after token {len(seq)}: table {seq.block_table}, expected {want}"
+        )
         next_free += starts_block
-        assert alloc.append_slot(seq) is None and seq.block_table == want, "a second call must change nothing"
+        assert alloc.append_slot(seq) is None and seq.block_table == want, (
+            "a second call must change nothing"
+        )
         compute(alloc, seq)
         check_tables(alloc, [seq])
 
@@ -146,9 +152,12 @@ def check_free(impl):
         alloc.free(seq)
         live.remove(seq)
         check_tables(alloc, live)
-    assert alloc.num_free_blocks() == alloc.num_blocks and all(blk.ref_count == 0 for blk in alloc.blocks)
-    assert list(alloc.evictable) == [1,
-                                     0], "a's cached blocks X (0) and Y (1) are evictable, tail freed first"
+    assert alloc.num_free_blocks() == alloc.num_blocks and all(
+        blk.ref_count == 0 for blk in alloc.blocks
+    )
+    assert list(alloc.evictable) == [1, 0], (
+        "a's cached blocks X (0) and Y (1) are evictable, tail freed first"
+    )
 
 
 def check_fork_and_copy_on_write(impl):
@@ -162,13 +171,16 @@ def check_fork_and_copy_on_write(impl):
     full, partial = parent.block_table
     assert child.block_table == [full, partial] and child.block_table is not parent.block_table
     assert child.num_computed_tokens == parent.num_computed_tokens == len(parent)
-    assert alloc.blocks[full].ref_count == alloc.blocks[partial].ref_count == 2, "each table holds a reference"
+    assert alloc.blocks[full].ref_count == alloc.blocks[partial].ref_count == 2, (
+        "each table holds a reference"
+    )
     check_tables(alloc, [parent, child])
     child.append_token(1)
     assert alloc.can_append(child)
     cow = alloc.append_slot(child)
-    assert cow == (partial,
-                   2), f"copy-on-write returned {cow}: expected (src={partial}, dst=the next free block 2)"
+    assert cow == (partial, 2), (
+        f"copy-on-write returned {cow}: expected (src={partial}, dst=the next free block 2)"
+    )
     assert child.block_table == [full, 2] and parent.block_table == [full, partial]
     check_tables(alloc, [parent, child])
     parent.append_token(2)
@@ -195,7 +207,9 @@ def check_random_operations(impl, seed, num_ops=120):
     def forward(seq):  # writes only into blocks this table holds alone: shared blocks are read-only
         for pos, slot in enumerate(slots(seq, seq.num_computed_tokens, len(seq)),
                                    seq.num_computed_tokens):
-            assert alloc.blocks[slot // BS].ref_count == 1, f"seed {seed}: a write into shared block {slot // BS}"
+            assert alloc.blocks[slot // BS].ref_count == 1, (
+                f"seed {seed}: a write into shared block {slot // BS}"
+            )
             kv[slot] = tuple(seq.token_ids[:pos + 1])
         compute(alloc, seq)
 
@@ -341,7 +355,8 @@ def _fork(references):
         for bid in parent.block_table:
             self.blocks[bid].ref_count += references
         child.block_table = list(parent.block_table)
-        child.num_cached_tokens, child.num_computed_tokens = parent.num_cached_tokens, parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.num_computed_tokens = parent.num_computed_tokens
     return fork
 
 

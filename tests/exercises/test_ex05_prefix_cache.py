@@ -99,8 +99,9 @@ def check_hash_in_the_allocator(impl):
     for prompt, owner in [(X + Y + [1], a), (Z + Y + [1], c)]:
         seq = Sequence(prompt)
         alloc.allocate(seq)
-        assert seq.num_cached_tokens == 2 * BS and seq.block_table[:2] == owner.block_table[:2], \
+        assert seq.num_cached_tokens == 2 * BS and seq.block_table[:2] == owner.block_table[:2], (
             f"{prompt}: {seq.num_cached_tokens // BS} hits, expected both blocks of sequence {owner.seq_id}"
+        )
     alloc.check_invariants()
 
 
@@ -110,7 +111,9 @@ def check_identical_prompt_reuses_blocks(impl):
     alloc.allocate(a)
     early = Sequence(a.token_ids)
     alloc.allocate(early)
-    assert early.num_cached_tokens == 0, "nothing is a hit before mark_computed: no KV is written yet"
+    assert early.num_cached_tokens == 0, (
+        "nothing is a hit before mark_computed: no KV is written yet"
+    )
     alloc.free(early)
     compute(alloc, a)
     b = Sequence(a.token_ids)
@@ -137,7 +140,9 @@ def check_hits_stop_at_the_first_miss(impl):
     # X hits; W misses; Y after X·W is not Y after X, whatever the lookup's parent
     d = Sequence(X + W + Y + [0])
     alloc.allocate(d)
-    assert d.num_cached_tokens == BS, f"{d.num_cached_tokens // BS} hits: only X is cached with this prefix"
+    assert d.num_cached_tokens == BS, (
+        f"{d.num_cached_tokens // BS} hits: only X is cached with this prefix"
+    )
     assert d.block_table[0] == a.block_table[0] and not set(d.block_table[1:]) & set(a.block_table)
     alloc.check_invariants()
 
@@ -166,8 +171,12 @@ def check_collisions_are_harmless(impl):
                          (X + Y + [0], 1)]:
         seq = Sequence(prompt)
         alloc.allocate(seq)
-        assert seq.num_cached_tokens == hits * BS, f"{prompt}: {seq.num_cached_tokens // BS} hits, expected {hits}"
-        assert seq.block_table[:hits] == a.block_table[:hits] and not set(seq.block_table[hits:]) & set(a.block_table)
+        assert seq.num_cached_tokens == hits * BS, (
+            f"{prompt}: {seq.num_cached_tokens // BS} hits, expected {hits}"
+        )
+        assert seq.block_table[:hits] == a.block_table[:hits] and not set(
+            seq.block_table[hits:]
+        ) & set(a.block_table)
         compute(alloc, seq)
     alloc.check_invariants()
 
@@ -206,10 +215,15 @@ def _random_run(impl, hash_name, seed, num_ops=80):
             want = 0
             while want < (len(seq) - 1) // BS and tuple(tokens[:(want + 1) * BS]) in computed:
                 want += 1
-            got, msg = seq.num_cached_tokens // BS, f"seed {seed}, {hash_name} hash, prompt {tokens}"
-            assert got == want if exact else got <= want, f"{msg}: {got} hits, {want} cached prefix blocks"
+            got = seq.num_cached_tokens // BS
+            msg = f"seed {seed}, {hash_name} hash, prompt {tokens}"
+            assert got == want if exact else got <= want, (
+                f"{msg}: {got} hits, {want} cached prefix blocks"
+            )
             for pos, slot in enumerate(alloc.slot_mapping(seq, 0, seq.num_cached_tokens)):
-                assert kv.get(slot) == tuple(tokens[:pos + 1]), f"{msg}: a hit holds the KV of another prefix"
+                assert kv.get(slot) == tuple(tokens[: pos + 1]), (
+                    f"{msg}: a hit holds the KV of another prefix"
+                )
             for bid in seq.block_table[got:]:
                 kv.update({bid * BS + off: None for off in range(BS)})
             live.append(seq)

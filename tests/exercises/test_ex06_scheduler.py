@@ -73,19 +73,25 @@ class Engine:
                 else:
                     seq.needs_slot = True
         alloc = self.block_allocator
-        assert sum(len(s.block_table) for s in sched.running) == alloc.num_blocks - alloc.num_free_blocks(), \
-            "the running sequences' blocks and the free count disagree"
-        return [(s.request_id, n) for s, n in zip(out.seqs,
-                                                  out.num_new)], [s.request_id for s in out.preempted]
+        assert (
+            sum(len(s.block_table) for s in sched.running)
+            == alloc.num_blocks - alloc.num_free_blocks()
+        ), "the running sequences' blocks and the free count disagree"
+        return [(s.request_id, n) for s, n in zip(out.seqs, out.num_new)], [
+            s.request_id for s in out.preempted
+        ]
 
     def run(self, max_steps):
         while self.sched.has_unfinished():
             assert self.steps < max_steps, f"not finished after {max_steps} steps"
             self.step()
-        assert sorted(self.finished, key=lambda s: s.seq_id) == sorted(self.left, key=lambda s: s.seq_id), \
-            "a request was lost"
+        assert sorted(self.finished, key=lambda s: s.seq_id) == sorted(
+            self.left, key=lambda s: s.seq_id
+        ), "a request was lost"
         assert all(n == 0 for n in self.left.values())
-        assert self.block_allocator.num_free_blocks() == self.block_allocator.num_blocks, "blocks leaked"
+        assert self.block_allocator.num_free_blocks() == self.block_allocator.num_blocks, (
+            "blocks leaked"
+        )
 
 
 def check_step(sched, out, running_before):
@@ -96,9 +102,13 @@ def check_step(sched, out, running_before):
     for seq, n in zip(out.seqs, out.num_new):
         assert seq in sched.running and seq.status == SequenceStatus.RUNNING and not seq.needs_slot
         assert 1 <= n <= len(seq) - seq.num_computed_tokens, f"{n} tokens for {seq.request_id}"
-        assert len(seq.block_table) == bm.blocks_needed(len(seq)), f"{seq.request_id} has no slot for its tokens"
+        assert len(seq.block_table) == bm.blocks_needed(len(seq)), (
+            f"{seq.request_id} has no slot for its tokens"
+        )
         if not cfg.enable_chunked_prefill:
-            assert n == len(seq) - seq.num_computed_tokens, "without chunked prefill a prompt runs whole"
+            assert n == len(seq) - seq.num_computed_tokens, (
+                "without chunked prefill a prompt runs whole"
+            )
     admitted = [s for s in out.seqs if s not in running_before]
     kept = [s for s in running_before if s not in out.preempted]
     assert out.seqs[:len(out.seqs) - len(admitted)] == [s for s in kept if s in out.seqs], \
@@ -107,11 +117,18 @@ def check_step(sched, out, running_before):
     left = cfg.max_num_batched_tokens - out.num_tokens
     if admitted or left > 0:
         missing = [s.request_id for s in kept if s not in out.seqs]
-        assert not missing, f"running {missing} left out of the step, with admissions or budget left"
+        assert not missing, (
+            f"running {missing} left out of the step, with admissions or budget left"
+        )
     for seq in out.preempted:
-        assert seq not in sched.running and seq in sched.waiting and seq.status == SequenceStatus.WAITING
-        assert seq.block_table == [] and seq.num_computed_tokens == 0 and not seq.needs_slot, \
+        assert (
+            seq not in sched.running
+            and seq in sched.waiting
+            and seq.status == SequenceStatus.WAITING
+        )
+        assert seq.block_table == [] and seq.num_computed_tokens == 0 and not seq.needs_slot, (
             f"preempted {seq.request_id} keeps blocks {seq.block_table} / {seq.num_computed_tokens} computed tokens"
+        )
     keys = [s.sort_key for s in sched.waiting]
     assert keys == sorted(keys) and all(not s.block_table for s in sched.waiting)
     if not out.preempted and left > 0 and sched.waiting and len(sched.running) < cfg.max_num_seqs:
@@ -130,7 +147,9 @@ def check_tokens_to_compute(impl):
         seq = Sequence(list(range(10)))
         seq.num_computed_tokens = computed
         got = sched._tokens_to_compute(seq, budget)
-        assert got == want, f"chunked={chunked}, 10 tokens, {computed} computed, budget {budget}: {got}, not {want}"
+        assert got == want, (
+            f"chunked={chunked}, 10 tokens, {computed} computed, budget {budget}: {got}, not {want}"
+        )
 
 
 def check_pick_victim(impl):
@@ -144,7 +163,9 @@ def check_pick_victim(impl):
 
 def check_preempt(impl):
     sched = make(impl, num_blocks=8)
-    a, b, late = (Sequence(list(range(n)), arrival_time=t) for n, t in [(6, 0.0), (5, 1.0), (3, 5.0)])
+    a, b, late = (
+        Sequence(list(range(n)), arrival_time=t) for n, t in [(6, 0.0), (5, 1.0), (3, 5.0)]
+    )
     for seq in (a, b):
         sched.block_allocator.allocate(seq)
         seq.num_computed_tokens = len(seq)
@@ -153,10 +174,15 @@ def check_preempt(impl):
     a.append_token(9)
     a.needs_slot = True
     sched._preempt(a)
-    assert sched.running == [b] and sched.waiting == [a,
-                                                      late], "back to the waiting queue, in arrival order"
-    assert a.status == SequenceStatus.WAITING and len(a) == 7, "the tokens stay (prompt + generated)"
-    assert a.block_table == [] and a.num_computed_tokens == 0, "recompute: the blocks and the KV are dropped"
+    assert sched.running == [b] and sched.waiting == [a, late], (
+        "back to the waiting queue, in arrival order"
+    )
+    assert a.status == SequenceStatus.WAITING and len(a) == 7, (
+        "the tokens stay (prompt + generated)"
+    )
+    assert a.block_table == [] and a.num_computed_tokens == 0, (
+        "recompute: the blocks and the KV are dropped"
+    )
     assert not a.needs_slot and a.num_preemptions == 1 == sched.num_preemptions
     assert sched.block_allocator.num_free_blocks() == 8 - len(b.block_table)
     sched._preempt(b)
@@ -209,7 +235,12 @@ def check_preemption(impl):
     check_plans(engine, [([("A", 4), ("B", 4), ("C", 8)], []), ([("A", 1), ("B", 1)], ["C"])])
     c, d = engine.by_name["C"], engine.by_name["D"]
     assert engine.sched.waiting == [c, d], "the victim waits at the front (it arrived before D)"
-    assert len(c) == 9 and c.block_table == [] and c.num_computed_tokens == 0 and c.num_preemptions == 1
+    assert (
+        len(c) == 9
+        and c.block_table == []
+        and c.num_computed_tokens == 0
+        and c.num_preemptions == 1
+    )
     assert engine.sched.num_preemptions == 1
     check_plans(engine, [([("A", 1), ("B", 1)], []),  # C needs 3 blocks, none is free
                          ([("C", 9), ("D", 4)], []),  # recompute: prompt + generated token
@@ -267,7 +298,9 @@ def check_random_workloads(impl, seeds=range(30)):
                     engine.add(*spec)
             if engine.sched.has_unfinished():
                 engine.step()
-            chunks += sum(0 < s.num_computed_tokens < s.num_prompt_tokens for s in engine.sched.running)
+            chunks += sum(
+                0 < s.num_computed_tokens < s.num_prompt_tokens for s in engine.sched.running
+            )
         total = sum(prompt + out for _, prompt, out, _ in specs)
         engine.run(max_steps=10 + 2 * total)
         preemptions += engine.sched.num_preemptions

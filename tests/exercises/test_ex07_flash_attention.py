@@ -170,7 +170,9 @@ def check_paged_prefix(impl, block_size=4, causal=True):
     tokens."""
     new_lens = [5, 1, 17, 8]
     q, k, v, cu_q, cu_k = _packed(new_lens, new_lens, 4, 2, seed=50 + block_size)
-    paged, prefixes = _paged_prefix([0, block_size - 1, block_size, block_size + 1], 2, 16, block_size)
+    paged, prefixes = _paged_prefix(
+        [0, block_size - 1, block_size, block_size + 1], 2, 16, block_size
+    )
     out = impl.flash_attention(q, k, v, cu_q, cu_k, causal, None, **paged)  # total_q, H, D
     assert torch.isfinite(out).all(), "NaN or inf in the output: a slot past the prefix was read"
     assert _err(out, _sdpa(q, k, v, cu_q, cu_k, causal, prefixes)) <= FP32_TOL
@@ -263,7 +265,9 @@ def _variant_kernel(Q, K, V, O, cu_q, cu_k, stride_qt, stride_qh, stride_kt, str
     Lq, Lk = tl.load(cu_q + b + 1) - q_start, tl.load(cu_k + b + 1) - k_start
     if start_m >= Lq:
         return
-    offs_m, offs_n, offs_d = start_m + tl.arange(0, BLOCK), tl.arange(0, BLOCK), tl.arange(0, BLOCK_D)
+    offs_m = start_m + tl.arange(0, BLOCK)
+    offs_n = tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, BLOCK_D)
     m_ok, d_ok = offs_m < Lq, offs_d < head_dim  # BLOCK, BLOCK_D
     first = Lk - Lq if ALIGN == "bottom-right" else 0  # position of query 0 ("top-left": 0)
     q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],

@@ -37,8 +37,11 @@ def _close(a, b):
 def check_grid_by_hand(impl):
     w = torch.tensor(ROWS)                                                     # 5 groups of 4
     scales, zeros = impl.quant_params(w, bits=4, sym=False)
-    assert scales.shape == zeros.shape == (5,
-                                           ) and scales.dtype == torch.float32 and zeros.dtype == torch.int32
+    assert (
+        scales.shape == zeros.shape == (5,)
+        and scales.dtype == torch.float32
+        and zeros.dtype == torch.int32
+    )
     # asymmetric: scale = (xmax − xmin) / 15, zero = round(−xmin / scale)
     assert _close(scales, [3 / 15, 2 / 15, 3 / 15, 2 / 15, 1.2 / 15])
     # the zero group's −xmin / scale = 1 / (2/15) = 7.5 exactly, which fp32 computes as 7.4999995: 7
@@ -55,8 +58,9 @@ def check_grid_by_hand(impl):
                                    (3, True, 3.1 / 7, 4), (2, False, 2.55 / 3, 1),
                                    (2, True, 3.1 / 3, 2)]:
         scales, zeros = impl.quant_params(w, bits, sym)
-        assert scales.dtype == torch.float64 and _close(scales,
-                                                        [scale]) and zeros.tolist() == [zero], (bits, sym)
+        assert (
+            scales.dtype == torch.float64 and _close(scales, [scale]) and zeros.tolist() == [zero]
+        ), (bits, sym)
 
 
 def check_round_to_codes_by_hand(impl):
@@ -82,17 +86,29 @@ def check_quantize_rtn_by_hand(impl):
     # your class, so your dequantize
     assert isinstance(q, impl.QuantizedWeight)
     assert (q.bits, q.group_size, q.sym) == (4, 4, False)
-    assert q.codes.dtype == torch.uint8 and q.zeros.dtype == torch.int32 and q.g_idx.dtype == torch.int32
+    assert (
+        q.codes.dtype == torch.uint8
+        and q.zeros.dtype == torch.int32
+        and q.g_idx.dtype == torch.int32
+    )
     assert q.g_idx.tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
     assert _close(q.scales, [[2.9 / 15, 2 / 15], [2 / 15, 1.5 / 15]])
     # 7.5 in fp32: see above
     assert q.zeros[0].tolist() == [5, 0] and q.zeros[1, 1] == 7 and q.zeros[1, 0] in (7, 8)
-    assert q.codes[0].tolist() == [0, 6, 7, 15, 4, 7, 15, 11] and q.codes[1, 4:].tolist() == [0, 8, 10, 15]
+    assert q.codes[0].tolist() == [0, 6, 7, 15, 4, 7, 15, 11] and q.codes[1, 4:].tolist() == [
+        0,
+        8,
+        10,
+        15,
+    ]
     # the zero group: every code is the zero
     assert (q.codes[1, :4] == q.zeros[1, 0]).all()
     # symmetric: zero 8; +amax is 7.5 steps, rounds up to code 16, clamped to 15
     q = impl.quantize_rtn(w, bits=4, group_size=4, sym=True)
-    assert _close(q.scales, [[4 / 15, 4 / 15], [2 / 15, 1.6 / 15]]) and q.zeros.tolist() == [[8, 8], [8, 8]]
+    assert _close(q.scales, [[4 / 15, 4 / 15], [2 / 15, 1.6 / 15]]) and q.zeros.tolist() == [
+        [8, 8],
+        [8, 8],
+    ]
     assert q.codes.tolist() == [[5, 9, 10, 15, 10, 11, 15, 14], [8, 8, 8, 8, 1, 9, 11, 15]]
     # int8 per channel: group_size −1 is one group per row
     w = torch.tensor([[-1.0, 0.0, 1.55, 0.3], [0.1, 0.25, 0.3, 0.4]])
@@ -140,7 +156,11 @@ def check_round_trip_error(impl):
             assert isinstance(q, impl.QuantizedWeight) and q.codes.shape == (8, 64)
             assert q.scales.shape == q.zeros.shape == (8, 64 // gs) and (q.scales > 0).all()
             assert torch.equal(q.g_idx, torch.arange(64, dtype=torch.int32) // gs)
-            assert int(q.codes.max()) <= maxq and 0 <= int(q.zeros.min()) and int(q.zeros.max()) <= maxq
+            assert (
+                int(q.codes.max()) <= maxq
+                and 0 <= int(q.zeros.min())
+                and int(q.zeros.max()) <= maxq
+            )
             if sym:
                 assert (q.zeros == 2 ** (bits - 1)).all()
             w_hat = q.dequantize()                                             # N, K
@@ -189,8 +209,12 @@ def _rtn(widen=True, sym_zero=lambda maxq: (maxq + 1) // 2, round_zero=True, fol
             if follow_g_idx:
                 g = self.g_idx.long()                                          # K
             else:  # wrong: assumes consecutive groups, column k in group k // group_size
-                g = torch.arange(self.codes.shape[1]) // (self.codes.shape[1] // self.scales.shape[1])
-            return (self.codes.to(self.scales.dtype) - self.zeros.to(self.scales.dtype)[:, g]) * self.scales[:, g]
+                g = torch.arange(self.codes.shape[1]) // (
+                    self.codes.shape[1] // self.scales.shape[1]
+                )
+            return (
+                self.codes.to(self.scales.dtype) - self.zeros.to(self.scales.dtype)[:, g]
+            ) * self.scales[:, g]
 
     def quant_params(w, bits, sym):
         maxq = 2**bits - 1

@@ -48,9 +48,12 @@ def _small(seed=3, n=48, k=64, tokens=512):
 
 
 def _same(a, b):
-    return (torch.equal(a.codes, b.codes) and torch.equal(a.scales,
-                                                          b.scales) and torch.equal(a.zeros, b.zeros)
-            and torch.equal(a.g_idx, b.g_idx))
+    return (
+        torch.equal(a.codes, b.codes)
+        and torch.equal(a.scales, b.scales)
+        and torch.equal(a.zeros, b.zeros)
+        and torch.equal(a.g_idx, b.g_idx)
+    )
 
 
 # ----------------------------------------------------------------------------- checks (shared with
@@ -97,7 +100,9 @@ def check_least_squares_feedback(gptq, act_order=False, static_groups=False, per
         if j % gs == 0 and not static_groups:
             # the grid from the updated group
             s, z = quant_params(W_free[:, :gs], bits, False)
-            assert (q.scales[:, j // gs] - s).abs().max() <= 1e-9 * s.abs().max(), f"grid of group {j // gs}"
+            assert (q.scales[:, j // gs] - s).abs().max() <= 1e-9 * s.abs().max(), (
+                f"grid of group {j // gs}"
+            )
             assert torch.equal(q.zeros[:, j // gs], z), f"zeros of group {j // gs}"
         want = round_to_codes(W_free[:, :1], scale[:, j], zero[:, j], 15)[:, 0]   # N
         assert torch.equal(codes[:, j], want), f"codes of column {perm[j].item()} (processed {j}th)"
@@ -108,8 +113,10 @@ def check_hessian_scale_does_not_matter(gptq):
     ref = gptq(W, H, 4, 16, False)
     for c in (4.0, 0.01):
         q = gptq(W, c * H, 4, 16, False)
-        assert torch.equal(q.codes,
-                           ref.codes) and (q.dequantize() - ref.dequantize()).abs().max() <= 1e-12, c
+        assert (
+            torch.equal(q.codes, ref.codes)
+            and (q.dequantize() - ref.dequantize()).abs().max() <= 1e-12
+        ), c
 
 
 def check_dead_inputs(gptq):
@@ -152,7 +159,12 @@ def _outlier_case():
     others."""
     W, sample = outlier_layer(0)
     X_cal, X_test = sample(4096, 100), sample(4096, 200)
-    return W, hessian(X_cal), X_test, rel_error(W, quantize_rtn(W, 4, 128, sym=True).dequantize(), X_test)
+    return (
+        W,
+        hessian(X_cal),
+        X_test,
+        rel_error(W, quantize_rtn(W, 4, 128, sym=True).dequantize(), X_test),
+    )
 
 
 def check_beats_rtn(gptq):

@@ -73,7 +73,9 @@ def check_scaled_loss(impl):
         for s in (torch.ones(128), torch.exp(0.5 * torch.randn(128, generator=g))):
             loss = impl.scaled_loss(linears, x, s, bits, group_size, sym)
             assert isinstance(loss, float)
-            assert loss == pytest.approx(direct_loss(linears, x, s, bits, group_size, sym), rel=1e-4)
+            assert loss == pytest.approx(
+                direct_loss(linears, x, s, bits, group_size, sym), rel=1e-4
+            )
 
 
 def check_search_scales(impl):
@@ -115,7 +117,9 @@ def check_beats_rtn(impl):
     W_awq = fake_quantize(W * s, 4, 128, sym=False) / s
     assert rel_error(W, W_awq, X_cal) <= rtn_cal
     held_out = rel_error(W, W_awq, X_test)
-    assert held_out <= 0.8 * rtn_test, f"AWQ's scales: {held_out / rtn_test:.3f}× RTN's held-out error"
+    assert held_out <= 0.8 * rtn_test, (
+        f"AWQ's scales: {held_out / rtn_test:.3f}× RTN's held-out error"
+    )
 
 
 def _outputs(prev, linears, x):

@@ -99,7 +99,9 @@ def check_exact_law(impl, case):
     beta = torch.minimum(p, q).sum()
     # accept x with min(1, p/q): mass min(p, q); else the residual
     law = torch.minimum(p, q) + (1 - beta) * r
-    assert (law - p).abs().max() <= 1e-12, f"{case}: max |law − p| = {float((law - p).abs().max()):.2e}"
+    assert (law - p).abs().max() <= 1e-12, (
+        f"{case}: max |law − p| = {float((law - p).abs().max()):.2e}"
+    )
     if beta < 1 - 1e-12:  # a rejection can happen: the residual is a law on the tokens where p > q
         assert (r >= 0).all() and abs(float(r.sum()) - 1) <= 1e-12
         assert torch.equal(r > 0, p > q)
@@ -219,18 +221,28 @@ def check_call_structure(impl):
             q_dense = F.one_hot(draft, vocab).float()
         else:
             q = torch.softmax(2 * torch.randn(gamma, vocab, generator=g), -1)  # γ, V
-            draft = torch.multinomial(q, 1, generator=g).view(gamma) if gamma else torch.zeros(0, dtype=torch.long)
+            draft = (
+                torch.multinomial(q, 1, generator=g).view(gamma)
+                if gamma
+                else torch.zeros(0, dtype=torch.long)
+            )
             q_dense = q
         tokens, n = impl.rejection_sample(draft, q, p, g)
         assert isinstance(tokens, list) and all(type(t) is int for t in tokens) and type(n) is int
         assert 0 <= n <= gamma and len(tokens) == n + 1, (tokens, n, gamma)
         assert tokens[:n] == draft[:n].tolist(), "the accepted tokens must be the draft's prefix"
-        assert all(p[i, draft[i]] > 0 for i in range(n)), "a draft token the target gives p = 0 was accepted"
+        assert all(p[i, draft[i]] > 0 for i in range(n)), (
+            "a draft token the target gives p = 0 was accepted"
+        )
         last = tokens[n]
         if n < gamma:
-            assert p[n, last] > q_dense[n, last], f"after a rejection at {n}, token {last} is not from the residual"
+            assert p[n, last] > q_dense[n, last], (
+                f"after a rejection at {n}, token {last} is not from the residual"
+            )
         else:
-            assert p[gamma, last] > 0, f"the bonus token {last} has p[γ] = 0: drawn from another row?"
+            assert p[gamma, last] > 0, (
+                f"the bonus token {last} has p[γ] = 0: drawn from another row?"
+            )
 
 
 def check_bonus_token(impl):

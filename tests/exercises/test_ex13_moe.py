@@ -62,7 +62,9 @@ def check_route(impl, block=None):
             want_w = want_w / want_w.sum(-1, keepdim=True) if b.renormalize else want_w
         assert w.shape == e.shape == (9, b.top_k) and w.dtype == x.dtype
         assert torch.equal(e.sort(-1).values, want_e.sort(-1).values)
-        assert torch.allclose(w.gather(-1, e.argsort(-1)), want_w.gather(-1, want_e.argsort(-1)), atol=1e-6)
+        assert torch.allclose(
+            w.gather(-1, e.argsort(-1)), want_w.gather(-1, want_e.argsort(-1)), atol=1e-6
+        )
 
 
 def check_forward_equals_the_per_token_loop(impl, top_k=2, renormalize=False):

@@ -35,7 +35,10 @@ PATTERN = r"(ab|cd)+[0-9]{2}"
 
 def _bits_by_hand(bitmask: torch.Tensor, vocab: int) -> list[list[bool]]:
     """Bit b of word w, least significant first, with Python integers (two's complement words)."""
-    return [[bool(((int(row[t // 32]) & 0xFFFFFFFF) >> (t % 32)) & 1) for t in range(vocab)] for row in bitmask]
+    return [
+        [bool(((int(row[t // 32]) & 0xFFFFFFFF) >> (t % 32)) & 1) for t in range(vocab)]
+        for row in bitmask
+    ]
 
 
 def _allowed_by_regex(prefix: str) -> list[bool]:

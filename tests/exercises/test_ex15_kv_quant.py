@@ -46,7 +46,9 @@ def check_shapes_and_dtypes(impl):
         codes, scale = q.quantize(x)
         assert codes.shape == x.shape and codes.dtype == q.storage, name
         assert scale.shape == x.shape[:-1] and scale.dtype == torch.float16, name
-        assert torch.isfinite(scale).all() and (scale > 0).all(), f"{name}: scales must be finite and > 0"
+        assert torch.isfinite(scale).all() and (scale > 0).all(), (
+            f"{name}: scales must be finite and > 0"
+        )
         y = q.dequantize(codes, scale, torch.float32)
         assert y.dtype == torch.float32 and torch.equal(y[7], torch.zeros_like(y[7])), name
         out = torch.empty_like(y)
@@ -61,11 +63,14 @@ def check_bounds(impl):
         s = scale.float()[..., None]
         if name == "int8":
             assert (err <= 0.5 * s * (1 + 1e-3)).all(), "int8: more than half a step"
-            assert (s <= x.abs().amax(-1,
-                                      keepdim=True) / 127 * (1 + 1e-3) + 2.0 ** -14).all(), "int8: scale too big"
+            assert (s <= x.abs().amax(-1, keepdim=True) / 127 * (1 + 1e-3) + 2.0**-14).all(), (
+                "int8: scale too big"
+            )
         else:
             normal = x.abs() >= MIN_NORMAL[name] * s
-            assert (err[normal] <= REL[name] * x.abs()[normal] * (1 + 1e-3)).all(), f"{name}: relative bound"
+            assert (err[normal] <= REL[name] * x.abs()[normal] * (1 + 1e-3)).all(), (
+                f"{name}: relative bound"
+            )
 
 
 def check_fp8_bits(impl):
@@ -96,8 +101,11 @@ def test_ex15_2_fp8_codes_are_torchs_conversion(impl):
 def _variant(truncate=False, wrong_axis=False, unrounded=False, no_clamp=False):
     class KVQuant(reference.KVQuant):
         def quantize(self, x):
-            amax = x.abs().amax(0,
-                                keepdim=True).expand_as(x)[..., 0] if wrong_axis else x.abs().amax(-1)
+            amax = (
+                x.abs().amax(0, keepdim=True).expand_as(x)[..., 0]
+                if wrong_axis
+                else x.abs().amax(-1)
+            )
             exact = (amax.float() / self.qmax).clamp(min=2.0 ** -14)
             scale = exact.to(torch.float16)
             y = x.float() / (exact if unrounded else scale.float())[..., None]

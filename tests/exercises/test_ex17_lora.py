@@ -34,8 +34,12 @@ def _case(seed=0):
         A[s, :a.shape[0]], B[s, :, :a.shape[0]] = a, b
     x = torch.randn(11, IN, generator=g)
     slots = torch.tensor([0, 1, 2, -1, 1, 0, 2, -1, 0, 1, 3])
-    want = torch.stack([torch.zeros(OUT) if s < 0 else (row @ adapters[s][0].t()) @ adapters[s][1].t()
-                        for row, s in zip(x, slots.tolist())])  # each row alone
+    want = torch.stack(
+        [
+            torch.zeros(OUT) if s < 0 else (row @ adapters[s][0].t()) @ adapters[s][1].t()
+            for row, s in zip(x, slots.tolist())
+        ]
+    )  # each row alone
     return x, A, B, slots, want
 
 

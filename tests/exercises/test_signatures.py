@@ -18,7 +18,10 @@ import pytest
 HERE = Path(__file__).parent
 # the stubs as committed (not NANOSERVE_EXERCISES: those are solved)
 EXERCISES = HERE.parents[1] / "exercises"
-HINT = re.compile(r"^Exercise (\d+)\.(\d+): .+ \(roughly \d+ lines?; see notebooks/\d\d_\w+, sections? .+\)$", re.S)
+HINT = re.compile(
+    r"^Exercise (\d+)\.(\d+): .+ \(roughly \d+ lines?; see notebooks/\d\d_\w+, sections? .+\)$",
+    re.S,
+)
 
 
 def _pairs() -> list[tuple[str, str, str]]:
@@ -26,7 +29,9 @@ def _pairs() -> list[tuple[str, str, str]]:
     out = []
     for path in sorted(HERE.glob("test_ex*.py")):
         text = path.read_text()
-        ref, ex = (re.search(rf'^{key} = "([\w.]+)"$', text, re.M) for key in ("REFERENCE", "EXERCISE"))
+        ref, ex = (
+            re.search(rf'^{key} = "([\w.]+)"$', text, re.M) for key in ("REFERENCE", "EXERCISE")
+        )
         assert ref and ex, f"{path.name} must define REFERENCE = '...' and EXERCISE = '...'"
         out.append((path.stem, ref.group(1), ex.group(1)))
     return out
@@ -63,8 +68,9 @@ def test_stub_names_and_signatures_match_the_reference(test_file, reference, exe
     for qualname, fn, path in found:
         target = ref
         for part in path:
-            assert hasattr(target,
-                           part), f"exercises/{exercise}.py defines {qualname}, which {reference} does not have"
+            assert hasattr(target, part), (
+                f"exercises/{exercise}.py defines {qualname}, which {reference} does not have"
+            )
             target = getattr(target, part)
         assert _params(inspect.signature(fn)) == _params(inspect.signature(target)), (
             f"{qualname}: the stub's signature {inspect.signature(fn)} differs from the "
@@ -80,19 +86,30 @@ def test_every_stub_body_raises_a_hint(test_file, reference, exercise):
     functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
     hints = {}
     for fn in functions:
-        raises = [n for n in ast.walk(fn) if isinstance(n, ast.Raise) and isinstance(n.exc, ast.Call)
-                  and getattr(n.exc.func, "id", None) == "NotImplementedError"]
+        raises = [
+            n
+            for n in ast.walk(fn)
+            if isinstance(n, ast.Raise)
+            and isinstance(n.exc, ast.Call)
+            and getattr(n.exc.func, "id", None) == "NotImplementedError"
+        ]
         assert raises, f"exercises/{exercise}.py: {fn.name} does not raise NotImplementedError"
         message = ast.literal_eval(raises[0].exc.args[0])
         m = HINT.match(message)
-        assert m, f"{fn.name}: the hint {message!r} does not read 'Exercise N.M: ... (roughly K lines; see " \
-                  "notebooks/NN_name, section ...)'"
+        assert m, (
+            f"{fn.name}: the hint {message!r} does not read 'Exercise N.M: ... (roughly K lines; see "
+            "notebooks/NN_name, section ...)'"
+        )
         hints[fn.name] = (int(m.group(1)), int(m.group(2)))
     # a stub file may hold two exercises (layers.py: 1 and 2)
     numbers = {n for n, _ in hints.values()}
-    assert number in numbers, f"{test_file} tests exercise {number}; exercises/{exercise}.py has {sorted(numbers)}"
+    assert number in numbers, (
+        f"{test_file} tests exercise {number}; exercises/{exercise}.py has {sorted(numbers)}"
+    )
     for notebook in re.findall(r"notebooks/(\d\d_\w+)", (EXERCISES / f"{exercise}.py").read_text()):
-        assert (EXERCISES.parent / "notebooks" / f"{notebook}.ipynb").is_file(), f"no notebook {notebook}"
+        assert (EXERCISES.parent / "notebooks" / f"{notebook}.ipynb").is_file(), (
+            f"no notebook {notebook}"
+        )
 
 
 def test_every_exercise_file_has_a_test_file():
