@@ -29,7 +29,7 @@ LOAD_ARGS = ("dtype", "device")  # eval and quantize load a model and run no eng
 
 
 def add_engine_args(p: argparse.ArgumentParser, names: tuple[str, ...] | None = None) -> None:
-    """--model, and one flag per engine argument (nanoserve/config.py's ENGINE_ARGS, the table LLM
+    """--model, and one flag per engine argument (nanoserve/config/args.py's ENGINE_ARGS, the table LLM
     reads too): --max-num-seqs 8, --no-enable-prefix-caching, ... `names`: only these."""
     p.add_argument("--model", default="demo", help=MODEL_HELP)
     for name, arg in ENGINE_ARGS.items():

@@ -46,7 +46,13 @@ CORE = [
     ("nanoserve.engine.outputs", "RequestOutput, incremental detokenizing"),
     ("nanoserve.engine.request", "what the engine holds per request"),
     ("nanoserve.engine.input_processor", "validate and tokenize a request"),
-    ("nanoserve.config", "every setting, one validated dataclass per concern"),
+    ("nanoserve.config", "every setting: what each section holds, all of them gathered"),
+    ("nanoserve.config.base", "what every config section uses: value checks, one EngineArg"),
+    ("nanoserve.config.load", "settings: which model, dtype and device"),
+    ("nanoserve.config.cache", "settings: the paged KV pool"),
+    ("nanoserve.config.scheduler", "settings: sequences and tokens per step"),
+    ("nanoserve.config.args", "ENGINE_ARGS: flat keyword arguments into sections"),
+    ("nanoserve.config.engine", "EngineConfig: a validated section per concern"),
     ("nanoserve.extension_points", "where extensions attach: a registry of named points"),
     ("nanoserve.engine.llm_engine", "LLMEngine: add_request / step / abort_request"),
     ("nanoserve.engine.llm", "LLM: the offline façade"),
@@ -54,9 +60,13 @@ CORE = [
 # What the core leans on without being taught in notebooks 00-03: file formats and helpers.
 # (Model families beyond GPT-2 and Llama's plain block, and checkpoint formats, are support too,
 # until they become subclasses of their own: issue 42's next step.)
+# The extensions' settings live with the others in nanoserve/config/ (as in vLLM), so that one
+# EngineConfig describes an engine: data and its checks, imported by the core, read by extensions.
 SUPPORT = ["nanoserve.tokenizers", "nanoserve.models.hf_config", "nanoserve.models.hf_fields",
            "nanoserve.models.moe", "nanoserve.models.fused", "nanoserve.models.llama2c",
-           "nanoserve.models.hf_export"]
+           "nanoserve.models.hf_export", "nanoserve.config.parallel",
+           "nanoserve.config.speculative", "nanoserve.config.lora",
+           "nanoserve.config.structured_outputs"]
 # The packages and modules that attach to the core (each named by its prefix).
 EXTENSIONS = [
     "nanoserve.spec", "nanoserve.lora", "nanoserve.parallel", "nanoserve.quant",

@@ -1,4 +1,4 @@
-"""EngineConfig (nanoserve/config.py): flat keyword arguments sorted into one validated dataclass
+"""EngineConfig (nanoserve/config/): flat keyword arguments sorted into one validated dataclass
 per concern, the same table behind LLM(...), LLMEngine.from_kwargs and the `nanoserve` command."""
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ constraint passes three gates, each with a 400 that names the limit:
    such rows can still take up to R budgets.)
 
     GrammarLimits()                          the defaults below
-    LLM(model, grammar_limits=GrammarLimits(max_bytes=1 << 20))   (nanoserve/config.py)
+    LLM(model, grammar_limits=GrammarLimits(max_bytes=1 << 20))
+                                             (nanoserve/config/structured_outputs.py)
 
 Taught in notebooks/11_*.
 """

@@ -30,7 +30,7 @@ OFFLINE_BATCHED_TOKENS = 4096  # LLM's token budget per step (the engine's and t
 
 class LLM:
     """Load a model once, then generate from prompts (text or token-id lists) with continuous
-    batching. Keyword arguments set up the engine (nanoserve/config.py: cache size, prefix caching,
+    batching. Keyword arguments set up the engine (nanoserve/config/: cache size, prefix caching,
     scheduling, ...; an unknown one is an error naming the closest). `lora`: a PEFT LoRA adapter
     directory, merged into the weights before the first request, or with `lora_merge=False` applied
     beside each target layer (a quantized base; nanoserve/lora/).

@@ -76,7 +76,7 @@ class StepHook(Protocol):
 
 
 class LLMEngine:
-    """Continuous batching over a paged KV cache, set up by one `EngineConfig` (config.py).
+    """Continuous batching over a paged KV cache, set up by one `EngineConfig` (config/engine.py).
 
     KV cache: a pool of `num_blocks` blocks of `block_size` tokens, sized from `kv_cache_memory`
     bytes when given, else the bytes of 8 full-context sequences in the model's dtype; K/V in that
@@ -151,7 +151,8 @@ class LLMEngine:
 
     @classmethod
     def from_kwargs(cls, model: str = "demo", **kwargs) -> LLMEngine:
-        """An engine from flat keyword arguments (`max_num_seqs=8`: config.py's ENGINE_ARGS)."""
+        """An engine from flat keyword arguments (`max_num_seqs=8`; config/args.py's
+        ENGINE_ARGS)."""
         return cls(EngineConfig.from_kwargs(model, **kwargs))
 
     @property

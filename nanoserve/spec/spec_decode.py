@@ -15,8 +15,8 @@ requests, in each `LLMEngine.step()`:
    decoding): copy what followed the latest earlier occurrence of the last few tokens — no model.
    Or *Medusa heads* (medusa.py): small heads on the target's own last hidden state, head i's top
    token the i-th draft — no second forward at all; with `speculative_tree`, their top-k candidates
-   form a token tree instead of a chain (config.py, tree_sampler.py). Or *EAGLE's head* (eagle.py):
-   one small decoder layer drafting the target's next features, γ calls of it.
+   form a token tree instead of a chain (config/speculative.py, tree_sampler.py). Or *EAGLE's
+   head* (eagle.py): one small decoder layer drafting the target's next features, γ calls of it.
 3. **Verify.** The drafts are appended to the target sequence (each gets a KV slot through the
    block allocator, copy-on-write included) and the target computes all γ + 1 positions in one
    forward: logits for p₁..p_{γ+1}. Decoding is memory-bound on a GPU, so scoring γ + 1 tokens

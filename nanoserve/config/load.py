@@ -1,0 +1,36 @@
+"""The load section: which model, in what precision, on which device, and how its forward runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import EngineArg, arg, check_choice
+
+# quant/online.py: 8-bit linears made as they load
+QUANTIZATION_METHODS = ("fp8", "int8", "llm.int8")
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """Which model, in what precision, on which device, and how its forward runs."""
+
+    # a shipped name (demo), a checkpoint directory, a llama2.c .bin or a hub id
+    model: str = "demo"
+    dtype: object = None  # "float32", "bfloat16", a torch.dtype; None: the device's default
+    device: str | None = None  # "cpu", "cuda", "cuda:N"; None: cuda when available
+    quantization: str | None = None  # make a float checkpoint's linears 8-bit as they load
+    enforce_eager: bool = False  # no CUDA graphs for decode steps
+
+    def __post_init__(self):
+        check_choice("quantization", self.quantization, QUANTIZATION_METHODS, optional=True)
+
+
+# its keyword arguments (config/args.py)
+LOAD_ARGS: dict[str, EngineArg] = {
+    "dtype": arg("load", "dtype", "float32, float16 or bfloat16 (default: float32 on CPU, "
+                                  "bfloat16 on CUDA where the GPU has it, else float16)"),
+    "device": arg("load", "device", "cpu, cuda or cuda:N (default: cuda when available)"),
+    "quantization": arg("load", "quantization", "make a float checkpoint's linears 8-bit as it "
+                        "loads: W8A8 fp8 or int8, or LLM.int8", choices=QUANTIZATION_METHODS),
+    "enforce_eager": arg("load", "enforce_eager", "no CUDA graphs for decode steps (debugging)"),
+}
