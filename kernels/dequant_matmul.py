@@ -3,10 +3,11 @@
 **The layout** (nanoserve/quant/packing.py). A linear with in-features K and out-features N
 stores W [K, N] (here as the matmul's right operand, K rows) in four tensors:
 
-    qweight int32 [K/8, N]   8 codes per word, packed along K: code of row k in word k // 8, bits 4·(k % 8) ..
+    qweight int32 [K/8, N]   8 codes per word, packed along K: code of row k in word k // 8, bits
+                             4·(k % 8) ..
     qzeros  int32 [G, N/8]   8 zero points per word, packed along N, each stored as zero − 1 (v1)
     scales  fp16  [G, N]
-    g_idx   int   [K]        group of each row: k // group_size, or a permutation of that (act-order)
+    g_idx   int [K] group of each row: k // group_size, or a permutation of that (act-order)
 
     W[k, n] = (code[k, n] − zero[g_idx[k], n]) · scale[g_idx[k], n]
 
@@ -108,9 +109,10 @@ def _dequant_gemm_kernel(
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # BLOCK_M, BLOCK_K
         if UPCAST:
             a = a.to(tl.float32)
-        acc += dot_tile(a, QW, QZ, S, G_IDX, start, offs_k, offs_n, k_mask, n_mask, K, stride_qk, stride_qn,
-                         # BLOCK_M, BLOCK_N
-                         stride_zg, stride_zn, stride_sg, stride_sn, BLOCK_K, BLOCK_N, GROUP_SIZE)
+        # BLOCK_M, BLOCK_N
+        acc += dot_tile(a, QW, QZ, S, G_IDX, start, offs_k, offs_n, k_mask, n_mask, K,
+                        stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn,
+                        BLOCK_K, BLOCK_N, GROUP_SIZE)
     c_ptrs = C + rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -138,9 +140,10 @@ def _dequant_gemv_kernel(
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # BLOCK_M, BLOCK_K
         if UPCAST:
             a = a.to(tl.float32)
-        acc += dot_tile(a, QW, QZ, S, G_IDX, start, offs_k, offs_n, k_mask, n_mask, K, stride_qk, stride_qn,
-                         # BLOCK_M, BLOCK_N
-                         stride_zg, stride_zn, stride_sg, stride_sn, BLOCK_K, BLOCK_N, GROUP_SIZE)
+        # BLOCK_M, BLOCK_N
+        acc += dot_tile(a, QW, QZ, S, G_IDX, start, offs_k, offs_n, k_mask, n_mask, K,
+                        stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn,
+                        BLOCK_K, BLOCK_N, GROUP_SIZE)
     p_ptrs = P + split * stride_ps + offs_m[:, None] * stride_pm + offs_n[None, :] * stride_pn
     tl.store(p_ptrs, acc.to(P.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 

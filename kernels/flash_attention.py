@@ -142,13 +142,13 @@ def _flash_attention_kernel(
             off = t % page_size  # BLOCK_N     offset inside the block
             # BLOCK_N   a quantized pool's scales
             scale_at = (blk * page_size + off) * (H // group) + kvh
-            kT = load_kv_tile(K_cache + blk[None, :] * stride_kcb + off[None, :] * stride_kcs + kvh * stride_kch
-                              + offs_d[:, None] * stride_kcd, d_ok[:, None] & n_ok[None, :],
-                              # BLOCK_D, BLOCK_N
+            k_at = (K_cache + blk[None, :] * stride_kcb + off[None, :] * stride_kcs
+                    + kvh * stride_kch + offs_d[:, None] * stride_kcd)  # BLOCK_D, BLOCK_N
+            kT = load_kv_tile(k_at, d_ok[:, None] & n_ok[None, :],
                               K_scale + scale_at[None, :], n_ok[None, :], KV_QUANT, q.dtype)
-            v = load_kv_tile(V_cache + blk[:, None] * stride_vcb + off[:, None] * stride_vcs + kvh * stride_vch
-                             + offs_d[None, :] * stride_vcd, n_ok[:, None] & d_ok[None, :],
-                             # BLOCK_N, BLOCK_D
+            v_at = (V_cache + blk[:, None] * stride_vcb + off[:, None] * stride_vcs
+                    + kvh * stride_vch + offs_d[None, :] * stride_vcd)  # BLOCK_N, BLOCK_D
+            v = load_kv_tile(v_at, n_ok[:, None] & d_ok[None, :],
                              V_scale + scale_at[:, None], n_ok[:, None], KV_QUANT, q.dtype)
             valid = n_ok[None, :] & m_ok[:, None]  # BLOCK_M, BLOCK_N
             # bites where queries sit inside the prefix: Lq > Lk, or all keys paged (Lk = 0)
@@ -221,7 +221,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     softcap: float | None = None, k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None, kv_cache_dtype: str = "auto",
                     tree_bits: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention over packed sequences.  q [total_q, H, D]; k, v [total_k, Hkv, D] -> [total_q, H, D].
+    """Attention over packed sequences.  q [total_q, H, D]; k, v [total_k, Hkv, D] -> [total_q, H,
+                                         D].
 
     cu_seqlens_q/k [B+1]: cumulative lengths (sequence b is rows cu[b]:cu[b+1]). causal:
     bottom-right aligned (query i of Lq sits at position P + Lk − Lq + i). sm_scale defaults to
@@ -239,8 +240,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     window, softcap = check_window(window, causal), check_softcap(softcap)
     check_tree_bits(tree_bits, q, causal)
-    has_prefix = check_flash_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, block_tables, k_cache, v_cache,
-                                       context_lens, max_seqlen_q, k_scale, v_scale, kv_cache_dtype)
+    has_prefix = check_flash_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, block_tables, k_cache,
+                                       v_cache, context_lens, max_seqlen_q, k_scale, v_scale,
+                                       kv_cache_dtype)
     quant = kv_quant_code(kv_cache_dtype)
     total_q, H, D = q.shape
     Hkv = k.shape[1]

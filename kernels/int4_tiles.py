@@ -78,9 +78,10 @@ def dot_tile(a, QW, QZ, S, G_IDX, start, offs_k, offs_n, k_mask, n_mask, K,
               BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SIZE: tl.constexpr):
     """a [BLOCK_M, BLOCK_K] · W[offs_k, offs_n] in fp32, W read one of the two ways above."""
     if GROUP_SIZE > 0:  # one group per tile: integer codes into the dot, the scale after it
-        q, scale = grouped_codes(QW, QZ, S, start, offs_n, n_mask, K, stride_qk, stride_qn, stride_zg,
-                                  # [BK, BN], [BN]
-                                  stride_zn, stride_sg, stride_sn, BLOCK_K, BLOCK_N, GROUP_SIZE)
+        # [BK, BN], [BN]
+        q, scale = grouped_codes(QW, QZ, S, start, offs_n, n_mask, K, stride_qk, stride_qn,
+                                 stride_zg, stride_zn, stride_sg, stride_sn, BLOCK_K, BLOCK_N,
+                                 GROUP_SIZE)
         out = tl.dot(a, q.to(a.dtype), input_precision="ieee") * scale[None, :]  # BLOCK_M, BLOCK_N
     else:  # any g_idx (act-order): zero and scale gathered row by row
         w = dequant_tile(QW, QZ, S, G_IDX, offs_k, offs_n, k_mask, n_mask,

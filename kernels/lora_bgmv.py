@@ -32,8 +32,8 @@ __all__ = ["lora_bgmv", "lora_bgmv_ref"]
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, slots_ptr, h_ptr, IN, R, stride_xn, stride_as, stride_ar, stride_hn,
-                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+def _shrink_kernel(x_ptr, a_ptr, slots_ptr, h_ptr, IN, R, stride_xn, stride_as, stride_ar,
+                   stride_hn, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     n = tl.program_id(0)
     s = tl.load(slots_ptr + n)
     if s >= 0:
@@ -51,8 +51,8 @@ def _shrink_kernel(x_ptr, a_ptr, slots_ptr, h_ptr, IN, R, stride_xn, stride_as, 
 
 
 @triton.jit
-def _expand_kernel(h_ptr, b_ptr, slots_ptr, y_ptr, OUT, R, stride_hn, stride_bs, stride_bo, stride_yn,
-                   BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr):
+def _expand_kernel(h_ptr, b_ptr, slots_ptr, y_ptr, OUT, R, stride_hn, stride_bs, stride_bo,
+                   stride_yn, BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr):
     n = tl.program_id(0)
     s = tl.load(slots_ptr + n)
     if s >= 0:

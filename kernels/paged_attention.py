@@ -127,12 +127,14 @@ def _paged_decode_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         # BLOCK_N   a quantized pool's scale of each key
         scale_at = (blk * BLOCK_SIZE + off) * n_kv_heads + kvh
-        k = load_kv_tile(K_cache + blk[:, None] * stride_kcb + off[:, None] * stride_kcs + kvh * stride_kch
-                         + offs_d[None, :], kv_mask, K_scale + scale_at[:, None], n_mask[:, None],
-                         KV_QUANT, q.dtype)  # BLOCK_N, D_PAD
-        v = load_kv_tile(V_cache + blk[:, None] * stride_vcb + off[:, None] * stride_vcs + kvh * stride_vch
-                         + offs_d[None, :], kv_mask, V_scale + scale_at[:, None], n_mask[:, None],
-                         KV_QUANT, q.dtype)  # BLOCK_N, D_PAD
+        k_at = (K_cache + blk[:, None] * stride_kcb + off[:, None] * stride_kcs
+                + kvh * stride_kch + offs_d[None, :])  # BLOCK_N, D_PAD
+        k = load_kv_tile(k_at, kv_mask, K_scale + scale_at[:, None], n_mask[:, None], KV_QUANT,
+                         q.dtype)  # BLOCK_N, D_PAD
+        v_at = (V_cache + blk[:, None] * stride_vcb + off[:, None] * stride_vcs
+                + kvh * stride_vch + offs_d[None, :])  # BLOCK_N, D_PAD
+        v = load_kv_tile(v_at, kv_mask, V_scale + scale_at[:, None], n_mask[:, None], KV_QUANT,
+                         q.dtype)  # BLOCK_N, D_PAD
         # the step FlashAttention takes (online_softmax.py), over the G_PAD query heads of the
         # group: scores scaled by scale · log2 e in fp32, keys past the context masked
         m, l, acc = online_softmax_step(q, tl.trans(k), v, n_mask[None, :], m, l, acc, qk_scale,
@@ -230,8 +232,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, sm_scale=No
         paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, sm_scale, 1, out=out,
                               max_context=max_context, window=window, softcap=softcap, **kv)
         return out
-    part, lse = paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, sm_scale, num_splits,
-                                      max_context=max_context, window=window, softcap=softcap, **kv)
+    part, lse = paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, sm_scale,
+                                      num_splits, max_context=max_context, window=window,
+                                      softcap=softcap, **kv)
     return merge_splits(part, lse, q.dtype)
 
 

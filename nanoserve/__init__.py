@@ -6,12 +6,14 @@
 
 The folders are the course map (docs/ARCHITECTURE.md tells the whole story):
 
-    engine/      the loop: LLM, LLMEngine, Scheduler, Sequence, BlockAllocator, ModelRunner, sampler, outputs
+    engine/      the loop: LLM, LLMEngine, Scheduler, Sequence, BlockAllocator, ModelRunner,
+                 sampler, outputs
     kv/          KV storage and the two attention backends (torch, Triton)
     models/      GPT-2 and Llama, their configs, checkpoint loading
     spec/        speculative decoding: the rejection sampler, proposers, the engine's path
     quant/       RTN, GPTQ, AWQ, packing, QuantLinear, quantized checkpoints
-    lora/        LoRA adapters: PEFT's format, merging, many adapters in one batch, per-request serving
+    lora/        LoRA adapters: PEFT's format, merging, many adapters in one batch, per-request
+                 serving
     parallel/    tensor parallelism: column- and row-parallel layers, a model split over N processes
     serving/     the async engine and the OpenAI-compatible server
     tokenizers/  one module per tokenizer file format

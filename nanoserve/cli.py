@@ -4,7 +4,8 @@
     nanoserve eval --model demo --text FILE [--context N --stride S]
     nanoserve bench throughput|latency|speculative [--model demo --num-requests N --out FILE.json]
     nanoserve quantize --model demo --method gptq --bits 4 --group-size 128 --calib FILE --out DIR
-    nanoserve serve --model demo [--host 127.0.0.1 --port 8000 --api-key KEY --max-waiting N --lora-modules N=P]
+    nanoserve serve --model demo [--host 127.0.0.1 --port 8000 --api-key KEY --max-waiting N
+                                  --lora-modules N=P]
     nanoserve bench serve --url http://127.0.0.1:8000/v1 --rates 1 4 16 [--out FILE.json]
 
 Text streams to stdout (pipe it), statistics to stderr; bad input prints `nanoserve: error: ...`,
@@ -29,8 +30,8 @@ LOAD_ARGS = ("dtype", "device")  # eval and quantize load a model and run no eng
 
 
 def add_engine_args(p: argparse.ArgumentParser, names: tuple[str, ...] | None = None) -> None:
-    """--model, and one flag per engine argument (nanoserve/config/args.py's ENGINE_ARGS, the table LLM
-    reads too): --max-num-seqs 8, --no-enable-prefix-caching, ... `names`: only these."""
+    """--model, and one flag per engine argument (nanoserve/config/args.py's ENGINE_ARGS, the table
+    LLM reads too): --max-num-seqs 8, --no-enable-prefix-caching, ... `names`: only these."""
     p.add_argument("--model", default="demo", help=MODEL_HELP)
     for name, arg in ENGINE_ARGS.items():
         if arg.cli and (names is None or name in names):

@@ -1,9 +1,11 @@
 """KV storage and the attention backends that read it.
 
-    cache.py           PagedKVCache: per-layer pools of blocks [num_blocks, block_size, Hkv, D]; sizing
+    cache.py           PagedKVCache: per-layer pools of blocks [num_blocks, block_size, Hkv, D];
+                       sizing
     torch_backend.py   CacheView: write, gather into logical order, SDPA (the reference)
     triton_backend.py  TritonCacheView: the kernels of nanoserve.kernels read the pool in place
-    cpu_backend.py     CpuCacheView: the torch backend, with decode steps in a C kernel that reads in place
+    cpu_backend.py     CpuCacheView: the torch backend, with decode steps in a C kernel that reads
+                       in place
     contiguous.py      KVCache: the special case block_table = arange (notebook 01)
 
 Which blocks a sequence owns is the block allocator's business

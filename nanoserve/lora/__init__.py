@@ -2,8 +2,10 @@
 
     adapter.py   LoRAAdapter, load_lora_adapter, merge_lora, unmerge_lora (W ± s·BA)
     layer.py     LoRALinear, apply_lora, remove_lora (base(x) + x·Aᵀ·(s·B)ᵀ, the base untouched)
-    batched.py   MultiLoRALinear: adapter slots, each token row its own (segmented and gathered references)
-    serving.py   LoRARequest, LoRAManager: per-request adapters in the engine (slots filled and evicted LRU)
+    batched.py   MultiLoRALinear: adapter slots, each token row its own (segmented and gathered
+                 references)
+    serving.py   LoRARequest, LoRAManager: per-request adapters in the engine (slots filled and
+                 evicted LRU)
 
 `LLM(model, lora=PATH)` merges one adapter at load; `lora_merge=False` applies it beside each target
 (what a quantized base needs). `LLM(model, enable_lora=True).generate(prompts, lora_request=...)`

@@ -1,9 +1,11 @@
 """Serving many LoRA adapters at once: each request names its adapter, each step mixes them.
 
-    LoRARequest          what a request carries (vLLM's name and fields): lora_name, lora_int_id, lora_path
-    LoRAManager          the engine's adapters: read once from disk and kept on the host, by id; copied into
-                         one of `max_loras` slots of every target layer (MultiLoRALinear, batched.py) when
-                         a step needs them, the least recently used adapter evicted when the slots are full
+    LoRARequest          what a request carries (vLLM's name and fields): lora_name, lora_int_id,
+                         lora_path
+    LoRAManager          the engine's adapters: read once from disk and kept on the host, by id;
+                         copied into one of `max_loras` slots of every target layer
+                         (MultiLoRALinear, batched.py) when a step needs them, the least recently
+                         used adapter evicted when the slots are full
     parse_lora_modules   `nanoserve serve --lora-modules name=path ...` into LoRARequests
 
 Who does what: the input processor checks a request's adapter when it arrives (`add`: read from

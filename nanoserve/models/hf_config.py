@@ -58,7 +58,8 @@ TYPE_DEFAULTS = {
     "gemma2": dict(max_position_embeddings=8192, attn_logit_softcapping=50.0,
                    final_logit_softcapping=30.0,
                    **_GEMMA),
-    "gemma3_text": dict(max_position_embeddings=131072, rope_theta=1e6, sliding_window_pattern=6, **_GEMMA),
+    "gemma3_text": dict(max_position_embeddings=131072, rope_theta=1e6, sliding_window_pattern=6,
+                        **_GEMMA),
     "smollm3": dict(num_key_value_heads=4, max_position_embeddings=32768, tie_word_embeddings=True,
                     rope_theta=2e6),
     "olmo2": dict(rms_norm_eps=1e-5),
@@ -288,15 +289,22 @@ def _llama_from_hf(cfg: dict[str, Any], hf_type: str) -> ModelConfig:
     gemma = hf_type in GEMMA
     # Which projections have biases, by the HF code of each type (hf_fields.py lists what each
     # reads).
-    attention_bias = bool(cfg.get("attention_bias", False)) and hf_type in (
-        "llama",
-        "qwen3",
-        "qwen3_moe",
-        "smollm3",
-        "olmo2",
-        *GEMMA,
-    )
+    biased = ("llama", "qwen3", "qwen3_moe", "smollm3", "olmo2", *GEMMA)
+    attention_bias = bool(cfg.get("attention_bias", False)) and hf_type in biased
     window, layer_types = _windows(cfg, hf_type, n_layers)
+    context = int(cfg.get("max_position_embeddings", 2048))
+    if scaling.get("rope_type") == "longrope":  # LongRoPE: within L₀
+        context = min(context, scaling["original_max_position_embeddings"])
+    qk_norm = None
+    if hf_type in ("qwen3", "qwen3_moe", "gemma3_text"):
+        qk_norm = "per_head"
+    elif hf_type == "olmo2":
+        qk_norm = "whole"
+    partial_rotary_factor = 1.0
+    if hf_type == "phi3":
+        rope_fields = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        partial_rotary_factor = float(rope_fields.get("partial_rotary_factor",
+                                                      cfg.get("partial_rotary_factor", 1.0)))
     return ModelConfig(
         arch="llama",
         vocab_size=int(_need(cfg, "vocab_size")),
@@ -305,10 +313,7 @@ def _llama_from_hf(cfg: dict[str, Any], hf_type: str) -> ModelConfig:
         n_heads=n_heads,
         n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
         intermediate_size=int(_need(cfg, "intermediate_size")),
-        # LongRoPE: within L₀
-        max_position_embeddings=min(int(cfg.get("max_position_embeddings", 2048)),
-                                    scaling["original_max_position_embeddings"] if scaling.get("rope_type")
-                                    == "longrope" else 1 << 62),
+        max_position_embeddings=context,
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         rope_theta=rope_theta,
@@ -323,13 +328,9 @@ def _llama_from_hf(cfg: dict[str, Any], hf_type: str) -> ModelConfig:
         hidden_act=cfg.get("hidden_activation") if gemma else cfg.get("hidden_act", "silu"),
         sliding_window=window,
         layer_types=layer_types,
-        qk_norm="per_head" if hf_type in ("qwen3", "qwen3_moe",
-                                          "gemma3_text") else "whole" if hf_type == "olmo2"
-        else None,
+        qk_norm=qk_norm,
         no_rope_layers=_no_rope_layers(cfg, n_layers) if hf_type == "smollm3" else None,
-        partial_rotary_factor=float((cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}).get(
-            "partial_rotary_factor",
-            cfg.get("partial_rotary_factor", 1.0))) if hf_type == "phi3" else 1.0,
+        partial_rotary_factor=partial_rotary_factor,
         block="sandwich" if gemma else "post_norm" if hf_type == "olmo2" else "pre_norm",
         norm_unit_offset=gemma,
         norm_scale_fp32=hf_type == "olmo2",

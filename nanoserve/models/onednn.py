@@ -17,9 +17,10 @@ Prepacking. Given a plain [out, in] weight, oneDNN reorders it into its blocked 
 call; `_reorder_linear_weight` does it once (vLLM's CPU linears do the same). It pays most where a
 step is a few rows over big weights, the LM head above all, where the reorder costs as much as
 the product (benchmarks/RESULTS.md, "Third step"). The layout is chosen for a batch hint
-(PACK_ROWS); measured, a hint of 16 or more serves 1..256 rows alike, and 1 does not help. The cost: a second copy of every linear's weight (the plain Parameter stays,
-for the state dict, tied embeddings, LoRA merges and quantization). The copy is remade when the
-weight changes in place (keyed by its storage and autograd version counter, which copy_ bumps).
+(PACK_ROWS); measured, a hint of 16 or more serves 1..256 rows alike, and 1 does not help. The
+cost: a second copy of every linear's weight (the plain Parameter stays, for the state dict, tied
+embeddings, LoRA merges and quantization). The copy is remade when the weight changes in place
+(keyed by its storage and autograd version counter, which copy_ bumps).
 
 GELU as a post-op. `forward_gelu` asks oneDNN for act(x @ Wᵀ + b) in one call: the GELU is applied
 to each output as the GEMM writes it, instead of a second pass over the [rows, 4C] activations,
@@ -39,8 +40,8 @@ GEMV_MAX_ROWS = 3 rows; elsewhere GEMV_MAX_ROWS = 0 and every shape goes to oneD
 benchmarks/bench_cpu_linear.py, cpu_linear*.json; RESULTS.md, "Fifth step" and "MKL on an AMD
 EPYC"). A vendor, not a timing taken at start-up: the route decides how a product rounds, and a
 model should give the same tokens in every run on one machine. bfloat16 (MKL has no bf16 GEMV) keeps
-oneDNN. The 32 MB line sits between the layers and the heads measured; on larger layers (Llama's 4096 ×
-4096) the two measured alike on the Xeon.
+oneDNN. The 32 MB line sits between the layers and the heads measured; on larger layers (Llama's
+4096 × 4096) the two measured alike on the Xeon.
 
 The math is the same fp32 (or bf16) GEMM with fp32 accumulation: results differ from MKL's
 only in summation order, ~1e-6 (tests/test_cpu_step_costs.py checks it against a float64 reference,

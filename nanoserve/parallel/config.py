@@ -1,10 +1,12 @@
 """How the engine splits a model over ranks: `ParallelConfig` (nanoserve/config.py, vLLM's
 names), and where a rank learns its place: torchrun's environment.
 
-    tensor_parallel_size=N     every layer split N ways (Megatron: columns, then rows, one all-reduce each);
-                               each rank holds 1/N of every weight and of every layer's KV heads
-    pipeline_parallel_size=N   the stack of blocks split into N stages (parallel/pipeline.py); each rank holds
-                               its stage's blocks and their KV layers, activations pass from stage to stage
+    tensor_parallel_size=N     every layer split N ways (Megatron: columns, then rows, one
+                               all-reduce each); each rank holds 1/N of every weight and of every
+                               layer's KV heads
+    pipeline_parallel_size=N   the stack of blocks split into N stages (parallel/pipeline.py); each
+                               rank holds its stage's blocks and their KV layers, activations pass
+                               from stage to stage
 
 One kind of split at a time: both > 1 (vLLM's TP × PP grid) is refused by name, as is what the split
 engine does not run yet (speculative decoding, LoRA adapters).

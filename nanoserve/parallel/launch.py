@@ -1,9 +1,12 @@
 """Running a sharded model on N processes of this machine, with gloo (CPU) — what the tests and the
 notebook do.
 
-    tp_forward(path, ids, world_size)          logits [T, V] of one forward of `ids`, the model split N ways
-    tp_greedy(path, ids, n, world_size)        n greedy tokens, each from a full forward (no KV cache)
-    spawn_ranks(fn, world_size, *args)         fn(rank, world_size, *args) on each rank of a fresh gloo group
+    tp_forward(path, ids, world_size)          logits [T, V] of one forward of `ids`, the model
+                                               split N ways
+    tp_greedy(path, ids, n, world_size)        n greedy tokens, each from a full forward (no KV
+                                               cache)
+    spawn_ranks(fn, world_size, *args)         fn(rank, world_size, *args) on each rank of a fresh
+                                               gloo group
 
 Each spawns `world_size` processes (torch.multiprocessing), which join one gloo process group over a
 local TCP port, load the checkpoint, keep their share (tensor_parallel.shard_model) and run the same

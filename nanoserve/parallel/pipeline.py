@@ -15,12 +15,16 @@ micro-batch steps instead of N·m, and the idle share, the *bubble*, is (N − 1
 (notebook 16 draws it, and `pp_forward` times it).
 
     split_layers(L, N)                      the blocks of each stage
-    keep_stage(model, stage, num_stages)    a loaded GPT-2 or Llama-family model reduced to one stage's blocks
-    stage_forward(model, x, positions, first, last)   ids (first stage) or activations -> activations or logits
-    pp_forward(path, batch, num_stages, microbatches)  logits [B, T, V] of a batch through N local processes,
-                                                       and every micro-batch's start and end on every rank
-    pp_greedy(path, ids, n, num_stages)     n greedy tokens, each from a full forward through the stages (the
-                                            last stage's choice is broadcast back to the first)
+    keep_stage(model, stage, num_stages)    a loaded GPT-2 or Llama-family model reduced to one
+                                            stage's blocks
+    stage_forward(model, x, positions, first, last)   ids (first stage) or activations ->
+                                                      activations or logits
+    pp_forward(path, batch, num_stages, microbatches)  logits [B, T, V] of a batch through N local
+                                                       processes, and every micro-batch's start and
+                                                       end on every rank
+    pp_greedy(path, ids, n, num_stages)     n greedy tokens, each from a full forward through the
+                                            stages (the last stage's choice is broadcast back to the
+                                            first)
 
 `pp_forward` and `pp_greedy` are forwards without a KV cache, for teaching and checks; the engine
 runs the stages over its paged KV cache with `LLM(model, pipeline_parallel_size=N)`
@@ -70,8 +74,15 @@ def keep_stage(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
     return model
 
 
-def stage_forward(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, first: bool, last: bool,
-                  cache=None, logit_index: torch.Tensor | None = None) -> torch.Tensor:
+def stage_forward(
+    model: nn.Module,
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    first: bool,
+    last: bool,
+    cache=None,
+    logit_index: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One stage: token ids [b, T] (first stage) or activations [b, T, C] -> activations, or logits
     [b, T, V] (last stage; [b, K, V] at `logit_index`, as CausalLM.forward). Without a cache the T
     tokens attend causally among themselves; with one (a paged view: the engine's stages,
@@ -86,8 +97,15 @@ def stage_forward(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, fi
     return model.head(norm(x), logit_index)  # b, T (or K), V
 
 
-def _stage_rank(rank: int, world: int, path: str, batch: list[list[int]], microbatches: int, out: str,
-                skip_blocks: bool) -> None:
+def _stage_rank(
+    rank: int,
+    world: int,
+    path: str,
+    batch: list[list[int]],
+    microbatches: int,
+    out: str,
+    skip_blocks: bool,
+) -> None:
     from ..models.loader import load_model
 
     model = load_model(path, dtype="float32", device="cpu")[0]

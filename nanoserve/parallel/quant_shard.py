@@ -76,7 +76,8 @@ def row_split_problem(layer: QuantLinear, world_size: int) -> str | None:
         return (f"its {layer.in_features} inputs in groups of {gs} do not split into {world_size} "
                 "whole numbers of groups")
     if share % word:
-        return f"a share of {share} inputs is not a multiple of {word} (the {layer.bits}-bit packing's word)"
+        return (f"a share of {share} inputs is not a multiple of {word} (the {layer.bits}-bit "
+                "packing's word)")
     if not torch.equal(layer.g_idx.long().cpu(), torch.arange(layer.in_features) // gs):
         return "its inputs are in act-order (g_idx not k // group_size): a split would cut groups"
     return None

@@ -1,12 +1,15 @@
 """Each rank's share of the model and its model runner, and rank 0's runner that sends every step
 first.
 
-    split_for_rank(net, parallel, rank)     the loaded model reduced to the rank's share, in place: its slice of
-                                            every layer (tensor) or its stage's blocks (pipeline)
-    rank_runner(net, parallel, rank, ...)   the rank's runner: a ModelRunner over a KV pool of its heads
-                                            (tensor), or a PipelineRunner over its layers (stage_runner.py)
-    LeaderRunner(group, runner)             rank 0's: each forward, block copy and slot copy goes to the workers
-                                            first (WorkerGroup.send), then runs here; a failure is fatal
+    split_for_rank(net, parallel, rank)     the loaded model reduced to the rank's share, in place:
+                                            its slice of every layer (tensor) or its stage's blocks
+                                            (pipeline)
+    rank_runner(net, parallel, rank, ...)   the rank's runner: a ModelRunner over a KV pool of its
+                                            heads (tensor), or a PipelineRunner over its layers
+                                            (stage_runner.py)
+    LeaderRunner(group, runner)             rank 0's: each forward, block copy and slot copy goes to
+                                            the workers first (WorkerGroup.send), then runs here; a
+                                            failure is fatal
 """
 
 from __future__ import annotations
@@ -92,7 +95,8 @@ class LeaderRunner:
         return self.group.guard(self.runner.run, seqs, num_new, num_logits, trees)
 
     def use_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> str | None:
-        return f"{self.group.parallel.kind} parallelism runs eagerly (its steps are sent to the workers first)"
+        return (f"{self.group.parallel.kind} parallelism runs eagerly (its steps are sent to the "
+                "workers first)")
 
     def logits(self, ids: list[int]):
         """Logits [T, V] of one full forward without a cache, every rank running its share

@@ -18,7 +18,8 @@ N·⌈V/N⌉ rows is zeros, its logits dropped). With fewer KV heads than ranks
 (GQA), each rank keeps the one KV head its query heads share: KV heads are replicated, as vLLM does.
 
     ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ParallelLMHead
-    shard_model(model, rank, world_size)   a loaded GPT-2 or Llama-family model, in place, to rank's share
+    shard_model(model, rank, world_size)   a loaded GPT-2 or Llama-family model, in place, to rank's
+                                           share
     tp_unsupported(config, world_size)     why a model cannot be sharded N ways (None when it can)
 
 All-reduces go through `torch.distributed` (gloo on CPU, NCCL on CUDA); `shard_model` needs its

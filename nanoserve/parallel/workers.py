@@ -10,9 +10,11 @@ blocks), hold a paged KV pool of their share only (their heads, or their layers;
 rank 0's: one block table serves every rank), and loop: receive a message, act on it —
 
     ("setup", num_blocks, block_size, attention_backend, kv_cache_dtype)   build the rank's runner
-    ("run", rows, num_new, num_logits, trees)   the step's forward (rows: what ModelRunner.prepare reads)
+    ("run", rows, num_new, num_logits, trees)   the step's forward (rows: what ModelRunner.prepare
+                                                reads)
     ("copy_block", src, dst)                     a copy-on-write copy, in every rank's pool
-    ("copy_slots", src, dst)                     a verified token tree's accepted path moved into place
+    ("copy_slots", src, dst)                     a verified token tree's accepted path moved into
+                                                 place
     ("logits", ids)                              a full forward without a cache (LLM.logits)
     ("stop",)                                    leave the group and exit
 
@@ -203,9 +205,9 @@ def worker_main(rank: int, parallel: ParallelConfig, init: str | None, model: st
             op, *args = box[0]
             if op == "stop":
                 break
-            if (
-                op == "setup"
-            ):  # num_blocks, block_size, attention_backend, kv_cache_dtype: known after rank 0 loads
+            # setup's num_blocks, block_size, attention_backend, kv_cache_dtype: known after rank 0
+            # loads
+            if op == "setup":
                 runner = rank_runner(net, parallel, rank, num_layers, *args)
             elif op == "run":
                 runner.run(*args)

@@ -7,11 +7,11 @@ config.json carries `"quantization_config": {"quant_method": "compressed-tensors
 ignored is quantized as the group says. nanoserve reads and writes three schemes (any other is
 refused by name):
 
-| format           | weights                               | activations          | nanoserve layer |
-|------------------|---------------------------------------|----------------------|-----------------|
-| pack-quantized   | int4, symmetric or not, per group     | float (W4A16)        | QuantLinear     |
-| int-quantized    | int8, symmetric, per channel          | int8 per token       | W8A8Linear      |
-| float-quantized  | FP8-e4m3 per channel or per tensor    | FP8 per token, or float | FP8Linear    |
+| format           | weights                             | activations             | layer      |
+|------------------|-------------------------------------|-------------------------|------------|
+| pack-quantized   | int4, symmetric or not, per group   | float (W4A16)           | QuantLinear |
+| int-quantized    | int8, symmetric, per channel        | int8 per token          | W8A8Linear |
+| float-quantized  | FP8-e4m3 per channel or per tensor  | FP8 per token, or float | FP8Linear  |
 
 Tensors of one linear [N, K] (group size g): pack-quantized stores `weight_packed` int32 [N, ⌈K/8⌉]
 — each code q ∈ [−8, 7] as the nibble q + 8, eight per word along K, the lowest nibble first —
@@ -86,8 +86,8 @@ def scheme(qcfg: dict) -> tuple[str, dict, dict | None, list[str]]:
     symmetric, strategy = w.get("symmetric", True), w.get("strategy")
     fp8 = weights == ("float", 8) and strategy in ("channel", "tensor") and symmetric \
         and acts in (None, ("float", 8, "token", True, True))
-    ok = {"pack-quantized": weights == ("int", 4) and strategy in ("group", "channel") and acts is None
-          and not w.get("actorder"),
+    ok = {"pack-quantized": weights == ("int", 4) and strategy in ("group", "channel")
+          and acts is None and not w.get("actorder"),
           "int-quantized": weights == ("int", 8) and strategy == "channel" and symmetric
           and acts == ("int", 8, "token", True, True),
           "float-quantized": fp8, "naive-quantized": fp8}.get(fmt, False)

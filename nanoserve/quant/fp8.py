@@ -127,4 +127,5 @@ class FP8Linear(nn.Module):
     def extra_repr(self) -> str:
         scale = "per channel" if self.weight_scale.numel() > 1 else "per tensor"
         act = "W8A8, activations per token" if self.activations else "W8A16"
-        return f"in_features={self.in_features}, out_features={self.out_features}, FP8-e4m3 {scale}, {act}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"FP8-e4m3 {scale}, {act}")

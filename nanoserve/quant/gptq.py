@@ -103,8 +103,17 @@ class GPTQ:
         if self.nsamples == 0:
             raise NanoserveError("GPTQ has no calibration inputs: call add_batch(x) with the "
                                  "layer's inputs first")
-        return gptq_quantize(self.weight, self.H, bits, group_size, sym, blocksize, percdamp, act_order,
-                             static_groups)
+        return gptq_quantize(
+            self.weight,
+            self.H,
+            bits,
+            group_size,
+            sym,
+            blocksize,
+            percdamp,
+            act_order,
+            static_groups,
+        )
 
 
 @contextmanager

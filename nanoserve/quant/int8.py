@@ -121,4 +121,5 @@ class W8A8Linear(nn.Module):
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, W8A8 int8 (per channel × per token)"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                "W8A8 int8 (per channel × per token)")

@@ -4,7 +4,8 @@ A GPTQ checkpoint is an ordinary HF directory (config.json + model.safetensors) 
 quantized linear `<name>.weight` is replaced by `<name>.qweight / .qzeros / .scales / .g_idx`
 (packing.py has the layout) and config.json carries
 
-    "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": false, "sym": true, ...}
+    "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128,
+                            "desc_act": false, "sym": true, ...}
 
 gptqmodel's GPTQ v2 (`"checkpoint_format": "gptq_v2"`) stores the zero points themselves where v1
 stores zero − 1; it is converted to v1 on load. An AutoAWQ (GEMM) checkpoint has

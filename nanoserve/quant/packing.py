@@ -16,7 +16,8 @@ field i of a word at bits [bits·i, bits·i + bits).
 **GPTQ v1** (AutoGPTQ; what the GPTQ loaders of exllama, vLLM and transformers read), 32/bits codes
 per word:
 
-    qweight int32 [K·bits/32, N]   packed along K: row k of column n → word k // (32/bits), field k % (32/bits)
+    qweight int32 [K·bits/32, N]   packed along K: row k of column n → word k // (32/bits), field k
+                                   % (32/bits)
     qzeros  int32 [G, N·bits/32]   packed along N the same way, storing zero − 1
     scales  fp16  [G, N]
     g_idx   int32 [K]

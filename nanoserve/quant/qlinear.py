@@ -99,8 +99,15 @@ class QuantLinear(nn.Module):
             from ..kernels.dequant_matmul import dequant_matmul
 
             x2 = x.reshape(-1, self.in_features)  # M, K
-            y = dequant_matmul(x2, self.qweight, self.qzeros, self.scales.to(x.dtype), self.g_idx, self.bits,
-                               group_size=self.kernel_group_size())  # M, N
+            y = dequant_matmul(
+                x2,
+                self.qweight,
+                self.qzeros,
+                self.scales.to(x.dtype),
+                self.g_idx,
+                self.bits,
+                group_size=self.kernel_group_size(),
+            )  # M, N
             y = y.view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias.to(x.dtype)
         bias = None if self.bias is None else self.bias.to(x.dtype)

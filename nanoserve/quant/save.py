@@ -71,8 +71,9 @@ def save_quantized(model: nn.Module, result: QuantizeResult, directory: str | os
                                  f"{e}.{hint}") from e
         bias = model.get_submodule(name).bias
         if bias is not None:
-            # the model's own dtype: GPTQ readers cast it anyway, and fp16 here would make the reloaded
-            # model differ from the one in memory (scales are fp16 in both: the format's dtype)
+            # the model's own dtype: GPTQ readers cast it anyway, and fp16 here would make the
+            # reloaded model differ from the one in memory (scales are fp16 in both: the format's
+            # dtype)
             replaced[name]["bias"] = bias.detach()
     out = save_checkpoint(model, directory, replaced, result.config.hf_config())
     # AutoGPTQ reads its settings from quantize_config.json, not from config.json
@@ -123,12 +124,10 @@ def quantize_config(config) -> dict:
 # the files a tokenizer (and a chat template) may live in: copied by name, whatever their size (a
 # Llama-2 tokenizer.json is 3.6 MB); never the weights (a llama2.c checkpoint is a .bin too, but not
 # tok*.bin)
-TOKENIZER_FILES = ("tokenizer*.json", "tokenizer*.model", "tokenizer*.bin", "tokenizer*.tiktoken", "tok*.bin",
-                   "tiktoken_config.json", "vocab.json", "merges.txt", "encoder.json", "vocab.bpe",
-                   "vocab.txt",
-                   "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
-                   "chat_template.json",
-                   "generation_config.json")
+TOKENIZER_FILES = ("tokenizer*.json", "tokenizer*.model", "tokenizer*.bin", "tokenizer*.tiktoken",
+                   "tok*.bin", "tiktoken_config.json", "vocab.json", "merges.txt", "encoder.json",
+                   "vocab.bpe", "vocab.txt", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json", "generation_config.json")
 
 
 def _copy_tokenizer(model: str | os.PathLike, out: Path) -> list[str]:

@@ -4,7 +4,8 @@ Per-token int8 activations fail on outlier *channels* (int8.py); weights have no
 easily. SmoothQuant divides each input channel k of a linear's input by a factor s_k and multiplies
 the matching weight column by it — X·Wᵀ = (X / s)·(W · s)ᵀ exactly — choosing
 
-    s_k = max|X_k|^α / max|W_k|^(1−α)          (max over calibration tokens; over every linear's rows)
+    s_k = max|X_k|^α / max|W_k|^(1−α)          (max over calibration tokens; over every linear's
+                                               rows)
 
 so that α moves the difficulty: α = 0 leaves X alone, α = 1 flattens X entirely onto W, and α = 0.5
 gives both the same range, max|X'_k| = max|W'_k| = √(max|X_k| · max|W_k|). 1/s is folded into the

@@ -1,10 +1,12 @@
 """Serving: the engine behind an OpenAI-compatible HTTP server (`nanoserve serve`).
 
     async_engine.py     AsyncLLMEngine: many coroutines, one engine stepping in a worker thread
-    server.py           the FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics
+    server.py           the FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health,
+                        /metrics
     tokenize_api.py     /tokenize, /detokenize, /tokenizer_info (vLLM's)
     http_middleware.py  the API key, the body-size limit, status counts
-    openai_api.py       request bodies and their mapping onto SamplingParams (and structured outputs)
+    openai_api.py       request bodies and their mapping onto SamplingParams (and structured
+                        outputs)
     openai_responses.py response and stream-chunk JSON, usage, errors
     openai_logprobs.py  logprobs in OpenAI's two shapes
     openai_schema.py    response schemas, and a truthful /openapi.json

@@ -3,7 +3,8 @@
 A chat model is an ordinary language model fine-tuned on conversations laid out in one fixed
 format, e.g. ChatML:
 
-    <|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n
+    <|im_start|>system\nYou are helpful.<|im_end|>\n
+    <|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n      (one string, broken here)
 
 The format is part of the checkpoint: HF stores it as a Jinja template, the `chat_template` of
 `tokenizer_config.json` (or a `chat_template.jinja` file beside it), rendered with the variables
@@ -49,8 +50,7 @@ class ChatTemplate:
         # HF renders with these settings; a template is data from a checkpoint, hence the sandbox
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
-            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = raise_exception
         try:
             self.template = env.from_string(source)
@@ -92,6 +92,12 @@ class ChatTemplate:
                                  "use /v1/completions with token-id prompts")
         return encode_with_special_tokens(self.render(messages, add_generation_prompt, kwargs,
                                                       tools), tokenizer)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """Jinja's `tojson` filter as HF's templates expect it: non-ASCII kept, options passed on."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
 
 
 def encode_with_special_tokens(text: str, tokenizer: Tokenizer) -> list[int]:
@@ -136,7 +142,8 @@ def load_chat_template(model: str | os.PathLike,
     config = _read_json(folder / "tokenizer_config.json")
     source = config.get("chat_template")
     if isinstance(source, list):  # several named templates: the default one
-        source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
+        default = [t for t in source if isinstance(t, dict) and t.get("name") == "default"]
+        source = default[0].get("template") if default else None
     if source is None and (folder / "chat_template.jinja").is_file():
         source = (folder / "chat_template.jinja").read_text(encoding="utf-8")
     if source is None:

@@ -127,6 +127,7 @@ class BaseRequest(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise NanoserveError("stream_options is only allowed with stream=true")
         max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         kw = dict(temperature=1.0 if self.temperature is None else self.temperature,
                   top_p=1.0 if self.top_p is None else self.top_p,
                   # vLLM's -1 = off, like our 0
@@ -134,13 +135,13 @@ class BaseRequest(BaseModel):
                   min_p=self.min_p or 0.0, presence_penalty=self.presence_penalty or 0.0,
                   frequency_penalty=self.frequency_penalty or 0.0,
                   logit_bias=_token_keys(self.logit_bias),
-                  repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                  repetition_penalty=_or_default(self.repetition_penalty, 1.0),
                   max_tokens=max_tokens, min_tokens=self.min_tokens, n=self.n, seed=self.seed,
                   ignore_eos=self.ignore_eos, stop_token_ids=list(self.stop_token_ids or ()),
                   include_stop_str_in_output=self.include_stop_str_in_output,
                   logprobs=self.token_logprobs(), prompt_logprobs=self.prompt_logprobs,
                   structured_outputs=self.constraint(),
-                  stop=[] if self.stop is None else ([self.stop] if isinstance(self.stop, str) else list(self.stop)))
+                  stop=stop)
         return SamplingParams(**kw)
 
     def token_logprobs(self) -> int | None:
@@ -197,6 +198,11 @@ def _response_format(value: dict) -> dict:
 
 
 TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,18}")  # ASCII digits (str.isdigit also takes "²" and "①")
+
+
+def _or_default(value, default):
+    """A field the client left out (None) as its default."""
+    return default if value is None else value
 
 
 def _token_keys(bias: dict[str, float] | None) -> dict[int, float]:

@@ -4,13 +4,14 @@
 Completions (the legacy shape; with `echo`, the prompt's tokens come first, the very first with
 null logprobs — nothing predicts it):
 
-    {"tokens": ["ROM", "EO"], "token_logprobs": [null, -2.1], "top_logprobs": [null, {"EO": -2.1, ...}],
-     "text_offset": [0, 3]}
+    {"tokens": ["ROM", "EO"], "token_logprobs": [null, -2.1],
+     "top_logprobs": [null, {"EO": -2.1, ...}], "text_offset": [0, 3]}
 
 Chat completions:
 
     {"content": [{"token": "EO", "logprob": -2.1, "bytes": [69, 79],
-                  "top_logprobs": [{"token": "EO", "logprob": -2.1, "bytes": [69, 79]}, ...]}], "refusal": null}
+                  "top_logprobs": [{"token": "EO", "logprob": -2.1, "bytes": [69, 79]}, ...]}],
+     "refusal": null}
 
 JSON has no infinity: a token the model rules out (logprob -inf) reads -9999.0, as in OpenAI's and
 vLLM's answers. A token's text is it decoded alone; a byte-level token holding part of a UTF-8

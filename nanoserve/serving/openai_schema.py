@@ -218,7 +218,9 @@ SSE_NOTE = ("with stream=true: server-sent events, one `data: <JSON>` per step i
             "advanced, then `data: [DONE]`; x-sse-data is the schema of each JSON (an error after "
             "the stream began is an ErrorResponse event)")
 # (path, method) -> (the 200 body's model or media type, the stream chunk's model, error statuses)
-ROUTES: dict[tuple[str, str], tuple[type[BaseModel] | str, type[BaseModel] | None, tuple[int, ...]]] = {
+ROUTES: dict[
+    tuple[str, str], tuple[type[BaseModel] | str, type[BaseModel] | None, tuple[int, ...]]
+] = {
     ("/v1/completions", "post"): (CompletionResponse, CompletionChunk, _GENERATION),
     ("/v1/chat/completions", "post"): (ChatCompletionResponse, ChatCompletionChunk, _GENERATION),
     ("/v1/models", "get"): (ModelList, None, (401,)),

@@ -3,9 +3,11 @@
 Endpoints (what vLLM and TGI give their users, so existing clients work unchanged):
 
     POST /v1/completions       text completion, streamed (server-sent events) or not
-    POST /v1/chat/completions  chat, for models that carry a chat template (nanoserve/serving/chat.py)
+    POST /v1/chat/completions  chat, for models that carry a chat template
+                               (nanoserve/serving/chat.py)
     GET  /v1/models            the model served and its LoRA adapters (/v1/models/{id}: one, or 404)
-    POST /tokenize, /detokenize, GET /tokenizer_info   the tokenizer, as vLLM serves it (tokenize_api.py)
+    POST /tokenize, /detokenize, GET /tokenizer_info   the tokenizer, as vLLM serves it
+                                                       (tokenize_api.py)
     GET  /health               200 while the engine loop is alive, 503 after it failed
     GET  /metrics              Prometheus text format (nanoserve/serving/metrics.py)
 
@@ -346,7 +348,8 @@ def serve(model: str = "demo", host: str = "127.0.0.1", port: int = 8000,
     template = (read_chat_template_file(chat_template, core.tokenizer) if chat_template
                 else load_chat_template(model, core.tokenizer))
     limits = limits or ServerLimits()
-    app = create_app(engine := AsyncLLMEngine(core), served_model_name or str(model), api_key, template,
+    engine = AsyncLLMEngine(core)
+    app = create_app(engine, served_model_name or str(model), api_key, template,
                      max_body_bytes=max_body_bytes, loras=loras, limits=limits)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"[nanoserve] warning: serving on {host} without --api-key: anyone who can reach it "

@@ -3,7 +3,8 @@
     POST /tokenize        {"prompt": "text", "add_special_tokens": true}   (or "messages": [...])
                           -> {"count", "max_model_len", "tokens", "token_strs"}
     POST /detokenize      {"tokens": [ids]} -> {"prompt": "text"}
-    GET  /tokenizer_info  -> {"tokenizer_class", "bos_token", "eos_token", "pad_token", "chat_template",
+    GET  /tokenizer_info -> {"tokenizer_class", "bos_token", "eos_token", "pad_token",
+         "chat_template",
                               "model_max_length", "vocab_size"}
 
 lm-evaluation-harness checks for /tokenizer_info and /tokenize and, when both answer, tokenizes

@@ -47,8 +47,8 @@ def functions(tools: list[dict] | None) -> dict[str, dict]:
             or not fn["name"]
         ):
             raise NanoserveError(
-                f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., "parameters": '
-                f'{{...}}}}}}, got {tool!r:.120}'
+                f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., '
+                f'"parameters": {{...}}}}}}, got {tool!r:.120}'
             )
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):

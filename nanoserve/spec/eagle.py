@@ -6,14 +6,17 @@ embedding of token t + 1 (the token the target drew from f_t: which branch was t
 f̂_{t+1}, and the target's own LM head turns f̂_{t+1} into the draft distribution of token t + 2.
 Drafting feeds its own outputs back:
 
-    (f_{m-1}, x_m)  → f̂_m     → d_1 ~ LM(f̂_m)          the last real feature and the last real token
+    (f_{m-1}, x_m)  → f̂_m → d_1 ~ LM(f̂_m) the last real feature and the last real token
     (f̂_m,    d_1)  → f̂_{m+1} → d_2 ~ LM(f̂_{m+1})  ... γ drafts, one call of the head each
 
-    EagleHead     fc [2C → C] over (feature, token embedding), then one decoder layer (RoPE attention over the
-                  head's own past positions — its KV cache — and a SwiGLU MLP); no input norm, as EAGLE's
-    save_eagle    a directory: config.json (hidden_size, num_attention_heads, intermediate_size, vocab_size,
-    load_eagle    rope_theta, base_model_name_or_path) and eagle.safetensors with EAGLE's key names ("fc.*",
-                  "layers.0.self_attn.{q,k,v,o}_proj.weight", "layers.0.mlp.{gate,up,down}_proj.weight",
+    EagleHead     fc [2C → C] over (feature, token embedding), then one decoder layer (RoPE
+                  attention over the head's own past positions — its KV cache — and a SwiGLU MLP);
+                  no input norm, as EAGLE's
+    save_eagle    a directory: config.json (hidden_size, num_attention_heads, intermediate_size,
+                  vocab_size,
+    load_eagle    rope_theta, base_model_name_or_path) and eagle.safetensors with EAGLE's key names
+                  ("fc.*", "layers.0.self_attn.{q,k,v,o}_proj.weight",
+                  "layers.0.mlp.{gate,up,down}_proj.weight",
                   "layers.0.post_attention_layernorm.weight")
     EagleProposer the engine's proposer (eagle_proposer.py)
 

@@ -10,8 +10,9 @@ matmuls, not k forwards of anything: the cheapest proposer there is beside n-gra
     MedusaHeads      the k heads (Medusa-1's layout), `forward(h) -> logits [N, k, V]`
     save_medusa      a directory in Medusa's own layout: config.json (medusa_num_heads,
     load_medusa      medusa_num_layers, base_model_name_or_path, and our hidden_size / vocab_size)
-                     and medusa_lm_head.safetensors with keys "{i}.{j}.linear.weight" / ".bias" (block
-                     j of head i) and "{i}.{L}.weight" (head i's LM head, L = medusa_num_layers)
+                     and medusa_lm_head.safetensors with keys "{i}.{j}.linear.weight" /
+                     ".bias" (block j of head i) and "{i}.{L}.weight" (head i's LM head,
+                     L = medusa_num_layers)
     MedusaProposer   the engine's proposer: each row's top-1 of heads 1..γ, a chain of γ drafts
 
 By default the heads' top-1 tokens form one chain, verified like any draft (spec_decode.py): greedy

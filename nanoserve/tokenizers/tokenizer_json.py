@@ -92,6 +92,18 @@ def hf_tokenizer(path: str | os.PathLike) -> TiktokenTokenizer | MergesTokenizer
     )
 
 
+def _piece_type(piece: str, unk: str | None, special: set[str]) -> int:
+    """A SentencePiece-style piece's type: a byte (<0xAB>), the unknown piece, a control token, or
+    a normal piece."""
+    if BYTE_PIECE.fullmatch(piece):
+        return BYTE
+    if piece == unk:
+        return UNKNOWN
+    if piece in special:
+        return CONTROL
+    return NORMAL
+
+
 def _sentencepiece_style(spec: dict) -> bool:
     """Whether a tokenizer.json is a converted SentencePiece BPE: byte fallback, a Metaspace
     pre-tokenizer, or the "▁"-writing normalizer of Llama-2's files."""
@@ -136,8 +148,7 @@ def _merges_tokenizer(path: Path, spec: dict, names: dict[str, int], merges: lis
     for piece, i in names.items():
         pieces[i] = piece
     unk = model.get("unk_token")
-    types = [BYTE if BYTE_PIECE.fullmatch(p) else UNKNOWN if p == unk else CONTROL if p in special else NORMAL
-             for p in pieces]
+    types = [_piece_type(p, unk, special) for p in pieces]
     return MergesTokenizer(pieces, types, merges, split=bool((pre or {}).get("split", False)),
                            unk_id=names.get(unk),
                            bos_id=bos_id, eos_id=eos_id, add_dummy_prefix=prefix,

@@ -212,11 +212,21 @@ def _spec_row(outs, seconds: float, base_seconds: float, gamma: int) -> dict:
         if tot["num_steps"]
         else None
     )
-    return {"gamma": gamma, **tot, "alpha": alpha,
-            "tokens_per_step": tot["num_emitted_tokens"] / tot["num_steps"] if tot["num_steps"] else None,
-            "predicted_tokens_per_step": expected_tokens_per_step(alpha, gamma) if alpha is not None else None,
-            "seconds": seconds, "speedup": base_seconds / seconds,
-            "output_tokens": sum(len(o.token_ids) for o in outs), "draft_cost": draft_cost}
+    return {
+        "gamma": gamma,
+        **tot,
+        "alpha": alpha,
+        "tokens_per_step": tot["num_emitted_tokens"] / tot["num_steps"]
+        if tot["num_steps"]
+        else None,
+        "predicted_tokens_per_step": expected_tokens_per_step(alpha, gamma)
+        if alpha is not None
+        else None,
+        "seconds": seconds,
+        "speedup": base_seconds / seconds,
+        "output_tokens": sum(len(o.token_ids) for o in outs),
+        "draft_cost": draft_cost,
+    }
 
 
 def speculative(model: str = "demo", draft: str = "demo-draft", n: int = 4, max_tokens: int = 64,
@@ -294,9 +304,8 @@ def _finish(res: dict, out: str | None) -> dict:
 
 
 def format_throughput(res: dict) -> str:
-    rows = [
-        f"{'strategy':<12}{'out tok/s':>10}{'total tok/s':>12}{'TTFT p50 ms':>12}{'TTFT p99 ms':>12}"
-    ]
+    rows = [f"{'strategy':<12}{'out tok/s':>10}{'total tok/s':>12}"
+            f"{'TTFT p50 ms':>12}{'TTFT p99 ms':>12}"]
     for name, s in res["strategies"].items():
         ttft = s.get("ttft") or {}
         p50 = f"{ttft['p50'] * 1e3:.0f}" if ttft.get("p50") is not None else "-"

@@ -126,7 +126,8 @@ async def bench_serve_async(url: str = "http://127.0.0.1:8000/v1", rates=(1.0, 4
 def format_bench_serve(res: dict) -> str:
     ms = lambda d, k: "-" if not d or d.get(k) is None else f"{d[k] * 1e3:.0f}"  # noqa: E731
     head = (
-        f"{'rate':>6}{'ok':>5}{'fail':>5}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}"
+        f"{'rate':>6}{'ok':>5}{'fail':>5}{'TTFT p50':>10}{'TTFT p99':>10}"
+        f"{'TPOT p50':>10}{'TPOT p99':>10}"
         f"{'ITL p50':>9}{'ITL p99':>9}{'out tok/s':>11}{'goodput':>9}  (ms, req/s)"
     )
     rows = [f"{res['model']} at {res['url']}: {res['requests']} requests per rate", head]
@@ -135,7 +136,8 @@ def format_bench_serve(res: dict) -> str:
         tput = "-" if "output_throughput" not in r else f"{r['output_throughput']:.1f}"
         rows.append(
             f"{rate:>6}{r.get('num_requests', 0):>5}{r['failed']:>5}{ms(r.get('ttft'), 'p50'):>10}"
-            f"{ms(r.get('ttft'), 'p99'):>10}{ms(r.get('tpot'), 'p50'):>10}{ms(r.get('tpot'), 'p99'):>10}"
+            f"{ms(r.get('ttft'), 'p99'):>10}{ms(r.get('tpot'), 'p50'):>10}"
+            f"{ms(r.get('tpot'), 'p99'):>10}"
             f"{ms(r.get('itl'), 'p50'):>9}{ms(r.get('itl'), 'p99'):>9}{tput:>11}{good:>9}"
         )
     return "\n".join(rows)
