@@ -12,6 +12,7 @@ once at import), and never while a CUDA graph is being captured: `can_read_value
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import torch
 
@@ -20,6 +21,7 @@ from .configs import DTYPES, MAX_HEAD_DIM
 
 INT_DTYPES = (torch.int32, torch.int64)
 DEBUG_CHECKS = os.environ.get("NANOSERVE_DEBUG_CHECKS", "0") not in ("", "0")
+_values_unread = 0  # > 0 inside values_unread()
 
 
 def on_host(*tensors: torch.Tensor) -> bool:
@@ -30,9 +32,22 @@ def on_host(*tensors: torch.Tensor) -> bool:
 def can_read_values(*tensors: torch.Tensor) -> bool:
     """Whether the value checks run: never inside CUDA graph capture; else on the CPU or with debug
     checks on."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if _values_unread or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         return False
     return DEBUG_CHECKS or on_host(*tensors)
+
+
+@contextmanager
+def values_unread():
+    """Within it, the value checks are skipped even on the CPU, as a GPU skips them: what the
+    launch counter (nanoserve/tools/launch_count.py) needs to count a GPU step's kernels on a
+    CPU."""
+    global _values_unread
+    _values_unread += 1
+    try:
+        yield
+    finally:
+        _values_unread -= 1
 
 
 def check_tiles(gpu: bool, **tiles: int) -> None:

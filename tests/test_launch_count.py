@@ -1,0 +1,61 @@
+"""How many kernels one decode step launches (nanoserve/tools/launch_count.py), counted on the CPU
+as a GPU would launch them: aten operators that are neither views nor allocations, and Triton
+launches, inside the model runner's forward.
+
+The budgets are today's counts, so a change that adds a launch to the decode path fails here; the
+roofline work (issue 43) lowers them as it fuses (its goal: ≤ 12 a layer). Controls: an added
+operator is counted and a view is not; a layer with one more operator raises the per-layer count
+by one and leaves the per-step count alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoserve.models.layers import RMSNorm
+from nanoserve.tools.launch_count import LaunchCounter, per_layer
+
+# (per layer, per step outside the layers) of a steady decode step, batch 1
+BUDGETS = {"triton": (37, 12), "torch": (40, 12)}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("launches")
+
+
+def test_the_counter_counts_operators_and_launches_not_views_or_allocations():
+    x = torch.randn(4, 8)
+    with LaunchCounter() as counter:
+        y = x.view(8, 4).t()  # views: nothing
+        z = torch.empty_like(y)  # an allocation: nothing
+        z.copy_(y)
+        (z * 2).sum()
+    assert dict(counter.aten) == {"copy_": 1, "mul": 1, "sum": 1}
+    assert counter.total() == 3
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_a_decode_step_launches_no_more_than_its_budget(workdir, backend):
+    layer, fixed = per_layer(workdir, backend)
+    budget_layer, budget_fixed = BUDGETS[backend]
+    assert sum(layer.values()) <= budget_layer, sorted(layer.items())
+    assert sum(fixed.values()) <= budget_fixed, sorted(fixed.items())
+    if backend == "triton":  # the attention is two kernels: store K/V, paged decode
+        assert layer["_store_kv_kernel"] == 1 and layer["_paged_decode_kernel"] == 1
+
+
+def test_one_more_operator_in_each_layer_is_counted_once_per_layer(workdir, monkeypatch):
+    plain_layer, plain_fixed = per_layer(workdir, "torch")
+    forward = RMSNorm.forward
+
+    def with_one_more(self, x):
+        return forward(self, x).clone()
+
+    monkeypatch.setattr(RMSNorm, "forward", with_one_more)
+    layer, fixed = per_layer(workdir, "torch")
+    # two norms a layer, one after the layers
+    assert sum(layer.values()) == sum(plain_layer.values()) + 2
+    assert sum(fixed.values()) == sum(plain_fixed.values()) + 1
+    assert layer["clone"] == 2
