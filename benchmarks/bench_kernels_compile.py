@@ -13,8 +13,9 @@ constants, 16-divisible ints and pointers get divisibility hints). So the table 
 launchers launch. Matrix: sm_75/80/86/89/90 × fp16/bf16/fp32 × head_dim 64/128/256 for flash and
 decode (GQA 4; decode also GQA 1 and 8 at head_dim 128, and split-KV + merge in fp16), store_kv at
 head_dim 128, the three over 8-bit KV pools (`kv8_modes`: "int8 KV", "fp8_e4m3 KV", ...), the W4A16
-kernels at K = N = 4096, and the W8A8 int8 GEMM (sm_80+, K = N = 4096, each output dtype). Attention
-on sm_75 is refused by the launchers
+kernels at K = N = 4096, the W8A8 int8 GEMM (sm_80+, K = N = 4096, each output dtype) and RMSNorm
+as one kernel (rows of 2048, Llama's convention, and 3072, Gemma's). Attention on sm_75 is refused
+by the launchers
 (kernels/configs.py): "unsupported" rows say why.
 
 Each row also says what its tl.dot became in the PTX ("mma f16", "wgmma bf16", "mma tf32", or "fma"
@@ -166,6 +167,12 @@ def _store_kv(dtype, D, kv="auto"):
     store_kv(k, k, kc, kc, torch.tensor([0, -1, 17]), **quant)
 
 
+def _rms_norm(dtype, n, unit_offset):
+    from nanoserve.kernels.rms_norm import rms_norm
+
+    rms_norm(torch.zeros(2, n, dtype=dtype), torch.zeros(n, dtype=dtype), 1e-6, unit_offset)
+
+
 def _dequant(dtype, which, split_k=1, grouped=True):
     from nanoserve.kernels import dequant_matmul as dm
 
@@ -267,6 +274,12 @@ def matrix(archs=ARCHS) -> list[tuple[dict, tuple | None]]:
                 rows.append((dict(arch=arch, dtype=dt, head_dim=None, gqa=None, case="lora_bgmv",
                                   variant="r 16"),
                              (_lora, dtype)))  # many LoRA adapters in a batch: shrink, then expand
+            # RMSNorm as one kernel (the triton path's norms): Llama's and Gemma's conventions
+            for n, unit_offset in ((2048, False), (3072, True)):
+                variant = f"{n}" + (" gemma" if unit_offset else "")
+                rows.append((dict(arch=arch, dtype=dt, head_dim=None, gqa=None, case="rms_norm",
+                                  variant=variant),
+                             (_rms_norm, dtype, n, unit_offset)))
             for which, split_k, grouped in (("gemm", 1, True), ("gemm", 1, False),
                                             ("gemv", 1, True),
                                             ("gemv", 4, True), ("gemv", 1, False),

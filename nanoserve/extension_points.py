@@ -24,6 +24,9 @@ before anything else can make an engine.
                                                       request's grammar; the engine asks it
                                                       for masks
     cuda_graphs         engine/cuda_graph.py          CudaGraphRunner: ModelRunner.use_cuda_graphs
+    triton_layers       models/triton_layers.py       use_triton_layers: ModelRunner, with the
+                                                      triton attention backend (RMSNorm as one
+                                                      kernel)
     cpu_runtime         models/onednn.py,             use_onednn_linears, advise_on_allocator:
                         engine/cpu_allocator.py       ModelRunner, on the CPU
     attention_backends  kv/in_place.py                VIEWS, in_place_problem: PagedKVCache
@@ -42,7 +45,7 @@ from types import ModuleType, SimpleNamespace
 from .errors import ConfigError
 
 POINTS = ("quantization", "parallel", "lora", "speculative", "token_trees", "structured_outputs",
-          "cuda_graphs", "cpu_runtime", "attention_backends", "kv_quant")
+          "cuda_graphs", "triton_layers", "cpu_runtime", "attention_backends", "kv_quant")
 
 _registry: dict[str, ModuleType | SimpleNamespace] = {}
 

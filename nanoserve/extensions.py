@@ -12,7 +12,7 @@ from .engine import cpu_allocator, cuda_graph, structured_output
 from .extension_points import register
 from .kv import in_place
 from .kv import quant as kv_quant
-from .models import onednn
+from .models import onednn, triton_layers
 from .parallel import workers
 from .quant import load, online
 from .spec import spec_decode, tree_sampler
@@ -28,6 +28,7 @@ register("speculative", spec_decode)  # drafts proposed before a forward, verifi
 register("token_trees", tree_sampler)  # Medusa's trees: positions and masks of a token tree
 register("structured_outputs", structured_output)  # grammars compiled, masks per row
 register("cuda_graphs", cuda_graph)  # decode steps replayed from recorded graphs
+register("triton_layers", triton_layers)  # one kernel where torch launches several (RMSNorm)
 register("cpu_runtime", SimpleNamespace(  # CPU GEMMs through oneDNN; malloc and huge pages
     use_onednn_linears=onednn.use_onednn_linears,
     advise_on_allocator=cpu_allocator.advise_on_allocator))

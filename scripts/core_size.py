@@ -75,7 +75,7 @@ EXTENSIONS = [
     "nanoserve.engine.cuda_graph", "nanoserve.engine.cpu_allocator", "nanoserve.kv.triton_backend",
     "nanoserve.kv.cpu_backend", "nanoserve.kv.quant", "nanoserve.kv.in_place",
     "nanoserve.extensions",
-    "nanoserve.models.onednn", "nanoserve.kernels",
+    "nanoserve.models.onednn", "nanoserve.models.triton_layers", "nanoserve.kernels",
 ]
 
 

@@ -79,7 +79,8 @@ def test_the_engine_configs_are_all_in_the_matrix(compiled):
                                  status="ok"), (arch, dt, D)
             assert {r["gqa"] for r in _rows(result, arch=arch, dtype=dt,
                                             kernel="paged_decode")} == {1, 4, 8}
-            for kernel in ("store_kv", "dequant_gemm", "dequant_gemv", "dequantize", "w8a8"):
+            for kernel in ("store_kv", "dequant_gemm", "dequant_gemv", "dequantize", "w8a8",
+                           "rms_norm"):
                 assert _rows(result, arch=arch, dtype=dt, kernel=kernel, status="ok"), (
                     arch,
                     dt,

@@ -130,6 +130,8 @@ class ModelRunner:
                                self.device, attention_backend, kv_cache_dtype=kv_cache_dtype,
                                layers=kv_layers)
         self.attention_backend = self.kv.attention_backend  # "torch", "triton" or "cpu" (kv/)
+        if self.attention_backend == "triton":  # its layers as one kernel each where they can
+            extension("triton_layers").use_triton_layers(model)
         self.block_size = block_size
         self.graphs = None  # CudaGraphRunner once use_cuda_graphs() ran: decode steps replay graphs
         # context managers each forward runs inside, made from its sequences (the LoRA adapters'

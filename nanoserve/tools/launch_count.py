@@ -8,6 +8,8 @@ launches does not depend on the device, so it can be counted on a CPU:
 - every aten operator that is not a view (a view — `view`, `transpose`, `slice`, ... — only
   reinterprets memory and launches nothing) nor an allocation (`empty`, ...), seen through a
   TorchDispatchMode;
+- every dtype or device conversion that copies (`.to`, `.float()`, ...), seen at the Python level
+  (torch does not show them to a dispatch mode on inference tensors, which the forward reads);
 - every Triton kernel launch (`JITFunction.run`, or `InterpretedFunction.run` in the interpreter),
   the aten operators inside the interpreter's emulation not counted;
 
@@ -28,10 +30,18 @@ from collections import Counter
 from contextlib import ExitStack, contextmanager
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # allocations: memory from the caching allocator, no kernel (a GPU launches nothing for them)
 ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+
+
+# dtype and device conversions: seen at the Python level, because the dispatch mode does not see
+# them on inference tensors (torch skips it for `.to` there); one copy each when they copy
+CONVERSIONS = {torch.Tensor.to, torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16,
+               torch.Tensor.int, torch.Tensor.long, torch.Tensor.double, torch.Tensor.type,
+               torch.Tensor.cpu, torch.Tensor.cuda}
 
 
 def is_view(func) -> bool:
@@ -50,11 +60,11 @@ class LaunchCounter(TorchDispatchMode):
         super().__init__()
         self.aten: Counter[str] = Counter()
         self.triton: Counter[str] = Counter()
-        self._inside_triton = 0
+        self._quiet = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if not self._inside_triton and not is_view(func) and name not in ALLOCATIONS:
+        if not self._quiet and not is_view(func) and name not in ALLOCATIONS:
             self.aten[name] += 1
         return func(*args, **(kwargs or {}))
 
@@ -65,6 +75,7 @@ class LaunchCounter(TorchDispatchMode):
         self._stack = ExitStack()
         self._stack.enter_context(_triton_launches_counted(self))
         self._stack.enter_context(_value_checks_off())
+        self._stack.enter_context(_ConversionsCounted(self))
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -74,9 +85,31 @@ class LaunchCounter(TorchDispatchMode):
             self._stack.close()
 
 
+class _ConversionsCounted(TorchFunctionMode):
+    """Counts a dtype or device conversion that copies as one `_to_copy`, whatever the tensor (the
+    dispatch mode is kept quiet meanwhile, so it is never counted twice)."""
+
+    def __init__(self, counter: LaunchCounter):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func not in CONVERSIONS:
+            return func(*args, **(kwargs or {}))
+        self.counter._quiet += 1
+        try:
+            out = func(*args, **(kwargs or {}))
+        finally:
+            self.counter._quiet -= 1
+        if isinstance(out, torch.Tensor) and out is not args[0] and not self.counter._quiet:
+            self.counter.aten["_to_copy"] += 1
+        return out
+
+
 @contextmanager
 def _triton_launches_counted(counter: LaunchCounter):
-    """Triton's launchers wrapped: each launch counted, nothing inside it."""
+    """Triton's launchers wrapped: each launch counted, nothing inside it (the interpreter's own
+    tensor operations)."""
     classes = []
     try:
         from triton.runtime.interpreter import InterpretedFunction
@@ -91,11 +124,11 @@ def _triton_launches_counted(counter: LaunchCounter):
         def run(self, *args, grid, warmup, **kwargs):
             if not warmup:
                 counter.triton[self.fn.__name__] += 1
-            counter._inside_triton += 1
+            counter._quiet += 1
             try:
                 return original(self, *args, grid=grid, warmup=warmup, **kwargs)
             finally:
-                counter._inside_triton -= 1
+                counter._quiet -= 1
         return run
 
     for cls, original in originals.items():
@@ -134,11 +167,13 @@ def count_decode_step(llm, prompt: list[int] | None = None) -> LaunchCounter:
     engine.step()  # one decode step, uncounted
     counter = LaunchCounter()
     runner = engine.runner
-    execute = runner.execute
+    # the forward without its inference_mode (under it, torch skips the dispatch mode for a dtype
+    # conversion: `.to(torch.int32)` would go uncounted); no_grad records no graph either
+    forward = type(runner).execute.__wrapped__
 
     def counted(inputs):
-        with counter, torch.inference_mode():
-            return execute(inputs)
+        with counter, torch.no_grad():
+            return forward(runner, inputs)
 
     runner.execute = counted
     try:
