@@ -1,7 +1,9 @@
-"""Figures a-d of `gpu_check.py`: the GPU tests, and the Triton kernels against their torch peers.
+"""Figures a-d and i of `gpu_check.py`: the GPU tests, and the Triton kernels against their torch
+peers.
 
 b and c are benchmarks/bench_attention.py's measurements, called as they are (its `--smoke` shapes
-in a dry run); d is the W4A16 kernel against fp16 cuBLAS on the same (dequantized) weights.
+in a dry run); d is the W4A16 kernel against fp16 cuBLAS on the same (dequantized) weights; i is
+RMSNorm as one kernel against the torch module it replaces on the triton path (issue 43).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ TABLES = {
            ["K", "N", "M", "cublas_fp16_us", "w4a16_us", "kernel", "split_k", "gemm_kernel_us",
             "act_order_us",
             "speedup_vs_fp16", "w4a16_tbps"])],
+    "i": [("RMSNorm: one kernel vs the torch module (six launches), microseconds", "rows",
+           ["dtype", "rows", "width", "torch_us", "kernel_us", "speedup", "max_abs_diff"])],
 }
 
 
@@ -225,4 +229,35 @@ def fig_w4a16(ctx) -> dict:
             ctx.save(res)
     gemv = [r["speedup_vs_fp16"] for r in res["rows"] if r["M"] == 1]
     res["batch1_speedup"] = gemv
+    return res
+
+
+def fig_rms_norm(ctx) -> dict:
+    """i. kernels/rms_norm.py against layers.RMSNorm (what the triton path swaps it for): bf16 rows
+    of 2048 and 4096 (the 1B and 8B widths), 1 to 256 rows (a decode batch), Llama's convention."""
+    from bench_attention import bench
+    from nanoserve.kernels.rms_norm import rms_norm
+
+    from nanoserve.models.layers import RMSNorm
+
+    dtype = torch.float32 if ctx.dry else torch.bfloat16
+    widths = [64] if ctx.dry else [2048, 4096]
+    batches = [1, 4] if ctx.dry else [1, 16, 64, 256]
+    res = {"goal": "one launch instead of six; kernel faster than the torch module", "rows": []}
+    gen = torch.Generator(device=ctx.device).manual_seed(0)
+    for width in widths:
+        norm = RMSNorm(width, 1e-5).to(ctx.device, dtype)
+        with torch.no_grad():
+            norm.weight.copy_(torch.rand(width, generator=gen, device=ctx.device) + 0.5)
+        for rows in batches:
+            x = torch.randn(rows, width, generator=gen, device=ctx.device).to(dtype)
+            with torch.no_grad():
+                ref = bench(lambda: norm(x), ctx.dry)  # noqa: B023
+                ours = bench(lambda: rms_norm(x, norm.weight, norm.eps), ctx.dry)  # noqa: B023
+                diff = (rms_norm(x, norm.weight, norm.eps).float() - norm(x).float()).abs().max()
+            res["rows"].append(dict(dtype=str(dtype).removeprefix("torch."), rows=rows,
+                                    width=width, torch_us=1e3 * ref, kernel_us=1e3 * ours,
+                                    speedup=ref / ours, max_abs_diff=float(diff)))
+            ctx.save(res)
+    res["min_speedup"] = min(r["speedup"] for r in res["rows"])
     return res

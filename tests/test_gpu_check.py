@@ -17,7 +17,7 @@ import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
-FIGURES = "abcdefgh"
+FIGURES = "abcdefghi"
 
 
 def _run(*args, timeout=240):
@@ -94,7 +94,9 @@ def test_dry_run_measures_every_figure(tmp_path):
             assert 0 <= r["alpha"] <= 1 and 1 <= r["tokens_per_step"] <= r["gamma"] + 1
     assert all(col in proc.stdout for col in ("ours_tflops", "w4a16_us", "achieved_tbps",
                                               "tokens_per_step"))
-    assert "8 of 8 figures ok" in proc.stdout
+    for r in figs["i"]["rows"]:
+        assert _positive(r["torch_us"], r["kernel_us"]) and r["max_abs_diff"] < 1e-5
+    assert "9 of 9 figures ok" in proc.stdout
 
 
 def test_isolated_figures_and_the_time_limit(tmp_path):
