@@ -61,8 +61,7 @@ def random_pool(lens, n_kv, d, block_size, dtype, device, shuffle, gen):
     k = torch.randn(num_blocks, block_size, n_kv, d, generator=gen, device=device).to(dtype)
     v = torch.randn(num_blocks, block_size, n_kv, d, generator=gen, device=device).to(dtype)
     order = (
-        torch.randperm(num_blocks, generator=gen, device=device)
-        if shuffle
+        torch.randperm(num_blocks, generator=gen, device=device) if shuffle
         else torch.arange(num_blocks, device=device)
     )
     tables = torch.zeros(len(lens), max(per_seq), dtype=torch.int32, device=device)
@@ -160,11 +159,7 @@ def kv8_decode(args, device, gen):
         q = torch.randn(B, H, d, generator=gen, device=device).to(dtype)
         k, v, tables, lens = random_pool([ctx] * B, Hkv, d, 16, dtype, device, True, gen)
         row = dict(
-            batch=B,
-            heads=H,
-            kv_heads=Hkv,
-            d=d,
-            context=ctx,
+            batch=B, heads=H, kv_heads=Hkv, d=d, context=ctx,
             bf16_ms=bench(lambda: paged_attention(q, k, v, tables, lens), args.smoke),  # noqa: B023
         )
         for name in ("int8", "fp8_e4m3"):

@@ -110,8 +110,7 @@ def cpu_name() -> str:
     info = Path("/proc/cpuinfo")
     names = (
         [
-            ln.split(":", 1)[1].strip()
-            for ln in info.read_text().splitlines()
+            ln.split(":", 1)[1].strip() for ln in info.read_text().splitlines()
             if ln.startswith("model name")
         ]
         if info.exists()

@@ -116,8 +116,7 @@ def dot_units(ptx: str) -> str:
 def describe(kwargs: dict) -> str:
     """The launch config of a recorded call: its tile constexprs, warps, stages."""
     tiles = "×".join(
-        str(v)
-        for k, v in kwargs.items()
+        str(v) for k, v in kwargs.items()
         if k.startswith("BLOCK_") and k not in ("BLOCK_SIZE", "BLOCK_D")
     )
     # Triton's defaults: 4, 3

@@ -135,11 +135,8 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
     p = QUICK if args.quick else FULL
     res = dict(
-        date=datetime.now().isoformat(timespec="seconds"),
-        device=f"cpu ({platform.machine()})",
-        threads=args.threads,
-        torch=torch.__version__,
-        workload=p,
+        date=datetime.now().isoformat(timespec="seconds"), device=f"cpu ({platform.machine()})",
+        threads=args.threads, torch=torch.__version__, workload=p,
         command="python benchmarks/bench_kv_quant.py" + (" --quick" if args.quick else ""),
         quality={},
     )

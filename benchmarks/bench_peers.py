@@ -273,10 +273,7 @@ def run_workload(wname, w, args, cache, peers) -> dict:
     for e in engines:
         tps = [o["output_tokens"] / o["seconds"] for o in runs[e.name]]
         res["engines"][e.name] = {
-            "status": "ok",
-            **e.info,
-            "tok_s": tps,
-            "median_tok_s": statistics.median(tps),
+            "status": "ok", **e.info, "tok_s": tps, "median_tok_s": statistics.median(tps),
             "seconds": [o["seconds"] for o in runs[e.name]],
             "loadavg_1m_after": [o["load"] for o in runs[e.name]],
             "same_tokens_as_hf": sum(map(list.__eq__, runs[e.name][0]["tokens"], ref)) / len(ref),

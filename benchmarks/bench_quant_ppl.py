@@ -98,8 +98,7 @@ def summarize(rows: dict) -> None:
 
 def _mean_sd(xs: list[float], fmt: str) -> str:
     return (
-        format(xs[0], fmt)
-        if len(xs) == 1
+        format(xs[0], fmt) if len(xs) == 1
         else f"{statistics.mean(xs):{fmt}} ± {statistics.stdev(xs):{fmt}}"
     )
 
@@ -124,12 +123,10 @@ def main() -> None:
     out = {
         "date": date.today().isoformat(),
         "device": f"CPU ({platform.machine()}), {torch.get_num_threads()} threads",
-        "torch": torch.__version__,
-        "command": "python benchmarks/bench_quant_ppl.py "
+        "torch": torch.__version__, "command": "python benchmarks/bench_quant_ppl.py "
         + " ".join(
             f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-            for k, v in vars(args).items()
-            if v
+            for k, v in vars(args).items() if v
         ),
         "results": [run(m, args.nsamples, args.seqlen, args.seeds) for m in args.models],
     }

@@ -127,8 +127,7 @@ def main() -> None:
     k = QUICK["k"] if args.quick else K
     out = Path(args.out)
     res = (
-        json.loads(out.read_text())
-        if out.exists()
+        json.loads(out.read_text()) if out.exists()
         else {"benchmark": "decode step time on CPU", "series": {}}
     )
     res.update(model=str(path.name), k=k, threads=args.threads, cores=os.cpu_count(),
@@ -139,10 +138,8 @@ def main() -> None:
               **{p: {"engine": p} for p in args.peers}}
     for name, s in series.items():
         s.update(
-            date=datetime.now().isoformat(timespec="seconds"),
-            loadavg_before=os.getloadavg()[0],
-            command=" ".join(["python", "benchmarks/bench_step_time.py", *sys.argv[1:]]),
-            points=[],
+            date=datetime.now().isoformat(timespec="seconds"), loadavg_before=os.getloadavg()[0],
+            command=" ".join(["python", "benchmarks/bench_step_time.py", *sys.argv[1:]]), points=[],
         )
         for sweep, b, c in points(args.quick):
             backend = (

@@ -113,13 +113,10 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
     p = QUICK if args.quick else FULL
     res = dict(
-        date=datetime.now().isoformat(timespec="seconds"),
-        device=f"cpu ({platform.machine()})",
-        threads=args.threads,
-        torch=torch.__version__,
+        date=datetime.now().isoformat(timespec="seconds"), device=f"cpu ({platform.machine()})",
+        threads=args.threads, torch=torch.__version__,
         llguidance=llguidance.__version__ if hasattr(llguidance, "__version__") else "?",
-        workload=p,
-        schema=SCHEMA,
+        workload=p, schema=SCHEMA,
         command="python benchmarks/bench_structured.py" + (" --quick" if args.quick else ""),
         models={},
     )

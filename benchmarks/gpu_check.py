@@ -134,8 +134,7 @@ def run_isolated(letter: str, args, workdir: Path, budget: float, hard: float) -
     rec = json.loads(out.read_text()) if out.is_file() else {}
     if killed or rec.get("status", "running") == "running":
         why = (
-            f"killed after {hard:.0f} s (budget {budget:.0f} s)"
-            if killed
+            f"killed after {hard:.0f} s (budget {budget:.0f} s)" if killed
             else f"process exited with {rc}"
         )
         rec = {"name": FIGURES[letter][0], **rec, "status": "timeout" if killed else "crashed",

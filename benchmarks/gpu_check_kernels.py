@@ -74,8 +74,7 @@ def fig_pytest_gpu(ctx) -> dict:
         if not xml.is_file():
             hint = (
                 " (is pytest installed? pip install pytest)"
-                if "No module named pytest" in proc.stderr
-                else ""
+                if "No module named pytest" in proc.stderr else ""
             )
             raise RuntimeError(f"pytest exited with {proc.returncode} and wrote no report{hint}: "
                                f"{(proc.stdout + proc.stderr)[-500:]}")
@@ -91,18 +90,14 @@ def fig_pytest_gpu(ctx) -> dict:
             bad["failed"].append(name)
         elif (err := case.find("error")) is not None:
             bad[
-                "collection_errors"
-                if "collection failure" in (err.get("message") or "")
+                "collection_errors" if "collection failure" in (err.get("message") or "")
                 else "errors"
             ].append(name)
     res["summary"] = [
         {
             "passed": count["tests"] - count["failures"] - count["errors"] - count["skipped"],
-            "failed": len(bad["failed"]),
-            "errors": len(bad["errors"]),
-            "skipped": count["skipped"],
-            "collection_errors": len(bad["collection_errors"]),
-            "returncode": proc.returncode,
+            "failed": len(bad["failed"]), "errors": len(bad["errors"]), "skipped": count["skipped"],
+            "collection_errors": len(bad["collection_errors"]), "returncode": proc.returncode,
         }
     ]
     res.update({f"{k}_tests": v for k, v in bad.items()})

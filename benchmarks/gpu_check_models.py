@@ -185,8 +185,7 @@ def hf_throughput(path: Path, prompts, params, batch_sizes, device: str, dtype: 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     hf = (
-        transformers.AutoModelForCausalLM.from_pretrained(str(path))
-        .to(device=device, dtype=dtype)
+        transformers.AutoModelForCausalLM.from_pretrained(str(path)) .to(device=device, dtype=dtype)
         .eval()
     )
     res = {"transformers": transformers.__version__, "runs": [], "best": None}

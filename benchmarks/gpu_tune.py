@@ -113,8 +113,7 @@ def flash() -> list[dict]:
         qs, ks, vs = (t.view(B, N, H, d).transpose(1, 2) for t in (q, k, v))
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             ref = (
-                F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
-                .transpose(1, 2)
+                F.scaled_dot_product_attention(qs, ks, vs, is_causal=True) .transpose(1, 2)
                 .reshape(B * N, H, d)
             )
             t_ref = bench(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True))  # noqa: B023
@@ -185,8 +184,7 @@ def profile(workdir: Path) -> list[dict]:
             wall = time.perf_counter() - start
         events = prof.key_averages()
         gpu_us = sum(
-            e.self_device_time_total
-            for e in events
+            e.self_device_time_total for e in events
             if e.device_type == torch.autograd.DeviceType.CUDA
         )
         launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",

@@ -76,13 +76,8 @@ class Peer:
                 env["LD_PRELOAD"] = ":".join(map(str, libs))
         self.log = open(cache / f"{name}.log", "a")
         self.proc = subprocess.Popen(
-            [str(py), str(here / f"peer_{name}.py"), str(spec_path)],
-            cwd=here,
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
+            [str(py), str(here / f"peer_{name}.py"), str(spec_path)], cwd=here, env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
         )
         self.info = self._read("READY")
         self.info.setdefault("settings", {})["LD_PRELOAD"] = env.get("LD_PRELOAD")

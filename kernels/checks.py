@@ -194,8 +194,7 @@ def check_paged_attention(q, k_cache, v_cache, block_tables, context_lens, num_s
     if B == 0 or not can_read_values(block_tables, context_lens):
         return quant
     capacity = (
-        block_tables.shape[1] * bs
-        if max_context is None
+        block_tables.shape[1] * bs if max_context is None
         else min(max_context, block_tables.shape[1] * bs)
     )
     if context_lens.min() < 1 or context_lens.max() > capacity:

@@ -87,9 +87,7 @@ def fp8_encode(y, KV_QUANT: tl.constexpr):
     a = tl.abs(y)
     if KV_QUANT == E4M3:  # as fp16 the value · 2⁻⁸; keep its 4 exponent and 3 mantissa bits
         h = (
-            (_round_to_grid(a, 3, -6) * 0.00390625)
-            .to(tl.float16)
-            .to(tl.int16, bitcast=True)
+            (_round_to_grid(a, 3, -6) * 0.00390625) .to(tl.float16) .to(tl.int16, bitcast=True)
             .to(tl.int32)
         )
         bits = sign | ((h >> 7) & 0x7F)

@@ -174,9 +174,7 @@ def paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, sm_sc
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
     launch = pick("decode", q.device, q.dtype, D, kv8=bool(quant))
     q, block_tables, context_lens = (
-        q.contiguous(),
-        block_tables.contiguous(),
-        context_lens.contiguous(),
+        q.contiguous(), block_tables.contiguous(), context_lens.contiguous(),
     )
     scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
     lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)  # B, H, S

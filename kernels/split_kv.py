@@ -61,8 +61,7 @@ def _merge_splits_kernel(
     mask = s_mask[:, None] & (offs_d[None, :] < head_dim)
     part = tl.load(
         Part + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
-        mask=mask,
-        other=0.0,
+        mask=mask, other=0.0,
     )  # S_PAD, D_PAD
     out = tl.sum(w[:, None] * part, axis=0)  # D_PAD
     tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty),
@@ -110,8 +109,7 @@ def choose_num_splits(batch: int, num_heads: int, max_context: int | None,
     programs = max(1, batch * num_heads)
     fill = -(-WAVES * num_sms // programs)  # ⌈WAVES · num_sms / programs⌉
     by_length = (
-        MAX_SPLITS
-        if max_context is None
+        MAX_SPLITS if max_context is None
         else max(1, -(-max_context // BLOCK_N) // MIN_TILES_PER_SPLIT)
     )
     return max(1, min(fill, by_length, MAX_SPLITS))

@@ -63,17 +63,11 @@ def _store_kv_kernel(
         V + i * stride_vn + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask, other=0.0
     )
     kc = (
-        K_cache
-        + blk * stride_kcb
-        + off * stride_kcs
-        + offs_h[:, None] * stride_kch
+        K_cache + blk * stride_kcb + off * stride_kcs + offs_h[:, None] * stride_kch
         + offs_d[None, :]
     )
     vc = (
-        V_cache
-        + blk * stride_vcb
-        + off * stride_vcs
-        + offs_h[:, None] * stride_vch
+        V_cache + blk * stride_vcb + off * stride_vcs + offs_h[:, None] * stride_vch
         + offs_d[None, :]
     )
     if KV_QUANT == 0:

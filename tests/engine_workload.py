@@ -111,10 +111,7 @@ def _run(stories_path: str | None) -> dict:
 
 if __name__ == "__main__":
     shared = (
-        Path(__file__).resolve().parents[2]
-        / "shared"
-        / "models"
-        / "stories260K"
+        Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
         / "stories260K.bin"
     )
     if not shared.exists():

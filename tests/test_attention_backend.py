@@ -161,10 +161,7 @@ def test_triton_backend_engine_same_tokens_on_a_quantized_pool(hf_checkpoints, k
             "the pool must be small enough to preempt"
         )
         runs[backend] = (
-            first,
-            hit.outputs[0].token_ids,
-            [c.token_ids for c in forks.outputs],
-            tight,
+            first, hit.outputs[0].token_ids, [c.token_ids for c in forks.outputs], tight,
         )
     assert runs["triton"] == runs["torch"]
     first, _, forks, tight = runs["triton"]

@@ -148,8 +148,7 @@ def test_checkpoints_the_library_writes_load_with_its_weights(tiny, tmp_path, na
         # grid (measured: equal), int8 absmax / 127.5 over [-128, 127] where we (and vLLM's
         # kernel) use absmax / 127 (measured 0.006)
         theirs = (
-            transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-            .eval()(x)
+            transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32) .eval()(x)
             .logits
         )
         assert (ours(x) - theirs).abs().max() < (0.01 if name == "w8a8" else 1e-5)
@@ -180,8 +179,7 @@ def test_our_checkpoints_load_in_transformers(tiny, tmp_path, name):
         torch.testing.assert_close(dense(x).logits, model(x), atol=1e-4, rtol=1e-4)
     else:
         theirs = (
-            transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-            .eval()(x)
+            transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32) .eval()(x)
             .logits
         )
         assert (theirs - model(x)).abs().max() < (0.01 if name == "w8a8" else 1e-5)

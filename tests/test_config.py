@@ -21,8 +21,7 @@ def test_transformers_4_and_5_rope_forms_agree():
     v5 = ModelConfig.from_hf({**LLAMA_BASE, "rope_parameters": {**SCALING, "rope_theta": 500000.0}})
     assert v4 == v5
     assert (
-        v5.rope_theta == 500000.0
-        and v5.rope_scaling["rope_type"] == "llama3"
+        v5.rope_theta == 500000.0 and v5.rope_scaling["rope_type"] == "llama3"
         and v5.n_kv_heads == 8
     )
 

@@ -80,8 +80,7 @@ def test_fill_pads_and_keeps_the_addresses():
     assert torch.equal(buf.block_tables[:2, :M],
                        inputs.meta.block_tables) and (buf.block_tables[:2, M:] == 0).all()
     assert (
-        buf.slot_mapping[2:].eq(-1).all()
-        and buf.context_lens[2:].eq(1).all()
+        buf.slot_mapping[2:].eq(-1).all() and buf.context_lens[2:].eq(1).all()
         and buf.block_tables[2:].eq(0).all()
     )
     assert torch.equal(after.dst, buf.slot_mapping[:4].flatten())

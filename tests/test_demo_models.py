@@ -41,11 +41,7 @@ def test_demo_generates_offline_without_shared(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "NO_PROXY": "*", "http_proxy": "http://127.0.0.1:9",
            "https_proxy": "http://127.0.0.1:9"}
     r = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
         timeout=120,
     )
     assert r.returncode == 0, r.stderr

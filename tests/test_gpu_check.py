@@ -48,9 +48,7 @@ def test_dry_run_measures_every_figure(tmp_path):
     assert sorted(figs) == list(FIGURES)
     for letter, fig in figs.items():
         assert fig["status"] == "ok" and fig.get("ok", True), (
-            letter,
-            fig.get("error"),
-            fig.get("traceback"),
+            letter, fig.get("error"), fig.get("traceback"),
         )
         assert "error" not in fig and "truncated" not in fig, letter
         assert fig["seconds"] >= 0 and fig["budget_s"] > 0
@@ -69,8 +67,7 @@ def test_dry_run_measures_every_figure(tmp_path):
     e = figs["e"]
     eager = e["rows"][0]
     assert (
-        eager["mode"] == "eager"
-        and "error" not in eager
+        eager["mode"] == "eager" and "error" not in eager
         and _positive(eager["tok_s"], eager["weight_gb"])
     )
     assert e["cuda_graphs"] == "available" or e["cuda_graphs"].startswith("not available")
@@ -144,8 +141,7 @@ def test_a_figure_past_its_hard_limit_is_killed_and_recorded(tmp_path):
     rec = gpu_check.run_isolated("h", args, tmp_path, budget=100, hard=1.0)
     assert time.perf_counter() - start < 30
     assert (
-        rec["status"] == "timeout"
-        and rec["name"] == "speculative"
+        rec["status"] == "timeout" and rec["name"] == "speculative"
         and "killed after 1 s" in rec["error"]
     )
 

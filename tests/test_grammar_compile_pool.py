@@ -31,8 +31,7 @@ def test_held_compiles_hold_nothing_else_and_time_out_by_name(monkeypatch):
     limits = GrammarLimits(compile_timeout_s=1.0, compile_threads=2)
     srv = LiveServer(
         create_app(
-            AsyncLLMEngine(LLMEngine.from_kwargs("demo", grammar_limits=limits)),
-            "demo",
+            AsyncLLMEngine(LLMEngine.from_kwargs("demo", grammar_limits=limits)), "demo",
             api_key="sk-test-key",
         )
     )

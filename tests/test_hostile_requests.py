@@ -169,10 +169,7 @@ def completion(**fields) -> dict:
 
 def chat(**fields) -> dict:
     return {
-        "model": "demo",
-        "messages": [{"role": "user", "content": "hi"}],
-        "max_tokens": 4,
-        **fields,
+        "model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields,
     }
 
 

@@ -82,9 +82,7 @@ def test_the_engine_configs_are_all_in_the_matrix(compiled):
             for kernel in ("store_kv", "dequant_gemm", "dequant_gemv", "dequantize", "w8a8",
                            "rms_norm"):
                 assert _rows(result, arch=arch, dtype=dt, kernel=kernel, status="ok"), (
-                    arch,
-                    dt,
-                    kernel,
+                    arch, dt, kernel,
                 )
         assert _rows(result, arch=arch, kernel="merge_splits", status="ok")
     # sm_75: attention refused (the engine falls back to torch), the W4A16 kernels compiled in every

@@ -38,8 +38,7 @@ class RecordSyncs(TorchFunctionMode):
         name = getattr(func, "__name__", str(func))
         to_host = name == "to" and any(str(a) == "cpu" for a in (*args[1:], *kwargs.values()))
         mask_index = (
-            name == "__getitem__"
-            and isinstance(args[1], torch.Tensor)
+            name == "__getitem__" and isinstance(args[1], torch.Tensor)
             and args[1].dtype == torch.bool
         )
         if name in SYNCS or to_host or mask_index:
@@ -193,8 +192,7 @@ def test_every_engine_config_is_supported_from_sm80(arch, monkeypatch):
             for kernel in ("flash", "decode"):
                 launch = configs.pick(kernel, "cuda", dtype, head_dim)
                 assert (
-                    launch.gpu
-                    and min(launch.tiles) >= 16
+                    launch.gpu and min(launch.tiles) >= 16
                     and launch.smem_kb <= configs.smem_limit_kb(arch)
                 )
 

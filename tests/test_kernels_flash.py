@@ -275,15 +275,11 @@ def test_soft_capped_scores_with_paged_prefix(softcap):
     for b, (P, n) in enumerate(zip(prefix_lens, new_lens)):  # the oracle: SDPA over capped scores
         qb = q[cu_q[b]:cu_q[b + 1]].float().transpose(0, 1)  # H, n, D
         kb = (
-            torch.cat([prefixes[b][0], k[cu_k[b] : cu_k[b + 1]]])
-            .float()
-            .repeat_interleave(2, 1)
+            torch.cat([prefixes[b][0], k[cu_k[b] : cu_k[b + 1]]]) .float() .repeat_interleave(2, 1)
             .transpose(0, 1)
         )
         vb = (
-            torch.cat([prefixes[b][1], v[cu_k[b] : cu_k[b + 1]]])
-            .float()
-            .repeat_interleave(2, 1)
+            torch.cat([prefixes[b][1], v[cu_k[b] : cu_k[b + 1]]]) .float() .repeat_interleave(2, 1)
             .transpose(0, 1)
         )
         x = qb @ kb.transpose(1, 2) * 0.2  # H, n, P + n

@@ -23,8 +23,7 @@ WIDE = [-1, 0, 0, 0, 1, 1, 2, 3, 3, 4, 5, 6, 7, 8, 9, 12, 15]
 
 def _bits(parents: list[int] | None, n: int) -> list[int]:
     return (
-        [-1] * n
-        if parents is None
+        [-1] * n if parents is None
         else [sum(1 << j for j in tree_path(parents, i)) for i in range(n)]
     )
 

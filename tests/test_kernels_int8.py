@@ -22,10 +22,7 @@ def _operands(M, K, N, seed=0):
     w = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
     a[0], w[0] = 127, -127  # the largest products
     return (
-        a,
-        torch.rand(M, generator=g) + 0.01,
-        w,
-        torch.rand(N, generator=g) + 0.01,
+        a, torch.rand(M, generator=g) + 0.01, w, torch.rand(N, generator=g) + 0.01,
         torch.randn(N, generator=g),
     )
 

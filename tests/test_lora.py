@@ -50,9 +50,7 @@ def test_adapter_matches_peft_merged_and_not(hf_checkpoints, tmp_path, case, mer
     assert (base - want).abs().max().item() > 1e-2
     with torch.no_grad():
         hf_tokens = model.generate(
-            torch.tensor([IDS]),
-            max_new_tokens=32,
-            do_sample=False,
+            torch.tensor([IDS]), max_new_tokens=32, do_sample=False,
             attention_mask=torch.ones(1, len(IDS), dtype=torch.long),
         )[0, len(IDS) :].tolist()
     from nanoserve import SamplingParams

@@ -132,10 +132,7 @@ def test_summary_by_hand():
 def test_summary_explicit_duration():
     s = summarize(trace(), duration=8.0)
     assert (s.duration, s.output_throughput, s.total_throughput, s.request_throughput) == (
-        8.0,
-        1.0,
-        4.0,
-        0.375,
+        8.0, 1.0, 4.0, 0.375,
     )
     with pytest.raises(NanoserveError):
         summarize(trace(), duration=0.0)

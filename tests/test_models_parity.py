@@ -120,8 +120,7 @@ def test_half_precision_close_to_fp32(hf_checkpoints, name, dtype):
         cache = KVCache(cfg, 1, 16, dtype=getattr(torch, dtype))
         out = torch.cat(
             [m16(ids[:, :6], cache=cache)]
-            + [m16(ids[:, t : t + 1], cache=cache) for t in range(6, 10)],
-            1,
+            + [m16(ids[:, t : t + 1], cache=cache) for t in range(6, 10)], 1,
         )
     assert (out.float() - ref).abs().max().item() < 0.05
 

@@ -218,8 +218,7 @@ def test_every_public_class_and_method_of_the_engine_has_a_docstring():
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
                 members = [node] + [
-                    m
-                    for m in getattr(node, "body", [])
+                    m for m in getattr(node, "body", [])
                     if isinstance(m, ast.FunctionDef) and not m.name.startswith("_")
                 ] * isinstance(node, ast.ClassDef)
                 missing += [f"{path.name}:{m.name}" for m in members if not ast.get_docstring(m)]

@@ -156,10 +156,7 @@ def test_bad_construction_args(num_blocks, block_size, match):
 def test_names_and_sizes():
     alloc = BlockAllocator(10, 8)
     assert (alloc.num_blocks, alloc.block_size, alloc.num_free_blocks(), alloc.usage()) == (
-        10,
-        8,
-        10,
-        0.0,
+        10, 8, 10, 0.0,
     )
     assert [alloc.blocks_needed(n) for n in (0, 1, 7, 8, 9, 16, 17)] == [0, 1, 1, 1, 2, 2, 3]
     with pytest.raises(NanoserveError, match="num_tokens=-1"):
@@ -569,8 +566,7 @@ def check_free_before_compute_caches_nothing(cls):
     alloc.allocate(a)
     alloc.free(a)  # aborted / preempted mid-prefill
     assert (
-        alloc.hash_to_block == {}
-        and not alloc.evictable
+        alloc.hash_to_block == {} and not alloc.evictable
         and all(blk.hash is None for blk in alloc.blocks)
     )
     assert list(alloc.free_block_ids)[-3:] == [2, 1, 0], "its blocks went back as plain free blocks"
@@ -792,8 +788,7 @@ class Harness:
                 for off in range(bs):
                     written = self.kv.get(block.block_id * bs + off)
                     assert (
-                        written is not None
-                        and len(written) % bs == (off + 1) % bs
+                        written is not None and len(written) % bs == (off + 1) % bs
                         and written[-(off + 1) :] == block.token_ids[: off + 1]
                     ), "a cached block's KV is not written"
 

@@ -38,10 +38,8 @@ def hessian(X):
 
 def _same(a, b):
     return (
-        torch.equal(a.codes, b.codes)
-        and torch.equal(a.scales, b.scales)
-        and torch.equal(a.zeros, b.zeros)
-        and torch.equal(a.g_idx, b.g_idx)
+        torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales)
+        and torch.equal(a.zeros, b.zeros) and torch.equal(a.g_idx, b.g_idx)
     )
 
 

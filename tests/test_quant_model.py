@@ -77,9 +77,7 @@ def test_gptq_checkpoint_round_trip_gives_identical_logits(calib, tmp_path):
     out = save_quantized(model, res, tmp_path / "q", tokenizer_from="demo-draft")
     hf = json.loads((out / "config.json").read_text())["quantization_config"]
     assert (
-        hf["quant_method"] == "gptq"
-        and hf["bits"] == 4
-        and hf["group_size"] == 32
+        hf["quant_method"] == "gptq" and hf["bits"] == 4 and hf["group_size"] == 32
         and hf["desc_act"]
     )
     tensors = load_file(str(out / "model.safetensors"))

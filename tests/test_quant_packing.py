@@ -168,8 +168,7 @@ def test_gptq_round_trip_and_dequantize(bits, act_order):
     got = unpack_gptq(packed["qweight"], packed["qzeros"], packed["scales"], packed["g_idx"], bits)
     assert got[0].dtype == torch.uint8 and torch.equal(got[0], codes)
     assert (
-        torch.equal(got[1].long(), zeros)
-        and torch.equal(got[2], scales)
+        torch.equal(got[1].long(), zeros) and torch.equal(got[2], scales)
         and torch.equal(got[3], g_idx)
     )
     w = dequantize_gptq(**packed, bits=bits)

@@ -122,8 +122,7 @@ def test_fp8_linear_codes_are_torch_float8_and_the_cpu_path_dequantizes(per_chan
     lin, x = _linear(), torch.randn(2, 5, 96)
     q = FP8Linear.from_linear(lin, "channel" if per_channel else "tensor", activations)
     s = (
-        lin.weight.abs().amax(-1, keepdim=True)
-        if per_channel
+        lin.weight.abs().amax(-1, keepdim=True) if per_channel
         else lin.weight.abs().amax().reshape(1, 1)
     )
     assert torch.equal(q.weight.view(torch.uint8),

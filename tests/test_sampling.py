@@ -328,10 +328,7 @@ def hf_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
 
 
 HF_GRID = [
-    (V_, T, k, p)
-    for V_ in (7, 64, 1000)
-    for T in (0.5, 0.8, 1.0, 1.7)
-    for k in (0, 1, 5, 40)
+    (V_, T, k, p) for V_ in (7, 64, 1000) for T in (0.5, 0.8, 1.0, 1.7) for k in (0, 1, 5, 40)
     for p in (1.0, 0.95, 0.8, 0.5, 0.1)
 ]
 
@@ -552,8 +549,7 @@ def test_sampling_params_accepts_edges():
     SamplingParams(top_p=1.0, top_k=10**6, temperature=100, seed=0, stop_token_ids=[0])
     SamplingParams(top_p=1e-9, repetition_penalty=5.0)
     (
-        SamplingParams(seed=-(2**63)),
-        SamplingParams(seed=2**63 - 1),
+        SamplingParams(seed=-(2**63)), SamplingParams(seed=2**63 - 1),
         SamplingParams(seed=2**63 - 3, n=3),
     )
     SamplingParams(top_p=torch.finfo(torch.float32).tiny,

@@ -412,8 +412,7 @@ def test_full_queue_is_429_with_retry_after(small_server, monkeypatch):
             waiting.sendall(_request_bytes("POST", "/v1/completions", long))
             _wait_for(
                 lambda: len(srv.engine.engine.scheduler.waiting) + srv.engine.num_pending == 1,
-                "the first request to take the one waiting slot",
-                timeout=30,
+                "the first request to take the one waiting slot", timeout=30,
             )
             status, hdrs, body = _post(srv.port, "/v1/completions",
                                        {"model": "demo", "prompt": "B"})
@@ -520,8 +519,7 @@ def test_a_failed_engine_answers_500_then_503_and_health_stays_503(monkeypatch):
         status, _, body = _post(srv.port, "/v1/completions",
                                 {"model": "demo", "prompt": "Hi", "max_tokens": 3})
         assert (
-            status == 500
-            and body["error"]["type"] == "server_error"
+            status == 500 and body["error"]["type"] == "server_error"
             and "boom" in body["error"]["message"]
         )
         assert _http(srv.port, "GET", "/health")[0] == 503

@@ -101,15 +101,11 @@ def test_echo_without_logprobs_and_streamed_echo(server):
                                             logprobs=1, stream=True))
     text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
     tokens = [
-        t
-        for ch in chunks
-        if ch.choices and ch.choices[0].logprobs
+        t for ch in chunks if ch.choices and ch.choices[0].logprobs
         for t in ch.choices[0].logprobs.tokens
     ]
     offsets = [
-        o
-        for ch in chunks
-        if ch.choices and ch.choices[0].logprobs
+        o for ch in chunks if ch.choices and ch.choices[0].logprobs
         for o in ch.choices[0].logprobs.text_offset
     ]
     assert text == plain.choices[0].text
@@ -144,8 +140,7 @@ def test_vllm_prompt_logprobs_field(server, ref):
                             {"model": MODEL, "messages": CHAT, "max_tokens": 1,
                                                                    "prompt_logprobs": 0})
     assert (
-        status == 200
-        and chat["prompt_logprobs"][0] is None
+        status == 200 and chat["prompt_logprobs"][0] is None
         and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
     )
     for path, extra in (("/v1/completions", {"prompt": PROMPT}),
@@ -172,9 +167,7 @@ def test_chat_logprobs_and_top_logprobs(server, ref):
                                               temperature=0,
                                               logprobs=True, top_logprobs=3, stream=True)
     pieces = [
-        t
-        for ch in streamed
-        if ch.choices and ch.choices[0].logprobs
+        t for ch in streamed if ch.choices and ch.choices[0].logprobs
         for t in ch.choices[0].logprobs.content
     ]
     # (the second run reads the prefix cache:

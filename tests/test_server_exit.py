@@ -44,8 +44,7 @@ def _read_until(proc: subprocess.Popen, needle: str, seen: list[str]) -> None:
 
 def _children(pid: int) -> list[int]:
     return [
-        int(c)
-        for t in Path(f"/proc/{pid}/task").iterdir()
+        int(c) for t in Path(f"/proc/{pid}/task").iterdir()
         for c in (t / "children").read_text().split()
     ]
 
@@ -71,8 +70,7 @@ def test_the_server_exits_by_itself_when_its_engine_dies():
             raise AssertionError(f"first request: {e.code} "
                                  f"{e.read().decode()[:2000]}\n{''.join(seen)[-3000:]}") from e
         workers = [
-            p
-            for p in _children(proc.pid)
+            p for p in _children(proc.pid)
             if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()
             and b"resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes()
         ]

@@ -108,8 +108,7 @@ def _poison_beside_a_stream(srv, monkeypatch, poison_stream: bool = False) -> di
     core = srv.engine.engine
     _wait_for(
         lambda: any(len(r.samples[0].out.token_ids) >= 1 for r in list(core.requests.values())),
-        "stream A's first token",
-        timeout=DEADLINE,
+        "stream A's first token", timeout=DEADLINE,
     )
     gate.hold()
     b: dict = {}
@@ -135,8 +134,7 @@ def _isolated(outcome: dict, expected_a: str) -> bool:
     return (
         outcome["a"][-1] == "[DONE]"
         and not any("error" in e for e in outcome["a"] if isinstance(e, dict))
-        and text == expected_a
-        and outcome["health"] == 200
+        and text == expected_a and outcome["health"] == 200
     )
 
 

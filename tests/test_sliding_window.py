@@ -75,8 +75,7 @@ def test_windowed_gather_equals_the_whole_table(hf_checkpoints, monkeypatch):
         with torch.no_grad():
             return torch.cat(
                 [model(ids[:, :13], cache=cache)]
-                + [model(ids[:, t : t + 1], cache=cache) for t in range(13, 40)],
-                1,
+                + [model(ids[:, t : t + 1], cache=cache) for t in range(13, 40)], 1,
             )
 
     windowed = logits()

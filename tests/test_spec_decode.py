@@ -237,7 +237,6 @@ def test_cli_generate_with_a_draft_model_matches_plain_greedy():
                           "demo-draft", "--num-speculative-tokens", "0"], capture_output=True,
                          text=True, timeout=300)
     assert (
-        bad.returncode == 2
-        and "num_speculative_tokens=0" in bad.stderr
+        bad.returncode == 2 and "num_speculative_tokens=0" in bad.stderr
         and "Traceback" not in bad.stderr
     )

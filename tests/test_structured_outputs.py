@@ -81,8 +81,7 @@ def test_the_mask_allows_exactly_the_tokens_a_regex_can_continue_with(llm):
         mask = token_bitmask([matcher], 257)
         allowed = apply_bitmask(torch.zeros(1, 257), mask)[0] == 0
         want = [
-            t < 256
-            and chr(t).isascii()
+            t < 256 and chr(t).isascii()
             and regex.fullmatch(pattern, prefix + chr(t), partial=True) is not None
             for t in range(257)
         ]

@@ -47,10 +47,8 @@ def _run(llm: LLM, prompts=PROMPTS, params=GREEDY):
     outs = llm.generate(prompts, params, use_tqdm=False)
     tokens = [[c.token_ids for c in o.outputs] for o in outs]
     lps = [
-        torch.tensor([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
-        for o in outs
-        for c in o.outputs
-        if c.logprobs is not None
+        torch.tensor([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]) for o in outs
+        for c in o.outputs if c.logprobs is not None
     ]
     return tokens, lps
 

@@ -581,10 +581,7 @@ def test_hand_made_model_proto(tmp_path: Path) -> None:
     path.write_bytes(_model_proto(pieces, trainer))
     tokenizer = load_tokenizer(tmp_path)
     assert (tokenizer.vocab_size, tokenizer.bos_id, tokenizer.eos_id, tokenizer.unk_id) == (
-        10,
-        0,
-        None,
-        2,
+        10, 0, None, 2,
     )
     assert not tokenizer.byte_fallback and tokenizer.remove_extra_whitespaces
     # "ab" (-2) merges before "▁a" (-4); then "▁"+"ab" -> "▁ab". Extra spaces go; unknowns "xy" ->

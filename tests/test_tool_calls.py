@@ -83,8 +83,7 @@ def server(checkpoint):
     core = LLMEngine.from_kwargs(str(checkpoint), num_blocks=256)
     srv = LiveServer(
         create_app(
-            AsyncLLMEngine(core),
-            MODEL,
+            AsyncLLMEngine(core), MODEL,
             chat_template=load_chat_template(checkpoint, core.tokenizer),
         )
     )

@@ -62,8 +62,7 @@ def test_the_server_answers_token_ids_and_refuses_text_without_a_tokenizer(no_to
         status, _, body = _post(srv.port, "/v1/completions",
                                 {"model": "w", "prompt": IDS, "max_tokens": 3})
         assert (
-            status == 200
-            and body["usage"]["completion_tokens"] == 3
+            status == 200 and body["usage"]["completion_tokens"] == 3
             and body["choices"][0]["text"] == ""
         )
     finally:

@@ -61,12 +61,9 @@ class GrammarLimits:
         from llguidance import LLParserLimits
 
         return LLParserLimits(
-            max_items_in_row=self.max_items_in_row,
-            initial_lexer_fuel=self.initial_lexer_fuel,
-            step_lexer_fuel=self.step_lexer_fuel,
-            step_max_items=self.step_max_items,
-            max_lexer_states=self.max_lexer_states,
-            max_grammar_size=self.max_grammar_size,
+            max_items_in_row=self.max_items_in_row, initial_lexer_fuel=self.initial_lexer_fuel,
+            step_lexer_fuel=self.step_lexer_fuel, step_max_items=self.step_max_items,
+            max_lexer_states=self.max_lexer_states, max_grammar_size=self.max_grammar_size,
             verbose_errors=False,
         )
 

@@ -52,13 +52,7 @@ class CpuCacheView(CacheView):
         self._write(pool_k, k)  # each row's new key and value first: its query sees itself
         self._write(pool_v, v)
         out = paged_attention_cpu_unchecked(
-            q[:, 0],
-            pool_k,
-            pool_v,
-            self.tables,
-            self.context_lens,
-            scale,
-            window or 0,
+            q[:, 0], pool_k, pool_v, self.tables, self.context_lens, scale, window or 0,
             softcap or 0.0,
         )  # B, H, D
         return out[:, None]  # B, 1, H, D

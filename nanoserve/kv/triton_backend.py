@@ -117,22 +117,10 @@ class TritonCacheView(CacheView):
             new_keys = (k_new[:0], v_new[:0], self.no_new_keys, self.context_lens_i32)
         k_step, v_step, cu_k, prefix = new_keys
         out_new = flash_attention(
-            q_new,
-            k_step,
-            v_step,
-            self.cu_seqlens,
-            cu_k,
-            causal=True,
-            sm_scale=scale,
-            block_tables=self.block_tables_i32,
-            k_cache=k_cache,
-            v_cache=v_cache,
-            context_lens=prefix,
-            max_seqlen_q=self.meta.max_query_len,
-            window=window,
-            softcap=softcap,
-            tree_bits=self.meta.tree_bits,
-            **kv,
+            q_new, k_step, v_step, self.cu_seqlens, cu_k, causal=True, sm_scale=scale,
+            block_tables=self.block_tables_i32, k_cache=k_cache, v_cache=v_cache,
+            context_lens=prefix, max_seqlen_q=self.meta.max_query_len, window=window,
+            softcap=softcap, tree_bits=self.meta.tree_bits, **kv,
         )  # N, H, D
         out = q.new_zeros(B * T, H, D)  # padding rows get zeros (their logits are never read)
         out.index_copy_(0, self.src, out_new)

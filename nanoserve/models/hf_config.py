@@ -248,8 +248,7 @@ def _longrope(cfg: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:
     # (Phi-3's code reads the top-level field, whatever rope_scaling says)
     original = int(
         cfg.get("original_max_position_embeddings")
-        or scaling.get("original_max_position_embeddings")
-        or cfg["max_position_embeddings"]
+        or scaling.get("original_max_position_embeddings") or cfg["max_position_embeddings"]
     )
     factor = scaling.get("factor") or int(cfg["max_position_embeddings"]) / original
     attention_factor = scaling.get("attention_factor")
@@ -275,8 +274,7 @@ def _yarn(cfg: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:
     if attention_factor is None:
         mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
         attention_factor = (
-            ms(factor, mscale) / ms(factor, mscale_all_dim)
-            if mscale and mscale_all_dim
+            ms(factor, mscale) / ms(factor, mscale_all_dim) if mscale and mscale_all_dim
             else ms(factor)
         )
     return {**scaling, "factor": float(factor), "original_max_position_embeddings": original,

@@ -82,8 +82,7 @@ def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
     """Whether `layer` has experts: Qwen3-MoE may keep dense MLPs in `mlp_only_layers` and between
     sparse steps."""
     return (
-        cfg.num_experts > 0
-        and layer not in (cfg.mlp_only_layers or [])
+        cfg.num_experts > 0 and layer not in (cfg.mlp_only_layers or [])
         and (layer + 1) % cfg.moe_every == 0
     )
 

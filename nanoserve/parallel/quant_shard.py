@@ -118,8 +118,7 @@ class RowParallelQuantLinear(nn.Module):
         super().__init__()
         self.local = row_shard(layer, index)
         self.bias = (
-            None
-            if layer.bias is None
+            None if layer.bias is None
             else nn.Parameter(layer.bias.detach().clone(), requires_grad=False)
         )
         self.in_features, self.out_features = self.local.in_features, self.local.out_features

@@ -54,8 +54,7 @@ def _column(layer: nn.Module, index: torch.Tensor) -> nn.Module:
     from .quant_shard import ColumnParallelQuantLinear
 
     return (
-        ColumnParallelQuantLinear(layer, index)
-        if isinstance(layer, QuantLinear)
+        ColumnParallelQuantLinear(layer, index) if isinstance(layer, QuantLinear)
         else ColumnParallelLinear(layer, index)
     )
 
@@ -65,8 +64,7 @@ def _row(layer: nn.Module, index: torch.Tensor) -> nn.Module:
     from .quant_shard import RowParallelQuantLinear
 
     return (
-        RowParallelQuantLinear(layer, index)
-        if isinstance(layer, QuantLinear)
+        RowParallelQuantLinear(layer, index) if isinstance(layer, QuantLinear)
         else RowParallelLinear(layer, index)
     )
 
@@ -126,8 +124,7 @@ class RowParallelLinear(nn.Module):
         # O, I/N
         self.weight = nn.Parameter(layer.weight.detach()[:, index].clone(), requires_grad=False)
         self.bias = (
-            None
-            if layer.bias is None
+            None if layer.bias is None
             else nn.Parameter(layer.bias.detach().clone(), requires_grad=False)
         )
 
@@ -248,15 +245,13 @@ def _shard_vocab(model: nn.Module, rank: int, world_size: int) -> None:
     n = -(-V // world_size)
     start = rank * n
     holder, attr = (
-        (model.transformer, "wte")
-        if hasattr(model, "transformer")
+        (model.transformer, "wte") if hasattr(model, "transformer")
         else (model.model, "embed_tokens")
     )
     emb = VocabParallelEmbedding(getattr(holder, attr), start, n)
     tied = model.lm_head.weight is getattr(holder, attr).weight
     head_weight = (
-        emb.weight
-        if tied
+        emb.weight if tied
         else nn.Parameter(_rows(model.lm_head.weight.detach(), start, n), requires_grad=False)
     )
     setattr(holder, attr, emb)

@@ -95,10 +95,8 @@ class WorkerGroup:
             init = f"tcp://127.0.0.1:{port}"
             self.procs = [
                 ctx.Process(
-                    target=worker_main,
-                    args=(r, parallel, init, model, dtype, device, threads),
-                    daemon=True,
-                    name=f"nanoserve-rank{r}",
+                    target=worker_main, args=(r, parallel, init, model, dtype, device, threads),
+                    daemon=True, name=f"nanoserve-rank{r}",
                 )
                 for r in range(1, world_size)
             ]
@@ -108,12 +106,8 @@ class WorkerGroup:
         # (a weak reference: the group can still be collected)
         atexit.register(_shutdown, weakref.ref(self))
         self.guard(
-            dist.init_process_group,
-            "nccl" if self.cuda else "gloo",
-            init_method=init,
-            rank=0,
-            world_size=world_size,
-            timeout=TIMEOUT,
+            dist.init_process_group, "nccl" if self.cuda else "gloo", init_method=init, rank=0,
+            world_size=world_size, timeout=TIMEOUT,
         )
         # rank 0's messages (above)
         self.control = self.guard(dist.new_group, backend="gloo", timeout=IDLE)

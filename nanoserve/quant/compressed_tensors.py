@@ -176,8 +176,7 @@ def tensors_and_config(model: nn.Module) -> tuple[dict[str, dict[str, torch.Tens
     quantization_config."""
     dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
     layers = {
-        n: m
-        for n, m in model.named_modules()
+        n: m for n, m in model.named_modules()
         if isinstance(m, (QuantLinear, W8A8Linear, FP8Linear))
     }
     kinds = {type(m) for m in layers.values()}

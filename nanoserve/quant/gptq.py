@@ -104,14 +104,7 @@ class GPTQ:
             raise NanoserveError("GPTQ has no calibration inputs: call add_batch(x) with the "
                                  "layer's inputs first")
         return gptq_quantize(
-            self.weight,
-            self.H,
-            bits,
-            group_size,
-            sym,
-            blocksize,
-            percdamp,
-            act_order,
+            self.weight, self.H, bits, group_size, sym, blocksize, percdamp, act_order,
             static_groups,
         )
 

@@ -71,8 +71,7 @@ def quantized_layers(tensors: dict[str, torch.Tensor],
     layers = {}
     for name in names:
         parts = {
-            p: tensors.pop(f"{name}.{p}")
-            for p in ("qweight", "qzeros", "scales", "g_idx", "bias")
+            p: tensors.pop(f"{name}.{p}") for p in ("qweight", "qzeros", "scales", "g_idx", "bias")
             if f"{name}.{p}" in tensors
         }
         if method == "awq":

@@ -100,12 +100,7 @@ class QuantLinear(nn.Module):
 
             x2 = x.reshape(-1, self.in_features)  # M, K
             y = dequant_matmul(
-                x2,
-                self.qweight,
-                self.qzeros,
-                self.scales.to(x.dtype),
-                self.g_idx,
-                self.bits,
+                x2, self.qweight, self.qzeros, self.scales.to(x.dtype), self.g_idx, self.bits,
                 group_size=self.kernel_group_size(),
             )  # M, N
             y = y.view(*x.shape[:-1], self.out_features)

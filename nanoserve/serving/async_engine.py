@@ -61,8 +61,7 @@ class AsyncLLMEngine:
         self._ids = itertools.count()
         self._executor = (
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-step")
-            if step_in_thread
-            else None
+            if step_in_thread else None
         )
         self._loop_task: asyncio.Task | None = None
         self._stepping = False  # a step is running on the worker thread: leave the engine alone

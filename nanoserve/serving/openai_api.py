@@ -126,10 +126,10 @@ class BaseRequest(BaseModel):
         self.check_no_ops()
         if self.stream_options is not None and not self.stream:
             raise NanoserveError("stream_options is only allowed with stream=true")
-        max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
+        max_tokens = _or_default(self.max_tokens, default_max_tokens)
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        kw = dict(temperature=1.0 if self.temperature is None else self.temperature,
-                  top_p=1.0 if self.top_p is None else self.top_p,
+        kw = dict(temperature=_or_default(self.temperature, 1.0),
+                  top_p=_or_default(self.top_p, 1.0),
                   # vLLM's -1 = off, like our 0
                   top_k=0 if self.top_k in (None, -1) else self.top_k,
                   min_p=self.min_p or 0.0, presence_penalty=self.presence_penalty or 0.0,

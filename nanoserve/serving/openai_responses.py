@@ -61,16 +61,14 @@ def chat_response(rid: str, model: str, created: int, out: RequestOutput, top_lo
         message = {"role": "assistant", "content": content,
                    **({"tool_calls": found} if found else {})}
         reason = (
-            "tool_calls"
-            if found and c.finish_reason != "length"
+            "tool_calls" if found and c.finish_reason != "length"
             else finish_reason(c.finish_reason)
         )
         choices.append({"index": c.index, "message": message,
                         "logprobs": chat_logprobs(c, 0, top_logprobs, tokenizer),
                         "finish_reason": reason})
     extra = (
-        {}
-        if out.prompt_logprobs is None
+        {} if out.prompt_logprobs is None
         else {"prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)}
     )
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,

@@ -260,8 +260,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
         # tool calls: constrained (named, required) or parsed (auto), tool_calls.py
         mode, _ = body.tool_mode()
         hermes = (
-            bool(body.tools)
-            and body.tool_choice != "none"
+            bool(body.tools) and body.tool_choice != "none"
             and "<tool_call>" in chat_template.source
         )
         calls = (lambda text: tool_calls.extract(text, mode, body.tool_choice, hermes,

@@ -94,8 +94,7 @@ class StepCosts:
         """A speculative step of γ drafts, in plain steps: v + c·γ, or v + c for a one-call proposer
         (1 for γ = 0)."""
         return (
-            1.0
-            if gamma == 0
+            1.0 if gamma == 0
             else self.verify_cost() + self.draft_cost() * (1 if self.one_call else gamma)
         )
 

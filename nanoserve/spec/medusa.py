@@ -154,8 +154,7 @@ class MedusaProposer:
             with torch.inference_mode():
                 scores = self.heads(torch.stack(picked))  # N, k, V
                 best = (
-                    scores.argmax(-1, keepdim=True)
-                    if self.top_k == 1
+                    scores.argmax(-1, keepdim=True) if self.top_k == 1
                     else scores.topk(self.top_k, -1).indices
                 )
                 tops = best.tolist()  # N, k, top_k

@@ -137,8 +137,7 @@ def rejection_sample_batch(draft_ids: torch.Tensor, q: torch.Tensor | None, p: t
     """
     batch, gamma = draft_ids.shape if draft_ids.dim() == 2 else (0, 0)
     check(
-        draft_ids.dim() == 2
-        and 1 <= gamma <= MAX_SPECULATIVE_TOKENS
+        draft_ids.dim() == 2 and 1 <= gamma <= MAX_SPECULATIVE_TOKENS
         and not draft_ids.is_floating_point(),
         f"draft_ids must be integers [B, γ] with 1 ≤ γ ≤ {MAX_SPECULATIVE_TOKENS}, "
         f"got {draft_ids.dtype} of shape {tuple(draft_ids.shape)}",

@@ -120,11 +120,8 @@ def _merges_tokenizer(path: Path, spec: dict, names: dict[str, int], merges: lis
     fallback to <0xXX> pieces."""
     model, norm, pre = spec["model"], spec.get("normalizer"), spec.get("pre_tokenizer")
     steps = (
-        (norm.get("normalizers") or [])
-        if isinstance(norm, dict) and norm.get("type") == "Sequence"
-        else [norm]
-        if norm
-        else []
+        (norm.get("normalizers") or []) if isinstance(norm, dict) and norm.get("type") == "Sequence"
+        else [norm] if norm else []
     )
     kinds = [(st.get("type"), st.get("prepend"), (st.get("pattern") or {}).get("String"),
               st.get("content"))

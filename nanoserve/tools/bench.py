@@ -208,24 +208,15 @@ def _spec_row(outs, seconds: float, base_seconds: float, gamma: int) -> dict:
     plain_steps = n_out - tot["num_emitted_tokens"]
     step = base_seconds / n_out  # one target decode step (the baseline generates the same count)
     draft_cost = (
-        ((seconds / step - plain_steps) / tot["num_steps"] - 1) / gamma
-        if tot["num_steps"]
+        ((seconds / step - plain_steps) / tot["num_steps"] - 1) / gamma if tot["num_steps"]
         else None
     )
     return {
-        "gamma": gamma,
-        **tot,
-        "alpha": alpha,
-        "tokens_per_step": tot["num_emitted_tokens"] / tot["num_steps"]
-        if tot["num_steps"]
-        else None,
-        "predicted_tokens_per_step": expected_tokens_per_step(alpha, gamma)
-        if alpha is not None
-        else None,
-        "seconds": seconds,
-        "speedup": base_seconds / seconds,
-        "output_tokens": sum(len(o.token_ids) for o in outs),
-        "draft_cost": draft_cost,
+        "gamma": gamma, **tot, "alpha": alpha,
+        "tokens_per_step": tot["num_emitted_tokens"] / tot["num_steps"] if tot["num_steps"]
+        else None, "predicted_tokens_per_step": expected_tokens_per_step(alpha, gamma)
+        if alpha is not None else None, "seconds": seconds, "speedup": base_seconds / seconds,
+        "output_tokens": sum(len(o.token_ids) for o in outs), "draft_cost": draft_cost,
     }
 
 

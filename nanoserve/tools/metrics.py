@@ -103,8 +103,7 @@ class RequestMetrics:
     @property
     def queue_time(self) -> float | None:
         return (
-            None
-            if self.first_scheduled_time is None
+            None if self.first_scheduled_time is None
             else self.first_scheduled_time - self.arrival_time
         )
 

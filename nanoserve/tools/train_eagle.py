@@ -85,10 +85,8 @@ def eagle_accuracy(head: EagleHead, model, ids: torch.Tensor) -> float:
     embeds = token_embedding(model)(ids[:, 1:]).float()
     pred, _ = head(feats[:, :-1], embeds, torch.arange(ids.shape[1] - 1))
     return (
-        (model.lm_logits(pred).argmax(-1) == model.lm_logits(feats[:, 1:]).argmax(-1))
-        .float()
-        .mean()
-        .item()
+        (model.lm_logits(pred).argmax(-1) == model.lm_logits(feats[:, 1:]).argmax(-1)) .float()
+        .mean() .item()
     )
 
 

@@ -113,19 +113,13 @@ def check_by_hand(impl):
             probs = impl.probs_from_logits(LOGITS4 + shift, temperature, top_k, top_p)
             assert probs.dtype == torch.float32
             torch.testing.assert_close(
-                probs,
-                torch.tensor(want, dtype=torch.float32),
-                rtol=0,
-                atol=1e-6,
+                probs, torch.tensor(want, dtype=torch.float32), rtol=0, atol=1e-6,
                 msg=f"T={temperature} top_k={top_k} top_p={top_p}",
             )
 
 
 HF_GRID = [
-    (vocab, t, k, p)
-    for vocab in (5, 50, 1000)
-    for t in (0.6, 1.0, 1.8)
-    for k in (0, 1, 3, 40)
+    (vocab, t, k, p) for vocab in (5, 50, 1000) for t in (0.6, 1.0, 1.8) for k in (0, 1, 3, 40)
     for p in (1.0, 0.9, 0.5, 0.05)
 ]
 
@@ -289,9 +283,7 @@ def check_min_p_matches_hf(impl):
     # sqrt: 0.63 0.45 0.55 / 0.63
     torch.testing.assert_close(
         impl.probs_from_logits(LOGITS4, 2.0, 0, 1.0, 0.6),
-        torch.tensor([0, SQRT[1], SQRT[2], SQRT[3]]) / sum(SQRT[1:]),
-        rtol=0,
-        atol=1e-6,
+        torch.tensor([0, SQRT[1], SQRT[2], SQRT[3]]) / sum(SQRT[1:]), rtol=0, atol=1e-6,
     )
 
 

@@ -122,8 +122,7 @@ def check_step(sched, out, running_before):
         )
     for seq in out.preempted:
         assert (
-            seq not in sched.running
-            and seq in sched.waiting
+            seq not in sched.running and seq in sched.waiting
             and seq.status == SequenceStatus.WAITING
         )
         assert seq.block_table == [] and seq.num_computed_tokens == 0 and not seq.needs_slot, (
@@ -236,9 +235,7 @@ def check_preemption(impl):
     c, d = engine.by_name["C"], engine.by_name["D"]
     assert engine.sched.waiting == [c, d], "the victim waits at the front (it arrived before D)"
     assert (
-        len(c) == 9
-        and c.block_table == []
-        and c.num_computed_tokens == 0
+        len(c) == 9 and c.block_table == [] and c.num_computed_tokens == 0
         and c.num_preemptions == 1
     )
     assert engine.sched.num_preemptions == 1

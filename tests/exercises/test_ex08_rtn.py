@@ -38,8 +38,7 @@ def check_grid_by_hand(impl):
     w = torch.tensor(ROWS)                                                     # 5 groups of 4
     scales, zeros = impl.quant_params(w, bits=4, sym=False)
     assert (
-        scales.shape == zeros.shape == (5,)
-        and scales.dtype == torch.float32
+        scales.shape == zeros.shape == (5,) and scales.dtype == torch.float32
         and zeros.dtype == torch.int32
     )
     # asymmetric: scale = (xmax − xmin) / 15, zero = round(−xmin / scale)
@@ -87,8 +86,7 @@ def check_quantize_rtn_by_hand(impl):
     assert isinstance(q, impl.QuantizedWeight)
     assert (q.bits, q.group_size, q.sym) == (4, 4, False)
     assert (
-        q.codes.dtype == torch.uint8
-        and q.zeros.dtype == torch.int32
+        q.codes.dtype == torch.uint8 and q.zeros.dtype == torch.int32
         and q.g_idx.dtype == torch.int32
     )
     assert q.g_idx.tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
@@ -96,10 +94,7 @@ def check_quantize_rtn_by_hand(impl):
     # 7.5 in fp32: see above
     assert q.zeros[0].tolist() == [5, 0] and q.zeros[1, 1] == 7 and q.zeros[1, 0] in (7, 8)
     assert q.codes[0].tolist() == [0, 6, 7, 15, 4, 7, 15, 11] and q.codes[1, 4:].tolist() == [
-        0,
-        8,
-        10,
-        15,
+        0, 8, 10, 15,
     ]
     # the zero group: every code is the zero
     assert (q.codes[1, :4] == q.zeros[1, 0]).all()
@@ -157,8 +152,7 @@ def check_round_trip_error(impl):
             assert q.scales.shape == q.zeros.shape == (8, 64 // gs) and (q.scales > 0).all()
             assert torch.equal(q.g_idx, torch.arange(64, dtype=torch.int32) // gs)
             assert (
-                int(q.codes.max()) <= maxq
-                and 0 <= int(q.zeros.min())
+                int(q.codes.max()) <= maxq and 0 <= int(q.zeros.min())
                 and int(q.zeros.max()) <= maxq
             )
             if sym:

@@ -49,10 +49,8 @@ def _small(seed=3, n=48, k=64, tokens=512):
 
 def _same(a, b):
     return (
-        torch.equal(a.codes, b.codes)
-        and torch.equal(a.scales, b.scales)
-        and torch.equal(a.zeros, b.zeros)
-        and torch.equal(a.g_idx, b.g_idx)
+        torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales)
+        and torch.equal(a.zeros, b.zeros) and torch.equal(a.g_idx, b.g_idx)
     )
 
 
@@ -160,9 +158,7 @@ def _outlier_case():
     W, sample = outlier_layer(0)
     X_cal, X_test = sample(4096, 100), sample(4096, 200)
     return (
-        W,
-        hessian(X_cal),
-        X_test,
+        W, hessian(X_cal), X_test,
         rel_error(W, quantize_rtn(W, 4, 128, sym=True).dequantize(), X_test),
     )
 

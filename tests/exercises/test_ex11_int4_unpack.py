@@ -185,8 +185,7 @@ def _variant_kernel(QW, QZ, S, G_IDX, W, N, K, group_size,
     # BLOCK, BLOCK
     scales = tl.load(S + g[:, None] * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(
-        W + offs_n[None, :] * K + offs_k[:, None],
-        (codes - zeros).to(tl.float32) * scales,
+        W + offs_n[None, :] * K + offs_k[:, None], (codes - zeros).to(tl.float32) * scales,
         mask=mask,
     )
 

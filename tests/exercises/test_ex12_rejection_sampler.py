@@ -222,8 +222,7 @@ def check_call_structure(impl):
         else:
             q = torch.softmax(2 * torch.randn(gamma, vocab, generator=g), -1)  # γ, V
             draft = (
-                torch.multinomial(q, 1, generator=g).view(gamma)
-                if gamma
+                torch.multinomial(q, 1, generator=g).view(gamma) if gamma
                 else torch.zeros(0, dtype=torch.long)
             )
             q_dense = q

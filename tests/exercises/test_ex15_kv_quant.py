@@ -102,8 +102,7 @@ def _variant(truncate=False, wrong_axis=False, unrounded=False, no_clamp=False):
     class KVQuant(reference.KVQuant):
         def quantize(self, x):
             amax = (
-                x.abs().amax(0, keepdim=True).expand_as(x)[..., 0]
-                if wrong_axis
+                x.abs().amax(0, keepdim=True).expand_as(x)[..., 0] if wrong_axis
                 else x.abs().amax(-1)
             )
             exact = (amax.float() / self.qmax).clamp(min=2.0 ** -14)

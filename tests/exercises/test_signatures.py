@@ -87,10 +87,7 @@ def test_every_stub_body_raises_a_hint(test_file, reference, exercise):
     hints = {}
     for fn in functions:
         raises = [
-            n
-            for n in ast.walk(fn)
-            if isinstance(n, ast.Raise)
-            and isinstance(n.exc, ast.Call)
+            n for n in ast.walk(fn) if isinstance(n, ast.Raise) and isinstance(n.exc, ast.Call)
             and getattr(n.exc.func, "id", None) == "NotImplementedError"
         ]
         assert raises, f"exercises/{exercise}.py: {fn.name} does not raise NotImplementedError"
