@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import select
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -28,15 +29,31 @@ from nanoserve.parallel.launch import free_port
 DEADLINE = 180  # seconds: no wait here is longer
 
 
-def _read_until(proc: subprocess.Popen, needle: str, seen: list[str]) -> None:
-    """The server's stderr, line by line, until a line holds `needle` (fails at the deadline or at
-    its exit)."""
+def _lines(proc: subprocess.Popen) -> queue.Queue:
+    """The server's stderr, a line at a time, from a thread (None at its end). A select() on the
+    pipe cannot tell what readline() already buffered: lines read in one chunk would wait there,
+    unseen, until the deadline."""
+    lines: queue.Queue = queue.Queue()
+
+    def pump():
+        for line in proc.stderr:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return lines
+
+
+def _read_until(lines: queue.Queue, needle: str, seen: list[str]) -> None:
+    """The server's lines until one holds `needle` (fails at the deadline or at its exit)."""
     end = time.monotonic() + DEADLINE
     while True:
-        ready, _, _ = select.select([proc.stderr], [], [], max(0.0, end - time.monotonic()))
-        assert ready, f"no {needle!r} from the server in {DEADLINE} s: {''.join(seen)[-2000:]}"
-        line = proc.stderr.readline()
-        assert line, f"the server exited before {needle!r}: {''.join(seen)[-2000:]}"
+        try:
+            line = lines.get(timeout=max(0.0, end - time.monotonic()))
+        except queue.Empty:
+            raise AssertionError(f"no {needle!r} from the server in {DEADLINE} s: "
+                                 f"{''.join(seen)[-2000:]}") from None
+        assert line is not None, f"the server exited before {needle!r}: {''.join(seen)[-2000:]}"
         seen.append(line)
         if needle in line:
             return
@@ -57,7 +74,8 @@ def test_the_server_exits_by_itself_when_its_engine_dies():
                              "--pipeline-parallel-size", "2", "--log-level", "info"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        _read_until(proc, "Uvicorn running on", seen)
+        lines = _lines(proc)
+        _read_until(lines, "Uvicorn running on", seen)
         body = json.dumps({"model": "demo", "prompt": "ROMEO:", "max_tokens": 4,
                            "temperature": 0}).encode()
         ask = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
@@ -80,7 +98,8 @@ def test_the_server_exits_by_itself_when_its_engine_dies():
             urllib.request.urlopen(ask, timeout=DEADLINE)
         assert failed.value.code == 500 and "rank 1 (exit code -9)" in failed.value.read().decode()
         assert proc.wait(timeout=DEADLINE) == 1
-        last_words = "".join(seen) + proc.stderr.read()
+        rest = iter(lambda: lines.get(timeout=DEADLINE), None)  # (the thread ends with the pipe)
+        last_words = "".join(seen) + "".join(rest)
         assert (
             "the engine failed (WorkerGroupError" in last_words
             and "the server stopped" in last_words
