@@ -13,10 +13,12 @@ constants, 16-divisible ints and pointers get divisibility hints). So the table 
 launchers launch. Matrix: sm_75/80/86/89/90 × fp16/bf16/fp32 × head_dim 64/128/256 for flash and
 decode (GQA 4; decode also GQA 1 and 8 at head_dim 128, and split-KV + merge in fp16), store_kv at
 head_dim 128, the three over 8-bit KV pools (`kv8_modes`: "int8 KV", "fp8_e4m3 KV", ...), the W4A16
-kernels at K = N = 4096, the W8A8 int8 GEMM (sm_80+, K = N = 4096, each output dtype) and RMSNorm
-as one kernel (rows of 2048, Llama's convention, and 3072, Gemma's). Attention on sm_75 is refused
-by the launchers
-(kernels/configs.py): "unsupported" rows say why.
+kernels at K = N = 4096, the W8A8 int8 GEMM (sm_80+, K = N = 4096, each output dtype), RMSNorm
+as one kernel (rows of 2048, Llama's convention, and 3072, Gemma's), alone and with the residual
+add folded in (add_rms_norm), SwiGLU's silu_and_mul (I = 5632 and 8192) and RoPE from a table
+(kernels/rotary.py: fused with the K/V store at head_dim 64 and 128, alone at 128, and Phi-3's
+partial RoPE at 96). Attention on sm_75 is
+refused by the launchers (kernels/configs.py): "unsupported" rows say why.
 
 Each row also says what its tl.dot became in the PTX ("mma f16", "wgmma bf16", "mma tf32", or "fma"
 without tensor cores). A row fails if it does not compile, or needs more shared memory than its GPU
@@ -172,6 +174,33 @@ def _rms_norm(dtype, n, unit_offset):
     rms_norm(torch.zeros(2, n, dtype=dtype), torch.zeros(n, dtype=dtype), 1e-6, unit_offset)
 
 
+def _add_rms_norm(dtype, n, unit_offset):
+    from nanoserve.kernels.rms_norm import add_rms_norm
+
+    x = torch.zeros(2, n, dtype=dtype)
+    add_rms_norm(x, x, torch.zeros(n, dtype=dtype), 1e-6, unit_offset)
+
+
+def _silu_and_mul(dtype, inter):
+    from nanoserve.kernels.silu_mul import silu_and_mul
+
+    silu_and_mul(torch.zeros(2, 2 * inter, dtype=dtype))
+
+
+def _rotary(dtype, D, store, partial=False):
+    from nanoserve.kernels.rotary import rotary_embedding, rotary_embedding_store_kv
+
+    half = 3 * D // 8 if partial else D // 2  # Phi-3's partial RoPE: 3/4 of each head
+    q, k = torch.zeros(3, 4 * HKV, D, dtype=dtype), torch.zeros(3, HKV, D, dtype=dtype)
+    cos = torch.zeros(64, half, dtype=dtype)
+    positions = torch.tensor([0, 5, 63])
+    if store:
+        kc, _ = _pool(dtype, D)
+        rotary_embedding_store_kv(q, k, k, positions, cos, cos, kc, kc, torch.tensor([0, -1, 17]))
+    else:
+        rotary_embedding(q, k, positions, cos, cos)
+
+
 def _dequant(dtype, which, split_k=1, grouped=True):
     from nanoserve.kernels import dequant_matmul as dm
 
@@ -279,6 +308,22 @@ def matrix(archs=ARCHS) -> list[tuple[dict, tuple | None]]:
                 rows.append((dict(arch=arch, dtype=dt, head_dim=None, gqa=None, case="rms_norm",
                                   variant=variant),
                              (_rms_norm, dtype, n, unit_offset)))
+                # the same kernel with the residual add folded in (HAS_RESIDUAL)
+                rows.append((dict(arch=arch, dtype=dt, head_dim=None, gqa=None,
+                                  case="add_rms_norm", variant=variant),
+                             (_add_rms_norm, dtype, n, unit_offset)))
+            # RoPE from a table, alone and fused with the K/V store (GQA 4 over HKV kv heads)
+            for D, store, partial in ((64, True, False), (128, True, False), (128, False, False),
+                                      (96, False, True)):
+                variant = ("store" if store else "rotate") + (" partial" if partial else "")
+                rows.append((dict(arch=arch, dtype=dt, head_dim=D, gqa=4, case="rotary",
+                                  variant=variant),
+                             (_rotary, dtype, D, store, partial)))
+            # SwiGLU's silu(gate) · up as one kernel: TinyLlama's and Llama 3.2 1B's MLP widths
+            for inter in (5632, 8192):
+                rows.append((dict(arch=arch, dtype=dt, head_dim=None, gqa=None,
+                                  case="silu_and_mul", variant=f"I {inter}"),
+                             (_silu_and_mul, dtype, inter)))
             for which, split_k, grouped in (("gemm", 1, True), ("gemm", 1, False),
                                             ("gemv", 1, True),
                                             ("gemv", 4, True), ("gemv", 1, False),

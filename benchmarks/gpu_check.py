@@ -18,7 +18,8 @@ brackets):
      (bench_attention.paged_vs_contiguous, split_kv)                                ~0.5 min [60 s]
   d  W4A16 GEMV / GEMM vs fp16 cuBLAS: K = N = 4096, 8192, group 128, M 1-16 and 64-1024 ~1 min [75 s]
   e  batch-1 decode tok/s and achieved HBM bandwidth, 1B Llama bf16, 128 + 256 tokens,
-     eager and CUDA graphs (when LLMEngine takes enforce_eager); builds the 2 GB checkpoint ~1.5 min [140 s]
+     eager, CUDA graphs, and CUDA graphs with the layers unfused (before issue 43's fused
+     layers); builds the 2 GB checkpoint                                             ~2 min   [180 s]
   f  continuous batching vs HF generate: 256 requests x U[100, 1024] in and out, same 1B
      model; HF in static batches of 256 and 128                                     ~4 min   [300 s]
   g  int4 (RTN g128, W4A16 kernel) vs bf16 decode, same 1B model                    ~1.5 min [120 s]
@@ -26,7 +27,7 @@ brackets):
      and the trained demo / demo-draft pair                                         ~1.5 min [140 s]
   i  RMSNorm as one kernel vs the torch module: bf16, widths 2048 / 4096, 1-256 rows ~0.2 min [30 s]
 
-The estimates add up to ~12 min, the budgets to ~18.5 min (estimates are ours, unmeasured: no GPU was
+The estimates add up to ~12.5 min, the budgets to ~19 min (estimates are ours, unmeasured: no GPU was
 lent when this was written). On a GPU each figure runs in its own process (a CUDA fault or a hang
 loses that figure alone) and records its own error; a figure past its budget stops between
 measurements and keeps what it measured (b cannot stop early: its process is killed at budget + 45
@@ -60,7 +61,7 @@ FIGURES = {
     "b": ("flash_prefill", "gpu_check_kernels", "fig_flash_prefill", 90),
     "c": ("paged_decode_attention", "gpu_check_kernels", "fig_paged_decode", 60),
     "d": ("w4a16_gemv_gemm", "gpu_check_kernels", "fig_w4a16", 75),
-    "e": ("decode_bandwidth", "gpu_check_engine", "fig_decode", 140),
+    "e": ("decode_bandwidth", "gpu_check_engine", "fig_decode", 180),
     "f": ("throughput_vs_hf", "gpu_check_engine", "fig_throughput", 300),
     "g": ("int4_decode", "gpu_check_engine", "fig_int4", 120),
     "h": ("speculative", "gpu_check_engine", "fig_speculative", 140),

@@ -1,6 +1,7 @@
 """Figures e-h of `gpu_check.py`: the engine end to end on random 1B-class Llama weights.
 
-e. batch-1 decode, eager and with CUDA graphs, and the HBM bandwidth it achieves;
+e. batch-1 decode, eager and with CUDA graphs (and with graphs but the Llama layers unfused, as
+   before issue 43), and the HBM bandwidth it achieves;
 f. continuous batching vs HF `generate`, 256 requests x U[100, 1024] tokens in and out;
 g. int4 (RTN, group 128, the W4A16 kernel) vs bf16 decode;
 h. speculative decoding at T = 0 with a random draft ~37x smaller, and with the trained demo pair.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import inspect
 import os
 import time
+from contextlib import contextmanager, nullcontext
 
 import torch
 from gpu_check_models import (
@@ -60,14 +62,46 @@ def _llm(path, ctx, **kw):
     return LLM(str(path), dtype=_dtype(ctx), device=ctx.device, **kw)
 
 
-def engine_modes() -> tuple[dict, str]:
-    """{mode: LLM kwargs}: eager, and CUDA graphs when the engine takes `enforce_eager`."""
+def takes_enforce_eager() -> bool:
+    """Whether this nanoserve's engine takes `enforce_eager`: a keyword argument of LLMEngine's
+    constructor until the engine took a config (issue 42), a row of ENGINE_ARGS since. (The GPU
+    pass runs these figures on an older checkout too.)"""
     from nanoserve import LLMEngine
 
     if "enforce_eager" in inspect.signature(LLMEngine.__init__).parameters:
+        return True
+    try:
+        from nanoserve.config.args import ENGINE_ARGS
+    except ImportError:
+        return False
+    return "enforce_eager" in ENGINE_ARGS
+
+
+def engine_modes() -> tuple[dict, str]:
+    """{mode: LLM kwargs}: eager, and CUDA graphs when the engine takes `enforce_eager`."""
+    if takes_enforce_eager():
         return {"eager": {"enforce_eager": True},
                 "cuda_graphs": {"enforce_eager": False}}, "available"
     return {"eager": {}}, "not available (LLMEngine takes no enforce_eager argument)"
+
+
+@contextmanager
+def unfused_layers():
+    """Engines built inside it run the triton path's Llama layers unfused (each norm one kernel,
+    the rest as torch writes it: the decode path before issue 43's fused layers). Raises
+    RuntimeError on a nanoserve without fused layers."""
+    try:
+        from nanoserve.models import triton_layers
+    except ImportError as e:
+        raise RuntimeError("this nanoserve has no models/triton_layers.py") from e
+    fuse = getattr(triton_layers, "_fuse_model", None)
+    if fuse is None:
+        raise RuntimeError("this nanoserve's triton path has no fused layers")
+    triton_layers._fuse_model = lambda model, max_positions: False
+    try:
+        yield
+    finally:
+        triton_layers._fuse_model = fuse
 
 
 def _graphs_off(llm) -> str | None:
@@ -87,6 +121,8 @@ def fig_decode(ctx) -> dict:
     path, cfg = _target(ctx)
     peak, peak_note = _peak(ctx)
     modes, graphs = engine_modes()
+    if "cuda_graphs" in modes:  # the same, the layers as before issue 43 fused them
+        modes["cuda_graphs_unfused"] = modes["cuda_graphs"]
     P, N, reps = (4, 4, 1) if ctx.dry else (128, 256, 3)
     res = {"model": describe(cfg), "dtype": str(_dtype(ctx)).removeprefix("torch."),
            "prompt_tokens": P,
@@ -101,7 +137,8 @@ def fig_decode(ctx) -> dict:
             break
         llm = None
         try:
-            llm = _llm(path, ctx, max_num_seqs=BATCH1_SEQS, **kw)
+            with unfused_layers() if mode.endswith("unfused") else nullcontext():
+                llm = _llm(path, ctx, max_num_seqs=BATCH1_SEQS, **kw)
             row = {"mode": mode, "graphs_off": _graphs_off(llm),
                    **measure_decode(llm, P, N, reps, peak)}
         except Exception as e:  # one mode failing keeps the other
@@ -113,11 +150,16 @@ def fig_decode(ctx) -> dict:
     ok = [r for r in res["rows"] if "error" not in r]
     # a mode that failed fails the run's exit status
     res["ok"] = len(ok) == len(res["rows"]) == len(modes)
-    if len(ok) == 2:
-        res["graphs_speedup"] = ok[1]["tok_s"] / ok[0]["tok_s"]
-        if ok[1]["graphs_off"] is not None:
-            res["graphs_note"] = f"the cuda_graphs row ran eagerly: {ok[1]['graphs_off']}"
-        res["same_tokens"] = ok[0]["token_ids"] == ok[1]["token_ids"]
+    by_mode = {r["mode"]: r for r in ok}
+    if "eager" in by_mode and "cuda_graphs" in by_mode:
+        eager, graphed = by_mode["eager"], by_mode["cuda_graphs"]
+        res["graphs_speedup"] = graphed["tok_s"] / eager["tok_s"]
+        if graphed["graphs_off"] is not None:
+            res["graphs_note"] = f"the cuda_graphs row ran eagerly: {graphed['graphs_off']}"
+        res["same_tokens"] = eager["token_ids"] == graphed["token_ids"]
+    if "cuda_graphs" in by_mode and "cuda_graphs_unfused" in by_mode:
+        unfused = by_mode["cuda_graphs_unfused"]
+        res["fused_speedup"] = by_mode["cuda_graphs"]["tok_s"] / unfused["tok_s"]
     for r in ok:
         r.pop("token_ids")
     return res

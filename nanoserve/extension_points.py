@@ -25,8 +25,8 @@ before anything else can make an engine.
                                                       for masks
     cuda_graphs         engine/cuda_graph.py          CudaGraphRunner: ModelRunner.use_cuda_graphs
     triton_layers       models/triton_layers.py       use_triton_layers: ModelRunner, with the
-                                                      triton attention backend (RMSNorm as one
-                                                      kernel)
+                                                      triton attention backend (fused Llama
+                                                      layers, RMSNorm as one kernel)
     cpu_runtime         models/onednn.py,             use_onednn_linears, advise_on_allocator:
                         engine/cpu_allocator.py       ModelRunner, on the CPU
     attention_backends  kv/in_place.py                VIEWS, in_place_problem: PagedKVCache

@@ -28,7 +28,7 @@ register("speculative", spec_decode)  # drafts proposed before a forward, verifi
 register("token_trees", tree_sampler)  # Medusa's trees: positions and masks of a token tree
 register("structured_outputs", structured_output)  # grammars compiled, masks per row
 register("cuda_graphs", cuda_graph)  # decode steps replayed from recorded graphs
-register("triton_layers", triton_layers)  # one kernel where torch launches several (RMSNorm)
+register("triton_layers", triton_layers)  # fused Llama layers: one kernel where torch has several
 register("cpu_runtime", SimpleNamespace(  # CPU GEMMs through oneDNN; malloc and huge pages
     use_onednn_linears=onednn.use_onednn_linears,
     advise_on_allocator=cpu_allocator.advise_on_allocator))

@@ -2,14 +2,18 @@
 reference, in the interpreter: Llama's convention (round, then scale in the weight's dtype) and
 Gemma's and OLMo 2's (scale in float32, Gemma's weight offset by 1), fp32 / fp16 / bf16, rows whose
 width is not a power of two, a 4-d input (Qwen3's per-head q/k norms), a non-contiguous one.
-Controls: the other convention, and a wrong eps, miss. Then the engine: the triton backend swaps
-its norms in (one launch each) and generates what the torch backend does."""
+Controls: the other convention, and a wrong eps, miss. Then add_rms_norm, the residual add folded
+into the same launch: its new residual equals torch's `x + r` (fp32, fp16; bf16 within the
+interpreter's one truncated ulp) and its norm is the module's norm of that rounded sum, in every
+convention and dtype; controls: the norm without the add, and a wrong eps, miss; mismatched
+residuals are refused. Then the engine: the triton backend swaps its norms in (one launch each) and
+generates what the torch backend does."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from nanoserve.kernels.rms_norm import rms_norm
+from nanoserve.kernels.rms_norm import add_rms_norm, rms_norm
 
 from nanoserve.models.layers import RMSNorm
 
@@ -82,6 +86,82 @@ def test_bad_arguments_are_refused_by_name():
         rms_norm(x, torch.ones(7), 1e-6)
     with pytest.raises(ValueError, match="fp16, bf16 or fp32"):
         rms_norm(x.double(), torch.ones(8, dtype=torch.float64), 1e-6)
+
+
+def _rel_ulps(a, b):
+    """The largest |a − b| in units of b's relative precision (eps of b's dtype; below the smallest
+    normal number, its spacing)."""
+    info = torch.finfo(b.dtype)
+    scale = b.float().abs().clamp(min=info.tiny)
+    return ((a.float() - b.float()).abs() / scale).max().item() / info.eps
+
+
+def _pair(shape, dtype, seed=1):
+    """x and a residual of the same shape, both about as large as a hidden state (σ = 3)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * 3
+    residual = torch.randn(shape, generator=g) * 3
+    return x.to(dtype), residual.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("unit_offset,scale_fp32", [(False, False), (True, True), (False, True)])
+@pytest.mark.parametrize("n", [64, 96, 257])
+def test_add_rms_norm_equals_the_add_then_the_torch_module(dtype, unit_offset, scale_fp32, n):
+    ref = _norm(n, dtype, unit_offset, scale_fp32)
+    x, r = _pair((5, 3, n), dtype)
+    x0, r0 = x.clone(), r.clone()
+    s = x + r  # what the pre-norm block computes: its output added to the residual stream
+    with torch.no_grad():
+        want = ref(s)
+    got, new_residual = add_rms_norm(x, r, ref.weight, ref.eps, ref.unit_offset, ref.scale_fp32)
+    assert torch.equal(x, x0) and torch.equal(r, r0)  # the inputs are left as they were
+    for out in (got, new_residual):
+        assert out.dtype == dtype and out.shape == x.shape
+    if dtype == torch.bfloat16:  # the interpreter truncates the sum: one ulp, toward zero
+        assert _rel_ulps(new_residual, s) <= 1
+        differ = new_residual != s
+        assert (new_residual.float().abs()[differ] < s.float().abs()[differ]).all()
+    else:
+        assert torch.equal(new_residual, s)
+    # the norm is the module's, of the sum the kernel wrote (its bf16 conversions: as rms_norm's)
+    conversions = 1 if ref.scale_fp32 or dtype != torch.bfloat16 else 2
+    with torch.no_grad():
+        assert _err(got, ref(new_residual)) <= conversions * TOL[dtype]
+    # and of torch's sum: in bf16 the sum's truncated ulp is one conversion more
+    extra = 1 if dtype == torch.bfloat16 else 0
+    assert _err(got, want) <= (conversions + extra) * TOL[dtype]
+    # controls: the norm without the residual added; another eps
+    unadded = rms_norm(x, ref.weight, ref.eps, ref.unit_offset, ref.scale_fp32)
+    assert _err(unadded, want) > 10 * TOL[dtype]
+    other, _ = add_rms_norm(x, r, ref.weight, ref.eps + 10.0, ref.unit_offset, ref.scale_fp32)
+    assert _err(other, want) > 10 * TOL[dtype]
+
+
+def test_add_rms_norm_takes_strided_inputs():
+    """x with its rows apart in memory (Qwen3's per-head shape, transposed), the residual not."""
+    ref = _norm(16, torch.float32)
+    x, r = _pair((2, 5, 4, 16), torch.float32, seed=2)  # B, T, H, D
+    strided = x.transpose(1, 2)  # B, H, T, D, not contiguous
+    got, new_residual = add_rms_norm(strided, r.transpose(1, 2).contiguous(), ref.weight, ref.eps)
+    s = strided + r.transpose(1, 2)
+    with torch.no_grad():
+        assert _err(got, ref(s)) <= TOL[torch.float32]
+    assert torch.equal(new_residual, s)
+
+
+def test_add_rms_norm_refuses_a_residual_unlike_x():
+    x, w = torch.randn(2, 8), torch.ones(8)
+    with pytest.raises(ValueError, match="residual must have x's shape"):
+        add_rms_norm(x, torch.randn(2, 4), w, 1e-6)
+    with pytest.raises(ValueError, match="residual must have x's dtype and device"):
+        add_rms_norm(x, torch.randn(2, 8).half(), w, 1e-6)
+    with pytest.raises(ValueError, match="residual must have x's dtype and device"):
+        add_rms_norm(x, torch.empty(2, 8, device="meta"), w, 1e-6)
+    with pytest.raises(ValueError, match="weight must be"):
+        add_rms_norm(x, x, torch.ones(7), 1e-6)
+    with pytest.raises(ValueError, match="fp16, bf16 or fp32"):
+        add_rms_norm(x.double(), x.double(), torch.ones(8, dtype=torch.float64), 1e-6)
 
 
 def test_the_triton_backend_runs_its_norms_as_one_kernel_each(tmp_path):

@@ -50,8 +50,9 @@ class DecodeBuffers:
         self.input_ids = torch.zeros(max_batch, 1, **long)  # Bm, 1
         self.positions = torch.zeros(max_batch, 1, **long)  # Bm, 1
         self.slot_mapping = torch.full((max_batch, 1), -1, **long)  # Bm, 1
-        self.block_tables = torch.zeros(max_batch, max_blocks, **long)  # Bm, M
-        self.context_lens = torch.ones(max_batch, **long)  # Bm
+        int32 = dict(dtype=torch.int32, device=device)  # what the kernels read (triton_backend)
+        self.block_tables = torch.zeros(max_batch, max_blocks, **int32)  # Bm, M
+        self.context_lens = torch.ones(max_batch, **int32)  # Bm
         self.logit_index = torch.zeros(max_batch, 1, **long)  # Bm, 1: a decode row's only token
         self.rows = torch.arange(max_batch, **long)  # Bm: real-token indices of a full decode batch
         # unused by decode

@@ -20,7 +20,9 @@ from .torch_backend import CacheView
 
 @dataclass
 class TritonAttentionMetadata(CommonAttentionMetadata):
-    """The Triton backend's metadata: the common part (metadata.py), and
+    """The Triton backend's metadata: the common part (metadata.py) with block_tables and
+    context_lens in int32, as the kernels read them (converted on the host, not by a launch a
+    step), and
 
         prefix_lens  [B] int32  tokens of each row cached before this step
         tree_bits    [N] int64 or None: which of its row's new tokens each real token sees, bit j
@@ -62,7 +64,10 @@ class TritonCacheView(CacheView):
         bits = None
         if trees is not None:
             bits = extension("token_trees").packed_ancestor_bits(trees, num_new)
-        return TritonAttentionMetadata(**common.as_kwargs(), prefix_lens=prefix, tree_bits=bits)
+        fields = common.as_kwargs()
+        fields["block_tables"] = common.block_tables.to(torch.int32)  # (on the host)
+        fields["context_lens"] = common.context_lens.to(torch.int32)
+        return TritonAttentionMetadata(**fields, prefix_lens=prefix, tree_bits=bits)
 
     def __init__(self, cache, meta: TritonAttentionMetadata):
         super().__init__(cache, meta)
@@ -76,9 +81,11 @@ class TritonCacheView(CacheView):
                                       "from the pool, where the kernel applies no tree mask")
         self.decode = meta.decode  # one new token in every row
         self.cu_seqlens, self.prefix_lens = meta.cu_seqlens, meta.prefix_lens  # B+1, B (int32)
-        self.block_tables_i32 = meta.block_tables.to(torch.int32)  # B, max_blocks
-        self.context_lens_i32 = meta.context_lens.to(torch.int32)  # B
+        self.block_tables_i32 = meta.block_tables  # B, max_blocks (int32)
+        self.context_lens_i32 = meta.context_lens  # B (int32)
         self.quantized = cache.quant is not None
+        # a decode step into a 16/32-bit pool: RoPE and the K/V store in one kernel
+        self.fuses_rope_store = self.decode and not self.quantized
         # a prefill reads every key from the pool: no new keys per row
         if self.quantized and not self.decode:
             self.no_new_keys = torch.zeros_like(self.cu_seqlens)  # B+1
@@ -125,3 +132,27 @@ class TritonCacheView(CacheView):
         out = q.new_zeros(B * T, H, D)  # padding rows get zeros (their logits are never read)
         out.index_copy_(0, self.src, out_new)
         return out.view(B, T, H, D)
+
+    def rope_attention(self, layer, q, k, v, positions, cos, sin, window=None, scale=None,
+                       softcap=None):
+        """`attention` with RoPE applied here: q [B·T, H, D] and k, v [B·T, Hkv, D] before rotation
+        (views of the QKV projection), `positions` [B, T], cos and sin the layer's table [P, R/2]
+        (models/triton_layers.py). A decode step into a 16/32-bit pool rotates q and k and writes
+        k, v into their slots in one kernel (kernels/rotary.py), then runs paged attention; any
+        other step rotates, then takes `attention`. Returns [B, T, H, D]."""
+        from ..kernels.paged_attention import paged_attention
+        from ..kernels.rotary import rotary_embedding, rotary_embedding_store_kv
+
+        B, T = positions.shape
+        H, Hkv, D = q.shape[1], k.shape[1], q.shape[2]
+        if not self.fuses_rope_store:
+            q, k = rotary_embedding(q, k, positions.reshape(-1), cos, sin)
+            return self.attention(layer, q.view(B, T, H, D), k.view(B, T, Hkv, D),
+                                  v.view(B, T, Hkv, D), positions, window, scale, softcap)
+        k_cache, v_cache = self.cache.layer(layer)  # num_blocks, block_size, Hkv, D
+        q = rotary_embedding_store_kv(q, k, v, positions.reshape(-1), cos, sin, k_cache, v_cache,
+                                      self.meta.slot_mapping.reshape(-1))  # B, H, D
+        out = paged_attention(q, k_cache, v_cache, self.block_tables_i32, self.context_lens_i32,
+                              sm_scale=scale, num_splits=self.num_splits, window=window,
+                              softcap=softcap)
+        return out[:, None]  # B, 1, H, D

@@ -1,18 +1,42 @@
-"""The model's layers on the Triton path: modules whose forward is one kernel of nanoserve.kernels
-where the torch code launches several (issue 43: fewer launches a decode step,
-benchmarks/bench_launches.py). The engine swaps them in when it runs the triton attention backend
-(ModelRunner, extension point "triton_layers"); their parameters, and so their checkpoints, are
-the modules' own.
+"""The model's layers on the Triton path: fewer, larger launches where the torch code launches
+many small kernels (issue 43; counted by benchmarks/bench_launches.py). The engine swaps them in
+when it runs the triton attention backend (ModelRunner, extension point "triton_layers"). Only
+classes change and weights are regrouped in place: parameters, checkpoint names and state dicts
+stay the modules' own.
 
     TritonRMSNorm        layers.RMSNorm as one kernel (kernels/rms_norm.py): six launches → one
-    use_triton_layers    swap them into a model, in place; returns how many were swapped
+    stack_linears        one nn.Linear over several that read the same input (q, k, v; gate, up):
+                         their weights become views of the stacked one, so one GEMM computes all
+    TritonLlamaModel     a pre-norm Llama whose layers run fused (below)
+    use_triton_layers    swap them into a model, in place; returns what was swapped
+
+A fused Llama layer (vLLM's layout) launches 9 kernels in a decode step where the torch code
+launches 40:
+
+    add_rms_norm(x, residual)         the previous layer's residual add folded into this norm
+    qkv_proj                          q, k and v from one GEMM (views of its output)
+    rotary_embedding_store_kv         RoPE on q and k, read from a cos/sin table built once, and
+                                      k, v written into the paged pool
+    paged_attention, o_proj
+    add_rms_norm(attn, residual)
+    gate_up_proj, silu_and_mul, down_proj
+
+The residual stream therefore travels beside the hidden states from layer to layer, and the last
+add happens in the final norm. Where a piece cannot fuse, the layer takes the unfused step for it
+alone: a prefill or an 8-bit pool rotates with `rotary_embedding` and stores through the backend's
+`attention`; a layer without RoPE (SmolLM3's NoPE layers) skips it; projections another module
+has wrapped since (a LoRA adapter) are called one by one again, so the wrapper is never bypassed.
+Sandwich and post-norm blocks, MoE layers, GPT-2 and quantized linears keep their own forward
+(their norms still one kernel each).
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-from .layers import RMSNorm
+from .layers import RMSNorm, rope_cos_sin
+from .llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
 
 
 class TritonRMSNorm(RMSNorm):
@@ -25,13 +49,211 @@ class TritonRMSNorm(RMSNorm):
 
         return rms_norm(x, self.weight, self.eps, self.unit_offset, self.scale_fp32)
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None):
+        """(norm(x + residual), x + residual) in one launch; (norm(x), x) without a residual."""
+        from ..kernels.rms_norm import add_rms_norm
 
-def use_triton_layers(model: torch.nn.Module) -> int:
-    """Swap every plain RMSNorm of `model` for its one-kernel form, in place (its class only: the
-    weights stay where they are). Returns how many were swapped."""
-    swapped = 0
+        if residual is None:
+            return self(x), x
+        return add_rms_norm(x, residual, self.weight, self.eps, self.unit_offset, self.scale_fp32)
+
+
+# ----------------------------------------------------------------------------- stacked weights
+def _plain_linear(m: nn.Module) -> bool:
+    """An nn.Linear (or the oneDNN one, models/onednn.py) in a floating dtype: what can stack."""
+    from .onednn import OneDNNLinear
+
+    return type(m) in (nn.Linear, OneDNNLinear) and m.weight.is_floating_point()
+
+
+def _stack_tensors(tensors: list[torch.Tensor], owners: list[nn.Module], name: str):
+    """torch.cat of the owners' `name` tensors along dim 0; each owner's becomes a view of it (a
+    Parameter still, under its own name: the state dict does not change)."""
+    stacked = torch.cat([t.detach() for t in tensors])
+    start = 0
+    for t, owner in zip(tensors, owners):
+        view = stacked[start:start + t.shape[0]]
+        setattr(owner, name, nn.Parameter(view, requires_grad=t.requires_grad))
+        start += t.shape[0]
+    return stacked
+
+
+def stack_linears(linears: list[nn.Module]) -> nn.Linear | None:
+    """One linear computing all of `linears` (same input) at once, their outputs side by side; each
+    one's weight (and bias) now a view of it, so nothing is held twice and an in-place change of
+    either is seen by both. None when they cannot stack (another class, such as a quantized or
+    LoRA-wrapped linear; mixed dtypes, devices or biases)."""
+    first = linears[0]
+    if not all(_plain_linear(m) for m in linears):
+        return None
+    w = first.weight
+    if any(m.weight.dtype != w.dtype or m.weight.device != w.device for m in linears):
+        return None
+    if len({m.bias is None for m in linears}) > 1:
+        return None
+    weight = _stack_tensors([m.weight for m in linears], linears, "weight")
+    bias = None
+    if first.bias is not None:
+        bias = _stack_tensors([m.bias for m in linears], linears, "bias")
+    stacked = nn.Linear(w.shape[1], weight.shape[0], device="meta")
+    # plain tensors, not Parameters: the model's parameters and state dict stay those it loaded
+    del stacked.weight
+    del stacked.bias
+    stacked.weight = weight
+    stacked.bias = bias
+    if type(first) is not nn.Linear:  # the same GEMM library as the layers it replaces
+        stacked = type(first).from_linear(stacked)
+    return stacked
+
+
+class _Stacked(nn.Module):
+    """What a stacked projection remembers: the modules it was made from, so a forward can tell
+    whether they are still the ones in place (a LoRA wrapper replaces a module by name)."""
+
+    def stacked_intact(self, names: tuple[str, ...]) -> bool:
+        return all(getattr(self, n) is m for n, m in zip(names, self.stacked_from))
+
+
+# ----------------------------------------------------------------------------- fused layers
+class TritonLlamaAttention(LlamaAttention, _Stacked):
+    """LlamaAttention with q, k, v from one GEMM and RoPE fused with the KV store (`fused`)."""
+
+    NAMES = ("q_proj", "k_proj", "v_proj")
+
+    def project(self, x: torch.Tensor):
+        """q, k, v [B, T, ·] of x: views of one GEMM's output while the stack is intact."""
+        if self.qkv_proj is None or not self.stacked_intact(self.NAMES):
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q_dim = self.n_heads * self.head_dim
+        kv_dim = self.n_kv_heads * self.head_dim
+        return self.qkv_proj(x).split([q_dim, kv_dim, kv_dim], dim=-1)
+
+    def fused(self, x, positions, table, cache):
+        """The attention's output [B, T, C] for x [B, T, C] at `positions` [B, T]; `table`: the
+        layer's (cos, sin) rows [P, R/2], None without RoPE; `cache`: the step's CacheView (None:
+        the tokens attend among themselves)."""
+        from ..kernels.rotary import rotary_embedding
+        from .layers import attention
+
+        B, T, _ = x.shape
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        q, k, v = self.project(x)
+        if self.qk_norm == "whole":  # OLMo 2: normalise the whole projections
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.view(B * T, H, D), k.view(B * T, Hkv, D), v.view(B * T, Hkv, D)
+        if self.qk_norm == "per_head":  # Qwen3: normalise each head's q and k
+            q, k = self.q_norm(q), self.k_norm(k)
+        how = dict(window=self.window, scale=self.scale, softcap=self.softcap)
+        # the triton backend's views rotate (and store) themselves; other caches (notebook 01's
+        # contiguous KVCache) get q and k rotated here
+        if table is not None and hasattr(cache, "rope_attention"):
+            y = cache.rope_attention(self.layer_idx, q, k, v, positions, *table, **how)
+            return self.o_proj(y.reshape(B, T, -1))
+        if table is not None:
+            q, k = rotary_embedding(q, k, positions.reshape(-1), *table)
+        q, k, v = q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
+        if cache is None:
+            y = attention(q, k, v, **how)
+        else:  # a layer without RoPE
+            y = cache.attention(self.layer_idx, q, k, v, positions, **how)
+        return self.o_proj(y.reshape(B, T, -1))
+
+
+class TritonLlamaMLP(LlamaMLP, _Stacked):
+    """SwiGLU with gate and up from one GEMM and silu(gate)·up in one kernel."""
+
+    NAMES = ("gate_proj", "up_proj")
+
+    def forward(self, x):
+        from ..kernels.silu_mul import silu_and_mul
+
+        if self.gate_up_proj is None or not self.stacked_intact(self.NAMES):
+            return super().forward(x)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class TritonLlamaDecoderLayer(LlamaDecoderLayer):
+    """A pre-norm Llama layer carrying the residual stream beside its output (the module's
+    docstring)."""
+
+    def fused(self, x, residual, positions, table, cache):
+        """(mlp output, residual before adding it): x + residual is the layer's input, as
+        LlamaDecoderLayer's x; residual None at the first layer (x is the input itself)."""
+        h, residual = self.input_layernorm.add_forward(x, residual)
+        a = self.self_attn.fused(h, positions, table, cache)
+        h, residual = self.post_attention_layernorm.add_forward(a, residual)
+        return self.mlp(h), residual
+
+
+class TritonLlamaModel(LlamaModel):
+    """LlamaModel whose layers run fused, RoPE read from tables of cos and sin built once for
+    every position the model accepts (max_position_embeddings: the engine's max_model_len)."""
+
+    def build_rope_tables(self) -> None:
+        """Each RoPE kind's (cos, sin) [P, R/2] in the model's dtype, as `blocks` computes them per
+        step (layers.rope_cos_sin; LongRoPE's and YaRN's factor applied to the global one)."""
+        ref = self.embed_tokens.weight
+        positions = torch.arange(self.max_positions, device=ref.device)[None]  # 1, P
+        self.rope_tables = {}
+        for kind, inv_freq in self.inv_freq.items():
+            cos, sin = rope_cos_sin(inv_freq.to(ref.device), positions, ref.dtype)  # 1, P, 1, R
+            if kind == "global" and self.attention_factor != 1.0:
+                cos, sin = cos * self.attention_factor, sin * self.attention_factor
+            half = inv_freq.shape[0]
+            self.rope_tables[kind] = (cos[0, :, 0, :half].contiguous(),
+                                      sin[0, :, 0, :half].contiguous())
+        self.rope_tables["none"] = None
+
+    def fused_blocks(self, x, positions, cache):
+        """The layers over x [B, T, C]: (last layer's output, residual), still to be added."""
+        residual = None
+        for layer in self.layers:
+            x, residual = layer.fused(x, residual, positions, self.rope_tables[layer.rope], cache)
+        return x, residual
+
+    def forward(self, input_ids, positions, cache):
+        x, residual = self.fused_blocks(self.embed(input_ids, positions), positions, cache)
+        return self.norm.add_forward(x, residual)[0]
+
+    def blocks(self, x, positions, cache):
+        """A pipeline stage's share (parallel/pipeline.py): the residual added back at its end."""
+        x, residual = self.fused_blocks(x, positions, cache)
+        return x + residual
+
+
+def _fuse_model(model: LlamaModel, max_positions: int) -> bool:
+    """Turn a pre-norm Llama body into TritonLlamaModel, stacking q/k/v and gate/up where they
+    stack; False (nothing changed) for other blocks."""
+    if not all(type(layer) is LlamaDecoderLayer for layer in model.layers):
+        return False
+    for layer in model.layers:
+        layer.__class__ = TritonLlamaDecoderLayer
+        attn = layer.self_attn
+        attn.__class__ = TritonLlamaAttention
+        attn.stacked_from = [getattr(attn, n) for n in TritonLlamaAttention.NAMES]
+        attn.qkv_proj = stack_linears(attn.stacked_from)
+        if type(layer.mlp) is LlamaMLP and layer.mlp.act is torch.nn.functional.silu:
+            mlp = layer.mlp
+            mlp.__class__ = TritonLlamaMLP
+            mlp.stacked_from = [getattr(mlp, n) for n in TritonLlamaMLP.NAMES]
+            mlp.gate_up_proj = stack_linears(mlp.stacked_from)
+    model.__class__ = TritonLlamaModel
+    model.max_positions = max_positions
+    model.build_rope_tables()
+    return True
+
+
+def use_triton_layers(model: nn.Module) -> dict[str, int]:
+    """Swap in the Triton path's modules, in place (classes and weights' grouping only): every
+    plain RMSNorm for its one-kernel form; a pre-norm Llama body for TritonLlamaModel. Returns how
+    many of each were swapped."""
+    swapped = {"rms_norm": 0, "fused_llama_layers": 0}
     for module in model.modules():
         if type(module) is RMSNorm:
             module.__class__ = TritonRMSNorm
-            swapped += 1
+            swapped["rms_norm"] += 1
+    body = getattr(model, "model", None)
+    max_positions = model.config.max_position_embeddings
+    if type(body) is LlamaModel and len(body.layers) and _fuse_model(body, max_positions):
+        swapped["fused_llama_layers"] = len(body.layers)
     return swapped
