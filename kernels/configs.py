@@ -115,6 +115,11 @@ KV8 = {
     ("flash", 90, 2, 128): Launch((128, 64), 8, 2, smem_kb=96),
     ("decode", 0, 4, 128): Launch((32,), 8, 1, smem_kb=40),  # fp32 with 2 stages spills
     ("decode", 0, 4, 256): Launch((32,), 8, 1, smem_kb=80),
+    # 16-bit queries: the plain rows (64,) w4 and (32,) w4 hold a whole dequantized tile in too
+    # few threads, 187-240 registers on sm_90 (the plain decode: 96). Half the keys a tile over 8
+    # warps: 80-120 at head_dim 128, 124-128 at 256, no spills (issue 43)
+    ("decode", 0, 2, 128): Launch((32,), 8, 2, smem_kb=14),
+    ("decode", 0, 2, 256): Launch((16,), 8, 2, smem_kb=17),
 }
 # (kernel, family, bytes per element; 0 = any) -> Launch
 DEQUANT = {
