@@ -81,7 +81,10 @@ def test_dry_run_measures_every_figure(tmp_path):
     assert int4["weights"].startswith("int4") and int4["weight_gb"] < 0.5 * full["weight_gb"]
     assert _positive(full["tok_s"], int4["tok_s"], g["int4_speedup"])
     h = figs["h"]["rows"]
-    assert [r["pair"].split()[0] for r in h] == ["random", "random", "demo"]
+    assert [r["pair"].split()[0] for r in h] == ["1B,"] * 5 + ["random", "random", "demo"]
+    assert [r["alpha_set"] for r in h[:5]] == [0.9, 0.8, 0.6, 0.0, 0.0]
+    useless = [r for r in h[:5] if r["alpha_set"] == 0.0 and r["num_steps"]]
+    assert useless and all(r["alpha"] == 0.0 and r["tokens_per_step"] == 1 for r in useless)
     # the adaptive row may never speculate: its measured costs can switch the draft off at once
     for r in h:
         assert _positive(r["speedup"]) and (r["adaptive"] or r["num_steps"] > 0)

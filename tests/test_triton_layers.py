@@ -176,3 +176,47 @@ def test_through_the_engine_decode_steps_rotate_and_store_in_one_kernel(hf_check
         for want, have in zip(ref.logprobs, got.logprobs):
             assert want.keys() == have.keys()
             assert max(abs(want[t].logprob - have[t].logprob) for t in want) <= TOL
+
+
+def _quantize_projections(model, group_size=24):
+    """q, k and v of every layer as 4-bit GPTQ layers (RTN), the same in every copy (the MLP's 100
+    outputs cannot pack 8 codes a word)."""
+    from nanoserve.quant.qlinear import QuantLinear
+    from nanoserve.quant.rtn import quantize_rtn
+
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):
+            linear = getattr(attn, name)
+            qw = quantize_rtn(linear.weight.detach(), bits=4, group_size=group_size)
+            setattr(attn, name, QuantLinear.from_quantized(qw, linear.bias, dtype=torch.float32))
+
+
+@torch.no_grad()
+def test_gptq_projections_stack_too(hf_checkpoints):
+    """4-bit q, k, v stack into one GPTQ layer (codes, zeros, scales side by side); logits as the
+    plain quantized model's. A GPTQ layer beside a float one does not stack."""
+    from nanoserve.models.triton_layers import stack_linears
+    from nanoserve.quant.qlinear import QuantLinear
+
+    path = hf_checkpoints["llama-gqa"][0]
+    plain, cfg, _ = load_model(path)
+    fused, _, _ = load_model(path)
+    for model in (plain, fused):
+        _quantize_projections(model)
+    before = {k: v.clone() for k, v in fused.state_dict().items()}
+    use_triton_layers(fused)
+    after = fused.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
+    for layer in fused.model.layers:
+        assert type(layer.self_attn.qkv_proj) is QuantLinear
+        assert layer.self_attn.qkv_proj.out_features == (cfg.n_heads + 2 * cfg.n_kv_heads) * 12
+    mlp = fused.model.layers[0].mlp
+    assert stack_linears([fused.model.layers[1].self_attn.q_proj, mlp.gate_proj]) is None
+    ref = _step_logits(plain, cfg, "torch", _batch(cfg))
+    got = _step_logits(fused, cfg, "triton", _batch(cfg))
+    assert (got - ref).abs().max().item() <= TOL
+    # control: the stack's scales in another order miss
+    attn = fused.model.layers[0].self_attn
+    attn.qkv_proj.scales = attn.qkv_proj.scales.flip(1)
+    assert (_step_logits(fused, cfg, "triton", _batch(cfg)) - ref).abs().max().item() > 10 * TOL

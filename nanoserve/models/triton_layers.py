@@ -5,8 +5,9 @@ classes change and weights are regrouped in place: parameters, checkpoint names 
 stay the modules' own.
 
     TritonRMSNorm        layers.RMSNorm as one kernel (kernels/rms_norm.py): six launches → one
-    stack_linears        one nn.Linear over several that read the same input (q, k, v; gate, up):
-                         their weights become views of the stacked one, so one GEMM computes all
+    stack_linears        one linear over several that read the same input (q, k, v; gate, up):
+                         their weights (a GPTQ layer's codes, zeros, scales) become views of the
+                         stacked one's, so one GEMM computes all
     TritonLlamaModel     a pre-norm Llama whose layers run fused (below)
     use_triton_layers    swap them into a model, in place; returns what was swapped
 
@@ -26,8 +27,8 @@ add happens in the final norm. Where a piece cannot fuse, the layer takes the un
 alone: a prefill or an 8-bit pool rotates with `rotary_embedding` and stores through the backend's
 `attention`; a layer without RoPE (SmolLM3's NoPE layers) skips it; projections another module
 has wrapped since (a LoRA adapter) are called one by one again, so the wrapper is never bypassed.
-Sandwich and post-norm blocks, MoE layers, GPT-2 and quantized linears keep their own forward
-(their norms still one kernel each).
+Sandwich and post-norm blocks, MoE layers and GPT-2 keep their own forward (their norms still one
+kernel each).
 """
 
 from __future__ import annotations
@@ -66,44 +67,88 @@ def _plain_linear(m: nn.Module) -> bool:
     return type(m) in (nn.Linear, OneDNNLinear) and m.weight.is_floating_point()
 
 
-def _stack_tensors(tensors: list[torch.Tensor], owners: list[nn.Module], name: str):
-    """torch.cat of the owners' `name` tensors along dim 0; each owner's becomes a view of it (a
-    Parameter still, under its own name: the state dict does not change)."""
-    stacked = torch.cat([t.detach() for t in tensors])
+def _stack_tensors(owners: list[nn.Module], name: str, dim: int = 0) -> torch.Tensor:
+    """torch.cat of the owners' `name` tensors along `dim`; each owner's becomes a view of it (a
+    Parameter stays a Parameter, a buffer a buffer, under its own name: the state dict does not
+    change)."""
+    tensors = [getattr(owner, name) for owner in owners]
+    stacked = torch.cat([t.detach() for t in tensors], dim=dim)
     start = 0
     for t, owner in zip(tensors, owners):
-        view = stacked[start:start + t.shape[0]]
-        setattr(owner, name, nn.Parameter(view, requires_grad=t.requires_grad))
-        start += t.shape[0]
+        view = stacked.narrow(dim, start, t.shape[dim])
+        if isinstance(t, nn.Parameter):
+            setattr(owner, name, nn.Parameter(view, requires_grad=t.requires_grad))
+        else:
+            owner._buffers[name] = view
+        start += t.shape[dim]
     return stacked
 
 
-def stack_linears(linears: list[nn.Module]) -> nn.Linear | None:
-    """One linear computing all of `linears` (same input) at once, their outputs side by side; each
-    one's weight (and bias) now a view of it, so nothing is held twice and an in-place change of
-    either is seen by both. None when they cannot stack (another class, such as a quantized or
-    LoRA-wrapped linear; mixed dtypes, devices or biases)."""
+def _hold(module: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
+    """`tensor` as module.name, a buffer outside the state dict (moved by .to(), never saved, not
+    a parameter: what the model loaded stays all there is)."""
+    if name in module._parameters:
+        del module._parameters[name]
+    module.__dict__.pop(name, None)
+    module.register_buffer(name, tensor, persistent=False)
+
+
+def _stack_plain(linears: list[nn.Module]) -> nn.Linear | None:
     first = linears[0]
-    if not all(_plain_linear(m) for m in linears):
-        return None
     w = first.weight
     if any(m.weight.dtype != w.dtype or m.weight.device != w.device for m in linears):
         return None
-    if len({m.bias is None for m in linears}) > 1:
-        return None
-    weight = _stack_tensors([m.weight for m in linears], linears, "weight")
+    weight = _stack_tensors(linears, "weight")
     bias = None
     if first.bias is not None:
-        bias = _stack_tensors([m.bias for m in linears], linears, "bias")
+        bias = _stack_tensors(linears, "bias")
     stacked = nn.Linear(w.shape[1], weight.shape[0], device="meta")
-    # plain tensors, not Parameters: the model's parameters and state dict stay those it loaded
-    del stacked.weight
-    del stacked.bias
-    stacked.weight = weight
-    stacked.bias = bias
     if type(first) is not nn.Linear:  # the same GEMM library as the layers it replaces
         stacked = type(first).from_linear(stacked)
+    _hold(stacked, "weight", weight)
+    _hold(stacked, "bias", bias)
     return stacked
+
+
+def _stack_quantized(linears: list[nn.Module]) -> nn.Module | None:
+    """GPTQ layers (quant/qlinear.py) side by side: codes, zeros and scales joined along the
+    outputs. They must share bits, groups (g_idx, equal) and dtype, and each one's outputs must
+    fill whole int32 words of zeros."""
+    from ..quant.qlinear import QuantLinear
+
+    first = linears[0]
+    for m in linears:
+        same = (m.bits, m.group_size, m.in_features, m.scales.dtype) == (
+            first.bits, first.group_size, first.in_features, first.scales.dtype)
+        if not same or (m.out_features * m.bits) % 32 or not torch.equal(m.g_idx, first.g_idx):
+            return None
+    out = sum(m.out_features for m in linears)
+    stacked = QuantLinear(first.in_features, out, first.bits, first.group_size,
+                          first.bias is not None, first.scales.dtype, device="meta")
+    for name in ("qweight", "qzeros", "scales"):
+        _hold(stacked, name, _stack_tensors(linears, name, dim=1))  # [·, N] each
+    bias = None
+    if first.bias is not None:
+        bias = _stack_tensors(linears, "bias")
+    _hold(stacked, "bias", bias)
+    _hold(stacked, "g_idx", first.g_idx)
+    return stacked
+
+
+def stack_linears(linears: list[nn.Module]) -> nn.Module | None:
+    """One linear computing all of `linears` (same input) at once, their outputs side by side; each
+    one's weight (and bias; a GPTQ layer's codes, zeros and scales) now a view of it, so nothing is
+    held twice and an in-place change of either is seen by both. None when they cannot stack
+    (different classes, such as a LoRA-wrapped linear; mixed dtypes, devices, biases or groups)."""
+    from ..quant.qlinear import QuantLinear
+
+    if len({m.bias is None for m in linears}) > 1:
+        return None
+    if all(_plain_linear(m) for m in linears):
+        return _stack_plain(linears)
+    if all(type(m) is QuantLinear for m in linears):
+        return _stack_quantized(linears)
+    return None
 
 
 class _Stacked(nn.Module):
