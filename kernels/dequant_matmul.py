@@ -39,11 +39,17 @@ there; its grouped path, and so the threshold, are still to be timed against thi
   smallest tl.dot a GPU accepts), so the grid has only N / BLOCK_N programs: 64 for N = 4096,
   too few to keep 132 SMs reading memory. **Split-K** cuts K into `split_k` ranges of whole
   BLOCK_K tiles, grid (N / BLOCK_N, split_k); split s writes its partial sum to row s of an
-  fp32 buffer [split_k, M, N], and a second pass sums the rows (torch .sum, then the cast to
-  A's dtype), not tl.atomic_add: atomics add in whatever order programs finish, so results
-  would change in the last bits from run to run; the buffer's traffic (128 KiB for M = 1,
-  N = 4096, split_k = 8, beside 8 MiB of weights) is small. With split_k = 1 the kernel
-  writes C directly; an empty split writes zeros. `choose_split_k` says how many fill a GPU.
+  fp32 buffer [split_k, M, N]. Then, in the same launch, the split of a column tile that finishes
+  last sums that tile's partials in a fixed order (split 0, 1, ...) and writes C in A's dtype: each
+  split counts itself in with an atomic add on a counter per column tile (release: its partial is
+  stored; acquire: the others' are visible), and the one that finds the count complete reduces and
+  resets the counter to 0 for the next launch. Not tl.atomic_add on C itself: atomics add in
+  whatever order programs finish, so results would change in the last bits from run to run. (It
+  was two more launches, torch's sum and the cast; the counters are one int32 per tile, kept per
+  device, so launches on one stream share them safely, launches on two streams at once would not.)
+  The buffer's traffic (128 KiB for M = 1, N = 4096, split_k = 8, beside 8 MiB of weights) is
+  small. With split_k = 1 the kernel writes C directly; an empty split writes zeros.
+  `choose_split_k` says how many fill a GPU.
 
 A third, `dequantize_int4`, writes W [N, K] out (packing.dequantize_gptq's layout and values) in
 one pass with the same `dequant_tile`: the dequantize step of "dequantize + cuBLAS" for large M.
@@ -119,12 +125,12 @@ def _dequant_gemm_kernel(
 
 @triton.jit
 def _dequant_gemv_kernel(
-    A, QW, QZ, S, G_IDX, P,
+    A, QW, QZ, S, G_IDX, P, C, Counts,
     M, N, K, k_per_split,
     stride_am, stride_ak, stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn,
-    stride_ps, stride_pm, stride_pn,
+    stride_ps, stride_pm, stride_pn, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    UPCAST: tl.constexpr, GROUP_SIZE: tl.constexpr, REDUCE: tl.constexpr,
 ):
     split = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)  # BLOCK_M   every row of A (M ≤ BLOCK_M)
@@ -146,6 +152,27 @@ def _dequant_gemv_kernel(
                         BLOCK_K, BLOCK_N, GROUP_SIZE)
     p_ptrs = P + split * stride_ps + offs_m[:, None] * stride_pm + offs_n[None, :] * stride_pn
     tl.store(p_ptrs, acc.to(P.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    if REDUCE:  # the tile's last split to finish sums every partial, in split order (above)
+        tl.debug_barrier()  # every thread's part of the partial stored before it is counted
+        tile = tl.program_id(0)
+        arrived = tl.atomic_add(Counts + tile, 1, sem="acq_rel")
+        if arrived == tl.num_programs(1) - 1:
+            _reduce_splits(P, C, offs_m, offs_n, m_mask, n_mask, stride_ps, stride_pm, stride_pn,
+                           stride_cm, stride_cn, BLOCK_M, BLOCK_N)
+            tl.atomic_xchg(Counts + tile, 0)  # ready for the next launch
+
+
+@triton.jit
+def _reduce_splits(P, C, offs_m, offs_n, m_mask, n_mask, stride_ps, stride_pm, stride_pn,
+                   stride_cm, stride_cn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """C's tile = the sum of the splits' partials, split 0 first (a fixed order)."""
+    mask = m_mask[:, None] & n_mask[None, :]
+    at = offs_m[:, None] * stride_pm + offs_n[None, :] * stride_pn
+    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for s in range(0, tl.num_programs(1)):
+        total += tl.load(P + s * stride_ps + at, mask=mask, other=0.0)
+    c_ptrs = C + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, total.to(C.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -305,17 +332,33 @@ def _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k, group_size=No
         return torch.zeros(M, N, dtype=a.dtype, device=a.device)  # M, N
     split_k = choose_split_k(N, K, tiles=launch.tiles) if split_k is None else split_k
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k  # whole tiles per split
+    tiles_n = triton.cdiv(N, block_n)
+    out = torch.empty(M, N, dtype=a.dtype, device=a.device)  # M, N
     if split_k == 1:  # the single partial is the answer: write C directly, in A's dtype
-        out = torch.empty(M, N, dtype=a.dtype, device=a.device)  # M, N
-        p, p_strides = out, (0, *out.stride())
+        p, p_strides, counts = out, (0, *out.stride()), out  # (counts: unused)
     else:
         p = torch.empty(split_k, M, N, dtype=torch.float32, device=a.device)  # S, M, N
-        p_strides = p.stride()
-    _dequant_gemv_kernel[(triton.cdiv(N, block_n), split_k)](
-        a, qweight, qzeros, scales, g_idx.contiguous(), p,
+        p_strides, counts = p.stride(), _arrival_counts(a.device, tiles_n)
+    _dequant_gemv_kernel[(tiles_n, split_k)](
+        a, qweight, qzeros, scales, g_idx.contiguous(), p, out, counts,
         M, N, K, k_per_split,
         *a.stride(), *qweight.stride(), *qzeros.stride(), *scales.stride(), *p_strides,
+        *out.stride(),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        UPCAST=launch.upcast, GROUP_SIZE=group, **launch.options(),
+        UPCAST=launch.upcast, GROUP_SIZE=group, REDUCE=split_k > 1, **launch.options(),
     )
-    return p if split_k == 1 else p.sum(dim=0).to(a.dtype)  # M, N   the second pass: a fixed order
+    return out
+
+
+_COUNTS: dict[torch.device, torch.Tensor] = {}  # per device: the split-K arrival counters
+
+
+def _arrival_counts(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per column tile, kept per device (every launch leaves them at 0
+    again). Allocated at the first split-K launch, which the engine makes before it captures CUDA
+    graphs (a warm-up forward)."""
+    counts = _COUNTS.get(device)
+    if counts is None or counts.numel() < tiles:
+        counts = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        _COUNTS[device] = counts
+    return counts

@@ -322,3 +322,27 @@ def test_quant_linear_takes_the_grouped_path_only_for_sorted_groups():
     state["g_idx"] = state["g_idx"][torch.randperm(256, generator=torch.Generator().manual_seed(0))]
     layer.load_state_dict(state)
     assert layer.kernel_group_size() is None
+
+
+def test_split_k_reduces_inside_its_launch_and_leaves_the_counters_at_zero():
+    """One launch: the last split of each column tile sums the partials (in split order) and
+    resets its tile's counter, so a second call gives the same bits. Control: counters left
+    non-zero make a split reduce before the others have written their partials."""
+    from nanoserve.kernels import dequant_matmul as dm
+    from nanoserve.kernels.checks import values_unread
+    from nanoserve.tools.launch_count import LaunchCounter
+
+    tensors, w = _gptq_case(320, 40, 128, True, seed=5)
+    a, other = _activations(3, 320), _activations(3, 320, seed=9)
+    with values_unread(), LaunchCounter() as counter:
+        c = dequant_gemv(a, **tensors, split_k=3)
+    assert counter.total() == 1 and dict(counter.triton) == {"_dequant_gemv_kernel": 1}
+    counts = dm._COUNTS[a.device]
+    assert not counts.any()
+    assert torch.equal(dequant_gemv(a, **tensors, split_k=3), c)
+    assert _rel(c, a.double() @ w.t()) < TOL
+    want = dequant_gemv(other, **tensors, split_k=3)
+    counts[:4] = 1  # as a launch that died half-way would leave them
+    stale = dequant_gemv(other, **tensors, split_k=3)
+    counts.zero_()
+    assert not torch.allclose(stale, want)
