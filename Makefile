@@ -107,7 +107,8 @@ bench: $(STAMP)
 # Every GPU figure in one run (<= 20 min on one H100 / H200, offline): benchmarks/gpu_check.json and a table
 # per figure. Installs nothing: it runs .venv's Python when there is one, else python3; a PYTHON you set wins
 # (a GPU image with the project pip-installed: `PYTHON=python3 make gpu-check`). Options: `make gpu-check
-# ARGS="--only b,e"`, `ARGS=--dry-run` (CPU, tiny shapes: checks the script). = `python benchmarks/gpu_check.py`.
+# ARGS="--only b,e"`, `ARGS=--dry-run` (CPU, tiny shapes: checks the script), `ARGS="--preset roofline"`
+# (issue 43's figures c, e, g, h in <= 8 min: a short lease). = `python benchmarks/gpu_check.py`.
 ARGS ?=
 GPU_PYTHON ?= $(if $(and $(filter file,$(origin PYTHON)),$(wildcard $(BIN)/python)),$(BIN)/python,$(PYTHON))
 gpu-check:

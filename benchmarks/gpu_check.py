@@ -3,6 +3,7 @@ minutes.
 
     make gpu-check                                  # = python benchmarks/gpu_check.py
     python benchmarks/gpu_check.py --only b,d       # some figures
+    python benchmarks/gpu_check.py --preset roofline   # issue 43's figures (c, e, g, h), <= 8 min
     python benchmarks/gpu_check.py --dry-run        # CPU, tiny shapes, Triton interpreter: checks the script
 
 Writes benchmarks/gpu_check.json (one section per figure, with device, driver / CUDA, torch / triton
@@ -69,6 +70,11 @@ FIGURES = {
     "i": ("rms_norm_kernel", "gpu_check_kernels", "fig_rms_norm", 30),
 }
 DRY_BUDGET_S = 120
+# --preset: a subset of figures with budgets that fit a short lease. "roofline": what issue 43's
+# decode work changes (8-bit KV decode, batch-1 bf16 with fused and unfused layers, int4,
+# speculation at controlled acceptance) in 460 s of budgets, under 8 minutes with start-up
+PRESETS = {"roofline": {"only": "c,e,g,h", "budgets": "c=60,e=150,g=100,h=150",
+                        "time_limit": 480.0}}
 
 
 class Ctx:
@@ -244,6 +250,9 @@ def parse_args(argv=None):
                     help="stop starting figures after this (s)")
     ap.add_argument("--budgets", default="",
                     help="per-figure budgets in seconds for a shorter lease, e.g. a=45,f=80")
+    ap.add_argument("--preset", choices=sorted(PRESETS),
+                    help="figures, budgets and time limit for a short lease (roofline: c,e,g,h "
+                         "in <= 8 min); --only, --budgets and --time-limit given too win")
     ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                     help="one process per figure (default: yes on a GPU, no in a dry run)")
     ap.add_argument("--workdir",
@@ -252,6 +261,13 @@ def parse_args(argv=None):
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.preset:
+        preset = PRESETS[args.preset]
+        given = argv if argv is not None else sys.argv[1:]
+        args.only = args.only or preset["only"]
+        args.budgets = args.budgets or preset["budgets"]
+        if not any(a.startswith("--time-limit") for a in given):
+            args.time_limit = preset["time_limit"]
     args.only = [x.strip() for x in args.only.split(",") if x.strip()] or list(FIGURES)
     bad = [x for x in args.only if x not in FIGURES]
     if bad:

@@ -160,3 +160,14 @@ def test_peak_bandwidth_table():
                     "NVIDIA RTX 4090"):
         peak, note = peak_bandwidth(unknown)
         assert peak is None and note.startswith("unknown"), unknown
+
+
+def test_the_roofline_preset_fits_eight_minutes():
+    """--preset roofline: issue 43's figures within 480 s of budgets; flags given too win."""
+    gpu_check = _import("gpu_check")
+
+    args = gpu_check.parse_args(["--preset", "roofline"])
+    assert args.only == ["c", "e", "g", "h"] and args.time_limit == 480
+    assert sum(args.budgets.values()) <= 480 and set(args.budgets) == set(args.only)
+    args = gpu_check.parse_args(["--preset", "roofline", "--only", "e", "--time-limit", "100"])
+    assert args.only == ["e"] and args.time_limit == 100

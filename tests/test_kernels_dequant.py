@@ -330,6 +330,7 @@ def test_split_k_reduces_inside_its_launch_and_leaves_the_counters_at_zero():
     non-zero make a split reduce before the others have written their partials."""
     from nanoserve.kernels import dequant_matmul as dm
     from nanoserve.kernels.checks import values_unread
+
     from nanoserve.tools.launch_count import LaunchCounter
 
     tensors, w = _gptq_case(320, 40, 128, True, seed=5)
