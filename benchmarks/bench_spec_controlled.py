@@ -30,7 +30,9 @@ from nanoserve.tools.controlled_draft import record_continuations, use_controlle
 
 HERE = Path(__file__).resolve().parent
 ALPHAS = (0.9, 0.8, 0.6, 0.0)
-NEW_TOKENS, REPS, GAMMA = 96, 5, 4
+NEW_TOKENS = 96  # a request's tokens
+REPS = 5  # timed runs of each engine, in turns
+GAMMA = 4
 
 
 def _timed(llm, prompts, params) -> tuple[float, list]:

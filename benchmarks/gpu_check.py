@@ -20,7 +20,7 @@ brackets):
   d  W4A16 GEMV / GEMM vs fp16 cuBLAS: K = N = 4096, 8192, group 128, M 1-16 and 64-1024 ~1 min [75 s]
   e  batch-1 decode tok/s and achieved HBM bandwidth, 1B Llama bf16, 128 + 256 tokens,
      eager, CUDA graphs, and CUDA graphs with the layers unfused (before issue 43's fused
-     layers); builds the 2 GB checkpoint                                             ~2 min   [180 s]
+     layers); builds the 2 GB checkpoint                                            ~2 min   [180 s]
   f  continuous batching vs HF generate: 256 requests x U[100, 1024] in and out, same 1B
      model; HF in static batches of 256 and 128                                     ~4 min   [300 s]
   g  int4 (RTN g128, W4A16 kernel) vs bf16 decode, same 1B model                    ~1.5 min [120 s]
@@ -29,11 +29,11 @@ brackets):
      and the trained demo / demo-draft pair                                         ~2.5 min [200 s]
   i  RMSNorm as one kernel vs the torch module: bf16, widths 2048 / 4096, 1-256 rows ~0.2 min [30 s]
 
-The estimates add up to ~13.5 min, the budgets to ~20 min (estimates are ours, unmeasured: no GPU was
-lent when this was written). On a GPU each figure runs in its own process (a CUDA fault or a hang
-loses that figure alone) and records its own error; a figure past its budget stops between
-measurements and keeps what it measured (b cannot stop early: its process is killed at budget + 45
-s; pytest is stopped at the budget), and the run starts no figure once --time-limit (1140 s) is
+The estimates add up to ~13.5 min, the budgets to ~20 min (estimates are ours, unmeasured: no GPU
+was lent when this was written). On a GPU each figure runs in its own process (a CUDA fault or a
+hang loses that figure alone) and records its own error; a figure past its budget stops between
+measurements and keeps what it measured (b cannot stop early: its process is killed at budget +
+45 s; pytest is stopped at the budget), and the run starts no figure once --time-limit (1140 s) is
 near. Exit status 1 when a figure failed or a GPU test did not pass. Without CUDA it refuses to run,
 except with --dry-run.
 """

@@ -335,10 +335,13 @@ def _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k, group_size=No
     tiles_n = triton.cdiv(N, block_n)
     out = torch.empty(M, N, dtype=a.dtype, device=a.device)  # M, N
     if split_k == 1:  # the single partial is the answer: write C directly, in A's dtype
-        p, p_strides, counts = out, (0, *out.stride()), out  # (counts: unused)
+        p = out
+        p_strides = (0, *out.stride())
+        counts = out  # (unused)
     else:
         p = torch.empty(split_k, M, N, dtype=torch.float32, device=a.device)  # S, M, N
-        p_strides, counts = p.stride(), _arrival_counts(a.device, tiles_n)
+        p_strides = p.stride()
+        counts = _arrival_counts(a.device, tiles_n)
     _dequant_gemv_kernel[(tiles_n, split_k)](
         a, qweight, qzeros, scales, g_idx.contiguous(), p, out, counts,
         M, N, K, k_per_split,
@@ -351,14 +354,17 @@ def _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k, group_size=No
 
 
 _COUNTS: dict[torch.device, torch.Tensor] = {}  # per device: the split-K arrival counters
+_OUTGROWN: list[torch.Tensor] = []  # counters a larger set replaced: kept, graphs may read them
 
 
 def _arrival_counts(device: torch.device, tiles: int) -> torch.Tensor:
     """Zeroed int32 counters, one per column tile, kept per device (every launch leaves them at 0
     again). Allocated at the first split-K launch, which the engine makes before it captures CUDA
-    graphs (a warm-up forward)."""
+    graphs (a warm-up forward); never freed, so a captured graph never reads freed memory."""
     counts = _COUNTS.get(device)
     if counts is None or counts.numel() < tiles:
+        if counts is not None:
+            _OUTGROWN.append(counts)
         counts = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
         _COUNTS[device] = counts
     return counts

@@ -72,3 +72,19 @@ def test_bad_settings_are_refused():
         ControlledDraft({}, 1.5, 100)
     with pytest.raises(ValueError, match="needs an engine built with speculative='ngram'"):
         use_controlled_draft(LLM("demo", dtype="float32"), {}, 0.5)
+
+
+def test_a_sequence_off_its_recording_gets_no_more_drafts(recorded):
+    """A recording that differs from what the target writes (at token 10 here) stops drafting for
+    that sequence from there on, and says how often; the tokens stay the target's."""
+    prompt = tuple(PROMPTS[0])
+    wrong = dict(recorded)
+    wrong[prompt] = list(recorded[prompt])
+    wrong[prompt][10] = (wrong[prompt][10] + 1) % 257
+    llm = LLM("demo", dtype="float32", speculative="ngram", num_speculative_tokens=4,
+              speculative_adaptive=False, speculative_cost=0.0)
+    draft = use_controlled_draft(llm, wrong, 1.0)
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    out = llm.generate([list(prompt)], params, use_tqdm=False)[0].outputs[0]
+    assert list(out.token_ids) == recorded[prompt]
+    assert draft.diverged > 0 and out.spec_stats.num_accepted_tokens <= 10

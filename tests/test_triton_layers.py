@@ -220,3 +220,20 @@ def test_gptq_projections_stack_too(hf_checkpoints):
     attn = fused.model.layers[0].self_attn
     attn.qkv_proj.scales = attn.qkv_proj.scales.flip(1)
     assert (_step_logits(fused, cfg, "triton", _batch(cfg)) - ref).abs().max().item() > 10 * TOL
+
+
+@torch.no_grad()
+def test_a_projection_given_its_own_copy_is_not_missed(hf_checkpoints):
+    """A weight that stopped being a view of the stack (what .to() does to each tensor) is read
+    from its own module again: a change to it reaches the output."""
+    path = hf_checkpoints["llama-gqa"][0]
+    plain, cfg, _ = load_model(path)
+    fused, _, _ = load_model(path)
+    use_triton_layers(fused)
+    for model in (plain, fused):
+        attn = model.model.layers[0].self_attn
+        attn.k_proj.weight = torch.nn.Parameter(attn.k_proj.weight.clone() * 2)
+        mlp = model.model.layers[1].mlp
+        mlp.gate_proj.weight = torch.nn.Parameter(mlp.gate_proj.weight.clone() * 2)
+    ref = _step_logits(plain, cfg, "torch", _batch(cfg))
+    assert (_step_logits(fused, cfg, "triton", _batch(cfg)) - ref).abs().max().item() <= TOL

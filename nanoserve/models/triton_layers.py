@@ -39,6 +39,8 @@ from torch import nn
 from .layers import RMSNorm, rope_cos_sin
 from .llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
 
+ROPE_CHUNK = 65536  # positions whose cos and sin are computed at once (build_rope_tables)
+
 
 class TritonRMSNorm(RMSNorm):
     """RMSNorm through `nanoserve.kernels.rms_norm` (the same conventions; statistics in float32,
@@ -156,7 +158,18 @@ class _Stacked(nn.Module):
     whether they are still the ones in place (a LoRA wrapper replaces a module by name)."""
 
     def stacked_intact(self, names: tuple[str, ...]) -> bool:
-        return all(getattr(self, n) is m for n, m in zip(names, self.stacked_from))
+        """The modules in place are those stacked, and still views of the stack (a .to() gives
+        each its own copy: the stack would then miss later changes to them)."""
+        in_place = all(getattr(self, n) is m for n, m in zip(names, self.stacked_from))
+        return in_place and all(_storage(m) == self.stack_storage for m in self.stacked_from)
+
+
+def _storage(linear: nn.Module) -> int:
+    """Where a linear's weight (a GPTQ layer's codes) lives: the stack's memory while a view."""
+    weight = getattr(linear, "weight", None)
+    if weight is None:
+        weight = linear.qweight
+    return weight.untyped_storage().data_ptr()
 
 
 # ----------------------------------------------------------------------------- fused layers
@@ -238,15 +251,23 @@ class TritonLlamaModel(LlamaModel):
         """Each RoPE kind's (cos, sin) [P, R/2] in the model's dtype, as `blocks` computes them per
         step (layers.rope_cos_sin; LongRoPE's and YaRN's factor applied to the global one)."""
         ref = self.embed_tokens.weight
-        positions = torch.arange(self.max_positions, device=ref.device)[None]  # 1, P
         self.rope_tables = {}
         for kind, inv_freq in self.inv_freq.items():
-            cos, sin = rope_cos_sin(inv_freq.to(ref.device), positions, ref.dtype)  # 1, P, 1, R
-            if kind == "global" and self.attention_factor != 1.0:
-                cos, sin = cos * self.attention_factor, sin * self.attention_factor
             half = inv_freq.shape[0]
-            self.rope_tables[kind] = (cos[0, :, 0, :half].contiguous(),
-                                      sin[0, :, 0, :half].contiguous())
+            cos = torch.empty(self.max_positions, half, dtype=ref.dtype, device=ref.device)
+            sin = torch.empty_like(cos)
+            # in chunks of positions: rope_cos_sin's float32 intermediates stay small however long
+            # the context (a 1M-position model would need GBs at once)
+            for start in range(0, self.max_positions, ROPE_CHUNK):
+                end = min(start + ROPE_CHUNK, self.max_positions)
+                positions = torch.arange(start, end, device=ref.device)[None]  # 1, n
+                c, s = rope_cos_sin(inv_freq.to(ref.device), positions, ref.dtype)  # 1, n, 1, R
+                if kind == "global" and self.attention_factor != 1.0:
+                    c = c * self.attention_factor
+                    s = s * self.attention_factor
+                cos[start:end] = c[0, :, 0, :half]
+                sin[start:end] = s[0, :, 0, :half]
+            self.rope_tables[kind] = (cos, sin)
         self.rope_tables["none"] = None
 
     def fused_blocks(self, x, positions, cache):
@@ -277,11 +298,13 @@ def _fuse_model(model: LlamaModel, max_positions: int) -> bool:
         attn.__class__ = TritonLlamaAttention
         attn.stacked_from = [getattr(attn, n) for n in TritonLlamaAttention.NAMES]
         attn.qkv_proj = stack_linears(attn.stacked_from)
+        attn.stack_storage = _storage(attn.stacked_from[0])
         if type(layer.mlp) is LlamaMLP and layer.mlp.act is torch.nn.functional.silu:
             mlp = layer.mlp
             mlp.__class__ = TritonLlamaMLP
             mlp.stacked_from = [getattr(mlp, n) for n in TritonLlamaMLP.NAMES]
             mlp.gate_up_proj = stack_linears(mlp.stacked_from)
+            mlp.stack_storage = _storage(mlp.stacked_from[0])
     model.__class__ = TritonLlamaModel
     model.max_positions = max_positions
     model.build_rope_tables()
@@ -298,7 +321,7 @@ def use_triton_layers(model: nn.Module) -> dict[str, int]:
             module.__class__ = TritonRMSNorm
             swapped["rms_norm"] += 1
     body = getattr(model, "model", None)
-    max_positions = model.config.max_position_embeddings
-    if type(body) is LlamaModel and len(body.layers) and _fuse_model(body, max_positions):
-        swapped["fused_llama_layers"] = len(body.layers)
+    if type(body) is LlamaModel and len(body.layers):
+        if _fuse_model(body, model.config.max_position_embeddings):
+            swapped["fused_llama_layers"] = len(body.layers)
     return swapped

@@ -49,6 +49,7 @@ class ControlledDraft:
         self.vocab_size = vocab_size
         self.seed = seed
         self.draft_seconds = draft_seconds
+        self.diverged = 0  # drafting calls that found a sequence off its recording (none drafted)
 
     def propose(self, rows, matchers=None):
         """(draft ids, None) for each (sequence, γ, ...) row: deterministic drafts, q one-hot."""
@@ -58,12 +59,18 @@ class ControlledDraft:
 
     def draft(self, seq, gamma: int) -> list[int]:
         """Up to γ tokens: the recorded continuation from the sequence's next position, each one
-        corrupted with probability 1 − α. None past the recording or for an unknown prompt."""
+        corrupted with probability 1 − α. None past the recording, for an unknown prompt, or once
+        the sequence left its recording (counted in `diverged`)."""
         prompt = tuple(seq.token_ids[:seq.num_prompt_tokens])
         future = self.continuations.get(prompt)
         if future is None:
             return []
         done = len(seq.token_ids) - seq.num_prompt_tokens
+        if seq.token_ids[seq.num_prompt_tokens:] != future[:done]:
+            # the target chose otherwise than in the recording (a near tie decided differently
+            # by another kernel): drafting from the recording would only be rejected
+            self.diverged += 1
+            return []
         rng = random.Random(f"{self.seed}/{hash(prompt)}/{done}")
         drafts = []
         for token in future[done:done + gamma]:
@@ -81,12 +88,17 @@ class ControlledDraft:
 
 def record_continuations(llm, prompts: list[list[int]],
                          max_tokens: int) -> dict[tuple[int, ...], list[int]]:
-    """{prompt ids: the target's greedy continuation} from a plain run of `llm` (EOS ignored)."""
+    """{prompt ids: the target's greedy continuation} from a plain run of `llm` (EOS ignored), one
+    prompt at a time, as the benchmarks then decode them (a batch could break a near tie in the
+    argmax otherwise)."""
     from ..engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    outs = llm.generate([list(p) for p in prompts], params, use_tqdm=False)
-    return {tuple(p): list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)}
+    recorded = {}
+    for p in prompts:
+        out = llm.generate([list(p)], params, use_tqdm=False)[0]
+        recorded[tuple(p)] = list(out.outputs[0].token_ids)
+    return recorded
 
 
 def use_controlled_draft(llm, continuations, alpha: float, seed: int = 0,
