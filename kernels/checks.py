@@ -157,6 +157,17 @@ def check_pools(k_cache, v_cache, k_scale=None, v_scale=None, kv_cache_dtype="au
     return quant
 
 
+def check_slot_mapping(slot_mapping, n: int, num_slots: int) -> None:
+    """A step's slots [n] (int32/int64), each −1 (padding: not written) or a slot of the pool's
+    `num_slots` (values read where that is free)."""
+    if slot_mapping.shape != (n,) or slot_mapping.dtype not in INT_DTYPES:
+        raise ValueError(f"slot_mapping must be int32/int64 [{n}], got {slot_mapping.dtype} "
+                         f"{tuple(slot_mapping.shape)}")
+    if can_read_values(slot_mapping) and slot_mapping.numel() and (
+            slot_mapping.min() < -1 or slot_mapping.max() >= num_slots):
+        raise ValueError(f"slot_mapping holds slots outside −1 .. {num_slots - 1}")
+
+
 def check_tables(block_tables, context_lens, B: int) -> None:
     """A paged read's block tables [B, max_blocks] and context lengths [B], both int32/int64."""
     if (

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import INT_DTYPES, can_read_values, check_pools
+from .checks import INT_DTYPES, can_read_values, check_pools, check_slot_mapping
 from .configs import DTYPES
 
 
@@ -187,10 +187,5 @@ def rotary_embedding_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache,
     if k_cache.dtype != k.dtype or v.stride(-1) != 1:
         raise ValueError(f"the pools' dtype {k_cache.dtype} must be k's {k.dtype}, v's last "
                          "dimension contiguous (8-bit pools: rotary_embedding, then store_kv)")
-    if slot_mapping.shape != (k.shape[0],) or slot_mapping.dtype not in INT_DTYPES:
-        raise ValueError(f"slot_mapping must be int32/int64 [{k.shape[0]}], got "
-                         f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
-    if can_read_values(slot_mapping) and slot_mapping.numel() and (
-            slot_mapping.min() < -1 or slot_mapping.max() >= nb * bs):
-        raise ValueError(f"slot_mapping holds slots outside −1 .. {nb * bs - 1}")
+    check_slot_mapping(slot_mapping, k.shape[0], nb * bs)
     return _launch(q, k, v, positions, cos, sin, k, slot_mapping, k_cache, v_cache)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .checks import INT_DTYPES, can_read_values, check_pools
+from .checks import check_pools, check_slot_mapping
 from .configs import DTYPES
 from .kv_quant import qmax, quantize_rows
 
@@ -99,12 +99,7 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=None
                          f"{tuple(v.shape)}")
     if k.dtype != v.dtype or (k.dtype != k_cache.dtype and not quant) or k.dtype not in DTYPES:
         raise ValueError(f"k, v dtypes {k.dtype}, {v.dtype} differ from the pools' {k_cache.dtype}")
-    if slot_mapping.shape != (k.shape[0],) or slot_mapping.dtype not in INT_DTYPES:
-        raise ValueError(f"slot_mapping must be int32/int64 [{k.shape[0]}], got "
-                         f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
-    if can_read_values(slot_mapping) and slot_mapping.numel() and (
-            slot_mapping.min() < -1 or slot_mapping.max() >= nb * bs):
-        raise ValueError(f"slot_mapping holds slots outside −1 .. {nb * bs - 1}")
+    check_slot_mapping(slot_mapping, k.shape[0], nb * bs)
     if k.shape[0] == 0:
         return
     k, v, slot_mapping = k.contiguous(), v.contiguous(), slot_mapping.contiguous()
