@@ -135,20 +135,14 @@ class TritonCacheView(CacheView):
 
     def rope_attention(self, layer, q, k, v, positions, cos, sin, window=None, scale=None,
                        softcap=None):
-        """`attention` with RoPE applied here: q [B·T, H, D] and k, v [B·T, Hkv, D] before rotation
-        (views of the QKV projection), `positions` [B, T], cos and sin the layer's table [P, R/2]
-        (models/triton_layers.py). A decode step into a 16/32-bit pool rotates q and k and writes
-        k, v into their slots in one kernel (kernels/rotary.py), then runs paged attention; any
-        other step rotates, then takes `attention`. Returns [B, T, H, D]."""
+        """A decode step's attention with RoPE applied here, when `fuses_rope_store`: q [B, H, D]
+        and k, v [B, Hkv, D] before rotation (views of the QKV projection), `positions` [B, 1], cos
+        and sin the layer's table [P, R/2] (models/triton_layers.py). One kernel rotates q and k
+        and writes k, v into their slots (kernels/rotary.py), then paged attention. Returns
+        [B, 1, H, D]. (Other steps: the layer rotates, then calls `attention`.)"""
         from ..kernels.paged_attention import paged_attention
-        from ..kernels.rotary import rotary_embedding, rotary_embedding_store_kv
+        from ..kernels.rotary import rotary_embedding_store_kv
 
-        B, T = positions.shape
-        H, Hkv, D = q.shape[1], k.shape[1], q.shape[2]
-        if not self.fuses_rope_store:
-            q, k = rotary_embedding(q, k, positions.reshape(-1), cos, sin)
-            return self.attention(layer, q.view(B, T, H, D), k.view(B, T, Hkv, D),
-                                  v.view(B, T, Hkv, D), positions, window, scale, softcap)
         k_cache, v_cache = self.cache.layer(layer)  # num_blocks, block_size, Hkv, D
         q = rotary_embedding_store_kv(q, k, v, positions.reshape(-1), cos, sin, k_cache, v_cache,
                                       self.meta.slot_mapping.reshape(-1))  # B, H, D

@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .layers import RMSNorm, rope_cos_sin
+from .layers import RMSNorm, attention, rope_cos_sin
 from .llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
 
 ROPE_CHUNK = 65536  # positions whose cos and sin are computed at once (build_rope_tables)
@@ -154,13 +154,26 @@ def stack_linears(linears: list[nn.Module]) -> nn.Module | None:
 
 
 class _Stacked(nn.Module):
-    """What a stacked projection remembers: the modules it was made from, so a forward can tell
-    whether they are still the ones in place (a LoRA wrapper replaces a module by name)."""
+    """A module whose projections NAMES run as one stacked linear (None where they do not stack).
+    It remembers the modules it was made from, so a forward can tell whether they are still the
+    ones in place (a LoRA wrapper replaces a module by name)."""
 
-    def stacked_intact(self, names: tuple[str, ...]) -> bool:
-        """The modules in place are those stacked, and still views of the stack (a .to() gives
-        each its own copy: the stack would then miss later changes to them)."""
-        in_place = all(getattr(self, n) is m for n, m in zip(names, self.stacked_from))
+    NAMES: tuple[str, ...] = ()
+
+    def stack(self, name: str) -> None:
+        """Stack NAMES into one linear, held as `name` (qkv_proj, gate_up_proj: vLLM's names)."""
+        self.stacked_from = [getattr(self, n) for n in self.NAMES]
+        self.stack_name = name
+        setattr(self, name, stack_linears(self.stacked_from))
+        if getattr(self, name) is not None:
+            self.stack_storage = _storage(self.stacked_from[0])
+
+    def stacked_intact(self) -> bool:
+        """A stack exists, the modules in place are those stacked, and they are still views of it
+        (a .to() gives each its own copy: the stack would then miss later changes to them)."""
+        if getattr(self, self.stack_name) is None:
+            return False
+        in_place = all(getattr(self, n) is m for n, m in zip(self.NAMES, self.stacked_from))
         return in_place and all(_storage(m) == self.stack_storage for m in self.stacked_from)
 
 
@@ -180,7 +193,7 @@ class TritonLlamaAttention(LlamaAttention, _Stacked):
 
     def project(self, x: torch.Tensor):
         """q, k, v [B, T, ·] of x: views of one GEMM's output while the stack is intact."""
-        if self.qkv_proj is None or not self.stacked_intact(self.NAMES):
+        if not self.stacked_intact():
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q_dim = self.n_heads * self.head_dim
         kv_dim = self.n_kv_heads * self.head_dim
@@ -191,7 +204,6 @@ class TritonLlamaAttention(LlamaAttention, _Stacked):
         layer's (cos, sin) rows [P, R/2], None without RoPE; `cache`: the step's CacheView (None:
         the tokens attend among themselves)."""
         from ..kernels.rotary import rotary_embedding
-        from .layers import attention
 
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
@@ -202,9 +214,9 @@ class TritonLlamaAttention(LlamaAttention, _Stacked):
         if self.qk_norm == "per_head":  # Qwen3: normalise each head's q and k
             q, k = self.q_norm(q), self.k_norm(k)
         how = dict(window=self.window, scale=self.scale, softcap=self.softcap)
-        # the triton backend's views rotate (and store) themselves; other caches (notebook 01's
-        # contiguous KVCache) get q and k rotated here
-        if table is not None and hasattr(cache, "rope_attention"):
+        # a triton view's decode step rotates and stores in one kernel; any other step or cache
+        # (a prefill, an 8-bit pool, notebook 01's contiguous KVCache) gets q and k rotated here
+        if table is not None and getattr(cache, "fuses_rope_store", False):
             y = cache.rope_attention(self.layer_idx, q, k, v, positions, *table, **how)
             return self.o_proj(y.reshape(B, T, -1))
         if table is not None:
@@ -225,7 +237,7 @@ class TritonLlamaMLP(LlamaMLP, _Stacked):
     def forward(self, x):
         from ..kernels.silu_mul import silu_and_mul
 
-        if self.gate_up_proj is None or not self.stacked_intact(self.NAMES):
+        if not self.stacked_intact():
             return super().forward(x)
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
@@ -294,17 +306,11 @@ def _fuse_model(model: LlamaModel, max_positions: int) -> bool:
         return False
     for layer in model.layers:
         layer.__class__ = TritonLlamaDecoderLayer
-        attn = layer.self_attn
-        attn.__class__ = TritonLlamaAttention
-        attn.stacked_from = [getattr(attn, n) for n in TritonLlamaAttention.NAMES]
-        attn.qkv_proj = stack_linears(attn.stacked_from)
-        attn.stack_storage = _storage(attn.stacked_from[0])
+        layer.self_attn.__class__ = TritonLlamaAttention
+        layer.self_attn.stack("qkv_proj")
         if type(layer.mlp) is LlamaMLP and layer.mlp.act is torch.nn.functional.silu:
-            mlp = layer.mlp
-            mlp.__class__ = TritonLlamaMLP
-            mlp.stacked_from = [getattr(mlp, n) for n in TritonLlamaMLP.NAMES]
-            mlp.gate_up_proj = stack_linears(mlp.stacked_from)
-            mlp.stack_storage = _storage(mlp.stacked_from[0])
+            layer.mlp.__class__ = TritonLlamaMLP
+            layer.mlp.stack("gate_up_proj")
     model.__class__ = TritonLlamaModel
     model.max_positions = max_positions
     model.build_rope_tables()
