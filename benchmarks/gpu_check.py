@@ -3,7 +3,7 @@ minutes.
 
     make gpu-check                                  # = python benchmarks/gpu_check.py
     python benchmarks/gpu_check.py --only b,d       # some figures
-    python benchmarks/gpu_check.py --preset roofline   # issue 43's figures (c, e, g, h), <= 8 min
+    python benchmarks/gpu_check.py --preset roofline   # issue 43's figures (c, e, g, h, j), <= 8 min
     python benchmarks/gpu_check.py --dry-run        # CPU, tiny shapes, Triton interpreter: checks the script
 
 Writes benchmarks/gpu_check.json (one section per figure, with device, driver / CUDA, torch / triton
@@ -19,8 +19,8 @@ brackets):
      (bench_attention.paged_vs_contiguous, split_kv)                                ~0.5 min [60 s]
   d  W4A16 GEMV / GEMM vs fp16 cuBLAS: K = N = 4096, 8192, group 128, M 1-16 and 64-1024 ~1 min [75 s]
   e  batch-1 decode tok/s and achieved HBM bandwidth, 1B Llama bf16, 128 + 256 tokens,
-     eager, CUDA graphs, and CUDA graphs with the layers unfused (before issue 43's fused
-     layers); builds the 2 GB checkpoint                                            ~2 min   [180 s]
+     eager, CUDA graphs, CUDA graphs with the layers unfused (before issue 43's fused
+     layers), CUDA graphs with async scheduling; builds the 2 GB checkpoint         ~2 min   [180 s]
   f  continuous batching vs HF generate: 256 requests x U[100, 1024] in and out, same 1B
      model; HF in static batches of 256 and 128                                     ~4 min   [300 s]
   g  int4 (RTN g128, W4A16 kernel) vs bf16 decode, same 1B model                    ~1.5 min [120 s]
@@ -28,8 +28,10 @@ brackets):
      alpha 0.9 / 0.8 / 0.6 / 0), + random 28M draft (gamma 4, fixed and adaptive),
      and the trained demo / demo-draft pair                                         ~2.5 min [200 s]
   i  RMSNorm as one kernel vs the torch module: bf16, widths 2048 / 4096, 1-256 rows ~0.2 min [30 s]
+  j  async scheduling vs the synchronous step: 64 requests of 128 + 128 tokens at once,
+     CUDA graphs, output tok/s and the same tokens                                  ~0.7 min [60 s]
 
-The estimates add up to ~13.5 min, the budgets to ~20 min (estimates are ours, unmeasured: no GPU
+The estimates add up to ~14 min, the budgets to ~21 min (estimates are ours, unmeasured: no GPU
 was lent when this was written). On a GPU each figure runs in its own process (a CUDA fault or a
 hang loses that figure alone) and records its own error; a figure past its budget stops between
 measurements and keeps what it measured (b cannot stop early: its process is killed at budget +
@@ -68,12 +70,14 @@ FIGURES = {
     "g": ("int4_decode", "gpu_check_engine", "fig_int4", 120),
     "h": ("speculative", "gpu_check_engine", "fig_speculative", 200),
     "i": ("rms_norm_kernel", "gpu_check_kernels", "fig_rms_norm", 30),
+    "j": ("async_scheduling", "gpu_check_engine", "fig_async", 60),
 }
 DRY_BUDGET_S = 120
 # --preset: a subset of figures with budgets that fit a short lease. "roofline": what issue 43's
-# decode work changes (8-bit KV decode, batch-1 bf16 with fused and unfused layers, int4,
-# speculation at controlled acceptance) in 460 s of budgets, under 8 minutes with start-up
-PRESETS = {"roofline": {"only": "c,e,g,h", "budgets": "c=60,e=150,g=100,h=150",
+# decode work changes (8-bit KV decode, batch-1 bf16 with fused and unfused layers and async
+# scheduling, int4, speculation at controlled acceptance, batch 64 sync vs async) in 460 s of
+# budgets, under 8 minutes with start-up
+PRESETS = {"roofline": {"only": "c,e,g,h,j", "budgets": "c=50,e=140,g=90,h=125,j=55",
                         "time_limit": 480.0}}
 
 

@@ -5,7 +5,8 @@ e. batch-1 decode, eager and with CUDA graphs (and with graphs but the Llama lay
 f. continuous batching vs HF `generate`, 256 requests x U[100, 1024] tokens in and out;
 g. int4 (RTN, group 128, the W4A16 kernel) vs bf16 decode;
 h. speculative decoding at T = 0 at controlled acceptance rates, with a random draft ~37x smaller,
-   and with the trained demo pair.
+   and with the trained demo pair;
+j. async scheduling vs the synchronous step: decode at batch 64, CUDA graphs, the same tokens.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ TABLES = {
             "complete"])],
     "g": [("batch-1 decode: int4 (RTN g128, W4A16 kernel) vs bf16", "rows",
            ["weights", "tok_s", "tpot_ms", "weight_gb", "achieved_tbps", "frac_of_peak"])],
+    "j": [("decode at batch 64: synchronous vs async scheduling (CUDA graphs)", "rows",
+           ["mode", "batch", "output_tok_s", "tpot_ms", "steps", "graphs_off"])],
     "h": [("speculative decoding, T = 0, batch 1", "rows",
            ["pair", "gamma", "adaptive", "alpha", "tokens_per_step", "predicted_tokens_per_step", "speedup",
             "draft_cost_c"])],
@@ -84,6 +87,16 @@ def engine_modes() -> tuple[dict, str]:
         return {"eager": {"enforce_eager": True},
                 "cuda_graphs": {"enforce_eager": False}}, "available"
     return {"eager": {}}, "not available (LLMEngine takes no enforce_eager argument)"
+
+
+def takes_async_scheduling() -> bool:
+    """Whether this nanoserve's engine takes `async_scheduling` (older checkouts do not: figure e
+    then has no async mode, and figure j has nothing to compare)."""
+    try:
+        from nanoserve.config import ENGINE_ARGS
+    except ImportError:
+        return False
+    return "async_scheduling" in ENGINE_ARGS
 
 
 def has_fused_layers() -> bool:
@@ -134,6 +147,8 @@ def fig_decode(ctx) -> dict:
     modes, graphs = engine_modes()
     if "cuda_graphs" in modes and has_fused_layers():  # the layers as before issue 43 fused them
         modes["cuda_graphs_unfused"] = modes["cuda_graphs"]
+    if "cuda_graphs" in modes and takes_async_scheduling():  # the host's work under the device's
+        modes["cuda_graphs_async"] = {**modes["cuda_graphs"], "async_scheduling": True}
     P, N, reps = (4, 4, 1) if ctx.dry else (128, 256, 3)
     res = {"model": describe(cfg), "dtype": str(_dtype(ctx)).removeprefix("torch."),
            "prompt_tokens": P,
@@ -171,9 +186,82 @@ def fig_decode(ctx) -> dict:
     if "cuda_graphs" in by_mode and "cuda_graphs_unfused" in by_mode:
         unfused = by_mode["cuda_graphs_unfused"]
         res["fused_speedup"] = by_mode["cuda_graphs"]["tok_s"] / unfused["tok_s"]
+    if "cuda_graphs" in by_mode and "cuda_graphs_async" in by_mode:
+        overlapped = by_mode["cuda_graphs_async"]
+        res["async_speedup"] = overlapped["tok_s"] / by_mode["cuda_graphs"]["tok_s"]
+        res["async_same_tokens"] = overlapped["token_ids"] == by_mode["cuda_graphs"]["token_ids"]
+        res["ok"] = res["ok"] and res["async_same_tokens"]
     for r in ok:
         r.pop("token_ids")
     return res
+
+
+def fig_async(ctx) -> dict:
+    """j. 64 greedy requests of 128 prompt + 128 new tokens at once, CUDA graphs, with the
+    synchronous step and with async scheduling: output tok/s, time per output token after the
+    first (median over requests), steps, and whether both gave the same tokens."""
+    from nanoserve import SamplingParams
+
+    path, cfg = _target(ctx)
+    B, P, N = (4, 4, 6) if ctx.dry else (64, 128, 128)
+    prompts = [random_prompt(P, seed=seed) for seed in range(B)]
+    params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
+    res = {"model": describe(cfg), "dtype": str(_dtype(ctx)).removeprefix("torch."),
+           "batch": B, "prompt_tokens": P, "new_tokens": N, "rows": []}
+    if not takes_async_scheduling():
+        raise RuntimeError("this nanoserve's engine takes no async_scheduling argument")
+    tokens = {}
+    for mode in ("sync", "async"):
+        if ctx.over():
+            res["truncated"] = f"budget spent before mode {mode}"
+            break
+        llm = None
+        try:
+            llm = _llm(path, ctx, max_num_seqs=B, async_scheduling=mode == "async")
+            row = {"mode": mode, "batch": B, "graphs_off": _graphs_off(llm),
+                   **_measure_batch(llm, prompts, params)}
+            tokens[mode] = row.pop("token_ids")
+        except Exception as e:  # one mode failing keeps the other
+            row = {"mode": mode, "error": f"{type(e).__name__}: {e}"}
+        llm = None
+        free()
+        res["rows"].append(row)
+        ctx.save(res)
+    ok = [r for r in res["rows"] if "error" not in r]
+    res["ok"] = len(ok) == 2
+    if res["ok"]:
+        res["async_speedup"] = ok[1]["output_tok_s"] / ok[0]["output_tok_s"]
+        res["same_tokens"] = tokens["sync"] == tokens["async"]
+        res["ok"] = res["same_tokens"]
+    return res
+
+
+def _measure_batch(llm, prompts, params) -> dict:
+    """One warm-up, then all the prompts at once: output tok/s, the median over requests of the
+    time per output token after the first, the engine's steps, and the token ids."""
+    llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up: compiles, captures
+    engine, steps = llm.engine, 0
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    start = time.perf_counter()
+    outs = {}
+    while engine.has_unfinished_requests():
+        steps += 1
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out
+    duration = time.perf_counter() - start
+    failed = [o.error for o in outs.values() if o.error is not None]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed, the first: {failed[0]}")
+    done = [outs[rid] for rid in sorted(outs, key=int)]
+    tpots = []
+    for out in done:
+        times = out.outputs[0].token_times
+        tpots.append((times[-1] - times[0]) / (len(times) - 1))
+    n_out = sum(len(o.outputs[0].token_ids) for o in done)
+    return {"output_tok_s": n_out / duration, "tpot_ms": 1e3 * sorted(tpots)[len(tpots) // 2],
+            "steps": steps, "token_ids": [o.outputs[0].token_ids for o in done]}
 
 
 def fig_throughput(ctx) -> dict:

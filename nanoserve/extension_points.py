@@ -23,6 +23,9 @@ before anything else can make an engine.
     structured_outputs  engine/structured_output.py   GrammarCompiler: InputProcessor compiles a
                                                       request's grammar; the engine asks it
                                                       for masks
+    async_scheduling    engine/async_step.py          OverlappedStep: LLMEngine.step, with
+                                                      async_scheduling (its ModelRunner reads
+                                                      the tokens in flight: late_tokens)
     cuda_graphs         engine/cuda_graph.py          CudaGraphRunner: ModelRunner.use_cuda_graphs
     triton_layers       models/triton_layers.py       use_triton_layers: ModelRunner, with the
                                                       triton attention backend (fused Llama
@@ -45,7 +48,8 @@ from types import ModuleType, SimpleNamespace
 from .errors import ConfigError
 
 POINTS = ("quantization", "parallel", "lora", "speculative", "token_trees", "structured_outputs",
-          "cuda_graphs", "triton_layers", "cpu_runtime", "attention_backends", "kv_quant")
+          "async_scheduling", "cuda_graphs", "triton_layers", "cpu_runtime", "attention_backends",
+          "kv_quant")
 
 _registry: dict[str, ModuleType | SimpleNamespace] = {}
 

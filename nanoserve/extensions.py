@@ -8,7 +8,7 @@ engine made after that finds its extensions. A new extension registers itself he
 from types import SimpleNamespace
 
 from . import lora
-from .engine import cpu_allocator, cuda_graph, structured_output
+from .engine import async_step, cpu_allocator, cuda_graph, structured_output
 from .extension_points import register
 from .kv import in_place
 from .kv import quant as kv_quant
@@ -27,6 +27,7 @@ register("lora", lora)  # adapters: merged at load, or one per request
 register("speculative", spec_decode)  # drafts proposed before a forward, verified after it
 register("token_trees", tree_sampler)  # Medusa's trees: positions and masks of a token tree
 register("structured_outputs", structured_output)  # grammars compiled, masks per row
+register("async_scheduling", async_step)  # each step launched before the last one's tokens are in
 register("cuda_graphs", cuda_graph)  # decode steps replayed from recorded graphs
 register("triton_layers", triton_layers)  # fused Llama layers: one kernel where torch has several
 register("cpu_runtime", SimpleNamespace(  # CPU GEMMs through oneDNN; malloc and huge pages

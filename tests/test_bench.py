@@ -96,6 +96,18 @@ def test_sliding_window_benchmark_quick_mode(tmp_path):
     assert "output tok/s" in stdout
 
 
+def test_async_step_benchmark_quick_mode(tmp_path):
+    """bench_async_step.py --quick: both modes give the same tokens, and each step splits into a
+    forward and the host's work (no speed is asserted)."""
+    res, stdout = run_quick("bench_async_step.py", tmp_path)
+    assert [(r["batch"], r["mode"]) for r in res["rows"]] == [(1, "sync"), (1, "async"),
+                                                              (3, "sync"), (3, "async")]
+    for row in res["rows"]:
+        assert row["same_tokens"] and row["steady_steps"] > 0
+        assert 0 < row["forward_ms"] < row["step_ms"] and 0 < row["host_share"] < 1
+    assert "host_share" in stdout
+
+
 def test_structured_outputs_benchmark_quick_mode(tmp_path):
     """bench_structured.py --quick runs both ways and records the mask's time inside the constrained
     steps (no speed is asserted: tests never depend on speed)."""

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
-FIGURES = "abcdefghi"
+FIGURES = "abcdefghij"
 
 
 def _run(*args, timeout=240):
@@ -65,10 +65,12 @@ def test_dry_run_measures_every_figure(tmp_path):
                          r["gemm_kernel_us"]) and r["rel_error"] < 1e-2
     assert {r["kernel"] for r in figs["d"]["rows"]} == {"gemv", "gemm"}
     e = figs["e"]
-    assert [r["mode"] for r in e["rows"]] == ["eager", "cuda_graphs", "cuda_graphs_unfused"]
+    assert [r["mode"] for r in e["rows"]] == ["eager", "cuda_graphs", "cuda_graphs_unfused",
+                                              "cuda_graphs_async"]
     for row in e["rows"]:
         assert "error" not in row and _positive(row["tok_s"], row["weight_gb"])
-    assert e["cuda_graphs"] == "available" and _positive(e["fused_speedup"])
+    assert e["cuda_graphs"] == "available" and _positive(e["fused_speedup"], e["async_speedup"])
+    assert e["async_same_tokens"]
     assert e["peak_tbps"] is None and e["peak_source"].startswith("unknown")
     f = figs["f"]
     ours, hf = f["rows"][0], f["rows"][1]
@@ -94,7 +96,10 @@ def test_dry_run_measures_every_figure(tmp_path):
                                               "tokens_per_step"))
     for r in figs["i"]["rows"]:
         assert _positive(r["torch_us"], r["kernel_us"]) and r["max_abs_diff"] < 1e-5
-    assert "9 of 9 figures ok" in proc.stdout
+    j = figs["j"]
+    assert [r["mode"] for r in j["rows"]] == ["sync", "async"] and j["same_tokens"]
+    assert all(_positive(r["output_tok_s"], r["tpot_ms"], r["steps"]) for r in j["rows"])
+    assert "10 of 10 figures ok" in proc.stdout
 
 
 def test_isolated_figures_and_the_time_limit(tmp_path):
@@ -167,7 +172,7 @@ def test_the_roofline_preset_fits_eight_minutes():
     gpu_check = _import("gpu_check")
 
     args = gpu_check.parse_args(["--preset", "roofline"])
-    assert args.only == ["c", "e", "g", "h"] and args.time_limit == 480
+    assert args.only == ["c", "e", "g", "h", "j"] and args.time_limit == 480
     assert sum(args.budgets.values()) <= 480 and set(args.budgets) == set(args.only)
     args = gpu_check.parse_args(["--preset", "roofline", "--only", "e", "--time-limit", "100"])
     assert args.only == ["e"] and args.time_limit == 100

@@ -110,8 +110,9 @@ def test_a_fault_while_forking_n_samples_frees_every_child(solo):
     assert engine.block_allocator.num_free_blocks() == engine.block_allocator.num_blocks
 
 
-def test_nan_logits_in_one_row_fail_that_request(solo):
-    engine = LLMEngine.from_kwargs("demo")
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_nan_logits_in_one_row_fail_that_request(solo, async_scheduling):
+    engine = LLMEngine.from_kwargs("demo", async_scheduling=async_scheduling)
     run = engine.runner.run
 
     def poisoned(seqs, num_new, num_logits=None):  # as an fp16 overflow in one sequence would
@@ -126,8 +127,10 @@ def test_nan_logits_in_one_row_fail_that_request(solo):
     _assert_isolated(engine, _drive(engine), solo, "NaN logits for request 'bad'")
 
 
-def test_a_failed_forward_fails_its_batch_and_the_engine_serves_on(solo):
-    engine = LLMEngine.from_kwargs("demo", max_num_seqs=2)  # "c" waits outside the failing batch
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_failed_forward_fails_its_batch_and_the_engine_serves_on(solo, async_scheduling):
+    # "c" waits outside the failing batch
+    engine = LLMEngine.from_kwargs("demo", max_num_seqs=2, async_scheduling=async_scheduling)
     run, calls = engine.runner.run, []
 
     def once(seqs, num_new, num_logits=None):

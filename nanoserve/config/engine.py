@@ -37,6 +37,19 @@ class EngineConfig:
                 raise ConfigError(f"EngineConfig.{f.name} must be a {want.__name__}, "
                                   f"got {type(value).__name__}")
         self._check_parallel()
+        self._check_async_scheduling()
+
+    def _check_async_scheduling(self) -> None:
+        """What a step launched before the last one's tokens are known cannot run, refused by
+        name."""
+        if not self.scheduler.async_scheduling:
+            return
+        if self.speculative is not None:
+            raise NanoserveError("async_scheduling does not combine with speculative decoding "
+                                 "(drafting needs the last token on the host); turn one off")
+        if self.parallel.world_size > 1:
+            raise NanoserveError("async_scheduling is not supported with "
+                                 f"{self.parallel.size_name} yet")
 
     def _check_parallel(self) -> None:
         """What the split engine does not run yet, refused by name."""

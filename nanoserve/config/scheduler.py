@@ -17,8 +17,13 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # new tokens in one forward (the token budget)
     enable_chunked_prefill: bool = True
     max_waiting: int | None = None  # None = unbounded
+    # schedule and launch step N + 1 before step N's tokens reach the host (engine/async_step.py)
+    async_scheduling: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.async_scheduling, bool):
+            raise NanoserveError(f"async_scheduling must be True or False, got "
+                                 f"{self.async_scheduling!r}")
         check_int("max_num_seqs", self.max_num_seqs)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens)
         check_int("max_waiting", self.max_waiting, optional=True)
@@ -41,4 +46,7 @@ SCHEDULER_ARGS: dict[str, EngineArg] = {
                                   "split long prompts over steps, beside the decodes"),
     "max_waiting": arg("scheduler", "max_waiting",
                        "waiting-queue bound: beyond it requests get 429"),
+    "async_scheduling": arg("scheduler", "async_scheduling",
+                            "launch each step before the last one's tokens reach the host "
+                            "(tokens come back one step late)"),
 }

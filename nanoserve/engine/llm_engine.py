@@ -148,6 +148,10 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.last_num_seqs = 0  # sequences in the latest forward (for occupancy plots)
+        # async scheduling: each step launched before the last one's tokens reach the host
+        self.overlap = None
+        if config.scheduler.async_scheduling:
+            self.overlap = extension("async_scheduling").OverlappedStep(self)
 
     @classmethod
     def from_kwargs(cls, model: str = "demo", **kwargs) -> LLMEngine:
@@ -210,6 +214,14 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ one iteration
     def step(self) -> list[RequestOutput]:
+        """One iteration: the outputs of the requests that advanced (or failed). With
+        async_scheduling, a step whose tokens come back one step late (engine/async_step.py);
+        else `sync_step`."""
+        if self.overlap is not None:
+            return self.overlap.step()
+        return self.sync_step()
+
+    def sync_step(self) -> list[RequestOutput]:
         """Schedule → forward → update → sample; the outputs of the requests that advanced (or
         failed).
 
@@ -346,12 +358,16 @@ class LLMEngine:
         """One sampled token: into the output (stop conditions, logprobs), then into the
         sequence."""
         if has_nan:
-            raise RequestFailedError("the model produced NaN logits for request "
-                                     f"{req.output.request_id!r} at position {len(s.seq)} (an "
-                                     f"overflow in {self.dtype}?)")
+            raise self.nan_error(req, len(s.seq))
         finished = req.emit(s, token, lp)
         self.scheduler.postprocess(s.seq, [token], finished)
         done[req.output.request_id] = req.output
+
+    def nan_error(self, req: Request, position: int) -> RequestFailedError:
+        """The error that fails a request whose logits held NaN at `position`."""
+        return RequestFailedError("the model produced NaN logits for request "
+                                  f"{req.output.request_id!r} at position {position} (an "
+                                  f"overflow in {self.dtype}?)")
 
     def _collect(self, done: dict[str, RequestOutput]) -> list[RequestOutput]:
         for rid, out in done.items():

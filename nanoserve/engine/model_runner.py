@@ -141,6 +141,9 @@ class ModelRunner:
         # (Medusa's and EAGLE's proposers keep the model's hidden states: spec/medusa.py,
         # eagle_proposer.py)
         self.after_forward: list[Callable] = []
+        # async scheduling: the tokens the step in flight sampled, still on the device; `prepare`
+        # puts them where their sequences hold a placeholder (engine/async_step.py's LateTokens)
+        self.late_tokens = None
 
     def use_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> str | None:
         """Capture decode CUDA graphs (engine/cuda_graph.py); returns why not when they cannot serve
@@ -194,8 +197,11 @@ class ModelRunner:
         logit_index = host_tensor(logit_positions(num_new, num_logits, K), (B, K))
         common = CommonAttentionMetadata.build(slot_mapping, block_tables, context_lens)
         meta = self.kv.build_metadata(common, trees)  # the backend's own (kv/metadata.py)
-        return ForwardInputs(self._to_device(input_ids), self._to_device(positions),
-                             self._to_device(logit_index), meta.to(self.device))
+        input_ids = self._to_device(input_ids)
+        if self.late_tokens is not None:  # some rows' newest token is known on the device only
+            self.late_tokens.fill(input_ids, seqs, num_new)
+        return ForwardInputs(input_ids, self._to_device(positions), self._to_device(logit_index),
+                             meta.to(self.device))
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, non_blocking=True)

@@ -33,6 +33,7 @@ from .sampling_params import SamplingParams
 
 __all__ = ["SamplingParams", "apply_repetition_penalty", "apply_penalties", "process_logits",
            "probs_from_logits", "probs_from_logits_batch", "sample_next", "sample_batch",
+           "sample_batch_on_device",
            "greedy_argmax", "mask_from", "make_generator"]
 
 _F32 = torch.finfo(torch.float32)
@@ -134,7 +135,6 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, seen_ids: torch.Te
     return tokens[0]
 
 
-@torch.inference_mode()  # (also faster on CPU: no autograd bookkeeping on the fresh tensors)
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
                  seen: list[torch.Tensor | None],
                  generators: list[torch.Generator | None],
@@ -146,6 +146,22 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
     one each). Returns the tokens and which rows held a NaN (their token means nothing: the engine
     fails those requests). Each seeded row draws from its own generator, so a row's draws do not
     depend on its neighbours (tests/test_sampling.py holds it to the written-out law)."""
+    tokens, nan = sample_batch_on_device(logits, params, seen, generators, outputs, stop_ids)
+    host = torch.cat([tokens, nan.long()]).tolist()  # the one sync
+    R = len(params)
+    return host[:R], [bool(b) for b in host[R:]]
+
+
+@torch.inference_mode()  # (also faster on CPU: no autograd bookkeeping on the fresh tensors)
+def sample_batch_on_device(logits: torch.Tensor, params: list[SamplingParams],
+                           seen: list[torch.Tensor | None],
+                           generators: list[torch.Generator | None],
+                           outputs: list[Sequence[int]] | None = None,
+                           stop_ids: list[Collection[int]] | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_batch` without the transfer: the tokens [R] and the NaN flags [R] stay on the
+    logits' device, read by no one yet (async scheduling feeds them to the next step's forward
+    before the host sees them: engine/async_step.py)."""
     outputs = outputs or [()] * len(params)
     stop_ids = stop_ids or [()] * len(params)
     reshaped = [i for i, p in enumerate(params) if p.reshapes_logits]
@@ -177,9 +193,7 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
         # S × [1]
         drawn = [torch.multinomial(p, 1, generator=generators[i]) for p, i in zip(probs, rows)]
         tokens = tokens.index_copy(0, torch.tensor(rows, device=logits.device), torch.cat(drawn))
-    host = torch.cat([tokens, nan.long()]).tolist()  # the one sync
-    R = len(params)
-    return host[:R], [bool(b) for b in host[R:]]
+    return tokens, nan
 
 
 def probs_from_logits_batch(logits: torch.Tensor, temperatures: Sequence[float],

@@ -20,8 +20,8 @@ block copies the model runner must apply.
 
 **It owns every sequence's state.** Besides `schedule()`, the only writes to a `Sequence` after
 it is built are the methods below the line "after the forward" (`advance`, `postprocess`,
-`fork`, `finish`, and speculation's `extend` / `rollback`), and the block allocator's own
-writes to block tables — which the scheduler drives. The model runner only reads sequences; the
+`fill_in`, `fork`, `finish`, and speculation's `extend` / `rollback`), and the block allocator's
+own writes to block tables — which the scheduler drives. The model runner only reads sequences; the
 engine, speculation and the batchers call these methods (tests/test_ownership.py checks it).
 Taught in notebooks/03_*.
 """
@@ -202,6 +202,13 @@ class Scheduler:
             # a sliding-window model: blocks no query sees again
             self.block_allocator.free_out_of_window(seq)
             seq.needs_slot = True
+
+    def fill_in(self, seq: Sequence, position: int, token: int) -> None:
+        """Async scheduling (engine/async_step.py): the token sampled for position `position`,
+        which `postprocess` held with a placeholder while it was still on the device, is known.
+        Its K/V may already exist (the next step computed it from the device's copy), so it must
+        be in place before the prefix cache seals that block (the next `advance`)."""
+        seq.token_ids[position] = token
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """A parallel sample (SamplingParams.n): `child` shares parent's blocks and joins the
