@@ -2,6 +2,11 @@
 spills.
 
     python benchmarks/bench_kernels_compile.py [--out benchmarks/kernels_compile.json] [--jobs 2]
+    PYTHONPATH=/tmp/triton36 python benchmarks/bench_kernels_compile.py \
+        --out benchmarks/kernels_compile_triton36.json   # under the GPU image's Triton 3.6.0
+
+(Triton 3.6.0 installed apart: `pip install --no-deps --target /tmp/triton36 triton==3.6.0`;
+benchmarks/RESULTS.md, "The compile matrix under Triton 3.6.0".)
 
 Triton compiles for a GPU it does not have (`triton.compile(..., target=GPUTarget("cuda", arch,
 32))`) and its ptxas reports registers and spills. Each row calls a *launcher* (flash_attention,
