@@ -161,18 +161,7 @@ def fig_decode(ctx) -> dict:
         if ctx.over():
             res["truncated"] = f"budget spent before mode {mode}"
             break
-        llm = None
-        try:
-            with unfused_layers() if mode.endswith("unfused") else nullcontext():
-                llm = _llm(path, ctx, max_num_seqs=BATCH1_SEQS, **kw)
-            row = {"mode": mode, "graphs_off": _graphs_off(llm),
-                   **measure_decode(llm, P, N, reps, peak)}
-        except Exception as e:  # one mode failing keeps the other
-            row = {"mode": mode, "error": f"{type(e).__name__}: {e}"}
-        llm = None
-        free()
-        res["rows"].append(row)
-        ctx.save(res)
+        _add_mode_row(res, ctx, mode, _batch1_row, path, ctx, mode, kw, (P, N, reps, peak))
     ok = [r for r in res["rows"] if "error" not in r]
     # a mode that failed fails the run's exit status
     res["ok"] = len(ok) == len(res["rows"]) == len(modes)
@@ -210,30 +199,44 @@ def fig_async(ctx) -> dict:
            "batch": B, "prompt_tokens": P, "new_tokens": N, "rows": []}
     if not takes_async_scheduling():
         raise RuntimeError("this nanoserve's engine takes no async_scheduling argument")
-    tokens = {}
     for mode in ("sync", "async"):
         if ctx.over():
             res["truncated"] = f"budget spent before mode {mode}"
             break
-        llm = None
-        try:
-            llm = _llm(path, ctx, max_num_seqs=B, async_scheduling=mode == "async")
-            row = {"mode": mode, "batch": B, "graphs_off": _graphs_off(llm),
-                   **_measure_batch(llm, prompts, params)}
-            tokens[mode] = row.pop("token_ids")
-        except Exception as e:  # one mode failing keeps the other
-            row = {"mode": mode, "error": f"{type(e).__name__}: {e}"}
-        llm = None
-        free()
-        res["rows"].append(row)
-        ctx.save(res)
+        _add_mode_row(res, ctx, mode, _batch_row, path, ctx, mode == "async", prompts, params)
     ok = [r for r in res["rows"] if "error" not in r]
     res["ok"] = len(ok) == 2
     if res["ok"]:
         res["async_speedup"] = ok[1]["output_tok_s"] / ok[0]["output_tok_s"]
-        res["same_tokens"] = tokens["sync"] == tokens["async"]
+        res["same_tokens"] = ok[0]["token_ids"] == ok[1]["token_ids"]
         res["ok"] = res["same_tokens"]
+    for r in ok:
+        r.pop("token_ids")
     return res
+
+
+def _add_mode_row(res: dict, ctx, mode: str, measure, *args) -> None:
+    """`measure(*args)`'s row for `mode` into res["rows"] (its error instead: the other modes go
+    on), its engine freed, what was measured so far saved."""
+    try:
+        row = {"mode": mode, **measure(*args)}
+    except Exception as e:
+        row = {"mode": mode, "error": f"{type(e).__name__}: {e}"}
+    free()
+    res["rows"].append(row)
+    ctx.save(res)
+
+
+def _batch1_row(path, ctx, mode: str, kw: dict, decode_args: tuple) -> dict:
+    with unfused_layers() if mode.endswith("unfused") else nullcontext():
+        llm = _llm(path, ctx, max_num_seqs=BATCH1_SEQS, **kw)
+    return {"graphs_off": _graphs_off(llm), **measure_decode(llm, *decode_args)}
+
+
+def _batch_row(path, ctx, overlap: bool, prompts, params) -> dict:
+    llm = _llm(path, ctx, max_num_seqs=len(prompts), async_scheduling=overlap)
+    return {"batch": len(prompts), "graphs_off": _graphs_off(llm),
+            **_measure_batch(llm, prompts, params)}
 
 
 def _measure_batch(llm, prompts, params) -> dict:
