@@ -172,6 +172,14 @@ def _watch_steady_steps(engine: LLMEngine, monkeypatch) -> list[tuple[list[int],
             return out
         return run
 
+    fill, fills = async_step.LateTokens.fill, []
+
+    def watched_fill(late, *args):  # inside prepare, but on the device: its reads count
+        before = len(spy.calls)
+        fill(late, *args)
+        fills.append(spy.calls[before:])
+
+    monkeypatch.setattr(async_step.LateTokens, "fill", watched_fill)
     monkeypatch.setattr(ModelRunner, "execute", watched_execute)
     monkeypatch.setattr(ModelRunner, "prepare", unwatched(prepare))
     monkeypatch.setattr(CommonAttentionMetadata, "build", staticmethod(unwatched(build)))
@@ -182,6 +190,8 @@ def _watch_steady_steps(engine: LLMEngine, monkeypatch) -> list[tuple[list[int],
             engine.step()
         steps.append((newest[0], spy.calls))
     monkeypatch.undo()
+    assert all(reads == [] for reads in fills), fills  # the device's tokens put in place unread
+    assert len(fills) == (3 if engine.overlap is not None else 0)
     return steps
 
 
@@ -218,6 +228,56 @@ def test_a_failed_draw_fails_its_rows_and_a_prefill_beside_it_goes_on(monkeypatc
     assert "injected fault in the draw" in done["0"].error
     assert done["1"].error is None and done["1"].outputs[0].token_ids == sync["1"][0][0]
     assert engine.block_allocator.num_free_blocks() == engine.block_allocator.num_blocks
+
+
+def test_a_request_id_reused_while_the_old_token_is_in_flight_gets_its_own_tokens():
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    sync = _run(LLMEngine.from_kwargs("demo"), ["KING:"], [params])
+    engine = LLMEngine.from_kwargs("demo", async_scheduling=True)
+    engine.add_request("ROMEO:", params, request_id="0")
+    engine.step()
+    engine.step()
+    engine.abort_request("0")  # its token is in flight
+    assert _run(engine, ["KING:"], [params]) == sync
+
+
+def test_a_failed_forward_after_a_stop_token_in_flight_does_not_fail_the_stopped_request():
+    params = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[32])
+    sync = _run(LLMEngine.from_kwargs("demo"), ["ROMEO:"], [params])
+    assert sync["0"][0][2] == "stop" and len(sync["0"][0][0]) == 3  # it stops at its third token
+    engine = LLMEngine.from_kwargs("demo", async_scheduling=True)
+    run, calls = engine.runner.run, []
+
+    def fourth_fails(*args, **kwargs):  # the forward launched while the stop token is in flight
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("injected fault in the forward")
+        return run(*args, **kwargs)
+
+    engine.runner.run = fourth_fails
+    assert _run(engine, ["ROMEO:"], [params]) == sync and len(calls) == 4
+
+
+def test_a_sequence_whose_last_token_is_known_by_length_costs_no_extra_forward():
+    counts = {}
+    for overlap in (False, True):
+        engine = LLMEngine.from_kwargs("demo", async_scheduling=overlap)
+        calls = _count_forwards(engine)
+        _run(engine, ["ROMEO:", "KING:"], [SamplingParams(temperature=0, max_tokens=n,
+                                                          ignore_eos=True) for n in (1, 7)])
+        counts[overlap] = len(calls)
+    assert counts[True] == counts[False] == 7
+
+
+def _count_forwards(engine: LLMEngine) -> list:
+    run, calls = engine.runner.run, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return run(*args, **kwargs)
+
+    engine.runner.run = counted
+    return calls
 
 
 def test_the_servers_async_engine_streams_the_same_tokens():

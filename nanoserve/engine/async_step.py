@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import is_fatal
 from .llm_engine import EngineStep, LLMEngine
 from .outputs import RequestOutput
 from .request import Request, Sample, logit_rows
@@ -161,7 +162,7 @@ class OverlappedStep:
         if self.in_flight is not None:
             engine.runner.late_tokens = LateTokens(self.in_flight)
         try:
-            logits = engine.isolated(step.sched.seqs, step.done, engine._forward, step)
+            logits = self._isolated(step.sched.seqs, step.done, engine._forward, step)
         finally:
             engine.runner.late_tokens = None
         if logits is None:
@@ -170,7 +171,20 @@ class OverlappedStep:
         due = [row for row, (seq, n) in enumerate(zip(sched.seqs, sched.num_new))
                if seq.num_computed_tokens + n == len(seq)]  # the rest: prefill chunks
         seqs = [sched.seqs[row] for row in due]
-        return due, engine.isolated(seqs, step.done, self._draw, logits, due, seqs)
+        return due, self._isolated(seqs, step.done, self._draw, logits, due, seqs)
+
+    def _isolated(self, seqs: list[Sequence], done: dict, fn, *args):
+        """`LLMEngine.isolated` for this step's forward and draw: on a fault the tokens in flight
+        are taken in first, so a request they finish ends as it would have (not failed by a
+        step it no longer needed); the rest of `seqs` fail."""
+        try:
+            return fn(*args)
+        except Exception as e:
+            if is_fatal(e):
+                raise
+            self._take_in(done)
+            live = [seq for seq in seqs if seq.status in LIVE]
+            return self.engine.isolated(live, done, _reraise, e)
 
     def _draw(self, logits, due: list[int], seqs: list[Sequence]):
         """(tokens [R], NaN flags [R]) on the device for the rows in `due`."""
@@ -232,8 +246,8 @@ class OverlappedStep:
             return
         tokens, nan = in_flight.host_values()
         for row in in_flight.rows:
-            if row.req.output.request_id not in self.engine.requests:
-                continue  # aborted, or failed, since its step was launched
+            if self.engine.requests.get(row.req.output.request_id) is not row.req:
+                continue  # aborted or failed since its step was launched (its id maybe reused)
             self.engine.isolated([row.sample.seq], done, self._emit, row, tokens[row.index],
                                  nan[row.index], done)
 
@@ -248,3 +262,7 @@ class OverlappedStep:
         if finished and seq.status in LIVE:
             self.engine.scheduler.finish(seq)
         done[row.req.output.request_id] = row.req.output
+
+
+def _reraise(error: Exception):
+    raise error
