@@ -44,7 +44,7 @@ TABLES = {
            ["mode", "batch", "output_tok_s", "tpot_ms", "steps", "graphs_off"])],
     "h": [("speculative decoding, T = 0, batch 1", "rows",
            ["pair", "gamma", "adaptive", "alpha", "tokens_per_step", "predicted_tokens_per_step", "speedup",
-            "draft_cost_c"])],
+            "draft_cost_c", "verify_graphs"])],
 }
 
 
@@ -409,7 +409,9 @@ def _spec_row(llm, prompts, max_tokens, base_s, **info) -> dict:
     step = base_s / n_out  # one target decode step
     plain = n_out - tot["num_emitted_tokens"]
     cost = ((seconds / step - plain) / tot["num_steps"] - 1) / gamma if tot["num_steps"] else None
-    return {**info, **tot, "alpha": alpha,
+    graphs = llm.engine.runner.graphs  # verification graphs captured (0: verification ran eagerly)
+    verify_graphs = 0 if graphs is None else len(getattr(graphs, "verify_graphs", {}))
+    return {**info, **tot, "alpha": alpha, "verify_graphs": verify_graphs,
             "tokens_per_step": tot["num_emitted_tokens"] / tot["num_steps"] if tot["num_steps"] else None,
             "predicted_tokens_per_step": expected_tokens_per_step(alpha, gamma) if alpha is not None else None,
             "seconds": seconds, "speedup": base_s / seconds, "draft_cost_c": cost}

@@ -164,14 +164,6 @@ def _watch_steady_steps(engine: LLMEngine, monkeypatch) -> list[tuple[list[int],
         spy.calls.append(("forward", "-"))
         return execute(runner, inputs)  # (watched too: it reads nothing back)
 
-    def unwatched(fn):
-        def run(*args, **kwargs):
-            before = len(spy.calls)
-            out = fn(*args, **kwargs)
-            del spy.calls[before:]
-            return out
-        return run
-
     fill, fills = async_step.LateTokens.fill, []
 
     def watched_fill(late, *args):  # inside prepare, but on the device: its reads count
@@ -181,8 +173,8 @@ def _watch_steady_steps(engine: LLMEngine, monkeypatch) -> list[tuple[list[int],
 
     monkeypatch.setattr(async_step.LateTokens, "fill", watched_fill)
     monkeypatch.setattr(ModelRunner, "execute", watched_execute)
-    monkeypatch.setattr(ModelRunner, "prepare", unwatched(prepare))
-    monkeypatch.setattr(CommonAttentionMetadata, "build", staticmethod(unwatched(build)))
+    monkeypatch.setattr(ModelRunner, "prepare", spy.unwatched(prepare))
+    monkeypatch.setattr(CommonAttentionMetadata, "build", staticmethod(spy.unwatched(build)))
     steps = []
     for _ in range(3):
         spy.calls, newest[:] = [], []
@@ -196,9 +188,9 @@ def _watch_steady_steps(engine: LLMEngine, monkeypatch) -> list[tuple[list[int],
 
 
 def test_overlap_negative_control_a_wrong_id_where_a_placeholder_is_is_caught(monkeypatch):
-    def wrong_ids(self, in_flight):  # the right places, the wrong ids
-        self.tokens = torch.zeros_like(in_flight.tokens)
-        self.index_of = {row.sample.seq.seq_id: row.index for row in in_flight.rows}
+    def wrong_ids(self, tokens, index_of):  # the right places, the wrong ids
+        self.tokens = torch.zeros_like(tokens)
+        self.index_of = index_of
 
     monkeypatch.setattr(async_step.LateTokens, "__init__", wrong_ids)
     sync, overlapped, _ = _both(max_num_seqs=3)

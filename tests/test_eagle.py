@@ -123,10 +123,13 @@ def test_sampling_keeps_the_targets_joint_law(eagle_trained, monkeypatch, accept
     law = _joint_law3(eagle_trained[1], "ROMEO:\n", SamplingParams(**settings))
     # the control: the head's drafts kept without the min(1, p/q) test (the bonus from p)
     if accept_all:
-        def keep(draft, q, p, generator=None):
-            return draft.tolist() + [int(torch.multinomial(p[len(draft)].double(), 1,
-                                                           generator=generator))], len(draft)
-        monkeypatch.setattr("nanoserve.spec.spec_decode.rejection_sample", keep)
+        def keep(draft, q, p, lengths, generators, check_inputs=True):
+            out = torch.full((len(lengths), draft.shape[1] + 1), -1)
+            for b, (n, g) in enumerate(zip(lengths, generators)):
+                out[b, :n] = draft[b, :n]
+                out[b, n] = torch.multinomial(p[b, n].double(), 1, generator=g)
+            return out, torch.tensor(lengths)
+        monkeypatch.setattr("nanoserve.spec.batch_verify.rejection_sample_batch", keep)
     # budget: every row
     llm = _llm(eagle_trained[0], gamma=2, max_num_seqs=128, max_num_batched_tokens=4096)
     n = 1500

@@ -139,10 +139,14 @@ def test_sampling_keeps_the_targets_joint_law(trained, monkeypatch, accept_all):
     settings = dict(temperature=1.0, top_k=6, max_tokens=3, ignore_eos=True)
     law = _joint_law(trained[1], "ROMEO:\n", SamplingParams(**settings))
     if accept_all:  # the control: keep every draft, draw only the bonus token from p
-        def accept_every_draft(draft, q, p, generator):
-            return draft.tolist() + [int(torch.multinomial(p[-1], 1,
-                                                           generator=generator))], len(draft)
-        monkeypatch.setattr("nanoserve.spec.spec_decode.rejection_sample", accept_every_draft)
+        def accept_every_draft(draft, q, p, lengths, generators, check_inputs=True):
+            out = torch.full((len(lengths), draft.shape[1] + 1), -1)
+            for b, (n, g) in enumerate(zip(lengths, generators)):
+                out[b, :n] = draft[b, :n]
+                out[b, n] = torch.multinomial(p[b, n], 1, generator=g)
+            return out, torch.tensor(lengths)
+        monkeypatch.setattr("nanoserve.spec.batch_verify.rejection_sample_batch",
+                            accept_every_draft)
     pairs, stats = _first_two(trained, settings, 2000)
     # the second token came from verifications
     assert sum(s.num_draft_tokens for s in stats if s) > 1000

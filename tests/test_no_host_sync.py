@@ -54,6 +54,16 @@ class SyncSpy(TorchFunctionMode):
             self.calls.append((name, caller))
         return func(*args, **(kwargs or {}))
 
+    def unwatched(self, fn):
+        """fn with its reads left out of the record: host-side work that reads CPU tensors by
+        design (building a step's inputs)."""
+        def run(*args, **kwargs):
+            before = len(self.calls)
+            out = fn(*args, **kwargs)
+            del self.calls[before:]
+            return out
+        return run
+
 
 def _watched_step(engine: LLMEngine, monkeypatch) -> list[tuple[str, str]]:
     """One engine step with the forward and the sampler watched; returns the reads they made."""

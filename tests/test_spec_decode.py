@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from nanoserve import LLM, NanoserveError, SamplingParams
-from nanoserve.spec.spec_decode import SpecDecoder
+from nanoserve.spec import spec_decode
+from nanoserve.spec.batch_verify import verify_batch
 
 PROMPTS = ["ROMEO:\nWhat light through yonder", "To be, or not to be",
            "First Citizen:\nBefore we proceed any further,",
@@ -133,12 +134,12 @@ def test_abort_mid_generation_frees_both_pools():
 def test_verification_read_one_position_late_is_caught(plain, monkeypatch):
     """Negative control: verify draft i against the logits of position i + 1 (an off-by-one in the
     verification index) and the greedy output is no longer the target's."""
-    accept = SpecDecoder.accept
+    def shifted(rows):  # each row's logits: γ+1, V
+        for r in rows:
+            r.logits = torch.cat([r.logits[1:], r.logits[-1:]])
+        return verify_batch(rows)
 
-    def shifted(self, prop, logits):  # logits: γ+1, V
-        return accept(self, prop, torch.cat([logits[1:], logits[-1:]]))
-
-    monkeypatch.setattr(SpecDecoder, "accept", shifted)
+    monkeypatch.setattr(spec_decode, "verify_batch", shifted)
     llm = LLM("demo", block_size=4, speculative_model="demo-draft", num_speculative_tokens=4,
               speculative_adaptive=False)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)

@@ -39,6 +39,7 @@ from nanoserve.spec.rejection_sampler import (
     acceptance_rate,
     expected_tokens_per_step,
     greedy_verify,
+    greedy_verify_batch,
     rejection_sample,
     rejection_sample_batch,
     residual_distribution,
@@ -266,6 +267,24 @@ def test_one_hot_p_reproduces_greedy_verify():
         one_hot_p = torch.nn.functional.one_hot(best, 5).float()
         assert rejection_sample(draft, q, one_hot_p, g) == greedy_verify(draft, logits)
         assert rejection_sample(draft, None, one_hot_p, g) == greedy_verify(draft, logits)
+
+
+def test_greedy_batch_agrees_with_single_row_form():
+    """greedy_verify_batch (the engine's, on the device) against greedy_verify row by row, with
+    ragged draft lengths and drafts that mostly follow the target's argmax."""
+    g = gen(43)
+    B, gamma, vocab = 9, 5, 6
+    for _ in range(60):
+        logits = torch.randn(B, gamma + 1, vocab, generator=g)  # B, γ+1, V
+        best = logits.argmax(-1)
+        draft = torch.where(torch.rand(B, gamma, generator=g) < 0.8, best[:, :gamma],
+                            torch.randint(vocab, (B, gamma), generator=g))  # B, γ
+        lengths = torch.randint(0, gamma + 1, (B,), generator=g).tolist()
+        out, acc = greedy_verify_batch(draft, logits, lengths)
+        for b, n in enumerate(lengths):
+            tokens, a = greedy_verify(draft[b, :n], logits[b, :n + 1])
+            assert (out[b, :a + 1].tolist(), int(acc[b])) == (tokens, a)
+            assert out[b, a + 1:].eq(PAD_TOKEN_ID).all()
 
 
 def test_greedy_verify_accepts_the_matching_prefix():

@@ -77,6 +77,12 @@ class SpeculativeConfig:
         self.tree = check_tree_choices(self.tree)
         self.validate()
 
+    @property
+    def verify_tokens(self) -> int:
+        """The most new tokens a verification row computes: 1 + γ for a chain (its forwards can
+        replay CUDA graphs, engine/cuda_graph.py); 1 for a token tree, which runs eagerly."""
+        return 1 if self.tree is not None else 1 + self.num_speculative_tokens
+
     def validate(self) -> None:
         check_choice("speculative", self.method, SPECULATIVE_METHODS)
         g = self.num_speculative_tokens

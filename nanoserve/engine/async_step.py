@@ -43,13 +43,13 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import is_fatal
+from .late_tokens import PLACEHOLDER, LateTokens
 from .llm_engine import EngineStep, LLMEngine
 from .outputs import RequestOutput
 from .request import Request, Sample, logit_rows
 from .sampler import sample_batch_on_device
 from .sequence import Sequence, SequenceStatus
 
-PLACEHOLDER = -1  # a sampled token's id while it is still on the device
 LIVE = (SequenceStatus.RUNNING, SequenceStatus.WAITING)  # not finished, not aborted
 
 
@@ -83,6 +83,10 @@ class InFlight:
     ready: torch.cuda.Event | None  # recorded behind the copy (None: on a CPU, already there)
     rows: list[LateRow]
 
+    def index_of(self) -> dict[int, tuple[int, int]]:
+        """{seq_id: (its token's index in `tokens`, its position)}, as LateTokens reads them."""
+        return {row.sample.seq.seq_id: (row.index, row.position) for row in self.rows}
+
     def host_values(self) -> tuple[list[int], list[bool]]:
         """The tokens and NaN flags on the host, waiting for the copy if it is still running:
         the one blocking wait of a steady step."""
@@ -91,31 +95,6 @@ class InFlight:
         values = self.host.tolist()
         R = len(values) // 2
         return values[:R], [bool(v) for v in values[R:]]
-
-
-class LateTokens:
-    """What the model runner asks while building a step's inputs: which rows' newest token is
-    the step in flight's, and where that is on the device (ModelRunner.late_tokens)."""
-
-    def __init__(self, in_flight: InFlight):
-        self.tokens = in_flight.tokens
-        self.index_of = {row.sample.seq.seq_id: row.index for row in in_flight.rows}
-
-    def fill(self, input_ids: torch.Tensor, seqs: list[Sequence], num_new: list[int]) -> None:
-        """Put the device's tokens into `input_ids` [B, T] (on the device) where a row's last new
-        token is a placeholder: device copies, no read back."""
-        rows, cols, src = [], [], []
-        for i, (seq, n) in enumerate(zip(seqs, num_new)):
-            index = self.index_of.get(seq.seq_id)
-            if index is not None and seq.token_ids[-1] == PLACEHOLDER:
-                rows.append(i)
-                cols.append(n - 1)  # the placeholder is the newest token: the row's last
-                src.append(index)
-        if rows:
-            device = input_ids.device
-            where = (torch.tensor(rows).to(device, non_blocking=True),
-                     torch.tensor(cols).to(device, non_blocking=True))
-            input_ids[where] = self.tokens[torch.tensor(src).to(device, non_blocking=True)]
 
 
 class OverlappedStep:
@@ -160,7 +139,8 @@ class OverlappedStep:
         failed), or None when the forward failed (every request in it did)."""
         engine = self.engine
         if self.in_flight is not None:
-            engine.runner.late_tokens = LateTokens(self.in_flight)
+            engine.runner.late_tokens = LateTokens(self.in_flight.tokens[:, None],
+                                                   self.in_flight.index_of())
         try:
             logits = self._isolated(step.sched.seqs, step.done, engine._forward, step)
         finally:

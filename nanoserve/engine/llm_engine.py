@@ -71,6 +71,10 @@ class StepHook(Protocol):
     def before_forward(self, engine: LLMEngine, step: EngineStep) -> None:
         """After scheduling, before the forward: may lengthen and claim rows (see EngineStep)."""
 
+    def after_forward(self, engine: LLMEngine, step: EngineStep, logits) -> None:
+        """After the forward, before any row is handled: may decide for its claimed rows at once
+        (speculation verifies every row's drafts in one batch)."""
+
     def after_step(self, engine: LLMEngine, step: EngineStep) -> None:
         """After every row was handled and sampled."""
 
@@ -135,8 +139,10 @@ class LLMEngine:
         self.attention_backend = self.runner.attention_backend
         self.cuda_graphs_off = "enforce_eager=True"  # why decode steps run eagerly (None: graphs)
         if not load.enforce_eager:
+            spec = config.speculative  # verification graphs too, for rows of up to 1 + γ tokens
+            verify_tokens = 1 if spec is None else spec.verify_tokens
             self.cuda_graphs_off = self.runner.use_cuda_graphs(config.scheduler.max_num_seqs,
-                                                               self.max_model_len)
+                                                               self.max_model_len, verify_tokens)
         self.inputs = InputProcessor(self.config, self.tokenizer, self.device, num_blocks,
                                      cache.block_size, self.model_name, lora,
                                      config.structured_outputs)
@@ -237,6 +243,8 @@ class LLMEngine:
             hook.before_forward(self, step)
         logits = self.isolated(step.sched.seqs, step.done, self._forward, step)  # [B, V] or per row
         if logits is not None:
+            for hook in self.step_hooks:
+                hook.after_forward(self, step, logits)
             to_sample = self._update(step, logits)
             self._sample(step, logits, to_sample)
         for hook in self.step_hooks:  # e.g. speculation: the step's time, for its cost estimates

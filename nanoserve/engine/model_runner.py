@@ -141,13 +141,17 @@ class ModelRunner:
         # (Medusa's and EAGLE's proposers keep the model's hidden states: spec/medusa.py,
         # eagle_proposer.py)
         self.after_forward: list[Callable] = []
-        # async scheduling: the tokens the step in flight sampled, still on the device; `prepare`
-        # puts them where their sequences hold a placeholder (engine/async_step.py's LateTokens)
+        # tokens sampled but still on the device (async scheduling's step in flight, a draft
+        # model's last draft): `prepare` puts them where their sequences hold a placeholder
+        # (engine/late_tokens.py)
         self.late_tokens = None
 
-    def use_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> str | None:
-        """Capture decode CUDA graphs (engine/cuda_graph.py); returns why not when they cannot serve
-        this runner (no CUDA, or the torch attention backend), else None."""
+    def use_cuda_graphs(self, max_num_seqs: int, max_model_len: int,
+                        max_verify_tokens: int = 1) -> str | None:
+        """Capture decode CUDA graphs (engine/cuda_graph.py), and verification graphs for rows of
+        up to `max_verify_tokens` tokens when that is > 1 (speculative decoding: 1 + γ); returns
+        why not when they cannot serve this runner (no CUDA, or the torch attention backend), else
+        None."""
         if self.device.type != "cuda":
             return "CUDA graphs need a CUDA device"
         if self.attention_backend != "triton":
@@ -162,7 +166,8 @@ class ModelRunner:
         if any(getattr(m, "host_sync", False) for m in self.model.modules()):
             return ("a layer reads device values on the host every call (LLM.int8's outlier "
                     "features)")
-        self.graphs = extension("cuda_graphs").CudaGraphRunner(self, max_num_seqs, max_model_len)
+        self.graphs = extension("cuda_graphs").CudaGraphRunner(self, max_num_seqs, max_model_len,
+                                                               max_verify_tokens)
         self.graphs.capture()
         return None
 
@@ -250,6 +255,9 @@ class ModelRunner:
             if max(group_new) == 1 and self.graphs is not None and self.graphs.fits(len(rows)):
                 inputs = self.prepare(group_seqs, group_new, group_logits)
                 logits = self.graphs.run(inputs)  # a pure decode group: replay its graph
+            elif group_trees is None and self._replays_verification(group_new, group_logits):
+                inputs = self.prepare(group_seqs, group_new, group_logits)
+                logits = self.graphs.run_verify(inputs)  # every position's logits, by graph
             elif group_trees is not None:
                 logits = self._forward(group_seqs, group_new, group_logits, trees=group_trees)
             else:
@@ -263,6 +271,12 @@ class ModelRunner:
             for i, row in zip(rows, logits):
                 out[i] = row[: k[i]]
         return out if num_logits is not None else full
+
+    def _replays_verification(self, num_new: list[int], num_logits: list[int]) -> bool:
+        """Whether a group of rows that each return every new token's logits (speculative
+        verification) has a graph to replay."""
+        return (self.graphs is not None and num_new == num_logits
+                and self.graphs.fits_verify(len(num_new), max(num_new)))
 
     def _forward(self, seqs: list[Sequence], num_new: list[int], num_logits: list[int],
                  trees=None) -> torch.Tensor:

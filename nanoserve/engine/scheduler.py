@@ -208,7 +208,7 @@ class Scheduler:
         which `postprocess` held with a placeholder while it was still on the device, is known.
         Its K/V may already exist (the next step computed it from the device's copy), so it must
         be in place before the prefix cache seals that block (the next `advance`)."""
-        seq.token_ids[position] = token
+        fill_in(seq, position, [token])
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """A parallel sample (SamplingParams.n): `child` shares parent's blocks and joins the
@@ -266,6 +266,12 @@ def extend(block_allocator: BlockAllocator, seq: Sequence,
         if copy is not None:
             copies.append(copy)
     return len(tokens), copies
+
+
+def fill_in(seq: Sequence, position: int, tokens: list[int]) -> None:
+    """Tokens held as placeholders while their ids were on the device (async scheduling, a draft
+    model's chain) put in place, from `position` on."""
+    seq.token_ids[position:position + len(tokens)] = tokens
 
 
 def rollback(block_allocator: BlockAllocator, seq: Sequence, num_tokens: int,

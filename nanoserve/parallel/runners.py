@@ -94,7 +94,8 @@ class LeaderRunner:
         self.group.send("run", rows, list(num_new), num_logits, trees)
         return self.group.guard(self.runner.run, seqs, num_new, num_logits, trees)
 
-    def use_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> str | None:
+    def use_cuda_graphs(self, max_num_seqs: int, max_model_len: int,
+                        max_verify_tokens: int = 1) -> str | None:
         return (f"{self.group.parallel.kind} parallelism runs eagerly (its steps are sent to the "
                 "workers first)")
 

@@ -26,8 +26,9 @@ Neither cost ratio is known ahead:
   per-layer overheads (measured 0.5–0.7 of the demo target's step for a draft 11× smaller); on a GPU
   a draft's step costs its launches, and the 28M-parameter draft of a 1B target cost 3.4 target
   steps when the target ran CUDA graphs and the draft did not (benchmarks/RESULTS.md, the GPU pass).
-- v is not 1. Verifying γ + 1 tokens costs more than decoding 1 on a CPU (more compute), and on a
-  GPU a verification is no pure decode, so it ran eagerly: 5× a graphed decode step.
+- v is not 1. Verifying γ + 1 tokens costs more than decoding 1 on a CPU (more compute); on the
+  first GPU pass a verification ran eagerly: 5× a graphed decode step (it now replays a graph of
+  its own, engine/cuda_graph.py).
 
 So `StepCosts` times them: the engine reports each pure-decode step's seconds (verification or
 plain) and each draft forward's; exponential moving averages (weight 0.2) smooth them. Plain steps
@@ -44,7 +45,10 @@ rejection sampler is exact for every γ), and never greedy output.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+
+import torch
 
 from ..engine.outputs import SpecStats
 from ..engine.sampler import SamplingParams
@@ -125,6 +129,33 @@ class StepCosts:
         return {"draft_cost": self.draft_cost(), "verify_cost": self.verify_cost(),
                 "measured": self.measuring,
                 "draft_s": self.draft_s, "verify_s": self.verify_s, "plain_s": self.plain_s}
+
+
+class Stopwatch:
+    """Times work queued on a device without waiting for it. On CUDA two events, whose interval is
+    read (`seconds`) only after a later sync has passed the second one, as the step's one read of
+    its verdicts does; elsewhere the host's clock (torch runs each operation before returning)."""
+
+    def __init__(self, device: torch.device | str):
+        self.cuda = torch.device(device).type == "cuda"
+        self.begin = self._now()
+        self.end = self.begin
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stop(self) -> None:
+        self.end = self._now()
+
+    def seconds(self) -> float:
+        """The interval (on CUDA: waits for the device if no sync has passed `stop` yet)."""
+        if self.cuda:
+            return self.begin.elapsed_time(self.end) / 1000  # (ms)
+        return self.end - self.begin
 
 
 def _ema(old: float | None, new: float) -> float:

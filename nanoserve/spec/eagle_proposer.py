@@ -22,12 +22,12 @@ every token).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
 from ..engine.sampler import probs_from_logits_batch
+from .controller import Stopwatch
 from .eagle import EagleHead, token_embedding
 
 
@@ -49,8 +49,8 @@ class _Track:
 
 
 class EagleProposer:
-    # each draft step's (seconds, most positions the head ran for a row)
-    timings: list[tuple[float, int]]
+    # the last propose's chain: (its Stopwatch, draft steps, most positions the head ran for a row)
+    timing: tuple[Stopwatch | None, int, int]
 
     def __init__(self, head: EagleHead, runner):
         self.head, self.runner, self.model = head, runner, runner.model
@@ -60,7 +60,7 @@ class EagleProposer:
         self.features: dict[int, list] = {}  # seq_id -> [(first position, [n, C]), ...] until read
         runner.after_forward.append(self.keep_features)
         self.tracks: dict[int, _Track] = {}  # seq_id -> its features and the head's cache
-        self.timings = []
+        self.timing = (None, 0, 0)
 
     def _absorb(self, seq_id: int) -> _Track | None:
         """Merge the runner's new chunks of features into the sequence's track."""
@@ -95,7 +95,7 @@ class EagleProposer:
                 track.feats = track.feats[:n]
                 track.truncate_cache(n)
                 state.append((i, track, n))
-        self.timings = []
+        self.timing = (None, 0, 0)
         if not state:
             return drafts
         gammas = {i: rows[i][1] for i, _, _ in state}
@@ -103,8 +103,8 @@ class EagleProposer:
         ids: dict[int, list[int]] = {i: [] for i, _, _ in state}
         qs: dict[int, list[torch.Tensor]] = {i: [] for i, _, _ in state}
         last: dict[int, torch.Tensor] = {}  # row -> its latest predicted feature f̂ [C]
+        watch, most = Stopwatch(self.runner.device), 1
         for step in range(max(gammas.values())):
-            start, most = time.perf_counter(), 1
             active = [(i, t, n) for i, t, n in state if step < gammas[i]]
             logits = []
             for i, track, n in active:
@@ -133,7 +133,8 @@ class EagleProposer:
             self._draw(torch.cat(logits), [rows[i] for i, _, _ in active],
                        [ids[i] for i, _, _ in active],
                        [qs[i] for i, _, _ in active])
-            self.timings.append((time.perf_counter() - start, most))
+        watch.stop()
+        self.timing = (watch, max(gammas.values()), most)
         for i, _, _ in state:
             drafts[i] = (ids[i], torch.stack(qs[i]) if qs[i] else None)
         return drafts

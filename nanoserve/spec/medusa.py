@@ -120,7 +120,7 @@ class MedusaProposer:
     latest token, or with `tree` (checked choices) the tree of the paths of length ≤ γ over the
     heads' top-k."""
 
-    timings = None  # (one batched head call per step: timed as one draft forward by spec_decode)
+    timing = None  # (one batched head call per step: timed as one draft forward by spec_decode)
     # all γ drafts come from that one call: a step costs v + c, not v + c·γ (spec/controller.py)
     one_call = True
 

@@ -1,7 +1,8 @@
 """Proposers: where draft tokens come from.
 
 - `NgramProposer` (prompt lookup decoding): guess that the text repeats itself; no model.
-- `DraftModelProposer`: a small model with its own paged KV cache, batched over the engine's rows.
+- `DraftModelProposer`: a small model with its own paged KV cache, batched over the engine's rows;
+  its chain of drafts stays on the device (no read back between its forwards, nor after them).
 - `NgramDraft`: NgramProposer behind the engine's batched proposer interface.
 
 The engine's speculative path (spec_decode.py) asks one of the last two for each step's drafts.
@@ -10,7 +11,6 @@ Taught in notebooks/08_*.
 
 from __future__ import annotations
 
-import time
 from collections import abc
 from dataclasses import dataclass
 from typing import Protocol
@@ -18,12 +18,14 @@ from typing import Protocol
 import torch
 
 from ..engine.block_allocator import BlockAllocator
+from ..engine.late_tokens import PLACEHOLDER, LateTokens
 from ..engine.model_runner import ModelRunner
 from ..engine.sampler import SamplingParams, probs_from_logits_batch
-from ..engine.scheduler import advance, extend, rollback
+from ..engine.scheduler import advance, extend, fill_in, rollback
 from ..engine.sequence import Sequence
 from ..engine.structured_output import mask_rows
 from ..errors import check, is_int
+from .controller import Stopwatch
 from .rejection_sampler import check_gamma
 
 
@@ -82,56 +84,81 @@ class DraftModelProposer:
         self.runner = ModelRunner(model, num_blocks, block_size, attention_backend)
         self.block_allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching=False)
         self.seqs: dict[int, Sequence] = {}  # target seq_id -> draft sequence
-        # the last propose's forwards: (seconds, most new tokens of a row)
-        self.timings: list[tuple[float, int]] = []
+        # the last propose's chain: (its Stopwatch, forwards, most new tokens of a row in one)
+        self.timing: tuple[Stopwatch | None, int, int] = (None, 0, 0)
+        # the last propose's drafts on the device [R, γ]; its placeholders' values
+        self.device_drafts: torch.Tensor | None = None
+        # target seq_id -> where its draft sequence's placeholders start (filled at _sync)
+        self.pending: dict[int, int] = {}
 
     def propose(self, rows: list[tuple[Sequence, int, SamplingParams, torch.Generator | None]],
                 matchers: list | None = None):
         """rows: (target sequence, γ, params, generator) -> per row (draft ids, q [γ, V] or None).
-        Each draft step is one batched forward and one batched draw (one device→host transfer). A
-        row with a grammar's matcher drafts under its mask (q is then the masked law, which is what
-        verification needs), walking the matcher along its drafts and rolling it back at the end."""
+        Each draft step is one batched forward and one batched draw, and the chain stays on the
+        device: a draft's token goes into its draft sequence as a PLACEHOLDER, and the next forward
+        reads it from the device (`LateTokens`). The drafts are returned as placeholders too, their
+        values in `device_drafts` [R, γ] (row i's drafts in row i), for the target's verification
+        to read there: the host learns the accepted ones from the verdict (batch_verify.py), and
+        the draft sequences take them from the target's tokens at the next `_sync`.
+        A row with a grammar's matcher drafts under its mask (q is then the masked law, which is
+        what verification needs), walking the matcher along its drafts: that needs each step's
+        tokens on the host (one read a step while such a row drafts), and its drafts are returned
+        as values. The matcher is rolled back at the end."""
         matchers = matchers or [None] * len(rows)
         walked = [0] * len(rows)  # drafts each matcher consumed
+        drafts: list[list[int]] = [[] for _ in rows]  # values, or placeholders
         active = []  # (row index, draft seq)
         for i, (seq, _, _, _) in enumerate(rows):
             d = self._sync(seq)
             if d is not None:
                 active.append((i, d))
-        drafts: list[list[int]] = [[] for _ in rows]
+                self.pending[seq.seq_id] = len(d)  # its placeholders start here
         qs: list[list[torch.Tensor]] = [[] for _ in rows]
-        self.timings = []
+        gamma = max((r[1] for r in rows), default=0)
+        device_drafts = torch.zeros(len(rows), gamma, dtype=torch.long, device=self.runner.device)
+        watch = Stopwatch(self.runner.device)
+        num_forwards = most_new = 0
         while active:
-            start = time.perf_counter()
             num_new = [len(d) - d.num_computed_tokens for _, d in active]
             logits = self.runner.run([d for _, d in active], num_new)  # A, V
+            most_new = max(most_new, *num_new)
             for (_, d), n in zip(active, num_new):
                 advance(self.block_allocator, d, n)
             logits = mask_rows(logits, [matchers[i] for i, _ in active])  # structured outputs
             tokens = self._draw(logits, [rows[i] for i, _ in active], [qs[i] for i, _ in active])
-            # the draw synced: the forward is done
-            self.timings.append((time.perf_counter() - start, max(num_new)))
+            where = torch.tensor([i for i, _ in active]).to(tokens.device, non_blocking=True)
+            device_drafts[where, num_forwards] = tokens
+            num_forwards += 1
+            host = None  # the tokens on the host: only a grammar needs them now
+            if any(matchers[i] is not None for i, _ in active):
+                host = tokens.tolist()
             still = []
-            for (i, d), token in zip(active, tokens):
+            for j, (i, d) in enumerate(active):
+                token = PLACEHOLDER if host is None else host[j]
                 drafts[i].append(token)
                 ok = matchers[i] is None or matchers[i].try_consume_tokens([token]) == 1
                 walked[i] += matchers[i] is not None and ok
-                if (
-                    ok
-                    and len(drafts[i]) < rows[i][1]
-                    and extend(self.block_allocator, d, [token])[0] == 1
-                ):
+                wants_more = ok and len(drafts[i]) < rows[i][1]
+                if wants_more and extend(self.block_allocator, d, [token])[0]:
                     still.append((i, d))
+            index_of = {d.seq_id: (j, len(d) - 1) for j, (_, d) in enumerate(active)}
+            self.runner.late_tokens = LateTokens(tokens[:, None], index_of)
             active = still
+        watch.stop()
+        self.runner.late_tokens = None
         for m, n in zip(matchers, walked):
             if n:
                 m.rollback(n)
+        self.timing = (watch, num_forwards, most_new)
+        self.device_drafts = device_drafts
         return [(drafts[i], torch.stack(qs[i]) if qs[i] else None) for i in range(len(rows))]
 
     @staticmethod
-    def _draw(logits: torch.Tensor, rows: list[tuple], qs: list[list[torch.Tensor]]) -> list[int]:
-        """One draft token per row of logits [A, V] at its request's settings (greedy: argmax); the
-        law each sampled token was drawn from goes to its row's list in `qs`."""
+    def _draw(logits: torch.Tensor, rows: list[tuple],
+              qs: list[list[torch.Tensor]]) -> torch.Tensor:
+        """One draft token per row of logits [A, V] at its request's settings (greedy: argmax),
+        left on the device; the law each sampled token was drawn from goes to its row's list in
+        `qs`."""
         tokens = logits.argmax(-1)  # A
         sampled = [j for j, (_, _, params, _) in enumerate(rows) if not params.greedy]
         if sampled:
@@ -147,11 +174,16 @@ class DraftModelProposer:
                                       torch.cat(drawn))
             for m, j in enumerate(sampled):
                 qs[j].append(q[m])
-        return tokens.tolist()
+        return tokens
 
     def _sync(self, seq: Sequence) -> Sequence | None:
-        """Bring the draft sequence to the target's tokens (K/V of all but the last to compute)."""
+        """Bring the draft sequence to the target's tokens (K/V of all but the last to compute);
+        the drafts it kept, placeholders until now, take their values from the target's tokens
+        (they are the target's accepted ones)."""
         d = self.seqs.get(seq.seq_id)
+        first = self.pending.pop(seq.seq_id, None)
+        if d is not None and first is not None:
+            fill_in(d, first, seq.token_ids[first:len(d)])
         if d is None:
             d = Sequence(list(seq.token_ids))
             if not self.block_allocator.can_allocate(d):
@@ -177,6 +209,7 @@ class DraftModelProposer:
         rollback(self.block_allocator, d, keep, keep)
 
     def free(self, seq: Sequence) -> None:
+        self.pending.pop(seq.seq_id, None)
         d = self.seqs.pop(seq.seq_id, None)
         if d is not None:
             self.block_allocator.free(d)

@@ -122,7 +122,8 @@ def rejection_sample(draft_ids: torch.Tensor, q: torch.Tensor | None, p: torch.T
 
 def rejection_sample_batch(draft_ids: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor,
                            num_draft_tokens: torch.Tensor | Sequence[int] | None = None,
-                           generator: Generators = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           generator: Generators = None, check_inputs: bool = True
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """`rejection_sample` for B sequences at once, each with its own draft length.
 
     draft_ids [B, γ] long, q [B, γ, V] or None (deterministic proposals), p [B, γ+1, V], and
@@ -134,6 +135,10 @@ def rejection_sample_batch(draft_ids: torch.Tensor, q: torch.Tensor | None, p: t
 
     Greedy rows fit in the same call: with p one-hot at the target's argmax every coin is 0 or 1
     and the result is `greedy_verify`'s.
+
+    `check_inputs=False` skips the checks that read device values (ids in the vocabulary, q > 0 at
+    each draft): the engine's drafts are valid by construction, and each read stalls a GPU
+    (spec/batch_verify.py).
     """
     batch, gamma = draft_ids.shape if draft_ids.dim() == 2 else (0, 0)
     check(
@@ -149,20 +154,20 @@ def rejection_sample_batch(draft_ids: torch.Tensor, q: torch.Tensor | None, p: t
         check(q.shape == (batch, gamma, vocab),
                f"q must be [B, γ, V] = [{batch}, {gamma}, {vocab}] (same vocabulary as p), got "
                f"{tuple(q.shape)}")
-    n = torch.full((batch,),
-                   gamma) if num_draft_tokens is None else torch.as_tensor(num_draft_tokens)
-    n = n.to(dev, torch.long)
-    check(n.shape == (batch,) and bool(((n >= 0) & (n <= gamma)).all()),
-           f"num_draft_tokens must be {batch} integers in 0..{gamma}, got {n.tolist()}")
+    lengths = _draft_lengths(num_draft_tokens, batch, gamma)  # B host integers
+    n = torch.tensor(lengths, dtype=torch.long).to(dev, non_blocking=True)  # B
     valid = torch.arange(gamma, device=dev) < n[:, None]  # B, γ
     ids = draft_ids.to(dev).masked_fill(~valid, 0)  # B, γ: padding replaced by a harmless index
-    check(bool(((ids >= 0) & (ids < vocab)).all()), f"draft token ids must be in 0..{vocab - 1}")
+    if check_inputs:
+        check(bool(((ids >= 0) & (ids < vocab)).all()),
+              f"draft token ids must be in 0..{vocab - 1}")
     rows = torch.arange(batch, device=dev)
 
     p_x = p[:, :gamma].gather(-1, ids[..., None]).squeeze(-1)  # B, γ
     q_x = torch.ones_like(p_x) if q is None else q.gather(-1, ids[..., None]).squeeze(-1)  # B, γ
-    _check_proposed(q_x[valid])
-    u, noise = _draw(n, gamma, vocab, generator, p.dtype, dev)  # B, γ and B, V
+    if check_inputs:
+        _check_proposed(q_x[valid])
+    u, noise = _draw(lengths, gamma, vocab, generator, p.dtype, dev)  # B, γ and B, V
     kept = (u < _acceptance_probability(p_x, q_x)) & valid  # B, γ
     # B: the accepted prefix ends at the first rejection
     num_accepted = kept.long().cumprod(-1).sum(-1)
@@ -177,6 +182,38 @@ def rejection_sample_batch(draft_ids: torch.Tensor, q: torch.Tensor | None, p: t
     pos = torch.arange(gamma + 1, device=dev)
     out = torch.where(pos < k[:, None], F.pad(ids, (0, 1)), PAD_TOKEN_ID)  # B, γ+1
     out[rows, k] = token
+    return out, num_accepted
+
+
+def _draft_lengths(num_draft_tokens, batch: int, gamma: int) -> list[int]:
+    """rejection_sample_batch's draft length per row, as host integers (a tensor given on the
+    device is read once; the engine passes a list)."""
+    if num_draft_tokens is None:
+        return [gamma] * batch
+    if isinstance(num_draft_tokens, torch.Tensor):
+        num_draft_tokens = num_draft_tokens.tolist()
+    lengths = list(num_draft_tokens)
+    check(len(lengths) == batch and all(is_int(m) and 0 <= m <= gamma for m in lengths),
+          f"num_draft_tokens must be {batch} integers in 0..{gamma}, got {lengths}")
+    return lengths
+
+
+def greedy_verify_batch(draft_ids: torch.Tensor, logits: torch.Tensor,
+                        num_draft_tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`greedy_verify` for B rows at once, on the device: draft_ids [B, γ] (row b's first n_b
+    valid), logits [B, γ+1, V] -> output_ids [B, γ+1] (padded with PAD_TOKEN_ID) and num_accepted
+    [B], as `rejection_sample_batch` returns them. Reads nothing back."""
+    batch, gamma = draft_ids.shape
+    dev = logits.device
+    best = logits.argmax(-1)  # B, γ+1: the target's choice after each draft prefix
+    n = torch.tensor(list(num_draft_tokens), dtype=torch.long).to(dev, non_blocking=True)
+    valid = torch.arange(gamma, device=dev) < n[:, None]  # B, γ
+    ids = draft_ids.to(dev)
+    num_accepted = ((best[:, :gamma] == ids) & valid).long().cumprod(-1).sum(-1)  # B
+    pos = torch.arange(gamma + 1, device=dev)
+    out = torch.where(pos < num_accepted[:, None], F.pad(ids, (0, 1)), PAD_TOKEN_ID)  # B, γ+1
+    rows = torch.arange(batch, device=dev)
+    out[rows, num_accepted] = best[rows, num_accepted]  # where the drafts stop: the target's own
     return out, num_accepted
 
 
@@ -210,18 +247,17 @@ def sample_by_noise(weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return (weights / noise).argmax(-1)
 
 
-def _draw(n: torch.Tensor, gamma: int, vocab: int, generator: Generators, dtype, device):
+def _draw(lengths: list[int], gamma: int, vocab: int, generator: Generators, dtype, device):
     """The batch's random numbers: coins u [B, γ] and sampling noise [B, V], per row in the order
-    `rejection_sample` draws them when each row has its own generator."""
-    batch = n.shape[0]
+    `rejection_sample` draws them when each row has its own generator (`lengths`: n_b, host)."""
+    batch = len(lengths)
     if generator is None or isinstance(generator, torch.Generator):
         u = torch.rand(batch, gamma, generator=generator, dtype=dtype, device=device)
         return u, exponential_noise((batch, vocab), generator, dtype, device)
     check(len(generator) == batch, f"need one generator per row ({batch}), got {len(generator)}")
     u = torch.zeros(batch, gamma, dtype=dtype, device=device)  # B, γ (padding coins stay 0, unused)
     noise = torch.empty(batch, vocab, dtype=dtype, device=device)  # B, V
-    for b, g in enumerate(generator):
-        m = int(n[b])
+    for b, (g, m) in enumerate(zip(generator, lengths)):
         u[b, :m] = torch.rand(m, generator=g, dtype=dtype, device=device)
         noise[b] = exponential_noise((vocab,), g, dtype, device)
     return u, noise

@@ -11,8 +11,10 @@ requests, in each `LLMEngine.step()`:
    which a full batch no longer has to spare).
 2. **Propose.** A *draft model* runs γ small forwards on its own paged KV cache (its own block
    pool, a draft `Sequence` shadowing each target sequence), drafting x₁..x_γ from q at the
-   request's temperature / top-k / top-p (greedy: argmax). Or *n-gram lookup* (prompt lookup
-   decoding): copy what followed the latest earlier occurrence of the last few tokens — no model.
+   request's temperature / top-k / top-p (greedy: argmax); the drafts stay on the device and join
+   the target's sequence as placeholders, which its forward fills there (ModelRunner.late_tokens).
+   Or *n-gram lookup* (prompt lookup decoding): copy what followed the latest earlier occurrence
+   of the last few tokens — no model.
    Or *Medusa heads* (medusa.py): small heads on the target's own last hidden state, head i's top
    token the i-th draft — no second forward at all; with `speculative_tree`, their top-k candidates
    form a token tree instead of a chain (config/speculative.py, tree_sampler.py). Or *EAGLE's
@@ -24,11 +26,14 @@ requests, in each `LLMEngine.step()`:
 4. **Accept.** `rejection_sample` keeps x_i with probability min(1, p/q), replaces the first
    rejected one by a draw from normalize(max(p − q, 0)), and adds a bonus token from p_{γ+1} when
    all were kept: between 1 and γ + 1 tokens, distributed exactly as the target alone would
-   sample them. Greedy requests use `greedy_verify` (the target's argmax, token for token).
+   sample them. Greedy requests use `greedy_verify` (the target's argmax, token for token). The
+   engine decides all of a step's chains at once on the device, with the batched forms of both,
+   and reads the verdicts back in one transfer (batch_verify.py).
    A tree is verified the same way in one forward: its nodes sit at the root's position + their
    depth and each sees only its ancestors (ModelRunner's `tree_mask`); the walk down the tree
    (tree_sampler.py) keeps the target's law, and the accepted path's K/V moves to the slots right
-   after the root (`PagedKVCache.copy_slots`) before the roll back keeps them.
+   after the root (`PagedKVCache.copy_slots`) before the roll back keeps them. Trees are walked
+   row by row.
 5. **Roll back.** Rejected drafts leave the sequence; `num_computed_tokens` drops to the kept
    prefix (their K/V slots are overwritten later) and blocks past it return to the pool
    (`BlockAllocator.truncate`) — before `mark_computed`, so no block holding a rejected token's
@@ -57,6 +62,7 @@ from functools import partial
 import torch
 
 from ..config import SpeculativeConfig
+from ..engine.late_tokens import PLACEHOLDER, LateTokens
 from ..engine.logprobs import sampled_logprobs
 from ..engine.outputs import SpecStats
 from ..engine.sampler import SamplingParams, probs_from_logits
@@ -64,10 +70,10 @@ from ..engine.scheduler import Scheduler
 from ..engine.sequence import Sequence
 from ..errors import NanoserveError, RequestFailedError
 from ..models.loader import load_model
+from .batch_verify import ChainRow, Verdict, verify_batch
 from .controller import SpecController
 from .draft_heads import head_proposer
 from .proposers import DraftModelProposer, NgramDraft
-from .rejection_sampler import greedy_verify, rejection_sample
 from .tree_sampler import tree_greedy_verify, tree_positions, tree_rejection_sample
 
 
@@ -83,6 +89,9 @@ class Proposal:
     parents: list[int] | None = None
     # set by accept: the verification's rows the emitted tokens were drawn from
     logit_rows: list[int] | None = None
+    verdict: Verdict | None = None  # a chain's, decided with the step's others (after_forward)
+    # [γ] the drafts on the device, where draft_ids holds placeholders (a draft model's chain)
+    device_ids: torch.Tensor | None = None
 
 
 class SpecDecoder:
@@ -111,6 +120,9 @@ class SpecDecoder:
         scheduler.on_preempt.append(self.drop_draft)  # recomputed later: its draft cache too
         self._step_start = 0.0  # when the step's forward began (after drafting), for record_step
         self._drafts: dict = {}  # the step's {row: Proposal}
+        self._draft_seconds: float | None = None  # the step's drafting, on the host's clock
+        # the drafts still on the device, for the target's forward (ModelRunner.late_tokens)
+        self.late: LateTokens | None = None
 
     # ------------------------------------------------------------------ the engine's step hooks
     def before_forward(self, engine, step) -> None:
@@ -121,6 +133,8 @@ class SpecDecoder:
         budget = engine.scheduler.config.max_num_batched_tokens - step.sched.num_tokens  # leftover
         rows = self.plan(step.sched, engine.requests, budget)  # [(row, seq, γ, params, generator)]
         proposals = {}
+        self._draft_seconds = None
+        self.late = None
         if rows:
             proposals = engine.isolated(
                 [r[1] for r in rows], step.done, self.draft, step.sched, rows, engine.runner.kv
@@ -133,30 +147,60 @@ class SpecDecoder:
             step.handlers[row] = partial(self.verify_row, engine, step, proposal)
         if any(p.parents is not None for p in proposals.values()):
             step.trees = self.tree_kwargs(proposals, len(step.sched.seqs))["trees"]
+        engine.runner.late_tokens = self.late  # the forward reads the drafts on the device
         self._drafts = proposals
         self._step_start = time.perf_counter()
 
+    def after_forward(self, engine, step, logits: list[torch.Tensor]) -> None:
+        """Decide every chain row's verification at once, on the device (batch_verify.py): one
+        read for the step. Each row's grammar masks its logits first, one row at a time, so a
+        failing grammar fails its request alone; a failing batch fails the rows in it."""
+        chains = []
+        for row, prop in self._drafts.items():
+            if prop.parents is None and prop.seq.request_id in engine.requests:
+                chain = engine.isolated([prop.seq], step.done, self._chain_row, engine, prop,
+                                        logits[row])
+                if chain is not None:
+                    chains.append((prop, chain))
+        if not chains:
+            return
+        verdicts = engine.isolated([p.seq for p, _ in chains], step.done, verify_batch,
+                                   [c for _, c in chains])
+        for (prop, _), verdict in zip(chains, verdicts or []):
+            prop.verdict = verdict
+
+    @staticmethod
+    def _chain_row(engine, prop: Proposal, logits: torch.Tensor) -> ChainRow:
+        req = engine.requests[prop.seq.request_id]
+        sample = req.samples[prop.seq.sample_index]
+        masked = engine.inputs.grammars.mask_verification(sample.matcher, prop.draft_ids, logits)
+        return ChainRow(prop.draft_ids, prop.q, prop.params, prop.generator, masked,
+                        prop.device_ids)
+
     def verify_row(self, engine, step, proposal: Proposal, logits: torch.Tensor) -> None:
-        """A claimed row's logits [1 + γ, V]: accept or reject the drafts (under the request's
-        grammar, if any), roll back, and emit the kept tokens like any step's."""
+        """A claimed row's logits [1 + γ, V]: its chain's verdict (after_forward) or its tree's
+        walk, the roll back, and the kept tokens emitted like any step's."""
         seq = proposal.seq
-        if bool(logits.isnan().any()):
+        has_nan = (
+            proposal.verdict.has_nan if proposal.parents is None else bool(logits.isnan().any())
+        )
+        if has_nan:
             raise RequestFailedError("the model produced NaN logits for request "
                                      f"{seq.request_id!r} while verifying its drafts")
         req = engine.requests[seq.request_id]
-        sample = req.samples[seq.sample_index]
-        masked = engine.inputs.grammars.mask_verification(
-            sample.matcher, proposal.draft_ids, logits
-        )
-        tokens = self.accept(proposal, masked)
+        tokens = self.accept(proposal, logits)
         lps = sampled_logprobs(logits[proposal.logit_rows], [req.params] * len(tokens), tokens,
                                engine.tokenizer)
-        tokens, finished = req.emit_all(sample, tokens, lps)
+        tokens, finished = req.emit_all(req.samples[seq.sample_index], tokens, lps)
         engine.scheduler.postprocess(seq, tokens, finished)
         step.done[seq.request_id] = req.output
 
     def after_step(self, engine, step) -> None:
-        """The step's forward, accept and sample took this long: the controller's cost estimates."""
+        """The step's forward, accept and sample took this long, and its drafting (read now, after
+        the step's one sync): the controller's cost estimates."""
+        engine.runner.late_tokens = None
+        if self._draft_seconds is not None:
+            self._record_draft(self._draft_seconds)
         self.record_step(self._drafts, time.perf_counter() - self._step_start)
 
     # ------------------------------------------------------------------ one step
@@ -217,7 +261,7 @@ class SpecDecoder:
         applied to `kv`), and grow each row's token count in `sched`: {row: Proposal} to verify."""
         proposals, start = {}, time.perf_counter()
         extended = self.propose_and_extend([r[1:5] for r in rows], [r[5] for r in rows])
-        self._record_draft(time.perf_counter() - start, max(r[2] for r in rows))
+        self._draft_seconds = time.perf_counter() - start
         for (i, *_), prop in zip(rows, extended):
             if prop.draft_ids:
                 sched.num_new[i] += len(prop.draft_ids)
@@ -233,7 +277,8 @@ class SpecDecoder:
         fewer drafts than asked (n-gram without a match, a full pool), even none."""
         proposals, self.copies = [], []
         drafted = self.proposer.propose(rows, matchers)
-        for (seq, gamma, params, gen), (draft_ids, q, *tree) in zip(rows, drafted):
+        late: dict[int, tuple[int, int]] = {}  # rows whose drafts are on the device: LateTokens
+        for i, ((seq, gamma, params, gen), (draft_ids, q, *tree)) in enumerate(zip(rows, drafted)):
             # a tree's nodes: as many as it has
             start, limit = len(seq), len(draft_ids) if tree else gamma
             # stops early when the pool is full
@@ -243,28 +288,27 @@ class SpecDecoder:
                 self.proposer.rollback(seq, start)
             # parents come first: any first nodes form a tree
             parents = tree[0][:kept + 1] if tree else None
-            proposals.append(Proposal(seq, params, gen, draft_ids[:kept],
-                                      None if q is None else q[:kept], start,
-                                      parents))
+            proposal = Proposal(seq, params, gen, draft_ids[:kept], None if q is None else q[:kept],
+                                start, parents)
+            if kept and PLACEHOLDER in proposal.draft_ids:
+                proposal.device_ids = self.proposer.device_drafts[i, :kept]
+                late[seq.seq_id] = (i, start)
+            proposals.append(proposal)
+        if late:
+            self.late = LateTokens(self.proposer.device_drafts, late)
         return proposals
 
     def accept(self, prop: Proposal, logits: torch.Tensor) -> list[int]:
-        """logits [γ+1, V] of the verification -> the 1..γ+1 tokens to emit. Rolls the sequence back
-        (through the scheduler) to its tokens before the drafts, with K/V computed through the last
-        accepted draft; the caller emits the returned tokens like sampled ones (stop checks, then
-        Scheduler.postprocess), the last of which, as after any decode step, still needs its
-        slot."""
-        seq, params, gamma = prop.seq, prop.params, len(prop.draft_ids)
+        """The 1..γ+1 tokens to emit: a chain's verdict, or a tree's walk over its logits
+        [nodes, V]. Rolls the sequence back (through the scheduler) to its tokens before the drafts,
+        with K/V computed through the last accepted draft; the caller emits the returned tokens like
+        sampled ones (stop checks, then Scheduler.postprocess), the last of which, as after any
+        decode step, still needs its slot."""
+        seq, gamma = prop.seq, len(prop.draft_ids)
         if prop.parents is not None:
             tokens, accepted = self._accept_tree(prop, logits)
         else:
-            draft = torch.tensor(prop.draft_ids, dtype=torch.long)  # γ
-            if params.greedy:
-                tokens, accepted = greedy_verify(draft, logits)
-            else:
-                # γ+1, V
-                p = probs_from_logits(logits, params.temperature, params.top_k, params.top_p)
-                tokens, accepted = rejection_sample(draft, prop.q, p, prop.generator)
+            tokens, accepted = prop.verdict.tokens, prop.verdict.accepted
             prop.logit_rows = list(range(len(tokens)))
             self.proposer.rollback(seq, prop.start_len + accepted)
         # Positions start_len − 1 (the old last token) .. start_len − 1 + accepted hold valid K/V.
@@ -306,19 +350,18 @@ class SpecDecoder:
         self.proposer.rollback(seq, prop.start_len + len(path), row=path[-1] if path else 0)
         return tokens, len(path)
 
-    def _record_draft(self, seconds: float, gamma: int) -> None:
-        """A draft model's forwards as it timed them, leaving out a new row's prompt (a one-off
-        catch-up, not what a speculative step costs); n-gram lookup: the whole proposal, as one
-        forward."""
-        timings = getattr(self.proposer, "timings", None)
-        if timings is None:
+    def _record_draft(self, seconds: float) -> None:
+        """A draft model's chain of forwards as it timed it (its Stopwatch: on a GPU the device's
+        time, read after the step's sync); not when one of them caught up with a new row's prompt
+        (a one-off, not what a speculative step costs). n-gram lookup: `seconds`, the whole
+        proposal on the host's clock, as one forward."""
+        timing = getattr(self.proposer, "timing", None)
+        if timing is None:
             self.controller.costs.record_draft(seconds, 1)
             return
-        steady = [
-            t for t, most_new in timings if most_new <= self.config.num_speculative_tokens + 1
-        ]
-        if steady:
-            self.controller.costs.record_draft(sum(steady), len(steady))
+        watch, forwards, most_new = timing
+        if forwards and most_new <= self.config.num_speculative_tokens + 1:
+            self.controller.costs.record_draft(watch.seconds(), forwards)
 
     def record_step(self, drafts: dict, seconds: float) -> None:
         """The engine's forward, accept and sample of the planned step took `seconds`: timed if it
