@@ -18,11 +18,11 @@ constants, 16-divisible ints and pointers get divisibility hints). So the table 
 launchers launch. Matrix: sm_75/80/86/89/90 × fp16/bf16/fp32 × head_dim 64/128/256 for flash and
 decode (GQA 4; decode also GQA 1 and 8 at head_dim 128, and split-KV + merge in fp16), store_kv at
 head_dim 128, the three over 8-bit KV pools (`kv8_modes`: "int8 KV", "fp8_e4m3 KV", ...), the W4A16
-kernels at K = N = 4096, the W8A8 int8 GEMM (sm_80+, K = N = 4096, each output dtype), RMSNorm
-as one kernel (rows of 2048, Llama's convention, and 3072, Gemma's), alone and with the residual
-add folded in (add_rms_norm), SwiGLU's silu_and_mul (I = 5632 and 8192) and RoPE from a table
-(kernels/rotary.py: fused with the K/V store at head_dim 64 and 128, alone at 128, and Phi-3's
-partial RoPE at 96). Attention on sm_75 is
+kernels at K = N = 4096 (the GEMV at M = 1, by multiply-adds, and at M = 16, by tl.dot), the W8A8
+int8 GEMM (sm_80+, K = N = 4096, each output dtype), RMSNorm as one kernel (rows of 2048, Llama's
+convention, and 3072, Gemma's), alone and with the residual add folded in (add_rms_norm), SwiGLU's
+silu_and_mul (I = 5632 and 8192) and RoPE from a table (kernels/rotary.py: fused with the K/V store
+at head_dim 64 and 128, alone at 128, and Phi-3's partial RoPE at 96). Attention on sm_75 is
 refused by the launchers (kernels/configs.py): "unsupported" rows say why.
 
 Each row also says what its tl.dot became in the PTX ("mma f16", "wgmma bf16", "mma tf32", or "fma"
@@ -206,7 +206,7 @@ def _rotary(dtype, D, store, partial=False):
         rotary_embedding(q, k, positions, cos, cos)
 
 
-def _dequant(dtype, which, split_k=1, grouped=True):
+def _dequant(dtype, which, split_k=1, grouped=True, M=1):
     from nanoserve.kernels import dequant_matmul as dm
 
     K = N = 4096
@@ -219,7 +219,7 @@ def _dequant(dtype, which, split_k=1, grouped=True):
     if which == "gemm":
         dm.dequant_gemm(torch.zeros(32, K, dtype=dtype), **gptq, **group)
     elif which == "gemv":
-        dm.dequant_gemv(torch.zeros(1, K, dtype=dtype), **gptq, split_k=split_k, **group)
+        dm.dequant_gemv(torch.zeros(M, K, dtype=dtype), **gptq, split_k=split_k, **group)
     else:
         dm.dequantize_int4(**gptq, dtype=dtype)
 
@@ -329,17 +329,18 @@ def matrix(archs=ARCHS) -> list[tuple[dict, tuple | None]]:
                 rows.append((dict(arch=arch, dtype=dt, head_dim=None, gqa=None,
                                   case="silu_and_mul", variant=f"I {inter}"),
                              (_silu_and_mul, dtype, inter)))
-            for which, split_k, grouped in (("gemm", 1, True), ("gemm", 1, False),
-                                            ("gemv", 1, True),
-                                            ("gemv", 4, True), ("gemv", 1, False),
-                                            ("dequantize", 1, True)):
+            # the GEMV at M = 1 (multiply-adds) and M = 16 (tl.dot)
+            for which, split_k, grouped, M in (("gemm", 1, True, 32), ("gemm", 1, False, 32),
+                                               ("gemv", 1, True, 1), ("gemv", 4, True, 1),
+                                               ("gemv", 1, False, 1), ("gemv", 1, True, 16),
+                                               ("gemv", 1, False, 16), ("dequantize", 1, True, 0)):
                 variant = " ".join(
-                    ([f"split_k {split_k}"] if which == "gemv" else [])
+                    ([f"M {M} split_k {split_k}"] if which == "gemv" else [])
                     + ([] if which == "dequantize" else ["g128" if grouped else "act-order"])
                 )
                 row = dict(arch=arch, dtype=dt, head_dim=None, gqa=None, case=which,
                            variant=variant)
-                rows.append((row, (_dequant, dtype, which, split_k, grouped)))
+                rows.append((row, (_dequant, dtype, which, split_k, grouped, M)))
     control = dict(arch=86, dtype="fp32", head_dim=128, gqa=4, case="flash",
                    variant="control: old tiles")
     rows.append((control, (_flash, torch.float32, 128, 4)))

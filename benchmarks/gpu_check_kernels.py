@@ -37,7 +37,7 @@ TABLES = {
             "fp8_e4m3_speedup"])],
     "d": [("W4A16 (group 128) vs fp16 cuBLAS, microseconds", "rows",
            ["K", "N", "M", "cublas_fp16_us", "w4a16_us", "kernel", "split_k", "gemm_kernel_us",
-            "act_order_us",
+            "dot_gemv_us", "act_order_us",
             "speedup_vs_fp16", "w4a16_tbps"])],
     "i": [("RMSNorm: one kernel vs the torch module (six launches), microseconds", "rows",
            ["dtype", "rows", "width", "torch_us", "kernel_us", "speedup", "max_abs_diff"])],
@@ -174,7 +174,10 @@ def fig_w4a16(ctx) -> dict:
     calls them; act_order_us times the row-by-row gather path on the same weights."""
     import torch.nn.functional as F
     from bench_attention import bench
+    from nanoserve.kernels import dequant_matmul as dm
     from nanoserve.kernels.dequant_matmul import choose_split_k, dequant_gemm, dequant_matmul
+
+    fma_max_m = getattr(dm, "FMA_MAX_M", 0)  # M <= this: the GEMV by multiply-adds
 
     shapes = [(128, 128)] if ctx.dry else [(4096, 4096), (8192, 8192)]
     small_m = [1] if ctx.dry else [1, 2, 4, 8, 16]
@@ -193,8 +196,9 @@ def fig_w4a16(ctx) -> dict:
                    "M < 64: the GEMM kernel; M >= 64 on CUDA: dequantize + cuBLAS), with "
                    "group_size=128 (the grouped path); act_order_us: the same call through the "
                    "act-order (row-by-row gather) path; gemm_kernel_us: the tiled GEMM kernel "
-                   "alone; w4a16_tbps: bytes of packed weights + scales + zeros + activations / "
-                   "time"}
+                   "alone; dot_gemv_us (M <= FMA_MAX_M): the GEMV through tl.dot over 16 rows "
+                   "instead of its multiply-adds; w4a16_tbps: bytes of packed weights + scales + "
+                   "zeros + activations / time"}
     for K, N in shapes:
         if ctx.over():
             res["truncated"] = f"budget spent before {K}x{N}"
@@ -208,17 +212,23 @@ def fig_w4a16(ctx) -> dict:
             ours = bench(lambda: dequant_matmul(a, **packed, group_size=group), ctx.dry)  # noqa: B023
             gather = bench(lambda: dequant_matmul(a, **packed), ctx.dry)  # noqa: B023
             gemm = bench(lambda: dequant_gemm(a, **packed, group_size=group), ctx.dry)  # noqa: B023
+            dot = None
+            if M <= fma_max_m:  # the same GEMV through tl.dot: what the multiply-adds replace
+                dot = 1e3 * bench(lambda: dm.dequant_gemv(a, **packed, group_size=group,  # noqa: B023
+                                                          fma=False), ctx.dry)
             want = F.linear(a, w).float()
             err = (dequant_matmul(a, **packed,
                                   group_size=group).float() - want).norm() / want.norm()
             kernel = (
                 "gemv" if M <= 16 else ("torch" if M >= 64 and ctx.device == "cuda" else "gemm")
             )
+            if M <= fma_max_m:
+                kernel = "gemv fma"
             res["rows"].append(dict(K=K, N=N, M=M, cublas_fp16_us=1e3 * ref, w4a16_us=1e3 * ours,
                                     kernel=kernel,
                                     act_order_us=1e3 * gather,
                                     split_k=choose_split_k(N, K) if M <= 16 else None,
-                                    gemm_kernel_us=1e3 * gemm,
+                                    gemm_kernel_us=1e3 * gemm, dot_gemv_us=dot,
                                     speedup_vs_fp16=ref / ours, rel_error=float(err),
                                     w4a16_tbps=(wbytes + a.numel() * a.element_size()) / (ours * 1e-3) / 1e12))
             ctx.save(res)

@@ -36,15 +36,19 @@ there; its grouped path, and so the threshold, are still to be timed against thi
   [BLOCK_M, BLOCK_N] tile of C; it walks K in BLOCK_K steps, dequantizes the weight tile and
   accumulates tl.dot(a, w) in fp32. Each weight tile is dequantized once per BLOCK_M rows.
 - `_dequant_gemv_kernel`, for M ≤ 16 (decode): all M rows in one tile (M padded to 16, the
-  smallest tl.dot a GPU accepts), so the grid has only N / BLOCK_N programs: 64 for N = 4096,
-  too few to keep 132 SMs reading memory. **Split-K** cuts K into `split_k` ranges of whole
-  BLOCK_K tiles, grid (N / BLOCK_N, split_k); split s writes its partial sum to row s of an
-  fp32 buffer [split_k, M, N]. Then, in the same launch, the split of a column tile that finishes
-  last sums that tile's partials in a fixed order (split 0, 1, ...) and writes C in A's dtype: each
-  split counts itself in with an atomic add on a counter per column tile (release: its partial is
-  stored; acquire: the others' are visible), and the one that finds the count complete reduces and
-  resets the counter to 0 for the next launch. Not tl.atomic_add on C itself: atomics add in
-  whatever order programs finish, so results would change in the last bits from run to run. (It
+  smallest tl.dot a GPU accepts), so the grid has only N / BLOCK_N programs: 64 for N = 4096, too
+  few to keep 132 SMs reading memory. For M ≤ FMA_MAX_M = 2 (batch-1 decode) the rows are
+  multiply-adds instead (`FMA`, int4_tiles.fma_dot): BLOCK_M = M, no padding, and the weight tile
+  stays in registers (2-4 KB of shared memory where tl.dot's layout takes 29-51 KB); at M = 4 they
+  would take 252 registers on sm_90 (benchmarks/kernels_compile.json). **Split-K** cuts K into
+  `split_k` ranges of whole BLOCK_K tiles, grid (N / BLOCK_N, split_k); split s writes its partial
+  sum to row s of an fp32 buffer [split_k, M, N]. Then, in the same launch, the split of a column
+  tile that finishes last sums that tile's partials in a fixed order (split 0, 1, ...) and writes
+  C in A's dtype: each split counts itself in with an atomic add on a counter per column tile
+  (release: its partial is stored; acquire: the others' are visible), and the one that finds the
+  count complete reduces and resets the counter to 0 for the next launch. Not tl.atomic_add on C
+  itself: atomics add in whatever order programs finish, so results would change in the last bits
+  from run to run. (It
   was two more launches, torch's sum and the cast; the counters are one int32 per tile, kept per
   device, so launches on one stream share them safely, launches on two streams at once would not.)
   The buffer's traffic (128 KiB for M = 1, N = 4096, split_k = 8, beside 8 MiB of weights) is
@@ -75,6 +79,7 @@ from .configs import DEQUANT, INTERPRETER, pick
 from .int4_tiles import dequant_tile, dot_tile
 
 GEMV_MAX_M = 16  # M ≤ this: split-K GEMV (all rows in one tile of 16)
+FMA_MAX_M = 2  # M ≤ this: the GEMV's rows by multiply-adds (BLOCK_M = M); M = 4: 252 registers
 TORCH_MIN_M = 64  # on CUDA, M ≥ this: dequantize + torch.matmul
 MIN_TILES_PER_SPLIT = 4  # choose_split_k: a split must have work enough to pay for the second pass
 MAX_SPLIT_K = 16
@@ -118,7 +123,7 @@ def _dequant_gemm_kernel(
         # BLOCK_M, BLOCK_N
         acc += dot_tile(a, QW, QZ, S, G_IDX, start, offs_k, offs_n, k_mask, n_mask, K,
                         stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn,
-                        BLOCK_K, BLOCK_N, GROUP_SIZE)
+                        BLOCK_K, BLOCK_N, GROUP_SIZE, False)  # M > 16: the tensor cores
     c_ptrs = C + rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -130,7 +135,7 @@ def _dequant_gemv_kernel(
     stride_am, stride_ak, stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn,
     stride_ps, stride_pm, stride_pn, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, GROUP_SIZE: tl.constexpr, REDUCE: tl.constexpr,
+    UPCAST: tl.constexpr, GROUP_SIZE: tl.constexpr, REDUCE: tl.constexpr, FMA: tl.constexpr,
 ):
     split = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)  # BLOCK_M   every row of A (M ≤ BLOCK_M)
@@ -149,7 +154,7 @@ def _dequant_gemv_kernel(
         # BLOCK_M, BLOCK_N
         acc += dot_tile(a, QW, QZ, S, G_IDX, start, offs_k, offs_n, k_mask, n_mask, K,
                         stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn,
-                        BLOCK_K, BLOCK_N, GROUP_SIZE)
+                        BLOCK_K, BLOCK_N, GROUP_SIZE, FMA)
     p_ptrs = P + split * stride_ps + offs_m[:, None] * stride_pm + offs_n[None, :] * stride_pn
     tl.store(p_ptrs, acc.to(P.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
     if REDUCE:  # the tile's last split to finish sums every partial, in split order (above)
@@ -229,12 +234,15 @@ def dequant_gemm(a, qweight, qzeros, scales, g_idx, bits: int = 4, *,
 
 
 def dequant_gemv(a, qweight, qzeros, scales, g_idx, bits: int = 4, *, split_k: int | None = None,
-                 group_size: int | None = None) -> torch.Tensor:
-    """The split-K GEMV kernel alone, for M ≤ 16; arguments as `dequant_matmul`."""
+                 group_size: int | None = None, fma: bool | None = None) -> torch.Tensor:
+    """The split-K GEMV kernel alone, for M ≤ 16; arguments as `dequant_matmul`. fma: the rows by
+    multiply-adds (True) or tl.dot over 16 rows (False); None: multiply-adds for M ≤ FMA_MAX_M."""
     K, N = check_dequant_matmul(a, qweight, qzeros, scales, g_idx, bits, split_k, group_size)
     if a.shape[0] > GEMV_MAX_M:
         raise ValueError(f"the GEMV kernel takes M ≤ {GEMV_MAX_M} rows, got M={a.shape[0]}")
-    return _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k, group_size)
+    if fma and a.shape[0] > FMA_MAX_M:
+        raise ValueError(f"fma=True takes M ≤ {FMA_MAX_M} rows, got M={a.shape[0]}")
+    return _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k, group_size, fma)
 
 
 def _group_constexpr(group_size: int | None, launch) -> int:
@@ -320,7 +328,8 @@ def _launch_gemm(a, qweight, qzeros, scales, g_idx, K, N, group_size=None) -> to
     return c
 
 
-def _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k, group_size=None) -> torch.Tensor:
+def _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k, group_size=None,
+                 fma: bool | None = None) -> torch.Tensor:
     M = a.shape[0]
     launch = pick("gemv", a.device, a.dtype)
     group = _group_constexpr(group_size, launch)
@@ -330,6 +339,9 @@ def _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k, group_size=No
     block_m, block_n, block_k = launch.tiles
     if M == 0 or N == 0:
         return torch.zeros(M, N, dtype=a.dtype, device=a.device)  # M, N
+    fma = fma if fma is not None else M <= FMA_MAX_M
+    if fma:  # only the real rows, rounded up to a power of two (tl.arange's)
+        block_m = triton.next_power_of_2(M)
     split_k = choose_split_k(N, K, tiles=launch.tiles) if split_k is None else split_k
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k  # whole tiles per split
     tiles_n = triton.cdiv(N, block_n)
@@ -348,7 +360,7 @@ def _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k, group_size=No
         *a.stride(), *qweight.stride(), *qzeros.stride(), *scales.stride(), *p_strides,
         *out.stride(),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        UPCAST=launch.upcast, GROUP_SIZE=group, REDUCE=split_k > 1, **launch.options(),
+        UPCAST=launch.upcast, GROUP_SIZE=group, REDUCE=split_k > 1, FMA=fma, **launch.options(),
     )
     return out
 

@@ -15,7 +15,10 @@ zero[g_idx[k]]) · scale[g_idx[k]].
 
 `dot_tile` is a [BLOCK_M, BLOCK_K] activation tile times the weight tile, read either way
 (GROUP_SIZE > 0: grouped). The gathered read is much the slower of the two (an H100 GEMV:
-benchmarks/RESULTS.md).
+benchmarks/RESULTS.md). With FMA, the product is multiply-adds on the CUDA cores instead of
+`tl.dot`, which needs at least 16 rows on a GPU: a GEMV of 1 or 2 rows then computes only its own
+rows rather than 16, and the weight tile goes from its load to the multiply-adds in registers,
+without the trip through shared memory the tensor cores' layout takes (`fma_dot`).
 """
 
 from __future__ import annotations
@@ -73,19 +76,35 @@ def grouped_codes(QW, QZ, S, start, offs_n, n_mask, K,
 
 
 @triton.jit
+def fma_dot(a, w):
+    """a [BLOCK_M, BLOCK_K] · w [BLOCK_K, BLOCK_N] in fp32 as multiply-adds (no tensor cores): each
+    row of a times w, summed over K. For a few rows only: the product is [BLOCK_M, BLOCK_K,
+    BLOCK_N] before the sum."""
+    return tl.sum(a.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
+
+
+@triton.jit
 def dot_tile(a, QW, QZ, S, G_IDX, start, offs_k, offs_n, k_mask, n_mask, K,
               stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn,
-              BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SIZE: tl.constexpr):
-    """a [BLOCK_M, BLOCK_K] · W[offs_k, offs_n] in fp32, W read one of the two ways above."""
+              BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SIZE: tl.constexpr,
+              FMA: tl.constexpr):
+    """a [BLOCK_M, BLOCK_K] · W[offs_k, offs_n] in fp32, W read one of the two ways above; FMA:
+    by multiply-adds (`fma_dot`) instead of tl.dot."""
     if GROUP_SIZE > 0:  # one group per tile: integer codes into the dot, the scale after it
         # [BK, BN], [BN]
         q, scale = grouped_codes(QW, QZ, S, start, offs_n, n_mask, K, stride_qk, stride_qn,
                                  stride_zg, stride_zn, stride_sg, stride_sn, BLOCK_K, BLOCK_N,
                                  GROUP_SIZE)
-        out = tl.dot(a, q.to(a.dtype), input_precision="ieee") * scale[None, :]  # BLOCK_M, BLOCK_N
+        if FMA:
+            out = fma_dot(a, q) * scale[None, :]  # BLOCK_M, BLOCK_N
+        else:
+            out = tl.dot(a, q.to(a.dtype), input_precision="ieee") * scale[None, :]
     else:  # any g_idx (act-order): zero and scale gathered row by row
         w = dequant_tile(QW, QZ, S, G_IDX, offs_k, offs_n, k_mask, n_mask,
                           # BLOCK_K, BLOCK_N
                           stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn)
-        out = tl.dot(a, w.to(a.dtype), input_precision="ieee")  # BLOCK_M, BLOCK_N
+        if FMA:
+            out = fma_dot(a, w)  # BLOCK_M, BLOCK_N
+        else:
+            out = tl.dot(a, w.to(a.dtype), input_precision="ieee")
     return out

@@ -63,7 +63,9 @@ def test_dry_run_measures_every_figure(tmp_path):
     for r in figs["d"]["rows"]:
         assert _positive(r["cublas_fp16_us"], r["w4a16_us"],
                          r["gemm_kernel_us"]) and r["rel_error"] < 1e-2
-    assert {r["kernel"] for r in figs["d"]["rows"]} == {"gemv", "gemm"}
+    # the dry run's M = 1: the GEMV by multiply-adds, timed against the same GEMV through tl.dot
+    assert {r["kernel"] for r in figs["d"]["rows"]} == {"gemv fma", "gemm"}
+    assert all(_positive(r["dot_gemv_us"]) for r in figs["d"]["rows"] if r["kernel"] == "gemv fma")
     e = figs["e"]
     assert [r["mode"] for r in e["rows"]] == ["eager", "cuda_graphs", "cuda_graphs_unfused",
                                               "cuda_graphs_async"]

@@ -106,6 +106,26 @@ def test_split_k_matches_one_split(split_k):
     assert _rel(c, a.double() @ w.t()) < TOL
 
 
+@pytest.mark.parametrize("M", [1, 2])
+@pytest.mark.parametrize("grouped", [True, False], ids=["g64", "act-order"])
+def test_multiply_adds_and_the_dot_agree(M, grouped):
+    """The GEMV of one or two rows by multiply-adds (fma=True, what M ≤ FMA_MAX_M takes) and by
+    tl.dot over a tile of 16 (fma=False): both within the tolerance of the fp64 oracle and of each
+    other, with split-K and ragged K and N."""
+    K, N, group = (256, 96, 64) if grouped else (200, 72, 64)
+    tensors, w = _gptq_case(K, N, group, not grouped, seed=7)
+    a = _activations(M, K, seed=8)
+    want = a.double() @ w.t()
+    for split_k in (1, 3):
+        kwargs = dict(split_k=split_k, group_size=group if grouped else None)
+        fma = dequant_gemv(a, **tensors, fma=True, **kwargs)
+        dot = dequant_gemv(a, **tensors, fma=False, **kwargs)
+        assert _rel(fma, want) < 1e-6 and _rel(dot, want) < 1e-6
+        assert (fma - dot).abs().max() <= 1e-5 * dot.abs().max()
+    with pytest.raises(ValueError, match="fma=True takes M ≤ 2 rows, got M=3"):
+        dequant_gemv(_activations(3, K), **tensors, fma=True)
+
+
 def test_gemv_and_gemm_agree():
     tensors, _ = _gptq_case(200, 72, 32, True, seed=6)
     for M in (1, 16):
