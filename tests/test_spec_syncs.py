@@ -10,7 +10,7 @@ which tells the host the accepted drafts. This machine has no GPU, so the test c
 themselves with test_no_host_sync's SyncSpy, for greedy and seeded sampled rows; the host-side
 building of inputs (`ModelRunner.prepare`) reads CPU tensors by design and is not watched. No
 placeholder outlives its step in a target sequence. Negative control: the row-by-row verification
-put back is caught.
+put back is caught. A draft sequence holds placeholders only past where its last chain began.
 """
 
 from __future__ import annotations
@@ -54,6 +54,9 @@ def _steady_reads(monkeypatch, params: SamplingParams, gamma: int, batch: int) -
         assert sum(s.num_draft_tokens for s in _stats(engine)) > drafted, "a plain step"
         assert engine.last_num_seqs == batch
         assert all(PLACEHOLDER not in seq.token_ids for seq in engine.scheduler.running)
+        proposer = engine.spec.proposer  # a draft sequence's kept drafts learn their ids at _sync
+        for target_id, d in proposer.seqs.items():
+            assert PLACEHOLDER not in d.token_ids[:proposer.pending.get(target_id, len(d))]
         steps.append(spy.calls)
     monkeypatch.undo()
     return steps

@@ -79,9 +79,13 @@ class SpeculativeConfig:
 
     @property
     def verify_tokens(self) -> int:
-        """The most new tokens a verification row computes: 1 + γ for a chain (its forwards can
-        replay CUDA graphs, engine/cuda_graph.py); 1 for a token tree, which runs eagerly."""
-        return 1 if self.tree is not None else 1 + self.num_speculative_tokens
+        """The most new tokens a verification row computes when its forwards replay CUDA graphs
+        (engine/cuda_graph.py): 1 + γ for a draft model's or n-gram lookup's chain; 1 (no
+        verification graphs) for draft heads, whose hidden states keep every graph off
+        (spec/draft_heads.py)."""
+        if self.method in ("medusa", "eagle"):
+            return 1
+        return 1 + self.num_speculative_tokens
 
     def validate(self) -> None:
         check_choice("speculative", self.method, SPECULATIVE_METHODS)

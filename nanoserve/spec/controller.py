@@ -152,8 +152,10 @@ class Stopwatch:
         self.end = self._now()
 
     def seconds(self) -> float:
-        """The interval (on CUDA: waits for the device if no sync has passed `stop` yet)."""
+        """The interval. On CUDA it waits for the second event first: torch refuses the interval
+        of an event not yet reached, and a step whose forward failed never synced."""
         if self.cuda:
+            self.end.synchronize()  # (at once after the step's read: it passed `stop` already)
             return self.begin.elapsed_time(self.end) / 1000  # (ms)
         return self.end - self.begin
 
