@@ -152,7 +152,7 @@ def _verify_inputs(buf: VerifyBuffers, b: int, T: int):
     return ForwardInputs(v["input_ids"], v["positions"], v["logit_index"], buf.meta(b, T))
 
 
-def _eager_and_static(num_drafts: list[int], b: int, T: int, fill=None):
+def _eager_and_static(num_drafts: list[int], b: int, T: int):
     """The eager verification's logits and the (b, T) bucket's on the static buffers, from the
     same pool, and the slots the static forward changed."""
     engine, seqs, inputs = _verify_step(num_drafts)
@@ -163,7 +163,7 @@ def _eager_and_static(num_drafts: list[int], b: int, T: int, fill=None):
     runner.kv.v.copy_(pool_v)
     buf = VerifyBuffers(8, max_tokens=6, max_blocks=32, max_context=engine.max_model_len,
                         device="cpu")
-    assert (fill or buf.fill)(inputs, b, T) == len(num_drafts)
+    assert buf.fill(inputs, b, T) == len(num_drafts)
     static = runner.execute(_verify_inputs(buf, b, T))  # b, T, V
     changed = (
         ((runner.kv.k != pool_k) | (runner.kv.v != pool_v)).any(dim=(0, 3, 4)).flatten().nonzero()

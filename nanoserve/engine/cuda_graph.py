@@ -103,16 +103,15 @@ class DecodeBuffers:
 
 class VerifyBuffers:
     """The static inputs of the verification graphs: up to `max_batch` rows of exactly
-    `max_tokens` new tokens (the graph of bucket (b, T) reads b rows of T tokens)."""
+    `max_tokens` new tokens (the graph of bucket (b, T) reads b rows of T tokens). The per-row
+    tables are shared by every bucket (their first b rows); the per-token ones are a bucket's own
+    (`views`: a [b, T] slice of a wider tensor would not be contiguous)."""
 
     def __init__(self, max_batch: int, max_tokens: int, max_blocks: int, max_context: int,
                  device: torch.device | str):
-        long = dict(dtype=torch.long, device=device)
         int32 = dict(dtype=torch.int32, device=device)
+        self.device = device
         self.max_tokens, self.max_context = max_tokens, max_context
-        self.input_ids = torch.zeros(max_batch, max_tokens, **long)  # Bm, Tm
-        self.positions = torch.zeros(max_batch, max_tokens, **long)  # Bm, Tm
-        self.slot_mapping = torch.full((max_batch, max_tokens), -1, **long)  # Bm, Tm
         self.block_tables = torch.zeros(max_batch, max_blocks, **int32)  # Bm, M
         self.context_lens = torch.ones(max_batch, **int32)  # Bm: prefix + T
         self.prefix_lens = torch.zeros(max_batch, **int32)  # Bm: tokens cached before the step
@@ -122,7 +121,7 @@ class VerifyBuffers:
         """Bucket (b, T)'s inputs: contiguous copies' places, made once (their addresses are what
         the graph records)."""
         if (b, T) not in self.buckets:
-            dev = self.input_ids.device
+            dev = self.device
             self.buckets[b, T] = {
                 "input_ids": torch.zeros(b, T, dtype=torch.long, device=dev),
                 "positions": torch.zeros(b, T, dtype=torch.long, device=dev),
