@@ -108,7 +108,7 @@ bench: $(STAMP)
 # per figure. Installs nothing: it runs .venv's Python when there is one, else python3; a PYTHON you set wins
 # (a GPU image with the project pip-installed: `PYTHON=python3 make gpu-check`). Options: `make gpu-check
 # ARGS="--only b,e"`, `ARGS=--dry-run` (CPU, tiny shapes: checks the script), `ARGS="--preset roofline"`
-# (issue 43's figures c, e, g, h, j in <= 8 min: a short lease). = `python benchmarks/gpu_check.py`.
+# (issue 43's figures c, d, e, g, h, j in <= 8 min: a short lease). = `python benchmarks/gpu_check.py`.
 ARGS ?=
 GPU_PYTHON ?= $(if $(and $(filter file,$(origin PYTHON)),$(wildcard $(BIN)/python)),$(BIN)/python,$(PYTHON))
 gpu-check:

@@ -18,16 +18,20 @@ constants, 16-divisible ints and pointers get divisibility hints). So the table 
 launchers launch. Matrix: sm_75/80/86/89/90 × fp16/bf16/fp32 × head_dim 64/128/256 for flash and
 decode (GQA 4; decode also GQA 1 and 8 at head_dim 128, and split-KV + merge in fp16), store_kv at
 head_dim 128, the three over 8-bit KV pools (`kv8_modes`: "int8 KV", "fp8_e4m3 KV", ...), the W4A16
-kernels at K = N = 4096 (the GEMV at M = 1, by multiply-adds, and at M = 16, by tl.dot), the W8A8
-int8 GEMM (sm_80+, K = N = 4096, each output dtype), RMSNorm as one kernel (rows of 2048, Llama's
+kernels at K = N = 4096 (the GEMV at M = 1, by multiply-adds, and at M = 16, by tl.dot; also
+with their codes in the MMA layout, kernels/int4_tiles.py, variants "... mma"), the W8A8 int8
+GEMM (sm_80+, K = N = 4096, each output dtype), RMSNorm as one kernel (rows of 2048, Llama's
 convention, and 3072, Gemma's), alone and with the residual add folded in (add_rms_norm), SwiGLU's
 silu_and_mul (I = 5632 and 8192) and RoPE from a table (kernels/rotary.py: fused with the K/V store
 at head_dim 64 and 128, alone at 128, and Phi-3's partial RoPE at 96). Attention on sm_75 is
 refused by the launchers (kernels/configs.py): "unsupported" rows say why.
 
 Each row also says what its tl.dot became in the PTX ("mma f16", "wgmma bf16", "mma tf32", or "fma"
-without tensor cores). A row fails if it does not compile, or needs more shared memory than its GPU
-has (configs.SMEM_LIMIT_KB) or than its configs row claims (smem_kb). The control row, the old fp32
+without tensor cores), and `relayouts`: how many tiles computed in registers the compiled kernel
+writes to shared memory to read them back in another layout (`ttg.local_alloc` of a register
+tensor in the TTGIR; loads staged through shared memory by the pipeliner are not counted). A row
+fails if it does not compile, or needs more shared memory than its GPU has
+(configs.SMEM_LIMIT_KB) or than its configs row claims (smem_kb). The control row, the old fp32
 head_dim-128 flash tiles (64×64, 4 warps, 2 stages) on sm_86, must come out over the limit: it
 shows the check can fail. Spills are reported, not failed. Saves the JSON, prints a table, exits
 1 on a failed row. tests/test_kernels_compile.py runs it.
@@ -105,7 +109,13 @@ def compile_call(fn, args, kwargs, arch: int) -> dict:
     spills = re.search(r"(\d+) bytes spill stores", log.getvalue())
     return {"smem_bytes": kernel.metadata.shared, "regs": int(regs.group(1)) if regs else None,
             "spill_bytes": int(spills.group(1)) if spills else None,
-            "dot": dot_units(kernel.asm["ptx"])}
+            "dot": dot_units(kernel.asm["ptx"]), "relayouts": relayouts(kernel.asm["ttgir"])}
+
+
+def relayouts(ttgir: str) -> int:
+    """Register tiles sent through shared memory to change layout: `ttg.local_alloc %v : (tensor
+    ...)` (an allocation filled from registers; the pipeliner's buffers are allocated empty)."""
+    return len(re.findall(r"ttg\.local_alloc %\S+ : \(tensor<", ttgir))
 
 
 def dot_units(ptx: str) -> str:
@@ -206,7 +216,7 @@ def _rotary(dtype, D, store, partial=False):
         rotary_embedding(q, k, positions, cos, cos)
 
 
-def _dequant(dtype, which, split_k=1, grouped=True, M=1):
+def _dequant(dtype, which, split_k=1, grouped=True, M=1, mma=False):
     from nanoserve.kernels import dequant_matmul as dm
 
     K = N = 4096
@@ -217,9 +227,12 @@ def _dequant(dtype, which, split_k=1, grouped=True, M=1):
     # None: the act-order path (zeros and scales row by row)
     group = dict(group_size=128 if grouped else None)
     if which == "gemm":
-        dm.dequant_gemm(torch.zeros(32, K, dtype=dtype), **gptq, **group)
+        dm.dequant_gemm(torch.zeros(32, K, dtype=dtype), **gptq, **group, mma_layout=mma)
     elif which == "gemv":
-        dm.dequant_gemv(torch.zeros(M, K, dtype=dtype), **gptq, split_k=split_k, **group)
+        dm.dequant_gemv(torch.zeros(M, K, dtype=dtype), **gptq, split_k=split_k, **group,
+                        mma_layout=mma)
+    elif mma:
+        dm.dequantize_int4_mma(**gptq, dtype=dtype)
     else:
         dm.dequantize_int4(**gptq, dtype=dtype)
 
@@ -251,6 +264,24 @@ def _lora(dtype):
     lora_bgmv(torch.zeros(N, K, dtype=dtype), torch.zeros(S, R, K, dtype=dtype),
               torch.zeros(S, K, R, dtype=dtype),
               torch.zeros(N, dtype=torch.int32), torch.zeros(N, K, dtype=dtype))
+
+
+# (kernel, split_k, grouped, M, MMA layout) of the W4A16 rows
+DEQUANT_ROWS = (("gemm", 1, True, 32, False), ("gemm", 1, False, 32, False),
+                ("gemv", 1, True, 1, False), ("gemv", 4, True, 1, False),
+                ("gemv", 1, False, 1, False), ("gemv", 1, True, 16, False),
+                ("gemv", 1, False, 16, False), ("dequantize", 1, True, 0, False),
+                ("gemm", 1, True, 32, True), ("gemv", 1, True, 1, True), ("gemv", 4, True, 1, True),
+                ("gemv", 1, True, 16, True))
+
+
+def _dequant_variant(which: str, split_k: int, grouped: bool, M: int, mma: bool) -> str:
+    words = [f"M {M} split_k {split_k}"] if which == "gemv" else []
+    if which != "dequantize":
+        words.append("g128" if grouped else "act-order")
+    if mma:
+        words.append("mma")
+    return " ".join(words)
 
 
 def matrix(archs=ARCHS) -> list[tuple[dict, tuple | None]]:
@@ -329,18 +360,12 @@ def matrix(archs=ARCHS) -> list[tuple[dict, tuple | None]]:
                 rows.append((dict(arch=arch, dtype=dt, head_dim=None, gqa=None,
                                   case="silu_and_mul", variant=f"I {inter}"),
                              (_silu_and_mul, dtype, inter)))
-            # the GEMV at M = 1 (multiply-adds) and M = 16 (tl.dot)
-            for which, split_k, grouped, M in (("gemm", 1, True, 32), ("gemm", 1, False, 32),
-                                               ("gemv", 1, True, 1), ("gemv", 4, True, 1),
-                                               ("gemv", 1, False, 1), ("gemv", 1, True, 16),
-                                               ("gemv", 1, False, 16), ("dequantize", 1, True, 0)):
-                variant = " ".join(
-                    ([f"M {M} split_k {split_k}"] if which == "gemv" else [])
-                    + ([] if which == "dequantize" else ["g128" if grouped else "act-order"])
-                )
+            # the GEMV at M = 1 (multiply-adds) and M = 16 (tl.dot); codes in GPTQ's order, and
+            # (mma) in the MMA layout
+            for which, split_k, grouped, M, mma in DEQUANT_ROWS:
                 row = dict(arch=arch, dtype=dt, head_dim=None, gqa=None, case=which,
-                           variant=variant)
-                rows.append((row, (_dequant, dtype, which, split_k, grouped, M)))
+                           variant=_dequant_variant(which, split_k, grouped, M, mma))
+                rows.append((row, (_dequant, dtype, which, split_k, grouped, M, mma)))
     control = dict(arch=86, dtype="fp32", head_dim=128, gqa=4, case="flash",
                    variant="control: old tiles")
     rows.append((control, (_flash, torch.float32, 128, 4)))
@@ -409,9 +434,13 @@ def _table_row(r: dict) -> configs.Launch | None:
             "dequantize": "dequantize", "w8a8": "w8a8"}.get(r["kernel"])
     if kind is None:
         return None
-    # the gather path's own row
+    # the gather path's own row; the MMA layout's (multiply-adds at M ≤ 2)
     if kind == "gemv" and ("act-order" in r["variant"] or r["arch"] < 80):
         kind = "gemv_gather"
+    elif kind == "gemv" and r["variant"].endswith(" mma"):
+        kind = "gemv_mma_fma" if int(r["variant"].split()[1]) <= 2 else "gemv_mma"
+    elif kind == "gemm" and r["variant"].endswith(" mma"):
+        kind = "gemm_mma"
     with pretend_gpu(r["arch"]):
         return configs.pick(kind, "cuda", DTYPES[r["dtype"]], r["head_dim"] or 0,
                             kv8=r["variant"].endswith(" KV"))
@@ -426,18 +455,19 @@ def failures(result: dict) -> list[dict]:
 def table(result: dict) -> str:
     lines = [f"{'arch':5} {'dtype':5} {'D':>4} {'kernel':16} {'gqa':>3} {'variant':18} "
              f"{'config':18} {'smem KB':>8} {'limit':>5} {'regs':>4} {'spill B':>7} {'dot':10} "
-             "status"]
+             f"{'relay':>5} status"]
     for r in result["rows"]:
         if r["status"] == "unsupported":
             lines.append(f"sm_{r['arch']:<2} {r['dtype']:5} {r['head_dim']:>4} {'attention':16} "
                          f"{'':>3} {'':18} {'':18} unsupported: {r['reason']}")
             continue
         smem = f"{r['smem_bytes'] / 1024:.1f}" if "smem_bytes" in r else "-"
+        reason = f": {r['reason']}" if r.get("reason") else ""
         lines.append(f"sm_{r['arch']:<2} {r['dtype']:5} {r['head_dim'] or '':>4} {r['kernel']:16} "
                      f"{r['gqa'] or '':>3} {r['variant']:18} {r.get('config', ''):18} {smem:>8} "
                      f"{r.get('smem_limit_kb', ''):>5} {r.get('regs', ''):>4} "
                      f"{r.get('spill_bytes', ''):>7} {r.get('dot', ''):10} "
-                     f"{r['status']}{': ' + r['reason'] if r.get('reason') else ''}")
+                     f"{r.get('relayouts', ''):>5} {r['status']}{reason}")
     return "\n".join(lines)
 
 

@@ -178,6 +178,10 @@ def fig_w4a16(ctx) -> dict:
     from nanoserve.kernels.dequant_matmul import choose_split_k, dequant_gemm, dequant_matmul
 
     fma_max_m = getattr(dm, "FMA_MAX_M", 0)  # M <= this: the GEMV by multiply-adds
+    try:  # codes in the MMA layout (issue 43): absent from older checkouts
+        from nanoserve.kernels.int4_tiles import to_mma_layout
+    except ImportError:
+        to_mma_layout = None
 
     shapes = [(128, 128)] if ctx.dry else [(4096, 4096), (8192, 8192)]
     small_m = [1] if ctx.dry else [1, 2, 4, 8, 16]
@@ -197,13 +201,16 @@ def fig_w4a16(ctx) -> dict:
                    "group_size=128 (the grouped path); act_order_us: the same call through the "
                    "act-order (row-by-row gather) path; gemm_kernel_us: the tiled GEMM kernel "
                    "alone; dot_gemv_us (M <= FMA_MAX_M): the GEMV through tl.dot over 16 rows "
-                   "instead of its multiply-adds; w4a16_tbps: bytes of packed weights + scales + "
-                   "zeros + activations / time"}
+                   "instead of its multiply-adds; mma_us: dequant_matmul with the codes in the "
+                   "MMA layout (kernels/int4_tiles.py), as QuantLinear holds them on a GPU; "
+                   "w4a16_tbps: bytes of packed weights + scales + zeros + activations / time"}
     for K, N in shapes:
         if ctx.over():
             res["truncated"] = f"budget spent before {K}x{N}"
             break
         packed, w16 = _random_gptq(K, N, group, ctx.device, seed=K)
+        mma = None if to_mma_layout is None else {**packed,
+                                                  "qweight": to_mma_layout(packed["qweight"])}
         wbytes = sum(v.numel() * v.element_size() for v in packed.values())
         for M in small_m + large_m:
             a = (torch.randn(M, K, device=ctx.device) * 0.5).to(dtype)
@@ -216,7 +223,13 @@ def fig_w4a16(ctx) -> dict:
             if M <= fma_max_m:  # the same GEMV through tl.dot: what the multiply-adds replace
                 dot = 1e3 * bench(lambda: dm.dequant_gemv(a, **packed, group_size=group,  # noqa: B023
                                                           fma=False), ctx.dry)
+            mma_us = mma_err = None
             want = F.linear(a, w).float()
+            if mma is not None:
+                mma_us = 1e3 * bench(lambda: dequant_matmul(a, **mma, group_size=group,  # noqa: B023
+                                                            mma_layout=True), ctx.dry)
+                got = dequant_matmul(a, **mma, group_size=group, mma_layout=True).float()
+                mma_err = float((got - want).norm() / want.norm())
             err = (dequant_matmul(a, **packed,
                                   group_size=group).float() - want).norm() / want.norm()
             kernel = (
@@ -228,12 +241,15 @@ def fig_w4a16(ctx) -> dict:
                                     kernel=kernel,
                                     act_order_us=1e3 * gather,
                                     split_k=choose_split_k(N, K) if M <= 16 else None,
-                                    gemm_kernel_us=1e3 * gemm, dot_gemv_us=dot,
+                                    gemm_kernel_us=1e3 * gemm, dot_gemv_us=dot, mma_us=mma_us,
+                                    mma_rel_error=mma_err,
                                     speedup_vs_fp16=ref / ours, rel_error=float(err),
                                     w4a16_tbps=(wbytes + a.numel() * a.element_size()) / (ours * 1e-3) / 1e12))
             ctx.save(res)
     gemv = [r["speedup_vs_fp16"] for r in res["rows"] if r["M"] == 1]
     res["batch1_speedup"] = gemv
+    res["batch1_mma_speedup"] = [r["cublas_fp16_us"] / r["mma_us"] for r in res["rows"]
+                                 if r["M"] == 1 and r["mma_us"]]
     return res
 
 

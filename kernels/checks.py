@@ -302,8 +302,17 @@ def _check_flash_prefix(q, k, B, block_tables, k_cache, v_cache, context_lens, k
     return True
 
 
+def check_mma_layout(K: int, mma_layout: bool) -> None:
+    """The MMA layout (int4_tiles.to_mma_layout) reorders whole tiles of 128 rows."""
+    if not isinstance(mma_layout, bool):
+        raise ValueError(f"mma_layout must be True or False, got {mma_layout!r}")
+    if mma_layout and K % 128:
+        raise ValueError(f"mma_layout=True reorders tiles of 128 rows; K={K} is not a multiple "
+                         "of 128")
+
+
 def check_dequant_matmul(a, qweight, qzeros, scales, g_idx, bits, split_k,
-                         group_size=None) -> tuple[int, int]:
+                         group_size=None, mma_layout: bool = False) -> tuple[int, int]:
     """Raise ValueError on inconsistent inputs; return (K, N)."""
     if bits != 4:
         raise ValueError(f"dequant_matmul is a 4-bit kernel (W4A16), got bits={bits!r}; "
@@ -325,4 +334,5 @@ def check_dequant_matmul(a, qweight, qzeros, scales, g_idx, bits, split_k,
                                                       torch.arange(K) // group_size):
             raise ValueError(f"group_size={group_size} says g_idx is k // {group_size}, but it is "
                              "not (act-order?): pass group_size=None")
+    check_mma_layout(K, mma_layout)
     return K, N

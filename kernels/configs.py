@@ -75,6 +75,9 @@ INTERPRETER = {
     "gemm": Launch((16, 32, 32), upcast=True),
     "gemv": Launch((16, 32, 32), upcast=True),
     "gemv_gather": Launch((16, 32, 32), upcast=True),
+    "gemm_mma": Launch((16, 32, 128), upcast=True),  # BLOCK_K: the MMA layout's tile
+    "gemv_mma": Launch((16, 32, 128), upcast=True),
+    "gemv_mma_fma": Launch((1, 32, 128), upcast=True),
     "dequantize": Launch((32, 32), upcast=True),
     "w8a8": Launch((16, 32, 32)),  # int8 tiles: the interpreter computes them exactly in integers
 }
@@ -136,6 +139,20 @@ DEQUANT = {
     # (Triton 3.6.0, the GPU image's, gives it 58 KB and 128-156 registers; 3.8.0 50 KB and 71-80)
     ("gemv_gather", 80, 2): Launch((16, 64, 64), 4, 2, smem_kb=58),
     ("gemv_gather", 80, 4): Launch((16, 64, 64), 8, 1, smem_kb=20),
+    # weights in the MMA layout (int4_tiles.py): tiles of its 128 rows. At BLOCK_N = 128 over 4
+    # warps the compiler loads the packed words into the tensor cores' operand layout and unpacks
+    # them there; at 64, or over 8 warps, it sends each 16-row fp16 slice through shared memory
+    # again (the GEMM too: 8 relayouts at 64 × 64 × 128, 0 at 32 × 128 × 128). The multiply-adds
+    # (M ≤ FMA_MAX_M) take 135-220 registers on sm_90 at 128 × 128 over 4 warps, 64 at 64 × 128
+    ("gemm_mma", 75, 0): Launch((64, 64, 32), 4, 3, upcast=True, smem_kb=16),
+    ("gemm_mma", 80, 2): Launch((32, 128, 128), 4, 3, smem_kb=34),
+    ("gemm_mma", 80, 4): Launch((32, 64, 128), 4, 2, smem_kb=46),
+    ("gemv_mma", 75, 0): Launch((16, 64, 128), 4, 2, upcast=True, smem_kb=20),
+    ("gemv_mma", 80, 2): Launch((16, 128, 128), 4, 3, smem_kb=26),
+    ("gemv_mma", 80, 4): Launch((16, 64, 128), 8, 1, smem_kb=20),
+    ("gemv_mma_fma", 75, 0): Launch((16, 64, 128), 4, 2, upcast=True, smem_kb=20),
+    ("gemv_mma_fma", 80, 2): Launch((16, 64, 128), 4, 3, smem_kb=2),
+    ("gemv_mma_fma", 80, 4): Launch((16, 64, 128), 8, 1, smem_kb=4),
     ("dequantize", 75, 0): Launch((64, 64), 4, 3, upcast=True, smem_kb=16),
     ("dequantize", 80, 0): Launch((64, 64), 4, 3, smem_kb=16),
     # kernels/int8_matmul.py: int8 mma, sm_80+
@@ -196,7 +213,8 @@ def attention_problem(arch: int | None, dtype: torch.dtype, head_dim: int) -> st
 
 def pick(kernel: str, device: torch.device | str, dtype: torch.dtype, head_dim: int = 0,
          kv8: bool = False) -> Launch:
-    """The launch of `kernel` ("flash", "decode", "gemm", "gemv", "gemv_gather", "dequantize") on
+    """The launch of `kernel` ("flash", "decode", "gemm", "gemv", "gemv_gather", "gemv_mma",
+    "gemv_mma_fma", "dequantize") on
     `device`; kv8: attention over an 8-bit KV pool (the KV8 rows, where there is one).
 
     ValueError where the kernel cannot run there (attention on sm_75, a row over the GPU's shared

@@ -56,7 +56,14 @@ there; its grouped path, and so the threshold, are still to be timed against thi
   `choose_split_k` says how many fill a GPU.
 
 A third, `dequantize_int4`, writes W [N, K] out (packing.dequantize_gptq's layout and values) in
-one pass with the same `dequant_tile`: the dequantize step of "dequantize + cuBLAS" for large M.
+one pass with the same `dequant_tile`: the dequantize step of "dequantize + cuBLAS" for large M
+(`dequantize_int4_mma` for codes in the MMA layout).
+
+**The MMA layout** (`mma_layout=True`, kernels/int4_tiles.py): the codes reordered once at load so
+that a GEMV tile of 128 rows is 8 products of 16 rows, each an elementwise shift of the same 16
+loaded words (`mma_tile_dot`); the tensor-core path then needs no trip of the dequantized tile
+through shared memory. Every kernel reads it (the others through `code_address`); the GEMV takes
+its own rows of configs.DEQUANT ("gemv_mma", "gemv_mma_fma").
 
 **Precision.** Accumulation is fp32. The interpreter cannot do bf16 arithmetic, so there tiles
 become fp32 right after their load (`UPCAST`), and so on sm_75, whose tl.dot is FMA anyway. On
@@ -74,9 +81,9 @@ import triton.language as tl
 
 from nanoserve.quant.packing import check_gptq, dequantize_gptq
 
-from .checks import DTYPES, can_read_values, check_dequant_matmul
+from .checks import DTYPES, can_read_values, check_dequant_matmul, check_mma_layout
 from .configs import DEQUANT, INTERPRETER, pick
-from .int4_tiles import dequant_tile, dot_tile
+from .int4_tiles import dequant_tile, dot_tile, mma_tile_dot
 
 GEMV_MAX_M = 16  # M ≤ this: split-K GEMV (all rows in one tile of 16)
 FMA_MAX_M = 2  # M ≤ this: the GEMV's rows by multiply-adds (BLOCK_M = M); M = 4: 252 registers
@@ -106,7 +113,7 @@ def _dequant_gemm_kernel(
     stride_am, stride_ak, stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn,
     stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    UPCAST: tl.constexpr, GROUP_SIZE: tl.constexpr, MMA: tl.constexpr,
 ):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # BLOCK_M
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # BLOCK_N
@@ -114,16 +121,21 @@ def _dequant_gemm_kernel(
     rows = offs_m.to(tl.int64)  # M · K may pass 2^31
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(0, K, BLOCK_K):
-        offs_k = start + tl.arange(0, BLOCK_K)  # BLOCK_K
-        k_mask = offs_k < K
-        a = tl.load(A + rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # BLOCK_M, BLOCK_K
-        if UPCAST:
-            a = a.to(tl.float32)
-        # BLOCK_M, BLOCK_N
-        acc += dot_tile(a, QW, QZ, S, G_IDX, start, offs_k, offs_n, k_mask, n_mask, K,
-                        stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn,
-                        BLOCK_K, BLOCK_N, GROUP_SIZE, False)  # M > 16: the tensor cores
+        if MMA and GROUP_SIZE > 0 and BLOCK_K == 128:  # a tile of the MMA layout: 8 products
+            acc += mma_tile_dot(A, rows, m_mask, start, stride_am, stride_ak, QW, QZ, S, offs_n,
+                                n_mask, stride_qk, stride_qn, stride_zg, stride_zn, stride_sg,
+                                stride_sn, BLOCK_M, BLOCK_N, GROUP_SIZE, UPCAST, False)
+        else:
+            offs_k = start + tl.arange(0, BLOCK_K)  # BLOCK_K
+            k_mask = offs_k < K
+            a = tl.load(A + rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
+                        mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # BLOCK_M, BLOCK_K
+            if UPCAST:
+                a = a.to(tl.float32)
+            # BLOCK_M, BLOCK_N
+            acc += dot_tile(a, QW, QZ, S, G_IDX, start, offs_k, offs_n, k_mask, n_mask, K,
+                            stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn,
+                            BLOCK_K, BLOCK_N, GROUP_SIZE, False, MMA)  # M > 16: tensor cores
     c_ptrs = C + rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -136,6 +148,7 @@ def _dequant_gemv_kernel(
     stride_ps, stride_pm, stride_pn, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, GROUP_SIZE: tl.constexpr, REDUCE: tl.constexpr, FMA: tl.constexpr,
+    MMA: tl.constexpr,
 ):
     split = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)  # BLOCK_M   every row of A (M ≤ BLOCK_M)
@@ -145,16 +158,21 @@ def _dequant_gemv_kernel(
     hi = tl.minimum(lo + k_per_split, K)  # lo ≥ hi: an empty split, which writes zeros
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(lo, hi, BLOCK_K):
-        offs_k = start + tl.arange(0, BLOCK_K)  # BLOCK_K
-        k_mask = offs_k < hi
-        a = tl.load(A + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak,
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # BLOCK_M, BLOCK_K
-        if UPCAST:
-            a = a.to(tl.float32)
-        # BLOCK_M, BLOCK_N
-        acc += dot_tile(a, QW, QZ, S, G_IDX, start, offs_k, offs_n, k_mask, n_mask, K,
-                        stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn,
-                        BLOCK_K, BLOCK_N, GROUP_SIZE, FMA)
+        if MMA and GROUP_SIZE > 0 and BLOCK_K == 128:  # a tile of the MMA layout: 8 products
+            acc += mma_tile_dot(A, offs_m, m_mask, start, stride_am, stride_ak, QW, QZ, S, offs_n,
+                                n_mask, stride_qk, stride_qn, stride_zg, stride_zn, stride_sg,
+                                stride_sn, BLOCK_M, BLOCK_N, GROUP_SIZE, UPCAST, FMA)
+        else:
+            offs_k = start + tl.arange(0, BLOCK_K)  # BLOCK_K
+            k_mask = offs_k < hi
+            a = tl.load(A + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak,
+                        mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # BLOCK_M, BLOCK_K
+            if UPCAST:
+                a = a.to(tl.float32)
+            # BLOCK_M, BLOCK_N
+            acc += dot_tile(a, QW, QZ, S, G_IDX, start, offs_k, offs_n, k_mask, n_mask, K,
+                            stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn,
+                            BLOCK_K, BLOCK_N, GROUP_SIZE, FMA, MMA)
     p_ptrs = P + split * stride_ps + offs_m[:, None] * stride_pm + offs_n[None, :] * stride_pn
     tl.store(p_ptrs, acc.to(P.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
     if REDUCE:  # the tile's last split to finish sums every partial, in split order (above)
@@ -185,14 +203,14 @@ def _dequantize_kernel(
     QW, QZ, S, G_IDX, W,
     N, K,
     stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn, stride_wn, stride_wk,
-    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, MMA: tl.constexpr,
 ):
     offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)  # BLOCK_K   input rows of W's tile
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # BLOCK_N   output columns
     k_mask, n_mask = offs_k < K, offs_n < N
     w = dequant_tile(QW, QZ, S, G_IDX, offs_k, offs_n, k_mask, n_mask,
                       # BLOCK_K, BLOCK_N
-                      stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn)
+                      stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn, MMA)
     # W is [N, K] (nn.Linear's layout): the [K, N] tile is stored transposed, through the strides
     # BLOCK_K, BLOCK_N
     w_ptrs = W + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk
@@ -203,7 +221,7 @@ def _dequantize_kernel(
 def dequant_matmul(a: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
                    scales: torch.Tensor,
                    g_idx: torch.Tensor, bits: int = 4, *, split_k: int | None = None,
-                   group_size: int | None = None) -> torch.Tensor:
+                   group_size: int | None = None, mma_layout: bool = False) -> torch.Tensor:
     """C [M, N] = A [M, K] · W, W [K, N] dequantized on the fly from GPTQ v1 4-bit tensors.
 
     qweight int32 [K/8, N], qzeros int32 [G, N/8] (zero − 1), scales [G, N], g_idx [K] (int32/int64,
@@ -212,37 +230,45 @@ def dequant_matmul(a: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
     with M ≥ 64 dequantize + torch.matmul. `group_size`: the caller's word that g_idx is k //
     group_size (no act-order), so a tile of BLOCK_K rows has one zero and scale row
     (`grouped_codes`); checked against g_idx where its values can be read without a host sync (CPU),
-    ignored when BLOCK_K does not divide it.
+    ignored when BLOCK_K does not divide it. `mma_layout`: qweight is in the MMA layout
+    (int4_tiles.to_mma_layout; K a multiple of 128), read as such by every path.
     """
-    K, N = check_dequant_matmul(a, qweight, qzeros, scales, g_idx, bits, split_k, group_size)
+    K, N = check_dequant_matmul(a, qweight, qzeros, scales, g_idx, bits, split_k, group_size,
+                                mma_layout)
     M = a.shape[0]
     if M <= GEMV_MAX_M:
-        return _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k, group_size)
+        return _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k, group_size,
+                            mma_layout=mma_layout)
     # cuBLAS does the matmul; the cost is in the module docstring
     if a.is_cuda and M >= TORCH_MIN_M:
-        # dequantize_int4: dequantize_gptq's values bit for bit, in one pass and without its
-        # host-synced g_idx check
-        return a @ dequantize_int4(qweight, qzeros, scales, g_idx, dtype=a.dtype).t()  # M, N
-    return _launch_gemm(a, qweight, qzeros, scales, g_idx, K, N, group_size)
+        # dequantize_int4's kernel: dequantize_gptq's values bit for bit, in one pass and
+        # without its host-synced g_idx check
+        w = _dequantize(qweight, qzeros, scales, g_idx, a.dtype, mma_layout)
+        return a @ w.t()  # M, N
+    return _launch_gemm(a, qweight, qzeros, scales, g_idx, K, N, group_size, mma_layout)
 
 
 def dequant_gemm(a, qweight, qzeros, scales, g_idx, bits: int = 4, *,
-                 group_size: int | None = None) -> torch.Tensor:
+                 group_size: int | None = None, mma_layout: bool = False) -> torch.Tensor:
     """The tiled GEMM kernel alone, for any M (no torch fallback); arguments as `dequant_matmul`."""
-    K, N = check_dequant_matmul(a, qweight, qzeros, scales, g_idx, bits, None, group_size)
-    return _launch_gemm(a, qweight, qzeros, scales, g_idx, K, N, group_size)
+    K, N = check_dequant_matmul(a, qweight, qzeros, scales, g_idx, bits, None, group_size,
+                                mma_layout)
+    return _launch_gemm(a, qweight, qzeros, scales, g_idx, K, N, group_size, mma_layout)
 
 
 def dequant_gemv(a, qweight, qzeros, scales, g_idx, bits: int = 4, *, split_k: int | None = None,
-                 group_size: int | None = None, fma: bool | None = None) -> torch.Tensor:
+                 group_size: int | None = None, fma: bool | None = None,
+                 mma_layout: bool = False) -> torch.Tensor:
     """The split-K GEMV kernel alone, for M ≤ 16; arguments as `dequant_matmul`. fma: the rows by
     multiply-adds (True) or tl.dot over 16 rows (False); None: multiply-adds for M ≤ FMA_MAX_M."""
-    K, N = check_dequant_matmul(a, qweight, qzeros, scales, g_idx, bits, split_k, group_size)
+    K, N = check_dequant_matmul(a, qweight, qzeros, scales, g_idx, bits, split_k, group_size,
+                                mma_layout)
     if a.shape[0] > GEMV_MAX_M:
         raise ValueError(f"the GEMV kernel takes M ≤ {GEMV_MAX_M} rows, got M={a.shape[0]}")
     if fma and a.shape[0] > FMA_MAX_M:
         raise ValueError(f"fma=True takes M ≤ {FMA_MAX_M} rows, got M={a.shape[0]}")
-    return _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k, group_size, fma)
+    return _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k, group_size, fma,
+                        mma_layout)
 
 
 def _group_constexpr(group_size: int | None, launch) -> int:
@@ -268,9 +294,22 @@ def dequantize_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.T
     several torch passes over [N, K] tensors (unpack, subtract, gather, multiply, cast); this reads
     the packed tensors once and writes W once, the dequantize step of "dequantize + cuBLAS" for
     large M. It is also the reference of exercise 11 (exercises/dequant_matmul.py,
-    notebooks/07_int4_kernel section 3).
+    notebooks/07_int4_kernel section 3). Codes in the MMA layout: `dequantize_int4_mma`.
     """
+    return _dequantize(qweight, qzeros, scales, g_idx, dtype, mma_layout=False)
+
+
+def dequantize_int4_mma(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                        g_idx: torch.Tensor,
+                        *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`dequantize_int4` of codes in the MMA layout (kernels/int4_tiles.py `to_mma_layout`)."""
+    return _dequantize(qweight, qzeros, scales, g_idx, dtype, mma_layout=True)
+
+
+def _dequantize(qweight, qzeros, scales, g_idx, dtype: torch.dtype, mma_layout: bool
+                ) -> torch.Tensor:
     K, N, _ = check_gptq(qweight, qzeros, scales, g_idx, 4, check_values=can_read_values(g_idx))
+    check_mma_layout(K, mma_layout)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     launch = pick("dequantize", qweight.device, dtype)
@@ -285,7 +324,7 @@ def dequantize_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.T
         qweight, qzeros, scales, g_idx.contiguous(), w,
         N, K,
         *qweight.stride(), *qzeros.stride(), *scales.stride(), *w.stride(),
-        BLOCK_K=block_k, BLOCK_N=block_n, **launch.options(),
+        BLOCK_K=block_k, BLOCK_N=block_n, MMA=mma_layout, **launch.options(),
     )
     return w.to(dtype)  # N, K   a no-op unless the interpreter wrote fp32 for bf16
 
@@ -311,9 +350,10 @@ def choose_split_k(n: int, k: int, num_sms: int | None = None,
     return max(1, min(fill, by_length, MAX_SPLIT_K))
 
 
-def _launch_gemm(a, qweight, qzeros, scales, g_idx, K, N, group_size=None) -> torch.Tensor:
+def _launch_gemm(a, qweight, qzeros, scales, g_idx, K, N, group_size=None,
+                 mma_layout: bool = False) -> torch.Tensor:
     M = a.shape[0]
-    launch = pick("gemm", a.device, a.dtype)
+    launch = pick("gemm_mma" if mma_layout else "gemm", a.device, a.dtype)
     block_m, block_n, block_k = launch.tiles
     c = torch.zeros(M, N, dtype=a.dtype, device=a.device)  # M, N
     if M == 0 or N == 0:
@@ -323,15 +363,17 @@ def _launch_gemm(a, qweight, qzeros, scales, g_idx, K, N, group_size=None) -> to
         M, N, K,
         *a.stride(), *qweight.stride(), *qzeros.stride(), *scales.stride(), *c.stride(),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        UPCAST=launch.upcast, GROUP_SIZE=_group_constexpr(group_size, launch), **launch.options(),
+        UPCAST=launch.upcast, GROUP_SIZE=_group_constexpr(group_size, launch), MMA=mma_layout,
+        **launch.options(),
     )
     return c
 
 
 def _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k, group_size=None,
-                 fma: bool | None = None) -> torch.Tensor:
+                 fma: bool | None = None, mma_layout: bool = False) -> torch.Tensor:
     M = a.shape[0]
-    launch = pick("gemv", a.device, a.dtype)
+    fma = fma if fma is not None else M <= FMA_MAX_M
+    launch = pick(_gemv_row(mma_layout, fma), a.device, a.dtype)
     group = _group_constexpr(group_size, launch)
     # the gather path has a row of its own (the grouped path's tiles cost it 3× the shared memory)
     if not group:
@@ -339,7 +381,6 @@ def _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k, group_size=No
     block_m, block_n, block_k = launch.tiles
     if M == 0 or N == 0:
         return torch.zeros(M, N, dtype=a.dtype, device=a.device)  # M, N
-    fma = fma if fma is not None else M <= FMA_MAX_M
     if fma:  # only the real rows, rounded up to a power of two (tl.arange's)
         block_m = triton.next_power_of_2(M)
     split_k = choose_split_k(N, K, tiles=launch.tiles) if split_k is None else split_k
@@ -360,9 +401,18 @@ def _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k, group_size=No
         *a.stride(), *qweight.stride(), *qzeros.stride(), *scales.stride(), *p_strides,
         *out.stride(),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        UPCAST=launch.upcast, GROUP_SIZE=group, REDUCE=split_k > 1, FMA=fma, **launch.options(),
+        UPCAST=launch.upcast, GROUP_SIZE=group, REDUCE=split_k > 1, FMA=fma, MMA=mma_layout,
+        **launch.options(),
     )
     return out
+
+
+def _gemv_row(mma_layout: bool, fma: bool) -> str:
+    """The GEMV's row of configs.DEQUANT: the MMA layout's tiles are its own 128 rows
+    (int4_tiles.mma_tile_dot), with narrower ones for the multiply-adds."""
+    if not mma_layout:
+        return "gemv"
+    return "gemv_mma_fma" if fma else "gemv_mma"
 
 
 _COUNTS: dict[torch.device, torch.Tensor] = {}  # per device: the split-K arrival counters

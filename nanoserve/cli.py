@@ -155,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="asymmetric grid (zero points per group; default symmetric)")
     q.add_argument("--act-order", action="store_true",
                    help="GPTQ: quantize columns by decreasing activation energy")
+    q.add_argument("--lm-head", action="store_true",
+                   help="quantize the LM head too (a tied one gets its own copy: the checkpoint "
+                        "is written untied, the embedding stays float)")
     q.add_argument("--calib", help="calibration text file (GPTQ and AWQ need one)")
     q.add_argument("--nsamples", type=int, default=32, help="calibration windows")
     q.add_argument("--seqlen", type=int, help="tokens per window (default: min(context, 512))")
@@ -289,7 +292,7 @@ def cmd_quantize(args) -> None:
         return
     config = QuantizeConfig(method=args.method, bits=args.bits, group_size=args.group_size,
                             sym=not args.asym,
-                            act_order=args.act_order)
+                            act_order=args.act_order, lm_head=args.lm_head)
     result = quantize_model(model, calib, config)
     if args.format == "compressed-tensors":
         out = save_compressed(replace_linears(model, result.qweights), args.out,
@@ -310,7 +313,8 @@ def _check_quantize_args(args, w8: bool) -> None:
         unused = [flag for flag, used in (("--bits", args.bits != 4),
                                           ("--group-size", args.group_size != 128),
                                           ("--asym", args.asym),
-                           ("--act-order", args.act_order)) if used]
+                                          ("--act-order", args.act_order),
+                                          ("--lm-head", args.lm_head)) if used]
         if unused or args.format == "gptq":
             raise NanoserveError(f"--method {args.method} is 8-bit, per channel, saved as "
                                  f"compressed-tensors: {', '.join(unused) or '--format gptq'} does "

@@ -11,6 +11,8 @@ controls: zero points read along the wrong axis, or without their +8 offset, mis
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -36,7 +38,7 @@ WEIGHT_ONLY = {"w4a16_sym", "w4a16_asym", "fp8_weight_only"}
 def tiny(tmp_path_factory):
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=257,
+                                   num_key_value_heads=2, vocab_size=264,
                                    max_position_embeddings=128,
                                    tie_word_embeddings=False)
     path = tmp_path_factory.mktemp("ct") / "float"
@@ -73,9 +75,9 @@ def _scheme(name):
 
 
 @torch.no_grad()
-def _library_checkpoint(src, name, out):
+def _library_checkpoint(src, name, out, ignore=("lm_head",)):
     """What llmcompressor's minmax path writes, with compressed-tensors alone: scales from
-    calculate_qparams."""
+    calculate_qparams (`ignore=()`: the LM head quantized too)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationConfig,
@@ -87,7 +89,7 @@ def _library_checkpoint(src, name, out):
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     apply_quantization_config(model,
                               QuantizationConfig(config_groups={"group_0": _scheme(name)},
-                                                 ignore=["lm_head"]))
+                                                 ignore=list(ignore)))
     for mod in model.modules():
         if not hasattr(mod, "quantization_scheme"):
             continue
@@ -208,8 +210,33 @@ def test_negative_controls_zero_points_on_the_wrong_axis_or_without_the_offset(t
     assert not torch.allclose(dequant(wrong), want)
 
 
+@torch.no_grad()
+def test_a_quantized_lm_head_both_ways(tiny, tmp_path):
+    """The library quantizes the LM head too (nothing ignored): nanoserve loads it as a QuantLinear
+    with transformers' weights and logits. nanoserve's own head (`lm_head=True`) is left off the
+    ignore list and loads in transformers with its weights. Negative control: the library's head
+    ignored stays a float linear."""
+    path = _library_checkpoint(tiny, "w4a16_asym", tmp_path / "head", ignore=())
+    ours = load_model(path)[0]
+    dense = _transformers_dense(path)
+    assert isinstance(ours.lm_head, QuantLinear)
+    assert torch.equal(_dequantized(ours.lm_head).float(), dense.lm_head.weight.float())
+    torch.testing.assert_close(ours(_ids()), dense(_ids()).logits, atol=1e-4, rtol=1e-4)
+    ignored = load_model(_library_checkpoint(tiny, "w4a16_asym", tmp_path / "no-head"))[0]
+    assert isinstance(ignored.lm_head, torch.nn.Linear)
+
+    model = load_model(tiny)[0]
+    res = quantize_model(model, None, QuantizeConfig(method="rtn", group_size=32, lm_head=True),
+                         progress=False)
+    out = save_compressed(replace_linears(model, res.qweights), tmp_path / "ours")
+    assert "lm_head" not in json.loads((out / "config.json").read_text())[
+        "quantization_config"]["ignore"]
+    dense = _transformers_dense(out)
+    assert torch.equal(dense.lm_head.weight.float(), _dequantized(model.lm_head).float())
+    torch.testing.assert_close(dense(_ids()).logits, model(_ids()), atol=1e-4, rtol=1e-4)
+
+
 def test_unsupported_schemes_are_refused_by_name(tiny, tmp_path):
-    import json
     import shutil
 
     path = _library_checkpoint(tiny, "w8a8", tmp_path / "w8a8")

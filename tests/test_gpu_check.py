@@ -61,8 +61,8 @@ def test_dry_run_measures_every_figure(tmp_path):
                      *(r["split_ms"] for r in c["split_kv"]))
     assert c["split_kv"][0]["growth_vs_first"] == 1.0
     for r in figs["d"]["rows"]:
-        assert _positive(r["cublas_fp16_us"], r["w4a16_us"],
-                         r["gemm_kernel_us"]) and r["rel_error"] < 1e-2
+        assert _positive(r["cublas_fp16_us"], r["w4a16_us"], r["gemm_kernel_us"], r["mma_us"])
+        assert r["rel_error"] < 1e-2 and r["mma_rel_error"] < 1e-2  # codes in the MMA layout
     # the dry run's M = 1: the GEMV by multiply-adds, timed against the same GEMV through tl.dot
     assert {r["kernel"] for r in figs["d"]["rows"]} == {"gemv fma", "gemm"}
     assert all(_positive(r["dot_gemv_us"]) for r in figs["d"]["rows"] if r["kernel"] == "gemv fma")
@@ -81,9 +81,11 @@ def test_dry_run_measures_every_figure(tmp_path):
     )
     assert ours["output_tokens"] == hf["output_tokens"] > 0 and _positive(f["ratio_vs_hf"])
     g = figs["g"]
-    full, int4 = g["rows"]
+    full, int4, head = g["rows"]
     assert int4["weights"].startswith("int4") and int4["weight_gb"] < 0.5 * full["weight_gb"]
-    assert _positive(full["tok_s"], int4["tok_s"], g["int4_speedup"])
+    # the dry run's head (320 x 64) is most of its weights: quantized, a step reads half as much
+    assert head["weights"] == "int4 RTN + LM head" and head["weight_gb"] < 0.6 * int4["weight_gb"]
+    assert _positive(full["tok_s"], int4["tok_s"], g["int4_speedup"], g["int4_lm_head_speedup"])
     h = figs["h"]["rows"]
     assert [r["pair"].split()[0] for r in h] == ["1B,"] * 5 + ["random", "random", "demo"]
     assert [r["alpha_set"] for r in h[:5]] == [0.9, 0.8, 0.6, 0.0, 0.0]
@@ -174,7 +176,7 @@ def test_the_roofline_preset_fits_eight_minutes():
     gpu_check = _import("gpu_check")
 
     args = gpu_check.parse_args(["--preset", "roofline"])
-    assert args.only == ["c", "e", "g", "h", "j"] and args.time_limit == 480
+    assert args.only == ["c", "d", "e", "g", "h", "j"] and args.time_limit == 480
     assert sum(args.budgets.values()) <= 480 and set(args.budgets) == set(args.only)
     args = gpu_check.parse_args(["--preset", "roofline", "--only", "e", "--time-limit", "100"])
     assert args.only == ["e"] and args.time_limit == 100

@@ -8,7 +8,8 @@ pools, and the W4A16 kernels. It runs in
 a subprocess: compiling needs Triton without the interpreter, which conftest.py switches on for
 this process. A row fails on a compile error or on shared memory above its GPU's limit (or above
 what its kernels/configs.py row claims); the control, the old fp32 head_dim-128 flash tiles on
-sm_86, must be reported over. About 80 s on 2 quiet cores (~370 compiles, 2 processes).
+sm_86, must be reported over. About 80 s on 2 quiet cores (~370 compiles, 2 processes). Each row
+also counts the tiles its kernel relays through shared memory (`relayouts`).
 """
 
 from __future__ import annotations
@@ -143,6 +144,23 @@ def test_the_control_is_reported_over_the_limit(compiled):
     assert control["status"] == "over" and control["smem_bytes"] > 99 * 1024
 
 
+def test_the_mma_layout_sends_no_tile_through_shared_memory(compiled):
+    """The W4A16 GEMV of 16 rows by tl.dot in fp16 / bf16 on sm_80+: with its codes in the MMA
+    layout (kernels/int4_tiles.py) the compiler unpacks them in the tensor cores' operand layout
+    (0 relayouts); in GPTQ's order it writes each dequantized tile to shared memory and reads it
+    back (the negative control: ≥ 1). No MMA-layout GEMV spills."""
+    _, result = compiled
+    for arch in GPUS:
+        for dt in ("fp16", "bf16"):
+            [mma] = _rows(result, arch=arch, dtype=dt, kernel="dequant_gemv",
+                          variant="M 16 split_k 1 g128 mma")
+            [gptq] = _rows(result, arch=arch, dtype=dt, kernel="dequant_gemv",
+                           variant="M 16 split_k 1 g128")
+            assert mma["relayouts"] == 0 and gptq["relayouts"] >= 1, (mma, gptq)
+    mma_rows = [r for r in result["rows"] if r["variant"].endswith(" mma")]
+    assert mma_rows and all(r["spill_bytes"] == 0 for r in mma_rows if r["status"] == "ok")
+
+
 def test_the_committed_table_is_current(compiled):
     """benchmarks/kernels_compile.json is what this Triton compiles today: rerun the script after
     changing a kernel."""
@@ -152,8 +170,7 @@ def test_the_committed_table_is_current(compiled):
         pytest.skip(f"the committed table is for Triton {committed['triton']}, this is "
                     f"{result['triton']}")
     fields = ("arch", "dtype", "head_dim", "gqa", "case", "variant", "kernel", "config",
-              "smem_bytes", "regs",
-              "spill_bytes", "status")
+              "smem_bytes", "regs", "spill_bytes", "relayouts", "status")
     key = lambda r: tuple(r.get(f) for f in fields)  # noqa: E731
     assert [key(r) for r in committed["rows"]] == [key(r) for r in result["rows"]], (
         "benchmarks/kernels_compile.json is stale: run .venv/bin/python "

@@ -171,6 +171,12 @@ def test_cli_quantize_fp8_and_smoothquant_write_checkpoints_that_load(tmp_path):
                           "--bits", "3", "--out", str(tmp_path / "x")], capture_output=True,
                          text=True, timeout=300)
     assert bad.returncode != 0 and "--bits does not apply" in bad.stderr
+    not_8 = "LM head's 257 outputs (the vocabulary) are not a multiple of 8"
+    for method, error in (("int8", "--lm-head does not apply"), ("rtn", not_8)):
+        head = subprocess.run([sys.executable, "-m", "nanoserve", "quantize", "--model",
+                               "demo-draft", "--method", method, "--lm-head", "--out",
+                               str(tmp_path / "z")], capture_output=True, text=True, timeout=300)
+        assert head.returncode != 0 and error in head.stderr, head.stderr[-2000:]
     gpt2 = subprocess.run([sys.executable, "-m", "nanoserve", "quantize", "--model", "demo",
                            "--method", "fp8",
                            "--out", str(tmp_path / "y")], capture_output=True, text=True,

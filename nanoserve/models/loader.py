@@ -261,6 +261,11 @@ def build_from_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype
     if quantization is not None:
         quant = extension("quantization")  # nanoserve/quant/
         layers = quant.quantized_layers(tensors, quantization)
+        if "lm_head" in layers and cfg.tie_word_embeddings:
+            raise CheckpointError("the LM head is quantized (its lm_head.* tensors) but "
+                                  "config.json says tie_word_embeddings: true, which makes the LM "
+                                  "head the float embedding matrix; a quantized head needs "
+                                  "tie_word_embeddings: false")
         quant.install_quant_linears(model, layers, dtype, device)
         quantized = set(layers)
     expected = {k: v for k, v in model.state_dict().items()

@@ -120,8 +120,8 @@ def _stack_quantized(linears: list[nn.Module]) -> nn.Module | None:
 
     first = linears[0]
     for m in linears:
-        same = (m.bits, m.group_size, m.in_features, m.scales.dtype) == (
-            first.bits, first.group_size, first.in_features, first.scales.dtype)
+        same = (m.bits, m.group_size, m.in_features, m.scales.dtype, m.mma_layout) == (
+            first.bits, first.group_size, first.in_features, first.scales.dtype, first.mma_layout)
         if not same or (m.out_features * m.bits) % 32 or not torch.equal(m.g_idx, first.g_idx):
             return None
     out = sum(m.out_features for m in linears)
@@ -134,6 +134,7 @@ def _stack_quantized(linears: list[nn.Module]) -> nn.Module | None:
         bias = _stack_tensors(linears, "bias")
     _hold(stacked, "bias", bias)
     _hold(stacked, "g_idx", first.g_idx)
+    stacked.mma_layout = first.mma_layout  # the codes' order is along the inputs: kept by a cat
     return stacked
 
 
@@ -321,7 +322,7 @@ def use_triton_layers(model: nn.Module) -> dict[str, int]:
     """Swap in the Triton path's modules, in place (classes and weights' grouping only): every
     plain RMSNorm for its one-kernel form; a pre-norm Llama body for TritonLlamaModel. Returns how
     many of each were swapped."""
-    swapped = {"rms_norm": 0, "fused_llama_layers": 0}
+    swapped = {"rms_norm": 0, "fused_llama_layers": 0, "int4_mma_layout": 0}
     for module in model.modules():
         if type(module) is RMSNorm:
             module.__class__ = TritonRMSNorm
@@ -330,4 +331,8 @@ def use_triton_layers(model: nn.Module) -> dict[str, int]:
     if type(body) is LlamaModel and len(body.layers):
         if _fuse_model(body, model.config.max_position_embeddings):
             swapped["fused_llama_layers"] = len(body.layers)
+    if next(model.parameters()).is_cuda:  # after stacking: a stack's codes reordered once
+        from ..quant.qlinear import use_mma_layout
+
+        swapped["int4_mma_layout"] = use_mma_layout(model)
     return swapped

@@ -49,7 +49,7 @@ def _rebuilt(layer: QuantLinear, codes, zeros, scales, g_idx, bias) -> QuantLine
 
 def _unpacked(layer: QuantLinear):
     # codes, zeros, scales, g
-    return unpack_gptq(layer.qweight, layer.qzeros, layer.scales, layer.g_idx, layer.bits)
+    return unpack_gptq(layer.gptq_qweight(), layer.qzeros, layer.scales, layer.g_idx, layer.bits)
 
 
 def column_shard(layer: QuantLinear, index: torch.Tensor) -> QuantLinear:

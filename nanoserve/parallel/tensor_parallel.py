@@ -153,15 +153,24 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(nn.Module):
-    """This rank's V/N of the logits, gathered from every rank into the whole vocabulary."""
+    """This rank's V/N of the logits, gathered from every rank into the whole vocabulary.
 
-    def __init__(self, weight: torch.Tensor, world_size: int, vocab_size: int):
+    The share is `weight` [⌈V/N⌉, C] (float; tied: the embedding's share), or `quantized`: the
+    rows of a quantized head this rank has (quant_shard.column_shard; the last rank's share may be
+    short of `rows`, its missing logits are zeros, dropped after the gather)."""
+
+    def __init__(self, weight: torch.Tensor | None, world_size: int, vocab_size: int,
+                 quantized: nn.Module | None = None, rows: int = 0):
         super().__init__()
-        # ⌈V/N⌉, C (tied: shared)
         self.weight, self.world_size, self.vocab_size = weight, world_size, vocab_size
+        self.quantized, self.rows = quantized, rows
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # [..., C] -> [..., V]
-        local = F.linear(h, self.weight).contiguous()
+        if self.quantized is None:
+            local = F.linear(h, self.weight).contiguous()
+        else:
+            local = self.quantized(h)
+            local = F.pad(local, (0, self.rows - local.shape[-1])).contiguous()
         parts = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.all_gather(parts, local)
         return torch.cat(parts, dim=-1)[..., :self.vocab_size]  # the padding rows' logits dropped
@@ -248,11 +257,26 @@ def _shard_vocab(model: nn.Module, rank: int, world_size: int) -> None:
         (model.transformer, "wte") if hasattr(model, "transformer")
         else (model.model, "embed_tokens")
     )
-    emb = VocabParallelEmbedding(getattr(holder, attr), start, n)
-    tied = model.lm_head.weight is getattr(holder, attr).weight
+    whole = getattr(holder, attr)
+    emb = VocabParallelEmbedding(whole, start, n)
+    setattr(holder, attr, emb)
+    if isinstance(model.lm_head, QuantLinear):  # a quantized head (never tied): its rows split
+        model.lm_head = _quantized_head(model.lm_head, rank, world_size)
+        return
+    tied = model.lm_head.weight is whole.weight
     head_weight = (
         emb.weight if tied
         else nn.Parameter(_rows(model.lm_head.weight.detach(), start, n), requires_grad=False)
     )
-    setattr(holder, attr, emb)
     model.lm_head = ParallelLMHead(head_weight, world_size, V)
+
+
+def _quantized_head(head: QuantLinear, rank: int, world_size: int) -> ParallelLMHead:
+    """A quantized LM head split by its rows (outputs): each share a multiple of the packing's
+    word (32 / bits rows; the vocabulary is one, quant/model.py checks), the last one shorter."""
+    from .quant_shard import column_shard
+
+    V, word = head.out_features, 32 // head.bits
+    rows = -(-V // (word * world_size)) * word
+    mine = torch.arange(min(rank * rows, V), min((rank + 1) * rows, V))
+    return ParallelLMHead(None, world_size, V, column_shard(head, mine), rows)

@@ -188,9 +188,7 @@ def tensors_and_config(model: nn.Module) -> tuple[dict[str, dict[str, torch.Tens
                              f"{sorted(k.__name__ for k in kinds) or 'no quantized layer'}")
     kind = kinds.pop()
     # symmetric (every GPTQ zero point 8, i.e. z = 0): the format then stores no zero points
-    sym = kind is QuantLinear and all(bool((unpack_gptq(m.qweight, m.qzeros, m.scales, m.g_idx,
-                                                        m.bits)[1] == 8).all())
-                                      for m in layers.values())
+    sym = kind is QuantLinear and all(_symmetric(m) for m in layers.values())
     out = {}
     for name, m in layers.items():
         out[name] = (
@@ -216,13 +214,21 @@ def tensors_and_config(model: nn.Module) -> tuple[dict[str, dict[str, torch.Tens
         fmt, weights = "float-quantized", _args("float", 8, strategy)
         acts = _args("float", 8, "token", dynamic=True) if first.activations else None
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if "lm_head" not in layers and "lm_head" not in linears:  # e.g. a head made parallel
+        linears.append("lm_head")
     config = {"quant_method": QUANT_METHOD, "format": fmt, "quantization_status": "compressed",
               "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
                                             "input_activations": acts,
                                             "output_activations": None, "format": fmt}},
-              "ignore": linears + (["lm_head"] if "lm_head" not in linears else []),
+              "ignore": linears,
               "kv_cache_scheme": None}
     return out, config
+
+
+def _symmetric(q: QuantLinear) -> bool:
+    """Every zero point 8 (z = 0 in compressed-tensors' terms)."""
+    zeros = unpack_gptq(q.gptq_qweight(), q.qzeros, q.scales, q.g_idx, q.bits)[1]
+    return bool((zeros == 8).all())
 
 
 def _args(type_: str, bits: int, strategy: str, symmetric: bool = True,
@@ -238,7 +244,7 @@ def _w4_tensors(name: str, q: QuantLinear, dtype: torch.dtype,
         raise NanoserveError(f"{name}: {q.bits}-bit weights; compressed-tensors pack-quantized is "
                              "written for 4 bits")
     # N, K; N, G; N, G; K
-    codes, zeros, scales, g_idx = unpack_gptq(q.qweight, q.qzeros, q.scales, q.g_idx, 4)
+    codes, zeros, scales, g_idx = unpack_gptq(q.gptq_qweight(), q.qzeros, q.scales, q.g_idx, 4)
     K = codes.shape[1]
     if not torch.equal(g_idx.long(), torch.arange(K) // q.group_size):
         raise NanoserveError(f"{name}: act-order (a permuted g_idx) is not written to "

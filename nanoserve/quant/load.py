@@ -94,6 +94,9 @@ def quantized_layers(tensors: dict[str, torch.Tensor],
             parts.update(_v2_to_v1(name, parts, bits))
         parts["bits"] = bits
         layers[name] = parts
+    if qcfg.get("lm_head") is True and "lm_head" not in layers:
+        raise CheckpointError("quantization_config says lm_head: true (a quantized LM head) but "
+                              "the checkpoint has no lm_head.qweight")
     return layers
 
 

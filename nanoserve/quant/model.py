@@ -17,7 +17,12 @@ input). This module is the loop around them, the way GPTQ's and AWQ's reference 
        of the block at the end (folding into an already-rounded layer would move it off its grid);
    - run the quantized block: its outputs are the next block's inputs, so every block is
      calibrated on what the quantized model before it really produces.
-3. The embeddings and the LM head stay in float (as in GPTQ / AWQ checkpoints).
+3. The embeddings stay in float; so does the LM head unless `lm_head=True` (gptqmodel's option of
+   the same name): it is then quantized last, calibrated on what it really reads (the final
+   norm's outputs, captured by a hook while the quantized model runs the calibration text). On a
+   model whose LM head is its embedding matrix (`tie_word_embeddings`), the head gets its own copy
+   first and the model becomes untied: the embedding stays float (a gather reads a few rows of it
+   a step), the head is read whole every decode step, which is what int4 shrinks.
 
 Weights end up in the model as their dequantized values Ŵ (a "fake-quantized" float model, which
 is what perplexity is measured on), and the codes are returned per layer for packing into
@@ -54,6 +59,7 @@ class QuantizeConfig:
     act_order: bool = False    # GPTQ desc_act
     damp: float = 0.01         # GPTQ percdamp
     blocksize: int = 128       # GPTQ lazy-batch width
+    lm_head: bool = False      # quantize the LM head too (untying a tied one)
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -68,12 +74,14 @@ class QuantizeConfig:
         if self.act_order and self.method != "gptq":
             raise NanoserveError("act_order (desc_act) is a GPTQ option; it does not apply to "
                                  f"method={self.method!r}")
+        if not isinstance(self.lm_head, bool):
+            raise NanoserveError(f"lm_head must be True or False, got {self.lm_head!r}")
 
     def hf_config(self) -> dict:
         """The quantization_config block of config.json (AutoGPTQ / transformers naming)."""
         return {"quant_method": "gptq", "bits": self.bits, "group_size": self.group_size,
                 "desc_act": self.act_order, "sym": self.sym, "damp_percent": self.damp,
-                "true_sequential": True,
+                "true_sequential": True, "lm_head": self.lm_head,
                 "checkpoint_format": "gptq", "quantizer": f"nanoserve-{self.method}"}
 
 
@@ -193,7 +201,11 @@ def quantize_model(model: nn.Module, calib: torch.Tensor | None, config: Quantiz
     result = QuantizeResult(config=config, qweights={})
     inputs = block_inputs(model, blocks[0], calib.to(device),
                           batch_size) if calib is not None else None
-    bar = tqdm(total=sum(len(n) for b in blocks for _, n in block_groups(model, b)),
+    if config.lm_head:
+        _check_lm_head(model, config)
+        untie_lm_head(model)
+    n_linears = sum(len(n) for b in blocks for _, n in block_groups(model, b)) + config.lm_head
+    bar = tqdm(total=n_linears,
                desc=f"{config.method} {config.bits}-bit", unit="layer", disable=not progress)
     for i, block in enumerate(blocks):
         groups = block_groups(model, block)
@@ -226,8 +238,70 @@ def quantize_model(model: nn.Module, calib: torch.Tensor | None, config: Quantiz
                 err / max(sum((r.float() ** 2).sum().item() for r in ref), 1e-30)
             )
             inputs = [(o, *args[1:]) for o, args in zip(outs, inputs)]
+    if config.lm_head:
+        _quantize_lm_head(model, calib, config, result, batch_size)
+        bar.update()
     bar.close()
     return result
+
+
+def _check_lm_head(model: nn.Module, config: QuantizeConfig) -> None:
+    """Refuse, before any work, an LM head the GPTQ layout cannot hold (its zero points are packed
+    32 / bits to a word along the outputs: the vocabulary)."""
+    head = model.lm_head
+    if not isinstance(head, nn.Linear):
+        raise NanoserveError(f"the LM head is a {type(head).__name__}, not a linear layer: it "
+                             "cannot be quantized")
+    per = 32 // config.bits
+    if head.out_features % per:
+        raise NanoserveError(f"lm_head=True: the LM head's {head.out_features} outputs (the "
+                             f"vocabulary) are not a multiple of {per}, which {config.bits}-bit "
+                             "packing needs (zero points are packed along the outputs); keep the "
+                             "head in float")
+
+
+def untie_lm_head(model: nn.Module) -> None:
+    """Give a tied LM head its own copy of the embedding matrix, and say so in the config (the
+    checkpoint is then written untied, with the head's tensors beside the float embedding)."""
+    if not model.config.tie_word_embeddings:
+        return
+    model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone(),
+                                        requires_grad=False)
+    model.config.tie_word_embeddings = False
+
+
+def final_norm(model: nn.Module) -> str:
+    """The name of the norm whose outputs the LM head reads (where AWQ folds its scales)."""
+    return "transformer.ln_f" if model.config.arch == "gpt2" else "model.norm"
+
+
+def _quantize_lm_head(model: nn.Module, calib: torch.Tensor | None, config: QuantizeConfig,
+                      result: QuantizeResult, batch_size: int) -> None:
+    """Quantize the LM head after every block, on the inputs the quantized model gives it."""
+    head = model.lm_head
+    N, K = head.weight.shape
+    gs = _group_size(config.group_size, K)
+    if config.method == "rtn":
+        qw = quantize_rtn(head.weight, config.bits, gs, config.sym)
+    else:
+        xs = []
+        with capture_inputs({"lm_head": head}, lambda n, x: xs.append(x.reshape(-1, K))):
+            for i in range(0, calib.shape[0], batch_size):
+                model(calib[i:i + batch_size].to(head.weight.device))
+        x = torch.cat(xs)                                                    # T, K
+        if config.method == "gptq":
+            stats = GPTQ(head.weight)
+            stats.add_batch(x)
+            qw = stats.quantize(config.bits, gs, config.sym, config.blocksize, config.damp,
+                                config.act_order)
+        else:
+            res = awq_search([head], x, config.bits, gs, config.sym)
+            apply_awq(model.get_submodule(final_norm(model)), [head], res)
+            result.awq_alphas["lm_head"] = res.alpha
+            qw = quantize_rtn(head.weight, config.bits, gs, config.sym)
+    head.weight.copy_(qw.dequantize().to(head.weight.dtype))
+    result.qweights["lm_head"] = qw
+    result.layers.append(LayerReport("lm_head", (N, K), gs))
 
 
 def _awq_block(block: nn.Module, groups: Sequence[tuple[str | None, list[str]]],

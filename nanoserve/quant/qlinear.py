@@ -15,6 +15,12 @@ checkpoints, so a layer loads from and saves to one without renaming.
 Dequantizing per call costs time, not memory: W lives only for the duration of the matmul.
 `to_linear()` gives the equivalent float `nn.Linear` (for comparisons). Taught in
 notebooks/07_int4_kernel.ipynb.
+
+**The MMA layout.** On a GPU `use_mma_layout(model)` reorders each 4-bit layer's codes once, in
+place, into the order the kernel's tensor-core path reads without a trip through shared memory
+(nanoserve/kernels/int4_tiles.py; Marlin's idea); the layer then says `mma_layout = True` and
+every reader of its codes goes through `gptq_qweight()`, so the state dict, `dequantize()` and
+tensor-parallel splits still see the GPTQ order.
 """
 
 from __future__ import annotations
@@ -23,7 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import NanoserveError
 from .packing import GPTQ_BITS, dequantize_gptq, pack_gptq
+
+MMA_TILE_K = 128  # kernels/int4_tiles.py: rows per tile of the MMA layout
 
 
 class QuantLinear(nn.Module):
@@ -55,10 +64,39 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, **kw) if bias else None)
         # g_idx == k // group_size (no act-order); None: not looked yet
         self._sorted_groups: bool | None = None
+        self.mma_layout = False  # qweight reordered for the kernel (`use_mma_layout`)
 
     def _load_from_state_dict(self, *args, **kwargs):
+        if self.mma_layout:  # the file's GPTQ-order codes would be read in the other order
+            raise NanoserveError("a QuantLinear whose codes are in the MMA layout cannot load a "
+                                 "state dict: load before use_mma_layout")
         self._sorted_groups = None  # a new g_idx: look again
         super()._load_from_state_dict(*args, **kwargs)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.mma_layout and prefix + "qweight" in destination:
+            destination[prefix + "qweight"] = self.gptq_qweight()  # checkpoints hold GPTQ's order
+
+    def gptq_qweight(self) -> torch.Tensor:
+        """qweight in the GPTQ order, whatever the layout it is held in (a copy if reordered)."""
+        if not self.mma_layout:
+            return self.qweight
+        from ..kernels.int4_tiles import from_mma_layout
+
+        return from_mma_layout(self.qweight)
+
+    def mma_layout_problem(self) -> str | None:
+        """Why this layer's codes cannot take the MMA layout (None: they can): 4-bit, tiles of 128
+        rows each inside one group."""
+        if self.bits != 4:
+            return f"{self.bits}-bit codes (the layout is for 4-bit ones)"
+        if self.in_features % MMA_TILE_K:
+            return f"in_features={self.in_features} is not a multiple of {MMA_TILE_K}"
+        group = self.kernel_group_size()
+        if group is None or group % MMA_TILE_K:
+            return f"groups of {group or 'act-order'} rows, not a multiple of {MMA_TILE_K}"
+        return None
 
     def kernel_group_size(self) -> int | None:
         """group_size for the W4A16 kernel when g_idx is k // group_size (one scale row per tile),
@@ -91,7 +129,7 @@ class QuantLinear(nn.Module):
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Ŵ [N, K] in `dtype` (default: the scales' dtype)."""
         # N, K fp32
-        w = dequantize_gptq(self.qweight, self.qzeros, self.scales, self.g_idx, self.bits)
+        w = dequantize_gptq(self.gptq_qweight(), self.qzeros, self.scales, self.g_idx, self.bits)
         return w.to(dtype or self.scales.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,7 +139,7 @@ class QuantLinear(nn.Module):
             x2 = x.reshape(-1, self.in_features)  # M, K
             y = dequant_matmul(
                 x2, self.qweight, self.qzeros, self.scales.to(x.dtype), self.g_idx, self.bits,
-                group_size=self.kernel_group_size(),
+                group_size=self.kernel_group_size(), mma_layout=self.mma_layout,
             )  # M, N
             y = y.view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias.to(x.dtype)
@@ -120,4 +158,33 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bits={self.bits}, group_size={self.group_size}, "
-                f"act_order={bool((self.g_idx.diff() < 0).any())}")
+                f"act_order={bool((self.g_idx.diff() < 0).any())}, mma_layout={self.mma_layout}")
+
+
+def use_mma_layout(model: nn.Module) -> int:
+    """Reorder the codes of every 4-bit QuantLinear of `model` that can take it into the MMA
+    layout, in place, once (before any CUDA graph is captured); returns how many layers did.
+
+    Layers stacked side by side (models/triton_layers.py: q/k/v, gate/up) share one tensor of
+    codes, the stack's, and their own are views of it along the outputs: the reordering runs
+    along the inputs, column by column, so it is done once on the stack's tensor and holds for
+    every view. A stack takes it only if all its layers can."""
+    from ..kernels.int4_tiles import to_mma_layout
+
+    by_storage: dict[int, list[QuantLinear]] = {}
+    for m in model.modules():
+        if type(m) is QuantLinear and not m.mma_layout:
+            by_storage.setdefault(m.qweight.untyped_storage().data_ptr(), []).append(m)
+    done = 0
+    for layers in by_storage.values():
+        if any(m.mma_layout_problem() for m in layers):
+            continue
+        whole = max(layers, key=lambda m: m.qweight.numel()).qweight  # the stack's, or its own
+        if whole.numel() * whole.element_size() != whole.untyped_storage().nbytes():
+            continue  # codes that are a view of something no layer holds whole: left as they are
+        with torch.no_grad():
+            whole.copy_(to_mma_layout(whole))
+        for m in layers:
+            m.mma_layout = True
+        done += len(layers)
+    return done

@@ -116,7 +116,7 @@ def quantize_config(config) -> dict:
     block)."""
     return {"bits": config.bits, "group_size": config.group_size, "damp_percent": config.damp,
             "desc_act": config.act_order, "static_groups": False, "sym": config.sym,
-            "true_sequential": True,
+            "true_sequential": True, "lm_head": config.lm_head,
             "model_name_or_path": None, "model_file_base_name": "model", "quant_method": "gptq",
             "checkpoint_format": "gptq"}
 

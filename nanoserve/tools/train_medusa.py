@@ -70,10 +70,13 @@ def head_accuracy(heads: MedusaHeads, h: torch.Tensor, ids: torch.Tensor) -> lis
 def init_heads(model, num_heads: int, num_layers: int = 1) -> MedusaHeads:
     cfg = model.config
     heads = MedusaHeads(cfg.hidden_size, cfg.vocab_size, num_heads, num_layers)
+    lm_head = model.lm_head
+    # a quantized LM head (quant/qlinear.py) holds codes: start from the weights they stand for
+    start = lm_head.dequantize() if hasattr(lm_head, "dequantize") else lm_head.weight
     with torch.no_grad():
         for head in heads.heads:
             # start from the model's own LM head
-            head[-1].weight.copy_(model.lm_head.weight.float())
+            head[-1].weight.copy_(start.float())
     return heads
 
 
