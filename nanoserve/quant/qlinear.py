@@ -156,9 +156,10 @@ class QuantLinear(nn.Module):
         return lin
 
     def extra_repr(self) -> str:
+        layout = ", mma_layout=True" if self.mma_layout else ""  # GPTQ's order unless it says so
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bits={self.bits}, group_size={self.group_size}, "
-                f"act_order={bool((self.g_idx.diff() < 0).any())}, mma_layout={self.mma_layout}")
+                f"act_order={bool((self.g_idx.diff() < 0).any())}{layout}")
 
 
 def use_mma_layout(model: nn.Module) -> int:
