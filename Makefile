@@ -4,22 +4,29 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.nanoserve-installed
+RUNTIME := $(VENV)/.nanoserve-runtime
 # CI pins these; they are on the local disk of the dev/CI machines (CPU build).
 # A GPU user installs a CUDA torch into .venv first (see README); it is then kept.
 TORCH_PIN ?= torch==2.13.0 triton==3.8.0
 NBVAL  := --nbval --nbval-sanitize-with notebooks/sanitize.cfg --nbval-current-env
 
-.PHONY: install demo test test-triton-latest test-clients test-fast lint core-size notebooks bench gpu-check exercises clean
+.PHONY: install demo hint test test-triton-latest test-clients test-fast lint core-size notebooks bench gpu-check exercises clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt
+# What the engine needs and nothing else: enough for `make demo`.
+$(RUNTIME): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH_PIN)
+	$(BIN)/pip install -q -e . -c constraints.txt
+	touch $(RUNTIME)
+
+# The test extras on top: Jupyter, transformers, peft, the server, llguidance.
+$(STAMP): $(RUNTIME)
 	$(BIN)/pip install -q -e '.[test]' -c constraints.txt
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(RUNTIME)
 	$(BIN)/nanoserve generate --model demo --prompt "ROMEO:" --max-tokens 120 --temperature 0.8 --top-k 40 --seed 0
 
 # The test command the README documents and .ci/run calls.
@@ -95,6 +102,12 @@ core-size: $(STAMP)
 notebooks: $(STAMP)
 	for nb in notebooks/*.ipynb; do \
 	  $(BIN)/jupyter nbconvert --to notebook --execute --inplace "$$nb" || exit 1; done
+
+# One level of an exercise's hints (1 the idea, 2 the shape, 3 nearly the code): `make hint EX=ex04 N=2`.
+N ?= 1
+PART ?=
+hint:
+	@$(PYTHON) scripts/hint.py $(EX) $(N) $(PART)
 
 # Your solutions in exercises/ against the exercise tests: `make exercises`, or one: `make exercises EX=ex04`.
 EX ?=

@@ -50,12 +50,10 @@ class BlockAllocator(nanoserve.engine.block_allocator.BlockAllocator):
         `self.stats`. Raises RuntimeError if `seq` already has blocks, and NanoserveError (changing
         nothing) if the fresh blocks needed exceed the blocks available."""
         raise NotImplementedError(
-            "Exercise 4.1: RuntimeError if seq already has blocks; hits, needed, available = "
-            "self._plan(seq); NanoserveError if needed > available (before changing anything); "
-            "self._share(bid) for each hit; block_table = hits + [self._take_free_block() for "
-            "each needed]; set num_cached_tokens, num_computed_tokens and self.stats.hits / "
-            "misses (roughly 12 lines; see notebooks/02_paged_kv_cache, sections 2 and 4, 'The "
-            "block allocator, step by step' and 'Prefix caching')")
+            "Exercise 4.1: the table is the cached prefix blocks, shared, then fresh blocks for "
+            "the rest; check that it all fits before changing any state (roughly 12 lines; see "
+            "notebooks/02_paged_kv_cache, sections 2 and 4, 'The block allocator, step by step' "
+            "and 'Prefix caching'; more: make hint EX=ex04 N=2)")
 
     def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
         """Make room for the token just appended (position len(seq) - 1), before its KV is written.
@@ -65,33 +63,28 @@ class BlockAllocator(nanoserve.engine.block_allocator.BlockAllocator):
         `(src, dst)` is returned so the KV cache copies the slots already written; otherwise None.
         Calling it again for the same length changes nothing."""
         raise NotImplementedError(
-            "Exercise 4.2: the new token starts a block exactly when the table covers len(seq) - "
-            "1 tokens: then append self._take_free_block(); otherwise return "
-            "self._copy_on_write(table), which copies a shared last block (raise RuntimeError if "
-            "the table is further behind) (roughly 10 lines; see notebooks/02_paged_kv_cache, "
-            "sections 2 and 5, 'The block allocator, step by step' and 'Parallel samples: fork "
-            "and copy-on-write')")
+            "Exercise 4.2: a token that starts a block needs a fresh one; a token that lands in a "
+            "block another sequence also holds needs a private copy first (roughly 10 lines; see "
+            "notebooks/02_paged_kv_cache, sections 2 and 5, 'The block allocator, step by step' "
+            "and 'Parallel samples: fork and copy-on-write'; more: make hint EX=ex04 N=2)")
 
     def free(self, seq: Sequence) -> None:
         """Release `seq`'s blocks, last block first (so LRU evicts tails before shared heads). A
         block whose count drops to 0 stays cached (evictable) if registered. Freeing twice is a
         no-op."""
         raise NotImplementedError(
-            "Exercise 4.3: walk reversed(seq.block_table); decrement each block's ref_count "
-            "(RuntimeError if it is already 0) and hand it to self._release(block) when it "
-            "reaches 0; then empty the table and zero num_cached_tokens and num_computed_tokens "
-            "(roughly 10 lines; see notebooks/02_paged_kv_cache, sections 2 and 4, 'The block "
-            "allocator, step by step' and 'The free queue doubles as an LRU cache')")
+            "Exercise 4.3: drop this sequence's reference to each of its blocks, the tail first; a "
+            "block nobody holds goes back to the pool (roughly 10 lines; see "
+            "notebooks/02_paged_kv_cache, sections 2 and 4, 'The block allocator, step by step' "
+            "and 'The free queue doubles as an LRU cache'; more: make hint EX=ex04 N=2)")
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` (same tokens as `parent`) shares every parent block; copy-on-write splits them
         later."""
         raise NotImplementedError(
-            "Exercise 4.4: check the parent has blocks (self._require_allocated) and the child "
-            "none and the same tokens (RuntimeError otherwise); every parent block gains a "
-            "reference; the child gets a copy of the table and the parent's num_cached_tokens and "
-            "num_computed_tokens (roughly 8 lines; see notebooks/02_paged_kv_cache, section 5, "
-            "'Parallel samples: fork and copy-on-write')")
+            "Exercise 4.4: the child shares every block of its parent; nothing is copied until one "
+            "of them writes (roughly 8 lines; see notebooks/02_paged_kv_cache, section 5, "
+            "'Parallel samples: fork and copy-on-write'; more: make hint EX=ex04 N=2)")
 
     # ------------------------------------------------------------------------- exercise 5.2
     def _prefix_hits(self, seq: Sequence) -> list[int]:

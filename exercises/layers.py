@@ -25,9 +25,9 @@ def causal_mask(q_positions: torch.Tensor, kv_len: int, window: int | None = Non
 
     q_positions [B, T] are absolute positions; key j sits at position j (j < kv_len)."""
     raise NotImplementedError(
-        "Exercise 1.1: compare the key positions 0..S-1 with each query's position "
-        "(roughly 2 lines; see notebooks/01_engine_core, section 4, 'The KV cache'); "
-        "1.3: with a window, also hide keys at or before p − window (one more line)")
+        "Exercise 1.1: a query sees every key written at or before its own absolute position "
+        "(roughly 2 lines; see notebooks/01_engine_core, section 4, 'The KV cache'); 1.3: with a "
+        "window, only the newest `window` of them (one more line; more: make hint EX=ex01 N=2)")
 
 
 def naive_attention(q, k, v, q_positions=None, window: int | None = None):
@@ -38,9 +38,10 @@ def naive_attention(q, k, v, q_positions=None, window: int | None = None):
     (grouped-query attention) each kv head serves H // Hkv consecutive query heads. Compute in
     float32 and return q's dtype. `window`: pass it on to causal_mask (Exercise 1.3)."""
     raise NotImplementedError(
-        "Exercise 1.2: scores = q·kᵀ/√D, mask with causal_mask, softmax over keys, weight v; "
-        "repeat each kv head for its group of query heads first (roughly 10 lines; see "
-        "notebooks/01_engine_core, sections 1 and 3, 'Grouped-query attention')")
+        "Exercise 1.2: scaled dot products of queries and keys, the hidden ones at −∞, a softmax "
+        "over the keys, a weighted sum of the values; several query heads share each kv head "
+        "(roughly 10 lines; see notebooks/01_engine_core, sections 1 and 3, 'Grouped-query "
+        "attention'; more: make hint EX=ex01 N=2)")
 
 
 # ----------------------------------------------------------------------------- exercise 2

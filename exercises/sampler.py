@@ -36,11 +36,10 @@ def probs_from_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, 
     it hold less than top_p (the one that crosses top_p is kept), and renormalises. top_k = 0 or
     ≥ V and top_p = 1 mean off: they must keep every token, whatever float32 rounding does."""
     raise NotImplementedError(
-        "Exercise 3.1: logits / T; min-p from a softmax of those (p < min_p · p.max → -inf); "
-        "top-k with torch.topk and masked_fill(-inf); softmax; top-p on the probabilities sorted "
-        "in descending order (cumsum minus the token's own probability), the mask scattered back "
-        "to vocabulary order, renormalised (roughly 15 lines; see notebooks/01_engine_core, "
-        "section 5, 'Sampling in one cell')")
+        "Exercise 3.1: the temperature rescales the logits; min-p, top-k and top-p each keep a "
+        "subset of the tokens; the softmax over what is kept is the law (roughly 15 lines; see "
+        "notebooks/01_engine_core, section 5, 'Sampling in one cell'; more: make hint EX=ex03 "
+        "N=2)")
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen_ids: torch.Tensor,
@@ -51,9 +50,9 @@ def apply_repetition_penalty(logits: torch.Tensor, seen_ids: torch.Tensor,
     seen_ids [N] may repeat a token (it is penalised once) and may be empty; every row of a batch
     shares them. Do not modify the input logits in place: the caller still holds them."""
     raise NotImplementedError(
-        "Exercise 3.2: a boolean mask of the seen tokens, then torch.where on the logits' sign "
-        "(roughly 6 lines; see notebooks/01_engine_core, section 5, 'Sampling in one cell', and "
-        "the rule above)")
+        "Exercise 3.2: a seen token becomes less likely whatever the sign of its logit (roughly 6 "
+        "lines; see notebooks/01_engine_core, section 5, 'Beyond top-p', and the rule above; "
+        "more: make hint EX=ex03 N=2)")
 
 
 def apply_penalties(logits: torch.Tensor, output_ids: Sequence[int], presence: float,
@@ -62,9 +61,9 @@ def apply_penalties(logits: torch.Tensor, output_ids: Sequence[int], presence: f
     so far loses frequency × count(t) + presence (once, if count(t) > 0). Only `output_ids` count,
     never the prompt. With no output, or both penalties 0, the logits come back unchanged."""
     raise NotImplementedError(
-        "Exercise 3.4: counts with torch.bincount(minlength=V), then subtract frequency · counts "
-        "and presence · (counts > 0) (roughly 5 lines; see notebooks/01_engine_core, section 5, "
-        "'Beyond top-p')")
+        "Exercise 3.4: count each generated token; frequency is paid per occurrence, presence "
+        "once (roughly 5 lines; see notebooks/01_engine_core, section 5, 'Beyond top-p'; more: "
+        "make hint EX=ex03 N=2)")
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams,
@@ -78,9 +77,9 @@ def process_logits(logits: torch.Tensor, params: SamplingParams,
     4. the presence / frequency penalties over output_ids.
     Return new logits; the caller's stay as they were."""
     raise NotImplementedError(
-        "Exercise 3.5: index_add for the bias, index_fill(-inf) for the banned stop ids, then "
-        "apply_repetition_penalty and apply_penalties (roughly 10 lines; see "
-        "notebooks/01_engine_core, section 5, 'Beyond top-p')")
+        "Exercise 3.5: the four edits in the order the docstring gives, each on the logits the "
+        "one before returned (roughly 10 lines; see notebooks/01_engine_core, section 5, 'Beyond "
+        "top-p'; more: make hint EX=ex03 N=2)")
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, seen_ids: torch.Tensor | None = None,
@@ -92,6 +91,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, seen_ids: torch.Te
     logits and draws no random numbers; otherwise draw one token from probs_from_logits(...,
     params.min_p) with `generator` (None: torch's global one)."""
     raise NotImplementedError(
-        "Exercise 3.3: process_logits, then argmax if greedy, else torch.multinomial over "
-        "probs_from_logits with the generator (roughly 6 lines; see notebooks/01_engine_core, "
-        "section 5, 'Sampling in one cell')")
+        "Exercise 3.3: the processed logits decide; temperature 0 is greedy and draws no random "
+        "number; otherwise one draw from 3.1's law with the request's generator (roughly 6 lines; "
+        "see notebooks/01_engine_core, section 5, 'Sampling in one cell'; more: make hint "
+        "EX=ex03 N=2)")

@@ -6,7 +6,7 @@ nanoserve/parallel/tensor_parallel.py, with the same names and signatures. Each 
 whole nn.Linear and `index`, the output rows (column parallel) or input columns (row parallel) of
 its weight [O, I] that this rank keeps. The tests run your classes in 2 gloo processes
 (torch.distributed is initialized for you: `dist.all_reduce(t)` sums t over the ranks, in place).
-Taught in notebooks/16_tensor_parallel.ipynb, section 2. Check your work with
+Taught in notebooks/16_tensor_parallel.ipynb, section 1. Check your work with
 
     make exercises EX=ex19        # or: .venv/bin/pytest tests/exercises -m ex19 --impl exercises
 """
@@ -27,12 +27,12 @@ class ColumnParallelLinear(nn.Module):
             "Exercise 19.1: keep in_features, out_features = len(index), and as Parameters "
             "(requires_grad=False) the weight rows layer.weight[index] and the bias entries "
             "layer.bias[index] (or None) (roughly 5 lines; see notebooks/16_tensor_parallel, "
-            "section 2, 'Splitting by columns')")
+            "section 1, 'Splitting by columns')")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError(
             "Exercise 19.1: x [..., I] -> this rank's outputs [..., len(index)]: one F.linear, no "
-            "communication (roughly 1 line; see notebooks/16_tensor_parallel, section 2, "
+            "communication (roughly 1 line; see notebooks/16_tensor_parallel, section 1, "
             "'Splitting by columns')")
 
 
@@ -45,10 +45,10 @@ class RowParallelLinear(nn.Module):
         raise NotImplementedError(
             "Exercise 19.2: keep in_features = len(index), out_features, the weight columns "
             "layer.weight[:, index] and the whole bias (or None) (roughly 5 lines; see "
-            "notebooks/16_tensor_parallel, section 2, 'Splitting by rows')")
+            "notebooks/16_tensor_parallel, section 1, 'Splitting by rows')")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError(
             "Exercise 19.2: x [..., len(index)] -> [..., O]: the partial product, dist.all_reduce "
             "it (a sum over the ranks), then the bias once (roughly 4 lines; see "
-            "notebooks/16_tensor_parallel, section 2, 'Splitting by rows')")
+            "notebooks/16_tensor_parallel, section 1, 'Splitting by rows')")

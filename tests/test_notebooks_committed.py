@@ -25,7 +25,7 @@ def _problem(nb: dict) -> str | None:
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_is_committed_executed(path):
-    assert len(NOTEBOOKS) == 17
+    assert len(NOTEBOOKS) == 18
     assert _problem(json.loads(path.read_text())) is None, (
         f"{path.name}: {_problem(json.loads(path.read_text()))}"
     )
@@ -66,3 +66,31 @@ def test_a_moved_file_is_caught():
                      "source": ["the scheduler: `nanoserve/engine/scheduler.py`, the old one: "
                                 "`nanoserve/engine/old_scheduler.py`"]}]}
     assert _missing_paths(nb) == ["nanoserve/engine/old_scheduler.py"]
+
+
+# an absolute path of the machine that ran the notebook: a venv, a home, a checkout
+MACHINE_PATH = re.compile(r"(?:/(?:home|root|Users|work|tmp)/[\w.-]+|site-packages)")
+
+
+def _machine_paths(nb: dict) -> list[str]:
+    found = []
+    for cell in nb["cells"]:
+        for output in cell.get("outputs", []):
+            text = "".join(output.get("text", "")) + "".join(
+                "".join(v) for k, v in output.get("data", {}).items() if k.startswith("text/"))
+            found += MACHINE_PATH.findall(text)
+    return found
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_no_output_shows_the_machine_it_ran_on(path):
+    """A learner's outputs would differ from the committed ones only in noise, never in whose disk
+    ran them (a library's warning printing its own path, say)."""
+    assert _machine_paths(json.loads(path.read_text())) == []
+
+
+def test_a_warning_with_a_venv_path_is_caught():
+    nb = {"cells": [{"cell_type": "code", "outputs": [{"output_type": "stream", "name": "stderr",
+                     "text": ["/work/main/.venv/lib/python3.11/site-packages/tqdm/auto.py:21: "
+                              "TqdmWarning: IProgress not found\n"]}]}]}
+    assert _machine_paths(nb) == ["/work/main", "site-packages"]

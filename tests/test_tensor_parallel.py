@@ -66,6 +66,25 @@ def test_a_row_parallel_layer_without_its_all_reduce_is_caught(hf_checkpoints):
     assert (got - want).abs().max().item() > 1e-2
 
 
+def test_an_mlp_over_two_processes_sums_its_partials_by_one_all_reduce():
+    """launch.mlp_over_ranks, notebook 16's hand-over: each rank's partial sum alone is not the MLP
+    (the control), their sum plus the bias is, and after the all-reduce every rank holds it."""
+    from torch import nn
+    from torch.nn import functional as F
+
+    from nanoserve.parallel.launch import mlp_over_ranks
+
+    torch.manual_seed(0)
+    up, down, x = nn.Linear(16, 64), nn.Linear(64, 16), torch.randn(5, 16)
+    with torch.no_grad():
+        whole = down(F.gelu(up(x)))
+    ranks = mlp_over_ranks(up, down, x, world_size=2)
+    assert [r["units"] for r in ranks] == [(0, 31), (32, 63)]
+    assert all(torch.allclose(r["output"], whole, atol=1e-5) for r in ranks)
+    assert torch.allclose(ranks[0]["partial"] + ranks[1]["partial"] + down.bias, whole, atol=1e-5)
+    assert not torch.allclose(ranks[0]["partial"] + down.bias, whole, atol=1e-2)
+
+
 @pytest.mark.parametrize("case,world,match", [("llama-gqa", 4, "n_heads=6 is not divisible by 4"),
                                                ("olmo2", 2, "whole projection"),
                                                ("mixtral", 2, "mixture-of-experts")])
@@ -168,3 +187,32 @@ def test_a_quantized_split_inside_a_group_is_refused_by_name(gptq_gpt2):
     with pytest.raises(NanoserveError,
                        match="quantized c_proj cannot be split: its 48 inputs in groups of 16"):
         tensor_parallel.shard_model(model, 0, 2)
+
+
+def test_a_quantized_lm_head_splits_by_its_rows(tmp_path):
+    """A GPTQ LM head (`lm_head=True`, vocabulary 264) over 2 ranks: shares of 136 and 128 rows
+    (multiples of the 8-code word), the logits equal one process's."""
+    import transformers
+    from testdata import tiny_hf_checkpoint
+
+    from nanoserve.parallel.tensor_parallel import ParallelLMHead
+    from nanoserve.quant.model import QuantizeConfig, quantize_model
+    from nanoserve.quant.save import save_quantized
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=264,
+                                   max_position_embeddings=128, tie_word_embeddings=True)
+    tiny_hf_checkpoint(cfg, tmp_path / "float", seed=5)
+    model = LLM(str(tmp_path / "float"), dtype="float32").model
+    res = quantize_model(model, None, QuantizeConfig(method="rtn", group_size=32, lm_head=True),
+                         progress=False)
+    path = save_quantized(model, res, tmp_path / "q", tokenizer_from=str(tmp_path / "float"))
+    shares = []
+    for rank in (0, 1):
+        split = LLM(str(path), dtype="float32").model
+        tensor_parallel._shard_vocab(split, rank, 2)
+        assert isinstance(split.lm_head, ParallelLMHead)
+        shares.append(split.lm_head.quantized.out_features)
+    assert shares == [136, 128]
+    want = LLM(str(path), dtype="float32").logits(IDS)
+    assert torch.allclose(tp_forward(path, IDS, 2), want, rtol=1e-5, atol=1e-5)

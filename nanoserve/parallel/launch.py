@@ -7,6 +7,8 @@ notebook do.
                                                cache)
     spawn_ranks(fn, world_size, *args)         fn(rank, world_size, *args) on each rank of a fresh
                                                gloo group
+    mlp_over_ranks(up, down, x, world_size)    an MLP split column-then-row over N processes:
+                                               each rank's partial sum and its all-reduced output
 
 Each spawns `world_size` processes (torch.multiprocessing), which join one gloo process group over a
 local TCP port, load the checkpoint, keep their share (tensor_parallel.shard_model) and run the same
@@ -27,6 +29,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
 
 
 def free_port() -> int:
@@ -97,6 +101,33 @@ def _run(path, ids, steps: int, world_size: int, shard) -> dict:
         out = str(Path(tmp) / "rank0.pt")
         spawn_ranks(_forward_rank, world_size, str(path), list(ids), steps, out, shard)
         return torch.load(out)
+
+
+def _mlp_rank(rank: int, world_size: int, up: nn.Linear, down: nn.Linear, x: torch.Tensor,
+              activation, out: str) -> None:
+    from .tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    hidden = up.out_features
+    units = torch.arange(rank * hidden // world_size, (rank + 1) * hidden // world_size)
+    column, row = ColumnParallelLinear(up, units), RowParallelLinear(down, units)
+    with torch.no_grad():
+        h = activation(column(x))  # this rank's hidden units, no exchange
+        partial = F.linear(h, row.weight)  # its partial sum of the output
+        output = row(h)  # the all-reduce, then the bias once
+    torch.save({"units": (int(units[0]), int(units[-1])), "partial": partial, "output": output},
+               f"{out}.{rank}")
+
+
+def mlp_over_ranks(up: nn.Linear, down: nn.Linear, x: torch.Tensor, world_size: int,
+                   activation=F.gelu) -> list[dict]:
+    """down(activation(up(x))) split over `world_size` gloo processes, as notebook 16 runs it: up
+    column-parallel, down row-parallel, one all-reduce. Per rank: its hidden units (first, last),
+    its partial sum before the all-reduce and its output after (`activation`: a module-level
+    function)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "rank")
+        spawn_ranks(_mlp_rank, world_size, up, down, x, activation, out)
+        return [torch.load(f"{out}.{rank}") for rank in range(world_size)]
 
 
 def tp_forward(path, ids: list[int], world_size: int, shard=None) -> torch.Tensor:

@@ -14,10 +14,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from explain import expect_close, expect_equal, explained_failure
 
 REFERENCE = "nanoserve.models.layers"
 EXERCISE = "layers"
 pytestmark = pytest.mark.ex01
+BTHD = "b, t, h, d"  # how a failure names an element of an attention output
 
 
 def _qkv(B=2, T=7, H=4, Hkv=4, D=8, seed=0, dtype=torch.float32):
@@ -43,28 +45,32 @@ def _sdpa(q, k, v, mask=None):
 # the mutants)
 def check_mask_truth_table(impl):
     m = impl.causal_mask(torch.tensor([[0, 2], [3, 4]]), 5)
-    assert m.shape == (2, 1, 2, 5) and m.dtype == torch.bool
     want = torch.tensor([[[1, 0, 0, 0, 0], [1, 1, 1, 0, 0]],
                          [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]], dtype=torch.bool)
-    assert torch.equal(m[:, 0], want)
+    expect_equal(m, want[:, None], "causal_mask(q_positions=[[0, 2], [3, 4]], S=5), keys 0..4 "
+                 "(1 = visible)", rows=("query", "queries"), dims="b, 1, t")
 
 
 def check_prefill_equals_sdpa(impl, H=4, Hkv=4):
     q, k, v = _qkv(H=H, Hkv=Hkv)
-    out = impl.naive_attention(q, k, v)
-    assert out.shape == q.shape
-    assert (out - _sdpa(q, k, v)).abs().max() < 1e-5
+    expect_close(impl.naive_attention(q, k, v), _sdpa(q, k, v),
+                 f"naive_attention(q, k, v), a prefill of 7 tokens, {H} heads over {Hkv} kv heads, "
+                 "against torch's SDPA", atol=1e-5, dims=BTHD)
 
 
 def check_decode_with_cache_equals_full(impl, H=6, Hkv=2):
     """Prefill 4 tokens, then 3 decode steps of one query each over the growing cache."""
     q, k, v = _qkv(B=2, T=7, H=H, Hkv=Hkv)
     full = _sdpa(q, k, v)
-    rows = [impl.naive_attention(q[:, :4], k[:, :4], v[:, :4], torch.arange(4).expand(2, 4))]
+    prefill = impl.naive_attention(q[:, :4], k[:, :4], v[:, :4], torch.arange(4).expand(2, 4))
+    expect_close(prefill, full[:, :4], "a prefill of 4 tokens (q_positions 0..3)", atol=1e-5,
+                 dims=BTHD)
     for t in range(4, 7):
-        rows.append(impl.naive_attention(q[:, t:t + 1], k[:, :t + 1], v[:, :t + 1],
-                                         torch.full((2, 1), t)))
-    assert (torch.cat(rows, dim=1) - full).abs().max() < 1e-5
+        step = impl.naive_attention(q[:, t:t + 1], k[:, :t + 1], v[:, :t + 1],
+                                    torch.full((2, 1), t))
+        expect_close(step, full[:, t:t + 1],
+                     f"a decode step: one query at q_positions {t} over the cached keys 0..{t}, "
+                     f"against row {t} of full causal attention", atol=1e-5, dims=BTHD)
 
 
 def check_ragged_positions(impl):
@@ -75,7 +81,9 @@ def check_ragged_positions(impl):
     pos = torch.tensor([[3, 4], [6, 7]])
     out = impl.naive_attention(q, k, v, pos)
     mask = torch.arange(8)[None, None, :] <= pos[:, :, None]  # B, T, S   built here, independently
-    assert (out - _sdpa(q, k, v, mask[:, None])).abs().max() < 1e-5
+    expect_close(out, _sdpa(q, k, v, mask[:, None]),
+                 "two rows at different positions, q_positions=[[3, 4], [6, 7]], over 8 keys",
+                 atol=1e-5, dims=BTHD)
 
 
 def check_window_truth_table(impl):
@@ -83,7 +91,8 @@ def check_window_truth_table(impl):
     m = impl.causal_mask(torch.tensor([[0, 2], [3, 4]]), 5, window=2)
     want = torch.tensor([[[1, 0, 0, 0, 0], [0, 1, 1, 0, 0]],
                          [[0, 0, 1, 1, 0], [0, 0, 0, 1, 1]]], dtype=torch.bool)
-    assert m.shape == (2, 1, 2, 5) and torch.equal(m[:, 0], want)
+    expect_equal(m, want[:, None], "causal_mask(q_positions=[[0, 2], [3, 4]], S=5, window=2), "
+                 "keys 0..4 (1 = visible)", rows=("query", "queries"), dims="b, 1, t")
 
 
 def check_window_attention_equals_sdpa(impl):
@@ -92,16 +101,18 @@ def check_window_attention_equals_sdpa(impl):
     kpos, qpos = torch.arange(7)[None, :], torch.arange(7)[:, None]
     mask = (kpos <= qpos) & (kpos > qpos - 3)  # T, S   built here, independently
     full = _sdpa(q, k, v, mask)
-    assert (impl.naive_attention(q, k, v, window=3) - full).abs().max() < 1e-5
+    expect_close(impl.naive_attention(q, k, v, window=3), full,
+                 "naive_attention(..., window=3), a prefill of 7 tokens", atol=1e-5, dims=BTHD)
     decode = impl.naive_attention(q[:, 5:], k, v, torch.tensor([[5, 6], [5, 6]]), window=3)
-    assert (decode - full[:, 5:]).abs().max() < 1e-5
+    expect_close(decode, full[:, 5:], "window=3, queries at q_positions [5, 6] over keys 0..6",
+                 atol=1e-5, dims=BTHD)
 
 
 def check_dtype_kept(impl):
     q, k, v = _qkv(dtype=torch.float16)
     out = impl.naive_attention(q, k, v)
-    assert out.dtype == torch.float16
-    assert (out.float() - _sdpa(q, k, v)).abs().max() < 2e-3
+    assert out.dtype == torch.float16, f"float16 q, k, v: expected float16 out, got {out.dtype}"
+    expect_close(out.float(), _sdpa(q, k, v), "float16 inputs", atol=2e-3, dims=BTHD)
 
 
 # ----------------------------------------------------------------------------- the tests
@@ -193,11 +204,10 @@ WRONG = {
 
 
 @pytest.mark.parametrize("name", list(WRONG))
-def test_ex01_known_wrong_variants_fail(name):
+def test_ex01_known_wrong_variants_fail_and_say_why(name):
     wrong, checks = WRONG[name]
     for check in checks:
-        with pytest.raises(AssertionError):
-            check(wrong)
+        explained_failure(check, wrong)
 
 
 def test_ex01_the_checks_pass_on_a_right_variant_built_the_same_way():

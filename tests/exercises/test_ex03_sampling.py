@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from chi2 import goodness_of_fit
+from explain import expect, expect_close, expect_equal, explained_failure
 from transformers.generation.logits_process import (
     MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
@@ -85,6 +86,7 @@ def hf_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float)
 # ----------------------------------------------------------------------------- checks (shared with
 # the mutants)
 CHOSEN = torch.tensor([0.1, 0.4, 0.2, 0.3])
+CHOSEN_TEXT = "[0.1, 0.4, 0.2, 0.3]"  # as a failure names it
 LOGITS4 = CHOSEN.log()  # softmax(LOGITS4) is CHOSEN; mixed signs once shifted below
 SQRT = (CHOSEN.sqrt() / CHOSEN.sqrt().sum()).tolist()  # the law at temperature 2
 # (temperature, top_k, top_p) -> expected probabilities, worked out by hand from CHOSEN
@@ -111,11 +113,10 @@ def check_by_hand(impl):
     for shift in (0.0, 1.7):
         for (temperature, top_k, top_p), want in BY_HAND.items():
             probs = impl.probs_from_logits(LOGITS4 + shift, temperature, top_k, top_p)
-            assert probs.dtype == torch.float32
-            torch.testing.assert_close(
-                probs, torch.tensor(want, dtype=torch.float32), rtol=0, atol=1e-6,
-                msg=f"T={temperature} top_k={top_k} top_p={top_p}",
-            )
+            case = (f"probs_from_logits(log {CHOSEN_TEXT} + {shift}, temperature={temperature}"
+                    f", top_k={top_k}, top_p={top_p})")
+            expect(probs.dtype == torch.float32, case, "float32 probabilities", probs.dtype)
+            expect_close(probs, torch.tensor(want, dtype=torch.float32), case, atol=1e-6)
 
 
 HF_GRID = [
@@ -124,14 +125,25 @@ HF_GRID = [
 ]
 
 
+def expect_kept_sets_equal(probs, want, case):
+    """The tokens with probability > 0 are the same; else the first one that differs."""
+    if torch.equal(probs > 0, want > 0):
+        return
+    token = int(((probs > 0) != (want > 0)).nonzero()[0])
+    raise AssertionError(f"{case}: the kept sets differ; {int((want > 0).sum())} tokens expected, "
+                         f"{int((probs > 0).sum())} kept; the first difference, token {token}: "
+                         f"expected p = {float(want[token]):.6g}, got {float(probs[token]):.6g}")
+
+
 def check_matches_hf(impl):
     for i, (vocab, temperature, top_k, top_p) in enumerate(HF_GRID):
         logits = _randn(vocab, seed=i, scale=3.0)  # continuous: no ties, no boundary hit exactly
         want = hf_probs(logits, temperature, top_k, top_p)
         probs = impl.probs_from_logits(logits, temperature, top_k, top_p)
-        case = f"V={vocab} T={temperature} top_k={top_k} top_p={top_p}"
-        assert torch.equal(probs > 0, want > 0), f"kept sets differ for {case}"
-        torch.testing.assert_close(probs, want, rtol=0, atol=1e-6, msg=case)
+        case = (f"probs_from_logits(random logits over V={vocab}, temperature={temperature}, "
+                f"top_k={top_k}, top_p={top_p}) against HF's warpers")
+        expect_kept_sets_equal(probs, want, case)
+        expect_close(probs, want, case, atol=1e-6, dims="token")
 
 
 def check_ties(impl):
@@ -191,12 +203,15 @@ def check_penalty_matches_hf(impl):
         hf = RepetitionPenaltyLogitsProcessor(penalty)
         for row in range(2):  # [V]
             want = hf(seen[None], logits[row][None].clone())[0]
-            torch.testing.assert_close(
-                impl.apply_repetition_penalty(logits[row], seen, penalty), want, rtol=1e-6, atol=0
-            )
+            expect_close(impl.apply_repetition_penalty(logits[row], seen, penalty), want,
+                         f"apply_repetition_penalty(logits [40], seen_ids={seen.tolist()}, "
+                         f"penalty={penalty}) against HF's processor", atol=0, rtol=1e-6,
+                         dims="token")
         want = hf(seen[None].expand(2, -1), logits.clone())  # [B, V], one history for every row
-        torch.testing.assert_close(impl.apply_repetition_penalty(logits, seen, penalty), want,
-                                   rtol=1e-6, atol=0)
+        expect_close(impl.apply_repetition_penalty(logits, seen, penalty), want,
+                     f"apply_repetition_penalty(logits [2, 40], seen_ids={seen.tolist()}, "
+                     f"penalty={penalty}) against HF's processor", atol=0, rtol=1e-6,
+                     dims="row, token")
         assert torch.equal(logits, before), "the input logits were modified in place"
     nothing_seen = impl.apply_repetition_penalty(logits, torch.tensor([], dtype=torch.long), 1.3)
     assert torch.equal(nothing_seen, logits)
@@ -213,7 +228,9 @@ def check_greedy(impl):
         picks = {impl.sample_next(logits, params, generator=gen) for _ in range(5)} | {
             impl.sample_next(logits, params)
         }
-        assert picks == {int(logits.argmax())}
+        expect(picks == {int(logits.argmax())}, f"sample_next(temperature 0, {params.top_k=}, "
+               f"{params.top_p=}), six calls", f"the argmax every time, {int(logits.argmax())}",
+               sorted(picks))
         assert torch.equal(gen.get_state(), gen_state), "greedy drew from the request's generator"
         assert torch.equal(torch.get_rng_state(),
                            global_state), "greedy drew from torch's global generator"
@@ -227,7 +244,9 @@ def check_greedy(impl):
     ]:
         params = SamplingParams(temperature=0, repetition_penalty=penalty)
         got = impl.sample_next(torch.tensor(values), params, seen_ids=torch.tensor(seen))
-        assert type(got) is int and got == want, (values, seen, penalty, got)
+        expect(type(got) is int and got == want,
+               f"sample_next(logits {values}, temperature 0, repetition_penalty={penalty}, "
+               f"seen_ids={seen})", f"token {want} (an int)", repr(got))
         assert impl.sample_next(torch.tensor(values), params) == max(
             range(4), key=values.__getitem__
         )
@@ -273,18 +292,19 @@ def check_min_p_matches_hf(impl):
             else (logits / T).softmax(-1)
         )
         probs = impl.probs_from_logits(logits, T, 0, 1.0, m)
-        assert torch.equal(probs > 0, want > 0), f"kept sets differ at T={T} min_p={m}"
-        torch.testing.assert_close(probs, want, rtol=0, atol=1e-6)
+        case = (f"probs_from_logits(random logits over V=300, temperature={T}, min_p={m}) "
+                "against HF's warpers")
+        expect_kept_sets_equal(probs, want, case)
+        expect_close(probs, want, case, atol=1e-6, dims="token")
     # by hand: CHOSEN at T = 1 with min_p = 0.6 keeps p ≥ 0.24: 0.4 and 0.3; at T = 0.5 (16:9) both
     # stay
-    torch.testing.assert_close(impl.probs_from_logits(LOGITS4, 1.0, 0, 1.0, 0.6),
-                               torch.tensor([0, 4 / 7, 0, 3 / 7]),
-                               rtol=0, atol=1e-6)
+    expect_close(impl.probs_from_logits(LOGITS4, 1.0, 0, 1.0, 0.6),
+                 torch.tensor([0, 4 / 7, 0, 3 / 7]),
+                 f"probs_from_logits(log {CHOSEN_TEXT}, temperature=1, min_p=0.6)", atol=1e-6)
     # sqrt: 0.63 0.45 0.55 / 0.63
-    torch.testing.assert_close(
-        impl.probs_from_logits(LOGITS4, 2.0, 0, 1.0, 0.6),
-        torch.tensor([0, SQRT[1], SQRT[2], SQRT[3]]) / sum(SQRT[1:]), rtol=0, atol=1e-6,
-    )
+    expect_close(impl.probs_from_logits(LOGITS4, 2.0, 0, 1.0, 0.6),
+                 torch.tensor([0, SQRT[1], SQRT[2], SQRT[3]]) / sum(SQRT[1:]),
+                 f"probs_from_logits(log {CHOSEN_TEXT}, temperature=2, min_p=0.6)", atol=1e-6)
 
 
 def check_penalties_formula(impl):
@@ -295,12 +315,13 @@ def check_penalties_formula(impl):
     want = logits.clone()
     for j, c in {4: 3, 9: 2, 17: 1}.items():
         want[j] -= c * 0.4 + 0.7
-    torch.testing.assert_close(
-        impl.apply_penalties(logits, output, 0.7, 0.4), want, rtol=0, atol=1e-6
-    )
-    torch.testing.assert_close(impl.apply_penalties(logits, output, -0.5, 0.0),
-                               logits + 0.5 * torch.isin(torch.arange(30), torch.tensor(output)),
-                               rtol=0, atol=1e-6)
+    expect_close(impl.apply_penalties(logits, output, 0.7, 0.4), want,
+                 f"apply_penalties(logits [30], output_ids={output}, presence=0.7, frequency=0.4)",
+                 atol=1e-6, dims="token")
+    expect_close(impl.apply_penalties(logits, output, -0.5, 0.0),
+                 logits + 0.5 * torch.isin(torch.arange(30), torch.tensor(output)),
+                 f"apply_penalties(logits [30], output_ids={output}, presence=-0.5, frequency=0)",
+                 atol=1e-6, dims="token")
     assert torch.equal(impl.apply_penalties(logits, [], 0.7, 0.4), logits)
     assert torch.equal(logits, before), "the input logits were modified in place"
 
@@ -314,7 +335,9 @@ def check_process_logits(impl):
     got = impl.process_logits(logits, params, seen_ids=torch.tensor([0, 3]), output_ids=[3, 3])
     # token 0: 1 − 2 = −1, seen: × 2 → −2;  token 3: 0.5 / 2 = 0.25, twice out: − 1 → −0.75;  token
     # 4: 3 + 1 = 4
-    torch.testing.assert_close(got, torch.tensor([-2.0, 2.0, -1.0, -0.75, 4.0]), rtol=0, atol=1e-6)
+    expect_close(got, torch.tensor([-2.0, 2.0, -1.0, -0.75, 4.0]),
+                 "process_logits([1, 2, -1, 0.5, 3], logit_bias {0: -2, 4: 1}, repetition_penalty 2"
+                 " over seen [0, 3], frequency_penalty 0.5 over output [3, 3])", atol=1e-6)
     assert torch.equal(logits,
                        torch.tensor([1.0, 2.0, -1.0, 0.5,
                                      3.0])), "the input logits were modified in place"
@@ -327,7 +350,9 @@ def check_process_logits(impl):
         ours = impl.process_logits(row, SamplingParams(min_tokens=4, max_tokens=8),
                                    output_ids=out_ids,
                                    stop_ids={3, 9, 99})  # 99 is past the vocabulary: ignored
-        assert torch.equal(ours, hf), f"min_tokens with {generated} tokens out"
+        expect_equal(ours, hf, f"process_logits(min_tokens=4, stop ids {{3, 9, 99}}) with "
+                     f"{generated} tokens out, against HF's MinNewTokensLengthLogitsProcessor",
+                     dims="token")
 
 
 # ----------------------------------------------------------------------------- the tests
@@ -377,7 +402,7 @@ def test_ex03_5_process_logits_order_and_min_tokens(impl):
 
 # ----------------------------------------------------------------------------- known-wrong variants
 def _sampler(top_k_extra=0, keep_crossing=True, temperature_first=True, penalty_rule="ctrl",
-             min_p_at_t1=False,
+             min_p_at_t1=False, renormalise=True,
              count_prompt=False, presence_per_count=False, bias_last=False):
     """A sampler; the arguments put one bug each in a known place."""
     def probs_from_logits(logits, temperature, top_k=0, top_p=1.0, min_p=0.0):
@@ -401,6 +426,8 @@ def _sampler(top_k_extra=0, keep_crossing=True, temperature_first=True, penalty_
             before = ranked.cumsum(-1) - (ranked if keep_crossing else 0)
             keep_sorted = before < top_p
             keep = keep & keep_sorted.scatter(-1, order, keep_sorted)
+        if not renormalise:  # wrong: the kept tokens' probabilities left as they were
+            return scaled.softmax(-1).masked_fill(~keep, 0.0)
         return scaled.masked_fill(~keep, float("-inf")).softmax(-1)
 
     def apply_repetition_penalty(logits, seen_ids, penalty):
@@ -457,6 +484,8 @@ WRONG = {
     "top-p drops the token that crosses top_p": (_sampler(keep_crossing=False),
                                                  [check_by_hand, check_matches_hf]),
     "top-k keeps k + 1": (_sampler(top_k_extra=1), [check_by_hand, check_matches_hf]),
+    "the kept tokens not renormalised": (_sampler(renormalise=False),
+                                         [check_by_hand, check_matches_hf]),
     "temperature applied after top-k / top-p": (_sampler(temperature_first=False),
                                                 [check_by_hand, check_matches_hf]),
     "repetition penalty always divides": (_sampler(penalty_rule="divide"),
@@ -470,11 +499,10 @@ WRONG = {
 
 
 @pytest.mark.parametrize("name", list(WRONG))
-def test_ex03_known_wrong_variants_fail(name):
+def test_ex03_known_wrong_variants_fail_and_say_why(name):
     wrong, checks = WRONG[name]
     for check in checks:
-        with pytest.raises(AssertionError):
-            check(wrong)
+        explained_failure(check, wrong)
 
 
 def test_ex03_the_checks_pass_on_a_right_variant_built_the_same_way():
