@@ -31,10 +31,10 @@ def default_block_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> i
     equal hashes mean equal tokens *and* equal prefix, up to collisions. Deterministic: the same
     arguments give the same int."""
     raise NotImplementedError(
-        "Exercise 5.1: hash a tuple holding the parent's hash and the tokens; for the first block "
-        "hash a 1-tuple (token_ids,) instead, because hash(None) differs between processes before "
-        "Python 3.12 (roughly 1 line; see notebooks/02_paged_kv_cache, section 4, 'Prefix "
-        "caching', why a chained hash)")
+        "Exercise 5.1: a block's K and V depend on its tokens and on every token before them, so "
+        "its hash chains the parent's hash with its own tokens (roughly 1 line; see "
+        "notebooks/02_paged_kv_cache, section 4, 'Prefix caching', why a chained hash; more: "
+        "make hint EX=ex05 N=2)")
 
 
 class BlockAllocator(nanoserve.engine.block_allocator.BlockAllocator):
@@ -90,10 +90,7 @@ class BlockAllocator(nanoserve.engine.block_allocator.BlockAllocator):
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         """Cached blocks for the prompt's leading full blocks, stopping at the first miss."""
         raise NotImplementedError(
-            "Exercise 5.2: with prefix caching on, for each of the first "
-            "self._max_prefix_hits(len(seq)) blocks (never the block holding the last token): "
-            "tokens = self._block_tokens(seq, i), look up self.hash_fn(parent's hash or None, "
-            "tokens) in self.hash_to_block, stop at a miss or when self._matches(block, tokens, "
-            "parent) is False (a collision), else keep it and make it the parent (roughly 10 "
-            "lines; see notebooks/02_paged_kv_cache, section 4, 'Prefix caching', hits are "
-            "checked, not trusted)")
+            "Exercise 5.2: reuse the prompt's leading full blocks the cache holds, stopping at the "
+            "first miss, never the block holding the last token, and never on a hash alone "
+            "(roughly 10 lines; see notebooks/02_paged_kv_cache, section 4, 'Prefix caching', hits "
+            "are checked, not trusted; more: make hint EX=ex05 N=2)")

@@ -53,9 +53,10 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     "default" nothing, "linear" divide every θ_i by scaling["factor"], "llama3" return
     llama3_rope_inv_freq(inv_freq, scaling) (imported above: Llama 3.1's frequency bands)."""
     raise NotImplementedError(
-        "Exercise 2.1: the D/2 frequencies base^(-2i/D) for i = 0, 1, ..., D/2 - 1 "
-        "(torch.arange(0, D, 2)), then the scaling cfg.rope_scaling asks for (roughly 10 lines; "
-        "see notebooks/01_engine_core, section 3, 'RoPE: rotary position embeddings')")
+        "Exercise 2.1: each pair of dimensions turns at its own speed, a geometric series from 1 "
+        "down, set by the base; then the scaling the config asks for (roughly 10 lines; see "
+        "notebooks/01_engine_core, section 3, 'RoPE: rotary position embeddings'; more: make "
+        "hint EX=ex02 N=2)")
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
@@ -66,17 +67,17 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.d
     Compute the angles in float32 and return cos and sin in `dtype`; the axis of size 1 broadcasts
     over heads. Rows of a batch may sit at different positions (a cache holds different lengths)."""
     raise NotImplementedError(
-        "Exercise 2.2: angles = positions (as float) times inv_freq, one row per token, "
-        "concatenated with themselves to D; then cos and sin, a heads axis, and the dtype "
-        "(roughly 3 lines; see notebooks/01_engine_core, section 3, 'RoPE: rotary position "
-        "embeddings')")
+        "Exercise 2.2: a token at position m turns pair i by m times pair i's frequency; every "
+        "angle serves both halves of the head (roughly 3 lines; see notebooks/01_engine_core, "
+        "section 3, 'RoPE: rotary position embeddings'; more: make hint EX=ex02 N=2)")
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """[x1, x2] -> [-x2, x1], where x1 and x2 are the first and second halves of the last dim."""
     raise NotImplementedError(
-        "Exercise 2.3: split the last dim into halves x1, x2 and concatenate -x2 then x1 (roughly "
-        "2 lines; see notebooks/01_engine_core, section 3, 'RoPE: rotary position embeddings')")
+        "Exercise 2.3: every pair turned by 90 degrees at once (roughly 2 lines; see "
+        "notebooks/01_engine_core, section 3, 'RoPE: rotary position embeddings'; more: make "
+        "hint EX=ex02 N=2)")
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -88,5 +89,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     (x1, x2) -> (x1·cos a − x2·sin a, x2·cos a + x1·sin a). Returns x's shape and dtype.
     """
     raise NotImplementedError(
-        "Exercise 2.4: the 2-D rotation of every pair at once, with rotate_half (roughly 1 line; "
-        "see notebooks/01_engine_core, section 3, 'RoPE: rotary position embeddings')")
+        "Exercise 2.4: a rotation by a is cos a times the vector plus sin a times the vector "
+        "turned by 90 degrees (roughly 1 line; see notebooks/01_engine_core, section 3, 'RoPE: "
+        "rotary position embeddings'; more: make hint EX=ex02 N=2)")

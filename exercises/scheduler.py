@@ -40,38 +40,33 @@ class Scheduler(nanoserve.engine.scheduler.Scheduler):
            `waiting`, becomes RUNNING, joins `running` and computes `_tokens_to_compute` tokens
            now."""
         raise NotImplementedError(
-            "Exercise 6.4: out = SchedulerOutput() and budget = config.max_num_batched_tokens; "
-            "loop i over self.running (if seq.needs_slot and not self._make_room(seq, i, out): "
-            "continue without i += 1), out.add(seq, n) for n > 0 and subtract n from the budget; "
-            "return early if out.preempted; then admit from self.waiting[0] with "
-            "self.block_allocator.allocate while budget, max_num_seqs and can_allocate allow "
-            "(roughly 28 lines; see notebooks/03_batching, sections 2 and 4, 'The scheduler step' "
-            "and 'Preemption: when the pool runs dry')")
+            "Exercise 6.4: two passes under one token budget: the running sequences first, in "
+            "admission order, then, unless someone was preempted, admissions from the waiting "
+            "queue while the budget, the sequence cap and the pool allow (roughly 28 lines; see "
+            "notebooks/03_batching, sections 2 and 4, 'The scheduler step' and 'Preemption: when "
+            "the pool runs dry'; more: make hint EX=ex06 N=2)")
 
     def _tokens_to_compute(self, seq: Sequence, budget: int) -> int:
         """Tokens `seq` computes this step: the ones without KV (len(seq) - num_computed_tokens), at
         most `budget` with chunked prefill (the rest next step); without it, all of them or, if they
         do not fit in the budget, none."""
         raise NotImplementedError(
-            "Exercise 6.1: need = len(seq) - seq.num_computed_tokens; with "
-            "config.enable_chunked_prefill return min(need, budget), otherwise need if it fits in "
-            "the budget else 0 (roughly 4 lines; see notebooks/03_batching, section 2, 'The "
-            "scheduler step', chunked prefill)")
+            "Exercise 6.1: every token without K and V yet; chunked prefill takes what the budget "
+            "has left, otherwise all or nothing (roughly 4 lines; see notebooks/03_batching, "
+            "section 2, 'The scheduler step', chunked prefill; more: make hint EX=ex06 N=2)")
 
     def _pick_victim(self, index: int) -> Sequence:
         """The lowest-priority, most recently admitted sequence not yet scheduled in this step."""
         raise NotImplementedError(
-            "Exercise 6.2: among self.running[index:], the one with the largest (priority, "
-            "position in self.running): a larger priority number runs later, a later position was "
-            "admitted later (roughly 2 lines; see notebooks/03_batching, section 4, 'Preemption: "
-            "when the pool runs dry')")
+            "Exercise 6.2: of the sequences not yet scheduled in this step, the one that matters "
+            "least: the lowest priority, then the most recently admitted (roughly 2 lines; see "
+            "notebooks/03_batching, section 4, 'Preemption: when the pool runs dry'; more: make "
+            "hint EX=ex06 N=2)")
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute-style preemption: free every block; the tokens stay, the KV will be
         recomputed."""
         raise NotImplementedError(
-            "Exercise 6.3: take seq out of self.running, self.block_allocator.free(seq) (its KV "
-            "is dropped: num_computed_tokens goes to 0), clear seq.needs_slot, count it in "
-            "seq.num_preemptions and self.num_preemptions, and self._enqueue(seq) back into the "
-            "waiting queue, tokens and all (roughly 6 lines; see notebooks/03_batching, section "
-            "4, 'Preemption: when the pool runs dry')")
+            "Exercise 6.3: the sequence keeps its tokens and loses its K and V, and waits again to "
+            "be prefilled from the start (roughly 6 lines; see notebooks/03_batching, section 4, "
+            "'Preemption: when the pool runs dry'; more: make hint EX=ex06 N=2)")

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from explain import expect, expect_close, explained_failure
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 from transformers.models.llama.modeling_llama import rotate_half as hf_rotate_half
@@ -72,16 +73,18 @@ POSITIONS = torch.stack([torch.arange(0, 7), torch.arange(250, 257)])  # B=2, T=
 def check_inv_freq_by_hand(impl):
     cfg, _ = _configs("default")  # D = 16, base 10000: θ_i = 10000^(-i/8)
     inv_freq = impl.rope_inv_freq(cfg)
-    assert inv_freq.shape == (8,) and inv_freq.dtype == torch.float32
+    case = "rope_inv_freq(head_dim 16, rope_theta 10000)"
+    expect(inv_freq.dtype == torch.float32, case, "float32", inv_freq.dtype)
     want = torch.tensor([10000.0 ** (-i / 8) for i in range(8)])  # 1, 0.316, 0.1, ..., 10000^(-7/8)
-    torch.testing.assert_close(inv_freq, want, rtol=1e-6, atol=0)
+    expect_close(inv_freq, want, case, atol=0, rtol=1e-6)
 
 
 def check_inv_freq_matches_hf(impl, case):
     cfg, rotary = _configs(case)
     inv_freq = impl.rope_inv_freq(cfg)
-    assert inv_freq.shape == (cfg.head_dim // 2,) and inv_freq.dtype == torch.float32
-    torch.testing.assert_close(inv_freq, rotary.inv_freq, rtol=1e-6, atol=0)
+    what = f"rope_inv_freq(head_dim {cfg.head_dim}, rope_scaling {cfg.rope_scaling}) against HF's"
+    expect(inv_freq.dtype == torch.float32, what, "float32", inv_freq.dtype)
+    expect_close(inv_freq, rotary.inv_freq, what, atol=0, rtol=1e-6, dims="i")
 
 
 def check_cos_sin_matches_hf(impl):
@@ -89,19 +92,19 @@ def check_cos_sin_matches_hf(impl):
         cfg, rotary = _configs(case)
         cos, sin = impl.rope_cos_sin(rotary.inv_freq, POSITIONS, torch.float32)
         hf_cos, hf_sin = _hf_cos_sin(rotary, POSITIONS)
-        assert cos.shape == sin.shape == (2, 7, 1, cfg.head_dim)
         # float32 angles near 256 rad carry rounding ~1e-5: allow that much, and nothing like one
         # position (~1)
-        torch.testing.assert_close(cos, hf_cos, rtol=0, atol=5e-5)
-        torch.testing.assert_close(sin, hf_sin, rtol=0, atol=5e-5)
+        what = (f"rope_cos_sin({case} frequencies, positions [[0..6], [250..256]]) against HF's")
+        expect_close(cos, hf_cos, f"cos of {what}", atol=5e-5, dims="b, t, 1, d")
+        expect_close(sin, hf_sin, f"sin of {what}", atol=5e-5, dims="b, t, 1, d")
     # by hand: position 0 is no rotation; position 1 turns pair i by θ_i, and pairs (i, i + D/2)
     # share it
     # D = 4
     cos, sin = impl.rope_cos_sin(torch.tensor([1.0, 0.5]), torch.tensor([[0, 1]]), torch.float32)
-    torch.testing.assert_close(cos[0, :, 0],
-                               torch.tensor([[1.0] * 4, [math.cos(1), math.cos(0.5)] * 2]))
-    torch.testing.assert_close(sin[0, :, 0],
-                               torch.tensor([[0.0] * 4, [math.sin(1), math.sin(0.5)] * 2]))
+    expect_close(cos[0, :, 0], torch.tensor([[1.0] * 4, [math.cos(1), math.cos(0.5)] * 2]),
+                 "cos of rope_cos_sin([1, 0.5], positions [[0, 1]])", atol=1e-5)
+    expect_close(sin[0, :, 0], torch.tensor([[0.0] * 4, [math.sin(1), math.sin(0.5)] * 2]),
+                 "sin of rope_cos_sin([1, 0.5], positions [[0, 1]])", atol=1e-5)
 
 
 def check_cos_sin_dtype(impl):
@@ -109,16 +112,18 @@ def check_cos_sin_dtype(impl):
     for dtype in (torch.float16, torch.bfloat16):
         cos, sin = impl.rope_cos_sin(rotary.inv_freq, POSITIONS, dtype)
         hf_cos, hf_sin = _hf_cos_sin(rotary, POSITIONS, dtype)
-        assert cos.dtype == sin.dtype == dtype
-        torch.testing.assert_close(cos, hf_cos, rtol=0, atol=1e-2)
-        torch.testing.assert_close(sin, hf_sin, rtol=0, atol=1e-2)
+        what = f"rope_cos_sin(..., dtype={dtype})"
+        expect(cos.dtype == sin.dtype == dtype, what, dtype, (cos.dtype, sin.dtype))
+        expect_close(cos, hf_cos, f"cos of {what}", atol=1e-2, dims="b, t, 1, d")
+        expect_close(sin, hf_sin, f"sin of {what}", atol=1e-2, dims="b, t, 1, d")
 
 
 def check_rotate_half(impl):
-    assert torch.equal(impl.rotate_half(torch.tensor([1.0, 2, 3, 4, 5, 6])),
-                       torch.tensor([-4.0, -5, -6, 1, 2, 3]))
+    expect_close(impl.rotate_half(torch.tensor([1.0, 2, 3, 4, 5, 6])),
+                 torch.tensor([-4.0, -5, -6, 1, 2, 3]), "rotate_half([1, 2, 3, 4, 5, 6])", atol=0)
     x = _randn(2, 3, 4, 16)
-    assert torch.equal(impl.rotate_half(x), hf_rotate_half(x))
+    expect_close(impl.rotate_half(x), hf_rotate_half(x), "rotate_half(random [2, 3, 4, 16])",
+                 atol=0, dims="b, t, h, d")
 
 
 def check_apply_rope_matches_hf(impl):
@@ -128,8 +133,8 @@ def check_apply_rope_matches_hf(impl):
     cos, sin = _hf_cos_sin(rotary, POSITIONS)
     want, _ = apply_rotary_pos_emb(x, x, cos[:, :, 0], sin[:, :, 0], unsqueeze_dim=2)
     out = impl.apply_rope(x, cos, sin)
-    assert out.shape == x.shape
-    torch.testing.assert_close(out, want, rtol=0, atol=1e-6)
+    expect_close(out, want, "apply_rope(random [2, 7, 3, 16], HF's cos and sin) against HF's",
+                 atol=1e-6, dims="b, t, h, d")
 
 
 def check_apply_rope_half_precision(impl):
@@ -138,8 +143,9 @@ def check_apply_rope_half_precision(impl):
     cos, sin = _hf_cos_sin(rotary, POSITIONS, torch.float16)
     want, _ = apply_rotary_pos_emb(x, x, cos[:, :, 0], sin[:, :, 0], unsqueeze_dim=2)
     out = impl.apply_rope(x, cos, sin)
-    assert out.dtype == torch.float16
-    torch.testing.assert_close(out.float(), want.float(), rtol=0, atol=1e-2)
+    expect(out.dtype == torch.float16, "apply_rope(float16 x)", torch.float16, out.dtype)
+    expect_close(out.float(), want.float(), "apply_rope(float16 x) against HF's", atol=1e-2,
+                 dims="b, t, h, d")
 
 
 def check_end_to_end_matches_hf(impl):
@@ -152,8 +158,11 @@ def check_end_to_end_matches_hf(impl):
         cos, sin = impl.rope_cos_sin(impl.rope_inv_freq(cfg), POSITIONS, torch.float32)
         hf_cos, hf_sin = rotary(q, POSITIONS)
         want_q, want_k = apply_rotary_pos_emb(q, k, hf_cos, hf_sin, unsqueeze_dim=2)
-        torch.testing.assert_close(impl.apply_rope(q, cos, sin), want_q, rtol=0, atol=2e-4)
-        torch.testing.assert_close(impl.apply_rope(k, cos, sin), want_k, rtol=0, atol=2e-4)
+        what = f"{case} RoPE, positions [[0..6], [250..256]], end to end against HF's"
+        expect_close(impl.apply_rope(q, cos, sin), want_q, f"queries, {what}", atol=2e-4,
+                     dims="b, t, h, d")
+        expect_close(impl.apply_rope(k, cos, sin), want_k, f"keys, {what}", atol=2e-4,
+                     dims="b, t, h, d")
 
 
 def check_rotation_properties(impl):
@@ -167,16 +176,16 @@ def check_rotation_properties(impl):
 
     x = _randn(2, 7, 3, 16, seed=3)
     cos, sin = impl.rope_cos_sin(inv_freq, POSITIONS, torch.float32)
-    torch.testing.assert_close(
-        impl.apply_rope(x, cos, sin).norm(dim=-1), x.norm(dim=-1), rtol=1e-5, atol=0
-    )
+    expect_close(impl.apply_rope(x, cos, sin).norm(dim=-1), x.norm(dim=-1),
+                 "the norm of each rotated head (a rotation keeps it)", atol=0, rtol=1e-5,
+                 dims="b, t, h")
     q, k = _randn(16, seed=4), _randn(16, seed=5)
     for offset in (0, 3, 40):
         scores = torch.stack([rope_at(q, n + offset) @ rope_at(k, n) for n in (0, 1, 9, 100, 300)])
-        assert (scores - scores[0]).abs().max() < 1e-3, f"offset {offset}: scores {scores.tolist()}"
-    assert abs(rope_at(q, 3) @ rope_at(k, 0) - rope_at(q, 0) @ rope_at(k, 0)) > 0.1, (
-        "the offset changes nothing"
-    )
+        expect_close(scores, scores[0].expand(5), f"q·k at offset {offset}, at positions n = 0, "
+                     "1, 9, 100, 300 (it depends on the offset only)", atol=1e-3)
+    change = abs(rope_at(q, 3) @ rope_at(k, 0) - rope_at(q, 0) @ rope_at(k, 0))
+    expect(change > 0.1, "q·k at offsets 3 and 0", "a change above 0.1", f"{float(change):.3g}")
 
 
 # ----------------------------------------------------------------------------- the tests
@@ -273,11 +282,10 @@ WRONG = {
 
 
 @pytest.mark.parametrize("name", list(WRONG))
-def test_ex02_known_wrong_variants_fail(name):
+def test_ex02_known_wrong_variants_fail_and_say_why(name):
     wrong, checks = WRONG[name]
     for check in checks:
-        with pytest.raises(AssertionError):
-            check(wrong)
+        explained_failure(check, wrong)
 
 
 def test_ex02_properties_alone_would_accept_the_wrong_layouts():
