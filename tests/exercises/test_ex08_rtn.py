@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from explain import expect, expect_close, expect_equal, explained_failure
 
 REFERENCE = "nanoserve.quant.rtn"
 EXERCISE = "rtn"
@@ -32,24 +33,35 @@ def _close(a, b):
     return torch.allclose(a, torch.tensor(b, dtype=a.dtype), rtol=1e-6, atol=0)
 
 
+def _expect_scales(scales, want, case):
+    expect_close(scales, torch.tensor(want, dtype=scales.dtype), f"{case}: the scales", atol=0,
+                 rtol=1e-6)
+
+
+def _expect_list(got, want, case):
+    expect(got == want, case, want, got)
+
+
 # ----------------------------------------------------------------------------- checks (shared with
 # the mutants)
 def check_grid_by_hand(impl):
     w = torch.tensor(ROWS)                                                     # 5 groups of 4
+    case = f"quant_params(groups {ROWS}, bits=4, sym=False)"
     scales, zeros = impl.quant_params(w, bits=4, sym=False)
-    assert (
-        scales.shape == zeros.shape == (5,) and scales.dtype == torch.float32
-        and zeros.dtype == torch.int32
-    )
+    expect((scales.dtype, zeros.dtype) == (torch.float32, torch.int32), case,
+           "float32 scales and int32 zeros", (scales.dtype, zeros.dtype))
     # asymmetric: scale = (xmax − xmin) / 15, zero = round(−xmin / scale)
-    assert _close(scales, [3 / 15, 2 / 15, 3 / 15, 2 / 15, 1.2 / 15])
+    _expect_scales(scales, [3 / 15, 2 / 15, 3 / 15, 2 / 15, 1.2 / 15], case)
     # the zero group's −xmin / scale = 1 / (2/15) = 7.5 exactly, which fp32 computes as 7.4999995: 7
     # or 8 is right
-    assert zeros.tolist()[:3] + zeros.tolist()[4:] == [5, 0, 15, 9] and zeros[3] in (7, 8)
+    got = zeros.tolist()
+    expect(got[:3] + got[4:] == [5, 0, 15, 9] and got[3] in (7, 8), f"{case}: the zeros",
+           "[5, 0, 15, 7 or 8, 9]", got)
     # symmetric: scale = 2·amax / 15, zero 8 for every group
+    case = case.replace("sym=False", "sym=True")
     scales, zeros = impl.quant_params(w, bits=4, sym=True)
-    assert _close(scales, [4 / 15, 4 / 15, 6 / 15, 2 / 15, 1.4 / 15])
-    assert zeros.tolist() == [8] * 5
+    _expect_scales(scales, [4 / 15, 4 / 15, 6 / 15, 2 / 15, 1.4 / 15], case)
+    _expect_list(zeros.tolist(), [8] * 5, f"{case}: the zeros")
     # other widths, fp64 stays fp64: int8 (zero 128 when symmetric), int3 (zero 4), int2
     w = torch.tensor([[-1.0, 0.0, 1.55, 0.3]], dtype=torch.float64)
     for bits, sym, scale, zero in [(8, False, 2.55 / 255, 100), (8, True, 3.1 / 255, 128),
@@ -57,61 +69,71 @@ def check_grid_by_hand(impl):
                                    (3, True, 3.1 / 7, 4), (2, False, 2.55 / 3, 1),
                                    (2, True, 3.1 / 3, 2)]:
         scales, zeros = impl.quant_params(w, bits, sym)
-        assert (
-            scales.dtype == torch.float64 and _close(scales, [scale]) and zeros.tolist() == [zero]
-        ), (bits, sym)
+        case = f"quant_params(float64 [[-1, 0, 1.55, 0.3]], bits={bits}, sym={sym})"
+        expect(scales.dtype == torch.float64, case, "float64 scales", scales.dtype)
+        _expect_scales(scales, [scale], case)
+        _expect_list(zeros.tolist(), [zero], f"{case}: the zero")
 
 
 def check_round_to_codes_by_hand(impl):
-    w = torch.tensor([[-1.3, -0.2, 0.0, 0.3, 0.62, 5.0],
-                      [0.0, 0.2, 0.8, 1.1, 3.0, -0.4]])                       # 2 rows, 6 columns
+    rows = [[-1.3, -0.2, 0.0, 0.3, 0.62, 5.0],
+            [0.0, 0.2, 0.8, 1.1, 3.0, -0.4]]                                  # 2 rows, 6 columns
+    w = torch.tensor(rows)
     scales, zeros = torch.tensor([0.25, 0.5]), torch.tensor([4, 0], dtype=torch.int32)
     codes = impl.round_to_codes(w, scales, zeros, 15)
+    case = f"round_to_codes({rows}, scales [0.25, 0.5], zeros [4, 0], maxq"
     # row 0: w / 0.25 = −5.2, −0.8, 0, 1.2, 2.48, 20 -> round + 4, clamped to [0, 15]
     # row 1: w / 0.5 = 0, 0.4, 1.6, 2.2, 6, −0.8 -> round + 0, clamped
-    assert codes.dtype == torch.float32 and codes.shape == (2, 6)
-    assert codes.tolist() == [[0, 3, 4, 5, 6, 15], [0, 0, 2, 2, 6, 0]]
+    expect(codes.dtype == torch.float32, f"{case} 15)", "float32 codes", codes.dtype)
+    expect_equal(codes, torch.tensor([[0.0, 3, 4, 5, 6, 15], [0, 0, 2, 2, 6, 0]]), f"{case} 15)")
     # maxq is the top
-    assert impl.round_to_codes(w, scales, zeros, 7)[0].tolist() == [0, 3, 4, 5, 6, 7]
+    _expect_list(impl.round_to_codes(w, scales, zeros, 7)[0].tolist(), [0, 3, 4, 5, 6, 7],
+                 f"{case} 7), row 0")
 
 
 def check_quantize_rtn_by_hand(impl):
-    w = torch.tensor([[-0.9, 0.25, 0.45, 2.0, 0.5, 0.9, 2.0, 1.5],
-                      # N 2, K 8, groups of 4
-                      [0.0, 0.0, 0.0, 0.0, -0.7, 0.1, 0.3, 0.8]])
+    rows = [[-0.9, 0.25, 0.45, 2.0, 0.5, 0.9, 2.0, 1.5],
+            [0.0, 0.0, 0.0, 0.0, -0.7, 0.1, 0.3, 0.8]]  # N 2, K 8, groups of 4
+    w = torch.tensor(rows)
     # asymmetric: group (0, 0) scale 2.9/15, zero round(0.9 / scale) = round(4.66) = 5, codes
     # round(w / scale) + 5
     q = impl.quantize_rtn(w, bits=4, group_size=4, sym=False)
+    case = f"quantize_rtn({rows}, bits=4, group_size=4, sym=False)"
     # your class, so your dequantize
-    assert isinstance(q, impl.QuantizedWeight)
-    assert (q.bits, q.group_size, q.sym) == (4, 4, False)
-    assert (
-        q.codes.dtype == torch.uint8 and q.zeros.dtype == torch.int32
-        and q.g_idx.dtype == torch.int32
-    )
-    assert q.g_idx.tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
-    assert _close(q.scales, [[2.9 / 15, 2 / 15], [2 / 15, 1.5 / 15]])
+    expect(isinstance(q, impl.QuantizedWeight), case, "a QuantizedWeight", type(q).__name__)
+    expect((q.bits, q.group_size, q.sym) == (4, 4, False), f"{case}: (bits, group_size, sym)",
+           (4, 4, False), (q.bits, q.group_size, q.sym))
+    dtypes = (q.codes.dtype, q.zeros.dtype, q.g_idx.dtype)
+    expect(dtypes == (torch.uint8, torch.int32, torch.int32), f"{case}: codes, zeros, g_idx",
+           "uint8, int32, int32", dtypes)
+    _expect_list(q.g_idx.tolist(), [0, 0, 0, 0, 1, 1, 1, 1], f"{case}: g_idx")
+    _expect_scales(q.scales, [[2.9 / 15, 2 / 15], [2 / 15, 1.5 / 15]], case)
     # 7.5 in fp32: see above
-    assert q.zeros[0].tolist() == [5, 0] and q.zeros[1, 1] == 7 and q.zeros[1, 0] in (7, 8)
-    assert q.codes[0].tolist() == [0, 6, 7, 15, 4, 7, 15, 11] and q.codes[1, 4:].tolist() == [
-        0, 8, 10, 15,
-    ]
+    zeros = q.zeros.tolist()
+    expect(zeros[0] == [5, 0] and zeros[1][1] == 7 and zeros[1][0] in (7, 8), f"{case}: the zeros",
+           "[[5, 0], [7 or 8, 7]]", zeros)
+    _expect_list(q.codes[0].tolist(), [0, 6, 7, 15, 4, 7, 15, 11], f"{case}: codes of row 0")
+    _expect_list(q.codes[1, 4:].tolist(), [0, 8, 10, 15], f"{case}: codes of row 1, group 1")
     # the zero group: every code is the zero
-    assert (q.codes[1, :4] == q.zeros[1, 0]).all()
+    _expect_list(q.codes[1, :4].tolist(), [zeros[1][0]] * 4,
+                 f"{case}: codes of row 1's group of zeros (each its zero)")
     # symmetric: zero 8; +amax is 7.5 steps, rounds up to code 16, clamped to 15
     q = impl.quantize_rtn(w, bits=4, group_size=4, sym=True)
-    assert _close(q.scales, [[4 / 15, 4 / 15], [2 / 15, 1.6 / 15]]) and q.zeros.tolist() == [
-        [8, 8],
-        [8, 8],
-    ]
-    assert q.codes.tolist() == [[5, 9, 10, 15, 10, 11, 15, 14], [8, 8, 8, 8, 1, 9, 11, 15]]
+    case = case.replace("sym=False", "sym=True")
+    _expect_scales(q.scales, [[4 / 15, 4 / 15], [2 / 15, 1.6 / 15]], case)
+    _expect_list(q.zeros.tolist(), [[8, 8], [8, 8]], f"{case}: the zeros")
+    _expect_list(q.codes.tolist(), [[5, 9, 10, 15, 10, 11, 15, 14], [8, 8, 8, 8, 1, 9, 11, 15]],
+                 f"{case}: the codes")
     # int8 per channel: group_size −1 is one group per row
-    w = torch.tensor([[-1.0, 0.0, 1.55, 0.3], [0.1, 0.25, 0.3, 0.4]])
-    q = impl.quantize_rtn(w, bits=8, group_size=-1, sym=False)
-    assert q.scales.shape == (2, 1) and q.g_idx.tolist() == [0, 0, 0, 0] and q.group_size == -1
-    assert _close(q.scales, [[2.55 / 255], [0.4 / 255]]) and q.zeros.tolist() == [[100], [0]]
+    rows = [[-1.0, 0.0, 1.55, 0.3], [0.1, 0.25, 0.3, 0.4]]
+    q = impl.quantize_rtn(torch.tensor(rows), bits=8, group_size=-1, sym=False)
+    case = f"quantize_rtn({rows}, bits=8, group_size=-1, sym=False)"
+    expect(q.group_size == -1 and q.g_idx.tolist() == [0, 0, 0, 0], f"{case}: group_size, g_idx",
+           "-1, [0, 0, 0, 0] (one group per row)", (q.group_size, q.g_idx.tolist()))
+    _expect_scales(q.scales, [[2.55 / 255], [0.4 / 255]], case)
+    _expect_list(q.zeros.tolist(), [[100], [0]], f"{case}: the zeros")
     # row 1: w · 255/0.4, rounded
-    assert q.codes.tolist() == [[0, 100, 255, 130], [64, 159, 191, 255]]
+    _expect_list(q.codes.tolist(), [[0, 100, 255, 130], [64, 159, 191, 255]], f"{case}: the codes")
 
 
 def check_dequantize_by_hand(impl):
@@ -125,10 +147,12 @@ def check_dequantize_by_hand(impl):
         w = impl.QuantizedWeight(codes=codes, zeros=zeros, scales=scales, g_idx=g_idx, bits=4,
                                  group_size=2,
                                  sym=False).dequantize()
-        assert w.dtype == dtype
+        case = (f"QuantizedWeight(codes {codes.tolist()}, zeros {zeros.tolist()}, scales "
+                f"{scales.tolist()}, g_idx {g_idx.tolist()}).dequantize() in {dtype}")
+        expect(w.dtype == dtype, case, dtype, w.dtype)
         # (0 − 0)·0.25, (15 − 8)·0.5, (8 − 8)·0.5, (3 − 0)·0.25;  (5 − 1)·2, (0 − 2)·1, (3 − 2)·1,
         # (4 − 1)·2
-        assert w.tolist() == [[0.0, 3.5, 0.0, 0.75], [8.0, -2.0, 1.0, 6.0]]
+        _expect_list(w.tolist(), [[0.0, 3.5, 0.0, 0.75], [8.0, -2.0, 1.0, 6.0]], case)
 
 
 def check_round_trip_error(impl):
@@ -148,20 +172,33 @@ def check_round_trip_error(impl):
         maxq = 2**bits - 1
         for sym in (False, True):
             q = impl.quantize_rtn(w, bits, group_size, sym)
-            assert isinstance(q, impl.QuantizedWeight) and q.codes.shape == (8, 64)
-            assert q.scales.shape == q.zeros.shape == (8, 64 // gs) and (q.scales > 0).all()
-            assert torch.equal(q.g_idx, torch.arange(64, dtype=torch.int32) // gs)
-            assert (
-                int(q.codes.max()) <= maxq and 0 <= int(q.zeros.min())
-                and int(q.zeros.max()) <= maxq
-            )
+            case = (f"quantize_rtn(random [8, 64] with groups of zeros, of one sign, bits={bits}, "
+                    f"group_size={group_size}, sym={sym})")
+            expect(isinstance(q, impl.QuantizedWeight) and q.codes.shape == (8, 64), case,
+                   "a QuantizedWeight with codes [8, 64]", getattr(q, "codes", q))
+            expect(q.scales.shape == q.zeros.shape == (8, 64 // gs), f"{case}: scales and zeros",
+                   f"shape (8, {64 // gs})", (tuple(q.scales.shape), tuple(q.zeros.shape)))
+            expect(bool((q.scales > 0).all()), f"{case}: the scales", "all > 0",
+                   f"smallest {float(q.scales.min()):.3g}")
+            expect_equal(q.g_idx, torch.arange(64, dtype=torch.int32) // gs, f"{case}: g_idx")
+            span = (int(q.codes.max()), int(q.zeros.min()), int(q.zeros.max()))
+            expect(span[0] <= maxq and 0 <= span[1] and span[2] <= maxq,
+                   f"{case}: (largest code, smallest zero, largest zero)", f"within 0..{maxq}",
+                   span)
             if sym:
-                assert (q.zeros == 2 ** (bits - 1)).all()
+                expect(bool((q.zeros == 2 ** (bits - 1)).all()), f"{case}: the zeros",
+                       f"all {2 ** (bits - 1)}", sorted(set(q.zeros.flatten().tolist())))
             w_hat = q.dequantize()                                             # N, K
             step = q.scales.repeat_interleave(gs, dim=1)                       # N, K
-            assert ((w - w_hat).abs() <= step / 2 * (1 + 1e-4)).all(), (bits, group_size, sym)
+            error = (w - w_hat).abs() / (step / 2)  # ≤ 1: within half a step of the grid
+            worst = int(error.flatten().argmax())
+            expect(bool((error <= 1 + 1e-4).all()), f"{case}: |w − ŵ| / (scale / 2)",
+                   "≤ 1 everywhere", f"{float(error.flatten()[worst]):.3g} at "
+                   f"[n, k] = {[worst // 64, worst % 64]} (w {float(w.flatten()[worst]):.4g}, "
+                   f"ŵ {float(w_hat.flatten()[worst]):.4g})")
             # zero is on every grid
-            assert (w_hat[w == 0] == 0).all(), (bits, group_size, sym)
+            expect(bool((w_hat[w == 0] == 0).all()), f"{case}: ŵ where w = 0", "0 (on every grid)",
+                   sorted(set(w_hat[w == 0].tolist()))[:4])
     q64 = impl.quantize_rtn(w.double(), 4, 16, False)
     assert q64.scales.dtype == torch.float64 and q64.dequantize().dtype == torch.float64
 
@@ -258,11 +295,10 @@ WRONG = {
 
 
 @pytest.mark.parametrize("name", list(WRONG))
-def test_ex08_known_wrong_variants_fail(name):
+def test_ex08_known_wrong_variants_fail_and_say_why(name):
     wrong, checks = WRONG[name]
     for check in checks:
-        with pytest.raises(AssertionError):
-            check(wrong)
+        explained_failure(check, wrong)
 
 
 def test_ex08_the_checks_pass_on_a_right_variant_built_the_same_way():
