@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from explain import expect, expect_close, explained_failure
 from testdata import outlier_layer, rel_error
 from torch import nn
 
@@ -70,33 +71,48 @@ def check_scaled_loss(impl):
     g = torch.Generator().manual_seed(0)
     for bits, group_size, sym in [(4, 32, False), (3, 64, True), (4, -1, False)]:
         # s = 1 is RTN's loss
-        for s in (torch.ones(128), torch.exp(0.5 * torch.randn(128, generator=g))):
+        for name, s in (("s = 1", torch.ones(128)),
+                        ("random s", torch.exp(0.5 * torch.randn(128, generator=g)))):
             loss = impl.scaled_loss(linears, x, s, bits, group_size, sym)
-            assert isinstance(loss, float)
-            assert loss == pytest.approx(
-                direct_loss(linears, x, s, bits, group_size, sym), rel=1e-4
-            )
+            case = (f"scaled_loss(two linears on 512 tokens, {name}, bits={bits}, "
+                    f"group_size={group_size}, sym={sym})")
+            expect(isinstance(loss, float), case, "a Python float", type(loss).__name__)
+            want = direct_loss(linears, x, s, bits, group_size, sym)
+            expect(loss == pytest.approx(want, rel=1e-4), case,
+                   f"{want:.6g} (‖X Wᵀ − (X / s) Q(W·diag(s))ᵀ‖², within 1e-4)", f"{loss:.6g}")
 
 
 def check_search_scales(impl):
     linears, x = _group()
     for bits, group_size, sym, n_grid in [(4, 32, False, 20), (3, 64, True, 8)]:
         s, alpha, alphas, losses = impl.search_scales(linears, x, bits, group_size, sym, n_grid)
+        case = f"search_scales(..., bits={bits}, group_size={group_size}, n_grid={n_grid})"
         # 0 .. (n−1)/n: 1.0 is not on it
-        assert alphas == [i / n_grid for i in range(n_grid)]
-        assert len(losses) == n_grid
+        want_grid = [i / n_grid for i in range(n_grid)]
+        expect(alphas == want_grid, f"{case}: the α grid", want_grid, alphas)
+        expect(len(losses) == n_grid, f"{case}: the losses", f"{n_grid} of them", len(losses))
         # the α curve, point by point
         for a, loss in zip(alphas, losses):
-            assert loss == pytest.approx(direct_loss(linears, x, scales_at(x, a), bits, group_size,
-                                                     sym), rel=1e-4)
-        assert alpha == alphas[losses.index(min(losses))]                     # the first minimum
-        assert s.shape == (128,) and torch.allclose(s, scales_at(x, alpha), rtol=1e-6, atol=0)
-        assert float(s.max() * s.min()) == pytest.approx(1.0, rel=1e-5)       # centred in log space
+            want = direct_loss(linears, x, scales_at(x, a), bits, group_size, sym)
+            expect(loss == pytest.approx(want, rel=1e-4), f"{case}: the loss at α = {a}",
+                   f"{want:.6g}", f"{loss:.6g}")
+        first_minimum = alphas[losses.index(min(losses))]
+        expect(alpha == first_minimum, f"{case}: the chosen α",
+               f"the first minimum, {first_minimum}", alpha)
+        expect_close(s, scales_at(x, alpha), f"{case}: s = mean|x|^α / √(max·min)", atol=0,
+                     rtol=1e-6, dims="k")
+        centre = float(s.max() * s.min())
+        expect(centre == pytest.approx(1.0, rel=1e-5), f"{case}: max(s)·min(s)",
+               "1 (centred in log space)", f"{centre:.6g}")
         # never worse than RTN (s = 1) on the calibration tokens
-        assert direct_loss(linears, x, s, bits, group_size, sym) <= direct_loss(
-            linears, x, torch.ones(128), bits, group_size, sym) * (1 + 1e-5)
+        awq = direct_loss(linears, x, s, bits, group_size, sym)
+        rtn = direct_loss(linears, x, torch.ones(128), bits, group_size, sym)
+        expect(awq <= rtn * (1 + 1e-5), f"{case}: the loss at the chosen s",
+               f"at most RTN's {rtn:.6g}", f"{awq:.6g}")
     s, alpha, alphas, losses = impl.search_scales(linears, x, 4, 32, False, n_grid=1)
-    assert alphas == [0.0] and alpha == 0.0 and len(losses) == 1 and torch.equal(s, torch.ones(128))
+    rtn_only = alphas == [0.0] and alpha == 0.0 and len(losses) == 1
+    expect(rtn_only and torch.equal(s, torch.ones(128)), "search_scales(..., n_grid=1)",
+           "α = 0 only and s = 1 (RTN)", (alphas, alpha))
 
 
 @functools.cache
@@ -115,11 +131,12 @@ def check_beats_rtn(impl):
     s = impl.search_scales([linear(W.float())], X_cal.float(), 4, 128, False)[0].double()
     # N, K   what the AWQ layer computes with
     W_awq = fake_quantize(W * s, 4, 128, sym=False) / s
-    assert rel_error(W, W_awq, X_cal) <= rtn_cal
+    calibration = rel_error(W, W_awq, X_cal)
+    expect(calibration <= rtn_cal, "AWQ on the outlier layer: calibration error",
+           f"at most RTN's {rtn_cal:.4g}", f"{calibration:.4g}")
     held_out = rel_error(W, W_awq, X_test)
-    assert held_out <= 0.8 * rtn_test, (
-        f"AWQ's scales: {held_out / rtn_test:.3f}× RTN's held-out error"
-    )
+    expect(held_out <= 0.8 * rtn_test, "AWQ on the outlier layer: held-out error / RTN's",
+           "≤ 0.8", f"{held_out / rtn_test:.3f}")
 
 
 def _outputs(prev, linears, x):
@@ -143,11 +160,16 @@ def check_fold_scales(impl):
         # T, 144   entries O(1)
         before = _outputs(prev, linears, x)
         weights = [lin.weight.detach().clone() for lin in linears]
-        assert impl.fold_scales(prev, linears, s) is None
+        returned = impl.fold_scales(prev, linears, s)
+        expect(returned is None, f"fold_scales(a {kind}, ...)", "None (it folds in place)",
+               type(returned).__name__)
         # fp32 rounding only
-        assert (_outputs(prev, linears, x) - before).abs().max() <= 1e-5, kind
+        expect_close(_outputs(prev, linears, x), before,
+                     f"the layer's outputs after fold_scales into a {kind} (they must not move)",
+                     atol=1e-5, dims="token, output")
         for lin, w in zip(linears, weights):
-            assert torch.allclose(lin.weight, w * s, rtol=1e-6, atol=0), kind  # columns × s
+            expect_close(lin.weight, w * s, f"a linear's weight after fold_scales into a {kind}: "
+                         "its columns times s", atol=0, rtol=1e-6, dims="out, in")
     # GELU(x) / s ≠ GELU(x / s)
     with pytest.raises(NanoserveError):
         impl.fold_scales(nn.GELU(), [nn.Linear(k, 8)], torch.ones(k))
@@ -228,11 +250,10 @@ WRONG = {   # held-out error with "inputs not divided": 1.000× RTN (it picks α
 
 
 @pytest.mark.parametrize("name", list(WRONG))
-def test_ex10_known_wrong_variants_fail(name):
+def test_ex10_known_wrong_variants_fail_and_say_why(name):
     wrong, checks = WRONG[name]
     for check in checks:
-        with pytest.raises(AssertionError):
-            check(wrong)
+        explained_failure(check, wrong)
 
 
 def test_ex10_the_checks_pass_on_a_right_variant_built_the_same_way():

@@ -17,6 +17,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from explain import expect, expect_close, explained_failure
 
 from nanoserve.quant.packing import dequantize_gptq
 
@@ -72,8 +73,9 @@ def check_golden_codes(impl):
     qzeros = torch.zeros(1, 1, dtype=torch.int32)  # G = 1, N/8 = 1
     W = impl.dequantize_int4(qweight, qzeros, torch.ones(1, 8, dtype=torch.float16),
                              torch.zeros(16, dtype=torch.int32))
-    assert W.shape == (8, 16) and W.dtype == torch.float32
-    assert torch.equal(W, (torch.arange(16) % 8 - 1).float().expand(8, 16))
+    case = "dequantize_int4(words 0x76543210: row k holds code k % 8; zero 1, scale 1)"
+    expect(W.dtype == torch.float32, case, "float32", W.dtype)
+    expect_close(W, (torch.arange(16) % 8 - 1).float().expand(8, 16), case, atol=0, dims="n, k")
 
 
 WORDS = [0xFEDCBA98, 0xFFFFFFFF, 0x80000000, 0x7FFFFFFF, 0x0F0F0F0F, 0xF0F0F0F0, 0x89ABCDEF, 0x76543210]
@@ -92,7 +94,8 @@ def check_sign_bit_words(impl):
                              torch.ones(1, 8, dtype=torch.float16),
                              torch.zeros(16, dtype=torch.int32))  # N, K   zero 1, scale 1
     want = torch.tensor([_fields(WORDS[n]) + _fields(WORDS[7 - n]) for n in range(8)]) - 1  # N, K
-    assert torch.equal(W, want.float())
+    expect_close(W, want.float(), "dequantize_int4(words with the sign bit set, e.g. 0xFEDCBA98 "
+                 "= codes 8..15; zero 1, scale 1): code − 1", atol=0, dims="n, k")
 
 
 def check_v1_zeros(impl):
@@ -104,7 +107,8 @@ def check_v1_zeros(impl):
     W = impl.dequantize_int4(qweight, qzeros, scales, torch.zeros(8, dtype=torch.int32))  # N, K
     zero = torch.tensor([8] * 8 + list(range(9, 17)))  # N
     want = (torch.arange(8)[None, :] - zero[:, None]).float() * scales.float().t()  # N, K
-    assert torch.equal(W, want)
+    expect_close(W, want, "dequantize_int4(qzeros words 0x77777777, 0xFEDCBA98: zeros stored "
+                 "as zero − 1, 8 for columns 0..7, 9..16 for 8..15)", atol=0, dims="n, k")
 
 
 def check_round_trip(impl, K=200, N=72, group=64, act_order=False, dtype=torch.float32, seed=0):
@@ -114,9 +118,13 @@ def check_round_trip(impl, K=200, N=72, group=64, act_order=False, dtype=torch.f
     # sign bits on both sides
     assert (tensors["qweight"] < 0).any() and (tensors["qzeros"] < 0).any()
     out = impl.dequantize_int4(**tensors, dtype=dtype)  # N, K
-    assert out.shape == (N, K) and out.dtype == dtype
-    assert torch.equal(out, dequantize_gptq(**tensors, bits=4, dtype=dtype))
-    assert torch.equal(out.double(), w.to(dtype).double())
+    case = (f"dequantize_int4(random K={K}, N={N}, groups of {group}, act_order={act_order}, "
+            f"dtype={dtype})")
+    expect(out.dtype == dtype, case, dtype, out.dtype)
+    expect_close(out, dequantize_gptq(**tensors, bits=4, dtype=dtype),
+                 f"{case} against packing.dequantize_gptq", atol=0, dims="n, k")
+    expect_close(out.double(), w.to(dtype).double(), f"{case} against W built from the codes",
+                 atol=0, dims="n, k")
 
 
 def check_act_order(impl):
@@ -216,11 +224,10 @@ WRONG = {
 
 
 @pytest.mark.parametrize("name", list(WRONG))
-def test_ex11_known_wrong_variants_fail(name):
+def test_ex11_known_wrong_variants_fail_and_say_why(name):
     wrong, checks = WRONG[name]
     for check in checks:
-        with pytest.raises(AssertionError):
-            check(wrong)
+        explained_failure(check, wrong)
 
 
 def test_ex11_the_checks_pass_on_a_right_variant_built_the_same_way():

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from explain import expect, expect_close, explained_failure
 from testdata import hf_moe_block_like
 
 REFERENCE = "nanoserve.models.moe"
@@ -60,11 +61,20 @@ def check_route(impl, block=None):
             probs = b.gate(x).float().softmax(-1)
             want_w, want_e = probs.topk(b.top_k, dim=-1)
             want_w = want_w / want_w.sum(-1, keepdim=True) if b.renormalize else want_w
-        assert w.shape == e.shape == (9, b.top_k) and w.dtype == x.dtype
-        assert torch.equal(e.sort(-1).values, want_e.sort(-1).values)
-        assert torch.allclose(
-            w.gather(-1, e.argsort(-1)), want_w.gather(-1, want_e.argsort(-1)), atol=1e-6
-        )
+        case = (f"route(9 random tokens), 6 experts, top_k={b.top_k}, "
+                f"renormalize={b.renormalize}")
+        expect(w.shape == e.shape == (9, b.top_k) and w.dtype == x.dtype,
+               f"{case}: the weights' and ids' shapes and dtype", f"(9, {b.top_k}), {x.dtype}",
+               (tuple(w.shape), tuple(e.shape), w.dtype))
+        got_e, want_sorted = e.sort(-1).values, want_e.sort(-1).values
+        differ = (got_e != want_sorted).any(-1).nonzero().flatten().tolist()
+        if differ:
+            t = differ[0]
+            raise AssertionError(f"{case}: the chosen experts of token {t}: expected "
+                                 f"{want_sorted[t].tolist()}, got {got_e[t].tolist()}")
+        expect_close(w.gather(-1, e.argsort(-1)), want_w.gather(-1, want_e.argsort(-1)),
+                     f"{case}: the weights (ordered by expert id)", atol=1e-6,
+                     dims="token, slot")
 
 
 def check_forward_equals_the_per_token_loop(impl, top_k=2, renormalize=False):
@@ -72,8 +82,10 @@ def check_forward_equals_the_per_token_loop(impl, top_k=2, renormalize=False):
     x = torch.randn(2, 7, 16)
     with torch.no_grad():
         out = block(x)
-        assert out.shape == x.shape
-        assert torch.allclose(out, _per_token(block, x), atol=1e-5, rtol=0)
+        expect_close(out, _per_token(block, x),
+                     f"SparseMoeBlock(top_k={top_k}, renormalize={renormalize}) on [2, 7, 16] "
+                     "against each token through its k experts one at a time", atol=1e-5,
+                     dims="b, t, c")
 
 
 def check_matches_transformers_mixtral(impl):
@@ -81,7 +93,9 @@ def check_matches_transformers_mixtral(impl):
     hf = hf_moe_block_like(block, "mixtral")
     with torch.no_grad():
         x = torch.randn(3, 5, 16)
-        assert torch.allclose(block(x), hf(x), atol=1e-5, rtol=0)
+        expect_close(block(x), hf(x), "SparseMoeBlock(top_k=2, renormalize=True) against "
+                     "transformers' MixtralSparseMoeBlock with the same weights", atol=1e-5,
+                     dims="b, t, c")
 
 
 def check_each_chosen_expert_runs_once(impl):
@@ -95,7 +109,9 @@ def check_each_chosen_expert_runs_once(impl):
         block(x)
     chosen = {int(e): int((ids == e).sum()) for e in ids.unique()}
     # one call per chosen expert, on exactly its tokens
-    assert sorted(calls) == sorted(chosen.items())
+    expect(sorted(calls) == sorted(chosen.items()),
+           "the experts' calls on 24 tokens, as (expert, tokens)", sorted(chosen.items()),
+           sorted(calls))
 
 
 # ----------------------------------------------------------------------------- the tests
@@ -163,11 +179,10 @@ WRONG = {
 
 
 @pytest.mark.parametrize("name", list(WRONG))
-def test_ex13_known_wrong_variants_fail(name):
+def test_ex13_known_wrong_variants_fail_and_say_why(name):
     wrong, checks = WRONG[name]
     for check in checks:
-        with pytest.raises(AssertionError):
-            check(wrong)
+        explained_failure(check, wrong)
 
 
 def test_ex13_the_checks_pass_on_a_right_variant_built_the_same_way():
