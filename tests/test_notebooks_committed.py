@@ -94,3 +94,60 @@ def test_a_warning_with_a_venv_path_is_caught():
                      "text": ["/work/main/.venv/lib/python3.11/site-packages/tqdm/auto.py:21: "
                               "TqdmWarning: IProgress not found\n"]}]}]}
     assert _machine_paths(nb) == ["/work/main", "site-packages"]
+
+
+def _section_numbers(nb: dict) -> list[int]:
+    return [int(m.group(1)) for cell in nb["cells"] if cell["cell_type"] == "markdown"
+            for m in re.finditer(r"^## (\d+)\.", "".join(cell["source"]), re.M)]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_sections_are_numbered_1_2_3(path):
+    numbers = _section_numbers(json.loads(path.read_text()))
+    assert numbers == list(range(1, len(numbers) + 1))
+
+
+HAND_OVER_LINES = 15
+# notebooks whose hand-over still runs longer than that: shrink the list, never grow it
+LONG_HAND_OVERS = {"07_int4_kernel", "08_speculative_decoding"}
+
+
+def _hand_over_cells(nb: dict) -> list[str] | None:
+    """The code cells of the section whose heading names the hand-over (None: no such section)."""
+    cells, found = nb["cells"], None
+    for index, cell in enumerate(cells):
+        text = "".join(cell["source"])
+        if cell["cell_type"] == "markdown" and re.search(r"^## .*[Hh]and-over", text, re.M):
+            found = []
+            for after in cells[index + 1:]:
+                source = "".join(after["source"])
+                if after["cell_type"] == "markdown" and re.match(r"#{1,2} ", source):
+                    break
+                if after["cell_type"] == "code":
+                    found.append(source)
+    return found
+
+
+def _short_hand_over(cells: list[str]) -> bool:
+    """One cell of at most HAND_OVER_LINES lines asserts the equality."""
+    return any("assert" in c and len(c.splitlines()) <= HAND_OVER_LINES for c in cells)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_a_hand_over_is_a_short_cell_that_asserts(path):
+    """Where a notebook hands over in a section of its own, one short cell states the equality
+    (its helpers in the cells before it); LONG_HAND_OVERS lists the ones still to be cut."""
+    cells = _hand_over_cells(json.loads(path.read_text()))
+    if cells is None:
+        pytest.skip("this notebook hands over inside its sections, not in one of its own")
+    assert _short_hand_over(cells) == (path.stem not in LONG_HAND_OVERS)
+
+
+def test_a_long_hand_over_is_caught():
+    long_cell = "\n".join(["x = 1"] * 20 + ["assert x"])
+    nb = {"cells": [{"cell_type": "markdown", "source": ["## 5. Hand-over"]},
+                    {"cell_type": "code", "source": [long_cell]},
+                    {"cell_type": "markdown", "source": ["## What we built"]}]}
+    assert _hand_over_cells(nb) == [long_cell] and not _short_hand_over(_hand_over_cells(nb))
+    assert _section_numbers({"cells": [{"cell_type": "markdown",
+                                        "source": ["## 1. a\n", "## 3. b"]}]}) == [1, 3]
