@@ -24,10 +24,10 @@ class SparseMoeBlock(nanoserve.models.moe.SparseMoeBlock):
         The router's probabilities over all E experts (softmax of self.gate(x), in float32), each
         token's k largest, and, when self.renormalize, those k divided by their sum."""
         raise NotImplementedError(
-            "Exercise 13.1: softmax over the E router logits (float32), topk(k) of the "
-            "probabilities, renormalise the k weights to sum to 1 when self.renormalize, return "
-            "them in x's dtype with the expert ids (roughly 5 lines; see "
-            "notebooks/10_model_families, section 3, 'Mixture of experts')")
+            "Exercise 13.1: each token's k most probable experts under the router, weighted by "
+            "those probabilities, rescaled to sum to 1 when renormalising (roughly 5 lines; see "
+            "notebooks/10_model_families, section 3, 'Mixture of experts'; more: make hint "
+            "EX=ex13 N=2)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., C] -> [..., C]: each token's output is Σ over its k experts of weight ·
@@ -36,7 +36,6 @@ class SparseMoeBlock(nanoserve.models.moe.SparseMoeBlock):
         Group the work by expert: each expert that some token chose runs once, on all of its tokens,
         and its weighted outputs are added back at those tokens' rows."""
         raise NotImplementedError(
-            "Exercise 13.2: flatten to [N, C], route, then for each expert id that occurs: the "
-            "(token, slot) pairs that chose it ((ids == e).nonzero), run the expert on those "
-            "tokens, multiply by their weights and index_add_ into a zero output; reshape back "
-            "(roughly 9 lines; see notebooks/10_model_families, section 3, 'Mixture of experts')")
+            "Exercise 13.2: each expert runs once, on the tokens that chose it, and adds its "
+            "weighted output to theirs (roughly 9 lines; see notebooks/10_model_families, section "
+            "3, 'Mixture of experts'; more: make hint EX=ex13 N=2)")

@@ -27,9 +27,9 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     for. That changes the output law by at most the rejection probability, itself rounding-sized.
     """
     raise NotImplementedError(
-        "Exercise 12.1: clamp p − q at 0, divide by its sum over the last dim; rows whose sum is "
-        "0 return p (torch.where, without dividing by 0) (roughly 3 lines; see "
-        "notebooks/08_speculative_decoding, section 1, 'The rejection sampler')")
+        "Exercise 12.1: the mass where the target exceeds the draft, normalised; the target itself "
+        "where there is none (roughly 3 lines; see notebooks/08_speculative_decoding, section 1, "
+        "'The rejection sampler'; more: make hint EX=ex12 N=2)")
 
 
 def rejection_sample(draft_ids: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor,
@@ -46,8 +46,7 @@ def rejection_sample(draft_ids: torch.Tensor, q: torch.Tensor | None, p: torch.T
     gives the same tokens. Each drafted x has q(x) > 0 (it was drawn from q).
     """
     raise NotImplementedError(
-        "Exercise 12.2: for i in 0..γ-1, a uniform coin against min(1, p[i, x_i] / q[i, x_i]); on "
-        "the first rejection return the accepted drafts plus a draw from "
-        "residual_distribution(p[i], q[i]); if none is rejected, a bonus draw from p[γ] "
-        "(torch.multinomial with the generator) (roughly 15 lines; see "
-        "notebooks/08_speculative_decoding, section 1, 'The rejection sampler')")
+        "Exercise 12.2: keep each draft with probability p/q at its token, capped at one; the "
+        "first rejection emits a token from the residual and ends the step; if all survive, a "
+        "bonus token from the target (roughly 15 lines; see notebooks/08_speculative_decoding, "
+        "section 1, 'The rejection sampler'; more: make hint EX=ex12 N=2)")

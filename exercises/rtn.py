@@ -29,20 +29,19 @@ def quant_params(w: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, t
 
     Returns (scales [rows] in w's dtype, zeros [rows] int32)."""
     raise NotImplementedError(
-        "Exercise 8.1: maxq = check_bits(bits); xmin = min(row min, 0), xmax = max(row max, 0); "
-        "if sym, xmax = max(−xmin, xmax) and xmin = −xmax; rows with xmin == xmax == 0 get −1 and "
-        "+1; scale = (xmax − xmin) / maxq; zero = (maxq + 1) // 2 if sym else round(−xmin / "
-        "scale), as int32 (roughly 12 lines; see notebooks/05_rtn_gptq, section 2, 'The grid and "
-        "round-to-nearest (RTN)')")
+        "Exercise 8.1: an evenly spaced grid of 2^bits points per row that covers its values and "
+        "holds 0 exactly; symmetric grids centred on 0 (roughly 12 lines; see "
+        "notebooks/05_rtn_gptq, section 2, 'The grid and round-to-nearest (RTN)'; more: make "
+        "hint EX=ex08 N=2)")
 
 
 def round_to_codes(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                    maxq: int) -> torch.Tensor:
     """Codes of w [rows, cols] on the grid of (scales, zeros) [rows], as floats holding integers."""
     raise NotImplementedError(
-        "Exercise 8.2: round(w / scale) + zero, clamped to [0, maxq]; scales and zeros are per "
-        "row, so broadcast them as [rows, 1], and add the zeros in w's dtype (roughly 1 line; see "
-        "notebooks/05_rtn_gptq, section 2, 'The grid and round-to-nearest (RTN)')")
+        "Exercise 8.2: each weight's nearest grid point, counted from the zero point, never off "
+        "the grid (roughly 1 line; see notebooks/05_rtn_gptq, section 2, 'The grid and "
+        "round-to-nearest (RTN)'; more: make hint EX=ex08 N=2)")
 
 
 def quantize_rtn(w: torch.Tensor, bits: int = 4, group_size: int = 128,
@@ -52,11 +51,9 @@ def quantize_rtn(w: torch.Tensor, bits: int = 4, group_size: int = 128,
     Returns a QuantizedWeight (this file's class) with codes [N, K] uint8, zeros [N, G] int32,
     scales [N, G], g_idx [K] int32 (= k // group_size), and bits, group_size, sym as given."""
     raise NotImplementedError(
-        "Exercise 8.3: w = check_weight(w); gs = check_group_size(group_size, K); view w as [N·G, "
-        "gs] (one group per row), take quant_params and round_to_codes of that view, reshape back "
-        "to [N, K] and [N, G], and build QuantizedWeight(codes=..., zeros=..., scales=..., "
-        "g_idx=..., bits=..., group_size=group_size, sym=sym) (roughly 10 lines; see "
-        "notebooks/05_rtn_gptq, section 2, 'The grid and round-to-nearest (RTN)')")
+        "Exercise 8.3: 8.1 and 8.2 on every group as if it were a row of its own (roughly 10 "
+        "lines; see notebooks/05_rtn_gptq, section 2, 'The grid and round-to-nearest (RTN)'; "
+        "more: make hint EX=ex08 N=2)")
 
 
 class QuantizedWeight(_QuantizedWeight):
@@ -68,8 +65,6 @@ class QuantizedWeight(_QuantizedWeight):
     def dequantize(self) -> torch.Tensor:
         """The weight the quantized layer computes with, [N, K], in the scales' dtype."""
         raise NotImplementedError(
-            "Exercise 8.4: look up each column's group with g_idx (as a long index) in zeros and "
-            "scales ([N, G] -> [N, K]); subtract the zeros from the codes in the scales' dtype "
-            "and multiply; do not assume g_idx = k // group_size (act-order permutes it) (roughly "
-            "3 lines; see notebooks/05_rtn_gptq, section 2, 'The grid and round-to-nearest "
-            "(RTN)')")
+            "Exercise 8.4: (code − zero point) × scale of each weight's own group, which is what "
+            "g_idx says (roughly 3 lines; see notebooks/05_rtn_gptq, section 2, 'The grid and "
+            "round-to-nearest (RTN)'; more: make hint EX=ex08 N=2)")
