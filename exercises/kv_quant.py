@@ -27,16 +27,16 @@ class KVQuant(nanoserve.kv.quant.KVQuant):
         scale is what dequantize gives back. int8: round to nearest, clamp to [-127, 127]. FP8:
         clamp to [-qmax, qmax], convert to self.fp8, and return its bits viewed as uint8."""
         raise NotImplementedError(
-            "Exercise 15.1: amax over the last dim, / qmax, clamp(min=2**-14), .to(fp16); x / "
-            "scale[..., None] (in float32); int8: round, clamp, .to(int8); FP8: clamp, "
-            ".to(self.fp8).view(torch.uint8) (roughly 6 lines; see "
-            "notebooks/12_kv_cache_quantization, section 2, 'Per token and head')")
+            "Exercise 15.1: one scale per token and head, so that its largest value maps to the "
+            "format's largest code; the scale stored in fp16 (roughly 6 lines; see "
+            "notebooks/12_kv_cache_quantization, section 2, 'Per token and head'; more: make hint "
+            "EX=ex15 N=2)")
 
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                    out: torch.Tensor | None = None) -> torch.Tensor:
         """q [..., D], scale [...] -> q · scale in `dtype` (written into `out` when it is given).
         FP8 codes arrive as uint8: view them as self.fp8 first."""
         raise NotImplementedError(
-            "Exercise 15.2: view FP8 bits as self.fp8, convert codes and scales to dtype, "
-            "torch.mul with the scale broadcast over D (out=out) (roughly 3 lines; see "
-            "notebooks/12_kv_cache_quantization, section 2, 'Per token and head')")
+            "Exercise 15.2: each code times its token's scale, in the attention's dtype (roughly 3 "
+            "lines; see notebooks/12_kv_cache_quantization, section 2, 'Per token and head'; more: "
+            "make hint EX=ex15 N=2)")

@@ -20,15 +20,15 @@ def lora_segmented(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: tor
     out, R], slots [N] -> [N, out]; `present` lists the slots that occur (host values: no device
     read here)."""
     raise NotImplementedError(
-        "Exercise 17.1: out = zeros [N, out]; for each s in present: rows = (slots == "
-        "s).nonzero(), out[rows] += (x[rows] @ A[s].T) @ B[s].T (index_add_) (roughly 5 lines; "
-        "see notebooks/14_lora, section 5, 'Many adapters in one batch')")
+        "Exercise 17.1: the rows that share an adapter share its two thin matmuls: each adapter "
+        "present runs once, on its rows (roughly 5 lines; see notebooks/14_lora, section 5, 'Many "
+        "adapters in one batch'; more: make hint EX=ex17 N=2)")
 
 
 def lora_gathered(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                   slots: torch.Tensor) -> torch.Tensor:
     """Each row's own adapter gathered: x [N, in] -> [N, out]; a row with slot −1 gets zeros."""
     raise NotImplementedError(
-        "Exercise 17.2: gather A[s] [N, R, in] and B[s] [N, out, R] with s = slots clamped at 0, "
-        "two batched products per row (einsum), then zero the rows whose slot is −1 (roughly 5 "
-        "lines; see notebooks/14_lora, section 5, 'Many adapters in one batch')")
+        "Exercise 17.2: every row its own copy of its adapter, all rows multiplied at once; a row "
+        "without an adapter still comes out zero (roughly 5 lines; see notebooks/14_lora, section "
+        "5, 'Many adapters in one batch'; more: make hint EX=ex17 N=2)")

@@ -24,16 +24,15 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, layer: nn.Linear, index: torch.Tensor):
         super().__init__()
         raise NotImplementedError(
-            "Exercise 19.1: keep in_features, out_features = len(index), and as Parameters "
-            "(requires_grad=False) the weight rows layer.weight[index] and the bias entries "
-            "layer.bias[index] (or None) (roughly 5 lines; see notebooks/16_tensor_parallel, "
-            "section 1, 'Splitting by columns')")
+            "Exercise 19.1: this rank keeps the weight rows and bias entries of its own outputs "
+            "(roughly 5 lines; see notebooks/16_tensor_parallel, section 1, 'Splitting by "
+            "columns'; more: make hint EX=ex19 N=2)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError(
-            "Exercise 19.1: x [..., I] -> this rank's outputs [..., len(index)]: one F.linear, no "
-            "communication (roughly 1 line; see notebooks/16_tensor_parallel, section 1, "
-            "'Splitting by columns')")
+            "Exercise 19.1: its own outputs from the whole input, with no communication (roughly 1 "
+            "line; see notebooks/16_tensor_parallel, section 1, 'Splitting by columns'; more: make "
+            "hint EX=ex19 N=2)")
 
 
 class RowParallelLinear(nn.Module):
@@ -43,12 +42,12 @@ class RowParallelLinear(nn.Module):
     def __init__(self, layer: nn.Linear, index: torch.Tensor):
         super().__init__()
         raise NotImplementedError(
-            "Exercise 19.2: keep in_features = len(index), out_features, the weight columns "
-            "layer.weight[:, index] and the whole bias (or None) (roughly 5 lines; see "
-            "notebooks/16_tensor_parallel, section 1, 'Splitting by rows')")
+            "Exercise 19.2: this rank keeps the weight columns of its own inputs, and the bias "
+            "whole (roughly 5 lines; see notebooks/16_tensor_parallel, section 1, 'Splitting by "
+            "rows'; more: make hint EX=ex19 N=2)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError(
-            "Exercise 19.2: x [..., len(index)] -> [..., O]: the partial product, dist.all_reduce "
-            "it (a sum over the ranks), then the bias once (roughly 4 lines; see "
-            "notebooks/16_tensor_parallel, section 1, 'Splitting by rows')")
+            "Exercise 19.2: a partial sum of every output, summed over the ranks, then the bias "
+            "once (roughly 4 lines; see notebooks/16_tensor_parallel, section 1, 'Splitting by "
+            "rows'; more: make hint EX=ex19 N=2)")

@@ -17,9 +17,9 @@ def tree_positions(parents: list[int], root_position: int) -> list[int]:
     """Each node's position in the sequence: the root's, plus its depth (siblings share a
     position)."""
     raise NotImplementedError(
-        "Exercise 18.1: depth[0] = 0 and depth[i] = depth[parents[i]] + 1 (parents come first), "
-        "then root_position + depth[i] for each node (roughly 4 lines; see "
-        "notebooks/15_draft_heads, section 6, 'A tree in one forward')")
+        "Exercise 18.1: a node sits as deep in the text as it is deep in the tree (roughly 4 "
+        "lines; see notebooks/15_draft_heads, section 6, 'A tree in one forward'; more: make hint "
+        "EX=ex18 N=2)")
 
 
 def tree_attention_mask(parents: list[int], prefix_len: int) -> torch.Tensor:
@@ -27,7 +27,6 @@ def tree_attention_mask(parents: list[int], prefix_len: int) -> torch.Tensor:
     its own path would hold if it were decoded as a chain (what one forward over the tree must
     reproduce per node)."""
     raise NotImplementedError(
-        "Exercise 18.2: a False [n, prefix_len + n] mask, the first prefix_len columns True for "
-        "every node, then for node i walk j = i, parents[i], ... down to the root, setting column "
-        "prefix_len + j (roughly 8 lines; see notebooks/15_draft_heads, section 6, 'A tree in one "
-        "forward')")
+        "Exercise 18.2: a node sees what its own path would have seen as a chain: the prefix, its "
+        "ancestors and itself (roughly 8 lines; see notebooks/15_draft_heads, section 6, 'A tree "
+        "in one forward'; more: make hint EX=ex18 N=2)")
