@@ -37,10 +37,9 @@ def scaled_loss(linears: Sequence[nn.Linear], x: torch.Tensor, s: torch.Tensor, 
     the weights in fp32 and return a Python float (accumulate in fp64; split long x into chunks of
     tokens if memory matters)."""
     raise NotImplementedError(
-        "Exercise 10.1: for each linear, w = weight in fp32, ŵ = fake_quantize(w · s, bits, "
-        "group_size, sym) / s (the weight the scaled layer effectively computes with); add the "
-        "sum of squares of x @ (w − ŵ)ᵀ (roughly 6 lines; see notebooks/06_awq, sections 2 and 3, "
-        "'The α search')")
+        "Exercise 10.1: what the layers' outputs lose on the real inputs once the weight, scaled "
+        "up by s per input channel, is rounded and divided back (roughly 6 lines; see "
+        "notebooks/06_awq, sections 2 and 3, 'The α search'; more: make hint EX=ex10 N=2)")
 
 
 def search_scales(linears: Sequence[nn.Linear], x: torch.Tensor, bits: int = 4,
@@ -54,10 +53,9 @@ def search_scales(linears: Sequence[nn.Linear], x: torch.Tensor, bits: int = 4,
     the least loss; `losses` is the whole α curve. α = 0 gives s = 1 (plain RTN), so AWQ never does
     worse than RTN on x. n_grid must be a positive integer."""
     raise NotImplementedError(
-        "Exercise 10.2: x = _inputs(x, linears); x_mean = activation_scale(x); for α in [i / "
-        "n_grid for i in range(n_grid)] (1.0 is not on the grid): s = x_mean^α clamped at 1e-4, "
-        "divided by √(max(s)·min(s)); keep every loss and the best (loss, s, α) (roughly 12 "
-        "lines; see notebooks/06_awq, section 3, 'The α search')")
+        "Exercise 10.2: scales that grow with each channel's mean input magnitude to a power α, "
+        "the α found by trying a grid and keeping the smallest loss (roughly 12 lines; see "
+        "notebooks/06_awq, section 3, 'The α search'; more: make hint EX=ex10 N=2)")
 
 
 @torch.no_grad()
@@ -69,7 +67,7 @@ def fold_scales(prev: nn.Module, linears: Sequence[nn.Linear], s: torch.Tensor) 
     of prev's output must be in `linears`, or it would see x / s. Exact up to float rounding.
     Raise NanoserveError for a prev that is neither (e.g. a GELU) or for shapes that do not fit."""
     raise NotImplementedError(
-        "Exercise 10.3: prev.weight ÷ s (a norm's weight [K]; a linear's rows: weight [K, K_prev] "
-        "÷ s[:, None]), prev.bias ÷ s if it has one, each linear's weight [N, K] × s[None, :]; in "
-        "place (.div_, .mul_) (roughly 15 lines; see notebooks/06_awq, section 4, 'Folding the "
-        "scales away, and where it is possible')")
+        "Exercise 10.3: the op that produces the inputs divides them by s, the linears that read "
+        "them multiply their columns by s, in place (roughly 15 lines; see notebooks/06_awq, "
+        "section 4, 'Folding the scales away, and where it is possible'; more: make hint EX=ex10 "
+        "N=2)")

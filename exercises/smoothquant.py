@@ -31,10 +31,9 @@ def smoothing_factors(act_max: torch.Tensor, weights: Sequence[torch.Tensor],
     (each [N_i, K]). Clamp act_max and the weight maximum, and s itself, to at least MIN (1e-5).
     alpha outside [0, 1]: NanoserveError naming it."""
     raise NotImplementedError(
-        "Exercise 16.1: check 0 <= alpha <= 1; w_max = max over every weight's rows of |W| "
-        "(amax(0)), then over the weights; s = act_max.clamp(min=MIN) ** alpha / "
-        "w_max.clamp(min=MIN) ** (1 - alpha), clamped (roughly 5 lines; see notebooks/13_w8a8, "
-        "section 4, 'SmoothQuant')")
+        "Exercise 16.1: a factor per input channel that balances the activations' range against "
+        "the weights', α saying how much moves into the weights (roughly 5 lines; see "
+        "notebooks/13_w8a8, section 4, 'SmoothQuant'; more: make hint EX=ex16 N=2)")
 
 
 @torch.no_grad()
@@ -45,8 +44,6 @@ def smooth_model(model: nn.Module, calib: torch.Tensor, alpha: float = 0.5,
     producing op is None is left alone. calib: token ids [n_samples, seqlen] (NanoserveError on
     anything else)."""
     raise NotImplementedError(
-        "Exercise 16.2: check calib; maxima = channel_maxima(model, calib, batch_size); for each "
-        "block i and each (prev, names) of block_groups(model, block) with prev not None: the "
-        "linears, s from maxima[f'{prefix}.{i}.{names[0]}'] and their weights, "
-        "fold_scales(block.get_submodule(prev), linears, s), record s (roughly 12 lines; see "
-        "notebooks/13_w8a8, section 4, 'Folding')")
+        "Exercise 16.2: in every block, each op that feeds linears takes the factors of its input "
+        "channels, folded as AWQ does (roughly 12 lines; see notebooks/13_w8a8, section 4, "
+        "'Folding'; more: make hint EX=ex16 N=2)")

@@ -23,9 +23,9 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     was). bitmask [R, W] int32; bits past V (the last word's padding) are ignored. Note that bit 31
     makes a word negative: shift and mask, do not compare words."""
     raise NotImplementedError(
-        "Exercise 14.1: (bitmask[:, :, None] >> torch.arange(32)) & 1 unpacks each word into 32 "
-        "bits, flatten to [R, 32·W], keep the first V, masked_fill(~allowed, -inf) (roughly 4 "
-        "lines; see notebooks/11_structured_outputs, section 2, 'A grammar as a token mask')")
+        "Exercise 14.1: the bits say which tokens may come next, 32 to a word, lowest bit first; "
+        "the others become impossible (roughly 4 lines; see notebooks/11_structured_outputs, "
+        "section 2, 'A grammar as a token mask'; more: make hint EX=ex14 N=2)")
 
 
 def mask_verification(matcher, draft_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
@@ -36,7 +36,7 @@ def mask_verification(matcher, draft_ids: list[int], logits: torch.Tensor) -> to
     (they are never used). Return the masked logits and leave the matcher where it began:
     matcher.rollback(number consumed). With matcher None, return logits unchanged."""
     raise NotImplementedError(
-        "Exercise 14.2: for j in 0..γ: token_bitmask([matcher], V) for position j, then stop at "
-        "the end or at a refused draft; pad the list of masks to γ+1 rows, roll back, "
-        "apply_bitmask with the stacked masks (roughly 11 lines; see "
-        "notebooks/11_structured_outputs, section 2, 'Drafts under a grammar')")
+        "Exercise 14.2: each position masked by the grammar's state after the drafts before it, "
+        "the matcher put back where it began (roughly 11 lines; see "
+        "notebooks/11_structured_outputs, section 2, 'Drafts under a grammar'; more: make hint "
+        "EX=ex14 N=2)")
