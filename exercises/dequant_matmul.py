@@ -47,12 +47,8 @@ def dequantize_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.T
     Compute (code − zero) · scale in fp32 (exact for fp16 scales), then round once to `dtype`.
     """
     raise NotImplementedError(
-        "Exercise 11.1: a @triton.jit kernel with one program per [BLOCK_K, BLOCK_N] tile of W in "
-        "the [K, N] orientation (e.g. 32 x 32; grid (cdiv(K, BLOCK_K), cdiv(N, BLOCK_N))) and a "
-        "mask for the ragged edges; row k of the tile loads word qweight[k // 8, n], shifts it "
-        "right by 4 * (k % 8) and masks 0xF. 11.2: load each row's group g = g_idx[k]; zero = "
-        "field n % 8 of qzeros[g, n // 8], plus 1; scale = scales[g, n] as fp32; w = (code - "
-        "zero) * scale, stored transposed into W [N, K]. 11.3: act-order only works if every row "
-        "looks its group up in g_idx; return W in `dtype`. A 12-line kernel and its launch "
-        "(roughly 25 lines; see notebooks/07_int4_kernel, section 3, 'Unpacking int4 in a Triton "
-        "kernel')")
+        "Exercise 11.1: eight 4-bit codes share a word along K, lowest bits first: a shift and a "
+        "mask bring one down, even from a negative word; 11.2: each weight is (code − zero) × "
+        "scale of its group, zeros stored minus one; 11.3: the group from g_idx, always. A 12-line "
+        "kernel and its launch (roughly 25 lines; see notebooks/07_int4_kernel, section 3, "
+        "'Unpacking int4 in a Triton kernel'; more: make hint EX=ex11 N=2)")

@@ -66,19 +66,10 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     15; not part of it: its tests pass None). Output in q's dtype.
     """
     raise NotImplementedError(
-        "Exercise 7.1: one program per (query tile of BLOCK_M rows, sequence and head): grid "
-        "(cdiv(longest Lq, BLOCK_M), B * H). Load the q tile once (masked rows past the end), "
-        "keep a running max m, denominator l and numerator acc in fp32, and loop over key tiles "
-        "of BLOCK_N: scores s = q·kᵀ times sm_scale·log2(e), masked to -inf for keys past the end "
-        "and, if causal, for keys after the query; m_new = max(m, rowmax(s)), p = exp2(s - "
-        "m_new), and rescale BOTH l and acc by exp2(m - m_new) before adding this tile; causal: "
-        "stop after the tile holding the diagonal. Store acc / l in q's dtype. 7.2: head h reads "
-        "kv head h // (H // Hkv). 7.3: sequence b's rows start at cu_seqlens[b]; a program whose "
-        "tile starts past its sequence's end returns; query i sits at position Lk - Lq + i; "
-        "address q, k, v and the output through their strides; BLOCK_D = max(16, next power of "
-        "two of D), masked. 7.4: before the new keys, a second loop over the P = context_lens[b] "
-        "cached keys with the same online softmax, key t gathered from block block_tables[b, t // "
-        "block_size] at offset t % block_size, every load masked to t < P; the new keys then sit "
-        "at positions P + j. The kernel and its launch (roughly 90 lines; see "
-        "notebooks/04_attention_kernels, sections 3 'The kernel in Triton' and 4 'From this "
-        "kernel to nanoserve.kernels.flash_attention')")
+        "Exercise 7.1: a program owns a tile of queries and walks the keys tile by tile, keeping a "
+        "running maximum, denominator and weighted sum, rescaled when the maximum grows; 7.2: "
+        "several query heads share a key/value head; 7.3: packed sequences of different lengths, "
+        "the queries the last positions; 7.4: a cached prefix read in place through the block "
+        "table before the new keys. The kernel and its launch (roughly 90 lines; see "
+        "notebooks/04_attention_kernels, sections 3 'The kernel in Triton' and 4 'From this kernel "
+        "to nanoserve.kernels.flash_attention'; more: make hint EX=ex07 N=2)")

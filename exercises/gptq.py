@@ -52,12 +52,10 @@ def gptq_naive(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: int 
     Returns a QuantizedWeight (codes in the original column order, scales and zeros [N, G] in
     group order, g_idx as described at the top of this file)."""
     raise NotImplementedError(
-        "Exercise 9.1: the set-up at the top of this file, then Hinv = torch.linalg.inv(damped "
-        "H); loop over columns: new grid when j % gs == 0, codes = round_to_codes(W[:, j:j+1], "
-        "scale, zero, maxq), err = (W[:, j] − ŵ_j) / Hinv[j, j], W[:, j:] −= err ⊗ Hinv[j, j:], "
-        "eliminate j from Hinv; then codes back to the original order and g_idx (roughly 25 "
-        "lines; see notebooks/05_rtn_gptq, section 4, 'Error feedback: from Optimal Brain Surgeon "
-        "to GPTQ's column loop')")
+        "Exercise 9.1: quantize one column at a time and push its rounding error onto the columns "
+        "not yet quantized, weighted by the inverse Hessian (roughly 25 lines; see "
+        "notebooks/05_rtn_gptq, section 4, 'Error feedback: from Optimal Brain Surgeon to GPTQ's "
+        "column loop'; more: make hint EX=ex09 N=2)")
 
 
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: int = 128,
@@ -79,8 +77,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
     original column order (group = original column // gs), and g_idx = k // gs even under
     act-order."""
     raise NotImplementedError(
-        "Exercise 9.2: gptq_naive's loop with U's rows instead of the eliminated inverses (err = "
-        "e / U[j, j], W1[:, i:] −= err ⊗ U[j, j:] inside the block), blocks of blocksize columns "
-        "whose errors reach the columns after the block in one matmul at its end, groups crossing "
-        "a block edge brought up to date before quant_params, and static_groups (roughly 40 "
-        "lines; see notebooks/05_rtn_gptq, section 5, 'GPTQ's three tricks, and act-order')")
+        "Exercise 9.2: 9.1's result, with the inverses read off one Cholesky factor and the errors "
+        "of a block of columns applied to the rest at once (roughly 40 lines; see "
+        "notebooks/05_rtn_gptq, section 5, 'GPTQ's three tricks, and act-order'; more: make hint "
+        "EX=ex09 N=2)")

@@ -3,9 +3,7 @@ message — is the idea, never the code; exercises/hints/exNN.md then gives thre
 (the idea, the shape of the code, nearly the code), one at a time (`make hint EX=ex04 N=2`,
 scripts/hint.py).
 
-Exercises still without a hints file keep their older stub messages (a what-to-compute line) and
-are listed in PENDING; the list must shrink as files appear (a file for a listed exercise fails the
-test until its entry goes).
+Every exercise has its hints file.
 """
 
 from __future__ import annotations
@@ -23,7 +21,6 @@ EXERCISES = ROOT / "exercises"
 sys.path.insert(0, str(ROOT / "scripts"))
 from hint import LEVELS, parse  # noqa: E402
 
-PENDING = {f"ex{n:02d}" for n in (7, 9, 11)}
 # code in a sentence: an assignment, a comprehension, a call with arguments, a subscript
 CODE = re.compile(r"\b\w+(\[[^\]]*\])? = |\bfor \w+ in\b|\[[^\]]* for |\w\([\w.]+[,)]|\w\[\w")
 
@@ -71,9 +68,8 @@ def hint_problems(exercise: str, text: str, stubs: dict[str, list[str]]) -> list
     return problems
 
 
-def test_the_pending_list_is_exactly_the_exercises_without_hints():
-    every = {f"ex{n:02d}" for n in range(1, 20)}
-    assert sorted(every - set(HINTED)) == sorted(PENDING)
+def test_every_exercise_has_its_hints():
+    assert HINTED == [f"ex{n:02d}" for n in range(1, 20)]
 
 
 @pytest.mark.parametrize("exercise", HINTED)
@@ -110,4 +106,4 @@ def test_make_hint_shows_one_level_at_a_time():
     assert shape.count("Exercise 4.") == 1 and "len(seq) − 1" in shape
     assert "nearly the code" in hint("ex04", "3").stdout
     assert "there are 3 levels" in hint("ex04", "4").stderr
-    assert "no hints file yet" in hint("ex09").stderr
+    assert "no such exercise" in hint("ex99").stderr
