@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import regex
 import torch
+from explain import expect, explained_failure
 
 pytest.importorskip("llguidance")
 
@@ -55,6 +56,17 @@ def _matcher():
 
 # ----------------------------------------------------------------------------- checks (shared with
 # the mutants)
+def _expect_allowed(got: list[bool], prefix: str, case: str) -> None:
+    """The tokens `got` allows are those the regex allows after `prefix`; else the first that
+    differs, by character."""
+    want = _allowed_by_regex(prefix)
+    if got != want:
+        token = next(t for t, (a, b) in enumerate(zip(got, want)) if a != b)
+        raise AssertionError(f"{case}: token {token} ({chr(token)!r}) after {prefix!r}: expected "
+                             f"{'allowed' if want[token] else 'refused'}, got "
+                             f"{'allowed' if got[token] else 'refused'}")
+
+
 def check_apply_bitmask(impl):
     g = torch.Generator().manual_seed(0)
     for vocab in (5, 32, 33, 64, 257):
@@ -67,16 +79,27 @@ def check_apply_bitmask(impl):
         before = logits.clone()
         out = impl.apply_bitmask(logits, bitmask)
         want = torch.tensor(_bits_by_hand(bitmask, vocab))
-        assert torch.equal(out == float("-inf"), ~want), f"V={vocab}"
-        assert torch.equal(out[want], logits[want])
-        assert torch.equal(logits, before), "the input logits were modified in place"
+        case = f"apply_bitmask(logits [3, {vocab}], random words [3, {W}])"
+        banned = out == float("-inf")
+        if not torch.equal(banned, ~want):
+            row, token = ((banned != ~want).nonzero()[0]).tolist()
+            word, bit = divmod(token, 32)
+            raise AssertionError(
+                f"{case}: row {row}, token {token} (bit {bit} of word {word}, word "
+                f"0x{int(bitmask[row, word]) & 0xFFFFFFFF:08x}): expected "
+                f"{'allowed' if want[row, token] else '-inf'}, got "
+                f"{'-inf' if banned[row, token] else 'allowed'}")
+        expect(torch.equal(out[want], logits[want]), f"{case}: the allowed tokens' logits",
+               "unchanged", "changed")
+        expect(torch.equal(logits, before), f"{case}: the input logits", "left as they were",
+               "modified in place")
 
 
 def check_masks_follow_the_regex(impl):
     matcher, prefix = _matcher(), ""
     for token in [ord(c) for c in "abcdab12"]:
         allowed = impl.apply_bitmask(torch.zeros(1, V), token_bitmask([matcher], V))[0] == 0
-        assert allowed.tolist() == _allowed_by_regex(prefix), repr(prefix)
+        _expect_allowed(allowed.tolist(), prefix, f"the mask after {prefix!r}")
         assert matcher.consume_token(token)
         prefix += chr(token)
 
@@ -90,11 +113,12 @@ def check_verification(impl):
                              ("cx1", ["ab", "abc", "abc", "abc"])]:
         out = impl.mask_verification(matcher, [ord(c) for c in drafts], logits[:len(drafts) + 1])
         for j, prefix in enumerate(prefixes):
-            assert (out[j] == 0).tolist() == _allowed_by_regex(prefix), (drafts, j)
+            _expect_allowed((out[j] == 0).tolist(), prefix,
+                            f"mask_verification(after 'ab', drafts {drafts!r}), position {j}")
         # the matcher ends where it began: the next token is judged after "ab"
-        assert (impl.apply_bitmask(torch.zeros(1, V),
-                                   token_bitmask([matcher], V))[0] == 0).tolist() == \
-            _allowed_by_regex("ab"), "the matcher was not rolled back"
+        after = impl.apply_bitmask(torch.zeros(1, V), token_bitmask([matcher], V))[0] == 0
+        _expect_allowed(after.tolist(), "ab", f"the matcher after mask_verification(drafts "
+                        f"{drafts!r}): rolled back to where it began")
     assert impl.mask_verification(None, [1, 2], logits[:3]) is logits[:3] or torch.equal(
         impl.mask_verification(None, [1, 2], logits[:3]), logits[:3])
 
@@ -155,11 +179,10 @@ WRONG = {
 
 
 @pytest.mark.parametrize("name", list(WRONG))
-def test_ex14_known_wrong_variants_fail(name):
+def test_ex14_known_wrong_variants_fail_and_say_why(name):
     wrong, checks = WRONG[name]
     for check in checks:
-        with pytest.raises(AssertionError):
-            check(wrong)
+        explained_failure(check, wrong)
 
 
 def test_ex14_the_checks_pass_on_a_right_variant_built_the_same_way():

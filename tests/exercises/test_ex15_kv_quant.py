@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from explain import expect, explained_failure
 
 import nanoserve.kv.quant as reference
 
@@ -40,19 +41,31 @@ def _kv(seed=0):
 
 # ----------------------------------------------------------------------------- checks (shared with
 # the mutants)
+def _at(t: torch.Tensor) -> list[int]:
+    """The index of t's largest element."""
+    return [int(i) for i in torch.unravel_index(t.argmax(), t.shape)]
+
+
 def check_shapes_and_dtypes(impl):
     x = _kv()
     for name, q in _formats(impl).items():
         codes, scale = q.quantize(x)
-        assert codes.shape == x.shape and codes.dtype == q.storage, name
-        assert scale.shape == x.shape[:-1] and scale.dtype == torch.float16, name
-        assert torch.isfinite(scale).all() and (scale > 0).all(), (
-            f"{name}: scales must be finite and > 0"
-        )
+        case = f"{name}: quantize(a K/V block {tuple(x.shape)})"
+        expect(codes.shape == x.shape and codes.dtype == q.storage, f"{case}: the codes",
+               f"shape {tuple(x.shape)}, {q.storage}", (tuple(codes.shape), codes.dtype))
+        expect(scale.shape == x.shape[:-1] and scale.dtype == torch.float16, f"{case}: the scales",
+               f"shape {tuple(x.shape[:-1])}, torch.float16", (tuple(scale.shape), scale.dtype))
+        expect(bool(torch.isfinite(scale).all() and (scale > 0).all()), f"{case}: the scales",
+               "finite and > 0 (token 7 is all zeros)", f"min {float(scale.float().min()):.3g}")
         y = q.dequantize(codes, scale, torch.float32)
-        assert y.dtype == torch.float32 and torch.equal(y[7], torch.zeros_like(y[7])), name
+        expect(y.dtype == torch.float32, f"{name}: dequantize(..., float32)", torch.float32,
+               y.dtype)
+        expect(torch.equal(y[7], torch.zeros_like(y[7])), f"{name}: token 7 (all zeros) back",
+               "zeros", f"values up to {float(y[7].abs().max()):.3g}")
         out = torch.empty_like(y)
-        assert q.dequantize(codes, scale, torch.float32, out=out) is out or torch.equal(out, y)
+        written = q.dequantize(codes, scale, torch.float32, out=out)
+        expect(written is out or torch.equal(out, y), f"{name}: dequantize(..., out=out)",
+               "the values written into out", "out left as it was")
 
 
 def check_bounds(impl):
@@ -61,16 +74,23 @@ def check_bounds(impl):
         codes, scale = q.quantize(x)
         err = (q.dequantize(codes, scale, torch.float32) - x).abs()
         s = scale.float()[..., None]
+        case = f"{name}: dequantize(quantize(x)) on a K/V block {tuple(x.shape)}"
         if name == "int8":
-            assert (err <= 0.5 * s * (1 + 1e-3)).all(), "int8: more than half a step"
-            assert (s <= x.abs().amax(-1, keepdim=True) / 127 * (1 + 1e-3) + 2.0**-14).all(), (
-                "int8: scale too big"
-            )
+            ratio = err / (0.5 * s)
+            worst = _at(ratio)
+            expect(bool((ratio <= 1 + 1e-3).all()), f"{case}: |error| / half a step",
+                   "≤ 1 everywhere (rounding to the nearest code)",
+                   f"{float(ratio.max()):.3g} at [token, head, d] = {worst}")
+            biggest = x.abs().amax(-1, keepdim=True) / 127
+            over = s / (biggest + 2.0**-14)
+            expect(bool((s <= biggest * (1 + 1e-3) + 2.0**-14).all()), f"{case}: the scale",
+                   "at most max|x| / 127 of its token and head", f"{float(over.max()):.3g}× that")
         else:
             normal = x.abs() >= MIN_NORMAL[name] * s
-            assert (err[normal] <= REL[name] * x.abs()[normal] * (1 + 1e-3)).all(), (
-                f"{name}: relative bound"
-            )
+            ratio = (err / (REL[name] * x.abs())).masked_fill(~normal, 0)
+            expect(bool((ratio <= 1 + 1e-3).all()), f"{case}: |error| / (its relative bound "
+                   f"{REL[name]} × |x|)", "≤ 1 wherever x is normal in the format",
+                   f"{float(ratio.max()):.3g} at [token, head, d] = {_at(ratio)}")
 
 
 def check_fp8_bits(impl):
@@ -81,7 +101,13 @@ def check_fp8_bits(impl):
             continue
         codes, scale = q.quantize(x)
         want = (x / scale.float()[..., None]).clamp(-q.qmax, q.qmax).to(q.fp8).view(torch.uint8)
-        assert torch.equal(codes, want), name
+        differ = (codes != want).nonzero()
+        if len(differ):
+            at = differ[0].tolist()
+            raise AssertionError(
+                f"{name}: quantize(x): the codes against torch's conversion of x / (stored scale): "
+                f"{len(differ)} differ, the first at [token, head, d] = {at}: expected "
+                f"0x{int(want[tuple(at)]):02x}, got 0x{int(codes[tuple(at)]):02x}")
 
 
 # ----------------------------------------------------------------------------- the tests
@@ -136,11 +162,10 @@ WRONG = {
 
 
 @pytest.mark.parametrize("name", list(WRONG))
-def test_ex15_known_wrong_variants_fail(name):
+def test_ex15_known_wrong_variants_fail_and_say_why(name):
     wrong, checks = WRONG[name]
     for check in checks:
-        with pytest.raises(AssertionError):
-            check(wrong)
+        explained_failure(check, wrong)
 
 
 def test_ex15_the_checks_pass_on_a_right_variant_built_the_same_way():

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from explain import expect, expect_close, explained_failure
 
 import nanoserve.quant.smoothquant as reference
 from nanoserve.errors import NanoserveError
@@ -36,18 +37,27 @@ def _layer(seed=0):
     return act_max, [torch.randn(16, 48, generator=g), torch.randn(24, 48, generator=g) * 3]
 
 
+LIVE = "channel, the silent channel 7 left out"  # how a failure names a firing channel
+
+
 # ----------------------------------------------------------------------------- checks (shared with
 # the mutants)
 def check_factors(impl):
     act_max, weights = _layer()
     w_max = torch.maximum(weights[0].abs().amax(0), weights[1].abs().amax(0))  # 48
     s = impl.smoothing_factors(act_max, weights, 0.5)
-    assert s.shape == (48,) and torch.isfinite(s).all() and (s > 0).all()
+    case = "smoothing_factors(48 channels, two outliers, one silent; weights [16, 48], [24, 48]"
+    expect(s.shape == (48,) and bool(torch.isfinite(s).all() and (s > 0).all()),
+           f"{case}, alpha=0.5)", "48 finite factors > 0", tuple(s.shape))
     live = act_max > 0
     # balanced at α = 0.5
-    torch.testing.assert_close((act_max / s)[live], (w_max * s)[live], rtol=1e-4, atol=0)
-    torch.testing.assert_close(impl.smoothing_factors(act_max, weights, 1.0)[live], act_max[live])
-    torch.testing.assert_close(impl.smoothing_factors(act_max, weights, 0.0), 1 / w_max)
+    expect_close((act_max / s)[live], (w_max * s)[live], f"{case}, alpha=0.5): max|x| / s "
+                 "against max|W| · s (balanced)", atol=0, rtol=1e-4, dims=LIVE)
+    expect_close(impl.smoothing_factors(act_max, weights, 1.0)[live], act_max[live],
+                 f"{case}, alpha=1): s against max|x|", atol=1e-5, rtol=1.3e-6, dims=LIVE)
+    expect_close(impl.smoothing_factors(act_max, weights, 0.0), 1 / w_max,
+                 f"{case}, alpha=0): s against 1 / max|W|", atol=1e-5, rtol=1.3e-6,
+                 dims="channel")
     with pytest.raises(NanoserveError, match="alpha"):
         impl.smoothing_factors(act_max, weights, -0.1)
 
@@ -85,15 +95,20 @@ def check_smooth_model(impl):
     before, logits = _input_maxima(model, calib, groups), model(calib)
     factors = impl.smooth_model(model, calib, alpha=0.5)
     # the float model is unchanged
-    torch.testing.assert_close(model(calib), logits, atol=1e-4, rtol=1e-5)
-    assert set(factors) == set(groups)
+    case = "smooth_model(demo-draft, alpha=0.5)"
+    expect_close(model(calib), logits, f"{case}: the logits after folding (they must not move)",
+                 atol=1e-4, rtol=1e-5, dims="b, t, v")
+    expect(set(factors) == set(groups), f"{case}: the factors' names", sorted(groups),
+           sorted(factors))
     after = _input_maxima(model, calib, groups)
     for name, (names, lins) in groups.items():
         # X' = X / s
-        torch.testing.assert_close(after[name], before[name] / factors[name], rtol=1e-4, atol=1e-6)
+        expect_close(after[name], before[name] / factors[name], f"{case}: max|x| into {name} "
+                     "against before / s", atol=1e-6, rtol=1e-4, dims="channel")
         if not prevs & set(names):  # no later fold touched these weights: balanced at α = 0.5
             w_max = torch.stack([lin.weight.abs().amax(0) for lin in lins]).amax(0)  # K
-            torch.testing.assert_close(after[name], w_max, rtol=2e-3, atol=1e-5)
+            expect_close(after[name], w_max, f"{case}: max|x| into {name} against its weights' "
+                         "max|W| (balanced)", atol=1e-5, rtol=2e-3, dims="channel")
     with pytest.raises(NanoserveError, match="calibration ids"):
         impl.smooth_model(model, torch.randn(2, 8))
 
@@ -148,11 +163,10 @@ WRONG = {
 
 
 @pytest.mark.parametrize("name", list(WRONG))
-def test_ex16_known_wrong_variants_fail(name):
+def test_ex16_known_wrong_variants_fail_and_say_why(name):
     wrong, checks = WRONG[name]
     for check in checks:
-        with pytest.raises(AssertionError):
-            check(wrong)
+        explained_failure(check, wrong)
 
 
 def test_ex16_the_checks_pass_on_a_right_variant_built_the_same_way():

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from explain import expect, expect_close, explained_failure
 
 import nanoserve.lora.batched as reference
 
@@ -46,18 +47,24 @@ def _case(seed=0):
 def check_segmented(impl):
     x, A, B, slots, want = _case()
     got = impl.lora_segmented(x, A, B, slots, [0, 1, 2, 3])
-    assert got.shape == (11, OUT)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    case = f"lora_segmented(11 rows, slots {slots.tolist()}, adapters of ranks 2, 4, 8, 3)"
+    expect_close(got, want, f"{case} against each row alone", atol=1e-4, rtol=1e-4,
+                 dims="row, out")
     # nothing present: zeros
-    assert torch.equal(impl.lora_segmented(x, A, B, slots, [])[0], torch.zeros(OUT))
+    empty = impl.lora_segmented(x, A, B, slots, [])[0]
+    expect(torch.equal(empty, torch.zeros(OUT)), f"{case[:-1]}, present=[]): row 0", "zeros",
+           f"values up to {float(empty.abs().max()):.3g}")
 
 
 def check_gathered(impl):
     x, A, B, slots, want = _case(1)
     got = impl.lora_gathered(x, A, B, slots)
-    assert got.shape == (11, OUT)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    assert torch.equal(got[slots < 0], torch.zeros(2, OUT))  # no adapter: exactly zero
+    case = f"lora_gathered(11 rows, slots {slots.tolist()}, adapters of ranks 2, 4, 8, 3)"
+    expect_close(got, want, f"{case} against each row alone", atol=1e-4, rtol=1e-4,
+                 dims="row, out")
+    none = got[slots < 0]  # no adapter: exactly zero
+    expect(torch.equal(none, torch.zeros(2, OUT)), f"{case}: the rows with slot -1", "zeros",
+           f"values up to {float(none.abs().max()):.3g}")
 
 
 def test_ex17_1_segmented(impl):
@@ -97,10 +104,9 @@ WRONG = {
 
 
 @pytest.mark.parametrize("name", list(WRONG))
-def test_ex17_known_wrong_variants_fail(name):
+def test_ex17_known_wrong_variants_fail_and_say_why(name):
     wrong, check = WRONG[name]
-    with pytest.raises(AssertionError):
-        check(wrong)
+    explained_failure(check, wrong)
 
 
 def test_ex17_the_two_ways_agree_on_the_reference():

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from explain import expect, explained_failure
 from testdata import tree_path
 
 import nanoserve.spec.tree_sampler as reference
@@ -39,8 +40,10 @@ TREES = {"chain": [-1, 0, 1, 2, 3], "star": [-1, 0, 0, 0, 0],
 
 def check_positions(impl):
     for name, parents in TREES.items():
-        got = impl.tree_positions(parents, 7)
-        assert list(got) == [7 + len(tree_path(parents, i)) - 1 for i in range(len(parents))], name
+        got = list(impl.tree_positions(parents, 7))
+        want = [7 + len(tree_path(parents, i)) - 1 for i in range(len(parents))]
+        expect(got == want, f"tree_positions(the {name} tree {parents}, root_position=7)", want,
+               got)
 
 
 def check_mask(impl):
@@ -48,15 +51,21 @@ def check_mask(impl):
     for name, parents in TREES.items():
         n, P, D = len(parents), 5, 8
         mask = impl.tree_attention_mask(parents, P)
-        assert mask.dtype == torch.bool and tuple(mask.shape) == (n, P + n), name
+        case = f"tree_attention_mask(the {name} tree {parents}, prefix_len=5)"
+        expect(mask.dtype == torch.bool and tuple(mask.shape) == (n, P + n), case,
+               f"a bool mask of shape {(n, P + n)}", (mask.dtype, tuple(mask.shape)))
         q, k, v = torch.randn(1, 2, n, D), torch.randn(1, 2, P + n, D), torch.randn(1, 2, P + n, D)
         tree = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         for i in range(n):
             keys = list(range(P)) + [P + j for j in tree_path(parents, i)]
             alone = F.scaled_dot_product_attention(q[:, :, i:i + 1], k[:, :, keys], v[:, :, keys])
-            torch.testing.assert_close(tree[:, :, i:i + 1], alone, rtol=1e-5, atol=1e-6,
-                                       msg=f"{name}, node {i}")
-    assert impl.tree_attention_mask([-1], 0).tolist() == [[True]]  # the root alone, no prefix
+            if not torch.allclose(tree[:, :, i:i + 1], alone, rtol=1e-5, atol=1e-6):
+                raise AssertionError(
+                    f"{case}: node {i} attends to other keys than its path's (the prefix is "
+                    f"columns 0..4, node j column 5 + j): expected columns {keys}, got "
+                    f"{mask[i].nonzero().flatten().tolist()}")
+    root = impl.tree_attention_mask([-1], 0).tolist()
+    expect(root == [[True]], "tree_attention_mask([-1], prefix_len=0)", [[True]], root)
 
 
 def test_ex18_1_positions(impl):
@@ -101,7 +110,6 @@ WRONG = {
 
 
 @pytest.mark.parametrize("name", list(WRONG))
-def test_ex18_known_wrong_variants_fail(name):
+def test_ex18_known_wrong_variants_fail_and_say_why(name):
     wrong, check = WRONG[name]
-    with pytest.raises(AssertionError):
-        check(wrong)
+    explained_failure(check, wrong)

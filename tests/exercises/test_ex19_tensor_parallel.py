@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from explain import expect, expect_close, explained_failure
 from torch import nn
 
 REFERENCE = "nanoserve.parallel.tensor_parallel"
@@ -81,7 +82,8 @@ def _run(impl, variant: str | None = None) -> dict:
         res = json.loads(Path(out).read_text())
     if "not_implemented" in res:
         raise NotImplementedError(res["not_implemented"])
-    assert "error" not in res, f"rank 0 raised {res.get('error')}"
+    expect("error" not in res, "the layers on rank 0 of 2 gloo processes", "no exception",
+           res.get("error"))
     return res
 
 
@@ -90,8 +92,12 @@ def check_column(impl, variant=None):
     res = _run(impl, variant)
     with torch.no_grad():
         want = fc1(x)[:, : HIDDEN // WORLD]  # rank 0's half of the hidden units
-    torch.testing.assert_close(torch.tensor(res["mine"]), want, rtol=1e-5, atol=1e-5)
-    assert res["shapes"][0] == HIDDEN // WORLD
+    case = (f"ColumnParallelLinear(nn.Linear({IN}, {HIDDEN}), index 0..{HIDDEN // WORLD - 1}) on "
+            "rank 0 of 2")
+    expect(res["shapes"][0] == HIDDEN // WORLD, f"{case}: out_features", HIDDEN // WORLD,
+           res["shapes"][0])
+    expect_close(torch.tensor(res["mine"]), want, f"{case}: its outputs against the whole "
+                 "layer's first half", atol=1e-5, rtol=1e-5, dims="token, unit")
 
 
 def check_mlp(impl, variant=None):
@@ -99,8 +105,12 @@ def check_mlp(impl, variant=None):
     res = _run(impl, variant)
     with torch.no_grad():
         want = fc2(F.gelu(fc1(x)))  # the whole MLP in one process
-    torch.testing.assert_close(torch.tensor(res["y"]), want, rtol=1e-5, atol=1e-4)
-    assert res["shapes"][1] == HIDDEN // WORLD
+    case = (f"an MLP {IN} -> {HIDDEN} -> {OUT} split column-then-row over 2 gloo processes, "
+            "rank 0's output")
+    expect(res["shapes"][1] == HIDDEN // WORLD, f"{case}: RowParallelLinear's in_features",
+           HIDDEN // WORLD, res["shapes"][1])
+    expect_close(torch.tensor(res["y"]), want, f"{case} against the whole MLP in one process",
+                 atol=1e-4, rtol=1e-5, dims="token, out")
 
 
 def test_ex19_1_column_parallel(impl):
@@ -157,6 +167,5 @@ WRONG = {
 
 
 @pytest.mark.parametrize("name", list(WRONG))
-def test_ex19_known_wrong_variants_fail(name):
-    with pytest.raises(AssertionError):
-        WRONG[name][1](None, name)
+def test_ex19_known_wrong_variants_fail_and_say_why(name):
+    explained_failure(WRONG[name][1], None, name)
