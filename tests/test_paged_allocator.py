@@ -632,8 +632,10 @@ def test_check_invariants_catches_corruption():
 
     corruptions = {
         "queued as free twice": lambda a: a.free_block_ids.append(3),
-        "ref_count 1 but in-free-queue=True": lambda a: a.free_block_ids.append(0),
-        "ref_count 0 but in-free-queue=False": lambda a: setattr(a.blocks[2], "ref_count", 0),
+        "ref_count 1: expected it out of the free queues, got it in":
+            lambda a: a.free_block_ids.append(0),
+        "ref_count 0: expected it in the free queues, got it out of":
+            lambda a: setattr(a.blocks[2], "ref_count", 0),
         "points to block": lambda a: a.hash_to_block.__setitem__(a.blocks[0].hash, 1),
         "disagree": lambda a: setattr(a.blocks[0], "token_ids", (1, 2)),
     }

@@ -89,8 +89,9 @@ def check_invariants(alloc) -> None:
     for b in alloc.blocks:
         _expect(b.ref_count >= 0, f"block {b.block_id} has ref_count {b.ref_count}")
         _expect((b.ref_count == 0) == (b.block_id in free_set),
-                f"block {b.block_id} has ref_count {b.ref_count} but "
-                f"in-free-queue={b.block_id in free_set}")
+                f"block {b.block_id} with ref_count {b.ref_count}: expected it "
+                f"{'in' if b.ref_count == 0 else 'out of'} the free queues, got it "
+                f"{'in' if b.block_id in free_set else 'out of'} them")
         cached = b.hash is not None
         _expect(cached == (b.prefix_id is not None) == (len(b.token_ids) == alloc.block_size),
                 f"block {b.block_id}: hash, prefix_id and token_ids disagree on whether it is full "

@@ -16,6 +16,7 @@ from collections import Counter
 from types import SimpleNamespace
 
 import pytest
+from explain import explained_failure
 
 import nanoserve.engine.block_allocator
 from nanoserve.engine.sequence import Sequence
@@ -53,12 +54,17 @@ def check_tables(alloc, live) -> None:
     alloc.check_invariants()
     held = Counter(bid for seq in live for bid in seq.block_table)
     for b in alloc.blocks:
-        assert b.ref_count == held[b.block_id], \
-            f"block {b.block_id} has ref_count {b.ref_count} but {held[b.block_id]} tables list it"
+        assert b.ref_count == held[b.block_id], (
+            f"block {b.block_id}: expected ref_count {held[b.block_id]} (the tables that list it), "
+            f"got {b.ref_count}")
     for seq in live:
-        assert len(seq.block_table) == ceil_div(len(seq), BS) == len(set(seq.block_table)), \
-            f"{len(seq)} tokens in the blocks {seq.block_table}"
-    assert alloc.num_free_blocks() == alloc.num_blocks - len(held)
+        assert len(seq.block_table) == ceil_div(len(seq), BS) == len(set(seq.block_table)), (
+            f"a sequence of {len(seq)} tokens: expected {ceil_div(len(seq), BS)} distinct blocks, "
+            f"got the table {seq.block_table}")
+    free = alloc.num_free_blocks()
+    assert free == alloc.num_blocks - len(held), (
+        f"free blocks: expected {alloc.num_blocks - len(held)} (the pool less the tables' "
+        f"{len(held)}), got {free}")
 
 
 # ----------------------------------------------------------------------------- checks (shared with
@@ -121,8 +127,8 @@ def check_append_across_block_boundaries(impl):
         starts_block = (len(seq) - 1) % BS == 0
         want = before + [next_free] if starts_block else before
         assert seq.block_table == want, (
-            f"after token {len(seq)}: table {seq.block_table}, expected {want}"
-        )
+            f"append_slot after token {len(seq)} (blocks of {BS}): expected the table {want}, got "
+            f"{seq.block_table}")
         next_free += starts_block
         assert alloc.append_slot(seq) is None and seq.block_table == want, (
             "a second call must change nothing"
@@ -171,16 +177,16 @@ def check_fork_and_copy_on_write(impl):
     full, partial = parent.block_table
     assert child.block_table == [full, partial] and child.block_table is not parent.block_table
     assert child.num_computed_tokens == parent.num_computed_tokens == len(parent)
-    assert alloc.blocks[full].ref_count == alloc.blocks[partial].ref_count == 2, (
-        "each table holds a reference"
-    )
+    counts = (alloc.blocks[full].ref_count, alloc.blocks[partial].ref_count)
+    assert counts == (2, 2), (
+        f"fork: the parent's two blocks' ref_counts: expected (2, 2), one per table, got {counts}")
     check_tables(alloc, [parent, child])
     child.append_token(1)
     assert alloc.can_append(child)
     cow = alloc.append_slot(child)
     assert cow == (partial, 2), (
-        f"copy-on-write returned {cow}: expected (src={partial}, dst=the next free block 2)"
-    )
+        f"append_slot(child) into the shared last block after a fork: expected the copy "
+        f"(src={partial}, dst=the next free block 2), got {cow}")
     assert child.block_table == [full, 2] and parent.block_table == [full, partial]
     check_tables(alloc, [parent, child])
     parent.append_token(2)
@@ -208,8 +214,8 @@ def check_random_operations(impl, seed, num_ops=120):
         for pos, slot in enumerate(slots(seq, seq.num_computed_tokens, len(seq)),
                                    seq.num_computed_tokens):
             assert alloc.blocks[slot // BS].ref_count == 1, (
-                f"seed {seed}: a write into shared block {slot // BS}"
-            )
+                f"seed {seed}: a write into block {slot // BS}: expected a block this table holds "
+                f"alone (ref_count 1), got ref_count {alloc.blocks[slot // BS].ref_count}")
             kv[slot] = tuple(seq.token_ids[:pos + 1])
         compute(alloc, seq)
 
@@ -394,11 +400,10 @@ WRONG = {
 
 
 @pytest.mark.parametrize("name", list(WRONG))
-def test_ex04_known_wrong_variants_fail(name):
+def test_ex04_known_wrong_variants_fail_and_say_why(name):
     wrong, checks = WRONG[name]
     for check in checks:
-        with pytest.raises(AssertionError):
-            check(wrong)
+        explained_failure(check, wrong)
 
 
 def test_ex04_the_checks_pass_on_a_right_variant_built_the_same_way():
