@@ -16,6 +16,7 @@ import random
 from types import SimpleNamespace
 
 import pytest
+from explain import explained_failure
 
 import nanoserve.engine.block_allocator
 from nanoserve.engine.sequence import Sequence
@@ -74,22 +75,36 @@ def check_hash_is_a_deterministic_int(impl):
     h = impl.default_block_hash
     for parent in (None, 0, 12345, -(2 ** 62)):
         first, again = h(parent, (1, 2, 3, 4)), h(parent, tuple([1, 2, 3, 4]))
-        assert isinstance(first, int) and first == again, "equal arguments must give the same int"
-    assert h(None, (1, 2, 3, 4)) != h(None, (4, 3, 2, 1)), "token order matters: it changes the KV"
+        assert isinstance(first, int) and first == again, (
+            f"default_block_hash({parent}, (1, 2, 3, 4)) twice: expected the same int, got "
+            f"{first!r} and {again!r}")
+    forward, backward = h(None, (1, 2, 3, 4)), h(None, (4, 3, 2, 1))
+    assert forward != backward, (
+        "default_block_hash(None, (1, 2, 3, 4)) and (None, (4, 3, 2, 1)): expected two hashes "
+        f"(token order changes the KV), got {forward} for both")
     blocks = list(itertools.product(range(5), repeat=4))
     for parent in (None, 99):
-        assert len({h(parent, t) for t in blocks}) == len(blocks), "different tokens collide"
+        distinct = len({h(parent, t) for t in blocks})
+        assert distinct == len(blocks), (
+            f"default_block_hash({parent}, each of the {len(blocks)} blocks of 4 tokens from 0..4): "
+            f"expected {len(blocks)} distinct hashes, got {distinct}")
 
 
 def check_hash_chains(impl):
     """A block's hash covers its prefix: equal tokens after different blocks hash differently."""
     h = impl.default_block_hash
     a, b, c = chain(h, X + Y + Z), chain(h, X + Y + W), chain(h, W + Y + Z)
-    assert a[:2] == b[:2] and a[2] != b[2]
-    assert a[1] != c[1] and a[2] != c[2], "Y and Z after W must not hash like Y and Z after X"
+    assert a[:2] == b[:2] and a[2] != b[2], (
+        f"the chained hashes of X·Y·Z and X·Y·W: expected the first two equal and the third "
+        f"different, got {a} and {b}")
+    assert a[1] != c[1] and a[2] != c[2], (
+        f"the chained hashes of X·Y·Z and W·Y·Z: expected Y and Z after W to hash differently from "
+        f"Y and Z after X, got {a} and {c}")
     parents = [None, 0, 1, 2, 99, 2 ** 40, *a]
-    assert len({h(p,
-                  tuple(Y)) for p in parents}) == len(parents), "the hash must depend on the parent"
+    distinct = len({h(p, tuple(Y)) for p in parents})
+    assert distinct == len(parents), (
+        f"default_block_hash(parent, Y) for {len(parents)} different parents: expected "
+        f"{len(parents)} distinct hashes (the hash depends on the parent), got {distinct}")
 
 
 def check_hash_in_the_allocator(impl):
@@ -100,8 +115,8 @@ def check_hash_in_the_allocator(impl):
         seq = Sequence(prompt)
         alloc.allocate(seq)
         assert seq.num_cached_tokens == 2 * BS and seq.block_table[:2] == owner.block_table[:2], (
-            f"{prompt}: {seq.num_cached_tokens // BS} hits, expected both blocks of sequence {owner.seq_id}"
-        )
+            f"allocate({prompt}) with your hash: expected 2 hits (both blocks of sequence "
+            f"{owner.seq_id}), got {seq.num_cached_tokens // BS}")
     alloc.check_invariants()
 
 
@@ -135,14 +150,15 @@ def check_hits_stop_at_the_first_miss(impl):
     a = admit(alloc, X + Y + Z + [0])
     b = Sequence(X + Y + W + Z + [0])
     alloc.allocate(b)
-    assert b.num_cached_tokens == 2 * BS and b.block_table[:2] == a.block_table[:2], \
-        f"{b.num_cached_tokens // BS} hits: X and Y hit, W misses, and Z after X·Y·W is not cached"
+    assert b.num_cached_tokens == 2 * BS and b.block_table[:2] == a.block_table[:2], (
+        "allocate(X·Y·W·Z) after X·Y·Z is cached: expected 2 hits (X and Y; W misses, and Z after "
+        f"X·Y·W is not cached), got {b.num_cached_tokens // BS}")
     # X hits; W misses; Y after X·W is not Y after X, whatever the lookup's parent
     d = Sequence(X + W + Y + [0])
     alloc.allocate(d)
     assert d.num_cached_tokens == BS, (
-        f"{d.num_cached_tokens // BS} hits: only X is cached with this prefix"
-    )
+        "allocate(X·W·Y) after X·Y·Z is cached: expected 1 hit (only X has this prefix), got "
+        f"{d.num_cached_tokens // BS}")
     assert d.block_table[0] == a.block_table[0] and not set(d.block_table[1:]) & set(a.block_table)
     alloc.check_invariants()
 
@@ -154,8 +170,9 @@ def check_never_the_last_block(impl):
     for prompt, hits in [(X + Y, 1), (X, 0), (X + Y + [5], 2), (X + [5], 1)]:
         seq = Sequence(prompt)
         alloc.allocate(seq)
-        assert seq.num_cached_tokens == hits * BS < len(seq), \
-            f"{len(prompt)} tokens: {seq.num_cached_tokens // BS} hits, expected {hits}"
+        assert seq.num_cached_tokens == hits * BS < len(seq), (
+            f"allocate({len(prompt)} tokens) after X·Y is cached (the last token's block is never "
+            f"a hit): expected {hits} hits, got {seq.num_cached_tokens // BS}")
         assert seq.block_table[:hits] == a.block_table[:hits]
         alloc.free(seq)
     alloc.check_invariants()
@@ -172,8 +189,8 @@ def check_collisions_are_harmless(impl):
         seq = Sequence(prompt)
         alloc.allocate(seq)
         assert seq.num_cached_tokens == hits * BS, (
-            f"{prompt}: {seq.num_cached_tokens // BS} hits, expected {hits}"
-        )
+            f"allocate({prompt}) with a hash that returns 7 for every block: expected {hits} hits "
+            f"(the exact check decides), got {seq.num_cached_tokens // BS}")
         assert seq.block_table[:hits] == a.block_table[:hits] and not set(
             seq.block_table[hits:]
         ) & set(a.block_table)
@@ -217,13 +234,13 @@ def _random_run(impl, hash_name, seed, num_ops=80):
                 want += 1
             got = seq.num_cached_tokens // BS
             msg = f"seed {seed}, {hash_name} hash, prompt {tokens}"
+            bound = "" if exact else "at most "
             assert got == want if exact else got <= want, (
-                f"{msg}: {got} hits, {want} cached prefix blocks"
-            )
+                f"{msg}: expected {bound}{want} hits (its cached prefix blocks), got {got}")
             for pos, slot in enumerate(alloc.slot_mapping(seq, 0, seq.num_cached_tokens)):
                 assert kv.get(slot) == tuple(tokens[: pos + 1]), (
-                    f"{msg}: a hit holds the KV of another prefix"
-                )
+                    f"{msg}: slot {slot} of a hit: expected the KV of the prefix "
+                    f"{tokens[: pos + 1]}, got that of {kv.get(slot)}")
             for bid in seq.block_table[got:]:
                 kv.update({bid * BS + off: None for off in range(BS)})
             live.append(seq)
@@ -339,11 +356,10 @@ WRONG = {
 
 
 @pytest.mark.parametrize("name", list(WRONG))
-def test_ex05_known_wrong_variants_fail(name):
+def test_ex05_known_wrong_variants_fail_and_say_why(name):
     wrong, checks = WRONG[name]
     for check in checks:
-        with pytest.raises(AssertionError):
-            check(wrong)
+        explained_failure(check, wrong)
 
 
 def test_ex05_the_checks_pass_on_a_right_variant_built_the_same_way():

@@ -17,6 +17,7 @@ import random
 from types import SimpleNamespace
 
 import pytest
+from explain import explained_failure
 
 import nanoserve.engine.scheduler
 from nanoserve.engine.block_allocator import BlockAllocator
@@ -97,7 +98,9 @@ class Engine:
 def check_step(sched, out, running_before):
     """What every step must satisfy, whatever the workload."""
     cfg, bm = sched.config, sched.block_allocator
-    assert out.num_tokens <= cfg.max_num_batched_tokens, f"{out.num_tokens} tokens over the budget"
+    assert out.num_tokens <= cfg.max_num_batched_tokens, (
+        f"a step's tokens: expected at most the budget, {cfg.max_num_batched_tokens}, got "
+        f"{out.num_tokens}")
     assert len(out.seqs) <= cfg.max_num_seqs and len(set(out.seqs)) == len(out.seqs)
     for seq, n in zip(out.seqs, out.num_new):
         assert seq in sched.running and seq.status == SequenceStatus.RUNNING and not seq.needs_slot
@@ -113,21 +116,23 @@ def check_step(sched, out, running_before):
     kept = [s for s in running_before if s not in out.preempted]
     assert out.seqs[:len(out.seqs) - len(admitted)] == [s for s in kept if s in out.seqs], \
         "running sequences first, in admission order"
-    assert not (admitted and out.preempted), "a step that preempts admits nobody"
+    assert not (admitted and out.preempted), (
+        f"a step that preempted {[s.request_id for s in out.preempted]}: expected no admission, "
+        f"got {[s.request_id for s in admitted]} admitted")
     left = cfg.max_num_batched_tokens - out.num_tokens
     if admitted or left > 0:
         missing = [s.request_id for s in kept if s not in out.seqs]
         assert not missing, (
-            f"running {missing} left out of the step, with admissions or budget left"
-        )
+            f"a step with admissions or {left} tokens of budget left: expected every running "
+            f"sequence in it, got {missing} left out")
     for seq in out.preempted:
         assert (
             seq not in sched.running and seq in sched.waiting
             and seq.status == SequenceStatus.WAITING
         )
         assert seq.block_table == [] and seq.num_computed_tokens == 0 and not seq.needs_slot, (
-            f"preempted {seq.request_id} keeps blocks {seq.block_table} / {seq.num_computed_tokens} computed tokens"
-        )
+            f"preempted {seq.request_id}: expected no blocks and 0 computed tokens (recompute), "
+            f"got blocks {seq.block_table} and {seq.num_computed_tokens} computed tokens")
     keys = [s.sort_key for s in sched.waiting]
     assert keys == sorted(keys) and all(not s.block_table for s in sched.waiting)
     if not out.preempted and left > 0 and sched.waiting and len(sched.running) < cfg.max_num_seqs:
@@ -147,8 +152,8 @@ def check_tokens_to_compute(impl):
         seq.num_computed_tokens = computed
         got = sched._tokens_to_compute(seq, budget)
         assert got == want, (
-            f"chunked={chunked}, 10 tokens, {computed} computed, budget {budget}: {got}, not {want}"
-        )
+            f"_tokens_to_compute(10 tokens, {computed} computed, budget {budget}, chunked "
+            f"prefill {'on' if chunked else 'off'}): expected {want}, got {got}")
 
 
 def check_pick_victim(impl):
@@ -157,7 +162,9 @@ def check_pick_victim(impl):
                                     ([0, 2, 1, 2, 0], 4, 4), ([1, 0, 0], 0, 0), ([1, 0, 0], 1, 2)]:
         sched.running = [Sequence([1], priority=p) for p in priorities]
         got = sched.running.index(sched._pick_victim(index))
-        assert got == want, f"priorities {priorities}, from index {index}: victim {got}, not {want}"
+        assert got == want, (
+            f"_pick_victim({index}) with running priorities {priorities} (admission order): "
+            f"expected the sequence at {want}, got the one at {got}")
 
 
 def check_preempt(impl):
@@ -174,14 +181,14 @@ def check_preempt(impl):
     a.needs_slot = True
     sched._preempt(a)
     assert sched.running == [b] and sched.waiting == [a, late], (
-        "back to the waiting queue, in arrival order"
-    )
+        "_preempt(A) of running [A, B] with [late] waiting: expected running [B], waiting "
+        f"[A, late] (arrival order), got {sched.running} and {sched.waiting}")
     assert a.status == SequenceStatus.WAITING and len(a) == 7, (
-        "the tokens stay (prompt + generated)"
-    )
+        "_preempt(A): expected A WAITING with its 7 tokens (prompt + generated), got "
+        f"{a.status.name} with {len(a)}")
     assert a.block_table == [] and a.num_computed_tokens == 0, (
-        "recompute: the blocks and the KV are dropped"
-    )
+        "_preempt(A), recompute: expected no blocks and 0 computed tokens, got blocks "
+        f"{a.block_table} and {a.num_computed_tokens} computed")
     assert not a.needs_slot and a.num_preemptions == 1 == sched.num_preemptions
     assert sched.block_allocator.num_free_blocks() == 8 - len(b.block_table)
     sched._preempt(b)
@@ -193,7 +200,9 @@ def check_preempt(impl):
 def check_plans(engine, want):
     for plan, preempted in want:
         got = engine.step()
-        assert got == (plan, preempted), f"step {engine.steps}: {got}, expected {(plan, preempted)}"
+        assert got == (plan, preempted), (
+            f"step {engine.steps}, as ([(sequence, tokens)], [preempted]): expected "
+            f"{(plan, preempted)}, got {got}")
 
 
 def check_budget_and_running_first(impl):
@@ -431,11 +440,10 @@ WRONG = {
 
 
 @pytest.mark.parametrize("name", list(WRONG))
-def test_ex06_known_wrong_variants_fail(name):
+def test_ex06_known_wrong_variants_fail_and_say_why(name):
     wrong, checks = WRONG[name]
     for check in checks:
-        with pytest.raises(AssertionError):
-            check(wrong)
+        explained_failure(check, wrong)
 
 
 def test_ex06_the_checks_pass_on_a_right_variant_built_the_same_way():

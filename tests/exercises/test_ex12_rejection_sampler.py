@@ -29,6 +29,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from chi2 import goodness_of_fit
+from explain import expect, explained_failure
 
 REFERENCE = "nanoserve.spec.rejection_sampler"
 EXERCISE = "rejection_sampler"
@@ -99,9 +100,9 @@ def check_exact_law(impl, case):
     beta = torch.minimum(p, q).sum()
     # accept x with min(1, p/q): mass min(p, q); else the residual
     law = torch.minimum(p, q) + (1 - beta) * r
-    assert (law - p).abs().max() <= 1e-12, (
-        f"{case}: max |law − p| = {float((law - p).abs().max()):.2e}"
-    )
+    gap = float((law - p).abs().max())
+    expect(gap <= 1e-12, "the law min(p, q) + (1 − Σ min(p, q)) · residual_distribution(p, q), "
+           f"case {case!r}", "p (within 1e-12)", f"max |law − p| = {gap:.2e}")
     if beta < 1 - 1e-12:  # a rejection can happen: the residual is a law on the tokens where p > q
         assert (r >= 0).all() and abs(float(r.sum()) - 1) <= 1e-12
         assert torch.equal(r > 0, p > q)
@@ -183,7 +184,10 @@ def check_chi2_with_draft_distribution(impl):
     p, q = _mc_case_draft()
     counts = torch.bincount(emitted_tokens(impl, p, q, None, seed=21), minlength=16)
     chi2, dof, pvalue = goodness_of_fit(counts, p)
-    assert pvalue >= P_FAIL, f"χ² = {chi2:.1f} with {dof} dof, p = {pvalue:.2e}"
+    assert pvalue >= P_FAIL, (
+        "the first emitted token of many seeded rejection_sample calls with a random draft q: "
+        f"expected draws from p (χ² p-value ≥ {P_FAIL}), got χ² = {chi2:.1f} with {dof} dof, "
+        f"p = {pvalue:.2e}")
 
 
 def check_chi2_with_deterministic_draft(impl):
@@ -191,7 +195,10 @@ def check_chi2_with_deterministic_draft(impl):
     counts = torch.bincount(emitted_tokens(impl, p, None, token, seed=22, n=N_DRAWS_DETERMINISTIC),
                             minlength=24)
     chi2, dof, pvalue = goodness_of_fit(counts, p)
-    assert pvalue >= P_FAIL, f"χ² = {chi2:.1f} with {dof} dof, p = {pvalue:.2e}"
+    assert pvalue >= P_FAIL, (
+        "the first emitted token of many seeded rejection_sample calls with a one-hot draft: "
+        f"expected draws from p (χ² p-value ≥ {P_FAIL}), got χ² = {chi2:.1f} with {dof} dof, "
+        f"p = {pvalue:.2e}")
 
 
 # ----------------------------------------------------------------------------- 12.2: certain
@@ -235,13 +242,14 @@ def check_call_structure(impl):
         )
         last = tokens[n]
         if n < gamma:
-            assert p[n, last] > q_dense[n, last], (
-                f"after a rejection at {n}, token {last} is not from the residual"
-            )
+            expect(bool(p[n, last] > q_dense[n, last]),
+                   f"rejection_sample, a rejection at {n} of {gamma} drafts",
+                   f"a token where p[{n}] > q[{n}] (the residual's support)",
+                   f"token {last} with p = {float(p[n, last]):.3g}, "
+                   f"q = {float(q_dense[n, last]):.3g}")
         else:
-            assert p[gamma, last] > 0, (
-                f"the bonus token {last} has p[γ] = 0: drawn from another row?"
-            )
+            expect(bool(p[gamma, last] > 0), f"rejection_sample, all {gamma} drafts accepted",
+                   "a bonus token with p[γ] > 0", f"token {last} with p[γ] = 0 (another row's?)")
 
 
 def check_bonus_token(impl):
@@ -255,7 +263,11 @@ def check_bonus_token(impl):
         q = p[:gamma].clone()
         for _ in range(5):
             draft = torch.multinomial(q, 1, generator=g).view(gamma)
-            assert impl.rejection_sample(draft, q, p, g) == (draft.tolist() + [vocab - 1], gamma)
+            got = impl.rejection_sample(draft, q, p, g)
+            want = (draft.tolist() + [vocab - 1], gamma)
+            assert got == want, (
+                f"rejection_sample(q = p over {gamma} drafts, p[γ] one-hot at {vocab - 1}): "
+                f"expected every draft then the bonus token, {want}, got {got}")
     # γ = 0: no draft (a proposer found nothing), one token from p[0]
     p0 = torch.tensor([[0.0, 0.5, 0.5, 0.0]])
     for q in (None, torch.zeros(0, 4)):
@@ -286,7 +298,9 @@ def check_one_hot_p_is_greedy(impl):
                 break
         q = None if trial % 2 else torch.softmax(torch.randn(gamma, vocab, generator=g), -1)
         tokens, n = impl.rejection_sample(draft, q, F.one_hot(best, vocab).float(), g)
-        assert (tokens, n) == (want, len(want) - 1), (draft.tolist(), best.tolist())
+        assert (tokens, n) == (want, len(want) - 1), (
+            f"rejection_sample(drafts {draft.tolist()}, p one-hot at {best.tolist()}): expected "
+            f"greedy verification, {(want, len(want) - 1)}, got {(tokens, n)}")
 
 
 def check_seeded(impl):
@@ -400,11 +414,10 @@ WRONG = {
 
 
 @pytest.mark.parametrize("name", list(WRONG))
-def test_ex12_known_wrong_variants_fail(name):
+def test_ex12_known_wrong_variants_fail_and_say_why(name):
     wrong, checks = WRONG[name]
     for check in checks:
-        with pytest.raises(AssertionError):
-            check(wrong)
+        explained_failure(check, wrong)
 
 
 def test_ex12_the_checks_pass_on_a_right_variant_built_the_same_way():
