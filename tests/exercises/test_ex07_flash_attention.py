@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from explain import expect, expect_close, explained_failure
 from nanoserve.kernels.flash_attention import flash_attention as reference_flash_attention
 from nanoserve.kernels.flash_attention import flash_attention_ref
 
@@ -104,33 +105,34 @@ def _sdpa(q, k, v, cu_q, cu_k, causal=True, prefixes=None):
     return out
 
 
-def _err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a − b| in fp32; any NaN gives NaN, which fails every `err <= tol`."""
-    diff = (a.float() - b.float()).abs()
-    return float("nan") if diff.isnan().any() else diff.max().item()
-
-
 # ----------------------------------------------------------------------------- checks (shared with
 # the variants)
+THD = "token, head, d"  # how a failure names an element of an output
+
+
 def check_one_sequence(impl, L=33, causal=True, H=2):
     q, k, v, cu_q, cu_k = _packed([L], [L], H, H, seed=L + causal)
     out = impl.flash_attention(q, k, v, cu_q, cu_k, causal=causal)  # L, H, D
-    assert out.shape == q.shape and out.dtype == q.dtype
-    assert _err(out, _sdpa(q, k, v, cu_q, cu_k, causal)) <= FP32_TOL
+    case = f"flash_attention(one sequence of {L} tokens, {H} heads, causal={causal}) against SDPA"
+    expect(out.dtype == q.dtype, case, q.dtype, out.dtype)
+    expect_close(out, _sdpa(q, k, v, cu_q, cu_k, causal), case, atol=FP32_TOL, dims=THD)
 
 
 def check_half_precision(impl):
     q, k, v, cu_q, cu_k = _packed([33], [33], 2, 2, dtype=torch.float16, seed=2)
     out = impl.flash_attention(q, k, v, cu_q, cu_k)  # 33, H, D
-    assert out.dtype == torch.float16
-    assert _err(out, _sdpa(q, k, v, cu_q, cu_k)) <= FP16_TOL
+    case = "flash_attention(one float16 sequence of 33 tokens) against SDPA"
+    expect(out.dtype == torch.float16, case, torch.float16, out.dtype)
+    expect_close(out, _sdpa(q, k, v, cu_q, cu_k), case, atol=FP16_TOL, dims=THD)
 
 
 def check_gqa(impl, group=2, causal=True):
     """H = 4 query heads over 4 // group kv heads: head h reads kv head h // group."""
     q, k, v, cu_q, cu_k = _packed([33], [33], 4, 4 // group, seed=10 + group)
     out = impl.flash_attention(q, k, v, cu_q, cu_k, causal=causal)  # 33, H, D
-    assert _err(out, _sdpa(q, k, v, cu_q, cu_k, causal)) <= FP32_TOL
+    expect_close(out, _sdpa(q, k, v, cu_q, cu_k, causal), f"flash_attention(33 tokens, 4 query "
+                 f"heads over {4 // group} kv heads, causal={causal}) against SDPA",
+                 atol=FP32_TOL, dims=THD)
 
 
 def check_packed(impl, causal=True):
@@ -138,8 +140,9 @@ def check_packed(impl, causal=True):
     lens = [1, 7, 0, 17, 33]
     q, k, v, cu_q, cu_k = _packed(lens, lens, 4, 2, seed=20 + causal)
     out = impl.flash_attention(q, k, v, cu_q, cu_k, causal=causal)  # total, H, D
-    assert out.shape == q.shape
-    assert _err(out, _sdpa(q, k, v, cu_q, cu_k, causal)) <= FP32_TOL
+    expect_close(out, _sdpa(q, k, v, cu_q, cu_k, causal), f"flash_attention(sequences of {lens} "
+                 f"tokens packed, 4 heads over 2, causal={causal}) against SDPA", atol=FP32_TOL,
+                 dims=THD)
 
 
 def check_bottom_right(impl):
@@ -148,7 +151,9 @@ def check_bottom_right(impl):
     it)."""
     q, k, v, cu_q, cu_k = _packed([5, 1, 16, 3], [12, 9, 17, 40], 4, 2, seed=30)
     out = impl.flash_attention(q, k, v, cu_q, cu_k)  # total_q, H, D
-    assert _err(out, _sdpa(q, k, v, cu_q, cu_k)) <= FP32_TOL
+    expect_close(out, _sdpa(q, k, v, cu_q, cu_k), "flash_attention(queries [5, 1, 16, 3] over keys "
+                 "[12, 9, 17, 40]: the queries are the last tokens) against SDPA", atol=FP32_TOL,
+                 dims=THD)
 
 
 def check_strided_views(impl):
@@ -161,8 +166,9 @@ def check_strided_views(impl):
     q, k, v = qkv[..., :D].split([H, Hkv, Hkv], dim=1)  # total, H | Hkv | Hkv, D   (not contiguous)
     cu = _cu(lens)
     out = impl.flash_attention(q, k, v, cu, cu)  # total, H, D
-    assert out.shape == q.shape
-    assert _err(out, _sdpa(q, k, v, cu, cu)) <= FP32_TOL
+    expect_close(out, _sdpa(q, k, v, cu, cu), "flash_attention(q, k, v as strided views of one qkv "
+                 "buffer, head dim 24 with NaN in columns 24..31) against SDPA", atol=FP32_TOL,
+                 dims=THD)
 
 
 def check_paged_prefix(impl, block_size=4, causal=True):
@@ -174,9 +180,12 @@ def check_paged_prefix(impl, block_size=4, causal=True):
         [0, block_size - 1, block_size, block_size + 1], 2, 16, block_size
     )
     out = impl.flash_attention(q, k, v, cu_q, cu_k, causal, None, **paged)  # total_q, H, D
-    assert torch.isfinite(out).all(), "NaN or inf in the output: a slot past the prefix was read"
-    assert _err(out, _sdpa(q, k, v, cu_q, cu_k, causal, prefixes)) <= FP32_TOL
-    assert _err(out, flash_attention_ref(q, k, v, cu_q, cu_k, causal, None, **paged)) <= FP32_TOL
+    case = (f"flash_attention(new tokens {new_lens} after paged prefixes of 0, {block_size - 1}, "
+            f"{block_size}, {block_size + 1} in a NaN-poisoned pool, blocks of {block_size})")
+    expect_close(out, _sdpa(q, k, v, cu_q, cu_k, causal, prefixes), f"{case} against SDPA "
+                 "(a NaN: a slot past a prefix was read)", atol=FP32_TOL, dims=THD)
+    expect_close(out, flash_attention_ref(q, k, v, cu_q, cu_k, causal, None, **paged),
+                 f"{case} against flash_attention_ref", atol=FP32_TOL, dims=THD)
 
 
 def check_chunked_prefill(impl):
@@ -201,7 +210,9 @@ def check_chunked_prefill(impl):
         slots = table[0, t // bs].long() * bs + t % bs  # n
         k_cache.view(-1, Hkv, D)[slots], v_cache.view(-1, Hkv, D)[slots] = k[new], v[new]
         P += n
-    assert _err(torch.cat(outs), whole) <= FP32_TOL
+    expect_close(torch.cat(outs), whole, "a 37-token prompt prefilled in chunks of 13, 16 and 8 "
+                 "over a paged cache, against attention over the whole prompt", atol=FP32_TOL,
+                 dims=THD)
 
 
 # ----------------------------------------------------------------------------- the tests
@@ -360,11 +371,10 @@ WRONG = {
 
 
 @pytest.mark.parametrize("name", list(WRONG))
-def test_ex07_known_wrong_variants_fail(name):
+def test_ex07_known_wrong_variants_fail_and_say_why(name):
     wrong, checks = WRONG[name]
     for check in checks:
-        with pytest.raises(AssertionError):
-            check(wrong)
+        explained_failure(check, wrong)
 
 
 def test_ex07_the_checks_pass_on_a_right_variant_built_the_same_way():

@@ -24,6 +24,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from explain import expect, expect_close, expect_equal, explained_failure
 from testdata import outlier_layer, rel_error
 
 from nanoserve.quant.gptq import inverse_hessian_cholesky
@@ -76,13 +77,21 @@ def check_least_squares_feedback(gptq, act_order=False, static_groups=False, per
     n, k = W.shape
     perm = torch.argsort(H.diagonal(), descending=True,
                          stable=True) if act_order else torch.arange(k)
-    assert q.codes.shape == (n, k) and q.codes.dtype == torch.uint8 and q.g_idx.dtype == torch.int32
+    case = (f"gptq(W [{n}, {k}], its Hessian, 4 bits, groups of {gs}, act_order={act_order}, "
+            f"static_groups={static_groups})")
+    expect(q.codes.shape == (n, k) and q.codes.dtype == torch.uint8
+           and q.g_idx.dtype == torch.int32, f"{case}: codes and g_idx",
+           f"uint8 codes [{n}, {k}], int32 g_idx", (tuple(q.codes.shape), q.codes.dtype,
+                                                   q.g_idx.dtype))
     if static_groups:   # grids from the original weights, groups in the original column order
         rtn = quantize_rtn(W, bits, gs, False)
-        assert torch.equal(q.g_idx, rtn.g_idx) and torch.equal(q.zeros, rtn.zeros)
-        assert (q.scales - rtn.scales).abs().max() <= 1e-12
+        expect_equal(q.g_idx, rtn.g_idx, f"{case}: g_idx (static groups: RTN's)")
+        expect_equal(q.zeros, rtn.zeros, f"{case}: the zeros (static groups: RTN's grid)")
+        expect_close(q.scales, rtn.scales, f"{case}: the scales (static groups: RTN's grid)",
+                     atol=1e-12)
     else:               # groups along the processing order, g_idx in the original one
-        assert torch.equal(q.g_idx[perm].long(), torch.arange(k) // gs)
+        expect_equal(q.g_idx[perm].long(), torch.arange(k) // gs,
+                     f"{case}: g_idx in processing order (groups of {gs} along it)")
     Hd = H + percdamp * H.diagonal().mean() * torch.eye(k, dtype=F64)         # K, K   damped
     W0, Hd = W[:, perm], Hd[perm][:, perm]                                     # processing order
     # K   group of each position
@@ -98,12 +107,14 @@ def check_least_squares_feedback(gptq, act_order=False, static_groups=False, per
         if j % gs == 0 and not static_groups:
             # the grid from the updated group
             s, z = quant_params(W_free[:, :gs], bits, False)
-            assert (q.scales[:, j // gs] - s).abs().max() <= 1e-9 * s.abs().max(), (
-                f"grid of group {j // gs}"
-            )
-            assert torch.equal(q.zeros[:, j // gs], z), f"zeros of group {j // gs}"
+            expect_close(q.scales[:, j // gs], s, f"{case}: the scales of group {j // gs}, from the "
+                         "columns as the errors before them left them", atol=1e-9 *
+                         float(s.abs().max()), dims="row")
+            expect_equal(q.zeros[:, j // gs], z, f"{case}: the zeros of group {j // gs}")
         want = round_to_codes(W_free[:, :1], scale[:, j], zero[:, j], 15)[:, 0]   # N
-        assert torch.equal(codes[:, j], want), f"codes of column {perm[j].item()} (processed {j}th)"
+        expect_equal(codes[:, j], want, f"{case}: the codes of column {perm[j].item()} (processed at "
+                     f"position {j}): its least-squares optimum given the columns before it, rounded",
+                     dims="row")
 
 
 def check_hessian_scale_does_not_matter(gptq):
@@ -111,10 +122,10 @@ def check_hessian_scale_does_not_matter(gptq):
     ref = gptq(W, H, 4, 16, False)
     for c in (4.0, 0.01):
         q = gptq(W, c * H, 4, 16, False)
-        assert (
-            torch.equal(q.codes, ref.codes)
-            and (q.dequantize() - ref.dequantize()).abs().max() <= 1e-12
-        ), c
+        case = f"gptq(W, {c} × H) against gptq(W, H) (scaling H changes nothing)"
+        expect_equal(q.codes, ref.codes, f"{case}: the codes", dims="row, column")
+        expect_close(q.dequantize(), ref.dequantize(), f"{case}: Ŵ", atol=1e-12,
+                     dims="row, column")
 
 
 def check_dead_inputs(gptq):
@@ -167,10 +178,12 @@ def check_beats_rtn(gptq):
     W, H, X_test, rtn = _outlier_case()
     plain = rel_error(W, gptq(W, H, 4, 128, True).dequantize(), X_test)
     # measured 0.659×
-    assert plain <= 0.75 * rtn, f"GPTQ {plain / rtn:.3f}× RTN's held-out error"
+    expect(plain <= 0.75 * rtn, "GPTQ on the outlier layer: held-out error / RTN's", "≤ 0.75",
+           f"{plain / rtn:.3f}")
     act = rel_error(W, gptq(W, H, 4, 128, True, act_order=True).dequantize(), X_test)
     # measured 0.472×
-    assert act <= 0.5 * rtn, f"GPTQ + act-order {act / rtn:.3f}× RTN's held-out error"
+    expect(act <= 0.5 * rtn, "GPTQ + act-order on the outlier layer: held-out error / RTN's",
+           "≤ 0.5", f"{act / rtn:.3f}")
 
 
 # ----------------------------------------------------------------------------- the tests
@@ -292,11 +305,10 @@ WRONG = {
 
 
 @pytest.mark.parametrize("name", list(WRONG))
-def test_ex09_known_wrong_variants_fail(name):
+def test_ex09_known_wrong_variants_fail_and_say_why(name):
     wrong, checks = WRONG[name]
     for check in checks:
-        with pytest.raises(AssertionError):
-            check(wrong.gptq_quantize)
+        explained_failure(check, wrong.gptq_quantize)
 
 
 def test_ex09_the_checks_pass_on_a_right_variant_built_the_same_way():
