@@ -120,13 +120,24 @@ def expect(condition: bool, case: str, expected, got) -> None:
         raise AssertionError(f"{case}: expected {expected}, got {got}")
 
 
-def explanation_problems(message: str) -> list[str]:
-    """What keeps a failure message from explaining itself (empty: nothing)."""
+def own_lines(message: str) -> list[str]:
+    """The message's lines without the introspection pytest appends to a failing `assert cond, msg`
+    (from its line "assert ..."; pytest shows more of it when CI is set)."""
     lines = message.strip().splitlines()
+    for index, line in enumerate(lines):
+        if index and line.startswith("assert "):
+            return lines[:index]
+    return lines
+
+
+def explanation_problems(message: str) -> list[str]:
+    """What keeps a failure message from explaining itself (empty: nothing). Its own lines count;
+    pytest's introspection after them may show values, never a tensor printed whole."""
+    lines = own_lines(message)
     problems = []
     if not lines:
         problems.append("no message at all")
-    lowered = message.lower()
+    lowered = "\n".join(lines).lower()
     for word in ("expected", "got"):
         if word not in lowered:
             problems.append(f"no '{word}'")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from explain import expect_close, expect_equal, explanation_problems
+from explain import expect_close, expect_equal, explanation_problems, own_lines
 
 
 def _message(fn, *args, **kwargs) -> str:
@@ -55,4 +55,15 @@ def test_negative_controls_messages_that_do_not_explain():
     dumped = f"expected {torch.full((20,), float('nan'))}, got {torch.zeros(20)}"
     assert "no message at all" in explanation_problems(bare)
     assert explanation_problems(str(testing.value)) == ["no 'expected'", "no 'got'"]
+    assert explanation_problems(dumped) == ["a tensor printed whole"]
+
+
+def test_pytests_introspection_is_not_the_messages_own_text():
+    """Under CI=true pytest appends a full diff to `assert cond, msg`; the message's own lines are
+    judged, and a tensor anywhere still fails."""
+    message = ("fork: expected (2, 2), got (1, 1)\nassert (1, 1) == (2, 2)\n  \n  At index 0 diff"
+               + "\n  +     1," * 14)
+    assert own_lines(message) == ["fork: expected (2, 2), got (1, 1)"]
+    assert explanation_problems(message) == []
+    dumped = "x: expected 0, got 1\nassert tensor([1., 1.]) == tensor([0., 0.])"
     assert explanation_problems(dumped) == ["a tensor printed whole"]
