@@ -86,8 +86,8 @@ def check_hash_is_a_deterministic_int(impl):
     for parent in (None, 99):
         distinct = len({h(parent, t) for t in blocks})
         assert distinct == len(blocks), (
-            f"default_block_hash({parent}, each of the {len(blocks)} blocks of 4 tokens from 0..4): "
-            f"expected {len(blocks)} distinct hashes, got {distinct}")
+            f"default_block_hash({parent}, each of the {len(blocks)} blocks of 4 tokens from "
+            f"0..4): expected {len(blocks)} distinct hashes, got {distinct}")
 
 
 def check_hash_chains(impl):

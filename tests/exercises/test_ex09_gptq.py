@@ -107,14 +107,15 @@ def check_least_squares_feedback(gptq, act_order=False, static_groups=False, per
         if j % gs == 0 and not static_groups:
             # the grid from the updated group
             s, z = quant_params(W_free[:, :gs], bits, False)
-            expect_close(q.scales[:, j // gs], s, f"{case}: the scales of group {j // gs}, from the "
-                         "columns as the errors before them left them", atol=1e-9 *
-                         float(s.abs().max()), dims="row")
-            expect_equal(q.zeros[:, j // gs], z, f"{case}: the zeros of group {j // gs}")
+            group = j // gs
+            expect_close(q.scales[:, group], s, f"{case}: the scales of group {group}, from the "
+                         "columns as the errors before them left them",
+                         atol=1e-9 * float(s.abs().max()), dims="row")
+            expect_equal(q.zeros[:, group], z, f"{case}: the zeros of group {group}")
         want = round_to_codes(W_free[:, :1], scale[:, j], zero[:, j], 15)[:, 0]   # N
-        expect_equal(codes[:, j], want, f"{case}: the codes of column {perm[j].item()} (processed at "
-                     f"position {j}): its least-squares optimum given the columns before it, rounded",
-                     dims="row")
+        expect_equal(codes[:, j], want, f"{case}: the codes of column {perm[j].item()} "
+                     f"(processed at position {j}): its least-squares optimum given the columns "
+                     "before it, rounded", dims="row")
 
 
 def check_hessian_scale_does_not_matter(gptq):
