@@ -32,8 +32,6 @@ from torch import nn
 from ..errors import NanoserveError
 from .packing import GPTQ_BITS, dequantize_gptq, pack_gptq
 
-MMA_TILE_K = 128  # kernels/int4_tiles.py: rows per tile of the MMA layout
-
 
 class QuantLinear(nn.Module):
     """y = x · Ŵᵀ + b with Ŵ [N, K] = (codes − zeros[g_idx]) · scales[g_idx], held packed."""
@@ -89,6 +87,8 @@ class QuantLinear(nn.Module):
     def mma_layout_problem(self) -> str | None:
         """Why this layer's codes cannot take the MMA layout (None: they can): 4-bit, tiles of 128
         rows each inside one group."""
+        from ..kernels.int4_tiles import MMA_TILE_K
+
         if self.bits != 4:
             return f"{self.bits}-bit codes (the layout is for 4-bit ones)"
         if self.in_features % MMA_TILE_K:
