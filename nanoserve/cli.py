@@ -24,6 +24,7 @@ from typing import get_args, get_type_hints
 from .config import ENGINE_ARGS, SECTION_TYPES, EngineArg
 from .errors import NanoserveError
 from .serving.limits import ServerLimits
+from .serving.tool_calls import TOOL_CALL_PARSERS, ToolCallConfig
 
 MODEL_HELP = "shipped name (demo), checkpoint dir, llama2.c .bin or hub id"
 LOAD_ARGS = ("dtype", "device")  # eval and quantize load a model and run no engine
@@ -177,6 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a Jinja chat template file (default: the model's own, if any)")
     v.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
                    help="PEFT LoRA adapters served beside it")
+    v.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let tool_choice auto (the default when a request has tools) read calls "
+                        "out of the model's text; needs --tool-call-parser")
+    v.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
+                   help="the format the model writes calls in (hermes: <tool_call> JSON blocks)")
     v.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
                    help="largest request body accepted (default 4 MiB); larger ones get 413")
     v.add_argument("--log-level", default="info",
@@ -347,6 +353,7 @@ def cmd_serve(args) -> None:
           served_model_name=args.served_model_name, chat_template=args.chat_template,
           log_level=args.log_level, max_body_bytes=args.max_body_bytes,
           lora_modules=args.lora_modules,
+          tool_config=ToolCallConfig(args.enable_auto_tool_choice, args.tool_call_parser),
           limits=ServerLimits(args.max_prompts_per_request, args.max_prompt_tokens_per_request,
                               args.max_chat_messages, args.shutdown_grace),
           **engine_kwargs(args))

@@ -18,7 +18,7 @@ pytest.importorskip("llguidance")
 from live_server import LiveServer, _post  # noqa: E402
 
 from nanoserve.engine import LLMEngine  # noqa: E402
-from nanoserve.serving import tool_calls  # noqa: E402
+from nanoserve.serving import tool_call_stream, tool_calls  # noqa: E402
 from nanoserve.serving.async_engine import AsyncLLMEngine  # noqa: E402
 from nanoserve.serving.chat import load_chat_template  # noqa: E402
 from nanoserve.serving.server import create_app  # noqa: E402
@@ -85,8 +85,19 @@ def server(checkpoint):
         create_app(
             AsyncLLMEngine(core), MODEL,
             chat_template=load_chat_template(checkpoint, core.tokenizer),
+            tool_config=tool_calls.ToolCallConfig(True, "hermes"),
         )
     )
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def plain_server(checkpoint):
+    """The same model without --enable-auto-tool-choice: tool_choice auto is a 400, as in vLLM."""
+    core = LLMEngine.from_kwargs(str(checkpoint), num_blocks=64)
+    srv = LiveServer(create_app(AsyncLLMEngine(core), MODEL,
+                                chat_template=load_chat_template(checkpoint, core.tokenizer)))
     yield srv
     srv.stop()
 
@@ -194,8 +205,6 @@ def test_extract_unit():
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice='sometimes'"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": "get_weather"}},
      "allowed are"),
-    ({"tools": [WEATHER], "tool_choice": "required", "stream": True},
-     "stream=true with tool calls parsed"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
      "already constrains"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "tool_call_id"),
@@ -206,3 +215,177 @@ def test_bad_tool_fields_are_400(server, body, says):
                            {"model": MODEL, "messages": HISTORY,
                                                                   "max_tokens": 4, **body})
     assert status == 400 and says in got["error"]["message"], got
+
+
+# ----------------------------------------------------------------------------- auto needs a parser
+@pytest.mark.parametrize("choice", [{"tool_choice": "auto"}, {}])
+def test_auto_without_a_parser_is_vllms_400(plain_server, choice):
+    status, _, got = _post(plain_server.port, "/v1/chat/completions",
+                           {"model": MODEL, "messages": HISTORY, "max_tokens": 4,
+                            "tools": [WEATHER], **choice})
+    assert status == 400 and got["error"]["message"] == tool_calls.AUTO_NEEDS_PARSER
+    for ok in ({"tool_choice": "none", "tools": [WEATHER]}, {}):  # no auto: served as before
+        status, _, got = _post(plain_server.port, "/v1/chat/completions",
+                               {"model": MODEL, "messages": HISTORY, "max_tokens": 4, **ok})
+        assert status == 200, got
+
+
+def test_tool_call_config_refuses_bad_flags():
+    with pytest.raises(Exception, match="allowed: hermes"):
+        tool_calls.ToolCallConfig(True, "pythonic")
+    with pytest.raises(Exception, match="needs tool_call_parser"):
+        tool_calls.ToolCallConfig(True, None)
+
+
+# ----------------------------------------------------------------------------- strict schemas
+LOOSE = {"type": "object", "properties": {  # no additionalProperties anywhere, as LiteLLM sends it
+    "city": {"type": "string", "maxLength": 10},
+    "where": {"type": "object", "properties": {"lat": {"type": "number"}}},
+    "tags": {"type": "array", "items": {"properties": {"k": {"type": "string", "maxLength": 4}}}},
+    "either": {"anyOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
+                         {"type": "null"}]},
+    "both": {"allOf": [{"type": "object", "properties": {"x": {"type": "integer"}}},
+                       {"properties": {"y": {"type": "integer"}}}]},
+    "free": {"type": "object", "additionalProperties": {"type": "integer"}},
+    "properties": {"type": "object", "properties": {"type": {"const": "object"}}}},
+    "required": ["city"]}
+
+
+def test_strict_schema_closes_every_object_but_allofs_parts():
+    strict = tool_calls.strict_schema(LOOSE)
+    props = strict["properties"]
+    closed = [strict, props["where"], props["tags"]["items"], props["either"]["anyOf"][0],
+              props["properties"]]
+    assert all(s["additionalProperties"] is False for s in closed)
+    assert all("additionalProperties" not in s for s in props["both"]["allOf"])  # left open
+    assert props["free"]["additionalProperties"] == {"type": "integer"}  # it says what it allows
+    assert "additionalProperties" not in props  # a map of names is no schema
+    assert "additionalProperties" not in props["properties"]["properties"]
+    assert "additionalProperties" not in LOOSE  # a copy
+
+
+def _strict_validator():
+    """jsonschema's check of the arguments: LOOSE with every object closed, written by hand."""
+    closed = json.loads(json.dumps(LOOSE))
+    closed["additionalProperties"] = False
+    for key in ("where", "properties"):
+        closed["properties"][key]["additionalProperties"] = False
+    closed["properties"]["tags"]["items"]["additionalProperties"] = False
+    closed["properties"]["either"]["anyOf"][0]["additionalProperties"] = False
+    return closed
+
+
+def test_a_loose_tool_schema_gives_arguments_without_unlisted_keys(server):
+    """A schema lacking additionalProperties: every call parses, has only listed keys, and ends
+    by itself. Negative control: the same request with `response_format` and the loose schema
+    (not a tool, so not strict) writes unlisted keys on some of these seeds."""
+    tool = {"type": "function", "function": {"name": "find", "parameters": LOOSE}}
+    closed = _strict_validator()
+    unlisted = 0
+    for seed in range(6):
+        choice = _chat(server, tools=[tool], temperature=1.0, seed=seed, max_tokens=400,
+                       tool_choice={"type": "function", "function": {"name": "find"}})
+        assert choice["finish_reason"] == "tool_calls", choice
+        jsonschema.validate(json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]),
+                            closed)
+        loose = _chat(server, temperature=1.0, seed=seed, max_tokens=400,
+                      response_format={"type": "json_schema",
+                                       "json_schema": {"name": "find", "schema": LOOSE}})
+        try:
+            jsonschema.validate(json.loads(loose["message"]["content"]), closed)
+        except (json.JSONDecodeError, jsonschema.ValidationError):
+            unlisted += 1
+    assert unlisted >= 1
+
+
+# ----------------------------------------------------------------------------- streamed calls
+def _streamed_calls(chunks) -> list[tuple[str, str]]:
+    """(name, joined arguments) of each call in a stream's deltas, by index."""
+    calls: dict[int, list] = {}
+    for c in chunks:
+        for d in c.choices[0].delta.tool_calls or []:
+            if d.id is not None:
+                assert d.index not in calls and d.function.name and d.type == "function"
+                calls[d.index] = [d.function.name, ""]
+            calls[d.index][1] += d.function.arguments or ""
+    return [tuple(calls[i]) for i in sorted(calls)]
+
+
+def _whole_calls(message) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_required_tool_choice_streamed_equals_the_whole_answer(server, seed):
+    client = server.client(api_key="none")
+    kw = dict(model=MODEL, messages=HISTORY, max_tokens=160, tools=[WEATHER, TIME],
+              tool_choice="required", seed=seed, temperature=1.0)
+    whole = client.chat.completions.create(**kw).choices[0]
+    chunks = [c for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+    streamed = [(name, json.loads(args)) for name, args in _streamed_calls(chunks)]
+    assert streamed == _whole_calls(whole.message) and streamed
+    assert chunks[-1].choices[0].finish_reason == whole.finish_reason == "tool_calls"
+    assert all(c.choices[0].delta.content in (None, "") for c in chunks)
+
+
+def test_auto_hermes_calls_streamed(server):
+    """Content before, two calls (one of them cut into many pieces by the steps), content after."""
+    block = (r'Let me check\. <tool_call>\{"name": "get_time", "arguments": \{"zone": "CET"\}\}'
+             r'</tool_call>\n<tool_call>\{"name": "get_weather", "arguments": \{"city": "Rome"\}\}'
+             r'</tool_call> Done\.')
+    client = server.client(api_key="none")
+    kw = dict(model=MODEL, messages=HISTORY, max_tokens=200, tools=[WEATHER, TIME],
+              extra_body={"guided_regex": block})
+    whole = client.chat.completions.create(**kw).choices[0]
+    chunks = [c for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    streamed = [(name, json.loads(args)) for name, args in _streamed_calls(chunks)]
+    assert streamed == _whole_calls(whole.message) == [("get_time", {"zone": "CET"}),
+                                                      ("get_weather", {"city": "Rome"})]
+    assert content == whole.message.content == "Let me check. \n Done."
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # parallel_tool_calls=false: the first call only, streamed or not
+    one = client.chat.completions.create(stream=True, parallel_tool_calls=False, **kw)
+    assert [n for n, _ in _streamed_calls([c for c in one if c.choices])] == ["get_time"]
+
+
+def _feed_in_pieces(reader, text: str, size: int) -> list[dict]:
+    pieces = [text[i:i + size] for i in range(0, len(text), size)] or [""]
+    return [reader.feed(p, i == len(pieces) - 1) for i, p in enumerate(pieces)]
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
+def test_required_reader_any_cut(size):
+    text = ('[ {"name": "f", "parameters": {"s": "a\\"]}{,", "n": [1, {"x": null}]}},'
+            '{"name":"g","parameters":3} ,{"parameters": {"k": true}, "name": "h\\u00e9"}]')
+    deltas = _feed_in_pieces(tool_call_stream.RequiredCalls(), text, size)
+    calls: dict[int, list] = {}
+    for d in deltas:
+        for c in d.get("tool_calls", []):
+            calls.setdefault(c["index"], [c["function"].get("name"), ""])
+            calls[c["index"]][1] += c["function"]["arguments"]
+    got = [(name, json.loads(args)) for name, args in calls.values()]
+    assert got == [(c["name"], c["parameters"]) for c in json.loads(text)]
+
+
+@pytest.mark.parametrize("size", [1, 4, 11, 1000])
+def test_hermes_reader_any_cut(size):
+    text = (' Hi <tool_call {"x"} <tool_call>{"name": "f", "arguments": {"a": "</tool"}}'
+            '</tool_call>\n\n<tool_call>not json</tool_call> bye <tool_call>{"name": "g"')
+    deltas = _feed_in_pieces(tool_call_stream.HermesCalls(), text, size)
+    content = "".join(d.get("content", "") for d in deltas)
+    names = [c["function"]["name"] for d in deltas for c in d.get("tool_calls", [])]
+    assert names == ["f"]
+    assert content == ('Hi <tool_call {"x"} \n\n<tool_call>not json</tool_call> bye '
+                       '<tool_call>{"name": "g"')
+
+
+def test_negative_control_a_reader_that_ignores_cuts_fails():
+    """Fed all at once, a block split over pieces must still be found; a reader that only looks
+    inside each piece (the bug the held-back tag prevents) misses it."""
+    text = 'x <tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    naive = [tool_call_stream.HermesCalls().feed(text[i:i + 4], True)
+             for i in range(0, len(text), 4)]
+    assert not any(d.get("tool_calls") for d in naive)
+    assert [c["function"]["name"] for d in _feed_in_pieces(tool_call_stream.HermesCalls(), text, 4)
+            for c in d.get("tool_calls", [])] == ["f"]

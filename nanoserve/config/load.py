@@ -20,6 +20,8 @@ class LoadConfig:
     device: str | None = None  # "cpu", "cuda", "cuda:N"; None: cuda when available
     quantization: str | None = None  # make a float checkpoint's linears 8-bit as they load
     enforce_eager: bool = False  # no CUDA graphs for decode steps
+    # special-token text in a text prompt stays text (HF's name); default: it becomes the token's id
+    split_special_tokens: bool = False
 
     def __post_init__(self):
         check_choice("quantization", self.quantization, QUANTIZATION_METHODS, optional=True)
@@ -33,4 +35,8 @@ LOAD_ARGS: dict[str, EngineArg] = {
     "quantization": arg("load", "quantization", "make a float checkpoint's linears 8-bit as it "
                         "loads: W8A8 fp8 or int8, or LLM.int8", choices=QUANTIZATION_METHODS),
     "enforce_eager": arg("load", "enforce_eager", "no CUDA graphs for decode steps (debugging)"),
+    "split_special_tokens": arg("load", "split_special_tokens",
+                                "encode special-token text in a prompt ('<|endoftext|>') as "
+                                "ordinary text, so that users' prompts cannot write control "
+                                "tokens (default: the token's id, as HF and vLLM do)"),
 }

@@ -17,6 +17,7 @@ import torch
 
 from ..errors import NanoserveError
 from ..extension_points import extension
+from ..tokenizers.specials import encode_with_special_tokens
 from .outputs import CompletionOutput, IncrementalText, RequestOutput
 from .request import Prompt, Request, Sample
 from .sampler import SamplingParams, make_generator
@@ -27,8 +28,12 @@ class InputProcessor:
     """Validates prompts and builds requests for one model and one KV pool."""
 
     def __init__(self, config, tokenizer, device: torch.device, num_blocks: int, block_size: int,
-                 model_name: str = "", lora=None, grammar_limits=None):
+                 model_name: str = "", lora=None, grammar_limits=None,
+                 split_special_tokens: bool = False):
         self.config, self.tokenizer, self.device = config, tokenizer, device
+        # "<|endoftext|>" in a text prompt: the special token's id (HF's and vLLM's default), or
+        # with split_special_tokens thirteen ordinary tokens (tokenizers/specials.py)
+        self.split_special_tokens = split_special_tokens
         # the engine's LoRAManager with enable_lora: it checks and reads a request's adapter
         self.lora = lora
         self.num_blocks, self.block_size, self.model_name = num_blocks, block_size, model_name
@@ -58,7 +63,7 @@ class InputProcessor:
                                      "lists of token ids, not text")
             if not prompt:
                 raise NanoserveError("prompt is empty; give at least one character or token id")
-            ids = self.tokenizer.encode(prompt, bos=self.add_bos)
+            ids = self.encode_text(prompt, self.add_bos)
         else:
             ids = self.check_token_ids(prompt)
         if len(ids) >= self.max_model_len:
@@ -67,6 +72,12 @@ class InputProcessor:
                 f"the prompt must be at most {self.max_model_len - 1} tokens to leave room for one "
                 "new token")
         return ids
+
+    def encode_text(self, text: str, bos: bool) -> list[int]:
+        """Text -> ids, special-token text as the token's id unless split_special_tokens."""
+        if self.split_special_tokens:
+            return self.tokenizer.encode(text, bos=bos)
+        return encode_with_special_tokens(text, self.tokenizer, bos=bos)
 
     def check_token_ids(self, token_ids: abc.Sequence[int]) -> list[int]:
         """The ids as ints, each a token the model embeds and the tokenizer decodes."""

@@ -145,7 +145,7 @@ class LLMEngine:
                                                                self.max_model_len, verify_tokens)
         self.inputs = InputProcessor(self.config, self.tokenizer, self.device, num_blocks,
                                      cache.block_size, self.model_name, lora,
-                                     config.structured_outputs)
+                                     config.structured_outputs, load.split_special_tokens)
         self.step_hooks: list = []  # extensions that take part in each step (StepHook)
         self.spec = None  # the speculative decoder, when speculation is on (spec/spec_decode.py)
         if config.speculative is not None:

@@ -11,6 +11,8 @@
     openai_logprobs.py  logprobs in OpenAI's two shapes
     openai_schema.py    response schemas, and a truthful /openapi.json
     chat.py             chat templates
+    tool_calls.py       tools, tool_choice, strict tool schemas, calls read from the text
+    tool_call_stream.py the same calls streamed as OpenAI's deltas
     metrics.py          Prometheus metrics
 
 Needs the `serve` extra (FastAPI, uvicorn, prometheus-client). Taught in notebooks/09_*.

@@ -16,23 +16,22 @@ requests for it rather than invent one.
 Rendering gives text in which special tokens appear *as text* ("<|im_end|>"). Those must become
 their single ids, never the ids of their characters, so `encode` cuts the text at every special
 token and encodes only the pieces between them (tiktoken's `allowed_special="all"` does the
-same). No BOS is added: the template writes it when the model wants one. (SentencePiece models
-put a "▁" before each piece's first word; HF's legacy Llama tokenizer agrees, its newer mode may
-not.) Used by the OpenAI-compatible server, nanoserve/serving/server.py.
+same; nanoserve/tokenizers/specials.py). No BOS is added: the template writes it when the model
+wants one. (SentencePiece models put a "▁" before each piece's first word; HF's legacy Llama
+tokenizer agrees, its newer mode may not.) Used by the OpenAI-compatible server,
+nanoserve/serving/server.py.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 from pathlib import Path
 
-import regex
-
 from ..errors import NanoserveError
 from ..models.loader import resolve_model_path
 from ..tokenizers import Tokenizer
+from ..tokenizers.specials import encode_with_special_tokens
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -98,28 +97,6 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
     """Jinja's `tojson` filter as HF's templates expect it: non-ASCII kept, options passed on."""
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                       sort_keys=sort_keys)
-
-
-def encode_with_special_tokens(text: str, tokenizer: Tokenizer) -> list[int]:
-    specials = tokenizer.special_tokens
-    if not specials:
-        return tokenizer.encode(text)
-    pattern = _special_pattern(tuple(sorted(specials, key=len, reverse=True)))  # longest first
-    ids, start = [], 0
-    for m in pattern.finditer(text):
-        if m.start() > start:
-            ids += tokenizer.encode(text[start:m.start()])
-        ids.append(specials[m.group()])
-        start = m.end()
-    if start < len(text):
-        ids += tokenizer.encode(text[start:])
-    return ids
-
-
-@functools.lru_cache(maxsize=8)
-def _special_pattern(tokens: tuple[str, ...]) -> regex.Pattern:
-    """One alternation of the special tokens, compiled once per vocabulary (not per request)."""
-    return regex.compile("|".join(regex.escape(t) for t in tokens))
 
 
 def check_messages(messages: object) -> None:

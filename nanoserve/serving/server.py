@@ -54,7 +54,7 @@ from ..engine.outputs import RequestOutput
 from ..engine.scheduler import QueueFullError
 from ..errors import NanoserveError, RequestFailedError
 from . import openai_api as api
-from . import tool_calls
+from . import tool_call_stream, tool_calls
 from .async_engine import AsyncLLMEngine, EngineDeadError
 from .chat import ChatTemplate
 from .http_middleware import DEFAULT_MAX_BODY_BYTES, CountStatus, LimitBody, RequireKey
@@ -82,12 +82,15 @@ class APIError(Exception):
 def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
                chat_template: ChatTemplate | None = None, retry_after: int = 1,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, loras: dict | None = None,
-               limits: ServerLimits | None = None) -> CountStatus:
+               limits: ServerLimits | None = None,
+               tool_config: tool_calls.ToolCallConfig | None = None) -> CountStatus:
     """The ASGI app serving `engine` under `model_name`, and each LoRARequest of `loras` under its
     name (a request's `model` picks one, as vLLM's --lora-modules); run it with uvicorn (see
-    `serve`). `limits`: what one request may ask for (limits.py)."""
+    `serve`). `limits`: what one request may ask for (limits.py); `tool_config`: whether and how
+    tool_choice auto reads calls out of the text (tool_calls.py)."""
     core, loras = engine.engine, loras or {}
     limits = limits or ServerLimits()
+    tool_config = tool_config or tool_calls.ToolCallConfig()
     metrics = ServerMetrics(core, pending=lambda: engine.num_pending)
 
     @asynccontextmanager
@@ -259,43 +262,33 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
         rid, created = api.new_id("chatcmpl"), api.now()
         # tool calls: constrained (named, required) or parsed (auto), tool_calls.py
         mode, _ = body.tool_mode()
-        hermes = (
-            bool(body.tools) and body.tool_choice != "none"
-            and "<tool_call>" in chat_template.source
-        )
+        hermes = tool_config.auto_parser(body.tools, body.tool_choice) == "hermes"
         calls = (lambda text: tool_calls.extract(text, mode, body.tool_choice, hermes,
                                                  body.parallel_tool_calls)
                  ) if mode or hermes else None
         if body.prompt_logprobs is not None and body.stream:
             raise APIError(400,
                            "prompt_logprobs with stream=true is not supported; use stream=false")
-        if calls is not None and body.stream and mode != "named":
-            raise APIError(400,
-                           "stream=true with tool calls parsed from the whole output (tool_choice "
-                           "required, or auto with a tool-calling template) is not supported; set "
-                           "stream=false")
         streams = await add_all(
             [], params, rid, body.message_dicts(), body.template_options(), lora
         )
         k, tok = params.logprobs or 0, core.tokenizer
         if body.stream:
-            ids: dict[int, str] = {}  # choice -> its tool call's id (a named tool_choice)
+            readers: dict[int, object] = {}  # choice -> its reader of calls (tool_call_stream.py)
 
             def chunk(index, delta, reason, first, out, c, chars, tokens):
-                if mode == "named":
-                    name = body.tool_choice["function"]["name"]
-                    d = tool_calls.named_delta(first, delta, name,
-                                               ids.setdefault(index, tool_calls.call_id()))
-                else:
-                    d = {"role": "assistant",
-                         "content": delta} if first else ({"content": delta} if delta else {})
+                calls_in = readers.setdefault(index, tool_call_stream.reader(
+                    mode, body.tool_choice, hermes, body.parallel_tool_calls))
+                d = calls_in.feed(delta, reason is not None)
+                if first:
+                    d = {"role": "assistant", **(d or {"content": ""})}
                 ch = api.chat_chunk(rid, answered_as, created, index, d, reason,
                                     api.chat_logprobs(c, tokens, k, tok))
-                if mode == "named" and reason == "stop":
+                if calls_in.num_calls and reason == "stop":
                     ch["choices"][0]["finish_reason"] = "tool_calls"
                 return ch
             return sse(streams, params.n, chunk, body.stream_options, rid, answered_as, created,
-                        "chat.completion.chunk", metrics)
+                       "chat.completion.chunk", metrics)
         outs = await collect(streams, request, metrics)
         return api.chat_response(rid, answered_as, created, outs[0], k, tok, calls)
 
@@ -328,7 +321,8 @@ def serve(model: str = "demo", host: str = "127.0.0.1", port: int = 8000,
           served_model_name: str | None = None, chat_template: str | None = None,
           log_level: str = "info",
           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, lora_modules: list[str] | None = None,
-          limits: ServerLimits | None = None, **engine_kwargs) -> None:
+          limits: ServerLimits | None = None,
+          tool_config: tool_calls.ToolCallConfig | None = None, **engine_kwargs) -> None:
     """Load the model and serve it until interrupted, or until the engine fails (then SystemExit,
     status 1); what `nanoserve serve` runs. `lora_modules`: name=path of each LoRA adapter, read
     before the server starts."""
@@ -349,7 +343,8 @@ def serve(model: str = "demo", host: str = "127.0.0.1", port: int = 8000,
     limits = limits or ServerLimits()
     engine = AsyncLLMEngine(core)
     app = create_app(engine, served_model_name or str(model), api_key, template,
-                     max_body_bytes=max_body_bytes, loras=loras, limits=limits)
+                     max_body_bytes=max_body_bytes, loras=loras, limits=limits,
+                     tool_config=tool_config)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"[nanoserve] warning: serving on {host} without --api-key: anyone who can reach it "
               "can use it",

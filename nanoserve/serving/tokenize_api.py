@@ -3,15 +3,17 @@
     POST /tokenize        {"prompt": "text", "add_special_tokens": true}   (or "messages": [...])
                           -> {"count", "max_model_len", "tokens", "token_strs"}
     POST /detokenize      {"tokens": [ids]} -> {"prompt": "text"}
-    GET  /tokenizer_info -> {"tokenizer_class", "bos_token", "eos_token", "pad_token",
-         "chat_template",
-                              "model_max_length", "vocab_size"}
+    GET  /tokenizer_info  -> {"tokenizer_class", "bos_token", "eos_token", "pad_token",
+                              "chat_template", "model_max_length", "vocab_size"}
 
 lm-evaluation-harness checks for /tokenizer_info and /tokenize and, when both answer, tokenizes
 through them (its "remote" tokenizer). A prompt is encoded exactly as /v1/completions encodes it:
-special-token text ("<|endoftext|>") stays ordinary text (a prompt cannot inject control tokens),
-and `add_special_tokens` adds BOS where the model's prompts start with it; `messages` go through the
-chat template as /v1/chat/completions renders them (its special tokens as their ids).
+special-token text ("<|endoftext|>") becomes the token's id, as HF's tokenizers and vLLM encode it
+(ordinary text instead when the server runs with --split-special-tokens: its users' prompts then
+cannot write control tokens; nanoserve/tokenizers/specials.py). `add_special_tokens` (vLLM's name,
+default true) adds BOS where the model's prompts start with one and nothing else; `count` says how
+many ids came back. `messages` go through the chat template as /v1/chat/completions renders them
+(its special tokens as their ids; add_special_tokens then adds nothing, the template writes BOS).
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ def add_tokenizer_routes(app, core, chat_template, check_model, limits: ServerLi
                 ids = chat_template.encode(msgs, tok, body.add_generation_prompt,
                                            body.chat_template_kwargs)
             else:
-                ids = tok.encode(body.prompt, body.add_special_tokens and core.inputs.add_bos)
+                bos = body.add_special_tokens and core.inputs.add_bos
+                ids = core.inputs.encode_text(body.prompt, bos)
             limits.check_tokens(len(ids), "the prompt")
             strs = [tok.decode([t]) for t in ids] if body.return_token_strs else None
             return json_response({"count": len(ids), "max_model_len": core.max_model_len,

@@ -17,9 +17,19 @@ apply_chat_template renders them. What the model writes back becomes `tool_calls
   the listed functions each (one only with parallel_tool_calls=false).
 
 A choice with calls has finish_reason "tool_calls" and `content` null (or the text around the
-calls). Streamed, a named function's arguments arrive in pieces (`named_delta`); "required" and a
-parsed "auto" need the whole text first, so the server refuses stream=true for them. Taught in
-notebooks/11_*.
+calls). Streamed, every mode sends the calls as they are found, their arguments in pieces
+(tool_call_stream.py).
+
+As in vLLM, "auto" must be switched on when the server starts (`--enable-auto-tool-choice
+--tool-call-parser hermes`, `ToolCallConfig`): a server that cannot parse calls out of the text
+answers a request with tools and tool_choice auto (or none given, which means auto) with a 400
+rather than with text that silently holds unparsed calls.
+
+A tool's `parameters` schema is compiled *strict*, as vLLM compiles it: an object that does not say
+which other keys it allows (`additionalProperties`, `patternProperties`, `unevaluatedProperties`)
+allows none (`strict_schema`). Without that, a model may write a key of its own and run to
+max_tokens inside a string; clients that drop `additionalProperties` from their schemas (LiteLLM,
+LangChain) would get arguments that do not parse. Taught in notebooks/11_*.
 """
 
 from __future__ import annotations
@@ -27,10 +37,40 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from dataclasses import dataclass
 
 from ..errors import NanoserveError
 
 HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+TOOL_CALL_PARSERS = ("hermes",)  # the formats "auto" can read calls in (vLLM's names)
+AUTO_NEEDS_PARSER = ('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                     "to be set")  # vLLM's message, word for word: clients look for it
+
+
+@dataclass(frozen=True)
+class ToolCallConfig:
+    """How the server reads tool calls that tool_choice "auto" leaves to the model (vLLM's
+    flags)."""
+
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None  # one of TOOL_CALL_PARSERS
+
+    def __post_init__(self):
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise NanoserveError(f"tool_call_parser={self.tool_call_parser!r}; allowed: "
+                                 f"{', '.join(TOOL_CALL_PARSERS)}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise NanoserveError("enable_auto_tool_choice needs tool_call_parser (allowed: "
+                                 f"{', '.join(TOOL_CALL_PARSERS)})")
+
+    def auto_parser(self, tools, tool_choice) -> str | None:
+        """The parser for a request's output: None unless it has tools and tool_choice auto
+        (given, or implied by tools without a tool_choice); a 400 if auto is off."""
+        if not tools or tool_choice not in (None, "auto"):
+            return None
+        if not self.enable_auto_tool_choice:
+            raise NanoserveError(AUTO_NEEDS_PARSER)
+        return self.tool_call_parser
 
 
 def functions(tools: list[dict] | None) -> dict[str, dict]:
@@ -53,7 +93,7 @@ def functions(tools: list[dict] | None) -> dict[str, dict]:
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
             raise NanoserveError(f"tools[{i}].function.parameters must be a JSON schema object")
-        out[fn["name"]] = params
+        out[fn["name"]] = strict_schema(params)
     return out
 
 
@@ -90,6 +130,40 @@ def forced(tools: list[dict] | None, tool_choice,
 
 
 LITERAL_KEYWORDS = ("const", "enum", "default", "examples")  # JSON values, not schemas: left alone
+# where a JSON schema holds other schemas: one, a list of them, or a map of names to them
+SUBSCHEMA = ("additionalProperties", "additionalItems", "items", "not", "if", "then", "else",
+             "contains", "propertyNames", "unevaluatedProperties", "unevaluatedItems")
+SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def strict_schema(schema: dict) -> dict:
+    """A copy of `schema` in which every object schema that does not say which other keys it
+    allows allows none (additionalProperties: false). Parts of an allOf are left open: closing
+    each would refuse the keys the others list."""
+    root = json.loads(json.dumps(schema))
+    stack: list = [(root, True)]
+    while stack:
+        node, may_close = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        kind = node.get("type")
+        is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) or (
+            kind is None and "properties" in node)
+        if may_close and is_object and not any(k in node for k in OPEN_KEYS):
+            node["additionalProperties"] = False
+        for key in SUBSCHEMA:
+            if isinstance(node.get(key), dict):
+                stack.append((node[key], True))
+        for key in SUBSCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                stack.extend((child, key != "allOf") for child in node[key])
+        for key in SUBSCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                stack.extend((child, True) for child in node[key].values())
+    return root
+
 
 
 def rebase_refs(schema: dict, base: str) -> dict:
@@ -129,21 +203,12 @@ def for_template(messages: list[dict]) -> list[dict]:
     return out
 
 
-def named_delta(first: bool, text: str, name: str, call_id: str) -> dict:
-    """A stream's delta for a named tool_choice: the call's id and name first, then its arguments in
-    pieces (OpenAI's streamed tool_calls shape)."""
-    if first:
-        call = {"index": 0, "id": call_id, "type": "function",
-                "function": {"name": name, "arguments": text}}
-        return {"role": "assistant", "content": None, "tool_calls": [call]}
-    return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
-
-
 def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _call(name: str, arguments) -> dict:
+def function_call(name: str, arguments) -> dict:
+    """A call as OpenAI's tool_calls list holds it (arguments as JSON text)."""
     args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
     return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": args}}
 
@@ -153,10 +218,10 @@ def extract(text: str, mode: str | None, tool_choice, hermes: bool, parallel: bo
     """(content, tool_calls) of one choice's text; with parallel=False, parsed calls past the first
     are dropped."""
     if mode == "named":
-        return None, [_call(tool_choice["function"]["name"], text)]
+        return None, [function_call(tool_choice["function"]["name"], text)]
     if mode == "required":
         try:
-            return None, [_call(c["name"], c["parameters"]) for c in json.loads(text)]
+            return None, [function_call(c["name"], c["parameters"]) for c in json.loads(text)]
         except (json.JSONDecodeError, TypeError, KeyError):
             return text, []  # cut short by max_tokens: not a complete array
     if not hermes:
@@ -165,7 +230,7 @@ def extract(text: str, mode: str | None, tool_choice, hermes: bool, parallel: bo
     for block in HERMES.findall(text):
         try:
             obj = json.loads(block)
-            calls.append(_call(obj["name"], obj.get("arguments", {})))
+            calls.append(function_call(obj["name"], obj.get("arguments", {})))
         except (json.JSONDecodeError, TypeError, KeyError):
             return text, []  # not well formed: the text as it is
     if not calls:

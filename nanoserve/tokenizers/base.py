@@ -16,8 +16,9 @@ Two engines cover the vocabulary formats that checkpoints ship with:
   characters: tiktoken's rank-over-bytes BPE cannot express that exactly.
 
 Both engines have the members of :class:`Tokenizer`; :func:`load_tokenizer` (load.py) picks one by
-the files it finds. ``encode`` never parses special-token text (``"<|endoftext|>"`` in a prompt is
-ordinary text), so a prompt cannot inject control tokens; ``bos=True`` prepends the BOS id instead.
+the files it finds. ``encode`` never parses special-token text (``"<|endoftext|>"`` is ordinary
+text there); specials.py cuts it out where the special token's id is meant (chat templates, and
+prompts unless the engine's ``split_special_tokens`` is set). ``bos=True`` prepends the BOS id.
 
 Tests (tests/test_tokenizer.py) hold both engines to outside references: llama.cpp's tokenizer
 vectors for GPT-2 and Llama-2, and the HF ``tokenizers`` library on tokenizer.json files built
