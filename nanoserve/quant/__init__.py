@@ -17,6 +17,8 @@ only in how they choose Ŵ:
   before rounding (s = mean|x|^α, α searched) and fold 1/s into the op before; then clip each
   group's range. `awq_search`, `apply_awq`, `fold_scales`.
 - packing.py — the checkpoint formats: GPTQ v1 (AutoGPTQ) and AutoAWQ GEMM int32 packing.
+- ggml_blocks.py — llama.cpp's block types (Q8_0 … Q6_K, the tensors of a GGUF file), their
+  layouts and their dequantization in torch.
 - qlinear.py — `QuantLinear`, the layer the models run: packed GPTQ tensors, dequantized on the fly
   (a fused Triton W4A16 kernel on CUDA).
 
