@@ -37,6 +37,8 @@ before anything else can make an engine.
                                                       own metadata)
     kv_quant            kv/quant.py                   kv_quant, kv_element_bytes: PagedKVCache,
                                                       K/V stored in 8 bits
+    gguf                models/gguf_file.py           read_gguf: the loader, for a GGUF file
+                                                      (config, float tensors, packed linears)
 
 An extension point that nothing registered is an error that names it.
 """
@@ -49,7 +51,7 @@ from .errors import ConfigError
 
 POINTS = ("quantization", "parallel", "lora", "speculative", "token_trees", "structured_outputs",
           "async_scheduling", "cuda_graphs", "triton_layers", "cpu_runtime", "attention_backends",
-          "kv_quant")
+          "kv_quant", "gguf")
 
 _registry: dict[str, ModuleType | SimpleNamespace] = {}
 

@@ -12,7 +12,7 @@ from .engine import async_step, cpu_allocator, cuda_graph, structured_output
 from .extension_points import register
 from .kv import in_place
 from .kv import quant as kv_quant
-from .models import onednn, triton_layers
+from .models import gguf_file, onednn, triton_layers
 from .parallel import workers
 from .quant import load, online
 from .spec import spec_decode, tree_sampler
@@ -22,6 +22,7 @@ register("quantization", SimpleNamespace(  # quantized checkpoints; 8-bit linear
     quantize_on_load=online.quantize_on_load))
 register("attention_backends", in_place)  # Triton's kernels, the CPU's C decode kernel
 register("kv_quant", kv_quant)  # K/V stored in 8 bits, a scale per token and head
+register("gguf", gguf_file)  # llama.cpp's GGUF files: packed linears, memory-mapped
 register("parallel", workers)  # the model split over ranks, rank 0 driving the others
 register("lora", lora)  # adapters: merged at load, or one per request
 register("speculative", spec_decode)  # drafts proposed before a forward, verified after it

@@ -77,7 +77,8 @@ EXTENSIONS = [
     "nanoserve.kv.triton_backend",
     "nanoserve.kv.cpu_backend", "nanoserve.kv.quant", "nanoserve.kv.in_place",
     "nanoserve.extensions",
-    "nanoserve.models.onednn", "nanoserve.models.triton_layers", "nanoserve.kernels",
+    "nanoserve.models.onednn", "nanoserve.models.triton_layers", "nanoserve.models.gguf_file",
+    "nanoserve.kernels",
 ]
 
 

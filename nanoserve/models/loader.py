@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 
 from ..errors import CheckpointError, ConfigError, NanoserveError
 from ..extension_points import extension
@@ -133,8 +134,13 @@ def load_model(name_or_path, dtype=None, device=None):
     if one_shard and (path.parent / "config.json").is_file():
         raise CheckpointError(f"{path} is one file of an HF checkpoint; pass its directory "
                               f"{path.parent}")
+    modules = None  # layers a reader built whole (a GGUF file's packed linears)
     if path.is_file() and path.suffix == ".bin":
         cfg, tensors = read_llama2c(path)
+        tok_dir, quantization = path.parent, None
+    elif _is_gguf(path):  # llama.cpp's one-file format, read by the gguf extension
+        hf, tensors, modules = extension("gguf").read_gguf(path)
+        cfg = ModelConfig.from_hf(hf)
         tok_dir, quantization = path.parent, None
     elif path.is_dir() and (path / "config.json").is_file():
         cfg = read_hf_config(path / "config.json")
@@ -144,13 +150,21 @@ def load_model(name_or_path, dtype=None, device=None):
     else:
         raise CheckpointError(
             f"{path} is not a checkpoint: expected a directory with config.json + "
-            "model.safetensors (or pytorch_model.bin), or a llama2.c .bin file")
-    model = build_from_tensors(cfg, tensors, torch_dtype, dev, quantization)
+            "model.safetensors (or pytorch_model.bin), a GGUF file, or a llama2.c .bin file")
+    model = build_from_tensors(cfg, tensors, torch_dtype, dev, quantization, modules)
     # No tokenizer beside the weights is allowed (vLLM's skip_tokenizer_init): prompts are then
     # token ids.
     tokenizer = load_tokenizer(tok_dir) if has_tokenizer(tok_dir) else None
     check_vocabulary(cfg, tokenizer, tok_dir)
     return model, cfg, tokenizer
+
+
+def _is_gguf(path: Path) -> bool:
+    """A GGUF file starts with the four bytes "GGUF"."""
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
 
 
 def check_vocabulary(cfg: ModelConfig, tokenizer, where: Path) -> None:
@@ -247,11 +261,13 @@ def normalize_hf_names(cfg: ModelConfig,
 
 
 def build_from_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                       device: torch.device, quantization: dict | None = None) -> CausalLM:
+                       device: torch.device, quantization: dict | None = None,
+                       modules: dict[str, nn.Module] | None = None) -> CausalLM:
     """Create the model without random init (on "meta") and copy every weight in, checking shapes.
 
     With a quantization_config (GPTQ or AWQ checkpoints), the quantized linears become
-    QuantLinears holding the packed tensors (nanoserve/quant/load.py)."""
+    QuantLinears holding the packed tensors (nanoserve/quant/load.py). `modules`: linears a reader
+    built whole (GGUF's packed ones, models/gguf_file.py), put in place of the model's."""
     tensors = normalize_hf_names(cfg, tensors)
     with torch.device("meta"):
         model = build_model(cfg)
@@ -268,6 +284,9 @@ def build_from_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype
                                   "tie_word_embeddings: false")
         quant.install_quant_linears(model, layers, dtype, device)
         quantized = set(layers)
+    for name, module in (modules or {}).items():
+        _install_linear(model, name, module, device)
+        quantized.add(name)
     expected = {k: v for k, v in model.state_dict().items()
                 if k.rpartition(".")[0] not in quantized}
     tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
@@ -286,6 +305,26 @@ def build_from_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype
                     "from config.json")
             param.copy_(src.to(device=device, dtype=dtype))
     return model.eval()
+
+
+def _install_linear(model: nn.Module, name: str, module: nn.Module, device: torch.device) -> None:
+    """Put `module` where the model has the linear `name`, after checking it is that layer."""
+    try:
+        linear = model.get_submodule(name)
+    except AttributeError as e:
+        raise CheckpointError(f"the checkpoint's layer {name!r} is no layer of this model") from e
+    if not isinstance(linear, nn.Linear):
+        raise CheckpointError(f"the checkpoint's layer {name!r} is a linear; the model's is a "
+                              f"{type(linear).__name__}")
+    if (module.in_features, module.out_features) != (linear.in_features, linear.out_features):
+        raise CheckpointError(f"layer {name!r} is [{module.out_features}, {module.in_features}] in "
+                              f"the checkpoint, [{linear.out_features}, {linear.in_features}] in "
+                              "the model")
+    if (module.bias is None) != (linear.bias is None):
+        raise CheckpointError(f"layer {name!r}: the model's has a bias and the checkpoint's has "
+                              "none, or the other way round")
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, module.to(device))
 
 
 # ----------------------------------------------------------------------------- saving

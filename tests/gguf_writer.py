@@ -1,0 +1,97 @@
+"""Test helper: a transformers model written as a GGUF file the way llama.cpp's converter writes
+one (its metadata keys, tensor names, q/k rows reordered for Llama), each linear in a chosen GGML
+type. Legacy types are quantized by the `gguf` package itself; K-quant types (which it cannot
+quantize) get random blocks with small float16 scales — a random model either way, and both
+readers under test see the same bytes.
+
+Imported by name (`from gguf_writer import write_gguf`), like testdata.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+OUR_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def permute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's converter: within each head, HF's row i + j·d/2 goes to row 2i + j."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+        w.shape)
+
+
+def _gguf_name(name: str) -> str:
+    if name.startswith("model.layers."):
+        layer, rest = name[len("model.layers."):].split(".", 1)
+        module, _, kind = rest.rpartition(".")
+        return f"blk.{layer}.{OUR_TO_GGUF[module]}.{kind}"
+    return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
+            "output_norm.weight", "lm_head.weight": "output.weight"}[name]
+
+
+def _k_blocks(gguf, qtype, shape: tuple[int, int], rng) -> np.ndarray:
+    """Random K-quant blocks whose float16 scales give weights of about ±0.05."""
+    from nanoserve.quant.ggml_blocks import BLOCK_TYPES
+
+    kind = BLOCK_TYPES[qtype.name]
+    n = shape[0] * shape[1] // kind.block_weights
+    blocks = rng.integers(0, 256, size=(n, kind.block_bytes), dtype=np.uint8)
+    f16_at = {"Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+    for at in f16_at[qtype.name]:
+        d = (rng.uniform(0.2, 1.0, n) * 2e-3).astype(np.float16)
+        blocks[:, at:at + 2] = d.view(np.uint8).reshape(n, 2)
+    return blocks.reshape(shape[0], -1)
+
+
+def write_gguf(model, path: Path, qtype_name: str = "F32", arch: str = "llama",
+               seed: int = 0) -> Path:
+    """`model` (a transformers LlamaForCausalLM / Qwen2ForCausalLM) as a GGUF file at `path`, its
+    2-D linear weights in `qtype_name`, everything else F32."""
+    import gguf
+
+    cfg = model.config
+    qtype = getattr(gguf.GGMLQuantizationType, qtype_name)
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_theta if hasattr(cfg, "rope_theta")
+                              else cfg.rope_parameters["rope_theta"])
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"<t{i}>" for i in range(cfg.vocab_size)])
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        w = tensor.detach().float().numpy()
+        if arch == "llama" and name.endswith("q_proj.weight"):
+            w = permute_rotary(w, cfg.num_attention_heads)
+        if arch == "llama" and name.endswith("k_proj.weight"):
+            w = permute_rotary(w, cfg.num_key_value_heads)
+        linear = w.ndim == 2 and "embed_tokens" not in name
+        if not linear or qtype_name == "F32":
+            writer.add_tensor(_gguf_name(name), w)
+        elif qtype_name in K_TYPES:
+            writer.add_tensor(_gguf_name(name), _k_blocks(gguf, qtype, w.shape, rng),
+                              raw_dtype=qtype)
+        else:
+            writer.add_tensor(_gguf_name(name), gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

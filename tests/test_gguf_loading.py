@@ -1,0 +1,91 @@
+"""GGUF files (models/gguf_file.py) held to transformers' own GGUF loading of the same file
+(`from_pretrained(..., gguf_file=...)`, which dequantizes with the gguf package): a tiny random
+Llama (GQA, so q and k are reordered with different head counts) and Qwen2 (biases, no
+reordering), written as llama.cpp's converter writes them, in F32, Q8_0, Q4_0, Q5_1 and the
+K-quants; logits to 1e-4. The quantized linears stay packed (GGMLLinear, the file's bytes).
+Negative control: the same Llama file read without undoing the q/k reordering disagrees."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf_writer import write_gguf
+
+from nanoserve.engine.llm import LLM
+from nanoserve.errors import CheckpointError
+from nanoserve.models import gguf_file
+from nanoserve.models.gguf_file import GGMLLinear
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+
+IDS = [[3, 17, 92, 5, 250, 41, 8, 8, 77, 130, 2, 64]]
+
+
+def _hf_model(arch: str):
+    torch.manual_seed(0)
+    common = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  rms_norm_eps=1e-5, tie_word_embeddings=False)
+    if arch == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    with torch.no_grad():  # randomised norms and biases: a loader that drops one is seen
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.3)
+    return model.eval()
+
+
+def _transformers_logits(path) -> torch.Tensor:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                           dtype=torch.float32)
+    with torch.no_grad():
+        return hf(torch.tensor(IDS)).logits[0]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_0", "Q5_1", "Q4_K", "Q6_K", "Q3_K"])
+def test_logits_equal_transformers_gguf_loading(arch, qtype, tmp_path):
+    path = write_gguf(_hf_model(arch), tmp_path / f"{arch}-{qtype}.gguf", qtype, arch)
+    llm = LLM(str(path), dtype="float32", device="cpu", num_blocks=16)
+    ours = llm.logits(IDS[0])
+    assert (ours - _transformers_logits(path)).abs().max().item() < 1e-4
+    packed = [m for m in llm.model.modules() if isinstance(m, GGMLLinear)]
+    assert len(packed) == (0 if qtype == "F32" else 2 * 7 + 1)  # 7 per block, and the head
+    assert all(m.type_name == qtype for m in packed)
+
+
+def test_negative_control_without_undoing_the_reordering(tmp_path, monkeypatch):
+    path = write_gguf(_hf_model("llama"), tmp_path / "llama.gguf", "Q8_0", "llama")
+    monkeypatch.setitem(gguf_file.ARCHITECTURES, "llama", ("llama", False))
+    llm = LLM(str(path), dtype="float32", device="cpu", num_blocks=16)
+    assert (llm.logits(IDS[0]) - _transformers_logits(path)).abs().max().item() > 1e-2
+
+
+def test_an_unread_key_is_refused_by_name(tmp_path):
+    import gguf
+
+    path = tmp_path / "scaled.gguf"
+    write_gguf(_hf_model("llama"), path, "F32", "llama")
+    writer_path = tmp_path / "with-scaling.gguf"
+    reader = gguf.GGUFReader(path)
+    writer = gguf.GGUFWriter(str(writer_path), "llama")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value = field.contents()
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, value, vtype, sub_type=sub)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, t.data, raw_shape=list(reversed(t.shape.tolist())),
+                          raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(CheckpointError, match="llama.rope.scaling.type"):
+        LLM(str(writer_path), dtype="float32", device="cpu", num_blocks=16)
