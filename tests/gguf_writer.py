@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from nanoserve.tokenizers.bpe import token_chars
+
 K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 OUR_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
                "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -52,8 +54,9 @@ def _k_blocks(gguf, qtype, shape: tuple[int, int], rng) -> np.ndarray:
 
 def write_gguf(model, path: Path, qtype_name: str = "F32", arch: str = "llama",
                seed: int = 0) -> Path:
-    """`model` (a transformers LlamaForCausalLM / Qwen2ForCausalLM) as a GGUF file at `path`, its
-    2-D linear weights in `qtype_name`, everything else F32."""
+    """`model` (a transformers LlamaForCausalLM / Qwen2ForCausalLM with the demo's 257-token
+    vocabulary) as a GGUF file at `path`, its 2-D linear weights in `qtype_name`, everything else
+    F32, with the demo's byte tokenizer."""
     import gguf
 
     cfg = model.config
@@ -72,8 +75,13 @@ def write_gguf(model, path: Path, qtype_name: str = "F32", arch: str = "llama",
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(cfg.vocab_size)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([f"<t{i}>" for i in range(cfg.vocab_size)])
+    writer.add_tokenizer_model("gpt2")  # the demo's byte vocabulary: 256 bytes, <|endoftext|>
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list([token_chars(bytes([b])) for b in range(256)] + ["<|endoftext|>"])
+    writer.add_token_types([1] * 256 + [3])
+    writer.add_token_merges([])  # bytes only: nothing is merged (transformers then wants scores)
+    writer.add_token_scores([0.0] * 257)
+    writer.add_eos_token_id(256)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue

@@ -19,12 +19,12 @@ from nanoserve.models.gguf_file import GGMLLinear
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
-IDS = [[3, 17, 92, 5, 250, 41, 8, 8, 77, 130, 2, 64]]
+IDS = [[3, 17, 92, 5, 250, 41, 8, 8, 77, 130, 2, 64, 256, 82]]
 
 
 def _hf_model(arch: str):
     torch.manual_seed(0)
-    common = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+    common = dict(vocab_size=257, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                   rms_norm_eps=1e-5, tie_word_embeddings=False)
     if arch == "llama":
@@ -89,3 +89,13 @@ def test_an_unread_key_is_refused_by_name(tmp_path):
     writer.close()
     with pytest.raises(CheckpointError, match="llama.rope.scaling.type"):
         LLM(str(writer_path), dtype="float32", device="cpu", num_blocks=16)
+
+
+def test_the_files_tokenizer_is_transformers(tmp_path):
+    """The tokenizer comes from the file's own metadata, as transformers builds it."""
+    path = write_gguf(_hf_model("llama"), tmp_path / "llama.gguf", "Q8_0", "llama")
+    llm = LLM(str(path), dtype="float32", device="cpu", num_blocks=16)
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in ("ROMEO:\nWhat light?", "ünï 日本 <|endoftext|>x", "  two  spaces"):
+        assert llm.encode_prompt(text) == hf(text)["input_ids"]
+    assert llm.tokenizer.eos_id == hf.eos_token_id == 256

@@ -22,15 +22,16 @@ What this module does with it:
   pairs dimension i with i + d/2. Reading them back, `unpermute_rotary` undoes it. Qwen2/Qwen3
   files keep HF's layout.
 
-Families: llama (and Mistral, which llama.cpp writes as llama), qwen2, qwen3. The tokenizer, for
-now, is the one in the file's folder if there is one (tokenizer.json, ...; else prompts are token
-ids); reading the file's own `tokenizer.ggml.*` is the next step (issue 47), as are kernels that
-multiply the packed blocks without dequantizing a whole matrix first.
+- **the tokenizer**: from the file's `tokenizer.ggml.*` arrays (tokenizers/gguf_vocab.py).
+
+Families: llama (and Mistral, which llama.cpp writes as llama), qwen2, qwen3. Kernels that multiply
+the packed blocks without dequantizing a whole matrix first are the next step (issue 47).
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,6 +40,7 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..quant.ggml_blocks import BLOCK_TYPES, dequantize
+from ..tokenizers.gguf_vocab import gguf_tokenizer
 
 # GGUF architecture → (HF model_type, whether llama.cpp permuted q and k)
 ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False)}
@@ -185,8 +187,17 @@ def _heads_for(name: str, hf: dict) -> int | None:
     return None
 
 
-def read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, GGMLLinear]]:
-    """(HF config dict, float tensors by our names, packed linears by module name)."""
+@dataclass
+class GGUFCheckpoint:
+    """What a GGUF file holds, in the loader's terms."""
+
+    hf_config: dict  # the config.json fields it stands for
+    tensors: dict[str, torch.Tensor]  # float tensors by our names
+    modules: dict[str, GGMLLinear]  # packed linears by module name
+    tokenizer: object | None  # from tokenizer.ggml.* (None: the file has no vocabulary)
+
+
+def read_gguf(path: Path) -> GGUFCheckpoint:
     reader = _reader(path)
     meta = read_metadata(reader)
     names = {t.name for t in reader.tensors}
@@ -210,4 +221,4 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, GGML
         bias = floats.pop(module + ".bias", None)
         if bias is not None:
             linear.bias = nn.Parameter(bias, requires_grad=False)
-    return hf, floats, packed
+    return GGUFCheckpoint(hf, floats, packed, gguf_tokenizer(meta))

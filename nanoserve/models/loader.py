@@ -135,13 +135,14 @@ def load_model(name_or_path, dtype=None, device=None):
         raise CheckpointError(f"{path} is one file of an HF checkpoint; pass its directory "
                               f"{path.parent}")
     modules = None  # layers a reader built whole (a GGUF file's packed linears)
+    tokenizer = None  # one the checkpoint file holds (GGUF); else read from the folder
     if path.is_file() and path.suffix == ".bin":
         cfg, tensors = read_llama2c(path)
         tok_dir, quantization = path.parent, None
     elif _is_gguf(path):  # llama.cpp's one-file format, read by the gguf extension
-        hf, tensors, modules = extension("gguf").read_gguf(path)
-        cfg = ModelConfig.from_hf(hf)
-        tok_dir, quantization = path.parent, None
+        gguf = extension("gguf").read_gguf(path)
+        cfg, tensors, modules = ModelConfig.from_hf(gguf.hf_config), gguf.tensors, gguf.modules
+        tok_dir, quantization, tokenizer = path.parent, None, gguf.tokenizer
     elif path.is_dir() and (path / "config.json").is_file():
         cfg = read_hf_config(path / "config.json")
         quantization = json.loads((path / "config.json").read_text()).get("quantization_config")
@@ -154,7 +155,8 @@ def load_model(name_or_path, dtype=None, device=None):
     model = build_from_tensors(cfg, tensors, torch_dtype, dev, quantization, modules)
     # No tokenizer beside the weights is allowed (vLLM's skip_tokenizer_init): prompts are then
     # token ids.
-    tokenizer = load_tokenizer(tok_dir) if has_tokenizer(tok_dir) else None
+    if tokenizer is None and has_tokenizer(tok_dir):
+        tokenizer = load_tokenizer(tok_dir)
     check_vocabulary(cfg, tokenizer, tok_dir)
     return model, cfg, tokenizer
 

@@ -7,6 +7,7 @@
     tiktoken_file.py   tokenizer.tiktoken files
     sentencepiece.py   SentencePiece BPE (Llama-2), with protobuf.py to read tokenizer.model
     llama2c.py         llama2.c tokenizer.bin files
+    gguf_vocab.py      the vocabulary a GGUF file carries (tokenizer.ggml.*)
     load.py            load_tokenizer: pick the right one for a checkpoint directory
 """
 
