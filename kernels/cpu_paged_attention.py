@@ -8,94 +8,38 @@ and calls it through ctypes on torch tensors' memory. Its reference is the Trito
 `paged_attention_ref`, one sequence at a time in plain torch; `paged_attention_cpu` takes the same
 arguments as `paged_attention` (kernels/paged_attention.py).
 
-**Building.** The C compiler (`$CC`, else `cc`) runs once per head dim and machine, ~0.2 s:
-`-O3 -march=native` (the CPU's own vector width), `-fopenmp` (one thread per torch thread; the
-library links the OpenMP runtime torch has already loaded), and the reassociation flags that let it
-vectorize the sums (`-fassociative-math` and the flags it needs; not `-ffast-math`, which would
-also assume no infinities, and the softmax's running max starts at −inf). Libraries are kept in
-`$NANOSERVE_CACHE` (default ~/.cache/nanoserve; a temporary folder where that is read-only), named
-by a digest of the source, the flags and the CPU's feature flags, so an edit or another CPU builds
-afresh. `cpu_kernel_problem()` says why the kernel cannot run here (no compiler, a failed build),
+**Building** (cpu_build.py): once per head dim and machine, ~0.2 s, with the reassociation flags
+that let the compiler vectorize the sums (`-fassociative-math` and the flags it needs; not
+`-ffast-math`, which would also assume no infinities, and the softmax's running max starts at
+−inf). `cpu_kernel_problem()` says why the kernel cannot run here (no compiler, a failed build),
 and the engine then uses the torch backend.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import math
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from functools import cache
 from pathlib import Path
 
 import torch
 
 from .checks import check_paged_attention, check_softcap, check_window
+from .cpu_build import build_library
 from .paged_attention import paged_attention_ref
 
 SOURCE = Path(__file__).with_suffix(".c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
-         "-fno-trapping-math",
-         "-fno-signed-zeros", "-fassociative-math"]
+FLAGS = ["-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math"]
 __all__ = ["paged_attention_cpu", "paged_attention_cpu_unchecked", "paged_attention_ref",
            "cpu_kernel_problem",
            "load_library"]
-
-
-def _cpu_flags() -> str:
-    """The CPU's feature flags (what -march=native compiles for), so a library never runs on another
-    CPU."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _cache_dir() -> Path:
-    """$NANOSERVE_CACHE/cpu_kernels (default ~/.cache/nanoserve/...), or a folder of the user's in
-    the system's temporary directory where that cannot be written (a read-only home in a
-    container)."""
-    for root in (os.environ.get("NANOSERVE_CACHE") or Path.home() / ".cache" / "nanoserve",
-                 Path(tempfile.gettempdir()) / f"nanoserve-{os.getuid()}"):
-        folder = Path(root) / "cpu_kernels"
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            continue
-        if os.access(folder, os.W_OK):
-            return folder
-    raise RuntimeError("no writable folder for the compiled kernel: set NANOSERVE_CACHE to one")
 
 
 @cache
 def load_library(head_dim: int) -> ctypes.CDLL:
     """The kernel compiled for `head_dim`, built on first use and kept on disk (module docstring).
     Raises RuntimeError with the compiler's message when it cannot be built."""
-    compiler = os.environ.get("CC") or "cc"
-    if shutil.which(compiler) is None:
-        raise RuntimeError(f"no C compiler: {compiler!r} is not on PATH (set CC to one)")
-    flags = [*FLAGS, f"-DHEAD_DIM={head_dim}"]
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *flags,
-                                    _cpu_flags()]).encode()).hexdigest()[:16]
-    path = _cache_dir() / f"paged_decode_d{head_dim}_{key}.so"
-    if not path.exists():
-        # build aside, then rename: processes may race
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            built = Path(tmp) / path.name
-            run = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)],
-                                 capture_output=True, text=True)
-            if run.returncode != 0:
-                raise RuntimeError(f"building {SOURCE.name} failed: "
-                                   f"{' '.join([compiler, *flags])}\n{run.stderr}")
-            os.replace(built, path)
-    lib = ctypes.CDLL(str(path))
+    lib = build_library(SOURCE, [*FLAGS, f"-DHEAD_DIM={head_dim}"], f"paged_decode_d{head_dim}")
     i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
     lib.paged_decode_attention.argtypes = [ptr] * 6 + [i64] * 5 + [f32, i64, f32, ctypes.c_int]
     lib.paged_decode_attention.restype = ctypes.c_int
@@ -106,8 +50,6 @@ def load_library(head_dim: int) -> ctypes.CDLL:
 def cpu_kernel_problem(head_dim: int) -> str | None:
     """None where the C kernel builds and loads for this head dim on this machine, else why not (one
     line)."""
-    if platform.system() != "Linux":
-        return f"the C attention kernel is built for Linux only, not {platform.system()}"
     try:
         load_library(head_dim)
     except (RuntimeError, OSError) as e:

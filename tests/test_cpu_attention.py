@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from nanoserve.kernels import cpu_paged_attention as cpa
+from nanoserve.kernels.cpu_build import cache_dir
 from nanoserve.kernels.cpu_paged_attention import (
     cpu_kernel_problem,
     paged_attention_cpu,
@@ -156,7 +157,7 @@ def test_an_unwritable_cache_falls_back_to_a_temporary_folder(monkeypatch, tmp_p
     not_a_folder = tmp_path / "file"
     not_a_folder.write_text("")
     monkeypatch.setenv("NANOSERVE_CACHE", str(not_a_folder))  # mkdir under a file fails
-    folder = cpa._cache_dir()
+    folder = cache_dir()
     assert folder.name == "cpu_kernels" and not_a_folder not in folder.parents
     monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path))
-    assert cpa._cache_dir() == tmp_path / "cpu_kernels"  # the control: a writable one is used
+    assert cache_dir() == tmp_path / "cpu_kernels"  # the control: a writable one is used

@@ -39,6 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import CheckpointError
+from ..kernels.cpu_ggml_gemv import KINDS as GEMV_TYPES
+from ..kernels.cpu_ggml_gemv import cpu_gemv_problem, ggml_gemv
 from ..quant.ggml_blocks import BLOCK_TYPES, dequantize
 from ..tokenizers.gguf_vocab import gguf_tokenizer
 
@@ -71,6 +73,7 @@ BLOCK_NAMES = {
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
              "output": "lm_head"}
 BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+GEMV_MAX_ROWS = 16  # activation rows up to which the packed C GEMV beats dequantize + GEMM
 
 
 class GGMLLinear(nn.Module):
@@ -90,7 +93,19 @@ class GGMLLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
+        rows = x.reshape(-1, self.in_features)
+        if self._packed_kernel_serves(rows):  # read the blocks in place (kernels/cpu_ggml_gemv.c)
+            y = ggml_gemv(rows, self.packed, self.type_name, self.out_features)
+            y = y if bias is None else y + bias
+            return y.reshape(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight_float().to(x.dtype), bias)
+
+    def _packed_kernel_serves(self, rows: torch.Tensor) -> bool:
+        """The C GEMV for few float32 rows on the CPU (decode); many rows (a prefill) are faster
+        through one dequantization and a BLAS GEMM that reuses each weight across them."""
+        return (rows.device.type == "cpu" and rows.dtype == torch.float32
+                and rows.shape[0] <= GEMV_MAX_ROWS and self.type_name in GEMV_TYPES
+                and cpu_gemv_problem() is None)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -1,0 +1,152 @@
+"""llama.cpp's packed weights on the CPU: the C GEMV (kernels/cpu_ggml_gemv.c) against float32.
+
+    python benchmarks/bench_ggml_cpu.py [--reps 30] [--rounds 3] [--out benchmarks/ggml_cpu.json]
+
+Two views, each against float32 in the same run:
+
+- **layers**: one call of x [rows, K] · Wᵀ for the linears of a ~110M-parameter Llama-shaped model
+  (hidden 768, MLP 2048, 16 blocks; a 32,000-token head), with rows 1, 4, 16, 64: float32 `F.linear` (MKL),
+  the packed kernel on Q8_0 and Q4_0 blocks, and the obvious way (dequantize the matrix, then
+  `F.linear`). Every pass runs all shapes with every method in turn (the order rotating); medians
+  of `reps` passes.
+- **engine**: greedy decoding of 64 tokens, one sequence, on that model written as a GGUF file in
+  F32, Q8_0 and Q4_0 (random weights: the time does not depend on them), loaded with
+  `LLM("model.gguf")`; `rounds` rounds, the three files in rotating order; output tokens/s (decode
+  only: the first token's time is left out) and the medians' ratios to F32.
+
+Saves JSON and prints tables. Threads: torch's (set OMP_NUM_THREADS / torch.set_num_threads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+from gguf_writer import write_gguf  # noqa: E402
+
+from nanoserve.engine.llm import LLM  # noqa: E402
+from nanoserve.engine.sampler import SamplingParams  # noqa: E402
+from nanoserve.kernels.cpu_ggml_gemv import ggml_gemv, ggml_gemv_ref  # noqa: E402
+
+HIDDEN, MLP, VOCAB, LAYERS, HEADS = 768, 2048, 32000, 16, 12
+# (out, in) in the order a block reads them, then the head
+SHAPES = [(HIDDEN, HIDDEN)] * 4 + [(MLP, HIDDEN)] * 2 + [(HIDDEN, MLP), (VOCAB, HIDDEN)]
+TYPES = ("Q8_0", "Q4_0")
+
+
+def _quantized(shape, type_name: str) -> torch.Tensor:
+    import gguf
+
+    w = np.random.default_rng(0).standard_normal(shape).astype(np.float32) * 0.02
+    return torch.from_numpy(gguf.quants.quantize(w, getattr(gguf.GGMLQuantizationType, type_name)))
+
+
+def bench_layers(rows_list, reps: int) -> list[dict]:
+    out = []
+    for rows in rows_list:
+        calls = {}
+        for shape in dict.fromkeys(SHAPES):
+            x = torch.randn(rows, shape[1])
+            w = torch.randn(shape) * 0.02
+            calls[(shape, "float32")] = lambda x=x, w=w: F.linear(x, w)
+            for t in TYPES:
+                packed = _quantized(shape, t)
+                calls[(shape, t)] = lambda x=x, p=packed, t=t, n=shape[0]: ggml_gemv(x, p, t, n)
+                calls[(shape, f"{t} dequantized")] = (
+                    lambda x=x, p=packed, t=t, n=shape[0]: ggml_gemv_ref(x, p, t, n))
+        times: dict = {k: [] for k in calls}
+        keys = list(calls)
+        for rep in range(reps + 1):
+            shift = rep % len(keys)
+            for key in keys[shift:] + keys[:shift]:
+                start = time.perf_counter()
+                calls[key]()
+                if rep:  # the first pass warms up
+                    times[key].append(time.perf_counter() - start)
+        for shape in dict.fromkeys(SHAPES):
+            base = statistics.median(times[(shape, "float32")])
+            row = {"rows": rows, "out": shape[0], "in": shape[1], "float32_us": base * 1e6}
+            for method in ("Q8_0", "Q4_0", "Q8_0 dequantized", "Q4_0 dequantized"):
+                t = statistics.median(times[(shape, method)])
+                row[f"{method}_us"] = t * 1e6
+                row[f"{method}_speedup"] = base / t
+            out.append(row)
+    return out
+
+
+def _hf_llama():
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=257, hidden_size=HIDDEN, intermediate_size=MLP,
+                                   num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                                   num_key_value_heads=HEADS, max_position_embeddings=512,
+                                   tie_word_embeddings=False)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def bench_engine(rounds: int, folder: Path) -> dict:
+    model = _hf_llama()
+    files = {t: write_gguf(model, folder / f"llama-{t}.gguf", t) for t in ("F32", *TYPES)}
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    llms = {t: LLM(str(p), dtype="float32", device="cpu", num_blocks=64)
+            for t, p in files.items()}
+    speeds: dict = {t: [] for t in files}
+    order = list(files)
+    for r in range(rounds + 1):
+        for t in order[r % 3:] + order[:r % 3]:
+            out = llms[t].generate(["ROMEO:"], params)[0]
+            times = out.outputs[0].token_times
+            if r:  # round 0 warms up
+                speeds[t].append((len(times) - 1) / (times[-1] - times[0]))
+    params_m = sum(p.numel() for p in model.parameters()) / 1e6
+    result = {"params_M": round(params_m, 1), "tokens_per_s": speeds,
+              "median_tokens_per_s": {t: statistics.median(v) for t, v in speeds.items()}}
+    base = result["median_tokens_per_s"]["F32"]
+    result["ratio_to_f32"] = {t: v / base for t, v in result["median_tokens_per_s"].items()}
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=str(HERE / "ggml_cpu.json"))
+    args = ap.parse_args()
+    layers = bench_layers(args.rows, args.reps)
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = bench_engine(args.rounds, Path(tmp))
+    meta = {"date": date.today().isoformat(), "cpu": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "command": "python benchmarks/bench_ggml_cpu.py " + " ".join(sys.argv[1:])}
+    Path(args.out).write_text(json.dumps({"meta": meta, "layers": layers, "engine": engine},
+                                         indent=1) + "\n")
+    print(f"{'rows':>4} {'out x in':>12} {'fp32 µs':>9} {'Q8_0':>7} {'Q4_0':>7} "
+          f"{'Q8_0 deq':>9} {'Q4_0 deq':>9}   (speed-up over float32)")
+    for r in layers:
+        print(f"{r['rows']:>4} {r['out']:>6}x{r['in']:<5} {r['float32_us']:>9.1f} "
+              f"{r['Q8_0_speedup']:>6.2f}x {r['Q4_0_speedup']:>6.2f}x "
+              f"{r['Q8_0 dequantized_speedup']:>8.2f}x {r['Q4_0 dequantized_speedup']:>8.2f}x")
+    print(f"\nengine, {engine['params_M']}M-parameter Llama, 1 sequence, greedy 64 tokens:")
+    for t, v in engine["median_tokens_per_s"].items():
+        print(f"  {t:5} {v:8.1f} tokens/s  {engine['ratio_to_f32'][t]:.2f}x F32")
+    print(f"saved {args.out}")
+
+
+if __name__ == "__main__":
+    main()
