@@ -4,15 +4,16 @@
 
 Two views, each against float32 in the same run:
 
-- **layers**: one call of x [rows, K] · Wᵀ for the linears of a ~110M-parameter Llama-shaped model
-  (hidden 768, MLP 2048, 16 blocks; a 32,000-token head), with rows 1, 4, 16, 64: float32 `F.linear` (MKL),
-  the packed kernel on Q8_0 and Q4_0 blocks, and the obvious way (dequantize the matrix, then
-  `F.linear`). Every pass runs all shapes with every method in turn (the order rotating); medians
-  of `reps` passes.
-- **engine**: greedy decoding of 64 tokens, one sequence, on that model written as a GGUF file in
-  F32, Q8_0 and Q4_0 (random weights: the time does not depend on them), loaded with
-  `LLM("model.gguf")`; `rounds` rounds, the three files in rotating order; output tokens/s (decode
-  only: the first token's time is left out) and the medians' ratios to F32.
+- **layers**: one call of x [rows, K] · Wᵀ for the linears of a Llama-shaped model (hidden 768,
+  MLP 2048; a 32,000-token head), with rows 1, 4, 16, 64: float32 `F.linear` (MKL), the packed
+  kernel on Q8_0 and Q4_0 blocks, and the obvious way (dequantize the matrix, then `F.linear`).
+  Every pass runs all shapes with every method in turn (the order rotating); medians of `reps`
+  passes.
+- **engine**: greedy decoding of 64 tokens, one sequence, on that model (16 blocks, the demo's
+  257-token vocabulary: ~113M parameters) written as a GGUF file in F32, Q8_0 and Q4_0 (random
+  weights: the time does not depend on them), loaded with `LLM("model.gguf")`; `rounds` rounds,
+  the three files in rotating order; output tokens/s (decode only: the first token's time is left
+  out) and the medians' ratios to F32.
 
 Saves JSON and prints tables. Threads: torch's (set OMP_NUM_THREADS / torch.set_num_threads).
 """
@@ -37,10 +38,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 from gguf_writer import write_gguf  # noqa: E402
+from nanoserve.kernels.cpu_ggml_gemv import ggml_gemv, ggml_gemv_ref  # noqa: E402
 
 from nanoserve.engine.llm import LLM  # noqa: E402
 from nanoserve.engine.sampler import SamplingParams  # noqa: E402
-from nanoserve.kernels.cpu_ggml_gemv import ggml_gemv, ggml_gemv_ref  # noqa: E402
 
 HIDDEN, MLP, VOCAB, LAYERS, HEADS = 768, 2048, 32000, 16, 12
 # (out, in) in the order a block reads them, then the head

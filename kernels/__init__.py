@@ -1,7 +1,8 @@
 """nanoserve.kernels: Triton kernels, each beside a plain-torch reference.
 
-One kernel is C, not Triton: cpu_paged_attention.c, the CPU's decode attention over the paged pool,
-compiled on first use (cpu_paged_attention.py). Triton only interprets kernels on a CPU.
+Two kernels are C, not Triton: cpu_paged_attention.c, the CPU's decode attention over the paged
+pool, and cpu_ggml_gemv.c, the CPU's GEMV over llama.cpp's packed blocks; each is compiled on first
+use (cpu_build.py) and called from its .py file. Triton only interprets kernels on a CPU.
 
 This folder installs as `nanoserve.kernels` (never as a top-level `kernels`: PyPI has a
 package by that name). Without CUDA, Triton kernels run in its interpreter, which must be
