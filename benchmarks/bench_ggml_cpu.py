@@ -6,13 +6,13 @@ Two views, each against float32 in the same run:
 
 - **layers**: one call of x [rows, K] · Wᵀ for the linears of a Llama-shaped model (hidden 768,
   MLP 2048; a 32,000-token head), with rows 1, 4, 16, 64: float32 `F.linear` (MKL), the packed
-  kernel on Q8_0 and Q4_0 blocks, and the obvious way (dequantize the matrix, then `F.linear`).
+  kernel on Q8_0, Q4_0, Q4_K and Q6_K blocks, and the obvious way (dequantize, then `F.linear`).
   Every pass runs all shapes with every method in turn (the order rotating); medians of `reps`
   passes.
 - **engine**: greedy decoding of 64 tokens, one sequence, on that model (16 blocks, the demo's
-  257-token vocabulary: ~113M parameters) written as a GGUF file in F32, Q8_0 and Q4_0 (random
+  257-token vocabulary: ~113M parameters) written as a GGUF file in F32, Q8_0, Q4_0, Q4_K (random
   weights: the time does not depend on them), loaded with `LLM("model.gguf")`; `rounds` rounds,
-  the three files in rotating order; output tokens/s (decode only: the first token's time is left
+  the files in rotating order; output tokens/s (decode only: the first token's time is left
   out) and the medians' ratios to F32.
 
 Saves JSON and prints tables. Threads: torch's (set OMP_NUM_THREADS / torch.set_num_threads).
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-from gguf_writer import write_gguf  # noqa: E402
+from gguf_writer import K_TYPES, k_blocks, write_gguf  # noqa: E402
 from nanoserve.kernels.cpu_ggml_gemv import ggml_gemv, ggml_gemv_ref  # noqa: E402
 
 from nanoserve.engine.llm import LLM  # noqa: E402
@@ -46,14 +46,19 @@ from nanoserve.engine.sampler import SamplingParams  # noqa: E402
 HIDDEN, MLP, VOCAB, LAYERS, HEADS = 768, 2048, 32000, 16, 12
 # (out, in) in the order a block reads them, then the head
 SHAPES = [(HIDDEN, HIDDEN)] * 4 + [(MLP, HIDDEN)] * 2 + [(HIDDEN, MLP), (VOCAB, HIDDEN)]
-TYPES = ("Q8_0", "Q4_0")
+TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")
+ENGINE_TYPES = ("F32", "Q8_0", "Q4_0", "Q4_K")
 
 
 def _quantized(shape, type_name: str) -> torch.Tensor:
     import gguf
 
-    w = np.random.default_rng(0).standard_normal(shape).astype(np.float32) * 0.02
-    return torch.from_numpy(gguf.quants.quantize(w, getattr(gguf.GGMLQuantizationType, type_name)))
+    qtype = getattr(gguf.GGMLQuantizationType, type_name)
+    rng = np.random.default_rng(0)
+    if type_name in K_TYPES:  # gguf cannot quantize these: random blocks, as the tests use
+        return torch.from_numpy(k_blocks(qtype, shape, rng))
+    w = rng.standard_normal(shape).astype(np.float32) * 0.02
+    return torch.from_numpy(gguf.quants.quantize(w, qtype))
 
 
 def bench_layers(rows_list, reps: int) -> list[dict]:
@@ -81,7 +86,7 @@ def bench_layers(rows_list, reps: int) -> list[dict]:
         for shape in dict.fromkeys(SHAPES):
             base = statistics.median(times[(shape, "float32")])
             row = {"rows": rows, "out": shape[0], "in": shape[1], "float32_us": base * 1e6}
-            for method in ("Q8_0", "Q4_0", "Q8_0 dequantized", "Q4_0 dequantized"):
+            for method in (*TYPES, *(f"{t} dequantized" for t in TYPES)):
                 t = statistics.median(times[(shape, method)])
                 row[f"{method}_us"] = t * 1e6
                 row[f"{method}_speedup"] = base / t
@@ -102,14 +107,14 @@ def _hf_llama():
 
 def bench_engine(rounds: int, folder: Path) -> dict:
     model = _hf_llama()
-    files = {t: write_gguf(model, folder / f"llama-{t}.gguf", t) for t in ("F32", *TYPES)}
+    files = {t: write_gguf(model, folder / f"llama-{t}.gguf", t) for t in ENGINE_TYPES}
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     llms = {t: LLM(str(p), dtype="float32", device="cpu", num_blocks=64)
             for t, p in files.items()}
     speeds: dict = {t: [] for t in files}
     order = list(files)
     for r in range(rounds + 1):
-        for t in order[r % 3:] + order[:r % 3]:
+        for t in order[r % len(order):] + order[:r % len(order)]:
             out = llms[t].generate(["ROMEO:"], params)[0]
             times = out.outputs[0].token_times
             if r:  # round 0 warms up
@@ -137,12 +142,13 @@ def main() -> None:
             "command": "python benchmarks/bench_ggml_cpu.py " + " ".join(sys.argv[1:])}
     Path(args.out).write_text(json.dumps({"meta": meta, "layers": layers, "engine": engine},
                                          indent=1) + "\n")
-    print(f"{'rows':>4} {'out x in':>12} {'fp32 µs':>9} {'Q8_0':>7} {'Q4_0':>7} "
-          f"{'Q8_0 deq':>9} {'Q4_0 deq':>9}   (speed-up over float32)")
+    print(f"{'rows':>4} {'out x in':>12} {'fp32 µs':>9} "
+          + " ".join(f"{t:>7}" for t in TYPES) + " " + " ".join(f"{t + ' deq':>9}" for t in TYPES)
+          + "   (speed-up over float32)")
     for r in layers:
-        print(f"{r['rows']:>4} {r['out']:>6}x{r['in']:<5} {r['float32_us']:>9.1f} "
-              f"{r['Q8_0_speedup']:>6.2f}x {r['Q4_0_speedup']:>6.2f}x "
-              f"{r['Q8_0 dequantized_speedup']:>8.2f}x {r['Q4_0 dequantized_speedup']:>8.2f}x")
+        fast = " ".join(f"{r[t + '_speedup']:>6.2f}x" for t in TYPES)
+        slow = " ".join(f"{r[t + ' dequantized_speedup']:>8.2f}x" for t in TYPES)
+        print(f"{r['rows']:>4} {r['out']:>6}x{r['in']:<5} {r['float32_us']:>9.1f} {fast} {slow}")
     print(f"\nengine, {engine['params_M']}M-parameter Llama, 1 sequence, greedy 64 tokens:")
     for t, v in engine["median_tokens_per_s"].items():
         print(f"  {t:5} {v:8.1f} tokens/s  {engine['ratio_to_f32'][t]:.2f}x F32")

@@ -9,8 +9,12 @@
  *
  *     y[m][n] = Σ_b d[n][b] · Σ_j q[n][b][j] · x[m][32 b + j]          (Q4_0: q − 8)
  *
- * The inner sum is four 8-wide fused multiply-adds per block: bytes widened to int32, converted to
- * float, multiplied with x. Activations stay float32 (llama.cpp quantizes them to 8 bits too, and
+ * and for the K-quants (super-blocks of 256 weights, quant/ggml_blocks.py), per sub-block s with
+ * its scale and min: Q4_K adds d·sc_s·Σ q·x − dmin·m_s·Σ x (the min multiplies the sub-block's sum
+ * of x, so it costs three additions, not a subtraction per weight); Q6_K adds d·sc_s·Σ (q − 32)·x.
+ *
+ * An inner sum is a few 8-wide fused multiply-adds per 32 weights: codes unpacked with byte
+ * shifts and masks, widened to int32, converted to float, multiplied with x. Activations stay float32 (llama.cpp quantizes them to 8 bits too, and
  * multiplies integers; that is faster still and changes the result: not done here), so y differs
  * from the dequantize-then-multiply reference only by the order of the float additions.
  *
@@ -92,7 +96,130 @@ static inline __m256 q4_0_block(const uint8_t *codes, const float *x) {
     return _mm256_fmadd_ps(_mm256_sub_ps(widen_u8(_mm_srli_si128(hi, 8)), eight),
                            _mm256_loadu_ps(x + 24), s);
 }
+
+/* Σ_j code_j · x[j] and Σ_j x[j] over 32 weights whose 4-bit codes are the nibbles at `shift` (0:
+ * low, 4: high) of 32 bytes: one Q4_K sub-block */
+static inline __m256 nibbles32(const uint8_t *bytes, int shift, const float *x, __m256 *x_sum) {
+    const __m256i nibble = _mm256_set1_epi8(15);
+    __m256i raw = _mm256_loadu_si256((const __m256i *)bytes);
+    __m256i c = _mm256_and_si256(_mm256_srli_epi16(raw, shift), nibble);
+    __m128i c0 = _mm256_castsi256_si128(c), c1 = _mm256_extracti128_si256(c, 1);
+    __m256 x0 = _mm256_loadu_ps(x), x1 = _mm256_loadu_ps(x + 8);
+    __m256 x2 = _mm256_loadu_ps(x + 16), x3 = _mm256_loadu_ps(x + 24);
+    *x_sum = _mm256_add_ps(_mm256_add_ps(x0, x1), _mm256_add_ps(x2, x3));
+    __m256 s = _mm256_mul_ps(widen_u8(c0), x0);
+    s = _mm256_fmadd_ps(widen_u8(_mm_srli_si128(c0, 8)), x1, s);
+    s = _mm256_fmadd_ps(widen_u8(c1), x2, s);
+    return _mm256_fmadd_ps(widen_u8(_mm_srli_si128(c1, 8)), x3, s);
+}
 #endif
+
+/* Q4_K's and Q5_K's 6-bit scales and mins of sub-blocks 0-7 from their 12 packed bytes */
+static inline void k4_scales(const uint8_t *p, float *scale, float *min) {
+    for (int j = 0; j < 4; j++) {
+        scale[j] = (float)(p[j] & 63);
+        min[j] = (float)(p[j + 4] & 63);
+        scale[j + 4] = (float)((p[j + 8] & 15) | ((p[j] >> 6) << 4));
+        min[j + 4] = (float)((p[j + 8] >> 4) | ((p[j + 4] >> 6) << 4));
+    }
+}
+
+/* one row of Q4_K super-blocks (144 bytes: d, dmin, 12 bytes of scales, 128 of codes); sub-block
+ * 2i is the low nibbles of codes[32i .. 32i + 31], sub-block 2i + 1 their high nibbles */
+static float q4_k_row(const uint8_t *row, const float *x, int64_t num_blocks) {
+#ifdef GGML_GEMV_AVX2
+    __m256 acc = _mm256_setzero_ps();
+#else
+    float acc = 0.0f;
+#endif
+    for (int64_t b = 0; b < num_blocks; b++) {
+        const uint8_t *block = row + b * 144, *codes = block + 16;
+        const float d = half_to_float(block), dmin = half_to_float(block + 2);
+        const float *xb = x + b * 256;
+        float scale[8], min[8];
+        k4_scales(block + 4, scale, min);
+        for (int sub = 0; sub < 8; sub++) {
+            const uint8_t *bytes = codes + 32 * (sub / 2);
+            const int shift = 4 * (sub % 2);
+            const float *xs = xb + 32 * sub;
+#ifdef GGML_GEMV_AVX2
+            __m256 x_sum, s = nibbles32(bytes, shift, xs, &x_sum);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d * scale[sub]), s, acc);
+            acc = _mm256_fnmadd_ps(_mm256_set1_ps(dmin * min[sub]), x_sum, acc);
+#else
+            float s = 0.0f, x_sum = 0.0f;
+            for (int l = 0; l < 32; l++) {
+                s += (float)((bytes[l] >> shift) & 15) * xs[l];
+                x_sum += xs[l];
+            }
+            acc += d * scale[sub] * s - dmin * min[sub] * x_sum;
+#endif
+        }
+    }
+#ifdef GGML_GEMV_AVX2
+    return sum8(acc);
+#else
+    return acc;
+#endif
+}
+
+/* one row of Q6_K super-blocks (210 bytes: 128 of low nibbles ql, 64 of bit pairs qh, 16 int8
+ * scales, d). Weight 128 h + 32 g + l (half h, group g = 0..3, l = 0..31) is the nibble g / 2 of
+ * ql[64 h + 32 (g % 2) + l] with the bit pair g of qh[32 h + l] on top, minus 32; its scale is
+ * scales[8 h + 2 g + l / 16] */
+static float q6_k_row(const uint8_t *row, const float *x, int64_t num_blocks) {
+#ifdef GGML_GEMV_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i nibble = _mm256_set1_epi8(15), pair = _mm256_set1_epi8(3);
+    const __m256i bias = _mm256_set1_epi8(32);
+#else
+    float acc = 0.0f;
+#endif
+    for (int64_t b = 0; b < num_blocks; b++) {
+        const uint8_t *block = row + b * 210;
+        const int8_t *scales = (const int8_t *)(block + 192);
+        const float d = half_to_float(block + 208);
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = block + 64 * h, *qh = block + 128 + 32 * h;
+            for (int g = 0; g < 4; g++) {
+                const uint8_t *low = ql + 32 * (g % 2);
+                const float *xs = x + b * 256 + 128 * h + 32 * g;
+                const float s0 = d * (float)scales[8 * h + 2 * g];
+                const float s1 = d * (float)scales[8 * h + 2 * g + 1];
+#ifdef GGML_GEMV_AVX2
+                __m256i lo = _mm256_and_si256(
+                    _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)low), 4 * (g / 2)), nibble);
+                __m256i hi = _mm256_and_si256(
+                    _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)qh), 2 * g), pair);
+                /* codes 0..63 minus 32: signed bytes */
+                __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), bias);
+                __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
+                __m256 first = _mm256_mul_ps(widen_i8(q0), _mm256_loadu_ps(xs));
+                first = _mm256_fmadd_ps(widen_i8(_mm_srli_si128(q0, 8)), _mm256_loadu_ps(xs + 8),
+                                        first);
+                __m256 second = _mm256_mul_ps(widen_i8(q1), _mm256_loadu_ps(xs + 16));
+                second = _mm256_fmadd_ps(widen_i8(_mm_srli_si128(q1, 8)),
+                                         _mm256_loadu_ps(xs + 24), second);
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(s0), first, acc);
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(s1), second, acc);
+#else
+                float first = 0.0f, second = 0.0f;
+                for (int l = 0; l < 32; l++) {
+                    int code = ((low[l] >> (4 * (g / 2))) & 15) | (((qh[l] >> (2 * g)) & 3) << 4);
+                    float term = (float)(code - 32) * xs[l];
+                    if (l < 16) first += term; else second += term;
+                }
+                acc += s0 * first + s1 * second;
+#endif
+            }
+        }
+    }
+#ifdef GGML_GEMV_AVX2
+    return sum8(acc);
+#else
+    return acc;
+#endif
+}
 
 static float q8_0_row(const uint8_t *row, const float *x, int64_t num_blocks) {
 #ifdef GGML_GEMV_AVX2
@@ -139,16 +266,23 @@ static float q4_0_row(const uint8_t *row, const float *x, int64_t num_blocks) {
 #endif
 }
 
-/* w: [N, K / 32 blocks], x: [M, K], y: [M, N]; kind 8: Q8_0, 4: Q4_0. K is a multiple of 32 (checked
- * by the caller). */
+/* one row of the type `kind` (the codes of kernels/cpu_ggml_gemv.py's KINDS) times one x row */
+static float dot_row(int kind, const uint8_t *row, const float *x, int64_t K) {
+    switch (kind) {
+    case 8: return q8_0_row(row, x, K / QK);
+    case 4: return q4_0_row(row, x, K / QK);
+    case 14: return q4_k_row(row, x, K / 256);
+    default: return q6_k_row(row, x, K / 256); /* 16 */
+    }
+}
+
+/* w: [N, row_bytes], x: [M, K], y: [M, N]. K is a whole number of the type's blocks and row_bytes
+ * its packed row (both checked by the caller). */
 void ggml_gemv(int kind, const uint8_t *w, const float *x, float *y, int64_t M, int64_t N,
-               int64_t K, int num_threads) {
-    const int64_t num_blocks = K / QK, row_bytes = num_blocks * (kind == 8 ? 34 : 18);
+               int64_t K, int64_t row_bytes, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *row = w + n * row_bytes;
-        for (int64_t m = 0; m < M; m++)
-            y[m * N + n] = kind == 8 ? q8_0_row(row, x + m * K, num_blocks)
-                                     : q4_0_row(row, x + m * K, num_blocks);
+        for (int64_t m = 0; m < M; m++) y[m * N + n] = dot_row(kind, row, x + m * K, K);
     }
 }

@@ -1,4 +1,4 @@
-"""x · Wᵀ with W packed in a llama.cpp block type (Q8_0, Q4_0), on the CPU, in C
+"""x · Wᵀ with W packed in a llama.cpp block type (Q8_0, Q4_0, Q4_K, Q6_K), on the CPU, in C
 (cpu_ggml_gemv.c), beside its torch reference.
 
 `ggml_gemv_ref` is the obvious way: dequantize the whole matrix to float32
@@ -22,15 +22,15 @@ import torch.nn.functional as F
 from .cpu_build import build_library
 
 SOURCE = Path(__file__).with_suffix(".c")
-KINDS = {"Q8_0": (8, 34), "Q4_0": (4, 18)}  # the C kernel's code for a type, bytes per block
-BLOCK = 32
+# the C kernel's code for a type, weights and bytes per block
+KINDS = {"Q8_0": (8, 32, 34), "Q4_0": (4, 32, 18), "Q4_K": (14, 256, 144), "Q6_K": (16, 256, 210)}
 
 
 @cache
 def load_library() -> ctypes.CDLL:
     lib = build_library(SOURCE, [], "ggml_gemv")
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.ggml_gemv.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+    lib.ggml_gemv.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
     lib.ggml_gemv.restype = None
     return lib
 
@@ -60,19 +60,19 @@ def ggml_gemv(x: torch.Tensor, packed: torch.Tensor, type_name: str,
     [out_features, K / 32 · bytes per block]. Everything the C code will read is checked here."""
     if type_name not in KINDS:
         raise ValueError(f"ggml_gemv reads {', '.join(KINDS)}, not {type_name}")
-    kind, block_bytes = KINDS[type_name]
+    kind, block_weights, block_bytes = KINDS[type_name]
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
         raise ValueError(f"ggml_gemv takes x as a 2-D float32 CPU tensor, got {x.dtype} "
                          f"{tuple(x.shape)} on {x.device}")
     M, K = x.shape
-    if K % BLOCK:
-        raise ValueError(f"K={K} is not a whole number of {BLOCK}-weight blocks")
-    expected = (out_features, K // BLOCK * block_bytes)
+    if K % block_weights:
+        raise ValueError(f"K={K} is not a whole number of {block_weights}-weight blocks")
+    expected = (out_features, K // block_weights * block_bytes)
     if packed.dtype != torch.uint8 or tuple(packed.shape) != expected:
         raise ValueError(f"packed must be uint8 {expected} for {type_name} [{out_features}, {K}], "
                          f"got {packed.dtype} {tuple(packed.shape)}")
     x, packed = x.contiguous(), packed.contiguous()
     y = torch.empty(M, out_features)
     load_library().ggml_gemv(kind, packed.data_ptr(), x.data_ptr(), y.data_ptr(), M,
-                             out_features, K, torch.get_num_threads())
+                             out_features, K, expected[1], torch.get_num_threads())
     return y

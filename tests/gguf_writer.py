@@ -38,7 +38,7 @@ def _gguf_name(name: str) -> str:
             "output_norm.weight", "lm_head.weight": "output.weight"}[name]
 
 
-def _k_blocks(gguf, qtype, shape: tuple[int, int], rng) -> np.ndarray:
+def k_blocks(qtype, shape: tuple[int, int], rng) -> np.ndarray:
     """Random K-quant blocks whose float16 scales give weights of about ±0.05."""
     from nanoserve.quant.ggml_blocks import BLOCK_TYPES
 
@@ -94,7 +94,7 @@ def write_gguf(model, path: Path, qtype_name: str = "F32", arch: str = "llama",
         if not linear or qtype_name == "F32":
             writer.add_tensor(_gguf_name(name), w)
         elif qtype_name in K_TYPES:
-            writer.add_tensor(_gguf_name(name), _k_blocks(gguf, qtype, w.shape, rng),
+            writer.add_tensor(_gguf_name(name), k_blocks(qtype, w.shape, rng),
                               raw_dtype=qtype)
         else:
             writer.add_tensor(_gguf_name(name), gguf.quants.quantize(w, qtype), raw_dtype=qtype)

@@ -15,18 +15,25 @@ from nanoserve.kernels import cpu_ggml_gemv as gemv
 from nanoserve.kernels.cpu_ggml_gemv import ggml_gemv, ggml_gemv_ref
 
 gguf = pytest.importorskip("gguf")
+from gguf_writer import K_TYPES, k_blocks  # noqa: E402
+
+CODE_AT = {"Q8_0": 5, "Q4_0": 5, "Q4_K": 40, "Q6_K": 7}  # a byte of codes in the first block
 pytestmark = pytest.mark.skipif(gemv.cpu_gemv_problem() is not None,
                                 reason=str(gemv.cpu_gemv_problem()))
 
 
 def _packed(type_name: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
-    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
+    """Weights gguf quantized (legacy types), or random K-quant blocks (which gguf cannot make)."""
+    rng = np.random.default_rng(seed)
     qtype = getattr(gguf.GGMLQuantizationType, type_name)
+    if type_name in K_TYPES:
+        return torch.from_numpy(k_blocks(qtype, (n, k), rng))
+    w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
     return torch.from_numpy(gguf.quants.quantize(w, qtype))
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0"])
-@pytest.mark.parametrize("m, n, k", [(1, 1, 32), (1, 97, 64), (3, 64, 2048), (8, 130, 512)])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("m, n, k", [(1, 1, 256), (1, 97, 512), (3, 64, 2048), (8, 130, 768)])
 def test_equals_the_reference_but_for_rounding(type_name, m, n, k):
     packed = _packed(type_name, n, k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
@@ -38,14 +45,14 @@ def test_equals_the_reference_but_for_rounding(type_name, m, n, k):
     assert (ref.double() - exact).abs().max().item() <= 1e-5 * scale * max(1, k / 512)
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_K", "Q6_K"])
 def test_negative_control_one_wrong_code_is_seen(type_name):
     """The tolerance above is tight enough to catch a single code read wrong."""
     packed = _packed(type_name, 64, 2048)
     x = torch.randn(3, 2048, generator=torch.Generator().manual_seed(1))
     exact = ggml_gemv_ref(x.double(), packed, type_name, 64).double()
     broken = packed.clone()
-    broken[5, 2 + 3] ^= 0x10  # one code of row 5's first block
+    broken[5, CODE_AT[type_name]] ^= 0x10  # one code of row 5's first block
     diff = (ggml_gemv(x, broken, type_name, 64).double() - exact).abs().max().item()
     assert diff > 1e-5 * exact.abs().max().item() * 4
 
@@ -66,10 +73,11 @@ def test_the_portable_c_path_agrees(monkeypatch, tmp_path):
     lib = build_library(gemv.SOURCE, ["-mno-avx2", "-mno-f16c", "-mno-fma", "-mno-avx512f"],
                         "ggml_gemv_portable")
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.ggml_gemv.argtypes = [i32, ptr, ptr, ptr, i64, i64, i64, i32]
-    for type_name, kind in (("Q8_0", 8), ("Q4_0", 4)):
-        packed = _packed(type_name, 33, 256)
-        x = torch.randn(2, 256)
+    lib.ggml_gemv.argtypes = [i32, ptr, ptr, ptr, i64, i64, i64, i64, i32]
+    for type_name, (kind, _, _) in gemv.KINDS.items():
+        packed = _packed(type_name, 33, 512)
+        x = torch.randn(2, 512)
         y = torch.empty(2, 33)
-        lib.ggml_gemv(kind, packed.data_ptr(), x.data_ptr(), y.data_ptr(), 2, 33, 256, 1)
+        lib.ggml_gemv(kind, packed.data_ptr(), x.data_ptr(), y.data_ptr(), 2, 33, 512,
+                      packed.shape[1], 1)
         assert torch.allclose(y, ggml_gemv(x, packed, type_name, 33), rtol=1e-5, atol=1e-5)
