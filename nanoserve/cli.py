@@ -171,9 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     v.add_argument("--port", type=int, default=8000)
     v.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY") or None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health and "
-                        "/metrics (default: $NANOSERVE_API_KEY, else none)")
-    v.add_argument("--served-model-name", help="the model name clients send (default: --model)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health, /ping "
+                        "and /metrics (default: $NANOSERVE_API_KEY, else none)")
+    v.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="the model name clients send; several: each serves the model, the first "
+                        "answers requests that name none (default: --model)")
     v.add_argument("--chat-template",
                    help="a Jinja chat template file (default: the model's own, if any)")
     v.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",

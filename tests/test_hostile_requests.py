@@ -27,6 +27,7 @@ pytest.importorskip("llguidance")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from live_server import DEADLINE, KEY, TEMPLATE  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from nanoserve.parallel.launch import free_port  # noqa: E402
 
@@ -86,8 +87,9 @@ class ServerProcess:
 
     def free_blocks(self) -> tuple[float, float]:
         text = self.request("GET", "/metrics")[1].decode()
-        values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
-                  if line.startswith("nanoserve_kv_cache_blocks")}
+        values = {family.name: family.samples[0].value
+                  for family in text_string_to_metric_families(text)
+                  if family.name.startswith("nanoserve_kv_cache_blocks")}
         return values["nanoserve_kv_cache_blocks_free"], values["nanoserve_kv_cache_blocks_total"]
 
     def stop(self) -> None:

@@ -69,6 +69,13 @@ def check(spec: dict, path: str, method: str, reply: tuple) -> None:
     )
     if media == "application/json":
         _validate(spec, content[media]["schema"], json.loads(body))
+    elif media == "text/event-stream" and body.startswith(b"event: "):
+        # OpenAI's typed events (/v1/responses): `event: <type>` then `data: <JSON>`, no [DONE]
+        for block in filter(None, body.split(b"\n\n")):
+            kind, data = block.split(b"\n")
+            event = json.loads(data.removeprefix(b"data: "))
+            assert kind.removeprefix(b"event: ").decode() == event["type"]
+            _validate(spec, content[media]["x-sse-data"], event)
     elif media == "text/event-stream":
         events = [e[len(b"data: "):] for e in body.split(b"\n\n") if e.startswith(b"data: ")]
         assert events[-1] == b"[DONE]"
@@ -86,7 +93,7 @@ def _completion(srv, spec, body: dict, path="/v1/completions", headers=None) -> 
 def test_the_document_lists_what_the_server_really_does(spec):
     text = json.dumps(spec)
     assert '"422"' not in text and "HTTPValidationError" not in text
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations"):
         responses = spec["paths"][path]["post"]["responses"]
         assert sorted(responses) == ["200", "400", "401", "404", "413", "429", "500", "503"]
         assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
@@ -142,6 +149,42 @@ def test_real_responses_match_the_document(srv, spec):
         check(spec, path, "get", reply)
 
 
+def test_vllm_routes_and_the_responses_api_match_the_document(srv, spec, monkeypatch):
+    ask = {"model": "demo", "input": "Hi", "max_output_tokens": 4}
+    chat = {"model": "demo", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+    for path, body, status in [
+        ("/v1/responses", ask, 200), ("/v1/responses", {**ask, "stream": True}, 200),
+        ("/v1/responses", {"input": "Hi", "instructions": "Be brief.", "max_output_tokens": 2,
+                           "metadata": {"a": "b"}, "store": True}, 200),
+        ("/v1/responses", {**ask, "tools": [_TOOL]}, 400),
+        ("/v1/responses", {**ask, "model": "gpt-4"}, 404),
+        ("/v1/responses", {**ask, "input": "x" * 40_000}, 413),
+        ("/invocations", chat, 200), ("/invocations", {**chat, "stream": True}, 200),
+        ("/invocations", {"prompt": "ROMEO:", "max_tokens": 2, "stream": True}, 200),
+        ("/invocations", {"prompt": "ROMEO:", "max_tokens": 0, "echo": True}, 200),
+        ("/invocations", {"prompt": POISON, "model": "demo"}, 500),
+        ("/invocations", {"input": "Hi"}, 400), ("/invocations", {**chat, "model": "x"}, 404),
+        ("/v1/completions", {"prompt": "ROMEO:", "max_tokens": 0, "echo": True, "logprobs": 1},
+         200),
+        ("/v1/completions", {"prompt": "ROMEO:", "max_tokens": 0, "echo": True, "n": 2,
+                             "stream": True}, 200),
+    ]:
+        assert _completion(srv, spec, body, path)[0] == status, (path, body)
+    assert _completion(srv, spec, ask, "/v1/responses", {"Authorization": None})[0] == 401
+    for method, path in [("get", "/ping"), ("post", "/ping"), ("get", "/version"),
+                         ("get", "/load"), ("get", "/v1/models")]:
+        reply = _http(srv.port, method.upper(), path)
+        assert reply[0] == 200
+        check(spec, path, method, reply)
+    # a failure after the stream began: a response.failed event
+    monkeypatch.setattr(srv.engine.engine, "_emit",
+                        lambda *a: (_ for _ in ()).throw(RuntimeError("injected")))
+    status, _, body = _completion(srv, spec, {**ask, "stream": True}, "/v1/responses")
+    assert status == 200 and b"event: response.failed" in body
+    monkeypatch.undo()
+    _wait_for(lambda: _pool_whole(srv.engine), "the pool to be whole", timeout=60)
+
+
 def test_a_dead_engine_is_documented_503(spec, monkeypatch):
     core = poisoned_engine()
     server = LiveServer(create_app(AsyncLLMEngine(core), "demo"))
@@ -154,11 +197,12 @@ def test_a_dead_engine_is_documented_503(spec, monkeypatch):
         assert reply[0] == 503
         check(spec, "/v1/completions", "post", reply)
         check(spec, "/health", "get", _http(server.port, "GET", "/health"))
+        check(spec, "/ping", "get", _http(server.port, "GET", "/ping"))
     finally:
         server.stop()
 
 
-def test_validator_negative_controls(spec):
+def test_validator_negative_controls(srv, spec):
     """The checks above can fail: undocumented fields, statuses and media types are caught."""
     ok = {"id": "x", "object": "text_completion", "created": 1, "model": "demo", "usage": {
         "prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
@@ -174,6 +218,23 @@ def test_validator_negative_controls(spec):
         check(spec, "/v1/completions", "post", (422, {"content-type": "application/json"}, body))
     with pytest.raises(AssertionError, match="documented"):
         check(spec, "/metrics", "get", (200, {"content-type": "application/json"}, b"{}"))
+    # /v1/responses' typed events: the data must match the document and the `event:` line it
+    delta = {"type": "response.output_text.delta", "sequence_number": 0, "item_id": "msg_1",
+             "output_index": 0, "content_index": 0, "delta": "a", "logprobs": []}
+
+    def events(kind: str, data: dict) -> tuple:
+        block = f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode()
+        return 200, {"content-type": "text/event-stream"}, block
+
+    check(spec, "/v1/responses", "post", events(delta["type"], delta))
+    with pytest.raises(jsonschema.ValidationError):
+        check(spec, "/v1/responses", "post", events(delta["type"], {**delta, "extra": 1}))
+    with pytest.raises(AssertionError):
+        check(spec, "/v1/responses", "post", events("response.completed", delta))
+    card = json.loads(_http(srv.port, "GET", "/v1/models/demo")[2])
+    with pytest.raises(jsonschema.ValidationError):  # vLLM's fields are required in the document
+        check(spec, "/v1/models/{name}", "get", json_reply({k: v for k, v in card.items()
+                                                            if k != "permission"}))
 
 
 # ----------------------------------------------------------------------------- fuzzing the bodies
@@ -286,6 +347,41 @@ CHAT_FIELDS = {"messages": st.one_of(st.lists(_MESSAGE, max_size=3), _ANY),
 @given(body=_mutated(VALID_CHAT, CHAT_FIELDS))
 def test_fuzzed_chat_bodies_never_get_a_5xx_and_always_match_the_document(srv, spec, body):
     status, hdrs, data = _completion(srv, spec, body, "/v1/chat/completions")
+    STATUSES.append(status)
+    assert status < 500, (body, data[:300])
+    _wait_for(lambda: _pool_whole(srv.engine), "the pool to be whole", timeout=60)
+
+
+_RESPONSE_ITEM = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "developer",
+                                                    "tool"]),
+                           "content": st.one_of(st.text(max_size=20), st.lists(
+                               st.fixed_dictionaries({"type": st.sampled_from(
+                                   ["input_text", "output_text", "input_image"]),
+                                   "text": st.text(max_size=5)}), max_size=2))}),
+    _ANY)
+VALID_RESPONSES = {"model": st.sampled_from(["demo"] * 9 + ["other"]),
+                   "input": st.text(min_size=1, max_size=20),
+                   "max_output_tokens": st.integers(1, 4)}
+RESPONSES_FIELDS = {
+    "input": st.one_of(st.lists(_RESPONSE_ITEM, max_size=3), _ANY), "instructions": _ANY,
+    "max_output_tokens": FIELDS["max_tokens"], "temperature": FIELDS["temperature"],
+    "top_p": FIELDS["top_p"], "stream": FIELDS["stream"], "store": _ANY, "user": _ANY,
+    "metadata": st.one_of(st.dictionaries(st.text(max_size=70), st.text(max_size=5), max_size=3),
+                          _ANY),
+    "tools": st.one_of(st.just([]), st.lists(_ANY, max_size=2), _ANY),
+    "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required"]), _ANY),
+    "background": _ANY, "text": st.one_of(st.just({"format": {"type": "text"}}), _ANY),
+    "parallel_tool_calls": _ANY, "unknown_field": _ANY,
+}
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(body=_mutated(VALID_RESPONSES, RESPONSES_FIELDS))
+def test_fuzzed_responses_bodies_never_get_a_5xx_and_always_match_the_document(srv, spec, body):
+    if body.get("stream") is True and body.get("max_output_tokens") not in range(1, 5):
+        body["max_output_tokens"] = 4  # keep each example short: a stream runs to its end
+    status, hdrs, data = _completion(srv, spec, body, "/v1/responses")
     STATUSES.append(status)
     assert status < 500, (body, data[:300])
     _wait_for(lambda: _pool_whole(srv.engine), "the pool to be whole", timeout=60)

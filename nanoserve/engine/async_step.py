@@ -116,6 +116,7 @@ class OverlappedStep:
             return self._sync_step()
         step = EngineStep(engine.scheduler.schedule())
         engine.last_num_seqs = len(step.sched.seqs)
+        engine.last_num_tokens = step.sched.num_tokens  # (no step hooks run here)
         launched = None
         if engine._prepare(step.sched):
             launched = self._launch(step)

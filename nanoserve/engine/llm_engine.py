@@ -154,6 +154,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.last_num_seqs = 0  # sequences in the latest forward (for occupancy plots)
+        # tokens in the latest forward: prompt chunks, decode tokens, drafts (a server's /metrics)
+        self.last_num_tokens = 0
         # async scheduling: each step launched before the last one's tokens reach the host
         self.overlap = None
         if config.scheduler.async_scheduling:
@@ -236,11 +238,13 @@ class LLMEngine:
         (errors.is_fatal: broken bookkeeping, a device fault) escapes and stops the engine."""
         step = EngineStep(self.scheduler.schedule())
         self.last_num_seqs = len(step.sched.seqs)
+        self.last_num_tokens = 0
         if not self._prepare(step.sched):
             return []
         # e.g. speculation: drafts join their rows (spec/spec_decode.py)
         for hook in self.step_hooks:
             hook.before_forward(self, step)
+        self.last_num_tokens = step.sched.num_tokens  # the drafts included
         logits = self.isolated(step.sched.seqs, step.done, self._forward, step)  # [B, V] or per row
         if logits is not None:
             for hook in self.step_hooks:
@@ -304,11 +308,11 @@ class LLMEngine:
                 self.isolated([seq], step.done, handler, logits[row])
             else:
                 self.isolated([seq], step.done, self._update_row, seq, row, sched.num_new[row],
-                              logits[row], to_sample)
+                              logits[row], to_sample, step.done)
         return to_sample
 
     def _update_row(self, seq: Sequence, row: int, num_new: int, logits: torch.Tensor,
-                    to_sample: list) -> None:
+                    to_sample: list, done: dict) -> None:
         req = self.requests[seq.request_id]
         if wants_prompt_logits(req.output.prompt_logprobs, seq):
             record_prompt_logprobs(req.output.prompt_logprobs, seq, logits, req.params,
@@ -319,8 +323,19 @@ class LLMEngine:
         samples = [req.samples[seq.sample_index]]
         if len(req.samples) < req.params.n:  # prefill done: the other samples fork from here
             samples += self._fork(req, seq)
+        if req.max_new == 0:  # max_tokens=0: the prompt is scored, no token is drawn
+            self._finish_unsampled(req, samples, done)
+            return
         for sample in samples:
             to_sample.append((req, sample, row))
+
+    def _finish_unsampled(self, req: Request, samples: list[Sample], done: dict) -> None:
+        """End samples at their prefill, with no token: finish reason "length" (max_tokens=0 was
+        reached), blocks back to the pool (the prompt's full blocks stay in the prefix cache)."""
+        for sample in samples:
+            sample.out.finish_reason = "length"
+            self.scheduler.finish(sample.seq)
+        done[req.output.request_id] = req.output
 
     def _sample(self, step: EngineStep, logits,
                 to_sample: list[tuple[Request, Sample, int]]) -> None:

@@ -23,6 +23,8 @@ What the extras mean (OpenAI's and vLLM's definitions):
   `prompt_logprobs=k`: the same for every prompt token after the first. They are *raw*
   log-probabilities, `log_softmax` of the model's logits before any setting above (vLLM's
   default, `logprobs_mode="raw_logprobs"`), so they do not depend on how the request samples.
+- `max_tokens=0`, only with prompt_logprobs: the prompt is scored alone, prefilled, and the request
+  ends ("length") without sampling a token (what a server's `echo` with `max_tokens: 0` runs).
 """
 
 from __future__ import annotations
@@ -126,8 +128,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        check(is_int(self.max_tokens) and self.max_tokens > 0,
-               f"max_tokens={self.max_tokens!r} must be an integer ≥ 1")
+        # max_tokens=0 scores a prompt and samples nothing: only with prompt_logprobs (its purpose)
+        scores_only = self.max_tokens == 0 and self.prompt_logprobs is not None
+        check(is_int(self.max_tokens) and (self.max_tokens > 0 or scores_only),
+               f"max_tokens={self.max_tokens!r} must be an integer ≥ 1 (0 only with "
+               "prompt_logprobs: the prompt is scored and nothing is generated)")
         check(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
                f"min_tokens={self.min_tokens!r} must be an integer in [0, "
                f"max_tokens={self.max_tokens}]")

@@ -2,8 +2,10 @@
 
     async_engine.py     AsyncLLMEngine: many coroutines, one engine stepping in a worker thread
     server.py           the FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health,
-                        /metrics
+                        /metrics (and registers the routes below)
     tokenize_api.py     /tokenize, /detokenize, /tokenizer_info (vLLM's)
+    responses_api.py    /v1/responses: OpenAI's Responses API, text and streaming
+    vllm_routes.py      /version, /ping, /load, /invocations (vLLM's and SageMaker's)
     http_middleware.py  the API key, the body-size limit, status counts
     openai_api.py       request bodies and their mapping onto SamplingParams (and structured
                         outputs)

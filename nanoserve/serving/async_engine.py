@@ -70,6 +70,8 @@ class AsyncLLMEngine:
         # called with that error once every consumer has it (a server exits: serve())
         self.on_fatal: list = []
         self.num_steps = 0  # steps run so far (tests count how many steps an abort takes)
+        # called with the LLMEngine after each step, on the event loop (a server's /metrics)
+        self.on_step: list = []
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
@@ -195,6 +197,8 @@ class AsyncLLMEngine:
                     callback(e)
                 return
             self.num_steps += 1
+            for callback in self.on_step:
+                callback(self.engine)
             for out in outs:
                 self._deliver(out.request_id, out)
             await asyncio.sleep(0)  # let consumers (and new requests) run between steps

@@ -1,7 +1,7 @@
 """ASGI middleware around the OpenAI server (server.py), outermost first:
 
     CountStatus   count every response by endpoint and status code (for /metrics)
-    RequireKey    with an API key set, every path but /health and /metrics needs
+    RequireKey    with an API key set, every path but /health, /ping and /metrics needs
                   `Authorization: Bearer <key>` (401 before any body is read)
     LimitBody     refuse a body larger than `max_body_bytes` (413) before it is parsed or tokenized
 
@@ -18,9 +18,9 @@ from fastapi.responses import JSONResponse
 from . import openai_api as api
 from .metrics import ServerMetrics
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
-             "/tokenize",
-             "/detokenize", "/tokenizer_info")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/health",
+             "/metrics", "/tokenize", "/detokenize", "/tokenizer_info", "/invocations", "/ping",
+             "/version", "/load")
 
 
 class CountStatus:
@@ -42,24 +42,25 @@ class CountStatus:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                self.metrics.http_requests.labels(endpoint, str(message["status"])).inc()
+                self.metrics.count_response(endpoint, message["status"])
             await send(message)
 
         try:
             await self.app(scope, receive, counting_send)
         except Exception:
             if not started:  # FastAPI's outermost error middleware answered 500 and re-raised
-                self.metrics.http_requests.labels(endpoint, "500").inc()
+                self.metrics.count_response(endpoint, 500)
             raise
 
 
-OPEN_PATHS = ("/health", "/metrics")  # what probes and Prometheus read without a key
+# what probes and Prometheus read without a key (/ping: SageMaker's probe, vllm_routes.py)
+OPEN_PATHS = ("/health", "/ping", "/metrics")
 
 
 class RequireKey:
     """ASGI middleware: with an API key set, every request needs `Authorization: Bearer <key>` (401
-    otherwise, before the body is read): /v1/*, the tokenizer routes, /docs and /openapi.json alike.
-    Only OPEN_PATHS stay open, for probes."""
+    otherwise, before the body is read): /v1/*, /invocations, the tokenizer routes, /docs and
+    /openapi.json alike. Only OPEN_PATHS stay open, for probes."""
 
     def __init__(self, app, api_key: str | None):
         self.app, self.expected = app, None if api_key is None else f"Bearer {api_key}".encode()

@@ -15,7 +15,9 @@ Values are checked by `SamplingParams` (one source of truth for what is allowed)
 checks types, strictly, as the OpenAI API documents them: `"max_tokens": "5"` or `"stream": "yes"`
 is a 400, not silently converted (an integer is accepted where a number is expected).
 Defaults follow OpenAI: completions generate 16 tokens unless told otherwise, chat completions
-until the context is full.
+until the context is full. `model` may be left out (vLLM's: the base model). `max_tokens: 0` is
+allowed only with completions' `echo`: the prompt alone, which the engine prefills (scoring it)
+without sampling a token.
 
 Streaming (server-sent events): one chunk per engine step in which a choice produced tokens (its
 text delta may be empty while a stop string or a cut UTF-8 character is held back), a last chunk
@@ -73,7 +75,7 @@ class BaseRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
     NO_OPS: ClassVar[dict] = NO_OP_VALUES  # fields accepted at these values only
-    model: str
+    model: str | None = None  # left out: the base model (vLLM's), answered as its first name
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -127,6 +129,9 @@ class BaseRequest(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise NanoserveError("stream_options is only allowed with stream=true")
         max_tokens = _or_default(self.max_tokens, default_max_tokens)
+        if max_tokens == 0 and not self.may_generate_nothing():
+            raise NanoserveError("max_tokens=0 must be an integer ≥ 1 (0 only in /v1/completions "
+                                 "with echo=true: the prompt alone, nothing generated)")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         kw = dict(temperature=_or_default(self.temperature, 1.0),
                   top_p=_or_default(self.top_p, 1.0),
@@ -139,7 +144,7 @@ class BaseRequest(BaseModel):
                   max_tokens=max_tokens, min_tokens=self.min_tokens, n=self.n, seed=self.seed,
                   ignore_eos=self.ignore_eos, stop_token_ids=list(self.stop_token_ids or ()),
                   include_stop_str_in_output=self.include_stop_str_in_output,
-                  logprobs=self.token_logprobs(), prompt_logprobs=self.prompt_logprobs,
+                  logprobs=self.token_logprobs(), prompt_logprobs=self.scored_prompt(),
                   structured_outputs=self.constraint(),
                   stop=stop)
         return SamplingParams(**kw)
@@ -148,6 +153,15 @@ class BaseRequest(BaseModel):
         """How many top logprobs per generated token (None: none at all); each endpoint spells it
         its way."""
         raise NotImplementedError
+
+    def scored_prompt(self) -> int | None:
+        """The prompt logprobs the engine computes: vLLM's prompt_logprobs (completions' echo adds
+        its own)."""
+        return self.prompt_logprobs
+
+    def may_generate_nothing(self) -> bool:
+        """Whether max_tokens=0 is allowed (only completions' echo, which returns the prompt)."""
+        return False
 
     def constraint(self) -> StructuredOutputsParams | None:
         """The one structured-output constraint the body asks for, however it is spelled; None for
@@ -228,16 +242,22 @@ class CompletionRequest(BaseRequest):
     def token_logprobs(self) -> int | None:
         return self.logprobs
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        params = super().sampling_params(default_max_tokens)
+    def scored_prompt(self) -> int | None:
+        """Echo with logprobs returns the prompt's logprobs too (the legacy format), at logprobs'
+        k. Echo with max_tokens=0 returns the prompt alone: the engine prefills it, scoring it (at
+        k=0 when no logprobs were asked for), and samples nothing (engine/sampling_params.py)."""
         if self.echo and self.logprobs is not None:
             if self.prompt_logprobs not in (None, self.logprobs):
                 raise NanoserveError(f"echo with logprobs={self.logprobs} returns the prompt's "
                                      f"logprobs at that k; prompt_logprobs={self.prompt_logprobs} "
                                      "contradicts it")
-            # echo: the prompt tokens' logprobs too (legacy format)
-            params.prompt_logprobs = self.logprobs
-        return params
+            return self.logprobs
+        if self.echo and self.max_tokens == 0 and self.prompt_logprobs is None:
+            return 0
+        return self.prompt_logprobs
+
+    def may_generate_nothing(self) -> bool:
+        return self.echo
 
     def prompts(self) -> list[str | list[int]]:
         """One prompt, or a batch (a list of strings or of token-id lists)."""

@@ -95,6 +95,24 @@ def usage_chunk(rid: str, model: str, created: int, obj: str, outs: list[Request
             "usage": usage(outs)}
 
 
+def model_card(name: str, root: str, parent: str | None, max_model_len: int) -> dict:
+    """A /v1/models entry as vLLM shapes it: OpenAI's Model (id, object, created, owned_by) and
+    vLLM's fields: `root`, what it was loaded from (the model's path or id; an adapter's
+    directory), `parent` (an adapter's base model, null for a base model), `max_model_len`, and
+    `permission`, one model_permission object (OpenAI's retired shape, filled as vLLM fills it)."""
+    return {"id": name, "object": "model", "created": now(), "owned_by": "nanoserve",
+            "root": root, "parent": parent, "max_model_len": max_model_len,
+            "permission": [model_permission()]}
+
+
+def model_permission() -> dict:
+    """vLLM's one permission object per model: sampling and logprobs allowed, nothing else."""
+    return {"id": new_id("modelperm"), "object": "model_permission", "created": now(),
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+            "organization": "*", "group": None, "is_blocking": False}
+
+
 def error_body(message: str, type_: str = "invalid_request_error", code: str | int | None = None,
                param: str | None = None) -> dict:
     """OpenAI's error object: {"error": {"message", "type", "param", "code"}}."""

@@ -5,11 +5,19 @@ Endpoints (what vLLM and TGI give their users, so existing clients work unchange
     POST /v1/completions       text completion, streamed (server-sent events) or not
     POST /v1/chat/completions  chat, for models that carry a chat template
                                (nanoserve/serving/chat.py)
-    GET  /v1/models            the model served and its LoRA adapters (/v1/models/{id}: one, or 404)
+    POST /v1/responses         OpenAI's Responses API, text and streaming (responses_api.py)
+    GET  /v1/models            each served name and LoRA adapter, with vLLM's root, parent and
+                               permission fields (/v1/models/{id}: one, or 404)
     POST /tokenize, /detokenize, GET /tokenizer_info   the tokenizer, as vLLM serves it
                                                        (tokenize_api.py)
     GET  /health               200 while the engine loop is alive, 503 after it failed
     GET  /metrics              Prometheus text format (nanoserve/serving/metrics.py)
+    GET  /version, /load; GET and POST /ping; POST /invocations   vLLM's and SageMaker's: the
+                               version, the requests in flight, a probe (as /health), and chat or
+                               completions by the body's shape (vllm_routes.py)
+
+A request's `model` names a served name (`--served-model-name a b ...`: each serves the base model)
+or an adapter; left out, it means the base model, and the answer names the first served name.
 
 The request path: the middleware (http_middleware.py) checks the key and the body's size,
 FastAPI parses the body into a pydantic model (openai_api.py, strict types), the fields become
@@ -61,9 +69,12 @@ from .http_middleware import DEFAULT_MAX_BODY_BYTES, CountStatus, LimitBody, Req
 from .limits import ServerLimits
 from .metrics import ServerMetrics
 from .openai_chat import ChatCompletionRequest
+from .openai_responses import model_card
 from .openai_schema import document_responses
+from .responses_api import add_responses_routes
 from .streams import ClientGone, collect, sse
 from .tokenize_api import add_tokenizer_routes
+from .vllm_routes import add_vllm_routes
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -79,19 +90,22 @@ class APIError(Exception):
         self.headers = headers
 
 
-def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
+def create_app(engine: AsyncLLMEngine, model_name: str | list[str], api_key: str | None = None,
                chat_template: ChatTemplate | None = None, retry_after: int = 1,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, loras: dict | None = None,
                limits: ServerLimits | None = None,
                tool_config: tool_calls.ToolCallConfig | None = None) -> CountStatus:
-    """The ASGI app serving `engine` under `model_name`, and each LoRARequest of `loras` under its
-    name (a request's `model` picks one, as vLLM's --lora-modules); run it with uvicorn (see
-    `serve`). `limits`: what one request may ask for (limits.py); `tool_config`: whether and how
-    tool_choice auto reads calls out of the text (tool_calls.py)."""
+    """The ASGI app serving `engine` under `model_name` (a list: under each of its names, as
+    vLLM's --served-model-name a b), and each LoRARequest of `loras` under its name (a request's
+    `model` picks one, as vLLM's --lora-modules); run it with uvicorn (see `serve`). `limits`: what
+    one request may ask for (limits.py); `tool_config`: whether and how tool_choice auto reads
+    calls out of the text (tool_calls.py)."""
+    served = served_names(model_name)
+    model_name = served[0]  # the name answered when a request names no model
     core, loras = engine.engine, loras or {}
     limits = limits or ServerLimits()
     tool_config = tool_config or tool_calls.ToolCallConfig()
-    metrics = ServerMetrics(core, pending=lambda: engine.num_pending)
+    metrics = ServerMetrics(engine, model_name)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -148,14 +162,19 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
     async def _bug(request, e: Exception):
         return error(500, f"internal error: {type(e).__name__}: {e}", "server_error")
 
-    def check_model(name: str):
-        """The LoRARequest that `name` serves under, None for the base model; 404 for any other
-        name."""
-        if name != model_name and name not in loras:
+    def check_model(name: str | None):
+        """The LoRARequest that `name` serves under, None for the base model (any served name, or
+        no name); 404 for any other name."""
+        if name is not None and name not in served and name not in loras:
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
-                                f"{', '.join(map(repr, [model_name, *loras]))}",
+                                f"{', '.join(map(repr, [*served, *loras]))}",
                            code="model_not_found")
         return loras.get(name)
+
+    def resolve_model(name: str | None) -> tuple:
+        """(the LoRARequest or None, the name to answer with): the one asked for, or the first
+        served name when the request names none (vLLM's)."""
+        return check_model(name), model_name if name is None else name
 
     # ------------------------------------------------------------------ plain endpoints
     @app.get("/health")
@@ -168,14 +187,14 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    def card(name: str) -> dict:  # an adapter names the base model as its parent (vLLM's card)
-        return {"id": name, "object": "model", "created": api.now(), "owned_by": "nanoserve",
-                "max_model_len": core.max_model_len,
-                **({"parent": model_name} if name in loras else {})}
+    def card(name: str) -> dict:  # an adapter: loaded from its path, the base model its parent
+        if name in loras:
+            return model_card(name, loras[name].lora_path, model_name, core.max_model_len)
+        return model_card(name, core.engine_config.model, None, core.max_model_len)
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [card(name) for name in [model_name, *loras]]}
+        return {"object": "list", "data": [card(name) for name in [*served, *loras]]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str):
@@ -222,7 +241,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
     @app.post("/v1/completions")
     async def completions(body: api.CompletionRequest, request: Request):
         # the name answered: the one asked for
-        lora, answered_as = check_model(body.model), body.model
+        lora, answered_as = resolve_model(body.model)
         params = body.sampling_params(COMPLETION_DEFAULT_MAX_TOKENS)
         rid, created = api.new_id("cmpl"), api.now()
         if body.prompt_logprobs is not None and body.stream:
@@ -251,7 +270,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         # (an adapter's name, or the model's)
-        lora, answered_as = check_model(body.model), body.model
+        lora, answered_as = resolve_model(body.model)
         if chat_template is None:
             raise APIError(400,
                            f"the model {model_name!r} has no chat template, so it cannot serve "
@@ -292,10 +311,24 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
         outs = await collect(streams, request, metrics)
         return api.chat_response(rid, answered_as, created, outs[0], k, tok, calls)
 
+    add_responses_routes(app, core, chat_template, resolve_model, add_all, metrics)
+    add_vllm_routes(app)  # /version, /ping, /load, /invocations (after the routes they call)
     # /openapi.json: 400 (not 422), 401/404/413/429/500/503, SSE and text/plain
     document_responses(app)
     # outermost, around FastAPI's own error middleware, so that its 500s are counted too
     return CountStatus(app, metrics)
+
+
+def served_names(name: str | list[str]) -> list[str]:
+    """The names a server answers to for its base model: one, or several (vLLM's
+    --served-model-name a b), each a non-empty string, none twice."""
+    names = [name] if isinstance(name, str) else list(name)
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise NanoserveError(f"served model names {names!r}: give at least one, each a non-empty "
+                             "string")
+    if len(set(names)) < len(names):
+        raise NanoserveError(f"served model names {names!r}: a name appears twice")
+    return names
 
 
 def validation_message(errors: list[dict]) -> str:
@@ -318,20 +351,22 @@ def validation_message(errors: list[dict]) -> str:
 # ----------------------------------------------------------------------------- running it
 def serve(model: str = "demo", host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None,
-          served_model_name: str | None = None, chat_template: str | None = None,
+          served_model_name: str | list[str] | None = None, chat_template: str | None = None,
           log_level: str = "info",
           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, lora_modules: list[str] | None = None,
           limits: ServerLimits | None = None,
           tool_config: tool_calls.ToolCallConfig | None = None, **engine_kwargs) -> None:
     """Load the model and serve it until interrupted, or until the engine fails (then SystemExit,
-    status 1); what `nanoserve serve` runs. `lora_modules`: name=path of each LoRA adapter, read
-    before the server starts."""
+    status 1); what `nanoserve serve` runs. `served_model_name`: the name clients send, or a list
+    of names that each serve the model (default: `model`); `lora_modules`: name=path of each LoRA
+    adapter, read before the server starts."""
     import uvicorn
 
     from ..engine.llm_engine import LLMEngine
     from ..lora.serving import parse_lora_modules
     from .chat import load_chat_template, read_chat_template_file
 
+    names = served_names(served_model_name or str(model))
     loras = parse_lora_modules(lora_modules or [])
     if loras:
         engine_kwargs = {**engine_kwargs, "enable_lora": True}
@@ -342,14 +377,14 @@ def serve(model: str = "demo", host: str = "127.0.0.1", port: int = 8000,
                 else load_chat_template(model, core.tokenizer))
     limits = limits or ServerLimits()
     engine = AsyncLLMEngine(core)
-    app = create_app(engine, served_model_name or str(model), api_key, template,
+    app = create_app(engine, names, api_key, template,
                      max_body_bytes=max_body_bytes, loras=loras, limits=limits,
                      tool_config=tool_config)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"[nanoserve] warning: serving on {host} without --api-key: anyone who can reach it "
               "can use it",
               file=sys.stderr)
-    print(f"[nanoserve] serving {served_model_name or model} on http://{host}:{port}/v1 "
+    print(f"[nanoserve] serving {', '.join(names)} on http://{host}:{port}/v1 "
           f"(chat: {'yes' if template else 'no template'}; device {core.device})", file=sys.stderr)
     # SIGTERM: responses in flight get shutdown_grace_s to finish, then are cut; the engine stops
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
