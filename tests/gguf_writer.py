@@ -38,8 +38,13 @@ def _gguf_name(name: str) -> str:
             "output_norm.weight", "lm_head.weight": "output.weight"}[name]
 
 
+# d (and dmin) of random K-quant blocks: sub-scale × code reach ~45 (Q2_K) to ~4,000 (Q6_K: int8
+# scales, 6-bit codes), so that weights stay within about ±0.1
+D_SCALE = {"Q2_K": 2e-3, "Q3_K": 5e-4, "Q4_K": 1e-4, "Q5_K": 5e-5, "Q6_K": 2.5e-5}
+
+
 def k_blocks(qtype, shape: tuple[int, int], rng) -> np.ndarray:
-    """Random K-quant blocks whose float16 scales give weights of about ±0.05."""
+    """Random K-quant blocks whose float16 scales give weights within about ±0.1."""
     from nanoserve.quant.ggml_blocks import BLOCK_TYPES
 
     kind = BLOCK_TYPES[qtype.name]
@@ -47,7 +52,7 @@ def k_blocks(qtype, shape: tuple[int, int], rng) -> np.ndarray:
     blocks = rng.integers(0, 256, size=(n, kind.block_bytes), dtype=np.uint8)
     f16_at = {"Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
     for at in f16_at[qtype.name]:
-        d = (rng.uniform(0.2, 1.0, n) * 2e-3).astype(np.float16)
+        d = (rng.uniform(0.2, 1.0, n) * D_SCALE[qtype.name]).astype(np.float16)
         blocks[:, at:at + 2] = d.view(np.uint8).reshape(n, 2)
     return blocks.reshape(shape[0], -1)
 
@@ -74,6 +79,8 @@ def write_gguf(model, path: Path, qtype_name: str = "F32", arch: str = "llama",
                               else cfg.rope_parameters["rope_theta"])
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)  # Qwen3's head is not hidden / heads wide
+    writer.add_value_length(head_dim)
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_tokenizer_model("gpt2")  # the demo's byte vocabulary: 256 bytes, <|endoftext|>
     writer.add_tokenizer_pre("gpt-2")

@@ -1,8 +1,9 @@
 """GGUF files (models/gguf_file.py) held to transformers' own GGUF loading of the same file
 (`from_pretrained(..., gguf_file=...)`, which dequantizes with the gguf package): a tiny random
-Llama (GQA, so q and k are reordered with different head counts) and Qwen2 (biases, no
-reordering), written as llama.cpp's converter writes them, in F32, Q8_0, Q4_0, Q5_1 and the
-K-quants; logits to 1e-4. The quantized linears stay packed (GGMLLinear, the file's bytes).
+Llama (GQA, so q and k are reordered with different head counts), Qwen2 (biases, no reordering)
+and Qwen3 (q/k norms), written as llama.cpp's converter writes them, in F32, Q8_0, Q4_0, Q5_1
+and the K-quants; logits to 1e-4. The quantized linears stay packed (GGMLLinear, the file's
+bytes).
 Negative control: the same Llama file read without undoing the q/k reordering disagrees."""
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ def _hf_model(arch: str):
     common = dict(vocab_size=257, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                   rms_norm_eps=1e-5, tie_word_embeddings=False)
-    if arch == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
-    else:
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    classes = {"llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig),
+               "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config),
+               "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config)}
+    model_class, config_class = classes[arch]
+    model = model_class(config_class(**common))
     with torch.no_grad():  # randomised norms and biases: a loader that drops one is seen
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
@@ -45,7 +47,7 @@ def _transformers_logits(path) -> torch.Tensor:
         return hf(torch.tensor(IDS)).logits[0]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_0", "Q5_1", "Q4_K", "Q6_K", "Q3_K"])
 def test_logits_equal_transformers_gguf_loading(arch, qtype, tmp_path):
     path = write_gguf(_hf_model(arch), tmp_path / f"{arch}-{qtype}.gguf", qtype, arch)
