@@ -101,3 +101,17 @@ def test_the_files_tokenizer_is_transformers(tmp_path):
     for text in ("ROMEO:\nWhat light?", "ünï 日本 <|endoftext|>x", "  two  spaces"):
         assert llm.encode_prompt(text) == hf(text)["input_ids"]
     assert llm.tokenizer.eos_id == hf.eos_token_id == 256
+
+
+def test_a_missing_key_is_named(tmp_path):
+    import gguf
+
+    path = tmp_path / "bare.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(CheckpointError, match="lacks 'llama.context_length'"):
+        LLM(str(path), dtype="float32", device="cpu", num_blocks=16)

@@ -59,6 +59,8 @@ CONFIG_KEYS = {
     "attention.key_length": "head_dim",
     "vocab_size": "vocab_size",
 }
+REQUIRED_KEYS = ("context_length", "embedding_length", "block_count", "feed_forward_length",
+                 "attention.head_count", "attention.layer_norm_rms_epsilon")
 # keys read for a check only: they must agree with the others
 CHECKED_KEYS = ("rope.dimension_count", "attention.value_length")
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -142,6 +144,10 @@ def hf_config_from_gguf(meta: dict, tensor_names: set[str]) -> dict:
     if unread:
         raise CheckpointError(f"GGUF key {unread[0]!r} changes the model and is not read here "
                               f"({len(unread)} such keys)")
+    missing = [prefix + k for k in REQUIRED_KEYS if prefix + k not in meta]
+    if missing:
+        raise CheckpointError(f"the GGUF file lacks {missing[0]!r} ({len(missing)} of the keys a "
+                              f"{arch} model needs are missing)")
     hf = {"model_type": ARCHITECTURES[arch][0]}
     for key, field in CONFIG_KEYS.items():
         if prefix + key in meta:
