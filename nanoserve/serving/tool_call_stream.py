@@ -19,8 +19,10 @@ arrive; a client joins the pieces of call i. Each tool_choice needs its own read
 
 Each reader sees only the new text of a step (`feed`) and keeps the state it needs, so a long
 answer costs time linear in its length. The joined stream equals the non-streamed answer for the
-same seed, with one difference: a non-streamed hermes answer with a malformed block is all content,
-while a stream has already sent the calls before it. Taught in notebooks/11_*.
+same seed, with two differences, both where the model went wrong: a non-streamed hermes answer with
+a malformed block is all content, while a stream has already sent the calls before it; and a
+"required" array cut off by max_tokens is content without calls when not streamed, while a stream
+has sent the calls begun so far (finish_reason "length" either way). Taught in notebooks/11_*.
 """
 
 from __future__ import annotations
