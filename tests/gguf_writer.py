@@ -29,11 +29,17 @@ def permute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
         w.shape)
 
 
-def _gguf_name(name: str) -> str:
+GEMMA2_TO_GGUF = {"post_attention_layernorm": "post_attention_norm",
+                  "pre_feedforward_layernorm": "ffn_norm",
+                  "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def _gguf_name(name: str, arch: str) -> str:
     if name.startswith("model.layers."):
         layer, rest = name[len("model.layers."):].split(".", 1)
         module, _, kind = rest.rpartition(".")
-        return f"blk.{layer}.{OUR_TO_GGUF[module]}.{kind}"
+        names = {**OUR_TO_GGUF, **(GEMMA2_TO_GGUF if arch == "gemma2" else {})}
+        return f"blk.{layer}.{names[module]}.{kind}"
     return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
             "output_norm.weight", "lm_head.weight": "output.weight"}[name]
 
@@ -59,7 +65,7 @@ def k_blocks(qtype, shape: tuple[int, int], rng) -> np.ndarray:
 
 def write_gguf(model, path: Path, qtype_name: str = "F32", arch: str = "llama",
                seed: int = 0) -> Path:
-    """`model` (a transformers LlamaForCausalLM / Qwen2ForCausalLM with the demo's 257-token
+    """`model` (a transformers Llama, Qwen2, Qwen3 or Gemma2 ForCausalLM with the demo's 257-token
     vocabulary) as a GGUF file at `path`, its 2-D linear weights in `qtype_name`, everything else
     F32, with the demo's byte tokenizer."""
     import gguf
@@ -81,6 +87,10 @@ def write_gguf(model, path: Path, qtype_name: str = "F32", arch: str = "llama",
     writer.add_rope_dimension_count(head_dim)
     writer.add_key_length(head_dim)  # Qwen3's head is not hidden / heads wide
     writer.add_value_length(head_dim)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        writer.add_sliding_window(cfg.sliding_window)
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_tokenizer_model("gpt2")  # the demo's byte vocabulary: 256 bytes, <|endoftext|>
     writer.add_tokenizer_pre("gpt-2")
@@ -93,18 +103,21 @@ def write_gguf(model, path: Path, qtype_name: str = "F32", arch: str = "llama",
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         w = tensor.detach().float().numpy()
+        if arch == "gemma2" and name.endswith("norm.weight"):
+            w = w + 1  # llama.cpp's converter stores Gemma's norms as 1 + w
         if arch == "llama" and name.endswith("q_proj.weight"):
             w = permute_rotary(w, cfg.num_attention_heads)
         if arch == "llama" and name.endswith("k_proj.weight"):
             w = permute_rotary(w, cfg.num_key_value_heads)
         linear = w.ndim == 2 and "embed_tokens" not in name
         if not linear or qtype_name == "F32":
-            writer.add_tensor(_gguf_name(name), w)
+            writer.add_tensor(_gguf_name(name, arch), w)
         elif qtype_name in K_TYPES:
-            writer.add_tensor(_gguf_name(name), k_blocks(qtype, w.shape, rng),
+            writer.add_tensor(_gguf_name(name, arch), k_blocks(qtype, w.shape, rng),
                               raw_dtype=qtype)
         else:
-            writer.add_tensor(_gguf_name(name), gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+            writer.add_tensor(_gguf_name(name, arch), gguf.quants.quantize(w, qtype),
+                              raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -1,10 +1,11 @@
 """GGUF files (models/gguf_file.py) held to transformers' own GGUF loading of the same file
 (`from_pretrained(..., gguf_file=...)`, which dequantizes with the gguf package): a tiny random
-Llama (GQA, so q and k are reordered with different head counts), Qwen2 (biases, no reordering)
-and Qwen3 (q/k norms), written as llama.cpp's converter writes them, in F32, Q8_0, Q4_0, Q5_1
-and the K-quants; logits to 1e-4. The quantized linears stay packed (GGMLLinear, the file's
-bytes).
-Negative control: the same Llama file read without undoing the q/k reordering disagrees."""
+Llama (GQA, so q and k are reordered with different head counts), Qwen2 (biases, no reordering),
+Qwen3 (q/k norms) and Gemma 2 (norms stored as 1 + w, soft caps, a window shorter than the
+prompt), written as llama.cpp's converter writes them, in F32, Q8_0, Q4_0, Q5_1 and the K-quants;
+logits to 1e-4. The quantized linears stay packed (GGMLLinear, the file's bytes). Negative
+controls: the same Llama file read without undoing the q/k reordering disagrees, and so does a
+Gemma 2 file whose norms are read as stored."""
 
 from __future__ import annotations
 
@@ -30,8 +31,14 @@ def _hf_model(arch: str):
                   rms_norm_eps=1e-5, tie_word_embeddings=False)
     classes = {"llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig),
                "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config),
-               "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config)}
+               "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config),
+               "gemma2": (transformers.Gemma2ForCausalLM, transformers.Gemma2Config)}
     model_class, config_class = classes[arch]
+    if arch == "gemma2":  # transformers' GGUF reader takes the soft caps and query scale from
+        # Gemma2Config's defaults (50, 30, 256), so those are kept; a window shorter than IDS
+        common = {**common, "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 8,
+                  "num_attention_heads": 2, "num_key_value_heads": 1,
+                  "tie_word_embeddings": True}  # as every Gemma 2 (transformers' reader ties it)
     model = model_class(config_class(**common))
     with torch.no_grad():  # randomised norms and biases: a loader that drops one is seen
         for name, p in model.named_parameters():
@@ -47,7 +54,7 @@ def _transformers_logits(path) -> torch.Tensor:
         return hf(torch.tensor(IDS)).logits[0]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2"])
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_0", "Q5_1", "Q4_K", "Q6_K", "Q3_K"])
 def test_logits_equal_transformers_gguf_loading(arch, qtype, tmp_path):
     path = write_gguf(_hf_model(arch), tmp_path / f"{arch}-{qtype}.gguf", qtype, arch)
@@ -55,13 +62,21 @@ def test_logits_equal_transformers_gguf_loading(arch, qtype, tmp_path):
     ours = llm.logits(IDS[0])
     assert (ours - _transformers_logits(path)).abs().max().item() < 1e-4
     packed = [m for m in llm.model.modules() if isinstance(m, GGMLLinear)]
-    assert len(packed) == (0 if qtype == "F32" else 2 * 7 + 1)  # 7 per block, and the head
+    head = 0 if arch == "gemma2" else 1  # Gemma's head is its (float) embedding
+    assert len(packed) == (0 if qtype == "F32" else 2 * 7 + head)  # 7 per block, and the head
     assert all(m.type_name == qtype for m in packed)
 
 
 def test_negative_control_without_undoing_the_reordering(tmp_path, monkeypatch):
     path = write_gguf(_hf_model("llama"), tmp_path / "llama.gguf", "Q8_0", "llama")
     monkeypatch.setitem(gguf_file.ARCHITECTURES, "llama", ("llama", False))
+    llm = LLM(str(path), dtype="float32", device="cpu", num_blocks=16)
+    assert (llm.logits(IDS[0]) - _transformers_logits(path)).abs().max().item() > 1e-2
+
+
+def test_negative_control_gemmas_norms_read_as_stored(tmp_path, monkeypatch):
+    path = write_gguf(_hf_model("gemma2"), tmp_path / "gemma2.gguf", "Q8_0", "gemma2")
+    monkeypatch.setattr(gguf_file, "NORM_OFFSET", {})
     llm = LLM(str(path), dtype="float32", device="cpu", num_blocks=16)
     assert (llm.logits(IDS[0]) - _transformers_logits(path)).abs().max().item() > 1e-2
 

@@ -24,8 +24,10 @@ What this module does with it:
 
 - **the tokenizer**: from the file's `tokenizer.ggml.*` arrays (tokenizers/gguf_vocab.py).
 
-Families: llama (and Mistral, which llama.cpp writes as llama), qwen2, qwen3. Kernels that multiply
-the packed blocks without dequantizing a whole matrix first are the next step (issue 47).
+Families: llama (and Mistral, which llama.cpp writes as llama), qwen2, qwen3, gemma2 (its norms
+stored as 1 + w, its query scale inferred as llama.cpp does: `gemma2_query_scale`). On the CPU,
+`GGMLLinear` multiplies a few rows by the packed blocks in place (kernels/cpu_ggml_gemv.c); GPU
+kernels for them are the next step (issue 47).
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ from ..quant.ggml_blocks import BLOCK_TYPES, dequantize
 from ..tokenizers.gguf_vocab import gguf_tokenizer
 
 # GGUF architecture → (HF model_type, whether llama.cpp permuted q and k)
-ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False)}
+ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False),
+                 "gemma2": ("gemma2", False)}
 # keys under "<arch>." → the HF config field each one is
 CONFIG_KEYS = {
     "context_length": "max_position_embeddings",
@@ -58,6 +61,9 @@ CONFIG_KEYS = {
     "rope.freq_base": "rope_theta",
     "attention.key_length": "head_dim",
     "vocab_size": "vocab_size",
+    "attn_logit_softcapping": "attn_logit_softcapping",  # Gemma 2's
+    "final_logit_softcapping": "final_logit_softcapping",
+    "attention.sliding_window": "sliding_window",
 }
 REQUIRED_KEYS = ("context_length", "embedding_length", "block_count", "feed_forward_length",
                  "attention.head_count", "attention.layer_norm_rms_epsilon")
@@ -72,6 +78,12 @@ BLOCK_NAMES = {
     "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# where an architecture names a block's norms otherwise (Gemma 2: four norms a block)
+ARCH_BLOCK_NAMES = {"gemma2": {"ffn_norm": "pre_feedforward_layernorm",
+                               "post_attention_norm": "post_attention_layernorm",
+                               "post_ffw_norm": "post_feedforward_layernorm"}}
+# llama.cpp stores Gemma's norm weights as 1 + w (what they multiply by); our model holds w, as HF
+NORM_OFFSET = {"gemma2": 1.0}
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
              "output": "lm_head"}
 BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -161,12 +173,23 @@ def hf_config_from_gguf(meta: dict, tensor_names: set[str]) -> dict:
         if key in meta:
             hf[name] = meta[key]
     head_dim = hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
+    if arch == "gemma2":
+        hf["query_pre_attn_scalar"] = gemma2_query_scale(hf, head_dim)
     for key in CHECKED_KEYS:
         if meta.get(prefix + key, head_dim) != head_dim:
             raise CheckpointError(f"GGUF {prefix + key}={meta[prefix + key]} differs from the "
                                   f"head size {head_dim}: partial rotary or unequal q/v heads "
                                   "are not read here")
     return hf
+
+
+def gemma2_query_scale(hf: dict, head_dim: int) -> int:
+    """Gemma 2's query_pre_attn_scalar, which a GGUF file does not carry: llama.cpp takes the head
+    size, except for the 27B model (46 blocks, 4608 wide), whose queries are scaled by hidden size /
+    heads (144, not its head size 128), as its HF config says."""
+    if (hf["num_hidden_layers"], hf["hidden_size"]) == (46, 4608):
+        return hf["hidden_size"] // hf["num_attention_heads"]
+    return head_dim
 
 
 def unpermute_rotary(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -178,13 +201,14 @@ def unpermute_rotary(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
         weight.shape)
 
 
-def our_name(gguf_name: str) -> str:
+def our_name(gguf_name: str, arch: str) -> str:
     match = BLOCK_TENSOR.fullmatch(gguf_name)
     if match is not None:
         layer, part, kind = match.groups()
-        if part not in BLOCK_NAMES:
+        names = {**BLOCK_NAMES, **ARCH_BLOCK_NAMES.get(arch, {})}
+        if part not in names:
             raise CheckpointError(f"GGUF tensor {gguf_name!r} is not read here")
-        return f"model.layers.{layer}.{BLOCK_NAMES[part]}.{kind}"
+        return f"model.layers.{layer}.{names[part]}.{kind}"
     stem, _, kind = gguf_name.rpartition(".")
     if stem not in TOP_NAMES:
         raise CheckpointError(f"GGUF tensor {gguf_name!r} is not read here")
@@ -223,15 +247,18 @@ def read_gguf(path: Path) -> GGUFCheckpoint:
     meta = read_metadata(reader)
     names = {t.name for t in reader.tensors}
     hf = hf_config_from_gguf(meta, names)
-    permuted = ARCHITECTURES[meta["general.architecture"]][1]
+    arch = meta["general.architecture"]
+    permuted = ARCHITECTURES[arch][1]
     floats, packed = {}, {}
     for tensor in reader.tensors:
-        name, kind = our_name(tensor.name), _type_name(tensor)
+        name, kind = our_name(tensor.name, arch), _type_name(tensor)
         shape = tuple(int(n) for n in reversed(tensor.shape))  # ggml lists the fastest dim first
         data = torch.from_numpy(tensor.data)
         heads = _heads_for(name, hf) if permuted else None
         if kind in FLOAT_TYPES or not name.endswith(".weight") or "embed_tokens" in name:
             value = dequantize(data, kind, shape)
+            if name.endswith("norm.weight"):
+                value = value - NORM_OFFSET.get(arch, 0.0)
             floats[name] = value if heads is None else unpermute_rotary(value, heads)
             continue
         rows = data.reshape(shape[0], -1)
