@@ -9,11 +9,11 @@ Two views, each against float32 in the same run:
   kernel on Q8_0, Q4_0, Q4_K and Q6_K blocks, and the obvious way (dequantize, then `F.linear`).
   Every pass runs all shapes with every method in turn (the order rotating); medians of `reps`
   passes.
-- **engine**: greedy decoding of 64 tokens, one sequence, on that model (16 blocks, the demo's
-  257-token vocabulary: ~113M parameters) written as a GGUF file in F32, Q8_0, Q4_0, Q4_K (random
-  weights: the time does not depend on them), loaded with `LLM("model.gguf")`; `rounds` rounds,
-  the files in rotating order; output tokens/s (decode only: the first token's time is left
-  out) and the medians' ratios to F32.
+- **engine**: greedy decoding of 64 tokens, 1 and 16 sequences together, on that model (16
+  blocks, the demo's 257-token vocabulary: ~113M parameters) written as a GGUF file in F32, Q8_0,
+  Q4_0, Q4_K (random weights: the time does not depend on them), loaded with `LLM("model.gguf")`;
+  `rounds` rounds, the files in rotating order; output tokens/s (decode only: each first token is
+  left out) and the medians' ratios to F32.
 
 Saves JSON and prints tables. Threads: torch's (set OMP_NUM_THREADS / torch.set_num_threads).
 """
@@ -105,25 +105,34 @@ def _hf_llama():
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
-def bench_engine(rounds: int, folder: Path) -> dict:
+def _decode_tokens_per_s(llm, num_seqs: int, params) -> float:
+    """Output tokens per second of the decode steps: all sequences' tokens after their first, over
+    the time from the first first token to the last token."""
+    outs = llm.generate([f"ROMEO {i}:" for i in range(num_seqs)], params)
+    times = [o.outputs[0].token_times for o in outs]
+    tokens = sum(len(t) - 1 for t in times)
+    return tokens / (max(t[-1] for t in times) - min(t[0] for t in times))
+
+
+def bench_engine(rounds: int, folder: Path, batch_sizes) -> dict:
     model = _hf_llama()
     files = {t: write_gguf(model, folder / f"llama-{t}.gguf", t) for t in ENGINE_TYPES}
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-    llms = {t: LLM(str(p), dtype="float32", device="cpu", num_blocks=64)
+    llms = {t: LLM(str(p), dtype="float32", device="cpu", num_blocks=512)
             for t, p in files.items()}
-    speeds: dict = {t: [] for t in files}
+    result = {"params_M": round(sum(p.numel() for p in model.parameters()) / 1e6, 1)}
     order = list(files)
-    for r in range(rounds + 1):
-        for t in order[r % len(order):] + order[:r % len(order)]:
-            out = llms[t].generate(["ROMEO:"], params)[0]
-            times = out.outputs[0].token_times
-            if r:  # round 0 warms up
-                speeds[t].append((len(times) - 1) / (times[-1] - times[0]))
-    params_m = sum(p.numel() for p in model.parameters()) / 1e6
-    result = {"params_M": round(params_m, 1), "tokens_per_s": speeds,
-              "median_tokens_per_s": {t: statistics.median(v) for t, v in speeds.items()}}
-    base = result["median_tokens_per_s"]["F32"]
-    result["ratio_to_f32"] = {t: v / base for t, v in result["median_tokens_per_s"].items()}
+    for num_seqs in batch_sizes:
+        speeds: dict = {t: [] for t in files}
+        for r in range(rounds + 1):
+            for t in order[r % len(order):] + order[:r % len(order)]:
+                speed = _decode_tokens_per_s(llms[t], num_seqs, params)
+                if r:  # round 0 warms up
+                    speeds[t].append(speed)
+        medians = {t: statistics.median(v) for t, v in speeds.items()}
+        result[f"{num_seqs} sequences"] = {
+            "tokens_per_s": speeds, "median_tokens_per_s": medians,
+            "ratio_to_f32": {t: v / medians["F32"] for t, v in medians.items()}}
     return result
 
 
@@ -132,11 +141,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16],
+                    help="engine: sequences decoded together")
     ap.add_argument("--out", default=str(HERE / "ggml_cpu.json"))
     args = ap.parse_args()
     layers = bench_layers(args.rows, args.reps)
     with tempfile.TemporaryDirectory() as tmp:
-        engine = bench_engine(args.rounds, Path(tmp))
+        engine = bench_engine(args.rounds, Path(tmp), args.batch)
     meta = {"date": date.today().isoformat(), "cpu": platform.processor() or platform.machine(),
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             "command": "python benchmarks/bench_ggml_cpu.py " + " ".join(sys.argv[1:])}
@@ -149,9 +160,12 @@ def main() -> None:
         fast = " ".join(f"{r[t + '_speedup']:>6.2f}x" for t in TYPES)
         slow = " ".join(f"{r[t + ' dequantized_speedup']:>8.2f}x" for t in TYPES)
         print(f"{r['rows']:>4} {r['out']:>6}x{r['in']:<5} {r['float32_us']:>9.1f} {fast} {slow}")
-    print(f"\nengine, {engine['params_M']}M-parameter Llama, 1 sequence, greedy 64 tokens:")
-    for t, v in engine["median_tokens_per_s"].items():
-        print(f"  {t:5} {v:8.1f} tokens/s  {engine['ratio_to_f32'][t]:.2f}x F32")
+    for num_seqs in args.batch:
+        run = engine[f"{num_seqs} sequences"]
+        print(f"\nengine, {engine['params_M']}M-parameter Llama, {num_seqs} sequences, greedy 64 "
+              "tokens each:")
+        for t, v in run["median_tokens_per_s"].items():
+            print(f"  {t:5} {v:8.1f} tokens/s  {run['ratio_to_f32'][t]:.2f}x F32")
     print(f"saved {args.out}")
 
 

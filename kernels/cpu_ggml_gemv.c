@@ -18,12 +18,14 @@
  * multiplies integers; that is faster still and changes the result: not done here), so y differs
  * from the dequantize-then-multiply reference only by the order of the float additions.
  *
- * Work is split over output rows n, one OpenMP thread each at a time; the m rows of x (a decode
- * batch) are looped inside, while row n's blocks are in the L1 cache. With AVX2 (x86-64-v3 and every
- * later x86 CPU) the inner sums use the intrinsics below; elsewhere the same sums in plain C.
+ * Work is split over output rows n, one OpenMP thread each at a time. Under DECODE_MIN_ROWS rows of x
+ * each block is multiplied where it lands, with the AVX2 intrinsics below (x86-64-v3 and every later
+ * x86 CPU; elsewhere the same sums in plain C); from DECODE_MIN_ROWS rows on, weight row n is decoded
+ * once into a float buffer and every x row takes its dot product with it (the end of this file).
  * kernels/cpu_ggml_gemv.py builds this file on first use and calls it with ctypes.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>
@@ -276,13 +278,131 @@ static float dot_row(int kind, const uint8_t *row, const float *x, int64_t K) {
     }
 }
 
-/* w: [N, row_bytes], x: [M, K], y: [M, N]. K is a whole number of the type's blocks and row_bytes
- * its packed row (both checked by the caller). */
-void ggml_gemv(int kind, const uint8_t *w, const float *x, float *y, int64_t M, int64_t N,
-               int64_t K, int64_t row_bytes, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *row = w + n * row_bytes;
-        for (int64_t m = 0; m < M; m++) y[m * N + n] = dot_row(kind, row, x + m * K, K);
+/* ---------------------------------------------------------------- many rows: decode once, reuse
+ * With several x rows, unpacking a block again for each row would cost more than the bytes saved.
+ * So each thread decodes its weight row once into a float buffer (K floats: in L1 or L2) and takes
+ * the dot products of all x rows with it, four at a time. The decoding is plain C, written as the
+ * formulas of quant/ggml_blocks.py; the compiler vectorizes it and the dots. */
+static void decode_q8_0(const uint8_t *row, float *w, int64_t K) {
+    for (int64_t b = 0; b < K / QK; b++) {
+        const uint8_t *block = row + b * 34;
+        const int8_t *q = (const int8_t *)(block + 2);
+        const float d = half_to_float(block);
+        for (int j = 0; j < QK; j++) w[b * QK + j] = d * (float)q[j];
     }
+}
+
+static void decode_q4_0(const uint8_t *row, float *w, int64_t K) {
+    for (int64_t b = 0; b < K / QK; b++) {
+        const uint8_t *block = row + b * 18, *q = block + 2;
+        const float d = half_to_float(block);
+        for (int j = 0; j < QK / 2; j++) {
+            w[b * QK + j] = d * (float)((q[j] & 15) - 8);
+            w[b * QK + QK / 2 + j] = d * (float)((q[j] >> 4) - 8);
+        }
+    }
+}
+
+static void decode_q4_k(const uint8_t *row, float *w, int64_t K) {
+    for (int64_t b = 0; b < K / 256; b++) {
+        const uint8_t *block = row + b * 144, *codes = block + 16;
+        const float d = half_to_float(block), dmin = half_to_float(block + 2);
+        float scale[8], min[8];
+        k4_scales(block + 4, scale, min);
+        for (int sub = 0; sub < 8; sub++) {
+            const uint8_t *bytes = codes + 32 * (sub / 2);
+            const int shift = 4 * (sub % 2);
+            const float a = d * scale[sub], m = dmin * min[sub];
+            for (int l = 0; l < 32; l++)
+                w[b * 256 + 32 * sub + l] = a * (float)((bytes[l] >> shift) & 15) - m;
+        }
+    }
+}
+
+static void decode_q6_k(const uint8_t *row, float *w, int64_t K) {
+    for (int64_t b = 0; b < K / 256; b++) {
+        const uint8_t *block = row + b * 210;
+        const int8_t *scales = (const int8_t *)(block + 192);
+        const float d = half_to_float(block + 208);
+        for (int h = 0; h < 2; h++)
+            for (int g = 0; g < 4; g++) {
+                const uint8_t *low = block + 64 * h + 32 * (g % 2), *qh = block + 128 + 32 * h;
+                const int nibble_shift = 4 * (g / 2), pair_shift = 2 * g;
+                float *out = w + b * 256 + 128 * h + 32 * g;
+                for (int half = 0; half < 2; half++) { /* two sub-blocks of 16, a scale each */
+                    const float a = d * (float)scales[8 * h + 2 * g + half];
+                    for (int l = 16 * half; l < 16 * half + 16; l++) {
+                        int code = ((low[l] >> nibble_shift) & 15) | (((qh[l] >> pair_shift) & 3) << 4);
+                        out[l] = a * (float)(code - 32);
+                    }
+                }
+            }
+    }
+}
+
+static void decode_row(int kind, const uint8_t *row, float *w, int64_t K) {
+    switch (kind) {
+    case 8: decode_q8_0(row, w, K); break;
+    case 4: decode_q4_0(row, w, K); break;
+    case 14: decode_q4_k(row, w, K); break;
+    default: decode_q6_k(row, w, K); /* 16 */
+    }
+}
+
+/* y[m][n] for m = m0 .. m0 + 3: four dot products with one pass over w */
+static void dot4(const float *w, const float *x, float *y, int64_t K, int64_t N, int64_t n) {
+    const float *x0 = x, *x1 = x + K, *x2 = x + 2 * K, *x3 = x + 3 * K;
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+    for (int64_t k = 0; k < K; k++) {
+        s0 += w[k] * x0[k];
+        s1 += w[k] * x1[k];
+        s2 += w[k] * x2[k];
+        s3 += w[k] * x3[k];
+    }
+    y[n] = s0;
+    y[N + n] = s1;
+    y[2 * N + n] = s2;
+    y[3 * N + n] = s3;
+}
+
+static float dot1(const float *w, const float *x, int64_t K) {
+    float s = 0.0f;
+    for (int64_t k = 0; k < K; k++) s += w[k] * x[k];
+    return s;
+}
+
+/* w: [N, row_bytes], x: [M, K], y: [M, N]. K is a whole number of the type's blocks and row_bytes
+ * its packed row (both checked by the caller). Fewer than DECODE_MIN_ROWS rows: each block is
+ * multiplied where it lands; more: each weight row is decoded once per call. Returns 0, or 1 when a
+ * thread could not allocate its row buffer. */
+#define DECODE_MIN_ROWS 4
+int ggml_gemv(int kind, const uint8_t *w, const float *x, float *y, int64_t M, int64_t N,
+              int64_t K, int64_t row_bytes, int num_threads) {
+    int failed = 0;
+    if (M < DECODE_MIN_ROWS) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            const uint8_t *row = w + n * row_bytes;
+            for (int64_t m = 0; m < M; m++) y[m * N + n] = dot_row(kind, row, x + m * K, K);
+        }
+        return 0;
+    }
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *buffer = malloc((size_t)K * sizeof(float));
+        if (buffer == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            if (buffer == NULL) continue;
+            decode_row(kind, w + n * row_bytes, buffer, K);
+            int64_t m = 0;
+            for (; m + 4 <= M; m += 4) dot4(buffer, x + m * K, y + m * N, K, N, n);
+            for (; m < M; m++) y[m * N + n] = dot1(buffer, x + m * K, K);
+        }
+        free(buffer);
+    }
+    return failed;
 }

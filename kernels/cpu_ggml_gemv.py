@@ -6,8 +6,9 @@
 writes and reads a float32 copy four times their size (Q8_0) or seven (Q4_0): slower than float32
 weights would have been. `ggml_gemv` reads each block once, in place (the C file explains how); its
 result differs from the reference only by the order of float additions (tests/test_ggml_gemv.py).
-It is for few activation rows: a prefill's many rows are better served by one dequantization and a
-BLAS GEMM, which reuses each weight across the rows (`GGMLLinear` chooses).
+It is for a decode step's few activation rows (from 4 rows on, each weight row is decoded once per
+call and reused by all of them): a prefill's many rows are better served by one dequantization and a
+BLAS GEMM, which blocks for registers (`GGMLLinear` chooses).
 """
 
 from __future__ import annotations
@@ -22,16 +23,19 @@ import torch.nn.functional as F
 from .cpu_build import build_library
 
 SOURCE = Path(__file__).with_suffix(".c")
+# the reassociation that lets the compiler vectorize the many-row path's sums (as the attention
+# kernel's; not -ffast-math)
+FLAGS = ["-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math"]
 # the C kernel's code for a type, weights and bytes per block
 KINDS = {"Q8_0": (8, 32, 34), "Q4_0": (4, 32, 18), "Q4_K": (14, 256, 144), "Q6_K": (16, 256, 210)}
 
 
 @cache
 def load_library() -> ctypes.CDLL:
-    lib = build_library(SOURCE, [], "ggml_gemv")
+    lib = build_library(SOURCE, FLAGS, "ggml_gemv")
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.ggml_gemv.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
-    lib.ggml_gemv.restype = None
+    lib.ggml_gemv.restype = ctypes.c_int
     return lib
 
 
@@ -73,6 +77,8 @@ def ggml_gemv(x: torch.Tensor, packed: torch.Tensor, type_name: str,
                          f"got {packed.dtype} {tuple(packed.shape)}")
     x, packed = x.contiguous(), packed.contiguous()
     y = torch.empty(M, out_features)
-    load_library().ggml_gemv(kind, packed.data_ptr(), x.data_ptr(), y.data_ptr(), M,
-                             out_features, K, expected[1], torch.get_num_threads())
+    failed = load_library().ggml_gemv(kind, packed.data_ptr(), x.data_ptr(), y.data_ptr(), M,
+                                      out_features, K, expected[1], torch.get_num_threads())
+    if failed:
+        raise MemoryError(f"ggml_gemv: a thread could not allocate its {K} floats of row buffer")
     return y

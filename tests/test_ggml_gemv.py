@@ -33,7 +33,8 @@ def _packed(type_name: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_K", "Q6_K"])
-@pytest.mark.parametrize("m, n, k", [(1, 1, 256), (1, 97, 512), (3, 64, 2048), (8, 130, 768)])
+@pytest.mark.parametrize("m, n, k", [(1, 1, 256), (1, 97, 512), (3, 64, 2048), (8, 130, 768),
+                                     (19, 40, 512)])
 def test_equals_the_reference_but_for_rounding(type_name, m, n, k):
     packed = _packed(type_name, n, k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
@@ -70,14 +71,16 @@ def test_the_portable_c_path_agrees(monkeypatch, tmp_path):
     from nanoserve.kernels.cpu_build import build_library
 
     monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path))
-    lib = build_library(gemv.SOURCE, ["-mno-avx2", "-mno-f16c", "-mno-fma", "-mno-avx512f"],
+    lib = build_library(gemv.SOURCE, [*gemv.FLAGS, "-mno-avx2", "-mno-f16c", "-mno-fma",
+                                      "-mno-avx512f"],
                         "ggml_gemv_portable")
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.ggml_gemv.argtypes = [i32, ptr, ptr, ptr, i64, i64, i64, i64, i32]
     for type_name, (kind, _, _) in gemv.KINDS.items():
         packed = _packed(type_name, 33, 512)
-        x = torch.randn(2, 512)
-        y = torch.empty(2, 33)
-        lib.ggml_gemv(kind, packed.data_ptr(), x.data_ptr(), y.data_ptr(), 2, 33, 512,
-                      packed.shape[1], 1)
-        assert torch.allclose(y, ggml_gemv(x, packed, type_name, 33), rtol=1e-5, atol=1e-5)
+        for rows in (2, 5):  # the blocks multiplied in place; the row decoded once
+            x = torch.randn(rows, 512)
+            y = torch.empty(rows, 33)
+            lib.ggml_gemv(kind, packed.data_ptr(), x.data_ptr(), y.data_ptr(), rows, 33, 512,
+                          packed.shape[1], 1)
+            assert torch.allclose(y, ggml_gemv(x, packed, type_name, 33), rtol=1e-5, atol=1e-5)

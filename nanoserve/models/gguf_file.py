@@ -87,7 +87,7 @@ NORM_OFFSET = {"gemma2": 1.0}
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
              "output": "lm_head"}
 BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-GEMV_MAX_ROWS = 16  # activation rows up to which the packed C GEMV beats dequantize + GEMM
+GEMV_MAX_ROWS = 64  # activation rows up to which the C kernel beats dequantize + GEMM
 
 
 class GGMLLinear(nn.Module):
@@ -115,8 +115,9 @@ class GGMLLinear(nn.Module):
         return F.linear(x, self.weight_float().to(x.dtype), bias)
 
     def _packed_kernel_serves(self, rows: torch.Tensor) -> bool:
-        """The C GEMV for few float32 rows on the CPU (decode); many rows (a prefill) are faster
-        through one dequantization and a BLAS GEMM that reuses each weight across them."""
+        """The C kernel for up to GEMV_MAX_ROWS float32 rows on the CPU (decode steps); more rows
+        (a prefill) are faster through one dequantization and a BLAS GEMM that blocks for
+        registers (benchmarks/RESULTS.md, "GGUF weights on the CPU")."""
         return (rows.device.type == "cpu" and rows.dtype == torch.float32
                 and rows.shape[0] <= GEMV_MAX_ROWS and self.type_name in GEMV_TYPES
                 and cpu_gemv_problem() is None)
