@@ -32,7 +32,9 @@ def _write_gpt2_vocab(path, pre: str):
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
-    writer.add_token_types([3 if t == "<|endoftext|>" else 1 for t in tokens])
+    types = [1] * len(tokens)  # normal, but <|endoftext|>: control
+    types[vocab["<|endoftext|>"]] = 3
+    writer.add_token_types(types)
     writer.add_token_merges(merges)
     writer.add_bos_token_id(vocab["<|endoftext|>"])
     writer.add_eos_token_id(vocab["<|endoftext|>"])

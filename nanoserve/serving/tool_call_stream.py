@@ -47,7 +47,8 @@ class NamedCall:
     """tool_choice names one function: the text is its arguments, streamed as they come."""
 
     def __init__(self, name: str):
-        self.name, self.num_calls = name, 0
+        self.name = name
+        self.num_calls = 0
 
     def feed(self, text: str, final: bool) -> dict:
         if self.num_calls == 0:
