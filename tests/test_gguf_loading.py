@@ -14,7 +14,7 @@ import torch
 from gguf_writer import write_gguf
 
 from nanoserve.engine.llm import LLM
-from nanoserve.errors import CheckpointError
+from nanoserve.errors import CheckpointError, NanoserveError
 from nanoserve.models import gguf_file
 from nanoserve.models.gguf_file import GGMLLinear
 
@@ -130,3 +130,21 @@ def test_a_missing_key_is_named(tmp_path):
     writer.close()
     with pytest.raises(CheckpointError, match="lacks 'llama.context_length'"):
         LLM(str(path), dtype="float32", device="cpu", num_blocks=16)
+
+
+@pytest.mark.shared
+def test_another_tokenizer_replaces_the_files(tmp_path):
+    """`tokenizer=` (vLLM's --tokenizer) is used instead of the file's own vocabulary: the demo's
+    folder works (the same 257 ids); GPT-2's 50,257-token vocabulary is refused by the check that
+    every id is a row of the model's 257-row embedding — so it was the one read."""
+    from testdata import shared_path
+
+    from nanoserve.models.loader import resolve_model_path
+
+    path = write_gguf(_hf_model("llama"), tmp_path / "llama.gguf", "Q8_0", "llama")
+    llm = LLM(str(path), dtype="float32", device="cpu", num_blocks=16,
+              tokenizer=str(resolve_model_path("demo")))
+    assert llm.encode_prompt("ROMEO:") == list(b"ROMEO:")
+    with pytest.raises(NanoserveError, match="vocab"):
+        LLM(str(path), dtype="float32", device="cpu", num_blocks=16,
+            tokenizer=str(shared_path("models", "gpt2-tokenizer")))

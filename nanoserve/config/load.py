@@ -22,6 +22,8 @@ class LoadConfig:
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     # special-token text in a text prompt stays text (HF's name); default: it becomes the token's id
     split_special_tokens: bool = False
+    # a tokenizer (directory or file) used instead of the checkpoint's own (vLLM's --tokenizer)
+    tokenizer: str | None = None
 
     def __post_init__(self):
         check_choice("quantization", self.quantization, QUANTIZATION_METHODS, optional=True)
@@ -39,4 +41,6 @@ LOAD_ARGS: dict[str, EngineArg] = {
                                 "encode special-token text in a prompt ('<|endoftext|>') as "
                                 "ordinary text, so that users' prompts cannot write control "
                                 "tokens (default: the token's id, as HF and vLLM do)"),
+    "tokenizer": arg("load", "tokenizer", "a tokenizer directory or file to use instead of the "
+                     "checkpoint's own (e.g. beside a GGUF file)"),
 }

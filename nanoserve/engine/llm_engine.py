@@ -106,7 +106,8 @@ class LLMEngine:
         if config.parallel.world_size > 1:
             parallel = extension("parallel")
             parallel.pin_rank_device(config.parallel)  # under torchrun: each rank's GPU, first
-        self.model, self.config, self.tokenizer = load_model(load.model, load.dtype, load.device)
+        self.model, self.config, self.tokenizer = load_model(load.model, load.dtype, load.device,
+                                                             tokenizer_path=load.tokenizer)
         if load.quantization is not None:  # 8-bit linears as the model loads
             extension("quantization").quantize_on_load(self.model, load.quantization)
         self.model_name = str(load.model)

@@ -125,8 +125,10 @@ def _download_from_hub(repo_id: str) -> Path:
 
 
 # ----------------------------------------------------------------------------- loading
-def load_model(name_or_path, dtype=None, device=None):
-    """Load (model, config, tokenizer) from anything `resolve_model_path` accepts."""
+def load_model(name_or_path, dtype=None, device=None, tokenizer_path=None):
+    """Load (model, config, tokenizer) from anything `resolve_model_path` accepts;
+    `tokenizer_path`: a tokenizer directory or file used instead of the checkpoint's own (vLLM's
+    --tokenizer)."""
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     path = resolve_model_path(name_or_path)
@@ -155,7 +157,9 @@ def load_model(name_or_path, dtype=None, device=None):
     model = build_from_tensors(cfg, tensors, torch_dtype, dev, quantization, modules)
     # No tokenizer beside the weights is allowed (vLLM's skip_tokenizer_init): prompts are then
     # token ids.
-    if tokenizer is None and has_tokenizer(tok_dir):
+    if tokenizer_path is not None:
+        tokenizer, tok_dir = load_tokenizer(tokenizer_path), Path(tokenizer_path)
+    elif tokenizer is None and has_tokenizer(tok_dir):
         tokenizer = load_tokenizer(tok_dir)
     check_vocabulary(cfg, tokenizer, tok_dir)
     return model, cfg, tokenizer
