@@ -30,14 +30,13 @@ import time
 from datetime import date
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-from gguf_writer import K_TYPES, k_blocks, write_gguf  # noqa: E402
+from gguf_writer import packed_weights, write_gguf  # noqa: E402
 from nanoserve.kernels.cpu_ggml_gemv import ggml_gemv, ggml_gemv_ref  # noqa: E402
 
 from nanoserve.engine.llm import LLM  # noqa: E402
@@ -50,17 +49,6 @@ TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")
 ENGINE_TYPES = ("F32", "Q8_0", "Q4_0", "Q4_K")
 
 
-def _quantized(shape, type_name: str) -> torch.Tensor:
-    import gguf
-
-    qtype = getattr(gguf.GGMLQuantizationType, type_name)
-    rng = np.random.default_rng(0)
-    if type_name in K_TYPES:  # gguf cannot quantize these: random blocks, as the tests use
-        return torch.from_numpy(k_blocks(qtype, shape, rng))
-    w = rng.standard_normal(shape).astype(np.float32) * 0.02
-    return torch.from_numpy(gguf.quants.quantize(w, qtype))
-
-
 def bench_layers(rows_list, reps: int) -> list[dict]:
     out = []
     for rows in rows_list:
@@ -70,7 +58,7 @@ def bench_layers(rows_list, reps: int) -> list[dict]:
             w = torch.randn(shape) * 0.02
             calls[(shape, "float32")] = lambda x=x, w=w: F.linear(x, w)
             for t in TYPES:
-                packed = _quantized(shape, t)
+                packed = torch.from_numpy(packed_weights(t, shape, std=0.02))
                 calls[(shape, t)] = lambda x=x, p=packed, t=t, n=shape[0]: ggml_gemv(x, p, t, n)
                 calls[(shape, f"{t} dequantized")] = (
                     lambda x=x, p=packed, t=t, n=shape[0]: ggml_gemv_ref(x, p, t, n))

@@ -1,8 +1,8 @@
 """Test helper: a transformers model written as a GGUF file the way llama.cpp's converter writes
-one (its metadata keys, tensor names, q/k rows reordered for Llama), each linear in a chosen GGML
-type. Legacy types are quantized by the `gguf` package itself; K-quant types (which it cannot
-quantize) get random blocks with small float16 scales — a random model either way, and both
-readers under test see the same bytes.
+one (its metadata keys, tensor names from gguf's own name map, q/k rows reordered for Llama), each
+linear in a chosen GGML type. Legacy types are quantized by the `gguf` package itself; K-quant types
+(which it cannot quantize) get random blocks with small float16 scales — a random model either way,
+and both readers under test see the same bytes.
 
 Imported by name (`from gguf_writer import write_gguf`), like testdata.py.
 """
@@ -16,11 +16,12 @@ import numpy as np
 from nanoserve.tokenizers.bpe import token_chars
 
 K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-OUR_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+# where each type keeps its float16 numbers: byte offsets in a block (llama.cpp's block structs)
+F16_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2],
+              "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+# d (and dmin) of random K-quant blocks: sub-scale × code reach ~45 (Q2_K) to ~4,000 (Q6_K: int8
+# scales, 6-bit codes), so that weights stay within about ±0.1
+D_SCALE = {"Q2_K": 2e-3, "Q3_K": 5e-4, "Q4_K": 1e-4, "Q5_K": 5e-5, "Q6_K": 2.5e-5}
 
 
 def permute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -29,38 +30,46 @@ def permute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
         w.shape)
 
 
-GEMMA2_TO_GGUF = {"post_attention_layernorm": "post_attention_norm",
-                  "pre_feedforward_layernorm": "ffn_norm",
-                  "post_feedforward_layernorm": "post_ffw_norm"}
-
-
-def _gguf_name(name: str, arch: str) -> str:
-    if name.startswith("model.layers."):
-        layer, rest = name[len("model.layers."):].split(".", 1)
-        module, _, kind = rest.rpartition(".")
-        names = {**OUR_TO_GGUF, **(GEMMA2_TO_GGUF if arch == "gemma2" else {})}
-        return f"blk.{layer}.{names[module]}.{kind}"
-    return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
-            "output_norm.weight", "lm_head.weight": "output.weight"}[name]
-
-
-# d (and dmin) of random K-quant blocks: sub-scale × code reach ~45 (Q2_K) to ~4,000 (Q6_K: int8
-# scales, 6-bit codes), so that weights stay within about ±0.1
-D_SCALE = {"Q2_K": 2e-3, "Q3_K": 5e-4, "Q4_K": 1e-4, "Q5_K": 5e-5, "Q6_K": 2.5e-5}
-
-
 def k_blocks(qtype, shape: tuple[int, int], rng) -> np.ndarray:
-    """Random K-quant blocks whose float16 scales give weights within about ±0.1."""
-    from nanoserve.quant.ggml_blocks import BLOCK_TYPES
+    """Random K-quant blocks whose float16 scales give weights within about ±0.1 (block sizes from
+    gguf's own table)."""
+    import gguf
 
-    kind = BLOCK_TYPES[qtype.name]
-    n = shape[0] * shape[1] // kind.block_weights
-    blocks = rng.integers(0, 256, size=(n, kind.block_bytes), dtype=np.uint8)
-    f16_at = {"Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
-    for at in f16_at[qtype.name]:
+    block_weights, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    n = shape[0] * shape[1] // block_weights
+    blocks = rng.integers(0, 256, size=(n, block_bytes), dtype=np.uint8)
+    for at in F16_FIELDS[qtype.name]:
         d = (rng.uniform(0.2, 1.0, n) * D_SCALE[qtype.name]).astype(np.float16)
         blocks[:, at:at + 2] = d.view(np.uint8).reshape(n, 2)
     return blocks.reshape(shape[0], -1)
+
+
+def packed_weights(type_name: str, shape: tuple[int, int], seed: int = 0,
+                   std: float = 0.05) -> np.ndarray:
+    """A [rows, bytes] matrix of `type_name` blocks: N(0, std) weights quantized by gguf (legacy
+    types), or random K-quant blocks (which gguf cannot make)."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    qtype = getattr(gguf.GGMLQuantizationType, type_name)
+    if type_name in K_TYPES:
+        return k_blocks(qtype, shape, rng)
+    return gguf.quants.quantize((rng.standard_normal(shape) * std).astype(np.float32), qtype)
+
+
+def close_gguf(writer) -> None:
+    """Write a GGUFWriter's header, metadata and tensors, and close it."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _archs() -> dict:
+    import gguf
+
+    return {name: getattr(gguf.MODEL_ARCH, name.upper()) for name in ("llama", "qwen2", "qwen3",
+                                                                        "gemma2")}
 
 
 def write_gguf(model, path: Path, qtype_name: str = "F32", arch: str = "llama",
@@ -99,6 +108,7 @@ def write_gguf(model, path: Path, qtype_name: str = "F32", arch: str = "llama",
     writer.add_token_merges([])  # bytes only: nothing is merged (transformers then wants scores)
     writer.add_token_scores([0.0] * 257)
     writer.add_eos_token_id(256)
+    names = gguf.get_tensor_name_map(_archs()[arch], cfg.num_hidden_layers)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
@@ -109,17 +119,13 @@ def write_gguf(model, path: Path, qtype_name: str = "F32", arch: str = "llama",
             w = permute_rotary(w, cfg.num_attention_heads)
         if arch == "llama" and name.endswith("k_proj.weight"):
             w = permute_rotary(w, cfg.num_key_value_heads)
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         linear = w.ndim == 2 and "embed_tokens" not in name
         if not linear or qtype_name == "F32":
-            writer.add_tensor(_gguf_name(name, arch), w)
+            writer.add_tensor(gguf_name, w)
         elif qtype_name in K_TYPES:
-            writer.add_tensor(_gguf_name(name, arch), k_blocks(qtype, w.shape, rng),
-                              raw_dtype=qtype)
+            writer.add_tensor(gguf_name, k_blocks(qtype, w.shape, rng), raw_dtype=qtype)
         else:
-            writer.add_tensor(_gguf_name(name, arch), gguf.quants.quantize(w, qtype),
-                              raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+            writer.add_tensor(gguf_name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+    close_gguf(writer)
     return path

@@ -72,6 +72,18 @@ def _pool_whole(engine: AsyncLLMEngine) -> bool:
             and core.block_allocator.num_free_blocks() == core.block_allocator.num_blocks)
 
 
+def chat_server(path: Path, names, **engine_kwargs) -> LiveServer:
+    """A LiveServer of the checkpoint at `path` (demo_chat_model's) under `names`, with the API key
+    KEY and the checkpoint's chat template; `engine_kwargs` go to its LLMEngine (256 blocks unless
+    they say otherwise)."""
+    from nanoserve.serving.chat import load_chat_template
+    from nanoserve.serving.server import create_app
+
+    core = LLMEngine.from_kwargs(str(path), **{"num_blocks": 256, **engine_kwargs})
+    return LiveServer(create_app(AsyncLLMEngine(core), names, api_key=KEY,
+                                 chat_template=load_chat_template(path, core.tokenizer)))
+
+
 def demo_chat_model(path: Path) -> Path:
     """The demo model copied to `path`, with a chat template added (the shipped one has none)."""
     shutil.copytree(resolve_model_path("demo"), path)

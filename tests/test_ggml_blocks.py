@@ -15,11 +15,10 @@ from nanoserve.quant import ggml_blocks
 from nanoserve.quant.ggml_blocks import BLOCK_TYPES, dequantize
 
 gguf = pytest.importorskip("gguf")
+from gguf_writer import F16_FIELDS  # noqa: E402
+
 quants = pytest.importorskip("gguf.quants")
 
-# where each type keeps its float16 numbers (byte offsets in a block)
-F16_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2],
-              "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 SPECIAL_F16 = np.array([0.0, -0.0, 65504.0, -65504.0, 6e-8, -6e-8, 1e-5, 1.0, -1.0],
                        dtype=np.float16)
 

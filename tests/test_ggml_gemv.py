@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import ctypes
 
-import numpy as np
 import pytest
 import torch
 from nanoserve.kernels import cpu_ggml_gemv as gemv
 from nanoserve.kernels.cpu_ggml_gemv import ggml_gemv, ggml_gemv_ref
 
 gguf = pytest.importorskip("gguf")
-from gguf_writer import K_TYPES, k_blocks  # noqa: E402
+from gguf_writer import packed_weights  # noqa: E402
 
 CODE_AT = {"Q8_0": 5, "Q4_0": 5, "Q4_K": 40, "Q6_K": 7}  # a byte of codes in the first block
 pytestmark = pytest.mark.skipif(gemv.cpu_gemv_problem() is not None,
@@ -23,13 +22,7 @@ pytestmark = pytest.mark.skipif(gemv.cpu_gemv_problem() is not None,
 
 
 def _packed(type_name: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
-    """Weights gguf quantized (legacy types), or random K-quant blocks (which gguf cannot make)."""
-    rng = np.random.default_rng(seed)
-    qtype = getattr(gguf.GGMLQuantizationType, type_name)
-    if type_name in K_TYPES:
-        return torch.from_numpy(k_blocks(qtype, (n, k), rng))
-    w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
-    return torch.from_numpy(gguf.quants.quantize(w, qtype))
+    return torch.from_numpy(packed_weights(type_name, (n, k), seed))
 
 
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_K", "Q6_K"])

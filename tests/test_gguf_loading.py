@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gguf_writer import write_gguf
+from gguf_writer import close_gguf, write_gguf
 
 from nanoserve.engine.llm import LLM
 from nanoserve.errors import CheckpointError, NanoserveError
@@ -100,10 +100,7 @@ def test_an_unread_key_is_refused_by_name(tmp_path):
     for t in reader.tensors:
         writer.add_tensor(t.name, t.data, raw_shape=list(reversed(t.shape.tolist())),
                           raw_dtype=t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    close_gguf(writer)
     with pytest.raises(CheckpointError, match="llama.rope.scaling.type"):
         LLM(str(writer_path), dtype="float32", device="cpu", num_blocks=16)
 
@@ -124,10 +121,7 @@ def test_a_missing_key_is_named(tmp_path):
     path = tmp_path / "bare.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(2)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    close_gguf(writer)
     with pytest.raises(CheckpointError, match="lacks 'llama.context_length'"):
         LLM(str(path), dtype="float32", device="cpu", num_blocks=16)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from gguf_writer import close_gguf
 from testdata import shared_path
 
 from nanoserve.errors import NanoserveError
@@ -38,10 +39,7 @@ def _write_gpt2_vocab(path, pre: str):
     writer.add_token_merges(merges)
     writer.add_bos_token_id(vocab["<|endoftext|>"])
     writer.add_eos_token_id(vocab["<|endoftext|>"])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    close_gguf(writer)
     return path
 
 
@@ -104,10 +102,7 @@ def test_sentencepiece_vocabulary(tmp_path):
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_unk_token_id(0)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    close_gguf(writer)
     ours = _ours(path)
     hf = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
     texts = _texts()

@@ -23,7 +23,6 @@ openai = pytest.importorskip("openai")
 
 from live_server import (  # noqa: E402
     DEADLINE,
-    KEY,
     LiveServer,
     StepGate,
     _http,
@@ -31,6 +30,7 @@ from live_server import (  # noqa: E402
     _post,
     _request_bytes,
     _wait_for,
+    chat_server,
     demo_chat_model,
 )
 from openai.types.responses import Response, ResponseStreamEvent  # noqa: E402
@@ -58,10 +58,8 @@ def chat_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(chat_model):
-    core = LLMEngine.from_kwargs(str(chat_model), num_blocks=256)
-    core.inputs.eos_ids.add(NEWLINE)
-    srv = LiveServer(create_app(AsyncLLMEngine(core), [MODEL, ALIAS], api_key=KEY,
-                                chat_template=load_chat_template(chat_model, core.tokenizer)))
+    srv = chat_server(chat_model, [MODEL, ALIAS])
+    srv.engine.engine.inputs.eos_ids.add(NEWLINE)  # before any request
     yield srv
     srv.stop()
 

@@ -34,6 +34,7 @@ from live_server import (  # noqa: E402
     _post,
     _request_bytes,
     _wait_for,
+    chat_server,
     demo_chat_model,
 )
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
@@ -52,9 +53,7 @@ def chat_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(chat_model):
-    core = LLMEngine.from_kwargs(str(chat_model), num_blocks=256, max_num_seqs=64)
-    srv = LiveServer(create_app(AsyncLLMEngine(core), "demo-chat", api_key=KEY,
-                                chat_template=load_chat_template(chat_model, core.tokenizer)))
+    srv = chat_server(chat_model, "demo-chat", max_num_seqs=64)
     yield srv
     srv.stop()
 

@@ -13,13 +13,10 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from live_server import KEY, LiveServer, _http, _post, demo_chat_model  # noqa: E402
+from live_server import _http, _post, chat_server, demo_chat_model  # noqa: E402
 
 from nanoserve import LLM, SamplingParams  # noqa: E402
-from nanoserve.engine import LLMEngine  # noqa: E402
-from nanoserve.serving.async_engine import AsyncLLMEngine  # noqa: E402
 from nanoserve.serving.chat import load_chat_template  # noqa: E402
-from nanoserve.serving.server import create_app  # noqa: E402
 
 MODEL = "demo-chat"
 PROMPT = "ROMEO: But soft, what light through yonder window breaks?"
@@ -33,9 +30,7 @@ def chat_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(chat_model):
-    core = LLMEngine.from_kwargs(str(chat_model), num_blocks=256)
-    srv = LiveServer(create_app(AsyncLLMEngine(core), MODEL, api_key=KEY,
-                                chat_template=load_chat_template(chat_model, core.tokenizer)))
+    srv = chat_server(chat_model, MODEL)
     yield srv
     srv.stop()
 

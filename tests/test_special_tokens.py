@@ -6,10 +6,8 @@ prompt a completion runs on."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from live_server import LiveServer
+from live_server import LiveServer, _post
 from testdata import shared_path
 
 from nanoserve.engine import LLMEngine
@@ -60,15 +58,6 @@ def test_gpt2s_vocabulary_agrees_with_hf(tmp_path):
         assert ids.count(50256) == t.count(EOT)
 
 
-def _post(url: str, path: str, body: dict) -> dict:
-    import urllib.request
-
-    req = urllib.request.Request(url.removesuffix("/v1") + path, json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as resp:
-        return json.loads(resp.read())
-
-
 @pytest.mark.parametrize("split", [False, True])
 def test_tokenize_and_completions_follow_the_setting(split):
     """/tokenize's ids are those the completion ran on (its usage counts them), and HF's."""
@@ -77,7 +66,8 @@ def test_tokenize_and_completions_follow_the_setting(split):
     server = LiveServer(create_app(AsyncLLMEngine(_engine(split)), "demo"))
     try:
         prompt = f"ROMEO:{EOT}JULIET:"
-        body = _post(server.url, "/tokenize", {"prompt": prompt})
+        status, _, body = _post(server.port, "/tokenize", {"prompt": prompt})
+        assert status == 200, body
         assert body["tokens"] == hf(prompt)["input_ids"]
         assert (256 in body["tokens"]) is not split
         out = server.client().completions.create(model="demo", prompt=prompt, max_tokens=1)

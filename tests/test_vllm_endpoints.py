@@ -23,13 +23,13 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 from live_server import (  # noqa: E402
-    KEY,
     LiveServer,
     StepGate,
     _http,
     _pool_whole,
     _post,
     _wait_for,
+    chat_server,
     demo_chat_model,
 )
 from openai.types import Completion, Model  # noqa: E402
@@ -42,7 +42,6 @@ from nanoserve.cli import build_parser  # noqa: E402
 from nanoserve.engine import LLMEngine  # noqa: E402
 from nanoserve.errors import NanoserveError  # noqa: E402
 from nanoserve.serving.async_engine import AsyncLLMEngine  # noqa: E402
-from nanoserve.serving.chat import load_chat_template  # noqa: E402
 from nanoserve.serving.server import create_app, served_names  # noqa: E402
 
 MODEL, ALIAS = "demo-chat", "alias"
@@ -61,9 +60,7 @@ def chat_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(chat_model):
-    core = LLMEngine.from_kwargs(str(chat_model), num_blocks=256)
-    srv = LiveServer(create_app(AsyncLLMEngine(core), [MODEL, ALIAS], api_key=KEY,
-                                chat_template=load_chat_template(chat_model, core.tokenizer)))
+    srv = chat_server(chat_model, [MODEL, ALIAS])
     yield srv
     srv.stop()
 

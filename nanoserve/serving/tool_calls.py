@@ -93,7 +93,7 @@ def functions(tools: list[dict] | None) -> dict[str, dict]:
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
             raise NanoserveError(f"tools[{i}].function.parameters must be a JSON schema object")
-        out[fn["name"]] = strict_schema(params)
+        out[fn["name"]] = params
     return out
 
 
@@ -110,7 +110,8 @@ def forced(tools: list[dict] | None, tool_choice,
         # a tool's local $refs meant its parameters' root: rebased to where they sit in the array
         call = []
         for i, (name, schema) in enumerate(fns.items()):
-            parameters = rebase_refs(schema, f"#/items/anyOf/{i}/properties/parameters")
+            parameters = rebase_refs(strict_schema(schema),
+                                     f"#/items/anyOf/{i}/properties/parameters")
             properties = {"name": {"const": name}, "parameters": parameters}
             call.append({"type": "object", "properties": properties,
                          "required": ["name", "parameters"], "additionalProperties": False})
@@ -126,7 +127,7 @@ def forced(tools: list[dict] | None, tool_choice,
     if name not in fns:
         raise NanoserveError(f"tool_choice names the function {name!r}, which is not among the "
                              f"tools ({', '.join(fns)})")
-    return "named", fns[name]
+    return "named", strict_schema(fns[name])
 
 
 LITERAL_KEYWORDS = ("const", "enum", "default", "examples")  # JSON values, not schemas: left alone
