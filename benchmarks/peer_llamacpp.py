@@ -3,7 +3,8 @@ benchmarks/.peers/llamacpp.
 
     .peers/llamacpp/bin/python benchmarks/peer_llamacpp.py SPEC.json      (protocol: peer_protocol.py)
 
-The HF GPT-2 checkpoint (config.json + model.safetensors) is written to GGUF with the `gguf` package
+A spec without "model_dir" names a GGUF file that is run as it is (benchmarks/bench_gguf_llamacpp.py).
+Otherwise the HF GPT-2 checkpoint (config.json + model.safetensors) is written to GGUF with the `gguf` package
 in llama.cpp's GPT-2 layout, as convert_hf_to_gguf.py's GPT2Model does: HF's Conv1D weights ([in,
 out]) transposed to [out, in], tensor names from gguf's own name map (token_embd, position_embd,
 blk.N.attn_norm / attn_qkv / attn_output / ffn_norm / ffn_up / ffn_down, output_norm), fp32
@@ -91,9 +92,10 @@ def convert_gpt2(model_dir: Path, out: Path) -> None:
 def load(spec):
     import llama_cpp
 
-    model_dir, gguf_path = Path(spec["model_dir"]), Path(spec["gguf_path"])
+    gguf_path = Path(spec["gguf_path"])
     t0 = time.perf_counter()
-    if (
+    model_dir = Path(spec["model_dir"]) if spec.get("model_dir") else None  # else: the file as is
+    if model_dir is not None and (
         not gguf_path.exists()
         or gguf_path.stat().st_mtime < (model_dir / "model.safetensors").stat().st_mtime
     ):
@@ -122,7 +124,8 @@ def load(spec):
                                 "of the logits")
     info = {"engine": "llama.cpp", "version": llama_cpp.__version__,
             "load_s": time.perf_counter() - t0,
-            "settings": {**settings, "weights": "GGUF f32", "kv_cache": "f32"}}
+            "settings": {**settings, "weights": spec.get("weights", "GGUF f32"),
+                         "kv_cache": "f32"}}
     return engine, info
 
 

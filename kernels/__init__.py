@@ -1,8 +1,9 @@
 """nanoserve.kernels: Triton kernels, each beside a plain-torch reference.
 
 Two kernels are C, not Triton: cpu_paged_attention.c, the CPU's decode attention over the paged
-pool, and cpu_ggml_gemv.c, the CPU's GEMV over llama.cpp's packed blocks; each is compiled on first
-use (cpu_build.py) and called from its .py file. Triton only interprets kernels on a CPU.
+pool, and cpu_packed_gemv.c, the CPU's matrix product over packed quantized weights (llama.cpp's
+blocks, GPTQ's grids); each is compiled on first use (cpu_build.py) and called from its .py file.
+Triton only interprets kernels on a CPU.
 
 This folder installs as `nanoserve.kernels` (never as a top-level `kernels`: PyPI has a
 package by that name). Without CUDA, Triton kernels run in its interpreter, which must be

@@ -1,4 +1,4 @@
-"""Building the C kernels (cpu_paged_attention.c, cpu_ggml_gemv.c) once per machine, and loading
+"""Building the C kernels (cpu_paged_attention.c, cpu_packed_gemv.c) once per machine, and loading
 them with ctypes.
 
 The C compiler (`$CC`, else `cc`) runs on first use, ~0.2 s: `-O3 -march=native` (the CPU's own

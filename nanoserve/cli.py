@@ -153,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--group-size", type=int, default=128,
                    help="weights per (scale, zero); -1 = one group per row")
     q.add_argument("--asym", action="store_true",
-                   help="asymmetric grid (zero points per group; default symmetric)")
+                   help="asymmetric grid (zero points per group; default symmetric); a GPTQ "
+                        "checkpoint is then written as GPTQ v2")
     q.add_argument("--act-order", action="store_true",
                    help="GPTQ: quantize columns by decreasing activation energy")
     q.add_argument("--lm-head", action="store_true",
@@ -305,8 +306,9 @@ def cmd_quantize(args) -> None:
     if args.format == "compressed-tensors":
         out = save_compressed(replace_linears(model, result.qweights), args.out,
                               tokenizer_from=args.model)
-    else:
-        out = save_quantized(model, result, args.out, tokenizer_from=args.model)
+    else:  # an asymmetric grid as GPTQ v2: the form gptqmodel reads from another tool
+        out = save_quantized(model, result, args.out, tokenizer_from=args.model,
+                             checkpoint_format="gptq_v2" if args.asym else "gptq")
     print(f"[nanoserve] {args.method} {args.bits}-bit g{args.group_size}: {len(result.qweights)} "
           f"linears in {time.perf_counter() - start:.1f}s; block output errors "
           f"{', '.join(f'{e:.2e}' for e in result.block_errors) or '(no calibration)'}; saved to "

@@ -72,11 +72,22 @@ def _archs() -> dict:
                                                                         "gemma2")}
 
 
+def _add_demo_vocabulary(writer) -> None:
+    writer.add_tokenizer_model("gpt2")  # the demo's byte vocabulary: 256 bytes, <|endoftext|>
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list([token_chars(bytes([b])) for b in range(256)] + ["<|endoftext|>"])
+    writer.add_token_types([1] * 256 + [3])
+    writer.add_token_merges([])  # bytes only: nothing is merged (transformers then wants scores)
+    writer.add_token_scores([0.0] * 257)
+    writer.add_eos_token_id(256)
+
+
 def write_gguf(model, path: Path, qtype_name: str = "F32", arch: str = "llama",
-               seed: int = 0) -> Path:
+               seed: int = 0, vocabulary: bool = True) -> Path:
     """`model` (a transformers Llama, Qwen2, Qwen3 or Gemma2 ForCausalLM with the demo's 257-token
     vocabulary) as a GGUF file at `path`, its 2-D linear weights in `qtype_name`, everything else
-    F32, with the demo's byte tokenizer."""
+    F32, with the demo's byte tokenizer (`vocabulary=False`: none, token ids only — llama.cpp
+    refuses a "gpt2" vocabulary without merges, and the demo's has none)."""
     import gguf
 
     cfg = model.config
@@ -101,13 +112,10 @@ def write_gguf(model, path: Path, qtype_name: str = "F32", arch: str = "llama",
         writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
         writer.add_sliding_window(cfg.sliding_window)
     writer.add_vocab_size(cfg.vocab_size)
-    writer.add_tokenizer_model("gpt2")  # the demo's byte vocabulary: 256 bytes, <|endoftext|>
-    writer.add_tokenizer_pre("gpt-2")
-    writer.add_token_list([token_chars(bytes([b])) for b in range(256)] + ["<|endoftext|>"])
-    writer.add_token_types([1] * 256 + [3])
-    writer.add_token_merges([])  # bytes only: nothing is merged (transformers then wants scores)
-    writer.add_token_scores([0.0] * 257)
-    writer.add_eos_token_id(256)
+    if vocabulary:
+        _add_demo_vocabulary(writer)
+    else:
+        writer.add_tokenizer_model("none")
     names = gguf.get_tensor_name_map(_archs()[arch], cfg.num_hidden_layers)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:

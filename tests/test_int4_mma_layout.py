@@ -102,7 +102,9 @@ def test_a_model_reordered_in_place_computes_and_saves_the_same(tmp_path):
     assert attn.q_proj.mma_layout and attn.qkv_proj.mma_layout and model.lm_head.mma_layout
     assert torch.equal(attn.qkv_proj.qweight, to_mma_layout(before))  # reordered in place, once
     assert attn.q_proj.qweight.data_ptr() == attn.qkv_proj.qweight.data_ptr()  # still a view
-    assert torch.equal(model(ids), want)
+    # on a CPU the codes in GPTQ's order ran the C kernel (kernels/cpu_packed_gemv.c), those in the
+    # MMA layout run dequantize + F.linear: the same weights, float sums in another order
+    torch.testing.assert_close(model(ids), want, rtol=1e-5, atol=1e-5)
     saved = model.state_dict()
     assert saved.keys() == state.keys()
     assert all(torch.equal(saved[k], v) for k, v in state.items())  # GPTQ's order on the way out

@@ -110,27 +110,27 @@ def test_errors_name_the_real_problem(v1_checkpoint, tmp_path):
 def test_int4_nibbles_are_packed_lowest_first_with_the_plus_8_offset():
     """compressed-tensors' layout, written out by hand: q = −8..7 stored as q + 8, eight per int32,
     lowest first."""
-    from nanoserve.quant.compressed_tensors import pack_int4, unpack_int4
+    from nanoserve.quant.compressed_tensors import pack_ints, unpack_ints
 
     q = torch.arange(-8, 8).repeat(3, 1)  # 3, 16
-    words = pack_int4(q + 8)
+    words = pack_ints(q + 8, 4)
     assert words.dtype == torch.int32 and words.shape == (3, 2)
     # the second word's top nibble sets the sign
     assert words[0].tolist() == [0x76543210, 0xFEDCBA98 - 2**32]
     ragged = torch.randint(0, 16, (5, 13))
-    assert torch.equal(unpack_int4(pack_int4(ragged), 13), ragged)
+    assert torch.equal(unpack_ints(pack_ints(ragged, 4), 13, 4), ragged)
 
 
 def test_a_group_size_that_does_not_divide_k_reads_right():
     """K = 96 with group_size 64: two groups, the second one short (the library allows it)."""
-    from nanoserve.quant.compressed_tensors import _w4_to_gptq, pack_int4
+    from nanoserve.quant.compressed_tensors import _packed_to_gptq, pack_ints
     from nanoserve.quant.qlinear import QuantLinear
 
     g = torch.Generator().manual_seed(0)
     N, K, gs = 8, 96, 64
     q = torch.randint(-8, 8, (N, K), generator=g)
     scale = torch.rand(N, 2, generator=g) + 0.1  # N, ⌈96 / 64⌉
-    parts = _w4_to_gptq("x", pack_int4(q + 8), scale, None, torch.tensor([N, K]),
+    parts = _packed_to_gptq("x", pack_ints(q + 8, 4), scale, None, torch.tensor([N, K]),
                         {"strategy": "group", "group_size": gs, "symmetric": True})
     # the loader's group_size guess; g_idx decides
     layer = QuantLinear(K, N, 4, 48, False, torch.float32)
@@ -139,7 +139,7 @@ def test_a_group_size_that_does_not_divide_k_reads_right():
     want = q.float() * scale.repeat_interleave(gs, 1)[:, :K]
     torch.testing.assert_close(layer.dequantize(), want)
     with pytest.raises(CheckpointError, match="needs ⌈K / group_size⌉"):
-        _w4_to_gptq("x", pack_int4(q + 8), scale, None, torch.tensor([N, K]),
+        _packed_to_gptq("x", pack_ints(q + 8, 4), scale, None, torch.tensor([N, K]),
                     {"strategy": "group", "group_size": 32, "symmetric": True})
 
 

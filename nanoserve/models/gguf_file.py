@@ -26,7 +26,7 @@ What this module does with it:
 
 Families: llama (and Mistral, which llama.cpp writes as llama), qwen2, qwen3, gemma2 (its norms
 stored as 1 + w, its query scale inferred as llama.cpp does: `gemma2_query_scale`). On the CPU,
-`GGMLLinear` multiplies a few rows by the packed blocks in place (kernels/cpu_ggml_gemv.c); GPU
+`GGMLLinear` multiplies a few rows by the packed blocks in place (kernels/cpu_packed_gemv.c); GPU
 kernels for them are the next step (issue 47).
 """
 
@@ -41,8 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import CheckpointError
-from ..kernels.cpu_ggml_gemv import KINDS as GEMV_TYPES
-from ..kernels.cpu_ggml_gemv import cpu_gemv_problem, ggml_gemv
+from ..kernels.cpu_packed_gemv import KINDS as GEMV_TYPES
+from ..kernels.cpu_packed_gemv import cpu_gemv_problem, ggml_gemv
 from ..quant.ggml_blocks import BLOCK_TYPES, dequantize
 from ..tokenizers.gguf_vocab import gguf_tokenizer
 

@@ -158,10 +158,11 @@ def dequantize_q3_k(blocks: torch.Tensor) -> torch.Tensor:
     return scale * q.float()
 
 
-def _k4_scales_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def k4_scales_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K's and Q5_K's eight 6-bit scales and eight 6-bit mins from 12 bytes: sub-blocks 0-3 in
     the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); sub-blocks 4-7 in the nibbles of bytes
-    8-11 with their top 2 bits in the spare bits 6-7 of bytes 0-3 and 4-7."""
+    8-11 (scale low, min high) with their top 2 bits in the spare bits 6-7 of bytes 0-3 and 4-7.
+    packed: uint8 [n, 12] → (scales, mins), each float32 [n, 8] holding integers 0..63."""
     p = packed.long()
     first_scales, first_mins = p[:, 0:4] & 63, p[:, 4:8] & 63
     last_scales = (p[:, 8:12] & 0xF) | (p[:, 0:4] >> 6) << 4
@@ -170,8 +171,9 @@ def _k4_scales_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             torch.cat([first_mins, last_mins], 1).float())
 
 
-def _four_bit_chunks(qs: torch.Tensor) -> torch.Tensor:
-    """[n, 128] bytes → [n, 256] codes: for each 32-byte chunk, its low nibbles then its high."""
+def four_bit_chunks(qs: torch.Tensor) -> torch.Tensor:
+    """[n, 128] bytes → [n, 256] codes (uint8, 0..15): for each 32-byte chunk, its 32 low nibbles
+    then its 32 high ones — byte l of chunk j holds weights 64·j + l and 64·j + 32 + l."""
     chunks = qs.reshape(-1, 4, 1, 32)
     shifts = torch.tensor([0, 4], dtype=torch.uint8).reshape(1, 1, 2, 1)
     return ((chunks >> shifts) & 0xF).reshape(-1, QK_K)
@@ -179,19 +181,22 @@ def _four_bit_chunks(qs: torch.Tensor) -> torch.Tensor:
 
 def _k4_dequantize(blocks: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     d, dmin = _f16(blocks, 0), _f16(blocks, 2)
-    scales, mins = _k4_scales_mins(blocks[:, 4:16])
+    scales, mins = k4_scales_mins(blocks[:, 4:16])
     return _per_subblock(d * scales, 32) * q.float() - _per_subblock(dmin * mins, 32)
 
 
 def dequantize_q4_k(blocks: torch.Tensor) -> torch.Tensor:
-    return _k4_dequantize(blocks, _four_bit_chunks(blocks[:, 16:144]))
+    """Q4_K blocks uint8 [n, 144] → float32 [n, 256]: d (bytes 0-1) and dmin (2-3) in float16,
+    the packed sub-block scales and mins (4-15), the codes (16-143); weight i of sub-block s is
+    (d·scale_s)·q_i − (dmin·min_s), each product taken in float32 first."""
+    return _k4_dequantize(blocks, four_bit_chunks(blocks[:, 16:144]))
 
 
 def dequantize_q5_k(blocks: torch.Tensor) -> torch.Tensor:
     qh = blocks[:, 16:48]
     # the fifth bit: bit b of qh byte l belongs to weight 32·b + l (the order of the nibbles)
     bits = (qh.reshape(-1, 1, 32) >> torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)) & 1
-    q = _four_bit_chunks(blocks[:, 48:176]).long() | bits.reshape(-1, QK_K).long() << 4
+    q = four_bit_chunks(blocks[:, 48:176]).long() | bits.reshape(-1, QK_K).long() << 4
     return _k4_dequantize(blocks, q)
 
 

@@ -14,6 +14,17 @@ The weak point is the activation grid: one outlier feature of 60 in a row of val
 s_x = 60/127 and rounds the rest to a handful of levels — what LLM.int8 (llm_int8.py) computes apart
 and SmoothQuant (smoothquant.py) moves into the weights.
 
+**Which activation scale.** max|x_t| / 127, codes in [−127, 127], is vLLM's convention (its
+per-token int8 kernel) and the papers': the grid is symmetric and the largest |x| lands on ±127
+exactly. compressed-tensors' reference forward, which transformers runs for llmcompressor's W8A8
+checkpoints, divides by 127.5 instead (the range [−128, 127] is 255 steps wide) and clamps: a grid
+0.4 % finer whose largest positive value is clipped by half a step. nanoserve follows vLLM, the
+engine these checkpoints are made to be served by. tests/test_compressed_tensors.py checks each
+layer against both definitions (nanoserve = vLLM's to float rounding, transformers =
+compressed-tensors' exactly, their gap the whole per-layer difference) and shows that what is left
+of the logits' difference once the convention is swapped is rounding: float round-off upstream
+moving an activation across a code boundary.
+
 On a CUDA GPU (sm_80+) the layer runs kernels/int8_matmul.py, the integer GEMM with the scales
 applied in its epilogue. Elsewhere `int8_mm` multiplies with `torch._int_mm` (int8 × int8 → int32 on
 CPU; on CUDA it needs more than 16 rows and K, N multiples of 8, so a decode-sized batch is padded

@@ -27,7 +27,8 @@ stored as 7, so a qzeros word reads 0x77777777. It also means v1 holds zero poin
 not 0 .. 2^bits − 1: a zero of 0 would be stored as −1, which does not fit in a field (written
 unchecked, its sign bits spill into the neighbouring fields). A min-max quantizer gives zero 0 to a
 group whose weights are all ≥ 0; `pack_gptq` refuses it rather than write a checkpoint that readers
-would misread. GPTQModel's "v2" format drops the offset for this reason. Only 2, 4 and 8 bits
+would misread. GPTQModel's "v2" format drops the offset for this reason (`pack_gptq_v2_zeros`;
+gptqmodel reads an asymmetric grid in v1 only from files it wrote itself). Only 2, 4 and 8 bits
 divide 32: 3-bit codes straddle word boundaries and are not handled.
 
 **AutoAWQ GEMM**, 4-bit only, 8 codes per word, packed along N:
@@ -106,6 +107,17 @@ def pack_gptq(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_
     }
 
 
+def pack_gptq_v2_zeros(zeros: torch.Tensor, bits: int) -> torch.Tensor:
+    """GPTQ v2's qzeros (gptqmodel): zeros [N, G] as they are, 0 .. 2^bits − 1, packed along N like
+    v1's (no "− 1") → int32 [G, N·bits/32]. Everything else of a v2 layer is v1's."""
+    _check_bits(bits)
+    lo, hi = _range(zeros)
+    if lo < 0 or hi >= 1 << bits:
+        raise ValueError(f"GPTQ v2 zero points must lie in 0 .. {(1 << bits) - 1} at {bits} bits, "
+                         f"got {lo} .. {hi}")
+    return _pack(zeros.to(torch.int64), bits, dim=0).t().contiguous()  # G, N·bits/32
+
+
 def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                 g_idx: torch.Tensor,
                 bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -115,8 +127,13 @@ def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
     """
     check_gptq(qweight, qzeros, scales, g_idx, bits)
     codes = _unpack(qweight, bits, dim=0).t().to(torch.uint8)  # N, K
-    zeros = _unpack(qzeros, bits, dim=1).t() + 1  # N, G   1 .. 2^bits
-    return codes.contiguous(), zeros.contiguous(), scales.t().contiguous(), g_idx.to(torch.int32)
+    zeros = gptq_zeros(qzeros, bits)  # N, G   1 .. 2^bits
+    return codes.contiguous(), zeros, scales.t().contiguous(), g_idx.to(torch.int32)
+
+
+def gptq_zeros(qzeros: torch.Tensor, bits: int) -> torch.Tensor:
+    """GPTQ v1's qzeros int32 [G, N·bits/32] → the real zero points int32 [N, G] (stored + 1)."""
+    return (_unpack(qzeros, bits, dim=1).t() + 1).contiguous()
 
 
 def dequantize_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,

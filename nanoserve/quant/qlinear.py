@@ -7,12 +7,15 @@ checkpoints, so a layer loads from and saves to one without renaming.
 
 - **W4A16** (bits = 4): on CUDA the forward is one fused kernel,
   `nanoserve.kernels.dequant_matmul` (codes become values in registers, W never exists in
-  memory — what makes int4 decode faster than fp16). On CPU, W is dequantized in torch and
-  multiplied with `F.linear` (the interpreter would be far too slow for a model).
-- **W8A16** (bits = 8, usually per-channel: one group, group_size = K) and 2-bit: dequantize in
-  torch on every device (the kernel is 4-bit only).
+  memory — what makes int4 decode faster than fp16).
+- **On the CPU**, 4- and 8-bit layers whose groups are runs of columns (not act-order) run the C
+  kernel `nanoserve.kernels.cpu_packed_gemv.grid_gemv`, which reads `qweight` as it is stored
+  (the words of 8 neighbouring outputs in one vector load); the scales and zero points are kept
+  as float32 [G, N] beside it, derived once.
+- Everywhere else (2-bit, act-order, W8A16 on CUDA): W is dequantized in torch and multiplied
+  with `F.linear` — per call, so it costs time, not memory: W lives only for the matmul, but it
+  is written and read in float, which makes a decode step slower than float weights.
 
-Dequantizing per call costs time, not memory: W lives only for the duration of the matmul.
 `to_linear()` gives the equivalent float `nn.Linear` (for comparisons). Taught in
 notebooks/07_int4_kernel.ipynb.
 
@@ -30,7 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import NanoserveError
-from .packing import GPTQ_BITS, dequantize_gptq, pack_gptq
+from ..kernels.cpu_packed_gemv import GRID_BITS, cpu_gemv_problem, grid_gemv
+from .packing import GPTQ_BITS, dequantize_gptq, gptq_zeros, pack_gptq
 
 
 class QuantLinear(nn.Module):
@@ -63,12 +67,15 @@ class QuantLinear(nn.Module):
         # g_idx == k // group_size (no act-order); None: not looked yet
         self._sorted_groups: bool | None = None
         self.mma_layout = False  # qweight reordered for the kernel (`use_mma_layout`)
+        # the CPU kernel's float32 scales and zeros [N, G], keyed by the tensors they came from
+        self._cpu_floats: tuple | None = None
 
     def _load_from_state_dict(self, *args, **kwargs):
         if self.mma_layout:  # the file's GPTQ-order codes would be read in the other order
             raise NanoserveError("a QuantLinear whose codes are in the MMA layout cannot load a "
                                  "state dict: load before use_mma_layout")
         self._sorted_groups = None  # a new g_idx: look again
+        self._cpu_floats = None
         super()._load_from_state_dict(*args, **kwargs)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -143,8 +150,41 @@ class QuantLinear(nn.Module):
             )  # M, N
             y = y.view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias.to(x.dtype)
+        if self.cpu_kernel_problem(x) is None:  # codes read in place (kernels/cpu_packed_gemv.c)
+            return self._forward_cpu_kernel(x)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantize(x.dtype), bias)
+
+    def cpu_kernel_problem(self, x: torch.Tensor) -> str | None:
+        """Why the CPU kernel does not serve this layer for `x` (None: it does)."""
+        if x.device.type != "cpu" or self.qweight.device.type != "cpu":
+            return "not on the CPU"
+        if self.bits not in GRID_BITS or self.mma_layout:
+            return f"{self.bits}-bit codes (the CPU kernel reads {GRID_BITS})"
+        if self.kernel_group_size() is None:
+            return "act-order: groups are not runs of columns"
+        if self.group_size % (32 // self.bits) or self.in_features % self.group_size:
+            return (f"groups of {self.group_size} columns of {self.in_features}: not whole "
+                    "words of codes")
+        return cpu_gemv_problem()
+
+    def cpu_floats(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scales and zero points as float32 [G, N], as the CPU kernel reads them: derived
+        once per set of tensors (a new state dict, or new tensors, derive them again)."""
+        key = (self.qzeros.data_ptr(), self.scales.data_ptr())
+        if self._cpu_floats is None or self._cpu_floats[0] != key:
+            zeros = gptq_zeros(self.qzeros, self.bits)[:self.out_features]  # N, G
+            self._cpu_floats = (key, self.scales.float().contiguous(),
+                                zeros.t().float().contiguous())
+        return self._cpu_floats[1], self._cpu_floats[2]
+
+    def _forward_cpu_kernel(self, x: torch.Tensor) -> torch.Tensor:
+        scales, zeros = self.cpu_floats()
+        rows = x.reshape(-1, self.in_features).float()  # M, K
+        y = grid_gemv(rows, self.qweight, scales, zeros, self.bits, self.group_size)  # M, N
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def to_linear(self) -> nn.Linear:
         lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,

@@ -1,5 +1,5 @@
-"""Saving a quantized model in the GPTQ (v1) or compressed-tensors format, so that other tools load
-it too.
+"""Saving a quantized model in the GPTQ (v1 or v2) or compressed-tensors format, so that other
+tools load it too.
 
 A GPTQ checkpoint is an ordinary HF directory (config.json + model.safetensors) where each
 quantized linear `<name>.weight` is replaced by `<name>.qweight / .qzeros / .scales / .g_idx`
@@ -23,8 +23,11 @@ from ..errors import NanoserveError
 from ..models.loader import resolve_model_path, save_checkpoint
 from . import compressed_tensors
 from .model import QuantizeResult
-from .packing import pack_gptq
+from .packing import pack_gptq, pack_gptq_v2_zeros
 from .qlinear import QuantLinear
+
+# v1 (AutoGPTQ: zero points − 1) and gptqmodel's v2 (the zero points themselves)
+GPTQ_CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
 
 
 def replace_linears(model: nn.Module, qweights: dict,
@@ -47,12 +50,19 @@ def replace_linears(model: nn.Module, qweights: dict,
 
 
 def save_quantized(model: nn.Module, result: QuantizeResult, directory: str | os.PathLike,
-                   tokenizer_from: str | os.PathLike | None = None) -> Path:
-    """Write the model of `quantize_model` in the GPTQ (v1) format: config.json + model.safetensors
+                   tokenizer_from: str | os.PathLike | None = None,
+                   checkpoint_format: str = "gptq") -> Path:
+    """Write the model of `quantize_model` in the GPTQ format: config.json + model.safetensors
     (+ the tokenizer files of `tokenizer_from`, a model name or path, so the directory loads alone).
 
     Scales are stored in fp16, as GPTQ checkpoints do; biases in the model's dtype. Other tools
-    (transformers + a GPTQ backend, vLLM) load the result."""
+    (transformers + a GPTQ backend, vLLM) load the result. `checkpoint_format` "gptq" is v1
+    (AutoGPTQ's: zero points − 1); "gptq_v2" stores the zero points themselves, the form in which
+    gptqmodel reads an asymmetric grid written by another tool (it refuses asymmetric v1 unless it
+    made the file). Either way a zero point of 0 is refused: nanoserve computes in v1's layout."""
+    if checkpoint_format not in GPTQ_CHECKPOINT_FORMATS:
+        raise NanoserveError(f"checkpoint_format={checkpoint_format!r}; allowed: "
+                             f"{', '.join(GPTQ_CHECKPOINT_FORMATS)}")
     odd = [r.name for r in result.layers if r.group_size != result.config.group_size]
     if odd:
         raise NanoserveError(f"the GPTQ format has one group size per model; {odd[0]} (and "
@@ -69,16 +79,19 @@ def save_quantized(model: nn.Module, result: QuantizeResult, directory: str | os
                     and "zero" in str(e) else "")
             raise NanoserveError(f"{name} cannot be written in the GPTQ v1 format: "
                                  f"{e}.{hint}") from e
+        if checkpoint_format == "gptq_v2":
+            replaced[name]["qzeros"] = pack_gptq_v2_zeros(qw.zeros, qw.bits)
         bias = model.get_submodule(name).bias
         if bias is not None:
             # the model's own dtype: GPTQ readers cast it anyway, and fp16 here would make the
             # reloaded model differ from the one in memory (scales are fp16 in both: the format's
             # dtype)
             replaced[name]["bias"] = bias.detach()
-    out = save_checkpoint(model, directory, replaced, result.config.hf_config())
+    hf = {**result.config.hf_config(), "checkpoint_format": checkpoint_format}
+    out = save_checkpoint(model, directory, replaced, hf)
     # AutoGPTQ reads its settings from quantize_config.json, not from config.json
-    (out / "quantize_config.json").write_text(json.dumps(quantize_config(result.config),
-                                                         indent=2) + "\n")
+    settings = {**quantize_config(result.config), "checkpoint_format": checkpoint_format}
+    (out / "quantize_config.json").write_text(json.dumps(settings, indent=2) + "\n")
     if tokenizer_from is not None:
         _copy_tokenizer(tokenizer_from, out)
     return out
