@@ -22,8 +22,11 @@ kernels at K = N = 4096 (the GEMV at M = 1, by multiply-adds, and at M = 16, by 
 with their codes in the MMA layout, kernels/int4_tiles.py, variants "... mma"), the W8A8 int8
 GEMM (sm_80+, K = N = 4096, each output dtype), RMSNorm as one kernel (rows of 2048, Llama's
 convention, and 3072, Gemma's), alone and with the residual add folded in (add_rms_norm), SwiGLU's
-silu_and_mul (I = 5632 and 8192) and RoPE from a table (kernels/rotary.py: fused with the K/V store
-at head_dim 64 and 128, alone at 128, and Phi-3's partial RoPE at 96). Attention on sm_75 is
+silu_and_mul (I = 5632 and 8192), RoPE from a table (kernels/rotary.py: fused with the K/V store
+at head_dim 64 and 128, alone at 128, and Phi-3's partial RoPE at 96), and the GGML block-type
+matmul (kernels/ggml_matmul.py: Q8_0, Q4_K, Q6_K at K = N = 4096; the GEMV at M = 1 with split-K
+and at M = 16, the GEMM at M = 32; sm_75/80/90 only). `--cases ggml_gemv,ggml_gemm` compiles only
+those rows (for a look; the committed table and the test are the full run). Attention on sm_75 is
 refused by the launchers (kernels/configs.py): "unsupported" rows say why.
 
 Each row also says what its tl.dot became in the PTX ("mma f16", "wgmma bf16", "mma tf32", or "fma"
@@ -237,6 +240,34 @@ def _dequant(dtype, which, split_k=1, grouped=True, M=1, mma=False):
         dm.dequantize_int4(**gptq, dtype=dtype)
 
 
+def _ggml(dtype, type_name, M, split_k):
+    from nanoserve.kernels.ggml_matmul import ggml_matmul
+
+    from nanoserve.quant.ggml_blocks import BLOCK_TYPES
+
+    K = N = 4096
+    kind = BLOCK_TYPES[type_name]
+    packed = torch.zeros(N, K // kind.block_weights * kind.block_bytes, dtype=torch.uint8)
+    ggml_matmul(torch.zeros(M, K, dtype=dtype), packed, type_name, N, split_k=split_k)
+
+
+# (M, split_k) of the GGML block-type rows (kernels/ggml_matmul.py), for each of its types: the
+# decode GEMV by multiply-adds with split-K, the GEMV of 16 rows by tl.dot, the row-tiled GEMM
+GGML_ROWS = ((1, 4), (16, 1), (32, 1))
+GGML_ARCHS = (75, 80, 90)
+
+
+def _ggml_rows(arch: int, dt: str, dtype) -> list:
+    rows = []
+    for type_name in ("Q8_0", "Q4_K", "Q6_K"):
+        for M, split_k in GGML_ROWS:
+            case = "ggml_gemv" if M <= 16 else "ggml_gemm"  # ggml_matmul.GEMV_MAX_M
+            row = dict(arch=arch, dtype=dt, head_dim=None, gqa=None, case=case,
+                       variant=f"{type_name} M {M} split_k {split_k}")
+            rows.append((row, (_ggml, dtype, type_name, M, split_k)))
+    return rows
+
+
 def kv8_modes(dt: str, D: int) -> tuple[str, ...]:
     """The 8-bit KV rows: int8 and e4m3 at every head dim in fp16, at 128 in bf16; e5m2 (e4m3's code
     path but for its constants) at fp16/128; fp32 with int8 where the KV8 table has rows of its
@@ -366,6 +397,9 @@ def matrix(archs=ARCHS) -> list[tuple[dict, tuple | None]]:
                 row = dict(arch=arch, dtype=dt, head_dim=None, gqa=None, case=which,
                            variant=_dequant_variant(which, split_k, grouped, M, mma))
                 rows.append((row, (_dequant, dtype, which, split_k, grouped, M, mma)))
+            # llama.cpp's Q8_0 / Q4_K / Q6_K blocks read in place, K = N = 4096
+            if arch in GGML_ARCHS:
+                rows += _ggml_rows(arch, dt, dtype)
     control = dict(arch=86, dtype="fp32", head_dim=128, gqa=4, case="flash",
                    variant="control: old tiles")
     rows.append((control, (_flash, torch.float32, 128, 4)))
@@ -386,10 +420,14 @@ def _compile_job(i: int) -> dict:
                     reason=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}")
 
 
-def run(jobs: int = 2, archs=ARCHS) -> dict:
+def run(jobs: int = 2, archs=ARCHS, cases: tuple[str, ...] = ()) -> dict:
+    """Compile the matrix's rows for `archs`; `cases`: only the rows of these cases (e.g.
+    "ggml_gemv"), none of them: every row."""
     start = time.perf_counter()
     entries, _JOBS[:] = [], []  # entries: a finished row, or the index of its compile job
     for row, launch in matrix(archs):
+        if cases and row["case"] not in cases:
+            continue
         if launch is None:
             entries.append(row)
             continue
@@ -432,6 +470,8 @@ def _table_row(r: dict) -> configs.Launch | None:
     kind = {"flash_attention": "flash", "paged_decode": "decode", "dequant_gemm": "gemm",
             "dequant_gemv": "gemv",
             "dequantize": "dequantize", "w8a8": "w8a8"}.get(r["kernel"])
+    if r["kernel"] == "ggml_matmul":
+        kind = r["case"]  # its GEMV or GEMM row
     if kind is None:
         return None
     # the gather path's own row; the MMA layout's (multiply-adds at M ≤ 2)
@@ -485,8 +525,12 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="compiler processes (default 2)")
     parser.add_argument("--archs", default=",".join(map(str, ARCHS)),
                         help="e.g. 80,90 (default: all)")
+    parser.add_argument("--cases", default="",
+                        help="only these cases, e.g. ggml_gemv,ggml_gemm (default: all; the "
+                             "committed table is the full run)")
     args = parser.parse_args(argv)
-    result = run(args.jobs, tuple(int(a) for a in args.archs.split(",")))
+    cases = tuple(c for c in args.cases.split(",") if c)
+    result = run(args.jobs, tuple(int(a) for a in args.archs.split(",")), cases)
     Path(args.out).write_text(dumps(result))
     print(table(result))
     bad = failures(result)

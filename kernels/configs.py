@@ -80,6 +80,8 @@ INTERPRETER = {
     "gemv_mma_fma": Launch((1, 32, 128), upcast=True),
     "dequantize": Launch((32, 32), upcast=True),
     "w8a8": Launch((16, 32, 32)),  # int8 tiles: the interpreter computes them exactly in integers
+    "ggml_gemv": Launch((16, 32), upcast=True),  # kernels/ggml_matmul.py: (BLOCK_M, BLOCK_N)
+    "ggml_gemm": Launch((16, 32), upcast=True),
 }
 # (family, bytes per element, head_dim padded: 64, 128 or 256) -> Launch. Families: 80 (sm_80+), 90
 # (sm_90).
@@ -157,6 +159,16 @@ DEQUANT = {
     ("dequantize", 80, 0): Launch((64, 64), 4, 3, smem_kb=16),
     # kernels/int8_matmul.py: int8 mma, sm_80+
     ("w8a8", 80, 0): Launch((64, 128, 64), 4, 3, smem_kb=36),
+    # kernels/ggml_matmul.py (Q8_0, Q4_K, Q6_K blocks read in place): (BLOCK_M, BLOCK_N), untimed.
+    # Chosen from the compile matrix for no spills: over 4 warps the 16-bit tl.dot rows took
+    # 128-255 registers on sm_90 (its steps unroll 8-16 parts) and spilled at BLOCK_M = 32; fp32
+    # spilled with 2 stages. Left: 16 B in Q6_K's M = 16 rows on sm_90, 16-24 B in two sm_75 rows
+    ("ggml_gemv", 75, 0): Launch((16, 32), 4, 1, upcast=True, smem_kb=6),
+    ("ggml_gemv", 80, 2): Launch((16, 64), 8, 2, smem_kb=17),
+    ("ggml_gemv", 80, 4): Launch((16, 32), 4, 1, smem_kb=6),
+    ("ggml_gemm", 75, 0): Launch((32, 32), 4, 1, upcast=True, smem_kb=8),
+    ("ggml_gemm", 80, 2): Launch((32, 64), 8, 2, smem_kb=25),
+    ("ggml_gemm", 80, 4): Launch((32, 32), 4, 1, smem_kb=8),
 }
 
 
@@ -214,7 +226,7 @@ def attention_problem(arch: int | None, dtype: torch.dtype, head_dim: int) -> st
 def pick(kernel: str, device: torch.device | str, dtype: torch.dtype, head_dim: int = 0,
          kv8: bool = False) -> Launch:
     """The launch of `kernel` ("flash", "decode", "gemm", "gemv", "gemv_gather", "gemv_mma",
-    "gemv_mma_fma", "dequantize") on
+    "gemv_mma_fma", "dequantize", "w8a8", "ggml_gemv", "ggml_gemm") on
     `device`; kv8: attention over an 8-bit KV pool (the KV8 rows, where there is one).
 
     ValueError where the kernel cannot run there (attention on sm_75, a row over the GPU's shared

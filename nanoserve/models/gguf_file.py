@@ -26,8 +26,9 @@ What this module does with it:
 
 Families: llama (and Mistral, which llama.cpp writes as llama), qwen2, qwen3, gemma2 (its norms
 stored as 1 + w, its query scale inferred as llama.cpp does: `gemma2_query_scale`). On the CPU,
-`GGMLLinear` multiplies a few rows by the packed blocks in place (kernels/cpu_packed_gemv.c); GPU
-kernels for them are the next step (issue 47).
+`GGMLLinear` multiplies a few rows by the packed blocks in place (kernels/cpu_packed_gemv.c); on a
+GPU, Q8_0, Q4_K and Q6_K blocks are dequantized in registers by a Triton kernel
+(kernels/ggml_matmul.py), other types dequantized whole, then multiplied.
 """
 
 from __future__ import annotations
@@ -108,7 +109,13 @@ class GGMLLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
         rows = x.reshape(-1, self.in_features)
-        if self._packed_kernel_serves(rows):  # read the blocks in place (kernels/cpu_ggml_gemv.c)
+        if rows.is_cuda:  # Triton, dequantizing in registers (kernels/ggml_matmul.py)
+            from ..kernels.ggml_matmul import ggml_kernel_serves, ggml_matmul
+            if ggml_kernel_serves(rows, self.packed, self.type_name):
+                y = ggml_matmul(rows, self.packed, self.type_name, self.out_features)
+                y = y if bias is None else y + bias
+                return y.reshape(*x.shape[:-1], self.out_features)
+        if self._packed_kernel_serves(rows):  # read the blocks in place (kernels/cpu_packed_gemv.c)
             y = ggml_gemv(rows, self.packed, self.type_name, self.out_features)
             y = y if bias is None else y + bias
             return y.reshape(*x.shape[:-1], self.out_features)
