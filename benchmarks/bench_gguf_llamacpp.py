@@ -142,7 +142,7 @@ def throughput(files: dict, sizes, tokens: int, rounds: int, threads: int, cache
         for kind, path in files.items():
             spec = {"gguf_path": str(path), "ctx": PROMPT_LEN + tokens, "threads": threads,
                     "prompts": prompts, "max_tokens": [tokens] * n, "slots": n,
-                    "weights": f"GGUF {kind} (llama.cpp's quantizer)"}
+                    "weights": f"GGUF {kind}"}
             peers[kind] = Peer("llamacpp", HERE, spec, cache)
         runs = [(engine, kind) for kind in files for engine in ("nanoserve", "llama.cpp")]
         speeds: dict = {f"{e} {k}": [] for e, k in runs}

@@ -354,66 +354,117 @@ struct grid {
     int64_t group;
 };
 
-/* outputs n .. n + width − 1 (width ≤ 8) of one x row, in plain C */
-static void grid_outputs(const struct grid *grid, const float *x, const float *x_sums, int64_t n,
-                         int width, int64_t N, int64_t K, float *y) {
-    const int per = 32 / grid->bits, mask = (1 << grid->bits) - 1;
-    for (int c = 0; c < width; c++) {
-        float acc = 0.0f;
-        for (int64_t g = 0; g < K / grid->group; g++) {
-            float dot = 0.0f;
-            for (int64_t k = g * grid->group; k < (g + 1) * grid->group; k++) {
-                const int32_t word = grid->words[k / per * grid->stride + n + c];
-                dot += (float)(((uint32_t)word >> (grid->bits * (k % per))) & mask) * x[k];
-            }
-            acc += grid->scales[g * N + n + c] * (dot - grid->zeros[g * N + n + c] * x_sums[g]);
+/* Σ over word row j of its codes times x, added to dot[c] for outputs c = 0 .. width − 1 of the
+ * chunk whose words start at `words`; `bits` is a constant at each call (4 or 8), so the loop over
+ * a word's codes unrolls */
+static inline __attribute__((always_inline)) void grid_word_row(
+    const int32_t *words, const int bits, const float *xs, float *dot, int64_t width) {
+    const int per = 32 / bits, mask = (1 << bits) - 1;
+    int64_t c = 0;
+#ifdef GGML_GEMV_AVX2
+    const __m256i vmask = _mm256_set1_epi32(mask);
+    for (; c + 8 <= width; c += 8) {
+        const __m256i word = _mm256_loadu_si256((const __m256i *)(words + c));
+        /* two sums in turn: one would wait on each multiply-add's latency */
+        __m256 even = _mm256_loadu_ps(dot + c), odd = _mm256_setzero_ps();
+        for (int i = 0; i < per; i += 2) {
+            __m256i c0 = _mm256_and_si256(_mm256_srli_epi32(word, bits * i), vmask);
+            __m256i c1 = _mm256_and_si256(_mm256_srli_epi32(word, bits * (i + 1)), vmask);
+            even = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c0), _mm256_broadcast_ss(xs + i), even);
+            odd = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c1), _mm256_broadcast_ss(xs + i + 1), odd);
         }
-        y[n + c] = acc;
+        _mm256_storeu_ps(dot + c, _mm256_add_ps(even, odd));
     }
+#endif
+    for (; c < width; c++)
+        for (int i = 0; i < per; i++)
+            dot[c] += (float)(((uint32_t)words[c] >> (bits * i)) & mask) * xs[i];
 }
 
-#ifdef GGML_GEMV_AVX2
-/* outputs n .. n + 7 of one x row: the words of 8 outputs per load. `bits` is a constant at each
- * call (4 or 8), so the loop over a word's codes unrolls. */
-static inline __attribute__((always_inline)) void grid_outputs8(
-    const struct grid *grid, const int bits, const float *x, const float *x_sums, int64_t n,
-    int64_t N, int64_t K, float *y) {
-    const int per = 32 / bits;
-    const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
-    const int32_t *words = grid->words + n;
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t g = 0; g < K / grid->group; g++) {
-        __m256 dot = _mm256_setzero_ps();
+/* outputs n0 .. n1 − 1 of M x rows (M < DECODE_MIN_ROWS), summed over groups g0 .. g1 − 1 into
+ * `out` [M][N] (overwritten). The words are read row by row of qweight, each row's stretch in
+ * order, and every x row's sums for one group are gathered in `dot` [M][n1 − n0], then scaled. */
+static void grid_part(const struct grid *grid, const float *x, const float *x_sums, int64_t M,
+                      int64_t n0, int64_t n1, int64_t g0, int64_t g1, int64_t N, int64_t K,
+                      float *dot, float *out) {
+    const int per = 32 / grid->bits;
+    const int64_t width = n1 - n0, G = K / grid->group;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t c = 0; c < width; c++) out[m * N + n0 + c] = 0.0f;
+    for (int64_t g = g0; g < g1; g++) {
+        memset(dot, 0, (size_t)(M * width) * sizeof(float));
         for (int64_t j = g * grid->group / per; j < (g + 1) * grid->group / per; j++) {
-            const __m256i word = _mm256_loadu_si256((const __m256i *)(words + j * grid->stride));
-            const float *xs = x + j * per;
-            for (int i = 0; i < per; i++) {
-                __m256i codes = _mm256_and_si256(_mm256_srli_epi32(word, bits * i), mask);
-                dot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes), _mm256_broadcast_ss(xs + i), dot);
+            const int32_t *words = grid->words + j * grid->stride + n0;
+            for (int64_t m = 0; m < M; m++) {
+                const float *xs = x + m * K + j * per;
+                if (grid->bits == 4) {
+                    grid_word_row(words, 4, xs, dot + m * width, width);
+                } else {
+                    grid_word_row(words, 8, xs, dot + m * width, width);
+                }
             }
         }
-        const __m256 zero_sums = _mm256_mul_ps(_mm256_loadu_ps(grid->zeros + g * N + n),
-                                               _mm256_set1_ps(x_sums[g]));
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(grid->scales + g * N + n),
-                              _mm256_sub_ps(dot, zero_sums), acc);
+        const float *s = grid->scales + g * N + n0, *z = grid->zeros + g * N + n0;
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t c = 0; c < width; c++)
+                out[m * N + n0 + c] += s[c] * (dot[m * width + c] - z[c] * x_sums[m * G + g]);
     }
-    _mm256_storeu_ps(y + n, acc);
 }
-#endif
 
-/* y [N] for one x row */
-static void grid_row_all(const struct grid *grid, const float *x, const float *x_sums, int64_t n0,
-                         int64_t n1, int64_t N, int64_t K, float *y) {
-    int64_t n = n0;
-#ifdef GGML_GEMV_AVX2
-    if (grid->bits == 4) {
-        for (; n + 8 <= n1; n += 8) grid_outputs8(grid, 4, x, x_sums, n, N, K, y);
-    } else {
-        for (; n + 8 <= n1; n += 8) grid_outputs8(grid, 8, x, x_sums, n, N, K, y);
+/* y [M][N] for M < DECODE_MIN_ROWS x rows. Threads split the groups (each then streams one
+ * contiguous block of qweight, the fastest way to read memory; splitting the outputs instead
+ * makes each thread read 4 KB and skip 4 KB, and the prefetcher stalls at every page), summing
+ * into their own copy of y, added up at the end; with fewer groups than threads (one scale per
+ * output row), they split the outputs. */
+static int grid_few_rows(const struct grid *grid, const float *x, float *y, int64_t M, int64_t N,
+                         int64_t K, int num_threads) {
+    const int64_t G = K / grid->group;
+    const int split_groups = G >= num_threads && num_threads > 1;
+    const int parts = num_threads;
+    float *x_sums = malloc((size_t)(M * G) * sizeof(float));                 /* [M][G] */
+    float *partial = split_groups ? malloc((size_t)(parts * M * N) * sizeof(float)) : NULL;
+    int failed = x_sums == NULL || (split_groups && partial == NULL);
+    if (failed) {
+        free(x_sums);
+        free(partial);
+        return 1;
     }
-#endif
-    for (; n < n1; n += 8) grid_outputs(grid, x, x_sums, n, (int)(n1 - n < 8 ? n1 - n : 8), N, K,
-                                        y);
+    for (int64_t i = 0; i < M * G; i++) {
+        float sum = 0.0f;
+        for (int64_t k = i * grid->group; k < (i + 1) * grid->group; k++) sum += x[k];
+        x_sums[i] = sum;
+    }
+    const int64_t width = split_groups ? N : ((N + parts - 1) / parts + 7) / 8 * 8;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *dot = malloc((size_t)(M * width) * sizeof(float));
+        if (dot == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int t = 0; t < parts; t++) {
+            if (dot == NULL) continue;
+            if (split_groups) {
+                grid_part(grid, x, x_sums, M, 0, N, t * G / parts, (t + 1) * G / parts, N, K, dot,
+                          partial + t * M * N);
+            } else if (t * width < N) {
+                const int64_t n1 = (t + 1) * width < N ? (t + 1) * width : N;
+                grid_part(grid, x, x_sums, M, t * width, n1, 0, G, N, K, dot, y);
+            }
+        }
+        free(dot);
+    }
+    if (split_groups && !failed) {
+        for (int64_t i = 0; i < M * N; i++) {
+            float sum = 0.0f;
+            for (int t = 0; t < parts; t++) sum += partial[t * M * N + i];
+            y[i] = sum;
+        }
+    }
+    free(x_sums);
+    free(partial);
+    return failed;
 }
 
 /* outputs n0 .. n0 + width − 1 (width ≤ 16) as floats into a panel [K][16], each weight exactly
@@ -562,23 +613,7 @@ static int few_rows(const struct weights *w, const float *x, float *y, int64_t M
             for (int64_t m = 0; m < M; m++) y[m * N + n] = dot_row(w, n, x + m * K, K);
         return 0;
     }
-    const int64_t G = K / w->grid.group;
-    float *x_sums = malloc((size_t)(M * G) * sizeof(float)); /* [M, G] */
-    if (x_sums == NULL) return 1;
-    for (int64_t i = 0; i < M * G; i++) {
-        float s = 0.0f;
-        for (int64_t k = i * w->grid.group; k < (i + 1) * w->grid.group; k++) s += x[k];
-        x_sums[i] = s;
-    }
-    const int64_t chunks = (N + 63) / 64; /* 64 outputs per task */
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t t = 0; t < chunks; t++) {
-        const int64_t n0 = t * 64, n1 = n0 + 64 < N ? n0 + 64 : N;
-        for (int64_t m = 0; m < M; m++)
-            grid_row_all(&w->grid, x + m * K, x_sums + m * G, n0, n1, N, K, y + m * N);
-    }
-    free(x_sums);
-    return 0;
+    return grid_few_rows(&w->grid, x, y, M, N, K, num_threads);
 }
 
 /* llama.cpp rows: each decoded once, dotted with every x row */
@@ -645,6 +680,37 @@ int ggml_gemv(int kind, const uint8_t *w, const float *x, float *y, int64_t M, i
               int64_t K, int64_t row_bytes, int num_threads) {
     struct weights weights = {kind, w, row_bytes, {0, NULL, 0, NULL, NULL, 0}};
     return gemv(&weights, x, y, M, N, K, num_threads);
+}
+
+/* llama.cpp blocks decoded whole, out [N, K] float: for a prefill's many rows, which a BLAS GEMM
+ * multiplies faster than the products above (the layer chooses) */
+void ggml_dequantize(int kind, const uint8_t *w, float *out, int64_t N, int64_t K,
+                     int64_t row_bytes, int num_threads) {
+    struct weights weights = {kind, w, row_bytes, {0, NULL, 0, NULL, NULL, 0}};
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) decode_row(&weights, n, out + n * K, K);
+}
+
+/* GPTQ's grids decoded whole, out [N, K] float, each weight (q − z) · s: for a prefill's many rows.
+ * Threads take 16 outputs at a time, whose words share cache lines. */
+void grid_dequantize(int bits, const int32_t *qweight, int64_t stride, const float *scales,
+                     const float *zeros, int64_t group, float *out, int64_t N, int64_t K,
+                     int num_threads) {
+    const int per = 32 / bits, mask = (1 << bits) - 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += 16) {
+        const int64_t n1 = n0 + 16 < N ? n0 + 16 : N;
+        for (int64_t j = 0; j < K / per; j++) {
+            const int64_t g = j * per / group;
+            for (int64_t n = n0; n < n1; n++) {
+                const uint32_t word = (uint32_t)qweight[j * stride + n];
+                const float s = scales[g * N + n], z = zeros[g * N + n];
+                float *row = out + n * K + j * per;
+                for (int i = 0; i < per; i++)
+                    row[i] = ((float)((word >> (bits * i)) & mask) - z) * s;
+            }
+        }
+    }
 }
 
 /* GPTQ's grids: qweight int32 [K · bits / 32, N] with rows `stride` words apart, scales and zeros

@@ -29,6 +29,13 @@ SOURCE = Path(__file__).with_suffix(".c")
 # the reassociation that lets the compiler vectorize the many-row path's sums (as the attention
 # kernel's; not -ffast-math)
 FLAGS = ["-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math"]
+# activation rows up to which the kernel's products beat decoding the whole matrix in C and a BLAS
+# GEMM (even at 32 rows, 2048 x 768 and 768 x 2048, 2 threads; benchmarks/RESULTS.md, "GGUF weights
+# on the CPU"); the layers choose by it
+KERNEL_MAX_ROWS = 16
+# many rows: W decoded a slab of output rows at a time, slabs of about this many bytes of floats
+# (in L2 when a BLAS GEMM multiplies them), never the whole float matrix at once
+SLAB_BYTES = 512 * 1024
 # the C kernel's code for a type, weights and bytes per block
 KINDS = {"Q8_0": (8, 32, 34), "Q4_0": (4, 32, 18), "Q4_K": (14, 256, 144), "Q6_K": (16, 256, 210)}
 
@@ -42,6 +49,11 @@ def load_library() -> ctypes.CDLL:
     lib.grid_gemv.argtypes = [ctypes.c_int, ptr, i64, ptr, ptr, i64, ptr, ptr, i64, i64, i64,
                               ctypes.c_int]
     lib.grid_gemv.restype = ctypes.c_int
+    lib.ggml_dequantize.argtypes = [ctypes.c_int, ptr, ptr, i64, i64, i64, ctypes.c_int]
+    lib.ggml_dequantize.restype = None
+    lib.grid_dequantize.argtypes = [ctypes.c_int, ptr, i64, ptr, ptr, i64, ptr, i64, i64,
+                                    ctypes.c_int]
+    lib.grid_dequantize.restype = None
     return lib
 
 
@@ -90,6 +102,36 @@ def ggml_gemv(x: torch.Tensor, packed: torch.Tensor, type_name: str,
     return y
 
 
+def ggml_dequantize(packed: torch.Tensor, type_name: str, out_features: int,
+                    in_features: int) -> torch.Tensor:
+    """W [out_features, in_features] float32 from its blocks, decoded in C (each row as the kernel's
+    many-row path decodes it; equal to nanoserve.quant.ggml_blocks.dequantize): what a prefill's
+    many rows multiply with a BLAS GEMM."""
+    kind, block_weights, block_bytes = KINDS[type_name]
+    expected = (out_features, in_features // block_weights * block_bytes)
+    whole_blocks = in_features % block_weights == 0
+    if packed.dtype != torch.uint8 or tuple(packed.shape) != expected or not whole_blocks:
+        raise ValueError(f"packed must be uint8 {expected} for {type_name} [{out_features}, "
+                         f"{in_features}], got {packed.dtype} {tuple(packed.shape)}")
+    packed = packed.contiguous()
+    out = torch.empty(out_features, in_features)
+    load_library().ggml_dequantize(kind, packed.data_ptr(), out.data_ptr(), out_features,
+                                   in_features, expected[1], torch.get_num_threads())
+    return out
+
+
+def decoded_matmul(x: torch.Tensor, decode, out_features: int) -> torch.Tensor:
+    """x [M, K] · Wᵀ for many rows of x (a prefill, a large batch), W decoded slab by slab:
+    `decode(n0, n1)` gives rows n0 .. n1 − 1 of W as float32 [n1 − n0, K]; each slab, about
+    SLAB_BYTES of floats, is multiplied by a BLAS GEMM while it is in cache. Decoding the whole
+    matrix first would write and read a float32 copy of W, four to eight times its packed bytes,
+    through memory on every call."""
+    rows = max(16, SLAB_BYTES // (4 * x.shape[1]))
+    slabs = [torch.mm(decode(n0, min(out_features, n0 + rows)), x.t())  # rows, M each
+             for n0 in range(0, out_features, rows)]
+    return torch.cat(slabs).t().contiguous()  # M, N
+
+
 # ----------------------------------------------------------------------------- GPTQ's grids
 GRID_BITS = (4, 8)
 
@@ -114,22 +156,29 @@ def grid_gemv_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return F.linear(x, weight.t())
 
 
-def grid_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-              bits: int, group: int) -> torch.Tensor:
-    """x [M, K] float32 (CPU) · Wᵀ → [M, N] for W a grid read as GPTQ stores it: `qweight` int32
-    [K·bits/32, N] (rows may be strided: a view), `scales` and `zeros` contiguous float32
-    [K / group, N]; `group` a multiple of 32/bits dividing K. Everything the C code will read is
-    checked here."""
+def grid_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    bits: int, group: int) -> torch.Tensor:
+    """W [N, K] float32, (q − z) · s decoded in C (the same numbers as `grid_gemv_ref`'s): what a
+    prefill's many rows multiply with a BLAS GEMM. Arguments as `grid_gemv`'s."""
+    N = scales.shape[1]
+    K = qweight.shape[0] * 32 // bits
+    check_grid(qweight, scales, zeros, bits, group, K)
+    out = torch.empty(N, K)
+    load_library().grid_dequantize(bits, qweight.data_ptr(), qweight.stride(0),
+                                   scales.data_ptr(), zeros.data_ptr(), group, out.data_ptr(), N,
+                                   K, torch.get_num_threads())
+    return out
+
+
+def check_grid(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+                group: int, K: int) -> None:
+    """Everything the C code will read about a grid, checked."""
     if bits not in GRID_BITS:
-        raise ValueError(f"grid_gemv reads {GRID_BITS}-bit codes, not {bits}")
-    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
-        raise ValueError(f"grid_gemv takes x as a 2-D float32 CPU tensor, got {x.dtype} "
-                         f"{tuple(x.shape)} on {x.device}")
-    M, K = x.shape
+        raise ValueError(f"the grid kernels read {GRID_BITS}-bit codes, not {bits}")
     per = 32 // bits
     if group % per or K % group:
         raise ValueError(f"group={group} must be a multiple of {per} that divides K={K}")
-    G, N = scales.shape
+    N = scales.shape[1]
     if qweight.dtype != torch.int32 or qweight.shape != (K // per, N) or qweight.stride(1) != 1:
         raise ValueError(f"qweight must be int32 [{K // per}, {N}] with contiguous rows, got "
                          f"{qweight.dtype} {tuple(qweight.shape)} strides {qweight.stride()}")
@@ -137,7 +186,28 @@ def grid_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         if t.dtype != torch.float32 or t.shape != (K // group, N) or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous float32 [{K // group}, {N}], got "
                              f"{t.dtype} {tuple(t.shape)}")
-    x = x.contiguous()
+
+
+def grid_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+              bits: int, group: int) -> torch.Tensor:
+    """x [M, K] float32 (CPU) · Wᵀ → [M, N] for W a grid read as GPTQ stores it: `qweight` int32
+    [K·bits/32, N] (rows may be strided: a view), `scales` and `zeros` contiguous float32
+    [K / group, N]; `group` a multiple of 32/bits dividing K. Everything the C code will read is
+    checked here."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
+        raise ValueError(f"grid_gemv takes x as a 2-D float32 CPU tensor, got {x.dtype} "
+                         f"{tuple(x.shape)} on {x.device}")
+    check_grid(qweight, scales, zeros, bits, group, x.shape[1])
+    return grid_gemv_unchecked(x.contiguous(), qweight, scales, zeros, bits, group)
+
+
+def grid_gemv_unchecked(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                        zeros: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """`grid_gemv` for arguments already checked (`check_grid`, once per layer; x contiguous
+    float32 [M, K] on the CPU): a decode step calls it for every linear, and the checks would cost
+    as much as a small layer's product."""
+    M, K = x.shape
+    N = scales.shape[1]
     y = torch.empty(M, N)
     failed = load_library().grid_gemv(bits, qweight.data_ptr(), qweight.stride(0),
                                       scales.data_ptr(), zeros.data_ptr(), group, x.data_ptr(),

@@ -180,13 +180,13 @@ def _dequant_gemv_kernel(
         tile = tl.program_id(0)
         arrived = tl.atomic_add(Counts + tile, 1, sem="acq_rel")
         if arrived == tl.num_programs(1) - 1:
-            _reduce_splits(P, C, offs_m, offs_n, m_mask, n_mask, stride_ps, stride_pm, stride_pn,
+            reduce_splits(P, C, offs_m, offs_n, m_mask, n_mask, stride_ps, stride_pm, stride_pn,
                            stride_cm, stride_cn, BLOCK_M, BLOCK_N)
             tl.atomic_xchg(Counts + tile, 0)  # ready for the next launch
 
 
 @triton.jit
-def _reduce_splits(P, C, offs_m, offs_n, m_mask, n_mask, stride_ps, stride_pm, stride_pn,
+def reduce_splits(P, C, offs_m, offs_n, m_mask, n_mask, stride_ps, stride_pm, stride_pn,
                    stride_cm, stride_cn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """C's tile = the sum of the splits' partials, split 0 first (a fixed order)."""
     mask = m_mask[:, None] & n_mask[None, :]
@@ -387,14 +387,7 @@ def _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k, group_size=No
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k  # whole tiles per split
     tiles_n = triton.cdiv(N, block_n)
     out = torch.empty(M, N, dtype=a.dtype, device=a.device)  # M, N
-    if split_k == 1:  # the single partial is the answer: write C directly, in A's dtype
-        p = out
-        p_strides = (0, *out.stride())
-        counts = out  # (unused)
-    else:
-        p = torch.empty(split_k, M, N, dtype=torch.float32, device=a.device)  # S, M, N
-        p_strides = p.stride()
-        counts = _arrival_counts(a.device, tiles_n)
+    p, p_strides, counts = split_k_partials(out, split_k, tiles_n)
     _dequant_gemv_kernel[(tiles_n, split_k)](
         a, qweight, qzeros, scales, g_idx.contiguous(), p, out, counts,
         M, N, K, k_per_split,
@@ -405,6 +398,18 @@ def _launch_gemv(a, qweight, qzeros, scales, g_idx, K, N, split_k, group_size=No
         **launch.options(),
     )
     return out
+
+
+def split_k_partials(out: torch.Tensor, split_k: int,
+                     tiles_n: int) -> tuple[torch.Tensor, tuple, torch.Tensor]:
+    """(partials, their strides, arrival counters) for a split-K launch writing `out` [M, N]: with
+    one split the single partial is the answer (written to `out` directly, in its dtype); else
+    fp32 partials [S, M, N] that the last split to arrive at a tile adds up (`reduce_splits`)."""
+    if split_k == 1:
+        return out, (0, *out.stride()), out  # (the counters unused)
+    M, N = out.shape
+    partials = torch.empty(split_k, M, N, dtype=torch.float32, device=out.device)  # S, M, N
+    return partials, partials.stride(), _arrival_counts(out.device, tiles_n)
 
 
 def _gemv_row(mma_layout: bool, fma: bool) -> str:

@@ -38,7 +38,7 @@ registers, no tile of 16 rows is padded for tl.dot), else tl.dot over BLOCK_M ro
 - M ≤ GEMV_MAX_M (decode): all rows in one tile; by multiply-adds for M ≤ FMA_MAX_M. **Split-K**:
   split s sums whole 256-weight steps of its K range into row s of an fp32 buffer, and the split of
   a column tile that finishes last sums the partials in split order and writes y
-  (dequant_matmul's `_reduce_splits` and its arrival counters: deterministic, no float atomics).
+  (dequant_matmul's `reduce_splits` and `split_k_partials`: deterministic, no float atomics).
   `choose_split_k` (dequant_matmul's) sizes it.
 - larger M: row tiles of BLOCK_M with tl.dot, one split. Correct for any M; on a GPU a prefill's
   many rows are compute-bound and a dequantized copy through cuBLAS is likely faster, so
@@ -69,7 +69,7 @@ from nanoserve.quant.ggml_blocks import BLOCK_TYPES, dequantize
 
 from .checks import DTYPES
 from .configs import pick
-from .dequant_matmul import _arrival_counts, _reduce_splits, choose_split_k
+from .dequant_matmul import choose_split_k, reduce_splits, split_k_partials
 
 TYPES = ("Q8_0", "Q4_K", "Q6_K")  # the block types these kernels read
 STEP = 256  # weights of K per loop step: a K-quant super-block, eight Q8_0 blocks
@@ -248,7 +248,7 @@ def _ggml_matmul_kernel(
         tile = tl.program_id(0)
         arrived = tl.atomic_add(Counts + tile, 1, sem="acq_rel")
         if arrived == tl.num_programs(1) - 1:
-            _reduce_splits(P, C, offs_m, offs_n, m_mask, n_mask, stride_ps, stride_pm, stride_pn,
+            reduce_splits(P, C, offs_m, offs_n, m_mask, n_mask, stride_ps, stride_pm, stride_pn,
                            stride_cm, stride_cn, BLOCK_M, BLOCK_N)
             tl.atomic_xchg(Counts + tile, 0)  # ready for the next launch
 
@@ -313,15 +313,7 @@ def ggml_matmul(x: torch.Tensor, packed: torch.Tensor, type_name: str, out_featu
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), STEP) * STEP  # whole steps per split
     tiles_n = triton.cdiv(out_features, block_n)
     out = torch.empty(M, out_features, dtype=x.dtype, device=x.device)  # M, N
-    if split_k == 1:  # the single partial is the answer: write y directly, in x's dtype
-        partials = out
-        p_strides = (0, *out.stride())
-        counts = out  # (unused)
-    else:
-        partials = torch.empty(split_k, M, out_features, dtype=torch.float32,
-                               device=x.device)  # S, M, N
-        p_strides = partials.stride()
-        counts = _arrival_counts(x.device, tiles_n)
+    partials, p_strides, counts = split_k_partials(out, split_k, tiles_n)
     _ggml_matmul_kernel[(tiles_n, split_k, triton.cdiv(M, block_m))](
         x, packed, partials, out, counts,
         M, out_features, K, k_per_split,

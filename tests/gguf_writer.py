@@ -1,5 +1,6 @@
 """Test helper: a transformers model written as a GGUF file the way llama.cpp's converter writes
-one (its metadata keys, tensor names from gguf's own name map, q/k rows reordered for Llama), each
+one (its metadata keys, tensor names from gguf's own name map, q/k rows reordered for Llama, Gemma's
+norms as 1 + w; Phi-3's fused qkv_proj / gate_up_proj stay fused, as attn_qkv / ffn_up), each
 linear in a chosen GGML type. Legacy types are quantized by the `gguf` package itself; K-quant types
 (which it cannot quantize) get random blocks with small float16 scales — a random model either way,
 and both readers under test see the same bytes.
@@ -68,8 +69,34 @@ def close_gguf(writer) -> None:
 def _archs() -> dict:
     import gguf
 
-    return {name: getattr(gguf.MODEL_ARCH, name.upper()) for name in ("llama", "qwen2", "qwen3",
-                                                                        "gemma2")}
+    names = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+    return {name: getattr(gguf.MODEL_ARCH, name.upper()) for name in names}
+
+
+def _rope_parameters(cfg) -> dict:
+    """The full-attention layers' RoPE fields, wherever this transformers keeps them."""
+    if hasattr(cfg, "rope_theta"):
+        return {"rope_theta": cfg.rope_theta, **(getattr(cfg, "rope_scaling", None) or {})}
+    params = cfg.rope_parameters
+    return params.get("full_attention", params)  # Gemma 3: one entry per layer type
+
+
+def _add_family_keys(writer, cfg, arch: str) -> None:
+    """What llama.cpp's converter writes for one family only."""
+    import gguf
+
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    if arch in ("gemma2", "gemma3"):
+        writer.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma3" and _rope_parameters(cfg).get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(_rope_parameters(cfg)["factor"])
+    if arch == "phi3":  # its window (0: none), and its pretraining context, always
+        writer.add_sliding_window(cfg.sliding_window or 0)
+        writer.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+        writer.add_pad_token_id(cfg.pad_token_id)  # transformers needs one within the vocabulary
 
 
 def _add_demo_vocabulary(writer) -> None:
@@ -84,10 +111,11 @@ def _add_demo_vocabulary(writer) -> None:
 
 def write_gguf(model, path: Path, qtype_name: str = "F32", arch: str = "llama",
                seed: int = 0, vocabulary: bool = True) -> Path:
-    """`model` (a transformers Llama, Qwen2, Qwen3 or Gemma2 ForCausalLM with the demo's 257-token
-    vocabulary) as a GGUF file at `path`, its 2-D linear weights in `qtype_name`, everything else
-    F32, with the demo's byte tokenizer (`vocabulary=False`: none, token ids only — llama.cpp
-    refuses a "gpt2" vocabulary without merges, and the demo's has none)."""
+    """`model` (a transformers Llama, Qwen2, Qwen3, Gemma2, Gemma3 or Phi3 ForCausalLM with the
+    demo's 257-token vocabulary) as a GGUF file at `path`, its 2-D linear weights in
+    `qtype_name`, everything else F32, with the demo's byte tokenizer (`vocabulary=False`: none,
+    token ids only — llama.cpp refuses a "gpt2" vocabulary without merges, and the demo's has
+    none)."""
     import gguf
 
     cfg = model.config
@@ -101,16 +129,13 @@ def write_gguf(model, path: Path, qtype_name: str = "F32", arch: str = "llama",
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(cfg.rope_theta if hasattr(cfg, "rope_theta")
-                              else cfg.rope_parameters["rope_theta"])
+    writer.add_rope_freq_base(_rope_parameters(cfg)["rope_theta"])
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer.add_rope_dimension_count(head_dim)
-    writer.add_key_length(head_dim)  # Qwen3's head is not hidden / heads wide
-    writer.add_value_length(head_dim)
-    if arch == "gemma2":
-        writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
-        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
-        writer.add_sliding_window(cfg.sliding_window)
+    if arch != "phi3":  # (Phi-3's converter writes no head size: hidden / heads)
+        writer.add_key_length(head_dim)  # Qwen3's head is not hidden / heads wide
+        writer.add_value_length(head_dim)
+    _add_family_keys(writer, cfg, arch)
     writer.add_vocab_size(cfg.vocab_size)
     if vocabulary:
         _add_demo_vocabulary(writer)
@@ -121,8 +146,8 @@ def write_gguf(model, path: Path, qtype_name: str = "F32", arch: str = "llama",
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         w = tensor.detach().float().numpy()
-        if arch == "gemma2" and name.endswith("norm.weight"):
-            w = w + 1  # llama.cpp's converter stores Gemma's norms as 1 + w
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+            w = w + 1  # llama.cpp's converter stores Gemma's norms (q/k norms too) as 1 + w
         if arch == "llama" and name.endswith("q_proj.weight"):
             w = permute_rotary(w, cfg.num_attention_heads)
         if arch == "llama" and name.endswith("k_proj.weight"):

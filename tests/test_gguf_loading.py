@@ -1,11 +1,15 @@
 """GGUF files (models/gguf_file.py) held to transformers' own GGUF loading of the same file
 (`from_pretrained(..., gguf_file=...)`, which dequantizes with the gguf package): a tiny random
 Llama (GQA, so q and k are reordered with different head counts), Qwen2 (biases, no reordering),
-Qwen3 (q/k norms) and Gemma 2 (norms stored as 1 + w, soft caps, a window shorter than the
-prompt), written as llama.cpp's converter writes them, in F32, Q8_0, Q4_0, Q5_1 and the K-quants;
-logits to 1e-4. The quantized linears stay packed (GGMLLinear, the file's bytes). Negative
-controls: the same Llama file read without undoing the q/k reordering disagrees, and so does a
-Gemma 2 file whose norms are read as stored."""
+Qwen3 (q/k norms), Gemma 2 (norms stored as 1 + w, soft caps, a window shorter than the prompt),
+Gemma 3 (q/k norms stored as 1 + w too, five sliding layers and a global one, two RoPE bases) and
+Phi-3 (fused qkv and gate-up, split at load), written as llama.cpp's converter writes them, in F32,
+Q8_0, Q4_0, Q5_1 and the K-quants; logits to 1e-4. The quantized linears stay packed (GGMLLinear,
+the file's bytes). Gemma 3's linear RoPE scaling, which transformers' GGUF reader drops, is held to
+the transformers model the file was written from. Negative controls: the same Llama file read
+without undoing the q/k reordering disagrees, and so do Gemma files whose norms are read as stored,
+Phi-3 files whose fused rows are split in another order or whose window is applied, and a scaled
+Gemma 3 file read without its scaling."""
 
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ pytest.importorskip("gguf")
 IDS = [[3, 17, 92, 5, 250, 41, 8, 8, 77, 130, 2, 64, 256, 82]]
 
 
-def _hf_model(arch: str):
+def _hf_model(arch: str, gemma3_rope: dict | None = None):
     torch.manual_seed(0)
     common = dict(vocab_size=257, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
@@ -32,13 +36,25 @@ def _hf_model(arch: str):
     classes = {"llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig),
                "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config),
                "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config),
-               "gemma2": (transformers.Gemma2ForCausalLM, transformers.Gemma2Config)}
+               "gemma2": (transformers.Gemma2ForCausalLM, transformers.Gemma2Config),
+               "gemma3": (transformers.Gemma3ForCausalLM, transformers.Gemma3TextConfig),
+               "phi3": (transformers.Phi3ForCausalLM, transformers.Phi3Config)}
     model_class, config_class = classes[arch]
     if arch == "gemma2":  # transformers' GGUF reader takes the soft caps and query scale from
         # Gemma2Config's defaults (50, 30, 256), so those are kept; a window shorter than IDS
         common = {**common, "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 8,
                   "num_attention_heads": 2, "num_key_value_heads": 1,
                   "tie_word_embeddings": True}  # as every Gemma 2 (transformers' reader ties it)
+    if arch == "gemma3":  # the query scale and the local RoPE base are Gemma3TextConfig's
+        # defaults (256, 10,000), as both readers assume; 6 layers: the 6th is the global one, and
+        # a window under a third of IDS
+        common = {**common, "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4,
+                  "num_attention_heads": 2, "num_key_value_heads": 1, "num_hidden_layers": 6,
+                  "tie_word_embeddings": True, **(gemma3_rope or {})}
+    if arch == "phi3":  # a window shorter than IDS that neither reader applies (gguf_file.py,
+        # IGNORED_KEYS); a pad id within the vocabulary
+        common = {**common, "sliding_window": 4, "pad_token_id": 256,
+                  "original_max_position_embeddings": 128}
     model = model_class(config_class(**common))
     with torch.no_grad():  # randomised norms and biases: a loader that drops one is seen
         for name, p in model.named_parameters():
@@ -54,41 +70,93 @@ def _transformers_logits(path) -> torch.Tensor:
         return hf(torch.tensor(IDS)).logits[0]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2"])
+def _ours(path) -> torch.Tensor:
+    return LLM(str(path), dtype="float32", device="cpu", num_blocks=16).logits(IDS[0])
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"])
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_0", "Q5_1", "Q4_K", "Q6_K", "Q3_K"])
 def test_logits_equal_transformers_gguf_loading(arch, qtype, tmp_path):
     path = write_gguf(_hf_model(arch), tmp_path / f"{arch}-{qtype}.gguf", qtype, arch)
     llm = LLM(str(path), dtype="float32", device="cpu", num_blocks=16)
     ours = llm.logits(IDS[0])
-    assert (ours - _transformers_logits(path)).abs().max().item() < 1e-4
+    assert _max_diff(ours, _transformers_logits(path)) < 1e-4
     packed = [m for m in llm.model.modules() if isinstance(m, GGMLLinear)]
-    head = 0 if arch == "gemma2" else 1  # Gemma's head is its (float) embedding
-    assert len(packed) == (0 if qtype == "F32" else 2 * 7 + head)  # 7 per block, and the head
+    head = 0 if arch.startswith("gemma") else 1  # Gemma's head is its (float) embedding
+    per_block = 7 * llm.model.config.n_layers  # Phi-3's fused three and two split apart
+    assert len(packed) == (0 if qtype == "F32" else per_block + head)
     assert all(m.type_name == qtype for m in packed)
 
 
 def test_negative_control_without_undoing_the_reordering(tmp_path, monkeypatch):
     path = write_gguf(_hf_model("llama"), tmp_path / "llama.gguf", "Q8_0", "llama")
     monkeypatch.setitem(gguf_file.ARCHITECTURES, "llama", ("llama", False))
-    llm = LLM(str(path), dtype="float32", device="cpu", num_blocks=16)
-    assert (llm.logits(IDS[0]) - _transformers_logits(path)).abs().max().item() > 1e-2
+    assert _max_diff(_ours(path), _transformers_logits(path)) > 1e-2
 
 
-def test_negative_control_gemmas_norms_read_as_stored(tmp_path, monkeypatch):
-    path = write_gguf(_hf_model("gemma2"), tmp_path / "gemma2.gguf", "Q8_0", "gemma2")
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_negative_control_gemmas_norms_read_as_stored(arch, tmp_path, monkeypatch):
+    path = write_gguf(_hf_model(arch), tmp_path / f"{arch}.gguf", "Q8_0", arch)
     monkeypatch.setattr(gguf_file, "NORM_OFFSET", {})
-    llm = LLM(str(path), dtype="float32", device="cpu", num_blocks=16)
-    assert (llm.logits(IDS[0]) - _transformers_logits(path)).abs().max().item() > 1e-2
+    assert _max_diff(_ours(path), _transformers_logits(path)) > 1e-2
 
 
-def test_an_unread_key_is_refused_by_name(tmp_path):
+@pytest.mark.parametrize("fused, wrong_order", [
+    ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.v_proj", "self_attn.k_proj")),
+    ("mlp.gate_up_proj", ("mlp.up_proj", "mlp.gate_proj")),
+])
+def test_negative_control_phi3_fused_rows_split_in_another_order(fused, wrong_order, tmp_path,
+                                                                  monkeypatch):
+    """k and v (gate and up) have as many rows each, so only the values can tell the order."""
+    path = write_gguf(_hf_model("phi3"), tmp_path / "phi3.gguf", "Q8_0", "phi3")
+    monkeypatch.setitem(gguf_file.FUSED_PARTS, fused, wrong_order)
+    assert _max_diff(_ours(path), _transformers_logits(path)) > 1e-2
+
+
+def test_negative_control_phi3_window_applied(tmp_path, monkeypatch):
+    """The file's window (4, shorter than IDS) is one neither transformers nor llama.cpp applies;
+    reading it as HF's sliding_window disagrees with them."""
+    path = write_gguf(_hf_model("phi3"), tmp_path / "phi3.gguf", "F32", "phi3")
+    monkeypatch.setattr(gguf_file, "IGNORED_KEYS", {})
+    assert _max_diff(_ours(path), _transformers_logits(path)) > 1e-2
+
+
+GEMMA3_LINEAR = {"rope_parameters": {
+    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
+
+
+def test_gemma3_linear_rope_scaling_equals_the_source_model(tmp_path):
+    """Gemma 3 4B-27B scale the global layers' positions by 1/8 (rope.scaling.type linear, factor
+    8), which transformers' GGUF reader drops: the reference is the transformers model the F32 file
+    was written from."""
+    model = _hf_model("gemma3", GEMMA3_LINEAR)
+    path = write_gguf(model, tmp_path / "gemma3-linear.gguf", "F32", "gemma3")
+    with torch.no_grad():
+        source = model(torch.tensor(IDS)).logits[0]
+    assert _max_diff(_ours(path), source) < 1e-4
+
+
+def test_negative_control_gemma3_rope_scaling_dropped(tmp_path, monkeypatch):
+    model = _hf_model("gemma3", GEMMA3_LINEAR)
+    path = write_gguf(model, tmp_path / "gemma3-linear.gguf", "F32", "gemma3")
+    with torch.no_grad():
+        source = model(torch.tensor(IDS)).logits[0]
+    monkeypatch.setattr(gguf_file, "rope_scaling_from_gguf", lambda meta, prefix: None)
+    assert _max_diff(_ours(path), source) > 1e-2
+
+
+def _copy_with(path, out, add_keys) -> None:
+    """The GGUF file at `path` rewritten to `out` with the keys `add_keys(writer)` adds."""
     import gguf
 
-    path = tmp_path / "scaled.gguf"
-    write_gguf(_hf_model("llama"), path, "F32", "llama")
-    writer_path = tmp_path / "with-scaling.gguf"
     reader = gguf.GGUFReader(path)
-    writer = gguf.GGUFWriter(str(writer_path), "llama")
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(out), arch)
     for field in reader.fields.values():
         if field.name.startswith("GGUF.") or field.name == "general.architecture":
             continue
@@ -96,13 +164,31 @@ def test_an_unread_key_is_refused_by_name(tmp_path):
         vtype = field.types[0]
         sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, value, vtype, sub_type=sub)
-    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    add_keys(writer)
     for t in reader.tensors:
         writer.add_tensor(t.name, t.data, raw_shape=list(reversed(t.shape.tolist())),
                           raw_dtype=t.tensor_type)
     close_gguf(writer)
-    with pytest.raises(CheckpointError, match="llama.rope.scaling.type"):
-        LLM(str(writer_path), dtype="float32", device="cpu", num_blocks=16)
+
+
+def _yarn(writer) -> None:
+    import gguf
+
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+
+
+def _longrope(writer) -> None:  # what the converter writes for Phi-3 128k (and two tensors)
+    writer.add_rope_scaling_attn_factors(1.19)
+
+
+@pytest.mark.parametrize("arch, add_keys, key", [("llama", _yarn, "llama.rope.scaling.type"),
+                                                 ("phi3", _longrope,
+                                                  "phi3.rope.scaling.attn_factor")])
+def test_an_unread_key_is_refused_by_name(arch, add_keys, key, tmp_path):
+    path = write_gguf(_hf_model(arch), tmp_path / f"{arch}.gguf", "F32", arch)
+    _copy_with(path, tmp_path / "with-scaling.gguf", add_keys)
+    with pytest.raises(CheckpointError, match=key):
+        LLM(str(tmp_path / "with-scaling.gguf"), dtype="float32", device="cpu", num_blocks=16)
 
 
 def test_the_files_tokenizer_is_transformers(tmp_path):

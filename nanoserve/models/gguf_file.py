@@ -24,8 +24,18 @@ What this module does with it:
 
 - **the tokenizer**: from the file's `tokenizer.ggml.*` arrays (tokenizers/gguf_vocab.py).
 
-Families: llama (and Mistral, which llama.cpp writes as llama), qwen2, qwen3, gemma2 (its norms
-stored as 1 + w, its query scale inferred as llama.cpp does: `gemma2_query_scale`). On the CPU,
+- **Gemma's norms**: llama.cpp stores every Gemma 2 / 3 norm weight (q/k norms too) as 1 + w, the
+  factor it multiplies by; reading them back subtracts the 1 (NORM_OFFSET).
+- **Phi-3's fused matrices**: `attn_qkv` stacks q, k and v, and `ffn_up` stacks gate and up (gate
+  first); `split_fused_rows` cuts them into the separate linears our model holds — packed rows too,
+  since every row of blocks is quantized on its own.
+
+Families: llama (and Mistral, which llama.cpp writes as llama: gguf has no "mistral"
+architecture), qwen2, qwen3, gemma2 and gemma3 (its text model: every 6th layer global, the others
+sliding with a RoPE base of 10,000, as llama.cpp fixes them; query scale inferred as llama.cpp
+does: `gemma_query_scale`; linear RoPE scaling of the global layers), phi3 (LongRoPE's factor
+tensors and partial RoPE refused by name; its window not applied, as neither llama.cpp nor
+transformers applies it to these files). On the CPU,
 `GGMLLinear` multiplies a few rows by the packed blocks in place (kernels/cpu_packed_gemv.c); on a
 GPU, Q8_0, Q4_K and Q6_K blocks are dequantized in registers by a Triton kernel
 (kernels/ggml_matmul.py), other types dequantized whole, then multiplied.
@@ -42,14 +52,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import CheckpointError
+from ..kernels.cpu_packed_gemv import (
+    KERNEL_MAX_ROWS,
+    cpu_gemv_problem,
+    decoded_matmul,
+    ggml_dequantize,
+    ggml_gemv,
+)
 from ..kernels.cpu_packed_gemv import KINDS as GEMV_TYPES
-from ..kernels.cpu_packed_gemv import cpu_gemv_problem, ggml_gemv
 from ..quant.ggml_blocks import BLOCK_TYPES, dequantize
 from ..tokenizers.gguf_vocab import gguf_tokenizer
 
-# GGUF architecture → (HF model_type, whether llama.cpp permuted q and k)
+# GGUF architecture → (HF model_type, whether llama.cpp permuted q and k). Mistral is written as
+# llama (gguf has no "mistral" architecture); Gemma 3's files hold its text model only.
 ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False),
-                 "gemma2": ("gemma2", False)}
+                 "gemma2": ("gemma2", False), "gemma3": ("gemma3_text", False),
+                 "phi3": ("phi3", False)}
 # keys under "<arch>." → the HF config field each one is
 CONFIG_KEYS = {
     "context_length": "max_position_embeddings",
@@ -65,11 +83,20 @@ CONFIG_KEYS = {
     "attn_logit_softcapping": "attn_logit_softcapping",  # Gemma 2's
     "final_logit_softcapping": "final_logit_softcapping",
     "attention.sliding_window": "sliding_window",
+    "rope.freq_base_swa": "rope_local_base_freq",  # Gemma 3's sliding layers (else 10,000)
+    "rope.scaling.original_context_length": "original_max_position_embeddings",  # Phi-3's
 }
+# the RoPE scaling keys, read together into HF's rope_scaling (`rope_scaling_from_gguf`)
+ROPE_SCALING_KEYS = ("rope.scaling.type", "rope.scaling.factor")
+ROPE_SCALING_TYPES = ("none", "linear")
 REQUIRED_KEYS = ("context_length", "embedding_length", "block_count", "feed_forward_length",
                  "attention.head_count", "attention.layer_norm_rms_epsilon")
 # keys read for a check only: they must agree with the others
 CHECKED_KEYS = ("rope.dimension_count", "attention.value_length")
+# keys a family's files carry that its readers (llama.cpp, transformers) do not apply: Phi-3's
+# window, which llama.cpp switches off (its converter does not say which layers slide) and
+# transformers' GGUF reader skips; nanoserve runs the file as both of them do
+IGNORED_KEYS = {"phi3": ("attention.sliding_window",)}
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # blk.N.<GGUF name> → model.layers.N.<our name>
 BLOCK_NAMES = {
@@ -79,16 +106,26 @@ BLOCK_NAMES = {
     "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
-# where an architecture names a block's norms otherwise (Gemma 2: four norms a block)
-ARCH_BLOCK_NAMES = {"gemma2": {"ffn_norm": "pre_feedforward_layernorm",
-                               "post_attention_norm": "post_attention_layernorm",
-                               "post_ffw_norm": "post_feedforward_layernorm"}}
-# llama.cpp stores Gemma's norm weights as 1 + w (what they multiply by); our model holds w, as HF
-NORM_OFFSET = {"gemma2": 1.0}
+# where an architecture names a block's tensors otherwise (Gemma 2 and 3: four norms a block;
+# Phi-3: q, k, v as one matrix, and gate and up as one, under ffn_up)
+_GEMMA_NORMS = {"ffn_norm": "pre_feedforward_layernorm",
+                "post_attention_norm": "post_attention_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
+ARCH_BLOCK_NAMES = {"gemma2": _GEMMA_NORMS, "gemma3": _GEMMA_NORMS,
+                    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
+# a fused matrix → the linears whose rows it stacks, in order (our model keeps them apart)
+FUSED_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+               "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+# llama.cpp stores Gemma's norm weights (q/k norms too) as 1 + w, what they multiply by; our model
+# holds w, as HF
+NORM_OFFSET = {"gemma2": 1.0, "gemma3": 1.0}
+# (blocks, width) of the Gemma whose queries llama.cpp scales by width / heads, not by head size
+GEMMA_27B = {"gemma2": (46, 4608), "gemma3": (62, 5376)}
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
              "output": "lm_head"}
 BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-GEMV_MAX_ROWS = 64  # activation rows up to which the C kernel beats dequantize + GEMM
+LAYER_TENSOR = re.compile(r"(model\.layers\.\d+)\.([\w.]+)\.(weight|bias)")
+GEMV_MAX_ROWS = KERNEL_MAX_ROWS  # activation rows up to which the C kernel beats decode + GEMM
 
 
 class GGMLLinear(nn.Module):
@@ -104,6 +141,12 @@ class GGMLLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def weight_float(self) -> torch.Tensor:
+        """W [out, in] float32: decoded in C where the CPU kernel reads the type, else in torch
+        (quant/ggml_blocks.py; the same numbers)."""
+        if (self.packed.device.type == "cpu" and self.type_name in GEMV_TYPES
+                and cpu_gemv_problem() is None):
+            return ggml_dequantize(self.packed, self.type_name, self.out_features,
+                                   self.in_features)
         return dequantize(self.packed, self.type_name, (self.out_features, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -119,7 +162,18 @@ class GGMLLinear(nn.Module):
             y = ggml_gemv(rows, self.packed, self.type_name, self.out_features)
             y = y if bias is None else y + bias
             return y.reshape(*x.shape[:-1], self.out_features)
+        if self._decoded_in_slabs(rows):  # many rows: decoded a slab at a time, BLAS GEMMs
+            y = decoded_matmul(rows, self._decode_rows, self.out_features)
+            y = y if bias is None else y + bias
+            return y.reshape(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight_float().to(x.dtype), bias)
+
+    def _decode_rows(self, n0: int, n1: int) -> torch.Tensor:
+        return ggml_dequantize(self.packed[n0:n1], self.type_name, n1 - n0, self.in_features)
+
+    def _decoded_in_slabs(self, rows: torch.Tensor) -> bool:
+        return (rows.device.type == "cpu" and rows.dtype == torch.float32
+                and self.type_name in GEMV_TYPES and cpu_gemv_problem() is None)
 
     def _packed_kernel_serves(self, rows: torch.Tensor) -> bool:
         """The C kernel for up to GEMV_MAX_ROWS float32 rows on the CPU (decode steps); more rows
@@ -159,7 +213,8 @@ def hf_config_from_gguf(meta: dict, tensor_names: set[str]) -> dict:
         raise CheckpointError(f"GGUF architecture {arch!r} is not read here; allowed: "
                               f"{', '.join(ARCHITECTURES)}")
     prefix = arch + "."
-    known = set(CONFIG_KEYS) | set(CHECKED_KEYS)
+    ignored = IGNORED_KEYS.get(arch, ())
+    known = set(CONFIG_KEYS) | set(CHECKED_KEYS) | set(ROPE_SCALING_KEYS) | set(ignored)
     unread = sorted(k for k in meta if k.startswith(prefix) and k[len(prefix):] not in known)
     if unread:
         raise CheckpointError(f"GGUF key {unread[0]!r} changes the model and is not read here "
@@ -170,7 +225,7 @@ def hf_config_from_gguf(meta: dict, tensor_names: set[str]) -> dict:
                               f"{arch} model needs are missing)")
     hf = {"model_type": ARCHITECTURES[arch][0]}
     for key, field in CONFIG_KEYS.items():
-        if prefix + key in meta:
+        if prefix + key in meta and key not in ignored:
             hf[field] = meta[prefix + key]
     hf.setdefault("num_key_value_heads", hf.get("num_attention_heads"))
     if "vocab_size" not in hf:
@@ -180,9 +235,14 @@ def hf_config_from_gguf(meta: dict, tensor_names: set[str]) -> dict:
                       ("eos_token_id", "tokenizer.ggml.eos_token_id")):
         if key in meta:
             hf[name] = meta[key]
+    scaling = rope_scaling_from_gguf(meta, prefix)
+    if scaling is not None:
+        hf["rope_scaling"] = scaling
     head_dim = hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
-    if arch == "gemma2":
-        hf["query_pre_attn_scalar"] = gemma2_query_scale(hf, head_dim)
+    if arch in GEMMA_27B:
+        hf["query_pre_attn_scalar"] = gemma_query_scale(arch, hf, head_dim)
+    if arch == "gemma3":
+        hf.update(gemma3_layers(hf))
     for key in CHECKED_KEYS:
         if meta.get(prefix + key, head_dim) != head_dim:
             raise CheckpointError(f"GGUF {prefix + key}={meta[prefix + key]} differs from the "
@@ -191,13 +251,38 @@ def hf_config_from_gguf(meta: dict, tensor_names: set[str]) -> dict:
     return hf
 
 
-def gemma2_query_scale(hf: dict, head_dim: int) -> int:
-    """Gemma 2's query_pre_attn_scalar, which a GGUF file does not carry: llama.cpp takes the head
-    size, except for the 27B model (46 blocks, 4608 wide), whose queries are scaled by hidden size /
-    heads (144, not its head size 128), as its HF config says."""
-    if (hf["num_hidden_layers"], hf["hidden_size"]) == (46, 4608):
+def rope_scaling_from_gguf(meta: dict, prefix: str) -> dict | None:
+    """HF's rope_scaling for the file's `rope.scaling.*` keys: linear (positions divided by the
+    factor; llama.cpp's type when the key is absent) or none; any other type is refused by name.
+    On Gemma 3 it scales the global layers only, as llama.cpp and HF apply it."""
+    kind = meta.get(prefix + "rope.scaling.type", "linear")
+    if kind not in ROPE_SCALING_TYPES:
+        raise CheckpointError(f"GGUF {prefix}rope.scaling.type={kind!r} is not read here; "
+                              f"allowed: {', '.join(ROPE_SCALING_TYPES)}")
+    factor = float(meta.get(prefix + "rope.scaling.factor", 1.0))
+    if kind == "none" or factor in (0.0, 1.0):  # llama.cpp reads a factor of 0 as none too
+        return None
+    return {"rope_type": "linear", "factor": factor}
+
+
+def gemma_query_scale(arch: str, hf: dict, head_dim: int) -> int:
+    """Gemma's query_pre_attn_scalar, which a GGUF file does not carry: llama.cpp takes the head
+    size, except for the 27B models (Gemma 2: 46 blocks, 4608 wide; Gemma 3: 62 blocks, 5376
+    wide), whose queries are scaled by hidden size / heads (144 and 168, not their head size
+    128), as their HF configs say."""
+    if (hf["num_hidden_layers"], hf["hidden_size"]) == GEMMA_27B[arch]:
         return hf["hidden_size"] // hf["num_attention_heads"]
     return head_dim
+
+
+def gemma3_layers(hf: dict) -> dict:
+    """Which Gemma 3 layers slide, as llama.cpp decides: every 6th layer is global, the others
+    slide; a file without attention.sliding_window (its converter omits it when no layer slides)
+    has global layers only."""
+    if hf.get("sliding_window") is None:
+        return {"sliding_window": None,
+                "layer_types": ["full_attention"] * hf["num_hidden_layers"]}
+    return {"sliding_window_pattern": 6}
 
 
 def unpermute_rotary(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -240,6 +325,33 @@ def _heads_for(name: str, hf: dict) -> int | None:
     return None
 
 
+def part_rows(part: str, hf: dict) -> int:
+    """How many rows `part` (one of FUSED_PARTS' linears) has."""
+    head_dim = hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
+    if part == "self_attn.q_proj":
+        return hf["num_attention_heads"] * head_dim
+    if part in ("self_attn.k_proj", "self_attn.v_proj"):
+        return hf["num_key_value_heads"] * head_dim
+    return hf["intermediate_size"]  # gate_proj, up_proj
+
+
+def split_fused_rows(name: str, rows: torch.Tensor, hf: dict) -> dict[str, torch.Tensor]:
+    """A fused tensor (Phi-3's qkv_proj, gate_up_proj) as its parts, split along the output rows —
+    float rows or whole rows of packed blocks alike, since each row is quantized on its own; any
+    other tensor as itself."""
+    match = LAYER_TENSOR.fullmatch(name)  # model.layers.N, self_attn.qkv_proj, weight
+    if match is None or match[2] not in FUSED_PARTS:
+        return {name: rows}
+    layer, module, kind = match.groups()
+    parts = FUSED_PARTS[module]
+    sizes = [part_rows(part, hf) for part in parts]
+    if sum(sizes) != rows.shape[0]:
+        raise CheckpointError(f"GGUF tensor for {name!r} has {rows.shape[0]} rows; the config "
+                              f"gives {' + '.join(map(str, sizes))} for {', '.join(parts)}")
+    pieces = rows.split(sizes)
+    return {f"{layer}.{part}.{kind}": piece for part, piece in zip(parts, pieces)}
+
+
 @dataclass
 class GGUFCheckpoint:
     """What a GGUF file holds, in the loader's terms."""
@@ -267,12 +379,15 @@ def read_gguf(path: Path) -> GGUFCheckpoint:
             value = dequantize(data, kind, shape)
             if name.endswith("norm.weight"):
                 value = value - NORM_OFFSET.get(arch, 0.0)
-            floats[name] = value if heads is None else unpermute_rotary(value, heads)
+            value = value if heads is None else unpermute_rotary(value, heads)
+            floats.update(split_fused_rows(name, value, hf))
             continue
         rows = data.reshape(shape[0], -1)
         if heads is not None:  # the same reordering, on whole packed rows
             rows = unpermute_rotary(rows, heads)
-        packed[name.removesuffix(".weight")] = GGMLLinear(rows, kind, shape[1], shape[0])
+        for part, piece in split_fused_rows(name, rows, hf).items():
+            linear = GGMLLinear(piece, kind, shape[1], piece.shape[0])
+            packed[part.removesuffix(".weight")] = linear
     for module, linear in packed.items():  # a bias stays float, beside its packed weight
         bias = floats.pop(module + ".bias", None)
         if bias is not None:

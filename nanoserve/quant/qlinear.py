@@ -9,9 +9,11 @@ checkpoints, so a layer loads from and saves to one without renaming.
   `nanoserve.kernels.dequant_matmul` (codes become values in registers, W never exists in
   memory — what makes int4 decode faster than fp16).
 - **On the CPU**, 4- and 8-bit layers whose groups are runs of columns (not act-order) run the C
-  kernel `nanoserve.kernels.cpu_packed_gemv.grid_gemv`, which reads `qweight` as it is stored
-  (the words of 8 neighbouring outputs in one vector load); the scales and zero points are kept
-  as float32 [G, N] beside it, derived once.
+  kernel `nanoserve.kernels.cpu_packed_gemv.grid_gemv` up to KERNEL_MAX_ROWS rows, which reads
+  `qweight` as it is stored (the words of 8 neighbouring outputs in one vector load); more rows
+  (a prefill, a large batch) decode W in C a slab of outputs at a time, each slab multiplied by a
+  BLAS GEMM while it is in cache (`decoded_matmul`). The scales and zero points are
+  kept as float32 [G, N] beside the codes, derived once.
 - Everywhere else (2-bit, act-order, W8A16 on CUDA): W is dequantized in torch and multiplied
   with `F.linear` — per call, so it costs time, not memory: W lives only for the matmul, but it
   is written and read in float, which makes a decode step slower than float weights.
@@ -33,7 +35,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import NanoserveError
-from ..kernels.cpu_packed_gemv import GRID_BITS, cpu_gemv_problem, grid_gemv
+from ..kernels.cpu_packed_gemv import (
+    GRID_BITS,
+    KERNEL_MAX_ROWS,
+    check_grid,
+    cpu_gemv_problem,
+    decoded_matmul,
+    grid_dequantize,
+    grid_gemv_unchecked,
+)
 from .packing import GPTQ_BITS, dequantize_gptq, gptq_zeros, pack_gptq
 
 
@@ -150,13 +160,15 @@ class QuantLinear(nn.Module):
             )  # M, N
             y = y.view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias.to(x.dtype)
-        if self.cpu_kernel_problem(x) is None:  # codes read in place (kernels/cpu_packed_gemv.c)
-            return self._forward_cpu_kernel(x)
+        grid = self._cpu_grid() if x.device.type == "cpu" else None
+        if grid is not None:  # codes read in place (kernels/cpu_packed_gemv.c)
+            return self._forward_cpu_kernel(x, *grid)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantize(x.dtype), bias)
 
     def cpu_kernel_problem(self, x: torch.Tensor) -> str | None:
-        """Why the CPU kernel does not serve this layer for `x` (None: it does)."""
+        """Why the CPU kernel does not serve this layer for `x` (None: it does); `x` only says the
+        device."""
         if x.device.type != "cpu" or self.qweight.device.type != "cpu":
             return "not on the CPU"
         if self.bits not in GRID_BITS or self.mma_layout:
@@ -169,19 +181,39 @@ class QuantLinear(nn.Module):
         return cpu_gemv_problem()
 
     def cpu_floats(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The scales and zero points as float32 [G, N], as the CPU kernel reads them: derived
-        once per set of tensors (a new state dict, or new tensors, derive them again)."""
-        key = (self.qzeros.data_ptr(), self.scales.data_ptr())
-        if self._cpu_floats is None or self._cpu_floats[0] != key:
-            zeros = gptq_zeros(self.qzeros, self.bits)[:self.out_features]  # N, G
-            self._cpu_floats = (key, self.scales.float().contiguous(),
-                                zeros.t().float().contiguous())
-        return self._cpu_floats[1], self._cpu_floats[2]
+        """The scales and zero points as float32 [G, N], as the CPU kernel reads them."""
+        zeros = gptq_zeros(self.qzeros, self.bits)[:self.out_features]  # N, G
+        return self.scales.float().contiguous(), zeros.t().float().contiguous()
 
-    def _forward_cpu_kernel(self, x: torch.Tensor) -> torch.Tensor:
-        scales, zeros = self.cpu_floats()
-        rows = x.reshape(-1, self.in_features).float()  # M, K
-        y = grid_gemv(rows, self.qweight, scales, zeros, self.bits, self.group_size)  # M, N
+    def _cpu_grid(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cpu_floats() when the CPU kernel serves this layer (checked as grid_gemv checks), else
+        None: worked out once per set of tensors (a new state dict, or new tensors, work it out
+        again), so that a decode step's forward pays for no checks."""
+        if self._cpu_floats is None or self._cpu_floats[0] != self._cpu_grid_key():
+            grid = None
+            if self.cpu_kernel_problem(self.qweight) is None:
+                grid = self.cpu_floats()
+                check_grid(self.qweight, *grid, self.bits, self.group_size, self.in_features)
+            self._cpu_floats = (self._cpu_grid_key(), grid)
+        return self._cpu_floats[1]
+
+    def _cpu_grid_key(self) -> tuple:
+        """What `_cpu_grid`'s answer depends on: the tensors, the codes' layout, the groups."""
+        return (self.qweight.data_ptr(), self.qzeros.data_ptr(), self.scales.data_ptr(),
+                self.g_idx.data_ptr(), self.mma_layout, self._sorted_groups)
+
+    def _forward_cpu_kernel(self, x: torch.Tensor, scales: torch.Tensor,
+                            zeros: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float().contiguous()  # M, K
+        if rows.shape[0] <= KERNEL_MAX_ROWS:  # a decode step: the codes read in place
+            y = grid_gemv_unchecked(rows, self.qweight, scales, zeros, self.bits,
+                                    self.group_size)  # M, N
+        else:  # a prefill, a large batch: decoded in C a slab at a time, BLAS GEMMs
+            def decode(n0: int, n1: int) -> torch.Tensor:
+                return grid_dequantize(self.qweight[:, n0:n1], scales[:, n0:n1].contiguous(),
+                                       zeros[:, n0:n1].contiguous(), self.bits, self.group_size)
+
+            y = decoded_matmul(rows, decode, self.out_features)
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
