@@ -98,10 +98,12 @@ def _f16(W, at, mask):
 
 
 @triton.jit
-def _x_part(X, x_rows, m_mask, k0, offs, stride_xk, live, UPCAST: tl.constexpr):
-    """x[:, k0 + offs] [BLOCK_M, P] (zeros where the part is not `live`)."""
+def _x_part(X, x_rows, m_mask, k0, offs, stride_xk, hi, UPCAST: tl.constexpr):
+    """x[:, k0 + offs] [BLOCK_M, P] (zeros from column `hi` on). The mask is a whole tile: a
+    scalar condition in a mask is refused by newer Triton interpreters."""
+    live = (k0 + offs) < hi  # P
     x = tl.load(X + x_rows[:, None] + (k0 + offs)[None, :] * stride_xk,
-                mask=m_mask[:, None] & live, other=0.0)
+                mask=m_mask[:, None] & live[None, :], other=0.0)
     if UPCAST:
         x = x.to(tl.float32)
     return x
@@ -128,10 +130,10 @@ def _q8_0_step(X, W, x_rows, m_mask, w_rows, n_mask, start, hi, stride_xk,
     offs = tl.arange(0, 32)
     for p in tl.static_range(8):
         k0 = start + 32 * p
-        live = k0 < hi  # K is whole blocks of 32, not always of 256
-        x = _x_part(X, x_rows, m_mask, k0, offs, stride_xk, live, UPCAST)  # BLOCK_M, 32
+        # K is whole blocks of 32, not always of 256
+        x = _x_part(X, x_rows, m_mask, k0, offs, stride_xk, hi, UPCAST)  # BLOCK_M, 32
         at = w_rows + (k0 // 32) * 34  # BLOCK_N   the block's first byte in each row
-        w_mask = n_mask & live
+        w_mask = n_mask & ((tl.zeros([BLOCK_N], dtype=tl.int32) + k0) < hi)
         d = _f16(W, at, w_mask)  # BLOCK_N
         q = tl.load(W + at[:, None] + 2 + offs[None, :], mask=w_mask[:, None], other=0)
         q = q.to(tl.int8, bitcast=True)  # BLOCK_N, 32
@@ -171,7 +173,8 @@ def _q4_k_step(X, W, x_rows, m_mask, w_rows, n_mask, start, stride_xk,
                      other=0)  # BLOCK_N, 32
         for half in tl.static_range(2):
             s = 2 * c + half
-            x = _x_part(X, x_rows, m_mask, start + 32 * s, offs, stride_xk, True, UPCAST)
+            x = _x_part(X, x_rows, m_mask, start + 32 * s, offs, stride_xk, start + 256,
+                        UPCAST)
             q = (qs >> (4 * half)) & 15  # BLOCK_N, 32
             scale, low = _q4_k_scale_min(W, at, n_mask, s)  # BLOCK_N, BLOCK_N
             x_sum = tl.sum(x.to(tl.float32), axis=1)  # BLOCK_M
@@ -206,8 +209,8 @@ def _q6_k_step(X, W, x_rows, m_mask, w_rows, n_mask, start, stride_xk,
                     q = (low | (top << 4)) - 32  # BLOCK_N, 16
                     scale = tl.load(W + at + 192 + p, mask=n_mask, other=0)
                     scale = scale.to(tl.int8, bitcast=True).to(tl.float32)  # BLOCK_N
-                    x = _x_part(X, x_rows, m_mask, start + 16 * p, offs, stride_xk, True,
-                                UPCAST)  # BLOCK_M, 16
+                    x = _x_part(X, x_rows, m_mask, start + 16 * p, offs, stride_xk,
+                                start + 256, UPCAST)  # BLOCK_M, 16
                     acc += _part_dot(x, q, FMA) * (d * scale)[None, :]
     return acc
 
