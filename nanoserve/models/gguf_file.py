@@ -158,12 +158,11 @@ class GGMLLinear(nn.Module):
                 y = ggml_matmul(rows, self.packed, self.type_name, self.out_features)
                 y = y if bias is None else y + bias
                 return y.reshape(*x.shape[:-1], self.out_features)
-        if self._packed_kernel_serves(rows):  # read the blocks in place (kernels/cpu_packed_gemv.c)
-            y = ggml_gemv(rows, self.packed, self.type_name, self.out_features)
-            y = y if bias is None else y + bias
-            return y.reshape(*x.shape[:-1], self.out_features)
-        if self._decoded_in_slabs(rows):  # many rows: decoded a slab at a time, BLAS GEMMs
-            y = decoded_matmul(rows, self._decode_rows, self.out_features)
+        if self._c_reads(rows):  # the blocks read by kernels/cpu_packed_gemv.c
+            if rows.shape[0] <= GEMV_MAX_ROWS:  # a decode step: multiplied in place
+                y = ggml_gemv(rows, self.packed, self.type_name, self.out_features)
+            else:  # a prefill, a large batch: decoded a slab at a time, BLAS GEMMs
+                y = decoded_matmul(rows, self._decode_rows, self.out_features)
             y = y if bias is None else y + bias
             return y.reshape(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight_float().to(x.dtype), bias)
@@ -171,17 +170,12 @@ class GGMLLinear(nn.Module):
     def _decode_rows(self, n0: int, n1: int) -> torch.Tensor:
         return ggml_dequantize(self.packed[n0:n1], self.type_name, n1 - n0, self.in_features)
 
-    def _decoded_in_slabs(self, rows: torch.Tensor) -> bool:
+    def _c_reads(self, rows: torch.Tensor) -> bool:
+        """Whether the C code serves these float32 CPU rows: up to GEMV_MAX_ROWS through its
+        products, more by decoding slabs for BLAS (benchmarks/RESULTS.md, "Quantized weights on
+        the CPU")."""
         return (rows.device.type == "cpu" and rows.dtype == torch.float32
                 and self.type_name in GEMV_TYPES and cpu_gemv_problem() is None)
-
-    def _packed_kernel_serves(self, rows: torch.Tensor) -> bool:
-        """The C kernel for up to GEMV_MAX_ROWS float32 rows on the CPU (decode steps); more rows
-        (a prefill) are faster through one dequantization and a BLAS GEMM that blocks for
-        registers (benchmarks/RESULTS.md, "GGUF weights on the CPU")."""
-        return (rows.device.type == "cpu" and rows.dtype == torch.float32
-                and rows.shape[0] <= GEMV_MAX_ROWS and self.type_name in GEMV_TYPES
-                and cpu_gemv_problem() is None)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
