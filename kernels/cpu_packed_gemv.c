@@ -356,34 +356,53 @@ struct grid {
 
 /* Σ over word row j of its codes times x, added to dot[c] for outputs c = 0 .. width − 1 of the
  * chunk whose words start at `words`; `bits` is a constant at each call (4 or 8), so the loop over
- * a word's codes unrolls */
+ * a word's codes unrolls. `xs` is x pre-scaled (`scale_x_for_words`): code i is not shifted down
+ * but masked where it lies, word & (mask << bits·i) = q · 2^(bits·i) (exact as a float), and meets
+ * x · 2^−(bits·i), so the product is q · x exactly as before, one instruction fewer per code; the
+ * top code is shifted down instead (masking it in place would set the sign bit). */
 static inline __attribute__((always_inline)) void grid_word_row(
     const int32_t *words, const int bits, const float *xs, float *dot, int64_t width) {
     const int per = 32 / bits, mask = (1 << bits) - 1;
     int64_t c = 0;
 #ifdef GGML_GEMV_AVX2
-    const __m256i vmask = _mm256_set1_epi32(mask);
     for (; c + 8 <= width; c += 8) {
         const __m256i word = _mm256_loadu_si256((const __m256i *)(words + c));
         /* two sums in turn: one would wait on each multiply-add's latency */
         __m256 even = _mm256_loadu_ps(dot + c), odd = _mm256_setzero_ps();
         for (int i = 0; i < per; i += 2) {
-            __m256i c0 = _mm256_and_si256(_mm256_srli_epi32(word, bits * i), vmask);
-            __m256i c1 = _mm256_and_si256(_mm256_srli_epi32(word, bits * (i + 1)), vmask);
+            const __m256i c0 = _mm256_and_si256(word, _mm256_set1_epi32(mask << (bits * i)));
+            __m256i c1 = _mm256_srli_epi32(word, bits * (i + 1));
+            if (i + 1 < per - 1)
+                c1 = _mm256_and_si256(word, _mm256_set1_epi32(mask << (bits * (i + 1))));
             even = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c0), _mm256_broadcast_ss(xs + i), even);
             odd = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c1), _mm256_broadcast_ss(xs + i + 1), odd);
         }
         _mm256_storeu_ps(dot + c, _mm256_add_ps(even, odd));
     }
 #endif
-    for (; c < width; c++)
-        for (int i = 0; i < per; i++)
-            dot[c] += (float)(((uint32_t)words[c] >> (bits * i)) & mask) * xs[i];
+    for (; c < width; c++) {
+        const uint32_t word = (uint32_t)words[c];
+        for (int i = 0; i < per - 1; i++)
+            dot[c] += (float)(int32_t)(word & ((uint32_t)mask << (bits * i))) * xs[i];
+        dot[c] += (float)(word >> (bits * (per - 1))) * xs[per - 1];
+    }
+}
+
+/* x [M][K] scaled for grid_word_row: x[k] · 2^−(bits·i) for code i = k mod per of its word, but
+ * the top one (shifted down, not masked in place) */
+static void scale_x_for_words(const float *x, float *xs, int64_t count, int bits) {
+    const int per = 32 / bits;
+    float factor[8];  /* powers of two: multiplying by one is exact */
+    for (int i = 0; i < per - 1; i++) factor[i] = 1.0f / (float)(1u << (bits * i));
+    factor[per - 1] = 1.0f;
+    for (int64_t k = 0; k < count; k += per)  /* count is whole words of codes */
+        for (int i = 0; i < per; i++) xs[k + i] = x[k + i] * factor[i];
 }
 
 /* outputs n0 .. n1 − 1 of M x rows (M < DECODE_MIN_ROWS), summed over groups g0 .. g1 − 1 into
  * `out` [M][N] (overwritten). The words are read row by row of qweight, each row's stretch in
- * order, and every x row's sums for one group are gathered in `dot` [M][n1 − n0], then scaled. */
+ * order, and every x row's sums for one group are gathered in `dot` [M][n1 − n0], then scaled.
+ * `x` comes scaled by scale_x_for_words; `x_sums` are the plain x's sums. */
 static void grid_part(const struct grid *grid, const float *x, const float *x_sums, int64_t M,
                       int64_t n0, int64_t n1, int64_t g0, int64_t g1, int64_t N, int64_t K,
                       float *dot, float *out) {
@@ -422,13 +441,16 @@ static int grid_few_rows(const struct grid *grid, const float *x, float *y, int6
     const int split_groups = G >= num_threads && num_threads > 1;
     const int parts = num_threads;
     float *x_sums = malloc((size_t)(M * G) * sizeof(float));                 /* [M][G] */
+    float *x_scaled = malloc((size_t)(M * K) * sizeof(float));               /* [M][K] */
     float *partial = split_groups ? malloc((size_t)(parts * M * N) * sizeof(float)) : NULL;
-    int failed = x_sums == NULL || (split_groups && partial == NULL);
+    int failed = x_sums == NULL || x_scaled == NULL || (split_groups && partial == NULL);
     if (failed) {
         free(x_sums);
+        free(x_scaled);
         free(partial);
         return 1;
     }
+    scale_x_for_words(x, x_scaled, M * K, grid->bits);
     for (int64_t i = 0; i < M * G; i++) {
         float sum = 0.0f;
         for (int64_t k = i * grid->group; k < (i + 1) * grid->group; k++) sum += x[k];
@@ -446,11 +468,11 @@ static int grid_few_rows(const struct grid *grid, const float *x, float *y, int6
         for (int t = 0; t < parts; t++) {
             if (dot == NULL) continue;
             if (split_groups) {
-                grid_part(grid, x, x_sums, M, 0, N, t * G / parts, (t + 1) * G / parts, N, K, dot,
-                          partial + t * M * N);
+                grid_part(grid, x_scaled, x_sums, M, 0, N, t * G / parts, (t + 1) * G / parts, N,
+                          K, dot, partial + t * M * N);
             } else if (t * width < N) {
                 const int64_t n1 = (t + 1) * width < N ? (t + 1) * width : N;
-                grid_part(grid, x, x_sums, M, t * width, n1, 0, G, N, K, dot, y);
+                grid_part(grid, x_scaled, x_sums, M, t * width, n1, 0, G, N, K, dot, y);
             }
         }
         free(dot);
@@ -463,6 +485,7 @@ static int grid_few_rows(const struct grid *grid, const float *x, float *y, int6
         }
     }
     free(x_sums);
+    free(x_scaled);
     free(partial);
     return failed;
 }

@@ -76,30 +76,49 @@ def ggml_gemv_ref(x: torch.Tensor, packed: torch.Tensor, type_name: str,
     return F.linear(x.float(), weight)
 
 
+class PreparedBlocks:
+    """`ggml_gemv` for one matrix of llama.cpp blocks (`packed` uint8 [out_features, K / block
+    weights · bytes per block], contiguous), checked once and its address fixed: a decode step then
+    calls it with x alone (contiguous float32 [M, K] on the CPU). It keeps `packed` alive."""
+
+    def __init__(self, packed: torch.Tensor, type_name: str, in_features: int,
+                 out_features: int):
+        if type_name not in KINDS:
+            raise ValueError(f"ggml_gemv reads {', '.join(KINDS)}, not {type_name}")
+        kind, block_weights, block_bytes = KINDS[type_name]
+        if in_features % block_weights:
+            raise ValueError(f"K={in_features} is not a whole number of {block_weights}-weight "
+                             "blocks")
+        expected = (out_features, in_features // block_weights * block_bytes)
+        if packed.dtype != torch.uint8 or tuple(packed.shape) != expected:
+            raise ValueError(f"packed must be uint8 {expected} for {type_name} [{out_features}, "
+                             f"{in_features}], got {packed.dtype} {tuple(packed.shape)}")
+        self.packed = packed.contiguous()
+        self.in_features = in_features
+        self.out_features = out_features
+        self._weights = (kind, self.packed.data_ptr())
+        self._row_bytes = expected[1]
+        self._gemv = load_library().ggml_gemv
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        M = x.shape[0]
+        y = torch.empty(M, self.out_features)
+        failed = self._gemv(*self._weights, x.data_ptr(), y.data_ptr(), M, self.out_features,
+                            self.in_features, self._row_bytes, torch.get_num_threads())
+        if failed:
+            raise MemoryError(f"ggml_gemv: could not allocate a panel of {self.in_features} × "
+                              "16 floats")
+        return y
+
+
 def ggml_gemv(x: torch.Tensor, packed: torch.Tensor, type_name: str,
               out_features: int) -> torch.Tensor:
-    """x [M, K] float32 (CPU, contiguous) · Wᵀ → [M, out_features]; `packed` is W's blocks, uint8
+    """x [M, K] float32 (CPU) · Wᵀ → [M, out_features]; `packed` is W's blocks, uint8
     [out_features, K / 32 · bytes per block]. Everything the C code will read is checked here."""
-    if type_name not in KINDS:
-        raise ValueError(f"ggml_gemv reads {', '.join(KINDS)}, not {type_name}")
-    kind, block_weights, block_bytes = KINDS[type_name]
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
         raise ValueError(f"ggml_gemv takes x as a 2-D float32 CPU tensor, got {x.dtype} "
                          f"{tuple(x.shape)} on {x.device}")
-    M, K = x.shape
-    if K % block_weights:
-        raise ValueError(f"K={K} is not a whole number of {block_weights}-weight blocks")
-    expected = (out_features, K // block_weights * block_bytes)
-    if packed.dtype != torch.uint8 or tuple(packed.shape) != expected:
-        raise ValueError(f"packed must be uint8 {expected} for {type_name} [{out_features}, {K}], "
-                         f"got {packed.dtype} {tuple(packed.shape)}")
-    x, packed = x.contiguous(), packed.contiguous()
-    y = torch.empty(M, out_features)
-    failed = load_library().ggml_gemv(kind, packed.data_ptr(), x.data_ptr(), y.data_ptr(), M,
-                                      out_features, K, expected[1], torch.get_num_threads())
-    if failed:
-        raise MemoryError(f"ggml_gemv: could not allocate a panel of {K} × 16 floats")
-    return y
+    return PreparedBlocks(packed, type_name, x.shape[1], out_features)(x.contiguous())
 
 
 def ggml_dequantize(packed: torch.Tensor, type_name: str, out_features: int,
@@ -197,21 +216,34 @@ def grid_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
         raise ValueError(f"grid_gemv takes x as a 2-D float32 CPU tensor, got {x.dtype} "
                          f"{tuple(x.shape)} on {x.device}")
-    check_grid(qweight, scales, zeros, bits, group, x.shape[1])
-    return grid_gemv_unchecked(x.contiguous(), qweight, scales, zeros, bits, group)
+    if qweight.shape[0] * (32 // bits) != x.shape[1]:
+        raise ValueError(f"x has {x.shape[1]} columns, the codes {qweight.shape[0]} rows of "
+                         f"{32 // bits} codes")
+    return PreparedGrid(qweight, scales, zeros, bits, group)(x.contiguous())
 
 
-def grid_gemv_unchecked(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                        zeros: torch.Tensor, bits: int, group: int) -> torch.Tensor:
-    """`grid_gemv` for arguments already checked (`check_grid`, once per layer; x contiguous
-    float32 [M, K] on the CPU): a decode step calls it for every linear, and the checks would cost
-    as much as a small layer's product."""
-    M, K = x.shape
-    N = scales.shape[1]
-    y = torch.empty(M, N)
-    failed = load_library().grid_gemv(bits, qweight.data_ptr(), qweight.stride(0),
-                                      scales.data_ptr(), zeros.data_ptr(), group, x.data_ptr(),
-                                      y.data_ptr(), M, N, K, torch.get_num_threads())
-    if failed:
-        raise MemoryError(f"grid_gemv: could not allocate a panel of {K} × 16 floats")
-    return y
+class PreparedGrid:
+    """`grid_gemv` for one layer's tensors, checked once (`check_grid`) and their addresses fixed:
+    a decode step calls it for every linear with x alone (contiguous float32 [M, K] on the CPU),
+    and working the arguments out again each time would cost as much as a small layer's product.
+    It keeps the tensors alive, so the addresses stay valid."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 bits: int, group: int):
+        K = qweight.shape[0] * (32 // bits)
+        check_grid(qweight, scales, zeros, bits, group, K)
+        self.tensors = (qweight, scales, zeros)
+        self.out_features = scales.shape[1]
+        self.in_features = K
+        self._weights = (bits, qweight.data_ptr(), qweight.stride(0), scales.data_ptr(),
+                         zeros.data_ptr(), group)
+        self._gemv = load_library().grid_gemv
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        M = x.shape[0]
+        y = torch.empty(M, self.out_features)
+        failed = self._gemv(*self._weights, x.data_ptr(), y.data_ptr(), M, self.out_features,
+                            self.in_features, torch.get_num_threads())
+        if failed:
+            raise MemoryError(f"grid_gemv: could not allocate its buffers for {M} rows")
+        return y

@@ -229,6 +229,27 @@ def test_quantlinear_on_the_cpu_runs_the_kernel_and_keeps_its_tensors(bits, rows
     assert all(torch.equal(after[name], t) for name, t in before.items())
 
 
+@pytest.mark.parametrize("replace", [False, True])
+def test_quantlinear_sees_its_tensors_changed_in_place_or_replaced(replace):
+    """The kernel's call is prepared once per set of tensors: new values copied in (a state dict
+    loaded, a `copy_`) or a buffer replaced must prepare it again. Control: the call prepared
+    before the change, run on the same x, misses the new weights."""
+    layer = _layer(_grid(4, 64, 512, 128, seed=2), 4)
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(3))
+    layer(x)
+    stale = layer._cpu_grid()
+    new = _grid(4, 64, 512, 128, seed=5)
+    for name in ("qweight", "qzeros", "scales"):
+        if replace:
+            setattr(layer, name, new[name].clone())
+        else:
+            getattr(layer, name).copy_(new[name])
+    exact = _exact(x, new, 4)
+    tolerance = 1e-5 * exact.abs().max().item()
+    assert (layer(x).double() - exact).abs().max().item() <= tolerance
+    assert (stale(x).double() - exact).abs().max().item() > 100 * tolerance
+
+
 def test_act_order_and_2_bit_layers_take_the_torch_path():
     layer = _layer(_grid(4, 32, 256, 128), 4)
     layer.g_idx.copy_(layer.g_idx.flip(0))

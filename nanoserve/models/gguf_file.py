@@ -54,10 +54,10 @@ from torch import nn
 from ..errors import CheckpointError
 from ..kernels.cpu_packed_gemv import (
     KERNEL_MAX_ROWS,
+    PreparedBlocks,
     cpu_gemv_problem,
     decoded_matmul,
     ggml_dequantize,
-    ggml_gemv,
 )
 from ..kernels.cpu_packed_gemv import KINDS as GEMV_TYPES
 from ..quant.ggml_blocks import BLOCK_TYPES, dequantize
@@ -139,6 +139,8 @@ class GGMLLinear(nn.Module):
         self.type_name, self.in_features, self.out_features = type_name, in_features, out_features
         self.register_buffer("packed", packed, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        # the C kernel's call, prepared once per `packed` tensor: (key, PreparedBlocks, packed)
+        self._cpu_plan: tuple | None = None
 
     def weight_float(self) -> torch.Tensor:
         """W [out, in] float32: decoded in C where the CPU kernel reads the type, else in torch
@@ -160,12 +162,22 @@ class GGMLLinear(nn.Module):
                 return y.reshape(*x.shape[:-1], self.out_features)
         if self._c_reads(rows):  # the blocks read by kernels/cpu_packed_gemv.c
             if rows.shape[0] <= GEMV_MAX_ROWS:  # a decode step: multiplied in place
-                y = ggml_gemv(rows, self.packed, self.type_name, self.out_features)
+                y = self._prepared()(rows.contiguous())
             else:  # a prefill, a large batch: decoded a slab at a time, BLAS GEMMs
                 y = decoded_matmul(rows, self._decode_rows, self.out_features)
             y = y if bias is None else y + bias
             return y.reshape(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight_float().to(x.dtype), bias)
+
+    def _prepared(self) -> PreparedBlocks:
+        """The kernel's call for `packed`, checked once per tensor (replaced or changed in place:
+        again), so that a decode step's forward pays for no checks."""
+        packed = self._buffers["packed"]
+        key = (id(packed), packed._version)
+        if self._cpu_plan is None or self._cpu_plan[0] != key:
+            call = PreparedBlocks(packed, self.type_name, self.in_features, self.out_features)
+            self._cpu_plan = (key, call, packed)  # `packed` referenced: its id stays its own
+        return self._cpu_plan[1]
 
     def _decode_rows(self, n0: int, n1: int) -> torch.Tensor:
         return ggml_dequantize(self.packed[n0:n1], self.type_name, n1 - n0, self.in_features)

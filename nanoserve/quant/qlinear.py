@@ -38,11 +38,10 @@ from ..errors import NanoserveError
 from ..kernels.cpu_packed_gemv import (
     GRID_BITS,
     KERNEL_MAX_ROWS,
-    check_grid,
+    PreparedGrid,
     cpu_gemv_problem,
     decoded_matmul,
     grid_dequantize,
-    grid_gemv_unchecked,
 )
 from .packing import GPTQ_BITS, dequantize_gptq, gptq_zeros, pack_gptq
 
@@ -77,15 +76,15 @@ class QuantLinear(nn.Module):
         # g_idx == k // group_size (no act-order); None: not looked yet
         self._sorted_groups: bool | None = None
         self.mma_layout = False  # qweight reordered for the kernel (`use_mma_layout`)
-        # the CPU kernel's float32 scales and zeros [N, G], keyed by the tensors they came from
-        self._cpu_floats: tuple | None = None
+        # the CPU kernel's call (float32 scales and zeros [G, N] derived), keyed by the tensors
+        self._cpu_plan: tuple | None = None  # (key, PreparedGrid or None, the tensors)
 
     def _load_from_state_dict(self, *args, **kwargs):
         if self.mma_layout:  # the file's GPTQ-order codes would be read in the other order
             raise NanoserveError("a QuantLinear whose codes are in the MMA layout cannot load a "
                                  "state dict: load before use_mma_layout")
         self._sorted_groups = None  # a new g_idx: look again
-        self._cpu_floats = None
+        self._cpu_plan = None
         super()._load_from_state_dict(*args, **kwargs)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -162,7 +161,7 @@ class QuantLinear(nn.Module):
             return y if self.bias is None else y + self.bias.to(x.dtype)
         grid = self._cpu_grid() if x.device.type == "cpu" else None
         if grid is not None:  # codes read in place (kernels/cpu_packed_gemv.c)
-            return self._forward_cpu_kernel(x, *grid)
+            return self._forward_cpu_kernel(x, grid)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantize(x.dtype), bias)
 
@@ -185,38 +184,49 @@ class QuantLinear(nn.Module):
         zeros = gptq_zeros(self.qzeros, self.bits)[:self.out_features]  # N, G
         return self.scales.float().contiguous(), zeros.t().float().contiguous()
 
-    def _cpu_grid(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """cpu_floats() when the CPU kernel serves this layer (checked as grid_gemv checks), else
-        None: worked out once per set of tensors (a new state dict, or new tensors, work it out
-        again), so that a decode step's forward pays for no checks."""
-        if self._cpu_floats is None or self._cpu_floats[0] != self._cpu_grid_key():
+    def _cpu_grid(self) -> PreparedGrid | None:
+        """The CPU kernel's call for this layer (its checks passed, `cpu_floats()` derived), or
+        None where the kernel does not serve it: worked out once per set of tensors — a tensor
+        replaced (`.to()`, a state dict assigned) or changed in place (a state dict copied in)
+        works it out again — so that a decode step's forward pays for no checks."""
+        key = self._cpu_grid_key()
+        if self._cpu_plan is None or self._cpu_plan[0] != key:
             grid = None
             if self.cpu_kernel_problem(self.qweight) is None:
-                grid = self.cpu_floats()
-                check_grid(self.qweight, *grid, self.bits, self.group_size, self.in_features)
-            self._cpu_floats = (self._cpu_grid_key(), grid)
-        return self._cpu_floats[1]
+                grid = PreparedGrid(self.qweight, *self.cpu_floats(), self.bits, self.group_size)
+            # the tensors stay referenced, so their ids in the key cannot be reused
+            self._cpu_plan = (key, grid, tuple(self._buffers.values()))
+        return self._cpu_plan[1]
 
     def _cpu_grid_key(self) -> tuple:
-        """What `_cpu_grid`'s answer depends on: the tensors, the codes' layout, the groups."""
-        return (self.qweight.data_ptr(), self.qzeros.data_ptr(), self.scales.data_ptr(),
-                self.g_idx.data_ptr(), self.mma_layout, self._sorted_groups)
+        """What `_cpu_grid`'s answer depends on: which tensors, their in-place versions, the
+        codes' layout, the groups (read from `_buffers` directly: a decode step asks 7 times a
+        layer)."""
+        key = [self.mma_layout, self._sorted_groups]
+        for name in ("qweight", "qzeros", "scales", "g_idx"):
+            t = self._buffers[name]
+            key += [id(t), t._version]
+        return tuple(key)
 
-    def _forward_cpu_kernel(self, x: torch.Tensor, scales: torch.Tensor,
-                            zeros: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).float().contiguous()  # M, K
+    def _forward_cpu_kernel(self, x: torch.Tensor, grid: PreparedGrid) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)  # M, K
+        if rows.dtype != torch.float32 or not rows.is_contiguous():
+            rows = rows.float().contiguous()
         if rows.shape[0] <= KERNEL_MAX_ROWS:  # a decode step: the codes read in place
-            y = grid_gemv_unchecked(rows, self.qweight, scales, zeros, self.bits,
-                                    self.group_size)  # M, N
+            y = grid(rows)  # M, N
         else:  # a prefill, a large batch: decoded in C a slab at a time, BLAS GEMMs
+            qweight, scales, zeros = grid.tensors
+
             def decode(n0: int, n1: int) -> torch.Tensor:
-                return grid_dequantize(self.qweight[:, n0:n1], scales[:, n0:n1].contiguous(),
+                return grid_dequantize(qweight[:, n0:n1], scales[:, n0:n1].contiguous(),
                                        zeros[:, n0:n1].contiguous(), self.bits, self.group_size)
 
             y = decoded_matmul(rows, decode, self.out_features)
         if self.bias is not None:
             y = y + self.bias.float()
-        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        if x.dtype != torch.float32:
+            y = y.to(x.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
 
     def to_linear(self) -> nn.Linear:
         lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
