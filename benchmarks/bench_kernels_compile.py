@@ -72,7 +72,8 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 HEAD_DIMS = (64, 128, 256)
 HKV, BS = 8, 16  # kv heads, page size
 # the kernels with a tl.dot
-DOT_KERNELS = ("flash_attention", "paged_decode", "dequant_gemm", "dequant_gemv", "w8a8")
+DOT_KERNELS = ("flash_attention", "paged_decode", "dequant_gemm", "dequant_gemv", "w8a8",
+               "lut_gemv")
 
 
 # ----------------------------------------------------------------------------- capture and compile
@@ -147,12 +148,14 @@ def describe(kwargs: dict) -> str:
 def _pool(dtype, D, kv="auto"):
     """A pool of 4 blocks, and the keyword arguments the kernels take for it: 8-bit codes with their
     scales when kv names a quantized kv_cache_dtype (nanoserve/kv/quant.py)."""
-    from nanoserve.kv.quant import FORMATS
+    from nanoserve.kv.quant import kv_quant
 
     if kv == "auto":
         return torch.zeros(4, BS, HKV, D, dtype=dtype), {}
-    scales = torch.zeros(4, BS, HKV, dtype=torch.float16)
-    return torch.zeros(4, BS, HKV, D, dtype=FORMATS[kv].storage), dict(
+    fmt = kv_quant(kv)
+    code_shape, scale_shape = fmt.pool_shapes((4, BS, HKV, D))  # int4: D/2 bytes, 2·D/64 scales
+    scales = torch.zeros(scale_shape, dtype=torch.float16)
+    return torch.zeros(code_shape, dtype=fmt.storage), dict(
         k_scale=scales, v_scale=scales, kv_cache_dtype=kv
     )
 
@@ -297,6 +300,14 @@ def _lora(dtype):
               torch.zeros(N, dtype=torch.int32), torch.zeros(N, K, dtype=dtype))
 
 
+def _lut_gemv(dtype, M):
+    from nanoserve.kernels.lut_gemv import lut_gemv
+
+    N, K = 4096, 4096  # a 4096-wide layer clustered at 4 bits: 16 centroids per output row
+    lut_gemv(torch.zeros(M, K, dtype=dtype), torch.zeros(N, K, dtype=torch.uint8),
+             torch.zeros(N, 16, dtype=torch.float16))
+
+
 # (kernel, split_k, grouped, M, MMA layout) of the W4A16 rows
 DEQUANT_ROWS = (("gemm", 1, True, 32, False), ("gemm", 1, False, 32, False),
                 ("gemv", 1, True, 1, False), ("gemv", 4, True, 1, False),
@@ -349,6 +360,15 @@ def matrix(archs=ARCHS) -> list[tuple[dict, tuple | None]]:
                     if D == 128 and dt != "fp32":
                         rows.append((dict(row, case="store_kv", gqa=None, variant=f"{kv} KV"),
                                      (_store_kv, dtype, D, kv)))
+                # int4 KV pools: two codes a byte, a scale and a minimum per 64 values
+                if dt != "fp32" and D in (64, 128):
+                    rows += [(dict(row, case="flash", variant="int4 KV"),
+                              (_flash, dtype, D, 4, None, "int4")),
+                             (dict(row, case="decode", variant="int4 KV"),
+                              (_decode, dtype, D, 4, 1, None, "int4"))]
+                    if D == 128:
+                        rows.append((dict(row, case="store_kv", gqa=None, variant="int4 KV"),
+                                     (_store_kv, dtype, D, "int4")))
                 # speculative verification of a token tree: bits per query
                 if D == 128 and dt != "fp32":
                     tree = dict(tree_bits=torch.full((4,), -1, dtype=torch.int64))
@@ -369,6 +389,9 @@ def matrix(archs=ARCHS) -> list[tuple[dict, tuple | None]]:
                 rows.append((dict(arch=arch, dtype=dt, head_dim=None, gqa=None, case="lora_bgmv",
                                   variant="r 16"),
                              (_lora, dtype)))  # many LoRA adapters in a batch: shrink, then expand
+                # a clustered weight's look-up GEMV: multiply-adds at M = 1, tl.dot at M = 16
+                rows += [(dict(arch=arch, dtype=dt, head_dim=None, gqa=None, case="lut_gemv",
+                               variant=f"M {M} b4"), (_lut_gemv, dtype, M)) for M in (1, 16)]
             # RMSNorm as one kernel (the triton path's norms): Llama's and Gemma's conventions
             for n, unit_offset in ((2048, False), (3072, True)):
                 variant = f"{n}" + (" gemma" if unit_offset else "")
@@ -420,13 +443,15 @@ def _compile_job(i: int) -> dict:
                     reason=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}")
 
 
-def run(jobs: int = 2, archs=ARCHS, cases: tuple[str, ...] = ()) -> dict:
+def run(jobs: int = 2, archs=ARCHS, cases: tuple[str, ...] = (), variant: str = "") -> dict:
     """Compile the matrix's rows for `archs`; `cases`: only the rows of these cases (e.g.
-    "ggml_gemv"), none of them: every row."""
+    "ggml_gemv"), none of them: every row; `variant`: only rows whose variant contains it."""
     start = time.perf_counter()
     entries, _JOBS[:] = [], []  # entries: a finished row, or the index of its compile job
     for row, launch in matrix(archs):
         if cases and row["case"] not in cases:
+            continue
+        if variant and variant not in row.get("variant", ""):
             continue
         if launch is None:
             entries.append(row)
@@ -483,7 +508,14 @@ def _table_row(r: dict) -> configs.Launch | None:
         kind = "gemm_mma"
     with pretend_gpu(r["arch"]):
         return configs.pick(kind, "cuda", DTYPES[r["dtype"]], r["head_dim"] or 0,
-                            kv8=r["variant"].endswith(" KV"))
+                            kv_bits=_kv_bits(r["variant"]))
+
+
+def _kv_bits(variant: str) -> int:
+    """The bits of a row's KV codes, from its variant ("int8 KV", "int4 KV"; 0: not a KV pool)."""
+    if not variant.endswith(" KV"):
+        return 0
+    return 4 if variant.startswith("int4") else 8
 
 
 def failures(result: dict) -> list[dict]:
@@ -528,9 +560,11 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", default="",
                         help="only these cases, e.g. ggml_gemv,ggml_gemm (default: all; the "
                              "committed table is the full run)")
+    parser.add_argument("--variant", default="",
+                        help="only rows whose variant contains this, e.g. 'int4 KV'")
     args = parser.parse_args(argv)
     cases = tuple(c for c in args.cases.split(",") if c)
-    result = run(args.jobs, tuple(int(a) for a in args.archs.split(",")), cases)
+    result = run(args.jobs, tuple(int(a) for a in args.archs.split(",")), cases, args.variant)
     Path(args.out).write_text(dumps(result))
     print(table(result))
     bad = failures(result)

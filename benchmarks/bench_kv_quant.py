@@ -1,4 +1,4 @@
-"""KV-cache quantization: what int8 / FP8 blocks cost in quality, and what they buy in capacity.
+"""KV-cache quantization: what int8 / FP8 / int4 blocks cost in quality and buy in capacity.
 
     python benchmarks/bench_kv_quant.py                  # demo and (with ../shared) stories260K
     python benchmarks/bench_kv_quant.py --quick --out X  # tiny (tested)
@@ -14,6 +14,10 @@ full-context bf16 sequences) for every mode; 128 requests at once, prompts U[8, 
 64] (seed 0, EOS ignored); KV blocks in the pool, running sequences while requests still queue (the
 pool-bound phase: this is the capacity), peak and mean over the whole run (the mean includes the
 drain at the end, a larger share of a faster run), output tok/s.
+int4's design (the demo, same windows): the shipped format (asymmetric, a scale and a minimum per 64
+values) against symmetric groups of 32 and 64 (`SymmetricInt4` below, a scale per group, codes ±7),
+all at ≤ 4.5 bits a value: NLL change and the relative RMS error of real K/V (one Shakespeare
+window's keys and values, every layer).
 JSON in benchmarks/kv_quant_cpu.json.
 """
 
@@ -30,7 +34,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SHARED = HERE.parents[1] / "shared"
-MODES = ["auto", "int8", "fp8_e4m3", "fp8_e5m2"]
+MODES = ["auto", "int8", "fp8_e4m3", "fp8_e5m2", "int4"]
 FULL = dict(windows=40, prompts=16, new=64, requests=128)
 QUICK = dict(windows=2, prompts=2, new=8, requests=8)
 
@@ -79,6 +83,69 @@ def quality(model: str, p: dict) -> dict:
         res[mode] = row
     for row in res.values():
         row["nll_change"] = row["nll"] / res["auto"]["nll"] - 1
+    return res
+
+
+def symmetric_int4(group_size: int):
+    """The design alternative to the shipped int4: one fp16 scale max|x| / 7 per group, codes ±7
+    stored + 8 (the pool's layout otherwise the same: kv/quant.py's pack_nibbles)."""
+    from dataclasses import dataclass
+
+    import torch
+
+    from nanoserve.kv import quant
+
+    @dataclass(frozen=True)
+    class SymmetricInt4(quant.KVQuantInt4):
+        def pool_shapes(self, shape):
+            D = shape[-1]
+            return (*shape[:-1], D // 2), (*shape[:-1], D // self.group(D))
+
+        def quantize(self, x):
+            G = self.group(x.shape[-1])
+            groups = x.float().unflatten(-1, (-1, G))  # ..., D/G, G
+            scale = (groups.abs().amax(-1) / 7).clamp(min=quant.MIN_SCALE).half()  # ..., D/G
+            codes = (groups / scale.float()[..., None]).round().clamp(-7, 7) + 8
+            return quant.pack_nibbles(codes.to(torch.uint8).flatten(-2)), scale
+
+        def dequantize(self, q, scale, dtype, out=None):
+            codes = quant.unpack_nibbles(q).unflatten(-1, (scale.shape[-1], -1)).to(dtype) - 8
+            deq = (codes * scale.to(dtype)[..., None]).flatten(-2)
+            return deq if out is None else out.copy_(deq)
+
+    return SymmetricInt4("int4", group_size)
+
+
+def int4_designs(p: dict) -> dict:
+    """NLL change and K/V relative RMS error of int4 variants on the demo (torch backend: the
+    variant replaces kv/quant.py's INT4 for the run)."""
+    import torch
+
+    from nanoserve import LLM, SamplingParams
+    from nanoserve.kv import quant
+
+    shipped = quant.INT4
+    designs = {"asymmetric g64 (shipped)": shipped, "symmetric g32": symmetric_int4(32),
+               "symmetric g64": symmetric_int4(64)}
+    windows, res = texts("demo", p), {}
+    base = LLM("demo", dtype="float32", kv_cache_dtype="auto", max_num_batched_tokens=16)
+    ref = nll(base, windows, 128)
+    ids = base.encode_prompt(windows[0])
+    base.generate([ids], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    kv = base.engine.runner.kv  # a fresh engine's first sequence: blocks 0, 1, ... in order
+    try:
+        for name, fmt in designs.items():
+            quant.INT4 = fmt
+            llm = LLM("demo", dtype="float32", kv_cache_dtype="int4", max_num_batched_tokens=16)
+            row = dict(bits_per_value=8 * quant.kv_element_bytes("int4", 64),
+                       nll_change=nll(llm, windows, 128) / ref - 1)
+            for which, pool in (("k", kv.k), ("v", kv.v)):
+                x = pool.flatten(1, 2)[:, :len(ids)]  # L, T, Hkv, D
+                err = fmt.dequantize(*fmt.quantize(x), torch.float32) - x
+                row[f"{which}_rel_rms_error"] = (err.norm() / x.norm()).item()
+            res[name] = row
+    finally:
+        quant.INT4 = shipped
     return res
 
 
@@ -152,6 +219,12 @@ def main(argv=None) -> dict:
         for mode, row in q.items():
             print(f"{name:12} {mode:15} {row['nll']:>10.4f} {row['nll_change']:>+8.2%} "
                   f"{row['greedy_agreement']:>17.1%}")
+    res["int4_designs"] = designs = int4_designs(p)
+    print(f"\n{'int4 design (demo)':26} {'bits/value':>10} {'NLL vs fp32':>12} {'K rel err':>10} "
+          f"{'V rel err':>10}")
+    for name, row in designs.items():
+        print(f"{name:26} {row['bits_per_value']:>10.2f} {row['nll_change']:>+12.3%} "
+              f"{row['k_rel_rms_error']:>10.4f} {row['v_rel_rms_error']:>10.4f}")
     res["capacity"] = cap = capacity(p)
     print(f"\n{'kv_cache_dtype':15} {'KV blocks':>10} {'running while queued':>21} "
           f"{'peak running':>13} {'mean running':>13} {'tok/s':>8}")

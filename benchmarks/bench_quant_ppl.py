@@ -41,7 +41,10 @@ MODELS = {
                     SHARED / "corpora/tinystories/tinystories_val_sample.txt", 0.5, 40_000,
                     [(4, 32), (4, 64), (3, -1)]),
 }
-METHODS = [("rtn", {}), ("gptq", {}), ("gptq-ao", {"act_order": True}), ("awq", {})]
+# gptq-ao-static: act-order with every group's grid fixed from the original weights and groups
+# k // group_size (llmcompressor's default, actorder="static")
+METHODS = [("rtn", {}), ("gptq", {}), ("gptq-ao", {"act_order": True}),
+           ("gptq-ao-static", {"act_order": True, "static_groups": True}), ("awq", {})]
 
 
 def _nll(path, tok, eval_text, max_tokens, calib, **kw) -> tuple[float, float, list[str]]:
@@ -54,7 +57,7 @@ def _nll(path, tok, eval_text, max_tokens, calib, **kw) -> tuple[float, float, l
     return r.nll_sum / r.n_tokens, seconds, fallback
 
 
-def run(name: str, nsamples: int, seqlen: int, seeds: int) -> dict:
+def run(name: str, nsamples: int, seqlen: int, seeds: int, methods: list[str]) -> dict:
     path, corpus, split, max_tokens, settings = MODELS[name]
     text = corpus.read_text()
     calib_text, eval_text = text[: int(len(text) * split)], text[int(len(text) * split):]
@@ -70,6 +73,8 @@ def run(name: str, nsamples: int, seqlen: int, seeds: int) -> dict:
     for bits, group in settings:
         tag = f"w{bits}-g{group}" if group != -1 else f"w{bits}-row"
         for label, extra in METHODS:
+            if label not in methods:
+                continue
             kw = dict(method=label.split("-")[0], bits=bits, group_size=group, **extra)
             runs = [_nll(path, tok, eval_text, max_tokens, c,
                          **kw) for c in (calibs[:1] if label == "rtn" else calibs)]
@@ -109,6 +114,9 @@ def main() -> None:
     ap.add_argument("--seqlen", type=int, default=128)
     ap.add_argument("--seeds", type=int, default=5, help="calibration draws per GPTQ / AWQ setting")
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    labels = [label for label, _ in METHODS]
+    ap.add_argument("--methods", nargs="+", default=labels, choices=labels,
+                    help="rows to run (fp32 and int8 always run; 'gap closed' needs rtn)")
     ap.add_argument("--out")
     ap.add_argument("--table", metavar="JSON",
                     help="only print the table of a saved run (summaries recomputed)")
@@ -128,7 +136,8 @@ def main() -> None:
             f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}"
             for k, v in vars(args).items() if v
         ),
-        "results": [run(m, args.nsamples, args.seqlen, args.seeds) for m in args.models],
+        "results": [run(m, args.nsamples, args.seqlen, args.seeds,
+                        args.methods) for m in args.models],
     }
     print_table(out)
     if args.out:

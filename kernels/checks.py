@@ -119,10 +119,18 @@ def check_block_ids(block_tables, lens, block_size: int, num_blocks: int) -> Non
                          "context_lens")
 
 
+def pool_head_dim(k_cache, kv_cache_dtype="auto") -> int:
+    """head_dim of a pool [num_blocks, block_size, Hkv, D]: its last dim, or twice it for int4 (two
+    codes a byte)."""
+    return k_cache.shape[-1] * (2 if kv_cache_dtype == "int4" else 1)
+
+
 def check_pools(k_cache, v_cache, k_scale=None, v_scale=None, kv_cache_dtype="auto") -> int:
-    """The pools [num_blocks, block_size, Hkv, D], in the model's dtype or 8-bit with their scales;
+    """The pools [num_blocks, block_size, Hkv, D], in the model's dtype or 8-bit with their scales
+    [num_blocks, block_size, Hkv] (int4: [.., Hkv, D / 2] bytes, scales [.., Hkv, 2 · D / group]);
     the kernels' KV_QUANT (kernels/kv_quant.py)."""
-    from .kv_quant import FORMATS, kv_quant_code
+    from ..kv.quant import kv_quant
+    from .kv_quant import kv_quant_code
 
     quant = kv_quant_code(kv_cache_dtype)
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
@@ -138,20 +146,23 @@ def check_pools(k_cache, v_cache, k_scale=None, v_scale=None, kv_cache_dtype="au
             raise ValueError("k_scale, v_scale belong to a quantized pool: pass kv_cache_dtype "
                              "(int8, fp8_e4m3, fp8_e5m2)")
         return quant
-    storage = FORMATS[kv_cache_dtype].storage
-    if k_cache.dtype != storage or v_cache.dtype != storage:
-        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} pools hold {storage}, got "
+    fmt = kv_quant(kv_cache_dtype)
+    if k_cache.dtype != fmt.storage or v_cache.dtype != fmt.storage:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} pools hold {fmt.storage}, got "
                          f"{k_cache.dtype} and {v_cache.dtype}")
+    D = pool_head_dim(k_cache, kv_cache_dtype)
+    scale_shape = fmt.pool_shapes((*k_cache.shape[:3], D))[1]
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
         if (
             s is None
-            or s.shape != k_cache.shape[:3]
+            or s.shape != scale_shape
             or s.dtype != torch.float16
             or not s.is_contiguous()
         ):
             raise ValueError(f"{name} must be a contiguous float16 "
-                             f"[{', '.join(map(str, k_cache.shape[:3]))}] (one scale per slot and "
-                             f"kv head), got {None if s is None else (s.dtype, tuple(s.shape))}")
+                             f"[{', '.join(map(str, scale_shape))}] (one scale per slot and "
+                             f"kv head; int4: a scale and a minimum per group), got "
+                             f"{None if s is None else (s.dtype, tuple(s.shape))}")
         if s.device != k_cache.device:
             raise ValueError(f"{name} is on {s.device}, the pools on {k_cache.device}")
     return quant
@@ -187,7 +198,8 @@ def check_paged_attention(q, k_cache, v_cache, block_tables, context_lens, num_s
                           k_scale=None, v_scale=None, kv_cache_dtype="auto") -> int:
     """Raise ValueError on inconsistent inputs; return the kernels' KV_QUANT."""
     quant = check_pools(k_cache, v_cache, k_scale, v_scale, kv_cache_dtype)
-    nb, bs, Hkv, D = k_cache.shape
+    nb, bs, Hkv = k_cache.shape[:3]
+    D = pool_head_dim(k_cache, kv_cache_dtype)
     if q.dim() != 3 or q.shape[2] != D:
         raise ValueError(f"q must be [B, H, {D}] (head_dim of the pools), got {tuple(q.shape)}")
     B, H, _ = q.shape
@@ -289,8 +301,10 @@ def _check_flash_prefix(q, k, B, block_tables, k_cache, v_cache, context_lens, k
     if any(t is None for t in paged):
         raise ValueError("a paged prefix needs all of block_tables, k_cache, v_cache and "
                          "context_lens")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[2:] != (Hkv, D):
-        raise ValueError(f"k_cache/v_cache must both be [num_blocks, block_size, {Hkv}, {D}]; got "
+    stored = D // 2 if kv_cache_dtype == "int4" else D  # int4: two codes a byte
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[2:] != (Hkv, stored):
+        raise ValueError(f"k_cache/v_cache must both be [num_blocks, block_size, {Hkv}, {stored}]; "
+                         "got "
                          f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
     if not check_pools(k_cache, v_cache, k_scale, v_scale,
                        kv_cache_dtype) and k_cache.dtype != q.dtype:

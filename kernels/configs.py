@@ -126,6 +126,18 @@ KV8 = {
     ("decode", 0, 2, 128): Launch((32,), 8, 2, smem_kb=14),
     ("decode", 0, 2, 256): Launch((16,), 8, 2, smem_kb=17),
 }
+# int4 KV pools (two codes a byte, a scale and a minimum per 64 values): the 8-bit rows' tiles,
+# their shared memory as int4 measures it (more scale loads), and half the keys a decode tile at
+# head_dim 64, where the plain (64,) w4 spills 92-248 B
+KV4 = {
+    ("flash", 80, 2, 64): Launch((128, 32), 8, 2, smem_kb=40),
+    ("flash", 80, 2, 128): Launch((64, 32), 4, 2, smem_kb=48),
+    ("flash", 90, 2, 128): Launch((128, 32), 8, 2, smem_kb=64),  # (128, 64): 24 B of spills
+    ("decode", 0, 2, 64): Launch((32,), 8, 2, smem_kb=10),
+    ("decode", 0, 2, 128): Launch((32,), 8, 2, smem_kb=20),
+}
+# the rows of a quantized KV pool's attention, by the bits of its codes
+KV_ROWS = {8: KV8, 4: KV4}
 # (kernel, family, bytes per element; 0 = any) -> Launch
 DEQUANT = {
     ("gemm", 75, 0): Launch((64, 64, 32), 4, 3, upcast=True, smem_kb=16),
@@ -224,10 +236,11 @@ def attention_problem(arch: int | None, dtype: torch.dtype, head_dim: int) -> st
 
 
 def pick(kernel: str, device: torch.device | str, dtype: torch.dtype, head_dim: int = 0,
-         kv8: bool = False) -> Launch:
+         kv_bits: int = 0) -> Launch:
     """The launch of `kernel` ("flash", "decode", "gemm", "gemv", "gemv_gather", "gemv_mma",
     "gemv_mma_fma", "dequantize", "w8a8", "ggml_gemv", "ggml_gemm") on
-    `device`; kv8: attention over an 8-bit KV pool (the KV8 rows, where there is one).
+    `device`; kv_bits: attention over a quantized KV pool of 8- or 4-bit codes (the KV8 or KV4
+    rows, where there is one; 0: K/V in the model's dtype).
 
     ValueError where the kernel cannot run there (attention on sm_75, a row over the GPU's shared
     memory)."""
@@ -239,8 +252,9 @@ def pick(kernel: str, device: torch.device | str, dtype: torch.dtype, head_dim: 
         if problem:
             raise ValueError(problem)
         fam, D = (family(arch) if kernel == "flash" else 0), padded_head_dim(head_dim)
-        if kv8 and (kernel, fam, dtype.itemsize, D) in KV8:
-            return KV8[(kernel, fam, dtype.itemsize, D)]
+        rows = KV_ROWS.get(kv_bits, {})
+        if (kernel, fam, dtype.itemsize, D) in rows:
+            return rows[(kernel, fam, dtype.itemsize, D)]
         return _flash(arch, dtype, head_dim) if kernel == "flash" else _decode(dtype, head_dim)
     fam = 75 if arch < 80 else 80  # the W4A16 rows: sm_90 takes the sm_80 ones
     launch = DEQUANT.get((kernel, fam, 0)) or DEQUANT[(kernel, fam, dtype.itemsize)]

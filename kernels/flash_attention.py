@@ -42,8 +42,8 @@ offset t % block_size: nanoserve/kv/cache.py), then its Lk new keys at positions
 Two loops over key tiles share one online softmax: the prefix, each key row gathered through the
 block table, then the new keys. Masked loads never touch a slot past P, so whatever sits in unused
 blocks (the tests fill them with NaN) cannot leak in. A quantized pool (8-bit codes with one scale
-per token and kv head, nanoserve/kv/quant.py) is dequantized tile by tile in registers
-(kv_quant.py).
+per token and kv head, or int4 codes two a byte with a scale and a minimum per QGROUP values:
+nanoserve/kv/quant.py) is dequantized tile by tile in registers (kv_quant.py).
 
 **GQA.** H query heads share Hkv kv heads: query head h reads kv head h // (H // Hkv).
 
@@ -68,7 +68,14 @@ import triton.language as tl
 
 from .checks import check_flash_attention, check_softcap, check_tiles, check_tree_bits, check_window
 from .configs import pick
-from .kv_quant import kv_quant_code, load_kv_tile
+from .kv_quant import (
+    code_column,
+    group_size,
+    kv_bits,
+    kv_quant_code,
+    load_kv_tile,
+    scale_index,
+)
 from .online_softmax import online_softmax_step
 
 
@@ -87,7 +94,7 @@ def _flash_attention_kernel(
     qk_scale, H, group, head_dim, page_size, window,
     SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr, HAS_PREFIX: tl.constexpr, UPCAST: tl.constexpr,
     KV_QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, TREE: tl.constexpr,
+    EVEN_D: tl.constexpr, TREE: tl.constexpr, QGROUP: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M
     b = tl.program_id(1) // H
@@ -133,6 +140,8 @@ def _flash_attention_kernel(
         # the tile's last query sees prefix keys up to position P + Lk - Lq + start_m + BLOCK_M - 1
         if CAUSAL:
             p_hi = tl.minimum(P, P + Lk - Lq + start_m + BLOCK_M)
+        cols = code_column(offs_d, KV_QUANT)  # BLOCK_D   each value's code (int4: byte d // 2)
+        n_groups = head_dim // QGROUP  # int4: scales per token and head
         for start_n in range(first, p_hi, BLOCK_N):
             t = start_n + offs_n  # BLOCK_N     token index = position within the prefix
             n_ok = t < P  # BLOCK_N
@@ -143,13 +152,16 @@ def _flash_attention_kernel(
             # BLOCK_N   a quantized pool's scales
             scale_at = (blk * page_size + off) * (H // group) + kvh
             k_at = (K_cache + blk[None, :] * stride_kcb + off[None, :] * stride_kcs
-                    + kvh * stride_kch + offs_d[:, None] * stride_kcd)  # BLOCK_D, BLOCK_N
-            kT = load_kv_tile(k_at, d_ok[:, None] & n_ok[None, :],
-                              K_scale + scale_at[None, :], n_ok[None, :], KV_QUANT, q.dtype)
+                    + kvh * stride_kch + cols[:, None] * stride_kcd)  # BLOCK_D, BLOCK_N
+            # 1, BLOCK_N (int4: BLOCK_D, BLOCK_N, each value's group's scale)
+            k_s = scale_index(scale_at[None, :], offs_d[:, None], n_groups, KV_QUANT, QGROUP)
+            kT = load_kv_tile(k_at, d_ok[:, None] & n_ok[None, :], K_scale + k_s, n_ok[None, :],
+                              offs_d[:, None], KV_QUANT, q.dtype)
             v_at = (V_cache + blk[:, None] * stride_vcb + off[:, None] * stride_vcs
-                    + kvh * stride_vch + offs_d[None, :] * stride_vcd)  # BLOCK_N, BLOCK_D
-            v = load_kv_tile(v_at, n_ok[:, None] & d_ok[None, :],
-                             V_scale + scale_at[:, None], n_ok[:, None], KV_QUANT, q.dtype)
+                    + kvh * stride_vch + cols[None, :] * stride_vcd)  # BLOCK_N, BLOCK_D
+            v_s = scale_index(scale_at[:, None], offs_d[None, :], n_groups, KV_QUANT, QGROUP)
+            v = load_kv_tile(v_at, n_ok[:, None] & d_ok[None, :], V_scale + v_s, n_ok[:, None],
+                             offs_d[None, :], KV_QUANT, q.dtype)
             valid = n_ok[None, :] & m_ok[:, None]  # BLOCK_M, BLOCK_N
             # bites where queries sit inside the prefix: Lq > Lk, or all keys paged (Lk = 0)
             if CAUSAL:
@@ -233,10 +245,11 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     longest query sequence, or any bound above it, known on the host (sizes the grid; None reads it
     from cu_seqlens_q, a host sync on a GPU). window: a sliding window (with causal), each query
     sees its `window` newest keys only (None: all). softcap: scores x -> softcap·tanh(x / softcap)
-    (None: off). kv_cache_dtype "int8" / "fp8_e4m3" / "fp8_e5m2": the prefix pools hold 8-bit codes
-    and k_scale, v_scale [num_blocks, block_size, Hkv] their fp16 scales (nanoserve/kv/quant.py),
-    dequantized as they are read. tree_bits [total_q] (int64, with causal): bit j of a query's entry
-    set = it sees new key j of its sequence.
+    (None: off). kv_cache_dtype "int8" / "fp8_e4m3" / "fp8_e5m2": the prefix pools hold 8-bit
+    codes and k_scale, v_scale [num_blocks, block_size, Hkv] their fp16 scales
+    (nanoserve/kv/quant.py), dequantized as they are read; "int4": codes two a byte [.., Hkv, D
+    / 2], scales [.., Hkv, 2 · D / group] (a scale and a minimum per group). tree_bits [total_q]
+    (int64, with causal): bit j of a query's entry set = it sees new key j of its sequence.
     """
     window, softcap = check_window(window, causal), check_softcap(softcap)
     check_tree_bits(tree_bits, q, causal)
@@ -247,7 +260,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     total_q, H, D = q.shape
     Hkv = k.shape[1]
     B = cu_seqlens_q.numel() - 1
-    launch = pick("flash", q.device, q.dtype, D, kv8=bool(quant))
+    launch = pick("flash", q.device, q.dtype, D, kv_bits=kv_bits(kv_cache_dtype))
     block_m, block_n = block_m or launch.tiles[0], block_n or launch.tiles[1]
     check_tiles(launch.gpu, block_m=block_m, block_n=block_n)
     out = torch.empty_like(q)  # total_q, H, D
@@ -286,6 +299,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         KV_QUANT=quant,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
         EVEN_D=D == max(16, triton.next_power_of_2(D)), TREE=tree_bits is not None,
+        QGROUP=group_size(kv_cache_dtype, D),
         **launch.options(),
     )
     return out

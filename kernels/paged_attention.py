@@ -32,8 +32,10 @@ is the answer, written to `out`.
 
 **Quantized pools** (`kv_cache_dtype` int8 / fp8_e4m3 / fp8_e5m2, nanoserve/kv/quant.py): K and V
 hold 8-bit codes, `k_scale`/`v_scale` [num_blocks, block_size, Hkv] one fp16 scale per token and kv
-head. Each tile is dequantized in registers as it is loaded (kernels/kv_quant.py: codes · scale, in
-q's dtype); no full-precision copy of the cache exists anywhere.
+head; int4: two codes a byte ([.., Hkv, D / 2]) and a scale and a minimum per group of QGROUP
+values ([.., Hkv, 2 · D / QGROUP]). Each tile is dequantized in registers as it is loaded
+(kernels/kv_quant.py: codes · scale, in q's dtype); no full-precision copy of the cache exists
+anywhere.
 
 **Precision.** On a GPU, q·kᵀ and p·v run in the input dtype on tensor cores with fp32
 accumulation (p is rounded to fp16/bf16 for the second product, as in FlashAttention), and fp32
@@ -54,7 +56,7 @@ import triton.language as tl
 
 from .checks import check_paged_attention, check_softcap, check_window
 from .configs import pick
-from .kv_quant import load_kv_tile
+from .kv_quant import code_column, group_size, kv_bits, load_kv_tile, scale_index
 from .online_softmax import online_softmax_step
 from .split_kv import choose_num_splits, merge_splits
 
@@ -92,6 +94,7 @@ def _paged_decode_kernel(
     qk_scale, head_dim, n_kv_heads, window,
     SOFTCAP: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
     D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, KV_QUANT: tl.constexpr,
+    QGROUP: tl.constexpr,
 ):
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(context_lens + b).to(tl.int32)
@@ -109,6 +112,8 @@ def _paged_decode_kernel(
     heads = kvh * GROUP + offs_g  # G_PAD   the query heads of this kv head's group
     row_mask = offs_g < GROUP
     d_mask = offs_d < head_dim
+    cols = code_column(offs_d, KV_QUANT)  # D_PAD   where each value's code sits (int4: d // 2)
+    n_groups = head_dim // QGROUP  # int4: scales per token and head (QGROUP values each)
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # G_PAD, D_PAD
     if UPCAST:  # the interpreter cannot do bf16 arithmetic
@@ -127,14 +132,16 @@ def _paged_decode_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         # BLOCK_N   a quantized pool's scale of each key
         scale_at = (blk * BLOCK_SIZE + off) * n_kv_heads + kvh
+        # BLOCK_N, 1 (int4: BLOCK_N, D_PAD, each value's group's scale)
+        scale_at = scale_index(scale_at[:, None], offs_d[None, :], n_groups, KV_QUANT, QGROUP)
         k_at = (K_cache + blk[:, None] * stride_kcb + off[:, None] * stride_kcs
-                + kvh * stride_kch + offs_d[None, :])  # BLOCK_N, D_PAD
-        k = load_kv_tile(k_at, kv_mask, K_scale + scale_at[:, None], n_mask[:, None], KV_QUANT,
-                         q.dtype)  # BLOCK_N, D_PAD
+                + kvh * stride_kch + cols[None, :])  # BLOCK_N, D_PAD
+        k = load_kv_tile(k_at, kv_mask, K_scale + scale_at, n_mask[:, None], offs_d[None, :],
+                         KV_QUANT, q.dtype)  # BLOCK_N, D_PAD
         v_at = (V_cache + blk[:, None] * stride_vcb + off[:, None] * stride_vcs
-                + kvh * stride_vch + offs_d[None, :])  # BLOCK_N, D_PAD
-        v = load_kv_tile(v_at, kv_mask, V_scale + scale_at[:, None], n_mask[:, None], KV_QUANT,
-                         q.dtype)  # BLOCK_N, D_PAD
+                + kvh * stride_vch + cols[None, :])  # BLOCK_N, D_PAD
+        v = load_kv_tile(v_at, kv_mask, V_scale + scale_at, n_mask[:, None], offs_d[None, :],
+                         KV_QUANT, q.dtype)  # BLOCK_N, D_PAD
         # the step FlashAttention takes (online_softmax.py), over the G_PAD query heads of the
         # group: scores scaled by scale · log2 e in fp32, keys past the context masked
         m, l, acc = online_softmax_step(q, tl.trans(k), v, n_mask[None, :], m, l, acc, qk_scale,
@@ -172,7 +179,7 @@ def paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, sm_sc
                          "in head_dim")
     B, H, D = q.shape
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
-    launch = pick("decode", q.device, q.dtype, D, kv8=bool(quant))
+    launch = pick("decode", q.device, q.dtype, D, kv_bits=kv_bits(kv_cache_dtype))
     q, block_tables, context_lens = (
         q.contiguous(), block_tables.contiguous(), context_lens.contiguous(),
     )
@@ -195,7 +202,7 @@ def paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, sm_sc
         SOFTCAP=softcap, BLOCK_SIZE=bs, GROUP=H // Hkv,
         G_PAD=max(16, triton.next_power_of_2(H // Hkv)),
         D_PAD=max(16, triton.next_power_of_2(D)), BLOCK_N=launch.tiles[0], UPCAST=launch.upcast,
-        KV_QUANT=quant,
+        KV_QUANT=quant, QGROUP=group_size(kv_cache_dtype, D),
         **launch.options(),
     )
     return part, lse
@@ -218,7 +225,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, sm_scale=No
     softcap·tanh(x / softcap) before the softmax (None: off). kv_cache_dtype "int8" / "fp8_e4m3" /
     "fp8_e5m2": the pools hold 8-bit codes (int8, or FP8 bits in uint8) and k_scale, v_scale
     [num_blocks, block_size, Hkv] their fp16 scales (nanoserve/kv/quant.py), dequantized as they are
-    read.
+    read; "int4": pools [num_blocks, block_size, Hkv, D / 2] of packed codes and scales
+    [num_blocks, block_size, Hkv, 2 · D / group] (a scale and a minimum per group).
     """
     kv = dict(k_scale=k_scale, v_scale=v_scale, kv_cache_dtype=kv_cache_dtype)
     if num_splits is None:

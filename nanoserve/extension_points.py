@@ -36,9 +36,14 @@ before anything else can make an engine.
                                                       (Triton and C kernels; each view builds its
                                                       own metadata)
     kv_quant            kv/quant.py                   kv_quant, kv_element_bytes: PagedKVCache,
-                                                      K/V stored in 8 bits
+                                                      K/V stored in 8 or 4 bits
     gguf                models/gguf_file.py           read_gguf: the loader, for a GGUF file
                                                       (config, float tensors, packed linears)
+    kv_eviction         engine/kv_eviction.py         check_request, KVEvictionHook: LLMEngine
+                                                      (a request's KV eviction policy; the hook
+                                                      picks the blocks each step gives back)
+    sparsity            sparsity/checkpoint.py        check_sparse_model: the loader, for a
+                                                      pruned checkpoint (its 2:4 claim checked)
 
 An extension point that nothing registered is an error that names it.
 """
@@ -51,7 +56,7 @@ from .errors import ConfigError
 
 POINTS = ("quantization", "parallel", "lora", "speculative", "token_trees", "structured_outputs",
           "async_scheduling", "cuda_graphs", "triton_layers", "cpu_runtime", "attention_backends",
-          "kv_quant", "gguf")
+          "kv_quant", "gguf", "sparsity", "kv_eviction")
 
 _registry: dict[str, ModuleType | SimpleNamespace] = {}
 

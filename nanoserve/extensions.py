@@ -8,13 +8,14 @@ engine made after that finds its extensions. A new extension registers itself he
 from types import SimpleNamespace
 
 from . import lora
-from .engine import async_step, cpu_allocator, cuda_graph, structured_output
+from .engine import async_step, cpu_allocator, cuda_graph, kv_eviction, structured_output
 from .extension_points import register
 from .kv import in_place
 from .kv import quant as kv_quant
 from .models import gguf_file, onednn, triton_layers
 from .parallel import workers
 from .quant import load, online
+from .sparsity import checkpoint as sparse_checkpoint
 from .spec import spec_decode, tree_sampler
 
 register("quantization", SimpleNamespace(  # quantized checkpoints; 8-bit linears made as one loads
@@ -34,3 +35,5 @@ register("triton_layers", triton_layers)  # fused Llama layers: one kernel where
 register("cpu_runtime", SimpleNamespace(  # CPU GEMMs through oneDNN; malloc and huge pages
     use_onednn_linears=onednn.use_onednn_linears,
     advise_on_allocator=cpu_allocator.advise_on_allocator))
+register("sparsity", sparse_checkpoint)  # pruned checkpoints: a 2:4 claim checked on load
+register("kv_eviction", kv_eviction)  # StreamingLLM and SnapKV: blocks a request gives back

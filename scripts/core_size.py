@@ -66,14 +66,14 @@ SUPPORT = ["nanoserve.tokenizers", "nanoserve.models.hf_config", "nanoserve.mode
            "nanoserve.models.moe", "nanoserve.models.fused", "nanoserve.models.llama2c",
            "nanoserve.models.hf_export", "nanoserve.config.parallel",
            "nanoserve.config.speculative", "nanoserve.config.lora",
-           "nanoserve.config.structured_outputs"]
+           "nanoserve.config.structured_outputs", "nanoserve.config.kv_eviction"]
 # The packages and modules that attach to the core (each named by its prefix).
 EXTENSIONS = [
     "nanoserve.spec", "nanoserve.lora", "nanoserve.parallel", "nanoserve.quant",
-    "nanoserve.serving",
+    "nanoserve.serving", "nanoserve.sparsity",
     "nanoserve.tools", "nanoserve.engine.structured_output", "nanoserve.engine.grammar_limits",
     "nanoserve.engine.cuda_graph", "nanoserve.engine.async_step", "nanoserve.engine.late_tokens",
-    "nanoserve.engine.cpu_allocator",
+    "nanoserve.engine.cpu_allocator", "nanoserve.engine.kv_eviction",
     "nanoserve.kv.triton_backend",
     "nanoserve.kv.cpu_backend", "nanoserve.kv.quant", "nanoserve.kv.in_place",
     "nanoserve.extensions",

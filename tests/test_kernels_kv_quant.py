@@ -178,9 +178,9 @@ def test_bad_quantized_inputs_are_refused_by_name():
     table = torch.zeros(1, 2, dtype=torch.int32)
     lens = torch.ones(1, dtype=torch.int32)
     with pytest.raises(ValueError,
-                       match="kv_cache_dtype must be one of auto, int8, fp8_e4m3, fp8_e5m2, got "
-                             "'int4'"):
-        paged_attention(q, kc, vc, table, lens, k_scale=ks, v_scale=vs, kv_cache_dtype="int4")
+                       match="kv_cache_dtype must be one of auto, int8, fp8_e4m3, fp8_e5m2, int4, "
+                             "got 'int2'"):
+        paged_attention(q, kc, vc, table, lens, k_scale=ks, v_scale=vs, kv_cache_dtype="int2")
     with pytest.raises(ValueError,
                        match="kv_cache_dtype='fp8_e4m3' pools hold torch.uint8, got torch.int8"):
         paged_attention(q, kc, vc, table, lens, k_scale=ks, v_scale=vs, kv_cache_dtype="fp8_e4m3")

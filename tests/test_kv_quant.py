@@ -190,8 +190,9 @@ def test_speculative_decoding_on_a_quantized_pool():
 
 def test_bad_settings_are_refused_by_name():
     with pytest.raises(NanoserveError,
-                       match="kv_cache_dtype='int4'; allowed: auto, int8, fp8_e4m3, fp8_e5m2"):
-        LLM("demo", kv_cache_dtype="int4")
+                       match="kv_cache_dtype='int2'; allowed: auto, int8, fp8_e4m3, fp8_e5m2, "
+                             "int4"):
+        LLM("demo", kv_cache_dtype="int2")
     assert kv_quant("auto") is None
 
 

@@ -72,6 +72,22 @@ def test_gptq_beats_rtn_block_by_block(calib):
     assert torch.equal(gptq_model.get_submodule(name).weight, qw.dequantize().float())
 
 
+def test_static_groups_reach_every_layer(calib):
+    """QuantizeConfig(static_groups=True) (llmcompressor's default actorder="static"): under
+    act-order every layer keeps groups k // group_size and the grid RTN draws from the original
+    weights. Negative control: plain act-order permutes the groups of every layer."""
+    original, _, _ = load_model("demo-draft")
+    model, res = _quantized("gptq", calib, group_size=32, act_order=True, static_groups=True)
+    _, plain = _quantized("gptq", calib, group_size=32, act_order=True)
+    moved = 0
+    for name, qw in res.qweights.items():
+        rtn = quantize_rtn(original.get_submodule(name).weight, 4, 32, sym=True)
+        assert torch.equal(qw.g_idx, rtn.g_idx) and torch.equal(qw.scales, rtn.scales), name
+        assert torch.equal(model.get_submodule(name).weight, qw.dequantize().float())
+        moved += not torch.equal(plain.qweights[name].g_idx, rtn.g_idx)
+    assert moved == len(res.qweights)  # every layer's act-order groups differ from k // 32
+
+
 def test_gptq_checkpoint_round_trip_gives_identical_logits(calib, tmp_path):
     model, res = _quantized("gptq", calib, group_size=32, act_order=True)
     out = save_quantized(model, res, tmp_path / "q", tokenizer_from="demo-draft")
@@ -161,6 +177,10 @@ def test_bad_quantization_input(calib, tmp_path):
         QuantizeConfig(method="squeezellm")
     with pytest.raises(NanoserveError, match="act_order"):
         QuantizeConfig(method="awq", act_order=True)
+    with pytest.raises(NanoserveError, match="static_groups"):
+        QuantizeConfig(method="rtn", static_groups=True)
+    with pytest.raises(NanoserveError, match="static_groups must be True or False"):
+        QuantizeConfig(static_groups="yes")
     model, _, _ = load_model("demo-draft")
     with pytest.raises(NanoserveError, match="needs calibration"):
         quantize_model(model, None, QuantizeConfig(method="gptq"), progress=False)

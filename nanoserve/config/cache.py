@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from ..errors import NanoserveError
 from .base import EngineArg, arg, check_choice, check_int
 
-KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")  # kv/quant.py
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2", "int4")  # kv/quant.py
 ATTENTION_BACKENDS = ("torch", "triton", "cpu")  # kv/: gather + SDPA, nanoserve.kernels, C decode
 
 
@@ -27,7 +27,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     kv_cache_memory: int | None = None  # bytes for the pool; None: 8 full-context sequences
     num_blocks: int | None = None  # the pool's size in blocks, overriding kv_cache_memory
-    # auto: the model's dtype; else 8 bits with a scale per token and head
+    # auto: the model's dtype; else 8 bits with a scale per token and head, or int4: 4 bits with a
+    # scale and a minimum per 64 values
     kv_cache_dtype: str = "auto"
     attention_backend: str | None = None  # None: triton on CUDA, cpu on the CPU, where they serve
 
@@ -48,7 +49,8 @@ CACHE_ARGS: dict[str, EngineArg] = {
                            "bytes for the KV cache (default: 8 full-context sequences)"),
     "num_blocks": arg("cache", "num_blocks", "KV cache blocks (overrides --kv-cache-memory)"),
     "kv_cache_dtype": arg("cache", "kv_cache_dtype", "auto: K/V in the model's dtype; else 8 bits "
-                          "with a scale per token and head", choices=KV_CACHE_DTYPES),
+                          "with a scale per token and head, or int4: 4 bits with a scale and a "
+                          "minimum per 64 values", choices=KV_CACHE_DTYPES),
     "attention_backend": arg("cache", "attention_backend", "attention over the KV cache (default: "
                              "triton on CUDA, cpu on the CPU, where they serve)",
                              choices=ATTENTION_BACKENDS),

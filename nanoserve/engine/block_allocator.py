@@ -19,7 +19,10 @@ sequence's tail is evicted before the shared-prefix blocks at its head.
 appended it (`Scheduler.postprocess`), `can_append` → `append_slot` (may return a copy-on-write
 pair for the KV cache to copy); `mark_computed` after each forward (full blocks whose KV now
 exists become cache hits); `fork` for parallel samples; `free` when a sequence ends or is preempted;
-`free_out_of_window` after each step of a sliding-window model (leading entries become NULL_BLOCK).
+`free_out_of_window` after each step of a sliding-window model (leading entries become NULL_BLOCK);
+`evict` for a sequence under a KV eviction policy (any full block's entry becomes NULL_BLOCK: the
+policy is engine/kv_eviction.py). A sequence that has evicted publishes no more prefix blocks: the
+K/V of a block it computes afterwards saw fewer keys than a full-cache sequence's would.
 """
 
 from __future__ import annotations
@@ -133,8 +136,8 @@ class BlockAllocator:
     def mark_computed(self, seq: Sequence) -> None:
         """Register `seq`'s full blocks whose KV is now written (its first num_computed_tokens) in
         the prefix cache, keeping an existing registration of the same hash. After every forward."""
-        if not self.enable_prefix_caching:
-            return
+        if not self.enable_prefix_caching or seq.num_evicted_blocks:
+            return  # (after an eviction, later blocks' K/V differ from a full cache's)
         table, n = seq.block_table, min(seq.num_computed_tokens, len(seq)) // self.block_size
         # sealed (or given-back) blocks form a leading run: walk back to its end, not from block 0
         first = n
@@ -179,7 +182,7 @@ class BlockAllocator:
         count drops to 0 stays cached (evictable) if registered. Freeing twice is a no-op."""
         for bid in reversed(seq.block_table):
             if bid == NULL_BLOCK:
-                break  # the leading entries a sliding window already gave back
+                continue  # given back already: by a sliding window, or evicted
             if self.blocks[bid].ref_count <= 0:
                 raise EngineStateError(f"block {bid} of sequence {seq.seq_id} is already free "
                                        "(double free?)")
@@ -204,6 +207,23 @@ class BlockAllocator:
             table[i] = NULL_BLOCK
             freed += 1
             i -= 1
+        return freed
+
+    def evict(self, seq: Sequence, indices: list[int]) -> int:
+        """Give back the full, computed blocks at `indices` of seq's table (entry -> NULL_BLOCK), as
+        an eviction policy chose them; how many were still held. Refuses the block being filled and
+        any block not yet computed: its K/V would be missing, not dropped."""
+        table = self._require_allocated(seq)
+        full = min(seq.num_computed_tokens, len(seq)) // self.block_size
+        freed = 0
+        for i in sorted(indices, reverse=True):  # newest first, as `free` gives blocks back
+            if not 0 <= i < full:
+                raise EngineStateError(f"cannot evict block {i} of sequence {seq.seq_id}: only "
+                                       f"its {full} full, computed blocks (0..{full - 1}) may go")
+            if table[i] != NULL_BLOCK:
+                self._unref(table[i])
+                table[i] = NULL_BLOCK
+                freed += 1
         return freed
 
     def slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:

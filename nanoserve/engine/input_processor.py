@@ -130,7 +130,8 @@ class InputProcessor:
         seq = Sequence(prompt_ids, request_id=request_id, priority=priority,
                             arrival_time=arrival,
                             skip_prefix_cache=params.prompt_logprobs is not None,
-                            lora_int_id=0 if lora_request is None else lora_request.lora_int_id)
+                            lora_int_id=0 if lora_request is None else lora_request.lora_int_id,
+                            kv_eviction=evicting(params))
         out = RequestOutput(request_id, prompt if isinstance(prompt, str) else None, prompt_ids,
                             arrival_time=arrival,
                             prompt_logprobs=None if params.prompt_logprobs is None else [None])
@@ -159,3 +160,9 @@ class InputProcessor:
         # each sample walks the grammar alone
         matcher = None if req.grammar is None else req.grammar.deep_copy()
         return Sample(seq, make_generator(seed, self.device), text, out, seen, matcher)
+
+
+def evicting(params: SamplingParams):
+    """The request's KV eviction config when it evicts (engine/kv_eviction.py); else None."""
+    config = params.kv_eviction
+    return config if config is not None and config.evicts else None

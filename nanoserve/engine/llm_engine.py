@@ -152,6 +152,8 @@ class LLMEngine:
         if config.speculative is not None:
             self.spec = extension("speculative").build_spec_decoder(config.speculative, self)
             self.step_hooks.append(self.spec)
+        # the blocks requests under a KV eviction policy give back (engine/kv_eviction.py)
+        self.step_hooks.append(extension("kv_eviction").KVEvictionHook())
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.last_num_seqs = 0  # sequences in the latest forward (for occupancy plots)
@@ -184,6 +186,8 @@ class LLMEngine:
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.requests:
             raise NanoserveError(f"request id {rid!r} is already in use")
+        if params is not None and params.kv_eviction is not None and params.kv_eviction.evicts:
+            extension("kv_eviction").check_request(params.kv_eviction, self)
         return self.inputs.make_request(prompt, params, rid, priority, arrival_time, lora_request)
 
     def enqueue(self, req: Request) -> None:

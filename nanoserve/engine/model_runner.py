@@ -9,8 +9,10 @@ model:
     slot_mapping          [B, T]   where each new token's K/V goes (−1: padding, not written)
     block_tables          [B, M]   each row's blocks, padded with its own first block (masked);
                                    a block given back by a sliding window reads as the row's
-                                   last (masked too)
-    context_lens          [B]      tokens in the cache once this step's are written
+                                   last (masked too); a row under KV eviction lists its live
+                                   blocks only
+    context_lens          [B]      tokens in the cache once this step's are written (evicted
+                                   ones not counted)
 
 and returns each row's next-token logits (the logits of its last new token). `prepare` builds all
 of it on the host and moves it once (kv/metadata.py); `execute` is the forward on device
@@ -179,7 +181,8 @@ class ModelRunner:
         parents, node 0 the first new token), at positions by depth and each seeing its ancestors
         only (`tree_mask`)."""
         T, bs = max(num_new), self.block_size
-        M = max(len(s.block_table) for s in seqs)
+        read_tables = [attended_block_table(s) for s in seqs]  # an evicting row's: live blocks only
+        M = max(len(table) for table in read_tables)
         ids, pos, slot_rows, tables, lens = [], [], [], [], []
         # Python lists, one tensor each: O(tokens)
         for i, (seq, n) in enumerate(zip(seqs, num_new)):
@@ -190,8 +193,9 @@ class ModelRunner:
             pos.append(row_pos + [row_pos[-1]] * pad)  # padding looks at real keys
             # −1: not written
             slot_rows.append(slots(seq.block_table, start, start + n, bs) + [-1] * pad)
-            tables.append(padded_block_table(seq.block_table, M))
-            lens.append(start + n)
+            tables.append(padded_block_table(read_tables[i], M))
+            # keys in its cache, evicted ones gone (kernels align causality by kv_len − q_len)
+            lens.append(start + n - seq.num_evicted_blocks * bs)
         B, K = len(seqs), max(num_logits)
         flat = chain.from_iterable  # rows of Python lists into one host tensor each (host_tensor)
         input_ids = host_tensor(flat(ids), (B, T))
@@ -297,6 +301,15 @@ def row_positions(start: int, n: int, tree: list[int] | None) -> list[int]:
     if tree is None:
         return list(range(start, start + n))
     return extension("token_trees").tree_positions(tree, start)
+
+
+def attended_block_table(seq: Sequence) -> list[int]:
+    """The blocks the attention backends read for `seq`: its table, or for a sequence under a KV
+    eviction policy its live blocks in order (the evicted entries dropped, so its cache reads as a
+    shorter sequence; positions, hence RoPE, stay the original ones: engine/kv_eviction.py)."""
+    if seq.kv_eviction is None:
+        return seq.block_table
+    return [block for block in seq.block_table if block != NULL_BLOCK]
 
 
 def padded_block_table(table: list[int], width: int) -> list[int]:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..config.kv_eviction import KVEvictionConfig
 from ..errors import NanoserveError, check, is_int
 
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as OpenAI's and vLLM's seed fields
@@ -124,6 +125,8 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | dict | None = None
     # False: token ids only, no text (nor the logprobs' decoded tokens); vLLM's field
     detokenize: bool = True
+    # which K/V this request's sequences keep (config/kv_eviction.py); None: all of them
+    kv_eviction: KVEvictionConfig | dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -182,6 +185,11 @@ class SamplingParams:
         check(self.structured_outputs is None or self.min_tokens == 0,
                "min_tokens cannot be combined with structured_outputs (the grammar decides where "
                "the output ends)")
+        if isinstance(self.kv_eviction, dict):
+            self.kv_eviction = KVEvictionConfig(**self.kv_eviction)
+        check(self.kv_eviction is None or isinstance(self.kv_eviction, KVEvictionConfig),
+              f"kv_eviction={self.kv_eviction!r:.100} must be None, KVEvictionConfig or a dict "
+              "of it")
         seed_ok = is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1)
         check(self.seed is None or seed_ok,
                f"seed={self.seed!r} must be None or an integer in [{SEED_MIN}, {SEED_MAX} - (n - "

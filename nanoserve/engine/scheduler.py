@@ -82,6 +82,9 @@ class Scheduler:
         self.on_finish: list = []
         # called with each sequence preempted (speculation drops its draft cache)
         self.on_preempt: list = []
+        # seq_id -> block indices a KV eviction policy chose during this step's forward
+        # (engine/kv_eviction.py); given back once the step's tokens are computed (`advance`)
+        self.pending_evictions: dict[int, list[int]] = {}
 
     # ------------------------------------------------------------------ queue management
     def add(self, seq: Sequence) -> None:
@@ -176,6 +179,7 @@ class Scheduler:
         recomputed."""
         self.running.remove(seq)
         self.block_allocator.free(seq)
+        self.pending_evictions.pop(seq.seq_id, None)
         seq.needs_slot = False
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -186,8 +190,17 @@ class Scheduler:
 
     # ------------------------------------------------------------------ after the forward
     def advance(self, seq: Sequence, num_tokens: int) -> None:
-        """`num_tokens` more of seq's tokens have K/V now (the forward computed them)."""
+        """`num_tokens` more of seq's tokens have K/V now (the forward computed them); then the
+        blocks an eviction policy chose for it this step go back to the pool."""
         advance(self.block_allocator, seq, num_tokens)
+        indices = self.pending_evictions.pop(seq.seq_id, None)
+        if indices:
+            self.block_allocator.evict(seq, indices)
+
+    def plan_eviction(self, seq: Sequence, indices: list[int]) -> None:
+        """A KV eviction policy (engine/kv_eviction.py) chose seq's blocks at `indices`, during the
+        forward: they are evicted at this step's `advance`, after the prefix cache saw the step."""
+        self.pending_evictions[seq.seq_id] = list(indices)
 
     def postprocess(self, seq: Sequence, new_tokens: list[int], finished: bool) -> None:
         """Append the tokens sampled for `seq` (or emitted by a speculative step: its accepted
@@ -228,6 +241,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_allocator.free(seq)
+        self.pending_evictions.pop(seq.seq_id, None)
         seq.status = status
         for callback in self.on_finish:
             callback(seq)

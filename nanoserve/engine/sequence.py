@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 _ids = itertools.count()
-# a block-table entry whose block was given back: it fell out of every layer's sliding window
+# a block-table entry whose block was given back: it fell out of every layer's sliding window, or
+# an eviction policy dropped it (kv_eviction)
 NULL_BLOCK = -1
 
 
@@ -37,7 +38,7 @@ class Sequence:
     token_ids: list[int]
     num_prompt_tokens: int = -1
     seq_id: int = field(default_factory=lambda: next(_ids))
-    # leading entries may be NULL_BLOCK (sliding window)
+    # leading entries may be NULL_BLOCK (sliding window); any full block's, under kv_eviction
     block_table: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     num_computed_tokens: int = 0  # tokens whose KV is in the cache (cached or computed)
@@ -51,6 +52,10 @@ class Sequence:
     skip_prefix_cache: bool = False
     # the LoRA adapter it runs under (0: the base model); part of its prefix-cache key
     lora_int_id: int = 0
+    # KVEvictionConfig (config/kv_eviction.py) of a sequence that evicts K/V; None: keeps all. Its
+    # block table may then hold NULL_BLOCK anywhere a full block was evicted, and the model runner
+    # hands the attention backends the table without them (the live blocks, in order)
+    kv_eviction: object | None = None
     needs_slot: bool = False  # a token was appended whose KV has no slot yet (append_slot pending)
     num_preemptions: int = 0
 
@@ -73,12 +78,20 @@ class Sequence:
         by `BlockAllocator.fork`)."""
         return Sequence(list(self.token_ids), request_id=self.request_id, sample_index=sample_index,
                         priority=self.priority, arrival_time=self.arrival_time,
-                        lora_int_id=self.lora_int_id)
+                        lora_int_id=self.lora_int_id, kv_eviction=self.kv_eviction)
 
     def append_token(self, token_id: int) -> None:
         """Add a token (inside nanoserve, only the scheduler calls this; tests and notebooks that
         drive a block allocator by hand play the scheduler)."""
         self.token_ids.append(token_id)
+
+    @property
+    def num_evicted_blocks(self) -> int:
+        """Blocks an eviction policy dropped: its NULL_BLOCK entries, each a full block (0 for a
+        sequence that does not evict; a sliding window's entries are not counted)."""
+        if self.kv_eviction is None:
+            return 0
+        return self.block_table.count(NULL_BLOCK)
 
     @property
     def sort_key(self) -> tuple:

@@ -92,8 +92,10 @@ def resolve_attention_backend(backend: str | None, device: torch.device | str,
 class PagedKVCache:
     """k, v: [n_layers, num_blocks, block_size, n_kv_heads, head_dim]; with a quantized
     `kv_cache_dtype`, 8-bit codes there and fp16 scales in k_scale, v_scale [n_layers, num_blocks,
-    block_size, n_kv_heads]. `layers`: the model layers the pool holds (default all; a pipeline
-    stage's pool: its own, parallel/)."""
+    block_size, n_kv_heads]; int4: two codes a byte in k, v [.., head_dim / 2] and a scale and
+    minimum per group in k_scale, v_scale [.., n_kv_heads, 2 · head_dim / group] (kv/quant.py).
+    `layers`: the model layers the pool holds (default all; a pipeline stage's pool: its own,
+    parallel/)."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int = 16,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
@@ -107,12 +109,16 @@ class PagedKVCache:
             self.quant = extension("kv_quant").kv_quant(kv_cache_dtype)  # kv/quant.py
         self.kv_cache_dtype, self.dtype = kv_cache_dtype, dtype  # dtype: what attention computes in
         storage = dtype if self.quant is None else self.quant.storage
-        self.k = torch.zeros(shape, dtype=storage, device=device)
-        self.v = torch.zeros(shape, dtype=storage, device=device)
+        self.head_dim = cfg.head_dim  # the pools' last dim, unless int4 packs two codes a byte
+        code_shape, scale_shape = shape, None
+        if self.quant is not None:  # 8-bit: [.., D], [.., Hkv]; int4: [.., D/2], [.., Hkv, 2·D/G]
+            code_shape, scale_shape = self.quant.pool_shapes(shape)
+        self.k = torch.zeros(code_shape, dtype=storage, device=device)
+        self.v = torch.zeros(code_shape, dtype=storage, device=device)
         scales = None
         if self.quant is not None:
-            scales = torch.zeros(shape[:-1], dtype=self.quant.scale_dtype, device=device)
-        # L, nb, bs, Hkv
+            scales = torch.zeros(scale_shape, dtype=self.quant.scale_dtype, device=device)
+        # L, nb, bs, Hkv (int4: and a scale and a minimum per group)
         self.k_scale, self.v_scale = scales, None if scales is None else scales.clone()
         self.num_blocks, self.block_size = num_blocks, block_size
         self.attention_backend = resolve_attention_backend(attention_backend, device,
@@ -131,10 +137,9 @@ class PagedKVCache:
             # grow geometrically: few reallocations
             n = max(num_blocks, 2 * self._gather_k.shape[0])
             self._gather_k = self._gather_v = None  # release the old pair before allocating the new
-            self._gather_k = torch.empty((n, *self.k.shape[2:]), dtype=self.dtype,
-                                         device=self.k.device)
-            self._gather_v = torch.empty((n, *self.v.shape[2:]), dtype=self.dtype,
-                                         device=self.v.device)
+            shape = (n, *self.k.shape[2:4], self.head_dim)  # n, block_size, Hkv, D
+            self._gather_k = torch.empty(shape, dtype=self.dtype, device=self.k.device)
+            self._gather_v = torch.empty(shape, dtype=self.dtype, device=self.v.device)
         return self._gather_k, self._gather_v
 
     def layer(self, i: int):
@@ -216,7 +221,7 @@ def num_blocks_for_budget(cfg: ModelConfig, budget_bytes: int | None, block_size
     hold at least one sequence of cfg.max_position_embeddings tokens, else nothing long could ever
     run.
     None: the engine's default, the bytes of 8 full-context sequences in `dtype` (8-bit K/V fit
-    twice as many)."""
+    twice as many, int4 ~3.5x)."""
     check_block_size(block_size)
     if budget_bytes is None:
         budget_bytes = 8 * kv_bytes_per_token(cfg, dtype) * cfg.max_position_embeddings

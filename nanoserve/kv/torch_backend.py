@@ -32,12 +32,17 @@ class TorchAttentionMetadata(CommonAttentionMetadata):
         attn_mask     [B, T, M·block_size] or None: which gathered keys each new token sees, when a
                       row holds a token tree (speculative verification; spec/tree_sampler.py)
                       rather than a run of consecutive positions; None: causal by position
+        query_positions  [B, T] each new token's index among its row's cached keys, context_len −
+                      query_len + i as the kernels align causality: the causal mask's positions.
+                      The same as the tokens' positions unless the row evicted K/V (its cache then
+                      holds fewer keys than its position says; engine/kv_eviction.py)
     """
 
     fresh_blocks: torch.Tensor
     no_prefix: bool = False
     buckets: list[tuple[torch.Tensor, int]] = field(default_factory=list)
     attn_mask: torch.Tensor | None = None
+    query_positions: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> TorchAttentionMetadata:
         moved = super().to(device)
@@ -91,7 +96,8 @@ class CacheView:
         if mask is None and cls.gathers_by_bucket(cache, common.decode):
             buckets = length_buckets(lens, bs)
         return TorchAttentionMetadata(**common.as_kwargs(), fresh_blocks=fresh,
-                                      no_prefix=lens == num_new, buckets=buckets, attn_mask=mask)
+                                      no_prefix=lens == num_new, buckets=buckets, attn_mask=mask,
+                                      query_positions=cache_positions(common, num_new))
 
     @classmethod
     def gathers_by_bucket(cls, cache, decode: bool) -> bool:
@@ -131,6 +137,8 @@ class CacheView:
                                   None, scale,
                                   softcap, mask=self.meta.attn_mask)
         buckets = self.meta.buckets
+        if self.meta.query_positions is not None:  # the mask's: among the cached keys
+            positions = self.meta.query_positions
         if len(buckets) <= 1:  # one length: every row gathered to the longest, as `update` does
             return sdpa_attention(q, *self._gather_kv(pool_k, pool_v, self.block_tables), positions,
                                   window, scale,
@@ -199,22 +207,32 @@ class CacheView:
         """This step's K or V [B, T, Hkv, D] into their slots (quantized first, when the pool
         is)."""
         codes, scales = pool if isinstance(pool, tuple) else (pool, None)
-        nb, bs, H, D = codes.shape
-        rows = new.reshape(-1, H, D)  # B·T, Hkv, D
+        rows = new.reshape(-1, *new.shape[-2:])  # B·T, Hkv, D
         if len(self.src) < len(rows):  # padding among the rows: the real tokens only
             rows = rows.index_select(0, self.src)  # N, Hkv, D
         if scales is not None:
-            rows, s = self.cache.quant.quantize(rows)  # N, Hkv, D codes; N, Hkv scales
-            scales.view(nb * bs, H).index_copy_(0, self.dst, s)
-        codes.view(nb * bs, H, D).index_copy_(0, self.dst, rows)
+            # N, Hkv, D codes (int4: D/2 bytes); N, Hkv scales (int4: N, Hkv, 2·D/G)
+            rows, s = self.cache.quant.quantize(rows)
+            scales.flatten(0, 1).index_copy_(0, self.dst, s)
+        codes.flatten(0, 1).index_copy_(0, self.dst, rows)
 
     def _gather(self, pool, tables: torch.Tensor) -> torch.Tensor:
         """Each row's blocks in logical order: tables [b, M] -> [b, M · block_size, Hkv, D] (a fresh
         tensor)."""
         codes = pool[0] if isinstance(pool, tuple) else pool
-        nb, bs, H, D = codes.shape
+        bs, H, D = codes.shape[1], codes.shape[2], self.cache.head_dim  # (int4 codes: D/2 bytes)
         out = torch.empty((tables.numel(), bs, H, D), dtype=self.cache.dtype, device=codes.device)
         return self._gather_into(pool, tables.flatten(), out).view(tables.shape[0], -1, H, D)
 
     def advance(self, n: int) -> None:  # the engine tracks lengths; nothing to do here
         pass
+
+
+def cache_positions(common: CommonAttentionMetadata, num_new: list[int]) -> torch.Tensor:
+    """[B, T] each new token's index among its row's cached keys: context_len − n + i for its
+    i-th of n new tokens (padding repeats the last), on the host."""
+    T = common.slot_mapping.shape[1]
+    n = torch.tensor(num_new, dtype=torch.long)  # B
+    first = common.context_lens - n  # B
+    offset = torch.minimum(torch.arange(T)[None, :], (n - 1).clamp(min=0)[:, None])  # B, T
+    return first[:, None] + offset

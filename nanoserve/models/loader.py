@@ -138,6 +138,7 @@ def load_model(name_or_path, dtype=None, device=None, tokenizer_path=None):
                               f"{path.parent}")
     modules = None  # layers a reader built whole (a GGUF file's packed linears)
     tokenizer = None  # one the checkpoint file holds (GGUF); else read from the folder
+    sparsity = None  # a pruned checkpoint's sparsity_config (nanoserve/sparsity/checkpoint.py)
     if path.is_file() and path.suffix == ".bin":
         cfg, tensors = read_llama2c(path)
         tok_dir, quantization = path.parent, None
@@ -147,7 +148,9 @@ def load_model(name_or_path, dtype=None, device=None, tokenizer_path=None):
         tok_dir, quantization, tokenizer = path.parent, None, gguf.tokenizer
     elif path.is_dir() and (path / "config.json").is_file():
         cfg = read_hf_config(path / "config.json")
-        quantization = json.loads((path / "config.json").read_text()).get("quantization_config")
+        hf_config = json.loads((path / "config.json").read_text())
+        quantization = hf_config.get("quantization_config")
+        sparsity = hf_config.get("sparsity_config")
         tensors = read_weights_dir(path)
         tok_dir = path
     else:
@@ -155,6 +158,8 @@ def load_model(name_or_path, dtype=None, device=None, tokenizer_path=None):
             f"{path} is not a checkpoint: expected a directory with config.json + "
             "model.safetensors (or pytorch_model.bin), a GGUF file, or a llama2.c .bin file")
     model = build_from_tensors(cfg, tensors, torch_dtype, dev, quantization, modules)
+    if sparsity is not None:  # its claimed pattern (2:4) is checked before the model is used
+        extension("sparsity").check_sparse_model(model, sparsity)
     # No tokenizer beside the weights is allowed (vLLM's skip_tokenizer_init): prompts are then
     # token ids.
     if tokenizer_path is not None:

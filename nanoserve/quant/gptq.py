@@ -35,12 +35,18 @@ block are brought up to date first, so the result does not depend on `blocksize`
 rounding, which can only decide exact ties: a symmetric grid puts −amax exactly halfway between
 codes 0 and 1, so there either code may come out, at equal error; the reference code uses the
 stale values there, which matters when a block edge falls inside a group).
-`static_groups=True` instead fixes every group's grid up front from the original weights.
+`static_groups=True` instead fixes every group's grid up front from the original weights (RTN's
+grid), which is what llmcompressor does (its weight observer runs before GPTQ); with that flag the
+two give the same Ŵ for the same W and H (benchmarks/RESULTS.md, "GPTQ against llmcompressor").
+Neither grid is better in general: GPTQ's updates can carry a weight past its group's original
+range (a static grid then clips it and feeds the clipping error on), or widen the range (a grid
+chosen late then has coarser steps).
 
 **act-order** (`desc_act` in checkpoint configs): process columns by decreasing H_jj, the
 inputs with the most energy first, while many columns are left to absorb their error. Groups are
 then formed along the processing order, so `g_idx[k]` (stored in the original column order, like
-the codes) is no longer k // group_size. With `static_groups` the groups stay k // group_size.
+the codes) is no longer k // group_size. With `static_groups` the groups stay k // group_size, so
+a kernel reads the scales in order (llmcompressor's `actorder="static"`, its default).
 
 Per-layer API: `GPTQ(weight)`, `add_batch(x)` for each calibration batch (use `capture_inputs`
 to collect a module's inputs with forward hooks), `quantize(...)` → `QuantizedWeight`. The model-

@@ -57,6 +57,9 @@ class QuantizeConfig:
     # symmetric grid (zero = 2^(bits−1)); GPTQ v1 checkpoints need it or zeros ≥ 1
     sym: bool = True
     act_order: bool = False    # GPTQ desc_act
+    # GPTQ: every group's grid from the original weights, groups k // group_size even under
+    # act-order (llmcompressor's actorder="static"; its default)
+    static_groups: bool = False
     damp: float = 0.01         # GPTQ percdamp
     blocksize: int = 128       # GPTQ lazy-batch width
     lm_head: bool = False      # quantize the LM head too (untying a tied one)
@@ -73,6 +76,11 @@ class QuantizeConfig:
                                  f"64, 128, got {self.group_size!r}")
         if self.act_order and self.method != "gptq":
             raise NanoserveError("act_order (desc_act) is a GPTQ option; it does not apply to "
+                                 f"method={self.method!r}")
+        if not isinstance(self.static_groups, bool):
+            raise NanoserveError(f"static_groups must be True or False, got {self.static_groups!r}")
+        if self.static_groups and self.method != "gptq":
+            raise NanoserveError("static_groups is a GPTQ option; it does not apply to "
                                  f"method={self.method!r}")
         if not isinstance(self.lm_head, bool):
             raise NanoserveError(f"lm_head must be True or False, got {self.lm_head!r}")
@@ -224,7 +232,7 @@ def quantize_model(model: nn.Module, calib: torch.Tensor | None, config: Quantiz
                 gs = _group_size(config.group_size, K)
                 if config.method == "gptq":
                     qw = stats[n].quantize(config.bits, gs, config.sym, config.blocksize,
-                                           config.damp, config.act_order)
+                                           config.damp, config.act_order, config.static_groups)
                 else:
                     qw = quantize_rtn(lin.weight, config.bits, gs, config.sym)
                 lin.weight.copy_(qw.dequantize().to(lin.weight.dtype))
@@ -293,7 +301,7 @@ def _quantize_lm_head(model: nn.Module, calib: torch.Tensor | None, config: Quan
             stats = GPTQ(head.weight)
             stats.add_batch(x)
             qw = stats.quantize(config.bits, gs, config.sym, config.blocksize, config.damp,
-                                config.act_order)
+                                config.act_order, config.static_groups)
         else:
             res = awq_search([head], x, config.bits, gs, config.sym)
             apply_awq(model.get_submodule(final_norm(model)), [head], res)

@@ -93,7 +93,7 @@ def save_quantized(model: nn.Module, result: QuantizeResult, directory: str | os
     settings = {**quantize_config(result.config), "checkpoint_format": checkpoint_format}
     (out / "quantize_config.json").write_text(json.dumps(settings, indent=2) + "\n")
     if tokenizer_from is not None:
-        _copy_tokenizer(tokenizer_from, out)
+        copy_tokenizer(tokenizer_from, out)
     return out
 
 
@@ -106,7 +106,7 @@ def save_compressed(model: nn.Module, directory: str | os.PathLike,
     replaced, qcfg = compressed_tensors.tensors_and_config(model)
     out = save_checkpoint(model, directory, replaced, qcfg)
     if tokenizer_from is not None:
-        _copy_tokenizer(tokenizer_from, out)
+        copy_tokenizer(tokenizer_from, out)
     return out
 
 
@@ -128,7 +128,7 @@ def quantize_config(config) -> dict:
     """AutoGPTQ's quantize_config.json for a QuantizeConfig (the same settings as config.json's
     block)."""
     return {"bits": config.bits, "group_size": config.group_size, "damp_percent": config.damp,
-            "desc_act": config.act_order, "static_groups": False, "sym": config.sym,
+            "desc_act": config.act_order, "static_groups": config.static_groups, "sym": config.sym,
             "true_sequential": True, "lm_head": config.lm_head,
             "model_name_or_path": None, "model_file_base_name": "model", "quant_method": "gptq",
             "checkpoint_format": "gptq"}
@@ -143,7 +143,8 @@ TOKENIZER_FILES = ("tokenizer*.json", "tokenizer*.model", "tokenizer*.bin", "tok
                    "chat_template.jinja", "chat_template.json", "generation_config.json")
 
 
-def _copy_tokenizer(model: str | os.PathLike, out: Path) -> list[str]:
+def copy_tokenizer(model: str | os.PathLike, out: Path) -> list[str]:
+    """The tokenizer files of checkpoint `model` copied into folder `out`; their names."""
     src = resolve_model_path(model)
     src = src if src.is_dir() else src.parent
     copied = []
