@@ -30,8 +30,10 @@ brackets):
   i  RMSNorm as one kernel vs the torch module: bf16, widths 2048 / 4096, 1-256 rows ~0.2 min [30 s]
   j  async scheduling vs the synchronous step: 64 requests of 128 + 128 tokens at once,
      CUDA graphs, output tok/s and the same tokens                                  ~0.7 min [60 s]
+  k  2:4 weights on sparse tensor cores vs dense: bf16, 4096 x 4096 and an 8B MLP's
+     14336 x 4096, M 1-512 (nanoserve/sparsity/semi_structured.py)                  ~0.3 min [30 s]
 
-The estimates add up to ~14 min, the budgets to ~21 min (estimates are ours, unmeasured: no GPU
+The estimates add up to ~14.5 min, the budgets to ~21.5 min (estimates are ours, unmeasured: no GPU
 was lent when this was written). On a GPU each figure runs in its own process (a CUDA fault or a
 hang loses that figure alone) and records its own error; a figure past its budget stops between
 measurements and keeps what it measured (b cannot stop early: its process is killed at budget +
@@ -71,6 +73,7 @@ FIGURES = {
     "h": ("speculative", "gpu_check_engine", "fig_speculative", 200),
     "i": ("rms_norm_kernel", "gpu_check_kernels", "fig_rms_norm", 30),
     "j": ("async_scheduling", "gpu_check_engine", "fig_async", 60),
+    "k": ("sparse_2_4", "gpu_check_kernels", "fig_sparse_2_4", 30),
 }
 DRY_BUDGET_S = 120
 # --preset: a subset of figures with budgets that fit a short lease. "roofline": what issue 43's

@@ -1,9 +1,11 @@
-"""Figures a-d and i of `gpu_check.py`: the GPU tests, and the Triton kernels against their torch
+"""Figures a-d, i and k of `gpu_check.py`: the GPU tests, and the Triton kernels against their torch
 peers.
 
 b and c are benchmarks/bench_attention.py's measurements, called as they are (its `--smoke` shapes
 in a dry run); d is the W4A16 kernel against fp16 cuBLAS on the same (dequantized) weights; i is
-RMSNorm as one kernel against the torch module it replaces on the triton path (issue 43).
+RMSNorm as one kernel against the torch module it replaces on the triton path (issue 43); k is a
+2:4-pruned weight on sparse tensor cores (torch's semi-structured tensors) against the same weight
+dense (issue 48).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ TABLES = {
             "speedup_vs_fp16", "w4a16_tbps"])],
     "i": [("RMSNorm: one kernel vs the torch module (six launches), microseconds", "rows",
            ["dtype", "rows", "width", "torch_us", "kernel_us", "speedup", "max_abs_diff"])],
+    "k": [("2:4 weights: semi-structured sparse vs dense F.linear, microseconds", "rows",
+           ["N", "K", "M", "dense_us", "sparse_us", "speedup", "max_abs_diff", "problem"])],
 }
 
 
@@ -282,3 +286,48 @@ def fig_rms_norm(ctx) -> dict:
             ctx.save(res)
     res["min_speedup"] = min(r["speedup"] for r in res["rows"])
     return res
+
+
+def _two_four_weight(N: int, K: int, device: str, dtype: torch.dtype, gen) -> torch.Tensor:
+    """A random [N, K] weight pruned 2:4 by magnitude (nanoserve/sparsity/pruning.py)."""
+    from nanoserve.sparsity.pruning import magnitude_mask
+
+    w = torch.randn(N, K, generator=gen, device=device) * 0.02
+    return (w * magnitude_mask(w, "2:4")).to(dtype)
+
+
+def fig_sparse_2_4(ctx) -> dict:
+    """k. A 2:4 weight through torch's semi-structured sparse tensors (sparse tensor cores, sm_80+)
+    against the same weight dense: bf16, a Llama-8B MLP's shapes, 1 to 512 rows. Where the sparse
+    path cannot run (the dry run's CPU), the row says why and times the dense product only."""
+    from bench_attention import bench
+    from torch.nn.functional import linear
+
+    from nanoserve.sparsity.semi_structured import semi_structured_problem, to_semi_structured
+
+    dtype = torch.float32 if ctx.dry else torch.bfloat16
+    shapes = [(64, 128)] if ctx.dry else [(4096, 4096), (14336, 4096), (4096, 14336)]
+    batches = [1, 4] if ctx.dry else [1, 16, 128, 512]
+    res = {"goal": "2:4 faster than dense from some batch size on (up to 2x)", "rows": []}
+    gen = torch.Generator(device=ctx.device).manual_seed(0)
+    for N, K in shapes:
+        w = _two_four_weight(N, K, ctx.device, dtype, gen)
+        problem = semi_structured_problem(w)
+        sparse = to_semi_structured(w) if problem is None else None
+        for M in batches:
+            x = torch.randn(M, K, generator=gen, device=ctx.device).to(dtype)
+            with torch.no_grad():
+                dense_ms = bench(lambda: linear(x, w), ctx.dry)  # noqa: B023
+                row = dict(N=N, K=K, M=M, dense_us=1e3 * dense_ms, sparse_us=None, speedup=None,
+                           max_abs_diff=None, problem=problem)
+                if sparse is not None:
+                    sparse_ms = bench(lambda: linear(x, sparse), ctx.dry)  # noqa: B023
+                    diff = (linear(x, sparse).float() - linear(x, w).float()).abs().max()
+                    row.update(sparse_us=1e3 * sparse_ms, speedup=dense_ms / sparse_ms,
+                               max_abs_diff=float(diff))
+            res["rows"].append(row)
+            ctx.save(res)
+    speedups = [r["speedup"] for r in res["rows"] if r["speedup"] is not None]
+    res["best_speedup"] = max(speedups) if speedups else None
+    return res
+

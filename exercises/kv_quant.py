@@ -1,10 +1,13 @@
-"""Exercise 15: quantize a KV block to 8 bits with a scale per token and head, and back.
+"""Exercise 15: quantize a KV block to 8 bits with a scale per token and head, and back; then to 4
+bits, two codes a byte, with a scale and a minimum per group.
 
-Your versions of KVQuant.quantize and KVQuant.dequantize from nanoserve/kv/quant.py, with the same
-names and signatures. The class inherits nanoserve's, so `self.storage` (torch.int8, or torch.uint8
-holding FP8 bits), `self.fp8` (None for int8, else torch.float8_e4m3fn / torch.float8_e5m2) and
-`self.qmax` (127, 448 or 57344) are given, and SCALE_DTYPE (fp16) is imported below. Taught in
-notebooks/12_kv_cache_quantization.ipynb, section 2. Check your work with
+Your versions of KVQuant.quantize, KVQuant.dequantize and KVQuantInt4.quantize from
+nanoserve/kv/quant.py, with the same names and signatures. Each class inherits nanoserve's, so
+`self.storage` (torch.int8, or torch.uint8 holding FP8 bits), `self.fp8` (None for int8, else
+torch.float8_e4m3fn / torch.float8_e5m2) and `self.qmax` (127, 448 or 57344) are given, and
+SCALE_DTYPE (fp16) is imported below; KVQuantInt4 gives `self.group(D)` (values per group) and
+`self.qmax` (15). Taught in notebooks/12_kv_cache_quantization.ipynb, sections 2 and 3. Check your
+work with
 
     make exercises EX=ex15        # or: .venv/bin/pytest tests/exercises -m ex15 --impl exercises
 """
@@ -14,7 +17,7 @@ from __future__ import annotations
 import torch
 
 import nanoserve.kv.quant
-from nanoserve.kv.quant import SCALE_DTYPE  # noqa: F401  (the scales' dtype)
+from nanoserve.kv.quant import FP16_MAX, MIN_SCALE, SCALE_DTYPE  # noqa: F401  (fp16's range)
 
 
 class KVQuant(nanoserve.kv.quant.KVQuant):
@@ -40,3 +43,19 @@ class KVQuant(nanoserve.kv.quant.KVQuant):
             "Exercise 15.2: each code times its token's scale, in the attention's dtype (roughly 3 "
             "lines; see notebooks/12_kv_cache_quantization, section 2, 'Per token and head'; more: "
             "make hint EX=ex15 N=2)")
+
+
+class KVQuantInt4(nanoserve.kv.quant.KVQuantInt4):
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [..., D] -> (packed codes [..., D / 2] uint8, scales [..., 2 · D / group] fp16).
+
+        Per group of G = self.group(D) consecutive values: the minimum m, stored in fp16 (clamped
+        to ±FP16_MAX), and the scale s = (max − m) / 15, never below MIN_SCALE, stored in fp16;
+        codes round((x − m) / s) in float32 with the *stored* m and s, clamped to 0 .. 15. Value 2j
+        goes to the low four bits of byte j, value 2j + 1 to the high four; the scales hold s, m of
+        group 0, then s, m of group 1, and so on."""
+        raise NotImplementedError(
+            "Exercise 15.3: a minimum and a scale per group of values, codes 0 .. 15 from the "
+            "stored (fp16) pair, two codes a byte, low nibble first (roughly 9 lines; see "
+            "notebooks/12_kv_cache_quantization, section 3, 'int4: two codes per byte'; more: make "
+            "hint EX=ex15 N=2)")

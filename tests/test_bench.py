@@ -124,8 +124,10 @@ def test_kv_quant_benchmark_quick_mode(tmp_path):
     workload; a quantized pool holds more blocks in the same bytes (no speed or quality is asserted
     here)."""
     res, _ = run_quick("bench_kv_quant.py", tmp_path, timeout=600)
-    assert set(res["quality"]["demo"]) == {"auto", "int8", "fp8_e4m3", "fp8_e5m2"}
+    assert set(res["quality"]["demo"]) == {"auto", "int8", "fp8_e4m3", "fp8_e5m2", "int4"}
     cap = res["capacity"]
     assert all(
-        cap[m]["num_blocks"] > cap["auto"]["num_blocks"] for m in ("int8", "fp8_e4m3", "fp8_e5m2")
+        cap[m]["num_blocks"] > cap["auto"]["num_blocks"]
+        for m in ("int8", "fp8_e4m3", "fp8_e5m2", "int4")
     )
+    assert cap["int4"]["num_blocks"] > cap["int8"]["num_blocks"]

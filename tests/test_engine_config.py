@@ -63,7 +63,7 @@ def test_an_unknown_keyword_is_refused_with_the_closest_names(kwargs, match):
     (dict(block_size=24), r"block_size=24 is not allowed; it must be a power of two"),
     (dict(max_num_seqs=0), r"max_num_seqs=0 must be an integer ≥ 1"),
     (dict(max_waiting=0), r"max_waiting=0 must be an integer ≥ 1 or None"),
-    (dict(kv_cache_dtype="int4"), r"kv_cache_dtype='int4'; allowed: auto, int8, fp8_e4m3"),
+    (dict(kv_cache_dtype="int2"), r"kv_cache_dtype='int2'; allowed: auto, int8, fp8_e4m3"),
     (dict(attention_backend="flash"), r"attention_backend='flash'; allowed: None .*torch, triton"),
     (dict(quantization="int4"), r"quantization='int4'; allowed: None .*fp8"),
     (dict(tensor_parallel_size=2, pipeline_parallel_size=2), r"one kind of split at a time"),
@@ -114,4 +114,4 @@ def test_the_command_line_builds_the_same_config_as_keywords():
     assert cfg.cache.enable_prefix_caching is False and cfg.lora.max_loras == 2
     assert cfg.structured_outputs.mask_budget_ms == 50.0
     with pytest.raises(SystemExit):  # argparse refuses a value outside the choices, naming them
-        build_parser().parse_args(["serve", "--kv-cache-dtype", "int4"])
+        build_parser().parse_args(["serve", "--kv-cache-dtype", "int2"])

@@ -118,18 +118,19 @@ def test_8bit_kv_pools_compile_for_every_gpu_without_spills(compiled):
 def test_dots_run_in_the_input_dtype_and_fp32_without_tf32(compiled):
     """fp16/bf16: tensor cores in that dtype on sm_80+ (decode no longer upcasts); fp32: IEEE (FMA),
     never TF32; the W8A8 GEMM: int8 (s8) tensor cores; the W4A16 GEMV of one row: multiply-adds
-    (kernels/dequant_matmul.py's FMA path), of 16 rows: tensor cores."""
+    (kernels/dequant_matmul.py's FMA path), of 16 rows: tensor cores; the look-up GEMV
+    (kernels/lut_gemv.py) likewise."""
     _, result = compiled
     dots = [r for r in result["rows"] if r.get("dot", "-") != "-"]
     assert {r["kernel"] for r in dots} == {"flash_attention", "paged_decode", "dequant_gemm",
-                                           "dequant_gemv", "w8a8"}
+                                           "dequant_gemv", "w8a8", "lut_gemv"}
     ptx_type = {"fp16": "f16", "bf16": "bf16"}
     for r in dots:
         if r["kernel"] == "w8a8":  # int8 × int8 on int8 tensor cores, whatever the output dtype
             assert {op.split()[1] for op in r["dot"].split(", ")} == {"s8"}, r
         elif r["dtype"] == "fp32" or r["arch"] < 80:  # sm_75: the W4A16 kernels upcast, FMA
             assert r["dot"] == "fma", r
-        elif r["kernel"] == "dequant_gemv" and r["variant"].startswith("M 1 "):
+        elif r["kernel"] in ("dequant_gemv", "lut_gemv") and r["variant"].startswith("M 1 "):
             assert r["dot"] == "fma", r  # one row: multiply-adds, no tile of 16 for tl.dot
         else:  # e.g. "mma bf16" (sm_80+), "wgmma f16" (sm_90)
             assert {op.split()[1] for op in r["dot"].split(", ")} == {ptx_type[r["dtype"]]}, r

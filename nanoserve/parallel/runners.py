@@ -33,6 +33,9 @@ class StepRow:
     token_ids: _Window
     block_table: list[int]
     lora_int_id: int = 0
+    # KV eviction is refused with parallel ranks (engine/kv_eviction.py): a row never evicts here
+    kv_eviction: None = None
+    num_evicted_blocks: int = 0
 
 
 class _Window:

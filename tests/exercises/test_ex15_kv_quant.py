@@ -1,11 +1,14 @@
-"""Exercise 15: KV-cache quantization (nanoserve/kv/quant.py: KVQuant.quantize, KVQuant.dequantize).
+"""Exercise 15: KV-cache quantization (nanoserve/kv/quant.py: KVQuant.quantize, KVQuant.dequantize,
+KVQuantInt4.quantize).
 
 Oracles: the formats' own definitions — int8 rounds to the nearest step of the stored scale (error ≤
 half a step), FP8 keeps every value above its smallest normal within half a unit in the last place
 (2^-4 relative for e4m3, 2^-3 for e5m2) — checked per element on K/V with an outlier channel; and
 torch's own float8 conversion, which decides the FP8 bits. Known-wrong variants at the end:
 truncation instead of rounding, a scale per channel over the tokens (the wrong axis), division by
-the unrounded scale, and no clamp.
+the unrounded scale, and no clamp. int4 (15.3): a group worked by hand, and the definition written
+out one value at a time in Python floats; known-wrong: the nibbles in the other order, a symmetric
+scale (absmax / 7, no minimum), division by the unrounded scale, the scale and minimum swapped.
 """
 
 from __future__ import annotations
@@ -110,6 +113,56 @@ def check_fp8_bits(impl):
                 f"0x{int(want[tuple(at)]):02x}, got 0x{int(codes[tuple(at)]):02x}")
 
 
+def _int4_by_definition(x: torch.Tensor, group: int) -> tuple[list[int], list[float]]:
+    """One row of D values: its bytes and its (s, m) pairs, one value at a time in Python floats
+    (fp16 rounding through torch, the division in float32 as the format defines it)."""
+    codes, pairs = [], []
+    for g in range(x.numel() // group):
+        values = x[g * group:(g + 1) * group].float()
+        m = values.min().clamp(-65504.0, 65504.0).to(torch.float16)
+        s = ((values.max() - m.float()) / 15).clamp(min=2.0 ** -14).to(torch.float16)
+        pairs += [float(s), float(m)]
+        codes += [min(max(round(float(v)), 0), 15) for v in (values - m.float()) / s.float()]
+    return [lo + 16 * hi for lo, hi in zip(codes[0::2], codes[1::2])], pairs
+
+
+def check_int4_by_hand(impl):
+    """[-1, 0, 0.5, 2] (one group of 4): m = -1, s = fp16(3 / 15) = 0.199951171875; codes
+    round([0, 5.0012, 7.5018, 15.0037]) = [0, 5, 8, 15]; bytes [0 + 16·5, 8 + 16·15] = [80, 248]."""
+    x = torch.tensor([[-1.0, 0.0, 0.5, 2.0]])
+    packed, scales = impl.KVQuantInt4("int4").quantize(x)
+    case = "int4: quantize([[-1, 0, 0.5, 2]]) (one group of 4)"
+    expect(packed.dtype == torch.uint8 and packed.tolist() == [[80, 248]], f"{case}: the bytes",
+           "uint8 [[80, 248]] (codes 0, 5, 8, 15; value 2j in the low nibble)",
+           (packed.dtype, packed.tolist()))
+    expect(scales.dtype == torch.float16 and scales.tolist() == [[0.199951171875, -1.0]],
+           f"{case}: the scales", "fp16 [[0.199951171875, -1.0]] (s = fp16(3 / 15), then m)",
+           (scales.dtype, scales.tolist()))
+
+
+def check_int4_definition(impl):
+    q = impl.KVQuantInt4("int4")
+    for D in (64, 128, 24):
+        x = _kv(2)[:12, :, :D] if D <= 64 else torch.cat([_kv(2)[:12], _kv(3)[:12]], -1)
+        packed, scales = q.quantize(x)
+        G = q.group(D)
+        case = f"int4: quantize(K/V {tuple(x.shape)}) (groups of {G})"
+        expect(packed.shape == (*x.shape[:-1], D // 2) and scales.shape ==
+               (*x.shape[:-1], 2 * D // G), f"{case}: the shapes",
+               ((*x.shape[:-1], D // 2), (*x.shape[:-1], 2 * D // G)),
+               (tuple(packed.shape), tuple(scales.shape)))
+        rows, pk, sc = x.reshape(-1, D), packed.reshape(-1, D // 2), scales.reshape(-1, 2 * D // G)
+        for r in range(rows.shape[0]):
+            want_bytes, want_pairs = _int4_by_definition(rows[r], G)
+            got_bytes, got_pairs = pk[r].tolist(), sc[r].float().tolist()
+            if got_bytes != want_bytes or got_pairs != want_pairs:
+                j = next((i for i, (a, b) in enumerate(zip(got_bytes, want_bytes)) if a != b), None)
+                where = (f"byte {j}: expected {want_bytes[j]} (codes {want_bytes[j] % 16}, "
+                         f"{want_bytes[j] // 16}), got {got_bytes[j]}" if j is not None else
+                         f"(s, m) pairs: expected {want_pairs[:4]}..., got {got_pairs[:4]}...")
+                raise AssertionError(f"{case}: row {r} differs from the definition at {where}")
+
+
 # ----------------------------------------------------------------------------- the tests
 def test_ex15_1_shapes_dtypes_and_a_zero_token(impl):
     check_shapes_and_dtypes(impl)
@@ -121,6 +174,14 @@ def test_ex15_1_round_trip_bounds(impl):
 
 def test_ex15_2_fp8_codes_are_torchs_conversion(impl):
     check_fp8_bits(impl)
+
+
+def test_ex15_3_int4_a_group_by_hand(impl):
+    check_int4_by_hand(impl)
+
+
+def test_ex15_3_int4_equals_its_definition(impl):
+    check_int4_definition(impl)
 
 
 # ----------------------------------------------------------------------------- known-wrong variants
@@ -154,10 +215,41 @@ def _variant(truncate=False, wrong_axis=False, unrounded=False, no_clamp=False):
     return SimpleNamespace(KVQuant=KVQuant)
 
 
+def _int4_variant(swap_nibbles=False, symmetric=False, unrounded=False, pairs_swapped=False):
+    class KVQuantInt4(reference.KVQuantInt4):
+        def quantize(self, x):
+            D = x.shape[-1]
+            groups = x.float().unflatten(-1, (D // self.group(D), self.group(D)))
+            if symmetric:
+                exact = (groups.abs().amax(-1) / 7).clamp(min=2.0 ** -14)
+                low = -exact * 8
+            else:
+                low = groups.amin(-1)
+                exact = ((groups.amax(-1) - low.half().float()) / 15).clamp(min=2.0 ** -14)
+            scale, low = exact.half(), low.half()
+            step = exact if unrounded else scale.float()
+            y = (groups - low.float()[..., None]) / step[..., None]
+            nib = y.round().clamp(0, 15).to(torch.uint8).flatten(-2)
+            first, second = (nib[..., 1::2], nib[..., 0::2]) if swap_nibbles else (
+                nib[..., 0::2], nib[..., 1::2])
+            pair = (low, scale) if pairs_swapped else (scale, low)
+            return first | (second << 4), torch.stack(pair, -1).flatten(-2)
+
+    return SimpleNamespace(KVQuantInt4=KVQuantInt4)
+
+
 WRONG = {
     "int8 truncates instead of rounding": (_variant(truncate=True), [check_bounds]),
     "one scale per channel over the tokens": (_variant(wrong_axis=True), [check_bounds]),
     "divides by the unrounded scale": (_variant(unrounded=True), [check_bounds, check_fp8_bits]),
+    "int4: the nibbles in the other order": (_int4_variant(swap_nibbles=True),
+                                             [check_int4_by_hand, check_int4_definition]),
+    "int4: a symmetric scale, no minimum": (_int4_variant(symmetric=True),
+                                            [check_int4_by_hand, check_int4_definition]),
+    "int4: divides by the unrounded scale": (_int4_variant(unrounded=True),
+                                             [check_int4_definition]),
+    "int4: the minimum stored before the scale": (_int4_variant(pairs_swapped=True),
+                                                  [check_int4_by_hand, check_int4_definition]),
 }
 
 
@@ -172,3 +264,5 @@ def test_ex15_the_checks_pass_on_a_right_variant_built_the_same_way():
     right = _variant()
     for check in (check_shapes_and_dtypes, check_bounds, check_fp8_bits):
         check(right)
+    for check in (check_int4_by_hand, check_int4_definition):
+        check(_int4_variant())
