@@ -513,9 +513,9 @@ def _table_row(r: dict) -> configs.Launch | None:
 
 def _kv_bits(variant: str) -> int:
     """The bits of a row's KV codes, from its variant ("int8 KV", "int4 KV"; 0: not a KV pool)."""
-    if not variant.endswith(" KV"):
-        return 0
-    return 4 if variant.startswith("int4") else 8
+    from nanoserve.kernels.kv_quant import kv_bits
+
+    return kv_bits(variant.removesuffix(" KV")) if variant.endswith(" KV") else 0
 
 
 def failures(result: dict) -> list[dict]:

@@ -39,9 +39,9 @@ before anything else can make an engine.
                                                       K/V stored in 8 or 4 bits
     gguf                models/gguf_file.py           read_gguf: the loader, for a GGUF file
                                                       (config, float tensors, packed linears)
-    kv_eviction         engine/kv_eviction.py         check_request, KVEvictionHook: LLMEngine
-                                                      (a request's KV eviction policy; the hook
-                                                      picks the blocks each step gives back)
+    kv_eviction         engine/kv_eviction.py         admit: LLMEngine (a request's KV eviction
+                                                      policy checked; on first use the step hook
+                                                      that picks the blocks each step gives back)
     sparsity            sparsity/checkpoint.py        check_sparse_model: the loader, for a
                                                       pruned checkpoint (its 2:4 claim checked)
 

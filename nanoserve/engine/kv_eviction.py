@@ -173,6 +173,14 @@ def check_request(config: KVEvictionConfig, engine) -> None:
                                  "allowed: policy='none', or an engine without it")
 
 
+def admit(config: KVEvictionConfig, engine) -> None:
+    """A request that evicts, checked (`check_request`); the first one adds the engine's step hook,
+    so an engine whose requests never evict runs no per-step eviction code."""
+    check_request(config, engine)
+    if not any(isinstance(hook, KVEvictionHook) for hook in engine.step_hooks):
+        engine.step_hooks.append(KVEvictionHook())
+
+
 class KVEvictionHook:
     """The engine's step hook (LLMEngine.step_hooks): after each forward, the blocks each evicting
     row gives back, handed to the scheduler (`Scheduler.plan_eviction`), which frees them once the

@@ -30,7 +30,7 @@ from ..extension_points import extension
 from ..kv.cache import num_blocks_for_budget
 from ..models.loader import load_model
 from .block_allocator import BlockAllocator
-from .input_processor import InputProcessor
+from .input_processor import InputProcessor, evicting
 from .logprobs import record_prompt_logprobs, wants_prompt_logits
 from .model_runner import ModelRunner
 from .outputs import EngineStats, RequestOutput
@@ -152,8 +152,6 @@ class LLMEngine:
         if config.speculative is not None:
             self.spec = extension("speculative").build_spec_decoder(config.speculative, self)
             self.step_hooks.append(self.spec)
-        # the blocks requests under a KV eviction policy give back (engine/kv_eviction.py)
-        self.step_hooks.append(extension("kv_eviction").KVEvictionHook())
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.last_num_seqs = 0  # sequences in the latest forward (for occupancy plots)
@@ -186,8 +184,8 @@ class LLMEngine:
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.requests:
             raise NanoserveError(f"request id {rid!r} is already in use")
-        if params is not None and params.kv_eviction is not None and params.kv_eviction.evicts:
-            extension("kv_eviction").check_request(params.kv_eviction, self)
+        if params is not None and evicting(params) is not None:  # checked; its hook on first use
+            extension("kv_eviction").admit(params.kv_eviction, self)
         return self.inputs.make_request(prompt, params, rid, priority, arrival_time, lora_request)
 
     def enqueue(self, req: Request) -> None:
