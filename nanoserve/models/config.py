@@ -20,7 +20,10 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 
 @dataclass
 class ModelConfig:
-    arch: str  # "gpt2" | "llama"
+    # the module layout: "gpt2" | "llama" (the two every extension knows), or a family's own
+    # hf_model_type when its modules are laid out otherwise (models/families/: extensions that
+    # walk the modules by name refuse it)
+    arch: str
     vocab_size: int
     hidden_size: int
     n_layers: int
@@ -83,10 +86,15 @@ class ModelConfig:
     # the HF model type the config was read from (save_checkpoint writes it back); None: built in
     # code
     hf_model_type: str | None = None
+    # what a family of its own module adds (models/families/): its own small validated dataclass,
+    # read only by its model class; None for the families above
+    family_options: Any = None
 
     def __post_init__(self) -> None:
-        if self.arch not in ("gpt2", "llama"):
-            raise ConfigError(f"unsupported model family {self.arch!r}; supported: 'gpt2', 'llama'")
+        own_layout = self.arch == self.hf_model_type and self.hf_model_type is not None
+        if self.arch not in ("gpt2", "llama") and not own_layout:
+            raise ConfigError(f"unsupported model family {self.arch!r}; supported: 'gpt2', "
+                              "'llama', or a family's own hf_model_type (models/families/)")
         if self.hidden_act is None:
             self.hidden_act = "gelu_new" if self.arch == "gpt2" else "silu"
         if self.hidden_act not in ACTIVATIONS:

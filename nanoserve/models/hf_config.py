@@ -16,6 +16,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from .config import LAYER_TYPES, ModelConfig
+from .family import architectures, families, family_of
 from .hf_fields import check_hf_fields
 
 # HF `architectures[0]` -> the HF model type whose code nanoserve mirrors (its row in
@@ -70,18 +71,20 @@ GEMMA = ("gemma2", "gemma3_text")
 
 
 def hf_model_type(cfg: dict[str, Any]) -> str:
-    """Which HF model code the config names: `architectures[0]` (what transformers instantiates),
-    else `model_type`; anything nanoserve does not run is refused by name."""
+    """The HF model type whose code nanoserve mirrors for this config (by `architectures`, else
+    `model_type`); anything nanoserve does not run is refused by name."""
+    known = {**SUPPORTED_ARCHITECTURES, **architectures()}
     archs = cfg.get("architectures") or []
     if archs:
-        if archs[0] not in SUPPORTED_ARCHITECTURES:
+        if archs[0] not in known:
             raise ConfigError(f"unsupported architecture {archs[0]!r}; supported: "
-                              f"{sorted(SUPPORTED_ARCHITECTURES)}")
-        return SUPPORTED_ARCHITECTURES[archs[0]]
-    if cfg.get("model_type") not in SUPPORTED_MODEL_TYPES:
+                              f"{sorted(known)}")
+        return known[archs[0]]
+    types = (*SUPPORTED_MODEL_TYPES, *families())
+    if cfg.get("model_type") not in types:
         raise ConfigError("config.json has no 'architectures' and "
                           f"model_type={cfg.get('model_type')!r} is not supported; supported model "
-                          f"types: {sorted(SUPPORTED_MODEL_TYPES)}")
+                          f"types: {sorted(types)}")
     return cfg["model_type"]
 
 
@@ -90,8 +93,11 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     hf_type = hf_model_type(cfg)
     # every field that changes the math is computed or refused by name: the table in hf_fields.py
     check_hf_fields(hf_type, cfg)
+    family = family_of(hf_type)
+    if family is not None:  # a family of its own module (models/families/)
+        return family.config({**family.defaults, **cfg})
     cfg = {**TYPE_DEFAULTS.get(hf_type, {}), **cfg}
-    return _gpt2_from_hf(cfg) if hf_type == "gpt2" else _llama_from_hf(cfg, hf_type)
+    return _gpt2_from_hf(cfg) if hf_type == "gpt2" else llama_config_from_hf(cfg, hf_type)
 
 
 def _need(cfg: dict[str, Any], *names: str) -> Any:
@@ -281,7 +287,9 @@ def _yarn(cfg: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:
             "attention_factor": float(attention_factor)}
 
 
-def _llama_from_hf(cfg: dict[str, Any], hf_type: str) -> ModelConfig:
+def llama_config_from_hf(cfg: dict[str, Any], hf_type: str) -> ModelConfig:
+    """The Llama-class reading of `cfg` as the HF code of `hf_type` reads it (a family module of
+    models/families/ reads its config as the nearest of these, then replaces what differs)."""
     n_heads, n_layers = int(_need(cfg, "num_attention_heads")), int(_need(cfg, "num_hidden_layers"))
     rope_theta, scaling, local_theta = _rope(cfg, hf_type)
     gemma = hf_type in GEMMA

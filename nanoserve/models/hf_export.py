@@ -15,6 +15,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from .config import ModelConfig
+from .family import family_of
 from .hf_config import GEMMA, SUPPORTED_ARCHITECTURES, config_from_hf
 
 # not the math (head_dim is compared instead)
@@ -24,6 +25,13 @@ _NOT_MATH = ("dtype", "hf_model_type", "head_dim_override")
 def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
     """The HF config.json dictionary for `cfg`; a ConfigError when no config of its type describes
     it."""
+    family = family_of(cfg.hf_model_type)
+    if family is not None and family.to_hf is None:
+        raise ConfigError(f"saving a {cfg.hf_model_type} checkpoint is not supported (no "
+                          "config.json writer for that family); supported: the families of "
+                          "hf_config.SUPPORTED_ARCHITECTURES")
+    if family is not None:
+        return family.to_hf(cfg)
     hf_type = cfg.hf_model_type or (
         "gpt2" if cfg.arch == "gpt2" else "qwen2" if cfg.qkv_bias and not cfg.o_bias else "llama"
     )

@@ -300,12 +300,15 @@ HF_FIELDS = {"gpt2": GPT2_FIELDS, "llama": LLAMA_FIELDS, "mistral": MISTRAL_FIEL
 def check_hf_fields(hf_type: str, cfg: dict[str, Any]) -> None:
     """Raise a ConfigError naming the first field of `cfg` whose value nanoserve would compute
     wrongly."""
-    table = HF_FIELDS[hf_type]
+    from .family import family_of  # (the registry imports the families' modules)
+
+    family = family_of(hf_type)
+    table = family.fields if family is not None else HF_FIELDS[hf_type]
     for name, f in table.items():
         if f.allowed and name in cfg and cfg[name] not in f.allowed:
             raise ConfigError(f"{hf_type} config field {name}={cfg[name]!r} is not supported "
                               f"({f.why}); supported: {', '.join(repr(v) for v in f.allowed)}")
-    if hf_type == "gpt2":
+    if hf_type == "gpt2" or family is not None:  # (a family's module checks its own RoPE)
         return
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if rope.get("partial_rotary_factor", 1.0) != 1.0 and hf_type != "phi3":

@@ -164,10 +164,14 @@ DECODER_LAYERS = {"pre_norm": LlamaDecoderLayer, "sandwich": SandwichDecoderLaye
 
 
 class LlamaModel(nn.Module):
+    # a family's block (models/families/); None: the config's `block` layout
+    layer_class: type[nn.Module] | None = None
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        layer_class = DECODER_LAYERS[cfg.block]
+        layer_class = self.layer_class or DECODER_LAYERS[cfg.block]
         self.layers = nn.ModuleList(layer_class(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_unit_offset,
                             cfg.norm_scale_fp32)
@@ -207,10 +211,12 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
+    model_class = LlamaModel  # a family's subclass (models/families/) names its own
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
+        self.model = self.model_class(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 

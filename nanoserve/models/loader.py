@@ -28,6 +28,7 @@ from ..extension_points import extension
 from ..models import CausalLM, build_model
 from ..tokenizers import has_tokenizer, load_tokenizer
 from .config import ModelConfig
+from .family import family_of
 from .fused import fuse, split_fused
 from .hf_export import to_hf_config
 from .llama2c import read_llama2c
@@ -268,6 +269,9 @@ def normalize_hf_names(cfg: ModelConfig,
             # block_sparse_moe.experts.i.w1 -> mlp.experts.i.gate_proj, ...
             key = rename(key, MIXTRAL_NAMES)
         out[key] = t
+    family = family_of(cfg.hf_model_type)
+    if family is not None and family.rename is not None:  # its own names (models/families/)
+        return family.rename(cfg, out)
     return split_fused(cfg, out) if cfg.hf_model_type == "phi3" else out
 
 

@@ -1,0 +1,82 @@
+"""A model family as one unit: how its HF config is read, which module computes it, how its
+checkpoint's tensor names map onto that module.
+
+GPT-2 and the Llama-class families (Llama, Mistral, Qwen2/3, Gemma 2/3, SmolLM3, OLMo 2, Phi-3,
+Mixtral, Qwen3-MoE) are read by hf_config.py and computed by gpt2.py / llama.py. Every family added
+since lives in a module of its own under `models/families/`, which declares a `Family`: its HF
+config field table (hf_fields.py's kinds: implemented, refused, inert), the defaults of its HF
+config class, a function from the HF dictionary to a `ModelConfig`, and the model class, usually a
+small subclass of the Llama blocks that overrides only what differs. Nothing outside that module
+names the family: the loader, the config reader and `build_model` ask this registry.
+
+A module is found by looking: every module of `nanoserve.models.families` with a `FAMILY` (or a
+`FAMILIES` tuple) is registered on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str  # HF's model_type, the key of everything below
+    architectures: tuple[str, ...]  # HF `architectures[0]` names this family reads
+    hf_config_class: str  # transformers' config class (tests check every field is classified)
+    fields: dict[str, Any]  # field -> hf_fields.Field: implemented, refused or inert
+    config: Callable[[dict[str, Any]], Any]  # the HF dict (defaults filled in) -> ModelConfig
+    model_class: Callable[[Any], Any]  # ModelConfig -> an uninitialised CausalLM
+    # the HF config class's defaults for keys a config.json may leave out
+    defaults: dict[str, Any] = field(default_factory=dict)
+    # checkpoint tensors -> the model's names and layouts (None: the names are the model's)
+    rename: Callable[[Any, dict], dict] | None = None
+    # one line for the README's "What loads" table: what the family adds to what nanoserve had
+    summary: str = ""
+    # ModelConfig -> the HF config.json dictionary (save_checkpoint); None: saving is refused
+    to_hf: Callable[[Any], dict] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.architectures or not self.model_type:
+            raise ConfigError(f"family {self.model_type!r} names no HF architecture")
+
+
+_REGISTRY: dict[str, Family] = {}
+
+
+def families() -> dict[str, Family]:
+    """model_type -> Family, for every module under models/families/ (imported on first call)."""
+    if not _REGISTRY:
+        from . import families as package
+
+        for info in pkgutil.iter_modules(package.__path__):
+            module = importlib.import_module(f"{package.__name__}.{info.name}")
+            declared = getattr(module, "FAMILIES", ())
+            if hasattr(module, "FAMILY"):
+                declared = (module.FAMILY, *declared)
+            for fam in declared:
+                _register(fam)
+    return _REGISTRY
+
+
+def _register(fam: Family) -> None:
+    if fam.model_type in _REGISTRY:
+        raise ConfigError(f"two families declare model_type {fam.model_type!r}")
+    _REGISTRY[fam.model_type] = fam
+
+
+def family_of(model_type: str | None) -> Family | None:
+    """The registered family of an HF model_type, or None (a built-in family, or built in code)."""
+    if model_type is None:
+        return None
+    return families().get(model_type)
+
+
+def architectures() -> dict[str, str]:
+    """HF architectures[0] -> model_type, over the registered families."""
+    return {arch: fam.model_type for fam in families().values() for arch in fam.architectures}
