@@ -36,7 +36,9 @@ class Family:
     defaults: dict[str, Any] = field(default_factory=dict)
     # checkpoint tensors -> the model's names and layouts (None: the names are the model's)
     rename: Callable[[Any, dict], dict] | None = None
-    # one line for the README's "What loads" table: what the family adds to what nanoserve had
+    # the README's "What loads" table (scripts/what_loads.py): the family's name, and what it
+    # adds to the families before it
+    name: str = ""
     summary: str = ""
     # ModelConfig -> the HF config.json dictionary (save_checkpoint); None: saving is refused
     to_hf: Callable[[Any], dict] | None = None
@@ -80,3 +82,17 @@ def family_of(model_type: str | None) -> Family | None:
 def architectures() -> dict[str, str]:
     """HF architectures[0] -> model_type, over the registered families."""
     return {arch: fam.model_type for fam in families().values() for arch in fam.architectures}
+
+
+def what_loads() -> list[tuple[str, list[str], str]]:
+    """(name, HF architectures, what it adds) of every family nanoserve loads, built-in ones first:
+    the README's table is written from this, so it cannot drift from the code."""
+    from .hf_config import BUILT_IN_SUMMARIES, SUPPORTED_ARCHITECTURES
+
+    rows = []
+    for model_type, (name, summary) in BUILT_IN_SUMMARIES.items():
+        archs = [a for a, t in SUPPORTED_ARCHITECTURES.items() if t == model_type]
+        rows.append((name, archs, summary))
+    for fam in sorted(families().values(), key=lambda f: f.model_type):
+        rows.append((fam.name or fam.model_type, list(fam.architectures), fam.summary))
+    return rows

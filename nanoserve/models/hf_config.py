@@ -40,6 +40,26 @@ SUPPORTED_ARCHITECTURES = {
     # Qwen3 with a mixture of experts (dense in mlp_only_layers)
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+# model_type -> (the family's name, what it adds): the README's "What loads" table
+# (scripts/what_loads.py; the families of models/families/ declare theirs in their Family)
+BUILT_IN_SUMMARIES = {
+    "gpt2": ("GPT-2", "learned positions, LayerNorm, GELU MLP; every size"),
+    "llama": ("Llama 2 / 3 / 3.1 / 3.2, TinyLlama, SmolLM",
+              "the Llama block: RMSNorm, RoPE (linear, llama3, yarn, dynamic scalings), GQA, "
+              "SwiGLU"),
+    "mistral": ("Mistral", "a sliding window in every layer (when set)"),
+    "qwen2": ("Qwen2 / 2.5", "q/k/v biases; a window from max_window_layers on"),
+    "qwen3": ("Qwen3", "RMSNorm of each head's q and k before RoPE; windows"),
+    "gemma2": ("Gemma 2", "sandwich norms, (1 + w) RMSNorm, soft-capping, alternating windows"),
+    "gemma3_text": ("Gemma 3 (text model)", "q/k norms, a RoPE base of its own in sliding layers"),
+    "smollm3": ("SmolLM3", "every 4th layer without RoPE (NoPE)"),
+    "olmo2": ("OLMo 2", "post-norm blocks; RMSNorm over the whole q and k projections"),
+    "phi3": ("Phi-3 / 3.5 / 4-mini",
+             "fused qkv / gate-up split at load, partial RoPE, LongRoPE within its original "
+             "context"),
+    "mixtral": ("Mixtral", "Mistral with a mixture of experts in every layer"),
+    "qwen3_moe": ("Qwen3-MoE", "Qwen3 with a mixture of experts (dense in mlp_only_layers)"),
+}
 # gpt2, llama, mistral, ...
 SUPPORTED_MODEL_TYPES = tuple(dict.fromkeys(SUPPORTED_ARCHITECTURES.values()))
 # What a key absent from config.json means, where a family's HF class differs from Llama's defaults.

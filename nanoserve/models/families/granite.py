@@ -90,5 +90,6 @@ FAMILY = Family(
     model_class=GraniteForCausalLM,
     defaults=dict(embedding_multiplier=1.0, residual_multiplier=1.0, attention_multiplier=1.0,
                   logits_scaling=1.0, rms_norm_eps=1e-6),
-    summary="Llama + embedding, residual, attention and logits multipliers",
+    name="Granite 3",
+    summary="multipliers on the embeddings, the residual branches, the attention and the logits",
 )
