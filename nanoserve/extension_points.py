@@ -44,6 +44,9 @@ before anything else can make an engine.
                                                       that picks the blocks each step gives back)
     sparsity            sparsity/checkpoint.py        check_sparse_model: the loader, for a
                                                       pruned checkpoint (its 2:4 claim checked)
+    model_families      models/families/              FAMILIES: hf_config, the loader and
+                                                      build_model, for the families of a module
+                                                      of their own (models/family.py)
 
 An extension point that nothing registered is an error that names it.
 """
@@ -56,7 +59,7 @@ from .errors import ConfigError
 
 POINTS = ("quantization", "parallel", "lora", "speculative", "token_trees", "structured_outputs",
           "async_scheduling", "cuda_graphs", "triton_layers", "cpu_runtime", "attention_backends",
-          "kv_quant", "gguf", "sparsity", "kv_eviction")
+          "kv_quant", "gguf", "sparsity", "kv_eviction", "model_families")
 
 _registry: dict[str, ModuleType | SimpleNamespace] = {}
 

@@ -12,7 +12,7 @@ from .engine import async_step, cpu_allocator, cuda_graph, kv_eviction, structur
 from .extension_points import register
 from .kv import in_place
 from .kv import quant as kv_quant
-from .models import gguf_file, onednn, triton_layers
+from .models import families, gguf_file, onednn, triton_layers
 from .parallel import workers
 from .quant import load, online
 from .sparsity import checkpoint as sparse_checkpoint
@@ -37,3 +37,4 @@ register("cpu_runtime", SimpleNamespace(  # CPU GEMMs through oneDNN; malloc and
     advise_on_allocator=cpu_allocator.advise_on_allocator))
 register("sparsity", sparse_checkpoint)  # pruned checkpoints: a 2:4 claim checked on load
 register("kv_eviction", kv_eviction)  # StreamingLLM and SnapKV: blocks a request gives back
+register("model_families", families)  # families of a module of their own (models/family.py)

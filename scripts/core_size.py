@@ -58,13 +58,13 @@ CORE = [
     ("nanoserve.engine.llm", "LLM: the offline façade"),
 ]
 # What the core leans on without being taught in notebooks 00-03: file formats and helpers.
-# (Model families beyond GPT-2 and Llama's plain block, and checkpoint formats, are support too,
-# until they become subclasses of their own: issue 42's next step.)
+# (The model families read in hf_config.py, and checkpoint formats, are support too; the families
+# added since are extensions: one module each under models/families/, found by models/family.py.)
 # The extensions' settings live with the others in nanoserve/config/ (as in vLLM), so that one
 # EngineConfig describes an engine: data and its checks, imported by the core, read by extensions.
 SUPPORT = ["nanoserve.tokenizers", "nanoserve.models.hf_config", "nanoserve.models.hf_fields",
            "nanoserve.models.moe", "nanoserve.models.fused", "nanoserve.models.llama2c",
-           "nanoserve.models.hf_export", "nanoserve.config.parallel",
+           "nanoserve.models.hf_export", "nanoserve.models.family", "nanoserve.config.parallel",
            "nanoserve.config.speculative", "nanoserve.config.lora",
            "nanoserve.config.structured_outputs", "nanoserve.config.kv_eviction"]
 # The packages and modules that attach to the core (each named by its prefix).
@@ -78,6 +78,7 @@ EXTENSIONS = [
     "nanoserve.kv.cpu_backend", "nanoserve.kv.quant", "nanoserve.kv.in_place",
     "nanoserve.extensions",
     "nanoserve.models.onednn", "nanoserve.models.triton_layers", "nanoserve.models.gguf_file",
+    "nanoserve.models.families",
     "nanoserve.kernels",
 ]
 

@@ -10,13 +10,12 @@ small subclass of the Llama blocks that overrides only what differs. Nothing out
 names the family: the loader, the config reader and `build_model` ask this registry.
 
 A module is found by looking: every module of `nanoserve.models.families` with a `FAMILY` (or a
-`FAMILIES` tuple) is registered on first use.
+`FAMILIES` tuple) is registered when the package is imported, and the package is attached at the
+extension point "model_families" (the core names no family).
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,28 +47,12 @@ class Family:
             raise ConfigError(f"family {self.model_type!r} names no HF architecture")
 
 
-_REGISTRY: dict[str, Family] = {}
-
-
 def families() -> dict[str, Family]:
-    """model_type -> Family, for every module under models/families/ (imported on first call)."""
-    if not _REGISTRY:
-        from . import families as package
+    """model_type -> Family, for every module under models/families/ (the extension point
+    "model_families": nanoserve/extensions.py registers the package, which finds its modules)."""
+    from ..extension_points import extension
 
-        for info in pkgutil.iter_modules(package.__path__):
-            module = importlib.import_module(f"{package.__name__}.{info.name}")
-            declared = getattr(module, "FAMILIES", ())
-            if hasattr(module, "FAMILY"):
-                declared = (module.FAMILY, *declared)
-            for fam in declared:
-                _register(fam)
-    return _REGISTRY
-
-
-def _register(fam: Family) -> None:
-    if fam.model_type in _REGISTRY:
-        raise ConfigError(f"two families declare model_type {fam.model_type!r}")
-    _REGISTRY[fam.model_type] = fam
+    return extension("model_families").FAMILIES
 
 
 def family_of(model_type: str | None) -> Family | None:
