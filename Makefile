@@ -45,7 +45,7 @@ test: $(STAMP)
 KERNEL_TESTS := tests/test_kernels_paged.py tests/test_kernels_flash.py tests/test_kernels_flash_tree.py tests/test_kernels_dequant.py \
 	tests/test_kernels_configs.py \
 	tests/test_kernels_kv_quant.py tests/test_kv_int4.py tests/test_kernels_int8.py tests/test_kernels_ggml.py \
-	tests/test_kernels_lut_gemv.py \
+	tests/test_kernels_lut_gemv.py tests/test_kernels_mla_decode.py \
 	tests/test_attention_backend.py tests/exercises/test_ex07_flash_attention.py tests/exercises/test_ex11_int4_unpack.py
 TRITON_LATEST  := .triton-latest
 TRITON_VERSION := $(BIN)/python -c "import triton; print(triton.__version__)"

@@ -25,9 +25,11 @@ convention, and 3072, Gemma's), alone and with the residual add folded in (add_r
 silu_and_mul (I = 5632 and 8192), RoPE from a table (kernels/rotary.py: fused with the K/V store
 at head_dim 64 and 128, alone at 128, and Phi-3's partial RoPE at 96), and the GGML block-type
 matmul (kernels/ggml_matmul.py: Q8_0, Q4_K, Q6_K at K = N = 4096; the GEMV at M = 1 with split-K
-and at M = 16, the GEMM at M = 32; sm_75/80/90 only). `--cases ggml_gemv,ggml_gemm` compiles only
-those rows (for a look; the committed table and the test are the full run). Attention on sm_75 is
-refused by the launchers (kernels/configs.py): "unsupported" rows say why.
+and at M = 16, the GEMM at M = 32; sm_75/80/90 only), and MLA's decode over a latent pool
+(kernels/mla_decode.py: r = 512, d_rope = 64, 16 and 128 heads, bf16 and fp32 at 16; sm_80/90).
+`--cases ggml_gemv,ggml_gemm` compiles only those rows (for a look; the committed table and the
+test are the full run). Attention on sm_75 is refused by the launchers (kernels/configs.py):
+"unsupported" rows say why.
 
 Each row also says what its tl.dot became in the PTX ("mma f16", "wgmma bf16", "mma tf32", or "fma"
 without tensor cores), and `relayouts`: how many tiles computed in registers the compiled kernel
@@ -73,7 +75,7 @@ HEAD_DIMS = (64, 128, 256)
 HKV, BS = 8, 16  # kv heads, page size
 # the kernels with a tl.dot
 DOT_KERNELS = ("flash_attention", "paged_decode", "dequant_gemm", "dequant_gemv", "w8a8",
-               "lut_gemv")
+               "lut_gemv", "mla_decode")
 
 
 # ----------------------------------------------------------------------------- capture and compile
@@ -308,6 +310,20 @@ def _lut_gemv(dtype, M):
              torch.zeros(N, 16, dtype=torch.float16))
 
 
+def _mla_decode(dtype, H):
+    from nanoserve.kernels.mla_decode import mla_decode
+
+    r, d_rope = 512, 64  # DeepSeek-V2/V3's kv_lora_rank and qk_rope_head_dim
+    cache = torch.zeros(4, BS, 1, r + d_rope, dtype=dtype)  # the latent pool: c, then k_pe
+    mla_decode(torch.zeros(2, H, r, dtype=dtype), torch.zeros(2, H, d_rope, dtype=dtype), cache,
+               torch.zeros(2, 2, dtype=torch.int32), torch.tensor([5, 20], dtype=torch.int32),
+               1 / 192**0.5)
+
+
+# heads of the MLA decode rows (DeepSeek-V2-Lite: 16; V3: 128), by dtype; sm_80 and sm_90
+MLA_HEADS = {"bf16": (16, 128), "fp32": (16,)}
+
+
 # (kernel, split_k, grouped, M, MMA layout) of the W4A16 rows
 DEQUANT_ROWS = (("gemm", 1, True, 32, False), ("gemm", 1, False, 32, False),
                 ("gemv", 1, True, 1, False), ("gemv", 4, True, 1, False),
@@ -381,6 +397,20 @@ def matrix(archs=ARCHS) -> list[tuple[dict, tuple | None]]:
                                  (_flash, dtype, D, 4, gemma)))
                     rows.append((dict(row, case="decode", variant=variant),
                                  (_decode, dtype, D, 4, 1, gemma)))
+                # gpt-oss (head_dim 64, GQA 8 in the release; 4 here): attention sinks, a window
+                if dt == "bf16" and D == 64:
+                    oss = dict(sinks=torch.zeros(4 * HKV), window=128)
+                    rows += [(dict(row, case="flash", variant="sinks + window"),
+                              (_flash, dtype, D, 4, oss)),
+                             (dict(row, case="decode", variant="sinks + window"),
+                              (_decode, dtype, D, 4, 1, oss)),
+                             (dict(row, case="decode", variant="sinks 4 splits"),
+                              (_decode, dtype, D, 4, 4, oss))]
+            # MLA's absorbed decode over a latent pool (kernels/mla_decode.py)
+            if arch in (80, 90):
+                rows += [(dict(arch=arch, dtype=dt, head_dim=None, gqa=None, case="mla_decode",
+                               variant=f"r 512 rope 64 H {H}"), (_mla_decode, dtype, H))
+                         for H in MLA_HEADS.get(dt, ())]
             # W8A8: an int8 GEMM with its scales in the epilogue, the output in each dtype
             if arch >= 80:
                 rows.append((dict(arch=arch, dtype=dt, head_dim=None, gqa=None, case="w8a8",
@@ -494,7 +524,7 @@ def _table_row(r: dict) -> configs.Launch | None:
     """The configs row the launcher took; None for store_kv and the merge (no tl.dot, a few KB)."""
     kind = {"flash_attention": "flash", "paged_decode": "decode", "dequant_gemm": "gemm",
             "dequant_gemv": "gemv",
-            "dequantize": "dequantize", "w8a8": "w8a8"}.get(r["kernel"])
+            "dequantize": "dequantize", "w8a8": "w8a8", "mla_decode": "mla_decode"}.get(r["kernel"])
     if r["kernel"] == "ggml_matmul":
         kind = r["case"]  # its GEMV or GEMM row
     if kind is None:

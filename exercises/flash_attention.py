@@ -50,7 +50,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     max_seqlen_q: int | None = None, window: int | None = None,
                     softcap: float | None = None, k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None, kv_cache_dtype: str = "auto",
-                    tree_bits: torch.Tensor | None = None) -> torch.Tensor:
+                    tree_bits: torch.Tensor | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over packed sequences.  q [total_q, H, D]; k, v [total_k, Hkv, D] -> [total_q, H, D].
 
     cu_seqlens_q/k [B+1]: cumulative lengths. causal: bottom-right aligned (query i of Lq sits at
@@ -63,7 +64,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     not part of this exercise, whose tests pass None: the reference shows both). k_scale, v_scale,
     kv_cache_dtype: an 8-bit paged prefix (notebook 12; not part of this exercise either: its tests
     keep the default "auto"). tree_bits: a token tree's mask, one bit per visible new key (notebook
-    15; not part of it: its tests pass None). Output in q's dtype.
+    15; not part of it: its tests pass None). sinks [H]: gpt-oss's learned sink logit per head,
+    where the online softmax starts (not part of it: its tests pass None). Output in q's dtype.
     """
     raise NotImplementedError(
         "Exercise 7.1: a program owns a tile of queries and walks the keys tile by tile, keeping a "

@@ -104,6 +104,20 @@ def check_softcap(softcap) -> float:
     return float(softcap)
 
 
+def check_sinks(sinks, num_heads: int):
+    """Attention sinks (gpt-oss): None, or one floating-point logit per query head, [H]; returned
+    as given. (Shape only: the values are read by the kernel, no host sync.)"""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
+        what = sinks.dtype if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise ValueError(f"sinks must be None or a float tensor [H], got {what}")
+    if tuple(sinks.shape) != (num_heads,):
+        raise ValueError(f"sinks must hold one logit per query head, [{num_heads}], got "
+                         f"{list(sinks.shape)}")
+    return sinks
+
+
 def check_block_ids(block_tables, lens, block_size: int, num_blocks: int) -> None:
     """Value check: every table entry a sequence reads (its first ⌈len / block_size⌉) names a block
     of the pool. When every entry does, read or not (the engine pads its tables with live ids), one

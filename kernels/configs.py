@@ -68,7 +68,7 @@ class Launch:
 
 
 # tiles: flash (BLOCK_M, BLOCK_N); decode (BLOCK_N,); gemm, gemv and w8a8 (BLOCK_M, BLOCK_N,
-# BLOCK_K); dequantize (BLOCK_K, BLOCK_N)
+# BLOCK_K); dequantize (BLOCK_K, BLOCK_N); mla_decode (BLOCK_H, BLOCK_N)
 INTERPRETER = {
     "flash": Launch((16, 16), upcast=True),
     "decode": Launch((32,), upcast=True),
@@ -82,6 +82,7 @@ INTERPRETER = {
     "w8a8": Launch((16, 32, 32)),  # int8 tiles: the interpreter computes them exactly in integers
     "ggml_gemv": Launch((16, 32), upcast=True),  # kernels/ggml_matmul.py: (BLOCK_M, BLOCK_N)
     "ggml_gemm": Launch((16, 32), upcast=True),
+    "mla_decode": Launch((16, 32), upcast=True),
 }
 # (family, bytes per element, head_dim padded: 64, 128 or 256) -> Launch. Families: 80 (sm_80+), 90
 # (sm_90).
@@ -181,6 +182,13 @@ DEQUANT = {
     ("ggml_gemm", 75, 0): Launch((32, 32), 4, 1, upcast=True, smem_kb=8),
     ("ggml_gemm", 80, 2): Launch((32, 64), 8, 2, smem_kb=25),
     ("ggml_gemm", 80, 4): Launch((32, 32), 4, 1, smem_kb=8),
+    # kernels/mla_decode.py: (BLOCK_H, BLOCK_N) at DeepSeek's r = 512, d_rope = 64, untimed; the
+    # launcher refuses sm_75. From the compile matrix: 32 heads a program over 8 warps, 96-168
+    # registers, no spills, within sm_86's 99 KB (2 stages: 4 B of spills at 16 heads; 16 heads
+    # over 4 warps read the latents twice as often at 128; 64 heads: 112-144 KB and 255 registers
+    # on sm_80; 16 × 64 keys over 4 warps spill)
+    ("mla_decode", 80, 2): Launch((32, 32), 8, 3, smem_kb=75),
+    ("mla_decode", 80, 4): Launch((16, 16), 8, 1, smem_kb=72),
 }
 
 
@@ -238,7 +246,7 @@ def attention_problem(arch: int | None, dtype: torch.dtype, head_dim: int) -> st
 def pick(kernel: str, device: torch.device | str, dtype: torch.dtype, head_dim: int = 0,
          kv_bits: int = 0) -> Launch:
     """The launch of `kernel` ("flash", "decode", "gemm", "gemv", "gemv_gather", "gemv_mma",
-    "gemv_mma_fma", "dequantize", "w8a8", "ggml_gemv", "ggml_gemm") on
+    "gemv_mma_fma", "dequantize", "w8a8", "ggml_gemv", "ggml_gemm", "mla_decode") on
     `device`; kv_bits: attention over a quantized KV pool of 8- or 4-bit codes (the KV8 or KV4
     rows, where there is one; 0: K/V in the model's dtype).
 

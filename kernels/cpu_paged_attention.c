@@ -9,9 +9,11 @@
  * Work is split over (sequence, kv head) pairs, one OpenMP thread each at a time; a pair's G query
  * heads (GQA: head h reads kv head h / G) share every key and value row it loads. Per head, three
  * passes over the context: scores s_t = scale · q · k_t (soft-capped: c · tanh(s_t / c)), then
- * p_t = exp(s_t − max s) and their sum l, then out = Σ p_t v_t / l. The scores of one sequence fit
- * in a small buffer per thread (4 bytes per key and head), so unlike the GPU kernel this one needs
- * no online softmax: the CPU's caches hold a whole row.
+ * p_t = exp(s_t − max s) and their sum l, then out = Σ p_t v_t / l. With attention sinks (gpt-oss:
+ * one learned logit per head, not multiplied by the scale), the sink joins the max and adds
+ * exp(sink − max) to l, but no value: the weights then sum to less than 1. The scores of one
+ * sequence fit in a small buffer per thread (4 bytes per key and head), so unlike the GPU kernel
+ * this one needs no online softmax: the CPU's caches hold a whole row.
  *
  * HEAD_DIM is fixed when the file is compiled (cc -DHEAD_DIM=64): with a constant trip count the
  * compiler turns the two inner loops into whole SIMD registers (AVX2 / AVX-512), like a constexpr in
@@ -29,9 +31,10 @@
 
 /* q, out [B, H, D]; k_pool, v_pool [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks];
  * context_lens [B]: sequence b sees keys max(0, len − window) .. len − 1 (window 0: all of them).
- * softcap 0: no cap. Returns 0, or 1 when a thread could not allocate its score buffer. */
+ * sinks [H] or NULL (none). softcap 0: no cap. Returns 0, or 1 when a thread could not allocate its
+ * score buffer. */
 int paged_decode_attention(const float *q, const float *k_pool, const float *v_pool, const int64_t *block_tables,
-                           const int64_t *context_lens, float *out, int64_t num_seqs, int64_t max_blocks,
+                           const int64_t *context_lens, float *out, const float *sinks, int64_t num_seqs, int64_t max_blocks,
                            int64_t num_heads, int64_t num_kv_heads, int64_t block_size, float scale,
                            int64_t window, float softcap, int num_threads) {
     const int64_t G = num_heads / num_kv_heads;     /* query heads per kv head */
@@ -54,7 +57,7 @@ int paged_decode_attention(const float *q, const float *k_pool, const float *v_p
                     const int64_t h = kh * G + g;
                     const float *qh = q + (b * num_heads + h) * D;
                     float *s = scores + g * max_len;
-                    float m = -INFINITY, l = 0.0f;
+                    float m = sinks ? sinks[h] : -INFINITY, l = 0.0f;
                     for (int64_t t0 = first - first % block_size; t0 < len; t0 += block_size) { /* pass 1: scores, max */
                         const float *block = k_pool + table[t0 / block_size] * block_size * row + kh * D;
                         const int64_t lo = t0 > first ? t0 : first, hi = t0 + block_size < len ? t0 + block_size : len;
@@ -74,6 +77,7 @@ int paged_decode_attention(const float *q, const float *k_pool, const float *v_p
                         s[t] = expf(s[t] - m);
                         l += s[t];
                     }
+                    if (sinks) l += expf(sinks[h] - m); /* the sink's share: in l, with no value */
                     memset(acc, 0, sizeof acc);
                     for (int64_t t0 = first - first % block_size; t0 < len; t0 += block_size) { /* pass 3: Σ p·v */
                         const float *block = v_pool + table[t0 / block_size] * block_size * row + kh * D;

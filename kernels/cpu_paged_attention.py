@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .checks import check_paged_attention, check_softcap, check_window
+from .checks import check_paged_attention, check_sinks, check_softcap, check_window
 from .cpu_build import build_library
 from .paged_attention import paged_attention_ref
 
@@ -41,7 +41,7 @@ def load_library(head_dim: int) -> ctypes.CDLL:
     Raises RuntimeError with the compiler's message when it cannot be built."""
     lib = build_library(SOURCE, [*FLAGS, f"-DHEAD_DIM={head_dim}"], f"paged_decode_d{head_dim}")
     i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-    lib.paged_decode_attention.argtypes = [ptr] * 6 + [i64] * 5 + [f32, i64, f32, ctypes.c_int]
+    lib.paged_decode_attention.argtypes = [ptr] * 7 + [i64] * 5 + [f32, i64, f32, ctypes.c_int]
     lib.paged_decode_attention.restype = ctypes.c_int
     return lib
 
@@ -58,13 +58,15 @@ def cpu_kernel_problem(head_dim: int) -> str | None:
 
 
 def paged_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, sm_scale=None, *,
-                        window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                        window: int | None = None, softcap: float | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention over paged K/V on the CPU, float32; the arguments of `paged_attention`.
 
     q [B, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks] and
     context_lens [B] (int64 is used as is, int32 converted); returns out [B, H, D]. Sequence b sees
     keys 0 .. context_lens[b] − 1 (its `window` newest only, with a sliding window); scores ×
-    sm_scale (default 1/√D), soft-capped to softcap·tanh(x / softcap) when given. The C kernel
+    sm_scale (default 1/√D), soft-capped to softcap·tanh(x / softcap) when given; `sinks` [H]:
+    each head's learned sink logit joins its softmax with no value (gpt-oss). The C kernel
     trusts every index, so the shapes, the lengths and the block ids it will read are checked here,
     on the host, before it runs."""
     # shapes; the block ids read
@@ -80,14 +82,16 @@ def paged_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, sm_scal
                              f"{t.device}{'' if t.is_contiguous() else ', not contiguous'}")
     return paged_attention_cpu_unchecked(q, k_cache, v_cache, block_tables.long(),
                                          context_lens.long(), sm_scale,
-                                         check_window(window), check_softcap(softcap))
+                                         check_window(window), check_softcap(softcap),
+                                         check_sinks(sinks, q.shape[1]))
 
 
 def paged_attention_cpu_unchecked(q, k_cache, v_cache, block_tables, context_lens, sm_scale,
-                                  window: int,
-                                  softcap: float) -> torch.Tensor:
+                                  window: int, softcap: float,
+                                  sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`paged_attention_cpu` on inputs already checked (the CPU backend checks a step's tables once,
-    not per layer): int64 tables, window and softcap in the kernel's form (0: off)."""
+    not per layer): int64 tables, window and softcap in the kernel's form (0: off); sinks [H] or
+    None (converted to contiguous float32 here)."""
     B, H, D = q.shape
     block_size, Hkv = k_cache.shape[1:3]
     tables, lens = block_tables.contiguous(), context_lens.contiguous()
@@ -96,9 +100,13 @@ def paged_attention_cpu_unchecked(q, k_cache, v_cache, block_tables, context_len
     if B == 0:  # (no sequence: nothing to read, and the kernel would size its buffers at 0)
         return out
     scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
+    sinks_ptr = None  # NULL: no sinks
+    if sinks is not None:
+        sinks = sinks.detach().float().contiguous()  # H (kept alive until the call returns)
+        sinks_ptr = sinks.data_ptr()
     failed = load_library(D).paged_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-        out.data_ptr(),
+        out.data_ptr(), sinks_ptr,
         B, tables.shape[1], H, Hkv, block_size, scale, window, softcap, torch.get_num_threads())
     if failed:
         raise MemoryError("paged_attention_cpu: a thread could not allocate its "

@@ -33,7 +33,10 @@ w − 1 back too (both loops start at the tile's first visible key). A soft-cap 
 c). **Token trees** (speculative verification, nanoserve/spec/tree_sampler.py): `tree_bits`
 [total_q] gives each query the new keys it may see, bit j for new key j (its ancestors and itself),
 on top of causality; −1 (every bit) for a row that is a plain chain. The prefix is seen whole, as
-before.
+before. **Attention sinks** (gpt-oss): `sinks` [H], one learned logit per query head, joins every
+softmax with no value behind it. The online softmax simply starts from it instead of from nothing:
+m = sink (log2 units), l = 1 (exp of the sink minus itself), acc = 0; no extra pass, and a query
+that sees no key gets 0 as before.
 
 **Paged prefix** (chunked prefill, prefix-cache hits). With `block_tables`, `k_cache`,
 `v_cache` and `context_lens`, sequence b first has `context_lens[b]` = P tokens already in the
@@ -66,7 +69,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_flash_attention, check_softcap, check_tiles, check_tree_bits, check_window
+from .checks import (
+    check_flash_attention,
+    check_sinks,
+    check_softcap,
+    check_tiles,
+    check_tree_bits,
+    check_window,
+)
 from .configs import pick
 from .kv_quant import (
     code_column,
@@ -83,7 +93,7 @@ from .online_softmax import online_softmax_step
 @triton.jit
 def _flash_attention_kernel(
     Q, K, V, O, cu_seqlens_q, cu_seqlens_k,
-    block_tables, K_cache, V_cache, K_scale, V_scale, context_lens, tree_bits,
+    block_tables, K_cache, V_cache, K_scale, V_scale, context_lens, tree_bits, Sinks,
     stride_qt, stride_qh, stride_qd,
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
@@ -94,7 +104,7 @@ def _flash_attention_kernel(
     qk_scale, H, group, head_dim, page_size, window,
     SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr, HAS_PREFIX: tl.constexpr, UPCAST: tl.constexpr,
     KV_QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, TREE: tl.constexpr, QGROUP: tl.constexpr,
+    EVEN_D: tl.constexpr, TREE: tl.constexpr, QGROUP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M
     b = tl.program_id(1) // H
@@ -133,6 +143,10 @@ def _flash_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # BLOCK_M     running denominator
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # BLOCK_M, BLOCK_D running numerator
+    if HAS_SINKS:  # start from head h's sink: m = sink · log2 e, l = exp2(m − m) = 1, no value
+        sink = tl.load(Sinks + h).to(tl.float32)
+        m_i = tl.full([BLOCK_M], 1.4426950408889634, dtype=tl.float32) * sink
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
 
     # ---- loop 1: the cached prefix, keys at positions 0..P-1, gathered through the block table
     if HAS_PREFIX:
@@ -232,7 +246,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     max_seqlen_q: int | None = None, window: int | None = None,
                     softcap: float | None = None, k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None, kv_cache_dtype: str = "auto",
-                    tree_bits: torch.Tensor | None = None) -> torch.Tensor:
+                    tree_bits: torch.Tensor | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over packed sequences.  q [total_q, H, D]; k, v [total_k, Hkv, D] -> [total_q, H,
                                          D].
 
@@ -250,8 +265,11 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     (nanoserve/kv/quant.py), dequantized as they are read; "int4": codes two a byte [.., Hkv, D
     / 2], scales [.., Hkv, 2 · D / group] (a scale and a minimum per group). tree_bits [total_q]
     (int64, with causal): bit j of a query's entry set = it sees new key j of its sequence.
+    sinks [H]: each query head's learned sink logit (gpt-oss), one more softmax column with no
+    value (None: none).
     """
     window, softcap = check_window(window, causal), check_softcap(softcap)
+    sinks = check_sinks(sinks, q.shape[1])
     check_tree_bits(tree_bits, q, causal)
     has_prefix = check_flash_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, block_tables, k_cache,
                                        v_cache, context_lens, max_seqlen_q, k_scale, v_scale,
@@ -284,6 +302,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if not quant:  # dummies: the KV_QUANT = 0 kernel never reads them
         k_scale = v_scale = cu_q
     bits = cu_q if tree_bits is None else tree_bits  # (a dummy the TREE = False kernel never reads)
+    sink_logits = cu_q if sinks is None else sinks.contiguous()  # (a dummy, as bits)
     bt_strides = bt.stride() if has_prefix else (0, 0)
     kc_strides = kc.stride() if has_prefix else (0, 0, 0, 0)
     vc_strides = vc.stride() if has_prefix else (0, 0, 0, 0)
@@ -291,7 +310,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # programs past a sequence's end return at once
     grid = (triton.cdiv(max_seqlen_q, block_m), B * H)
     _flash_attention_kernel[grid](
-        q, k, v, out, cu_q, cu_k, bt, kc, vc, k_scale, v_scale, ctx, bits,
+        q, k, v, out, cu_q, cu_k, bt, kc, vc, k_scale, v_scale, ctx, bits, sink_logits,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         *bt_strides, *kc_strides, *vc_strides,
         sm_scale * math.log2(math.e), H, H // Hkv, D, page_size, window,
@@ -299,7 +318,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         KV_QUANT=quant,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
         EVEN_D=D == max(16, triton.next_power_of_2(D)), TREE=tree_bits is not None,
-        QGROUP=group_size(kv_cache_dtype, D),
+        QGROUP=group_size(kv_cache_dtype, D), HAS_SINKS=sinks is not None,
         **launch.options(),
     )
     return out

@@ -3,7 +3,8 @@ matrix, fp32.
 
 The reference the kernel is tested against (tests/test_kernels_flash.py, exercise 7): the same
 arguments, the same masks — bottom-right causal, a sliding window, a soft-cap, a paged prefix read
-through the block table, and a token tree's `tree_bits` — written as directly as torch allows.
+through the block table, and a token tree's `tree_bits` — and gpt-oss's attention sinks, written as
+directly as torch allows.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ def flash_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         v_cache: torch.Tensor | None = None,
                         context_lens: torch.Tensor | None = None,
                         window: int | None = None, softcap: float | None = None,
-                        tree_bits: torch.Tensor | None = None) -> torch.Tensor:
+                        tree_bits: torch.Tensor | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`flash_attention` in plain torch: one sequence at a time, the full score matrix, fp32
-    math."""
+    math. With `sinks` [H], each head's sink logit is one more softmax column, dropped after."""
     has_prefix = check_flash_attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, block_tables, k_cache, v_cache, context_lens
     )
@@ -63,7 +65,10 @@ def flash_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 bits = tree_bits[cu_q[b]:cu_q[b + 1]]  # Lq
                 hidden[:, S - Lk:] |= ((bits[:, None] >> j[None, :]) & 1) == 0
             scores = scores.masked_fill(hidden, float("-inf"))
-        # H, Lq, S   (a row with no visible key -> 0)
-        probs = scores.softmax(dim=-1).nan_to_num(0.0)
+        if sinks is not None:  # H, Lq, S + 1: the sink's column
+            sink = sinks.float()[:, None, None].expand(H, Lq, 1)
+            scores = torch.cat([scores, sink], dim=-1)
+        # H, Lq, S   (a row with no visible key -> 0; the sink's column dropped)
+        probs = scores.softmax(dim=-1).nan_to_num(0.0)[..., :S]
         out[cu_q[b]:cu_q[b + 1]] = torch.einsum("hts,shd->thd", probs, vb).to(q.dtype)  # Lq, H, D
     return out

@@ -17,6 +17,10 @@ block `block_tables[b, t // block_size]` at offset `t % block_size`, i.e. in *sl
   at position len − 1 sees only keys len − w .. len − 1, so the walk simply starts at len − w: the
   blocks before it are never read (the engine may already have given them back to the pool). A
   soft-cap c (Gemma 2) maps each score x to c·tanh(x / c) first (online_softmax.softcap_scores).
+  **Attention sinks** (gpt-oss: one learned logit per query head joins the softmax, with no
+  value): the online softmax starts from the sink instead of from nothing, m = sink, l =
+  exp(sink − m) = 1, acc = 0, so no extra pass; with split-KV only split 0 starts so (the sink
+  counts once, and the merge's log-sum-exp weights then divide by it too).
 
 **GQA, one program per group.** H query heads share Hkv kv heads (head h reads kv head
 h // G, G = H // Hkv). A program owns one (sequence, kv head) and all G query heads of its
@@ -54,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_paged_attention, check_softcap, check_window
+from .checks import check_paged_attention, check_sinks, check_softcap, check_window
 from .configs import pick
 from .kv_quant import code_column, group_size, kv_bits, load_kv_tile, scale_index
 from .online_softmax import online_softmax_step
@@ -63,9 +67,10 @@ from .split_kv import choose_num_splits, merge_splits
 
 # ----------------------------------------------------------------------------- the reference
 def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, sm_scale=None, window=None,
-                        softcap=None) -> torch.Tensor:
+                        softcap=None, sinks=None) -> torch.Tensor:
     """Plain torch, one sequence at a time: gather its keys through the block table (the `window`
-    newest only, with a sliding window), softmax, sum values."""
+    newest only, with a sliding window), softmax (with each head's sink logit sinks[h] as one more
+    column, dropped after), sum values."""
     B, H, D = q.shape
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
     scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
@@ -79,14 +84,17 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, sm_scal
         scores = torch.einsum("hd,lhd->hl", q[b].float(), k) * scale  # H, L
         if softcap:
             scores = softcap * torch.tanh(scores / softcap)
-        out[b] = torch.einsum("hl,lhd->hd", scores.softmax(dim=-1), v).to(q.dtype)  # H, D
+        if sinks is not None:  # H, L + 1: the sink's column, dropped after the softmax
+            scores = torch.cat([scores, sinks.float()[:, None]], dim=-1)
+        probs = scores.softmax(dim=-1)[:, :len(pos)]  # H, L
+        out[b] = torch.einsum("hl,lhd->hd", probs, v).to(q.dtype)  # H, D
     return out
 
 
 # ----------------------------------------------------------------------------- the kernels
 @triton.jit
 def _paged_decode_kernel(
-    Q, K_cache, V_cache, K_scale, V_scale, block_tables, context_lens, Out, Lse,
+    Q, K_cache, V_cache, K_scale, V_scale, block_tables, context_lens, Out, Lse, Sinks,
     stride_qb, stride_qh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     stride_bt,
@@ -94,7 +102,7 @@ def _paged_decode_kernel(
     qk_scale, head_dim, n_kv_heads, window,
     SOFTCAP: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
     D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, KV_QUANT: tl.constexpr,
-    QGROUP: tl.constexpr,
+    QGROUP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(context_lens + b).to(tl.int32)
@@ -122,6 +130,11 @@ def _paged_decode_kernel(
     m = tl.full([G_PAD], float("-inf"), tl.float32)  # running max (log2 units)
     l = tl.zeros([G_PAD], tl.float32)  # running denominator
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)  # running numerator
+    if HAS_SINKS:  # split 0 starts from each head's sink: m = sink, l = 1 (its exp), no value
+        sink = tl.load(Sinks + heads, mask=row_mask, other=0.0).to(tl.float32)  # G_PAD
+        first_split = tl.full([G_PAD], split, tl.int32) == 0  # G_PAD
+        m = tl.where(first_split, sink * 1.4426950408889634, m)  # log2 units
+        l = tl.where(first_split, 1.0, l)
     for start in range(lo, hi, BLOCK_N):
         pos = start + offs_n  # BLOCK_N   token positions in the sequence
         n_mask = pos < hi
@@ -162,7 +175,7 @@ def paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, sm_sc
                           num_splits=1,
                           *, out=None, max_context=None, window=None, softcap=None, k_scale=None,
                           v_scale=None,
-                          kv_cache_dtype="auto"):
+                          kv_cache_dtype="auto", sinks=None):
     """The first phase alone: partial outputs [B, H, num_splits, D] and their log-sum-exps [B, H,
     num_splits] (fp32).
 
@@ -174,6 +187,7 @@ def paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, sm_sc
                                   max_context,
                                   k_scale, v_scale, kv_cache_dtype)
     window, softcap = check_window(window), check_softcap(softcap)
+    sinks = check_sinks(sinks, q.shape[1])
     if out is not None and (num_splits != 1 or out.shape != q.shape or out.stride(-1) != 1):
         raise ValueError("out= is for num_splits = 1 only, and must be shaped like q, contiguous "
                          "in head_dim")
@@ -192,8 +206,10 @@ def paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, sm_sc
         part, part_strides = out, (out.stride(0), out.stride(1), 0)
     if not quant:  # dummies: the KV_QUANT = 0 kernel never reads them
         k_scale = v_scale = lse
+    has_sinks = sinks is not None
+    sinks = sinks.contiguous() if has_sinks else lse  # (a dummy the HAS_SINKS = False kernel skips)
     _paged_decode_kernel[(B, Hkv, num_splits)](
-        q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, part, lse,
+        q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, part, lse, sinks,
         q.stride(0), q.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0),
@@ -202,7 +218,7 @@ def paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, sm_sc
         SOFTCAP=softcap, BLOCK_SIZE=bs, GROUP=H // Hkv,
         G_PAD=max(16, triton.next_power_of_2(H // Hkv)),
         D_PAD=max(16, triton.next_power_of_2(D)), BLOCK_N=launch.tiles[0], UPCAST=launch.upcast,
-        KV_QUANT=quant, QGROUP=group_size(kv_cache_dtype, D),
+        KV_QUANT=quant, QGROUP=group_size(kv_cache_dtype, D), HAS_SINKS=has_sinks,
         **launch.options(),
     )
     return part, lse
@@ -212,7 +228,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, sm_scale=No
                     num_splits: int | None = 1,
                     *, max_context: int | None = None, window: int | None = None,
                     softcap: float | None = None,
-                    k_scale=None, v_scale=None, kv_cache_dtype: str = "auto") -> torch.Tensor:
+                    k_scale=None, v_scale=None, kv_cache_dtype: str = "auto",
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention over paged K/V.
 
     q [B, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks]
@@ -226,9 +243,11 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, sm_scale=No
     "fp8_e5m2": the pools hold 8-bit codes (int8, or FP8 bits in uint8) and k_scale, v_scale
     [num_blocks, block_size, Hkv] their fp16 scales (nanoserve/kv/quant.py), dequantized as they are
     read; "int4": pools [num_blocks, block_size, Hkv, D / 2] of packed codes and scales
-    [num_blocks, block_size, Hkv, 2 · D / group] (a scale and a minimum per group).
+    [num_blocks, block_size, Hkv, 2 · D / group] (a scale and a minimum per group). sinks [H]:
+    each query head's learned sink logit (gpt-oss), one more softmax column with no value (None:
+    none).
     """
-    kv = dict(k_scale=k_scale, v_scale=v_scale, kv_cache_dtype=kv_cache_dtype)
+    kv = dict(k_scale=k_scale, v_scale=v_scale, kv_cache_dtype=kv_cache_dtype, sinks=sinks)
     if num_splits is None:
         if max_context is None:
             max_context = int(context_lens.max()) if context_lens.numel() else 1

@@ -78,7 +78,7 @@ EXTENSIONS = [
     "nanoserve.kv.cpu_backend", "nanoserve.kv.quant", "nanoserve.kv.in_place",
     "nanoserve.extensions",
     "nanoserve.models.onednn", "nanoserve.models.triton_layers", "nanoserve.models.gguf_file",
-    "nanoserve.models.families",
+    "nanoserve.models.families", "nanoserve.models.mla", "nanoserve.models.moe_shared",
     "nanoserve.kernels",
 ]
 

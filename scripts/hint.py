@@ -41,7 +41,7 @@ def main(argv: list[str]) -> None:
         raise SystemExit("usage: make hint EX=ex04 [N=1|2|3] [PART=4.2]")
     path = HINTS / f"{argv[0]}.md"
     if not path.is_file():
-        raise SystemExit(f"{argv[0]}: no such exercise (exercises/hints/ has ex01.md .. ex23.md)")
+        raise SystemExit(f"{argv[0]}: no such exercise (exercises/hints/ has ex01.md .. ex24.md)")
     level = int(argv[1]) if len(argv) > 1 and argv[1] else 1
     if not 1 <= level <= LEVELS:
         raise SystemExit(f"N={level}: there are {LEVELS} levels (1 the idea, 2 the shape, 3 nearly "

@@ -54,6 +54,7 @@ def assert_logits_match(path: Path, hf, prompt_len: int = 16, steps: int = 20) -
             step = model(ids[:, t:t + 1], cache=cache)
             errors.append((step[:, 0] - ref[:, t]).abs().max().item())
         full = model(ids)
+    print(f"max |Δ| {max(errors):.2e}")  # (pytest -rP shows it: benchmarks/RESULTS.md)
     assert max(errors) <= TOL, f"max |Δ| per step {errors}"
     assert (full - ref).abs().max().item() <= TOL
     return max(errors)

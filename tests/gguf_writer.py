@@ -1,9 +1,12 @@
 """Test helper: a transformers model written as a GGUF file the way llama.cpp's converter writes
 one (its metadata keys, tensor names from gguf's own name map, q/k rows reordered for Llama, Gemma's
 norms as 1 + w; Phi-3's fused qkv_proj / gate_up_proj stay fused, as attn_qkv / ffn_up), each
-linear in a chosen GGML type. Legacy types are quantized by the `gguf` package itself; K-quant types
-(which it cannot quantize) get random blocks with small float16 scales — a random model either way,
-and both readers under test see the same bytes.
+linear in a chosen GGML type. Granite, Gemma 1, StarCoder2, Phi-2, StableLM, Command-R and OLMo 2
+get the key list each of the converter's classes writes for them (`_CONVERTER_KEYS`: which keys,
+from which HF fields), read from the converter's source; the keys' names are the gguf package's own.
+Legacy types are quantized by the `gguf` package itself; K-quant types (which it cannot quantize)
+get random blocks with small float16 scales — a random model either way, and both readers under
+test see the same bytes.
 
 Imported by name (`from gguf_writer import write_gguf`), like testdata.py.
 """
@@ -69,8 +72,8 @@ def close_gguf(writer) -> None:
 def _archs() -> dict:
     import gguf
 
-    names = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
-    return {name: getattr(gguf.MODEL_ARCH, name.upper()) for name in names}
+    names = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", *_CONVERTER_KEYS)
+    return {name: getattr(gguf.MODEL_ARCH, name.upper().replace("-", "_")) for name in names}
 
 
 def _rope_parameters(cfg) -> dict:
@@ -79,6 +82,136 @@ def _rope_parameters(cfg) -> dict:
         return {"rope_theta": cfg.rope_theta, **(getattr(cfg, "rope_scaling", None) or {})}
     params = cfg.rope_parameters
     return params.get("full_attention", params)  # Gemma 3: one entry per layer type
+
+
+def _head_dim(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def _rotary_factor(cfg) -> float:
+    """Phi's and StableLM's partial_rotary_factor, wherever this transformers keeps it."""
+    factor = getattr(cfg, "partial_rotary_factor", None)
+    return factor if factor is not None else _rope_parameters(cfg)["partial_rotary_factor"]
+
+
+def _layer_norm_eps(cfg) -> float:
+    """The LayerNorm epsilon under the name the family's config uses (StarCoder2: norm_epsilon)."""
+    return getattr(cfg, "layer_norm_eps", None) or cfg.norm_epsilon
+
+
+def _text_model_keys(writer, cfg) -> None:
+    """What the converter's base class (TextModel) writes for every architecture that does not
+    write its own list: the sizes, the RoPE base, the norm epsilon under its RMSNorm or LayerNorm
+    key, and a head size only where config.json has a head_dim."""
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(_rope_parameters(cfg)["rope_theta"])
+    if getattr(cfg, "rms_norm_eps", None) is not None:
+        writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    else:
+        writer.add_layer_norm_eps(_layer_norm_eps(cfg))
+    if getattr(cfg, "head_dim", None) is not None:
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+
+
+def _granite_keys(writer, cfg) -> None:
+    """Granite: Llama's keys (TextModel's, the vocabulary size, the rotary width; its head_dim is
+    dropped) and the four multipliers, each written only when set and non-zero."""
+    _text_model_keys(writer, cfg)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    for add, value in ((writer.add_attention_scale, cfg.attention_multiplier),
+                       (writer.add_embedding_scale, cfg.embedding_multiplier),
+                       (writer.add_residual_scale, cfg.residual_multiplier),
+                       (writer.add_logit_scale, cfg.logits_scaling)):
+        if value:
+            add(value)
+
+
+def _gemma_keys(writer, cfg) -> None:
+    """Gemma 1: its own list — no RoPE base (llama.cpp's default 10,000), the head size always."""
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+
+
+def _phi2_keys(writer, cfg) -> None:
+    """Phi-2: its own list — an MLP width of 4 × hidden, as many KV heads as heads, the rotated
+    width int(factor · hidden) // heads, no RoPE base."""
+    n_embd, n_head = cfg.hidden_size, cfg.num_attention_heads
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(4 * n_embd)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_head)
+    writer.add_layer_norm_eps(cfg.layer_norm_eps)
+    writer.add_rope_dimension_count(int(_rotary_factor(cfg) * n_embd) // n_head)
+
+
+def _stablelm_keys(writer, cfg) -> None:
+    """StableLM: its own list — the rotated width of a head, the parallel-residual flag (which
+    llama.cpp does not read), no RoPE base."""
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    head = cfg.hidden_size // cfg.num_attention_heads
+    writer.add_rope_dimension_count(int(_rotary_factor(cfg) * head))
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_parallel_residual(cfg.use_parallel_residual)
+    writer.add_layer_norm_eps(cfg.layer_norm_eps)
+
+
+def _command_r_keys(writer, cfg) -> None:
+    """Command-R: TextModel's keys, the logit scale, and RoPE scaling "none"."""
+    import gguf
+
+    _text_model_keys(writer, cfg)
+    writer.add_logit_scale(cfg.logit_scale)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+
+
+# GGUF architecture -> the keys its converter class writes (these replace the Llama-style list
+# write_gguf writes for the architectures before them)
+_CONVERTER_KEYS = {"granite": _granite_keys, "gemma": _gemma_keys,
+                   "starcoder2": _text_model_keys, "phi2": _phi2_keys,
+                   "stablelm": _stablelm_keys, "command-r": _command_r_keys,
+                   "olmo2": _text_model_keys}  # (OLMo 2's config has no window: nothing more)
+# architectures whose converter reorders q/k rows (Llama's class and its subclass Granite's)
+_PERMUTED = ("llama", "granite")
+# architectures whose converter stores every norm weight as 1 + w
+_NORM_PLUS_ONE = ("gemma", "gemma2", "gemma3")
+
+
+def _stacked_head_norms(state: dict) -> dict:
+    """StableLM's per-head q/k LayerNorms (q_layernorm.norms.h.weight, h = 0..H-1) stacked into one
+    [H, head_dim] q_layernorm.weight per layer, as its converter stacks them; every other tensor
+    as it is."""
+    import re
+
+    out, heads = {}, {}
+    for name, tensor in state.items():
+        match = re.fullmatch(r"(.*)\.norms\.(\d+)\.weight", name)
+        if match is None:
+            out[name] = tensor
+            continue
+        heads.setdefault(match[1] + ".weight", {})[int(match[2])] = tensor
+    for name, per_head in heads.items():
+        out[name] = np.stack([per_head[h] for h in sorted(per_head)])  # H, head_dim
+    return out
 
 
 def _add_family_keys(writer, cfg, arch: str) -> None:
@@ -109,19 +242,8 @@ def _add_demo_vocabulary(writer) -> None:
     writer.add_eos_token_id(256)
 
 
-def write_gguf(model, path: Path, qtype_name: str = "F32", arch: str = "llama",
-               seed: int = 0, vocabulary: bool = True) -> Path:
-    """`model` (a transformers Llama, Qwen2, Qwen3, Gemma2, Gemma3 or Phi3 ForCausalLM with the
-    demo's 257-token vocabulary) as a GGUF file at `path`, its 2-D linear weights in
-    `qtype_name`, everything else F32, with the demo's byte tokenizer (`vocabulary=False`: none,
-    token ids only — llama.cpp refuses a "gpt2" vocabulary without merges, and the demo's has
-    none)."""
-    import gguf
-
-    cfg = model.config
-    qtype = getattr(gguf.GGMLQuantizationType, qtype_name)
-    rng = np.random.default_rng(seed)
-    writer = gguf.GGUFWriter(str(path), arch)
+def _llama_style_keys(writer, cfg, arch: str) -> None:
+    """The keys written for Llama, Qwen2, Qwen3, Gemma 2, Gemma 3 and Phi-3."""
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_block_count(cfg.num_hidden_layers)
@@ -130,30 +252,56 @@ def write_gguf(model, path: Path, qtype_name: str = "F32", arch: str = "llama",
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_freq_base(_rope_parameters(cfg)["rope_theta"])
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = _head_dim(cfg)
     writer.add_rope_dimension_count(head_dim)
     if arch != "phi3":  # (Phi-3's converter writes no head size: hidden / heads)
         writer.add_key_length(head_dim)  # Qwen3's head is not hidden / heads wide
         writer.add_value_length(head_dim)
     _add_family_keys(writer, cfg, arch)
     writer.add_vocab_size(cfg.vocab_size)
+
+
+def _as_converted(name: str, w: np.ndarray, cfg, arch: str) -> np.ndarray:
+    """One HF tensor as the converter stores it: Gemma's norms as 1 + w, Llama's and Granite's q/k
+    rows (weights and biases) reordered for llama.cpp's rotary layout."""
+    if arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
+        return w + 1  # llama.cpp's converter stores Gemma's norms (q/k norms too) as 1 + w
+    if arch in _PERMUTED and name.endswith(("q_proj.weight", "q_proj.bias")):
+        return permute_rotary(w, cfg.num_attention_heads)
+    if arch in _PERMUTED and name.endswith(("k_proj.weight", "k_proj.bias")):
+        return permute_rotary(w, cfg.num_key_value_heads)
+    return w
+
+
+def write_gguf(model, path: Path, qtype_name: str = "F32", arch: str = "llama",
+               seed: int = 0, vocabulary: bool = True) -> Path:
+    """`model` (a transformers Llama, Qwen2, Qwen3, Gemma2, Gemma3, Phi3, Granite, Gemma,
+    Starcoder2, Phi, StableLm or Cohere ForCausalLM with the demo's 257-token vocabulary) as a GGUF
+    file at `path`, its 2-D linear weights in `qtype_name`, everything else (norms too) F32, with
+    the demo's byte tokenizer (`vocabulary=False`: none, token ids only — llama.cpp refuses a
+    "gpt2" vocabulary without merges, and the demo's has none)."""
+    import gguf
+
+    cfg = model.config
+    qtype = getattr(gguf.GGMLQuantizationType, qtype_name)
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), arch)
+    if arch in _CONVERTER_KEYS:
+        _CONVERTER_KEYS[arch](writer, cfg)
+    else:
+        _llama_style_keys(writer, cfg, arch)
     if vocabulary:
         _add_demo_vocabulary(writer)
     else:
         writer.add_tokenizer_model("none")
     names = gguf.get_tensor_name_map(_archs()[arch], cfg.num_hidden_layers)
-    for name, tensor in model.state_dict().items():
+    state = {name: t.detach().float().numpy() for name, t in model.state_dict().items()}
+    for name, w in _stacked_head_norms(state).items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        w = tensor.detach().float().numpy()
-        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
-            w = w + 1  # llama.cpp's converter stores Gemma's norms (q/k norms too) as 1 + w
-        if arch == "llama" and name.endswith("q_proj.weight"):
-            w = permute_rotary(w, cfg.num_attention_heads)
-        if arch == "llama" and name.endswith("k_proj.weight"):
-            w = permute_rotary(w, cfg.num_key_value_heads)
+        w = _as_converted(name, w, cfg, arch)
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        linear = w.ndim == 2 and "embed_tokens" not in name
+        linear = w.ndim == 2 and "embed_tokens" not in name and "norm" not in name
         if not linear or qtype_name == "F32":
             writer.add_tensor(gguf_name, w)
         elif qtype_name in K_TYPES:

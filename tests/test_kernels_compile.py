@@ -123,7 +123,7 @@ def test_dots_run_in_the_input_dtype_and_fp32_without_tf32(compiled):
     _, result = compiled
     dots = [r for r in result["rows"] if r.get("dot", "-") != "-"]
     assert {r["kernel"] for r in dots} == {"flash_attention", "paged_decode", "dequant_gemm",
-                                           "dequant_gemv", "w8a8", "lut_gemv"}
+                                           "dequant_gemv", "w8a8", "lut_gemv", "mla_decode"}
     ptx_type = {"fp16": "f16", "bf16": "bf16"}
     for r in dots:
         if r["kernel"] == "w8a8":  # int8 × int8 on int8 tensor cores, whatever the output dtype

@@ -25,7 +25,7 @@ def _problem(nb: dict) -> str | None:
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_is_committed_executed(path):
-    assert len(NOTEBOOKS) == 22
+    assert len(NOTEBOOKS) == 23
     assert _problem(json.loads(path.read_text())) is None, (
         f"{path.name}: {_problem(json.loads(path.read_text()))}"
     )

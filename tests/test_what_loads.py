@@ -30,7 +30,8 @@ def test_every_architecture_that_loads_has_a_row_with_a_name_and_a_summary():
     assert listed == set(SUPPORTED_ARCHITECTURES) | registered
     for arch in listed:  # each row's architecture is one the config reader accepts
         assert hf_model_type({"architectures": [arch]})
-    assert all(name and summary for name, _, summary in what_loads())
+    for name, _, summary in what_loads():  # a "|" would split the markdown table's cell
+        assert name and summary and "|" not in name + summary, (name, summary)
 
 
 def test_a_family_added_without_rewriting_the_readme_is_caught(monkeypatch):

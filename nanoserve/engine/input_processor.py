@@ -40,7 +40,7 @@ class InputProcessor:
         self.max_model_len = config.max_position_embeddings
         # Llama-family prompts start with BOS (as their tokenizers do); GPT-2's do not.
         has_bos = tokenizer is not None and tokenizer.bos_id is not None
-        self.add_bos = config.arch == "llama" and has_bos
+        self.add_bos = config.adds_bos and has_bos
         self.eos_ids = set(config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_id is not None:
             self.eos_ids.add(tokenizer.eos_id)

@@ -168,6 +168,8 @@ class ModelRunner:
         if any(getattr(m, "host_sync", False) for m in self.model.modules()):
             return ("a layer reads device values on the host every call (LLM.int8's outlier "
                     "features)")
+        if self.kv.v_in_k is not None:  # MLA's latent cache: only decode steps run a kernel
+            max_verify_tokens = 1  # (verification runs eagerly, on the torch path)
         self.graphs = extension("cuda_graphs").CudaGraphRunner(self, max_num_seqs, max_model_len,
                                                                max_verify_tokens)
         self.graphs.capture()

@@ -30,7 +30,8 @@ cached, so *how* that happens is the view's choice — the **attention backend**
   a prefill step packs the rows' real tokens without padding (`cu_seqlens`) and runs
   `flash_attention` with the cached prefix read through the block tables. No gather, no padding
   computed, no mask tensor. Default on CUDA; on CPU the kernels run in Triton's interpreter,
-  which is correct but slow.
+  which is correct but slow. A pool of MLA's latent (`TritonLatentCacheView`) runs its decode
+  steps through `mla_decode` and its other steps through the torch backend's path.
 - `"cpu"` (`CpuCacheView`, cpu_backend.py): the torch backend, except that a decode step reads the
   pool in place through a small C kernel (kernels/cpu_paged_attention.c) instead of gathering it.
   Default on the CPU where a C compiler builds it and the model computes in float32.
@@ -51,7 +52,7 @@ import torch
 from ..config import ATTENTION_BACKENDS, check_block_size
 from ..errors import NanoserveError
 from ..extension_points import extension
-from ..models.config import ModelConfig
+from ..models.config import KVLayout, ModelConfig
 from .metadata import CommonAttentionMetadata
 from .torch_backend import CacheView
 
@@ -60,11 +61,14 @@ logger = logging.getLogger("nanoserve")
 
 def resolve_attention_backend(backend: str | None, device: torch.device | str,
                               head_dim: int | None = None,
-                              dtype: torch.dtype | None = None) -> str:
+                              dtype: torch.dtype | None = None,
+                              kv_layout: KVLayout | None = None) -> str:
     """None -> the default for the device: on CUDA Triton's kernels where they serve this head_dim
     and dtype, on the CPU the C decode kernel where it builds and the model computes in float32;
     else torch, with the reason logged. "triton" or "cpu" where they cannot serve is refused, with
-    the reason."""
+    the reason. A latent `kv_layout` (V read from K: MLA) is served by torch, by the CPU backend
+    (through its torch path: the C kernel reads no latent) and by Triton where its latent decode
+    kernel runs (kernels/mla_decode.py; other steps take the torch path: triton_backend.py)."""
     if backend is not None and backend not in ATTENTION_BACKENDS:
         raise NanoserveError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)} "
                              f"(or None for the device's default), got {backend!r}")
@@ -76,6 +80,11 @@ def resolve_attention_backend(backend: str | None, device: torch.device | str,
     if backend == "cpu" and cuda:
         problem = ("it runs on the CPU, and this model is on CUDA (its in-place backend there "
                    "is 'triton')")
+    latent = kv_layout is not None and kv_layout.v_in_k is not None
+    if latent and (backend == "triton" or (backend is None and cuda)) and dtype is not None:
+        # Triton's latent view runs the MLA decode kernel, not the paged and flash ones
+        views = extension("attention_backends").VIEWS
+        problem = views["triton"].latent_view.kernel_problem(dtype, device)
     if backend in ("triton", "cpu") and problem:
         raise NanoserveError(f"attention_backend={backend!r} cannot serve this model here: "
                              f"{problem}; use 'torch'")
@@ -90,7 +99,9 @@ def resolve_attention_backend(backend: str | None, device: torch.device | str,
 
 
 class PagedKVCache:
-    """k, v: [n_layers, num_blocks, block_size, n_kv_heads, head_dim]; with a quantized
+    """k, v: [n_layers, num_blocks, block_size, n_kv_heads, head_dim] as the model's
+    `cfg.kv_layout` says; where V is read from K (`v_in_k` = r: MLA's latent, models/mla.py) there
+    is no v pool (`v` is None) and layer i's V is the view k[i][..., :r]. With a quantized
     `kv_cache_dtype`, 8-bit codes there and fp16 scales in k_scale, v_scale [n_layers, num_blocks,
     block_size, n_kv_heads]; int4: two codes a byte in k, v [.., head_dim / 2] and a scale and
     minimum per group in k_scale, v_scale [.., n_kv_heads, 2 · head_dim / group] (kv/quant.py).
@@ -103,18 +114,23 @@ class PagedKVCache:
                  kv_cache_dtype: str = "auto", layers: range | None = None):
         layers = range(cfg.n_layers) if layers is None else layers
         self.first_layer = layers.start  # model layer i is the pool's layer i − first_layer
-        shape = (len(layers), num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
+        layout = cfg.kv_layout  # what one token holds: K heads, and V's own pool or V inside K
+        shape = (len(layers), num_blocks, block_size, layout.n_kv_heads, layout.head_dim)
+        self.v_in_k = layout.v_in_k  # None: V in a pool of its own; r: V is K's first r values
+        check_kv_cache_dtype(layout, kv_cache_dtype)
         self.quant = None  # K/V in the model's dtype; else their format: 8-bit codes + scales
         if kv_cache_dtype != "auto":
             self.quant = extension("kv_quant").kv_quant(kv_cache_dtype)  # kv/quant.py
         self.kv_cache_dtype, self.dtype = kv_cache_dtype, dtype  # dtype: what attention computes in
         storage = dtype if self.quant is None else self.quant.storage
-        self.head_dim = cfg.head_dim  # the pools' last dim, unless int4 packs two codes a byte
+        self.head_dim = layout.head_dim  # the pools' last dim, unless int4 packs two codes a byte
         code_shape, scale_shape = shape, None
         if self.quant is not None:  # 8-bit: [.., D], [.., Hkv]; int4: [.., D/2], [.., Hkv, 2·D/G]
             code_shape, scale_shape = self.quant.pool_shapes(shape)
         self.k = torch.zeros(code_shape, dtype=storage, device=device)
-        self.v = torch.zeros(code_shape, dtype=storage, device=device)
+        self.v = None  # V read from K: no pool of its own
+        if self.v_in_k is None:
+            self.v = torch.zeros(code_shape, dtype=storage, device=device)
         scales = None
         if self.quant is not None:
             scales = torch.zeros(scale_shape, dtype=self.quant.scale_dtype, device=device)
@@ -122,7 +138,7 @@ class PagedKVCache:
         self.k_scale, self.v_scale = scales, None if scales is None else scales.clone()
         self.num_blocks, self.block_size = num_blocks, block_size
         self.attention_backend = resolve_attention_backend(attention_backend, device,
-                                                           cfg.head_dim, dtype)
+                                                           layout.head_dim, dtype, layout)
         self.num_kv_splits = num_kv_splits  # triton decode: None = choose_num_splits (1 on CPU)
         # workspace
         self._gather_k = self._gather_v = torch.empty((0, *shape[2:]), dtype=dtype, device=device)
@@ -139,13 +155,16 @@ class PagedKVCache:
             self._gather_k = self._gather_v = None  # release the old pair before allocating the new
             shape = (n, *self.k.shape[2:4], self.head_dim)  # n, block_size, Hkv, D
             self._gather_k = torch.empty(shape, dtype=self.dtype, device=self.k.device)
-            self._gather_v = torch.empty(shape, dtype=self.dtype, device=self.v.device)
+            if self.v_in_k is None:  # (else V is read from the gathered K: no buffer)
+                self._gather_v = torch.empty(shape, dtype=self.dtype, device=self.k.device)
         return self._gather_k, self._gather_v
 
     def layer(self, i: int):
         """Model layer i's K and V pools [num_blocks, block_size, Hkv, D]; quantized, each a (codes,
         scales) pair."""
         i -= self.first_layer
+        if self.v_in_k is not None:  # V is K's first r values: a view, nothing stored twice
+            return self.k[i], self.k[i][..., :self.v_in_k]
         if self.quant is None:
             return self.k[i], self.v[i]
         return (self.k[i], self.k_scale[i]), (self.v[i], self.v_scale[i])
@@ -174,7 +193,10 @@ class PagedKVCache:
         """This backend's CacheView class (torch_backend.py, or an extension's: in_place.py)."""
         if self.attention_backend == "torch":
             return CacheView
-        return extension("attention_backends").VIEWS[self.attention_backend]
+        view = extension("attention_backends").VIEWS[self.attention_backend]
+        if self.v_in_k is not None and self.attention_backend == "triton":
+            return view.latent_view  # MLA's latent: the decode kernel over it (triton_backend.py)
+        return view
 
     def build_metadata(self, common: CommonAttentionMetadata, trees: list | None = None):
         """This backend's attention metadata for a step (its view's `build_metadata`)."""
@@ -197,9 +219,21 @@ class PagedKVCache:
 def kv_bytes_per_token(cfg: ModelConfig, dtype: Any, kv_cache_dtype: str = "auto") -> int:
     """Bytes of K and V for one token in every layer: 2 · n_layers · n_kv_heads · head_dim · bytes
     per value (the model dtype's itemsize; quantized, 1 + the scale's share: kv/quant.py), rounded
-    up."""
-    value_bytes = kv_element_bytes(kv_cache_dtype, dtype, cfg.head_dim)
-    return math.ceil(2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * value_bytes)
+    up. Where V is read from K (MLA's latent, `cfg.kv_layout`), K's alone: n_layers · (r + d_rope)
+    values."""
+    layout = cfg.kv_layout
+    check_kv_cache_dtype(layout, kv_cache_dtype)
+    value_bytes = kv_element_bytes(kv_cache_dtype, dtype, layout.head_dim)
+    return math.ceil(cfg.n_layers * layout.values_per_token * value_bytes)
+
+
+def check_kv_cache_dtype(layout: KVLayout, kv_cache_dtype: str) -> None:
+    """Refuse a quantized pool where V is read from K (MLA): the 8-bit and int4 formats keep one
+    scale per K head and another per V head, and V here has neither pool nor scale of its own."""
+    if kv_cache_dtype != "auto" and layout.v_in_k is not None:
+        raise NanoserveError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported for a model "
+                             "whose cache holds MLA's latent (V read as the first "
+                             f"{layout.v_in_k} values of K: models/mla.py); allowed: 'auto'")
 
 
 def kv_element_bytes(kv_cache_dtype: str, dtype: Any, head_dim: int) -> float:

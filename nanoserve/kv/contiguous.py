@@ -49,9 +49,9 @@ class KVCache:
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   positions: torch.Tensor,
                   window: int | None = None, scale: float | None = None,
-                  softcap: float | None = None):
+                  softcap: float | None = None, sinks: torch.Tensor | None = None):
         view = self._view_for(layer, k.shape[1])
-        return view.attention(layer, q, k, v, positions, window, scale, softcap)
+        return view.attention(layer, q, k, v, positions, window, scale, softcap, sinks=sinks)
 
     def _view_for(self, layer: int, T: int) -> CacheView:
         if layer == 0 or self._view is None:

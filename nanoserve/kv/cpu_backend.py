@@ -35,17 +35,21 @@ class CpuCacheView(CacheView):
     @staticmethod
     def reads_in_place(cache, decode: bool) -> bool:
         """Whether a step runs the C kernel over the pool: a decode step over a float32, unquantized
-        pool."""
-        return decode and cache.quant is None and cache.dtype == torch.float32
+        pool with V of its own (MLA's latent, V read from K, takes the torch path: the kernel
+        reads K and V as two pools of one head_dim)."""
+        plain = cache.quant is None and cache.v_in_k is None
+        return decode and plain and cache.dtype == torch.float32
 
     @classmethod
     def gathers_by_bucket(cls, cache, decode: bool) -> bool:
         """A step the C kernel reads in place gathers nothing (no length buckets to build)."""
         return not cls.reads_in_place(cache, decode)
 
-    def attention(self, layer, q, k, v, positions, window=None, scale=None, softcap=None):
+    def attention(self, layer, q, k, v, positions, window=None, scale=None, softcap=None,
+                  sinks=None):
         if not self.in_place:
-            return super().attention(layer, q, k, v, positions, window, scale, softcap)
+            return super().attention(layer, q, k, v, positions, window, scale, softcap,
+                                     sinks=sinks)
         from ..kernels.cpu_paged_attention import paged_attention_cpu_unchecked
 
         pool_k, pool_v = self.cache.layer(layer)  # num_blocks, block_size, Hkv, D
@@ -53,6 +57,6 @@ class CpuCacheView(CacheView):
         self._write(pool_v, v)
         out = paged_attention_cpu_unchecked(
             q[:, 0], pool_k, pool_v, self.tables, self.context_lens, scale, window or 0,
-            softcap or 0.0,
+            softcap or 0.0, sinks,
         )  # B, H, D
         return out[:, None]  # B, 1, H, D

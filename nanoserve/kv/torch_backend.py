@@ -106,23 +106,23 @@ class CacheView:
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   positions: torch.Tensor, window: int | None = None, scale: float | None = None,
-                  softcap: float | None = None) -> torch.Tensor:
+                  softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Store this step's k, v [B, T, Hkv, D]; attend q [B, T, H, D] at `positions` over the
         cache (each query over its `window` newest keys only, when the layer has a sliding window;
-        scores × `scale`, default 1/√D, and soft-capped at `softcap` when given: layers.attention).
+        scores × `scale`, default 1/√D, and soft-capped at `softcap` when given; `sinks` [H]: each
+        head's learned sink logit joins its softmax, gpt-oss: layers.attention).
 
         Returns [B, T, H, D]. The model's attention layers call this; the backend decides how. Rows
         are gathered by length bucket (metadata.length_buckets), each bucket to its own length."""
         # num_blocks, block_size, Hkv, D (+ scales, quantized)
         pool_k, pool_v = self.cache.layer(layer)
-        self._write(pool_k, k)
-        self._write(pool_v, v)
+        self._store(pool_k, pool_v, k, v)
         if self.meta.no_prefix and self.meta.attn_mask is None and self.cache.quant is None:
             # Prefills from scratch: this step's k, v are every key there is (each row's key j at
             # position j; a padding key sits after its row's real ones, where no real query looks).
             # Nothing to gather.
             window_positions = None if window is None else positions
-            return sdpa_attention(q, k, v, window_positions, window, scale, softcap)
+            return sdpa_attention(q, k, v, window_positions, window, scale, softcap, sinks=sinks)
         if window is not None:
             windowed = self._window_tables(window, positions)
             # gather only the blocks the window reaches, not the whole context
@@ -130,30 +130,31 @@ class CacheView:
                 tables, offsets = windowed  # B, M_w; B
                 return sdpa_attention(q, *self._gather_kv(pool_k, pool_v, tables),
                                       positions - offsets[:, None],
-                                      window, scale, softcap)
+                                      window, scale, softcap, sinks=sinks)
         # a token tree in some row: its mask spans the longest row's keys
         if self.meta.attn_mask is not None:
             return sdpa_attention(q, *self._gather_kv(pool_k, pool_v, self.block_tables), positions,
                                   None, scale,
-                                  softcap, mask=self.meta.attn_mask)
+                                  softcap, mask=self.meta.attn_mask, sinks=sinks)
         buckets = self.meta.buckets
         if self.meta.query_positions is not None:  # the mask's: among the cached keys
             positions = self.meta.query_positions
         if len(buckets) <= 1:  # one length: every row gathered to the longest, as `update` does
             return sdpa_attention(q, *self._gather_kv(pool_k, pool_v, self.block_tables), positions,
                                   window, scale,
-                                  softcap)
+                                  softcap, sinks=sinks)
         if self._groups is None:  # each bucket's tables and positions: the same in every layer
             # b, ≤ num_blocks
             self._groups = [(rows, self.block_tables.index_select(0, rows)[:, :num_blocks],
                              # b, T
                              positions.index_select(0, rows)) for rows, num_blocks in buckets]
-        out = torch.empty_like(q)  # B, T, H, D
+        # B, T, H, Dv (V's width: K's, or MLA's latent r where V is K's first r values)
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
         # one bucket's gather is read before the next overwrites it
         for rows, tables, pos in self._groups:
             out_b = sdpa_attention(q.index_select(0, rows),
                                    *self._gather_kv(pool_k, pool_v, tables), pos,
-                                   window, scale, softcap)  # b, T, H, D
+                                   window, scale, softcap, sinks=sinks)  # b, T, H, D
             out.index_copy_(0, rows, out_b)
         return out
 
@@ -178,9 +179,18 @@ class CacheView:
         """Write this step's k, v [B, T, Hkv, D] into their slots; return every sequence's [B, S,
         Hkv, D]."""
         pool_k, pool_v = self.cache.layer(layer)
+        self._store(pool_k, pool_v, k, v)
+        keys = self._gather(pool_k, self.block_tables)
+        if self.cache.v_in_k is not None:  # V is K's first r values (MLA's latent)
+            return keys, keys[..., :self.cache.v_in_k]
+        return keys, self._gather(pool_v, self.block_tables)
+
+    def _store(self, pool_k, pool_v, k: torch.Tensor, v: torch.Tensor) -> None:
+        """This step's k and v into their slots; v only where V has a pool of its own (where it is
+        K's first r values, MLA's latent, writing k wrote it)."""
         self._write(pool_k, k)
-        self._write(pool_v, v)
-        return self._gather(pool_k, self.block_tables), self._gather(pool_v, self.block_tables)
+        if self.cache.v_in_k is None:
+            self._write(pool_v, v)
 
     def _gather_kv(self, pool_k: torch.Tensor, pool_v: torch.Tensor, tables: torch.Tensor):
         """`_gather` of K and V into the cache's reused buffers: [b, M · block_size, Hkv, D] views,
@@ -189,9 +199,12 @@ class CacheView:
         buf_k, buf_v = self.cache.gather_buffers(tables.numel())  # ≥ M·b blocks each
         idx = tables.flatten()
         k = self._gather_into(pool_k, idx, buf_k[:len(idx)])
-        v = self._gather_into(pool_v, idx, buf_v[:len(idx)])
         b, H, D = tables.shape[0], k.shape[2], k.shape[3]
-        return k.view(b, -1, H, D), v.view(b, -1, H, D)
+        k = k.view(b, -1, H, D)
+        if self.cache.v_in_k is not None:  # V is K's first r values (MLA's latent): one gather
+            return k, k[..., :self.cache.v_in_k]
+        v = self._gather_into(pool_v, idx, buf_v[:len(idx)])
+        return k, v.view(b, -1, H, D)
 
     def _gather_into(self, pool, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The blocks `idx` of one pool, in the model's dtype, into `out` [n, block_size, Hkv, D]; a

@@ -18,6 +18,35 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn", "dyna
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
+@dataclass(frozen=True)
+class KVLayout:
+    """What the KV cache holds per token in each layer; kv/cache.py sizes its pools from it.
+
+    K: `n_kv_heads` heads of `head_dim` values. V: a pool of the same shape (`v_in_k` None), or no
+    pool at all (`v_in_k` = r): V is then the first r values of each K head, read where K is, so
+    nothing is stored twice. Multi-head latent attention stores one "head" of its latent c_kv
+    followed by the rotated RoPE key, and attends with V = c_kv (models/mla.py)."""
+
+    n_kv_heads: int
+    head_dim: int
+    v_in_k: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("n_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"KVLayout {name}={value!r} must be a positive integer")
+        if self.v_in_k is not None and not 0 < self.v_in_k <= self.head_dim:
+            raise ConfigError(f"KVLayout v_in_k={self.v_in_k!r} must lie in 1..head_dim="
+                              f"{self.head_dim} (or be None: V in a pool of its own)")
+
+    @property
+    def values_per_token(self) -> int:
+        """Values one token stores in one layer: K's, and V's unless V is read from K."""
+        per_pool = self.n_kv_heads * self.head_dim
+        return per_pool if self.v_in_k is not None else 2 * per_pool
+
+
 @dataclass
 class ModelConfig:
     # the module layout: "gpt2" | "llama" (the two every extension knows), or a family's own
@@ -89,6 +118,9 @@ class ModelConfig:
     # what a family of its own module adds (models/families/): its own small validated dataclass,
     # read only by its model class; None for the families above
     family_options: Any = None
+    # text prompts start with the tokenizer's BOS (as the family's HF tokenizer adds it); None: the
+    # Llama layout's do, GPT-2's and the other layouts' do not
+    bos_in_prompts: bool | None = None
 
     def __post_init__(self) -> None:
         own_layout = self.arch == self.hf_model_type and self.hf_model_type is not None
@@ -198,8 +230,25 @@ class ModelConfig:
         return self.sliding_window
 
     @property
+    def adds_bos(self) -> bool:
+        """Whether a text prompt starts with BOS (when the tokenizer has one)."""
+        if self.bos_in_prompts is None:
+            return self.arch == "llama"
+        return self.bos_in_prompts
+
+    @property
     def head_dim(self) -> int:
         return self.head_dim_override or self.hidden_size // self.n_heads
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """What the KV cache holds per token and layer: n_kv_heads K and V heads of head_dim, unless
+        the family's options say otherwise with a `kv_layout` of their own (MLA's latent:
+        models/mla.py)."""
+        own = getattr(self.family_options, "kv_layout", None)
+        if own is not None:
+            return own
+        return KVLayout(self.n_kv_heads, self.head_dim)
 
     @property
     def rotary_dim(self) -> int:

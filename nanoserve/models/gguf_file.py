@@ -35,7 +35,14 @@ architecture), qwen2, qwen3, gemma2 and gemma3 (its text model: every 6th layer 
 sliding with a RoPE base of 10,000, as llama.cpp fixes them; query scale inferred as llama.cpp
 does: `gemma_query_scale`; linear RoPE scaling of the global layers), phi3 (LongRoPE's factor
 tensors and partial RoPE refused by name; its window not applied, as neither llama.cpp nor
-transformers applies it to these files). On the CPU,
+transformers applies it to these files); and the families of their own modules (models/families/)
+that llama.cpp has: granite (its four multipliers; a missing embedding or residual scale is 1 and a
+missing attention scale 1/√head_dim, as llama.cpp computes them; q/k biases reordered with their
+rows), gemma (Gemma 1), starcoder2, phi2 (its rotated width from rope.dimension_count), stablelm
+(the parallel residual where a block has no ffn_norm, as llama.cpp decides) and command-r
+(Cohere); and olmo2 (OLMo 2; OLMo 3's files, olmo2 with a window pattern, are refused by name).
+Biases and q/k norms are read from which tensors the file holds (TENSOR_FIELDS), as llama.cpp
+reads them. On the CPU,
 `GGMLLinear` multiplies a few rows by the packed blocks in place (kernels/cpu_packed_gemv.c); on a
 GPU, Q8_0, Q4_K and Q6_K blocks are dequantized in registers by a Triton kernel
 (kernels/ggml_matmul.py), other types dequantized whole, then multiplied.
@@ -65,9 +72,13 @@ from ..tokenizers.gguf_vocab import gguf_tokenizer
 
 # GGUF architecture → (HF model_type, whether llama.cpp permuted q and k). Mistral is written as
 # llama (gguf has no "mistral" architecture); Gemma 3's files hold its text model only.
+# Granite is written by the Llama converter's subclass, so its q and k are reordered too.
 ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False),
                  "gemma2": ("gemma2", False), "gemma3": ("gemma3_text", False),
-                 "phi3": ("phi3", False)}
+                 "phi3": ("phi3", False), "granite": ("granite", True), "gemma": ("gemma", False),
+                 "starcoder2": ("starcoder2", False), "phi2": ("phi", False),
+                 "stablelm": ("stablelm", False), "command-r": ("cohere", False),
+                 "olmo2": ("olmo2", False)}
 # keys under "<arch>." → the HF config field each one is
 CONFIG_KEYS = {
     "context_length": "max_position_embeddings",
@@ -89,14 +100,44 @@ CONFIG_KEYS = {
 # the RoPE scaling keys, read together into HF's rope_scaling (`rope_scaling_from_gguf`)
 ROPE_SCALING_KEYS = ("rope.scaling.type", "rope.scaling.factor")
 ROPE_SCALING_TYPES = ("none", "linear")
+# keys only some architectures have -> the HF field of that family each one is. Granite's and
+# Command-R's `logit_scale` are opposites: llama.cpp divides Granite's logits by it (HF's
+# logits_scaling) and multiplies Command-R's (HF's logit_scale). The LayerNorm families' epsilon
+# goes to the field their HF config names it by.
+ARCH_CONFIG_KEYS = {
+    "granite": {"embedding_scale": "embedding_multiplier", "residual_scale": "residual_multiplier",
+                "attention.scale": "attention_multiplier", "logit_scale": "logits_scaling"},
+    "starcoder2": {"attention.layer_norm_epsilon": "norm_epsilon"},
+    "phi2": {"attention.layer_norm_epsilon": "layer_norm_eps"},
+    "stablelm": {"attention.layer_norm_epsilon": "layer_norm_eps"},
+    "command-r": {"attention.layer_norm_epsilon": "layer_norm_eps", "logit_scale": "logit_scale"},
+}
 REQUIRED_KEYS = ("context_length", "embedding_length", "block_count", "feed_forward_length",
-                 "attention.head_count", "attention.layer_norm_rms_epsilon")
+                 "attention.head_count")
+# architectures normalised by LayerNorm, whose epsilon llama.cpp requires under its own key
+LAYER_NORM_ARCHS = ("starcoder2", "phi2", "stablelm", "command-r")
+# keys llama.cpp requires of one architecture only (its loader has no default for them)
+ARCH_REQUIRED_KEYS = {"granite": ("logit_scale",), "command-r": ("logit_scale",)}
 # keys read for a check only: they must agree with the others
 CHECKED_KEYS = ("rope.dimension_count", "attention.value_length")
+# architectures whose rope.dimension_count is the rotated part of each head (HF's
+# partial_rotary_factor = it / head size); elsewhere it must be the whole head
+PARTIAL_ROPE_ARCHS = ("phi2", "stablelm")
+# HF fields a file states by holding a tensor (block 0's) or not: biases, q/k norms
+TENSOR_FIELDS = {
+    "llama": {"attention_bias": "blk.0.attn_q.bias", "mlp_bias": "blk.0.ffn_up.bias"},
+    "granite": {"attention_bias": "blk.0.attn_q.bias", "mlp_bias": "blk.0.ffn_up.bias"},
+    "starcoder2": {"use_bias": "blk.0.attn_q.bias"},
+    "stablelm": {"use_qkv_bias": "blk.0.attn_q.bias", "qk_layernorm": "blk.0.attn_q_norm.weight"},
+    "command-r": {"attention_bias": "blk.0.attn_q.bias", "use_qk_norm": "blk.0.attn_q_norm.weight"},
+}
 # keys a family's files carry that its readers (llama.cpp, transformers) do not apply: Phi-3's
 # window, which llama.cpp switches off (its converter does not say which layers slide) and
 # transformers' GGUF reader skips; nanoserve runs the file as both of them do
-IGNORED_KEYS = {"phi3": ("attention.sliding_window",)}
+# StableLM's use_parallel_residual, which llama.cpp does not read either: it runs the parallel
+# residual in the blocks without an ffn_norm (and the converter writes True for a config.json that
+# lacks the field, sequential models included)
+IGNORED_KEYS = {"phi3": ("attention.sliding_window",), "stablelm": ("use_parallel_residual",)}
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # blk.N.<GGUF name> → model.layers.N.<our name>
 BLOCK_NAMES = {
@@ -111,14 +152,19 @@ BLOCK_NAMES = {
 _GEMMA_NORMS = {"ffn_norm": "pre_feedforward_layernorm",
                 "post_attention_norm": "post_attention_layernorm",
                 "post_ffw_norm": "post_feedforward_layernorm"}
+# Phi-2: llama.cpp has no q/k norms for it (None: refused by name); OLMo 2: the norms after
+# attention and after the MLP, none before
 ARCH_BLOCK_NAMES = {"gemma2": _GEMMA_NORMS, "gemma3": _GEMMA_NORMS,
-                    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
+                    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+                    "phi2": {"attn_q_norm": None, "attn_k_norm": None},
+                    "olmo2": {"post_attention_norm": "post_attention_layernorm",
+                              "post_ffw_norm": "post_feedforward_layernorm"}}
 # a fused matrix → the linears whose rows it stacks, in order (our model keeps them apart)
 FUSED_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 # llama.cpp stores Gemma's norm weights (q/k norms too) as 1 + w, what they multiply by; our model
 # holds w, as HF
-NORM_OFFSET = {"gemma2": 1.0, "gemma3": 1.0}
+NORM_OFFSET = {"gemma": 1.0, "gemma2": 1.0, "gemma3": 1.0}
 # (blocks, width) of the Gemma whose queries llama.cpp scales by width / heads, not by head size
 GEMMA_27B = {"gemma2": (46, 4608), "gemma3": (62, 5376)}
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
@@ -220,19 +266,22 @@ def hf_config_from_gguf(meta: dict, tensor_names: set[str]) -> dict:
                               f"{', '.join(ARCHITECTURES)}")
     prefix = arch + "."
     ignored = IGNORED_KEYS.get(arch, ())
-    known = set(CONFIG_KEYS) | set(CHECKED_KEYS) | set(ROPE_SCALING_KEYS) | set(ignored)
+    arch_keys = ARCH_CONFIG_KEYS.get(arch, {})
+    known = (set(CONFIG_KEYS) | set(arch_keys) | set(CHECKED_KEYS) | set(ROPE_SCALING_KEYS)
+             | set(ignored))
     unread = sorted(k for k in meta if k.startswith(prefix) and k[len(prefix):] not in known)
     if unread:
         raise CheckpointError(f"GGUF key {unread[0]!r} changes the model and is not read here "
                               f"({len(unread)} such keys)")
-    missing = [prefix + k for k in REQUIRED_KEYS if prefix + k not in meta]
+    missing = [prefix + k for k in required_keys(arch) if prefix + k not in meta]
     if missing:
         raise CheckpointError(f"the GGUF file lacks {missing[0]!r} ({len(missing)} of the keys a "
                               f"{arch} model needs are missing)")
     hf = {"model_type": ARCHITECTURES[arch][0]}
-    for key, field in CONFIG_KEYS.items():
+    for key, field in {**CONFIG_KEYS, **arch_keys}.items():
         if prefix + key in meta and key not in ignored:
             hf[field] = meta[prefix + key]
+    hf.update(fields_from_tensors(arch, tensor_names))
     hf.setdefault("num_key_value_heads", hf.get("num_attention_heads"))
     if "vocab_size" not in hf:
         hf["vocab_size"] = len(meta.get("tokenizer.ggml.tokens", []))
@@ -249,12 +298,47 @@ def hf_config_from_gguf(meta: dict, tensor_names: set[str]) -> dict:
         hf["query_pre_attn_scalar"] = gemma_query_scale(arch, hf, head_dim)
     if arch == "gemma3":
         hf.update(gemma3_layers(hf))
-    for key in CHECKED_KEYS:
+    hf.update(unset_scales(arch, hf, head_dim))
+    checked = CHECKED_KEYS
+    if arch in PARTIAL_ROPE_ARCHS:
+        hf["partial_rotary_factor"] = meta.get(prefix + "rope.dimension_count", head_dim) / head_dim
+        checked = ("attention.value_length",)
+    for key in checked:
         if meta.get(prefix + key, head_dim) != head_dim:
             raise CheckpointError(f"GGUF {prefix + key}={meta[prefix + key]} differs from the "
                                   f"head size {head_dim}: partial rotary or unequal q/v heads "
                                   "are not read here")
     return hf
+
+
+def required_keys(arch: str) -> tuple[str, ...]:
+    """The keys (under "<arch>.") llama.cpp will not load the architecture without: the sizes, the
+    norm epsilon of its norm (RMSNorm's or LayerNorm's), and the architecture's own."""
+    eps = "attention.layer_norm_rms_epsilon"
+    if arch in LAYER_NORM_ARCHS:
+        eps = "attention.layer_norm_epsilon"
+    return (*REQUIRED_KEYS, eps, *ARCH_REQUIRED_KEYS.get(arch, ()))
+
+
+def fields_from_tensors(arch: str, tensor_names: set[str]) -> dict:
+    """The HF fields a file states by which tensors it holds, as llama.cpp reads them: biases and
+    q/k norms where they are present (TENSOR_FIELDS), and StableLM's parallel residual in blocks
+    without an ffn_norm."""
+    table = TENSOR_FIELDS.get(arch, {})
+    fields = {field: tensor in tensor_names for field, tensor in table.items()}
+    if arch == "stablelm":
+        fields["use_parallel_residual"] = "blk.0.ffn_norm.weight" not in tensor_names
+    return fields
+
+
+def unset_scales(arch: str, hf: dict, head_dim: int) -> dict:
+    """The multipliers a file leaves out (or writes as 0), as llama.cpp then computes: Granite's
+    embedding and residual scales multiply by nothing (1), its attention scale is 1/√head_dim (not
+    HF's default 1); Command-R's logits are not scaled (not HF's default 1/16)."""
+    defaults = {"granite": {"embedding_multiplier": 1.0, "residual_multiplier": 1.0,
+                            "attention_multiplier": head_dim ** -0.5},
+                "command-r": {"logit_scale": 1.0}}
+    return {field: value for field, value in defaults.get(arch, {}).items() if not hf.get(field)}
 
 
 def rope_scaling_from_gguf(meta: dict, prefix: str) -> dict | None:
@@ -305,7 +389,7 @@ def our_name(gguf_name: str, arch: str) -> str:
     if match is not None:
         layer, part, kind = match.groups()
         names = {**BLOCK_NAMES, **ARCH_BLOCK_NAMES.get(arch, {})}
-        if part not in names:
+        if names.get(part) is None:
             raise CheckpointError(f"GGUF tensor {gguf_name!r} is not read here")
         return f"model.layers.{layer}.{names[part]}.{kind}"
     stem, _, kind = gguf_name.rpartition(".")
@@ -323,10 +407,12 @@ def _type_name(tensor) -> str:
 
 
 def _heads_for(name: str, hf: dict) -> int | None:
-    """How many heads' rows llama.cpp reordered in this tensor (None: not q or k)."""
-    if name.endswith("self_attn.q_proj.weight"):
+    """How many heads' rows llama.cpp reordered in this tensor, q's and k's weights and biases
+    alike (None: not q or k)."""
+    module = name.rpartition(".")[0]
+    if module.endswith("self_attn.q_proj"):
         return hf["num_attention_heads"]
-    if name.endswith("self_attn.k_proj.weight"):
+    if module.endswith("self_attn.k_proj"):
         return hf["num_key_value_heads"]
     return None
 

@@ -30,12 +30,13 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
         raise ConfigError(f"saving a {cfg.hf_model_type} checkpoint is not supported (no "
                           "config.json writer for that family); supported: the families of "
                           "hf_config.SUPPORTED_ARCHITECTURES")
-    if family is not None:
-        return family.to_hf(cfg)
     hf_type = cfg.hf_model_type or (
         "gpt2" if cfg.arch == "gpt2" else "qwen2" if cfg.qkv_bias and not cfg.o_bias else "llama"
     )
-    out = _gpt2(cfg) if hf_type == "gpt2" else _llama_family(cfg, hf_type)
+    if family is not None:  # its own writer, held to the same read-back check
+        out = family.to_hf(cfg)
+    else:
+        out = _gpt2(cfg) if hf_type == "gpt2" else _llama_family(cfg, hf_type)
     again = config_from_hf(out)
     differ = [k for k, v in asdict(cfg).items() if k not in _NOT_MATH and getattr(again, k) != v]
     differ += ["head_dim"] * (again.head_dim != cfg.head_dim)

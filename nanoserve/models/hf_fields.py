@@ -53,7 +53,7 @@ def inert(why: str) -> Field:
 
 
 _RETURNS = "what HF's forward returns besides the logits"
-_DROPOUT = "dropout is off at inference"
+DROPOUT = "dropout is off at inference"
 
 # Fields every transformers config carries (PreTrainedConfig).
 COMMON = {
@@ -97,10 +97,10 @@ GPT2_FIELDS = {
                                      "first: it changes rounding in fp16 training, not the math"),
     "add_cross_attention": refused("cross-attention to an encoder's states: the decoder half of an "
                                    "encoder-decoder model, which nanoserve does not run", False),
-    "resid_pdrop": inert(_DROPOUT),
-    "embd_pdrop": inert(_DROPOUT),
-    "attn_pdrop": inert(_DROPOUT),
-    "summary_first_dropout": inert(_DROPOUT),
+    "resid_pdrop": inert(DROPOUT),
+    "embd_pdrop": inert(DROPOUT),
+    "attn_pdrop": inert(DROPOUT),
+    "summary_first_dropout": inert(DROPOUT),
     "summary_type": inert("GPT2DoubleHeadsModel's multiple-choice head"),
     "summary_use_proj": inert("GPT2DoubleHeadsModel's multiple-choice head"),
     "summary_activation": inert("GPT2DoubleHeadsModel's multiple-choice head"),
@@ -111,7 +111,7 @@ GPT2_FIELDS = {
     "num_attention_heads": implemented("transformers' alias of n_head"),
     "max_position_embeddings": implemented("transformers' alias of n_positions"),
     "n_ctx": inert("old name of the context size; transformers reads n_positions"),
-    "summary_last_dropout": inert(_DROPOUT),
+    "summary_last_dropout": inert(DROPOUT),
     "task_specific_params": inert("generate() defaults for pipelines"),
 }
 
@@ -136,7 +136,7 @@ _DECODER = {
     "partial_rotary_factor": refused("rotating only part of each head", None, 1.0),
     # not a Qwen2Config field, but Qwen2's code reads it with getattr as Llama's does
     "head_dim": implemented("per-head width; None means hidden_size / num_attention_heads"),
-    "attention_dropout": inert(_DROPOUT),
+    "attention_dropout": inert(DROPOUT),
 }
 
 LLAMA_FIELDS = {
@@ -252,8 +252,8 @@ PHI3_FIELDS = {
     "original_max_position_embeddings": implemented("LongRoPE's pretraining context; nanoserve's "
                                                     "context limit"),
     "sliding_window": implemented("the window of every layer (null: none)"),
-    "resid_pdrop": inert(_DROPOUT),
-    "embd_pdrop": inert(_DROPOUT),
+    "resid_pdrop": inert(DROPOUT),
+    "embd_pdrop": inert(DROPOUT),
     "attention_bias": inert("Phi-3's projections never have biases"),
     "mlp_bias": inert("Phi-3's MLP never has biases"),
 }

@@ -146,12 +146,19 @@ def naive_attention(q, k, v, q_positions=None, window: int | None = None):
 
 def reference_attention(q, k, v, q_positions=None, window: int | None = None,
                         scale: float | None = None,
-                        softcap: float | None = None, mask: torch.Tensor | None = None):
+                        softcap: float | None = None, mask: torch.Tensor | None = None,
+                        sinks: torch.Tensor | None = None):
     """`naive_attention` with every option the model families use, written out in float32:
     `scale` multiplies the scores instead of 1/√D; `softcap` c maps them to c·tanh(scores / c)
     before the mask (Gemma 2: no score can take all the weight); `mask` [B, T, S] (bool, True:
     visible) replaces the causal mask (a token tree's queries see their ancestors only:
-    spec/tree_sampler.py)."""
+    spec/tree_sampler.py).
+
+    `sinks` [H] (gpt-oss's learned attention sinks, HF's `self_attn.sinks`): head h's softmax runs
+    over its visible scores and one more logit, sinks[h], and that extra column's probability is
+    dropped: out = Σ_j p_j v_j with p_j = exp(s_j) / (exp(sinks[h]) + Σ_i exp(s_i)). The weights
+    then sum to less than 1, so a head can put its attention "nowhere" (Xiao et al. 2023 found
+    models learning to park it on the first token; gpt-oss learns the sink instead)."""
     B, T, H, D = q.shape
     if q_positions is None:
         q_positions = torch.arange(T, device=q.device).expand(B, T)
@@ -170,16 +177,30 @@ def reference_attention(q, k, v, q_positions=None, window: int | None = None,
     else:
         visible = mask[:, None]
     scores = scores.masked_fill(~visible, float("-inf"))
-    probs = scores.softmax(dim=-1)
+    if sinks is None:
+        probs = scores.softmax(dim=-1)
+    else:
+        probs = softmax_with_sink(scores, sinks)
     return torch.einsum("bhts,bshd->bthd", probs, v.float()).to(q.dtype)  # B, T, H, D
 
 
+def softmax_with_sink(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """The softmax over each row of scores [B, H, T, S] and its head's sink logit sinks[h], the
+    sink's column dropped: [B, H, T, S], rows summing to less than 1 (`reference_attention`)."""
+    B, H, T, _ = scores.shape
+    sink = sinks.float().view(1, H, 1, 1).expand(B, H, T, 1)  # B, H, T, 1
+    probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)  # B, H, T, S + 1
+    return probs[..., :-1]
+
+
 def attention(q, k, v, q_positions=None, window: int | None = None, scale: float | None = None,
-              softcap: float | None = None, mask: torch.Tensor | None = None):
-    """`reference_attention` through torch's fused SDPA kernel. SDPA cannot soft-cap the scores:
-    with `softcap` this is `reference_attention` itself."""
-    if softcap is not None:
-        return reference_attention(q, k, v, q_positions, window, scale, softcap, mask)
+              softcap: float | None = None, mask: torch.Tensor | None = None,
+              sinks: torch.Tensor | None = None):
+    """`reference_attention` through torch's fused SDPA kernel. SDPA can neither soft-cap the
+    scores nor add a sink logit to the softmax: with `softcap` or `sinks` this is
+    `reference_attention` itself."""
+    if softcap is not None or sinks is not None:
+        return reference_attention(q, k, v, q_positions, window, scale, softcap, mask, sinks)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # B, H, T, D
     gqa = q.shape[1] != k.shape[1]
     if q_positions is None and window is None and mask is None:  # no cache: plain causal attention

@@ -32,6 +32,10 @@ from .moe import SparseMoeBlock, is_moe_layer
 
 
 class LlamaAttention(nn.Module):
+    # how q and k are rotated: HF's (i, i + D/2) pairs; a family's subclass may pair otherwise
+    # (models/families/: Ernie 4.5's and GLM-4's adjacent pairs)
+    rotate = staticmethod(apply_rope)
+
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
@@ -66,7 +70,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm == "per_head":  # Qwen3, Gemma 3: normalise each head's q and k
             q, k = self.q_norm(q), self.k_norm(k)
         if cos is not None:  # (None: a layer without RoPE, SmolLM3's NoPE layers)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
         how = dict(window=self.window, scale=self.scale, softcap=self.softcap)
         if cache is None:  # the T tokens attend causally among themselves
             y = attention(q, k, v, **how)  # B, T, H, D
@@ -116,10 +120,13 @@ def feed_forward(cfg: ModelConfig, layer_idx: int) -> nn.Module:
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm (Llama): x + attn(norm(x)), then x + mlp(norm(x))."""
 
+    # a family's own attention (models/families/: DeepSeek's multi-head latent attention)
+    attention_class: type[nn.Module] = LlamaAttention
+
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.input_layernorm = rms_norm(cfg)
-        self.self_attn = LlamaAttention(cfg, layer_idx)
+        self.self_attn = self.attention_class(cfg, layer_idx)
         self.post_attention_layernorm = rms_norm(cfg)
         self.mlp = feed_forward(cfg, layer_idx)
         self.rope = rope_kind(cfg, layer_idx, self.self_attn.window)

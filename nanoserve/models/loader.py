@@ -318,7 +318,8 @@ def build_from_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype
                 raise CheckpointError(
                     f"tensor {key!r} has shape {tuple(src.shape)}, expected {tuple(param.shape)} "
                     "from config.json")
-            param.copy_(src.to(device=device, dtype=dtype))
+            # (the model's dtype, but for what a module keeps in float32: DeepSeek-V3's router bias)
+            param.copy_(src.to(device=device, dtype=param.dtype))
     return model.eval()
 
 

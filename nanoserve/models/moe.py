@@ -15,22 +15,26 @@ families notebook.
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
+from ..errors import CheckpointError
 from .config import ModelConfig
 
 
 class Expert(nn.Module):
     """One expert: a gated MLP, down(act(gate(x)) · up(x)) (Mixtral's checkpoints name them w1, w3,
-    w2)."""
+    w2). `width`: another width than the routed experts' (a shared expert, moe_shared.py); `bias`:
+    biases on the three projections (DeepSeek-V2's shared experts with mlp_bias)."""
 
-    def __init__(self, cfg: ModelConfig, act):
+    def __init__(self, cfg: ModelConfig, act, width: int | None = None, bias: bool = False):
         super().__init__()
-        width = cfg.moe_intermediate_size or cfg.intermediate_size
-        self.gate_proj = nn.Linear(cfg.hidden_size, width, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, width, bias=False)
-        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=False)
+        width = width or cfg.moe_intermediate_size or cfg.intermediate_size
+        self.gate_proj = nn.Linear(cfg.hidden_size, width, bias=bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, width, bias=bias)
+        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=bias)
         self.act = act
 
     def forward(self, x):
@@ -97,3 +101,36 @@ def rename(key: str, table: dict[str, str], reverse: bool = False) -> str:
     for theirs, ours in table.items():
         key = key.replace(ours, theirs) if reverse else key.replace(theirs, ours)
     return key
+
+
+# transformers 5 holds a block's experts stacked, experts.gate_up_proj [E, 2F, C] (each expert's
+# gate rows, then its up rows) and experts.down_proj [E, C, F]; its save_pretrained writes them back
+# one expert at a time (experts.N.gate_proj.weight, ...), but a state dict saved as it is keeps them
+# stacked.
+_STACKED = re.compile(r"(^|.*\.)experts\.(gate_up_proj|down_proj)$")
+
+
+def split_stacked_experts(tensors: dict[str, torch.Tensor], hidden_size: int,
+                          width: int) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors with stacked experts (transformers 5's in-memory layout) split into one
+    gate_proj, up_proj and down_proj weight per expert, the names `Expert` has; other tensors pass
+    through. `width`: each routed expert's F. A stacked tensor of another shape is refused by
+    name."""
+    out = {}
+    for key, t in tensors.items():
+        match = _STACKED.fullmatch(key)
+        if match is None:
+            out[key] = t
+            continue
+        prefix, kind = match.groups()
+        want = (2 * width, hidden_size) if kind == "gate_up_proj" else (hidden_size, width)
+        if t.ndim != 3 or tuple(t.shape[1:]) != want:
+            raise CheckpointError(f"tensor {key!r} has shape {tuple(t.shape)}, expected "
+                                  f"[num_experts, {want[0]}, {want[1]}] from config.json")
+        for e in range(t.shape[0]):
+            if kind == "gate_up_proj":
+                out[f"{prefix}experts.{e}.gate_proj.weight"] = t[e, :width]  # F, C
+                out[f"{prefix}experts.{e}.up_proj.weight"] = t[e, width:]  # F, C
+            else:
+                out[f"{prefix}experts.{e}.down_proj.weight"] = t[e]  # C, F
+    return out

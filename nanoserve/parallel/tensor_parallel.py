@@ -178,7 +178,11 @@ class ParallelLMHead(nn.Module):
 
 def tp_unsupported(cfg, world_size: int) -> str | None:
     """Why `cfg` cannot be split `world_size` ways, or None."""
-    checks = [(cfg.n_heads % world_size == 0,
+    arch = getattr(cfg, "arch", "llama")
+    checks = [(arch in ("gpt2", "llama"),
+               f"the {arch!r} layout (a family's own blocks, models/families/) is not sharded; "
+               "supported: the gpt2 and llama layouts"),
+              (cfg.n_heads % world_size == 0,
                f"n_heads={cfg.n_heads} is not divisible by {world_size}"),
               (cfg.n_kv_heads % world_size == 0 or world_size % cfg.n_kv_heads == 0,
                f"n_kv_heads={cfg.n_kv_heads} neither divides nor is divided by {world_size}"),

@@ -148,9 +148,15 @@ def block_groups(model: nn.Module,
     attn = [(attn_norm, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
             (v_to_o, ["self_attn.o_proj"])]
     if block is not None and hasattr(block.mlp, "experts"):
-        return attn + [g for e in range(len(block.mlp.experts)) for g in (
+        groups = attn + [g for e in range(len(block.mlp.experts)) for g in (
             (None, [f"mlp.experts.{e}.gate_proj", f"mlp.experts.{e}.up_proj"]),
             (None, [f"mlp.experts.{e}.down_proj"]))]
+        # Qwen2-MoE's shared expert (models/moe_shared.py) too; its gate, a [1, C] linear, stays
+        # in float with the router
+        if hasattr(block.mlp, "shared_expert"):
+            groups += [(None, ["mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"]),
+                       (None, ["mlp.shared_expert.down_proj"])]
+        return groups
     return attn + [(mlp_norm, ["mlp.gate_proj", "mlp.up_proj"]), ("mlp.up_proj", ["mlp.down_proj"])]
 
 

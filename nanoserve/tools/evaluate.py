@@ -91,7 +91,7 @@ def perplexity(model, tokenizer, text: str, context: int | None = None, stride: 
         raise NanoserveError("this model was loaded without a tokenizer, so it cannot read text; "
                              "put the model's tokenizer files beside its weights")
     if add_bos is None:
-        add_bos = cfg.arch == "llama" and tokenizer.bos_id is not None
+        add_bos = cfg.adds_bos and tokenizer.bos_id is not None
     context = context or cfg.max_position_embeddings
     if not 2 <= context <= cfg.max_position_embeddings:
         raise NanoserveError(

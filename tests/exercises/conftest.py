@@ -2,7 +2,7 @@
 
     pytest tests/exercises                    # the reference, nanoserve itself: every test must pass
     pytest tests/exercises --impl exercises   # your code in exercises/ (what `make exercises` runs)
-    pytest tests/exercises -m ex04            # one exercise (markers ex01 .. ex23)
+    pytest tests/exercises -m ex04            # one exercise (markers ex01 .. ex24)
     NANOSERVE_IMPL=exercises pytest ...       # --impl by environment
     NANOSERVE_EXERCISES=/tmp/solved pytest tests/exercises --impl exercises   # stubs from another folder
 
