@@ -23,6 +23,16 @@ TOL = 1e-4
 PROMPTS = [[3, 17, 42, 5, 99, 7], list(range(20, 43)), [9] * 13]
 
 
+def family_checkpoint(path: Path, config, seed: int):
+    """(path, the HF model): a tiny random checkpoint of the HF `config` saved at `path`, norm
+    weights and biases randomised (testdata.tiny_hf_checkpoint)."""
+    import transformers
+    from testdata import tiny_hf_checkpoint
+
+    transformers.logging.set_verbosity_error()
+    return path, tiny_hf_checkpoint(config, path, seed=seed)
+
+
 def load(path: Path):
     from nanoserve.models.loader import load_model
 
@@ -97,3 +107,32 @@ def assert_every_field_classified(family) -> None:
     assert not unclassified, (f"transformers {transformers.__version__} "
                               f"{family.hf_config_class} has fields {unclassified}: classify each "
                               f"in the {family.model_type} family's table")
+
+
+def assert_own_layout_refused(path: Path) -> None:
+    """A family laid out otherwise than Llama (ModelConfig.arch = its model type): quantization and
+    tensor parallelism, which walk Llama's module names, refuse it naming the layout."""
+    import pytest
+
+    from nanoserve.errors import NanoserveError
+    from nanoserve.parallel.tensor_parallel import check_shardable
+    from nanoserve.quant.model import QuantizeConfig, quantize_model
+
+    model, cfg = load(path)
+    with pytest.raises(NanoserveError, match=f"not '{cfg.arch}'"):
+        quantize_model(model, None, QuantizeConfig(method="rtn"), progress=False)
+    with pytest.raises(NanoserveError, match=f"'{cfg.arch}' layout"):
+        check_shardable(model, 2)
+
+
+def assert_saved_checkpoint_reads_back(path: Path, hf, out: Path) -> None:
+    """save_checkpoint writes what transformers' own class (the oracle's) loads back to the same
+    logits: the family's `to_hf` config and tensor names are right."""
+    from nanoserve.models.loader import save_checkpoint
+
+    model, _ = load(path)
+    save_checkpoint(model, out)
+    again = type(hf).from_pretrained(out).eval()
+    ids = torch.arange(3, 40)[None]
+    with torch.no_grad():
+        assert (again(ids).logits - hf(ids).logits).abs().max().item() <= TOL

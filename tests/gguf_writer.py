@@ -1,8 +1,9 @@
 """Test helper: a transformers model written as a GGUF file the way llama.cpp's converter writes
 one (its metadata keys, tensor names from gguf's own name map, q/k rows reordered for Llama, Gemma's
 norms as 1 + w; Phi-3's fused qkv_proj / gate_up_proj stay fused, as attn_qkv / ffn_up), each
-linear in a chosen GGML type. Granite, Gemma 1, StarCoder2, Phi-2, StableLM, Command-R and OLMo 2
-get the key list each of the converter's classes writes for them (`_CONVERTER_KEYS`: which keys,
+linear in a chosen GGML type. Granite, Gemma 1, StarCoder2, Phi-2, StableLM, Command-R, OLMo 2 / 3,
+GPT-NeoX, Qwen2-MoE, GLM-4, ERNIE 4.5 and EXAONE 4 get the key list each of the converter's
+classes writes for them (`_CONVERTER_KEYS`: which keys,
 from which HF fields), read from the converter's source; the keys' names are the gguf package's own.
 Legacy types are quantized by the `gguf` package itself; K-quant types (which it cannot quantize)
 get random blocks with small float16 scales — a random model either way, and both readers under
@@ -184,12 +185,88 @@ def _command_r_keys(writer, cfg) -> None:
     writer.add_rope_scaling_type(gguf.RopeScalingType.NONE)
 
 
+def _gptneox_keys(writer, cfg) -> None:
+    """GPT-NeoX (Pythia): its own list — the rotated width of a head, the parallel-residual flag,
+    the LayerNorm epsilon; no RoPE base (llama.cpp's default 10,000) and no KV head count."""
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    head = cfg.hidden_size // cfg.num_attention_heads
+    writer.add_rope_dimension_count(int(_rotary_factor(cfg) * head))
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_parallel_residual(cfg.use_parallel_residual)
+    writer.add_layer_norm_eps(cfg.layer_norm_eps)
+
+
+def _glm4_keys(writer, cfg) -> None:
+    """GLM-4: TextModel's keys and the rotated width, head_dim · partial_rotary_factor."""
+    _text_model_keys(writer, cfg)
+    writer.add_rope_dimension_count(int(_head_dim(cfg) * _rotary_factor(cfg)))
+
+
+def _exaone4_keys(writer, cfg) -> None:
+    """EXAONE 4: TextModel's keys, the vocabulary size, and with a window the window and which
+    layers slide (one bool a layer, from layer_types)."""
+    _text_model_keys(writer, cfg)
+    writer.add_vocab_size(cfg.vocab_size)
+    if cfg.sliding_window is not None:
+        writer.add_sliding_window(cfg.sliding_window)
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+
+
+def _olmo2_keys(writer, cfg) -> None:
+    """OLMo 2 and 3 (both written as olmo2): TextModel's keys (the base of the full-attention
+    layers), and where the config has a window (OLMo 3) the window and which layers slide."""
+    _text_model_keys(writer, cfg)
+    if getattr(cfg, "sliding_window", None) is not None:
+        writer.add_sliding_window(cfg.sliding_window)
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+
+
+def _qwen2moe_keys(writer, cfg) -> None:
+    """Qwen2-MoE: TextModel's keys with the expert counts, and the routed and shared experts'
+    widths."""
+    _text_model_keys(writer, cfg)
+    writer.add_expert_count(cfg.num_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+
+
+def _split_expert_stacks(state: dict) -> dict:
+    """transformers 5's stacked experts as the converter stores them: gate_up_proj [E, 2F, C] cut
+    into experts.gate_proj.weight and experts.up_proj.weight [E, F, C]; down_proj [E, C, F] named
+    experts.down_proj.weight; every other tensor as it is."""
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith("experts.gate_up_proj"):
+            width = tensor.shape[1] // 2
+            stem = name.removesuffix("gate_up_proj")
+            out[stem + "gate_proj.weight"] = tensor[:, :width]
+            out[stem + "up_proj.weight"] = tensor[:, width:]
+        elif name.endswith("experts.down_proj"):
+            out[name + ".weight"] = tensor
+        else:
+            out[name] = tensor
+    return out
+
+
+def _qkv_by_part(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """GPT-NeoX's query_key_value rows (weight or bias), head by head [q_h; k_h; v_h], as its
+    converter stores them: all q rows, then all k, then all v."""
+    per_head = w.reshape(n_heads, 3, -1, *w.shape[1:])  # H, 3, D, (C)
+    return np.concatenate([per_head[:, i].reshape(-1, *w.shape[1:]) for i in range(3)])
+
+
 # GGUF architecture -> the keys its converter class writes (these replace the Llama-style list
-# write_gguf writes for the architectures before them)
+# write_gguf writes for the architectures before them; OLMo 3 is written as olmo2)
 _CONVERTER_KEYS = {"granite": _granite_keys, "gemma": _gemma_keys,
                    "starcoder2": _text_model_keys, "phi2": _phi2_keys,
                    "stablelm": _stablelm_keys, "command-r": _command_r_keys,
-                   "olmo2": _text_model_keys}  # (OLMo 2's config has no window: nothing more)
+                   "olmo2": _olmo2_keys, "gptneox": _gptneox_keys,
+                   "qwen2moe": _qwen2moe_keys, "glm4": _glm4_keys,
+                   "ernie4_5": _text_model_keys, "exaone4": _exaone4_keys}
 # architectures whose converter reorders q/k rows (Llama's class and its subclass Granite's)
 _PERMUTED = ("llama", "granite")
 # architectures whose converter stores every norm weight as 1 + w
@@ -264,6 +341,8 @@ def _llama_style_keys(writer, cfg, arch: str) -> None:
 def _as_converted(name: str, w: np.ndarray, cfg, arch: str) -> np.ndarray:
     """One HF tensor as the converter stores it: Gemma's norms as 1 + w, Llama's and Granite's q/k
     rows (weights and biases) reordered for llama.cpp's rotary layout."""
+    if arch == "gptneox" and ".query_key_value." in name:
+        return _qkv_by_part(w, cfg.num_attention_heads)
     if arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
         return w + 1  # llama.cpp's converter stores Gemma's norms (q/k norms too) as 1 + w
     if arch in _PERMUTED and name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -273,10 +352,19 @@ def _as_converted(name: str, w: np.ndarray, cfg, arch: str) -> np.ndarray:
     return w
 
 
+def _quantized(name: str, gguf_name: str, w: np.ndarray) -> bool:
+    """Whether the converter stores this tensor in the chosen type: the linears (2-D) and stacked
+    experts (3-D), not the embedding, norms or the MoE routers (ffn_gate_inp*, kept F32)."""
+    if w.ndim not in (2, 3) or "embed_tokens" in name or "norm" in name:
+        return False
+    return ".ffn_gate_inp" not in gguf_name
+
+
 def write_gguf(model, path: Path, qtype_name: str = "F32", arch: str = "llama",
                seed: int = 0, vocabulary: bool = True) -> Path:
     """`model` (a transformers Llama, Qwen2, Qwen3, Gemma2, Gemma3, Phi3, Granite, Gemma,
-    Starcoder2, Phi, StableLm or Cohere ForCausalLM with the demo's 257-token vocabulary) as a GGUF
+    Starcoder2, Phi, StableLm, Cohere, Olmo2, Olmo3, GPTNeoX, Qwen2Moe, Glm4, Ernie4_5 or Exaone4
+    ForCausalLM with the demo's 257-token vocabulary) as a GGUF
     file at `path`, its 2-D linear weights in `qtype_name`, everything else (norms too) F32, with
     the demo's byte tokenizer (`vocabulary=False`: none, token ids only — llama.cpp refuses a
     "gpt2" vocabulary without merges, and the demo's has none)."""
@@ -296,16 +384,16 @@ def write_gguf(model, path: Path, qtype_name: str = "F32", arch: str = "llama",
         writer.add_tokenizer_model("none")
     names = gguf.get_tensor_name_map(_archs()[arch], cfg.num_hidden_layers)
     state = {name: t.detach().float().numpy() for name, t in model.state_dict().items()}
-    for name, w in _stacked_head_norms(state).items():
+    for name, w in _split_expert_stacks(_stacked_head_norms(state)).items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         w = _as_converted(name, w, cfg, arch)
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        linear = w.ndim == 2 and "embed_tokens" not in name and "norm" not in name
-        if not linear or qtype_name == "F32":
+        if not _quantized(name, gguf_name, w) or qtype_name == "F32":
             writer.add_tensor(gguf_name, w)
-        elif qtype_name in K_TYPES:
-            writer.add_tensor(gguf_name, k_blocks(qtype, w.shape, rng), raw_dtype=qtype)
+        elif qtype_name in K_TYPES:  # (stacked experts: their rows, expert after expert)
+            blocks = k_blocks(qtype, (w.size // w.shape[-1], w.shape[-1]), rng)
+            writer.add_tensor(gguf_name, blocks.reshape(*w.shape[:-1], -1), raw_dtype=qtype)
         else:
             writer.add_tensor(gguf_name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
     close_gguf(writer)

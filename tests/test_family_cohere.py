@@ -14,12 +14,13 @@ from family_oracle import (
     assert_engine_matches_hf,
     assert_every_field_classified,
     assert_logits_match,
+    assert_own_layout_refused,
+    family_checkpoint,
     load,
     logits_delta,
 )
-from testdata import tiny_hf_checkpoint
 
-from nanoserve.errors import ConfigError, NanoserveError
+from nanoserve.errors import ConfigError
 from nanoserve.models.family import family_of
 from nanoserve.models.hf_config import config_from_hf
 from nanoserve.models.layers import RMSNorm, apply_rope
@@ -35,10 +36,8 @@ COHERE_B = dict(COHERE, use_qk_norm=False, attention_bias=False, tie_word_embedd
 
 
 def _checkpoint(tmp_path_factory, name, fields, seed):
-    transformers.logging.set_verbosity_error()
-    path = tmp_path_factory.mktemp(name)
-    hf = tiny_hf_checkpoint(transformers.CohereConfig(**fields), path, seed=seed)
-    return path, hf
+    return family_checkpoint(tmp_path_factory.mktemp(name),
+                             transformers.CohereConfig(**fields), seed=seed)
 
 
 @pytest.fixture(scope="module")
@@ -140,11 +139,4 @@ def test_peft_lora_adapter_matches_peft(cohere, tmp_path):
 
 
 def test_quantization_and_tensor_parallel_refuse_by_name(cohere):
-    from nanoserve.parallel.tensor_parallel import check_shardable
-    from nanoserve.quant.model import QuantizeConfig, quantize_model
-
-    model, _ = load(cohere[0])
-    with pytest.raises(NanoserveError, match="not 'cohere'"):
-        quantize_model(model, None, QuantizeConfig(method="rtn"), progress=False)
-    with pytest.raises(NanoserveError, match="'cohere' layout"):
-        check_shardable(model, 2)
+    assert_own_layout_refused(cohere[0])

@@ -15,6 +15,8 @@ from family_oracle import (
     assert_engine_matches_hf,
     assert_every_field_classified,
     assert_logits_match,
+    assert_saved_checkpoint_reads_back,
+    family_checkpoint,
     load,
     logits_delta,
 )
@@ -35,10 +37,8 @@ ERNIE = dict(hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_atte
 
 @pytest.fixture(scope="module")
 def ernie(tmp_path_factory):
-    transformers.logging.set_verbosity_error()
-    path = tmp_path_factory.mktemp("ernie4_5")
-    hf = tiny_hf_checkpoint(transformers.Ernie4_5Config(**ERNIE), path, seed=11)
-    return path, hf
+    return family_checkpoint(tmp_path_factory.mktemp("ernie4_5"),
+                             transformers.Ernie4_5Config(**ERNIE), seed=11)
 
 
 def test_adjacent_pairs_by_definition():
@@ -121,15 +121,7 @@ def test_refused_fields_are_named(changes, named):
 
 
 def test_saved_checkpoint_reads_back_in_transformers(ernie, tmp_path):
-    from nanoserve.models.loader import save_checkpoint
-
-    path, hf = ernie
-    model, _ = load(path)
-    save_checkpoint(model, tmp_path)
-    again = transformers.Ernie4_5ForCausalLM.from_pretrained(tmp_path).eval()
-    ids = torch.arange(3, 40)[None]
-    with torch.no_grad():
-        assert (again(ids).logits - hf(ids).logits).abs().max().item() <= TOL
+    assert_saved_checkpoint_reads_back(*ernie, tmp_path)
 
 
 def test_a_model_with_biases_on_some_projections_only_is_refused_on_saving(ernie, tmp_path):

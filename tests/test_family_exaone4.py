@@ -7,13 +7,14 @@ refused fields named; a saved checkpoint read back by transformers."""
 from __future__ import annotations
 
 import pytest
-import torch
 import transformers
 from family_oracle import (
     TOL,
     assert_engine_matches_hf,
     assert_every_field_classified,
     assert_logits_match,
+    assert_saved_checkpoint_reads_back,
+    family_checkpoint,
     load,
     logits_delta,
 )
@@ -40,10 +41,8 @@ NO_WINDOW = dict(EXAONE4, sliding_window=None, layer_types=["full_attention"] * 
 
 @pytest.fixture(scope="module")
 def exaone4(tmp_path_factory):
-    transformers.logging.set_verbosity_error()
-    path = tmp_path_factory.mktemp("exaone4")
-    hf = tiny_hf_checkpoint(transformers.Exaone4Config(**EXAONE4), path, seed=9)
-    return path, hf
+    return family_checkpoint(tmp_path_factory.mktemp("exaone4"),
+                             transformers.Exaone4Config(**EXAONE4), seed=9)
 
 
 def test_config_maps_onto_existing_fields(exaone4):
@@ -112,12 +111,4 @@ def test_refused_fields_are_named(changes, named):
 
 
 def test_saved_checkpoint_reads_back_in_transformers(exaone4, tmp_path):
-    from nanoserve.models.loader import save_checkpoint
-
-    path, hf = exaone4
-    model, _ = load(path)
-    save_checkpoint(model, tmp_path)
-    again = transformers.Exaone4ForCausalLM.from_pretrained(tmp_path).eval()
-    ids = torch.arange(3, 40)[None]
-    with torch.no_grad():
-        assert (again(ids).logits - hf(ids).logits).abs().max().item() <= TOL
+    assert_saved_checkpoint_reads_back(*exaone4, tmp_path)

@@ -6,7 +6,6 @@ checkpoint read back by transformers."""
 from __future__ import annotations
 
 import pytest
-import torch
 import torch.nn.functional as F
 import transformers
 from family_oracle import (
@@ -14,6 +13,8 @@ from family_oracle import (
     assert_engine_matches_hf,
     assert_every_field_classified,
     assert_logits_match,
+    assert_saved_checkpoint_reads_back,
+    family_checkpoint,
     load,
     logits_delta,
 )
@@ -36,10 +37,8 @@ GEMMA_B = dict(GEMMA, tie_word_embeddings=False, attention_bias=False, hidden_ac
 
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory):
-    transformers.logging.set_verbosity_error()
-    path = tmp_path_factory.mktemp("gemma")
-    hf = tiny_hf_checkpoint(transformers.GemmaConfig(**GEMMA), path, seed=3)
-    return path, hf
+    return family_checkpoint(tmp_path_factory.mktemp("gemma"),
+                             transformers.GemmaConfig(**GEMMA), seed=3)
 
 
 def test_logits_and_cached_decode_match_hf(gemma):
@@ -113,12 +112,4 @@ def test_agreeing_activation_names_load():
 
 
 def test_saved_checkpoint_reads_back_in_transformers(gemma, tmp_path):
-    from nanoserve.models.loader import save_checkpoint
-
-    path, hf = gemma
-    model, _ = load(path)
-    save_checkpoint(model, tmp_path)
-    again = transformers.GemmaForCausalLM.from_pretrained(tmp_path).eval()
-    ids = torch.arange(3, 40)[None]
-    with torch.no_grad():
-        assert (again(ids).logits - hf(ids).logits).abs().max().item() <= TOL
+    assert_saved_checkpoint_reads_back(*gemma, tmp_path)

@@ -15,6 +15,7 @@ from family_oracle import (
     assert_engine_matches_hf,
     assert_every_field_classified,
     assert_logits_match,
+    family_checkpoint,
     load,
     logits_delta,
 )
@@ -36,10 +37,8 @@ GLM4 = dict(hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_atten
 
 @pytest.fixture(scope="module")
 def glm4(tmp_path_factory):
-    transformers.logging.set_verbosity_error()
-    path = tmp_path_factory.mktemp("glm4")
-    hf = tiny_hf_checkpoint(transformers.Glm4Config(**GLM4), path, seed=13)
-    return path, hf
+    return family_checkpoint(tmp_path_factory.mktemp("glm4"),
+                             transformers.Glm4Config(**GLM4), seed=13)
 
 
 def test_config_maps_onto_existing_fields(glm4):

@@ -16,12 +16,13 @@ from family_oracle import (
     assert_engine_matches_hf,
     assert_every_field_classified,
     assert_logits_match,
+    assert_own_layout_refused,
+    family_checkpoint,
     load,
     logits_delta,
 )
-from testdata import tiny_hf_checkpoint
 
-from nanoserve.errors import ConfigError, NanoserveError
+from nanoserve.errors import ConfigError
 from nanoserve.models.family import family_of
 from nanoserve.models.hf_config import config_from_hf
 from nanoserve.models.layers import rope_inv_freq
@@ -36,10 +37,8 @@ NEOX_B = dict(NEOX, use_parallel_residual=False, attention_bias=False, tie_word_
 
 
 def _checkpoint(tmp_path_factory, name, fields, seed):
-    transformers.logging.set_verbosity_error()
-    path = tmp_path_factory.mktemp(name)
-    hf = tiny_hf_checkpoint(transformers.GPTNeoXConfig(**fields), path, seed=seed)
-    return path, hf
+    return family_checkpoint(tmp_path_factory.mktemp(name),
+                             transformers.GPTNeoXConfig(**fields), seed=seed)
 
 
 @pytest.fixture(scope="module")
@@ -130,14 +129,7 @@ def test_a_head_dim_the_attention_ignores_is_refused_by_name():
 
 
 def test_quantization_and_tensor_parallel_refuse_by_name(neox):
-    from nanoserve.parallel.tensor_parallel import check_shardable
-    from nanoserve.quant.model import QuantizeConfig, quantize_model
-
-    model, _ = load(neox[0])
-    with pytest.raises(NanoserveError, match="not 'gpt_neox'"):
-        quantize_model(model, None, QuantizeConfig(method="rtn"), progress=False)
-    with pytest.raises(NanoserveError, match="gpt_neox"):
-        check_shardable(model, 2)
+    assert_own_layout_refused(neox[0])
 
 
 def test_saving_is_refused_by_name(neox, tmp_path):

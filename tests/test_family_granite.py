@@ -10,10 +10,10 @@ from family_oracle import (
     assert_engine_matches_hf,
     assert_every_field_classified,
     assert_logits_match,
+    family_checkpoint,
     load,
     logits_delta,
 )
-from testdata import tiny_hf_checkpoint
 
 from nanoserve.errors import ConfigError
 from nanoserve.models.family import family_of
@@ -28,10 +28,8 @@ GRANITE = dict(hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_at
 
 @pytest.fixture(scope="module")
 def granite(tmp_path_factory):
-    transformers.logging.set_verbosity_error()
-    path = tmp_path_factory.mktemp("granite")
-    hf = tiny_hf_checkpoint(transformers.GraniteConfig(**GRANITE), path, seed=5)
-    return path, hf
+    return family_checkpoint(tmp_path_factory.mktemp("granite"),
+                             transformers.GraniteConfig(**GRANITE), seed=5)
 
 
 def test_logits_and_cached_decode_match_hf(granite):

@@ -6,13 +6,14 @@ back by transformers."""
 from __future__ import annotations
 
 import pytest
-import torch
 import transformers
 from family_oracle import (
     TOL,
     assert_engine_matches_hf,
     assert_every_field_classified,
     assert_logits_match,
+    assert_saved_checkpoint_reads_back,
+    family_checkpoint,
     load,
     logits_delta,
 )
@@ -36,10 +37,8 @@ OLMO3 = dict(hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_atte
 
 @pytest.fixture(scope="module")
 def olmo3(tmp_path_factory):
-    transformers.logging.set_verbosity_error()
-    path = tmp_path_factory.mktemp("olmo3")
-    hf = tiny_hf_checkpoint(transformers.Olmo3Config(**OLMO3), path, seed=6)
-    return path, hf
+    return family_checkpoint(tmp_path_factory.mktemp("olmo3"),
+                             transformers.Olmo3Config(**OLMO3), seed=6)
 
 
 def test_config_reads_windows_and_both_ropes(olmo3):
@@ -105,12 +104,4 @@ def test_refused_fields_are_named(changes, named):
 
 
 def test_saved_checkpoint_reads_back_in_transformers(olmo3, tmp_path):
-    from nanoserve.models.loader import save_checkpoint
-
-    path, hf = olmo3
-    model, _ = load(path)
-    save_checkpoint(model, tmp_path)
-    again = transformers.Olmo3ForCausalLM.from_pretrained(tmp_path).eval()
-    ids = torch.arange(3, 40)[None]
-    with torch.no_grad():
-        assert (again(ids).logits - hf(ids).logits).abs().max().item() <= TOL
+    assert_saved_checkpoint_reads_back(*olmo3, tmp_path)

@@ -15,12 +15,13 @@ from family_oracle import (
     assert_engine_matches_hf,
     assert_every_field_classified,
     assert_logits_match,
+    assert_own_layout_refused,
+    family_checkpoint,
     load,
     logits_delta,
 )
-from testdata import tiny_hf_checkpoint
 
-from nanoserve.errors import ConfigError, NanoserveError
+from nanoserve.errors import ConfigError
 from nanoserve.models.family import family_of
 from nanoserve.models.hf_config import config_from_hf
 from nanoserve.models.layers import rope_inv_freq
@@ -36,10 +37,8 @@ PHI_B = dict(PHI, qk_layernorm=False, tie_word_embeddings=True, hidden_act="gelu
 
 
 def _checkpoint(tmp_path_factory, name, fields, seed):
-    transformers.logging.set_verbosity_error()
-    path = tmp_path_factory.mktemp(name)
-    hf = tiny_hf_checkpoint(transformers.PhiConfig(**fields), path, seed=seed)
-    return path, hf
+    return family_checkpoint(tmp_path_factory.mktemp(name),
+                             transformers.PhiConfig(**fields), seed=seed)
 
 
 @pytest.fixture(scope="module")
@@ -117,11 +116,4 @@ def test_rope_scaling_is_refused_by_name():
 
 
 def test_quantization_and_tensor_parallel_refuse_by_name(phi):
-    from nanoserve.parallel.tensor_parallel import check_shardable
-    from nanoserve.quant.model import QuantizeConfig, quantize_model
-
-    model, _ = load(phi[0])
-    with pytest.raises(NanoserveError, match="not 'phi'"):
-        quantize_model(model, None, QuantizeConfig(method="rtn"), progress=False)
-    with pytest.raises(NanoserveError, match="'phi' layout"):
-        check_shardable(model, 2)
+    assert_own_layout_refused(phi[0])

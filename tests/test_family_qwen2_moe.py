@@ -18,10 +18,10 @@ from family_oracle import (
     assert_engine_matches_hf,
     assert_every_field_classified,
     assert_logits_match,
+    family_checkpoint,
     load,
     logits_delta,
 )
-from testdata import tiny_hf_checkpoint
 
 from nanoserve.errors import ConfigError, NanoserveError
 from nanoserve.models.family import family_of
@@ -53,18 +53,14 @@ STEP = dict(hidden_size=40, intermediate_size=56, num_hidden_layers=3, num_atten
 
 @pytest.fixture(scope="module")
 def sparse(tmp_path_factory):
-    transformers.logging.set_verbosity_error()
-    path = tmp_path_factory.mktemp("qwen2_moe")
-    hf = tiny_hf_checkpoint(transformers.Qwen2MoeConfig(**SPARSE), path, seed=7)
-    return path, hf
+    return family_checkpoint(tmp_path_factory.mktemp("qwen2_moe"),
+                             transformers.Qwen2MoeConfig(**SPARSE), seed=7)
 
 
 @pytest.fixture(scope="module")
 def step(tmp_path_factory):
-    transformers.logging.set_verbosity_error()
-    path = tmp_path_factory.mktemp("qwen2_moe_step")
-    hf = tiny_hf_checkpoint(transformers.Qwen2MoeConfig(**STEP), path, seed=8)
-    return path, hf
+    return family_checkpoint(tmp_path_factory.mktemp("qwen2_moe_step"),
+                             transformers.Qwen2MoeConfig(**STEP), seed=8)
 
 
 def test_logits_and_cached_decode_match_hf(sparse):

@@ -17,12 +17,13 @@ from family_oracle import (
     assert_engine_matches_hf,
     assert_every_field_classified,
     assert_logits_match,
+    assert_own_layout_refused,
+    family_checkpoint,
     load,
     logits_delta,
 )
-from testdata import tiny_hf_checkpoint
 
-from nanoserve.errors import ConfigError, NanoserveError
+from nanoserve.errors import ConfigError
 from nanoserve.models.family import family_of
 from nanoserve.models.hf_config import config_from_hf
 from nanoserve.models.layers import rope_inv_freq
@@ -39,10 +40,8 @@ STABLELM_B = dict(STABLELM, use_parallel_residual=True, qk_layernorm=False, use_
 
 
 def _checkpoint(tmp_path_factory, name, fields, seed):
-    transformers.logging.set_verbosity_error()
-    path = tmp_path_factory.mktemp(name)
-    hf = tiny_hf_checkpoint(transformers.StableLmConfig(**fields), path, seed=seed)
-    return path, hf
+    return family_checkpoint(tmp_path_factory.mktemp(name),
+                             transformers.StableLmConfig(**fields), seed=seed)
 
 
 @pytest.fixture(scope="module")
@@ -133,11 +132,4 @@ def test_peft_lora_adapter_matches_peft(stablelm, tmp_path):
 
 
 def test_quantization_and_tensor_parallel_refuse_by_name(stablelm):
-    from nanoserve.parallel.tensor_parallel import check_shardable
-    from nanoserve.quant.model import QuantizeConfig, quantize_model
-
-    model, _ = load(stablelm[0])
-    with pytest.raises(NanoserveError, match="not 'stablelm'"):
-        quantize_model(model, None, QuantizeConfig(method="rtn"), progress=False)
-    with pytest.raises(NanoserveError, match="'stablelm' layout"):
-        check_shardable(model, 2)
+    assert_own_layout_refused(stablelm[0])

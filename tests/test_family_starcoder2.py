@@ -14,12 +14,13 @@ from family_oracle import (
     assert_engine_matches_hf,
     assert_every_field_classified,
     assert_logits_match,
+    assert_own_layout_refused,
+    family_checkpoint,
     load,
     logits_delta,
 )
-from testdata import tiny_hf_checkpoint
 
-from nanoserve.errors import ConfigError, NanoserveError
+from nanoserve.errors import ConfigError
 from nanoserve.models.family import family_of
 from nanoserve.models.hf_config import config_from_hf
 
@@ -34,10 +35,8 @@ STARCODER2_B = dict(STARCODER2, sliding_window=None, use_bias=False, tie_word_em
 
 
 def _checkpoint(tmp_path_factory, name, fields, seed):
-    transformers.logging.set_verbosity_error()
-    path = tmp_path_factory.mktemp(name)
-    hf = tiny_hf_checkpoint(transformers.Starcoder2Config(**fields), path, seed=seed)
-    return path, hf
+    return family_checkpoint(tmp_path_factory.mktemp(name),
+                             transformers.Starcoder2Config(**fields), seed=seed)
 
 
 @pytest.fixture(scope="module")
@@ -99,11 +98,4 @@ def test_rope_scaling_is_refused_by_name():
 
 
 def test_quantization_and_tensor_parallel_refuse_by_name(starcoder2):
-    from nanoserve.parallel.tensor_parallel import check_shardable
-    from nanoserve.quant.model import QuantizeConfig, quantize_model
-
-    model, _ = load(starcoder2[0])
-    with pytest.raises(NanoserveError, match="not 'starcoder2'"):
-        quantize_model(model, None, QuantizeConfig(method="rtn"), progress=False)
-    with pytest.raises(NanoserveError, match="'starcoder2' layout"):
-        check_shardable(model, 2)
+    assert_own_layout_refused(starcoder2[0])

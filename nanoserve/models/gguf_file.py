@@ -28,7 +28,10 @@ What this module does with it:
   factor it multiplies by; reading them back subtracts the 1 (NORM_OFFSET).
 - **Phi-3's fused matrices**: `attn_qkv` stacks q, k and v, and `ffn_up` stacks gate and up (gate
   first); `split_fused_rows` cuts them into the separate linears our model holds — packed rows too,
-  since every row of blocks is quantized on its own.
+  since every row of blocks is quantized on its own. GPT-NeoX's `attn_qkv` and GLM-4's `ffn_up`
+  are cut the same way (GPT-NeoX's converter has already reordered HF's head-by-head rows).
+- **MoE experts**: Qwen2-MoE's `ffn_{gate,up,down}_exps` stack every expert's matrix
+  [n_expert, rows, cols]; `expert_slices` gives each expert its own linear (packed rows too).
 
 Families: llama (and Mistral, which llama.cpp writes as llama: gguf has no "mistral"
 architecture), qwen2, qwen3, gemma2 and gemma3 (its text model: every 6th layer global, the others
@@ -40,12 +43,17 @@ that llama.cpp has: granite (its four multipliers; a missing embedding or residu
 missing attention scale 1/√head_dim, as llama.cpp computes them; q/k biases reordered with their
 rows), gemma (Gemma 1), starcoder2, phi2 (its rotated width from rope.dimension_count), stablelm
 (the parallel residual where a block has no ffn_norm, as llama.cpp decides) and command-r
-(Cohere); and olmo2 (OLMo 2; OLMo 3's files, olmo2 with a window pattern, are refused by name).
-Biases and q/k norms are read from which tensors the file holds (TENSOR_FIELDS), as llama.cpp
-reads them. On the CPU,
-`GGMLLinear` multiplies a few rows by the packed blocks in place (kernels/cpu_packed_gemv.c); on a
-GPU, Q8_0, Q4_K and Q6_K blocks are dequantized in registers by a Triton kernel
-(kernels/ggml_matmul.py), other types dequantized whole, then multiplied.
+(Cohere); gptneox (Pythia: its parallel-residual flag, rotated width and LayerNorm epsilon),
+qwen2moe (routed experts and the sigmoid-gated shared expert; top-k weights not renormalised, as
+llama.cpp runs qwen2moe), glm4 (its sandwich norms, partial RoPE on adjacent pairs), ernie4_5 (its
+dense models) and exaone4 (which layers slide from attention.sliding_window_pattern; with a
+window the global layers have no RoPE); and olmo2 (OLMo 2, and OLMo 3: an olmo2 file with a
+window, its sliding layers from the pattern, their RoPE base rope.freq_base_swa or else the file's
+one base, unscaled: `olmo3_fields`). Biases and q/k norms are read from which tensors the file
+holds (TENSOR_FIELDS), as llama.cpp reads them. On the CPU, `GGMLLinear` multiplies a few rows by
+the packed blocks in place (kernels/cpu_packed_gemv.c); on a GPU, Q8_0, Q4_K and Q6_K blocks are
+dequantized in registers by a Triton kernel (kernels/ggml_matmul.py), other types dequantized whole,
+then multiplied.
 """
 
 from __future__ import annotations
@@ -78,7 +86,9 @@ ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False), "qwen3": (
                  "phi3": ("phi3", False), "granite": ("granite", True), "gemma": ("gemma", False),
                  "starcoder2": ("starcoder2", False), "phi2": ("phi", False),
                  "stablelm": ("stablelm", False), "command-r": ("cohere", False),
-                 "olmo2": ("olmo2", False)}
+                 "olmo2": ("olmo2", False), "gptneox": ("gpt_neox", False),
+                 "qwen2moe": ("qwen2_moe", False), "glm4": ("glm4", False),
+                 "ernie4_5": ("ernie4_5", False), "exaone4": ("exaone4", False)}
 # keys under "<arch>." → the HF config field each one is
 CONFIG_KEYS = {
     "context_length": "max_position_embeddings",
@@ -111,18 +121,27 @@ ARCH_CONFIG_KEYS = {
     "phi2": {"attention.layer_norm_epsilon": "layer_norm_eps"},
     "stablelm": {"attention.layer_norm_epsilon": "layer_norm_eps"},
     "command-r": {"attention.layer_norm_epsilon": "layer_norm_eps", "logit_scale": "logit_scale"},
+    "gptneox": {"attention.layer_norm_epsilon": "layer_norm_eps",
+                "use_parallel_residual": "use_parallel_residual"},
+    "qwen2moe": {"expert_count": "num_experts", "expert_used_count": "num_experts_per_tok",
+                 "expert_feed_forward_length": "moe_intermediate_size",
+                 "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
 }
 REQUIRED_KEYS = ("context_length", "embedding_length", "block_count", "feed_forward_length",
                  "attention.head_count")
 # architectures normalised by LayerNorm, whose epsilon llama.cpp requires under its own key
-LAYER_NORM_ARCHS = ("starcoder2", "phi2", "stablelm", "command-r")
+LAYER_NORM_ARCHS = ("starcoder2", "phi2", "stablelm", "command-r", "gptneox")
 # keys llama.cpp requires of one architecture only (its loader has no default for them)
-ARCH_REQUIRED_KEYS = {"granite": ("logit_scale",), "command-r": ("logit_scale",)}
+ARCH_REQUIRED_KEYS = {"granite": ("logit_scale",), "command-r": ("logit_scale",),
+                      "gptneox": ("use_parallel_residual",),
+                      "qwen2moe": ("expert_count", "expert_used_count",
+                                   "expert_feed_forward_length",
+                                   "expert_shared_feed_forward_length")}
 # keys read for a check only: they must agree with the others
 CHECKED_KEYS = ("rope.dimension_count", "attention.value_length")
 # architectures whose rope.dimension_count is the rotated part of each head (HF's
 # partial_rotary_factor = it / head size); elsewhere it must be the whole head
-PARTIAL_ROPE_ARCHS = ("phi2", "stablelm")
+PARTIAL_ROPE_ARCHS = ("phi2", "stablelm", "gptneox", "glm4")
 # HF fields a file states by holding a tensor (block 0's) or not: biases, q/k norms
 TENSOR_FIELDS = {
     "llama": {"attention_bias": "blk.0.attn_q.bias", "mlp_bias": "blk.0.ffn_up.bias"},
@@ -130,6 +149,10 @@ TENSOR_FIELDS = {
     "starcoder2": {"use_bias": "blk.0.attn_q.bias"},
     "stablelm": {"use_qkv_bias": "blk.0.attn_q.bias", "qk_layernorm": "blk.0.attn_q_norm.weight"},
     "command-r": {"attention_bias": "blk.0.attn_q.bias", "use_qk_norm": "blk.0.attn_q_norm.weight"},
+    "gptneox": {"attention_bias": "blk.0.attn_qkv.bias"},
+    "qwen2moe": {"qkv_bias": "blk.0.attn_q.bias"},
+    "glm4": {"attention_bias": "blk.0.attn_q.bias"},
+    "ernie4_5": {"use_bias": "blk.0.attn_q.bias"},
 }
 # keys a family's files carry that its readers (llama.cpp, transformers) do not apply: Phi-3's
 # window, which llama.cpp switches off (its converter does not say which layers slide) and
@@ -138,6 +161,12 @@ TENSOR_FIELDS = {
 # residual in the blocks without an ffn_norm (and the converter writes True for a config.json that
 # lacks the field, sequential models included)
 IGNORED_KEYS = {"phi3": ("attention.sliding_window",), "stablelm": ("use_parallel_residual",)}
+# keys read by a function of their own (`window_layers`), not copied into one HF field: which
+# layers slide, one bool a layer (True: sliding; OLMo 3's may be a period, as llama.cpp reads it)
+LAYER_PATTERN_KEYS = {"exaone4": ("attention.sliding_window_pattern",),
+                      "olmo2": ("attention.sliding_window_pattern",)}
+# the top-level RoPE fields an OLMo 3 file's config moves into its per-layer-type rope_parameters
+OLMO3_MOVED = ("rope_theta", "rope_scaling", "rope_local_base_freq")
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # blk.N.<GGUF name> → model.layers.N.<our name>
 BLOCK_NAMES = {
@@ -152,11 +181,30 @@ BLOCK_NAMES = {
 _GEMMA_NORMS = {"ffn_norm": "pre_feedforward_layernorm",
                 "post_attention_norm": "post_attention_layernorm",
                 "post_ffw_norm": "post_feedforward_layernorm"}
+# EXAONE 4: OLMo 2's post-norms. GLM-4: gate and up as one matrix under ffn_up (gate first), and
+# its four norms under HF's names (its family's `rename` maps them onto the sandwich block's); q
+# and k in HF's order (both rotate adjacent pairs). Qwen2-MoE: the router, the experts stacked
+# [n_expert, rows, cols] (one linear per expert at load: `expert_slices`), the shared expert and
+# its sigmoid gate (moe_shared.py's names)
+_QWEN2MOE_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
+                   "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj",
+                   "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+                   "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                   "ffn_down_shexp": "mlp.shared_expert.down_proj",
+                   "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
 # Phi-2: llama.cpp has no q/k norms for it (None: refused by name); OLMo 2: the norms after
-# attention and after the MLP, none before
+# attention and after the MLP, none before; GPT-NeoX: q, k, v as one matrix, which its converter
+# has already reordered from HF's head-by-head [q_h; k_h; v_h] rows to all q, all k, all v
 ARCH_BLOCK_NAMES = {"gemma2": _GEMMA_NORMS, "gemma3": _GEMMA_NORMS,
                     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
                     "phi2": {"attn_q_norm": None, "attn_k_norm": None},
+                    "gptneox": {"attn_qkv": "self_attn.qkv_proj"},
+                    "qwen2moe": _QWEN2MOE_NAMES,
+                    "exaone4": {"post_attention_norm": "post_attention_layernorm",
+                                "post_ffw_norm": "post_feedforward_layernorm"},
+                    "glm4": {"ffn_up": "mlp.gate_up_proj",
+                             "post_attention_norm": "post_self_attn_layernorm",
+                             "post_ffw_norm": "post_mlp_layernorm"},
                     "olmo2": {"post_attention_norm": "post_attention_layernorm",
                               "post_ffw_norm": "post_feedforward_layernorm"}}
 # a fused matrix → the linears whose rows it stacks, in order (our model keeps them apart)
@@ -268,7 +316,7 @@ def hf_config_from_gguf(meta: dict, tensor_names: set[str]) -> dict:
     ignored = IGNORED_KEYS.get(arch, ())
     arch_keys = ARCH_CONFIG_KEYS.get(arch, {})
     known = (set(CONFIG_KEYS) | set(arch_keys) | set(CHECKED_KEYS) | set(ROPE_SCALING_KEYS)
-             | set(ignored))
+             | set(ignored) | set(LAYER_PATTERN_KEYS.get(arch, ())))
     unread = sorted(k for k in meta if k.startswith(prefix) and k[len(prefix):] not in known)
     if unread:
         raise CheckpointError(f"GGUF key {unread[0]!r} changes the model and is not read here "
@@ -298,6 +346,10 @@ def hf_config_from_gguf(meta: dict, tensor_names: set[str]) -> dict:
         hf["query_pre_attn_scalar"] = gemma_query_scale(arch, hf, head_dim)
     if arch == "gemma3":
         hf.update(gemma3_layers(hf))
+    if arch in LAYER_PATTERN_KEYS:
+        hf.update(window_layers(arch, meta, hf))
+    if arch == "olmo2" and hf.get("sliding_window"):
+        hf = olmo3_fields(hf)
     hf.update(unset_scales(arch, hf, head_dim))
     checked = CHECKED_KEYS
     if arch in PARTIAL_ROPE_ARCHS:
@@ -375,6 +427,52 @@ def gemma3_layers(hf: dict) -> dict:
     return {"sliding_window_pattern": 6}
 
 
+def window_layers(arch: str, meta: dict, hf: dict) -> dict:
+    """EXAONE 4's layer kinds, as llama.cpp reads them: a file with attention.sliding_window says
+    in attention.sliding_window_pattern which layers slide (one bool a layer; HF's layer_types, and
+    with a window the global layers apply no RoPE); a file without a window has global layers only,
+    every one rotating (HF's sliding_window=None, not the config class's default of 4096)."""
+    key = f"{arch}.attention.sliding_window_pattern"
+    pattern = meta.get(key)
+    n_layers = hf["num_hidden_layers"]
+    if isinstance(pattern, int) and arch == "olmo2":  # a period: the last layer of each is global
+        pattern = [i % pattern < pattern - 1 for i in range(n_layers)]
+    if not hf.get("sliding_window"):  # (0: none, as llama.cpp reads it)
+        if pattern is not None:
+            raise CheckpointError(f"GGUF {key} is set without {arch}.attention.sliding_window")
+        if arch == "olmo2":
+            return {"sliding_window": None}
+        if n_layers == 64:  # llama.cpp then fixes a window of 4096 on 3 of every 4 layers
+            raise CheckpointError(f"a 64-block {arch} GGUF file without "
+                                  f"{arch}.attention.sliding_window is not read here (llama.cpp "
+                                  "gives it the 32B model's window); allowed: a file with one")
+        return {"sliding_window": None}
+    if not isinstance(pattern, list) or len(pattern) != n_layers:
+        raise CheckpointError(f"GGUF {key}={pattern!r} must list one bool per layer "
+                              f"({n_layers}) where the file has a window")
+    return {"layer_types": [_layer_kind(slides) for slides in pattern]}
+
+
+def olmo3_fields(hf: dict) -> dict:
+    """OLMo 3, which llama.cpp's converter writes as olmo2 with a window: `hf` as HF's olmo3 config
+    with a RoPE per layer type, as llama.cpp applies them — the full-attention layers the file's
+    base (and its linear scaling), the sliding layers rope.freq_base_swa where the file has one,
+    else the same base, never scaled."""
+    full = {"rope_type": "default", "rope_theta": hf.get("rope_theta", 10000.0)}
+    full.update(hf.get("rope_scaling") or {})
+    sliding = {"rope_type": "default",
+               "rope_theta": hf.get("rope_local_base_freq", full["rope_theta"])}
+    kept = {k: v for k, v in hf.items() if k not in OLMO3_MOVED}
+    return {**kept, "model_type": "olmo3",
+            "rope_parameters": {"full_attention": full, "sliding_attention": sliding}}
+
+
+def _layer_kind(slides: bool) -> str:
+    if slides:
+        return "sliding_attention"
+    return "full_attention"
+
+
 def unpermute_rotary(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's reordering of q_proj / k_proj rows: within each head, row 2i + j of the
     file (j = 0, 1) is row i + j·d/2 of HF's layout."""
@@ -444,6 +542,19 @@ def split_fused_rows(name: str, rows: torch.Tensor, hf: dict) -> dict[str, torch
     return {f"{layer}.{part}.{kind}": piece for part, piece in zip(parts, pieces)}
 
 
+def expert_slices(name: str, shape: tuple[int, ...], data: torch.Tensor) -> list[tuple]:
+    """[(name, shape, data)]: a stacked tensor of experts [n_expert, rows, cols] as one 2-D entry
+    per expert (`mlp.experts.<e>.gate_proj.weight`, ...: moe.py's Expert), float values and packed
+    rows alike (`data[e]` is that expert's rows); any other tensor as itself."""
+    if len(shape) != 3:
+        return [(name, shape, data)]
+    head, found, tail = name.partition("mlp.experts.")
+    if not found:
+        raise CheckpointError(f"GGUF tensor for {name!r} has 3 dimensions {shape}; only stacked "
+                              "experts (ffn_*_exps) are read with 3")
+    return [(f"{head}mlp.experts.{e}.{tail}", shape[1:], data[e]) for e in range(shape[0])]
+
+
 @dataclass
 class GGUFCheckpoint:
     """What a GGUF file holds, in the loader's terms."""
@@ -462,10 +573,13 @@ def read_gguf(path: Path) -> GGUFCheckpoint:
     arch = meta["general.architecture"]
     permuted = ARCHITECTURES[arch][1]
     floats, packed = {}, {}
+    entries = []  # (our name, GGML type, shape, data), stacked experts one entry per expert
     for tensor in reader.tensors:
-        name, kind = our_name(tensor.name, arch), _type_name(tensor)
         shape = tuple(int(n) for n in reversed(tensor.shape))  # ggml lists the fastest dim first
-        data = torch.from_numpy(tensor.data)
+        name, kind = our_name(tensor.name, arch), _type_name(tensor)
+        for entry in expert_slices(name, shape, torch.from_numpy(tensor.data)):
+            entries.append((entry[0], kind, entry[1], entry[2]))
+    for name, kind, shape, data in entries:
         heads = _heads_for(name, hf) if permuted else None
         if kind in FLOAT_TYPES or not name.endswith(".weight") or "embed_tokens" in name:
             value = dequantize(data, kind, shape)
