@@ -32,8 +32,11 @@ brackets):
      CUDA graphs, output tok/s and the same tokens                                  ~0.7 min [60 s]
   k  2:4 weights on sparse tensor cores vs dense: bf16, 4096 x 4096 and an 8B MLP's
      14336 x 4096, M 1-512 (nanoserve/sparsity/semi_structured.py)                  ~0.3 min [30 s]
+  l  MLA decode (kernels/mla_decode.py) over the latent pool vs paged_attention over H KV heads
+     and GQA-8, d 128: H 16 / 128, r 512, rope 64, bf16, batch 1 / 32, 1k-16k; us, cache
+     bytes, GB/s; + paged_attention with and without attention sinks              ~0.6 min [60 s]
 
-The estimates add up to ~14.5 min, the budgets to ~21.5 min (estimates are ours, unmeasured: no GPU
+The estimates add up to ~15 min, the budgets to ~22.5 min (estimates are ours, unmeasured: no GPU
 was lent when this was written). On a GPU each figure runs in its own process (a CUDA fault or a
 hang loses that figure alone) and records its own error; a figure past its budget stops between
 measurements and keeps what it measured (b cannot stop early: its process is killed at budget +
@@ -74,6 +77,7 @@ FIGURES = {
     "i": ("rms_norm_kernel", "gpu_check_kernels", "fig_rms_norm", 30),
     "j": ("async_scheduling", "gpu_check_engine", "fig_async", 60),
     "k": ("sparse_2_4", "gpu_check_kernels", "fig_sparse_2_4", 30),
+    "l": ("mla_decode_attention", "gpu_check_kernels", "fig_mla_decode", 60),
 }
 DRY_BUDGET_S = 120
 # --preset: a subset of figures with budgets that fit a short lease. "roofline": what issue 43's

@@ -1,11 +1,13 @@
-"""Figures a-d, i and k of `gpu_check.py`: the GPU tests, and the Triton kernels against their torch
-peers.
+"""Figures a-d, i, k and l of `gpu_check.py`: the GPU tests, and the Triton kernels against their
+torch peers.
 
 b and c are benchmarks/bench_attention.py's measurements, called as they are (its `--smoke` shapes
 in a dry run); d is the W4A16 kernel against fp16 cuBLAS on the same (dequantized) weights; i is
 RMSNorm as one kernel against the torch module it replaces on the triton path (issue 43); k is a
 2:4-pruned weight on sparse tensor cores (torch's semi-structured tensors) against the same weight
-dense (issue 48).
+dense (issue 48); l is MLA's decode kernel over the latent pool against the ordinary paged decode
+kernel over the caches the same attention would need without it (expanded heads, GQA-8), and the
+cost of attention sinks in the latter.
 """
 
 from __future__ import annotations
@@ -45,6 +47,20 @@ TABLES = {
            ["dtype", "rows", "width", "torch_us", "kernel_us", "speedup", "max_abs_diff"])],
     "k": [("2:4 weights: semi-structured sparse vs dense F.linear, microseconds", "rows",
            ["N", "K", "M", "dense_us", "sparse_us", "speedup", "max_abs_diff", "problem"])],
+    "l": [("decode over the KV cache, microseconds: mla_decode over the latent pool (r 512 + "
+           "rope 64) vs paged_attention over mha (H KV heads of head_dim 128, standing in for the "
+           "expanded MLA's keys of 192 and values of 128) and gqa8 (8 heads a KV head, d 128)",
+           "rows", ["heads", "batch", "context", "mla_us", "mha_us", "gqa8_us", "mla_vs_mha",
+                    "mla_vs_gqa8"]),
+          ("cache bytes read per call (MB, each counted once) and GB/s achieved", "rows",
+           ["heads", "batch", "context", "mla_mb", "mha_mb", "gqa8_mb", "mla_gbps", "mha_gbps",
+            "gqa8_gbps"]),
+          ("checks before timing: relative error against the torch references, first 64 keys",
+           "rows", ["heads", "batch", "context", "mla_rel_error", "mha_rel_error",
+                    "gqa8_rel_error"]),
+          ("attention sinks: paged_attention with and without sinks=, microseconds", "sinks",
+           ["heads", "kv_heads", "head_dim", "batch", "context", "plain_us", "sinks_us",
+            "overhead_pct", "sinks_rel_error"])],
 }
 
 
@@ -331,3 +347,166 @@ def fig_sparse_2_4(ctx) -> dict:
     res["best_speedup"] = max(speedups) if speedups else None
     return res
 
+
+
+# l. decode attention over three caches of one DeepSeek-V3-like attention layer
+# DeepSeek-V3's MLA (HF config names) and the paged caches it is set against; every launch timed
+# is a row of benchmarks/kernels_compile.json (sm_80, sm_90; tests/test_gpu_check.py checks)
+MLA_DIMS = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, paged_head_dim=128,
+                gqa_group=8)
+MLA_HEADS = (16, 128)  # DeepSeek-V2-Lite, V3
+# gpt-oss's head_dim 64, with 4 query heads a KV head (the compile matrix's sinks rows; gpt-oss: 8)
+SINKS_SHAPE = dict(heads=64, kv_heads=16, head_dim=64, batch=32, context=4096)
+PAGE = 16  # tokens per block: the engine's default and the compile matrix's
+CHECK_CONTEXT = 64  # keys each correctness check reads (the references loop in torch)
+
+
+def _paged_tables(batch: int, context: int, gen, device: str):
+    """Block tables over a pool of batch · ⌈context / PAGE⌉ blocks, shuffled across it (as a
+    serving engine's pool ends up), and context_lens; int32, as the engine passes them."""
+    per_seq = -(-context // PAGE)
+    order = torch.randperm(batch * per_seq, generator=gen, device=device)
+    tables = order.view(batch, per_seq).to(torch.int32)  # B, max_blocks
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)  # B
+    return tables, lens
+
+
+def _randn(shape, dtype, gen, device: str) -> torch.Tensor:
+    """Normal values drawn in `dtype` itself: an fp32 draw of the largest pool (17 GB of bf16)
+    would need twice its memory."""
+    return torch.randn(shape, generator=gen, device=device, dtype=dtype)
+
+
+def _rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+def _mla_case(B, H, ctx, dims, dtype, gen, device):
+    """MLA: q_lat, q_pe and the latent pool [blocks, PAGE, 1, r + d_rope]; the call, its
+    reference on the first CHECK_CONTEXT keys, and the cache bytes one call reads."""
+    from nanoserve.kernels.mla_decode import mla_decode
+    from nanoserve.kernels.mla_decode_ref import mla_decode_ref
+
+    r, d_rope = dims["kv_lora_rank"], dims["qk_rope_head_dim"]
+    tables, lens = _paged_tables(B, ctx, gen, device)
+    pool = _randn((tables.numel(), PAGE, 1, r + d_rope), dtype, gen, device)
+    q_lat = _randn((B, H, r), dtype, gen, device)  # B, H, r
+    q_pe = _randn((B, H, d_rope), dtype, gen, device)  # B, H, d_rope
+    scale = (dims["qk_nope_head_dim"] + d_rope) ** -0.5  # the expanded head's 1/√(d_nope + d_rope)
+    short = torch.full_like(lens, min(ctx, CHECK_CONTEXT))
+    err = _rel_error(mla_decode(q_lat, q_pe, pool, tables, short, scale),
+                     mla_decode_ref(q_lat, q_pe, pool, tables, short, scale))
+    kv_bytes = B * ctx * (r + d_rope) * pool.element_size()
+    return (lambda: mla_decode(q_lat, q_pe, pool, tables, lens, scale)), err, kv_bytes
+
+
+def _paged_case(B, H, Hkv, D, ctx, dtype, gen, device, sinks=None):
+    """Ordinary paged decode: q [B, H, D] over K, V pools [blocks, PAGE, Hkv, D], one split (as
+    mla_decode, which has no split-KV); the call, its check against paged_attention_ref on the
+    first CHECK_CONTEXT keys, and the K + V bytes one call reads."""
+    from nanoserve.kernels.paged_attention import paged_attention, paged_attention_ref
+
+    tables, lens = _paged_tables(B, ctx, gen, device)
+    k = _randn((tables.numel(), PAGE, Hkv, D), dtype, gen, device)
+    v = _randn((tables.numel(), PAGE, Hkv, D), dtype, gen, device)
+    q = _randn((B, H, D), dtype, gen, device)  # B, H, D
+    short = torch.full_like(lens, min(ctx, CHECK_CONTEXT))
+    err = _rel_error(paged_attention(q, k, v, tables, short, sinks=sinks),
+                     paged_attention_ref(q, k, v, tables, short, sinks=sinks))
+    kv_bytes = 2 * B * ctx * Hkv * D * k.element_size()
+    return (lambda: paged_attention(q, k, v, tables, lens, sinks=sinks)), err, kv_bytes
+
+
+def _time_case(case, prefix: str, row: dict, dry: bool) -> None:
+    """Time a (call, error, bytes) case with bench (median of triton's do_bench, after its
+    warm-up) and fill row's <prefix>_us, _mb, _gbps and _rel_error."""
+    from bench_attention import bench
+
+    call, err, kv_bytes = case
+    ms = bench(call, dry)
+    row.update({f"{prefix}_us": 1e3 * ms, f"{prefix}_mb": kv_bytes / 1e6,
+                f"{prefix}_gbps": kv_bytes / (ms * 1e-3) / 1e9, f"{prefix}_rel_error": err})
+
+
+def _sinks_row(ctx, dtype, gen) -> dict:
+    """paged_attention with and without sinks= at SINKS_SHAPE (tiny in a dry run)."""
+    from bench_attention import bench
+
+    tiny = dict(heads=4, kv_heads=2, head_dim=16, batch=2, context=40)
+    row = dict(tiny if ctx.dry else SINKS_SHAPE)
+    B, H, Hkv, D, n = (row[k] for k in ("batch", "heads", "kv_heads", "head_dim", "context"))
+    sinks = _randn((H,), torch.float32, gen, ctx.device)  # one logit per query head
+    plain, plain_err, _ = _paged_case(B, H, Hkv, D, n, dtype, gen, ctx.device)
+    sunk, sink_err, kv_bytes = _paged_case(B, H, Hkv, D, n, dtype, gen, ctx.device, sinks)
+    row.update(plain_us=1e3 * bench(plain, ctx.dry), sinks_us=1e3 * bench(sunk, ctx.dry),
+               kv_mb=kv_bytes / 1e6, plain_rel_error=plain_err, sinks_rel_error=sink_err)
+    row["overhead_pct"] = 100 * (row["sinks_us"] / row["plain_us"] - 1)
+    return row
+
+
+def fig_mla_decode(ctx) -> dict:
+    """l. Decode attention over the KV cache at DeepSeek-V3-like shapes (16 and 128 query heads,
+    r = 512, d_rope = 64, bf16, batch 1 and 32, context 1k-16k): mla_decode over the latent pool
+    against paged_attention over an expanded cache of H KV heads and over a GQA-8 cache, both of
+    head_dim 128; microseconds, cache bytes read, GB/s; and the cost of attention sinks."""
+    from gpu_check_models import peak_bandwidth
+
+    dtype = torch.float32 if ctx.dry else torch.bfloat16
+    tiny = dict(kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, paged_head_dim=16,
+                gqa_group=2)
+    dims = tiny if ctx.dry else MLA_DIMS
+    heads = [4] if ctx.dry else list(MLA_HEADS)
+    batches = [1, 2] if ctx.dry else [1, 32]
+    contexts = [40] if ctx.dry else [1024, 4096, 16384]
+    peak = (
+        peak_bandwidth(torch.cuda.get_device_name()) if ctx.device == "cuda" else (None, "dry run")
+    )
+    res = {"goal": "time follows bytes: MLA reads 576 values a token, mha 256 · H (1/57 of it at "
+                   "H 128), gqa8 32 · H (7x MLA's at H 128, 0.9x at H 16): mla_decode faster than "
+                   "mha everywhere and than gqa8 at H 128",
+           "dtype": str(dtype).removeprefix("torch."), **dims,
+           "page_size": PAGE, "check_context": CHECK_CONTEXT, "peak_tbps": peak[0],
+           "peak_source": peak[1], "rows": [], "sinks": [],
+           "note": "mla: kernels/mla_decode.py over [blocks, 16, 1, r + d_rope]; mha: "
+                   "paged_attention over H KV heads of head_dim 128 (the expanded MLA has keys of "
+                   "192 and values of 128, which one head_dim cannot hold: its true cache is 1.25x "
+                   "mha_mb); gqa8: paged_attention, 8 query heads per KV head, head_dim 128. One "
+                   "split each (mla_decode has no split-KV: batch 1 leaves most SMs idle). *_mb: "
+                   "cache bytes one call reads, counted once (mla_decode re-reads the latents "
+                   "once per block of 32 heads, from L2 or HBM); *_gbps = *_mb / time; "
+                   "*_rel_error: against the torch reference on the first check_context keys; "
+                   "median of triton.testing.do_bench"}
+    gen = torch.Generator(device=ctx.device).manual_seed(0)
+    for H in heads:
+        for B in batches:
+            for n in contexts:
+                if ctx.over():
+                    res["truncated"] = f"budget spent before H {H}, batch {B}, context {n}"
+                    return _mla_summary(res)
+                row = dict(heads=H, batch=B, context=n)
+                # one cache at a time: the largest (H 128, batch 32, 16k) is 34 GB of bf16
+                _time_case(_mla_case(B, H, n, dims, dtype, gen, ctx.device), "mla", row, ctx.dry)
+                D, group = dims["paged_head_dim"], dims["gqa_group"]
+                _time_case(_paged_case(B, H, H, D, n, dtype, gen, ctx.device), "mha", row,
+                           ctx.dry)
+                _time_case(_paged_case(B, H, H // group, D, n, dtype, gen, ctx.device), "gqa8",
+                           row, ctx.dry)
+                row["mla_vs_mha"] = row["mha_us"] / row["mla_us"]
+                row["mla_vs_gqa8"] = row["gqa8_us"] / row["mla_us"]
+                res["rows"].append(row)
+                ctx.save(res)
+    if ctx.over():
+        res["truncated"] = "budget spent before the sinks row"
+    else:
+        res["sinks"].append(_sinks_row(ctx, dtype, gen))
+    return _mla_summary(res)
+
+
+def _mla_summary(res: dict) -> dict:
+    """The worst correctness error over every call checked, and ok when it is within bf16's
+    rounding (2e-2; fp32 in a dry run is far inside)."""
+    errors = [v for r in res["rows"] + res["sinks"] for k, v in r.items()
+              if k.endswith("rel_error")]
+    res["max_rel_error"] = max(errors) if errors else None
+    res["ok"] = bool(errors) and max(errors) < 2e-2
+    return res

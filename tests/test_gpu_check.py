@@ -17,7 +17,7 @@ import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
-FIGURES = "abcdefghijk"
+FIGURES = "abcdefghijkl"
 
 
 def _run(*args, timeout=240):
@@ -106,6 +106,18 @@ def test_dry_run_measures_every_figure(tmp_path):
     # k on a CPU: the dense product timed, the sparse one refused with its reason
     assert all(_positive(r["dense_us"]) and r["sparse_us"] is None and "CUDA" in r["problem"]
                for r in figs["k"]["rows"])
+    # l: each of the three caches timed and checked against its torch reference, and the sinks row
+    ell = figs["l"]
+    assert [(r["batch"], r["context"]) for r in ell["rows"]] == [(1, 40), (2, 40)]
+    for r in ell["rows"]:
+        for cache in ("mla", "mha", "gqa8"):
+            assert _positive(r[f"{cache}_us"], r[f"{cache}_mb"], r[f"{cache}_gbps"]), cache
+            assert r[f"{cache}_rel_error"] < 1e-5, (cache, r)
+        # bytes a token: the latent (r + d_rope) < the GQA cache (2 · H / 2 · d) < H full heads
+        assert r["mla_mb"] < r["gqa8_mb"] < r["mha_mb"]
+    (sinks,) = ell["sinks"]
+    assert _positive(sinks["plain_us"], sinks["sinks_us"]) and sinks["sinks_rel_error"] < 1e-5
+    assert ell["ok"] and ell["max_rel_error"] < 1e-5 and "mla_gbps" in proc.stdout
     assert f"{len(FIGURES)} of {len(FIGURES)} figures ok" in proc.stdout
 
 
@@ -183,3 +195,28 @@ def test_the_roofline_preset_fits_eight_minutes():
     assert sum(args.budgets.values()) <= 480 and set(args.budgets) == set(args.only)
     args = gpu_check.parse_args(["--preset", "roofline", "--only", "e", "--time-limit", "100"])
     assert args.only == ["e"] and args.time_limit == 100
+
+
+def test_figure_l_times_only_launches_the_compile_matrix_covers():
+    """Figure l's launches (mla_decode at 16 and 128 heads; paged decode at head_dim 128 with 1 and
+    8 heads a KV head, one split; the sinks row) are rows that compiled on sm_80 and sm_90 in
+    benchmarks/kernels_compile.json; a shape outside it (GQA 16) is not."""
+    kernels = _import("gpu_check_kernels")
+    rows = json.loads((SCRIPT.parent / "kernels_compile.json").read_text())["rows"]
+
+    def compiled(arch, case, head_dim, gqa, variant):
+        return any(r["arch"] == arch and r["dtype"] == "bf16" and r["case"] == case
+                   and r["head_dim"] == head_dim and r["gqa"] == gqa
+                   and r["variant"] == variant and r["status"] == "ok" for r in rows)
+
+    dims, sinks = kernels.MLA_DIMS, kernels.SINKS_SHAPE
+    rank, rope = dims["kv_lora_rank"], dims["qk_rope_head_dim"]
+    for arch in (80, 90):
+        for H in kernels.MLA_HEADS:
+            assert compiled(arch, "mla_decode", None, None, f"r {rank} rope {rope} H {H}"), H
+        for group in (1, dims["gqa_group"]):
+            assert compiled(arch, "decode", dims["paged_head_dim"], group, "1 split"), group
+        group = sinks["heads"] // sinks["kv_heads"]
+        assert compiled(arch, "decode", sinks["head_dim"], group, "sinks + window")
+        assert not compiled(arch, "decode", dims["paged_head_dim"], 16, "1 split")
+    assert kernels.PAGE == _import("bench_kernels_compile").BS
