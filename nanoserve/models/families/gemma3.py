@@ -121,6 +121,6 @@ FAMILY = Family(
     defaults=dict(tie_word_embeddings=True),
     rename=language_model_tensors,
     name="Gemma 3 as released (4B, 12B, 27B)",
-    summary="Gemma 3 as released (multimodal): its language model on text; the vision tower and "
-            "projector weights are not read",
+    summary="the multimodal checkpoint's language model, on text; the vision tower's and the "
+            "projector's weights are not read",
 )
