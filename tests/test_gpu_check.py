@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -201,6 +202,7 @@ def test_figure_l_times_only_launches_the_compile_matrix_covers():
     """Figure l's launches (mla_decode at 16 and 128 heads; paged decode at head_dim 128 with 1 and
     8 heads a KV head, one split; the sinks row) are rows that compiled on sm_80 and sm_90 in
     benchmarks/kernels_compile.json; a shape outside it (GQA 16) is not."""
+    interpreter = os.environ.get("TRITON_INTERPRET")
     kernels = _import("gpu_check_kernels")
     rows = json.loads((SCRIPT.parent / "kernels_compile.json").read_text())["rows"]
 
@@ -219,4 +221,8 @@ def test_figure_l_times_only_launches_the_compile_matrix_covers():
         group = sinks["heads"] // sinks["kv_heads"]
         assert compiled(arch, "decode", sinks["head_dim"], group, "sinks + window")
         assert not compiled(arch, "decode", dims["paged_head_dim"], 16, "1 split")
-    assert kernels.PAGE == _import("bench_kernels_compile").BS
+    # the compile matrix's page size, read from its source: importing bench_kernels_compile would
+    # set TRITON_INTERPRET=0 for this process, and the workers later tests spawn inherit it
+    source = (SCRIPT.parent / "bench_kernels_compile.py").read_text()
+    assert kernels.PAGE == int(re.search(r"^HKV, BS = \d+, (\d+)", source, re.M).group(1))
+    assert os.environ.get("TRITON_INTERPRET") == interpreter  # (spawned workers inherit it)
