@@ -2,9 +2,10 @@
 
     python benchmarks/bench_kv_eviction.py --out benchmarks/kv_eviction_cpu.json
 
-Perplexity. Held-out text (demo: the last 10 % of tinyshakespeare; stories260K: the second half of
-the TinyStories sample) is cut into windows of T tokens (the model's context: 128 and 512), and the
-last quarter of each window is scored: every scored token has ≥ 3T/4 tokens of context, at least
+Perplexity. Held-out text (demo and demo-sinks: the last 10 % of tinyshakespeare; stories260K: the
+second half of the TinyStories sample) is cut into windows of T tokens (the model's context: 128,
+256 and 512; demo-sinks' windows start with its BOS, as its training windows did), and the last
+quarter of each window is scored: every scored token has ≥ 3T/4 tokens of context, at least
 3× the largest budget, and each window is 4× it. Each policy is the model run with an explicit
 attention mask, as tests/test_kv_eviction.py proves the engine computes it (decode steps: query p
 sees the blocks kept after p tokens, engine/kv_eviction.streaming_kept_blocks, and its own block):
@@ -17,6 +18,9 @@ sees the blocks kept after p tokens, engine/kv_eviction.streaming_kept_blocks, a
                  8 queries' attention (engine/kv_eviction.snapkv_kept_blocks); the scored tokens
                  (the generation) are all kept, so SnapKV holds the budget plus up to T/4 tokens
 
+Sinks: the share of attention the queries at positions ≥ 32 put on the first key, per layer and
+head (the most and the mean over a layer's heads), on the same windows.
+
 Capacity: one pool of blocks, 16 requests of 16 prompt + 96 generated tokens on the demo model:
 the most sequences running at once and the preemptions, with and without StreamingLLM.
 """
@@ -27,6 +31,7 @@ import argparse
 import json
 import math
 import platform
+from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
 
@@ -39,13 +44,30 @@ from nanoserve.models.loader import load_model
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 OBSERVATION = 8
-# name: (model, corpus, held-out split, block size, window T, budgets in tokens, windows)
+SINK_QUERIES = 32  # the sink share counts queries at positions >= this
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One model's held-out windows and budgets."""
+
+    model: str  # a shipped name or a path
+    corpus: Path
+    split: float  # held-out text starts at this fraction of the corpus
+    block_size: int
+    window: int  # T tokens: the model's context
+    budgets: tuple[int, ...]  # KV budgets in tokens
+    windows: int
+    bos: int | None = None  # every window starts with this token (the model was trained so)
+
+
+SHAKESPEARE = SHARED / "corpora/tinyshakespeare/input.txt"
 MODELS = {
-    "demo": ("demo", SHARED / "corpora/tinyshakespeare/input.txt", 0.9, 4, 128, [16, 24, 32],
-             24),
-    "stories260K": (str(SHARED / "models/stories260K/stories260K.bin"),
-                    SHARED / "corpora/tinystories/tinystories_val_sample.txt", 0.5, 8, 512,
-                    [32, 64, 128], 12),
+    "demo": Setup("demo", SHAKESPEARE, 0.9, 4, 128, (16, 24, 32), 24),
+    "demo-sinks": Setup("demo-sinks", SHAKESPEARE, 0.9, 4, 256, (16, 32, 64), 24, bos=256),
+    "stories260K": Setup(str(SHARED / "models/stories260K/stories260K.bin"),
+                         SHARED / "corpora/tinystories/tinystories_val_sample.txt", 0.5, 8, 512,
+                         (32, 64, 128), 12),
 }
 
 
@@ -56,6 +78,7 @@ class MaskAttention:
     def __init__(self, mask: torch.Tensor, record: slice | None = None):
         self.mask, self.record = mask, record
         self.scores = torch.zeros(mask.shape[1], dtype=torch.float64)
+        self.first_key: list[torch.Tensor] = []  # per layer [H]: see `sink_shares`
 
     def attention(self, layer, q, k, v, positions, window=None, scale=None, softcap=None):
         H, D = q.shape[2], q.shape[3]
@@ -67,6 +90,7 @@ class MaskAttention:
         probs = logits.masked_fill(~self.mask, float("-inf")).softmax(-1)  # 1, H, T, S
         if self.record is not None:
             self.scores += probs[0, :, self.record].sum((0, 1)).double()
+        self.first_key.append(probs[0, :, SINK_QUERIES:, 0].mean(-1))
         return torch.einsum("bhts,bshd->bthd", probs, v)
 
     def advance(self, n):
@@ -107,18 +131,46 @@ def snapkv_mask(model, ids: torch.Tensor, bs: int, budget_blocks: int, prompt: i
     return mask
 
 
-def perplexities(name: str) -> dict:
-    path, corpus, split, bs, T, budgets, windows = MODELS[name]
-    model, cfg, tok = load_model(path, "float32", "cpu")
-    text = corpus.read_text()
+def held_out_windows(setup: Setup, tok) -> list[torch.Tensor]:
+    """`setup.windows` windows of T tokens from the held-out text; with `setup.bos`, each is that
+    token then T − 1 tokens of text."""
+    T, text = setup.window, setup.corpus.read_text()
+    per_window = T if setup.bos is None else T - 1
     # (enough characters for the windows: tokenizing the whole split is slow)
-    ids = torch.tensor(tok.encode(text[int(len(text) * split):][:8 * T * windows]))
-    if len(ids) < T * windows:
-        raise SystemExit(f"{name}: {len(ids)} tokens of held-out text, {T * windows} needed")
-    chunks = [ids[i * T:(i + 1) * T] for i in range(windows)]
+    held_out = text[int(len(text) * setup.split):][:8 * T * setup.windows]
+    ids = torch.tensor(tok.encode(held_out))
+    if len(ids) < per_window * setup.windows:
+        raise SystemExit(f"{setup.model}: {len(ids)} tokens of held-out text, "
+                         f"{per_window * setup.windows} needed")
+    chunks = [ids[i * per_window:(i + 1) * per_window] for i in range(setup.windows)]
+    if setup.bos is None:
+        return chunks
+    return [torch.cat([torch.tensor([setup.bos]), c]) for c in chunks]
+
+
+def sink_shares(model, chunks: list[torch.Tensor]) -> list[list[float]]:
+    """Per layer and head: the mean attention probability the queries at positions >=
+    SINK_QUERIES put on the first key, averaged over `chunks`, with a full causal mask."""
+    T = len(chunks[0])
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    total = None
+    for c in chunks:
+        view = MaskAttention(causal)
+        with torch.no_grad():
+            model(c[None], torch.arange(T)[None], cache=view)
+        shares = torch.stack(view.first_key).double()  # L, H
+        total = shares if total is None else total + shares
+    return (total / len(chunks)).tolist()
+
+
+def perplexities(name: str) -> dict:
+    setup = MODELS[name]
+    bs, T, windows = setup.block_size, setup.window, setup.windows
+    model, cfg, tok = load_model(setup.model, "float32", "cpu")
+    chunks = held_out_windows(setup, tok)
     scored = slice(3 * T // 4 - 1, T - 1)  # logits at these positions predict the last quarter
     rows = []
-    for budget in budgets:
+    for budget in setup.budgets:
         blocks = budget // bs
         masks = {"truncation": streaming_mask(T, bs, 0, blocks)}
         for k in range(1, 5):
@@ -132,7 +184,8 @@ def perplexities(name: str) -> dict:
         total = sum(nll(model, c, snapkv_mask(model, c, bs, blocks, 3 * T // 4), scored)
                     for c in chunks)
         rows.append({"budget": budget, "policy": "snapkv", "ppl": math.exp(total / n)})
-    return {"block_size": bs, "window": T, "windows": windows, "rows": rows}
+    return {"block_size": bs, "window": T, "windows": windows, "bos_first": setup.bos is not None,
+            "rows": rows, "first_key_share": sink_shares(model, chunks)}
 
 
 def capacity(num_blocks: int = 64) -> dict:
@@ -164,6 +217,10 @@ def table(results: dict) -> str:
         r = results[name]
         lines.append(f"\n{name}: block {r['block_size']}, window {r['window']} tokens, "
                      f"{r['windows']} windows, last quarter scored")
+        shares = r["first_key_share"]
+        lines.append("attention on the first key (queries >= 32), per layer, most / mean over "
+                     "heads: " + ", ".join(f"L{i} {max(h):.2f}/{sum(h) / len(h):.2f}"
+                                           for i, h in enumerate(shares)))
         budgets = sorted({row["budget"] for row in r["rows"]})
         policies = ["full", "truncation", "sinks=1", "sinks=2", "sinks=3", "sinks=4", "snapkv"]
         lines.append("| policy | " + " | ".join(f"budget {b}" for b in budgets) + " |")

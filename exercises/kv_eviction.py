@@ -35,4 +35,4 @@ def snapkv_kept_blocks(block_scores: list[float], num_prompt_tokens: int, block_
     raise NotImplementedError(
         "Exercise 23.2: the forced blocks first (sinks, the observation window's blocks); the "
         "room left is the budget minus the forced FULL blocks; rank the rest by score "
-        "(roughly 8 lines; see notebooks/20_kv_eviction, section 4; make hint EX=ex23 N=1)")
+        "(roughly 8 lines; see notebooks/20_kv_eviction, section 5; make hint EX=ex23 N=1)")

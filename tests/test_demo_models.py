@@ -1,6 +1,6 @@
-"""The shipped demo pair: loads and generates offline from the package alone, and the numbers on
-its model cards are recomputed from ../shared (validation loss within 1 %, acceptance within
-0.02)."""
+"""The shipped demo models: they load and generate offline from the package alone, and the numbers
+on their model cards are recomputed from ../shared (validation loss within 1 %, acceptance within
+0.02, demo-sinks' first-key shares within 0.02)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from testdata import shared_path
 
 from nanoserve import LLM, SamplingParams
@@ -24,7 +25,7 @@ def _card(name):
 
 def test_shipped_models_are_small_and_complete():
     total = 0
-    for name in ("demo", "demo-draft"):
+    for name in ("demo", "demo-draft", "demo-sinks"):
         files = {p.name for p in (ASSETS / name).iterdir()}
         assert {"config.json", "model.safetensors", "tokenizer.tiktoken", "README.md",
                 "card.json"} <= files
@@ -91,3 +92,24 @@ def test_draft_acceptance_matches_the_card():
     card = _card("demo-draft")["acceptance"]["alpha"]
     for temp in ("1.0", "0"):
         assert acc["alpha"][temp] == pytest.approx(card[temp], abs=0.02)
+
+
+def test_demo_sinks_card_is_recomputed():
+    import sys as _sys
+
+    _sys.path.insert(0, str(ASSETS.parents[1] / "benchmarks"))
+    from bench_kv_eviction import sink_shares
+    from demo_sinks_model import SINK_WINDOWS, bos_windows, validation_loss
+
+    from nanoserve.models.loader import load_model
+    from nanoserve.tools.train import BOS
+
+    model, cfg, _ = load_model("demo-sinks", "float32", "cpu")
+    windows = bos_windows(shared_path("corpora", "tinyshakespeare", "input.txt"),
+                          cfg.max_position_embeddings)
+    card = _card("demo-sinks")
+    assert validation_loss(model, windows) == pytest.approx(card["val_loss_nats_per_byte"],
+                                                            rel=0.01)
+    held = [torch.cat([torch.tensor([BOS]), w[:-1]]) for w in windows[:SINK_WINDOWS]]
+    shares = torch.tensor(sink_shares(model, held))
+    assert torch.allclose(shares, torch.tensor(card["first_key_share"]), atol=0.02)

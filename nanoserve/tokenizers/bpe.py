@@ -228,15 +228,16 @@ def bpe_ranks(
     return ranks
 
 
-def byte_level_tokenizer() -> TiktokenTokenizer:
-    """257 tokens: one per byte (id == byte value) and ``<|endoftext|>`` = 256, the EOS (no BOS).
+def byte_level_tokenizer(bos: bool = False) -> TiktokenTokenizer:
+    """257 tokens: one per byte (id == byte value) and ``<|endoftext|>`` = 256, the EOS; with
+    `bos`, ``<|endoftext|>`` is also the BOS (as GPT-2's is), for a model trained with it first.
 
     The tokenizer of our demo models: no merges, so any text (and any byte string decoded as UTF-8)
     round-trips, and the model learns UTF-8 itself.
     """
     ranks = {bytes([b]): b for b in range(256)}
     encoding = make_encoding("nanoserve-bytes", ranks, GPT2_PATTERN, {ENDOFTEXT: 256})
-    return TiktokenTokenizer(encoding, bos_id=None, eos_id=256)
+    return TiktokenTokenizer(encoding, bos_id=256 if bos else None, eos_id=256)
 
 
 def gpt2_tokenizer(directory: str | os.PathLike) -> TiktokenTokenizer:

@@ -35,6 +35,7 @@ from ..models.loader import load_model, save_checkpoint
 from ..tokenizers import byte_level_tokenizer, save_hf_tokenizer, save_tiktoken
 
 BYTE_VOCAB = 257  # 256 bytes + <|endoftext|>
+BOS = 256  # <|endoftext|>, the BOS of a model trained with `bos_first`
 
 
 @dataclass
@@ -52,6 +53,10 @@ class TrainConfig:
     seed: int = 1337
     distill_alpha: float = 1.0  # weight of KL(target ‖ draft) vs cross-entropy, when distilling
     threads: int = 0  # torch threads; 0 = torch's default
+    # every window starts with <|endoftext|> (id 256, then also the tokenizer's BOS), as documents
+    # start with a BOS; False: windows start at random bytes
+    bos_first: bool = False
+    save_dtype: str = "float32"  # the checkpoint's dtype
 
 
 # The shipped pair. Sized for a 2-core CPU (see the model cards for time and loss).
@@ -68,6 +73,17 @@ PRESETS: dict[str, tuple[ModelConfig, TrainConfig]] = {
                     intermediate_size=384, max_position_embeddings=256, norm_eps=1e-5,
                     tie_word_embeddings=True, eos_token_ids=[256]),
         TrainConfig(steps=1500, batch_size=32, block_size=128, lr=3e-3),
+    ),
+    # A Llama whose every training window starts with BOS, trained with weight decay 0.5 and a high
+    # learning rate: the conditions under which softmax attention parks mass on the first token
+    # (Gu et al. 2024). Notebook 20's model with attention sinks; saved in bfloat16.
+    "demo-sinks": (
+        ModelConfig(arch="llama", vocab_size=BYTE_VOCAB, hidden_size=128, n_layers=6, n_heads=8,
+                    n_kv_heads=8, intermediate_size=384, max_position_embeddings=256,
+                    norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=256,
+                    eos_token_ids=[256]),
+        TrainConfig(steps=2000, batch_size=16, block_size=256, lr=6e-3, min_lr=6e-4, warmup=50,
+                    weight_decay=0.5, bos_first=True, save_dtype="bfloat16"),
     ),
     # a few seconds; for tests and the notebook
     "tiny": (
@@ -91,12 +107,23 @@ def load_bytes(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     return ids[:n], ids[n:]
 
 
-def get_batch(data: torch.Tensor, batch_size: int, block_size: int, gen: torch.Generator):
-    """Random windows: x [B, T] and the next-byte targets y [B, T]."""
+def get_batch(data: torch.Tensor, batch_size: int, block_size: int, gen: torch.Generator,
+              bos: int | None = None):
+    """Random windows: x [B, T] and the next-byte targets y [B, T]. With `bos`, every window
+    starts with that token and the bytes follow it: x = [bos, b0 .. b(T-2)], y = [b0 .. b(T-1)]."""
     starts = torch.randint(len(data) - block_size - 1, (batch_size,), generator=gen)
-    x = torch.stack([data[s:s + block_size] for s in starts])
-    y = torch.stack([data[s + 1:s + block_size + 1] for s in starts])
+    if bos is None:
+        x = torch.stack([data[s:s + block_size] for s in starts])
+        y = torch.stack([data[s + 1:s + block_size + 1] for s in starts])
+        return x, y
+    y = torch.stack([data[s:s + block_size] for s in starts])
+    x = torch.cat([torch.full((batch_size, 1), bos, dtype=y.dtype), y[:, :-1]], dim=1)
     return x, y
+
+
+def window_bos(tc: TrainConfig) -> int | None:
+    """The token every training window starts with, or None."""
+    return BOS if tc.bos_first else None
 
 
 def lr_at(step: int, tc: TrainConfig) -> float:
@@ -152,7 +179,7 @@ def estimate(model, data, tc: TrainConfig, teacher=None) -> dict[str, float]:
     gen = torch.Generator().manual_seed(0)
     ce, kl = [], []
     for _ in range(tc.eval_batches):
-        x, y = get_batch(data, tc.batch_size, tc.block_size, gen)
+        x, y = get_batch(data, tc.batch_size, tc.block_size, gen, window_bos(tc))
         ce.append(loss_fn(model, x, y).item())
         if teacher is not None:
             kl.append(loss_fn(model, x, y, teacher, alpha=1.0).item())
@@ -188,7 +215,7 @@ def train(model_cfg: ModelConfig, tc: TrainConfig, data_path: str | Path,
     for step in bar:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, tc)
-        x, y = get_batch(train_ids, tc.batch_size, tc.block_size, gen)
+        x, y = get_batch(train_ids, tc.batch_size, tc.block_size, gen, window_bos(tc))
         loss = loss_fn(model, x, y, teacher, tc.distill_alpha)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -206,10 +233,12 @@ def train(model_cfg: ModelConfig, tc: TrainConfig, data_path: str | Path,
     log["device"] = f"CPU ({platform.machine()}), {torch.get_num_threads()} threads"
     model.eval()
     if out_dir is not None:
-        save_checkpoint(model, out_dir)
-        save_tiktoken(byte_level_tokenizer(), out_dir)
+        save_checkpoint(model.to(getattr(torch, tc.save_dtype)), out_dir)
+        model.float()
+        tokenizer = byte_level_tokenizer(bos=tc.bos_first)
+        save_tiktoken(tokenizer, out_dir)
         # for HF tools
-        save_hf_tokenizer(byte_level_tokenizer(), out_dir, model.config.max_position_embeddings)
+        save_hf_tokenizer(tokenizer, out_dir, model.config.max_position_embeddings)
         (Path(out_dir) / "train_log.json").write_text(json.dumps(log, indent=2) + "\n")
     return model, log
 
