@@ -43,6 +43,16 @@ def test_unsupported_rope_type_is_named():
         ModelConfig.from_hf({**LLAMA_BASE, "rope_scaling": {"rope_type": "mrope", "factor": 4.0}})
 
 
+def test_longrope_without_its_factors_is_named():
+    longrope = {"rope_type": "longrope", "factor": 4.0}
+    with pytest.raises(ConfigError, match="no 'short_factor'"):
+        ModelConfig.from_hf({**LLAMA_BASE, "rope_scaling": longrope})
+    # the control: with its factors the same config loads
+    factors = {"short_factor": [1.0] * 32, "long_factor": [2.0] * 32}  # head_dim 64 / 2
+    cfg = ModelConfig.from_hf({**LLAMA_BASE, "rope_scaling": {**longrope, **factors}})
+    assert cfg.rope_scaling["short_factor"] == [1.0] * 32
+
+
 @pytest.mark.parametrize("name", sorted(GPT2_PRESETS))
 def test_released_gpt2_sizes_have_their_parameter_counts(name):
     # 124M / 355M / 774M / 1558M as published (tied head, 1024 positions)

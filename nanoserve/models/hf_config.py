@@ -271,6 +271,10 @@ def _longrope(cfg: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:
     transformers re-rotates every new token with the long factors while the cached keys keep the
     short ones, so no one result exists to match there: nanoserve keeps the short factors and the
     context within L₀."""
+    if "short_factor" not in scaling:
+        raise ConfigError(f"config field rope_scaling={scaling!r} has rope_type 'longrope' but "
+                          "no 'short_factor'; LongRoPE needs its per-frequency factors: "
+                          "short_factor (and long_factor, which defaults to it)")
     # (Phi-3's code reads the top-level field, whatever rope_scaling says)
     original = int(
         cfg.get("original_max_position_embeddings")
