@@ -163,6 +163,11 @@ def sink_shares(model, chunks: list[torch.Tensor]) -> list[list[float]]:
     return (total / len(chunks)).tolist()
 
 
+def per_layer(shares: list[list[float]]) -> str:
+    """`sink_shares` in one line: per layer, the most a head puts on the first key / the mean."""
+    return "; ".join(f"L{i} {max(h):.2f} / {sum(h) / len(h):.2f}" for i, h in enumerate(shares))
+
+
 def perplexities(name: str) -> dict:
     setup = MODELS[name]
     bs, T, windows = setup.block_size, setup.window, setup.windows
@@ -217,10 +222,8 @@ def table(results: dict) -> str:
         r = results[name]
         lines.append(f"\n{name}: block {r['block_size']}, window {r['window']} tokens, "
                      f"{r['windows']} windows, last quarter scored")
-        shares = r["first_key_share"]
         lines.append("attention on the first key (queries >= 32), per layer, most / mean over "
-                     "heads: " + ", ".join(f"L{i} {max(h):.2f}/{sum(h) / len(h):.2f}"
-                                           for i, h in enumerate(shares)))
+                     "heads: " + per_layer(r["first_key_share"]))
         budgets = sorted({row["budget"] for row in r["rows"]})
         policies = ["full", "truncation", "sinks=1", "sinks=2", "sinks=3", "sinks=4", "snapkv"]
         lines.append("| policy | " + " | ".join(f"budget {b}" for b in budgets) + " |")

@@ -23,11 +23,11 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.models.loader import ASSETS, load_model
-from nanoserve.tools.train import BOS, load_bytes
+from nanoserve.tools.train import BOS, bos_first_inputs, load_bytes
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_kv_eviction import sink_shares  # noqa: E402
+from bench_kv_eviction import per_layer, sink_shares  # noqa: E402
 
 DEFAULT_DATA = HERE.parent.parent / "shared" / "corpora" / "tinyshakespeare" / "input.txt"
 NAME = "demo-sinks"
@@ -48,17 +48,16 @@ def validation_loss(model, windows: torch.Tensor, batch_size: int = 16) -> float
     positions = torch.arange(T)[None]
     for start in range(0, len(windows), batch_size):
         y = windows[start:start + batch_size]
-        x = torch.cat([torch.full((len(y), 1), BOS), y[:, :-1]], dim=1)
         with torch.no_grad():
-            logits = model(x, positions.expand(len(y), T)).float()
+            logits = model(bos_first_inputs(y, BOS), positions.expand(len(y), T)).float()
         total += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
         count += y.numel()
     return total / count
 
 
-def card_markdown(cfg, card: dict, tc: dict, log: dict) -> str:
+def card_markdown(cfg, card: dict, log: dict) -> str:
     """The model card: a table of what it is and how it was made, then its sinks."""
-    T = cfg.max_position_embeddings
+    T, tc = cfg.max_position_embeddings, log["train_config"]
     rows = [
         ("architecture", f"llama, {cfg.n_layers} layers, {cfg.hidden_size} wide, "
                          f"{cfg.n_heads} heads, context {T}"),
@@ -77,9 +76,6 @@ def card_markdown(cfg, card: dict, tc: dict, log: dict) -> str:
         ("reproduce", "`python -m nanoserve.tools.train --preset demo-sinks --data "
                       "PATH/TO/tinyshakespeare/input.txt`"),
     ]
-    shares = card["first_key_share"]
-    per_layer = "; ".join(f"L{i} {max(h):.2f} / {sum(h) / len(h):.2f}"
-                          for i, h in enumerate(shares))
     lines = [f"# {NAME}", "",
              "A byte-level Llama whose every training window started with BOS, trained so that "
              "its attention", "has sinks: notebook 20 evicts from it (StreamingLLM against "
@@ -87,7 +83,7 @@ def card_markdown(cfg, card: dict, tc: dict, log: dict) -> str:
     lines += [f"| {key} | {value} |" for key, value in rows]
     lines += ["", "Attention on the first key (BOS) from the queries at positions ≥ 32, averaged "
               f"over {card['sink_windows']}", "held-out windows, per layer (the most over a "
-              "layer's heads / the mean):", per_layer, "",
+              "layer's heads / the mean):", per_layer(card["first_key_share"]), "",
               f"Evaluated on {card['evaluated']} with `python benchmarks/demo_sinks_model.py`.",
               ""]
     return "\n".join(lines)
@@ -103,8 +99,7 @@ def main() -> None:
     T = cfg.max_position_embeddings
     windows = bos_windows(Path(args.data), T)
     val = validation_loss(model, windows)
-    held = [torch.cat([torch.tensor([BOS]), w[:-1]]) for w in windows[:SINK_WINDOWS]]
-    shares = sink_shares(model, held)
+    shares = sink_shares(model, list(bos_first_inputs(windows[:SINK_WINDOWS], BOS)))
     log = json.loads((ASSETS / NAME / "train_log.json").read_text())
     card = {"val_loss_nats_per_byte": val, "val_bits_per_byte": val / math.log(2),
             "val_tokens": windows.numel(), "parameters": cfg.num_parameters(),
@@ -112,11 +107,9 @@ def main() -> None:
             "train_time_s": log["train_time_s"], "train_device": log.get("device", "CPU"),
             "evaluated": date.today().isoformat()}
     (ASSETS / NAME / "card.json").write_text(json.dumps(card, indent=2) + "\n")
-    readme = card_markdown(cfg, card, log["train_config"], log)
-    (ASSETS / NAME / "README.md").write_text(readme)
-    lines = [f"L{i} {max(h):.2f} / {sum(h) / len(h):.2f}" for i, h in enumerate(shares)]
+    (ASSETS / NAME / "README.md").write_text(card_markdown(cfg, card, log))
     print(f"{NAME}: {card['parameters']:,} params, val {val:.4f} nats/byte")
-    print("first-key share per layer (most / mean over heads):", "; ".join(lines))
+    print("first-key share per layer (most / mean over heads):", per_layer(shares))
 
 
 if __name__ == "__main__":

@@ -102,7 +102,7 @@ def test_demo_sinks_card_is_recomputed():
     from demo_sinks_model import SINK_WINDOWS, bos_windows, validation_loss
 
     from nanoserve.models.loader import load_model
-    from nanoserve.tools.train import BOS
+    from nanoserve.tools.train import BOS, bos_first_inputs
 
     model, cfg, _ = load_model("demo-sinks", "float32", "cpu")
     windows = bos_windows(shared_path("corpora", "tinyshakespeare", "input.txt"),
@@ -110,6 +110,6 @@ def test_demo_sinks_card_is_recomputed():
     card = _card("demo-sinks")
     assert validation_loss(model, windows) == pytest.approx(card["val_loss_nats_per_byte"],
                                                             rel=0.01)
-    held = [torch.cat([torch.tensor([BOS]), w[:-1]]) for w in windows[:SINK_WINDOWS]]
+    held = list(bos_first_inputs(windows[:SINK_WINDOWS], BOS))
     shares = torch.tensor(sink_shares(model, held))
     assert torch.allclose(shares, torch.tensor(card["first_key_share"]), atol=0.02)

@@ -117,8 +117,14 @@ def get_batch(data: torch.Tensor, batch_size: int, block_size: int, gen: torch.G
         y = torch.stack([data[s + 1:s + block_size + 1] for s in starts])
         return x, y
     y = torch.stack([data[s:s + block_size] for s in starts])
-    x = torch.cat([torch.full((batch_size, 1), bos, dtype=y.dtype), y[:, :-1]], dim=1)
-    return x, y
+    return bos_first_inputs(y, bos), y
+
+
+def bos_first_inputs(targets: torch.Tensor, bos: int) -> torch.Tensor:
+    """The inputs [B, T] that predict `targets` [B, T] when every window starts with `bos`:
+    [bos, t0 .. t(T-2)]."""
+    first = torch.full((len(targets), 1), bos, dtype=targets.dtype)
+    return torch.cat([first, targets[:, :-1]], dim=1)
 
 
 def window_bos(tc: TrainConfig) -> int | None:
